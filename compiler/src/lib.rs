@@ -1,0 +1,23 @@
+//! kiln-compiler: the tensor graph IR and everything that transforms or runs it.
+//!
+//! Pipeline order (see `docs/ARCHITECTURE.md`):
+//! - [`shape`] — symbolic dims and shapes;
+//! - [`ir`] — the graph of primitives, built node by node with [`infer`] checking types;
+//! - [`printer`] — the deterministic text form;
+//! - [`summary`] — what `kiln check` reports;
+//! - [`init`] and [`rng`] — seeded parameter initialization and the Philox generator;
+//! - [`tensor`] — host tensors and their safetensors form;
+//! - [`reference`] — the reference executor, the oracle every later path is tested against.
+
+pub mod infer;
+pub mod init;
+pub mod ir;
+pub mod printer;
+pub mod reference;
+pub mod rng;
+pub mod shape;
+pub mod summary;
+pub mod tensor;
+
+pub use ir::{DType, Graph, IrError, Node, NodeId, Op, TensorType};
+pub use shape::{Dim, Shape};

@@ -1,0 +1,1 @@
+//! kiln-dsl (written next)
