@@ -1,0 +1,821 @@
+//! Parsing: text → AST.
+//!
+//! In: one source file of the [`SourceMap`]. Out: an [`ast::File`], or a [`Diag`] that
+//! points at the first problem. The grammar lives in `grammar.pest`; operator precedence
+//! is resolved by pest's Pratt parser. Parse errors are rewritten for people: unbalanced
+//! brackets are reported at the bracket that was never closed, pest's rule names become
+//! "an expression", "`{`", …, and two statements on one line without `;` are caught here.
+
+use std::cell::Cell;
+
+use pest::error::InputLocation;
+use pest::iterators::Pair;
+use pest::pratt_parser::{Assoc, Op, PrattParser};
+use pest::Parser as _;
+use pest_derive::Parser;
+
+use crate::ast::*;
+use crate::diagnostics::Diag;
+use crate::source::Span;
+
+#[derive(Parser)]
+#[grammar = "grammar.pest"]
+struct Grammar;
+
+type PResult<T> = Result<T, Diag>;
+
+/// Parses a whole file. `next_site` numbers call sites across files.
+pub fn parse_file(file: u32, text: &str, next_site: &Cell<u32>) -> PResult<File> {
+    let mut pairs = match Grammar::parse(Rule::file, text) {
+        Ok(p) => p,
+        Err(e) => return Err(parse_error(file, text, e)),
+    };
+    let p = Parser {
+        file,
+        text,
+        site: next_site,
+        pratt: pratt(),
+    };
+    let top = pairs.next().expect("a successful parse yields the file rule");
+    let mut items = Vec::new();
+    for item in top.into_inner() {
+        match item.as_rule() {
+            Rule::import => {
+                let span = p.span(&item);
+                let s = item
+                    .into_inner()
+                    .find(|x| x.as_rule() == Rule::string)
+                    .expect("import has a string");
+                items.push(Item::Import {
+                    path: p.string(s)?,
+                    span,
+                });
+            }
+            Rule::model_def => items.push(Item::Model(p.model(item)?)),
+            Rule::layer_def => items.push(Item::Layer(p.layer(item)?)),
+            Rule::EOI => {}
+            r => unreachable!("unexpected top-level rule {r:?}"),
+        }
+    }
+    Ok(File { items })
+}
+
+fn pratt() -> PrattParser<Rule> {
+    PrattParser::new()
+        .op(Op::infix(Rule::or, Assoc::Left))
+        .op(Op::infix(Rule::and, Assoc::Left))
+        .op(Op::prefix(Rule::not))
+        .op(Op::infix(Rule::eq, Assoc::Left)
+            | Op::infix(Rule::ne, Assoc::Left)
+            | Op::infix(Rule::lt, Assoc::Left)
+            | Op::infix(Rule::le, Assoc::Left)
+            | Op::infix(Rule::gt, Assoc::Left)
+            | Op::infix(Rule::ge, Assoc::Left))
+        .op(Op::infix(Rule::add, Assoc::Left) | Op::infix(Rule::sub, Assoc::Left))
+        .op(Op::infix(Rule::mul, Assoc::Left)
+            | Op::infix(Rule::div, Assoc::Left)
+            | Op::infix(Rule::rem, Assoc::Left)
+            | Op::infix(Rule::matmul, Assoc::Left))
+        .op(Op::prefix(Rule::neg))
+        .op(Op::infix(Rule::pow, Assoc::Right))
+}
+
+struct Parser<'t> {
+    file: u32,
+    text: &'t str,
+    site: &'t Cell<u32>,
+    pratt: PrattParser<Rule>,
+}
+
+impl<'t> Parser<'t> {
+    /// The span of a pair without the whitespace and comments pest's implicit
+    /// whitespace rule may have consumed after it.
+    fn span(&self, p: &Pair<Rule>) -> Span {
+        let s = p.as_span();
+        Span::new(self.file, s.start(), s.start() + trimmed_len(&self.text[s.start()..s.end()]))
+    }
+
+    fn ident(&self, p: Pair<Rule>) -> Ident {
+        debug_assert!(matches!(p.as_rule(), Rule::ident | Rule::dtype));
+        Ident {
+            name: p.as_str().to_string(),
+            span: self.span(&p),
+        }
+    }
+
+    fn string(&self, p: Pair<Rule>) -> PResult<String> {
+        let span = self.span(&p);
+        let raw = p.into_inner().next().map(|i| i.as_str()).unwrap_or("");
+        let mut out = String::new();
+        let mut chars = raw.chars();
+        while let Some(c) = chars.next() {
+            if c == '\\' {
+                match chars.next() {
+                    Some('n') => out.push('\n'),
+                    Some('t') => out.push('\t'),
+                    Some('\\') => out.push('\\'),
+                    Some('"') => out.push('"'),
+                    other => {
+                        return Err(Diag::new(
+                            "kiln::syntax",
+                            format!(
+                                "unknown escape `\\{}` in string",
+                                other.map(String::from).unwrap_or_default()
+                            ),
+                        )
+                        .at(span, "in this string")
+                        .help("the escapes are \\n, \\t, \\\\ and \\\""))
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        Ok(out)
+    }
+
+    fn model(&self, p: Pair<Rule>) -> PResult<ModelDef> {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        inner.next(); // kw_model
+        let name = self.ident(inner.next().expect("model name"));
+        let body = inner.next().expect("model body");
+        let kind = match body.as_rule() {
+            Rule::model_full => {
+                let mut params = Vec::new();
+                let mut block = None;
+                for x in body.into_inner() {
+                    match x.as_rule() {
+                        Rule::hyper_params => params = self.hyper_params(x)?,
+                        Rule::block => block = Some(self.block(x)?),
+                        r => unreachable!("model_full: {r:?}"),
+                    }
+                }
+                ModelKind::Full {
+                    params,
+                    body: block.expect("model block"),
+                }
+            }
+            Rule::model_alias => {
+                let mut inner = body.into_inner();
+                let base = self.ident(inner.next().expect("alias base"));
+                let mut args = Vec::new();
+                let mut extra = None;
+                for x in inner {
+                    match x.as_rule() {
+                        Rule::args => args = self.args(x)?,
+                        Rule::block => extra = Some(self.block(x)?),
+                        r => unreachable!("model_alias: {r:?}"),
+                    }
+                }
+                ModelKind::Alias { base, args, extra }
+            }
+            r => unreachable!("model: {r:?}"),
+        };
+        Ok(ModelDef { name, kind, span })
+    }
+
+    fn layer(&self, p: Pair<Rule>) -> PResult<LayerDef> {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        inner.next(); // kw_layer
+        let name = self.ident(inner.next().expect("layer name"));
+        let mut params = Vec::new();
+        let mut tensor_params = Vec::new();
+        let mut body = None;
+        for x in inner {
+            match x.as_rule() {
+                Rule::hyper_params => params = self.hyper_params(x)?,
+                Rule::tensor_params => {
+                    for tp in x.into_inner() {
+                        tensor_params.push(self.tensor_param(tp)?);
+                    }
+                }
+                Rule::block => body = Some(self.block(x)?),
+                r => unreachable!("layer: {r:?}"),
+            }
+        }
+        Ok(LayerDef {
+            name,
+            params,
+            tensor_params,
+            body: body.expect("layer body"),
+            span,
+        })
+    }
+
+    fn hyper_params(&self, p: Pair<Rule>) -> PResult<Vec<HyperParam>> {
+        p.into_inner()
+            .map(|hp| {
+                let mut inner = hp.into_inner();
+                let name = self.ident(inner.next().expect("param name"));
+                let mut ty = None;
+                let mut default = None;
+                for x in inner {
+                    match x.as_rule() {
+                        Rule::type_name => {
+                            ty = Some(Ident {
+                                name: x.as_str().to_string(),
+                                span: self.span(&x),
+                            })
+                        }
+                        Rule::expr => default = Some(self.expr(x)?),
+                        r => unreachable!("hyper_param: {r:?}"),
+                    }
+                }
+                Ok(HyperParam { name, ty, default })
+            })
+            .collect()
+    }
+
+    fn tensor_param(&self, p: Pair<Rule>) -> PResult<TensorParam> {
+        let mut inner = p.into_inner();
+        let name = self.ident(inner.next().expect("tensor param name"));
+        let mut ty = None;
+        let mut optional = false;
+        for x in inner {
+            match x.as_rule() {
+                Rule::tensor_type => ty = Some(self.tensor_type(x)?),
+                Rule::kw_none => optional = true,
+                r => unreachable!("tensor_param: {r:?}"),
+            }
+        }
+        Ok(TensorParam { name, ty, optional })
+    }
+
+    fn tensor_type(&self, p: Pair<Rule>) -> PResult<TensorTypeExpr> {
+        let span = self.span(&p);
+        let mut dtype = None;
+        let mut dims = Vec::new();
+        for x in p.into_inner() {
+            match x.as_rule() {
+                Rule::dtype => dtype = Some(self.ident(x)),
+                Rule::shape_list => {
+                    for item in x.into_inner() {
+                        let inner = item.into_inner().next().expect("shape item");
+                        dims.push(match inner.as_rule() {
+                            Rule::ellipsis => ShapeItem::Ellipsis(self.span(&inner)),
+                            Rule::expr => ShapeItem::Expr(self.expr(inner)?),
+                            r => unreachable!("shape item: {r:?}"),
+                        });
+                    }
+                }
+                r => unreachable!("tensor_type: {r:?}"),
+            }
+        }
+        Ok(TensorTypeExpr { dtype, dims, span })
+    }
+
+    fn block(&self, p: Pair<Rule>) -> PResult<Block> {
+        let span = self.span(&p);
+        let mut stmts: Vec<Stmt> = Vec::new();
+        for s in p.into_inner() {
+            let stmt = self.stmt(s)?;
+            if let Some(prev) = stmts.last() {
+                let between = &self.text[prev.span.end as usize..stmt.span.start as usize];
+                if !between.contains(['\n', ';']) {
+                    let starts_paren = self.text[stmt.span.start as usize..].starts_with('(');
+                    let mut d = Diag::new("kiln::syntax", "two statements on one line")
+                        .at(stmt.span, "a second statement starts here")
+                        .label(prev.span, "this statement ends here");
+                    d = if starts_paren {
+                        d.help("to call something, write `name(...)` with no space before `(`")
+                    } else {
+                        d.help("put each statement on its own line, or separate them with `;`")
+                    };
+                    return Err(d);
+                }
+            }
+            stmts.push(stmt);
+        }
+        Ok(Block { stmts, span })
+    }
+
+    fn stmt(&self, p: Pair<Rule>) -> PResult<Stmt> {
+        let span = self.span(&p);
+        let s = p.into_inner().next().expect("stmt kind");
+        let rule = s.as_rule();
+        let mut inner = s.into_inner();
+        let kind = match rule {
+            Rule::dims_stmt => {
+                inner.next();
+                StmtKind::Dims(inner.map(|i| self.ident(i)).collect())
+            }
+            Rule::input_stmt => {
+                inner.next();
+                let name = self.ident(inner.next().expect("input name"));
+                let ty = self.tensor_type(inner.next().expect("input type"))?;
+                StmtKind::Input(name, ty)
+            }
+            Rule::output_stmt | Rule::objective_stmt => {
+                inner.next();
+                let name = self.ident(inner.next().expect("output name"));
+                let e = inner.next().map(|e| self.expr(e)).transpose()?;
+                if rule == Rule::output_stmt {
+                    StmtKind::Output(name, e)
+                } else {
+                    StmtKind::Objective(name, e)
+                }
+            }
+            Rule::param_stmt => {
+                inner.next();
+                let name = self.ident(inner.next().expect("param name"));
+                let ty = self.tensor_type(inner.next().expect("param type"))?;
+                let mut init = None;
+                for x in inner {
+                    if x.as_rule() == Rule::expr {
+                        init = Some(self.expr(x)?);
+                    }
+                }
+                StmtKind::Param { name, ty, init }
+            }
+            Rule::check_stmt => {
+                inner.next();
+                let cond = self.expr(inner.next().expect("check condition"))?;
+                let message = inner.next().map(|s| self.string(s)).transpose()?;
+                StmtKind::Check { cond, message }
+            }
+            Rule::return_stmt => {
+                inner.next();
+                StmtKind::Return(self.expr(inner.next().expect("return value"))?)
+            }
+            Rule::assign_stmt => {
+                let name = self.ident(inner.next().expect("assign target"));
+                StmtKind::Assign(name, self.expr(inner.next().expect("assign value"))?)
+            }
+            Rule::expr_stmt => StmtKind::Expr(self.expr(inner.next().expect("expr"))?),
+            r => unreachable!("stmt: {r:?}"),
+        };
+        Ok(Stmt { kind, span })
+    }
+
+    fn expr(&self, p: Pair<Rule>) -> PResult<Expr> {
+        debug_assert_eq!(p.as_rule(), Rule::expr);
+        self.pratt
+            .map_primary(|x| self.postfix(x))
+            .map_prefix(|op, rhs| {
+                let rhs = rhs?;
+                let span = self.span(&op).to(rhs.span);
+                let u = match op.as_rule() {
+                    Rule::neg => UnOp::Neg,
+                    Rule::not => UnOp::Not,
+                    r => unreachable!("prefix {r:?}"),
+                };
+                // Fold negative literals so `-1` is a number, not an operation.
+                Ok(match (u, &rhs.kind) {
+                    (UnOp::Neg, ExprKind::Int(v)) => Expr {
+                        kind: ExprKind::Int(-v),
+                        span,
+                    },
+                    (UnOp::Neg, ExprKind::Float(v)) => Expr {
+                        kind: ExprKind::Float(-v),
+                        span,
+                    },
+                    _ => Expr {
+                        kind: ExprKind::Unary(u, Box::new(rhs)),
+                        span,
+                    },
+                })
+            })
+            .map_infix(|lhs, op, rhs| {
+                let (lhs, rhs) = (lhs?, rhs?);
+                let b = match op.as_rule() {
+                    Rule::or => BinOp::Or,
+                    Rule::and => BinOp::And,
+                    Rule::eq => BinOp::Eq,
+                    Rule::ne => BinOp::Ne,
+                    Rule::lt => BinOp::Lt,
+                    Rule::le => BinOp::Le,
+                    Rule::gt => BinOp::Gt,
+                    Rule::ge => BinOp::Ge,
+                    Rule::add => BinOp::Add,
+                    Rule::sub => BinOp::Sub,
+                    Rule::mul => BinOp::Mul,
+                    Rule::div => BinOp::Div,
+                    Rule::rem => BinOp::Rem,
+                    Rule::matmul => BinOp::MatMul,
+                    Rule::pow => BinOp::Pow,
+                    r => unreachable!("infix {r:?}"),
+                };
+                let span = lhs.span.to(rhs.span);
+                Ok(Expr {
+                    kind: ExprKind::Binary(b, Box::new(lhs), Box::new(rhs)),
+                    span,
+                })
+            })
+            .parse(p.into_inner())
+    }
+
+    fn postfix(&self, p: Pair<Rule>) -> PResult<Expr> {
+        debug_assert_eq!(p.as_rule(), Rule::postfix);
+        let mut inner = p.into_inner();
+        let mut e = self.primary(inner.next().expect("primary"))?;
+        for suffix in inner {
+            let sspan = self.span(&suffix);
+            match suffix.as_rule() {
+                Rule::call => {
+                    let args = match suffix.into_inner().next() {
+                        Some(a) => self.args(a)?,
+                        None => vec![],
+                    };
+                    let site = self.site.get();
+                    self.site.set(site + 1);
+                    let span = e.span.to(sspan);
+                    e = Expr {
+                        kind: ExprKind::Call {
+                            callee: Box::new(e),
+                            args,
+                            site,
+                        },
+                        span,
+                    };
+                }
+                Rule::field => {
+                    let name = self.ident(suffix.into_inner().next().expect("field name"));
+                    let span = e.span.to(sspan);
+                    e = Expr {
+                        kind: ExprKind::Field(Box::new(e), name),
+                        span,
+                    };
+                }
+                r => unreachable!("suffix {r:?}"),
+            }
+        }
+        Ok(e)
+    }
+
+    fn args(&self, p: Pair<Rule>) -> PResult<Vec<Arg>> {
+        p.into_inner()
+            .map(|a| {
+                let span = self.span(&a);
+                let x = a.into_inner().next().expect("arg");
+                match x.as_rule() {
+                    Rule::named_arg => {
+                        let mut inner = x.into_inner();
+                        let name = self.ident(inner.next().expect("arg name"));
+                        let value = self.expr(inner.next().expect("arg value"))?;
+                        Ok(Arg {
+                            name: Some(name),
+                            value,
+                            span,
+                        })
+                    }
+                    Rule::expr => Ok(Arg {
+                        name: None,
+                        value: self.expr(x)?,
+                        span,
+                    }),
+                    r => unreachable!("arg {r:?}"),
+                }
+            })
+            .collect()
+    }
+
+    fn primary(&self, p: Pair<Rule>) -> PResult<Expr> {
+        let x = p.into_inner().next().expect("primary kind");
+        let span = self.span(&x);
+        let kind = match x.as_rule() {
+            Rule::if_expr => return self.if_expr(x),
+            Rule::list => {
+                let items = x.into_inner().map(|e| self.expr(e)).collect::<PResult<_>>()?;
+                ExprKind::List(items)
+            }
+            Rule::paren => {
+                let mut e = self.expr(x.into_inner().next().expect("paren expr"))?;
+                e.span = span;
+                return Ok(e);
+            }
+            Rule::number => self.number(x.as_str(), span)?,
+            Rule::string => ExprKind::Str(self.string(x)?),
+            Rule::kw_true => ExprKind::Bool(true),
+            Rule::kw_false => ExprKind::Bool(false),
+            Rule::kw_none => ExprKind::None,
+            Rule::ident => ExprKind::Var(x.as_str().to_string()),
+            r => unreachable!("primary {r:?}"),
+        };
+        Ok(Expr { kind, span })
+    }
+
+    fn if_expr(&self, p: Pair<Rule>) -> PResult<Expr> {
+        let span = self.span(&p);
+        let mut inner = p.into_inner();
+        inner.next(); // kw_if
+        let cond = self.expr(inner.next().expect("if condition"))?;
+        let then = self.block(inner.next().expect("if block"))?;
+        let mut otherwise = None;
+        if inner.next().is_some() {
+            // kw_else
+            let e = inner.next().expect("else branch");
+            otherwise = Some(Box::new(match e.as_rule() {
+                Rule::if_expr => Else::If(self.if_expr(e)?),
+                Rule::block => Else::Block(self.block(e)?),
+                r => unreachable!("else {r:?}"),
+            }));
+        }
+        Ok(Expr {
+            kind: ExprKind::If {
+                cond: Box::new(cond),
+                then,
+                otherwise,
+            },
+            span,
+        })
+    }
+
+    fn number(&self, text: &str, span: Span) -> PResult<ExprKind> {
+        let clean: String = text.chars().filter(|&c| c != '_').collect();
+        if clean.contains(['.', 'e', 'E']) {
+            match clean.parse::<f64>() {
+                Ok(v) if v.is_finite() => Ok(ExprKind::Float(v)),
+                _ => Err(Diag::new("kiln::number", format!("`{text}` is not a finite number"))
+                    .at(span, "this number")),
+            }
+        } else {
+            clean.parse::<i64>().map(ExprKind::Int).map_err(|_| {
+                Diag::new(
+                    "kiln::number",
+                    format!("integer `{text}` does not fit in 64 bits"),
+                )
+                .at(span, "this integer is too large")
+                .help(format!("integers range up to {}", i64::MAX))
+            })
+        }
+    }
+}
+
+/// Turns a pest error into a diagnostic people can act on.
+fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
+    let pos = match e.location {
+        InputLocation::Pos(p) => p,
+        InputLocation::Span((s, _)) => s,
+    };
+    if let Some(d) = bracket_error(file, text) {
+        return d;
+    }
+    let found = found_token(text, pos);
+    let expected = match &e.variant {
+        pest::error::ErrorVariant::ParsingError { positives, .. } => describe(positives),
+        pest::error::ErrorVariant::CustomError { message } => message.clone(),
+    };
+    let end = (pos + found_len(text, pos)).min(text.len());
+    let msg = if expected.is_empty() {
+        format!("unexpected {found}")
+    } else {
+        format!("expected {expected}, found {found}")
+    };
+    let mut d = Diag::new("kiln::syntax", msg).at(Span::new(file, pos, end), format!("unexpected {found}"));
+    if pos == 0 && !text.trim_start().starts_with(['m', 'l', 'i', '#']) {
+        d = d.help("a spec is a list of `model`, `layer` and `import` items");
+    } else if text[pos..].starts_with('=') && !text[pos..].starts_with("==") {
+        d = d.help("`=` binds a name (`x = ...`) or a named argument (`h = 8`); compare with `==`");
+    }
+    d
+}
+
+/// Unbalanced `(`, `[` or `{` (comments and strings skipped): the most common cause of a
+/// parse error, and one whose real location is the opening bracket, not the end of file.
+fn bracket_error(file: u32, text: &str) -> Option<Diag> {
+    let bytes = text.as_bytes();
+    let mut stack: Vec<(u8, usize)> = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        match c {
+            b'#' => {
+                while i < bytes.len() && bytes[i] != b'\n' {
+                    i += 1;
+                }
+                continue;
+            }
+            b'"' => {
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' && bytes[i] != b'\n' {
+                    if bytes[i] == b'\\' {
+                        i += 1;
+                    }
+                    i += 1;
+                }
+                if i >= bytes.len() || bytes[i] == b'\n' {
+                    let start = text[..i.min(text.len())].rfind('"').unwrap_or(0);
+                    return Some(
+                        Diag::new("kiln::syntax", "unterminated string")
+                            .at(Span::new(file, start, start + 1), "this string is never closed")
+                            .help("close it with `\"` on the same line"),
+                    );
+                }
+            }
+            b'(' | b'[' | b'{' => stack.push((c, i)),
+            b')' | b']' | b'}' => {
+                let want = match c {
+                    b')' => b'(',
+                    b']' => b'[',
+                    _ => b'{',
+                };
+                match stack.pop() {
+                    Some((open, _)) if open == want => {}
+                    Some((open, at)) => {
+                        return Some(
+                            Diag::new(
+                                "kiln::syntax",
+                                format!(
+                                    "`{}` closes `{}`",
+                                    c as char, open as char
+                                ),
+                            )
+                            .at(Span::new(file, i, i + 1), "this bracket")
+                            .label(
+                                Span::new(file, at, at + 1),
+                                format!("`{}` opened here", open as char),
+                            )
+                            .help(format!(
+                                "close `{}` with `{}` first",
+                                open as char,
+                                closer(open)
+                            )),
+                        )
+                    }
+                    None => {
+                        return Some(
+                            Diag::new("kiln::syntax", format!("unmatched `{}`", c as char))
+                                .at(Span::new(file, i, i + 1), "nothing to close here")
+                                .help("remove it, or add the opening bracket it belongs to"),
+                        )
+                    }
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    let (open, at) = stack.pop()?;
+    let what = if open == b'{' { "block" } else { "bracket" };
+    let (line, _) = line_of(text, at);
+    Some(
+        Diag::new(
+            "kiln::unterminated",
+            format!("unterminated {what}: `{}` on line {line} is never closed", open as char),
+        )
+        .at(Span::new(file, at, at + 1), format!("this `{}` has no matching `{}`", open as char, closer(open)))
+        .help(format!("add `{}` where it should end", closer(open))),
+    )
+}
+
+/// Length of `text` without trailing whitespace and trailing `#` comments.
+fn trimmed_len(text: &str) -> usize {
+    let mut t = text.trim_end();
+    loop {
+        let line_start = t.rfind('\n').map(|i| i + 1).unwrap_or(0);
+        let line = &t[line_start..];
+        let mut in_str = false;
+        let mut cut = None;
+        let mut prev = '\0';
+        for (i, c) in line.char_indices() {
+            match c {
+                '"' if prev != '\\' => in_str = !in_str,
+                '#' if !in_str => {
+                    cut = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+            prev = c;
+        }
+        match cut {
+            Some(i) => t = t[..line_start + i].trim_end(),
+            None => return t.len(),
+        }
+    }
+}
+
+fn closer(open: u8) -> char {
+    match open {
+        b'(' => ')',
+        b'[' => ']',
+        _ => '}',
+    }
+}
+
+fn line_of(text: &str, pos: usize) -> (usize, usize) {
+    let before = &text[..pos.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    (line, pos - before.rfind('\n').map(|i| i + 1).unwrap_or(0) + 1)
+}
+
+fn found_len(text: &str, pos: usize) -> usize {
+    let rest = &text[pos.min(text.len())..];
+    let word: usize = rest
+        .char_indices()
+        .take_while(|(_, c)| c.is_alphanumeric() || *c == '_')
+        .map(|(i, c)| i + c.len_utf8())
+        .last()
+        .unwrap_or(0);
+    if word > 0 {
+        word.min(40)
+    } else {
+        rest.chars().next().map(|c| c.len_utf8()).unwrap_or(0)
+    }
+}
+
+fn found_token(text: &str, pos: usize) -> String {
+    let n = found_len(text, pos);
+    if n == 0 {
+        return "end of file".to_string();
+    }
+    let tok = &text[pos..pos + n];
+    match tok {
+        "\n" => "end of line".to_string(),
+        t if t.chars().all(|c| c.is_control() || c == '\u{fffd}') => {
+            format!("character {:?}", t)
+        }
+        t => format!("`{t}`"),
+    }
+}
+
+/// Human names for what the parser expected, deduplicated and in a stable order.
+fn describe(rules: &[Rule]) -> String {
+    let mut names: Vec<&'static str> = Vec::new();
+    let mut operator = false;
+    for r in rules {
+        let name = match r {
+            Rule::EOI => "end of file",
+            Rule::import | Rule::kw_import => "`import`",
+            Rule::model_def | Rule::kw_model => "`model`",
+            Rule::layer_def | Rule::kw_layer => "`layer`",
+            Rule::model_full => "`(`",
+            Rule::model_alias => "`=`",
+            Rule::hyper_params | Rule::hyper_param => "a parameter",
+            Rule::tensor_params => "`(`",
+            Rule::tensor_param => "a tensor argument",
+            Rule::tensor_type | Rule::shape_list => "a tensor type such as `f32[batch, 512]`",
+            Rule::dtype => "an element type",
+            Rule::type_name => "a type",
+            Rule::shape_item | Rule::ellipsis => "a dim",
+            Rule::block => "`{`",
+            Rule::stmt
+            | Rule::dims_stmt
+            | Rule::input_stmt
+            | Rule::output_stmt
+            | Rule::objective_stmt
+            | Rule::param_stmt
+            | Rule::check_stmt
+            | Rule::return_stmt
+            | Rule::assign_stmt
+            | Rule::expr_stmt => "a statement",
+            Rule::expr | Rule::postfix | Rule::primary | Rule::paren | Rule::list | Rule::if_expr => {
+                "an expression"
+            }
+            Rule::neg | Rule::not | Rule::kw_not => "an expression",
+            Rule::or
+            | Rule::and
+            | Rule::eq
+            | Rule::ne
+            | Rule::le
+            | Rule::ge
+            | Rule::lt
+            | Rule::gt
+            | Rule::add
+            | Rule::sub
+            | Rule::matmul
+            | Rule::pow
+            | Rule::mul
+            | Rule::div
+            | Rule::rem
+            | Rule::kw_and
+            | Rule::kw_or => {
+                operator = true;
+                continue;
+            }
+            Rule::call => "`(`",
+            Rule::field => "`.`",
+            Rule::args | Rule::arg | Rule::named_arg => "an argument",
+            Rule::number => "a number",
+            Rule::string | Rule::str_inner => "a string",
+            Rule::ident | Rule::keyword => "a name",
+            Rule::kw_dims => "`dims`",
+            Rule::kw_input => "`input`",
+            Rule::kw_output => "`output`",
+            Rule::kw_objective => "`objective`",
+            Rule::kw_param => "`param`",
+            Rule::kw_check => "`check`",
+            Rule::kw_return => "`return`",
+            Rule::kw_init => "`init`",
+            Rule::kw_if => "`if`",
+            Rule::kw_else => "`else`",
+            Rule::kw_true | Rule::kw_false => "a boolean",
+            Rule::kw_none => "`none`",
+            _ => continue,
+        };
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    if operator {
+        names.push("an operator");
+    }
+    match names.len() {
+        0 => String::new(),
+        1 => names[0].to_string(),
+        n => format!("{} or {}", names[..n - 1].join(", "), names[n - 1]),
+    }
+}
+
