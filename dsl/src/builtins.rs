@@ -102,10 +102,21 @@ impl Args {
                     if next >= params.len() {
                         return Err(Diag::new(
                             "kiln::argument",
-                            format!("`{name}` takes {} argument{}, got more", params.len(), if params.len() == 1 { "" } else { "s" }),
+                            format!(
+                                "`{name}` takes {} argument{}, got more",
+                                params.len(),
+                                if params.len() == 1 { "" } else { "s" }
+                            ),
                         )
                         .at(a.span, "one too many")
-                        .help(format!("`{name}({})`", params.iter().map(|p| clean(p)).collect::<Vec<_>>().join(", "))));
+                        .help(format!(
+                            "`{name}({})`",
+                            params
+                                .iter()
+                                .map(|p| clean(p))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
                     }
                     next += 1;
                     next - 1
@@ -114,26 +125,43 @@ impl Args {
                     Some(i) => i,
                     None => {
                         let cands: Vec<String> = params.iter().map(|p| clean(p)).collect();
-                        return Err(Diag::new("kiln::argument", format!("`{name}` has no parameter `{}`", n.name))
-                            .at(n.span, "unknown parameter")
-                            .help(did_you_mean(&n.name, cands.iter().map(|s| s.as_str())).unwrap_or_else(|| {
-                                format!("`{name}({})`", cands.join(", "))
-                            })));
+                        return Err(Diag::new(
+                            "kiln::argument",
+                            format!("`{name}` has no parameter `{}`", n.name),
+                        )
+                        .at(n.span, "unknown parameter")
+                        .help(
+                            did_you_mean(&n.name, cands.iter().map(|s| s.as_str()))
+                                .unwrap_or_else(|| format!("`{name}({})`", cands.join(", "))),
+                        ));
                     }
                 },
             };
             if vals[i].is_some() {
-                return Err(Diag::new("kiln::argument", format!("argument `{}` of `{name}` is given twice", clean(params[i])))
-                    .at(a.span, "given again")
-                    .help("pass each argument once"));
+                return Err(Diag::new(
+                    "kiln::argument",
+                    format!("argument `{}` of `{name}` is given twice", clean(params[i])),
+                )
+                .at(a.span, "given again")
+                .help("pass each argument once"));
             }
             vals[i] = Some((a.value, a.span));
         }
         for (i, p) in params.iter().enumerate() {
             if vals[i].is_none() && !p.ends_with('?') {
-                return Err(Diag::new("kiln::argument", format!("missing argument `{p}` of `{name}`"))
-                    .at(span, format!("`{p}` is not given"))
-                    .help(format!("`{name}({})`", params.iter().map(|p| clean(p)).collect::<Vec<_>>().join(", "))));
+                return Err(Diag::new(
+                    "kiln::argument",
+                    format!("missing argument `{p}` of `{name}`"),
+                )
+                .at(span, format!("`{p}` is not given"))
+                .help(format!(
+                    "`{name}({})`",
+                    params
+                        .iter()
+                        .map(|p| clean(p))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
             }
         }
         Ok(Args {
@@ -145,7 +173,11 @@ impl Args {
     }
 
     fn get(&self, p: &str) -> Option<&(Value, Span)> {
-        let i = self.params.iter().position(|q| q.trim_end_matches('?') == p).expect("known parameter");
+        let i = self
+            .params
+            .iter()
+            .position(|q| q.trim_end_matches('?') == p)
+            .expect("known parameter");
         self.vals[i].as_ref()
     }
 
@@ -155,8 +187,15 @@ impl Args {
 
     fn wrong(&self, p: &str, want: &str) -> Diag {
         let (v, s) = self.req(p);
-        Diag::new("kiln::type", format!("argument `{p}` of `{}` must be {want}, got {}", self.name, v.kind()))
-            .at(*s, format!("this is {}", v.kind()))
+        Diag::new(
+            "kiln::type",
+            format!(
+                "argument `{p}` of `{}` must be {want}, got {}",
+                self.name,
+                v.kind()
+            ),
+        )
+        .at(*s, format!("this is {}", v.kind()))
     }
 
     fn tensor(&self, p: &str) -> R<(NodeId, Span)> {
@@ -174,28 +213,44 @@ impl Args {
     }
 
     fn number(&self, p: &str) -> R<f64> {
-        self.req(p).0.as_f64().ok_or_else(|| self.wrong(p, "a number"))
+        self.req(p)
+            .0
+            .as_f64()
+            .ok_or_else(|| self.wrong(p, "a number"))
     }
 
     fn dim(&self, p: &str) -> R<Dim> {
-        self.req(p).0.as_dim().ok_or_else(|| self.wrong(p, "an int or a dim"))
+        self.req(p)
+            .0
+            .as_dim()
+            .ok_or_else(|| self.wrong(p, "an int or a dim"))
     }
 
     /// An axis argument, negative counting from the end.
     fn axis(&self, p: &str, rank: usize) -> R<Option<usize>> {
-        let Some((v, s)) = self.get(p) else { return Ok(None) };
-        let Value::Int(a) = v else { return Err(self.wrong(p, "an int")) };
+        let Some((v, s)) = self.get(p) else {
+            return Ok(None);
+        };
+        let Value::Int(a) = v else {
+            return Err(self.wrong(p, "an int"));
+        };
         Ok(Some(norm_axis(*a, rank, *s)?))
     }
 
     fn dims_list(&self, p: &str) -> R<Vec<Dim>> {
         let (v, s) = self.req(p);
-        let Value::List(items) = v else { return Err(self.wrong(p, "a list such as [b, t, 512]")) };
+        let Value::List(items) = v else {
+            return Err(self.wrong(p, "a list such as [b, t, 512]"));
+        };
         items
             .iter()
             .map(|i| {
                 i.as_dim().ok_or_else(|| {
-                    Diag::new("kiln::type", format!("`{p}` must list ints or dims, but has {}", i.kind())).at(*s, "this list")
+                    Diag::new(
+                        "kiln::type",
+                        format!("`{p}` must list ints or dims, but has {}", i.kind()),
+                    )
+                    .at(*s, "this list")
                 })
             })
             .collect()
@@ -205,15 +260,20 @@ impl Args {
 fn norm_axis(a: i64, rank: usize, s: Span) -> R<usize> {
     let r = rank as i64;
     if a < -r || a >= r {
-        return Err(Diag::new("kiln::shape", format!("axis {a} is out of range for a tensor with {rank} axes"))
-            .at(s, "out of range")
-            .help(format!("axes run from {} to {}", -r, r - 1)));
+        return Err(Diag::new(
+            "kiln::shape",
+            format!("axis {a} is out of range for a tensor with {rank} axes"),
+        )
+        .at(s, "out of range")
+        .help(format!("axes run from {} to {}", -r, r - 1)));
     }
     Ok(if a < 0 { (a + r) as usize } else { a as usize })
 }
 
 fn math(name: &str, x: f64, s: Span) -> R<f64> {
-    let domain = |why: &str| Err(Diag::new("kiln::arith", format!("{name}({x}): {why}")).at(s, "argument out of domain"));
+    let domain = |why: &str| {
+        Err(Diag::new("kiln::arith", format!("{name}({x}): {why}")).at(s, "argument out of domain"))
+    };
     Ok(match name {
         "exp" => x.exp(),
         "log" if x <= 0.0 => return domain("log needs a positive number"),
@@ -230,14 +290,24 @@ fn math(name: &str, x: f64, s: Span) -> R<f64> {
     })
 }
 
-pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>, span: Span, _callee: Span) -> R<Value> {
+pub(crate) fn call(
+    e: &mut Elab,
+    frame: &mut Frame,
+    name: &str,
+    args: Vec<EArg>,
+    span: Span,
+    _callee: Span,
+) -> R<Value> {
     let a = Args::bind(name, args, span)?;
-    let node = |e: &mut Elab, op: Op, ins: &[NodeId]| e.node(frame, op, ins, span).map(Value::Tensor);
+    let node =
+        |e: &mut Elab, op: Op, ins: &[NodeId]| e.node(frame, op, ins, span).map(Value::Tensor);
     match name {
         "exp" | "log" | "sqrt" | "sin" | "cos" | "relu" | "recip" | "neg" => {
             let (v, s) = a.req("x").clone();
             match v {
-                Value::Int(_) | Value::Float(_) => Ok(Value::Float(math(name, v.as_f64().unwrap_or(0.0), s)?)),
+                Value::Int(_) | Value::Float(_) => {
+                    Ok(Value::Float(math(name, v.as_f64().unwrap_or(0.0), s)?))
+                }
                 Value::Tensor(t) => {
                     let u = match name {
                         "exp" => UnaryOp::Exp,
@@ -265,14 +335,31 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
                         _ => Value::Float(r),
                     })
                 }
-                _ if name == "max" => Ok(Value::Tensor(e.elementwise(frame, BinaryOp::Max, &va, sa, &vb, sb, span, "take the max of")?)),
-                _ => Err(Diag::new("kiln::type", "`min` works on numbers; for tensors write `-max(-a, -b)`").at(span, "")),
+                _ if name == "max" => Ok(Value::Tensor(e.elementwise(
+                    frame,
+                    BinaryOp::Max,
+                    &va,
+                    sa,
+                    &vb,
+                    sb,
+                    span,
+                    "take the max of",
+                )?)),
+                _ => Err(Diag::new(
+                    "kiln::type",
+                    "`min` works on numbers; for tensors write `-max(-a, -b)`",
+                )
+                .at(span, "")),
             }
         }
         "sum" | "amax" | "mean" => {
             let (x, _) = a.tensor("x")?;
             let ty = e.ty(x);
-            let op = if name == "amax" { ReduceOp::Max } else { ReduceOp::Sum };
+            let op = if name == "amax" {
+                ReduceOp::Max
+            } else {
+                ReduceOp::Sum
+            };
             let axes: Vec<usize> = match a.axis("axis", ty.shape.rank())? {
                 Some(ax) => vec![ax],
                 None => (0..ty.shape.rank()).collect(),
@@ -282,14 +369,26 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
                 y = e.node(frame, Op::Reduce { op, axis: ax }, &[y], span)?;
             }
             if a.get("axis").is_none() && ty.shape.rank() > 0 {
-                y = e.node(frame, Op::Reshape { shape: Shape::scalar() }, &[y], span)?;
+                y = e.node(
+                    frame,
+                    Op::Reshape {
+                        shape: Shape::scalar(),
+                    },
+                    &[y],
+                    span,
+                )?;
             }
             if name == "mean" {
-                let n = axes.iter().fold(Dim::c(1), |acc, &ax| acc.mul(&ty.shape.dims()[ax]));
+                let n = axes
+                    .iter()
+                    .fold(Dim::c(1), |acc, &ax| acc.mul(&ty.shape.dims()[ax]));
                 let Some(n) = n.as_const() else {
-                    return Err(Diag::new("kiln::shape", format!("`mean` over a symbolic size ({n}) is not supported"))
-                        .at(span, "")
-                        .help("divide a `sum` by a count you compute, e.g. from a mask"));
+                    return Err(Diag::new(
+                        "kiln::shape",
+                        format!("`mean` over a symbolic size ({n}) is not supported"),
+                    )
+                    .at(span, "")
+                    .help("divide a `sum` by a count you compute, e.g. from a mask"));
                 };
                 let yty = e.ty(y);
                 let c = e.graph.add_const(1.0 / n as f64, yty.dtype);
@@ -312,10 +411,14 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
             let (x, _) = a.tensor("x")?;
             let rank = e.ty(x).shape.rank();
             let (v, s) = a.req("perm");
-            let Value::List(items) = v else { return Err(a.wrong("perm", "a list of axes such as [0, 2, 1, 3]")) };
+            let Value::List(items) = v else {
+                return Err(a.wrong("perm", "a list of axes such as [0, 2, 1, 3]"));
+            };
             let mut perm = Vec::new();
             for i in items.iter() {
-                let Value::Int(ax) = i else { return Err(a.wrong("perm", "a list of ints")) };
+                let Value::Int(ax) = i else {
+                    return Err(a.wrong("perm", "a list of ints"));
+                };
                 perm.push(norm_axis(*ax, rank, *s)?);
             }
             node(e, Op::Permute { perm }, &[x])
@@ -324,8 +427,11 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
             let (x, xs) = a.tensor("x")?;
             let rank = e.ty(x).shape.rank();
             if rank < 2 {
-                return Err(Diag::new("kiln::shape", format!("`transpose` needs two axes, got {}", e.ty(x)))
-                    .at(xs, "fewer than two axes"));
+                return Err(Diag::new(
+                    "kiln::shape",
+                    format!("`transpose` needs two axes, got {}", e.ty(x)),
+                )
+                .at(xs, "fewer than two axes"));
             }
             let i = a.axis("a", rank)?.unwrap_or(rank - 2);
             let j = a.axis("b", rank)?.unwrap_or(rank - 1);
@@ -352,7 +458,10 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
             let Some(shape) = shape else {
                 return Err(Diag::new(
                     "kiln::shape",
-                    format!("shape mismatch in `where`: {}, {} and {} do not broadcast together", yc, ya, yb),
+                    format!(
+                        "shape mismatch in `where`: {}, {} and {} do not broadcast together",
+                        yc, ya, yb
+                    ),
                 )
                 .at(span, "")
                 .label(a.req("cond").1, format!("this is {yc}"))
@@ -390,16 +499,26 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
             let (x, _) = a.tensor("x")?;
             let p = a.number("p")?;
             if !(0.0..1.0).contains(&p) {
-                return Err(Diag::new("kiln::range", format!("dropout probability must be in [0, 1), got {p}"))
-                    .at(a.req("p").1, "out of range")
-                    .help("0 disables dropout; the paper uses 0.1 (base) and 0.3 (big)"));
+                return Err(Diag::new(
+                    "kiln::range",
+                    format!("dropout probability must be in [0, 1), got {p}"),
+                )
+                .at(a.req("p").1, "out of range")
+                .help("0 disables dropout; the paper uses 0.1 (base) and 0.3 (big)"));
             }
             if e.mode == Mode::Eval || p == 0.0 {
                 return Ok(Value::Tensor(x));
             }
             let stream = e.next_stream;
             e.next_stream += 1;
-            node(e, Op::Dropout { p: Float::new(p), stream }, &[x])
+            node(
+                e,
+                Op::Dropout {
+                    p: Float::new(p),
+                    stream,
+                },
+                &[x],
+            )
         }
         "causal_mask" => {
             let q = a.dim("q")?;
@@ -408,7 +527,11 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
         }
         "padding_mask" => {
             let (i, _) = a.tensor("ids")?;
-            let pad = if a.get("pad").is_some() { a.int("pad")? } else { 0 };
+            let pad = if a.get("pad").is_some() {
+                a.int("pad")?
+            } else {
+                0
+            };
             node(e, Op::PadMask { pad }, &[i])
         }
         "arange" => {
@@ -422,16 +545,25 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
         }
         "concat" => {
             let (v, s) = a.req("xs").clone();
-            let Value::List(items) = v else { return Err(a.wrong("xs", "a list of tensors")) };
+            let Value::List(items) = v else {
+                return Err(a.wrong("xs", "a list of tensors"));
+            };
             let mut ids = Vec::new();
             for it in items.iter() {
                 let Value::Tensor(t) = it else {
-                    return Err(Diag::new("kiln::type", format!("`concat` needs a list of tensors, found {}", it.kind())).at(s, "this list"));
+                    return Err(Diag::new(
+                        "kiln::type",
+                        format!("`concat` needs a list of tensors, found {}", it.kind()),
+                    )
+                    .at(s, "this list"));
                 };
                 ids.push(*t);
             }
             if ids.is_empty() {
-                return Err(Diag::new("kiln::argument", "`concat` needs at least one tensor").at(s, "empty list"));
+                return Err(
+                    Diag::new("kiln::argument", "`concat` needs at least one tensor")
+                        .at(s, "empty list"),
+                );
             }
             let rank = e.ty(ids[0]).shape.rank();
             let axis = a.axis("axis", rank)?.unwrap_or(0);
@@ -459,15 +591,21 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
                 let _ = s;
                 Ok(Value::Int(*v as i64))
             }
-            (Value::Float(v), s) => Err(Diag::new("kiln::type", format!("int({v}): not a whole number"))
-                .at(*s, "has a fraction")
-                .help("round it yourself, e.g. write the whole number you mean")),
+            (Value::Float(v), s) => Err(Diag::new(
+                "kiln::type",
+                format!("int({v}): not a whole number"),
+            )
+            .at(*s, "has a fraction")
+            .help("round it yourself, e.g. write the whole number you mean")),
             _ => Err(a.wrong("x", "a number")),
         },
         "repeat" => {
             let n = a.int("n")?;
             if n < 0 {
-                return Err(Diag::new("kiln::range", format!("`repeat` needs n >= 0, got {n}")).at(a.req("n").1, "negative"));
+                return Err(
+                    Diag::new("kiln::range", format!("`repeat` needs n >= 0, got {n}"))
+                        .at(a.req("n").1, "negative"),
+                );
             }
             match a.req("layer") {
                 (Value::Partial(p), _) if p.repeat.is_none() => Ok(Value::Partial(Rc::new(Partial {
@@ -486,15 +624,22 @@ pub(crate) fn call(e: &mut Elab, frame: &mut Frame, name: &str, args: Vec<EArg>,
         "normal" => {
             let std = a.number("std")?;
             if std.is_nan() || std < 0.0 {
-                return Err(Diag::new("kiln::range", format!("normal needs std >= 0, got {std}")).at(a.req("std").1, ""));
+                return Err(
+                    Diag::new("kiln::range", format!("normal needs std >= 0, got {std}"))
+                        .at(a.req("std").1, ""),
+                );
             }
-            Ok(Value::Init(Init::Normal { std: Float::new(std) }))
+            Ok(Value::Init(Init::Normal {
+                std: Float::new(std),
+            }))
         }
         "uniform" => Ok(Value::Init(Init::Uniform {
             a: Float::new(a.number("a")?),
         })),
         "constant" => Ok(Value::Init(Init::Constant(Float::new(a.number("value")?)))),
-        "xavier_uniform" | "zeros" | "ones" => Ok(Value::Init(named_init(name).expect("named init"))),
+        "xavier_uniform" | "zeros" | "ones" => {
+            Ok(Value::Init(named_init(name).expect("named init")))
+        }
         _ => {
             let _ = a.span;
             unreachable!("builtin `{name}` has no implementation")

@@ -86,11 +86,7 @@ impl Diag {
                     .iter()
                     .rposition(|(_, site)| !sources.file(site.file).is_prelude)
                 {
-                    let layer = d
-                        .stack
-                        .get(pos)
-                        .map(|(l, _)| l.clone())
-                        .unwrap_or_default();
+                    let layer = d.stack.get(pos).map(|(l, _)| l.clone()).unwrap_or_default();
                     let site = d.stack[pos].1;
                     let label = d.label.take().unwrap_or_default();
                     let inner = format!(
@@ -126,8 +122,11 @@ impl Diag {
             if sources.file(site.file).is_prelude {
                 continue;
             }
-            if Some(*site) == d.span {
-                continue;
+            // A call site that contains the error adds nothing to it.
+            if let Some(p) = d.span {
+                if p.file == site.file && site.start <= p.start && p.end <= site.end {
+                    continue;
+                }
             }
             related.push(Error::note(
                 sources,
@@ -139,7 +138,10 @@ impl Diag {
         let mut source = None;
         if let Some(span) = d.span {
             let (src, map) = snippet(sources, span);
-            labels.push(LabeledSpan::new_primary_with_span(d.label.clone(), map(span)));
+            labels.push(LabeledSpan::new_primary_with_span(
+                d.label.clone(),
+                map(span),
+            ));
             for (s, l) in &d.labels {
                 if s.file == span.file {
                     labels.push(LabeledSpan::new_with_span(Some(l.clone()), map(*s)));
@@ -171,7 +173,10 @@ fn snippet(sources: &SourceMap, span: Span) -> (NamedSource<String>, SpanMap) {
     let text: &str = &file.text;
     let start = (span.start as usize).min(text.len());
     let line_start = text[..start].rfind('\n').map(|i| i + 1).unwrap_or(0);
-    let line_end = text[start..].find('\n').map(|i| start + i).unwrap_or(text.len());
+    let line_end = text[start..]
+        .find('\n')
+        .map(|i| start + i)
+        .unwrap_or(text.len());
     const MAX_LINE: usize = 240;
     if line_end - line_start <= MAX_LINE && text.len() <= 4 << 20 {
         let named = NamedSource::new(file.name.clone(), text.to_string()).with_language("kiln");
@@ -348,7 +353,11 @@ pub fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) ->
         let limit = (name.chars().count().max(c.chars().count()) / 3).max(1);
         let prefix_match = name.len() >= 3 && (c.starts_with(name) || name.starts_with(c));
         if d <= limit || prefix_match {
-            let score = if prefix_match && d > limit { limit + 1 } else { d };
+            let score = if prefix_match && d > limit {
+                limit + 1
+            } else {
+                d
+            };
             if best.is_none_or(|(bd, bc)| score < bd || (score == bd && c < bc)) {
                 best = Some((score, c));
             }
@@ -358,7 +367,10 @@ pub fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) ->
 }
 
 /// `did you mean `x`?` for [`Diag::help`].
-pub fn did_you_mean<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {
+pub fn did_you_mean<'a>(
+    name: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<String> {
     closest(name, candidates).map(|c| format!("did you mean `{c}`?"))
 }
 

@@ -123,7 +123,12 @@ impl<'p> Elab<'p> {
     fn model(&mut self, name: &str, overrides: &[Override]) -> R<()> {
         // Follow `model a = b(...)` to the full definition.
         let mut chain: Vec<Rc<ModelDef>> = Vec::new();
-        let mut cur = self.prog.models.get(name).cloned().expect("caller checked the model");
+        let mut cur = self
+            .prog
+            .models
+            .get(name)
+            .cloned()
+            .expect("caller checked the model");
         loop {
             if chain.iter().any(|m| Rc::ptr_eq(m, &cur)) {
                 return Err(Diag::new(
@@ -137,17 +142,25 @@ impl<'p> Elab<'p> {
             match &cur.kind {
                 ModelKind::Full { .. } => break,
                 ModelKind::Alias { base, .. } => {
-                    cur = match self.prog.models.get(&base.name) {
-                        Some(m) => m.clone(),
-                        None => {
-                            let names: Vec<&str> = self.prog.models.keys().map(|s| s.as_str()).collect();
-                            return Err(Diag::new("kiln::unknown-model", format!("unknown model `{}`", base.name))
+                    cur =
+                        match self.prog.models.get(&base.name) {
+                            Some(m) => m.clone(),
+                            None => {
+                                let names: Vec<&str> =
+                                    self.prog.models.keys().map(|s| s.as_str()).collect();
+                                return Err(Diag::new(
+                                    "kiln::unknown-model",
+                                    format!("unknown model `{}`", base.name),
+                                )
                                 .at(base.span, "no model with this name")
                                 .help_opt(did_you_mean(&base.name, names).or_else(|| {
-                                    Some("import the file that defines it: `import \"file.kiln\"`".to_string())
+                                    Some(
+                                        "import the file that defines it: `import \"file.kiln\"`"
+                                            .to_string(),
+                                    )
                                 })));
+                            }
                         }
-                    }
                 }
             }
         }
@@ -178,7 +191,11 @@ impl<'p> Elab<'p> {
                             .help("write `model big = transformer(d_model = 1024)`"));
                     };
                     if !params.iter().any(|p| p.name.name == n.name) {
-                        return Err(unknown_param(&full.name.name, n, params.iter().map(|p| p.name.name.as_str())));
+                        return Err(unknown_param(
+                            &full.name.name,
+                            n,
+                            params.iter().map(|p| p.name.name.as_str()),
+                        ));
                     }
                     let v = self.eval(&mut frame, &a.value)?;
                     given.retain(|g| g.name.as_ref().map(|x| &x.name) != Some(&n.name));
@@ -195,7 +212,10 @@ impl<'p> Elab<'p> {
                 let names: Vec<&str> = params.iter().map(|p| p.name.name.as_str()).collect();
                 return Err(Diag::new(
                     "kiln::set",
-                    format!("`--set {}`: model `{}` has no parameter `{}`", o.key, full.name.name, o.key),
+                    format!(
+                        "`--set {}`: model `{}` has no parameter `{}`",
+                        o.key, full.name.name, o.key
+                    ),
                 )
                 .at(o.key_span, "unknown parameter")
                 .help(match did_you_mean(&o.key, names.iter().copied()) {
@@ -229,9 +249,12 @@ impl<'p> Elab<'p> {
         }
         if self.graph.outputs.is_empty() {
             let top = chain[0].clone();
-            return Err(Diag::new("kiln::no-output", format!("model `{}` has no outputs", top.name.name))
-                .at(top.name.span, "declares no `output`")
-                .help("name what the model computes: `output logits = ...`"));
+            return Err(Diag::new(
+                "kiln::no-output",
+                format!("model `{}` has no outputs", top.name.name),
+            )
+            .at(top.name.span, "declares no `output`")
+            .help("name what the model computes: `output logits = ...`"));
         }
         Ok(())
     }
@@ -265,10 +288,18 @@ impl<'p> Elab<'p> {
                 }
                 StmtKind::Dims(names) => self.stmt_dims(frame, names, stmt.span)?,
                 StmtKind::Input(name, ty) => self.stmt_input(frame, name, ty, stmt.span)?,
-                StmtKind::Output(name, e) => self.stmt_output(frame, name, e.as_ref(), false, stmt.span)?,
-                StmtKind::Objective(name, e) => self.stmt_output(frame, name, e.as_ref(), true, stmt.span)?,
-                StmtKind::Param { name, ty, init } => self.stmt_param(frame, name, ty, init.as_ref())?,
-                StmtKind::Check { cond, message } => self.stmt_check(frame, cond, message.as_deref())?,
+                StmtKind::Output(name, e) => {
+                    self.stmt_output(frame, name, e.as_ref(), false, stmt.span)?
+                }
+                StmtKind::Objective(name, e) => {
+                    self.stmt_output(frame, name, e.as_ref(), true, stmt.span)?
+                }
+                StmtKind::Param { name, ty, init } => {
+                    self.stmt_param(frame, name, ty, init.as_ref())?
+                }
+                StmtKind::Check { cond, message } => {
+                    self.stmt_check(frame, cond, message.as_deref())?
+                }
             }
             if self.returning.is_some() {
                 return Ok(Flow {
@@ -333,49 +364,75 @@ impl<'p> Elab<'p> {
 
     fn stmt_dims(&mut self, frame: &mut Frame, names: &[Ident], span: Span) -> R<()> {
         if !frame.is_model {
-            return Err(Diag::new("kiln::dims", "`dims` belongs in a model, not in a layer")
-                .at(span, "declared in a layer")
-                .help("layers get their dims from their arguments' shapes: `(x: [b, t, d])`"));
+            return Err(
+                Diag::new("kiln::dims", "`dims` belongs in a model, not in a layer")
+                    .at(span, "declared in a layer")
+                    .help("layers get their dims from their arguments' shapes: `(x: [b, t, d])`"),
+            );
         }
         for n in names {
             if self.graph.dims.contains(&n.name) || frame.vars.contains_key(&n.name) {
-                return Err(Diag::new("kiln::duplicate", format!("`{}` is already defined", n.name))
-                    .at(n.span, "declared again")
-                    .help("each dim and parameter needs its own name"));
+                return Err(Diag::new(
+                    "kiln::duplicate",
+                    format!("`{}` is already defined", n.name),
+                )
+                .at(n.span, "declared again")
+                .help("each dim and parameter needs its own name"));
             }
             self.graph.add_dim(&n.name);
-            frame.vars.insert(n.name.clone(), Value::Dim(Dim::sym(&n.name)));
+            frame
+                .vars
+                .insert(n.name.clone(), Value::Dim(Dim::sym(&n.name)));
         }
         Ok(())
     }
 
-    fn stmt_input(&mut self, frame: &mut Frame, name: &Ident, ty: &TensorTypeExpr, span: Span) -> R<()> {
+    fn stmt_input(
+        &mut self,
+        frame: &mut Frame,
+        name: &Ident,
+        ty: &TensorTypeExpr,
+        span: Span,
+    ) -> R<()> {
         if !frame.is_model {
-            return Err(Diag::new("kiln::input", "`input` belongs in a model, not in a layer")
-                .at(span, "declared in a layer")
-                .help("a layer takes tensors as arguments: `layer f(...)(x: f32[b, d]) { ... }`"));
+            return Err(
+                Diag::new("kiln::input", "`input` belongs in a model, not in a layer")
+                    .at(span, "declared in a layer")
+                    .help(
+                        "a layer takes tensors as arguments: `layer f(...)(x: f32[b, d]) { ... }`",
+                    ),
+            );
         }
         let Some(dt) = &ty.dtype else {
-            return Err(Diag::new("kiln::type", format!("input `{}` needs an element type", name.name))
-                .at(ty.span, "no element type")
-                .help("write it before the shape: `i32[batch, src_len]` or `f32[batch, d]`"));
+            return Err(Diag::new(
+                "kiln::type",
+                format!("input `{}` needs an element type", name.name),
+            )
+            .at(ty.span, "no element type")
+            .help("write it before the shape: `i32[batch, src_len]` or `f32[batch, d]`"));
         };
         let dtype = parse_dtype(dt)?;
         let mut dims = Vec::new();
         for item in &ty.dims {
             match item {
                 ShapeItem::Ellipsis(s) => {
-                    return Err(Diag::new("kiln::type", "`...` is only allowed in layer argument patterns")
-                        .at(*s, "not allowed in an input")
-                        .help("list every axis of the input"))
+                    return Err(Diag::new(
+                        "kiln::type",
+                        "`...` is only allowed in layer argument patterns",
+                    )
+                    .at(*s, "not allowed in an input")
+                    .help("list every axis of the input"))
                 }
                 ShapeItem::Expr(e) => dims.push(self.dim_item(frame, e, true)?),
             }
         }
         if frame.vars.contains_key(&name.name) {
-            return Err(Diag::new("kiln::duplicate", format!("`{}` is already defined", name.name))
-                .at(name.span, "defined again")
-                .help("inputs need names of their own"));
+            return Err(Diag::new(
+                "kiln::duplicate",
+                format!("`{}` is already defined", name.name),
+            )
+            .at(name.span, "defined again")
+            .help("inputs need names of their own"));
         }
         let id = self
             .graph
@@ -412,8 +469,11 @@ impl<'p> Elab<'p> {
         let v = self.eval(frame, e)?;
         match v {
             Value::Int(n) if n > 0 => Ok(Dim::c(n)),
-            Value::Int(n) => Err(Diag::new("kiln::type", format!("a dim must be positive, got {n}"))
-                .at(e.span, format!("this is {n}"))),
+            Value::Int(n) => Err(Diag::new(
+                "kiln::type",
+                format!("a dim must be positive, got {n}"),
+            )
+            .at(e.span, format!("this is {n}"))),
             Value::Dim(d) if symbolic_ok && d.as_sym().is_some() => Ok(d),
             Value::Dim(d) if symbolic_ok => Err(Diag::new(
                 "kiln::type",
@@ -427,42 +487,66 @@ impl<'p> Elab<'p> {
             )
             .at(e.span, "symbolic")
             .help("parameters have fixed sizes; use layer parameters such as `d_model`")),
-            other => Err(Diag::new("kiln::type", format!("a dim must be an int, got {}", other.kind()))
-                .at(e.span, format!("this is {}", other.kind()))),
+            other => Err(Diag::new(
+                "kiln::type",
+                format!("a dim must be an int, got {}", other.kind()),
+            )
+            .at(e.span, format!("this is {}", other.kind()))),
         }
     }
 
-    fn stmt_output(&mut self, frame: &mut Frame, name: &Ident, e: Option<&Expr>, objective: bool, span: Span) -> R<()> {
+    fn stmt_output(
+        &mut self,
+        frame: &mut Frame,
+        name: &Ident,
+        e: Option<&Expr>,
+        objective: bool,
+        span: Span,
+    ) -> R<()> {
         let what = if objective { "objective" } else { "output" };
         if !frame.is_model {
-            return Err(Diag::new("kiln::output", format!("`{what}` belongs in a model, not in a layer"))
-                .at(span, "declared in a layer")
-                .help("a layer returns its last expression"));
+            return Err(Diag::new(
+                "kiln::output",
+                format!("`{what}` belongs in a model, not in a layer"),
+            )
+            .at(span, "declared in a layer")
+            .help("a layer returns its last expression"));
         }
         let (v, vspan) = match e {
             Some(e) => (self.eval(frame, e)?, e.span),
             None => (self.lookup(frame, &name.name, name.span)?, name.span),
         };
         let Value::Tensor(id) = v else {
-            return Err(Diag::new("kiln::type", format!("{what} `{}` must be a tensor, got {}", name.name, v.kind()))
-                .at(vspan, format!("this is {}", v.kind())));
+            return Err(Diag::new(
+                "kiln::type",
+                format!("{what} `{}` must be a tensor, got {}", name.name, v.kind()),
+            )
+            .at(vspan, format!("this is {}", v.kind())));
         };
         if objective {
             let ty = self.graph.ty(id).clone();
             if ty.shape.rank() != 0 || !ty.dtype.is_float() {
-                return Err(Diag::new("kiln::type", format!("the objective must be a float scalar, got {ty}"))
-                    .at(vspan, format!("this is {ty}"))
-                    .help("reduce it to one number, e.g. with `label_smoothed_xent(...)` or `sum(...)`"));
+                return Err(Diag::new(
+                    "kiln::type",
+                    format!("the objective must be a float scalar, got {ty}"),
+                )
+                .at(vspan, format!("this is {ty}"))
+                .help(
+                    "reduce it to one number, e.g. with `label_smoothed_xent(...)` or `sum(...)`",
+                ));
             }
             if let Some(prev) = &self.graph.objective {
-                return Err(Diag::new("kiln::duplicate", format!("a second objective `{}` (the first is `{prev}`)", name.name))
-                    .at(span, "second objective")
-                    .help("a model trains on one objective"));
+                return Err(Diag::new(
+                    "kiln::duplicate",
+                    format!("a second objective `{}` (the first is `{prev}`)", name.name),
+                )
+                .at(span, "second objective")
+                .help("a model trains on one objective"));
             }
         }
-        self.graph
-            .add_output(&name.name, id)
-            .map_err(|e| Diag::new("kiln::duplicate", e.to_string()).at(name.span, "declared again"))?;
+        self.graph.add_output(&name.name, id).map_err(|e| {
+            Diag::new("kiln::duplicate", e.to_string()).at(name.span, "declared again")
+        })?;
         if objective {
             self.graph.objective = Some(name.name.clone());
         }
@@ -470,11 +554,20 @@ impl<'p> Elab<'p> {
         Ok(())
     }
 
-    fn stmt_param(&mut self, frame: &mut Frame, name: &Ident, ty: &TensorTypeExpr, init: Option<&Expr>) -> R<()> {
+    fn stmt_param(
+        &mut self,
+        frame: &mut Frame,
+        name: &Ident,
+        ty: &TensorTypeExpr,
+        init: Option<&Expr>,
+    ) -> R<()> {
         if !frame.declared_params.insert(name.name.clone()) {
-            return Err(Diag::new("kiln::duplicate", format!("parameter `{}` is declared twice", name.name))
-                .at(name.span, "declared again")
-                .help("give each parameter its own name"));
+            return Err(Diag::new(
+                "kiln::duplicate",
+                format!("parameter `{}` is declared twice", name.name),
+            )
+            .at(name.span, "declared again")
+            .help("give each parameter its own name"));
         }
         let dtype = match &ty.dtype {
             Some(d) => parse_dtype(d)?,
@@ -484,9 +577,12 @@ impl<'p> Elab<'p> {
         for item in &ty.dims {
             match item {
                 ShapeItem::Ellipsis(s) => {
-                    return Err(Diag::new("kiln::type", "`...` is not allowed in a parameter shape")
-                        .at(*s, "here")
-                        .help("parameters have fixed shapes"))
+                    return Err(Diag::new(
+                        "kiln::type",
+                        "`...` is not allowed in a parameter shape",
+                    )
+                    .at(*s, "here")
+                    .help("parameters have fixed shapes"))
                 }
                 ShapeItem::Expr(e) => dims.push(self.dim_item(frame, e, false)?),
             }
@@ -514,7 +610,10 @@ impl<'p> Elab<'p> {
         if init == Init::XavierUniform && tt.shape.rank() < 2 {
             return Err(Diag::new(
                 "kiln::init",
-                format!("xavier_uniform needs a matrix, but `{}` is {}", name.name, tt),
+                format!(
+                    "xavier_uniform needs a matrix, but `{}` is {}",
+                    name.name, tt
+                ),
             )
             .at(name.span, "not a matrix")
             .help("use zeros, ones or normal(std = ...) for vectors"));
@@ -536,7 +635,12 @@ impl<'p> Elab<'p> {
                         .help("two instances share a name; bind one of them to another name"),
                         other => Diag::new("kiln::type", other.to_string()).at(name.span, ""),
                     })?;
-                frame.inst.state.borrow_mut().params.insert(name.name.clone(), id);
+                frame
+                    .inst
+                    .state
+                    .borrow_mut()
+                    .params
+                    .insert(name.name.clone(), id);
                 id
             }
         };
@@ -554,7 +658,10 @@ impl<'p> Elab<'p> {
                 cond.walk(&mut |e| {
                     if let ExprKind::Var(n) = &e.kind {
                         if let Some(v) = frame.vars.get(n) {
-                            if matches!(v, Value::Int(_) | Value::Float(_) | Value::Bool(_) | Value::Dim(_)) {
+                            if matches!(
+                                v,
+                                Value::Int(_) | Value::Float(_) | Value::Bool(_) | Value::Dim(_)
+                            ) {
                                 let s = format!("{n} = {v}");
                                 if !notes.contains(&s) {
                                     notes.push(s);
@@ -570,8 +677,11 @@ impl<'p> Elab<'p> {
                 Err(Diag::new("kiln::check", msg.to_string())
                     .at(cond.span, format!("this is false{detail}")))
             }
-            other => Err(Diag::new("kiln::type", format!("`check` needs a bool, got {}", other.kind()))
-                .at(cond.span, format!("this is {}", other.kind()))),
+            other => Err(Diag::new(
+                "kiln::type",
+                format!("`check` needs a bool, got {}", other.kind()),
+            )
+            .at(cond.span, format!("this is {}", other.kind()))),
         }
     }
 
@@ -591,21 +701,29 @@ impl<'p> Elab<'p> {
             return Ok(Value::DType(d));
         }
         if self.prog.models.contains_key(name) {
-            return Err(Diag::new("kiln::name", format!("`{name}` is a model; models cannot be used as values"))
-                .at(span, "a model")
-                .help("to reuse a model's layers, move them into `layer` definitions"));
+            return Err(Diag::new(
+                "kiln::name",
+                format!("`{name}` is a model; models cannot be used as values"),
+            )
+            .at(span, "a model")
+            .help("to reuse a model's layers, move them into `layer` definitions"));
         }
         let mut cands: Vec<&str> = frame.vars.keys().map(|s| s.as_str()).collect();
         cands.sort();
-        Err(Diag::new("kiln::unknown-name", format!("unknown name `{name}`"))
-            .at(span, "not defined here")
-            .help_opt(did_you_mean(name, cands).or_else(|| {
-                if frame.is_model {
-                    Some("define it first, e.g. `name = ...`".to_string())
-                } else {
-                    Some("a layer sees only its parameters, its arguments and its own names".to_string())
-                }
-            })))
+        Err(
+            Diag::new("kiln::unknown-name", format!("unknown name `{name}`"))
+                .at(span, "not defined here")
+                .help_opt(did_you_mean(name, cands).or_else(|| {
+                    if frame.is_model {
+                        Some("define it first, e.g. `name = ...`".to_string())
+                    } else {
+                        Some(
+                            "a layer sees only its parameters, its arguments and its own names"
+                                .to_string(),
+                        )
+                    }
+                })),
+        )
     }
 
     pub(crate) fn eval(&mut self, frame: &mut Frame, e: &Expr) -> R<Value> {
@@ -630,12 +748,19 @@ impl<'p> Elab<'p> {
             ExprKind::Binary(op, a, b) => self.binary(frame, *op, a, b, e.span),
             ExprKind::Call { callee, args, site } => self.call(frame, callee, args, *site, e.span),
             ExprKind::Field(base, field) => self.field(frame, base, field),
-            ExprKind::If { cond, then, otherwise } => {
+            ExprKind::If {
+                cond,
+                then,
+                otherwise,
+            } => {
                 let c = self.eval(frame, cond)?;
                 let Value::Bool(c) = c else {
-                    return Err(Diag::new("kiln::type", format!("`if` needs a bool, got {}", c.kind()))
-                        .at(cond.span, format!("this is {}", c.kind()))
-                        .help("compare explicitly, e.g. `x != none` or `n > 0`"));
+                    return Err(Diag::new(
+                        "kiln::type",
+                        format!("`if` needs a bool, got {}", c.kind()),
+                    )
+                    .at(cond.span, format!("this is {}", c.kind()))
+                    .help("compare explicitly, e.g. `x != none` or `n > 0`"));
                 };
                 let flow = if c {
                     self.exec_block(frame, then)?
@@ -661,18 +786,27 @@ impl<'p> Elab<'p> {
         if let ExprKind::Var(n) = &base.kind {
             if n == "prim" && !frame.vars.contains_key("prim") {
                 if builtins::is_builtin(&field.name) {
-                    return Ok(Value::Layer(Rc::from(format!("prim.{}", field.name).as_str())));
+                    return Ok(Value::Layer(Rc::from(
+                        format!("prim.{}", field.name).as_str(),
+                    )));
                 }
-                return Err(Diag::new("kiln::unknown-name", format!("unknown primitive `prim.{}`", field.name))
-                    .at(field.span, "no such primitive")
-                    .help_opt(did_you_mean(&field.name, builtins::names())));
+                return Err(Diag::new(
+                    "kiln::unknown-name",
+                    format!("unknown primitive `prim.{}`", field.name),
+                )
+                .at(field.span, "no such primitive")
+                .help_opt(did_you_mean(&field.name, builtins::names())));
             }
         }
         let v = self.eval(frame, base)?;
         let Value::Instance(inst) = v else {
             return Err(Diag::new(
                 "kiln::type",
-                format!("`.{}` needs a layer instance, but this is {}", field.name, v.kind()),
+                format!(
+                    "`.{}` needs a layer instance, but this is {}",
+                    field.name,
+                    v.kind()
+                ),
             )
             .at(base.span, format!("this is {}", v.kind()))
             .help("fields name the parameters and sub-layers of an instance, as in `emb.weight`"));
@@ -692,7 +826,12 @@ impl<'p> Elab<'p> {
         cands.extend(inst.hyper.iter().map(|(n, _)| n.as_str()));
         let mut d = Diag::new(
             "kiln::unknown-field",
-            format!("`{}` (an instance of `{}`) has no field `{}`", inst.display_name(), inst.kind, field.name),
+            format!(
+                "`{}` (an instance of `{}`) has no field `{}`",
+                inst.display_name(),
+                inst.kind,
+                field.name
+            ),
         )
         .at(field.span, "unknown field");
         d = match did_you_mean(&field.name, cands.iter().copied()) {
@@ -706,16 +845,32 @@ impl<'p> Elab<'p> {
         Err(d)
     }
 
-    fn unary(&mut self, frame: &mut Frame, op: UnOp, v: Value, vspan: Span, span: Span) -> R<Value> {
+    fn unary(
+        &mut self,
+        frame: &mut Frame,
+        op: UnOp,
+        v: Value,
+        vspan: Span,
+        span: Span,
+    ) -> R<Value> {
         match (op, v) {
             (UnOp::Neg, Value::Int(x)) => Ok(Value::Int(-x)),
             (UnOp::Neg, Value::Float(x)) => Ok(Value::Float(-x)),
             (UnOp::Neg, Value::Dim(d)) => Ok(Value::from_dim(d.neg())),
-            (UnOp::Neg, Value::Tensor(t)) => Ok(Value::Tensor(self.node(frame, Op::Unary(UnaryOp::Neg), &[t], span)?)),
+            (UnOp::Neg, Value::Tensor(t)) => Ok(Value::Tensor(self.node(
+                frame,
+                Op::Unary(UnaryOp::Neg),
+                &[t],
+                span,
+            )?)),
             (UnOp::Not, Value::Bool(b)) => Ok(Value::Bool(!b)),
             (op, v) => Err(Diag::new(
                 "kiln::type",
-                format!("cannot apply `{}` to {}", if op == UnOp::Neg { "-" } else { "not" }, v.kind()),
+                format!(
+                    "cannot apply `{}` to {}",
+                    if op == UnOp::Neg { "-" } else { "not" },
+                    v.kind()
+                ),
             )
             .at(vspan, format!("this is {}", v.kind()))),
         }
@@ -726,8 +881,11 @@ impl<'p> Elab<'p> {
         if matches!(op, BinOp::And | BinOp::Or) {
             let va = self.eval(frame, a)?;
             let Value::Bool(x) = va else {
-                return Err(Diag::new("kiln::type", format!("`{}` needs bools, got {}", op.symbol(), va.kind()))
-                    .at(a.span, format!("this is {}", va.kind())));
+                return Err(Diag::new(
+                    "kiln::type",
+                    format!("`{}` needs bools, got {}", op.symbol(), va.kind()),
+                )
+                .at(a.span, format!("this is {}", va.kind())));
             };
             if (op == BinOp::And && !x) || (op == BinOp::Or && x) {
                 return Ok(Value::Bool(x));
@@ -735,8 +893,11 @@ impl<'p> Elab<'p> {
             let vb = self.eval(frame, b)?;
             return match vb {
                 Value::Bool(y) => Ok(Value::Bool(y)),
-                other => Err(Diag::new("kiln::type", format!("`{}` needs bools, got {}", op.symbol(), other.kind()))
-                    .at(b.span, format!("this is {}", other.kind()))),
+                other => Err(Diag::new(
+                    "kiln::type",
+                    format!("`{}` needs bools, got {}", op.symbol(), other.kind()),
+                )
+                .at(b.span, format!("this is {}", other.kind()))),
             };
         }
         let va = self.eval(frame, a)?;
@@ -745,21 +906,40 @@ impl<'p> Elab<'p> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn binary_values(&mut self, frame: &mut Frame, op: BinOp, va: Value, a: &Expr, vb: Value, b: &Expr, span: Span) -> R<Value> {
+    fn binary_values(
+        &mut self,
+        frame: &mut Frame,
+        op: BinOp,
+        va: Value,
+        a: &Expr,
+        vb: Value,
+        b: &Expr,
+        span: Span,
+    ) -> R<Value> {
         use Value::*;
         let text = |e: &Expr| self.prog.sources.text(e.span).to_string();
         match (&va, &vb) {
-            (Tensor(_), _) | (_, Tensor(_)) => self.tensor_binary(frame, op, va, a.span, vb, b.span, span),
+            (Tensor(_), _) | (_, Tensor(_)) => {
+                self.tensor_binary(frame, op, va, a.span, vb, b.span, span)
+            }
             (None, _) | (_, None) if matches!(op, BinOp::Eq | BinOp::Ne) => {
                 let same = matches!((&va, &vb), (None, None));
                 Ok(Bool(if op == BinOp::Eq { same } else { !same }))
             }
-            (Int(x), Int(y)) => int_op(op, *x, *y, &text(a), &text(b), a.span, b.span, span),
-            (Int(_) | Float(_), Int(_) | Float(_)) => {
-                float_op(op, va.as_f64().unwrap_or(0.0), vb.as_f64().unwrap_or(0.0), &text(b), b.span, span)
-            }
+            (Int(x), Int(y)) => int_op(op, *x, *y, &text(a), &text(b), b.span, span),
+            (Int(_) | Float(_), Int(_) | Float(_)) => float_op(
+                op,
+                va.as_f64().unwrap_or(0.0),
+                vb.as_f64().unwrap_or(0.0),
+                &text(b),
+                b.span,
+                span,
+            ),
             (Int(_) | Dim(_), Int(_) | Dim(_)) => {
-                let (x, y) = (va.as_dim().unwrap_or_default(), vb.as_dim().unwrap_or_default());
+                let (x, y) = (
+                    va.as_dim().unwrap_or_default(),
+                    vb.as_dim().unwrap_or_default(),
+                );
                 match op {
                     BinOp::Add => Ok(Value::from_dim(x.add(&y))),
                     BinOp::Sub => Ok(Value::from_dim(x.sub(&y))),
@@ -776,11 +956,18 @@ impl<'p> Elab<'p> {
             (Bool(x), Bool(y)) if matches!(op, BinOp::Eq | BinOp::Ne) => {
                 Ok(Bool((x == y) == (op == BinOp::Eq)))
             }
-            (Str(x), Str(y)) if matches!(op, BinOp::Eq | BinOp::Ne) => Ok(Bool((x == y) == (op == BinOp::Eq))),
+            (Str(x), Str(y)) if matches!(op, BinOp::Eq | BinOp::Ne) => {
+                Ok(Bool((x == y) == (op == BinOp::Eq)))
+            }
             (Str(x), Str(y)) if op == BinOp::Add => Ok(Str(Rc::from(format!("{x}{y}").as_str()))),
             _ => Err(Diag::new(
                 "kiln::type",
-                format!("cannot apply `{}` to {} and {}", op.symbol(), va.kind(), vb.kind()),
+                format!(
+                    "cannot apply `{}` to {} and {}",
+                    op.symbol(),
+                    va.kind(),
+                    vb.kind()
+                ),
             )
             .at(span, "")
             .label(a.span, format!("this is {}", va.kind()))
@@ -791,7 +978,13 @@ impl<'p> Elab<'p> {
     // ------------------------------------------------------------- tensors
 
     /// Adds an IR node in the current scope; a type error becomes a diagnostic at `span`.
-    pub(crate) fn node(&mut self, frame: &Frame, op: Op, inputs: &[NodeId], span: Span) -> R<NodeId> {
+    pub(crate) fn node(
+        &mut self,
+        frame: &Frame,
+        op: Op,
+        inputs: &[NodeId],
+        span: Span,
+    ) -> R<NodeId> {
         self.graph
             .add(op, inputs, &frame.inst.name)
             .map_err(|e| Diag::new("kiln::shape", e.to_string()).at(span, ""))
@@ -802,11 +995,24 @@ impl<'p> Elab<'p> {
     }
 
     /// Broadcasts `id` to `shape` (no node when it already has it).
-    pub(crate) fn broadcast(&mut self, frame: &Frame, id: NodeId, shape: &Shape, span: Span) -> R<NodeId> {
+    pub(crate) fn broadcast(
+        &mut self,
+        frame: &Frame,
+        id: NodeId,
+        shape: &Shape,
+        span: Span,
+    ) -> R<NodeId> {
         if &self.graph.ty(id).shape == shape {
             return Ok(id);
         }
-        self.node(frame, Op::Broadcast { shape: shape.clone() }, &[id], span)
+        self.node(
+            frame,
+            Op::Broadcast {
+                shape: shape.clone(),
+            },
+            &[id],
+            span,
+        )
     }
 
     /// A tensor from a value: tensors as they are, numbers as scalar constants of `dtype`.
@@ -815,18 +1021,36 @@ impl<'p> Elab<'p> {
             Value::Tensor(t) => Ok(*t),
             Value::Int(x) => Ok(self.graph.add_const(*x as f64, dtype)),
             Value::Float(x) if dtype.is_float() => Ok(self.graph.add_const(*x, dtype)),
-            Value::Float(x) => Err(Diag::new("kiln::type", format!("cannot use the float {x} with an {dtype} tensor"))
-                .at(span, "a float")
-                .help("cast the tensor first: `cast(x, f32)`")),
-            Value::Bool(b) if dtype == DType::Bool => Ok(self.graph.add_const(if *b { 1.0 } else { 0.0 }, DType::Bool)),
-            other => Err(Diag::new("kiln::type", format!("expected a tensor or a number, got {}", other.kind()))
-                .at(span, format!("this is {}", other.kind()))),
+            Value::Float(x) => Err(Diag::new(
+                "kiln::type",
+                format!("cannot use the float {x} with an {dtype} tensor"),
+            )
+            .at(span, "a float")
+            .help("cast the tensor first: `cast(x, f32)`")),
+            Value::Bool(b) if dtype == DType::Bool => Ok(self
+                .graph
+                .add_const(if *b { 1.0 } else { 0.0 }, DType::Bool)),
+            other => Err(Diag::new(
+                "kiln::type",
+                format!("expected a tensor or a number, got {}", other.kind()),
+            )
+            .at(span, format!("this is {}", other.kind()))),
         }
     }
 
     /// Elementwise op with numpy broadcasting.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn elementwise(&mut self, frame: &Frame, op: BinaryOp, va: &Value, sa: Span, vb: &Value, sb: Span, span: Span, verb: &str) -> R<NodeId> {
+    pub(crate) fn elementwise(
+        &mut self,
+        frame: &Frame,
+        op: BinaryOp,
+        va: &Value,
+        sa: Span,
+        vb: &Value,
+        sb: Span,
+        span: Span,
+        verb: &str,
+    ) -> R<NodeId> {
         let dtype = match (va, vb) {
             (Value::Tensor(t), _) | (_, Value::Tensor(t)) => self.graph.ty(*t).dtype,
             _ => DType::F32,
@@ -835,16 +1059,17 @@ impl<'p> Elab<'p> {
         let tb = self.as_tensor(vb, dtype, sb)?;
         let (ya, yb) = (self.ty(ta), self.ty(tb));
         if ya.dtype != yb.dtype {
-            return Err(Diag::new("kiln::type", format!("cannot {verb} {} and {} tensors", ya.dtype, yb.dtype))
-                .at(span, "")
-                .label(sa, format!("{ya}"))
-                .label(sb, format!("{yb}"))
-                .help(format!("convert one of them with `cast(x, {})`", ya.dtype)));
+            return Err(Diag::new(
+                "kiln::type",
+                format!("cannot {verb} {} and {} tensors", ya.dtype, yb.dtype),
+            )
+            .at(sa, format!("this is {ya}"))
+            .label(sb, format!("{yb}"))
+            .help(format!("convert one of them with `cast(x, {})`", ya.dtype)));
         }
         let Some(shape) = broadcast_shapes(&ya.shape, &yb.shape) else {
             return Err(Diag::new("kiln::shape", format!("shape mismatch: cannot {verb} {} and {}", ya, yb))
-                .at(span, "")
-                .label(sa, format!("this is {ya}"))
+                .at(sa, format!("this is {ya}"))
                 .label(sb, format!("this is {yb}"))
                 .help("shapes broadcast when, aligned from the right, each pair of dims is equal or one of them is 1"));
         };
@@ -854,7 +1079,16 @@ impl<'p> Elab<'p> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn tensor_binary(&mut self, frame: &mut Frame, op: BinOp, va: Value, sa: Span, vb: Value, sb: Span, span: Span) -> R<Value> {
+    fn tensor_binary(
+        &mut self,
+        frame: &mut Frame,
+        op: BinOp,
+        va: Value,
+        sa: Span,
+        vb: Value,
+        sb: Span,
+        span: Span,
+    ) -> R<Value> {
         let (bop, verb) = match op {
             BinOp::Add => (BinaryOp::Add, "add"),
             BinOp::Sub => (BinaryOp::Sub, "subtract"),
@@ -871,13 +1105,25 @@ impl<'p> Elab<'p> {
                     .help("tensors support + - * / @ and ** with a number; use `where` and masks for comparisons"))
             }
         };
-        Ok(Value::Tensor(self.elementwise(frame, bop, &va, sa, &vb, sb, span, verb)?))
+        Ok(Value::Tensor(
+            self.elementwise(frame, bop, &va, sa, &vb, sb, span, verb)?,
+        ))
     }
 
-    fn tensor_pow(&mut self, frame: &mut Frame, va: &Value, sa: Span, vb: &Value, sb: Span, span: Span) -> R<Value> {
+    fn tensor_pow(
+        &mut self,
+        frame: &mut Frame,
+        va: &Value,
+        sa: Span,
+        vb: &Value,
+        sb: Span,
+        span: Span,
+    ) -> R<Value> {
         let (Value::Tensor(x), Some(p)) = (va, vb.as_f64()) else {
-            return Err(Diag::new("kiln::type", "`**` on tensors needs a number exponent")
-                .at(sb, format!("this is {}", vb.kind())));
+            return Err(
+                Diag::new("kiln::type", "`**` on tensors needs a number exponent")
+                    .at(sb, format!("this is {}", vb.kind())),
+            );
         };
         let x = *x;
         let id = if p == 1.0 {
@@ -901,20 +1147,38 @@ impl<'p> Elab<'p> {
     }
 
     /// `a @ b`: batched matrix product; batch dims broadcast, a `[k, n]` right side is shared.
-    pub(crate) fn matmul(&mut self, frame: &Frame, va: &Value, sa: Span, vb: &Value, sb: Span, span: Span) -> R<NodeId> {
+    pub(crate) fn matmul(
+        &mut self,
+        frame: &Frame,
+        va: &Value,
+        sa: Span,
+        vb: &Value,
+        sb: Span,
+        span: Span,
+    ) -> R<NodeId> {
         let (Value::Tensor(a), Value::Tensor(b)) = (va, vb) else {
-            let (bad, s) = if matches!(va, Value::Tensor(_)) { (vb, sb) } else { (va, sa) };
-            return Err(Diag::new("kiln::type", format!("`@` multiplies tensors, not {}", bad.kind()))
-                .at(s, format!("this is {}", bad.kind()))
-                .help("scale with `*` instead"));
+            let (bad, s) = if matches!(va, Value::Tensor(_)) {
+                (vb, sb)
+            } else {
+                (va, sa)
+            };
+            return Err(Diag::new(
+                "kiln::type",
+                format!("`@` multiplies tensors, not {}", bad.kind()),
+            )
+            .at(s, format!("this is {}", bad.kind()))
+            .help("scale with `*` instead"));
         };
         let (ya, yb) = (self.ty(*a), self.ty(*b));
         let (ra, rb) = (ya.shape.rank(), yb.shape.rank());
         if ra < 2 || rb < 2 {
             let (t, s) = if ra < 2 { (&ya, sa) } else { (&yb, sb) };
-            return Err(Diag::new("kiln::shape", format!("`@` needs operands with at least two axes, got {t}"))
-                .at(s, format!("this is {t}"))
-                .help("reshape it to a matrix, e.g. `reshape(x, [1, n])`"));
+            return Err(Diag::new(
+                "kiln::shape",
+                format!("`@` needs operands with at least two axes, got {t}"),
+            )
+            .at(s, format!("this is {t}"))
+            .help("reshape it to a matrix, e.g. `reshape(x, [1, n])`"));
         }
         let k1 = &ya.shape.dims()[ra - 1];
         let k2 = &yb.shape.dims()[rb - 2];
@@ -923,8 +1187,7 @@ impl<'p> Elab<'p> {
                 "kiln::shape",
                 format!("shape mismatch: cannot multiply {} by {}: inner dims {k1} and {k2} differ", ya, yb),
             )
-            .at(span, "")
-            .label(sa, format!("this is {ya}"))
+            .at(sa, format!("this is {ya}"))
             .label(sb, format!("this is {yb}"))
             .help("the last axis of the left operand must equal the second-to-last axis of the right one"));
         }
@@ -936,10 +1199,12 @@ impl<'p> Elab<'p> {
         let Some(batch) = broadcast_shapes(&batch_a, &batch_b) else {
             return Err(Diag::new(
                 "kiln::shape",
-                format!("shape mismatch: cannot multiply {} by {}: batch dims {} and {} differ", ya, yb, batch_a, batch_b),
+                format!(
+                    "shape mismatch: cannot multiply {} by {}: batch dims {} and {} differ",
+                    ya, yb, batch_a, batch_b
+                ),
             )
-            .at(span, "")
-            .label(sa, format!("this is {ya}"))
+            .at(sa, format!("this is {ya}"))
             .label(sb, format!("this is {yb}")));
         };
         let mut full_a = batch.0.clone();
@@ -953,7 +1218,14 @@ impl<'p> Elab<'p> {
 
     // --------------------------------------------------------------- calls
 
-    fn call(&mut self, frame: &mut Frame, callee: &Expr, args: &[Arg], site: u32, span: Span) -> R<Value> {
+    fn call(
+        &mut self,
+        frame: &mut Frame,
+        callee: &Expr,
+        args: &[Arg],
+        site: u32,
+        span: Span,
+    ) -> R<Value> {
         enum Target {
             Layer(Rc<LayerDef>),
             Builtin(String),
@@ -981,12 +1253,20 @@ impl<'p> Elab<'p> {
                         frame
                             .vars
                             .iter()
-                            .filter(|(_, v)| matches!(v, Value::Instance(_) | Value::Partial(_) | Value::Layer(_)))
+                            .filter(|(_, v)| {
+                                matches!(
+                                    v,
+                                    Value::Instance(_) | Value::Partial(_) | Value::Layer(_)
+                                )
+                            })
                             .map(|(k, _)| k.clone()),
                     );
                     let is_model = self.prog.models.contains_key(name);
-                    let mut d = Diag::new("kiln::unknown-layer", format!("unknown layer or function `{name}`"))
-                        .at(callee.span, "not defined");
+                    let mut d = Diag::new(
+                        "kiln::unknown-layer",
+                        format!("unknown layer or function `{name}`"),
+                    )
+                    .at(callee.span, "not defined");
                     d = if is_model {
                         d.help(format!("`{name}` is a model; models are not callable (use `model x = {name}(...)` to derive one)"))
                     } else {
@@ -1002,7 +1282,11 @@ impl<'p> Elab<'p> {
                 other => {
                     return Err(Diag::new(
                         "kiln::type",
-                        format!("`{}` is {}, which cannot be called", self.prog.sources.text(callee.span), other.kind()),
+                        format!(
+                            "`{}` is {}, which cannot be called",
+                            self.prog.sources.text(callee.span),
+                            other.kind()
+                        ),
                     )
                     .at(callee.span, format!("this is {}", other.kind())))
                 }
@@ -1014,19 +1298,28 @@ impl<'p> Elab<'p> {
         for a in args {
             if a.name.is_none() {
                 if let Some(ns) = seen_named {
-                    return Err(Diag::new("kiln::argument", "positional argument after a named one")
-                        .at(a.span, "positional")
-                        .label(ns, "named argument before it")
-                        .help("put tensor arguments first, then named ones: `f(x, h = 8)`"));
+                    return Err(Diag::new(
+                        "kiln::argument",
+                        "positional argument after a named one",
+                    )
+                    .at(a.span, "positional")
+                    .label(ns, "named argument before it")
+                    .help("put tensor arguments first, then named ones: `f(x, h = 8)`"));
                 }
             } else {
                 seen_named = Some(a.span);
-                if let Some(prev) = eargs.iter().find(|p| p.name.as_ref().map(|n| &n.name) == a.name.as_ref().map(|n| &n.name)) {
+                if let Some(prev) = eargs
+                    .iter()
+                    .find(|p| p.name.as_ref().map(|n| &n.name) == a.name.as_ref().map(|n| &n.name))
+                {
                     let n = &a.name.as_ref().expect("named").name;
-                    return Err(Diag::new("kiln::argument", format!("argument `{n}` is given twice"))
-                        .at(a.span, "second time")
-                        .label(prev.span, "first time")
-                        .help("remove one of them"));
+                    return Err(Diag::new(
+                        "kiln::argument",
+                        format!("argument `{n}` is given twice"),
+                    )
+                    .at(a.span, "second time")
+                    .label(prev.span, "first time")
+                    .help("remove one of them"));
                 }
             }
             let value = self.eval(frame, &a.value)?;
@@ -1045,9 +1338,11 @@ impl<'p> Elab<'p> {
             }
             Target::Instance(inst) => {
                 if let Some(a) = eargs.iter().find(|a| {
-                    a.name
-                        .as_ref()
-                        .is_some_and(|n| inst.layer.as_ref().is_some_and(|l| l.params.iter().any(|p| p.name.name == n.name)))
+                    a.name.as_ref().is_some_and(|n| {
+                        inst.layer
+                            .as_ref()
+                            .is_some_and(|l| l.params.iter().any(|p| p.name.name == n.name))
+                    })
                 }) {
                     let n = &a.name.as_ref().expect("named").name;
                     return Err(Diag::new(
@@ -1062,20 +1357,36 @@ impl<'p> Elab<'p> {
         }
     }
 
-    fn call_layer(&mut self, frame: &mut Frame, def: &Rc<LayerDef>, args: Vec<EArg>, site: u32, span: Span, callee_span: Span) -> R<Value> {
+    fn call_layer(
+        &mut self,
+        frame: &mut Frame,
+        def: &Rc<LayerDef>,
+        args: Vec<EArg>,
+        site: u32,
+        span: Span,
+        callee_span: Span,
+    ) -> R<Value> {
         let mut hyper = Vec::new();
         let mut tensors = Vec::new();
         for a in args {
             match &a.name {
                 Some(n) if def.params.iter().any(|p| p.name.name == n.name) => hyper.push(a),
-                Some(n) if def.tensor_params.iter().any(|p| p.name.name == n.name) => tensors.push(a),
+                Some(n) if def.tensor_params.iter().any(|p| p.name.name == n.name) => {
+                    tensors.push(a)
+                }
                 Some(n) => {
                     return Err(unknown_param(
                         &def.name.name,
                         n,
-                        def.params.iter().map(|p| p.name.name.as_str()).chain(def.tensor_params.iter().map(|p| p.name.name.as_str())),
+                        def.params
+                            .iter()
+                            .map(|p| p.name.name.as_str())
+                            .chain(def.tensor_params.iter().map(|p| p.name.name.as_str())),
                     )
-                    .note(Some(def.name.span), format!("`{}` is defined here", def.name.name)))
+                    .note(
+                        Some(def.name.span),
+                        format!("`{}` is defined here", def.name.name),
+                    ))
                 }
                 None => tensors.push(a),
             }
@@ -1116,16 +1427,30 @@ impl<'p> Elab<'p> {
             .cloned()
             .unwrap_or_else(|| p.layer.name.name.clone());
         let inst = self.instantiate(&frame.inst.child_name(&name), p);
-        frame.inst.state.borrow_mut().anon.insert(site, inst.clone());
+        frame
+            .inst
+            .state
+            .borrow_mut()
+            .anon
+            .insert(site, inst.clone());
         inst
     }
 
     /// Binds hyper-parameters: given values (type-checked), then defaults in order.
-    pub(crate) fn bind_hyper(&mut self, owner: &str, params: &[HyperParam], given: Vec<EArg>, call_span: Span, frame: &mut Frame) -> R<Vec<(String, Value)>> {
+    pub(crate) fn bind_hyper(
+        &mut self,
+        owner: &str,
+        params: &[HyperParam],
+        given: Vec<EArg>,
+        call_span: Span,
+        frame: &mut Frame,
+    ) -> R<Vec<(String, Value)>> {
         let mut out: Vec<(String, Value)> = Vec::new();
         let mut given = given;
         for p in params {
-            let pos = given.iter().position(|g| g.name.as_ref().map(|n| &n.name) == Some(&p.name.name));
+            let pos = given
+                .iter()
+                .position(|g| g.name.as_ref().map(|n| &n.name) == Some(&p.name.name));
             let v = match pos {
                 Some(i) => {
                     let g = given.remove(i);
@@ -1145,8 +1470,14 @@ impl<'p> Elab<'p> {
                             format!("missing argument `{}` of `{owner}`", p.name.name),
                         )
                         .at(call_span, format!("`{}` is not given", p.name.name))
-                        .note(Some(p.name.span), format!("`{}` is declared here without a default", p.name.name))
-                        .help(format!("pass it by name: `{owner}(..., {} = ...)`", p.name.name)))
+                        .note(
+                            Some(p.name.span),
+                            format!("`{}` is declared here without a default", p.name.name),
+                        )
+                        .help(format!(
+                            "pass it by name: `{owner}(..., {} = ...)`",
+                            p.name.name
+                        )))
                     }
                 },
             };
@@ -1163,8 +1494,14 @@ impl<'p> Elab<'p> {
             // repeat: thread the first argument through the copies.
             let mut args = args;
             if args.is_empty() || args[0].name.is_some() {
-                return Err(Diag::new("kiln::argument", format!("`{}` needs its input as the first argument", inst.display_name()))
-                    .at(span, "no positional input"));
+                return Err(Diag::new(
+                    "kiln::argument",
+                    format!(
+                        "`{}` needs its input as the first argument",
+                        inst.display_name()
+                    ),
+                )
+                .at(span, "no positional input"));
             }
             let mut x = args.remove(0);
             for layer in stack.iter() {
@@ -1187,7 +1524,10 @@ impl<'p> Elab<'p> {
             }
             return Ok(x.value);
         }
-        let def = inst.layer.clone().expect("layer instances have a definition");
+        let def = inst
+            .layer
+            .clone()
+            .expect("layer instances have a definition");
         if self.stack.len() >= MAX_DEPTH {
             return Err(Diag::new("kiln::depth", format!("layer calls nest deeper than {MAX_DEPTH}"))
                 .at(span, "too deep")
@@ -1205,7 +1545,13 @@ impl<'p> Elab<'p> {
         r
     }
 
-    fn apply_body(&mut self, inst: &Rc<Instance>, def: &Rc<LayerDef>, args: Vec<EArg>, span: Span) -> R<Value> {
+    fn apply_body(
+        &mut self,
+        inst: &Rc<Instance>,
+        def: &Rc<LayerDef>,
+        args: Vec<EArg>,
+        span: Span,
+    ) -> R<Value> {
         let anon = self.anon_names(&def.body);
         let mut frame = Frame::new(inst.clone(), false, anon);
         for (k, v) in &inst.hyper {
@@ -1217,21 +1563,48 @@ impl<'p> Elab<'p> {
         let mut next = 0;
         let positional = args.iter().filter(|a| a.name.is_none()).count();
         if positional > n {
-            let extra = args.iter().filter(|a| a.name.is_none()).nth(n).expect("counted");
+            let extra = args
+                .iter()
+                .filter(|a| a.name.is_none())
+                .nth(n)
+                .expect("counted");
             let d = if n == 0 {
-                let names: Vec<String> = def.params.iter().map(|p| format!("{} = ...", p.name.name)).collect();
-                Diag::new("kiln::argument", format!("layer `{}` takes no tensor arguments", def.name.name))
-                    .at(extra.span, "unexpected argument")
-                    .help(format!("its parameters are named: `{}({})`", def.name.name, names.join(", ")))
+                let names: Vec<String> = def
+                    .params
+                    .iter()
+                    .map(|p| format!("{} = ...", p.name.name))
+                    .collect();
+                Diag::new(
+                    "kiln::argument",
+                    format!("layer `{}` takes no tensor arguments", def.name.name),
+                )
+                .at(extra.span, "unexpected argument")
+                .help(format!(
+                    "its parameters are named: `{}({})`",
+                    def.name.name,
+                    names.join(", ")
+                ))
             } else {
                 Diag::new(
                     "kiln::argument",
-                    format!("layer `{}` takes {n} tensor argument{}, got {positional}", def.name.name, if n == 1 { "" } else { "s" }),
+                    format!(
+                        "layer `{}` takes {n} tensor argument{}, got {positional}",
+                        def.name.name,
+                        if n == 1 { "" } else { "s" }
+                    ),
                 )
                 .at(extra.span, "one too many")
                 .help(format!(
-                    "its tensor arguments are ({}); name hyper-parameters: `h = 8`",
-                    def.tensor_params.iter().map(|p| p.name.name.as_str()).collect::<Vec<_>>().join(", ")
+                    "its tensor arguments are ({}); pass the others by name{}",
+                    def.tensor_params
+                        .iter()
+                        .map(|p| p.name.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    def.params
+                        .first()
+                        .map(|p| format!(", as in `{} = ...`", p.name.name))
+                        .unwrap_or_default()
                 ))
             };
             return Err(d);
@@ -1247,11 +1620,20 @@ impl<'p> Elab<'p> {
                         .tensor_params
                         .iter()
                         .position(|p| p.name.name == nm.name)
-                        .ok_or_else(|| unknown_param(&def.name.name, nm, def.tensor_params.iter().map(|p| p.name.name.as_str())))?;
+                        .ok_or_else(|| {
+                            unknown_param(
+                                &def.name.name,
+                                nm,
+                                def.tensor_params.iter().map(|p| p.name.name.as_str()),
+                            )
+                        })?;
                     if slots[i].is_some() {
-                        return Err(Diag::new("kiln::argument", format!("argument `{}` is given twice", nm.name))
-                            .at(a.span, "already given by position")
-                            .help("pass it once"));
+                        return Err(Diag::new(
+                            "kiln::argument",
+                            format!("argument `{}` is given twice", nm.name),
+                        )
+                        .at(a.span, "already given by position")
+                        .help("pass it once"));
                     }
                     slots[i] = Some(a);
                 }
@@ -1264,11 +1646,17 @@ impl<'p> Elab<'p> {
                 None => {
                     return Err(Diag::new(
                         "kiln::argument",
-                        format!("missing tensor argument `{}` of `{}`", tp.name.name, def.name.name),
+                        format!(
+                            "missing tensor argument `{}` of `{}`",
+                            tp.name.name, def.name.name
+                        ),
                     )
                     .at(span, format!("`{}` is not given", tp.name.name))
                     .note(Some(tp.name.span), "declared here")
-                    .help(format!("pass it in order or by name: `{}({} = ...)`", def.name.name, tp.name.name)))
+                    .help(format!(
+                        "pass it in order or by name: `{}({} = ...)`",
+                        def.name.name, tp.name.name
+                    )))
                 }
             };
             match &value {
@@ -1281,7 +1669,12 @@ impl<'p> Elab<'p> {
                 other => {
                     return Err(Diag::new(
                         "kiln::type",
-                        format!("argument `{}` of `{}` must be a tensor, got {}", tp.name.name, def.name.name, other.kind()),
+                        format!(
+                            "argument `{}` of `{}` must be a tensor, got {}",
+                            tp.name.name,
+                            def.name.name,
+                            other.kind()
+                        ),
                     )
                     .at(aspan, format!("this is {}", other.kind())))
                 }
@@ -1289,23 +1682,41 @@ impl<'p> Elab<'p> {
             frame.vars.insert(tp.name.name.clone(), value);
         }
         let flow = self.exec_block(&mut frame, &def.body)?;
-        let value = if flow.returned { self.returning.take() } else { flow.value };
+        let value = if flow.returned {
+            self.returning.take()
+        } else {
+            flow.value
+        };
         match value {
-            Some(Value::None) | None => Err(Diag::new("kiln::no-value", format!("layer `{}` produces no value", def.name.name))
-                .at(def.name.span, "its body does not end with an expression")
-                .help("end the body with the result, e.g. the name of the last tensor")),
+            Some(Value::None) | None => Err(Diag::new(
+                "kiln::no-value",
+                format!("layer `{}` produces no value", def.name.name),
+            )
+            .at(def.name.span, "its body does not end with an expression")
+            .help("end the body with the result, e.g. the name of the last tensor")),
             Some(v) => Ok(v),
         }
     }
 
     /// Checks a tensor against `x: f32[b, t, d_model]`, binding new dim names.
-    fn match_pattern(&mut self, frame: &mut Frame, def: &LayerDef, tp: &TensorParam, pat: &TensorTypeExpr, id: NodeId, aspan: Span) -> R<()> {
+    fn match_pattern(
+        &mut self,
+        frame: &mut Frame,
+        def: &LayerDef,
+        tp: &TensorParam,
+        pat: &TensorTypeExpr,
+        id: NodeId,
+        aspan: Span,
+    ) -> R<()> {
         let ty = self.ty(id);
         let pat_text = self.prog.sources.text(pat.span).to_string();
         let mismatch = |me: &Self, why: String| -> Diag {
             Diag::new(
                 "kiln::shape",
-                format!("argument `{}` of `{}` must be `{}`, got {}", tp.name.name, def.name.name, pat_text, ty),
+                format!(
+                    "argument `{}` of `{}` must be `{}`, got {}",
+                    tp.name.name, def.name.name, pat_text, ty
+                ),
             )
             .at(aspan, format!("this is {ty}"))
             .note(Some(pat.span), why)
@@ -1321,19 +1732,30 @@ impl<'p> Elab<'p> {
                 return Err(mismatch(self, format!("the element type must be {want}")));
             }
         }
-        let ell = pat.dims.iter().filter(|d| matches!(d, ShapeItem::Ellipsis(_))).count();
+        let ell = pat
+            .dims
+            .iter()
+            .filter(|d| matches!(d, ShapeItem::Ellipsis(_)))
+            .count();
         if ell > 1 {
-            return Err(Diag::new("kiln::type", "a pattern may contain `...` once").at(pat.span, "two `...`"));
+            return Err(Diag::new("kiln::type", "a pattern may contain `...` once")
+                .at(pat.span, "two `...`"));
         }
         let fixed = pat.dims.len() - ell;
         let rank = ty.shape.rank();
         if (ell == 0 && rank != fixed) || (ell == 1 && rank < fixed) {
             return Err(mismatch(
                 self,
-                format!("the pattern has {}{fixed} axes, the tensor {rank}", if ell == 1 { "at least " } else { "" }),
+                format!(
+                    "the pattern has {}{fixed} axes, the tensor {rank}",
+                    if ell == 1 { "at least " } else { "" }
+                ),
             ));
         }
-        let pos = pat.dims.iter().position(|d| matches!(d, ShapeItem::Ellipsis(_)));
+        let pos = pat
+            .dims
+            .iter()
+            .position(|d| matches!(d, ShapeItem::Ellipsis(_)));
         let skip = rank - fixed;
         let mut axis = 0;
         for (i, item) in pat.dims.iter().enumerate() {
@@ -1346,18 +1768,30 @@ impl<'p> Elab<'p> {
             match &e.kind {
                 ExprKind::Var(n) if n == "_" => {}
                 ExprKind::Var(n) if !frame.vars.contains_key(n) => {
-                    frame.vars.insert(n.clone(), Value::from_dim(actual.clone()));
+                    frame
+                        .vars
+                        .insert(n.clone(), Value::from_dim(actual.clone()));
                 }
                 _ => {
                     let want = self.eval(frame, e)?;
                     let Some(want) = want.as_dim() else {
-                        return Err(Diag::new("kiln::type", format!("a pattern dim must be an int or a dim, got {}", want.kind()))
-                            .at(e.span, ""));
+                        return Err(Diag::new(
+                            "kiln::type",
+                            format!("a pattern dim must be an int or a dim, got {}", want.kind()),
+                        )
+                        .at(e.span, ""));
                     };
                     if want != actual {
                         let etext = self.prog.sources.text(e.span).to_string();
-                        let shown = if etext == want.to_string() { etext } else { format!("{etext} = {want}") };
-                        return Err(mismatch(self, format!("axis {axis} must be {shown}, but it is {actual}")));
+                        let shown = if etext == want.to_string() {
+                            etext
+                        } else {
+                            format!("{etext} = {want}")
+                        };
+                        return Err(mismatch(
+                            self,
+                            format!("axis {axis} must be {shown}, but it is {actual}"),
+                        ));
                     }
                 }
             }
@@ -1389,7 +1823,11 @@ impl<'p> Elab<'p> {
         let mut out = HashMap::new();
         for (n, site) in &calls {
             let k = seen.entry(n.as_str()).or_insert(0);
-            let name = if count[n.as_str()] == 1 { n.clone() } else { format!("{n}_{k}") };
+            let name = if count[n.as_str()] == 1 {
+                n.clone()
+            } else {
+                format!("{n}_{k}")
+            };
             *k += 1;
             out.insert(*site, name);
         }
@@ -1401,12 +1839,15 @@ impl<'p> Elab<'p> {
 
 fn unknown_param<'a>(owner: &str, n: &Ident, names: impl Iterator<Item = &'a str>) -> Diag {
     let names: Vec<&str> = names.collect();
-    Diag::new("kiln::argument", format!("`{owner}` has no parameter `{}`", n.name))
-        .at(n.span, "unknown parameter")
-        .help(match did_you_mean(&n.name, names.iter().copied()) {
-            Some(s) => s,
-            None => format!("its parameters are: {}", names.join(", ")),
-        })
+    Diag::new(
+        "kiln::argument",
+        format!("`{owner}` has no parameter `{}`", n.name),
+    )
+    .at(n.span, "unknown parameter")
+    .help(match did_you_mean(&n.name, names.iter().copied()) {
+        Some(s) => s,
+        None => format!("its parameters are: {}", names.join(", ")),
+    })
 }
 
 pub(crate) fn parse_dtype(id: &Ident) -> R<DType> {
@@ -1435,10 +1876,17 @@ fn check_type(p: &HyperParam, v: Value, span: Span) -> R<Value> {
         ("tensor", Value::Tensor(_)) => true,
         ("list", Value::List(_)) => true,
         ("any", _) => true,
-        (t, _) if !["int", "float", "bool", "str", "dim", "layer", "tensor", "list", "any"].contains(&t) => {
-            return Err(Diag::new("kiln::type", format!("unknown parameter type `{t}`"))
-                .at(ty.span, "not a type")
-                .help("types are int, float, bool, str, dim, layer, tensor, list and any"))
+        (t, _)
+            if ![
+                "int", "float", "bool", "str", "dim", "layer", "tensor", "list", "any",
+            ]
+            .contains(&t) =>
+        {
+            return Err(
+                Diag::new("kiln::type", format!("unknown parameter type `{t}`"))
+                    .at(ty.span, "not a type")
+                    .help("types are int, float, bool, str, dim, layer, tensor, list and any"),
+            )
         }
         _ => false,
     };
@@ -1448,10 +1896,18 @@ fn check_type(p: &HyperParam, v: Value, span: Span) -> R<Value> {
     let article = if ty.name == "int" { "an" } else { "a" };
     let mut d = Diag::new(
         "kiln::type",
-        format!("`{}` must be {article} {}, got {} ({v})", p.name.name, ty.name, v.kind()),
+        format!(
+            "`{}` must be {article} {}, got {} ({v})",
+            p.name.name,
+            ty.name,
+            v.kind()
+        ),
     )
     .at(span, format!("this is {}", v.kind()))
-    .note(Some(ty.span), format!("`{}` is declared `{}` here", p.name.name, ty.name));
+    .note(
+        Some(ty.span),
+        format!("`{}` is declared `{}` here", p.name.name, ty.name),
+    );
     if let (Value::Float(x), "int") = (&v, ty.name.as_str()) {
         d = d.help(format!("use a whole number, e.g. {}", x.round() as i64));
     }
@@ -1460,18 +1916,23 @@ fn check_type(p: &HyperParam, v: Value, span: Span) -> R<Value> {
 
 /// Parses a `--set` value by the parameter's declared type (or its default's form).
 fn parse_override(o: &Override, p: &HyperParam) -> R<Value> {
-    let ty = p.ty.as_ref().map(|t| t.name.as_str()).unwrap_or_else(|| match p.default.as_ref().map(|d| &d.kind) {
-        Some(ExprKind::Int(_)) => "int",
-        Some(ExprKind::Float(_)) => "float",
-        Some(ExprKind::Bool(_)) => "bool",
-        Some(ExprKind::Str(_)) => "str",
-        _ => "any",
+    let ty = p.ty.as_ref().map(|t| t.name.as_str()).unwrap_or_else(|| {
+        match p.default.as_ref().map(|d| &d.kind) {
+            Some(ExprKind::Int(_)) => "int",
+            Some(ExprKind::Float(_)) => "float",
+            Some(ExprKind::Bool(_)) => "bool",
+            Some(ExprKind::Str(_)) => "str",
+            _ => "any",
+        }
     });
     let text = o.value.trim();
     let bad = |what: &str, example: &str| {
         Diag::new(
             "kiln::set",
-            format!("`--set {}={}`: `{}` is {what}, and `{}` is not one", o.key, o.value, o.key, text),
+            format!(
+                "`--set {}={}`: `{}` is {what}, and `{}` is not one",
+                o.key, o.value, o.key, text
+            ),
         )
         .at(o.value_span, format!("not {what}"))
         .help(format!("for example `--set {}={example}`", o.key))
@@ -1506,38 +1967,56 @@ fn parse_override(o: &Override, p: &HyperParam) -> R<Value> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sa: Span, sb: Span, span: Span) -> R<Value> {
-    let overflow = || Diag::new("kiln::overflow", format!("`{ta} {} {tb}` overflows", op.symbol())).at(span, "");
+fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sb: Span, span: Span) -> R<Value> {
+    let overflow = || {
+        Diag::new(
+            "kiln::overflow",
+            format!("`{ta} {} {tb}` overflows", op.symbol()),
+        )
+        .at(span, "")
+    };
     Ok(match op {
         BinOp::Add => Value::Int(x.checked_add(y).ok_or_else(overflow)?),
         BinOp::Sub => Value::Int(x.checked_sub(y).ok_or_else(overflow)?),
         BinOp::Mul => Value::Int(x.checked_mul(y).ok_or_else(overflow)?),
         BinOp::Div => {
             if y == 0 {
-                return Err(Diag::new("kiln::arith", format!("division by zero: `{tb}` is 0")).at(sb, "this is 0"));
+                return Err(
+                    Diag::new("kiln::arith", format!("division by zero: `{tb}` is 0"))
+                        .at(sb, "this is 0"),
+                );
             }
             if x % y != 0 {
                 let near: Vec<String> = divisors_near(x, y).iter().map(|d| d.to_string()).collect();
-                let shown = |t: &str, v: i64| if t == v.to_string() { format!("`{t}`") } else { format!("`{t}` ({v})") };
+                let shown = |t: &str, v: i64| {
+                    if t == v.to_string() {
+                        format!("`{t}`")
+                    } else {
+                        format!("`{t}` ({v})")
+                    }
+                };
                 return Err(Diag::new(
                     "kiln::divisibility",
                     format!("{} is not divisible by {}", shown(ta, x), shown(tb, y)),
                 )
                 .at(span, format!("{x} / {y} leaves a remainder of {}", x % y))
-                .label(sa, format!("{x}"))
-                .label(sb, format!("{y}"))
                 .help(if near.is_empty() {
                     format!("`{tb}` must divide `{ta}`; for a fraction write `{ta} * 1.0 / {tb}`")
                 } else {
-                    format!("`{tb}` must divide `{ta}`: divisors of {x} near {y} are {}", near.join(" and "))
+                    format!(
+                        "`{tb}` must divide `{ta}`: divisors of {x} near {y} are {}",
+                        near.join(" and ")
+                    )
                 }));
             }
             Value::Int(x / y)
         }
         BinOp::Rem => {
             if y == 0 {
-                return Err(Diag::new("kiln::arith", format!("remainder by zero: `{tb}` is 0")).at(sb, "this is 0"));
+                return Err(
+                    Diag::new("kiln::arith", format!("remainder by zero: `{tb}` is 0"))
+                        .at(sb, "this is 0"),
+                );
             }
             Value::Int(x.rem_euclid(y))
         }
@@ -1556,9 +2035,11 @@ fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sa: Span, sb: Span, spa
         BinOp::Gt => Value::Bool(x > y),
         BinOp::Ge => Value::Bool(x >= y),
         BinOp::MatMul => {
-            return Err(Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
-                .at(span, "")
-                .help("use `*` for numbers"))
+            return Err(
+                Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
+                    .at(span, "")
+                    .help("use `*` for numbers"),
+            )
         }
         BinOp::And | BinOp::Or => unreachable!("handled before"),
     })
@@ -1580,7 +2061,10 @@ fn float_op(op: BinOp, x: f64, y: f64, tb: &str, sb: Span, span: Span) -> R<Valu
         BinOp::Sub => x - y,
         BinOp::Mul => x * y,
         BinOp::Div | BinOp::Rem if y == 0.0 => {
-            return Err(Diag::new("kiln::arith", format!("division by zero: `{tb}` is 0")).at(sb, "this is 0"))
+            return Err(
+                Diag::new("kiln::arith", format!("division by zero: `{tb}` is 0"))
+                    .at(sb, "this is 0"),
+            )
         }
         BinOp::Div => x / y,
         BinOp::Rem => x.rem_euclid(y),
@@ -1592,14 +2076,19 @@ fn float_op(op: BinOp, x: f64, y: f64, tb: &str, sb: Span, span: Span) -> R<Valu
         BinOp::Gt => return Ok(Value::Bool(x > y)),
         BinOp::Ge => return Ok(Value::Bool(x >= y)),
         BinOp::MatMul => {
-            return Err(Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
-                .at(span, "")
-                .help("use `*` for numbers"))
+            return Err(
+                Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
+                    .at(span, "")
+                    .help("use `*` for numbers"),
+            )
         }
         BinOp::And | BinOp::Or => unreachable!("handled before"),
     };
     if !v.is_finite() {
-        return Err(Diag::new("kiln::arith", format!("`{}` is not a finite number", v)).at(span, "result is not finite"));
+        return Err(
+            Diag::new("kiln::arith", format!("`{}` is not a finite number", v))
+                .at(span, "result is not finite"),
+        );
     }
     Ok(Value::Float(v))
 }

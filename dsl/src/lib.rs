@@ -87,21 +87,29 @@ fn parse_overrides(prog: &mut Program, raw: &[String]) -> Result<Vec<Override>, 
     let mut out: Vec<Override> = Vec::new();
     for (r, (start, end)) in raw.iter().zip(spans) {
         let Some(eq) = r.find('=') else {
-            return Err(diagnostics::Diag::new("kiln::set", format!("`--set {r}` needs the form key=value"))
-                .at(Span::new(file, start, end), "no `=`")
-                .help(format!("for example `--set {}=512`", r.trim())));
+            return Err(diagnostics::Diag::new(
+                "kiln::set",
+                format!("`--set {r}` needs the form key=value"),
+            )
+            .at(Span::new(file, start, end), "no `=`")
+            .help(format!("for example `--set {}=512`", r.trim())));
         };
         let key = r[..eq].trim().to_string();
         if key.is_empty() {
-            return Err(diagnostics::Diag::new("kiln::set", format!("`--set {r}` has no parameter name"))
-                .at(Span::new(file, start, start + eq + 1), "name missing")
-                .help("write `--set d_model=512`"));
+            return Err(diagnostics::Diag::new(
+                "kiln::set",
+                format!("`--set {r}` has no parameter name"),
+            )
+            .at(Span::new(file, start, start + eq + 1), "name missing")
+            .help("write `--set d_model=512`"));
         }
         if let Some(prev) = out.iter().find(|o| o.key == key) {
-            return Err(diagnostics::Diag::new("kiln::set", format!("`{key}` is set twice"))
-                .at(Span::new(file, start, end), "second time")
-                .label(prev.key_span, "first time")
-                .help("set each parameter once"));
+            return Err(
+                diagnostics::Diag::new("kiln::set", format!("`{key}` is set twice"))
+                    .at(Span::new(file, start, end), "second time")
+                    .label(prev.key_span, "first time")
+                    .help("set each parameter once"),
+            );
         }
         out.push(Override {
             key,
@@ -121,7 +129,11 @@ fn pick_model(prog: &Program, wanted: Option<&str>) -> Result<String, diagnostic
             return Ok(w.to_string());
         }
         let names: Vec<&str> = prog.models.keys().map(|s| s.as_str()).collect();
-        return Err(Diag::new("kiln::unknown-model", format!("`{}` defines no model `{w}`", main.name)).help(
+        return Err(Diag::new(
+            "kiln::unknown-model",
+            format!("`{}` defines no model `{w}`", main.name),
+        )
+        .help(
             diagnostics::did_you_mean(w, names.iter().copied())
                 .unwrap_or_else(|| format!("its models are: {}", names.join(", "))),
         ));
@@ -135,9 +147,12 @@ fn pick_model(prog: &Program, wanted: Option<&str>) -> Result<String, diagnostic
             });
             let end = main.text.len();
             if blank {
-                Err(Diag::new("kiln::empty", format!("`{}` is empty: there is no model to compile", main.name))
-                    .at(Span::new(prog.main_file, end, end), "nothing here")
-                    .help("a spec needs a model: `model name(d: int = 4) { ... }`"))
+                Err(Diag::new(
+                    "kiln::empty",
+                    format!("`{}` is empty: there is no model to compile", main.name),
+                )
+                .at(Span::new(prog.main_file, end, end), "nothing here")
+                .help("a spec needs a model: `model name(d: int = 4) { ... }`"))
             } else {
                 Err(Diag::new("kiln::no-model", format!("`{}` defines no model", main.name))
                     .at(Span::new(prog.main_file, 0, main.text.find('\n').unwrap_or(end).min(end)), "only layers and imports")
@@ -146,7 +161,12 @@ fn pick_model(prog: &Program, wanted: Option<&str>) -> Result<String, diagnostic
         }
         many => Err(Diag::new(
             "kiln::ambiguous-model",
-            format!("`{}` defines {} models: {}", main.name, many.len(), many.join(", ")),
+            format!(
+                "`{}` defines {} models: {}",
+                main.name,
+                many.len(),
+                many.join(", ")
+            ),
         )
         .help(format!("choose one with `--model {}`", many[0]))),
     }

@@ -44,9 +44,15 @@ struct Loader {
 pub fn read_source(path: &Path) -> Result<String, Error> {
     let bytes = std::fs::read(path).map_err(|e| {
         let help = match e.kind() {
-            std::io::ErrorKind::NotFound => Some("check the path; specs usually live in `models/`".to_string()),
-            std::io::ErrorKind::PermissionDenied => Some("check the file's permissions".to_string()),
-            _ if path.is_dir() => Some("give the path of a `.kiln` file, not a directory".to_string()),
+            std::io::ErrorKind::NotFound => {
+                Some("check the path; specs usually live in `models/`".to_string())
+            }
+            std::io::ErrorKind::PermissionDenied => {
+                Some("check the file's permissions".to_string())
+            }
+            _ if path.is_dir() => {
+                Some("give the path of a `.kiln` file, not a directory".to_string())
+            }
             _ => None,
         };
         Error::plain(
@@ -89,7 +95,11 @@ fn io_reason(e: &std::io::Error) -> String {
 /// Loads a spec file, its imports and the prelude.
 pub fn load_file(path: &Path) -> Result<Program, Error> {
     let text = read_source(path)?;
-    load_text(&path.display().to_string(), &text, path.parent().map(Path::to_path_buf))
+    load_text(
+        &path.display().to_string(),
+        &text,
+        path.parent().map(Path::to_path_buf),
+    )
 }
 
 /// Loads spec text (imports resolve against `dir`).
@@ -107,7 +117,9 @@ pub fn load_text(name: &str, text: &str, dir: Option<PathBuf>) -> Result<Program
     }
     let main = l.sources.add(name, text, false);
     if let Some(dir) = &dir {
-        if let Ok(canon) = std::fs::canonicalize(dir.join(Path::new(name).file_name().unwrap_or_default())) {
+        if let Ok(canon) =
+            std::fs::canonicalize(dir.join(Path::new(name).file_name().unwrap_or_default()))
+        {
             l.loaded.insert(canon);
         }
     }
@@ -172,10 +184,13 @@ impl Loader {
                 Item::Model(def) => {
                     let name = def.name.name.clone();
                     if let Some(prev) = self.models.get(&name) {
-                        return Err(Diag::new("kiln::duplicate", format!("model `{name}` is defined twice"))
-                            .at(def.name.span, "second definition")
-                            .label(prev.name.span, "first definition")
-                            .help("rename one of them"));
+                        return Err(Diag::new(
+                            "kiln::duplicate",
+                            format!("model `{name}` is defined twice"),
+                        )
+                        .at(def.name.span, "second definition")
+                        .label(prev.name.span, "first definition")
+                        .help("rename one of them"));
                     }
                     if let ModelKind::Full { params, .. } = &def.kind {
                         check_unique(params.iter().map(|p| &p.name), "parameter")?;
@@ -212,7 +227,11 @@ impl Loader {
             Err(e) => {
                 return Err(Diag::new(
                     "kiln::import",
-                    format!("cannot import `{path}`: {} (looked for `{}`)", io_reason(&e), full.display()),
+                    format!(
+                        "cannot import `{path}`: {} (looked for `{}`)",
+                        io_reason(&e),
+                        full.display()
+                    ),
                 )
                 .at(span, "imported here")
                 .help("import paths are relative to the importing file"))
@@ -225,14 +244,20 @@ impl Loader {
     }
 }
 
-fn check_unique<'a>(names: impl Iterator<Item = &'a crate::ast::Ident>, what: &str) -> Result<(), Diag> {
+fn check_unique<'a>(
+    names: impl Iterator<Item = &'a crate::ast::Ident>,
+    what: &str,
+) -> Result<(), Diag> {
     let mut seen: HashMap<&str, Span> = HashMap::new();
     for n in names {
         if let Some(prev) = seen.insert(&n.name, n.span) {
-            return Err(Diag::new("kiln::duplicate", format!("{what} `{}` is declared twice", n.name))
-                .at(n.span, "second declaration")
-                .label(prev, "first declaration")
-                .help("each name may appear once"));
+            return Err(Diag::new(
+                "kiln::duplicate",
+                format!("{what} `{}` is declared twice", n.name),
+            )
+            .at(n.span, "second declaration")
+            .label(prev, "first declaration")
+            .help("each name may appear once"));
         }
     }
     Ok(())
@@ -286,7 +311,10 @@ fn check_recursion(layers: &BTreeMap<String, Rc<LayerDef>>) -> Result<(), Diag> 
         .map(|(n, d)| {
             (
                 n.as_str(),
-                callees(d).into_iter().filter(|(c, _)| layers.contains_key(c)).collect(),
+                callees(d)
+                    .into_iter()
+                    .filter(|(c, _)| layers.contains_key(c))
+                    .collect(),
             )
         })
         .collect();
@@ -303,7 +331,10 @@ fn check_recursion(layers: &BTreeMap<String, Rc<LayerDef>>) -> Result<(), Diag> 
             match mark.get(c.as_str()).copied() {
                 Some(Mark::Active) => {
                     let start = path.iter().position(|(p, _)| *p == c.as_str()).unwrap_or(0);
-                    let cycle = path[start..].iter().map(|(p, s)| (p.to_string(), *s)).collect();
+                    let cycle = path[start..]
+                        .iter()
+                        .map(|(p, s)| (p.to_string(), *s))
+                        .collect();
                     return Some(cycle);
                 }
                 Some(Mark::New) => {

@@ -36,7 +36,9 @@ pub fn parse_file(file: u32, text: &str, next_site: &Cell<u32>) -> PResult<File>
         site: next_site,
         pratt: pratt(),
     };
-    let top = pairs.next().expect("a successful parse yields the file rule");
+    let top = pairs
+        .next()
+        .expect("a successful parse yields the file rule");
     let mut items = Vec::new();
     for item in top.into_inner() {
         match item.as_rule() {
@@ -92,7 +94,11 @@ impl<'t> Parser<'t> {
     /// whitespace rule may have consumed after it.
     fn span(&self, p: &Pair<Rule>) -> Span {
         let s = p.as_span();
-        Span::new(self.file, s.start(), s.start() + trimmed_len(&self.text[s.start()..s.end()]))
+        Span::new(
+            self.file,
+            s.start(),
+            s.start() + trimmed_len(&self.text[s.start()..s.end()]),
+        )
     }
 
     fn ident(&self, p: Pair<Rule>) -> Ident {
@@ -477,7 +483,10 @@ impl<'t> Parser<'t> {
         let kind = match x.as_rule() {
             Rule::if_expr => return self.if_expr(x),
             Rule::list => {
-                let items = x.into_inner().map(|e| self.expr(e)).collect::<PResult<_>>()?;
+                let items = x
+                    .into_inner()
+                    .map(|e| self.expr(e))
+                    .collect::<PResult<_>>()?;
                 ExprKind::List(items)
             }
             Rule::paren => {
@@ -527,8 +536,10 @@ impl<'t> Parser<'t> {
         if clean.contains(['.', 'e', 'E']) {
             match clean.parse::<f64>() {
                 Ok(v) if v.is_finite() => Ok(ExprKind::Float(v)),
-                _ => Err(Diag::new("kiln::number", format!("`{text}` is not a finite number"))
-                    .at(span, "this number")),
+                _ => Err(
+                    Diag::new("kiln::number", format!("`{text}` is not a finite number"))
+                        .at(span, "this number"),
+                ),
             }
         } else {
             clean.parse::<i64>().map(ExprKind::Int).map_err(|_| {
@@ -549,8 +560,12 @@ fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
         InputLocation::Pos(p) => p,
         InputLocation::Span((s, _)) => s,
     };
-    if let Some(d) = bracket_error(file, text) {
-        return d;
+    if let Some((at, d)) = bracket_error(file, text) {
+        // An unclosed bracket that opens before the parser's complaint, or a stray closer
+        // the parser got as far as, explains the error better than the parser can.
+        if at <= pos {
+            return d;
+        }
     }
     let found = found_token(text, pos);
     let expected = match &e.variant {
@@ -563,9 +578,12 @@ fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
     } else {
         format!("expected {expected}, found {found}")
     };
-    let mut d = Diag::new("kiln::syntax", msg).at(Span::new(file, pos, end), format!("unexpected {found}"));
+    let mut d =
+        Diag::new("kiln::syntax", msg).at(Span::new(file, pos, end), format!("unexpected {found}"));
     if pos == 0 && !text.trim_start().starts_with(['m', 'l', 'i', '#']) {
         d = d.help("a spec is a list of `model`, `layer` and `import` items");
+    } else if text[..pos].trim_end().ends_with('=') && !text[..pos].trim_end().ends_with("==") {
+        d = d.help("a named argument needs a value, as in `h = 8`");
     } else if text[pos..].starts_with('=') && !text[pos..].starts_with("==") {
         d = d.help("`=` binds a name (`x = ...`) or a named argument (`h = 8`); compare with `==`");
     }
@@ -574,7 +592,7 @@ fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
 
 /// Unbalanced `(`, `[` or `{` (comments and strings skipped): the most common cause of a
 /// parse error, and one whose real location is the opening bracket, not the end of file.
-fn bracket_error(file: u32, text: &str) -> Option<Diag> {
+fn bracket_error(file: u32, text: &str) -> Option<(usize, Diag)> {
     let bytes = text.as_bytes();
     let mut stack: Vec<(u8, usize)> = Vec::new();
     let mut i = 0;
@@ -597,11 +615,15 @@ fn bracket_error(file: u32, text: &str) -> Option<Diag> {
                 }
                 if i >= bytes.len() || bytes[i] == b'\n' {
                     let start = text[..i.min(text.len())].rfind('"').unwrap_or(0);
-                    return Some(
+                    return Some((
+                        start,
                         Diag::new("kiln::syntax", "unterminated string")
-                            .at(Span::new(file, start, start + 1), "this string is never closed")
+                            .at(
+                                Span::new(file, start, start + 1),
+                                "this string is never closed",
+                            )
                             .help("close it with `\"` on the same line"),
-                    );
+                    ));
                 }
             }
             b'(' | b'[' | b'{' => stack.push((c, i)),
@@ -614,32 +636,40 @@ fn bracket_error(file: u32, text: &str) -> Option<Diag> {
                 match stack.pop() {
                     Some((open, _)) if open == want => {}
                     Some((open, at)) => {
-                        return Some(
+                        let (line, _) = line_of(text, i);
+                        return Some((
+                            at,
                             Diag::new(
                                 "kiln::syntax",
                                 format!(
-                                    "`{}` closes `{}`",
-                                    c as char, open as char
+                                    "unclosed `{}`: the `{}` on line {line} comes before its `{}`",
+                                    open as char,
+                                    c as char,
+                                    closer(open)
                                 ),
                             )
-                            .at(Span::new(file, i, i + 1), "this bracket")
-                            .label(
+                            .at(
                                 Span::new(file, at, at + 1),
-                                format!("`{}` opened here", open as char),
+                                format!("this `{}` is never closed", open as char),
+                            )
+                            .label(
+                                Span::new(file, i, i + 1),
+                                format!("`{}` found here", c as char),
                             )
                             .help(format!(
-                                "close `{}` with `{}` first",
-                                open as char,
-                                closer(open)
+                                "add `{}` where the `{}` should end",
+                                closer(open),
+                                open as char
                             )),
-                        )
+                        ));
                     }
                     None => {
-                        return Some(
+                        return Some((
+                            i,
                             Diag::new("kiln::syntax", format!("unmatched `{}`", c as char))
                                 .at(Span::new(file, i, i + 1), "nothing to close here")
                                 .help("remove it, or add the opening bracket it belongs to"),
-                        )
+                        ))
                     }
                 }
             }
@@ -650,14 +680,21 @@ fn bracket_error(file: u32, text: &str) -> Option<Diag> {
     let (open, at) = stack.pop()?;
     let what = if open == b'{' { "block" } else { "bracket" };
     let (line, _) = line_of(text, at);
-    Some(
+    Some((
+        at,
         Diag::new(
             "kiln::unterminated",
-            format!("unterminated {what}: `{}` on line {line} is never closed", open as char),
+            format!(
+                "unterminated {what}: `{}` on line {line} is never closed",
+                open as char
+            ),
         )
-        .at(Span::new(file, at, at + 1), format!("this `{}` has no matching `{}`", open as char, closer(open)))
+        .at(
+            Span::new(file, at, at + 1),
+            format!("this `{}` has no matching `{}`", open as char, closer(open)),
+        )
         .help(format!("add `{}` where it should end", closer(open))),
-    )
+    ))
 }
 
 /// Length of `text` without trailing whitespace and trailing `#` comments.
@@ -698,7 +735,10 @@ fn closer(open: u8) -> char {
 fn line_of(text: &str, pos: usize) -> (usize, usize) {
     let before = &text[..pos.min(text.len())];
     let line = before.matches('\n').count() + 1;
-    (line, pos - before.rfind('\n').map(|i| i + 1).unwrap_or(0) + 1)
+    (
+        line,
+        pos - before.rfind('\n').map(|i| i + 1).unwrap_or(0) + 1,
+    )
 }
 
 fn found_len(text: &str, pos: usize) -> usize {
@@ -738,6 +778,7 @@ fn describe(rules: &[Rule]) -> String {
     for r in rules {
         let name = match r {
             Rule::EOI => "end of file",
+            Rule::file => "`model`, `layer` or `import`",
             Rule::import | Rule::kw_import => "`import`",
             Rule::model_def | Rule::kw_model => "`model`",
             Rule::layer_def | Rule::kw_layer => "`layer`",
@@ -761,9 +802,12 @@ fn describe(rules: &[Rule]) -> String {
             | Rule::return_stmt
             | Rule::assign_stmt
             | Rule::expr_stmt => "a statement",
-            Rule::expr | Rule::postfix | Rule::primary | Rule::paren | Rule::list | Rule::if_expr => {
-                "an expression"
-            }
+            Rule::expr
+            | Rule::postfix
+            | Rule::primary
+            | Rule::paren
+            | Rule::list
+            | Rule::if_expr => "an expression",
             Rule::neg | Rule::not | Rule::kw_not => "an expression",
             Rule::or
             | Rule::and
@@ -818,4 +862,3 @@ fn describe(rules: &[Rule]) -> String {
         n => format!("{} or {}", names[..n - 1].join(", "), names[n - 1]),
     }
 }
-

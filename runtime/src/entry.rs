@@ -1,0 +1,188 @@
+//! Entry points and the checks on what is fed to them.
+//!
+//! In: a model graph (every output and the objective) and the name of an entry point;
+//! tensors read from safetensors files. Out: the pruned graph of that entry
+//! ([`entry_graph`]), or an error that names the entry, tensor or parameter at fault
+//! and says how to fix it ([`check_inputs`], [`check_weights`]).
+//!
+//! Entry points today: `forward` (every declared output except the objective) and
+//! `loss` (the objective alone). `train_step`, `encode` and `decode_step` are derived by
+//! the compiler in later work.
+
+use std::collections::BTreeMap;
+
+use kiln_compiler::ir::{Graph, Op};
+use kiln_compiler::tensor::Tensor;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    Forward,
+    Loss,
+}
+
+impl Entry {
+    pub const NAMES: [&'static str; 2] = ["forward", "loss"];
+
+    pub fn parse(s: &str) -> Result<Entry, RuntimeError> {
+        match s {
+            "forward" => Ok(Entry::Forward),
+            "loss" => Ok(Entry::Loss),
+            other => Err(RuntimeError::new(
+                format!("unknown entry point `{other}`"),
+                format!(
+                    "entry points are {}{}",
+                    Entry::NAMES.join(", "),
+                    if ["train_step", "encode", "decode_step"].contains(&other) {
+                        format!("; `{other}` is not implemented yet")
+                    } else {
+                        String::new()
+                    }
+                ),
+            )),
+        }
+    }
+}
+
+/// An error with a fix.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RuntimeError {
+    pub message: String,
+    pub help: String,
+}
+
+impl RuntimeError {
+    pub fn new(message: impl Into<String>, help: impl Into<String>) -> RuntimeError {
+        RuntimeError {
+            message: message.into(),
+            help: help.into(),
+        }
+    }
+}
+
+/// The graph of one entry point of a model.
+pub fn entry_graph(model: &Graph, entry: Entry) -> Result<Graph, RuntimeError> {
+    let outputs = match entry {
+        Entry::Forward => model.forward_outputs(),
+        Entry::Loss => match &model.objective {
+            Some(o) => vec![o.clone()],
+            None => return Err(RuntimeError::new(
+                format!(
+                    "model `{}` declares no objective, so it has no `loss` entry",
+                    model.name
+                ),
+                "declare one in the spec: `objective loss = label_smoothed_xent(logits, targets)`",
+            )),
+        },
+    };
+    if outputs.is_empty() {
+        return Err(RuntimeError::new(
+            format!(
+                "model `{}` has no outputs besides its objective",
+                model.name
+            ),
+            "use `--entry loss`, or declare an `output` in the spec",
+        ));
+    }
+    model
+        .prune(&outputs)
+        .map_err(|e| RuntimeError::new(e.to_string(), "this is a bug in kiln; please report it"))
+}
+
+/// Rejects tensors whose names are not inputs of the model (a typo, or a file meant for
+/// another spec). Inputs of the model that this entry does not use are fine.
+pub fn check_inputs(
+    model: &Graph,
+    file: &str,
+    inputs: &BTreeMap<String, Tensor>,
+) -> Result<(), RuntimeError> {
+    let names: Vec<&str> = model
+        .inputs
+        .iter()
+        .filter_map(|&i| model.source_name(i))
+        .collect();
+    for name in inputs.keys() {
+        if !names.contains(&name.as_str()) {
+            let near = names
+                .iter()
+                .min_by_key(|n| strsim::levenshtein(n, name))
+                .filter(|n| strsim::levenshtein(n, name) <= 2);
+            return Err(RuntimeError::new(
+                format!(
+                    "`{file}` has a tensor `{name}`, which is not an input of model `{}`",
+                    model.name
+                ),
+                match near {
+                    Some(n) => format!("did you mean `{n}`? the inputs are {}", names.join(", ")),
+                    None => format!("the inputs are {}", names.join(", ")),
+                },
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a weights file against the model: every tensor must be a parameter of the
+/// model with exactly its shape; parameters the file lacks are reported all at once.
+pub fn check_weights(
+    model: &Graph,
+    file: &str,
+    weights: &BTreeMap<String, Tensor>,
+) -> Result<(), RuntimeError> {
+    let mut want: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for &p in &model.params {
+        if let Op::Param { name, .. } = &model.node(p).op {
+            want.insert(name, model.ty(p).shape.as_consts().unwrap_or_default());
+        }
+    }
+    for (name, t) in weights {
+        let Some(shape) = want.get(name.as_str()) else {
+            return Err(RuntimeError::new(
+                format!("`{file}` has a tensor `{name}`, which is not a parameter of model `{}`", model.name),
+                "these weights belong to another spec (or other --set values); regenerate them with `kiln init`",
+            ));
+        };
+        if &t.shape != shape {
+            return Err(RuntimeError::new(
+                format!(
+                    "parameter `{name}` in `{file}` has shape {:?}, but model `{}` needs {:?}",
+                    t.shape, model.name, shape
+                ),
+                "the weights were made for other model dimensions; check the --set values",
+            ));
+        }
+        if !matches!(t.dtype_name(), "f32" | "f64") {
+            return Err(RuntimeError::new(
+                format!(
+                    "parameter `{name}` in `{file}` is {}, but parameters are floats",
+                    t.dtype_name()
+                ),
+                "store parameters as F32",
+            ));
+        }
+    }
+    let missing: Vec<&str> = want
+        .keys()
+        .filter(|n| !weights.contains_key(**n))
+        .copied()
+        .collect();
+    if !missing.is_empty() {
+        let shown: Vec<&str> = missing.iter().take(5).copied().collect();
+        return Err(RuntimeError::new(
+            format!(
+                "`{file}` lacks {} of the {} parameters of model `{}`: {}{}",
+                missing.len(),
+                want.len(),
+                model.name,
+                shown.join(", "),
+                if missing.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            ),
+            "make a complete weights file with `kiln init`",
+        ));
+    }
+    Ok(())
+}
