@@ -18,9 +18,25 @@ use miette::{
 
 use crate::source::{SourceMap, Span};
 
-/// A diagnostic under construction.
+/// A diagnostic under construction (boxed: errors travel through every `Result`).
 #[derive(Clone, Debug)]
-pub struct Diag {
+pub struct Diag(Box<DiagData>);
+
+impl std::ops::Deref for Diag {
+    type Target = DiagData;
+    fn deref(&self) -> &DiagData {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Diag {
+    fn deref_mut(&mut self) -> &mut DiagData {
+        &mut self.0
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DiagData {
     pub code: &'static str,
     pub message: String,
     pub span: Option<Span>,
@@ -34,7 +50,7 @@ pub struct Diag {
 
 impl Diag {
     pub fn new(code: &'static str, message: impl Into<String>) -> Diag {
-        Diag {
+        Diag(Box::new(DiagData {
             code,
             message: message.into(),
             span: None,
@@ -43,7 +59,7 @@ impl Diag {
             help: None,
             notes: vec![],
             stack: vec![],
-        }
+        }))
     }
 
     pub fn at(mut self, span: Span, label: impl Into<String>) -> Diag {
@@ -54,18 +70,18 @@ impl Diag {
     }
 
     pub fn label(mut self, span: Span, label: impl Into<String>) -> Diag {
-        self.labels.push((span, label.into()));
+        self.0.labels.push((span, label.into()));
         self
     }
 
     pub fn help(mut self, help: impl Into<String>) -> Diag {
-        self.help = Some(help.into());
+        self.0.help = Some(help.into());
         self
     }
 
     pub fn help_opt(mut self, help: Option<String>) -> Diag {
         if help.is_some() {
-            self.help = help;
+            self.0.help = help;
         }
         self
     }
@@ -151,15 +167,15 @@ impl Diag {
             }
             source = Some(src);
         }
-        Error {
+        Error(Box::new(ErrorData {
             code: d.code,
-            message: d.message,
+            message: d.message.clone(),
             severity: Severity::Error,
-            help: d.help,
+            help: d.help.clone(),
             labels,
             source,
             related,
-        }
+        }))
     }
 }
 
@@ -216,7 +232,10 @@ fn snippet(sources: &SourceMap, span: Span) -> (NamedSource<String>, SpanMap) {
 
 /// A finished diagnostic: owns the text it shows.
 #[derive(Debug)]
-pub struct Error {
+pub struct Error(Box<ErrorData>);
+
+#[derive(Debug)]
+struct ErrorData {
     code: &'static str,
     message: String,
     severity: Severity,
@@ -237,7 +256,7 @@ impl Error {
             source = Some(src);
             message = format!("{msg} ({})", sources.location(span));
         }
-        Error {
+        Error(Box::new(ErrorData {
             code: "",
             message,
             severity: Severity::Advice,
@@ -245,12 +264,12 @@ impl Error {
             labels,
             source,
             related: vec![],
-        }
+        }))
     }
 
     /// An error that points at no source (a missing file, a bad command line).
     pub fn plain(code: &'static str, message: impl Into<String>, help: Option<String>) -> Error {
-        Error {
+        Error(Box::new(ErrorData {
             code,
             message: message.into(),
             severity: Severity::Error,
@@ -258,20 +277,20 @@ impl Error {
             labels: vec![],
             source: None,
             related: vec![],
-        }
+        }))
     }
 
     /// The diagnostic code (`kiln::unknown-layer`).
     pub fn code_str(&self) -> &'static str {
-        self.code
+        self.0.code
     }
 
     pub fn message(&self) -> &str {
-        &self.message
+        &self.0.message
     }
 
     pub fn help_text(&self) -> Option<&str> {
-        self.help.as_deref()
+        self.0.help.as_deref()
     }
 
     /// Renders the diagnostic as text: unicode frame, fixed width, no terminal links;
@@ -288,7 +307,7 @@ impl Error {
             .with_context_lines(1);
         let mut out = String::new();
         if handler.render_report(&mut out, self).is_err() {
-            out = format!("error: {}\n", self.message);
+            out = format!("error: {}\n", self.0.message);
         }
         out
     }
@@ -296,7 +315,7 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
+        f.write_str(&self.0.message)
     }
 }
 
@@ -304,40 +323,43 @@ impl std::error::Error for Error {}
 
 impl Diagnostic for Error {
     fn code<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
-        if self.code.is_empty() {
+        if self.0.code.is_empty() {
             None
         } else {
-            Some(Box::new(self.code))
+            Some(Box::new(self.0.code))
         }
     }
 
     fn severity(&self) -> Option<Severity> {
-        Some(self.severity)
+        Some(self.0.severity)
     }
 
     fn help<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
-        self.help
+        self.0
+            .help
             .as_ref()
             .map(|h| Box::new(h.as_str()) as Box<dyn fmt::Display>)
     }
 
     fn source_code(&self) -> Option<&dyn miette::SourceCode> {
-        self.source.as_ref().map(|s| s as &dyn miette::SourceCode)
+        self.0.source.as_ref().map(|s| s as &dyn miette::SourceCode)
     }
 
     fn labels(&self) -> Option<Box<dyn Iterator<Item = LabeledSpan> + '_>> {
-        if self.labels.is_empty() {
+        if self.0.labels.is_empty() {
             None
         } else {
-            Some(Box::new(self.labels.iter().cloned()))
+            Some(Box::new(self.0.labels.iter().cloned()))
         }
     }
 
     fn related<'a>(&'a self) -> Option<Box<dyn Iterator<Item = &'a dyn Diagnostic> + 'a>> {
-        if self.related.is_empty() {
+        if self.0.related.is_empty() {
             None
         } else {
-            Some(Box::new(self.related.iter().map(|e| e as &dyn Diagnostic)))
+            Some(Box::new(
+                self.0.related.iter().map(|e| e as &dyn Diagnostic),
+            ))
         }
     }
 }

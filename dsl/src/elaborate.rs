@@ -142,25 +142,26 @@ impl<'p> Elab<'p> {
             match &cur.kind {
                 ModelKind::Full { .. } => break,
                 ModelKind::Alias { base, .. } => {
-                    cur =
-                        match self.prog.models.get(&base.name) {
-                            Some(m) => m.clone(),
-                            None => {
-                                let names: Vec<&str> =
-                                    self.prog.models.keys().map(|s| s.as_str()).collect();
-                                return Err(Diag::new(
-                                    "kiln::unknown-model",
-                                    format!("unknown model `{}`", base.name),
-                                )
-                                .at(base.span, "no model with this name")
-                                .help_opt(did_you_mean(&base.name, names).or_else(|| {
+                    cur = match self.prog.models.get(&base.name) {
+                        Some(m) => m.clone(),
+                        None => {
+                            let names: Vec<&str> =
+                                self.prog.models.keys().map(|s| s.as_str()).collect();
+                            return Err(Diag::new(
+                                "kiln::unknown-model",
+                                format!("unknown model `{}`", base.name),
+                            )
+                            .at(base.span, "no model with this name")
+                            .help_opt(
+                                did_you_mean(&base.name, names).or_else(|| {
                                     Some(
                                         "import the file that defines it: `import \"file.kiln\"`"
                                             .to_string(),
                                     )
-                                })));
-                            }
+                                }),
+                            ));
                         }
+                    }
                 }
             }
         }
@@ -1296,30 +1297,32 @@ impl<'p> Elab<'p> {
         let mut eargs: Vec<EArg> = Vec::with_capacity(args.len());
         let mut seen_named: Option<Span> = None;
         for a in args {
-            if a.name.is_none() {
-                if let Some(ns) = seen_named {
-                    return Err(Diag::new(
-                        "kiln::argument",
-                        "positional argument after a named one",
-                    )
-                    .at(a.span, "positional")
-                    .label(ns, "named argument before it")
-                    .help("put tensor arguments first, then named ones: `f(x, h = 8)`"));
+            match &a.name {
+                None => {
+                    if let Some(ns) = seen_named {
+                        return Err(Diag::new(
+                            "kiln::argument",
+                            "positional argument after a named one",
+                        )
+                        .at(a.span, "positional")
+                        .label(ns, "named argument before it")
+                        .help("put tensor arguments first, then named ones: `f(x, h = 8)`"));
+                    }
                 }
-            } else {
-                seen_named = Some(a.span);
-                if let Some(prev) = eargs
-                    .iter()
-                    .find(|p| p.name.as_ref().map(|n| &n.name) == a.name.as_ref().map(|n| &n.name))
-                {
-                    let n = &a.name.as_ref().expect("named").name;
-                    return Err(Diag::new(
-                        "kiln::argument",
-                        format!("argument `{n}` is given twice"),
-                    )
-                    .at(a.span, "second time")
-                    .label(prev.span, "first time")
-                    .help("remove one of them"));
+                Some(n) => {
+                    seen_named = Some(a.span);
+                    let twice = eargs
+                        .iter()
+                        .find(|p| p.name.as_ref().map(|m| &m.name) == Some(&n.name));
+                    if let Some(prev) = twice {
+                        return Err(Diag::new(
+                            "kiln::argument",
+                            format!("argument `{}` is given twice", n.name),
+                        )
+                        .at(a.span, "second time")
+                        .label(prev.span, "first time")
+                        .help("remove one of them"));
+                    }
                 }
             }
             let value = self.eval(frame, &a.value)?;

@@ -1,0 +1,436 @@
+//! The `kiln` command line end to end: `check` (text and JSON), `graph`, `init`, `run`,
+//! and the errors for bad tensor files — each a non-zero exit with a clear message and
+//! nothing already on disk lost.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kiln_compiler::init::init_params;
+use kiln_compiler::reference::{run, RunOptions};
+use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
+use kiln_dsl::Options;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(root())
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("kiln runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = kiln(args);
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn fails(args: &[&str]) -> String {
+    let out = kiln(args);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "kiln {args:?} should fail with status 1"
+    );
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli");
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn check_reports_the_papers_parameter_counts() {
+    for (spec, want) in [
+        ("models/transformer_base.kiln", 63_082_496u64),
+        ("models/transformer_big.kiln", 214_245_376),
+    ] {
+        let json = ok(&["check", spec, "--set", "vocab=37000", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["parameters"].as_u64(), Some(want), "{spec}");
+        assert_eq!(
+            v["dims"],
+            serde_json::json!(["batch", "src_len", "tgt_len"])
+        );
+        assert_eq!(v["inputs"][0]["name"], "src");
+        assert_eq!(
+            v["inputs"][0]["shape"],
+            serde_json::json!(["batch", "src_len"])
+        );
+        assert_eq!(
+            v["outputs"][0]["shape"],
+            serde_json::json!(["batch", "tgt_len", "37000"])
+        );
+        assert_eq!(v["objective"], "loss");
+        assert!(v["nodes"].as_u64().unwrap() > 1000);
+    }
+}
+
+#[test]
+fn check_text_is_pinned() {
+    let text = ok(&[
+        "check",
+        "models/transformer_base.kiln",
+        "--set",
+        "vocab=37000",
+    ]);
+    assert!(text.contains("parameters  63,082,496 in 253 tensors"));
+    insta::assert_snapshot!("check_transformer_base", text);
+}
+
+#[test]
+fn graph_prints_the_text_form() {
+    let text = ok(&["graph", "models/transformer_tiny.kiln", "--set", "n=1"]);
+    assert!(text.starts_with("graph transformer_tiny\ndims batch, src_len, tgt_len\n"));
+    assert!(text.contains("%0 = input src : i32[batch, src_len]\n"));
+    assert!(
+        text.contains("\noutput logits = %") && text.contains("\nobjective loss = %"),
+        "{text}"
+    );
+}
+
+#[test]
+fn init_is_seeded_and_deterministic() {
+    let a = tmp("init_a.safetensors");
+    let b = tmp("init_b.safetensors");
+    let c = tmp("init_c.safetensors");
+    ok(&[
+        "init",
+        "models/transformer_tiny.kiln",
+        "--seed",
+        "5",
+        "-o",
+        s(&a),
+    ]);
+    ok(&[
+        "init",
+        "models/transformer_tiny.kiln",
+        "--seed",
+        "5",
+        "-o",
+        s(&b),
+    ]);
+    ok(&[
+        "init",
+        "models/transformer_tiny.kiln",
+        "--seed",
+        "6",
+        "-o",
+        s(&c),
+    ]);
+    let (ta, tb, tc) = (
+        load_safetensors(&a).unwrap(),
+        load_safetensors(&b).unwrap(),
+        load_safetensors(&c).unwrap(),
+    );
+    assert_eq!(ta, tb);
+    assert_ne!(ta["emb.weight"], tc["emb.weight"]);
+    assert_eq!(ta.len(), 85);
+    // Norms start at gamma = 1, beta = 0; biases at 0.
+    assert!(ta["encoder.layers.0.norm1.gamma"]
+        .as_f32()
+        .unwrap()
+        .iter()
+        .all(|&x| x == 1.0));
+    assert!(ta["encoder.layers.0.norm1.beta"]
+        .as_f32()
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0.0));
+    assert!(ta["encoder.layers.0.ffn.linear1.b"]
+        .as_f32()
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0.0));
+    // Xavier-uniform bound for a 32 x 64 matrix.
+    let bound = (6.0f32 / (32.0 + 64.0)).sqrt();
+    let w = ta["encoder.layers.0.ffn.linear1.w"].as_f32().unwrap();
+    assert!(w.iter().all(|x| x.abs() <= bound) && w.iter().any(|x| x.abs() > 0.9 * bound));
+}
+
+fn write_inputs(path: &Path, src: Tensor, tgt_in: Tensor, tgt_out: Option<Tensor>) {
+    let mut v = vec![("src".to_string(), src), ("tgt_in".to_string(), tgt_in)];
+    if let Some(t) = tgt_out {
+        v.push(("tgt_out".to_string(), t));
+    }
+    save_safetensors(path, &v, None).unwrap();
+}
+
+#[test]
+fn run_equals_the_library_reference_and_accepts_i64_ids() {
+    let inputs = tmp("run_inputs.safetensors");
+    let weights = tmp("run_weights.safetensors");
+    let out = tmp("run_out.safetensors");
+    let loss_out = tmp("run_loss.safetensors");
+    write_inputs(
+        &inputs,
+        Tensor::i64(vec![2, 4], vec![5, 6, 7, 0, 8, 9, 10, 11]).unwrap(),
+        Tensor::i32(vec![2, 3], vec![1, 7, 6, 1, 11, 10]).unwrap(),
+        Some(Tensor::i32(vec![2, 3], vec![7, 6, 2, 11, 10, 2]).unwrap()),
+    );
+    ok(&[
+        "init",
+        "models/transformer_tiny.kiln",
+        "--seed",
+        "3",
+        "-o",
+        s(&weights),
+    ]);
+    let stdout = ok(&[
+        "run",
+        "models/transformer_tiny.kiln",
+        "--inputs",
+        s(&inputs),
+        "--weights",
+        s(&weights),
+        "-o",
+        s(&out),
+    ]);
+    assert!(stdout.contains("logits: f32 [2, 3, 64]"), "{stdout}");
+    let got = load_safetensors(&out).unwrap();
+
+    let g = kiln_dsl::compile_file(
+        &root().join("models/transformer_tiny.kiln"),
+        &Options::default(),
+    )
+    .unwrap();
+    let fwd = g.prune(&g.forward_outputs()).unwrap();
+    let params: BTreeMap<String, Tensor> = init_params(&g, 3).unwrap().into_iter().collect();
+    let feeds = load_safetensors(&inputs).unwrap();
+    let want = run(&fwd, &feeds, &params, &RunOptions::default()).unwrap();
+    assert_eq!(got["logits"], want[0].1, "the CLI and the library disagree");
+
+    let stdout = ok(&[
+        "run",
+        "models/transformer_tiny.kiln",
+        "--entry",
+        "loss",
+        "--inputs",
+        s(&inputs),
+        "--weights",
+        s(&weights),
+        "-o",
+        s(&loss_out),
+        "--precision",
+        "f64",
+    ]);
+    let loss = load_safetensors(&loss_out).unwrap();
+    let l = loss["loss"]
+        .as_f64()
+        .expect("f64 precision gives f64 outputs")[0];
+    assert!(l > 3.0 && l < 6.5, "loss {l}");
+    assert!(stdout.contains("loss: f64 [] = "), "{stdout}");
+}
+
+#[test]
+fn run_rejects_bad_tensor_files_and_keeps_existing_outputs() {
+    let out = tmp("keep_me.safetensors");
+    std::fs::write(&out, b"precious").unwrap();
+    let spec = "models/transformer_tiny.kiln";
+    let good_src = || Tensor::i32(vec![1, 3], vec![5, 6, 7]).unwrap();
+    let good_tgt = || Tensor::i32(vec![1, 2], vec![1, 7]).unwrap();
+
+    // An input the entry needs is missing.
+    let missing = tmp("missing_tgt.safetensors");
+    save_safetensors(&missing, &[("src".to_string(), good_src())], None).unwrap();
+    let err = fails(&["run", spec, "--inputs", s(&missing), "-o", s(&out)]);
+    assert!(err.contains("missing input `tgt_in`"), "{err}");
+
+    // Token ids stored as floats.
+    let float_ids = tmp("float_ids.safetensors");
+    write_inputs(
+        &float_ids,
+        Tensor::f32(vec![1, 3], vec![5.0, 6.0, 7.0]).unwrap(),
+        good_tgt(),
+        None,
+    );
+    let err = fails(&["run", spec, "--inputs", s(&float_ids), "-o", s(&out)]);
+    assert!(err.contains("input `src`") && err.contains("f32"), "{err}");
+
+    // Wrong rank.
+    let flat = tmp("flat.safetensors");
+    write_inputs(
+        &flat,
+        Tensor::i32(vec![3], vec![5, 6, 7]).unwrap(),
+        good_tgt(),
+        None,
+    );
+    let err = fails(&["run", spec, "--inputs", s(&flat), "-o", s(&out)]);
+    assert!(
+        err.contains("input `src`") && err.contains("[batch, src_len]"),
+        "{err}"
+    );
+
+    // Batch sizes that disagree.
+    let conflict = tmp("conflict.safetensors");
+    write_inputs(
+        &conflict,
+        good_src(),
+        Tensor::i32(vec![2, 2], vec![1, 7, 1, 8]).unwrap(),
+        None,
+    );
+    let err = fails(&["run", spec, "--inputs", s(&conflict), "-o", s(&out)]);
+    assert!(err.contains("dim `batch`"), "{err}");
+
+    // A token id outside the vocabulary.
+    let oov = tmp("oov.safetensors");
+    write_inputs(
+        &oov,
+        Tensor::i32(vec![1, 3], vec![5, 64, 7]).unwrap(),
+        good_tgt(),
+        None,
+    );
+    let err = fails(&["run", spec, "--inputs", s(&oov), "-o", s(&out)]);
+    assert!(err.contains("64") && err.contains("gather"), "{err}");
+
+    // A misspelled input name.
+    let typo = tmp("typo.safetensors");
+    save_safetensors(
+        &typo,
+        &[
+            ("srcc".to_string(), good_src()),
+            ("tgt_in".to_string(), good_tgt()),
+        ],
+        None,
+    )
+    .unwrap();
+    let err = fails(&["run", spec, "--inputs", s(&typo), "-o", s(&out)]);
+    assert!(err.contains("did you mean `src`?"), "{err}");
+
+    // Inputs file that does not exist, or is not safetensors.
+    let err = fails(&[
+        "run",
+        spec,
+        "--inputs",
+        "no/such/inputs.safetensors",
+        "-o",
+        s(&out),
+    ]);
+    assert!(err.contains("no/such/inputs.safetensors"), "{err}");
+    let junk = tmp("junk.safetensors");
+    std::fs::write(&junk, b"this is not a safetensors file").unwrap();
+    let err = fails(&["run", spec, "--inputs", s(&junk), "-o", s(&out)]);
+    assert!(err.contains("junk.safetensors"), "{err}");
+
+    // Truncated weights, weights of another model size, and an incomplete weights file.
+    let inputs = tmp("ok_inputs.safetensors");
+    write_inputs(&inputs, good_src(), good_tgt(), None);
+    let weights = tmp("w_full.safetensors");
+    ok(&["init", spec, "-o", s(&weights)]);
+    let bytes = std::fs::read(&weights).unwrap();
+    let truncated = tmp("w_truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let err = fails(&[
+        "run",
+        spec,
+        "--inputs",
+        s(&inputs),
+        "--weights",
+        s(&truncated),
+        "-o",
+        s(&out),
+    ]);
+    assert!(err.contains("w_truncated.safetensors"), "{err}");
+    let err = fails(&[
+        "run",
+        spec,
+        "--set",
+        "d_model=64",
+        "--inputs",
+        s(&inputs),
+        "--weights",
+        s(&weights),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains("has shape [32]")
+            || err.contains("has shape [64, 32]")
+            || err.contains("needs"),
+        "{err}"
+    );
+    let mut partial = load_safetensors(&weights).unwrap();
+    partial.remove("emb.weight");
+    let partial_path = tmp("w_partial.safetensors");
+    save_safetensors(
+        &partial_path,
+        &partial.into_iter().collect::<Vec<_>>(),
+        None,
+    )
+    .unwrap();
+    let err = fails(&[
+        "run",
+        spec,
+        "--inputs",
+        s(&inputs),
+        "--weights",
+        s(&partial_path),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        err.contains("lacks 1 of the 85 parameters") && err.contains("emb.weight"),
+        "{err}"
+    );
+
+    // An entry point that does not exist.
+    let err = fails(&[
+        "run",
+        spec,
+        "--entry",
+        "backward",
+        "--inputs",
+        s(&inputs),
+        "-o",
+        s(&out),
+    ]);
+    assert!(err.contains("unknown entry point `backward`"), "{err}");
+
+    assert_eq!(
+        std::fs::read(&out).unwrap(),
+        b"precious",
+        "a failed run must not touch the output"
+    );
+}
+
+#[test]
+fn init_to_an_unwritable_place_fails_cleanly() {
+    let err = fails(&[
+        "init",
+        "models/transformer_tiny.kiln",
+        "-o",
+        "/proc/kiln-cannot-write-here/w.safetensors",
+    ]);
+    assert!(err.contains("w.safetensors"), "{err}");
+}
+
+#[test]
+fn demo_runs_without_files() {
+    let dir = tmp("demo_cwd");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("demo")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("label-smoothed loss"), "{text}");
+}
