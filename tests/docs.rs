@@ -1,0 +1,78 @@
+//! The examples in the documentation compile: the README's language example and every
+//! `kiln` block of docs/LANGUAGE.md that is a complete spec.
+
+use std::path::Path;
+
+use kiln_dsl::Options;
+
+/// Fenced code blocks as (info string, body).
+fn fenced(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut cur: Option<(String, String)> = None;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if let Some(info) = t.strip_prefix("```") {
+            match cur.take() {
+                None => cur = Some((info.trim().to_string(), String::new())),
+                Some(b) => out.push(b),
+            }
+        } else if let Some((_, body)) = &mut cur {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    out
+}
+
+fn blocks(text: &str) -> Vec<String> {
+    fenced(text)
+        .into_iter()
+        .filter(|(info, _)| info.is_empty())
+        .map(|(_, b)| b)
+        .collect()
+}
+
+#[test]
+fn readme_language_example_compiles() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let example = blocks(&readme)
+        .into_iter()
+        .find(|b| b.contains("layer encoder_layer"))
+        .expect("the README has a language example");
+    let g = kiln_dsl::compile_str("README.md", &example, &Options::default())
+        .unwrap_or_else(|e| panic!("{}", e.render(false)));
+    assert!(g.param("layers.0.self_attn.w_q").is_some());
+    assert_eq!(
+        g.ty(g.output("hidden").unwrap()).to_string(),
+        "f32[batch, len, 512]"
+    );
+}
+
+#[test]
+fn readme_opens_with_the_two_commands_and_ci_runs_the_test_command() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let first = blocks_any(&readme);
+    assert!(first.starts_with("cargo run --release -- demo"), "{first}");
+    let test_cmd = first
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split('#')
+        .next()
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_eq!(test_cmd, "cargo test --workspace");
+    let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
+    assert!(
+        ci.lines().any(|l| l.trim() == test_cmd),
+        ".ci/run must run `{test_cmd}`"
+    );
+}
+
+/// The first fenced block of any language.
+fn blocks_any(text: &str) -> String {
+    fenced(text).remove(0).1
+}
