@@ -135,12 +135,13 @@ fn a_megabyte_of_garbage_fails_fast_and_cleanly() {
 fn a_very_long_line_is_shown_as_a_window() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("longline");
     std::fs::create_dir_all(&dir).unwrap();
-    let mut text =
-        String::from("model m(d: int = 8) {\n  dims b\n  input x: f32[b, d]\n  output y = ");
+    let mut text = String::from(
+        "model m(d: int = 8) {\n  dims b\n  input x: f32[b, d]\n  output y = concat([",
+    );
     for _ in 0..5000 {
-        text.push_str("x + ");
+        text.push_str("x, ");
     }
-    text.push_str("nope\n}\n");
+    text.push_str("nope], axis = 0)\n}\n");
     std::fs::write(dir.join("long.kiln"), &text).unwrap();
     let mut cmd = kiln();
     cmd.current_dir(&dir).args(["check", "long.kiln"]);

@@ -13,7 +13,11 @@ pub fn op_attrs(op: &Op) -> String {
     match op {
         Op::Input { name } => name.clone(),
         Op::Param { name, init } => format!("{name} init={init}"),
-        Op::Const { value, .. } => value.to_string(),
+        Op::Const { value, dtype } => match dtype {
+            crate::ir::DType::I32 => format!("{}", value.get() as i64),
+            crate::ir::DType::Bool => format!("{}", value.get() != 0.0),
+            _ => value.to_string(),
+        },
         Op::Reshape { shape } | Op::Broadcast { shape } => format!("to={shape}"),
         Op::Permute { perm } => format!(
             "perm=[{}]",

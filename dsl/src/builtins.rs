@@ -245,6 +245,9 @@ impl Args {
         items
             .iter()
             .map(|i| {
+                if let Some(d) = i.as_dim() {
+                    nonnegative(&d, *s)?;
+                }
                 i.as_dim().ok_or_else(|| {
                     Diag::new(
                         "kiln::type",
@@ -254,6 +257,18 @@ impl Args {
                 })
             })
             .collect()
+    }
+}
+
+fn nonnegative(d: &Dim, s: Span) -> R<()> {
+    match d.as_const() {
+        Some(v) if v < 0 => Err(Diag::new(
+            "kiln::shape",
+            format!("a dim cannot be negative, got {v}"),
+        )
+        .at(s, "negative")
+        .help("every axis needs a size of 0 or more")),
+        _ => Ok(()),
     }
 }
 

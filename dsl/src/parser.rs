@@ -26,6 +26,22 @@ type PResult<T> = Result<T, Diag>;
 
 /// Parses a whole file. `next_site` numbers call sites across files.
 pub fn parse_file(file: u32, text: &str, next_site: &Cell<u32>) -> PResult<File> {
+    if let Err((at, deep)) = nesting_check(file, text) {
+        // Parse what comes before the deep part: an earlier syntax error explains more.
+        if let Err(e) = Grammar::parse(Rule::file, &text[..at]) {
+            let pos = match e.location {
+                InputLocation::Pos(p) => p,
+                InputLocation::Span((s, _)) => s,
+            };
+            if pos < at.saturating_sub(1) && !text[pos..at].trim().is_empty() {
+                let d = parse_error(file, text, e);
+                if d.span.is_some_and(|s| (s.start as usize) < at) {
+                    return Err(d);
+                }
+            }
+        }
+        return Err(deep);
+    }
     let mut pairs = match Grammar::parse(Rule::file, text) {
         Ok(p) => p,
         Err(e) => return Err(parse_error(file, text, e)),
@@ -357,6 +373,15 @@ impl<'t> Parser<'t> {
 
     fn expr(&self, p: Pair<Rule>) -> PResult<Expr> {
         debug_assert_eq!(p.as_rule(), Rule::expr);
+        let parts = p.clone().into_inner().count();
+        if parts > 2 * MAX_OPERATORS {
+            return Err(Diag::new(
+                "kiln::too-long",
+                format!("an expression with more than {MAX_OPERATORS} operators"),
+            )
+            .at(self.span(&p), format!("{} operators and operands", parts))
+            .help("split it into named steps: `a = ...` then `b = a + ...`"));
+        }
         self.pratt
             .map_primary(|x| self.postfix(x))
             .map_prefix(|op, rhs| {
@@ -552,6 +577,56 @@ impl<'t> Parser<'t> {
             })
         }
     }
+}
+
+/// How deeply brackets may nest, and how many operators one expression may have: far
+/// beyond any real spec, and low enough that parsing and elaboration (which recurse)
+/// never exhaust the stack.
+pub const MAX_NESTING: usize = 64;
+pub const MAX_OPERATORS: usize = 256;
+
+/// Rejects bracket nesting deeper than [`MAX_NESTING`] before pest (which recurses) sees it.
+fn nesting_check(file: u32, text: &str) -> Result<(), (usize, Diag)> {
+    let bytes = text.as_bytes();
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'#' => {
+                while i < bytes.len() && bytes[i] != b'\n' {
+                    i += 1;
+                }
+                continue;
+            }
+            b'"' => {
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' && bytes[i] != b'\n' {
+                    if bytes[i] == b'\\' {
+                        i += 1;
+                    }
+                    i += 1;
+                }
+            }
+            b'(' | b'[' | b'{' => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Err((
+                        i,
+                        Diag::new(
+                            "kiln::too-deep",
+                            format!("brackets nest more than {MAX_NESTING} deep"),
+                        )
+                        .at(Span::new(file, i, i + 1), format!("nesting level {depth}"))
+                        .help("name intermediate results instead of nesting them"),
+                    ));
+                }
+            }
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(())
 }
 
 /// Turns a pest error into a diagnostic people can act on.
