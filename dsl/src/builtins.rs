@@ -94,6 +94,14 @@ impl Args {
             .copied()
             .expect("checked by is_builtin");
         let clean = |p: &str| p.trim_end_matches('?').to_string();
+        let usage = format!(
+            "`{name}({})`",
+            params
+                .iter()
+                .map(|p| clean(p))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         let mut vals: Vec<Option<(Value, Span)>> = params.iter().map(|_| None).collect();
         let mut next = 0;
         for a in args {
@@ -109,14 +117,7 @@ impl Args {
                             ),
                         )
                         .at(a.span, "one too many")
-                        .help(format!(
-                            "`{name}({})`",
-                            params
-                                .iter()
-                                .map(|p| clean(p))
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        )));
+                        .help(usage));
                     }
                     next += 1;
                     next - 1
@@ -154,14 +155,7 @@ impl Args {
                     format!("missing argument `{p}` of `{name}`"),
                 )
                 .at(span, format!("`{p}` is not given"))
-                .help(format!(
-                    "`{name}({})`",
-                    params
-                        .iter()
-                        .map(|p| clean(p))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )));
+                .help(usage));
             }
         }
         Ok(Args {

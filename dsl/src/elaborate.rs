@@ -413,20 +413,7 @@ impl<'p> Elab<'p> {
             .help("write it before the shape: `i32[batch, src_len]` or `f32[batch, d]`"));
         };
         let dtype = parse_dtype(dt)?;
-        let mut dims = Vec::new();
-        for item in &ty.dims {
-            match item {
-                ShapeItem::Ellipsis(s) => {
-                    return Err(Diag::new(
-                        "kiln::type",
-                        "`...` is only allowed in layer argument patterns",
-                    )
-                    .at(*s, "not allowed in an input")
-                    .help("list every axis of the input"))
-                }
-                ShapeItem::Expr(e) => dims.push(self.dim_item(frame, e, true)?),
-            }
-        }
+        let dims = self.fixed_dims(frame, ty, true)?;
         if frame.vars.contains_key(&name.name) {
             return Err(Diag::new(
                 "kiln::duplicate",
@@ -441,6 +428,30 @@ impl<'p> Elab<'p> {
             .map_err(|e| Diag::new("kiln::duplicate", e.to_string()).at(name.span, ""))?;
         frame.vars.insert(name.name.clone(), Value::Tensor(id));
         Ok(())
+    }
+
+    /// The dims of an input type (`symbolic_ok`) or a parameter type: no `...` patterns.
+    fn fixed_dims(
+        &mut self,
+        frame: &mut Frame,
+        ty: &TensorTypeExpr,
+        symbolic_ok: bool,
+    ) -> R<Vec<Dim>> {
+        let mut dims = Vec::new();
+        for item in &ty.dims {
+            match item {
+                ShapeItem::Ellipsis(s) => {
+                    return Err(Diag::new(
+                        "kiln::type",
+                        "`...` is only allowed in layer argument patterns",
+                    )
+                    .at(*s, "not allowed here")
+                    .help("list every axis: inputs and parameters have fixed ranks"))
+                }
+                ShapeItem::Expr(e) => dims.push(self.dim_item(frame, e, symbolic_ok)?),
+            }
+        }
+        Ok(dims)
     }
 
     /// A dim in an input or parameter type: a declared dim (inputs only) or a positive int.
@@ -574,20 +585,7 @@ impl<'p> Elab<'p> {
             Some(d) => parse_dtype(d)?,
             None => DType::F32,
         };
-        let mut dims = Vec::new();
-        for item in &ty.dims {
-            match item {
-                ShapeItem::Ellipsis(s) => {
-                    return Err(Diag::new(
-                        "kiln::type",
-                        "`...` is not allowed in a parameter shape",
-                    )
-                    .at(*s, "here")
-                    .help("parameters have fixed shapes"))
-                }
-                ShapeItem::Expr(e) => dims.push(self.dim_item(frame, e, false)?),
-            }
-        }
+        let dims = self.fixed_dims(frame, ty, false)?;
         let tt = TensorType::new(dtype, Shape(dims));
         let init = match init {
             None => {

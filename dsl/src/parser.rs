@@ -585,10 +585,18 @@ impl<'t> Parser<'t> {
 pub const MAX_NESTING: usize = 64;
 pub const MAX_OPERATORS: usize = 256;
 
-/// Rejects bracket nesting deeper than [`MAX_NESTING`] before pest (which recurses) sees it.
-fn nesting_check(file: u32, text: &str) -> Result<(), (usize, Diag)> {
+/// What the bracket scanner sees outside comments and strings.
+enum Token {
+    Bracket(usize, u8),
+    /// A string opened at this offset and not closed on its line.
+    OpenString(usize),
+}
+
+/// The brackets of `text` outside comments and strings, in order; stops at an
+/// unterminated string. Iterative, so any input is safe to scan.
+fn scan_brackets(text: &str) -> Vec<Token> {
     let bytes = text.as_bytes();
-    let mut depth = 0usize;
+    let mut out = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
@@ -599,6 +607,7 @@ fn nesting_check(file: u32, text: &str) -> Result<(), (usize, Diag)> {
                 continue;
             }
             b'"' => {
+                let start = i;
                 i += 1;
                 while i < bytes.len() && bytes[i] != b'"' && bytes[i] != b'\n' {
                     if bytes[i] == b'\\' {
@@ -606,25 +615,41 @@ fn nesting_check(file: u32, text: &str) -> Result<(), (usize, Diag)> {
                     }
                     i += 1;
                 }
-            }
-            b'(' | b'[' | b'{' => {
-                depth += 1;
-                if depth > MAX_NESTING {
-                    return Err((
-                        i,
-                        Diag::new(
-                            "kiln::too-deep",
-                            format!("brackets nest more than {MAX_NESTING} deep"),
-                        )
-                        .at(Span::new(file, i, i + 1), format!("nesting level {depth}"))
-                        .help("name intermediate results instead of nesting them"),
-                    ));
+                if i >= bytes.len() || bytes[i] == b'\n' {
+                    out.push(Token::OpenString(start));
+                    return out;
                 }
             }
-            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            c @ (b'(' | b'[' | b'{' | b')' | b']' | b'}') => out.push(Token::Bracket(i, c)),
             _ => {}
         }
         i += 1;
+    }
+    out
+}
+
+/// Rejects bracket nesting deeper than [`MAX_NESTING`] before pest (which recurses) sees
+/// it; the error carries the offset where the limit is crossed.
+fn nesting_check(file: u32, text: &str) -> Result<(), (usize, Diag)> {
+    let mut depth = 0usize;
+    for t in scan_brackets(text) {
+        let Token::Bracket(i, c) = t else { break };
+        if matches!(c, b'(' | b'[' | b'{') {
+            depth += 1;
+            if depth > MAX_NESTING {
+                return Err((
+                    i,
+                    Diag::new(
+                        "kiln::too-deep",
+                        format!("brackets nest more than {MAX_NESTING} deep"),
+                    )
+                    .at(Span::new(file, i, i + 1), format!("nesting level {depth}"))
+                    .help("name intermediate results instead of nesting them"),
+                ));
+            }
+        } else {
+            depth = depth.saturating_sub(1);
+        }
     }
     Ok(())
 }
@@ -668,89 +693,70 @@ fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
 /// Unbalanced `(`, `[` or `{` (comments and strings skipped): the most common cause of a
 /// parse error, and one whose real location is the opening bracket, not the end of file.
 fn bracket_error(file: u32, text: &str) -> Option<(usize, Diag)> {
-    let bytes = text.as_bytes();
     let mut stack: Vec<(u8, usize)> = Vec::new();
-    let mut i = 0;
-    while i < bytes.len() {
-        let c = bytes[i];
-        match c {
-            b'#' => {
-                while i < bytes.len() && bytes[i] != b'\n' {
-                    i += 1;
-                }
-                continue;
+    for t in scan_brackets(text) {
+        let (i, c) = match t {
+            Token::OpenString(start) => {
+                return Some((
+                    start,
+                    Diag::new("kiln::syntax", "unterminated string")
+                        .at(
+                            Span::new(file, start, start + 1),
+                            "this string is never closed",
+                        )
+                        .help("close it with `\"` on the same line"),
+                ))
             }
-            b'"' => {
-                i += 1;
-                while i < bytes.len() && bytes[i] != b'"' && bytes[i] != b'\n' {
-                    if bytes[i] == b'\\' {
-                        i += 1;
-                    }
-                    i += 1;
-                }
-                if i >= bytes.len() || bytes[i] == b'\n' {
-                    let start = text[..i.min(text.len())].rfind('"').unwrap_or(0);
-                    return Some((
-                        start,
-                        Diag::new("kiln::syntax", "unterminated string")
-                            .at(
-                                Span::new(file, start, start + 1),
-                                "this string is never closed",
-                            )
-                            .help("close it with `\"` on the same line"),
-                    ));
-                }
-            }
-            b'(' | b'[' | b'{' => stack.push((c, i)),
-            b')' | b']' | b'}' => {
-                let want = match c {
-                    b')' => b'(',
-                    b']' => b'[',
-                    _ => b'{',
-                };
-                match stack.pop() {
-                    Some((open, _)) if open == want => {}
-                    Some((open, at)) => {
-                        let (line, _) = line_of(text, i);
-                        return Some((
-                            at,
-                            Diag::new(
-                                "kiln::syntax",
-                                format!(
-                                    "unclosed `{}`: the `{}` on line {line} comes before its `{}`",
-                                    open as char,
-                                    c as char,
-                                    closer(open)
-                                ),
-                            )
-                            .at(
-                                Span::new(file, at, at + 1),
-                                format!("this `{}` is never closed", open as char),
-                            )
-                            .label(
-                                Span::new(file, i, i + 1),
-                                format!("`{}` found here", c as char),
-                            )
-                            .help(format!(
-                                "add `{}` where the `{}` should end",
-                                closer(open),
-                                open as char
-                            )),
-                        ));
-                    }
-                    None => {
-                        return Some((
-                            i,
-                            Diag::new("kiln::syntax", format!("unmatched `{}`", c as char))
-                                .at(Span::new(file, i, i + 1), "nothing to close here")
-                                .help("remove it, or add the opening bracket it belongs to"),
-                        ))
-                    }
-                }
-            }
-            _ => {}
+            Token::Bracket(i, c) => (i, c),
+        };
+        if matches!(c, b'(' | b'[' | b'{') {
+            stack.push((c, i));
+            continue;
         }
-        i += 1;
+        let want = match c {
+            b')' => b'(',
+            b']' => b'[',
+            _ => b'{',
+        };
+        match stack.pop() {
+            Some((open, _)) if open == want => {}
+            Some((open, at)) => {
+                let (line, _) = line_of(text, i);
+                return Some((
+                    at,
+                    Diag::new(
+                        "kiln::syntax",
+                        format!(
+                            "unclosed `{}`: the `{}` on line {line} comes before its `{}`",
+                            open as char,
+                            c as char,
+                            closer(open)
+                        ),
+                    )
+                    .at(
+                        Span::new(file, at, at + 1),
+                        format!("this `{}` is never closed", open as char),
+                    )
+                    .label(
+                        Span::new(file, i, i + 1),
+                        format!("`{}` found here", c as char),
+                    )
+                    .help(format!(
+                        "add `{}` where the `{}` should end",
+                        closer(open),
+                        open as char
+                    )),
+                ));
+            }
+            None => {
+                return Some((
+                    i,
+                    Diag::new("kiln::syntax", format!("unmatched `{}`", c as char))
+                        .at(Span::new(file, i, i + 1), "nothing to close here")
+                        .help("remove it, or add the opening bracket it belongs to"),
+                ))
+            }
+        }
     }
     let (open, at) = stack.pop()?;
     let what = if open == b'{' { "block" } else { "bracket" };
