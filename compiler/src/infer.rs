@@ -136,6 +136,46 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
             }
             Ok(a.clone())
         }
+        Op::Compare(_) => {
+            let (a, c) = (types[0], types[1]);
+            if a.shape != c.shape || a.dtype != c.dtype {
+                return err(format!(
+                    "{} needs operands of one type, got {} and {}",
+                    op.name(),
+                    a,
+                    c
+                ));
+            }
+            if !(a.dtype.is_float() || a.dtype == DType::I32) {
+                return err(format!("{} is not defined for {}", op.name(), a.dtype));
+            }
+            Ok(TensorType::new(DType::Bool, a.shape.clone()))
+        }
+        Op::Slice { axis, start, len } => {
+            let t = types[0];
+            if *axis >= t.shape.rank() {
+                return err(format!(
+                    "slice along axis {} of a rank-{} tensor {}",
+                    axis,
+                    t.shape.rank(),
+                    t.shape
+                ));
+            }
+            let full = &t.shape.dims()[*axis];
+            if let (Some(s), Some(l), Some(f)) = (start.as_const(), len.as_const(), full.as_const())
+            {
+                if s < 0 || l < 0 || s + l > f {
+                    return err(format!(
+                        "slice {s}..{} is outside axis {axis} of {}",
+                        s + l,
+                        t.shape
+                    ));
+                }
+            }
+            let mut dims = t.shape.0.clone();
+            dims[*axis] = len.clone();
+            Ok(TensorType::new(t.dtype, Shape(dims)))
+        }
         Op::Cast { to } => Ok(TensorType::new(*to, types[0].shape.clone())),
         Op::Reduce { axis, .. } => {
             let t = types[0];
@@ -203,7 +243,7 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
             }
             Ok(TensorType::new(DType::Bool, types[0].shape.clone()))
         }
-        Op::Arange { len } => Ok(TensorType::new(DType::I32, Shape(vec![len.clone()]))),
+        Op::Arange { len, .. } => Ok(TensorType::new(DType::I32, Shape(vec![len.clone()]))),
         Op::OneHot { depth } => {
             if types[0].dtype != DType::I32 {
                 return err(format!("one_hot needs i32 ids, got {}", types[0]));

@@ -194,6 +194,17 @@ pub enum BinaryOp {
     Max,
 }
 
+/// Elementwise comparisons; the result is a bool tensor.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum ReduceOp {
     Sum,
@@ -235,6 +246,8 @@ pub enum Op {
     Binary(BinaryOp),
     /// `where(cond, a, b)`: `cond` is bool, `a` and `b` share its shape and a dtype.
     Where,
+    /// Two operands of identical type compared elementwise; the result is bool.
+    Compare(CmpOp),
     Cast {
         to: DType,
     },
@@ -267,8 +280,9 @@ pub enum Op {
     PadMask {
         pad: i64,
     },
-    /// `[len]` i32: 0, 1, …, len-1.
+    /// `[len]` i32: start, start + 1, …, start + len - 1.
     Arange {
+        start: Dim,
         len: Dim,
     },
     /// `ids[I...] -> f32[I..., depth]`, 1.0 at the id.
@@ -278,6 +292,13 @@ pub enum Op {
     /// Concatenation along `axis`; all other dims agree.
     Concat {
         axis: usize,
+    },
+    /// Elements `start .. start + len` along `axis` (the gradient of `concat`; also how a
+    /// key/value cache is read).
+    Slice {
+        axis: usize,
+        start: Dim,
+        len: Dim,
     },
 }
 
@@ -309,6 +330,14 @@ impl Op {
                 BinaryOp::Max => "max",
             },
             Op::Where => "where",
+            Op::Compare(c) => match c {
+                CmpOp::Eq => "eq",
+                CmpOp::Ne => "ne",
+                CmpOp::Lt => "lt",
+                CmpOp::Le => "le",
+                CmpOp::Gt => "gt",
+                CmpOp::Ge => "ge",
+            },
             Op::Cast { .. } => "cast",
             Op::Reduce { op, .. } => match op {
                 ReduceOp::Sum => "sum",
@@ -323,6 +352,7 @@ impl Op {
             Op::Arange { .. } => "arange",
             Op::OneHot { .. } => "one_hot",
             Op::Concat { .. } => "concat",
+            Op::Slice { .. } => "slice",
         }
     }
 
@@ -342,8 +372,9 @@ impl Op {
             | Op::Reduce { .. }
             | Op::Dropout { .. }
             | Op::PadMask { .. }
-            | Op::OneHot { .. } => 1,
-            Op::Binary(_) | Op::MatMul | Op::Gather | Op::ScatterAdd { .. } => 2,
+            | Op::OneHot { .. }
+            | Op::Slice { .. } => 1,
+            Op::Binary(_) | Op::Compare(_) | Op::MatMul | Op::Gather | Op::ScatterAdd { .. } => 2,
             Op::Where => 3,
             Op::Concat { .. } => return None,
         })
@@ -353,7 +384,12 @@ impl Op {
     pub fn is_elementwise(&self) -> bool {
         matches!(
             self,
-            Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Dropout { .. }
+            Op::Unary(_)
+                | Op::Binary(_)
+                | Op::Compare(_)
+                | Op::Where
+                | Op::Cast { .. }
+                | Op::Dropout { .. }
         )
     }
 }

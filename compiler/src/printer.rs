@@ -32,10 +32,14 @@ pub fn op_attrs(op: &Op) -> String {
         Op::Dropout { p, stream } => format!("p={p} stream={stream}"),
         Op::CausalMask { q, k } => format!("q={q} k={k}"),
         Op::PadMask { pad } => format!("pad={pad}"),
-        Op::Arange { len } => format!("len={len}"),
+        Op::Arange { start, len } if start.as_const() == Some(0) => format!("len={len}"),
+        Op::Arange { start, len } => format!("start={start} len={len}"),
+        Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
         Op::OneHot { depth } => format!("depth={depth}"),
         Op::Concat { axis } => format!("axis={axis}"),
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::MatMul | Op::Gather => String::new(),
+        Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Where | Op::MatMul | Op::Gather => {
+            String::new()
+        }
     }
 }
 

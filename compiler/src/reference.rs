@@ -50,7 +50,9 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-use crate::ir::{BinaryOp, DType, Graph, IrError, NodeId, Op, ReduceOp, TensorType, UnaryOp};
+use crate::ir::{
+    BinaryOp, CmpOp, DType, Graph, IrError, NodeId, Op, ReduceOp, TensorType, UnaryOp,
+};
 use crate::rng;
 use crate::tensor::{shape_numel, Tensor, TensorData};
 
@@ -753,6 +755,41 @@ impl<'a, T: Real> Executor<'a, T> {
                 }
                 binary(*b, &x.data, &y.data)?
             }
+            Op::Compare(c) => {
+                let (x, y) = (args[0], args[1]);
+                if x.shape != y.shape {
+                    return Err(format!(
+                        "operands have shapes {} and {}",
+                        fmt_dims(&x.shape),
+                        fmt_dims(&y.shape)
+                    ));
+                }
+                compare(*c, &x.data, &y.data)?
+            }
+            Op::Slice { axis, start, .. } => {
+                let x = args[0];
+                let start = start
+                    .eval(&self.dims)
+                    .ok()
+                    .and_then(|v| usize::try_from(v).ok())
+                    .ok_or_else(|| format!("slice start {start} is not a valid index"))?;
+                let (axis, len) = (*axis, shape.get(*axis).copied().unwrap_or(0));
+                let full = x.shape.get(axis).copied().unwrap_or(0);
+                if start + len > full {
+                    return Err(format!(
+                        "slice {start}..{} is outside axis {axis} of size {full}",
+                        start + len
+                    ));
+                }
+                let outer = product(&x.shape[..axis]);
+                let inner = product(&x.shape[axis + 1..]);
+                let mut idx = Vec::with_capacity(numel);
+                for o in 0..outer {
+                    let base = o * full * inner + start * inner;
+                    idx.extend(base..base + len * inner);
+                }
+                x.data.select(&idx)
+            }
             Op::Where => {
                 let (c, a, b) = (args[0], args[1], args[2]);
                 if a.shape != c.shape || b.shape != c.shape {
@@ -869,11 +906,15 @@ impl<'a, T: Real> Executor<'a, T> {
                 };
                 Data::B(ids.iter().map(|&id| i64::from(id) != *pad).collect())
             }
-            Op::Arange { .. } => {
-                if numel > i32::MAX as usize + 1 {
-                    return Err(format!("length {numel} does not fit in i32"));
+            Op::Arange { start, .. } => {
+                let start = start
+                    .eval(&self.dims)
+                    .map_err(|e| format!("arange start: {e}"))?;
+                let end = start + numel as i64;
+                if start < i64::from(i32::MIN) || end - 1 > i64::from(i32::MAX) {
+                    return Err(format!("the range {start}..{end} does not fit in i32"));
                 }
-                Data::I((0..numel).map(|i| i as i32).collect())
+                Data::I((start..end).map(|i| i as i32).collect())
             }
             Op::OneHot { .. } => {
                 let Data::I(ids) = &args[0].data else {
@@ -1023,6 +1064,31 @@ fn binary<T: Real>(b: BinaryOp, x: &Data<T>, y: &Data<T>) -> NodeResult<Data<T>>
             Data::I(x.iter().zip(y).map(|(&a, &b)| f(a, b)).collect())
         }
         (x, y) => return Err(format!("{b:?} of {} and {} values", x.kind(), y.kind())),
+    })
+}
+
+fn compare<T: Real>(c: CmpOp, x: &Data<T>, y: &Data<T>) -> NodeResult<Data<T>> {
+    fn cmp<E: PartialOrd + Copy>(c: CmpOp, a: &[E], b: &[E]) -> Vec<bool> {
+        let f: fn(&E, &E) -> bool = match c {
+            CmpOp::Eq => |a, b| a == b,
+            CmpOp::Ne => |a, b| a != b,
+            CmpOp::Lt => |a, b| a < b,
+            CmpOp::Le => |a, b| a <= b,
+            CmpOp::Gt => |a, b| a > b,
+            CmpOp::Ge => |a, b| a >= b,
+        };
+        a.iter().zip(b).map(|(a, b)| f(a, b)).collect()
+    }
+    Ok(match (x, y) {
+        (Data::F(a), Data::F(b)) => Data::B(cmp(c, a, b)),
+        (Data::I(a), Data::I(b)) => Data::B(cmp(c, a, b)),
+        _ => {
+            return Err(format!(
+                "compare needs two float or two i32 operands, got {} and {}",
+                x.kind(),
+                y.kind()
+            ))
+        }
     })
 }
 

@@ -866,20 +866,156 @@ fn pad_mask() {
 #[test]
 fn arange() {
     let mut g = Graph::new("t");
-    let a = op(&mut g, Op::Arange { len: Dim::c(5) }, &[]);
+    let a = op(
+        &mut g,
+        Op::Arange {
+            start: Dim::c(0),
+            len: Dim::c(5),
+        },
+        &[],
+    );
     out(&mut g, "a", a);
     let _x = input(&mut g, "x", DType::Bool, &["n"]);
     let b = op(
         &mut g,
         Op::Arange {
+            start: Dim::c(0),
             len: Dim::sym("n").add(&Dim::c(1)),
         },
         &[],
     );
     out(&mut g, "b", b);
+    // A symbolic start: positions of new tokens after a cache of n.
+    let c = op(
+        &mut g,
+        Op::Arange {
+            start: Dim::sym("n"),
+            len: Dim::c(2),
+        },
+        &[],
+    );
+    out(&mut g, "c", c);
     let r = run(&g, vec![("x", boolt(&[2], &[true, true]))]);
     assert_eq!(r["a"].as_i32().unwrap(), &[0, 1, 2, 3, 4]);
     assert_eq!(r["b"].as_i32().unwrap(), &[0, 1, 2]);
+    assert_eq!(r["c"].as_i32().unwrap(), &[2, 3]);
+}
+
+#[test]
+fn compare_floats_and_ints() {
+    use kiln_compiler::ir::CmpOp;
+    let mut g = Graph::new("t");
+    let x = input(&mut g, "x", DType::F32, &["4"]);
+    let y = input(&mut g, "y", DType::F32, &["4"]);
+    let i = input(&mut g, "i", DType::I32, &["4"]);
+    let j = input(&mut g, "j", DType::I32, &["4"]);
+    for (name, c) in [
+        ("eq", CmpOp::Eq),
+        ("ne", CmpOp::Ne),
+        ("lt", CmpOp::Lt),
+        ("le", CmpOp::Le),
+        ("gt", CmpOp::Gt),
+        ("ge", CmpOp::Ge),
+    ] {
+        let f = op(&mut g, Op::Compare(c), &[x, y]);
+        out(&mut g, &format!("f_{name}"), f);
+        let n = op(&mut g, Op::Compare(c), &[i, j]);
+        out(&mut g, &format!("i_{name}"), n);
+    }
+    let r = run(
+        &g,
+        vec![
+            ("x", f32t(&[4], &[1.0, 2.0, 3.0, f32::NAN])),
+            ("y", f32t(&[4], &[2.0, 2.0, 1.0, 0.0])),
+            ("i", i32t(&[4], &[-1, 5, 7, 0])),
+            ("j", i32t(&[4], &[0, 5, 6, 0])),
+        ],
+    );
+    let b = |k: &str| r[k].as_bool().unwrap().to_vec();
+    // NaN compares false except with !=.
+    assert_eq!(b("f_eq"), [false, true, false, false]);
+    assert_eq!(b("f_ne"), [true, false, true, true]);
+    assert_eq!(b("f_lt"), [true, false, false, false]);
+    assert_eq!(b("f_le"), [true, true, false, false]);
+    assert_eq!(b("f_gt"), [false, false, true, false]);
+    assert_eq!(b("f_ge"), [false, true, true, false]);
+    assert_eq!(b("i_eq"), [false, true, false, true]);
+    assert_eq!(b("i_lt"), [true, false, false, false]);
+    assert_eq!(b("i_ge"), [false, true, true, true]);
+}
+
+#[test]
+fn slice_along_each_axis() {
+    let mut g = Graph::new("t");
+    let x = input(&mut g, "x", DType::F32, &["2", "3", "2"]);
+    let s0 = op(
+        &mut g,
+        Op::Slice {
+            axis: 0,
+            start: Dim::c(1),
+            len: Dim::c(1),
+        },
+        &[x],
+    );
+    let s1 = op(
+        &mut g,
+        Op::Slice {
+            axis: 1,
+            start: Dim::c(1),
+            len: Dim::c(2),
+        },
+        &[x],
+    );
+    let s2 = op(
+        &mut g,
+        Op::Slice {
+            axis: 2,
+            start: Dim::c(0),
+            len: Dim::c(1),
+        },
+        &[x],
+    );
+    out(&mut g, "s0", s0);
+    out(&mut g, "s1", s1);
+    out(&mut g, "s2", s2);
+    let v: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let r = run(&g, vec![("x", f32t(&[2, 3, 2], &v))]);
+    // x[b][r][c] = 6b + 2r + c.
+    assert_eq!(f32s(&r["s0"]), &[6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
+    assert_eq!(r["s1"].shape, vec![2, 2, 2]);
+    assert_eq!(f32s(&r["s1"]), &[2.0, 3.0, 4.0, 5.0, 8.0, 9.0, 10.0, 11.0]);
+    assert_eq!(f32s(&r["s2"]), &[0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+    // A slice past the end is caught when the graph is built.
+    let bad = g.add(
+        Op::Slice {
+            axis: 1,
+            start: Dim::c(2),
+            len: Dim::c(2),
+        },
+        &[x],
+        "",
+    );
+    assert!(bad.unwrap_err().to_string().contains("outside axis 1"));
+    // A symbolic slice out of range is caught when run.
+    let mut g = Graph::new("t");
+    let x = input(&mut g, "x", DType::F32, &["n"]);
+    let s = op(
+        &mut g,
+        Op::Slice {
+            axis: 0,
+            start: Dim::sym("n"),
+            len: Dim::c(1),
+        },
+        &[x],
+    );
+    out(&mut g, "s", s);
+    let e = err_text(try_run(
+        &g,
+        vec![("x", f32t(&[2], &[1.0, 2.0]))],
+        vec![],
+        RunOptions::default(),
+    ));
+    assert_contains(&e, &["slice", "outside axis 0"]);
 }
 
 fn dropout_graph(p: f64, n: &str) -> (Graph, NodeId) {

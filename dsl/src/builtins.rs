@@ -43,7 +43,8 @@ const BUILTINS: &[(&str, &[&str])] = &[
     ("dropout", &["x", "p"]),
     ("causal_mask", &["q", "k"]),
     ("padding_mask", &["ids", "pad?"]),
-    ("arange", &["n"]),
+    ("arange", &["n", "start?"]),
+    ("slice", &["x", "axis", "start", "len"]),
     ("one_hot", &["ids", "depth"]),
     ("concat", &["xs", "axis?"]),
     ("matmul", &["a", "b"]),
@@ -545,7 +546,19 @@ pub(crate) fn call(
         }
         "arange" => {
             let len = a.dim("n")?;
-            node(e, Op::Arange { len }, &[])
+            let start = if a.get("start").is_some() {
+                a.dim("start")?
+            } else {
+                Dim::c(0)
+            };
+            node(e, Op::Arange { start, len }, &[])
+        }
+        "slice" => {
+            let (x, _) = a.tensor("x")?;
+            let axis = a.axis("axis", e.ty(x).shape.rank())?.expect("required");
+            let start = a.dim("start")?;
+            let len = a.dim("len")?;
+            node(e, Op::Slice { axis, start, len }, &[x])
         }
         "one_hot" => {
             let (i, _) = a.tensor("ids")?;

@@ -23,7 +23,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use kiln_compiler::infer::broadcast_shapes;
-use kiln_compiler::ir::{BinaryOp, DType, Graph, Init, NodeId, Op, TensorType, UnaryOp};
+use kiln_compiler::ir::{BinaryOp, CmpOp, DType, Graph, Init, NodeId, Op, TensorType, UnaryOp};
 use kiln_compiler::shape::{Dim, Shape};
 
 use crate::ast::*;
@@ -1037,12 +1037,28 @@ impl<'p> Elab<'p> {
         }
     }
 
-    /// Elementwise op with numpy broadcasting.
+    /// Elementwise arithmetic with numpy broadcasting.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn elementwise(
         &mut self,
         frame: &Frame,
         op: BinaryOp,
+        va: &Value,
+        sa: Span,
+        vb: &Value,
+        sb: Span,
+        span: Span,
+        verb: &str,
+    ) -> R<NodeId> {
+        self.elementwise_op(frame, Op::Binary(op), va, sa, vb, sb, span, verb)
+    }
+
+    /// A two-operand elementwise op (arithmetic or comparison) with numpy broadcasting.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn elementwise_op(
+        &mut self,
+        frame: &Frame,
+        op: Op,
         va: &Value,
         sa: Span,
         vb: &Value,
@@ -1074,7 +1090,7 @@ impl<'p> Elab<'p> {
         };
         let ba = self.broadcast(frame, ta, &shape, sa)?;
         let bb = self.broadcast(frame, tb, &shape, sb)?;
-        self.node(frame, Op::Binary(op), &[ba, bb], span)
+        self.node(frame, op, &[ba, bb], span)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1093,15 +1109,42 @@ impl<'p> Elab<'p> {
             BinOp::Sub => (BinaryOp::Sub, "subtract"),
             BinOp::Mul => (BinaryOp::Mul, "multiply"),
             BinOp::Div => (BinaryOp::Div, "divide"),
-            BinOp::MatMul => return self.matmul(frame, &va, sa, &vb, sb, span).map(Value::Tensor),
+            BinOp::MatMul => {
+                return self
+                    .matmul(frame, &va, sa, &vb, sb, span)
+                    .map(Value::Tensor)
+            }
             BinOp::Pow => return self.tensor_pow(frame, &va, sa, &vb, sb, span),
             BinOp::Eq | BinOp::Ne if matches!(va, Value::None) || matches!(vb, Value::None) => {
                 return Ok(Value::Bool(op == BinOp::Ne));
             }
+            BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => {
+                let c = match op {
+                    BinOp::Eq => CmpOp::Eq,
+                    BinOp::Ne => CmpOp::Ne,
+                    BinOp::Lt => CmpOp::Lt,
+                    BinOp::Le => CmpOp::Le,
+                    BinOp::Gt => CmpOp::Gt,
+                    _ => CmpOp::Ge,
+                };
+                return Ok(Value::Tensor(self.elementwise_op(
+                    frame,
+                    Op::Compare(c),
+                    &va,
+                    sa,
+                    &vb,
+                    sb,
+                    span,
+                    "compare",
+                )?));
+            }
             _ => {
-                return Err(Diag::new("kiln::type", format!("`{}` is not defined on tensors", op.symbol()))
-                    .at(span, "")
-                    .help("tensors support + - * / @ and ** with a number; use `where` and masks for comparisons"))
+                return Err(Diag::new(
+                    "kiln::type",
+                    format!("`{}` is not defined on tensors", op.symbol()),
+                )
+                .at(span, "")
+                .help("tensors support + - * / @, comparisons, and ** with a number"))
             }
         };
         Ok(Value::Tensor(
