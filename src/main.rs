@@ -32,16 +32,21 @@ struct SpecArgs {
     /// Which model of the file, when it defines several.
     #[arg(long)]
     model: Option<String>,
-    /// Elaborate the training graph (with dropout) instead of the inference graph.
-    #[arg(long)]
-    train: bool,
+    /// Which graph to elaborate: `eval` (inference), `train` (with dropout) or `decode`
+    /// (one incremental decoder step with key/value caches).
+    #[arg(long, default_value = "eval", value_parser = ["eval", "train", "decode"])]
+    mode: String,
 }
 
 impl SpecArgs {
     fn options(&self) -> Options {
         Options {
             overrides: self.set.clone(),
-            mode: if self.train { Mode::Train } else { Mode::Eval },
+            mode: match self.mode.as_str() {
+                "train" => Mode::Train,
+                "decode" => Mode::Decode,
+                _ => Mode::Eval,
+            },
             model: self.model.clone(),
         }
     }

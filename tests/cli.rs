@@ -74,8 +74,10 @@ fn check_reports_the_papers_parameter_counts() {
             v["inputs"][0]["shape"],
             serde_json::json!(["batch", "src_len"])
         );
+        assert_eq!(v["outputs"][0]["name"], "memory");
+        assert_eq!(v["stages"], serde_json::json!(["memory"]));
         assert_eq!(
-            v["outputs"][0]["shape"],
+            v["outputs"][1]["shape"],
             serde_json::json!(["batch", "tgt_len", "37000"])
         );
         assert_eq!(v["objective"], "loss");

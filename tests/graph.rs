@@ -75,7 +75,9 @@ fn dropout_is_in_training_graphs_only() {
     };
     let eval = compile("models/transformer_base.kiln", &[], Mode::Eval);
     let train = compile("models/transformer_base.kiln", &[], Mode::Train);
+    let decode = compile("models/transformer_base.kiln", &[], Mode::Decode);
     assert_eq!(count(&eval), 0);
+    assert_eq!(count(&decode), 0);
     // Residual dropout on 2 sublayers per encoder layer and 3 per decoder layer, plus
     // the two embedding sums: 6*2 + 6*3 + 2.
     assert_eq!(count(&train), 32);

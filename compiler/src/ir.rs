@@ -440,6 +440,10 @@ pub enum IrError {
     Malformed(String),
 }
 
+/// Inputs and outputs named `cache.<scope>.<name>` carry a decoder's key/value cache:
+/// the input holds the previous positions, the output of the same name all of them.
+pub const CACHE_PREFIX: &str = "cache.";
+
 /// A named graph output.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Output {
@@ -462,6 +466,10 @@ pub struct Graph {
     pub outputs: Vec<Output>,
     /// The output that is the training objective (a scalar), if the model declares one.
     pub objective: Option<String>,
+    /// Outputs that mark a pipeline stage (`stage memory = ...`): the `encode` entry point
+    /// computes them; `decode_step` takes them as inputs.
+    #[serde(default)]
+    pub stages: Vec<String>,
     #[serde(skip)]
     dedup: HashMap<(Op, Vec<NodeId>), NodeId>,
 }
@@ -665,11 +673,25 @@ impl Graph {
             .sum()
     }
 
-    /// Names of the outputs that are not the objective.
+    /// Names of the model's own outputs: not the objective, not a stage, not a cache.
     pub fn forward_outputs(&self) -> Vec<String> {
         self.outputs
             .iter()
-            .filter(|o| Some(&o.name) != self.objective.as_ref())
+            .filter(|o| {
+                Some(&o.name) != self.objective.as_ref()
+                    && !self.stages.contains(&o.name)
+                    && !o.name.starts_with(CACHE_PREFIX)
+            })
+            .map(|o| o.name.clone())
+            .collect()
+    }
+
+    /// Names of the key/value cache outputs of a `decode_step` graph; each is also the
+    /// name of the input that takes the previous step's value.
+    pub fn cache_outputs(&self) -> Vec<String> {
+        self.outputs
+            .iter()
+            .filter(|o| o.name.starts_with(CACHE_PREFIX))
             .map(|o| o.name.clone())
             .collect()
     }
@@ -737,6 +759,12 @@ impl Graph {
             .objective
             .clone()
             .filter(|o| outputs.iter().any(|n| n == o));
+        out.stages = self
+            .stages
+            .iter()
+            .filter(|s| outputs.iter().any(|n| n == *s))
+            .cloned()
+            .collect();
         Ok(out)
     }
 

@@ -29,6 +29,8 @@ pub struct Summary {
     pub inputs: Vec<TensorSig>,
     pub outputs: Vec<TensorSig>,
     pub objective: Option<String>,
+    /// Outputs that end the `encode` entry point (`stage` in the spec).
+    pub stages: Vec<String>,
     /// Nodes in the graph (sources included).
     pub nodes: usize,
     /// How many nodes of each op.
@@ -65,6 +67,7 @@ impl Summary {
                 .collect(),
             outputs: g.outputs.iter().map(|o| sig(g, &o.name, o.node)).collect(),
             objective: g.objective.clone(),
+            stages: g.stages.clone(),
             nodes: g.nodes.len(),
             ops,
         }
@@ -98,6 +101,8 @@ impl Summary {
             let head = if i == 0 { "outputs" } else { "" };
             let mark = if Some(&t.name) == self.objective.as_ref() {
                 "  (objective)"
+            } else if self.stages.contains(&t.name) {
+                "  (stage)"
             } else {
                 ""
             };

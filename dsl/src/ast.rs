@@ -105,6 +105,9 @@ pub enum StmtKind {
     Input(Ident, TensorTypeExpr),
     Output(Ident, Option<Expr>),
     Objective(Ident, Option<Expr>),
+    /// `stage memory = encoder(...)`: where the `encode` entry point stops and
+    /// `decode_step` starts (there it is an input).
+    Stage(Ident, Expr),
     Param {
         name: Ident,
         ty: TensorTypeExpr,
@@ -263,7 +266,10 @@ impl Block {
                     }
                 }
                 StmtKind::Check { cond, .. } => cond.walk(f),
-                StmtKind::Return(e) | StmtKind::Assign(_, e) | StmtKind::Expr(e) => e.walk(f),
+                StmtKind::Return(e)
+                | StmtKind::Assign(_, e)
+                | StmtKind::Stage(_, e)
+                | StmtKind::Expr(e) => e.walk(f),
             }
         }
     }

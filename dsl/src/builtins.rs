@@ -17,6 +17,9 @@ use crate::elaborate::{EArg, Elab, Frame, Mode, R};
 use crate::source::Span;
 use crate::values::{Partial, Value};
 
+/// The symbolic dim of positions already decoded (the key/value cache length).
+pub const PAST: &str = "past";
+
 /// Name and parameters (`?` marks optional ones).
 const BUILTINS: &[(&str, &[&str])] = &[
     ("exp", &["x"]),
@@ -53,6 +56,9 @@ const BUILTINS: &[(&str, &[&str])] = &[
     ("float", &["x"]),
     ("int", &["x"]),
     ("repeat", &["n", "layer"]),
+    ("kv_cache", &["x", "axis", "name"]),
+    ("past_len", &[]),
+    ("decoding", &[]),
     ("normal", &["std"]),
     ("uniform", &["a"]),
     ("constant", &["value"]),
@@ -516,7 +522,7 @@ pub(crate) fn call(
                 .at(a.req("p").1, "out of range")
                 .help("0 disables dropout; the paper uses 0.1 (base) and 0.3 (big)"));
             }
-            if e.mode == Mode::Eval || p == 0.0 {
+            if e.mode != Mode::Train || p == 0.0 {
                 return Ok(Value::Tensor(x));
             }
             let stream = e.next_stream;
@@ -621,6 +627,57 @@ pub(crate) fn call(
             .help("round it yourself, e.g. write the whole number you mean")),
             _ => Err(a.wrong("x", "a number")),
         },
+        "kv_cache" => {
+            let (x, _) = a.tensor("x")?;
+            let ty = e.ty(x);
+            let axis = a.axis("axis", ty.shape.rank())?.expect("required");
+            let cname = match a.req("name") {
+                (Value::Str(n), _) => n.to_string(),
+                _ => return Err(a.wrong("name", "a string naming the cache, such as \"k\"")),
+            };
+            if e.mode != Mode::Decode {
+                return Ok(Value::Tensor(x));
+            }
+            let full = if frame.inst.name.is_empty() {
+                format!("{}{cname}", kiln_compiler::ir::CACHE_PREFIX)
+            } else {
+                format!(
+                    "{}{}.{cname}",
+                    kiln_compiler::ir::CACHE_PREFIX,
+                    frame.inst.name
+                )
+            };
+            e.graph.add_dim(PAST);
+            let mut dims = ty.shape.0.clone();
+            dims[axis] = Dim::sym(PAST);
+            let past = e
+                .graph
+                .add_input(
+                    &full,
+                    kiln_compiler::ir::TensorType::new(ty.dtype, Shape(dims)),
+                )
+                .map_err(|err| {
+                    Diag::new(
+                        "kiln::duplicate",
+                        format!("{err}; one layer instance can hold one cache per name"),
+                    )
+                    .at(span, "second cache of this name")
+                })?;
+            let all = e.node(frame, Op::Concat { axis }, &[past, x], span)?;
+            e.graph
+                .add_output(&full, all)
+                .map_err(|err| Diag::new("kiln::duplicate", err.to_string()).at(span, ""))?;
+            Ok(Value::Tensor(all))
+        }
+        "past_len" => {
+            if e.mode == Mode::Decode {
+                e.graph.add_dim(PAST);
+                Ok(Value::Dim(Dim::sym(PAST)))
+            } else {
+                Ok(Value::Int(0))
+            }
+        }
+        "decoding" => Ok(Value::Bool(e.mode == Mode::Decode)),
         "repeat" => {
             let n = a.int("n")?;
             if n < 0 {

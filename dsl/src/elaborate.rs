@@ -35,12 +35,16 @@ use crate::values::{Instance, Partial, Value};
 
 pub(crate) type R<T> = Result<T, Diag>;
 
-/// Inference graphs leave dropout out; training graphs keep it.
+/// What the graph is for. `Eval` and `Decode` leave dropout out; `Train` keeps it.
+/// `Decode` elaborates one incremental decoder step: every `stage` value becomes an
+/// input, and every `kv_cache(...)` reads the previous positions from an input and
+/// returns all of them as an output (see the prelude's `attention`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Mode {
     #[default]
     Eval,
     Train,
+    Decode,
 }
 
 /// A `--set key=value` override with spans into the command-line source.
@@ -295,6 +299,7 @@ impl<'p> Elab<'p> {
                 StmtKind::Objective(name, e) => {
                     self.stmt_output(frame, name, e.as_ref(), true, stmt.span)?
                 }
+                StmtKind::Stage(name, e) => self.stmt_stage(frame, name, e, stmt.span)?,
                 StmtKind::Param { name, ty, init } => {
                     self.stmt_param(frame, name, ty, init.as_ref())?
                 }
@@ -563,6 +568,64 @@ impl<'p> Elab<'p> {
             self.graph.objective = Some(name.name.clone());
         }
         frame.vars.insert(name.name.clone(), Value::Tensor(id));
+        Ok(())
+    }
+
+    /// `stage memory = expr`: an output that ends the `encode` entry point; in `Decode`
+    /// mode the value is an input of the same type instead.
+    fn stmt_stage(&mut self, frame: &mut Frame, name: &Ident, e: &Expr, span: Span) -> R<()> {
+        if !frame.is_model {
+            return Err(
+                Diag::new("kiln::stage", "`stage` belongs in a model, not in a layer")
+                    .at(span, "declared in a layer")
+                    .help("mark the boundary between encoder and decoder in the model body"),
+            );
+        }
+        let v = self.eval(frame, e)?;
+        let Value::Tensor(id) = v else {
+            return Err(Diag::new(
+                "kiln::type",
+                format!("stage `{}` must be a tensor, got {}", name.name, v.kind()),
+            )
+            .at(e.span, format!("this is {}", v.kind())));
+        };
+        if frame.vars.contains_key(&name.name) || self.graph.input(&name.name).is_some() {
+            return Err(Diag::new(
+                "kiln::duplicate",
+                format!("`{}` is already defined", name.name),
+            )
+            .at(name.span, "defined again")
+            .help("a stage needs a name of its own"));
+        }
+        let bound = if self.mode == Mode::Decode {
+            let ty = self.graph.ty(id).clone();
+            if let Some(bad) = ty
+                .shape
+                .dims()
+                .iter()
+                .find(|d| !d.is_const() && d.as_sym().is_none())
+            {
+                return Err(Diag::new(
+                    "kiln::stage",
+                    format!(
+                        "stage `{}` has the composite dim `{bad}`; stages become decoder inputs",
+                        name.name
+                    ),
+                )
+                .at(e.span, format!("this is {ty}"))
+                .help("give the stage a shape of declared dims and numbers"));
+            }
+            self.graph
+                .add_input(&name.name, ty)
+                .map_err(|err| Diag::new("kiln::duplicate", err.to_string()).at(name.span, ""))?
+        } else {
+            self.graph.add_output(&name.name, id).map_err(|err| {
+                Diag::new("kiln::duplicate", err.to_string()).at(name.span, "declared again")
+            })?;
+            self.graph.stages.push(name.name.clone());
+            id
+        };
+        frame.vars.insert(name.name.clone(), Value::Tensor(bound));
         Ok(())
     }
 

@@ -339,6 +339,11 @@ impl<'t> Parser<'t> {
                     StmtKind::Objective(name, e)
                 }
             }
+            Rule::stage_stmt => {
+                inner.next();
+                let name = self.ident(inner.next().expect("stage name"));
+                StmtKind::Stage(name, self.expr(inner.next().expect("stage value"))?)
+            }
             Rule::param_stmt => {
                 inner.next();
                 let name = self.ident(inner.next().expect("param name"));
@@ -878,6 +883,7 @@ fn describe(rules: &[Rule]) -> String {
             | Rule::input_stmt
             | Rule::output_stmt
             | Rule::objective_stmt
+            | Rule::stage_stmt
             | Rule::param_stmt
             | Rule::check_stmt
             | Rule::return_stmt
@@ -920,6 +926,7 @@ fn describe(rules: &[Rule]) -> String {
             Rule::kw_input => "`input`",
             Rule::kw_output => "`output`",
             Rule::kw_objective => "`objective`",
+            Rule::kw_stage => "`stage`",
             Rule::kw_param => "`param`",
             Rule::kw_check => "`check`",
             Rule::kw_return => "`return`",

@@ -5,9 +5,14 @@
 //! ([`entry_graph`]), or an error that names the entry, tensor or parameter at fault
 //! and says how to fix it ([`check_inputs`], [`check_weights`]).
 //!
-//! Entry points today: `forward` (every declared output except the objective) and
-//! `loss` (the objective alone). `train_step`, `encode` and `decode_step` are derived by
-//! the compiler in later work.
+//! Entry points, and the graph each is cut from:
+//! - `forward`: every declared output except the objective and stages (inference graph);
+//! - `loss`: the objective alone (inference graph; the training graph adds dropout);
+//! - `encode`: the `stage` outputs, e.g. the encoder memory (inference graph);
+//! - `decode_step`: the outputs plus the updated key/value caches of one incremental
+//!   decoder step (decode graph, where stages and caches are inputs);
+//! - `train_step`: the objective and the gradient of every parameter (training graph,
+//!   differentiated by the compiler).
 
 use std::collections::BTreeMap;
 
@@ -18,27 +23,55 @@ use kiln_compiler::tensor::Tensor;
 pub enum Entry {
     Forward,
     Loss,
+    Encode,
+    DecodeStep,
+    TrainStep,
+}
+
+/// Which graph of a spec an entry point is cut from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphKind {
+    /// Inference: no dropout.
+    Eval,
+    /// Training: dropout kept.
+    Train,
+    /// One incremental decoder step: stages and caches are inputs.
+    Decode,
 }
 
 impl Entry {
-    pub const NAMES: [&'static str; 2] = ["forward", "loss"];
+    pub const NAMES: [&'static str; 5] = ["forward", "loss", "encode", "decode_step", "train_step"];
 
     pub fn parse(s: &str) -> Result<Entry, RuntimeError> {
         match s {
             "forward" => Ok(Entry::Forward),
             "loss" => Ok(Entry::Loss),
+            "encode" => Ok(Entry::Encode),
+            "decode_step" => Ok(Entry::DecodeStep),
+            "train_step" => Ok(Entry::TrainStep),
             other => Err(RuntimeError::new(
                 format!("unknown entry point `{other}`"),
-                format!(
-                    "entry points are {}{}",
-                    Entry::NAMES.join(", "),
-                    if ["train_step", "encode", "decode_step"].contains(&other) {
-                        format!("; `{other}` is not implemented yet")
-                    } else {
-                        String::new()
-                    }
-                ),
+                format!("entry points are {}", Entry::NAMES.join(", ")),
             )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Entry::Forward => "forward",
+            Entry::Loss => "loss",
+            Entry::Encode => "encode",
+            Entry::DecodeStep => "decode_step",
+            Entry::TrainStep => "train_step",
+        }
+    }
+
+    /// The graph the entry point is cut from.
+    pub fn graph_kind(self) -> GraphKind {
+        match self {
+            Entry::Forward | Entry::Loss | Entry::Encode => GraphKind::Eval,
+            Entry::DecodeStep => GraphKind::Decode,
+            Entry::TrainStep => GraphKind::Train,
         }
     }
 }
@@ -60,9 +93,43 @@ impl RuntimeError {
     }
 }
 
-/// The graph of one entry point of a model.
+/// The graph of one entry point, cut from the model graph of `entry.graph_kind()`.
 pub fn entry_graph(model: &Graph, entry: Entry) -> Result<Graph, RuntimeError> {
     let outputs = match entry {
+        Entry::Encode => {
+            if model.stages.is_empty() {
+                return Err(RuntimeError::new(
+                    format!(
+                        "model `{}` declares no `stage`, so it has no `encode` entry",
+                        model.name
+                    ),
+                    "mark where encoding ends in the spec: `stage memory = encoder(...)`",
+                ));
+            }
+            model.stages.clone()
+        }
+        Entry::DecodeStep => {
+            let caches = model.cache_outputs();
+            if caches.is_empty() {
+                return Err(RuntimeError::new(
+                    format!(
+                        "model `{}` has no key/value cache, so it has no `decode_step` entry \
+                         (was it elaborated in decode mode?)",
+                        model.name
+                    ),
+                    "decode_step needs a causal attention (`attention(..., causal = true)`) in the decoder",
+                ));
+            }
+            let mut outs = model.forward_outputs();
+            outs.extend(caches);
+            outs
+        }
+        Entry::TrainStep => {
+            return Err(RuntimeError::new(
+                "train_step is built by the compiler's autodiff pass, not by pruning",
+                "use kiln_compiler::autodiff::train_step on the training graph",
+            ))
+        }
         Entry::Forward => model.forward_outputs(),
         Entry::Loss => match &model.objective {
             Some(o) => vec![o.clone()],

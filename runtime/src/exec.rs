@@ -1,0 +1,85 @@
+//! Executors behind one interface.
+//!
+//! In: an entry-point graph and the tensors it needs. Out: its outputs. The trainer and
+//! the decoder hold a `Box<dyn Exec>` and do not care which executor runs the graph:
+//! - [`Reference`]: the compiler's reference executor (plain loops, the oracle);
+//! - the eager executor (op by op, GEMM through the `gemm` crate), when it is built.
+
+use std::collections::BTreeMap;
+
+use kiln_compiler::ir::Graph;
+use kiln_compiler::reference::{self, ExecError, RunOptions};
+use kiln_compiler::tensor::Tensor;
+
+/// Something that runs one graph.
+pub trait Exec: Send + Sync {
+    fn graph(&self) -> &Graph;
+    fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError>;
+
+    /// Runs and returns the outputs by name.
+    fn run_map(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<BTreeMap<String, Tensor>, ExecError> {
+        Ok(self.run(inputs, params, opts)?.into_iter().collect())
+    }
+}
+
+/// The reference executor.
+pub struct Reference {
+    graph: Graph,
+}
+
+impl Reference {
+    pub fn new(graph: Graph) -> Result<Reference, ExecError> {
+        graph.verify()?;
+        Ok(Reference { graph })
+    }
+}
+
+impl Exec for Reference {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        reference::run(&self.graph, inputs, params, opts)
+    }
+}
+
+/// Which executor to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecutorKind {
+    Reference,
+    Eager,
+}
+
+impl ExecutorKind {
+    pub fn parse(s: &str) -> Option<ExecutorKind> {
+        match s {
+            "reference" => Some(ExecutorKind::Reference),
+            "eager" => Some(ExecutorKind::Eager),
+            _ => None,
+        }
+    }
+}
+
+/// An executor of `kind` for `graph`.
+pub fn executor(kind: ExecutorKind, graph: Graph) -> Result<Box<dyn Exec>, ExecError> {
+    match kind {
+        ExecutorKind::Reference => Ok(Box::new(Reference::new(graph)?)),
+        ExecutorKind::Eager => Ok(Box::new(Reference::new(graph)?)),
+    }
+}

@@ -1,0 +1,159 @@
+//! Incremental decoding: the `decode_step` entry point (key/value caches) gives exactly
+//! the tokens and scores of recomputing the whole prefix with `forward` at every step —
+//! for beam search and for greedy decoding — on the tiny Transformer, through the
+//! reference executor (whose per-row arithmetic does not depend on batch or length, so
+//! the two paths agree to the bit).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kiln_compiler::init::init_params;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::Graph;
+use kiln_dsl::{Mode, Options};
+use kiln_runtime::decode::{decode, CachedStep, DecodeOptions, FullStep, LengthPenalty};
+use kiln_runtime::exec::{Exec, Reference};
+use kiln_runtime::{entry_graph, Entry};
+
+fn graph(mode: Mode) -> Graph {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_tiny.kiln");
+    kiln_dsl::compile_file(
+        &path,
+        &Options {
+            mode,
+            ..Options::default()
+        },
+    )
+    .expect("tiny compiles")
+}
+
+struct Setup {
+    forward: Reference,
+    encode: Reference,
+    step: Reference,
+    params: BTreeMap<String, Tensor>,
+}
+
+fn setup(seed: u64) -> Setup {
+    let eval = graph(Mode::Eval);
+    let dec = graph(Mode::Decode);
+    let params = init_params(&eval, seed).unwrap().into_iter().collect();
+    Setup {
+        forward: Reference::new(entry_graph(&eval, Entry::Forward).unwrap()).unwrap(),
+        encode: Reference::new(entry_graph(&eval, Entry::Encode).unwrap()).unwrap(),
+        step: Reference::new(entry_graph(&dec, Entry::DecodeStep).unwrap()).unwrap(),
+        params,
+    }
+}
+
+fn src() -> Tensor {
+    // Three sentences, two of them padded.
+    Tensor::i32(
+        vec![3, 5],
+        vec![5, 6, 7, 0, 0, 8, 9, 10, 11, 12, 13, 14, 0, 0, 0],
+    )
+    .unwrap()
+}
+
+#[test]
+fn decode_step_graph_has_caches_and_stage_inputs() {
+    let s = setup(1);
+    let g = s.step.graph().clone();
+    let inputs: Vec<&str> = g
+        .inputs
+        .iter()
+        .map(|&i| g.source_name(i).unwrap())
+        .collect();
+    assert!(inputs.contains(&"memory"), "{inputs:?}");
+    assert!(inputs.contains(&"src"));
+    assert!(inputs.contains(&"tgt_in"));
+    assert!(
+        !inputs.contains(&"tgt_out"),
+        "the loss is not part of decode_step"
+    );
+    let caches = g.cache_outputs();
+    assert_eq!(
+        caches.len(),
+        4,
+        "k and v for each of 2 decoder layers: {caches:?}"
+    );
+    assert!(caches.contains(&"cache.decoder.layers.1.self_attn.v".to_string()));
+    // The encoder is not part of decode_step.
+    assert!(g.param("encoder.layers.0.self_attn.w_q").is_none());
+    assert!(g.param("decoder.layers.0.cross_attn.w_k").is_some());
+    let enc = s.encode.graph();
+    assert_eq!(enc.outputs.len(), 1);
+    assert_eq!(enc.outputs[0].name, "memory");
+    assert!(enc.param("decoder.layers.0.self_attn.w_q").is_none());
+}
+
+#[test]
+fn beam_search_with_the_cache_equals_full_recomputation() {
+    for seed in [1, 2] {
+        let s = setup(seed);
+        let opts = DecodeOptions {
+            beam: 4,
+            penalty: LengthPenalty::Gnmt(0.6),
+            max_len_a: 1.0,
+            max_len_b: 4,
+            ..DecodeOptions::default()
+        };
+        let mut cached = CachedStep::new(&s.encode, &s.step, &s.params, 64);
+        let mut full = FullStep::new(&s.forward, &s.params, 64);
+        let a = decode(&mut cached, &src(), &opts).unwrap();
+        let b = decode(&mut full, &src(), &opts).unwrap();
+        assert_eq!(a, b, "seed {seed}: cached and full decoding differ");
+        for h in &a {
+            assert!(h.score.is_finite() && h.score < 0.0);
+            assert!(h.tokens.len() <= 9);
+        }
+    }
+}
+
+#[test]
+fn greedy_with_the_cache_equals_full_recomputation() {
+    let s = setup(3);
+    let opts = DecodeOptions {
+        greedy: true,
+        beam: 1,
+        penalty: LengthPenalty::None,
+        max_len_b: 6,
+        ..DecodeOptions::default()
+    };
+    let mut cached = CachedStep::new(&s.encode, &s.step, &s.params, 64);
+    let mut full = FullStep::new(&s.forward, &s.params, 64);
+    let a = decode(&mut cached, &src(), &opts).unwrap();
+    let b = decode(&mut full, &src(), &opts).unwrap();
+    assert_eq!(a, b);
+    // An untrained model rarely stops early: the maximum length is reached.
+    assert!(a.iter().any(|h| !h.tokens.is_empty()));
+}
+
+#[test]
+fn beam_one_is_at_least_as_good_as_greedy_and_beam_four_at_least_as_beam_one() {
+    let s = setup(4);
+    let base = DecodeOptions {
+        penalty: LengthPenalty::None,
+        max_len_b: 5,
+        ..DecodeOptions::default()
+    };
+    let run = |beam: usize| {
+        let mut cached = CachedStep::new(&s.encode, &s.step, &s.params, 64);
+        decode(
+            &mut cached,
+            &src(),
+            &DecodeOptions {
+                beam,
+                ..base.clone()
+            },
+        )
+        .unwrap()
+    };
+    let (one, four) = (run(1), run(4));
+    for (x, y) in one.iter().zip(&four) {
+        assert!(
+            y.log_prob >= x.log_prob - 1e-9,
+            "beam 4 found a worse hypothesis: {y:?} vs {x:?}"
+        );
+    }
+}
