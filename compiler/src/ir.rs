@@ -470,6 +470,10 @@ pub struct Graph {
     /// computes them; `decode_step` takes them as inputs.
     #[serde(default)]
     pub stages: Vec<String>,
+    /// The model's parameters after overrides, as text (`d_model` → `512`): metadata
+    /// for the runtime (the learning-rate schedule reads `d_model`) and for artifacts.
+    #[serde(default)]
+    pub hparams: Vec<(String, String)>,
     #[serde(skip)]
     dedup: HashMap<(Op, Vec<NodeId>), NodeId>,
 }
@@ -673,6 +677,11 @@ impl Graph {
             .sum()
     }
 
+    /// A model parameter's value as text, if the graph records it.
+    pub fn hparam(&self, name: &str) -> Option<&str> {
+        self.hparams.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
     /// Names of the model's own outputs: not the objective, not a stage, not a cache.
     pub fn forward_outputs(&self) -> Vec<String> {
         self.outputs
@@ -759,6 +768,7 @@ impl Graph {
             .objective
             .clone()
             .filter(|o| outputs.iter().any(|n| n == o));
+        out.hparams = self.hparams.clone();
         out.stages = self
             .stages
             .iter()

@@ -241,6 +241,11 @@ impl<'p> Elab<'p> {
         }
         let bound = self.bind_hyper(&full.name.name, params, given, full.name.span, &mut frame)?;
         for (k, v) in bound {
+            let text = match &v {
+                Value::Str(s) => s.to_string(),
+                other => other.to_string(),
+            };
+            self.graph.hparams.push((k.clone(), text));
             frame.vars.insert(k, v);
         }
         self.exec_block(&mut frame, body)?;

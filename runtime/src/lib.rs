@@ -4,6 +4,7 @@
 //! files fed to it (inputs, weights) against the graph before anything runs. Training,
 //! decoding, data and checkpoints arrive with issue #3; the compiled executors with #5/#6.
 
+pub mod config;
 pub mod decode;
 pub mod entry;
 pub mod exec;

@@ -1,0 +1,383 @@
+//! Training configuration (YAML).
+//!
+//! In: a YAML file. Out: a [`Config`] with the paper's recipe as defaults — Adam
+//! β = (0.9, 0.98), ε = 1e-9; lr = factor · d_model^-0.5 · min(step^-0.5, step ·
+//! warmup^-1.5) with warmup 4000; batches of about 25,000 source and 25,000 target
+//! tokens; checkpoints and validation every 1000 steps; beam 4, α = 0.6. Label
+//! smoothing and dropout are parameters of the spec (`eps_ls`, `p_drop`) and are set
+//! with `model.set`.
+//!
+//! Unknown keys are errors that name the key and its line (serde's
+//! `deny_unknown_fields`); paths are relative to the configuration file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub batch: BatchConfig,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    #[serde(default)]
+    pub schedule: ScheduleConfig,
+    #[serde(default)]
+    pub train: TrainConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub valid: ValidConfig,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The `.kiln` spec.
+    pub spec: PathBuf,
+    /// The model in the spec, when it defines several.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Parameter overrides, as `--set` would give them. `vocab` is set from the BPE
+    /// vocabulary.
+    #[serde(default)]
+    pub set: BTreeMap<String, serde_yaml::Value>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub train_src: PathBuf,
+    pub train_tgt: PathBuf,
+    pub valid_src: PathBuf,
+    pub valid_tgt: PathBuf,
+    /// Size of the shared BPE vocabulary (special tokens included).
+    #[serde(default = "default_vocab")]
+    pub vocab_size: usize,
+    /// Training pairs with more tokens than this on either side are dropped.
+    #[serde(default = "default_max_len")]
+    pub max_len: usize,
+}
+
+fn default_vocab() -> usize {
+    37000
+}
+fn default_max_len() -> usize {
+    256
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Padded source tokens per batch (rows × longest row).
+    pub max_src_tokens: usize,
+    /// Padded target tokens per batch.
+    pub max_tgt_tokens: usize,
+    /// Batches whose gradients are summed before one optimizer step.
+    pub update_freq: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            max_src_tokens: 25_000,
+            max_tgt_tokens: 25_000,
+            update_freq: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimizerConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            beta1: 0.9,
+            beta2: 0.98,
+            eps: 1e-9,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub warmup: u64,
+    /// Multiplies the paper's learning rate.
+    pub factor: f64,
+    /// Defaults to the spec's `d_model`.
+    #[serde(default)]
+    pub d_model: Option<f64>,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        ScheduleConfig {
+            warmup: 4000,
+            factor: 1.0,
+            d_model: None,
+        }
+    }
+}
+
+impl ScheduleConfig {
+    /// lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), step ≥ 1.
+    pub fn lr(&self, d_model: f64, step: u64) -> f64 {
+        let s = step.max(1) as f64;
+        let w = self.warmup.max(1) as f64;
+        self.factor * d_model.powf(-0.5) * s.powf(-0.5).min(s * w.powf(-1.5))
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps to run.
+    pub max_steps: u64,
+    pub seed: u64,
+    /// `eager` or `reference`.
+    pub executor: String,
+    /// Worker threads (0: one per core).
+    pub threads: usize,
+    /// Print a progress line (or redraw the bar) every this many steps.
+    pub log_every: u64,
+    /// Stop after this many seconds of training (0: no limit); a checkpoint is written.
+    pub max_seconds: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            max_steps: 100_000,
+            seed: 1,
+            executor: "eager".to_string(),
+            threads: 0,
+            log_every: 100,
+            max_seconds: 0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// The run directory (checkpoints, tokenizer, metrics, plot), relative to the
+    /// configuration file.
+    pub dir: PathBuf,
+    pub every: u64,
+    /// How many checkpoints to keep (the paper averages the last 5 or 20).
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            dir: PathBuf::from("runs/run"),
+            every: 1000,
+            keep: 5,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidConfig {
+    pub every: u64,
+    /// Compute BLEU by decoding the validation set (else only the loss).
+    pub bleu: bool,
+    pub beam: usize,
+    pub alpha: f64,
+    /// `gnmt`, `len_pow` or `none`.
+    pub length_penalty: String,
+    pub max_len_a: f64,
+    pub max_len_b: usize,
+    /// Decode at most this many validation sentences for BLEU (0: all).
+    pub max_sentences: usize,
+}
+
+impl Default for ValidConfig {
+    fn default() -> Self {
+        ValidConfig {
+            every: 1000,
+            bleu: true,
+            beam: 4,
+            alpha: 0.6,
+            length_penalty: "gnmt".to_string(),
+            max_len_a: 1.0,
+            max_len_b: 50,
+            max_sentences: 0,
+        }
+    }
+}
+
+/// A configuration error: the file, and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read the configuration `{path}`: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`{path}`: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads and checks a configuration; relative paths become relative to its folder.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut c = Config::parse(&text).map_err(|message| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [
+            &mut c.model.spec,
+            &mut c.data.train_src,
+            &mut c.data.train_tgt,
+            &mut c.data.valid_src,
+            &mut c.data.valid_tgt,
+            &mut c.checkpoint.dir,
+        ] {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(c)
+    }
+
+    /// Parses YAML text and checks the values.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        let c: Config = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        c.check()?;
+        Ok(c)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let mut bad = Vec::new();
+        if !(0.0..1.0).contains(&self.optimizer.beta1) || !(0.0..1.0).contains(&self.optimizer.beta2) {
+            bad.push("optimizer.beta1 and beta2 must be in [0, 1)".to_string());
+        }
+        if self.optimizer.eps <= 0.0 {
+            bad.push("optimizer.eps must be positive".to_string());
+        }
+        if self.batch.update_freq == 0 {
+            bad.push("batch.update_freq must be at least 1".to_string());
+        }
+        if self.batch.max_src_tokens == 0 || self.batch.max_tgt_tokens == 0 {
+            bad.push("batch.max_src_tokens and max_tgt_tokens must be positive".to_string());
+        }
+        if self.checkpoint.every == 0 || self.valid.every == 0 || self.train.log_every == 0 {
+            bad.push("checkpoint.every, valid.every and train.log_every must be positive".to_string());
+        }
+        if self.checkpoint.keep == 0 {
+            bad.push("checkpoint.keep must be at least 1".to_string());
+        }
+        if self.valid.beam == 0 {
+            bad.push("valid.beam must be at least 1".to_string());
+        }
+        if !["gnmt", "len_pow", "none"].contains(&self.valid.length_penalty.as_str()) {
+            bad.push(format!(
+                "valid.length_penalty is `{}`; use gnmt, len_pow or none",
+                self.valid.length_penalty
+            ));
+        }
+        if !["eager", "reference"].contains(&self.train.executor.as_str()) {
+            bad.push(format!("train.executor is `{}`; use eager or reference", self.train.executor));
+        }
+        if self.data.vocab_size < 8 {
+            bad.push("data.vocab_size must be at least 8".to_string());
+        }
+        if self.schedule.factor <= 0.0 {
+            bad.push("schedule.factor must be positive".to_string());
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(bad.join("; "))
+        }
+    }
+
+    /// `model.set` as `key=value` strings for the spec compiler.
+    pub fn overrides(&self) -> Vec<String> {
+        self.model
+            .set
+            .iter()
+            .map(|(k, v)| {
+                let text = match v {
+                    serde_yaml::Value::String(s) => s.clone(),
+                    serde_yaml::Value::Bool(b) => b.to_string(),
+                    serde_yaml::Value::Number(n) => n.to_string(),
+                    other => serde_yaml::to_string(other).unwrap_or_default().trim().to_string(),
+                };
+                format!("{k}={text}")
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "model:\n  spec: m.kiln\ndata:\n  train_src: a\n  train_tgt: b\n  valid_src: c\n  valid_tgt: d\n";
+
+    #[test]
+    fn defaults_are_the_papers_recipe() {
+        let c = Config::parse(MINIMAL).unwrap();
+        assert_eq!(c.optimizer, OptimizerConfig { beta1: 0.9, beta2: 0.98, eps: 1e-9 });
+        assert_eq!(c.schedule.warmup, 4000);
+        assert_eq!(c.batch.max_src_tokens, 25_000);
+        assert_eq!(c.batch.max_tgt_tokens, 25_000);
+        assert_eq!(c.valid.beam, 4);
+        assert_eq!(c.valid.alpha, 0.6);
+        assert_eq!(c.data.vocab_size, 37000);
+    }
+
+    #[test]
+    fn noam_schedule() {
+        let s = ScheduleConfig::default();
+        // Peak at the end of warmup: 512^-0.5 * 4000^-0.5.
+        let peak = 512f64.powf(-0.5) * 4000f64.powf(-0.5);
+        assert!((s.lr(512.0, 4000) - peak).abs() < 1e-15);
+        assert!((s.lr(512.0, 1) - 512f64.powf(-0.5) * 4000f64.powf(-1.5)).abs() < 1e-18);
+        assert!((s.lr(512.0, 16000) - peak / 2.0).abs() < 1e-15);
+        assert!(s.lr(512.0, 2000) < peak && s.lr(512.0, 8000) < peak);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = Config::parse(&format!("{MINIMAL}optimizer:\n  beta3: 0.5\n")).unwrap_err();
+        assert!(e.contains("unknown field `beta3`"), "{e}");
+        let e = Config::parse(&format!("{MINIMAL}colour: red\n")).unwrap_err();
+        assert!(e.contains("unknown field `colour`"), "{e}");
+        let e = Config::parse(&format!("{MINIMAL}valid:\n  every: 5\n  length_penalty: wu\n")).unwrap_err();
+        assert!(e.contains("missing field") || e.contains("length_penalty"), "{e}");
+    }
+
+    #[test]
+    fn values_are_checked() {
+        let e = Config::parse(&format!("{MINIMAL}batch:\n  max_src_tokens: 100\n  max_tgt_tokens: 100\n  update_freq: 0\n")).unwrap_err();
+        assert!(e.contains("update_freq"), "{e}");
+    }
+
+    #[test]
+    fn overrides_become_set_arguments() {
+        let c = Config::parse(&format!("{MINIMAL}").replace("  spec: m.kiln\n", "  spec: m.kiln\n  set:\n    d_model: 256\n    p_drop: 0.3\n    learned_pos: true\n")).unwrap();
+        assert_eq!(c.overrides(), vec!["d_model=256", "learned_pos=true", "p_drop=0.3"]);
+    }
+}
