@@ -8,5 +8,7 @@ pub mod config;
 pub mod decode;
 pub mod entry;
 pub mod exec;
+pub mod optim;
+pub mod synthetic;
 
 pub use entry::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};

@@ -1,0 +1,212 @@
+//! The optimizer: Adam (Kingma & Ba, 2015), as the paper uses it.
+//!
+//! In: parameters, their gradients (already averaged over the tokens of an update) and
+//! the learning rate of this step. Out: the parameters updated in place, and the moment
+//! estimates, which checkpoints save so a resumed run continues exactly:
+//!
+//! m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²;
+//! p ← p − lr · (m / (1−β1^t)) / (sqrt(v / (1−β2^t)) + ε)
+//!
+//! Every element is updated independently (in parallel over parameters and chunks), so
+//! the result does not depend on the number of threads.
+
+use std::collections::BTreeMap;
+
+use rayon::prelude::*;
+
+use kiln_compiler::tensor::{Tensor, TensorData};
+
+/// Adam's hyper-parameters and state.
+pub struct Adam {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Updates taken so far.
+    pub t: u64,
+    pub m: BTreeMap<String, Vec<f32>>,
+    pub v: BTreeMap<String, Vec<f32>>,
+}
+
+/// A parameter, gradient or moment that does not fit.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct OptimError(pub String);
+
+const CHUNK: usize = 1 << 14;
+
+impl Adam {
+    /// Zero moments for every parameter.
+    pub fn new(beta1: f64, beta2: f64, eps: f64, params: &BTreeMap<String, Tensor>) -> Adam {
+        let zeros: BTreeMap<String, Vec<f32>> = params
+            .iter()
+            .map(|(k, t)| (k.clone(), vec![0.0; t.numel()]))
+            .collect();
+        Adam {
+            beta1,
+            beta2,
+            eps,
+            t: 0,
+            m: zeros.clone(),
+            v: zeros,
+        }
+    }
+
+    /// One update with learning rate `lr`.
+    pub fn step(
+        &mut self,
+        params: &mut BTreeMap<String, Tensor>,
+        grads: &BTreeMap<String, Vec<f32>>,
+        lr: f64,
+    ) -> Result<(), OptimError> {
+        self.t += 1;
+        let t = self.t as i32;
+        let (b1, b2) = (self.beta1, self.beta2);
+        let bc1 = 1.0 - b1.powi(t);
+        let bc2 = 1.0 - b2.powi(t);
+        let step_size = (lr / bc1) as f32;
+        let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
+        let (b1f, b2f, eps) = (b1 as f32, b2 as f32, self.eps as f32);
+        let (c1, c2) = ((1.0 - b1) as f32, (1.0 - b2) as f32);
+        if self.m.len() != params.len()
+            || self.v.len() != params.len()
+            || !params.keys().zip(self.m.keys()).all(|(a, b)| a == b)
+            || !params.keys().zip(self.v.keys()).all(|(a, b)| a == b)
+        {
+            return Err(OptimError(
+                "the optimizer state does not match the parameters (another model?)".to_string(),
+            ));
+        }
+        let mut work = Vec::new();
+        for ((name, p), (m, v)) in params.iter_mut().zip(self.m.values_mut().zip(self.v.values_mut())) {
+            let g = grads
+                .get(name)
+                .ok_or_else(|| OptimError(format!("no gradient for parameter `{name}`")))?;
+            let TensorData::F32(pv) = &mut p.data else {
+                return Err(OptimError(format!("parameter `{name}` is not f32")));
+            };
+            if g.len() != pv.len() || m.len() != pv.len() || v.len() != pv.len() {
+                return Err(OptimError(format!(
+                    "parameter `{name}` has {} elements but its gradient/moments have {}/{}/{}",
+                    pv.len(),
+                    g.len(),
+                    m.len(),
+                    v.len()
+                )));
+            }
+            work.push((pv.as_mut_slice(), g.as_slice(), m.as_mut_slice(), v.as_mut_slice()));
+        }
+        work.into_par_iter().for_each(|(p, g, m, v)| {
+            p.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+                .for_each(|((p, g), (m, v))| {
+                    for i in 0..p.len() {
+                        let gi = g[i];
+                        m[i] = b1f * m[i] + c1 * gi;
+                        v[i] = b2f * v[i] + c2 * gi * gi;
+                        let denom = v[i].sqrt() * inv_sqrt_bc2 + eps;
+                        p[i] -= step_size * m[i] / denom;
+                    }
+                });
+        });
+        Ok(())
+    }
+
+    /// The moments as tensors named `m.<param>` and `v.<param>` (for checkpoints).
+    pub fn state_tensors(&self, params: &BTreeMap<String, Tensor>) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (name, p) in params {
+            for (prefix, store) in [("m", &self.m), ("v", &self.v)] {
+                if let Some(x) = store.get(name) {
+                    out.push((
+                        format!("{prefix}.{name}"),
+                        Tensor {
+                            shape: p.shape.clone(),
+                            data: TensorData::F32(x.clone()),
+                        },
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    /// Restores the moments saved by [`Adam::state_tensors`]; every parameter must have
+    /// both, of its size.
+    pub fn load_state(
+        &mut self,
+        t: u64,
+        params: &BTreeMap<String, Tensor>,
+        state: &BTreeMap<String, Tensor>,
+    ) -> Result<(), OptimError> {
+        for (name, p) in params {
+            for prefix in ["m", "v"] {
+                let key = format!("{prefix}.{name}");
+                let x = state.get(&key).ok_or_else(|| {
+                    OptimError(format!("the optimizer state lacks `{key}`; it belongs to another model"))
+                })?;
+                let data = x
+                    .as_f32()
+                    .ok_or_else(|| OptimError(format!("`{key}` is not f32")))?;
+                if data.len() != p.numel() {
+                    return Err(OptimError(format!(
+                        "`{key}` has {} elements, the parameter {}",
+                        data.len(),
+                        p.numel()
+                    )));
+                }
+                let store = if prefix == "m" { &mut self.m } else { &mut self.v };
+                store.insert(name.clone(), data.to_vec());
+            }
+        }
+        self.t = t;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_steps_by_hand() {
+        let mut params = BTreeMap::new();
+        params.insert("w".to_string(), Tensor::f32(vec![2], vec![1.0, -2.0]).unwrap());
+        let mut adam = Adam::new(0.9, 0.98, 1e-9, &params);
+        let mut grads = BTreeMap::new();
+        grads.insert("w".to_string(), vec![0.5f32, -0.25]);
+        adam.step(&mut params, &grads, 0.1).unwrap();
+        // Step 1: m̂ = g, v̂ = g², so the update is lr · sign(g) (up to ε).
+        let w = params["w"].as_f32().unwrap();
+        assert!((w[0] - 0.9).abs() < 1e-6, "{w:?}");
+        assert!((w[1] + 1.9).abs() < 1e-6, "{w:?}");
+        // Step 2 with g = 0: m = 0.9·0.05 = 0.045, m̂ = 0.045/0.19; v = 0.98·0.0025·0.02...
+        grads.insert("w".to_string(), vec![0.0, 0.0]);
+        adam.step(&mut params, &grads, 0.1).unwrap();
+        let m_hat = 0.9 * 0.1 * 0.5 / (1.0 - 0.81);
+        let v_hat = 0.98 * 0.02 * 0.25 / (1.0 - 0.98f64 * 0.98);
+        let want = 0.9 - 0.1 * m_hat / (v_hat.sqrt() + 1e-9);
+        let w = params["w"].as_f32().unwrap();
+        assert!((w[0] as f64 - want).abs() < 1e-6, "{} vs {want}", w[0]);
+    }
+
+    #[test]
+    fn state_round_trip_and_errors() {
+        let mut params = BTreeMap::new();
+        params.insert("a".to_string(), Tensor::f32(vec![3], vec![1.0, 2.0, 3.0]).unwrap());
+        let mut adam = Adam::new(0.9, 0.98, 1e-9, &params);
+        let mut grads = BTreeMap::new();
+        grads.insert("a".to_string(), vec![0.1f32, 0.2, 0.3]);
+        adam.step(&mut params, &grads, 0.01).unwrap();
+        let saved: BTreeMap<String, Tensor> = adam.state_tensors(&params).into_iter().collect();
+        let mut b = Adam::new(0.9, 0.98, 1e-9, &params);
+        b.load_state(adam.t, &params, &saved).unwrap();
+        assert_eq!(b.m, adam.m);
+        assert_eq!(b.v, adam.v);
+        let mut missing = saved.clone();
+        missing.remove("v.a");
+        assert!(b.load_state(1, &params, &missing).unwrap_err().to_string().contains("v.a"));
+        grads.clear();
+        assert!(adam.step(&mut params, &grads, 0.01).unwrap_err().to_string().contains("no gradient"));
+    }
+}
