@@ -1,14 +1,23 @@
-//! kiln-runtime: running compiled models.
+//! kiln-runtime: running models — executors, training, decoding, data, checkpoints.
 //!
-//! For now: [`entry`] — choosing an entry point of a model graph and checking the tensor
-//! files fed to it (inputs, weights) against the graph before anything runs. Training,
-//! decoding, data and checkpoints arrive with issue #3; the compiled executors with #5/#6.
+//! Modules:
+//! - [`entry`] — entry points of a model graph and checks on the tensors fed to them;
+//! - [`exec`] — the executors behind one interface;
+//! - [`config`] — the YAML training configuration (the paper's recipe as defaults);
+//! - [`optim`] — Adam;
+//! - [`decode`] — greedy and beam search with a key/value cache;
+//! - [`bleu`] — corpus BLEU with sacreBLEU's semantics;
+//! - [`metrics`] — the `metrics.jsonl` log; [`plot`] — the loss/BLEU PNG;
+//! - [`synthetic`] — the generated task of the demo.
 
+pub mod bleu;
 pub mod config;
 pub mod decode;
 pub mod entry;
 pub mod exec;
+pub mod metrics;
 pub mod optim;
+pub mod plot;
 pub mod synthetic;
 
 pub use entry::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
