@@ -13,6 +13,7 @@ use kiln_compiler::reference::{self, Precision, RunOptions};
 use kiln_compiler::summary::{group_digits, Summary};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
 use kiln_dsl::{Error, Mode, Options};
+use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, RuntimeError};
 
 #[derive(Parser)]
@@ -101,6 +102,32 @@ enum Command {
         /// Where to write the outputs.
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
+    },
+    /// Corpus BLEU with sacreBLEU's semantics (13a tokens, no smoothing by default).
+    Bleu {
+        /// Reference file(s), one segment per line (repeat for several references).
+        #[arg(long = "ref", required = true)]
+        refs: Vec<PathBuf>,
+        /// Hypothesis file; standard input when absent.
+        hyp: Option<PathBuf>,
+        /// Lowercase before tokenizing.
+        #[arg(long)]
+        lowercase: bool,
+        /// Tokenizer: `13a` or `none`.
+        #[arg(long, default_value = "13a", value_parser = ["13a", "none"])]
+        tokenize: String,
+        /// Smoothing: `none`, `exp`, `floor` or `add-k`.
+        #[arg(long, default_value = "none", value_parser = ["none", "exp", "floor", "add-k"])]
+        smooth: String,
+        /// The value for `floor` (default 0.1) or `add-k` (default 1).
+        #[arg(long)]
+        smooth_value: Option<f64>,
+        /// Print only the score.
+        #[arg(long)]
+        score_only: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Run the main job on an embedded default.
     Demo,
@@ -216,8 +243,61 @@ fn run(cli: Cli) -> Result<(), Error> {
             println!("wrote {} output(s) to {}", outs.len(), output.display());
             Ok(())
         }
+        Command::Bleu {
+            refs,
+            hyp,
+            lowercase,
+            tokenize,
+            smooth,
+            smooth_value,
+            score_only,
+            json,
+        } => {
+            let read = |p: &PathBuf| -> Result<Vec<String>, Error> {
+                std::fs::read_to_string(p).map(|t| lines(&t)).map_err(|e| {
+                    plain("kiln::io", format!("cannot read `{}`: {e}", p.display()), None)
+                })
+            };
+            let hyps = match &hyp {
+                Some(p) => read(p)?,
+                None => {
+                    let mut t = String::new();
+                    std::io::Read::read_to_string(&mut std::io::stdin(), &mut t).map_err(|e| {
+                        plain("kiln::io", format!("cannot read standard input: {e}"), None)
+                    })?;
+                    lines(&t)
+                }
+            };
+            let refs = refs.iter().map(read).collect::<Result<Vec<_>, _>>()?;
+            let opts = BleuOptions {
+                lowercase,
+                tokenize: if tokenize == "none" { Tokenize::None } else { Tokenize::V13a },
+                smooth: match smooth.as_str() {
+                    "exp" => Smooth::Exp,
+                    "floor" => Smooth::Floor(smooth_value.unwrap_or(0.1)),
+                    "add-k" => Smooth::AddK(smooth_value.unwrap_or(1.0)),
+                    _ => Smooth::None,
+                },
+            };
+            let b = corpus_bleu(&hyps, &refs, &opts).map_err(|e| {
+                plain("kiln::bleu", e.to_string(), Some("give one hypothesis line per reference line".to_string()))
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&b).expect("BLEU serializes"));
+            } else if score_only {
+                println!("{:.2}", b.score);
+            } else {
+                println!("{b}");
+            }
+            Ok(())
+        }
         Command::Demo => demo(),
     }
+}
+
+/// Lines of a text file, without line terminators (a final newline ends the last line).
+fn lines(text: &str) -> Vec<String> {
+    text.lines().map(|l| l.trim_end_matches('\r').to_string()).collect()
 }
 
 fn plain(code: &'static str, message: String, help: Option<String>) -> Error {
