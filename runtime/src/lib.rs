@@ -7,6 +7,7 @@
 //! in PyTorch `nn.Transformer` naming. Training and decoding arrive with issue #3; the
 //! compiled executors with #5/#6.
 
+pub mod checkpoint;
 pub mod data;
 pub mod entry;
 
