@@ -10,5 +10,6 @@
 pub mod checkpoint;
 pub mod data;
 pub mod entry;
+pub mod interop;
 
 pub use entry::{check_inputs, check_weights, entry_graph, Entry, RuntimeError};
