@@ -4,17 +4,23 @@
 //! - [`entry`] — entry points of a model graph and checks on the tensors fed to them;
 //! - [`exec`] — the executors behind one interface;
 //! - [`config`] — the YAML training configuration (the paper's recipe as defaults);
+//! - [`data`] — parallel corpora, the shared BPE vocabulary, token-based batches;
 //! - [`optim`] — Adam;
+//! - [`checkpoint`] — atomic checkpoint directories, keep-last-k, averaging;
 //! - [`decode`] — greedy and beam search with a key/value cache;
 //! - [`bleu`] — corpus BLEU with sacreBLEU's semantics;
 //! - [`metrics`] — the `metrics.jsonl` log; [`plot`] — the loss/BLEU PNG;
+//! - [`interop`] — PyTorch `nn.Transformer` parameter names;
 //! - [`synthetic`] — the generated task of the demo.
 
 pub mod bleu;
+pub mod checkpoint;
 pub mod config;
+pub mod data;
 pub mod decode;
 pub mod entry;
 pub mod exec;
+pub mod interop;
 pub mod metrics;
 pub mod optim;
 pub mod plot;

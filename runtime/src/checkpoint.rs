@@ -1,0 +1,922 @@
+//! Training checkpoints: atomic save, load with validation, keep-last-k, averaging.
+//!
+//! In: the parameters, the Adam moments and the [`TrainState`] of a run, plus any files
+//! the caller wants alongside (`tokenizer.json`, `graphs.json`, ...). Out: a directory
+//! `step_<N>` (N zero-padded to 8 digits) under a checkpoints root:
+//!
+//! ```text
+//! checkpoints/step_00000100/
+//!   model.safetensors      parameters under their model names (`kiln run --weights`)
+//!   optimizer.safetensors  Adam moments: `m.<param>` and `v.<param>`
+//!   state.yaml             TrainState: step, epoch, batch_in_epoch, seed, ...
+//!   tokenizer.json ...     the caller's extra files, byte for byte
+//! ```
+//!
+//! [`save`] writes everything into `step_<N>.tmp-<pid>`, flushes it, and renames the
+//! directory into place, so a process killed at any moment leaves either the complete new
+//! checkpoint or none. [`latest`] and [`list`] only see `step_<N>` directories; leftover
+//! `.tmp-*` directories are removed by the next [`save`]. [`load`] checks that every file
+//! is there and readable, and names the file and the fix when one is not. [`prune`] keeps
+//! the last k checkpoints; [`average`] averages the parameters of several (the paper
+//! averages the last 5 or 20).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::tensor::{
+    load_safetensors, save_safetensors, Tensor, TensorData, TensorFileError,
+};
+use serde::{Deserialize, Serialize};
+
+/// The parameters, under their model names.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The Adam moments, `m.<param>` and `v.<param>`.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The [`TrainState`] as YAML.
+pub const STATE_FILE: &str = "state.yaml";
+const RESERVED: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
+
+/// Where a run stands: everything besides tensors that an exact resume needs.
+///
+/// Every field has a default, and unknown fields are ignored, so a `state.yaml` written
+/// by an older or newer kiln still loads; put new ad-hoc values in `extra`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainState {
+    /// Optimizer updates done (also Adam's bias-correction step).
+    pub step: u64,
+    /// The epoch in progress (0-based).
+    pub epoch: u64,
+    /// Batches of `epoch` already done: resume at position `batch_in_epoch` of the
+    /// epoch's batch order.
+    pub batch_in_epoch: u64,
+    /// The run's seed (batch order, dropout).
+    pub seed: u64,
+    /// Non-pad source tokens trained on so far.
+    pub src_tokens_seen: u64,
+    /// Non-pad target tokens (with `<eos>`) trained on so far.
+    pub tgt_tokens_seen: u64,
+    /// The learning rate of the last update.
+    pub lr: f64,
+    /// The schedule's parameters, e.g. `warmup_steps`, `d_model`, `factor`.
+    pub lr_schedule: BTreeMap<String, f64>,
+    /// The best validation loss so far.
+    pub best_val_loss: Option<f64>,
+    /// The best validation BLEU so far.
+    pub best_bleu: Option<f64>,
+    /// A digest of the training configuration, to refuse resuming under another one.
+    pub config_digest: String,
+    /// Anything else.
+    pub extra: BTreeMap<String, String>,
+}
+
+/// Adam's first (`m`) and second (`v`) moments, one tensor per parameter.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AdamMoments {
+    pub m: BTreeMap<String, Tensor>,
+    pub v: BTreeMap<String, Tensor>,
+}
+
+/// A complete checkpoint directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub step: u64,
+}
+
+/// Everything read back from a checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadedCheckpoint {
+    pub dir: PathBuf,
+    pub params: BTreeMap<String, Tensor>,
+    pub moments: AdamMoments,
+    pub state: TrainState,
+    /// The names of the extra files (read them with [`read_extra`]).
+    pub extra_files: Vec<String>,
+}
+
+/// Why a checkpoint could not be written, found, read or averaged.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("cannot {action} `{path}`: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tensor(#[from] TensorFileError),
+    #[error(
+        "`{path}` is not a checkpoint directory; checkpoints are `step_<N>` directories \
+         under the checkpoints root (see `latest`)"
+    )]
+    NotACheckpoint { path: PathBuf },
+    #[error(
+        "checkpoint `{dir}` has no `{file}`, so it is incomplete (copied or edited by hand?); \
+         restore the file, or delete the directory to fall back on an earlier checkpoint"
+    )]
+    MissingFile { dir: PathBuf, file: String },
+    #[error(
+        "checkpoint file `{path}` is unreadable: {source}; delete its directory to fall \
+         back on an earlier checkpoint"
+    )]
+    Corrupt {
+        path: PathBuf,
+        source: TensorFileError,
+    },
+    #[error(
+        "`{path}` is not a valid train state ({message}); fix the YAML, or delete the \
+         checkpoint directory to fall back on an earlier one"
+    )]
+    BadState { path: PathBuf, message: String },
+    #[error(
+        "`{path}` says step {state_step}, but its directory is for step {dir_step}; \
+         the checkpoint was renamed or mixed up — rename the directory to step_{state_step:08}"
+    )]
+    StepMismatch {
+        path: PathBuf,
+        dir_step: u64,
+        state_step: u64,
+    },
+    #[error("{message}")]
+    Moments { message: String },
+    #[error("cannot store an extra file named `{name}` in a checkpoint: {why}")]
+    BadFileName { name: String, why: &'static str },
+    #[error("`keep` must be at least 1 (keeping 0 checkpoints would delete the newest one)")]
+    KeepZero,
+    #[error("nothing to average: give at least one checkpoint")]
+    AverageNothing,
+    #[error(
+        "cannot average `{odd}` with `{reference}`: {message}; average checkpoints of one \
+         model only"
+    )]
+    AverageMismatch {
+        reference: PathBuf,
+        odd: PathBuf,
+        message: String,
+    },
+    #[error("tensor `{name}` in `{path}` is {dtype}; only f32 and f64 parameters can be averaged")]
+    AverageDtype {
+        path: PathBuf,
+        name: String,
+        dtype: &'static str,
+    },
+}
+
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
+    move |source| CheckpointError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The directory name of step `step`: `step_00000100`.
+pub fn dir_name(step: u64) -> String {
+    format!("step_{step:08}")
+}
+
+/// The step of a complete checkpoint's directory name (`step_<digits>`), else `None`.
+pub fn parse_dir_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step_")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The complete checkpoints under `root`, oldest (lowest step) first. A missing root
+/// holds none.
+pub fn list(root: &Path) -> Result<Vec<Checkpoint>, CheckpointError> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("list", root)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err("list", root))?;
+        let Some(step) = entry.file_name().to_str().and_then(parse_dir_name) else {
+            continue;
+        };
+        if entry.path().is_dir() {
+            out.push(Checkpoint {
+                dir: entry.path(),
+                step,
+            });
+        }
+    }
+    out.sort_by_key(|c| c.step);
+    Ok(out)
+}
+
+/// The newest complete checkpoint under `root`, or `None` when there is none.
+/// Unfinished `.tmp-*` directories are ignored. A newest checkpoint that lacks one of
+/// its files is an error (naming the file), not a silent fall-back on an older one.
+pub fn latest(root: &Path) -> Result<Option<Checkpoint>, CheckpointError> {
+    let Some(newest) = list(root)?.pop() else {
+        return Ok(None);
+    };
+    for file in RESERVED {
+        if !newest.dir.join(file).is_file() {
+            return Err(CheckpointError::MissingFile {
+                dir: newest.dir,
+                file: file.to_string(),
+            });
+        }
+    }
+    Ok(Some(newest))
+}
+
+fn check_extra_name(name: &str) -> Result<(), CheckpointError> {
+    let bad = |why| {
+        Err(CheckpointError::BadFileName {
+            name: name.to_string(),
+            why,
+        })
+    };
+    if name.is_empty() || name == "." || name == ".." {
+        return bad("it is not a file name");
+    }
+    if name.contains(['/', '\\']) || name.contains('\0') {
+        return bad("it must be a plain file name, without directories");
+    }
+    if RESERVED.contains(&name) {
+        return bad("the checkpoint writes that file itself");
+    }
+    Ok(())
+}
+
+/// Checks that `moments` has an `m` and a `v` tensor for every parameter, of its shape,
+/// and nothing else.
+fn check_moments(
+    params: &BTreeMap<String, Tensor>,
+    moments: &AdamMoments,
+    origin: &str,
+) -> Result<(), CheckpointError> {
+    for (kind, map) in [("m", &moments.m), ("v", &moments.v)] {
+        let missing: Vec<&str> = params
+            .keys()
+            .filter(|k| !map.contains_key(*k))
+            .map(String::as_str)
+            .collect();
+        let unknown: Vec<&str> = map
+            .keys()
+            .filter(|k| !params.contains_key(*k))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() || !unknown.is_empty() {
+            return Err(CheckpointError::Moments {
+                message: format!(
+                    "{origin}: the Adam moments `{kind}` do not match the parameters \
+                     (missing: {}; not parameters: {}); the optimizer state must hold one \
+                     `{kind}` tensor per parameter",
+                    list_names(&missing),
+                    list_names(&unknown)
+                ),
+            });
+        }
+        for (name, p) in params {
+            let t = &map[name];
+            if t.shape != p.shape {
+                return Err(CheckpointError::Moments {
+                    message: format!(
+                        "{origin}: moment `{kind}.{name}` has shape {:?}, but the parameter \
+                         has {:?}",
+                        t.shape, p.shape
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn list_names(names: &[&str]) -> String {
+    if names.is_empty() {
+        return "none".to_string();
+    }
+    let shown: Vec<String> = names.iter().take(8).map(|n| format!("`{n}`")).collect();
+    if names.len() > 8 {
+        format!("{} and {} more", shown.join(", "), names.len() - 8)
+    } else {
+        shown.join(", ")
+    }
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(io_err("create", path))?;
+    f.write_all(bytes).map_err(io_err("write", path))?;
+    f.sync_all().map_err(io_err("sync", path))
+}
+
+fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+}
+
+/// Whether process `pid` is running (Linux `/proc`; elsewhere assumed dead).
+fn pid_alive(pid: u32) -> bool {
+    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Removes `step_*.tmp-<pid>*` directories left by processes that are gone.
+fn clean_stale(root: &Path) -> Result<(), CheckpointError> {
+    for entry in std::fs::read_dir(root).map_err(io_err("list", root))? {
+        let entry = entry.map_err(io_err("list", root))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some((_, rest)) = name.split_once(".tmp-") else {
+            continue;
+        };
+        if !name.starts_with("step_") {
+            continue;
+        }
+        let pid: Option<u32> = rest
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|d| d.parse().ok());
+        // Ours are stale too: a save in progress in this process is not running now.
+        if pid.is_some_and(|p| p != std::process::id() && pid_alive(p)) {
+            continue;
+        }
+        std::fs::remove_dir_all(entry.path()).map_err(io_err("remove the stale", &entry.path()))?;
+    }
+    Ok(())
+}
+
+/// Writes the checkpoint of `state.step` under `root` (created if missing) and returns
+/// it. `files` are extra `(name, bytes)` to store alongside, e.g. `("tokenizer.json",
+/// ...)`.
+///
+/// Atomic: everything goes into `step_<N>.tmp-<pid>`, is flushed, and the directory is
+/// renamed to `step_<N>`. An existing `step_<N>` is replaced (moved aside first, then
+/// removed). Stale `.tmp-*` directories of dead processes are removed first. One process
+/// at a time should save into a root.
+pub fn save(
+    root: &Path,
+    state: &TrainState,
+    params: &BTreeMap<String, Tensor>,
+    moments: &AdamMoments,
+    files: &[(&str, &[u8])],
+) -> Result<Checkpoint, CheckpointError> {
+    check_moments(params, moments, "cannot save the checkpoint")?;
+    let mut seen = Vec::new();
+    for (name, _) in files {
+        check_extra_name(name)?;
+        if seen.contains(name) {
+            return Err(CheckpointError::BadFileName {
+                name: name.to_string(),
+                why: "it is given twice",
+            });
+        }
+        seen.push(name);
+    }
+    let yaml = serde_yaml::to_string(state).map_err(|e| CheckpointError::BadState {
+        path: PathBuf::from(STATE_FILE),
+        message: e.to_string(),
+    })?;
+
+    std::fs::create_dir_all(root).map_err(io_err("create the checkpoints directory", root))?;
+    clean_stale(root)?;
+    let name = dir_name(state.step);
+    let pid = std::process::id();
+    let final_dir = root.join(&name);
+    let tmp = root.join(format!("{name}.tmp-{pid}"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err("remove", &tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err("create", &tmp))?;
+
+    let written = (|| {
+        let named: Vec<(String, Tensor)> =
+            params.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+        save_safetensors(&tmp.join(MODEL_FILE), &named, None)?;
+        let mut opt: Vec<(String, Tensor)> = Vec::with_capacity(2 * params.len());
+        for (prefix, map) in [("m", &moments.m), ("v", &moments.v)] {
+            opt.extend(
+                map.iter()
+                    .map(|(k, t)| (format!("{prefix}.{k}"), t.clone())),
+            );
+        }
+        save_safetensors(&tmp.join(OPTIMIZER_FILE), &opt, None)?;
+        write_synced(&tmp.join(STATE_FILE), yaml.as_bytes())?;
+        for (fname, bytes) in files {
+            write_synced(&tmp.join(fname), bytes)?;
+        }
+        sync_dir(&tmp);
+
+        let old = root.join(format!("{name}.tmp-{pid}-old"));
+        let replaced = final_dir.exists();
+        if replaced {
+            std::fs::rename(&final_dir, &old).map_err(io_err("move aside", &final_dir))?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, &final_dir) {
+            if replaced {
+                // Put the previous checkpoint of this step back.
+                let _ = std::fs::rename(&old, &final_dir);
+            }
+            return Err(io_err("rename into place", &tmp)(e));
+        }
+        sync_dir(root);
+        if replaced {
+            let _ = std::fs::remove_dir_all(&old);
+        }
+        Ok(())
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    Ok(Checkpoint {
+        dir: final_dir,
+        step: state.step,
+    })
+}
+
+fn require_file(dir: &Path, file: &str) -> Result<PathBuf, CheckpointError> {
+    let path = dir.join(file);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(CheckpointError::MissingFile {
+            dir: dir.to_path_buf(),
+            file: file.to_string(),
+        })
+    }
+}
+
+fn load_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
+    load_safetensors(path).map_err(|source| CheckpointError::Corrupt {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Reads and validates a checkpoint directory: all three files present and readable,
+/// the state's step equal to the directory's, one `m` and one `v` moment per parameter.
+pub fn load(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+    if !dir.is_dir() {
+        return Err(CheckpointError::NotACheckpoint {
+            path: dir.to_path_buf(),
+        });
+    }
+    let model = require_file(dir, MODEL_FILE)?;
+    let optimizer = require_file(dir, OPTIMIZER_FILE)?;
+    let state_path = require_file(dir, STATE_FILE)?;
+
+    let text = std::fs::read_to_string(&state_path).map_err(io_err("read", &state_path))?;
+    let state: TrainState = serde_yaml::from_str(&text).map_err(|e| CheckpointError::BadState {
+        path: state_path.clone(),
+        message: e.to_string(),
+    })?;
+    if let Some(dir_step) = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(parse_dir_name)
+    {
+        if dir_step != state.step {
+            return Err(CheckpointError::StepMismatch {
+                path: state_path,
+                dir_step,
+                state_step: state.step,
+            });
+        }
+    }
+
+    let params = load_tensors(&model)?;
+    let mut moments = AdamMoments::default();
+    let mut stray = Vec::new();
+    for (name, t) in load_tensors(&optimizer)? {
+        if let Some(p) = name.strip_prefix("m.") {
+            moments.m.insert(p.to_string(), t);
+        } else if let Some(p) = name.strip_prefix("v.") {
+            moments.v.insert(p.to_string(), t);
+        } else {
+            stray.push(name);
+        }
+    }
+    if !stray.is_empty() {
+        let names: Vec<&str> = stray.iter().map(String::as_str).collect();
+        return Err(CheckpointError::Moments {
+            message: format!(
+                "`{}` holds tensors that are not Adam moments ({}); its names must be \
+                 `m.<param>` or `v.<param>` — re-create the checkpoint",
+                optimizer.display(),
+                list_names(&names)
+            ),
+        });
+    }
+    check_moments(
+        &params,
+        &moments,
+        &format!("`{}` and `{}`", model.display(), optimizer.display()),
+    )?;
+
+    let mut extra_files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err("list", dir))? {
+        let entry = entry.map_err(io_err("list", dir))?;
+        if let Some(name) = entry.file_name().to_str() {
+            if !RESERVED.contains(&name) && entry.path().is_file() {
+                extra_files.push(name.to_string());
+            }
+        }
+    }
+    extra_files.sort();
+    Ok(LoadedCheckpoint {
+        dir: dir.to_path_buf(),
+        params,
+        moments,
+        state,
+        extra_files,
+    })
+}
+
+/// The bytes of an extra file stored in a checkpoint.
+pub fn read_extra(dir: &Path, name: &str) -> Result<Vec<u8>, CheckpointError> {
+    let path = require_file(dir, name)?;
+    std::fs::read(&path).map_err(io_err("read", &path))
+}
+
+/// Deletes all but the newest `keep` checkpoints under `root`; returns the directories
+/// removed. Each is first renamed to `<name>.tmp-<pid>-del`, so a half-deleted checkpoint
+/// is never taken for a complete one.
+pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
+    if keep == 0 {
+        return Err(CheckpointError::KeepZero);
+    }
+    let all = list(root)?;
+    let n_remove = all.len().saturating_sub(keep);
+    let mut removed = Vec::new();
+    for c in all.into_iter().take(n_remove) {
+        let doomed = root.join(format!(
+            "{}.tmp-{}-del",
+            dir_name(c.step),
+            std::process::id()
+        ));
+        std::fs::rename(&c.dir, &doomed).map_err(io_err("move aside", &c.dir))?;
+        std::fs::remove_dir_all(&doomed).map_err(io_err("remove", &doomed))?;
+        removed.push(c.dir);
+    }
+    if !removed.is_empty() {
+        sync_dir(root);
+    }
+    Ok(removed)
+}
+
+/// The element-wise mean of the parameters of `paths`: each a checkpoint directory (its
+/// `model.safetensors`) or a `.safetensors` file. All must hold the same names with the
+/// same shapes. Sums and the division are done in f64 in the order given; the result is
+/// f32.
+pub fn average(paths: &[&Path]) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
+    let Some((first, rest)) = paths.split_first() else {
+        return Err(CheckpointError::AverageNothing);
+    };
+    let file_of = |p: &Path| -> Result<PathBuf, CheckpointError> {
+        if p.is_dir() {
+            require_file(p, MODEL_FILE)
+        } else {
+            Ok(p.to_path_buf())
+        }
+    };
+    let ref_path = file_of(first)?;
+    let reference = load_tensors(&ref_path)?;
+    let mut sums: BTreeMap<String, (Vec<usize>, Vec<f64>)> = BTreeMap::new();
+    for (name, t) in &reference {
+        sums.insert(name.clone(), (t.shape.clone(), floats(&ref_path, name, t)?));
+    }
+    for p in rest {
+        let path = file_of(p)?;
+        let tensors = load_tensors(&path)?;
+        let mismatch = |message: String| CheckpointError::AverageMismatch {
+            reference: ref_path.clone(),
+            odd: path.clone(),
+            message,
+        };
+        let missing: Vec<&str> = reference
+            .keys()
+            .filter(|k| !tensors.contains_key(*k))
+            .map(String::as_str)
+            .collect();
+        let extra: Vec<&str> = tensors
+            .keys()
+            .filter(|k| !reference.contains_key(*k))
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            return Err(mismatch(format!(
+                "the parameter names differ (missing: {}; extra: {})",
+                list_names(&missing),
+                list_names(&extra)
+            )));
+        }
+        for (name, t) in &tensors {
+            let (shape, acc) = sums.get_mut(name).expect("same names checked above");
+            if &t.shape != shape {
+                return Err(mismatch(format!(
+                    "parameter `{name}` has shape {:?} there but {:?} in the first",
+                    t.shape, shape
+                )));
+            }
+            for (a, x) in acc.iter_mut().zip(floats(&path, name, t)?) {
+                *a += x;
+            }
+        }
+    }
+    let n = paths.len() as f64;
+    Ok(sums
+        .into_iter()
+        .map(|(name, (shape, acc))| {
+            let data = acc.into_iter().map(|x| (x / n) as f32).collect();
+            (
+                name,
+                Tensor {
+                    shape,
+                    data: TensorData::F32(data),
+                },
+            )
+        })
+        .collect())
+}
+
+fn floats(path: &Path, name: &str, t: &Tensor) -> Result<Vec<f64>, CheckpointError> {
+    t.to_f64_vec().ok_or_else(|| CheckpointError::AverageDtype {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        dtype: t.dtype_name(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn scratch_dir(tag: &str) -> PathBuf {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("kiln-ckpt-test-{}-{}-{tag}", std::process::id(), n));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn params(scale: f32) -> BTreeMap<String, Tensor> {
+        let mut p = BTreeMap::new();
+        p.insert(
+            "emb.weight".to_string(),
+            Tensor::f32(vec![3, 2], (0..6).map(|i| scale * i as f32 + 0.1).collect()).unwrap(),
+        );
+        p.insert(
+            "encoder.layers.0.norm1.gamma".to_string(),
+            Tensor::f32(vec![2], vec![scale, -scale / 3.0]).unwrap(),
+        );
+        p
+    }
+
+    fn moments(p: &BTreeMap<String, Tensor>) -> AdamMoments {
+        let scaled = |k: f32| {
+            p.iter()
+                .map(|(n, t)| {
+                    let d = t.as_f32().unwrap().iter().map(|x| x * k).collect();
+                    (n.clone(), Tensor::f32(t.shape.clone(), d).unwrap())
+                })
+                .collect()
+        };
+        AdamMoments {
+            m: scaled(0.5),
+            v: scaled(0.25),
+        }
+    }
+
+    fn state(step: u64) -> TrainState {
+        let mut s = TrainState {
+            step,
+            epoch: 2,
+            batch_in_epoch: 17,
+            seed: 1234,
+            src_tokens_seen: 1_000_000,
+            tgt_tokens_seen: 1_100_000,
+            lr: 7.0e-4 / 3.0,
+            best_val_loss: Some(2.345678901234),
+            best_bleu: None,
+            config_digest: "sha256:abc".to_string(),
+            ..TrainState::default()
+        };
+        s.lr_schedule.insert("warmup_steps".to_string(), 4000.0);
+        s.extra
+            .insert("note".to_string(), "hello: world".to_string());
+        s
+    }
+
+    fn save_step(root: &Path, step: u64, scale: f32) -> Checkpoint {
+        let p = params(scale);
+        save(
+            root,
+            &state(step),
+            &p,
+            &moments(&p),
+            &[("tokenizer.json", b"{\"v\":1}")],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn round_trip() {
+        let root = scratch_dir("roundtrip");
+        let c = save_step(&root, 100, 1.5);
+        assert_eq!(c.dir, root.join("step_00000100"));
+        let back = load(&c.dir).unwrap();
+        assert_eq!(back.params, params(1.5));
+        assert_eq!(back.moments, moments(&params(1.5)));
+        assert_eq!(back.state, state(100));
+        assert_eq!(back.extra_files, vec!["tokenizer.json".to_string()]);
+        assert_eq!(read_extra(&c.dir, "tokenizer.json").unwrap(), b"{\"v\":1}");
+        // model.safetensors is a plain weights file.
+        let w = load_safetensors(&c.dir.join(MODEL_FILE)).unwrap();
+        assert_eq!(w, params(1.5));
+        let o = load_safetensors(&c.dir.join(OPTIMIZER_FILE)).unwrap();
+        assert!(o.contains_key("m.emb.weight") && o.contains_key("v.emb.weight"));
+        // Saving the same step again replaces it.
+        let p = params(2.0);
+        save(&root, &state(100), &p, &moments(&p), &[]).unwrap();
+        let back = load(&c.dir).unwrap();
+        assert_eq!(back.params, p);
+        assert!(back.extra_files.is_empty());
+        let names: Vec<_> = std::fs::read_dir(&root).unwrap().collect();
+        assert_eq!(names.len(), 1);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn state_yaml_is_extensible() {
+        let s: TrainState = serde_yaml::from_str("step: 5\nfuture_field: 1\n").unwrap();
+        assert_eq!(s.step, 5);
+        assert_eq!(s.best_bleu, None);
+        assert!(s.extra.is_empty());
+    }
+
+    #[test]
+    fn crash_leftovers_are_ignored_then_cleaned() {
+        let root = scratch_dir("atomic");
+        save_step(&root, 100, 1.0);
+        save_step(&root, 200, 2.0);
+        // A save killed mid-write leaves a partial temporary directory; pid 4294967294
+        // is above any pid_max, so it belongs to no live process.
+        let crashed = root.join("step_00000300.tmp-4294967294");
+        std::fs::create_dir(&crashed).unwrap();
+        std::fs::write(crashed.join(MODEL_FILE), b"partial").unwrap();
+        let l = latest(&root).unwrap().unwrap();
+        assert_eq!((l.step, l.dir.clone()), (200, root.join("step_00000200")));
+        assert_eq!(list(&root).unwrap().len(), 2);
+        // The next save removes it.
+        save_step(&root, 300, 3.0);
+        assert!(!crashed.exists());
+        assert_eq!(latest(&root).unwrap().unwrap().step, 300);
+        assert_eq!(
+            load(&root.join("step_00000300")).unwrap().params,
+            params(3.0)
+        );
+
+        // A checkpoint that lost a file is reported, by name, with the fix.
+        std::fs::remove_file(root.join("step_00000300").join(OPTIMIZER_FILE)).unwrap();
+        let msg = latest(&root).unwrap_err().to_string();
+        assert!(
+            msg.contains("step_00000300") && msg.contains(OPTIMIZER_FILE),
+            "{msg}"
+        );
+        assert!(msg.contains("delete the directory"), "{msg}");
+        let msg = load(&root.join("step_00000300")).unwrap_err().to_string();
+        assert!(msg.contains(OPTIMIZER_FILE), "{msg}");
+
+        // A corrupt file and a corrupt state are named.
+        let dir = root.join("step_00000200");
+        std::fs::write(dir.join(MODEL_FILE), b"garbage").unwrap();
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(msg.contains("step_00000200/model.safetensors"), "{msg}");
+        let dir = root.join("step_00000100");
+        std::fs::write(dir.join(STATE_FILE), "step: [1, 2]\n").unwrap();
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(msg.contains("state.yaml"), "{msg}");
+        std::fs::write(dir.join(STATE_FILE), "step: 7\n").unwrap();
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(msg.contains("step 7") && msg.contains("step 100"), "{msg}");
+
+        assert!(latest(&root.join("nothing-here")).unwrap().is_none());
+        assert!(matches!(
+            load(&root.join("nothing-here")),
+            Err(CheckpointError::NotACheckpoint { .. })
+        ));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn save_checks_moments_and_file_names() {
+        let root = scratch_dir("checks");
+        let p = params(1.0);
+        let mut m = moments(&p);
+        m.v.remove("emb.weight");
+        let msg = save(&root, &state(1), &p, &m, &[]).unwrap_err().to_string();
+        assert!(msg.contains("`emb.weight`"), "{msg}");
+        let m = moments(&p);
+        for bad in ["", "../x", "a/b", MODEL_FILE] {
+            assert!(matches!(
+                save(&root, &state(1), &p, &m, &[(bad, b"")]),
+                Err(CheckpointError::BadFileName { .. })
+            ));
+        }
+        assert!(list(&root).unwrap().is_empty());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn prune_keeps_the_last_k() {
+        let root = scratch_dir("prune");
+        for (i, step) in [100u64, 200, 300, 1000, 50].into_iter().enumerate() {
+            save_step(&root, step, i as f32);
+        }
+        std::fs::create_dir(root.join("notes")).unwrap();
+        let removed = prune(&root, 2).unwrap();
+        assert_eq!(
+            removed,
+            vec![
+                root.join("step_00000050"),
+                root.join("step_00000100"),
+                root.join("step_00000200")
+            ]
+        );
+        let left: Vec<u64> = list(&root).unwrap().iter().map(|c| c.step).collect();
+        assert_eq!(left, vec![300, 1000]);
+        assert!(root.join("notes").is_dir());
+        assert!(prune(&root, 5).unwrap().is_empty());
+        assert!(matches!(prune(&root, 0), Err(CheckpointError::KeepZero)));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn averaging_three_checkpoints_is_the_mean() {
+        let root = scratch_dir("average");
+        let a = save_step(&root, 1, 1.0).dir;
+        let b = save_step(&root, 2, 2.0).dir;
+        let c = save_step(&root, 3, 4.5).dir;
+        // Mix a directory and a bare file.
+        let c_file = c.join(MODEL_FILE);
+        let avg = average(&[&a, &b, &c_file]).unwrap();
+        assert_eq!(avg.len(), 2);
+        let emb = avg["emb.weight"].as_f32().unwrap();
+        // scale * i + 0.1 averaged over scales 1, 2, 4.5: (7.5 / 3) * i + 0.1.
+        for (i, &x) in emb.iter().enumerate() {
+            let want = [1.0f32, 2.0, 4.5]
+                .iter()
+                .map(|&s| f64::from(s * i as f32 + 0.1))
+                .sum::<f64>()
+                / 3.0;
+            assert_eq!(x, want as f32, "element {i}");
+        }
+        let g = avg["encoder.layers.0.norm1.gamma"].as_f32().unwrap();
+        assert_eq!(g[0], (7.5f64 / 3.0) as f32);
+        let want1 =
+            (f64::from(-1.0f32 / 3.0) + f64::from(-2.0f32 / 3.0) + f64::from(-4.5f32 / 3.0)) / 3.0;
+        assert_eq!(g[1], want1 as f32);
+        assert_eq!(avg["emb.weight"].shape, vec![3, 2]);
+
+        // The odd one out is named.
+        let odd = root.join("odd.safetensors");
+        let mut p = params(1.0);
+        p.remove("emb.weight");
+        p.insert(
+            "emb.weights".to_string(),
+            Tensor::f32(vec![3, 2], vec![0.0; 6]).unwrap(),
+        );
+        let named: Vec<(String, Tensor)> = p.into_iter().collect();
+        save_safetensors(&odd, &named, None).unwrap();
+        let msg = average(&[&a, &odd]).unwrap_err().to_string();
+        assert!(
+            msg.contains("odd.safetensors") && msg.contains("`emb.weights`"),
+            "{msg}"
+        );
+        let mut p = params(1.0);
+        p.insert(
+            "emb.weight".to_string(),
+            Tensor::f32(vec![2, 3], vec![0.0; 6]).unwrap(),
+        );
+        let named: Vec<(String, Tensor)> = p.into_iter().collect();
+        save_safetensors(&odd, &named, None).unwrap();
+        let msg = average(&[&a, &odd]).unwrap_err().to_string();
+        assert!(
+            msg.contains("[2, 3]") && msg.contains("emb.weight"),
+            "{msg}"
+        );
+        assert!(matches!(average(&[]), Err(CheckpointError::AverageNothing)));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -1,0 +1,1156 @@
+//! Training data: parallel corpora, the shared BPE vocabulary, and token-based batches.
+//!
+//! In: a source and a target text file, one sentence per line, aligned by line. Out:
+//! - [`ParallelCorpus`] — the lines of both files ([`load_parallel`]);
+//! - [`Tokenizer`] — a BPE vocabulary shared by both languages, trained with the
+//!   `tokenizers` crate ([`Tokenizer::train`]) and kept as `tokenizer.json`;
+//! - [`Dataset`] — the pairs as token ids ([`Example`]), empty and over-long pairs left out
+//!   and counted ([`Dataset::build`]);
+//! - [`BatchPlan`] — batches made by token count, fairseq style, in an order per epoch
+//!   that depends only on (seed, epoch) ([`BatchPlan::epoch_order`]); each becomes a
+//!   [`Batch`] of padded `i32` tensors ready for the model's `src`, `tgt_in` and `tgt_out`.
+//!
+//! Special tokens have fixed ids: `<pad>` = 0, `<bos>` = 1, `<eos>` = 2, `<unk>` = 3.
+//! Texts are never lowercased or normalized; a Metaspace pre-tokenizer and decoder make
+//! `decode(encode(s)) == s` for any text whose characters the vocabulary knows and that
+//! does not start with a space (see [`Tokenizer::encode`]).
+
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::rng::philox4x32_10;
+use kiln_compiler::tensor::Tensor;
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::AddedToken;
+
+/// The padding id; also what the specs use as `pad`.
+pub const PAD: i32 = 0;
+/// Beginning of a target sequence (first position of `tgt_in`).
+pub const BOS: i32 = 1;
+/// End of a target sequence (last non-pad position of `tgt_out`).
+pub const EOS: i32 = 2;
+/// A character the vocabulary does not know.
+pub const UNK: i32 = 3;
+/// The special tokens, at the index that is their id.
+pub const SPECIAL_TOKENS: [&str; 4] = ["<pad>", "<bos>", "<eos>", "<unk>"];
+
+/// The character Metaspace writes for a space.
+const METASPACE: char = '\u{2581}';
+
+/// Why data could not be read, a vocabulary trained or loaded, or batches made.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("cannot {action} `{path}`: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "`{path}` line {line} is not valid UTF-8 (bad byte at column {column}); \
+         re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+    )]
+    Utf8 {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+    },
+    #[error(
+        "the parallel files do not align: `{src}` has {src_lines} lines but `{tgt}` has \
+         {tgt_lines}; each line of one must translate the same line of the other"
+    )]
+    LineCount {
+        src: PathBuf,
+        src_lines: usize,
+        tgt: PathBuf,
+        tgt_lines: usize,
+    },
+    #[error(
+        "a vocabulary of {requested} tokens cannot hold the 4 special tokens and the \
+         {alphabet} distinct characters of the corpus; ask for at least {needed}"
+    )]
+    VocabTooSmall {
+        requested: usize,
+        alphabet: usize,
+        needed: usize,
+    },
+    #[error("BPE training failed: {message}")]
+    Train { message: String },
+    #[error(
+        "`{path}` is not a usable tokenizer: {message}; re-create it with kiln's BPE \
+         training (it must map <pad>, <bos>, <eos>, <unk> to ids 0, 1, 2, 3)"
+    )]
+    BadTokenizer { path: PathBuf, message: String },
+    #[error("cannot encode {what}: {message}")]
+    Encode { what: String, message: String },
+    #[error("{message}")]
+    Config { message: String },
+}
+
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> DataError + 'a {
+    move |source| DataError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Corpora
+// ---------------------------------------------------------------------------------------
+
+/// The lines of a text file: split at `\n`, a trailing `\r` removed from each line (CRLF
+/// files), a leading UTF-8 byte-order mark removed. A final newline does not start an
+/// extra line. Invalid UTF-8 is an error naming the file and the 1-based line.
+pub fn read_lines(path: &Path) -> Result<Vec<String>, DataError> {
+    let bytes = std::fs::read(path).map_err(io_err("read", path))?;
+    let mut body: &[u8] = &bytes;
+    if let Some(rest) = body.strip_prefix(b"\xEF\xBB\xBF") {
+        body = rest;
+    }
+    if body.is_empty() {
+        return Ok(Vec::new());
+    }
+    let body = body.strip_suffix(b"\n").unwrap_or(body);
+    let mut lines = Vec::new();
+    for (i, raw) in body.split(|&b| b == b'\n').enumerate() {
+        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+        match std::str::from_utf8(raw) {
+            Ok(s) => lines.push(s.to_string()),
+            Err(e) => {
+                return Err(DataError::Utf8 {
+                    path: path.to_path_buf(),
+                    line: i + 1,
+                    column: e.valid_up_to() + 1,
+                })
+            }
+        }
+    }
+    Ok(lines)
+}
+
+/// A parallel corpus: line `i` of `tgt` translates line `i` of `src`. Every line of the
+/// files is kept, empty ones included, so line numbers match the files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParallelCorpus {
+    pub src_path: PathBuf,
+    pub tgt_path: PathBuf,
+    pub src: Vec<String>,
+    pub tgt: Vec<String>,
+}
+
+impl ParallelCorpus {
+    /// The number of line pairs.
+    pub fn len(&self) -> usize {
+        self.src.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.src.is_empty()
+    }
+
+    /// Whether pair `i` has a side that is empty or only whitespace (such pairs are not
+    /// trained on).
+    pub fn is_empty_pair(&self, i: usize) -> bool {
+        self.src[i].trim().is_empty() || self.tgt[i].trim().is_empty()
+    }
+
+    /// How many pairs have an empty side.
+    pub fn empty_pairs(&self) -> usize {
+        (0..self.len()).filter(|&i| self.is_empty_pair(i)).count()
+    }
+}
+
+/// Reads a parallel corpus; the two files must have the same number of lines.
+pub fn load_parallel(src: &Path, tgt: &Path) -> Result<ParallelCorpus, DataError> {
+    let src_lines = read_lines(src)?;
+    let tgt_lines = read_lines(tgt)?;
+    if src_lines.len() != tgt_lines.len() {
+        return Err(DataError::LineCount {
+            src: src.to_path_buf(),
+            src_lines: src_lines.len(),
+            tgt: tgt.to_path_buf(),
+            tgt_lines: tgt_lines.len(),
+        });
+    }
+    Ok(ParallelCorpus {
+        src_path: src.to_path_buf(),
+        tgt_path: tgt.to_path_buf(),
+        src: src_lines,
+        tgt: tgt_lines,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The BPE vocabulary
+// ---------------------------------------------------------------------------------------
+
+/// A BPE vocabulary shared by source and target, wrapping a `tokenizers` tokenizer.
+///
+/// Pipeline: no normalizer (case and Unicode form are kept), a Metaspace pre-tokenizer
+/// (`▁` for a space, prepended to the text, split before each `▁`), a BPE model whose
+/// unknown token is `<unk>`, no post-processor (no specials are added by encoding), and the
+/// Metaspace decoder, which turns `▁` back into spaces and drops the one it prepended.
+#[derive(Clone, Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+/// What BPE training produced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BpeReport {
+    /// The vocabulary size asked for (specials included).
+    pub requested: usize,
+    /// The size reached. Smaller than `requested` when the corpus runs out of pairs to
+    /// merge (every word is already a single token).
+    pub vocab_size: usize,
+    /// Distinct characters of the training text (each is a token).
+    pub alphabet: usize,
+    /// Merges learned.
+    pub merges: usize,
+}
+
+impl Tokenizer {
+    /// Trains a BPE vocabulary of `vocab_size` tokens (the 4 specials included) on
+    /// `texts`: for a translation task, every source and every target line.
+    ///
+    /// Deterministic: the same texts (in any order) and size give the same vocabulary and
+    /// the same `tokenizer.json` bytes. The `tokenizers` trainer counts words and pairs in
+    /// hash maps with per-process random seeds and in parallel, but every quantity it
+    /// derives is an order-independent sum, merges are chosen by (count, then pair ids),
+    /// and the pair ids come from the sorted alphabet. The tests check the bytes.
+    ///
+    /// The size is smaller than asked when the corpus has too few distinct words to merge
+    /// further ([`BpeReport::vocab_size`]); a size too small to hold the specials and the
+    /// alphabet is an error.
+    pub fn train<'a, I>(texts: I, vocab_size: usize) -> Result<(Tokenizer, BpeReport), DataError>
+    where
+        I: IntoIterator<Item = &'a str>,
+    {
+        let texts: Vec<&str> = texts.into_iter().collect();
+        let mut alphabet: Vec<char> = texts
+            .iter()
+            .flat_map(|t| t.chars())
+            .map(|c| if c == ' ' { METASPACE } else { c })
+            .collect();
+        // Metaspace prepends `▁` to every non-empty text.
+        if texts.iter().any(|t| !t.is_empty()) {
+            alphabet.push(METASPACE);
+        }
+        alphabet.sort_unstable();
+        alphabet.dedup();
+        let needed = SPECIAL_TOKENS.len() + alphabet.len();
+        if vocab_size < needed {
+            return Err(DataError::VocabTooSmall {
+                requested: vocab_size,
+                alphabet: alphabet.len(),
+                needed,
+            });
+        }
+
+        let model = BPE::builder()
+            .unk_token(SPECIAL_TOKENS[UNK as usize].to_string())
+            .build()
+            .map_err(|e| DataError::Train {
+                message: e.to_string(),
+            })?;
+        let mut inner = tokenizers::Tokenizer::new(model);
+        inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(metaspace())));
+        inner.with_decoder(Some(DecoderWrapper::Metaspace(metaspace())));
+        let trainer = BpeTrainerBuilder::new()
+            .vocab_size(vocab_size)
+            .min_frequency(0)
+            .show_progress(false)
+            .special_tokens(
+                SPECIAL_TOKENS
+                    .iter()
+                    .map(|s| AddedToken::from(*s, true))
+                    .collect(),
+            )
+            .build();
+        let mut trainer = TrainerWrapper::BpeTrainer(trainer);
+        inner
+            .train(&mut trainer, texts.iter().copied())
+            .map_err(|e| DataError::Train {
+                message: e.to_string(),
+            })?;
+        let tok = Tokenizer::from_inner(inner, Path::new("<trained>"))?;
+        let merges = match serde_json::to_value(tok.inner.get_model()) {
+            Ok(v) => v["merges"].as_array().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        };
+        let report = BpeReport {
+            requested: vocab_size,
+            vocab_size: tok.vocab_size(),
+            alphabet: alphabet.len(),
+            merges,
+        };
+        Ok((tok, report))
+    }
+
+    /// Trains on every line of both sides of `corpus` (source lines first).
+    pub fn train_on_corpus(
+        corpus: &ParallelCorpus,
+        vocab_size: usize,
+    ) -> Result<(Tokenizer, BpeReport), DataError> {
+        Tokenizer::train(
+            corpus
+                .src
+                .iter()
+                .chain(corpus.tgt.iter())
+                .map(String::as_str),
+            vocab_size,
+        )
+    }
+
+    /// Checks the special tokens and sets encoding to read them as plain text.
+    fn from_inner(mut inner: tokenizers::Tokenizer, path: &Path) -> Result<Tokenizer, DataError> {
+        for (id, tok) in SPECIAL_TOKENS.iter().enumerate() {
+            match inner.token_to_id(tok) {
+                Some(got) if got as usize == id => {}
+                Some(got) => {
+                    return Err(DataError::BadTokenizer {
+                        path: path.to_path_buf(),
+                        message: format!("`{tok}` has id {got}, not {id}"),
+                    })
+                }
+                None => {
+                    return Err(DataError::BadTokenizer {
+                        path: path.to_path_buf(),
+                        message: format!("it has no `{tok}` token"),
+                    })
+                }
+            }
+        }
+        if inner.get_vocab_size(true) > i32::MAX as usize {
+            return Err(DataError::BadTokenizer {
+                path: path.to_path_buf(),
+                message: "its vocabulary does not fit i32 ids".to_string(),
+            });
+        }
+        // A literal "<pad>" in a sentence is text, not the padding token.
+        inner.set_encode_special_tokens(true);
+        Ok(Tokenizer { inner })
+    }
+
+    /// The tokenizer as `tokenizer.json` text (pretty-printed JSON).
+    pub fn to_json(&self) -> Result<String, DataError> {
+        self.inner.to_string(true).map_err(|e| DataError::Train {
+            message: format!("cannot serialize the tokenizer: {e}"),
+        })
+    }
+
+    /// Reads a tokenizer from `tokenizer.json` text; `origin` names it in errors.
+    pub fn from_json(json: &str, origin: &Path) -> Result<Tokenizer, DataError> {
+        let inner: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(|e: tokenizers::Error| DataError::BadTokenizer {
+                    path: origin.to_path_buf(),
+                    message: format!("it does not parse ({e})"),
+                })?;
+        Tokenizer::from_inner(inner, origin)
+    }
+
+    /// Writes `tokenizer.json` atomically (a temporary sibling, fsync, rename).
+    pub fn save(&self, path: &Path) -> Result<(), DataError> {
+        let json = self.to_json()?;
+        write_atomic(path, json.as_bytes())
+    }
+
+    /// Reads a `tokenizer.json` and checks its special tokens.
+    pub fn load(path: &Path) -> Result<Tokenizer, DataError> {
+        let json = std::fs::read_to_string(path).map_err(io_err("read", path))?;
+        Tokenizer::from_json(&json, path)
+    }
+
+    /// Tokens in the vocabulary, specials included; ids are `0..vocab_size()`.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The token string of an id.
+    pub fn id_to_token(&self, id: i32) -> Option<String> {
+        u32::try_from(id)
+            .ok()
+            .and_then(|i| self.inner.id_to_token(i))
+    }
+
+    /// The id of a token string.
+    pub fn token_to_id(&self, token: &str) -> Option<i32> {
+        self.inner
+            .token_to_id(token)
+            .and_then(|i| i32::try_from(i).ok())
+    }
+
+    /// The ids of `text`, without special tokens. Characters the vocabulary has never seen
+    /// become `<unk>` (id 3), one per character; special-token strings in the text
+    /// (`<pad>`, ...) are encoded as ordinary text.
+    ///
+    /// Decoding restores `text` exactly unless it holds unknown characters, starts with a
+    /// space (the Metaspace decoder cannot tell it from the space it prepends), or holds
+    /// `▁` (U+2581) itself, which decodes as a space.
+    pub fn encode(&self, text: &str) -> Result<Vec<i32>, DataError> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| DataError::Encode {
+                what: format!("{:?}", truncate(text, 60)),
+                message: e.to_string(),
+            })?;
+        // Ids are below vocab_size, which `from_inner` checked fits i32.
+        Ok(enc.get_ids().iter().map(|&i| i as i32).collect())
+    }
+
+    /// The text of `ids`. Special tokens (`<pad>`, `<bos>`, `<eos>`, `<unk>`) and ids
+    /// outside the vocabulary are skipped, so a decoder's output can be passed as is.
+    pub fn decode(&self, ids: &[i32]) -> String {
+        let ids: Vec<u32> = ids
+            .iter()
+            .filter(|&&id| id >= SPECIAL_TOKENS.len() as i32)
+            .filter_map(|&id| u32::try_from(id).ok())
+            .filter(|&id| (id as usize) < self.vocab_size())
+            .collect();
+        // The Metaspace decoder cannot fail; should a hand-edited `tokenizer.json` carry a
+        // decoder that does, fall back on joining the tokens with `▁` read as a space.
+        self.inner.decode(&ids, true).unwrap_or_else(|_| {
+            let tokens: Vec<String> = ids
+                .iter()
+                .filter_map(|&id| self.inner.id_to_token(id))
+                .collect();
+            tokens
+                .concat()
+                .replace(METASPACE, " ")
+                .trim_start()
+                .to_string()
+        })
+    }
+}
+
+fn metaspace() -> Metaspace {
+    Metaspace::new(METASPACE, PrependScheme::Always, true)
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// Writes `bytes` to `path` through `<path>.tmp-<pid>`, fsync and rename; on failure the
+/// temporary file is removed and `path` is untouched.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
+    use std::io::Write;
+    let mut name = path.as_os_str().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(name);
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(io_err("create", &tmp))?;
+        f.write_all(bytes).map_err(io_err("write", &tmp))?;
+        f.sync_all().map_err(io_err("sync", &tmp))?;
+        std::fs::rename(&tmp, path).map_err(io_err("rename a temporary file over", path))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+// ---------------------------------------------------------------------------------------
+// Examples
+// ---------------------------------------------------------------------------------------
+
+/// One training pair as token ids, without special tokens: the batch adds `<bos>` and
+/// `<eos>` on the target side; the source gets neither.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Example {
+    pub src: Vec<i32>,
+    pub tgt: Vec<i32>,
+}
+
+impl Example {
+    /// Source positions the model sees: `src.len()`.
+    pub fn src_positions(&self) -> usize {
+        self.src.len()
+    }
+
+    /// Target positions the model sees: `tgt.len() + 1` (`<bos>` in, `<eos>` out).
+    pub fn tgt_positions(&self) -> usize {
+        self.tgt.len() + 1
+    }
+}
+
+/// The examples of a corpus and what was left out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dataset {
+    pub examples: Vec<Example>,
+    /// `lines[i]` is the 0-based line of the corpus that `examples[i]` comes from.
+    pub lines: Vec<usize>,
+    /// Pairs with an empty (or whitespace-only) side.
+    pub skipped_empty: usize,
+    /// Pairs longer than the length limit.
+    pub dropped_too_long: usize,
+}
+
+impl Dataset {
+    /// Encodes every pair of `corpus`. Pairs with an empty side are skipped; with
+    /// `max_len = Some(n)`, pairs with more than `n` source positions or more than `n`
+    /// target positions (tokens + 1, see [`Example::tgt_positions`]) are dropped. Both are
+    /// counted.
+    pub fn build(
+        corpus: &ParallelCorpus,
+        tokenizer: &Tokenizer,
+        max_len: Option<usize>,
+    ) -> Result<Dataset, DataError> {
+        let mut ds = Dataset {
+            examples: Vec::new(),
+            lines: Vec::new(),
+            skipped_empty: 0,
+            dropped_too_long: 0,
+        };
+        for i in 0..corpus.len() {
+            if corpus.is_empty_pair(i) {
+                ds.skipped_empty += 1;
+                continue;
+            }
+            let at = |path: &Path, e: DataError| match e {
+                DataError::Encode { message, .. } => DataError::Encode {
+                    what: format!("`{}` line {}", path.display(), i + 1),
+                    message,
+                },
+                other => other,
+            };
+            let ex = Example {
+                src: tokenizer
+                    .encode(&corpus.src[i])
+                    .map_err(|e| at(&corpus.src_path, e))?,
+                tgt: tokenizer
+                    .encode(&corpus.tgt[i])
+                    .map_err(|e| at(&corpus.tgt_path, e))?,
+            };
+            if let Some(n) = max_len {
+                if ex.src_positions() > n || ex.tgt_positions() > n {
+                    ds.dropped_too_long += 1;
+                    continue;
+                }
+            }
+            ds.examples.push(ex);
+            ds.lines.push(i);
+        }
+        Ok(ds)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Batches
+// ---------------------------------------------------------------------------------------
+
+/// Token budgets of one batch, counted as padded sizes: rows × longest row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BatchConfig {
+    /// Budget of the `src` tensor, `B × S`.
+    pub max_src_tokens: usize,
+    /// Budget of the `tgt_in`/`tgt_out` tensors, `B × T` with `T` = longest target + 1.
+    pub max_tgt_tokens: usize,
+}
+
+impl Default for BatchConfig {
+    /// The paper's recipe (§5.1): about 25,000 source and 25,000 target tokens a batch.
+    fn default() -> Self {
+        BatchConfig {
+            max_src_tokens: 25_000,
+            max_tgt_tokens: 25_000,
+        }
+    }
+}
+
+/// The batches of a dataset: fixed membership, fresh order every epoch.
+///
+/// Examples are sorted by (source positions, target positions, index), which puts
+/// similar lengths together (the buckets), and cut greedily: an example joins the current
+/// batch when the batch, padded to its longest row, still fits both budgets. An example
+/// that alone exceeds a budget is not an error: it gets a batch of its own (counted in
+/// [`BatchPlan::oversized`]); use the `max_len` filter of [`Dataset::build`] to drop such
+/// examples instead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// Example indices of each batch, in bucket order (shortest first).
+    pub batches: Vec<Vec<usize>>,
+    /// Batches holding one example that alone exceeds a budget.
+    pub oversized: usize,
+}
+
+/// The Philox stream (counter word 3) of the batch shuffle: "SHUF".
+const SHUFFLE_STREAM: u32 = 0x5348_5546;
+
+impl BatchPlan {
+    pub fn new(examples: &[Example], config: BatchConfig) -> Result<BatchPlan, DataError> {
+        if config.max_src_tokens == 0 || config.max_tgt_tokens == 0 {
+            return Err(DataError::Config {
+                message: format!(
+                    "batch budgets must be positive (max_src_tokens = {}, max_tgt_tokens = {}); \
+                     the paper uses about 25000 each",
+                    config.max_src_tokens, config.max_tgt_tokens
+                ),
+            });
+        }
+        let mut order: Vec<usize> = (0..examples.len()).collect();
+        order.sort_by_key(|&i| (examples[i].src_positions(), examples[i].tgt_positions(), i));
+
+        let mut plan = BatchPlan {
+            batches: Vec::new(),
+            oversized: 0,
+        };
+        let mut cur: Vec<usize> = Vec::new();
+        let (mut s_max, mut t_max) = (0usize, 0usize);
+        for i in order {
+            let (s, t) = (examples[i].src_positions(), examples[i].tgt_positions());
+            let rows = cur.len() + 1;
+            let (s2, t2) = (s_max.max(s), t_max.max(t));
+            let fits = rows.saturating_mul(s2) <= config.max_src_tokens
+                && rows.saturating_mul(t2) <= config.max_tgt_tokens;
+            if fits {
+                cur.push(i);
+                (s_max, t_max) = (s2, t2);
+                continue;
+            }
+            if !cur.is_empty() {
+                plan.batches.push(std::mem::take(&mut cur));
+            }
+            cur.push(i);
+            (s_max, t_max) = (s, t);
+            if s > config.max_src_tokens || t > config.max_tgt_tokens {
+                plan.oversized += 1;
+                plan.batches.push(std::mem::take(&mut cur));
+                (s_max, t_max) = (0, 0);
+            }
+        }
+        if !cur.is_empty() {
+            plan.batches.push(cur);
+        }
+        Ok(plan)
+    }
+
+    /// The number of batches in an epoch.
+    pub fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    /// The order in which epoch `epoch` visits the batches: a permutation of
+    /// `0..len()` that depends only on `(seed, epoch)` (and the plan's size). A run that
+    /// stopped after `k` batches of an epoch resumes at `epoch_order(seed, epoch)[k]`.
+    ///
+    /// Fisher–Yates, drawing position `j`'s partner from Philox4x32-10 with key `seed`
+    /// and counter `(j, epoch low, epoch high, "SHUF")`.
+    pub fn epoch_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        let key = [seed as u32, (seed >> 32) as u32];
+        for j in (1..order.len()).rev() {
+            let w = philox4x32_10(
+                [j as u32, epoch as u32, (epoch >> 32) as u32, SHUFFLE_STREAM],
+                key,
+            );
+            let x = u64::from(w[0]) | (u64::from(w[1]) << 32);
+            // A multiply-shift draw in [0, j]: bias below 2^-32 for any plan size.
+            let k = ((u128::from(x) * (j as u128 + 1)) >> 64) as usize;
+            order.swap(j, k);
+        }
+        order
+    }
+
+    /// Batch `index` (an index into [`BatchPlan::batches`]) as tensors.
+    pub fn batch(&self, examples: &[Example], index: usize) -> Option<Batch> {
+        self.batches
+            .get(index)
+            .map(|members| Batch::new(examples, members))
+    }
+
+    /// The batches of epoch `epoch` in its order, starting at position `start` (0 for a
+    /// fresh epoch, the saved `batch_in_epoch` when resuming).
+    pub fn epoch<'a>(
+        &'a self,
+        examples: &'a [Example],
+        seed: u64,
+        epoch: u64,
+        start: usize,
+    ) -> impl Iterator<Item = Batch> + 'a {
+        self.epoch_order(seed, epoch)
+            .into_iter()
+            .skip(start)
+            .map(move |b| Batch::new(examples, &self.batches[b]))
+    }
+}
+
+/// One batch, right-padded with `<pad>` (0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// `i32 [B, S]`: source ids.
+    pub src: Tensor,
+    /// `i32 [B, T]`: `<bos>` y₁ … y_m.
+    pub tgt_in: Tensor,
+    /// `i32 [B, T]`: y₁ … y_m `<eos>`.
+    pub tgt_out: Tensor,
+    /// Non-pad source tokens.
+    pub n_src_tokens: usize,
+    /// Non-pad target tokens, `<eos>` included (the tokens the loss averages over).
+    pub n_tgt_tokens: usize,
+    /// The examples of the rows, in row order (indices into the dataset's examples).
+    pub indices: Vec<usize>,
+}
+
+impl Batch {
+    /// The batch of `examples[i]` for `i` in `members`, in that order.
+    ///
+    /// Panics if a member is out of range: members come from a [`BatchPlan`] built on the
+    /// same examples, never from user data.
+    pub fn new(examples: &[Example], members: &[usize]) -> Batch {
+        let b = members.len();
+        let s = members
+            .iter()
+            .map(|&i| examples[i].src_positions())
+            .max()
+            .unwrap_or(0);
+        let t = members
+            .iter()
+            .map(|&i| examples[i].tgt_positions())
+            .max()
+            .unwrap_or(0);
+        let mut src = vec![PAD; b * s];
+        let mut tgt_in = vec![PAD; b * t];
+        let mut tgt_out = vec![PAD; b * t];
+        let (mut n_src, mut n_tgt) = (0, 0);
+        for (row, &i) in members.iter().enumerate() {
+            let ex = &examples[i];
+            src[row * s..row * s + ex.src.len()].copy_from_slice(&ex.src);
+            let m = ex.tgt.len();
+            tgt_in[row * t] = BOS;
+            tgt_in[row * t + 1..row * t + 1 + m].copy_from_slice(&ex.tgt);
+            tgt_out[row * t..row * t + m].copy_from_slice(&ex.tgt);
+            tgt_out[row * t + m] = EOS;
+            n_src += ex.src.len();
+            n_tgt += m + 1;
+        }
+        Batch {
+            src: Tensor::i32(vec![b, s], src).expect("sized above"),
+            tgt_in: Tensor::i32(vec![b, t], tgt_in).expect("sized above"),
+            tgt_out: Tensor::i32(vec![b, t], tgt_out).expect("sized above"),
+            n_src_tokens: n_src,
+            n_tgt_tokens: n_tgt,
+            indices: members.to_vec(),
+        }
+    }
+
+    /// Rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.indices.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn scratch_dir(tag: &str) -> PathBuf {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("kiln-data-test-{}-{}-{tag}", std::process::id(), n));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The shared Multi30k copy, or `None` (with the reason printed) when it is absent.
+    fn multi30k() -> Option<PathBuf> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/multi30k");
+        if dir.join("val.en").is_file() && dir.join("train.en").is_file() {
+            Some(dir)
+        } else {
+            eprintln!(
+                "skipped: Multi30k not found at {} (this test needs the shared data set)",
+                dir.display()
+            );
+            None
+        }
+    }
+
+    /// A small deterministic pseudo-random example set.
+    fn synthetic(n: usize, seed: u32) -> Vec<Example> {
+        (0..n)
+            .map(|i| {
+                let w = philox4x32_10([i as u32, 0, 0, 0], [seed, 7]);
+                let ls = 1 + (w[0] % 40) as usize;
+                let lt = 1 + (w[1] % 45) as usize;
+                Example {
+                    src: (0..ls)
+                        .map(|k| 4 + ((w[2] as usize + k) % 50) as i32)
+                        .collect(),
+                    tgt: (0..lt)
+                        .map(|k| 4 + ((w[3] as usize + k) % 50) as i32)
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn lines_strip_cr_and_bom_and_name_bad_utf8() {
+        let dir = scratch_dir("lines");
+        let p = dir.join("a.txt");
+        std::fs::write(&p, b"\xEF\xBB\xBFone\r\ntwo\r\n\r\nfour").unwrap();
+        assert_eq!(read_lines(&p).unwrap(), vec!["one", "two", "", "four"]);
+        std::fs::write(&p, b"one\ntwo\n").unwrap();
+        assert_eq!(read_lines(&p).unwrap(), vec!["one", "two"]);
+        std::fs::write(&p, b"").unwrap();
+        assert!(read_lines(&p).unwrap().is_empty());
+
+        let bad = dir.join("bad.de");
+        std::fs::write(&bad, b"gut\nsch\xF6n\n").unwrap();
+        let msg = read_lines(&bad).unwrap_err().to_string();
+        assert!(msg.contains("bad.de` line 2"), "{msg}");
+        assert!(msg.contains("column 4"), "{msg}");
+
+        let missing = dir.join("missing.en");
+        let msg = read_lines(&missing).unwrap_err().to_string();
+        assert!(msg.contains("missing.en"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn parallel_files_must_align() {
+        let dir = scratch_dir("align");
+        let (s, t) = (dir.join("x.en"), dir.join("x.de"));
+        std::fs::write(&s, "a\nb\nc\n").unwrap();
+        std::fs::write(&t, "A\nB\n").unwrap();
+        let msg = load_parallel(&s, &t).unwrap_err().to_string();
+        assert!(msg.contains("x.en` has 3 lines"), "{msg}");
+        assert!(msg.contains("x.de` has 2"), "{msg}");
+
+        std::fs::write(&t, "A\n \nC\n").unwrap();
+        let c = load_parallel(&s, &t).unwrap();
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.empty_pairs(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    const TOY: [&str; 6] = [
+        "the cat sat on the mat .",
+        "the dog sat on the log .",
+        "Die Katze saß auf der Matte .",
+        "Der Hund saß auf dem Baumstamm .",
+        "a  double space and a trailing one ",
+        "<pad> is text here",
+    ];
+
+    #[test]
+    fn specials_have_fixed_ids_and_round_trip() {
+        let (tok, report) = Tokenizer::train(TOY, 80).unwrap();
+        for (id, s) in SPECIAL_TOKENS.iter().enumerate() {
+            assert_eq!(tok.token_to_id(s), Some(id as i32));
+        }
+        assert_eq!(report.vocab_size, tok.vocab_size());
+        for s in TOY {
+            let ids = tok.encode(s).unwrap();
+            assert!(ids.iter().all(|&i| i >= 4), "{s}: {ids:?}");
+            assert_eq!(tok.decode(&ids), s);
+            // Specials and out-of-range ids are skipped.
+            let mut wrapped = vec![BOS];
+            wrapped.extend(&ids);
+            wrapped.extend([EOS, PAD, PAD, -5, 1 << 30]);
+            assert_eq!(tok.decode(&wrapped), s);
+        }
+        // An unseen character is <unk>, which decoding drops.
+        let ids = tok.encode("cat Ω").unwrap();
+        assert!(ids.contains(&UNK), "{ids:?}");
+        assert_eq!(tok.decode(&ids), "cat ");
+    }
+
+    #[test]
+    fn vocab_size_request_small_corpus_and_too_small() {
+        // The toy corpus runs out of merges long before 10,000 tokens.
+        let (tok, report) = Tokenizer::train(TOY, 10_000).unwrap();
+        assert!(report.vocab_size < 10_000, "{report:?}");
+        assert_eq!(
+            report.vocab_size,
+            4 + report.alphabet + report.merges,
+            "{report:?}"
+        );
+        assert_eq!(tok.vocab_size(), report.vocab_size);
+
+        let (tok, report) = Tokenizer::train(TOY, 60).unwrap();
+        assert_eq!(tok.vocab_size(), 60, "{report:?}");
+
+        let err = Tokenizer::train(TOY, 10).unwrap_err();
+        assert!(matches!(err, DataError::VocabTooSmall { .. }), "{err}");
+        assert!(err.to_string().contains("ask for at least"), "{err}");
+    }
+
+    #[test]
+    fn tokenizer_save_load_and_bad_files() {
+        let dir = scratch_dir("tok");
+        let (tok, _) = Tokenizer::train(TOY, 70).unwrap();
+        let path = dir.join("tokenizer.json");
+        tok.save(&path).unwrap();
+        let back = Tokenizer::load(&path).unwrap();
+        assert_eq!(back.to_json().unwrap(), tok.to_json().unwrap());
+        assert_eq!(back.encode(TOY[5]).unwrap(), tok.encode(TOY[5]).unwrap());
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(names.len(), 1, "temporary file left behind");
+
+        std::fs::write(&path, "{ not json").unwrap();
+        let msg = Tokenizer::load(&path).unwrap_err().to_string();
+        assert!(
+            msg.contains("tokenizer.json") && msg.contains("parse"),
+            "{msg}"
+        );
+
+        // Special tokens at the wrong ids are refused.
+        let json = tok.to_json().unwrap();
+        std::fs::write(&path, json.replace("<bos>", "<go>")).unwrap();
+        let msg = Tokenizer::load(&path).unwrap_err().to_string();
+        assert!(msg.contains("no `<bos>` token"), "{msg}");
+        let msg = Tokenizer::load(&dir.join("none.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("none.json"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn training_is_deterministic_in_process() {
+        // `tokenizers` seeds each hash map differently, so repeated training in one
+        // process already visits words and pairs in different orders.
+        let texts: Vec<String> = (0..400)
+            .map(|i| {
+                let w = philox4x32_10([i, 0, 0, 0], [3, 4]);
+                (0..8)
+                    .map(|k| {
+                        ["ab", "ba", "abc", "cab", "bca", "aab", "bb", "ca"]
+                            [((w[k % 4] >> k) % 8) as usize]
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect();
+        let json0 = Tokenizer::train(texts.iter().map(String::as_str), 120)
+            .unwrap()
+            .0
+            .to_json()
+            .unwrap();
+        for _ in 0..5 {
+            let json = Tokenizer::train(texts.iter().rev().map(String::as_str), 120)
+                .unwrap()
+                .0
+                .to_json()
+                .unwrap();
+            assert!(
+                json == json0,
+                "BPE training gave different tokenizer.json bytes"
+            );
+        }
+    }
+
+    /// Multi30k: vocabulary size as asked, `tokenizer.json` bytes identical across
+    /// trainings, and the round trip on the validation set.
+    #[test]
+    fn multi30k_bpe_round_trip_and_determinism() {
+        let Some(dir) = multi30k() else { return };
+        let train = load_parallel(&dir.join("train.en"), &dir.join("train.de")).unwrap();
+        let val = load_parallel(&dir.join("val.en"), &dir.join("val.de")).unwrap();
+        assert_eq!((train.len(), val.len()), (29_000, 1_014));
+
+        let (tok, report) = Tokenizer::train_on_corpus(&train, 8000).unwrap();
+        assert_eq!(tok.vocab_size(), 8000, "{report:?}");
+        let json = tok.to_json().unwrap();
+        let (again, _) = Tokenizer::train_on_corpus(&train, 8000).unwrap();
+        assert!(
+            again.to_json().unwrap() == json,
+            "training is not deterministic"
+        );
+        // FNV-1a of the bytes, to compare across processes and thread counts by hand.
+        let fnv = json.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        eprintln!(
+            "Multi30k tokenizer.json (8000): {} bytes, FNV-1a {fnv:016x}",
+            json.len()
+        );
+
+        let mut exact = 0;
+        let mut total = 0;
+        let mut failures = Vec::new();
+        for s in val.src.iter().chain(val.tgt.iter()) {
+            let ids = tok.encode(s).unwrap();
+            let back = tok.decode(&ids);
+            total += 1;
+            if &back == s {
+                exact += 1;
+            } else {
+                failures.push(format!("{s:?} -> {back:?}"));
+            }
+        }
+        eprintln!(
+            "Multi30k val round trip: {exact}/{total} exact ({:.2}%); {report:?}",
+            100.0 * exact as f64 / total as f64
+        );
+        for f in failures.iter().take(20) {
+            eprintln!("  mismatch: {f}");
+        }
+        // Mismatches can only come from characters unseen in training (<unk>).
+        for s in val.src.iter().chain(val.tgt.iter()) {
+            let ids = tok.encode(s).unwrap();
+            if tok.decode(&ids) != *s {
+                assert!(ids.contains(&UNK), "mismatch without <unk>: {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn dataset_skips_empty_and_long_pairs() {
+        let dir = scratch_dir("dataset");
+        let (s, t) = (dir.join("d.en"), dir.join("d.de"));
+        std::fs::write(&s, "a b\n\nc d e f g h\nx\n").unwrap();
+        std::fs::write(&t, "A B\nleer\nC\n\n").unwrap();
+        let corpus = load_parallel(&s, &t).unwrap();
+        let (tok, _) = Tokenizer::train_on_corpus(&corpus, 40).unwrap();
+        let all = Dataset::build(&corpus, &tok, None).unwrap();
+        assert_eq!(all.examples.len(), 2);
+        assert_eq!(all.lines, vec![0, 2]);
+        assert_eq!(all.skipped_empty, 2);
+        let max = all.examples[0]
+            .src_positions()
+            .max(all.examples[0].tgt_positions());
+        let short = Dataset::build(&corpus, &tok, Some(max)).unwrap();
+        assert_eq!(short.lines, vec![0]);
+        assert_eq!(short.dropped_too_long, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn batches_respect_budgets_and_cover_every_example() {
+        let examples = synthetic(500, 1);
+        let cfg = BatchConfig {
+            max_src_tokens: 200,
+            max_tgt_tokens: 180,
+        };
+        let plan = BatchPlan::new(&examples, cfg).unwrap();
+        assert_eq!(plan.oversized, 0);
+        for epoch in 0..3 {
+            let mut seen = vec![0usize; examples.len()];
+            let mut count = 0;
+            for batch in plan.epoch(&examples, 42, epoch, 0) {
+                count += 1;
+                let (b, s) = (batch.src.shape[0], batch.src.shape[1]);
+                let t = batch.tgt_in.shape[1];
+                assert!(b * s <= cfg.max_src_tokens, "{b}x{s}");
+                assert!(b * t <= cfg.max_tgt_tokens, "{b}x{t}");
+                assert_eq!(batch.tgt_out.shape, vec![b, t]);
+                for &i in &batch.indices {
+                    seen[i] += 1;
+                }
+            }
+            assert_eq!(count, plan.len());
+            assert!(seen.iter().all(|&n| n == 1), "epoch {epoch}");
+        }
+        // Greedy packing: no batch could have taken the next example of the sorted order.
+        let mean_rows = examples.len() as f64 / plan.len() as f64;
+        assert!(mean_rows > 3.0, "{mean_rows}");
+    }
+
+    #[test]
+    fn oversized_examples_get_their_own_batch() {
+        let mut examples = synthetic(50, 2);
+        examples.push(Example {
+            src: vec![5; 300],
+            tgt: vec![6; 3],
+        });
+        examples.push(Example {
+            src: vec![5; 3],
+            tgt: vec![6; 500],
+        });
+        let cfg = BatchConfig {
+            max_src_tokens: 100,
+            max_tgt_tokens: 100,
+        };
+        let plan = BatchPlan::new(&examples, cfg).unwrap();
+        assert_eq!(plan.oversized, 2);
+        let mut covered: Vec<usize> = plan.batches.concat();
+        covered.sort();
+        assert_eq!(covered, (0..examples.len()).collect::<Vec<_>>());
+        for members in &plan.batches {
+            if members.contains(&50) || members.contains(&51) {
+                assert_eq!(members.len(), 1);
+            }
+        }
+        let zero = BatchConfig {
+            max_src_tokens: 0,
+            max_tgt_tokens: 10,
+        };
+        assert!(BatchPlan::new(&examples, zero).is_err());
+    }
+
+    #[test]
+    fn epoch_order_depends_only_on_seed_and_epoch() {
+        let examples = synthetic(400, 3);
+        let cfg = BatchConfig {
+            max_src_tokens: 150,
+            max_tgt_tokens: 150,
+        };
+        let plan = BatchPlan::new(&examples, cfg).unwrap();
+        assert!(plan.len() > 20);
+        let a = plan.epoch_order(7, 0);
+        assert_eq!(a, plan.epoch_order(7, 0));
+        // A plan rebuilt from scratch (as after a restart) gives the same order.
+        let rebuilt = BatchPlan::new(&examples, cfg).unwrap();
+        assert_eq!(rebuilt, plan);
+        assert_eq!(rebuilt.epoch_order(7, 0), a);
+        assert_ne!(a, plan.epoch_order(7, 1));
+        assert_ne!(a, plan.epoch_order(8, 0));
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..plan.len()).collect::<Vec<_>>());
+        // Resuming at batch k continues exactly where the epoch left off.
+        let full: Vec<Vec<usize>> = plan.epoch(&examples, 7, 0, 0).map(|b| b.indices).collect();
+        let resumed: Vec<Vec<usize>> = plan.epoch(&examples, 7, 0, 5).map(|b| b.indices).collect();
+        assert_eq!(&full[5..], &resumed[..]);
+    }
+
+    #[test]
+    fn batch_tensors_are_shifted_and_padded() {
+        let examples = vec![
+            Example {
+                src: vec![10, 11, 12],
+                tgt: vec![20, 21],
+            },
+            Example {
+                src: vec![13],
+                tgt: vec![22, 23, 24, 25],
+            },
+        ];
+        let b = Batch::new(&examples, &[0, 1]);
+        assert_eq!(b.src.shape, vec![2, 3]);
+        assert_eq!(b.src.as_i32().unwrap(), &[10, 11, 12, 13, 0, 0]);
+        assert_eq!(b.tgt_in.shape, vec![2, 5]);
+        assert_eq!(
+            b.tgt_in.as_i32().unwrap(),
+            &[BOS, 20, 21, 0, 0, BOS, 22, 23, 24, 25]
+        );
+        assert_eq!(
+            b.tgt_out.as_i32().unwrap(),
+            &[20, 21, EOS, 0, 0, 22, 23, 24, 25, EOS]
+        );
+        assert_eq!((b.n_src_tokens, b.n_tgt_tokens), (4, 8));
+        assert_eq!(b.indices, vec![0, 1]);
+    }
+}
