@@ -14,7 +14,10 @@ use kiln_compiler::summary::{group_digits, Summary};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
-use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, RuntimeError};
+use kiln_runtime::exec::Exec;
+use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
+
+mod train_cmds;
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "kiln: a declarative model compiler")]
@@ -83,7 +86,7 @@ enum Command {
     Run {
         #[command(flatten)]
         spec: SpecArgs,
-        /// The entry point: `forward` (the outputs) or `loss` (the objective).
+        /// The entry point: `forward`, `loss`, `encode`, `decode_step` or `train_step`.
         #[arg(long, default_value = "forward")]
         entry: String,
         /// A safetensors file with one tensor per input, named as in the spec.
@@ -99,6 +102,12 @@ enum Command {
         /// Working precision of the reference executor.
         #[arg(long, default_value = "f32", value_parser = ["f32", "f64"])]
         precision: String,
+        /// The training step the dropout masks are drawn for (`train_step`).
+        #[arg(long, default_value_t = 0)]
+        step: u32,
+        /// `reference` (plain loops, the oracle) or `eager` (op by op, fast GEMM).
+        #[arg(long, default_value = "reference", value_parser = ["reference", "eager"])]
+        executor: String,
         /// Where to write the outputs.
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
@@ -128,6 +137,87 @@ enum Command {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Train a model with the paper's recipe (a YAML configuration).
+    Train {
+        /// The configuration of a new run.
+        #[arg(long, conflicts_with = "resume")]
+        config: Option<PathBuf>,
+        /// Continue the run in this directory from its newest checkpoint.
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Override `train.max_steps`.
+        #[arg(long)]
+        max_steps: Option<u64>,
+        /// Override `train.max_seconds` (stop after this long, with a checkpoint).
+        #[arg(long)]
+        max_seconds: Option<u64>,
+        /// Override `checkpoint.dir` (the run directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Worker threads (default: one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// No progress output.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Translate lines of text (standard input, or --input) with a trained model.
+    Translate {
+        /// A checkpoint directory, a run directory (its newest checkpoint) or the output of
+        /// `kiln average`.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Read sentences from this file instead of standard input.
+        #[arg(long)]
+        input: Option<PathBuf>,
+        #[arg(long, default_value_t = 4)]
+        beam: usize,
+        /// Length penalty exponent.
+        #[arg(long, default_value_t = 0.6)]
+        alpha: f64,
+        /// `gnmt` ((5+len)/6)^α, `len_pow` len^α, or `none`.
+        #[arg(long, default_value = "gnmt", value_parser = ["gnmt", "len_pow", "none"])]
+        length_penalty: String,
+        /// Maximum output length = a · source length + b.
+        #[arg(long, default_value_t = 1.0)]
+        max_len_a: f64,
+        #[arg(long, default_value_t = 50)]
+        max_len_b: usize,
+        /// Greedy decoding instead of beam search.
+        #[arg(long)]
+        greedy: bool,
+        #[arg(long, default_value = "eager", value_parser = ["eager", "reference"])]
+        executor: String,
+        /// Worker threads (default: one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Average the weights of checkpoints (the paper averages the last 5 or 20).
+    Average {
+        /// Checkpoint directories or safetensors weight files.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// A directory (a model directory for `kiln translate`) or a `.safetensors` file.
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+    },
+    /// Write a model's weights under another framework's names.
+    Export {
+        #[arg(long, default_value = "torch")]
+        format: String,
+        /// A model/checkpoint directory or a safetensors weights file.
+        input: PathBuf,
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+    },
+    /// Read weights written under another framework's names.
+    Import {
+        #[arg(long, default_value = "torch")]
+        format: String,
+        input: PathBuf,
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
     },
     /// Run the main job on an embedded default.
     Demo,
@@ -190,10 +280,22 @@ fn run(cli: Cli) -> Result<(), Error> {
             seed,
             precision,
             output,
+            step,
+            executor,
         } => {
-            let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
             let entry = Entry::parse(&entry).map_err(runtime_error)?;
-            let eg = entry_graph(&g, entry).map_err(runtime_error)?;
+            let mut opts = spec.options();
+            opts.mode = match entry.graph_kind() {
+                GraphKind::Eval => Mode::Eval,
+                GraphKind::Train => Mode::Train,
+                GraphKind::Decode => Mode::Decode,
+            };
+            let g = kiln_dsl::compile_file(&spec.spec, &opts)?;
+            let eg = match entry {
+                Entry::TrainStep => kiln_compiler::autodiff::train_step(&g)
+                    .map_err(|e| plain("kiln::autodiff", e.to_string(), None))?,
+                _ => entry_graph(&g, entry).map_err(runtime_error)?,
+            };
             let feeds = load_safetensors(&inputs).map_err(file_error)?;
             check_inputs(&g, &inputs.display().to_string(), &feeds).map_err(runtime_error)?;
             let params: BTreeMap<String, Tensor> = match &weights {
@@ -214,9 +316,14 @@ fn run(cli: Cli) -> Result<(), Error> {
                     Precision::F32
                 },
                 seed,
-                step: 0,
+                step,
             };
-            let outs = reference::run(&eg, &feeds, &params, &opts).map_err(|e| {
+            let exec = kiln_runtime::exec::executor(
+                kiln_runtime::exec::ExecutorKind::parse(&executor).unwrap_or(kiln_runtime::exec::ExecutorKind::Reference),
+                eg.clone(),
+            )
+            .map_err(|e| plain("kiln::run", e.to_string(), None))?;
+            let outs = exec.run(&feeds, &params, &opts).map_err(|e| {
                 plain(
                     "kiln::run",
                     e.to_string(),
@@ -291,8 +398,66 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
+        Command::Train {
+            config,
+            resume,
+            max_steps,
+            max_seconds,
+            dir,
+            threads,
+            quiet,
+        } => {
+            set_threads(threads)?;
+            train_cmds::train(train_cmds::TrainArgs {
+                config,
+                resume,
+                max_steps,
+                max_seconds,
+                dir,
+                quiet,
+            })
+        }
+        Command::Translate {
+            checkpoint,
+            input,
+            beam,
+            alpha,
+            length_penalty,
+            max_len_a,
+            max_len_b,
+            greedy,
+            executor,
+            threads,
+        } => {
+            set_threads(threads)?;
+            train_cmds::translate(train_cmds::TranslateArgs {
+                checkpoint,
+                input,
+                beam,
+                alpha,
+                length_penalty,
+                max_len_a,
+                max_len_b,
+                greedy,
+                executor,
+            })
+        }
+        Command::Average { inputs, output } => train_cmds::average(&inputs, &output),
+        Command::Export { format, input, output } => train_cmds::export(&format, &input, &output),
+        Command::Import { format, input, output } => train_cmds::import(&format, &input, &output),
         Command::Demo => demo(),
     }
+}
+
+/// Sizes the global thread pool (before any parallel work).
+fn set_threads(threads: Option<usize>) -> Result<(), Error> {
+    if let Some(n) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| plain("kiln::threads", format!("cannot start {n} threads: {e}"), None))?;
+    }
+    Ok(())
 }
 
 /// Lines of a text file, without line terminators (a final newline ends the last line).
@@ -300,7 +465,7 @@ fn lines(text: &str) -> Vec<String> {
     text.lines().map(|l| l.trim_end_matches('\r').to_string()).collect()
 }
 
-fn plain(code: &'static str, message: String, help: Option<String>) -> Error {
+pub(crate) fn plain(code: &'static str, message: String, help: Option<String>) -> Error {
     Error::plain(code, message, help)
 }
 

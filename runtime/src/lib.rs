@@ -11,6 +11,8 @@
 //! - [`bleu`] — corpus BLEU with sacreBLEU's semantics;
 //! - [`metrics`] — the `metrics.jsonl` log; [`plot`] — the loss/BLEU PNG;
 //! - [`interop`] — PyTorch `nn.Transformer` parameter names;
+//! - [`model`] — model directories (weights, graphs, tokenizer) used without the spec;
+//! - [`train`] — the trainer;
 //! - [`synthetic`] — the generated task of the demo.
 
 pub mod bleu;
@@ -22,8 +24,10 @@ pub mod entry;
 pub mod exec;
 pub mod interop;
 pub mod metrics;
+pub mod model;
 pub mod optim;
 pub mod plot;
 pub mod synthetic;
+pub mod train;
 
 pub use entry::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};

@@ -1,0 +1,193 @@
+//! A trained model on disk, and what it takes to use one without the spec.
+//!
+//! In: the entry-point graphs of a spec (compiled once, when training starts), the
+//! tokenizer and the weights. Out: a *model directory* — `model.safetensors`,
+//! `graphs.json` (the [`GraphSet`]: `train_step`, `loss`, `encode`, `decode_step`) and
+//! `tokenizer.json` — which `kiln translate`, `kiln average` and a resumed training run
+//! load without the DSL. Every checkpoint directory is a model directory (plus the
+//! optimizer state), and so is the output of `kiln average`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use kiln_compiler::ir::Graph;
+use kiln_compiler::tensor::{load_safetensors, Tensor};
+
+use crate::checkpoint::{self, MODEL_FILE};
+use crate::data::Tokenizer;
+
+pub const GRAPHS_FILE: &str = "graphs.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const CONFIG_FILE: &str = "config.yaml";
+/// Bumped when the layout of `graphs.json` changes.
+pub const GRAPHS_FORMAT: u32 = 1;
+
+/// The entry points of one model, cut from the graphs of one spec.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GraphSet {
+    pub format: u32,
+    pub model: String,
+    pub train_step: Graph,
+    pub loss: Graph,
+    pub encode: Graph,
+    pub decode_step: Graph,
+}
+
+impl GraphSet {
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("graphs serialize")
+    }
+
+    pub fn from_json(bytes: &[u8], origin: &Path) -> Result<GraphSet, ModelError> {
+        let g: GraphSet = serde_json::from_slice(bytes).map_err(|e| ModelError::Invalid {
+            path: origin.to_path_buf(),
+            message: format!("not a kiln graph set ({e})"),
+        })?;
+        if g.format != GRAPHS_FORMAT {
+            return Err(ModelError::Invalid {
+                path: origin.to_path_buf(),
+                message: format!(
+                    "graph format {} is not the format {GRAPHS_FORMAT} of this kiln; retrain or use the kiln that wrote it",
+                    g.format
+                ),
+            });
+        }
+        for (name, graph) in [
+            ("train_step", &g.train_step),
+            ("loss", &g.loss),
+            ("encode", &g.encode),
+            ("decode_step", &g.decode_step),
+        ] {
+            graph.verify().map_err(|e| ModelError::Invalid {
+                path: origin.to_path_buf(),
+                message: format!("the `{name}` graph is corrupt: {e}"),
+            })?;
+        }
+        Ok(g)
+    }
+
+    /// The vocabulary size: the last axis of the logits.
+    pub fn vocab(&self) -> Option<usize> {
+        let id = self.decode_step.output("logits")?;
+        self.decode_step
+            .ty(id)
+            .shape
+            .dims()
+            .last()?
+            .as_const()
+            .map(|v| v as usize)
+    }
+}
+
+/// Why a model directory could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(
+        "`{path}` is not a kiln model: it has no `{file}`; give a checkpoint directory \
+         (`<run>/checkpoints/step_N`), a run directory, or the output of `kiln average`"
+    )]
+    Missing { path: PathBuf, file: &'static str },
+    #[error("`{path}`: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error(transparent)]
+    Tensor(#[from] kiln_compiler::tensor::TensorFileError),
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+}
+
+/// A model loaded from a model directory.
+pub struct LoadedModel {
+    pub dir: PathBuf,
+    pub graphs: GraphSet,
+    pub params: BTreeMap<String, Tensor>,
+    pub tokenizer: Tokenizer,
+}
+
+/// The model directory `path` names: itself, or the newest checkpoint of a run directory.
+pub fn resolve(path: &Path) -> Result<PathBuf, ModelError> {
+    if path.join(MODEL_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    for root in [path.join("checkpoints"), path.to_path_buf()] {
+        if root.is_dir() {
+            if let Some(c) = checkpoint::latest(&root)? {
+                return Ok(c.dir);
+            }
+        }
+    }
+    Err(ModelError::Missing {
+        path: path.to_path_buf(),
+        file: MODEL_FILE,
+    })
+}
+
+fn read(dir: &Path, file: &'static str) -> Result<Vec<u8>, ModelError> {
+    let p = dir.join(file);
+    std::fs::read(&p).map_err(|_| ModelError::Missing {
+        path: dir.to_path_buf(),
+        file,
+    })
+}
+
+/// Loads a model directory (or the newest checkpoint of a run directory).
+pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
+    let dir = resolve(path)?;
+    let graphs = GraphSet::from_json(&read(&dir, GRAPHS_FILE)?, &dir.join(GRAPHS_FILE))?;
+    let tok_json = String::from_utf8(read(&dir, TOKENIZER_FILE)?).map_err(|_| ModelError::Invalid {
+        path: dir.join(TOKENIZER_FILE),
+        message: "not UTF-8".to_string(),
+    })?;
+    let tokenizer = Tokenizer::from_json(&tok_json, &dir.join(TOKENIZER_FILE))?;
+    let params = load_safetensors(&dir.join(MODEL_FILE))?;
+    crate::entry::check_weights(&graphs.loss, &dir.join(MODEL_FILE).display().to_string(), &params)
+        .or_else(|e| {
+            // The loss graph has every parameter; report with the fix.
+            Err(ModelError::Invalid {
+                path: dir.join(MODEL_FILE),
+                message: format!("{} ({})", e.message, e.help),
+            })
+        })?;
+    Ok(LoadedModel {
+        dir,
+        graphs,
+        params,
+        tokenizer,
+    })
+}
+
+/// Writes a model directory: weights, graphs, tokenizer (atomically, file by file).
+pub fn save_dir(dir: &Path, params: &BTreeMap<String, Tensor>, graphs_json: &[u8], tokenizer_json: &[u8]) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::Invalid {
+        path: dir.to_path_buf(),
+        message: format!("cannot create the directory: {e}"),
+    })?;
+    let list: Vec<(String, Tensor)> = params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    kiln_compiler::tensor::save_safetensors(&dir.join(MODEL_FILE), &list, None)?;
+    for (name, bytes) in [(GRAPHS_FILE, graphs_json), (TOKENIZER_FILE, tokenizer_json)] {
+        write_atomic(&dir.join(name), bytes).map_err(|e| ModelError::Invalid {
+            path: dir.join(name),
+            message: format!("cannot write: {e}"),
+        })?;
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}

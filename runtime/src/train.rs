@@ -1,0 +1,729 @@
+//! The trainer: the paper's recipe, run to the letter and resumable to the bit.
+//!
+//! In: a [`Config`], a tokenizer and the spec's graphs (compiled by the caller, which owns
+//! the DSL), or a run directory to resume. Out: a run directory —
+//!
+//! ```text
+//! <run>/config.yaml            the resolved configuration
+//! <run>/tokenizer.json         the shared BPE vocabulary
+//! <run>/checkpoints/step_N/    model.safetensors, optimizer.safetensors, state.yaml,
+//!                              graphs.json, tokenizer.json, config.yaml
+//! <run>/metrics.jsonl          one record per log interval and per validation
+//! <run>/training.png           train/validation loss and validation BLEU
+//! ```
+//!
+//! Each step: `update_freq` token-based batches go through `train_step` (forward, label-
+//! smoothed loss, gradients); their gradients are summed with weights = target tokens,
+//! so the update is that of one big batch; then Adam with the warmup schedule. Dropout
+//! masks come from Philox keyed by (seed, micro-batch counter), the batch order from
+//! (seed, epoch): parameters, moments, step and data position are all a resumed run
+//! needs to continue exactly. A NaN or infinity in the loss or a gradient stops the run
+//! naming the step and the tensor; the last good checkpoint stays.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use kiln_compiler::ir::Graph;
+use kiln_compiler::reference::RunOptions;
+use kiln_compiler::tensor::{Tensor, TensorData};
+
+use crate::bleu::{corpus_bleu, BleuOptions};
+use crate::checkpoint::{self, AdamMoments, TrainState};
+use crate::config::Config;
+use crate::data::{load_parallel, BatchConfig, BatchPlan, Dataset, Example, ParallelCorpus, Tokenizer};
+use crate::decode::{decode, CachedStep, DecodeOptions, LengthPenalty};
+use crate::entry::{entry_graph, Entry};
+use crate::exec::{executor, Exec, ExecutorKind};
+use crate::metrics::{read_metrics, truncate_after, Kind, MetricsWriter, Record};
+use crate::model::{write_atomic, GraphSet, CONFIG_FILE, GRAPHS_FILE, GRAPHS_FORMAT, TOKENIZER_FILE};
+use crate::optim::Adam;
+
+/// Why training stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{0}")]
+    Setup(String),
+    #[error("step {step}: {what} is not finite ({value}); stopping — the last good checkpoint is kept")]
+    NonFinite { step: u64, what: String, value: f32 },
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error("running the model failed at step {step}: {source}")]
+    Exec {
+        step: u64,
+        source: kiln_compiler::reference::ExecError,
+    },
+    #[error(transparent)]
+    Decode(#[from] crate::decode::DecodeError),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("cannot write `{path}`: {message}")]
+    Write { path: PathBuf, message: String },
+}
+
+/// The three graphs of a spec the trainer cuts its entry points from.
+pub struct ModelGraphs {
+    /// Training mode (dropout kept).
+    pub train: Graph,
+    /// Inference mode.
+    pub eval: Graph,
+    /// One incremental decoder step.
+    pub decode: Graph,
+}
+
+impl ModelGraphs {
+    /// The entry points: `train_step` by differentiation, the others by pruning.
+    pub fn entries(&self) -> Result<GraphSet, TrainError> {
+        let e = |r: Result<Graph, crate::RuntimeError>| r.map_err(|e| TrainError::Setup(format!("{} ({})", e.message, e.help)));
+        let train_step = kiln_compiler::autodiff::train_step(&self.train)
+            .map_err(|e| TrainError::Setup(format!("differentiating the model failed: {e}")))?;
+        Ok(GraphSet {
+            format: GRAPHS_FORMAT,
+            model: self.eval.name.clone(),
+            train_step,
+            loss: e(entry_graph(&self.eval, Entry::Loss))?,
+            encode: e(entry_graph(&self.eval, Entry::Encode))?,
+            decode_step: e(entry_graph(&self.decode, Entry::DecodeStep))?,
+        })
+    }
+}
+
+/// Where the trainer reports progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// An indicatif bar on a terminal, plain lines otherwise.
+    Auto,
+    /// Plain lines.
+    Lines,
+    /// Nothing (tests).
+    Quiet,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Default)]
+pub struct Summary {
+    pub steps: u64,
+    pub last_loss: f64,
+    pub valid_loss: Option<f64>,
+    pub valid_bleu: Option<f64>,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// The tokenizer of a run: trained on the training corpus (both sides), or loaded from
+/// `<run>/tokenizer.json` when the run already has one.
+pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError> {
+    let dir = &cfg.checkpoint.dir;
+    let path = dir.join(TOKENIZER_FILE);
+    if path.is_file() {
+        let t = Tokenizer::load(&path)?;
+        return Ok((t, format!("loaded the BPE vocabulary {} ({} tokens)", path.display(), t_size(&path)?)));
+    }
+    let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
+    let (tok, report) = Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size)?;
+    std::fs::create_dir_all(dir).map_err(|e| TrainError::Write {
+        path: dir.clone(),
+        message: e.to_string(),
+    })?;
+    tok.save(&path)?;
+    let note = if report.vocab_size < report.requested {
+        format!(" (asked for {}; the corpus has no more merges)", report.requested)
+    } else {
+        String::new()
+    };
+    Ok((
+        tok,
+        format!("trained a shared BPE vocabulary of {} tokens{note} on {} pairs", report.vocab_size, corpus.len()),
+    ))
+}
+
+fn t_size(path: &Path) -> Result<usize, TrainError> {
+    Ok(Tokenizer::load(path)?.vocab_size())
+}
+
+/// A training run in progress.
+pub struct Trainer {
+    cfg: Config,
+    dir: PathBuf,
+    tokenizer: Tokenizer,
+    train: Vec<Example>,
+    plan: BatchPlan,
+    valid: Vec<Example>,
+    valid_plan: BatchPlan,
+    valid_corpus: ParallelCorpus,
+    valid_lines: Vec<usize>,
+    graphs: GraphSet,
+    graphs_json: Vec<u8>,
+    train_exec: Box<dyn Exec>,
+    loss_exec: Box<dyn Exec>,
+    encode_exec: Box<dyn Exec>,
+    step_exec: Box<dyn Exec>,
+    params: BTreeMap<String, Tensor>,
+    adam: Adam,
+    state: TrainState,
+    d_model: f64,
+    progress: Progress,
+    notes: Vec<String>,
+}
+
+fn setup<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> TrainError + '_ {
+    move |e| TrainError::Setup(format!("{what}: {e}"))
+}
+
+impl Trainer {
+    /// Starts a new run in `cfg.checkpoint.dir`, which must not hold checkpoints yet.
+    pub fn new(cfg: Config, tokenizer: Tokenizer, graphs: &ModelGraphs, progress: Progress) -> Result<Trainer, TrainError> {
+        let dir = cfg.checkpoint.dir.clone();
+        let ckpts = dir.join("checkpoints");
+        if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
+            return Err(TrainError::Setup(format!(
+                "`{}` already holds checkpoints; continue it with `kiln train --resume {}`, or choose another `checkpoint.dir`",
+                dir.display(),
+                dir.display()
+            )));
+        }
+        let set = graphs.entries()?;
+        let params: BTreeMap<String, Tensor> = kiln_compiler::init::init_params(&set.loss, cfg.train.seed)
+            .map_err(setup("initializing the parameters"))?
+            .into_iter()
+            .collect();
+        let adam = Adam::new(cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps, &params);
+        let state = TrainState {
+            seed: cfg.train.seed,
+            config_digest: digest(&cfg),
+            ..TrainState::default()
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| TrainError::Write {
+            path: dir.clone(),
+            message: e.to_string(),
+        })?;
+        let cfg_yaml = serde_yaml::to_string(&cfg).expect("config serializes");
+        write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| TrainError::Write {
+            path: dir.join(CONFIG_FILE),
+            message: e.to_string(),
+        })?;
+        // A fresh run starts a fresh log.
+        let _ = std::fs::remove_file(dir.join(crate::metrics::FILE_NAME));
+        Trainer::assemble(cfg, tokenizer, set, params, adam, state, progress)
+    }
+
+    /// Continues the run in `dir` from its newest checkpoint.
+    pub fn resume(dir: &Path, progress: Progress) -> Result<Trainer, TrainError> {
+        let cfg_path = dir.join(CONFIG_FILE);
+        if !cfg_path.is_file() {
+            return Err(TrainError::Setup(format!(
+                "`{}` is not a run directory: it has no `{CONFIG_FILE}`; give the `checkpoint.dir` of a run",
+                dir.display()
+            )));
+        }
+        let text = std::fs::read_to_string(&cfg_path).map_err(setup("reading the run's configuration"))?;
+        let mut cfg = Config::parse(&text).map_err(|m| TrainError::Setup(format!("`{}`: {m}", cfg_path.display())))?;
+        cfg.checkpoint.dir = dir.to_path_buf();
+        let Some(ck) = checkpoint::latest(&dir.join("checkpoints"))? else {
+            return Err(TrainError::Setup(format!(
+                "`{}` has no checkpoint to resume from; start it with `kiln train --config`",
+                dir.display()
+            )));
+        };
+        let loaded = checkpoint::load(&ck.dir)?;
+        let graphs_bytes = checkpoint::read_extra(&ck.dir, GRAPHS_FILE)?;
+        let set = GraphSet::from_json(&graphs_bytes, &ck.dir.join(GRAPHS_FILE))?;
+        let tok_bytes = checkpoint::read_extra(&ck.dir, TOKENIZER_FILE)?;
+        let tokenizer = Tokenizer::from_json(
+            &String::from_utf8_lossy(&tok_bytes),
+            &ck.dir.join(TOKENIZER_FILE),
+        )?;
+        let mut adam = Adam::new(cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps, &loaded.params);
+        let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
+        for (k, t) in &loaded.moments.m {
+            moments.insert(format!("m.{k}"), t.clone());
+        }
+        for (k, t) in &loaded.moments.v {
+            moments.insert(format!("v.{k}"), t.clone());
+        }
+        adam.load_state(loaded.state.step, &loaded.params, &moments)
+            .map_err(setup("restoring the optimizer"))?;
+        // Records written after this checkpoint belong to the run that is being redone.
+        let _ = truncate_after(&dir.join(crate::metrics::FILE_NAME), loaded.state.step);
+        let mut t = Trainer::assemble(cfg, tokenizer, set, loaded.params, adam, loaded.state, progress)?;
+        t.notes.push(format!("resumed from {} (step {})", ck.dir.display(), ck.step));
+        Ok(t)
+    }
+
+    fn assemble(
+        cfg: Config,
+        tokenizer: Tokenizer,
+        graphs: GraphSet,
+        params: BTreeMap<String, Tensor>,
+        adam: Adam,
+        state: TrainState,
+        progress: Progress,
+    ) -> Result<Trainer, TrainError> {
+        let mut notes = Vec::new();
+        let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
+        let train = Dataset::build(&corpus, &tokenizer, Some(cfg.data.max_len))?;
+        if train.examples.is_empty() {
+            return Err(TrainError::Setup(format!(
+                "no training pairs left in `{}` (empty: {}, longer than {}: {})",
+                cfg.data.train_src.display(),
+                train.skipped_empty,
+                cfg.data.max_len,
+                train.dropped_too_long
+            )));
+        }
+        notes.push(format!(
+            "{} training pairs ({} skipped as empty, {} longer than {} tokens)",
+            train.examples.len(),
+            train.skipped_empty,
+            train.dropped_too_long,
+            cfg.data.max_len
+        ));
+        let bcfg = BatchConfig {
+            max_src_tokens: cfg.batch.max_src_tokens,
+            max_tgt_tokens: cfg.batch.max_tgt_tokens,
+        };
+        let plan = BatchPlan::new(&train.examples, bcfg)?;
+        let valid_corpus = load_parallel(&cfg.data.valid_src, &cfg.data.valid_tgt)?;
+        let valid = Dataset::build(&valid_corpus, &tokenizer, None)?;
+        let valid_plan = BatchPlan::new(&valid.examples, bcfg)?;
+        notes.push(format!(
+            "{} batches per epoch; {} validation pairs",
+            plan.len(),
+            valid.examples.len()
+        ));
+        let kind = ExecutorKind::parse(&cfg.train.executor).unwrap_or(ExecutorKind::Eager);
+        let ex = |g: &Graph| executor(kind, g.clone()).map_err(setup("preparing an executor"));
+        let d_model = match cfg.schedule.d_model {
+            Some(d) => d,
+            None => graphs
+                .loss
+                .hparam("d_model")
+                .and_then(|v| v.parse::<f64>().ok())
+                .ok_or_else(|| {
+                    TrainError::Setup(
+                        "the spec has no `d_model` parameter for the learning-rate schedule; set `schedule.d_model`"
+                            .to_string(),
+                    )
+                })?,
+        };
+        Ok(Trainer {
+            train_exec: ex(&graphs.train_step)?,
+            loss_exec: ex(&graphs.loss)?,
+            encode_exec: ex(&graphs.encode)?,
+            step_exec: ex(&graphs.decode_step)?,
+            graphs_json: graphs.to_json(),
+            graphs,
+            dir: cfg.checkpoint.dir.clone(),
+            cfg,
+            tokenizer,
+            train: train.examples,
+            plan,
+            valid: valid.examples,
+            valid_plan,
+            valid_lines: valid.lines,
+            valid_corpus,
+            params,
+            adam,
+            state,
+            d_model,
+            progress,
+            notes,
+        })
+    }
+
+    /// Changes the stopping point (e.g. to continue a finished run for more steps).
+    pub fn set_limits(&mut self, max_steps: Option<u64>, max_seconds: Option<u64>) {
+        if let Some(n) = max_steps {
+            self.cfg.train.max_steps = n;
+        }
+        if let Some(s) = max_seconds {
+            self.cfg.train.max_seconds = s;
+        }
+    }
+
+    /// What setting up the run found (data sizes, resume point).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    pub fn params(&self) -> &BTreeMap<String, Tensor> {
+        &self.params
+    }
+
+    pub fn state(&self) -> &TrainState {
+        &self.state
+    }
+
+    pub fn graphs(&self) -> &GraphSet {
+        &self.graphs
+    }
+
+    /// The next batch, advancing the data position (epochs wrap around).
+    fn next_batch(&mut self) -> crate::data::Batch {
+        if self.state.batch_in_epoch as usize >= self.plan.len() {
+            self.state.epoch += 1;
+            self.state.batch_in_epoch = 0;
+        }
+        let order = self.plan.epoch_order(self.state.seed, self.state.epoch);
+        let b = order[self.state.batch_in_epoch as usize];
+        self.state.batch_in_epoch += 1;
+        self.plan.batch(&self.train, b).expect("batch index from the plan")
+    }
+
+    /// One optimizer step; returns the token-weighted loss and the target tokens.
+    fn step(&mut self, grads: &mut BTreeMap<String, Vec<f32>>) -> Result<(f64, usize, usize), TrainError> {
+        let step = self.state.step + 1;
+        for g in grads.values_mut() {
+            g.iter_mut().for_each(|x| *x = 0.0);
+        }
+        let objective = self.graphs.train_step.objective.clone().unwrap_or_else(|| "loss".to_string());
+        let (mut loss_sum, mut tokens, mut src_tokens) = (0.0f64, 0usize, 0usize);
+        for micro in 0..self.cfg.batch.update_freq {
+            let batch = self.next_batch();
+            let mut inputs = BTreeMap::new();
+            inputs.insert("src".to_string(), batch.src);
+            inputs.insert("tgt_in".to_string(), batch.tgt_in);
+            inputs.insert("tgt_out".to_string(), batch.tgt_out);
+            let counter = (step - 1) * self.cfg.batch.update_freq as u64 + micro as u64;
+            let opts = RunOptions {
+                seed: self.state.seed,
+                step: counter as u32,
+                ..RunOptions::default()
+            };
+            let out = self
+                .train_exec
+                .run_map(&inputs, &self.params, &opts)
+                .map_err(|source| TrainError::Exec { step, source })?;
+            let loss = scalar(&out, &objective).ok_or_else(|| TrainError::Setup("train_step has no scalar loss".to_string()))?;
+            if !loss.is_finite() {
+                return Err(TrainError::NonFinite {
+                    step,
+                    what: "the loss".to_string(),
+                    value: loss,
+                });
+            }
+            let w = batch.n_tgt_tokens as f32;
+            for (name, acc) in grads.iter_mut() {
+                let g = out
+                    .get(&format!("grad.{name}"))
+                    .and_then(|t| t.as_f32())
+                    .ok_or_else(|| TrainError::Setup(format!("train_step has no gradient for `{name}`")))?;
+                if let Some(bad) = g.iter().find(|x| !x.is_finite()) {
+                    return Err(TrainError::NonFinite {
+                        step,
+                        what: format!("the gradient of `{name}`"),
+                        value: *bad,
+                    });
+                }
+                for (a, x) in acc.iter_mut().zip(g) {
+                    *a += w * x;
+                }
+            }
+            loss_sum += loss as f64 * w as f64;
+            tokens += batch.n_tgt_tokens;
+            src_tokens += batch.n_src_tokens;
+        }
+        let inv = 1.0 / tokens.max(1) as f32;
+        for g in grads.values_mut() {
+            g.iter_mut().for_each(|x| *x *= inv);
+        }
+        let lr = self.cfg.schedule.lr(self.d_model, step);
+        self.adam
+            .step(&mut self.params, grads, lr)
+            .map_err(setup("the optimizer step"))?;
+        self.state.step = step;
+        self.state.lr = lr;
+        self.state.tgt_tokens_seen += tokens as u64;
+        self.state.src_tokens_seen += src_tokens as u64;
+        Ok((loss_sum / tokens.max(1) as f64, tokens, src_tokens))
+    }
+
+    /// Validation loss (token-weighted) and, if configured, BLEU of beam search.
+    pub fn validate(&self) -> Result<(f64, Option<f64>), TrainError> {
+        let objective = self.graphs.loss.objective.clone().unwrap_or_else(|| "loss".to_string());
+        let (mut sum, mut tokens) = (0.0f64, 0usize);
+        for b in 0..self.valid_plan.len() {
+            let batch = self.valid_plan.batch(&self.valid, b).expect("valid batch");
+            let mut inputs = BTreeMap::new();
+            inputs.insert("src".to_string(), batch.src);
+            inputs.insert("tgt_in".to_string(), batch.tgt_in);
+            inputs.insert("tgt_out".to_string(), batch.tgt_out);
+            let out = self
+                .loss_exec
+                .run_map(&inputs, &self.params, &RunOptions::default())
+                .map_err(|source| TrainError::Exec {
+                    step: self.state.step,
+                    source,
+                })?;
+            let l = scalar(&out, &objective).unwrap_or(f32::NAN) as f64;
+            sum += l * batch.n_tgt_tokens as f64;
+            tokens += batch.n_tgt_tokens;
+        }
+        let loss = sum / tokens.max(1) as f64;
+        if !self.cfg.valid.bleu {
+            return Ok((loss, None));
+        }
+        let v = &self.cfg.valid;
+        let opts = DecodeOptions {
+            beam: v.beam,
+            greedy: false,
+            penalty: LengthPenalty::parse(&v.length_penalty, v.alpha).unwrap_or(LengthPenalty::Gnmt(v.alpha)),
+            max_len_a: v.max_len_a,
+            max_len_b: v.max_len_b,
+            ..DecodeOptions::default()
+        };
+        let n = if v.max_sentences == 0 {
+            self.valid.len()
+        } else {
+            v.max_sentences.min(self.valid.len())
+        };
+        let srcs: Vec<Vec<i32>> = self.valid[..n].iter().map(|e| e.src.clone()).collect();
+        let hyps = translate_ids(&*self.encode_exec, &*self.step_exec, &self.params, &srcs, &opts, self.vocab())?;
+        let hyps: Vec<String> = hyps.iter().map(|h| self.tokenizer.decode(h)).collect();
+        let refs: Vec<String> = self.valid_lines[..n]
+            .iter()
+            .map(|&l| self.valid_corpus.tgt[l].clone())
+            .collect();
+        let bleu = corpus_bleu(&hyps, &[refs], &BleuOptions::default())
+            .map_err(|e| TrainError::Setup(format!("BLEU: {e}")))?;
+        Ok((loss, Some(bleu.score)))
+    }
+
+    fn vocab(&self) -> usize {
+        self.graphs.vocab().unwrap_or(self.tokenizer.vocab_size())
+    }
+
+    /// Writes a checkpoint of the current state and keeps the last `keep`.
+    pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        let mut m = BTreeMap::new();
+        let mut v = BTreeMap::new();
+        for (name, p) in &self.params {
+            let t = |x: &Vec<f32>| Tensor {
+                shape: p.shape.clone(),
+                data: TensorData::F32(x.clone()),
+            };
+            m.insert(name.clone(), t(&self.adam.m[name]));
+            v.insert(name.clone(), t(&self.adam.v[name]));
+        }
+        let tok = self.tokenizer.to_json()?;
+        let cfg_yaml = serde_yaml::to_string(&self.cfg).expect("config serializes");
+        let files: [(&str, &[u8]); 3] = [
+            (GRAPHS_FILE, &self.graphs_json),
+            (TOKENIZER_FILE, tok.as_bytes()),
+            (CONFIG_FILE, cfg_yaml.as_bytes()),
+        ];
+        let root = self.dir.join("checkpoints");
+        let ck = checkpoint::save(&root, &self.state, &self.params, &AdamMoments { m, v }, &files)?;
+        checkpoint::prune(&root, self.cfg.checkpoint.keep)?;
+        Ok(ck.dir)
+    }
+
+    /// Trains until `train.max_steps` (or `train.max_seconds`).
+    pub fn run(&mut self) -> Result<Summary, TrainError> {
+        let total = self.cfg.train.max_steps;
+        let started = Instant::now();
+        let mut grads: BTreeMap<String, Vec<f32>> =
+            self.params.iter().map(|(k, t)| (k.clone(), vec![0.0; t.numel()])).collect();
+        let metrics_path = self.dir.join(crate::metrics::FILE_NAME);
+        let mut metrics = MetricsWriter::open(&metrics_path).map_err(|e| TrainError::Write {
+            path: metrics_path.clone(),
+            message: e.to_string(),
+        })?;
+        let bar = match self.progress {
+            Progress::Auto if std::io::stderr().is_terminal() => {
+                let b = indicatif::ProgressBar::new(total);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template(
+                        "{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}",
+                    )
+                    .expect("valid template")
+                    .progress_chars("=> "),
+                );
+                b.set_position(self.state.step);
+                Some(b)
+            }
+            _ => None,
+        };
+        let lines = matches!(self.progress, Progress::Auto | Progress::Lines) && bar.is_none();
+        let mut summary = Summary::default();
+        let (mut interval_loss, mut interval_tokens, mut interval_steps) = (0.0f64, 0usize, 0u64);
+        let mut interval_start = Instant::now();
+        let (mut all_tokens, mut train_time) = (0usize, 0.0f64);
+        while self.state.step < total {
+            if self.cfg.train.max_seconds > 0 && started.elapsed().as_secs() >= self.cfg.train.max_seconds {
+                break;
+            }
+            let t0 = Instant::now();
+            let (loss, tokens, src_tokens) = self.step(&mut grads)?;
+            train_time += t0.elapsed().as_secs_f64();
+            all_tokens += tokens + src_tokens;
+            interval_loss += loss * tokens as f64;
+            interval_tokens += tokens;
+            interval_steps += 1;
+            summary.last_loss = loss;
+            let step = self.state.step;
+            if let Some(b) = &bar {
+                b.set_position(step);
+                let tps = all_tokens as f64 / train_time.max(1e-9);
+                b.set_message(format!("loss {loss:.4} lr {:.2e} {:.0} tok/s", self.state.lr, tps));
+            }
+            if step % self.cfg.train.log_every == 0 || step == total {
+                let secs = interval_start.elapsed().as_secs_f64().max(1e-9);
+                let avg = interval_loss / interval_tokens.max(1) as f64;
+                let tps = interval_tokens as f64 / secs;
+                metrics
+                    .write(&Record {
+                        step,
+                        kind: Kind::Train,
+                        loss: Some(avg),
+                        lr: Some(self.state.lr),
+                        tokens_per_s: Some(tps),
+                        bleu: None,
+                    })
+                    .map_err(|e| TrainError::Write {
+                        path: metrics_path.clone(),
+                        message: e.to_string(),
+                    })?;
+                if lines {
+                    eprintln!(
+                        "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
+                        self.state.lr,
+                        tps,
+                        self.state.epoch,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+                (interval_loss, interval_tokens, interval_steps) = (0.0, 0, 0);
+                interval_start = Instant::now();
+            }
+            let _ = interval_steps;
+            let last = step == total;
+            if step % self.cfg.valid.every == 0 || last {
+                let (vl, vb) = self.validate()?;
+                summary.valid_loss = Some(vl);
+                summary.valid_bleu = vb;
+                self.state.best_val_loss = Some(self.state.best_val_loss.map_or(vl, |b| b.min(vl)));
+                if let Some(b) = vb {
+                    self.state.best_bleu = Some(self.state.best_bleu.map_or(b, |x| x.max(b)));
+                }
+                metrics
+                    .write(&Record {
+                        step,
+                        kind: Kind::Valid,
+                        loss: Some(vl),
+                        lr: None,
+                        tokens_per_s: None,
+                        bleu: vb,
+                    })
+                    .map_err(|e| TrainError::Write {
+                        path: metrics_path.clone(),
+                        message: e.to_string(),
+                    })?;
+                let msg = format!(
+                    "step {step}: validation loss {vl:.4}{}",
+                    vb.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
+                );
+                match &bar {
+                    Some(b) => b.println(msg),
+                    None if lines => eprintln!("{msg}"),
+                    None => {}
+                }
+                self.plot()?;
+            }
+            if step % self.cfg.checkpoint.every == 0 || last {
+                summary.checkpoint = Some(self.save_checkpoint()?);
+            }
+        }
+        // Stopped by the time limit: keep what was done.
+        if self.state.step < total && summary.checkpoint.as_ref().map(|c| !c.ends_with(checkpoint::dir_name(self.state.step))).unwrap_or(true) && self.state.step > 0 {
+            summary.checkpoint = Some(self.save_checkpoint()?);
+        }
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        summary.steps = self.state.step;
+        summary.seconds = started.elapsed().as_secs_f64();
+        summary.tokens_per_second = all_tokens as f64 / train_time.max(1e-9);
+        Ok(summary)
+    }
+
+    /// Redraws `training.png` from `metrics.jsonl`.
+    pub fn plot(&self) -> Result<(), TrainError> {
+        let path = self.dir.join(crate::metrics::FILE_NAME);
+        let records = read_metrics(&path).unwrap_or_default();
+        let mut train = Vec::new();
+        let mut vloss = Vec::new();
+        let mut vbleu = Vec::new();
+        for r in records {
+            match r.kind {
+                Kind::Train => train.extend(r.loss.map(|l| (r.step, l))),
+                Kind::Valid => {
+                    vloss.extend(r.loss.map(|l| (r.step, l)));
+                    vbleu.extend(r.bleu.map(|b| (r.step, b)));
+                }
+            }
+        }
+        let png = self.dir.join("training.png");
+        crate::plot::plot_training(&png, &train, &vloss, &vbleu, &format!("kiln: {}", self.graphs.model))
+            .map_err(|e| TrainError::Write {
+                path: png,
+                message: e.to_string(),
+            })
+    }
+}
+
+fn scalar(out: &BTreeMap<String, Tensor>, name: &str) -> Option<f32> {
+    let t = out.get(name)?;
+    match &t.data {
+        TensorData::F32(v) if v.len() == 1 => Some(v[0]),
+        TensorData::F64(v) if v.len() == 1 => Some(v[0] as f32),
+        _ => None,
+    }
+}
+
+/// A digest of the configuration that matters for exact resumption.
+fn digest(cfg: &Config) -> String {
+    let text = serde_yaml::to_string(cfg).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Beam-decodes token-id sentences in batches of similar length; results in input order.
+pub fn translate_ids(
+    encode: &dyn Exec,
+    step: &dyn Exec,
+    params: &BTreeMap<String, Tensor>,
+    srcs: &[Vec<i32>],
+    opts: &DecodeOptions,
+    vocab: usize,
+) -> Result<Vec<Vec<i32>>, TrainError> {
+    let mut order: Vec<usize> = (0..srcs.len()).collect();
+    order.sort_by_key(|&i| (srcs[i].len(), i));
+    let mut out = vec![Vec::new(); srcs.len()];
+    const SENTENCES: usize = 32;
+    for chunk in order.chunks(SENTENCES) {
+        let width = chunk.iter().map(|&i| srcs[i].len()).max().unwrap_or(0).max(1);
+        let mut ids = Vec::with_capacity(chunk.len() * width);
+        for &i in chunk {
+            ids.extend(&srcs[i]);
+            ids.extend(std::iter::repeat_n(opts.pad, width - srcs[i].len()));
+        }
+        let src = Tensor::i32(vec![chunk.len(), width], ids).map_err(|e| TrainError::Setup(e.to_string()))?;
+        let mut model = CachedStep::new(encode, step, params, vocab);
+        let hyps = decode(&mut model, &src, opts)?;
+        for (&i, h) in chunk.iter().zip(hyps) {
+            out[i] = h.tokens;
+        }
+    }
+    Ok(out)
+}

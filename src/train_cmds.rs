@@ -1,0 +1,268 @@
+//! `kiln train`, `translate`, `average`, `export` and `import`: argument handling around
+//! the runtime's trainer, decoder, checkpoints and interop.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
+use kiln_dsl::{Error, Mode, Options};
+use kiln_runtime::config::Config;
+use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
+use kiln_runtime::exec::{executor, ExecutorKind};
+use kiln_runtime::model;
+use kiln_runtime::train::{prepare_tokenizer, translate_ids, ModelGraphs, Progress, Trainer};
+
+use crate::plain;
+
+pub fn err<E: std::fmt::Display>(code: &'static str) -> impl Fn(E) -> Error {
+    move |e| plain(code, e.to_string(), None)
+}
+
+/// Compiles the spec of a configuration in the three modes the trainer needs.
+pub fn compile_graphs(cfg: &Config, vocab: usize) -> Result<ModelGraphs, Error> {
+    let mut overrides = cfg.overrides();
+    overrides.retain(|o| !o.starts_with("vocab="));
+    overrides.push(format!("vocab={vocab}"));
+    let compile = |mode| {
+        kiln_dsl::compile_file(
+            &cfg.model.spec,
+            &Options {
+                overrides: overrides.clone(),
+                mode,
+                model: cfg.model.name.clone(),
+            },
+        )
+    };
+    Ok(ModelGraphs {
+        train: compile(Mode::Train)?,
+        eval: compile(Mode::Eval)?,
+        decode: compile(Mode::Decode)?,
+    })
+}
+
+pub struct TrainArgs {
+    pub config: Option<PathBuf>,
+    pub resume: Option<PathBuf>,
+    pub max_steps: Option<u64>,
+    pub max_seconds: Option<u64>,
+    pub dir: Option<PathBuf>,
+    pub quiet: bool,
+}
+
+pub fn train(a: TrainArgs) -> Result<(), Error> {
+    let progress = if a.quiet { Progress::Quiet } else { Progress::Auto };
+    let mut trainer = match (&a.config, &a.resume) {
+        (Some(path), None) => {
+            let mut cfg = Config::load(path).map_err(|e| {
+                plain(
+                    "kiln::config",
+                    e.to_string(),
+                    Some("see models/configs/base.yaml for every key and its default".to_string()),
+                )
+            })?;
+            if let Some(n) = a.max_steps {
+                cfg.train.max_steps = n;
+            }
+            if let Some(s) = a.max_seconds {
+                cfg.train.max_seconds = s;
+            }
+            if let Some(d) = &a.dir {
+                cfg.checkpoint.dir = d.clone();
+            }
+            let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
+            if !a.quiet {
+                eprintln!("{note}");
+            }
+            let graphs = compile_graphs(&cfg, tok.vocab_size())?;
+            Trainer::new(cfg, tok, &graphs, progress).map_err(err("kiln::train"))?
+        }
+        (None, Some(dir)) => {
+            let mut t = Trainer::resume(dir, progress).map_err(err("kiln::train"))?;
+            if a.max_steps.is_some() || a.max_seconds.is_some() {
+                t.set_limits(a.max_steps, a.max_seconds);
+            }
+            t
+        }
+        _ => {
+            return Err(plain(
+                "kiln::train",
+                "give either `--config CONFIG.yaml` (a new run) or `--resume RUN_DIR`".to_string(),
+                None,
+            ))
+        }
+    };
+    if !a.quiet {
+        for n in trainer.notes() {
+            eprintln!("{n}");
+        }
+    }
+    let s = trainer.run().map_err(err("kiln::train"))?;
+    if !a.quiet {
+        println!(
+            "trained {} steps in {:.1}s ({:.0} tokens/s); last training loss {:.4}{}{}",
+            s.steps,
+            s.seconds,
+            s.tokens_per_second,
+            s.last_loss,
+            s.valid_loss.map(|l| format!(", validation loss {l:.4}")).unwrap_or_default(),
+            s.valid_bleu.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
+        );
+        if let Some(c) = s.checkpoint {
+            println!("checkpoint: {}", c.display());
+        }
+    }
+    Ok(())
+}
+
+pub struct TranslateArgs {
+    pub checkpoint: PathBuf,
+    pub input: Option<PathBuf>,
+    pub beam: usize,
+    pub alpha: f64,
+    pub length_penalty: String,
+    pub max_len_a: f64,
+    pub max_len_b: usize,
+    pub greedy: bool,
+    pub executor: String,
+}
+
+pub fn translate(a: TranslateArgs) -> Result<(), Error> {
+    let m = model::load(&a.checkpoint).map_err(err("kiln::model"))?;
+    let kind = ExecutorKind::parse(&a.executor).unwrap_or(ExecutorKind::Eager);
+    let encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
+    let step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
+    let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
+        plain(
+            "kiln::translate",
+            format!("unknown length penalty `{}`", a.length_penalty),
+            Some("use gnmt, len_pow or none".to_string()),
+        )
+    })?;
+    let opts = DecodeOptions {
+        beam: a.beam.max(1),
+        greedy: a.greedy,
+        penalty,
+        max_len_a: a.max_len_a,
+        max_len_b: a.max_len_b,
+        ..DecodeOptions::default()
+    };
+    let lines: Vec<String> = match &a.input {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| plain("kiln::io", format!("cannot read `{}`: {e}", p.display()), None))?
+            .lines()
+            .map(|l| l.trim_end_matches('\r').to_string())
+            .collect(),
+        None => std::io::stdin()
+            .lock()
+            .lines()
+            .map(|l| l.map(|l| l.trim_end_matches('\r').to_string()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| plain("kiln::io", format!("cannot read standard input: {e}"), None))?,
+    };
+    let mut srcs = Vec::new();
+    let mut which = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if !l.trim().is_empty() {
+            let ids = m
+                .tokenizer
+                .encode(l)
+                .map_err(|e| plain("kiln::translate", format!("line {}: {e}", i + 1), None))?;
+            srcs.push(ids);
+            which.push(i);
+        }
+    }
+    let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
+    let hyps = translate_ids(&*encode, &*step, &m.params, &srcs, &opts, vocab).map_err(err("kiln::translate"))?;
+    let mut out = vec![String::new(); lines.len()];
+    for (i, h) in which.into_iter().zip(hyps) {
+        out[i] = m.tokenizer.decode(&h);
+    }
+    let stdout = std::io::stdout();
+    let mut w = std::io::BufWriter::new(stdout.lock());
+    for l in out {
+        writeln!(w, "{l}").map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
+    }
+    w.flush().map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
+    Ok(())
+}
+
+pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
+    let dirs: Vec<PathBuf> = inputs
+        .iter()
+        .map(|p| {
+            if p.is_dir() {
+                model::resolve(p).map_err(err("kiln::average"))
+            } else {
+                Ok(p.clone())
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let refs: Vec<&Path> = dirs.iter().map(|p| p.as_path()).collect();
+    let avg = kiln_runtime::checkpoint::average(&refs).map_err(err("kiln::average"))?;
+    if output.extension().and_then(|e| e.to_str()) == Some("safetensors") {
+        let list: Vec<(String, Tensor)> = avg.into_iter().collect();
+        save_safetensors(output, &list, None).map_err(err("kiln::average"))?;
+    } else {
+        let first = dirs.first().expect("average checked for inputs");
+        if !first.is_dir() {
+            return Err(plain(
+                "kiln::average",
+                "averaging safetensors files gives weights only; name the output `*.safetensors`".to_string(),
+                Some("or average checkpoint directories to get a model directory for `kiln translate`".to_string()),
+            ));
+        }
+        let read = |name: &str| {
+            std::fs::read(first.join(name)).map_err(|e| {
+                plain("kiln::average", format!("cannot read `{}`: {e}", first.join(name).display()), None)
+            })
+        };
+        let graphs = read(model::GRAPHS_FILE)?;
+        let tok = read(model::TOKENIZER_FILE)?;
+        model::save_dir(output, &avg, &graphs, &tok).map_err(err("kiln::average"))?;
+    }
+    println!("averaged {} checkpoints into {}", inputs.len(), output.display());
+    Ok(())
+}
+
+/// Weights from a model directory or a safetensors file.
+fn weights_of(input: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
+    let file = if input.is_dir() {
+        model::resolve(input).map_err(err("kiln::model"))?.join(kiln_runtime::checkpoint::MODEL_FILE)
+    } else {
+        input.to_path_buf()
+    };
+    load_safetensors(&file).map_err(err("kiln::file"))
+}
+
+pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
+    check_format(format)?;
+    let w = weights_of(input)?;
+    let t = kiln_runtime::interop::to_torch(&w).map_err(err("kiln::export"))?;
+    let list: Vec<(String, Tensor)> = t.into_iter().collect();
+    save_safetensors(output, &list, None).map_err(err("kiln::export"))?;
+    println!("wrote {} tensors in nn.Transformer naming to {}", list.len(), output.display());
+    Ok(())
+}
+
+pub fn import(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
+    check_format(format)?;
+    let w = load_safetensors(input).map_err(err("kiln::file"))?;
+    let k = kiln_runtime::interop::from_torch(&w).map_err(err("kiln::import"))?;
+    let list: Vec<(String, Tensor)> = k.into_iter().collect();
+    save_safetensors(output, &list, None).map_err(err("kiln::import"))?;
+    println!("wrote {} tensors in kiln naming to {}", list.len(), output.display());
+    Ok(())
+}
+
+fn check_format(format: &str) -> Result<(), Error> {
+    if format == "torch" {
+        Ok(())
+    } else {
+        Err(plain(
+            "kiln::interop",
+            format!("unknown weight format `{format}`"),
+            Some("the supported format is `torch` (PyTorch nn.Transformer names)".to_string()),
+        ))
+    }
+}
