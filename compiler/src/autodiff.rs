@@ -1,0 +1,626 @@
+//! Reverse-mode automatic differentiation as a graph-to-graph pass.
+//!
+//! In: a [`Graph`], a float node `loss` and the float nodes to differentiate it with
+//! respect to. Out: a copy of the graph with new nodes appended that compute
+//! d(loss)/d(x) for each of those nodes ([`gradients`]); and, for a model graph
+//! elaborated in training mode, its `train_step` entry point: the objective plus the
+//! gradient of every parameter ([`train_step`]).
+//!
+//! # How
+//!
+//! The nodes the loss depends on are walked in reverse topological order (descending
+//! ids: operands always come before their users). The gradient of the loss is seeded
+//! with a scalar constant `1` (for a non-scalar `loss`, a broadcast `1`: the gradient of
+//! the sum of its elements). Each node passes its accumulated gradient to its operands by
+//! the rule of its op (below); several contributions to one node are summed with `add`,
+//! in the order the walk produces them, so the result is deterministic.
+//!
+//! Gradients only flow into *active* nodes: floating-point nodes that are, or depend on,
+//! one of the nodes differentiated against. Branches that do not lead there, `i32` and
+//! `bool` values, masks and constants get no gradient nodes at all. A node differentiated
+//! against that the loss does not depend on gets zeros (a broadcast `0`).
+//!
+//! Every new node is added with [`Graph::add`], so its type is inferred and checked, and it
+//! is hash-consed: a gradient node that already exists (often a broadcast constant, or
+//! `broadcast(max)` in a softmax) is reused, keeping its original scope.
+//!
+//! # Scopes
+//!
+//! A node created while differentiating a node of scope `s` gets the scope `grad/s`
+//! (`grad/encoder.layers.0.ffn`), or `grad` when `s` is empty. Zeros for unreachable
+//! nodes get `grad`.
+//!
+//! # Rules (g is the gradient of the node's result y)
+//!
+//! - `reshape`: reshape back. `permute`: the inverse permutation. `broadcast`: `sum` over
+//!   every expanded axis (prepended axes and size-1 axes that grew), then a reshape to the
+//!   operand's shape when axes were prepended.
+//! - `sum`: broadcast g back. `reduce_max`: g goes to the positions equal to the maximum
+//!   (`eq` against the broadcast max), split evenly among ties (like `torch.amax`).
+//! - `neg`: −g; `exp`: g·y; `log`: g/x; `sqrt`: g/(y + y); `recip`: −(g·(y·y));
+//!   `relu`: `where(x > 0, g, 0)` (zero at 0, as in PyTorch); `sin`: g·cos x;
+//!   `cos`: −(g·sin x).
+//! - `add`: g, g; `sub`: g, −g; `mul`: g·b, g·a; `div`: g/b and −((g/b)·y) (= −g·a/b²);
+//!   `max`: g to the larger operand, split evenly on ties (like `torch.maximum`).
+//! - `where(c, a, b)`: `where(c, g, 0)` and `where(c, 0, g)`; no gradient for `c`.
+//! - `cast` between float types: cast back (g itself when the types agree). Casts to or
+//!   from `i32`/`bool` pass no gradient, nor do `eq`…`ge`, `pad_mask`, `causal_mask`,
+//!   `arange` and `one_hot` (their results are not float, or their operands are not).
+//! - `matmul`: `g @ bᵀ` and `aᵀ @ g` (ᵀ = a `permute` of the last two axes). When the
+//!   right operand is a matrix `[k, n]` shared by a batch `a[..., m, k]`, its gradient is
+//!   `reshape(a, [N, k])ᵀ @ reshape(g, [N, n])`, N the (symbolic) product of a's leading
+//!   dims.
+//! - `gather(table, ids)`: `scatter_add{rows = V}(ids, g)` for the table;
+//!   `scatter_add(ids, src)`: `gather(g, ids)` for the source.
+//! - `dropout`: the same dropout (same `p`, same `stream`) applied to g. The mask is keyed
+//!   by (seed, step, stream, element index), so the backward pass drops exactly the
+//!   elements the forward pass dropped, and scales the others by the same `1/(1-p)`.
+//! - `concat`: a `slice` of g for each part. `slice`: `concat` of zeros, g and zeros along
+//!   the axis; a piece whose size is the constant 0 is left out.
+
+use std::collections::BTreeMap;
+
+use crate::ir::{BinaryOp, CmpOp, DType, Graph, IrError, NodeId, Op, ReduceOp, UnaryOp};
+use crate::shape::{Dim, Shape};
+
+/// The scope of the gradient nodes made for a node of scope `scope`.
+pub fn grad_scope(scope: &str) -> String {
+    if scope.is_empty() {
+        "grad".to_string()
+    } else {
+        format!("grad/{scope}")
+    }
+}
+
+/// Appends to a copy of `graph` the nodes computing d(loss)/d(x) for each x in `wrt`
+/// (float nodes), returning the new graph and the gradient node of each.
+///
+/// The gradient of x has x's type. A non-scalar `loss` is differentiated as the sum of
+/// its elements. An x the loss does not depend on gets zeros.
+pub fn gradients(
+    graph: &Graph,
+    loss: NodeId,
+    wrt: &[NodeId],
+) -> Result<(Graph, Vec<NodeId>), IrError> {
+    graph.verify()?;
+    let n = graph.len();
+    let in_range = |id: NodeId, what: &str| {
+        if id.index() < n {
+            Ok(())
+        } else {
+            Err(IrError::Malformed(format!(
+                "{what} {id} does not exist (the graph has {n} nodes)"
+            )))
+        }
+    };
+    in_range(loss, "the loss")?;
+    if !graph.ty(loss).dtype.is_float() {
+        return Err(IrError::Type(format!(
+            "cannot differentiate {loss}: the loss must be floating point, not {}",
+            graph.ty(loss)
+        )));
+    }
+    let mut is_wrt = vec![false; n];
+    for &x in wrt {
+        in_range(x, "the node to differentiate against")?;
+        if !graph.ty(x).dtype.is_float() {
+            return Err(IrError::Type(format!(
+                "cannot differentiate with respect to {x} ({} {}): only floating-point \
+                 nodes have gradients",
+                graph.node(x).op.name(),
+                graph.ty(x)
+            )));
+        }
+        is_wrt[x.index()] = true;
+    }
+
+    // Active: float, and one of `wrt` or depends on one.
+    let mut active = vec![false; n];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        active[i] = node.ty.dtype.is_float()
+            && (is_wrt[i] || node.inputs.iter().any(|x| active[x.index()]));
+    }
+    // Live: the loss depends on it.
+    let mut live = vec![false; n];
+    let mut stack = vec![loss];
+    while let Some(id) = stack.pop() {
+        if !std::mem::replace(&mut live[id.index()], true) {
+            stack.extend(graph.node(id).inputs.iter().copied());
+        }
+    }
+
+    let mut out = graph.clone();
+    let mut grads: Vec<Option<NodeId>> = vec![None; n];
+    let mut finals: Vec<Option<NodeId>> = vec![None; n];
+    if active[loss.index()] {
+        let mut b = Builder {
+            g: &mut out,
+            scope: grad_scope(&graph.node(loss).scope),
+        };
+        let ty = graph.ty(loss);
+        grads[loss.index()] = Some(b.fill(1.0, ty.dtype, &ty.shape)?);
+    }
+    for i in (0..=loss.index()).rev() {
+        if !(live[i] && active[i]) {
+            continue;
+        }
+        let Some(g) = grads[i] else { continue };
+        if is_wrt[i] {
+            finals[i] = Some(g);
+        }
+        let id = NodeId(i as u32);
+        let mut b = Builder {
+            g: &mut out,
+            scope: grad_scope(&graph.node(id).scope),
+        };
+        for (x, gx) in backward(&mut b, graph, id, g, &active)? {
+            let acc = match grads[x.index()] {
+                None => gx,
+                Some(prev) => b.add(Op::Binary(BinaryOp::Add), &[prev, gx])?,
+            };
+            grads[x.index()] = Some(acc);
+        }
+    }
+
+    let mut result = Vec::with_capacity(wrt.len());
+    for &x in wrt {
+        let gx = match finals[x.index()] {
+            Some(gx) => gx,
+            None => {
+                let ty = graph.ty(x);
+                let mut b = Builder {
+                    g: &mut out,
+                    scope: grad_scope(""),
+                };
+                b.fill(0.0, ty.dtype, &ty.shape)?
+            }
+        };
+        result.push(gx);
+    }
+    Ok((out, result))
+}
+
+/// The `train_step` entry point of a model graph elaborated in training mode: its
+/// objective (a float scalar) plus the gradient of every parameter the objective uses.
+/// Outputs: the objective under its own name, then `grad.<param name>` for every
+/// parameter in `graph.params` order (zeros for a parameter the objective does not use).
+/// Dims/inputs/params are those of the pruned objective graph; `objective` stays set.
+pub fn train_step(model: &Graph) -> Result<Graph, IrError> {
+    model.verify()?;
+    let objective = model.objective.clone().ok_or_else(|| {
+        IrError::Malformed(format!(
+            "model `{}` declares no objective, so it has no `train_step` entry",
+            model.name
+        ))
+    })?;
+    let pruned = model.prune(std::slice::from_ref(&objective))?;
+    let loss = pruned.output(&objective).ok_or_else(|| {
+        IrError::Malformed(format!("the objective `{objective}` is not an output"))
+    })?;
+    let loss_ty = pruned.ty(loss);
+    if !loss_ty.dtype.is_float() || loss_ty.shape.rank() != 0 {
+        return Err(IrError::Type(format!(
+            "the objective `{objective}` must be a floating-point scalar, not {loss_ty}"
+        )));
+    }
+    let (mut g, grads) = gradients(&pruned, loss, &pruned.params)?;
+    let by_param: BTreeMap<NodeId, NodeId> = pruned.params.iter().copied().zip(grads).collect();
+
+    let mut names = vec![objective.clone()];
+    for &p in &model.params {
+        let node = model
+            .nodes
+            .get(p.index())
+            .ok_or_else(|| IrError::Malformed(format!("parameter {p} does not exist")))?;
+        let Op::Param { name, .. } = &node.op else {
+            return Err(IrError::Malformed(format!(
+                "{p} is listed as a parameter but is a {} node",
+                node.op.name()
+            )));
+        };
+        let grad = match pruned.param(name) {
+            Some(q) => by_param.get(&q).copied().ok_or_else(|| {
+                IrError::Malformed(format!("parameter `{name}` is not in the parameter list"))
+            })?,
+            None => {
+                let mut b = Builder {
+                    g: &mut g,
+                    scope: grad_scope(&node.scope),
+                };
+                b.fill(0.0, node.ty.dtype, &node.ty.shape)?
+            }
+        };
+        let out_name = format!("grad.{name}");
+        g.add_output(&out_name, grad)?;
+        names.push(out_name);
+    }
+    let step = g.prune(&names)?;
+    step.verify()?;
+    Ok(step)
+}
+
+/// Adds gradient nodes under one scope.
+struct Builder<'a> {
+    g: &'a mut Graph,
+    scope: String,
+}
+
+impl Builder<'_> {
+    fn add(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId, IrError> {
+        self.g.add(op, inputs, &self.scope)
+    }
+
+    fn shape(&self, id: NodeId) -> Shape {
+        self.g.ty(id).shape.clone()
+    }
+
+    fn dtype(&self, id: NodeId) -> DType {
+        self.g.ty(id).dtype
+    }
+
+    /// A tensor of `shape` filled with `value`: a scalar constant, broadcast if needed.
+    fn fill(&mut self, value: f64, dtype: DType, shape: &Shape) -> Result<NodeId, IrError> {
+        let c = self.add(
+            Op::Const {
+                value: crate::ir::Float::new(value),
+                dtype,
+            },
+            &[],
+        )?;
+        if shape.rank() == 0 {
+            Ok(c)
+        } else {
+            self.add(
+                Op::Broadcast {
+                    shape: shape.clone(),
+                },
+                &[c],
+            )
+        }
+    }
+
+    /// Zeros of the type of `like`.
+    fn zeros_like(&mut self, like: NodeId) -> Result<NodeId, IrError> {
+        let (dtype, shape) = (self.dtype(like), self.shape(like));
+        self.fill(0.0, dtype, &shape)
+    }
+
+    fn unary(&mut self, u: UnaryOp, x: NodeId) -> Result<NodeId, IrError> {
+        self.add(Op::Unary(u), &[x])
+    }
+
+    fn binary(&mut self, op: BinaryOp, a: NodeId, b: NodeId) -> Result<NodeId, IrError> {
+        self.add(Op::Binary(op), &[a, b])
+    }
+
+    fn compare(&mut self, op: CmpOp, a: NodeId, b: NodeId) -> Result<NodeId, IrError> {
+        self.add(Op::Compare(op), &[a, b])
+    }
+
+    fn select(&mut self, c: NodeId, a: NodeId, b: NodeId) -> Result<NodeId, IrError> {
+        self.add(Op::Where, &[c, a, b])
+    }
+
+    fn reshape(&mut self, x: NodeId, shape: Shape) -> Result<NodeId, IrError> {
+        self.add(Op::Reshape { shape }, &[x])
+    }
+
+    fn broadcast(&mut self, x: NodeId, shape: Shape) -> Result<NodeId, IrError> {
+        self.add(Op::Broadcast { shape }, &[x])
+    }
+
+    /// Swaps the last two axes.
+    fn transpose(&mut self, x: NodeId) -> Result<NodeId, IrError> {
+        let rank = self.shape(x).rank();
+        if rank < 2 {
+            return Err(IrError::Type(format!(
+                "cannot transpose {x}: it has {rank} axes"
+            )));
+        }
+        let mut perm: Vec<usize> = (0..rank).collect();
+        perm.swap(rank - 2, rank - 1);
+        self.add(Op::Permute { perm }, &[x])
+    }
+
+    /// The gradient of `broadcast(x, to)` for x of shape `from`: sums over the expanded
+    /// axes, then drops the prepended ones.
+    fn unbroadcast(&mut self, g: NodeId, from: &Shape, to: &Shape) -> Result<NodeId, IrError> {
+        let off = to.rank().checked_sub(from.rank()).ok_or_else(|| {
+            IrError::Type(format!("cannot broadcast {from} to {to}: it has more axes"))
+        })?;
+        let mut cur = g;
+        for axis in 0..to.rank() {
+            let expanded = axis < off || from.dims()[axis - off] != to.dims()[axis];
+            if expanded {
+                cur = self.add(
+                    Op::Reduce {
+                        op: ReduceOp::Sum,
+                        axis,
+                    },
+                    &[cur],
+                )?;
+            }
+        }
+        if off > 0 {
+            cur = self.reshape(cur, from.clone())?;
+        }
+        Ok(cur)
+    }
+}
+
+/// The contributions of node `id`, whose gradient is `g`, to the gradients of its active
+/// operands: `(operand, gradient)` pairs, in operand order.
+fn backward(
+    b: &mut Builder,
+    graph: &Graph,
+    id: NodeId,
+    g: NodeId,
+    active: &[bool],
+) -> Result<Vec<(NodeId, NodeId)>, IrError> {
+    let node = graph.node(id);
+    let ins = &node.inputs;
+    let act = |k: usize| ins.get(k).is_some_and(|x| active[x.index()]);
+    let shape_of = |x: NodeId| graph.ty(x).shape.clone();
+    let mut out: Vec<(NodeId, NodeId)> = Vec::new();
+    match &node.op {
+        // Sources and ops whose operands can carry no gradient.
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Const { .. }
+        | Op::Compare(_)
+        | Op::PadMask { .. }
+        | Op::CausalMask { .. }
+        | Op::Arange { .. }
+        | Op::OneHot { .. } => {}
+
+        Op::Reshape { .. } => {
+            if act(0) {
+                let x = ins[0];
+                out.push((x, b.reshape(g, shape_of(x))?));
+            }
+        }
+        Op::Permute { perm } => {
+            if act(0) {
+                let mut inv = vec![0; perm.len()];
+                for (i, &p) in perm.iter().enumerate() {
+                    inv[p] = i;
+                }
+                out.push((ins[0], b.add(Op::Permute { perm: inv }, &[g])?));
+            }
+        }
+        Op::Broadcast { shape } => {
+            if act(0) {
+                let x = ins[0];
+                out.push((x, b.unbroadcast(g, &shape_of(x), shape)?));
+            }
+        }
+        Op::Reduce { op, axis } => {
+            if act(0) {
+                let x = ins[0];
+                let xs = shape_of(x);
+                let gx = match op {
+                    ReduceOp::Sum => b.broadcast(g, xs)?,
+                    ReduceOp::Max => {
+                        let yb = b.broadcast(id, xs.clone())?;
+                        let hit = b.compare(CmpOp::Eq, x, yb)?;
+                        let hitf = b.add(Op::Cast { to: node.ty.dtype }, &[hit])?;
+                        let count = b.add(
+                            Op::Reduce {
+                                op: ReduceOp::Sum,
+                                axis: *axis,
+                            },
+                            &[hitf],
+                        )?;
+                        let share = b.binary(BinaryOp::Div, g, count)?;
+                        let share = b.broadcast(share, xs)?;
+                        b.binary(BinaryOp::Mul, hitf, share)?
+                    }
+                };
+                out.push((x, gx));
+            }
+        }
+        Op::Unary(u) => {
+            if act(0) {
+                let x = ins[0];
+                let gx = match u {
+                    UnaryOp::Neg => b.unary(UnaryOp::Neg, g)?,
+                    UnaryOp::Exp => b.binary(BinaryOp::Mul, g, id)?,
+                    UnaryOp::Log => b.binary(BinaryOp::Div, g, x)?,
+                    UnaryOp::Sqrt => {
+                        let two_y = b.binary(BinaryOp::Add, id, id)?;
+                        b.binary(BinaryOp::Div, g, two_y)?
+                    }
+                    UnaryOp::Recip => {
+                        let yy = b.binary(BinaryOp::Mul, id, id)?;
+                        let gyy = b.binary(BinaryOp::Mul, g, yy)?;
+                        b.unary(UnaryOp::Neg, gyy)?
+                    }
+                    UnaryOp::Relu => {
+                        let zeros = b.zeros_like(x)?;
+                        let pos = b.compare(CmpOp::Gt, x, zeros)?;
+                        b.select(pos, g, zeros)?
+                    }
+                    UnaryOp::Sin => {
+                        let c = b.unary(UnaryOp::Cos, x)?;
+                        b.binary(BinaryOp::Mul, g, c)?
+                    }
+                    UnaryOp::Cos => {
+                        let s = b.unary(UnaryOp::Sin, x)?;
+                        let gs = b.binary(BinaryOp::Mul, g, s)?;
+                        b.unary(UnaryOp::Neg, gs)?
+                    }
+                };
+                out.push((x, gx));
+            }
+        }
+        Op::Binary(op) => {
+            let (x, y) = (ins[0], ins[1]);
+            match op {
+                BinaryOp::Add => {
+                    if act(0) {
+                        out.push((x, g));
+                    }
+                    if act(1) {
+                        out.push((y, g));
+                    }
+                }
+                BinaryOp::Sub => {
+                    if act(0) {
+                        out.push((x, g));
+                    }
+                    if act(1) {
+                        out.push((y, b.unary(UnaryOp::Neg, g)?));
+                    }
+                }
+                BinaryOp::Mul => {
+                    if act(0) {
+                        out.push((x, b.binary(BinaryOp::Mul, g, y)?));
+                    }
+                    if act(1) {
+                        out.push((y, b.binary(BinaryOp::Mul, g, x)?));
+                    }
+                }
+                BinaryOp::Div => {
+                    let g_over_y = b.binary(BinaryOp::Div, g, y)?;
+                    if act(0) {
+                        out.push((x, g_over_y));
+                    }
+                    if act(1) {
+                        let t = b.binary(BinaryOp::Mul, g_over_y, id)?;
+                        out.push((y, b.unary(UnaryOp::Neg, t)?));
+                    }
+                }
+                BinaryOp::Max => {
+                    let zeros = b.zeros_like(g)?;
+                    let half = b.fill(0.5, b.dtype(g), &b.shape(g))?;
+                    let half_g = b.binary(BinaryOp::Mul, g, half)?;
+                    let tie = b.compare(CmpOp::Eq, x, y)?;
+                    let on_tie = b.select(tie, half_g, zeros)?;
+                    if act(0) {
+                        let wins = b.compare(CmpOp::Gt, x, y)?;
+                        out.push((x, b.select(wins, g, on_tie)?));
+                    }
+                    if act(1) {
+                        let wins = b.compare(CmpOp::Lt, x, y)?;
+                        out.push((y, b.select(wins, g, on_tie)?));
+                    }
+                }
+            }
+        }
+        Op::Where => {
+            let (c, x, y) = (ins[0], ins[1], ins[2]);
+            let zeros = b.zeros_like(g)?;
+            if act(1) {
+                out.push((x, b.select(c, g, zeros)?));
+            }
+            if act(2) {
+                out.push((y, b.select(c, zeros, g)?));
+            }
+        }
+        Op::Cast { .. } => {
+            if act(0) {
+                let x = ins[0];
+                let from = graph.ty(x).dtype;
+                let gx = if from == node.ty.dtype {
+                    g
+                } else {
+                    b.add(Op::Cast { to: from }, &[g])?
+                };
+                out.push((x, gx));
+            }
+        }
+        Op::MatMul => {
+            let (x, w) = (ins[0], ins[1]);
+            let (xs, ws) = (shape_of(x), shape_of(w));
+            if act(0) {
+                let wt = b.transpose(w)?;
+                out.push((x, b.add(Op::MatMul, &[g, wt])?));
+            }
+            if act(1) {
+                let gw = if ws.rank() == 2 && xs.rank() > 2 {
+                    // A matrix shared by the batch: fold every leading dim into the rows.
+                    let r = xs.rank();
+                    let rows = xs.dims()[..r - 1]
+                        .iter()
+                        .fold(Dim::c(1), |acc, d| acc.mul(d));
+                    let k = xs.dims()[r - 1].clone();
+                    let nn = ws.dims()[1].clone();
+                    let x2 = b.reshape(x, Shape(vec![rows.clone(), k]))?;
+                    let g2 = b.reshape(g, Shape(vec![rows, nn]))?;
+                    let x2t = b.transpose(x2)?;
+                    b.add(Op::MatMul, &[x2t, g2])?
+                } else {
+                    let xt = b.transpose(x)?;
+                    b.add(Op::MatMul, &[xt, g])?
+                };
+                out.push((w, gw));
+            }
+        }
+        Op::Gather => {
+            if act(0) {
+                let (table, ids) = (ins[0], ins[1]);
+                let rows =
+                    shape_of(table).dims().first().cloned().ok_or_else(|| {
+                        IrError::Type(format!("gather {id} reads a scalar table"))
+                    })?;
+                out.push((table, b.add(Op::ScatterAdd { rows }, &[ids, g])?));
+            }
+        }
+        Op::ScatterAdd { .. } => {
+            if act(1) {
+                let (ids, src) = (ins[0], ins[1]);
+                out.push((src, b.add(Op::Gather, &[g, ids])?));
+            }
+        }
+        Op::Dropout { p, stream } => {
+            if act(0) {
+                let op = Op::Dropout {
+                    p: *p,
+                    stream: *stream,
+                };
+                out.push((ins[0], b.add(op, &[g])?));
+            }
+        }
+        Op::Concat { axis } => {
+            let mut start = Dim::c(0);
+            for (k, &x) in ins.iter().enumerate() {
+                let len = shape_of(x).dims()[*axis].clone();
+                if act(k) {
+                    let op = Op::Slice {
+                        axis: *axis,
+                        start: start.clone(),
+                        len: len.clone(),
+                    };
+                    out.push((x, b.add(op, &[g])?));
+                }
+                start = start.add(&len);
+            }
+        }
+        Op::Slice { axis, start, len } => {
+            if act(0) {
+                let x = ins[0];
+                let xs = shape_of(x);
+                let full = xs.dims()[*axis].clone();
+                let after = full.sub(start).sub(len);
+                let dtype = graph.ty(x).dtype;
+                let mut parts = Vec::with_capacity(3);
+                for (size, is_g) in [(start.clone(), false), (len.clone(), true), (after, false)] {
+                    if is_g {
+                        parts.push(g);
+                    } else if size.as_const() != Some(0) {
+                        let mut dims = xs.0.clone();
+                        dims[*axis] = size;
+                        parts.push(b.fill(0.0, dtype, &Shape(dims))?);
+                    }
+                }
+                let gx = if parts.len() == 1 {
+                    g
+                } else {
+                    b.add(Op::Concat { axis: *axis }, &parts)?
+                };
+                out.push((x, gx));
+            }
+        }
+    }
+    Ok(out)
+}
