@@ -14,7 +14,6 @@ use kiln_compiler::summary::{group_digits, Summary};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
-use kiln_runtime::exec::Exec;
 use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
 
 mod train_cmds;
@@ -319,7 +318,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 step,
             };
             let exec = kiln_runtime::exec::executor(
-                kiln_runtime::exec::ExecutorKind::parse(&executor).unwrap_or(kiln_runtime::exec::ExecutorKind::Reference),
+                kiln_runtime::exec::ExecutorKind::parse(&executor)
+                    .unwrap_or(kiln_runtime::exec::ExecutorKind::Reference),
                 eg.clone(),
             )
             .map_err(|e| plain("kiln::run", e.to_string(), None))?;
@@ -362,7 +362,11 @@ fn run(cli: Cli) -> Result<(), Error> {
         } => {
             let read = |p: &PathBuf| -> Result<Vec<String>, Error> {
                 std::fs::read_to_string(p).map(|t| lines(&t)).map_err(|e| {
-                    plain("kiln::io", format!("cannot read `{}`: {e}", p.display()), None)
+                    plain(
+                        "kiln::io",
+                        format!("cannot read `{}`: {e}", p.display()),
+                        None,
+                    )
                 })
             };
             let hyps = match &hyp {
@@ -378,7 +382,11 @@ fn run(cli: Cli) -> Result<(), Error> {
             let refs = refs.iter().map(read).collect::<Result<Vec<_>, _>>()?;
             let opts = BleuOptions {
                 lowercase,
-                tokenize: if tokenize == "none" { Tokenize::None } else { Tokenize::V13a },
+                tokenize: if tokenize == "none" {
+                    Tokenize::None
+                } else {
+                    Tokenize::V13a
+                },
                 smooth: match smooth.as_str() {
                     "exp" => Smooth::Exp,
                     "floor" => Smooth::Floor(smooth_value.unwrap_or(0.1)),
@@ -387,10 +395,17 @@ fn run(cli: Cli) -> Result<(), Error> {
                 },
             };
             let b = corpus_bleu(&hyps, &refs, &opts).map_err(|e| {
-                plain("kiln::bleu", e.to_string(), Some("give one hypothesis line per reference line".to_string()))
+                plain(
+                    "kiln::bleu",
+                    e.to_string(),
+                    Some("give one hypothesis line per reference line".to_string()),
+                )
             })?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&b).expect("BLEU serializes"));
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&b).expect("BLEU serializes")
+                );
             } else if score_only {
                 println!("{:.2}", b.score);
             } else {
@@ -443,8 +458,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             })
         }
         Command::Average { inputs, output } => train_cmds::average(&inputs, &output),
-        Command::Export { format, input, output } => train_cmds::export(&format, &input, &output),
-        Command::Import { format, input, output } => train_cmds::import(&format, &input, &output),
+        Command::Export {
+            format,
+            input,
+            output,
+        } => train_cmds::export(&format, &input, &output),
+        Command::Import {
+            format,
+            input,
+            output,
+        } => train_cmds::import(&format, &input, &output),
         Command::Demo => demo(),
     }
 }
@@ -455,14 +478,22 @@ fn set_threads(threads: Option<usize>) -> Result<(), Error> {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()
-            .map_err(|e| plain("kiln::threads", format!("cannot start {n} threads: {e}"), None))?;
+            .map_err(|e| {
+                plain(
+                    "kiln::threads",
+                    format!("cannot start {n} threads: {e}"),
+                    None,
+                )
+            })?;
     }
     Ok(())
 }
 
 /// Lines of a text file, without line terminators (a final newline ends the last line).
 fn lines(text: &str) -> Vec<String> {
-    text.lines().map(|l| l.trim_end_matches('\r').to_string()).collect()
+    text.lines()
+        .map(|l| l.trim_end_matches('\r').to_string())
+        .collect()
 }
 
 pub(crate) fn plain(code: &'static str, message: String, help: Option<String>) -> Error {

@@ -51,7 +51,11 @@ pub struct TrainArgs {
 }
 
 pub fn train(a: TrainArgs) -> Result<(), Error> {
-    let progress = if a.quiet { Progress::Quiet } else { Progress::Auto };
+    let progress = if a.quiet {
+        Progress::Quiet
+    } else {
+        Progress::Auto
+    };
     let mut trainer = match (&a.config, &a.resume) {
         (Some(path), None) => {
             let mut cfg = Config::load(path).map_err(|e| {
@@ -105,8 +109,12 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
             s.seconds,
             s.tokens_per_second,
             s.last_loss,
-            s.valid_loss.map(|l| format!(", validation loss {l:.4}")).unwrap_or_default(),
-            s.valid_bleu.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
+            s.valid_loss
+                .map(|l| format!(", validation loss {l:.4}"))
+                .unwrap_or_default(),
+            s.valid_bleu
+                .map(|b| format!(", BLEU {b:.2}"))
+                .unwrap_or_default()
         );
         if let Some(c) = s.checkpoint {
             println!("checkpoint: {}", c.display());
@@ -149,7 +157,13 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     };
     let lines: Vec<String> = match &a.input {
         Some(p) => std::fs::read_to_string(p)
-            .map_err(|e| plain("kiln::io", format!("cannot read `{}`: {e}", p.display()), None))?
+            .map_err(|e| {
+                plain(
+                    "kiln::io",
+                    format!("cannot read `{}`: {e}", p.display()),
+                    None,
+                )
+            })?
             .lines()
             .map(|l| l.trim_end_matches('\r').to_string())
             .collect(),
@@ -173,7 +187,8 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         }
     }
     let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
-    let hyps = translate_ids(&*encode, &*step, &m.params, &srcs, &opts, vocab).map_err(err("kiln::translate"))?;
+    let hyps = translate_ids(&*encode, &*step, &m.params, &srcs, &opts, vocab)
+        .map_err(err("kiln::translate"))?;
     let mut out = vec![String::new(); lines.len()];
     for (i, h) in which.into_iter().zip(hyps) {
         out[i] = m.tokenizer.decode(&h);
@@ -183,7 +198,8 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     for l in out {
         writeln!(w, "{l}").map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
     }
-    w.flush().map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
+    w.flush()
+        .map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
     Ok(())
 }
 
@@ -214,21 +230,31 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         }
         let read = |name: &str| {
             std::fs::read(first.join(name)).map_err(|e| {
-                plain("kiln::average", format!("cannot read `{}`: {e}", first.join(name).display()), None)
+                plain(
+                    "kiln::average",
+                    format!("cannot read `{}`: {e}", first.join(name).display()),
+                    None,
+                )
             })
         };
         let graphs = read(model::GRAPHS_FILE)?;
         let tok = read(model::TOKENIZER_FILE)?;
         model::save_dir(output, &avg, &graphs, &tok).map_err(err("kiln::average"))?;
     }
-    println!("averaged {} checkpoints into {}", inputs.len(), output.display());
+    println!(
+        "averaged {} checkpoints into {}",
+        inputs.len(),
+        output.display()
+    );
     Ok(())
 }
 
 /// Weights from a model directory or a safetensors file.
 fn weights_of(input: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
     let file = if input.is_dir() {
-        model::resolve(input).map_err(err("kiln::model"))?.join(kiln_runtime::checkpoint::MODEL_FILE)
+        model::resolve(input)
+            .map_err(err("kiln::model"))?
+            .join(kiln_runtime::checkpoint::MODEL_FILE)
     } else {
         input.to_path_buf()
     };
@@ -241,7 +267,11 @@ pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     let t = kiln_runtime::interop::to_torch(&w).map_err(err("kiln::export"))?;
     let list: Vec<(String, Tensor)> = t.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::export"))?;
-    println!("wrote {} tensors in nn.Transformer naming to {}", list.len(), output.display());
+    println!(
+        "wrote {} tensors in nn.Transformer naming to {}",
+        list.len(),
+        output.display()
+    );
     Ok(())
 }
 
@@ -251,7 +281,11 @@ pub fn import(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     let k = kiln_runtime::interop::from_torch(&w).map_err(err("kiln::import"))?;
     let list: Vec<(String, Tensor)> = k.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::import"))?;
-    println!("wrote {} tensors in kiln naming to {}", list.len(), output.display());
+    println!(
+        "wrote {} tensors in kiln naming to {}",
+        list.len(),
+        output.display()
+    );
     Ok(())
 }
 

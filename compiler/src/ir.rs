@@ -679,7 +679,10 @@ impl Graph {
 
     /// A model parameter's value as text, if the graph records it.
     pub fn hparam(&self, name: &str) -> Option<&str> {
-        self.hparams.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+        self.hparams
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     /// Names of the model's own outputs: not the objective, not a stage, not a cache.

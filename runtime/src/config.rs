@@ -269,7 +269,9 @@ impl Config {
 
     fn check(&self) -> Result<(), String> {
         let mut bad = Vec::new();
-        if !(0.0..1.0).contains(&self.optimizer.beta1) || !(0.0..1.0).contains(&self.optimizer.beta2) {
+        if !(0.0..1.0).contains(&self.optimizer.beta1)
+            || !(0.0..1.0).contains(&self.optimizer.beta2)
+        {
             bad.push("optimizer.beta1 and beta2 must be in [0, 1)".to_string());
         }
         if self.optimizer.eps <= 0.0 {
@@ -282,7 +284,9 @@ impl Config {
             bad.push("batch.max_src_tokens and max_tgt_tokens must be positive".to_string());
         }
         if self.checkpoint.every == 0 || self.valid.every == 0 || self.train.log_every == 0 {
-            bad.push("checkpoint.every, valid.every and train.log_every must be positive".to_string());
+            bad.push(
+                "checkpoint.every, valid.every and train.log_every must be positive".to_string(),
+            );
         }
         if self.checkpoint.keep == 0 {
             bad.push("checkpoint.keep must be at least 1".to_string());
@@ -297,7 +301,10 @@ impl Config {
             ));
         }
         if !["eager", "reference"].contains(&self.train.executor.as_str()) {
-            bad.push(format!("train.executor is `{}`; use eager or reference", self.train.executor));
+            bad.push(format!(
+                "train.executor is `{}`; use eager or reference",
+                self.train.executor
+            ));
         }
         if self.data.vocab_size < 8 {
             bad.push("data.vocab_size must be at least 8".to_string());
@@ -322,7 +329,10 @@ impl Config {
                     serde_yaml::Value::String(s) => s.clone(),
                     serde_yaml::Value::Bool(b) => b.to_string(),
                     serde_yaml::Value::Number(n) => n.to_string(),
-                    other => serde_yaml::to_string(other).unwrap_or_default().trim().to_string(),
+                    other => serde_yaml::to_string(other)
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string(),
                 };
                 format!("{k}={text}")
             })
@@ -339,7 +349,14 @@ mod tests {
     #[test]
     fn defaults_are_the_papers_recipe() {
         let c = Config::parse(MINIMAL).unwrap();
-        assert_eq!(c.optimizer, OptimizerConfig { beta1: 0.9, beta2: 0.98, eps: 1e-9 });
+        assert_eq!(
+            c.optimizer,
+            OptimizerConfig {
+                beta1: 0.9,
+                beta2: 0.98,
+                eps: 1e-9
+            }
+        );
         assert_eq!(c.schedule.warmup, 4000);
         assert_eq!(c.batch.max_src_tokens, 25_000);
         assert_eq!(c.batch.max_tgt_tokens, 25_000);
@@ -365,19 +382,35 @@ mod tests {
         assert!(e.contains("unknown field `beta3`"), "{e}");
         let e = Config::parse(&format!("{MINIMAL}colour: red\n")).unwrap_err();
         assert!(e.contains("unknown field `colour`"), "{e}");
-        let e = Config::parse(&format!("{MINIMAL}valid:\n  every: 5\n  length_penalty: wu\n")).unwrap_err();
-        assert!(e.contains("missing field") || e.contains("length_penalty"), "{e}");
+        let e = Config::parse(&format!(
+            "{MINIMAL}valid:\n  every: 5\n  length_penalty: wu\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("missing field") || e.contains("length_penalty"),
+            "{e}"
+        );
     }
 
     #[test]
     fn values_are_checked() {
-        let e = Config::parse(&format!("{MINIMAL}batch:\n  max_src_tokens: 100\n  max_tgt_tokens: 100\n  update_freq: 0\n")).unwrap_err();
+        let e = Config::parse(&format!(
+            "{MINIMAL}batch:\n  max_src_tokens: 100\n  max_tgt_tokens: 100\n  update_freq: 0\n"
+        ))
+        .unwrap_err();
         assert!(e.contains("update_freq"), "{e}");
     }
 
     #[test]
     fn overrides_become_set_arguments() {
-        let c = Config::parse(&format!("{MINIMAL}").replace("  spec: m.kiln\n", "  spec: m.kiln\n  set:\n    d_model: 256\n    p_drop: 0.3\n    learned_pos: true\n")).unwrap();
-        assert_eq!(c.overrides(), vec!["d_model=256", "learned_pos=true", "p_drop=0.3"]);
+        let c = Config::parse(&format!("{MINIMAL}").replace(
+            "  spec: m.kiln\n",
+            "  spec: m.kiln\n  set:\n    d_model: 256\n    p_drop: 0.3\n    learned_pos: true\n",
+        ))
+        .unwrap();
+        assert_eq!(
+            c.overrides(),
+            vec!["d_model=256", "learned_pos=true", "p_drop=0.3"]
+        );
     }
 }

@@ -137,20 +137,21 @@ fn read(dir: &Path, file: &'static str) -> Result<Vec<u8>, ModelError> {
 pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     let dir = resolve(path)?;
     let graphs = GraphSet::from_json(&read(&dir, GRAPHS_FILE)?, &dir.join(GRAPHS_FILE))?;
-    let tok_json = String::from_utf8(read(&dir, TOKENIZER_FILE)?).map_err(|_| ModelError::Invalid {
-        path: dir.join(TOKENIZER_FILE),
-        message: "not UTF-8".to_string(),
-    })?;
+    let tok_json =
+        String::from_utf8(read(&dir, TOKENIZER_FILE)?).map_err(|_| ModelError::Invalid {
+            path: dir.join(TOKENIZER_FILE),
+            message: "not UTF-8".to_string(),
+        })?;
     let tokenizer = Tokenizer::from_json(&tok_json, &dir.join(TOKENIZER_FILE))?;
     let params = load_safetensors(&dir.join(MODEL_FILE))?;
-    crate::entry::check_weights(&graphs.loss, &dir.join(MODEL_FILE).display().to_string(), &params)
-        .or_else(|e| {
-            // The loss graph has every parameter; report with the fix.
-            Err(ModelError::Invalid {
-                path: dir.join(MODEL_FILE),
-                message: format!("{} ({})", e.message, e.help),
-            })
-        })?;
+    // The loss graph has every parameter.
+    let file = dir.join(MODEL_FILE);
+    crate::entry::check_weights(&graphs.loss, &file.display().to_string(), &params).map_err(
+        |e| ModelError::Invalid {
+            path: file.clone(),
+            message: format!("{} ({})", e.message, e.help),
+        },
+    )?;
     Ok(LoadedModel {
         dir,
         graphs,
@@ -160,7 +161,12 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
 }
 
 /// Writes a model directory: weights, graphs, tokenizer (atomically, file by file).
-pub fn save_dir(dir: &Path, params: &BTreeMap<String, Tensor>, graphs_json: &[u8], tokenizer_json: &[u8]) -> Result<(), ModelError> {
+pub fn save_dir(
+    dir: &Path,
+    params: &BTreeMap<String, Tensor>,
+    graphs_json: &[u8],
+    tokenizer_json: &[u8],
+) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::Invalid {
         path: dir.to_path_buf(),
         message: format!("cannot create the directory: {e}"),

@@ -77,7 +77,10 @@ impl Adam {
             ));
         }
         let mut work = Vec::new();
-        for ((name, p), (m, v)) in params.iter_mut().zip(self.m.values_mut().zip(self.v.values_mut())) {
+        for ((name, p), (m, v)) in params
+            .iter_mut()
+            .zip(self.m.values_mut().zip(self.v.values_mut()))
+        {
             let g = grads
                 .get(name)
                 .ok_or_else(|| OptimError(format!("no gradient for parameter `{name}`")))?;
@@ -93,7 +96,12 @@ impl Adam {
                     v.len()
                 )));
             }
-            work.push((pv.as_mut_slice(), g.as_slice(), m.as_mut_slice(), v.as_mut_slice()));
+            work.push((
+                pv.as_mut_slice(),
+                g.as_slice(),
+                m.as_mut_slice(),
+                v.as_mut_slice(),
+            ));
         }
         work.into_par_iter().for_each(|(p, g, m, v)| {
             p.par_chunks_mut(CHUNK)
@@ -143,7 +151,9 @@ impl Adam {
             for prefix in ["m", "v"] {
                 let key = format!("{prefix}.{name}");
                 let x = state.get(&key).ok_or_else(|| {
-                    OptimError(format!("the optimizer state lacks `{key}`; it belongs to another model"))
+                    OptimError(format!(
+                        "the optimizer state lacks `{key}`; it belongs to another model"
+                    ))
                 })?;
                 let data = x
                     .as_f32()
@@ -155,7 +165,11 @@ impl Adam {
                         p.numel()
                     )));
                 }
-                let store = if prefix == "m" { &mut self.m } else { &mut self.v };
+                let store = if prefix == "m" {
+                    &mut self.m
+                } else {
+                    &mut self.v
+                };
                 store.insert(name.clone(), data.to_vec());
             }
         }
@@ -171,7 +185,10 @@ mod tests {
     #[test]
     fn first_steps_by_hand() {
         let mut params = BTreeMap::new();
-        params.insert("w".to_string(), Tensor::f32(vec![2], vec![1.0, -2.0]).unwrap());
+        params.insert(
+            "w".to_string(),
+            Tensor::f32(vec![2], vec![1.0, -2.0]).unwrap(),
+        );
         let mut adam = Adam::new(0.9, 0.98, 1e-9, &params);
         let mut grads = BTreeMap::new();
         grads.insert("w".to_string(), vec![0.5f32, -0.25]);
@@ -193,7 +210,10 @@ mod tests {
     #[test]
     fn state_round_trip_and_errors() {
         let mut params = BTreeMap::new();
-        params.insert("a".to_string(), Tensor::f32(vec![3], vec![1.0, 2.0, 3.0]).unwrap());
+        params.insert(
+            "a".to_string(),
+            Tensor::f32(vec![3], vec![1.0, 2.0, 3.0]).unwrap(),
+        );
         let mut adam = Adam::new(0.9, 0.98, 1e-9, &params);
         let mut grads = BTreeMap::new();
         grads.insert("a".to_string(), vec![0.1f32, 0.2, 0.3]);
@@ -205,8 +225,16 @@ mod tests {
         assert_eq!(b.v, adam.v);
         let mut missing = saved.clone();
         missing.remove("v.a");
-        assert!(b.load_state(1, &params, &missing).unwrap_err().to_string().contains("v.a"));
+        assert!(b
+            .load_state(1, &params, &missing)
+            .unwrap_err()
+            .to_string()
+            .contains("v.a"));
         grads.clear();
-        assert!(adam.step(&mut params, &grads, 0.01).unwrap_err().to_string().contains("no gradient"));
+        assert!(adam
+            .step(&mut params, &grads, 0.01)
+            .unwrap_err()
+            .to_string()
+            .contains("no gradient"));
     }
 }

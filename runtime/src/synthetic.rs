@@ -70,7 +70,11 @@ impl Task {
             .map(|_| {
                 let len = self.min_len + rng.below(self.max_len - self.min_len + 1);
                 let words: Vec<usize> = (0..len).map(|_| rng.below(WORDS)).collect();
-                let src = words.iter().map(|w| format!("s{w}")).collect::<Vec<_>>().join(" ");
+                let src = words
+                    .iter()
+                    .map(|w| format!("s{w}"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 let tgt = words
                     .iter()
                     .rev()

@@ -32,12 +32,16 @@ use kiln_compiler::tensor::{Tensor, TensorData};
 use crate::bleu::{corpus_bleu, BleuOptions};
 use crate::checkpoint::{self, AdamMoments, TrainState};
 use crate::config::Config;
-use crate::data::{load_parallel, BatchConfig, BatchPlan, Dataset, Example, ParallelCorpus, Tokenizer};
+use crate::data::{
+    load_parallel, BatchConfig, BatchPlan, Dataset, Example, ParallelCorpus, Tokenizer,
+};
 use crate::decode::{decode, CachedStep, DecodeOptions, LengthPenalty};
 use crate::entry::{entry_graph, Entry};
 use crate::exec::{executor, Exec, ExecutorKind};
 use crate::metrics::{read_metrics, truncate_after, Kind, MetricsWriter, Record};
-use crate::model::{write_atomic, GraphSet, CONFIG_FILE, GRAPHS_FILE, GRAPHS_FORMAT, TOKENIZER_FILE};
+use crate::model::{
+    write_atomic, GraphSet, CONFIG_FILE, GRAPHS_FILE, GRAPHS_FORMAT, TOKENIZER_FILE,
+};
 use crate::optim::Adam;
 
 /// Why training stopped with an error.
@@ -45,7 +49,9 @@ use crate::optim::Adam;
 pub enum TrainError {
     #[error("{0}")]
     Setup(String),
-    #[error("step {step}: {what} is not finite ({value}); stopping — the last good checkpoint is kept")]
+    #[error(
+        "step {step}: {what} is not finite ({value}); stopping — the last good checkpoint is kept"
+    )]
     NonFinite { step: u64, what: String, value: f32 },
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
@@ -79,7 +85,9 @@ pub struct ModelGraphs {
 impl ModelGraphs {
     /// The entry points: `train_step` by differentiation, the others by pruning.
     pub fn entries(&self) -> Result<GraphSet, TrainError> {
-        let e = |r: Result<Graph, crate::RuntimeError>| r.map_err(|e| TrainError::Setup(format!("{} ({})", e.message, e.help)));
+        let e = |r: Result<Graph, crate::RuntimeError>| {
+            r.map_err(|e| TrainError::Setup(format!("{} ({})", e.message, e.help)))
+        };
         let train_step = kiln_compiler::autodiff::train_step(&self.train)
             .map_err(|e| TrainError::Setup(format!("differentiating the model failed: {e}")))?;
         Ok(GraphSet {
@@ -123,7 +131,14 @@ pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError
     let path = dir.join(TOKENIZER_FILE);
     if path.is_file() {
         let t = Tokenizer::load(&path)?;
-        return Ok((t, format!("loaded the BPE vocabulary {} ({} tokens)", path.display(), t_size(&path)?)));
+        return Ok((
+            t,
+            format!(
+                "loaded the BPE vocabulary {} ({} tokens)",
+                path.display(),
+                t_size(&path)?
+            ),
+        ));
     }
     let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
     let (tok, report) = Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size)?;
@@ -133,13 +148,20 @@ pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError
     })?;
     tok.save(&path)?;
     let note = if report.vocab_size < report.requested {
-        format!(" (asked for {}; the corpus has no more merges)", report.requested)
+        format!(
+            " (asked for {}; the corpus has no more merges)",
+            report.requested
+        )
     } else {
         String::new()
     };
     Ok((
         tok,
-        format!("trained a shared BPE vocabulary of {} tokens{note} on {} pairs", report.vocab_size, corpus.len()),
+        format!(
+            "trained a shared BPE vocabulary of {} tokens{note} on {} pairs",
+            report.vocab_size,
+            corpus.len()
+        ),
     ))
 }
 
@@ -178,7 +200,12 @@ fn setup<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> TrainError + '_ {
 
 impl Trainer {
     /// Starts a new run in `cfg.checkpoint.dir`, which must not hold checkpoints yet.
-    pub fn new(cfg: Config, tokenizer: Tokenizer, graphs: &ModelGraphs, progress: Progress) -> Result<Trainer, TrainError> {
+    pub fn new(
+        cfg: Config,
+        tokenizer: Tokenizer,
+        graphs: &ModelGraphs,
+        progress: Progress,
+    ) -> Result<Trainer, TrainError> {
         let dir = cfg.checkpoint.dir.clone();
         let ckpts = dir.join("checkpoints");
         if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
@@ -189,11 +216,17 @@ impl Trainer {
             )));
         }
         let set = graphs.entries()?;
-        let params: BTreeMap<String, Tensor> = kiln_compiler::init::init_params(&set.loss, cfg.train.seed)
-            .map_err(setup("initializing the parameters"))?
-            .into_iter()
-            .collect();
-        let adam = Adam::new(cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps, &params);
+        let params: BTreeMap<String, Tensor> =
+            kiln_compiler::init::init_params(&set.loss, cfg.train.seed)
+                .map_err(setup("initializing the parameters"))?
+                .into_iter()
+                .collect();
+        let adam = Adam::new(
+            cfg.optimizer.beta1,
+            cfg.optimizer.beta2,
+            cfg.optimizer.eps,
+            &params,
+        );
         let state = TrainState {
             seed: cfg.train.seed,
             config_digest: digest(&cfg),
@@ -204,9 +237,11 @@ impl Trainer {
             message: e.to_string(),
         })?;
         let cfg_yaml = serde_yaml::to_string(&cfg).expect("config serializes");
-        write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| TrainError::Write {
-            path: dir.join(CONFIG_FILE),
-            message: e.to_string(),
+        write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| {
+            TrainError::Write {
+                path: dir.join(CONFIG_FILE),
+                message: e.to_string(),
+            }
         })?;
         // A fresh run starts a fresh log.
         let _ = std::fs::remove_file(dir.join(crate::metrics::FILE_NAME));
@@ -222,8 +257,10 @@ impl Trainer {
                 dir.display()
             )));
         }
-        let text = std::fs::read_to_string(&cfg_path).map_err(setup("reading the run's configuration"))?;
-        let mut cfg = Config::parse(&text).map_err(|m| TrainError::Setup(format!("`{}`: {m}", cfg_path.display())))?;
+        let text =
+            std::fs::read_to_string(&cfg_path).map_err(setup("reading the run's configuration"))?;
+        let mut cfg = Config::parse(&text)
+            .map_err(|m| TrainError::Setup(format!("`{}`: {m}", cfg_path.display())))?;
         cfg.checkpoint.dir = dir.to_path_buf();
         let Some(ck) = checkpoint::latest(&dir.join("checkpoints"))? else {
             return Err(TrainError::Setup(format!(
@@ -239,7 +276,12 @@ impl Trainer {
             &String::from_utf8_lossy(&tok_bytes),
             &ck.dir.join(TOKENIZER_FILE),
         )?;
-        let mut adam = Adam::new(cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps, &loaded.params);
+        let mut adam = Adam::new(
+            cfg.optimizer.beta1,
+            cfg.optimizer.beta2,
+            cfg.optimizer.eps,
+            &loaded.params,
+        );
         let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
         for (k, t) in &loaded.moments.m {
             moments.insert(format!("m.{k}"), t.clone());
@@ -251,8 +293,20 @@ impl Trainer {
             .map_err(setup("restoring the optimizer"))?;
         // Records written after this checkpoint belong to the run that is being redone.
         let _ = truncate_after(&dir.join(crate::metrics::FILE_NAME), loaded.state.step);
-        let mut t = Trainer::assemble(cfg, tokenizer, set, loaded.params, adam, loaded.state, progress)?;
-        t.notes.push(format!("resumed from {} (step {})", ck.dir.display(), ck.step));
+        let mut t = Trainer::assemble(
+            cfg,
+            tokenizer,
+            set,
+            loaded.params,
+            adam,
+            loaded.state,
+            progress,
+        )?;
+        t.notes.push(format!(
+            "resumed from {} (step {})",
+            ck.dir.display(),
+            ck.step
+        ));
         Ok(t)
     }
 
@@ -373,16 +427,26 @@ impl Trainer {
         let order = self.plan.epoch_order(self.state.seed, self.state.epoch);
         let b = order[self.state.batch_in_epoch as usize];
         self.state.batch_in_epoch += 1;
-        self.plan.batch(&self.train, b).expect("batch index from the plan")
+        self.plan
+            .batch(&self.train, b)
+            .expect("batch index from the plan")
     }
 
     /// One optimizer step; returns the token-weighted loss and the target tokens.
-    fn step(&mut self, grads: &mut BTreeMap<String, Vec<f32>>) -> Result<(f64, usize, usize), TrainError> {
+    fn step(
+        &mut self,
+        grads: &mut BTreeMap<String, Vec<f32>>,
+    ) -> Result<(f64, usize, usize), TrainError> {
         let step = self.state.step + 1;
         for g in grads.values_mut() {
             g.iter_mut().for_each(|x| *x = 0.0);
         }
-        let objective = self.graphs.train_step.objective.clone().unwrap_or_else(|| "loss".to_string());
+        let objective = self
+            .graphs
+            .train_step
+            .objective
+            .clone()
+            .unwrap_or_else(|| "loss".to_string());
         let (mut loss_sum, mut tokens, mut src_tokens) = (0.0f64, 0usize, 0usize);
         for micro in 0..self.cfg.batch.update_freq {
             let batch = self.next_batch();
@@ -400,7 +464,8 @@ impl Trainer {
                 .train_exec
                 .run_map(&inputs, &self.params, &opts)
                 .map_err(|source| TrainError::Exec { step, source })?;
-            let loss = scalar(&out, &objective).ok_or_else(|| TrainError::Setup("train_step has no scalar loss".to_string()))?;
+            let loss = scalar(&out, &objective)
+                .ok_or_else(|| TrainError::Setup("train_step has no scalar loss".to_string()))?;
             if !loss.is_finite() {
                 return Err(TrainError::NonFinite {
                     step,
@@ -413,7 +478,9 @@ impl Trainer {
                 let g = out
                     .get(&format!("grad.{name}"))
                     .and_then(|t| t.as_f32())
-                    .ok_or_else(|| TrainError::Setup(format!("train_step has no gradient for `{name}`")))?;
+                    .ok_or_else(|| {
+                        TrainError::Setup(format!("train_step has no gradient for `{name}`"))
+                    })?;
                 if let Some(bad) = g.iter().find(|x| !x.is_finite()) {
                     return Err(TrainError::NonFinite {
                         step,
@@ -446,7 +513,12 @@ impl Trainer {
 
     /// Validation loss (token-weighted) and, if configured, BLEU of beam search.
     pub fn validate(&self) -> Result<(f64, Option<f64>), TrainError> {
-        let objective = self.graphs.loss.objective.clone().unwrap_or_else(|| "loss".to_string());
+        let objective = self
+            .graphs
+            .loss
+            .objective
+            .clone()
+            .unwrap_or_else(|| "loss".to_string());
         let (mut sum, mut tokens) = (0.0f64, 0usize);
         for b in 0..self.valid_plan.len() {
             let batch = self.valid_plan.batch(&self.valid, b).expect("valid batch");
@@ -473,7 +545,8 @@ impl Trainer {
         let opts = DecodeOptions {
             beam: v.beam,
             greedy: false,
-            penalty: LengthPenalty::parse(&v.length_penalty, v.alpha).unwrap_or(LengthPenalty::Gnmt(v.alpha)),
+            penalty: LengthPenalty::parse(&v.length_penalty, v.alpha)
+                .unwrap_or(LengthPenalty::Gnmt(v.alpha)),
             max_len_a: v.max_len_a,
             max_len_b: v.max_len_b,
             ..DecodeOptions::default()
@@ -484,7 +557,14 @@ impl Trainer {
             v.max_sentences.min(self.valid.len())
         };
         let srcs: Vec<Vec<i32>> = self.valid[..n].iter().map(|e| e.src.clone()).collect();
-        let hyps = translate_ids(&*self.encode_exec, &*self.step_exec, &self.params, &srcs, &opts, self.vocab())?;
+        let hyps = translate_ids(
+            &*self.encode_exec,
+            &*self.step_exec,
+            &self.params,
+            &srcs,
+            &opts,
+            self.vocab(),
+        )?;
         let hyps: Vec<String> = hyps.iter().map(|h| self.tokenizer.decode(h)).collect();
         let refs: Vec<String> = self.valid_lines[..n]
             .iter()
@@ -519,7 +599,13 @@ impl Trainer {
             (CONFIG_FILE, cfg_yaml.as_bytes()),
         ];
         let root = self.dir.join("checkpoints");
-        let ck = checkpoint::save(&root, &self.state, &self.params, &AdamMoments { m, v }, &files)?;
+        let ck = checkpoint::save(
+            &root,
+            &self.state,
+            &self.params,
+            &AdamMoments { m, v },
+            &files,
+        )?;
         checkpoint::prune(&root, self.cfg.checkpoint.keep)?;
         Ok(ck.dir)
     }
@@ -528,8 +614,11 @@ impl Trainer {
     pub fn run(&mut self) -> Result<Summary, TrainError> {
         let total = self.cfg.train.max_steps;
         let started = Instant::now();
-        let mut grads: BTreeMap<String, Vec<f32>> =
-            self.params.iter().map(|(k, t)| (k.clone(), vec![0.0; t.numel()])).collect();
+        let mut grads: BTreeMap<String, Vec<f32>> = self
+            .params
+            .iter()
+            .map(|(k, t)| (k.clone(), vec![0.0; t.numel()]))
+            .collect();
         let metrics_path = self.dir.join(crate::metrics::FILE_NAME);
         let mut metrics = MetricsWriter::open(&metrics_path).map_err(|e| TrainError::Write {
             path: metrics_path.clone(),
@@ -556,7 +645,9 @@ impl Trainer {
         let mut interval_start = Instant::now();
         let (mut all_tokens, mut train_time) = (0usize, 0.0f64);
         while self.state.step < total {
-            if self.cfg.train.max_seconds > 0 && started.elapsed().as_secs() >= self.cfg.train.max_seconds {
+            if self.cfg.train.max_seconds > 0
+                && started.elapsed().as_secs() >= self.cfg.train.max_seconds
+            {
                 break;
             }
             let t0 = Instant::now();
@@ -571,9 +662,12 @@ impl Trainer {
             if let Some(b) = &bar {
                 b.set_position(step);
                 let tps = all_tokens as f64 / train_time.max(1e-9);
-                b.set_message(format!("loss {loss:.4} lr {:.2e} {:.0} tok/s", self.state.lr, tps));
+                b.set_message(format!(
+                    "loss {loss:.4} lr {:.2e} {:.0} tok/s",
+                    self.state.lr, tps
+                ));
             }
-            if step % self.cfg.train.log_every == 0 || step == total {
+            if step.is_multiple_of(self.cfg.train.log_every) || step == total {
                 let secs = interval_start.elapsed().as_secs_f64().max(1e-9);
                 let avg = interval_loss / interval_tokens.max(1) as f64;
                 let tps = interval_tokens as f64 / secs;
@@ -604,7 +698,7 @@ impl Trainer {
             }
             let _ = interval_steps;
             let last = step == total;
-            if step % self.cfg.valid.every == 0 || last {
+            if step.is_multiple_of(self.cfg.valid.every) || last {
                 let (vl, vb) = self.validate()?;
                 summary.valid_loss = Some(vl);
                 summary.valid_bleu = vb;
@@ -636,12 +730,19 @@ impl Trainer {
                 }
                 self.plot()?;
             }
-            if step % self.cfg.checkpoint.every == 0 || last {
+            if step.is_multiple_of(self.cfg.checkpoint.every) || last {
                 summary.checkpoint = Some(self.save_checkpoint()?);
             }
         }
         // Stopped by the time limit: keep what was done.
-        if self.state.step < total && summary.checkpoint.as_ref().map(|c| !c.ends_with(checkpoint::dir_name(self.state.step))).unwrap_or(true) && self.state.step > 0 {
+        if self.state.step < total
+            && summary
+                .checkpoint
+                .as_ref()
+                .map(|c| !c.ends_with(checkpoint::dir_name(self.state.step)))
+                .unwrap_or(true)
+            && self.state.step > 0
+        {
             summary.checkpoint = Some(self.save_checkpoint()?);
         }
         if let Some(b) = bar {
@@ -670,11 +771,17 @@ impl Trainer {
             }
         }
         let png = self.dir.join("training.png");
-        crate::plot::plot_training(&png, &train, &vloss, &vbleu, &format!("kiln: {}", self.graphs.model))
-            .map_err(|e| TrainError::Write {
-                path: png,
-                message: e.to_string(),
-            })
+        crate::plot::plot_training(
+            &png,
+            &train,
+            &vloss,
+            &vbleu,
+            &format!("kiln: {}", self.graphs.model),
+        )
+        .map_err(|e| TrainError::Write {
+            path: png,
+            message: e.to_string(),
+        })
     }
 }
 
@@ -712,13 +819,19 @@ pub fn translate_ids(
     let mut out = vec![Vec::new(); srcs.len()];
     const SENTENCES: usize = 32;
     for chunk in order.chunks(SENTENCES) {
-        let width = chunk.iter().map(|&i| srcs[i].len()).max().unwrap_or(0).max(1);
+        let width = chunk
+            .iter()
+            .map(|&i| srcs[i].len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let mut ids = Vec::with_capacity(chunk.len() * width);
         for &i in chunk {
             ids.extend(&srcs[i]);
             ids.extend(std::iter::repeat_n(opts.pad, width - srcs[i].len()));
         }
-        let src = Tensor::i32(vec![chunk.len(), width], ids).map_err(|e| TrainError::Setup(e.to_string()))?;
+        let src = Tensor::i32(vec![chunk.len(), width], ids)
+            .map_err(|e| TrainError::Setup(e.to_string()))?;
         let mut model = CachedStep::new(encode, step, params, vocab);
         let hyps = decode(&mut model, &src, opts)?;
         for (&i, h) in chunk.iter().zip(hyps) {

@@ -1,0 +1,289 @@
+//! Training end to end through the `kiln` binary, on the generated task:
+//! - 20 steps straight and 10 steps + resume + 10 steps give bit-identical parameters and
+//!   optimizer moments (dropout, gradient accumulation and validation included);
+//! - a process killed while it writes checkpoints leaves the previous checkpoint loadable,
+//!   and the run resumes from it;
+//! - a configuration with an unknown key is refused, naming the key;
+//! - translation, averaging and the PyTorch export work on the checkpoints.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kiln_compiler::tensor::load_safetensors;
+use kiln_runtime::checkpoint;
+use kiln_runtime::synthetic::Task;
+
+fn kiln(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .current_dir(dir)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("kiln runs")
+}
+
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let out = kiln(dir, args);
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A fresh directory with the generated task and a tiny configuration.
+fn workspace(name: &str, extra: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("train")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let task = Task::new(3, 3, 6);
+    for (file, seed, n) in [("train", 1, 600), ("valid", 2, 12)] {
+        let pairs = task.pairs(seed, n);
+        let src: String = pairs.iter().map(|(s, _)| format!("{s}\n")).collect();
+        let tgt: String = pairs.iter().map(|(_, t)| format!("{t}\n")).collect();
+        std::fs::write(dir.join(format!("{file}.src")), src).unwrap();
+        std::fs::write(dir.join(format!("{file}.tgt")), tgt).unwrap();
+    }
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_base.kiln");
+    let cfg = format!(
+        "model:\n  spec: {}\n  set: {{d_model: 16, d_ff: 32, h: 2, n: 1, p_drop: 0.1}}\n\
+         data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 220, max_len: 32}}\n\
+         batch: {{max_src_tokens: 120, max_tgt_tokens: 120, update_freq: 2}}\n\
+         schedule: {{warmup: 50, factor: 1.0}}\n\
+         train: {{max_steps: 20, executor: reference, log_every: 5}}\n\
+         checkpoint: {{dir: run, every: 10, keep: 3}}\n\
+         valid: {{every: 10, beam: 2, max_len_b: 5, max_sentences: 4}}\n{extra}",
+        spec.display()
+    );
+    std::fs::write(dir.join("cfg.yaml"), cfg).unwrap();
+    dir
+}
+
+fn final_state(
+    dir: &Path,
+    step: u64,
+) -> (Vec<(String, Vec<usize>, Vec<u32>)>, checkpoint::TrainState) {
+    let ck = dir.join("run/checkpoints").join(checkpoint::dir_name(step));
+    let loaded = checkpoint::load(&ck).unwrap();
+    let mut all = Vec::new();
+    for (prefix, map) in [
+        ("p", &loaded.params),
+        ("m", &loaded.moments.m),
+        ("v", &loaded.moments.v),
+    ] {
+        for (k, t) in map {
+            let bits = t.as_f32().unwrap().iter().map(|x| x.to_bits()).collect();
+            all.push((format!("{prefix}.{k}"), t.shape.clone(), bits));
+        }
+    }
+    (all, loaded.state)
+}
+
+#[test]
+fn resuming_gives_bit_identical_parameters() {
+    let a = workspace("straight", "");
+    ok(&a, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let b = workspace("resumed", "");
+    ok(
+        &b,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "10",
+        ],
+    );
+    assert!(b.join("run/checkpoints/step_00000010").is_dir());
+    assert!(!b.join("run/checkpoints/step_00000020").exists());
+    ok(
+        &b,
+        &["train", "--resume", "run", "--quiet", "--max-steps", "20"],
+    );
+    let (pa, sa) = final_state(&a, 20);
+    let (pb, sb) = final_state(&b, 20);
+    assert_eq!(pa.len(), pb.len());
+    for (x, y) in pa.iter().zip(&pb) {
+        assert_eq!(x.0, y.0);
+        assert!(x.2 == y.2, "`{}` differs after resuming", x.0);
+    }
+    assert_eq!(sa.step, 20);
+    assert_eq!((sa.epoch, sa.batch_in_epoch), (sb.epoch, sb.batch_in_epoch));
+    assert_eq!(sa.tgt_tokens_seen, sb.tgt_tokens_seen);
+    assert_eq!(sa.lr, sb.lr);
+    // The parameters did move.
+    let (p10, _) = final_state(&b, 10);
+    assert!(p10.iter().zip(&pb).any(|(x, y)| x.2 != y.2));
+    // The metrics log holds each step once, even with the resume.
+    let log = std::fs::read_to_string(b.join("run/metrics.jsonl")).unwrap();
+    let train_steps: Vec<&str> = log.lines().filter(|l| l.contains("\"train\"")).collect();
+    assert_eq!(train_steps.len(), 4, "{log}");
+    assert!(b.join("run/training.png").is_file());
+}
+
+#[test]
+fn a_run_killed_while_checkpointing_resumes_from_the_last_good_checkpoint() {
+    let dir = workspace("killed", "");
+    // Checkpoint at every step so that a kill likely lands during a write.
+    let cfg = std::fs::read_to_string(dir.join("cfg.yaml"))
+        .unwrap()
+        .replace(
+            "checkpoint: {dir: run, every: 10, keep: 3}",
+            "checkpoint: {dir: run, every: 1, keep: 2}",
+        )
+        .replace("max_steps: 20", "max_steps: 400")
+        .replace("valid: {every: 10", "valid: {every: 1000");
+    std::fs::write(dir.join("cfg.yaml"), cfg).unwrap();
+    let root = dir.join("run/checkpoints");
+    for (round, delay_ms) in [900u64, 1300, 1700].into_iter().enumerate() {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(if round == 0 {
+                vec!["train", "--config", "cfg.yaml", "--quiet"]
+            } else {
+                vec!["train", "--resume", "run", "--quiet"]
+            })
+            .current_dir(&dir)
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Whatever the moment, the newest complete checkpoint loads.
+        if let Some(ck) = checkpoint::latest(&root).unwrap() {
+            let loaded = checkpoint::load(&ck.dir).unwrap();
+            assert_eq!(loaded.state.step, ck.step);
+            load_safetensors(&ck.dir.join("model.safetensors")).unwrap();
+        }
+    }
+    let before = checkpoint::latest(&root)
+        .unwrap()
+        .expect("some checkpoint was written")
+        .step;
+    let target = before + 2;
+    ok(
+        &dir,
+        &[
+            "train",
+            "--resume",
+            "run",
+            "--quiet",
+            "--max-steps",
+            &target.to_string(),
+        ],
+    );
+    assert_eq!(checkpoint::latest(&root).unwrap().unwrap().step, target);
+}
+
+#[test]
+fn unknown_configuration_keys_are_refused_by_name() {
+    let dir = workspace("badcfg", "optimiser: {beta1: 0.9}\n");
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown field `optimiser`"), "{err}");
+    let out = kiln(&dir, &["train", "--resume", "nowhere", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
+}
+
+#[test]
+fn checkpoints_translate_average_and_export() {
+    let dir = workspace("tools", "");
+    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    // A new run into the same directory is refused rather than overwriting it.
+    let again = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--resume"));
+    // Translation keeps one output line per input line, empty lines included.
+    std::fs::write(dir.join("in.txt"), "s1 s2 s3\n\ns4 s5\n").unwrap();
+    let out = ok(
+        &dir,
+        &[
+            "translate",
+            "--checkpoint",
+            "run",
+            "--input",
+            "in.txt",
+            "--executor",
+            "reference",
+            "--max-len-b",
+            "4",
+        ],
+    );
+    let lines: Vec<&str> = out.split('\n').collect();
+    assert_eq!(lines.len(), 4, "{out:?}");
+    assert_eq!(lines[1], "");
+    // Averaging two checkpoints gives their mean, as a model directory translate accepts.
+    ok(
+        &dir,
+        &[
+            "average",
+            "run/checkpoints/step_00000010",
+            "run/checkpoints/step_00000020",
+            "-o",
+            "avg",
+        ],
+    );
+    let a = load_safetensors(&dir.join("run/checkpoints/step_00000010/model.safetensors")).unwrap();
+    let b = load_safetensors(&dir.join("run/checkpoints/step_00000020/model.safetensors")).unwrap();
+    let m = load_safetensors(&dir.join("avg/model.safetensors")).unwrap();
+    let (x, y, z) = (
+        a["emb.weight"].as_f32().unwrap(),
+        b["emb.weight"].as_f32().unwrap(),
+        m["emb.weight"].as_f32().unwrap(),
+    );
+    for i in 0..x.len() {
+        assert!((z[i] as f64 - (x[i] as f64 + y[i] as f64) / 2.0).abs() < 1e-7);
+    }
+    ok(
+        &dir,
+        &[
+            "translate",
+            "--checkpoint",
+            "avg",
+            "--input",
+            "in.txt",
+            "--executor",
+            "reference",
+            "--max-len-b",
+            "2",
+        ],
+    );
+    // PyTorch naming round trip is bit-exact.
+    ok(
+        &dir,
+        &[
+            "export",
+            "--format",
+            "torch",
+            "avg",
+            "-o",
+            "torch.safetensors",
+        ],
+    );
+    let t = load_safetensors(&dir.join("torch.safetensors")).unwrap();
+    assert!(t.contains_key("encoder.layers.0.self_attn.in_proj_weight"));
+    assert!(t.contains_key("decoder.layers.0.multihead_attn.out_proj.bias"));
+    assert_eq!(
+        t["encoder.layers.0.self_attn.in_proj_weight"].shape,
+        vec![48, 16]
+    );
+    ok(
+        &dir,
+        &[
+            "import",
+            "--format",
+            "torch",
+            "torch.safetensors",
+            "-o",
+            "back.safetensors",
+        ],
+    );
+    let back = load_safetensors(&dir.join("back.safetensors")).unwrap();
+    assert_eq!(back, m);
+}
