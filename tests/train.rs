@@ -63,10 +63,10 @@ fn workspace(name: &str, extra: &str) -> PathBuf {
     dir
 }
 
-fn final_state(
-    dir: &Path,
-    step: u64,
-) -> (Vec<(String, Vec<usize>, Vec<u32>)>, checkpoint::TrainState) {
+/// Every parameter and moment as (name, shape, bits).
+type Snapshot = Vec<(String, Vec<usize>, Vec<u32>)>;
+
+fn final_state(dir: &Path, step: u64) -> (Snapshot, checkpoint::TrainState) {
     let ck = dir.join("run/checkpoints").join(checkpoint::dir_name(step));
     let loaded = checkpoint::load(&ck).unwrap();
     let mut all = Vec::new();

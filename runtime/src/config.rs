@@ -403,7 +403,7 @@ mod tests {
 
     #[test]
     fn overrides_become_set_arguments() {
-        let c = Config::parse(&format!("{MINIMAL}").replace(
+        let c = Config::parse(&MINIMAL.to_string().replace(
             "  spec: m.kiln\n",
             "  spec: m.kiln\n  set:\n    d_model: 256\n    p_drop: 0.3\n    learned_pos: true\n",
         ))
