@@ -7,8 +7,11 @@
 //! - [`summary`] — what `kiln check` reports;
 //! - [`init`] and [`rng`] — seeded parameter initialization and the Philox generator;
 //! - [`tensor`] — host tensors and their safetensors form;
+//! - [`bind`] — checking inputs and parameters against a graph and binding its dims,
+//!   shared by every executor;
 //! - [`reference`] — the reference executor, the oracle every later path is tested against.
 
+pub mod bind;
 pub mod infer;
 pub mod init;
 pub mod ir;
