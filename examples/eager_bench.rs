@@ -3,7 +3,8 @@
 //! In: `models/transformer_base.kiln` elaborated with `vocab=37000` (63M parameters,
 //! initialized with seed 1), a batch of B = 32 sentences of S = T = 25 random ids in
 //! `3..37000`. Out: for the forward entry (logits) and the loss entry, the median time
-//! of a few runs after a warm-up, and tokens per second (`B * T / median`), on stdout.
+//! of a few runs after a warm-up, tokens per second (`B * T / median`), and where one
+//! run spends its time per op kind, on stdout.
 //!
 //! Run with `cargo run --release --example eager_bench`. An optional argument gives the
 //! number of timed runs (default 5); `RAYON_NUM_THREADS` sets the thread count.
@@ -78,12 +79,14 @@ fn main() -> Result<()> {
         let t0 = Instant::now();
         eager.run(&inputs, &params, &run_opts)?;
         let warm = t0.elapsed().as_secs_f64() * 1e3;
+        let first = eager.run(&inputs, &params, &run_opts)?;
         let mut times = Vec::with_capacity(runs);
+        let mut repeatable = true;
         for _ in 0..runs {
             let t0 = Instant::now();
             let out = eager.run(&inputs, &params, &run_opts)?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
-            drop(out);
+            repeatable &= out == first;
         }
         let med = median_ms(times.clone());
         println!(
@@ -92,6 +95,24 @@ fn main() -> Result<()> {
             times.iter().copied().fold(f64::INFINITY, f64::min),
             times.iter().copied().fold(0.0, f64::max),
             (B * T) as f64 / (med / 1e3)
+        );
+        println!(
+            "{:>17}  outputs bit-identical across runs: {}",
+            "",
+            if repeatable { "yes" } else { "NO" }
+        );
+        let (_, profile) = eager.run_profiled(&inputs, &params, &run_opts)?;
+        let total: f64 = profile.iter().map(|t| t.seconds).sum();
+        let top: Vec<String> = profile
+            .iter()
+            .take(8)
+            .map(|t| format!("{} {:.1} ms ({}x)", t.op, t.seconds * 1e3, t.nodes))
+            .collect();
+        println!(
+            "{:>17}  one profiled run, {:.1} ms: {}",
+            "",
+            total * 1e3,
+            top.join(", ")
         );
     }
     Ok(())

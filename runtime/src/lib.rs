@@ -10,5 +10,5 @@
 pub mod eager;
 pub mod entry;
 
-pub use eager::Eager;
+pub use eager::{Eager, OpTime, Outputs};
 pub use entry::{check_inputs, check_weights, entry_graph, Entry, RuntimeError};

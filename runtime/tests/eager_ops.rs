@@ -596,9 +596,12 @@ fn reductions_over_every_axis() {
             out(&mut g, &format!("imax{axis}"), imax);
         }
         let mut xs = rand(s, 20 + k as u64);
-        if k == 2 {
-            if let TensorData::F32(v) = &mut xs.data {
-                v[7] = f32::NAN;
+        if let TensorData::F32(v) = &mut xs.data {
+            // NaN in a short row, and in the middle of a long one (lane folding).
+            match k {
+                2 => v[7] = f32::NAN,
+                5 => v[1500] = f32::NAN,
+                _ => {}
             }
         }
         let inputs = map(vec![
@@ -1223,6 +1226,35 @@ fn run_nodes_returns_intermediates_and_skips_unneeded_nodes() {
         .unwrap_err()
         .to_string();
     assert_eq!(e_err, r_err);
+    // A binding error is reported before a bad node id, as the reference does.
+    let mut partial = inputs.clone();
+    partial.remove("x");
+    let e_err = eager
+        .run_nodes(&partial, &none, &opts(), &[NodeId(99)])
+        .unwrap_err()
+        .to_string();
+    let r_err = reference::run_nodes(&g, &partial, &none, &opts(), &[NodeId(99)])
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e_err, r_err);
+    assert!(e_err.contains("missing input `x`"), "{e_err}");
+}
+
+#[test]
+fn a_profiled_run_gives_the_same_values_and_times_each_op_kind() {
+    let g = block_graph();
+    let (inputs, params) = block_feeds();
+    let eager = Eager::new(g.clone()).unwrap();
+    let plain = eager.run(&inputs, &params, &opts()).unwrap();
+    let (values, times) = eager.run_profiled(&inputs, &params, &opts()).unwrap();
+    assert_eq!(bits(&plain), bits(&values));
+    let matmul = times
+        .iter()
+        .find(|t| t.op == "matmul")
+        .expect("matmuls timed");
+    let count = g.nodes.iter().filter(|n| n.op == Op::MatMul).count();
+    assert_eq!(matmul.nodes, count);
+    assert!(times.windows(2).all(|w| w[0].seconds >= w[1].seconds));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 use kiln_compiler::bind::check_id;
 
+use super::pool::Pool;
 use super::value::{Elem, View};
 use super::walk::{chunked, to_vec, PAR_MIN};
 
@@ -22,7 +23,7 @@ use super::walk::{chunked, to_vec, PAR_MIN};
 pub(crate) fn contiguous<'s, E: Elem>(x: View<'s, E>) -> Cow<'s, [E]> {
     match x.contiguous() {
         Some(s) => Cow::Borrowed(s),
-        None => Cow::Owned(to_vec(x)),
+        None => Cow::Owned(to_vec(None, x)),
     }
 }
 
@@ -35,7 +36,11 @@ fn check_ids(ids: &[i32], len: usize, what: &str) -> Result<Vec<usize>, String> 
 }
 
 /// `gather(table[V, D...], ids[I...]) -> [I..., D...]`.
-pub(crate) fn gather<E: Elem>(table: View<'_, E>, ids: View<'_, i32>) -> Result<Vec<E>, String> {
+pub(crate) fn gather<E: Elem>(
+    pool: Option<&Pool>,
+    table: View<'_, E>,
+    ids: View<'_, i32>,
+) -> Result<Vec<E>, String> {
     let Some((&v, rest)) = table.shape().split_first() else {
         return Err("the table is a scalar".into());
     };
@@ -43,7 +48,7 @@ pub(crate) fn gather<E: Elem>(table: View<'_, E>, ids: View<'_, i32>) -> Result<
     let ids = contiguous(ids);
     let rows = check_ids(&ids, v, &format!("the table has {v} rows"))?;
     let table = contiguous(table);
-    let mut out = vec![E::default(); rows.len() * row];
+    let mut out = E::alloc(pool, rows.len() * row);
     if row == 0 {
         return Ok(out);
     }
@@ -60,6 +65,7 @@ pub(crate) fn gather<E: Elem>(table: View<'_, E>, ids: View<'_, i32>) -> Result<
 
 /// `scatter_add(ids[I...], src[I..., D...]) -> [rows, D...]` (`shape` is the result's).
 pub(crate) fn scatter_add(
+    pool: Option<&Pool>,
     ids: View<'_, i32>,
     src: View<'_, f32>,
     shape: &[usize],
@@ -80,7 +86,8 @@ pub(crate) fn scatter_add(
     let ids = contiguous(ids);
     let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
     let src = contiguous(src);
-    let mut out = vec![0.0f32; rows * row];
+    let mut out = f32::alloc(pool, rows * row);
+    out.fill(0.0);
     if row == 0 || targets.is_empty() {
         return Ok(out);
     }
@@ -115,14 +122,21 @@ pub(crate) fn scatter_add(
 }
 
 /// `ids[I...] -> f32[I..., depth]`, 1.0 at the id.
-pub(crate) fn one_hot(ids: View<'_, i32>, depth: usize) -> Result<Vec<f32>, String> {
+pub(crate) fn one_hot(
+    pool: Option<&Pool>,
+    ids: View<'_, i32>,
+    depth: usize,
+) -> Result<Vec<f32>, String> {
     let ids = contiguous(ids);
     let cols = check_ids(&ids, depth, &format!("the depth is {depth}"))?;
-    let mut out = vec![0.0f32; cols.len() * depth];
+    let mut out = f32::alloc(pool, cols.len() * depth);
     if depth == 0 {
         return Ok(out);
     }
-    let set = |(p, row): (usize, &mut [f32])| row[cols[p]] = 1.0;
+    let set = |(p, row): (usize, &mut [f32])| {
+        row.fill(0.0);
+        row[cols[p]] = 1.0;
+    };
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(depth).enumerate().for_each(set);
     } else {
@@ -132,7 +146,12 @@ pub(crate) fn one_hot(ids: View<'_, i32>, depth: usize) -> Result<Vec<f32>, Stri
 }
 
 /// Concatenation of `parts` along `axis` into the row-major `shape`.
-pub(crate) fn concat<E: Elem>(parts: &[View<'_, E>], axis: usize, shape: &[usize]) -> Vec<E> {
+pub(crate) fn concat<E: Elem>(
+    pool: Option<&Pool>,
+    parts: &[View<'_, E>],
+    axis: usize,
+    shape: &[usize],
+) -> Vec<E> {
     let outer: usize = shape[..axis].iter().product();
     let inner: usize = shape[axis + 1..].iter().product();
     let total = shape[axis] * inner;
@@ -140,7 +159,7 @@ pub(crate) fn concat<E: Elem>(parts: &[View<'_, E>], axis: usize, shape: &[usize
         .iter()
         .map(|p| (contiguous(*p), p.shape()[axis] * inner))
         .collect();
-    let mut out = vec![E::default(); outer * total];
+    let mut out = E::alloc(pool, outer * total);
     if total == 0 {
         return out;
     }
@@ -160,8 +179,12 @@ pub(crate) fn concat<E: Elem>(parts: &[View<'_, E>], axis: usize, shape: &[usize
 }
 
 /// `out[i] = f(i)` for every flat index, in parallel when large.
-pub(crate) fn generate<E: Elem>(n: usize, f: impl Fn(usize) -> E + Sync) -> Vec<E> {
-    let mut out = vec![E::default(); n];
+pub(crate) fn generate<E: Elem>(
+    pool: Option<&Pool>,
+    n: usize,
+    f: impl Fn(usize) -> E + Sync,
+) -> Vec<E> {
+    let mut out = E::alloc(pool, n);
     chunked(&mut out, |o, lo| {
         for (i, o) in o.iter_mut().enumerate() {
             *o = f(lo + i);

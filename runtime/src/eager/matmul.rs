@@ -18,7 +18,8 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::value::View;
+use super::pool::Pool;
+use super::value::{Elem, View};
 
 /// Products with fewer multiply-adds than this run single-threaded.
 const GEMM_PAR_MIN: usize = 1 << 16;
@@ -124,7 +125,11 @@ fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize
 }
 
 /// The product of `a` `[..., m, k]` and `b` (`[..., k, n]` or `[k, n]`), row-major.
-pub(crate) fn matmul(a: View<'_, f32>, b: View<'_, f32>) -> Result<Vec<f32>, String> {
+pub(crate) fn matmul(
+    pool: Option<&Pool>,
+    a: View<'_, f32>,
+    b: View<'_, f32>,
+) -> Result<Vec<f32>, String> {
     let (sa, sb) = (a.shape(), b.shape());
     let (ra, rb) = (sa.len(), sb.len());
     let fits =
@@ -134,8 +139,10 @@ pub(crate) fn matmul(a: View<'_, f32>, b: View<'_, f32>) -> Result<Vec<f32>, Str
     }
     let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
     let batch: usize = sa[..ra - 2].iter().product();
-    let mut out = vec![0.0f32; batch * m * n];
+    // gemm writes every element (it does not read the destination).
+    let mut out = f32::alloc(pool, batch * m * n);
     if out.is_empty() || k == 0 {
+        out.fill(0.0);
         return Ok(out);
     }
     let (la, lb) = (a.layout, b.layout);

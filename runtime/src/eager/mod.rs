@@ -17,7 +17,8 @@
 //!   value's strides, never its elements ([`value`]); kernels read any strides.
 //! - **Memory**: parameters and inputs are borrowed, never copied; each buffer is freed
 //!   after its last reader (planned in `new`); an elementwise op whose operand dies with
-//!   it writes into that operand's buffer.
+//!   it writes into that operand's buffer; large freed buffers go to a pool ([`pool`])
+//!   and are reused by later nodes and runs instead of being page-faulted in again.
 //!
 //! # Numerics and determinism
 //!
@@ -32,12 +33,15 @@
 mod index;
 mod matmul;
 mod ops;
+mod pool;
 mod reduce;
 mod value;
 mod walk;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
 
 use kiln_compiler::bind::{liveness, Binder, Source};
 use kiln_compiler::ir::{Graph, NodeId, Op};
@@ -45,7 +49,11 @@ use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
 use ops::{compute, Ctx};
+use pool::Pool;
 use value::{Data, Value};
+
+/// How the executor names itself in messages.
+const EXECUTOR: &str = "the eager executor";
 
 /// Which nodes a set of requested values needs and when each buffer can be freed.
 #[derive(Clone, Debug)]
@@ -81,12 +89,28 @@ impl Plan {
     }
 }
 
+/// Named output values, in `graph.outputs` order.
+pub type Outputs = Vec<(String, Tensor)>;
+
+/// Where one run spent its time, per op kind (see [`Eager::run_profiled`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTime {
+    /// The op's name in the text form (`matmul`, `exp`, …).
+    pub op: &'static str,
+    /// Wall-clock seconds spent in nodes of this op.
+    pub seconds: f64,
+    /// How many nodes of this op ran.
+    pub nodes: usize,
+}
+
 /// A graph ready to run eagerly on the CPU.
 #[derive(Clone, Debug)]
 pub struct Eager {
     graph: Graph,
     /// The plan of [`Eager::run`]: every output of the graph.
     outputs: Plan,
+    /// Large buffers kept between nodes and runs (see `pool.rs`).
+    pool: Arc<Pool>,
 }
 
 impl Eager {
@@ -95,7 +119,11 @@ impl Eager {
         graph.verify()?;
         let ids: Vec<NodeId> = graph.outputs.iter().map(|o| o.node).collect();
         let outputs = Plan::new(&graph, &ids)?;
-        Ok(Eager { graph, outputs })
+        Ok(Eager {
+            graph,
+            outputs,
+            pool: Arc::new(Pool::default()),
+        })
     }
 
     pub fn graph(&self) -> &Graph {
@@ -108,8 +136,8 @@ impl Eager {
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        let values = self.execute(&self.outputs, inputs, params, opts)?;
+    ) -> Result<Outputs, ExecError> {
+        let values = self.execute(&self.outputs, inputs, params, opts, None)?;
         Ok(self
             .graph
             .outputs
@@ -117,6 +145,36 @@ impl Eager {
             .map(|o| o.name.clone())
             .zip(values)
             .collect())
+    }
+
+    /// [`Eager::run`], also returning the time spent per op kind, slowest first.
+    pub fn run_profiled(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<(Outputs, Vec<OpTime>), ExecError> {
+        let mut times: BTreeMap<&'static str, OpTime> = BTreeMap::new();
+        let mut record = |op: &'static str, seconds: f64| {
+            let t = times.entry(op).or_insert(OpTime {
+                op,
+                seconds: 0.0,
+                nodes: 0,
+            });
+            t.seconds += seconds;
+            t.nodes += 1;
+        };
+        let values = self.execute(&self.outputs, inputs, params, opts, Some(&mut record))?;
+        let named = self
+            .graph
+            .outputs
+            .iter()
+            .map(|o| o.name.clone())
+            .zip(values)
+            .collect();
+        let mut times: Vec<OpTime> = times.into_values().collect();
+        times.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        Ok((named, times))
     }
 
     /// Runs the graph and returns the values of `nodes`, in the order requested
@@ -128,8 +186,28 @@ impl Eager {
         opts: &RunOptions,
         nodes: &[NodeId],
     ) -> Result<Vec<Tensor>, ExecError> {
-        let plan = Plan::new(&self.graph, nodes)?;
-        self.execute(&plan, inputs, params, opts)
+        let plan = match Plan::new(&self.graph, nodes) {
+            Ok(plan) => plan,
+            Err(e) => {
+                // The reference binds the inputs before it looks at the requested ids;
+                // report a binding error first, as it does.
+                self.check_options(opts)?;
+                Binder::new(&self.graph, inputs, params, EXECUTOR)?;
+                return Err(e);
+            }
+        };
+        self.execute(&plan, inputs, params, opts, None)
+    }
+
+    fn check_options(&self, opts: &RunOptions) -> Result<(), ExecError> {
+        if opts.precision != Precision::F32 {
+            return Err(ExecError::Unsupported(format!(
+                "the eager executor computes in f32 only, but {:?} precision was requested; \
+                 run it in f32, or use the reference executor for f64",
+                opts.precision
+            )));
+        }
+        Ok(())
     }
 
     fn execute<'t>(
@@ -138,20 +216,16 @@ impl Eager {
         inputs: &'t BTreeMap<String, Tensor>,
         params: &'t BTreeMap<String, Tensor>,
         opts: &RunOptions,
+        mut profile: Option<&mut dyn FnMut(&'static str, f64)>,
     ) -> Result<Vec<Tensor>, ExecError> {
-        if opts.precision != Precision::F32 {
-            return Err(ExecError::Unsupported(format!(
-                "the eager executor computes in f32 only, but {:?} precision was requested; \
-                 run it in f32, or use the reference executor for f64",
-                opts.precision
-            )));
-        }
+        self.check_options(opts)?;
         let graph = &self.graph;
-        let bind = Binder::new(graph, inputs, params, "the eager executor")?;
+        let bind = Binder::new(graph, inputs, params, EXECUTOR)?;
         let ctx = Ctx {
             dims: &bind.dims,
             seed: opts.seed,
             step: opts.step,
+            pool: &self.pool,
         };
         let mut values: Vec<Option<Value<'t>>> = vec![None; graph.len()];
         for &i in &plan.order {
@@ -174,6 +248,7 @@ impl Eager {
                     bind.node_err(id, format!("internal: operand {inp} was not computed"))
                 })?);
             }
+            let started = profile.as_ref().map(|_| Instant::now());
             let v = match &node.op {
                 Op::Input { name } => source_value(bind.input(id, name)?, &shape),
                 Op::Param { name, .. } => source_value(bind.param(id, name, &shape)?, &shape),
@@ -187,6 +262,9 @@ impl Eager {
                         v.shape()
                     ),
                 ));
+            }
+            if let (Some(record), Some(t0)) = (profile.as_mut(), started) {
+                record(node.op.name(), t0.elapsed().as_secs_f64());
             }
             values[i] = Some(v);
         }
@@ -209,9 +287,9 @@ impl Eager {
 fn source_value<'t>(src: Source<'t>, shape: &[usize]) -> Value<'t> {
     match src {
         Source::F32(v) => Value::borrowed(shape, v),
-        Source::F64(v) => Value::owned(shape, v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        Source::F64(v) => Value::owned(shape, v.iter().map(|&x| x as f32).collect(), None),
         Source::I32(Cow::Borrowed(v)) => Value::borrowed(shape, v),
-        Source::I32(Cow::Owned(v)) => Value::owned(shape, v),
+        Source::I32(Cow::Owned(v)) => Value::owned(shape, v, None),
         Source::Bool(v) => Value::borrowed(shape, v),
     }
 }

@@ -19,18 +19,22 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::pool::Pool;
 use super::value::{Elem, View};
 use super::walk::{to_vec, PAR_MIN};
 
 /// Accumulators per row in last-axis reductions.
 pub(crate) const LANES: usize = 16;
 
-/// Folds `x` along `axis` with `f`, starting every output element from `init`.
+/// Folds `x` along `axis` with `f`, starting every output element from `init`; a whole
+/// contiguous row (last-axis reductions) is folded by `row`.
 pub(crate) fn reduce<E: Elem>(
+    pool: Option<&Pool>,
     x: View<'_, E>,
     axis: usize,
     init: E,
     f: impl Fn(E, E) -> E + Sync + Copy,
+    row: impl Fn(&[E]) -> E + Sync,
 ) -> Vec<E> {
     let shape = x.shape();
     let outer: usize = shape[..axis].iter().product();
@@ -38,9 +42,10 @@ pub(crate) fn reduce<E: Elem>(
     let inner: usize = shape[axis + 1..].iter().product();
     let v: Cow<'_, [E]> = match x.contiguous() {
         Some(s) => Cow::Borrowed(s),
-        None => Cow::Owned(to_vec(x)),
+        None => Cow::Owned(to_vec(pool, x)),
     };
-    let mut out = vec![init; outer * inner];
+    let mut out = E::alloc(pool, outer * inner);
+    out.fill(init);
     if out.is_empty() {
         return out;
     }
@@ -53,7 +58,7 @@ pub(crate) fn reduce<E: Elem>(
         let body = |(t, o): (usize, &mut [E])| {
             for (j, o) in o.iter_mut().enumerate() {
                 let r = t * rows_per_task + j;
-                *o = fold_row(&v[r * len..(r + 1) * len], init, f);
+                *o = row(&v[r * len..(r + 1) * len]);
             }
         };
         if work >= PAR_MIN && outer > 1 {
@@ -94,7 +99,7 @@ pub(crate) fn reduce<E: Elem>(
 
 /// One row folded with [`LANES`] interleaved accumulators (in order when short).
 #[inline]
-fn fold_row<E: Copy>(row: &[E], init: E, f: impl Fn(E, E) -> E) -> E {
+pub(crate) fn fold_row<E: Copy>(row: &[E], init: E, f: impl Fn(E, E) -> E) -> E {
     if row.len() < LANES {
         return row.iter().fold(init, |a, &b| f(a, b));
     }
@@ -114,6 +119,44 @@ fn fold_row<E: Copy>(row: &[E], init: E, f: impl Fn(E, E) -> E) -> E {
         }
     }
     tail.iter().fold(acc[0], |a, &b| f(a, b))
+}
+
+/// The NaN-propagating maximum of a row, exactly as the reference's in-order fold gives
+/// it for rows with a NaN (the first NaN), and the same value for other rows (up to the
+/// sign of a zero maximum). The lanes take a plain maximum, which vectorizes, and note
+/// whether they saw a NaN; a row with one is folded again in order.
+#[inline]
+pub(crate) fn max_row(row: &[f32]) -> f32 {
+    let ordered = |row: &[f32]| row.iter().fold(f32::NEG_INFINITY, |a, &b| fmax(a, b));
+    if row.len() < LANES {
+        return ordered(row);
+    }
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut nan = [false; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..LANES {
+            let b = c[j];
+            acc[j] = if b > acc[j] { b } else { acc[j] };
+            nan[j] |= b.is_nan();
+        }
+    }
+    if nan.iter().any(|&n| n) || tail.iter().any(|b| b.is_nan()) {
+        return ordered(row);
+    }
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for j in 0..w {
+            acc[j] = if acc[j + w] > acc[j] {
+                acc[j + w]
+            } else {
+                acc[j]
+            };
+        }
+    }
+    tail.iter().fold(acc[0], |a, &b| if b > a { b } else { a })
 }
 
 /// NaN-propagating maximum (the reference's `max`).
@@ -141,12 +184,19 @@ mod tests {
             data: &data,
             layout: &l,
         };
-        let rows = reduce(v, 1, 0.0, |a, b| a + b);
+        let add = |a: f32, b: f32| a + b;
+        let rows = reduce(None, v, 1, 0.0, add, |r| fold_row(r, 0.0, add));
         assert_eq!(rows, vec![190.0, 590.0]);
-        let cols = reduce(v, 0, 0.0, |a, b| a + b);
+        let cols = reduce(None, v, 0, 0.0, add, |r| fold_row(r, 0.0, add));
         assert_eq!(cols.len(), 20);
         assert_eq!(cols[3], 3.0 + 23.0);
-        let m = reduce(v, 1, f32::NEG_INFINITY, fmax);
+        let m = reduce(None, v, 1, f32::NEG_INFINITY, fmax, max_row);
         assert_eq!(m, vec![19.0, 39.0]);
+        // A NaN anywhere in a row wins, whichever lane holds it.
+        for at in [0, 5, 17, 33, 39] {
+            let mut row: Vec<f32> = (0..40).map(|v| v as f32).collect();
+            row[at] = f32::NAN;
+            assert!(max_row(&row).is_nan(), "NaN at {at}");
+        }
     }
 }

@@ -10,19 +10,43 @@
 
 use std::sync::Arc;
 
+use super::pool::Pool;
 use super::walk::to_vec;
+
+/// A kernel's output buffer, handed back to its pool (if any) when the last value that
+/// reads it is dropped.
+#[derive(Debug)]
+pub(crate) struct Buffer<E: Elem> {
+    v: Vec<E>,
+    pool: Option<Arc<Pool>>,
+}
+
+impl<E: Elem> Buffer<E> {
+    /// The elements, leaving an empty buffer (whose drop then returns nothing).
+    fn take(mut self) -> Vec<E> {
+        std::mem::take(&mut self.v)
+    }
+}
+
+impl<E: Elem> Drop for Buffer<E> {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            E::recycle(pool, std::mem::take(&mut self.v));
+        }
+    }
+}
 
 /// Where a value's elements live.
 #[derive(Debug)]
-pub(crate) enum Store<'t, E> {
-    /// Computed by a kernel; views of it share the buffer, and it is freed when the last
-    /// one is dropped.
-    Owned(Arc<Vec<E>>),
+pub(crate) enum Store<'t, E: Elem> {
+    /// Computed by a kernel; views of it share the buffer, and it is freed (or pooled)
+    /// when the last one is dropped.
+    Owned(Arc<Buffer<E>>),
     /// The caller's tensor, read in place.
     Borrowed(&'t [E]),
 }
 
-impl<E> Clone for Store<'_, E> {
+impl<E: Elem> Clone for Store<'_, E> {
     fn clone(&self) -> Self {
         match self {
             Store::Owned(a) => Store::Owned(Arc::clone(a)),
@@ -31,31 +55,32 @@ impl<E> Clone for Store<'_, E> {
     }
 }
 
-impl<E> Store<'_, E> {
+impl<E: Elem> Store<'_, E> {
     pub(crate) fn as_slice(&self) -> &[E] {
         match self {
-            Store::Owned(a) => a.as_slice(),
+            Store::Owned(a) => a.v.as_slice(),
             Store::Borrowed(s) => s,
         }
     }
-}
 
-impl<E: Elem> Store<'_, E> {
     /// The elements `layout` describes, row-major: the buffer itself when this is its
     /// only owner and the layout covers it exactly, else a copy.
     pub(crate) fn into_vec(self, layout: &Layout) -> Vec<E> {
         let exact = layout.is_contiguous() && layout.offset == 0;
         let s = match self {
-            Store::Owned(a) if exact && a.len() == layout.numel() => match Arc::try_unwrap(a) {
-                Ok(v) => return v,
+            Store::Owned(a) if exact && a.v.len() == layout.numel() => match Arc::try_unwrap(a) {
+                Ok(b) => return b.take(),
                 Err(a) => Store::Owned(a),
             },
             s => s,
         };
-        to_vec(View {
-            data: s.as_slice(),
-            layout,
-        })
+        to_vec(
+            None,
+            View {
+                data: s.as_slice(),
+                layout,
+            },
+        )
     }
 }
 
@@ -85,10 +110,14 @@ pub(crate) trait Elem:
     /// The storage, or the data back when it holds another dtype.
     fn take<'t>(d: Data<'t>) -> Result<Store<'t, Self>, Data<'t>>;
     fn wrap<'t>(s: Store<'t, Self>) -> Data<'t>;
+    /// A buffer of `n` elements with unspecified contents (from the pool for f32).
+    fn alloc(pool: Option<&Pool>, n: usize) -> Vec<Self>;
+    /// Hands a dead buffer to the pool (f32) or frees it.
+    fn recycle(pool: &Pool, v: Vec<Self>);
 }
 
 macro_rules! elem {
-    ($t:ty, $variant:ident) => {
+    ($t:ident, $variant:ident) => {
         impl Elem for $t {
             fn store<'a, 't>(d: &'a Data<'t>) -> Option<&'a Store<'t, Self>> {
                 match d {
@@ -105,7 +134,25 @@ macro_rules! elem {
             fn wrap<'t>(s: Store<'t, Self>) -> Data<'t> {
                 Data::$variant(s)
             }
+            elem!(@pool $t);
         }
+    };
+    (@pool f32) => {
+        fn alloc(pool: Option<&Pool>, n: usize) -> Vec<f32> {
+            match pool {
+                Some(p) => p.take(n),
+                None => vec![0.0; n],
+            }
+        }
+        fn recycle(pool: &Pool, v: Vec<f32>) {
+            pool.give(v)
+        }
+    };
+    (@pool $t:ty) => {
+        fn alloc(_: Option<&Pool>, n: usize) -> Vec<$t> {
+            vec![<$t>::default(); n]
+        }
+        fn recycle(_: &Pool, _: Vec<$t>) {}
     };
 }
 
@@ -240,9 +287,17 @@ impl<'s, E: Elem> View<'s, E> {
 }
 
 impl<'t> Value<'t> {
-    pub(crate) fn owned<E: Elem>(shape: &[usize], v: Vec<E>) -> Value<'t> {
+    /// A row-major value over `v`, handed to `pool` when it dies.
+    pub(crate) fn owned<E: Elem>(
+        shape: &[usize],
+        v: Vec<E>,
+        pool: Option<&Arc<Pool>>,
+    ) -> Value<'t> {
         Value {
-            data: E::wrap(Store::Owned(Arc::new(v))),
+            data: E::wrap(Store::Owned(Arc::new(Buffer {
+                v,
+                pool: pool.cloned(),
+            }))),
             layout: Layout::contiguous(shape),
         }
     }
@@ -271,13 +326,13 @@ impl<'t> Value<'t> {
     pub(crate) fn into_unique<E: Elem>(self) -> Result<Vec<E>, Value<'t>> {
         let fits = self.layout.is_contiguous()
             && self.layout.offset == 0
-            && matches!(E::store(&self.data), Some(Store::Owned(a)) if a.len() == self.layout.numel());
+            && matches!(E::store(&self.data), Some(Store::Owned(a)) if a.v.len() == self.layout.numel());
         if !fits {
             return Err(self);
         }
         let Value { data, layout } = self;
         match E::take(data) {
-            Ok(Store::Owned(a)) => Arc::try_unwrap(a).map_err(|a| Value {
+            Ok(Store::Owned(a)) => Arc::try_unwrap(a).map(Buffer::take).map_err(|a| Value {
                 data: E::wrap(Store::Owned(a)),
                 layout,
             }),

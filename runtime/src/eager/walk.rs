@@ -17,6 +17,7 @@
 
 use rayon::prelude::*;
 
+use super::pool::Pool;
 use super::value::{Elem, Layout, View};
 
 /// Work below this many elements runs on the calling thread.
@@ -261,8 +262,12 @@ fn update2<A: Copy, B: Copy>(o: &mut [A], b: impl Read<B>, f: &impl Fn(A, B) -> 
 }
 
 /// `f` of every element of `x`, row-major.
-pub(crate) fn map1<A: Elem, O: Elem>(x: View<'_, A>, f: impl Fn(A) -> O + Sync) -> Vec<O> {
-    let mut out = vec![O::default(); x.layout.numel()];
+pub(crate) fn map1<A: Elem, O: Elem>(
+    pool: Option<&Pool>,
+    x: View<'_, A>,
+    f: impl Fn(A) -> O + Sync,
+) -> Vec<O> {
+    let mut out = O::alloc(pool, x.layout.numel());
     if let Some(xs) = x.contiguous() {
         let body = |o: &mut [O], lo: usize| fill1(o, Contig(&xs[lo..lo + o.len()]), &f);
         chunked(&mut out, body);
@@ -279,11 +284,12 @@ pub(crate) fn map1<A: Elem, O: Elem>(x: View<'_, A>, f: impl Fn(A) -> O + Sync) 
 
 /// `f` of corresponding elements of `x` and `y` (same shape), row-major.
 pub(crate) fn map2<A: Elem, B: Elem, O: Elem>(
+    pool: Option<&Pool>,
     x: View<'_, A>,
     y: View<'_, B>,
     f: impl Fn(A, B) -> O + Sync,
 ) -> Vec<O> {
-    let mut out = vec![O::default(); x.layout.numel()];
+    let mut out = O::alloc(pool, x.layout.numel());
     if let (Some(xs), Some(ys)) = (x.contiguous(), y.contiguous()) {
         let body = |o: &mut [O], lo: usize| {
             let n = o.len();
@@ -307,12 +313,13 @@ pub(crate) fn map2<A: Elem, B: Elem, O: Elem>(
 
 /// `f` of corresponding elements of three same-shape views, row-major.
 pub(crate) fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
+    pool: Option<&Pool>,
     x: View<'_, A>,
     y: View<'_, B>,
     z: View<'_, C>,
     f: impl Fn(A, B, C) -> O + Sync,
 ) -> Vec<O> {
-    let mut out = vec![O::default(); x.layout.numel()];
+    let mut out = O::alloc(pool, x.layout.numel());
     walk(
         &mut out,
         x.shape(),
@@ -363,11 +370,8 @@ pub(crate) fn update_with<A: Elem, B: Elem>(
 
 /// The elements of `x` in row-major order, copied (a borrowed slice when they already
 /// are is the caller's business).
-pub(crate) fn to_vec<E: Elem>(x: View<'_, E>) -> Vec<E> {
-    if let Some(xs) = x.contiguous() {
-        return xs.to_vec();
-    }
-    map1(x, |a| a)
+pub(crate) fn to_vec<E: Elem>(pool: Option<&Pool>, x: View<'_, E>) -> Vec<E> {
+    map1(pool, x, |a| a)
 }
 
 /// Calls `body(chunk, flat_start)` over `out` in chunks, in parallel when large.
@@ -429,6 +433,6 @@ mod tests {
             data: &data,
             layout: &l,
         };
-        assert_eq!(to_vec(v), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        assert_eq!(to_vec(None, v), vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
     }
 }
