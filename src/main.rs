@@ -9,13 +9,14 @@ use std::collections::BTreeMap;
 use clap::{Parser, Subcommand};
 use kiln_compiler::init::init_params;
 use kiln_compiler::printer::print_graph;
-use kiln_compiler::reference::{self, Precision, RunOptions};
+use kiln_compiler::reference::{Precision, RunOptions};
 use kiln_compiler::summary::{group_digits, Summary};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
 
+mod demo;
 mod train_cmds;
 
 #[derive(Parser)]
@@ -218,8 +219,15 @@ enum Command {
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
     },
-    /// Run the main job on an embedded default.
-    Demo,
+    /// Run the main job on an embedded default: generate a task, train, translate, score.
+    Demo {
+        /// Training time in seconds.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Where to write the generated data and the run (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -468,7 +476,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             input,
             output,
         } => train_cmds::import(&format, &input, &output),
-        Command::Demo => demo(),
+        Command::Demo { seconds, dir } => demo::demo(demo::DemoArgs { seconds, dir }),
     }
 }
 
@@ -508,68 +516,3 @@ fn runtime_error(e: RuntimeError) -> Error {
     plain("kiln::run", e.message, Some(e.help))
 }
 
-/// The embedded default: the base architecture at a tiny size, run on generated data.
-fn demo() -> Result<(), Error> {
-    const BASE: &str = include_str!("../models/transformer_base.kiln");
-    let tiny = ["vocab=64", "d_model=32", "d_ff=64", "h=4", "n=2"];
-    let opts = Options {
-        overrides: tiny.iter().map(|s| s.to_string()).collect(),
-        ..Options::default()
-    };
-    let g = kiln_dsl::compile_str("transformer_base.kiln", BASE, &opts)?;
-    println!(
-        "kiln demo — the paper's Transformer at a tiny size ({})",
-        tiny.join(" ")
-    );
-    println!(
-        "  elaborated `{}`: {} parameters in {} tensors, {} IR nodes",
-        g.name,
-        group_digits(g.num_parameters()),
-        g.params.len(),
-        g.len()
-    );
-    // A generated task: copy a random sequence in reverse (ids 3..64; 0 = pad, 1 = bos, 2 = eos).
-    let (batch, len) = (4usize, 7usize);
-    let mut src = Vec::new();
-    let mut tgt_in = Vec::new();
-    let mut tgt_out = Vec::new();
-    let mut state = 0x9e3779b97f4a7c15u64;
-    for _ in 0..batch {
-        let seq: Vec<i32> = (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                3 + (state % 61) as i32
-            })
-            .collect();
-        let rev: Vec<i32> = seq.iter().rev().copied().collect();
-        src.extend(&seq);
-        tgt_in.push(1);
-        tgt_in.extend(&rev);
-        tgt_out.extend(&rev);
-        tgt_out.push(2);
-    }
-    let mut feeds = BTreeMap::new();
-    let t = |v: Vec<i32>, l: usize| Tensor::i32(vec![batch, l], v).expect("demo shapes agree");
-    feeds.insert("src".to_string(), t(src, len));
-    feeds.insert("tgt_in".to_string(), t(tgt_in, len + 1));
-    feeds.insert("tgt_out".to_string(), t(tgt_out, len + 1));
-    let params: BTreeMap<String, Tensor> = init_params(&g, 0)
-        .map_err(|e| plain("kiln::init", e.to_string(), None))?
-        .into_iter()
-        .collect();
-    let eg = entry_graph(&g, Entry::Loss).map_err(runtime_error)?;
-    let start = std::time::Instant::now();
-    let out = reference::run(&eg, &feeds, &params, &RunOptions::default())
-        .map_err(|e| plain("kiln::run", e.to_string(), None))?;
-    let loss = out[0].1.to_f64_vec().map(|v| v[0]).unwrap_or(f64::NAN);
-    println!(
-        "  reference executor: label-smoothed loss {loss:.4} on {batch} reversal examples at initialization \
-         (uniform guess: ln 64 = {:.4}) in {:.1} ms",
-        (64f64).ln(),
-        start.elapsed().as_secs_f64() * 1e3
-    );
-    println!("  training, beam search and BLEU arrive with issue #3 — not yet available.");
-    Ok(())
-}

@@ -7,10 +7,13 @@
 //! - [`summary`] — what `kiln check` reports;
 //! - [`init`] and [`rng`] — seeded parameter initialization and the Philox generator;
 //! - [`tensor`] — host tensors and their safetensors form;
+//! - [`bind`] — checking inputs and parameters against a graph and binding its dims,
+//!   shared by every executor;
 //! - [`reference`] — the reference executor, the oracle every later path is tested against;
 //! - [`autodiff`] — reverse-mode gradients as a graph-to-graph pass, and `train_step`.
 
 pub mod autodiff;
+pub mod bind;
 pub mod infer;
 pub mod init;
 pub mod ir;

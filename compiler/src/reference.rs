@@ -50,11 +50,10 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
-use crate::ir::{
-    BinaryOp, CmpOp, DType, Graph, IrError, NodeId, Op, ReduceOp, TensorType, UnaryOp,
-};
+use crate::bind::{check_id, fmt_dims, liveness, Binder, Source};
+use crate::ir::{BinaryOp, CmpOp, DType, Graph, IrError, NodeId, Op, ReduceOp, UnaryOp};
 use crate::rng;
-use crate::tensor::{shape_numel, Tensor, TensorData};
+use crate::tensor::{Tensor, TensorData};
 
 /// The working precision of float values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -104,6 +103,9 @@ pub enum ExecError {
     NoSuchNode { id: NodeId, len: usize },
     #[error("cannot run a malformed graph: {0}")]
     Graph(#[from] IrError),
+    /// An executor cannot honour a run option (the eager executor runs in f32 only).
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// Runs `graph` and returns every output in `graph.outputs` order, with its name.
@@ -295,20 +297,14 @@ fn product(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
-fn fmt_dims(dims: &[usize]) -> String {
-    format!("{dims:?}")
-}
-
 // ---------------------------------------------------------------------------------------
 // The executor.
 
 struct Executor<'a, T> {
     graph: &'a Graph,
-    inputs: &'a BTreeMap<String, Tensor>,
-    params: &'a BTreeMap<String, Tensor>,
     opts: &'a RunOptions,
-    /// Symbolic dim → size, from the input shapes.
-    dims: BTreeMap<String, i64>,
+    /// The checked inputs and parameters, with every symbolic dim bound.
+    bind: Binder<'a, 'a>,
     _float: std::marker::PhantomData<T>,
 }
 
@@ -323,156 +319,12 @@ impl<'a, T: Real> Executor<'a, T> {
         opts: &'a RunOptions,
     ) -> Result<Self, ExecError> {
         graph.verify()?;
-        let mut ex = Executor {
+        Ok(Executor {
             graph,
-            inputs,
-            params,
             opts,
-            dims: BTreeMap::new(),
+            bind: Binder::new(graph, inputs, params, "the reference executor")?,
             _float: std::marker::PhantomData,
-        };
-        ex.bind_dims()?;
-        Ok(ex)
-    }
-
-    /// `%12 gather in scope `emb``.
-    fn label(&self, id: NodeId) -> String {
-        let node = self.graph.node(id);
-        let mut s = format!("{id} {}", node.op.name());
-        if let Some(name) = self.graph.source_name(id) {
-            s.push_str(&format!(" `{name}`"));
-        }
-        if !node.scope.is_empty() {
-            s.push_str(&format!(" in scope `{}`", node.scope));
-        }
-        s
-    }
-
-    fn expected_inputs(&self) -> String {
-        let list: Vec<String> = self
-            .graph
-            .inputs
-            .iter()
-            .map(|&i| {
-                format!(
-                    "`{}`: {}",
-                    self.graph.source_name(i).unwrap_or("?"),
-                    self.graph.ty(i)
-                )
-            })
-            .collect();
-        list.join(", ")
-    }
-
-    fn input_name(&self, id: NodeId) -> Result<&'a str, ExecError> {
-        self.graph.source_name(id).ok_or_else(|| {
-            ExecError::Graph(IrError::Malformed(format!(
-                "{id} is listed as an input but is a {} node",
-                self.graph.node(id).op.name()
-            )))
         })
-    }
-
-    /// Checks every input's presence, dtype and rank, and binds the symbolic dims.
-    fn bind_dims(&mut self) -> Result<(), ExecError> {
-        let graph = self.graph;
-        // symbol -> (input, axis, size) that bound it first.
-        let mut origin: BTreeMap<String, (String, usize, usize)> = BTreeMap::new();
-        for &id in &graph.inputs {
-            if id.index() >= graph.len() {
-                return Err(ExecError::Graph(IrError::Malformed(format!(
-                    "input {id} does not exist"
-                ))));
-            }
-            let name = self.input_name(id)?;
-            let ty = graph.ty(id);
-            let t = self
-                .inputs
-                .get(name)
-                .ok_or_else(|| ExecError::MissingInput {
-                    name: name.to_string(),
-                    expected: self.expected_inputs(),
-                })?;
-            let err = |message: String| ExecError::Input {
-                name: name.to_string(),
-                message,
-            };
-            check_source_tensor(ty, t).map_err(err)?;
-            let dims = ty.shape.dims();
-            if t.shape.len() != dims.len() {
-                return Err(err(format!(
-                    "has rank {} (shape {}), but the graph declares rank {}: {}",
-                    t.shape.len(),
-                    fmt_dims(&t.shape),
-                    dims.len(),
-                    ty.shape
-                )));
-            }
-            for (axis, (d, &got)) in dims.iter().zip(&t.shape).enumerate() {
-                if let Some(c) = d.as_const() {
-                    if i64::try_from(got) != Ok(c) {
-                        return Err(err(format!(
-                            "has shape {}, expected {}: axis {axis} must be {c}",
-                            fmt_dims(&t.shape),
-                            ty.shape
-                        )));
-                    }
-                } else if let Some(sym) = d.as_sym() {
-                    match origin.get(sym) {
-                        Some((first, first_axis, first_value)) if *first_value != got => {
-                            return Err(ExecError::DimConflict {
-                                dim: sym.to_string(),
-                                first: first.clone(),
-                                first_axis: *first_axis,
-                                first_value: *first_value,
-                                second: name.to_string(),
-                                second_axis: axis,
-                                second_value: got,
-                            });
-                        }
-                        Some(_) => {}
-                        None => {
-                            let v = i64::try_from(got).map_err(|_| {
-                                err(format!("axis {axis} has size {got}, which is too large"))
-                            })?;
-                            origin.insert(sym.to_string(), (name.to_string(), axis, got));
-                            self.dims.insert(sym.to_string(), v);
-                        }
-                    }
-                }
-            }
-        }
-        // Composite dims, now that every plain symbol is bound.
-        for &id in &graph.inputs {
-            let name = self.input_name(id)?;
-            let ty = graph.ty(id);
-            let Some(t) = self.inputs.get(name) else {
-                continue;
-            };
-            for (axis, (d, &got)) in ty.shape.dims().iter().zip(&t.shape).enumerate() {
-                if d.is_const() || d.as_sym().is_some() {
-                    continue;
-                }
-                let want = d.eval(&self.dims).map_err(|e| ExecError::Input {
-                    name: name.to_string(),
-                    message: format!(
-                        "has axis {axis} of size `{d}`, which cannot be evaluated ({e}); some \
-                         input must have an axis that is exactly that dim"
-                    ),
-                })?;
-                if i64::try_from(got) != Ok(want) {
-                    return Err(ExecError::Input {
-                        name: name.to_string(),
-                        message: format!(
-                            "has shape {}, expected {}: axis {axis} is `{d}` = {want}",
-                            fmt_dims(&t.shape),
-                            ty.shape
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Computes the requested nodes and everything they need.
@@ -484,24 +336,10 @@ impl<'a, T: Real> Executor<'a, T> {
             }
         }
         // Which nodes are needed, and the last node that reads each one.
-        let mut live = vec![false; n];
+        let (live, last_use) = liveness(self.graph, requested);
         let mut keep = vec![false; n];
-        let mut stack: Vec<NodeId> = requested.to_vec();
         for &id in requested {
             keep[id.index()] = true;
-        }
-        while let Some(id) = stack.pop() {
-            if !std::mem::replace(&mut live[id.index()], true) {
-                stack.extend(self.graph.node(id).inputs.iter().copied());
-            }
-        }
-        let mut last_use: Vec<usize> = (0..n).collect();
-        for (i, node) in self.graph.nodes.iter().enumerate() {
-            if live[i] {
-                for inp in &node.inputs {
-                    last_use[inp.index()] = last_use[inp.index()].max(i);
-                }
-            }
         }
 
         let mut values: Vec<Option<Buf<T>>> = vec![None; n];
@@ -535,41 +373,13 @@ impl<'a, T: Real> Executor<'a, T> {
     }
 
     fn node_err(&self, id: NodeId, message: String) -> ExecError {
-        ExecError::Node {
-            node: self.label(id),
-            message,
-        }
+        self.bind.node_err(id, message)
     }
 
     /// Computes one node from its (already computed) operands.
     fn eval(&self, id: NodeId, values: &[Option<Buf<T>>]) -> Result<Buf<T>, ExecError> {
         let node = self.graph.node(id);
-        if matches!(node.ty.dtype, DType::BF16 | DType::F16) {
-            return Err(self.node_err(
-                id,
-                format!(
-                    "{} values are not supported by the reference executor; run it in f32 \
-                     (or f64)",
-                    node.ty.dtype
-                ),
-            ));
-        }
-        let shape = node.ty.shape.eval(&self.dims).map_err(|e| {
-            self.node_err(
-                id,
-                format!(
-                    "cannot size the result {}: {e}; every dim must be fixed by the shape of \
-                     some input",
-                    node.ty.shape
-                ),
-            )
-        })?;
-        if shape_numel(&shape).is_none() {
-            return Err(self.node_err(
-                id,
-                format!("the result {} has too many elements", fmt_dims(&shape)),
-            ));
-        }
+        let shape = self.bind.node_shape(id)?;
         let mut args: Vec<&Buf<T>> = Vec::with_capacity(node.inputs.len());
         for inp in &node.inputs {
             let v = values[inp.index()].as_ref().ok_or_else(|| {
@@ -578,20 +388,8 @@ impl<'a, T: Real> Executor<'a, T> {
             args.push(v);
         }
         let data = match &node.op {
-            Op::Input { name } => {
-                let t = self
-                    .inputs
-                    .get(name)
-                    .ok_or_else(|| ExecError::MissingInput {
-                        name: name.clone(),
-                        expected: self.expected_inputs(),
-                    })?;
-                source_data(&node.ty, t).map_err(|message| ExecError::Input {
-                    name: name.clone(),
-                    message,
-                })?
-            }
-            Op::Param { name, .. } => self.param(name, &node.ty, &shape, id)?,
+            Op::Input { name } => source_data(self.bind.input(id, name)?),
+            Op::Param { name, .. } => source_data(self.bind.param(id, name, &shape)?),
             op => self
                 .compute(op, &args, &shape)
                 .map_err(|m| self.node_err(id, m))?,
@@ -607,53 +405,6 @@ impl<'a, T: Real> Executor<'a, T> {
             ));
         }
         Ok(Buf { shape, data })
-    }
-
-    fn param(
-        &self,
-        name: &str,
-        ty: &TensorType,
-        shape: &[usize],
-        id: NodeId,
-    ) -> Result<Data<T>, ExecError> {
-        let err = |message: String| ExecError::Param {
-            name: name.to_string(),
-            message,
-        };
-        let t = self.params.get(name).ok_or_else(|| {
-            let scope = &self.graph.node(id).scope;
-            let place = if scope.is_empty() {
-                String::new()
-            } else {
-                format!(" in scope `{scope}`")
-            };
-            err(format!(
-                "is not provided; the graph needs it as {ty}{place} (initialize the \
-                 parameters or load a checkpoint of this model)"
-            ))
-        })?;
-        if !t.is_consistent() {
-            return Err(err(format!(
-                "has shape {} ({} elements) but holds {} values",
-                fmt_dims(&t.shape),
-                t.numel(),
-                t.data.len()
-            )));
-        }
-        if !matches!(t.data, TensorData::F32(_) | TensorData::F64(_)) {
-            return Err(err(format!(
-                "is {}, but parameters must be f32 (or f64) tensors; the graph needs {ty}",
-                t.dtype_name()
-            )));
-        }
-        if t.shape != shape {
-            return Err(err(format!(
-                "has shape {}, but the graph needs {ty}; the tensors do not belong to this \
-                 model (or its config changed)",
-                fmt_dims(&t.shape)
-            )));
-        }
-        source_data(ty, t).map_err(err)
     }
 
     /// Computes a non-source op. Errors are completed with the node's label by the caller.
@@ -769,7 +520,7 @@ impl<'a, T: Real> Executor<'a, T> {
             Op::Slice { axis, start, .. } => {
                 let x = args[0];
                 let start = start
-                    .eval(&self.dims)
+                    .eval(&self.bind.dims)
                     .ok()
                     .and_then(|v| usize::try_from(v).ok())
                     .ok_or_else(|| format!("slice start {start} is not a valid index"))?;
@@ -908,7 +659,7 @@ impl<'a, T: Real> Executor<'a, T> {
             }
             Op::Arange { start, .. } => {
                 let start = start
-                    .eval(&self.dims)
+                    .eval(&self.bind.dims)
                     .map_err(|e| format!("arange start: {e}"))?;
                 let end = start + numel as i64;
                 if start < i64::from(i32::MIN) || end - 1 > i64::from(i32::MAX) {
@@ -940,75 +691,14 @@ impl<'a, T: Real> Executor<'a, T> {
     }
 }
 
-/// An id as an index into `0..len`, or an error naming it.
-/// `what` says where the range comes from (`the table has 4 rows`).
-fn check_id(id: i32, len: usize, position: usize, what: &str) -> NodeResult<usize> {
-    match usize::try_from(id) {
-        Ok(r) if r < len => Ok(r),
-        _ => Err(format!(
-            "id {id} (at flat position {position}) is out of range: valid ids are 0..{len} \
-             ({what})"
-        )),
+/// A bound source's elements in the executor's representation.
+fn source_data<T: Real>(src: Source<'_>) -> Data<T> {
+    match src {
+        Source::F32(v) => Data::F(v.iter().map(|&x| T::from_f64(f64::from(x))).collect()),
+        Source::F64(v) => Data::F(v.iter().map(|&x| T::from_f64(x)).collect()),
+        Source::I32(v) => Data::I(v.into_owned()),
+        Source::Bool(v) => Data::B(v.to_vec()),
     }
-}
-
-/// Checks that a source tensor is consistent and has a dtype the declared type accepts.
-fn check_source_tensor(ty: &TensorType, t: &Tensor) -> NodeResult<()> {
-    if !t.is_consistent() {
-        return Err(format!(
-            "has shape {} ({} elements) but holds {} values",
-            fmt_dims(&t.shape),
-            t.numel(),
-            t.data.len()
-        ));
-    }
-    let ok = match ty.dtype {
-        DType::F32 => matches!(t.data, TensorData::F32(_) | TensorData::F64(_)),
-        DType::I32 => matches!(t.data, TensorData::I32(_) | TensorData::I64(_)),
-        DType::Bool => matches!(t.data, TensorData::Bool(_)),
-        DType::BF16 | DType::F16 => {
-            return Err(format!(
-                "is declared {}, which the reference executor does not support",
-                ty.dtype
-            ))
-        }
-    };
-    if !ok {
-        let accepts = match ty.dtype {
-            DType::F32 => "f32 or f64",
-            DType::I32 => "i32 or i64",
-            _ => "bool",
-        };
-        return Err(format!(
-            "is {}, but the graph declares {ty}; pass it as {accepts}",
-            t.dtype_name()
-        ));
-    }
-    Ok(())
-}
-
-/// A source tensor's elements in the executor's representation.
-fn source_data<T: Real>(ty: &TensorType, t: &Tensor) -> NodeResult<Data<T>> {
-    check_source_tensor(ty, t)?;
-    Ok(match &t.data {
-        TensorData::F32(v) => Data::F(v.iter().map(|&x| T::from_f64(f64::from(x))).collect()),
-        TensorData::F64(v) => Data::F(v.iter().map(|&x| T::from_f64(x)).collect()),
-        TensorData::I32(v) => Data::I(v.clone()),
-        TensorData::I64(v) => {
-            let mut out = Vec::with_capacity(v.len());
-            for (p, &x) in v.iter().enumerate() {
-                let x = i32::try_from(x).map_err(|_| {
-                    format!(
-                        "has the value {x} at flat position {p}, which does not fit in i32 \
-                         (the graph declares {ty})"
-                    )
-                })?;
-                out.push(x);
-            }
-            Data::I(out)
-        }
-        TensorData::Bool(v) => Data::B(v.clone()),
-    })
 }
 
 fn unary<T: Real>(u: UnaryOp, x: &Data<T>) -> NodeResult<Data<T>> {

@@ -84,15 +84,21 @@ fn seed_key(seed: u64) -> [u32; 2] {
     [seed as u32, (seed >> 32) as u32]
 }
 
+/// The four Philox words that decide elements `4*block .. 4*block + 4` of the dropout
+/// node with `stream` at `step`: element `i` is kept iff `(words[i % 4] >> 8) >=
+/// threshold`. Executors that mask whole blocks at once call this; [`dropout_keep`] is
+/// the per-element form.
+pub fn dropout_words(seed: u64, step: u32, stream: u32, block: u64) -> [u32; 4] {
+    philox4x32_10(
+        [block as u32, (block >> 32) as u32, stream, step],
+        seed_key(seed),
+    )
+}
+
 /// Whether element `index` of the dropout node with `stream` survives at `step` (see the
 /// module documentation for the exact definition).
 pub fn dropout_keep(seed: u64, step: u32, stream: u32, index: u64, threshold: u32) -> bool {
-    let block = index / 4;
-    let out = philox4x32_10(
-        [block as u32, (block >> 32) as u32, stream, step],
-        seed_key(seed),
-    );
-    let w = out[(index % 4) as usize];
+    let w = dropout_words(seed, step, stream, index / 4)[(index % 4) as usize];
     (w >> 8) >= threshold
 }
 

@@ -3,7 +3,7 @@
 //! In: an entry-point graph and the tensors it needs. Out: its outputs. The trainer and
 //! the decoder hold a `Box<dyn Exec>` and do not care which executor runs the graph:
 //! - [`Reference`]: the compiler's reference executor (plain loops, the oracle);
-//! - the eager executor (op by op, GEMM through the `gemm` crate), when it is built.
+//! - [`crate::eager::Eager`]: op by op, GEMM through the `gemm` crate.
 
 use std::collections::BTreeMap;
 
@@ -59,6 +59,21 @@ impl Exec for Reference {
     }
 }
 
+impl Exec for crate::eager::Eager {
+    fn graph(&self) -> &Graph {
+        crate::eager::Eager::graph(self)
+    }
+
+    fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        crate::eager::Eager::run(self, inputs, params, opts)
+    }
+}
+
 /// Which executor to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExecutorKind {
@@ -80,6 +95,6 @@ impl ExecutorKind {
 pub fn executor(kind: ExecutorKind, graph: Graph) -> Result<Box<dyn Exec>, ExecError> {
     match kind {
         ExecutorKind::Reference => Ok(Box::new(Reference::new(graph)?)),
-        ExecutorKind::Eager => Ok(Box::new(Reference::new(graph)?)),
+        ExecutorKind::Eager => Ok(Box::new(crate::eager::Eager::new(graph)?)),
     }
 }

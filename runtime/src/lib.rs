@@ -2,7 +2,8 @@
 //!
 //! Modules:
 //! - [`entry`] — entry points of a model graph and checks on the tensors fed to them;
-//! - [`exec`] — the executors behind one interface;
+//! - [`exec`] — the executors behind one interface; [`eager`] — the eager CPU executor
+//!   (any graph op by op, `gemm` for matmuls, vectorized loops for the rest);
 //! - [`config`] — the YAML training configuration (the paper's recipe as defaults);
 //! - [`data`] — parallel corpora, the shared BPE vocabulary, token-based batches;
 //! - [`optim`] — Adam;
@@ -20,6 +21,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod decode;
+pub mod eager;
 pub mod entry;
 pub mod exec;
 pub mod interop;
@@ -30,4 +32,5 @@ pub mod plot;
 pub mod synthetic;
 pub mod train;
 
+pub use eager::{Eager, OpTime, Outputs};
 pub use entry::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};

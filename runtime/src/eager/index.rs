@@ -1,0 +1,194 @@
+//! Ops that move whole rows by index: `gather`, `scatter_add`, `one_hot`, `concat`.
+//!
+//! In: views (materialized row-major where a kernel needs it) and i32 ids. Out: row-major
+//! results, or the reference executor's error for the first id (in flat order) that is
+//! out of range — ids are all checked before anything is written.
+//!
+//! `scatter_add` adds the rows in id order, exactly like the reference: positions are
+//! bucketed by target row (a stable counting sort), then each result row sums its
+//! positions in increasing order. Threads split the result rows, which does not change
+//! any element's order of additions, so the result is bit-identical to the reference.
+
+use std::borrow::Cow;
+
+use rayon::prelude::*;
+
+use kiln_compiler::bind::check_id;
+
+use super::pool::Pool;
+use super::value::{Elem, View};
+use super::walk::{chunked, to_vec, PAR_MIN};
+
+/// The elements of `x` row-major, borrowed when they already are.
+pub(crate) fn contiguous<'s, E: Elem>(x: View<'s, E>) -> Cow<'s, [E]> {
+    match x.contiguous() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(to_vec(None, x)),
+    }
+}
+
+/// Every id as an index into `0..len`, or the error for the first bad one.
+fn check_ids(ids: &[i32], len: usize, what: &str) -> Result<Vec<usize>, String> {
+    ids.iter()
+        .enumerate()
+        .map(|(p, &id)| check_id(id, len, p, what))
+        .collect()
+}
+
+/// `gather(table[V, D...], ids[I...]) -> [I..., D...]`.
+pub(crate) fn gather<E: Elem>(
+    pool: Option<&Pool>,
+    table: View<'_, E>,
+    ids: View<'_, i32>,
+) -> Result<Vec<E>, String> {
+    let Some((&v, rest)) = table.shape().split_first() else {
+        return Err("the table is a scalar".into());
+    };
+    let row: usize = rest.iter().product();
+    let ids = contiguous(ids);
+    let rows = check_ids(&ids, v, &format!("the table has {v} rows"))?;
+    let table = contiguous(table);
+    let mut out = E::alloc(pool, rows.len() * row);
+    if row == 0 {
+        return Ok(out);
+    }
+    let copy = |(p, dst): (usize, &mut [E])| {
+        dst.copy_from_slice(&table[rows[p] * row..(rows[p] + 1) * row]);
+    };
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(row).enumerate().for_each(copy);
+    } else {
+        out.chunks_mut(row).enumerate().for_each(copy);
+    }
+    Ok(out)
+}
+
+/// `scatter_add(ids[I...], src[I..., D...]) -> [rows, D...]` (`shape` is the result's).
+pub(crate) fn scatter_add(
+    pool: Option<&Pool>,
+    ids: View<'_, i32>,
+    src: View<'_, f32>,
+    shape: &[usize],
+) -> Result<Vec<f32>, String> {
+    let Some((&rows, rest)) = shape.split_first() else {
+        return Err("the result is a scalar".into());
+    };
+    let row: usize = rest.iter().product();
+    let k = ids.shape().len();
+    if !src.shape().starts_with(ids.shape()) || src.shape()[k..].iter().product::<usize>() != row {
+        return Err(format!(
+            "internal: values {:?} do not fit ids {:?} and result {:?}",
+            src.shape(),
+            ids.shape(),
+            shape
+        ));
+    }
+    let ids = contiguous(ids);
+    let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
+    let src = contiguous(src);
+    let mut out = f32::alloc(pool, rows * row);
+    out.fill(0.0);
+    if row == 0 || targets.is_empty() {
+        return Ok(out);
+    }
+    // The positions that land on each result row, in increasing order (a counting
+    // sort), so every row can be summed independently in the reference's order.
+    let mut start = vec![0usize; rows + 1];
+    for &r in &targets {
+        start[r + 1] += 1;
+    }
+    for r in 0..rows {
+        start[r + 1] += start[r];
+    }
+    let mut fill = start.clone();
+    let mut order = vec![0usize; targets.len()];
+    for (p, &r) in targets.iter().enumerate() {
+        order[fill[r]] = p;
+        fill[r] += 1;
+    }
+    let body = |(r, dst): (usize, &mut [f32])| {
+        for &p in &order[start[r]..start[r + 1]] {
+            for (d, &s) in dst.iter_mut().zip(&src[p * row..(p + 1) * row]) {
+                *d += s;
+            }
+        }
+    };
+    if targets.len() * row >= PAR_MIN {
+        out.par_chunks_mut(row).enumerate().for_each(body);
+    } else {
+        out.chunks_mut(row).enumerate().for_each(body);
+    }
+    Ok(out)
+}
+
+/// `ids[I...] -> f32[I..., depth]`, 1.0 at the id.
+pub(crate) fn one_hot(
+    pool: Option<&Pool>,
+    ids: View<'_, i32>,
+    depth: usize,
+) -> Result<Vec<f32>, String> {
+    let ids = contiguous(ids);
+    let cols = check_ids(&ids, depth, &format!("the depth is {depth}"))?;
+    let mut out = f32::alloc(pool, cols.len() * depth);
+    if depth == 0 {
+        return Ok(out);
+    }
+    let set = |(p, row): (usize, &mut [f32])| {
+        row.fill(0.0);
+        row[cols[p]] = 1.0;
+    };
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(depth).enumerate().for_each(set);
+    } else {
+        out.chunks_mut(depth).enumerate().for_each(set);
+    }
+    Ok(out)
+}
+
+/// Concatenation of `parts` along `axis` into the row-major `shape`.
+pub(crate) fn concat<E: Elem>(
+    pool: Option<&Pool>,
+    parts: &[View<'_, E>],
+    axis: usize,
+    shape: &[usize],
+) -> Vec<E> {
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let total = shape[axis] * inner;
+    let parts: Vec<(Cow<'_, [E]>, usize)> = parts
+        .iter()
+        .map(|p| (contiguous(*p), p.shape()[axis] * inner))
+        .collect();
+    let mut out = E::alloc(pool, outer * total);
+    if total == 0 {
+        return out;
+    }
+    let body = |(o, dst): (usize, &mut [E])| {
+        let mut at = 0;
+        for (v, chunk) in &parts {
+            dst[at..at + chunk].copy_from_slice(&v[o * chunk..(o + 1) * chunk]);
+            at += chunk;
+        }
+    };
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(total).enumerate().for_each(body);
+    } else {
+        out.chunks_mut(total).enumerate().for_each(body);
+    }
+    out
+}
+
+/// `out[i] = f(i)` for every flat index, in parallel when large.
+pub(crate) fn generate<E: Elem>(
+    pool: Option<&Pool>,
+    n: usize,
+    f: impl Fn(usize) -> E + Sync,
+) -> Vec<E> {
+    let mut out = E::alloc(pool, n);
+    chunked(&mut out, |o, lo| {
+        for (i, o) in o.iter_mut().enumerate() {
+            *o = f(lo + i);
+        }
+    });
+    out
+}
