@@ -31,15 +31,29 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         .dir
         .unwrap_or_else(|| std::env::temp_dir().join(format!("kiln-demo-{}", std::process::id())));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| plain("kiln::io", format!("cannot create `{}`: {e}", dir.display()), None))?;
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        plain(
+            "kiln::io",
+            format!("cannot create `{}`: {e}", dir.display()),
+            None,
+        )
+    })?;
     let write = |name: &str, text: &str| {
-        std::fs::write(dir.join(name), text)
-            .map_err(|e| plain("kiln::io", format!("cannot write `{}`: {e}", dir.join(name).display()), None))
+        std::fs::write(dir.join(name), text).map_err(|e| {
+            plain(
+                "kiln::io",
+                format!("cannot write `{}`: {e}", dir.join(name).display()),
+                None,
+            )
+        })
     };
     // The task: 3 to 8 words; disjoint draws for training, validation and test.
     let task = Task::new(2026, 3, 8);
-    let (train, valid, test) = (task.pairs(1, 20_000), task.pairs(2, 100), task.pairs(3, 200));
+    let (train, valid, test) = (
+        task.pairs(1, 20_000),
+        task.pairs(2, 100),
+        task.pairs(3, 200),
+    );
     for (name, pairs) in [("train", &train), ("valid", &valid)] {
         write(&format!("{name}.src"), &join(pairs.iter().map(|p| &p.0)))?;
         write(&format!("{name}.tgt"), &join(pairs.iter().map(|p| &p.1)))?;
@@ -66,7 +80,8 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
     println!("  {note}");
     let graphs = compile_graphs(&cfg, tok.vocab_size())?;
-    let mut trainer = Trainer::new(cfg, tok.clone(), &graphs, Progress::Auto).map_err(err("kiln::train"))?;
+    let mut trainer =
+        Trainer::new(cfg, tok.clone(), &graphs, Progress::Auto).map_err(err("kiln::train"))?;
     for n in trainer.notes() {
         println!("  {n}");
     }
@@ -79,10 +94,14 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     // Held-out test set, beam 4 with the paper's length penalty.
     let start = Instant::now();
     let set = trainer.graphs();
-    let encode = kiln_runtime::exec::executor(kiln_runtime::exec::ExecutorKind::Eager, set.encode.clone())
-        .map_err(err("kiln::demo"))?;
-    let step = kiln_runtime::exec::executor(kiln_runtime::exec::ExecutorKind::Eager, set.decode_step.clone())
-        .map_err(err("kiln::demo"))?;
+    let encode =
+        kiln_runtime::exec::executor(kiln_runtime::exec::ExecutorKind::Eager, set.encode.clone())
+            .map_err(err("kiln::demo"))?;
+    let step = kiln_runtime::exec::executor(
+        kiln_runtime::exec::ExecutorKind::Eager,
+        set.decode_step.clone(),
+    )
+    .map_err(err("kiln::demo"))?;
     let srcs: Vec<Vec<i32>> = test
         .iter()
         .map(|(s, _)| tok.encode(s))
@@ -94,14 +113,25 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         ..DecodeOptions::default()
     };
     let vocab = set.vocab().unwrap_or(tok.vocab_size());
-    let hyps = translate_ids(&*encode, &*step, trainer.params(), &srcs, &opts, vocab).map_err(err("kiln::demo"))?;
+    let hyps = translate_ids(&*encode, &*step, trainer.params(), &srcs, &opts, vocab)
+        .map_err(err("kiln::demo"))?;
     let hyps: Vec<String> = hyps.iter().map(|h| tok.decode(h)).collect();
     let refs: Vec<String> = test.iter().map(|p| p.1.clone()).collect();
     let exact = hyps.iter().zip(&refs).filter(|(h, r)| h == r).count();
-    let bleu = corpus_bleu(&hyps, &[refs.clone()], &BleuOptions::default()).map_err(err("kiln::demo"))?;
-    println!("  beam search (beam 4, α 0.6) on {} held-out sentences in {:.1}s:", test.len(), start.elapsed().as_secs_f64());
+    let bleu =
+        corpus_bleu(&hyps, &[refs.clone()], &BleuOptions::default()).map_err(err("kiln::demo"))?;
+    println!(
+        "  beam search (beam 4, α 0.6) on {} held-out sentences in {:.1}s:",
+        test.len(),
+        start.elapsed().as_secs_f64()
+    );
     for i in 0..3.min(test.len()) {
-        println!("    {}  →  {}{}", test[i].0, hyps[i], if hyps[i] == refs[i] { "" } else { "   ✗" });
+        println!(
+            "    {}  →  {}{}",
+            test[i].0,
+            hyps[i],
+            if hyps[i] == refs[i] { "" } else { "   ✗" }
+        );
     }
     println!(
         "  exact match: {}/{} = {:.1}%   {}",
@@ -110,7 +140,10 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         100.0 * exact as f64 / test.len() as f64,
         bleu
     );
-    println!("  run directory (checkpoint, metrics.jsonl, training.png): {}", Path::new(&dir).join("run").display());
+    println!(
+        "  run directory (checkpoint, metrics.jsonl, training.png): {}",
+        Path::new(&dir).join("run").display()
+    );
     Ok(())
 }
 

@@ -515,4 +515,3 @@ fn file_error(e: TensorFileError) -> Error {
 fn runtime_error(e: RuntimeError) -> Error {
     plain("kiln::run", e.message, Some(e.help))
 }
-

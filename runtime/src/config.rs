@@ -201,7 +201,7 @@ pub struct ValidConfig {
     pub length_penalty: String,
     pub max_len_a: f64,
     pub max_len_b: usize,
-    /// Decode at most this many validation sentences for BLEU (0: all).
+    /// Validate on the first this many validation pairs (0: all of them).
     pub max_sentences: usize,
 }
 

@@ -344,7 +344,11 @@ impl Trainer {
         };
         let plan = BatchPlan::new(&train.examples, bcfg)?;
         let valid_corpus = load_parallel(&cfg.data.valid_src, &cfg.data.valid_tgt)?;
-        let valid = Dataset::build(&valid_corpus, &tokenizer, None)?;
+        let mut valid = Dataset::build(&valid_corpus, &tokenizer, None)?;
+        if cfg.valid.max_sentences > 0 {
+            valid.examples.truncate(cfg.valid.max_sentences);
+            valid.lines.truncate(cfg.valid.max_sentences);
+        }
         let valid_plan = BatchPlan::new(&valid.examples, bcfg)?;
         notes.push(format!(
             "{} batches per epoch; {} validation pairs",
@@ -551,11 +555,7 @@ impl Trainer {
             max_len_b: v.max_len_b,
             ..DecodeOptions::default()
         };
-        let n = if v.max_sentences == 0 {
-            self.valid.len()
-        } else {
-            v.max_sentences.min(self.valid.len())
-        };
+        let n = self.valid.len();
         let srcs: Vec<Vec<i32>> = self.valid[..n].iter().map(|e| e.src.clone()).collect();
         let hyps = translate_ids(
             &*self.encode_exec,
