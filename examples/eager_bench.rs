@@ -4,7 +4,8 @@
 //! initialized with seed 1), a batch of B = 32 sentences of S = T = 25 random ids in
 //! `3..37000`. Out: for the forward entry (logits) and the loss entry, the median time
 //! of a few runs after a warm-up, tokens per second (`B * T / median`), and where one
-//! run spends its time per op kind, on stdout.
+//! run spends its time per op kind, on stdout; also whether runs are bit-identical and
+//! a hash of the outputs' bits, to compare runs with different thread counts.
 //!
 //! Run with `cargo run --release --example eager_bench`. An optional argument gives the
 //! number of timed runs (default 5); `RAYON_NUM_THREADS` sets the thread count.
@@ -31,6 +32,19 @@ fn random_ids(rows: usize, cols: usize, stream: u64) -> Result<Tensor> {
         .map(|i| 3 + (rng::uniform01(2024, stream, i) * f64::from(VOCAB - 3)) as i32)
         .collect();
     Ok(Tensor::i32(vec![rows, cols], v)?)
+}
+
+/// FNV-1a over the outputs' f32 bits: equal hashes mean (all but surely) equal outputs.
+fn bits_hash(outputs: &[(String, Tensor)]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (_, t) in outputs {
+        for x in t.as_f32().unwrap_or(&[]) {
+            for b in x.to_bits().to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    h
 }
 
 fn median_ms(mut times: Vec<f64>) -> f64 {
@@ -97,9 +111,11 @@ fn main() -> Result<()> {
             (B * T) as f64 / (med / 1e3)
         );
         println!(
-            "{:>17}  outputs bit-identical across runs: {}",
+            "{:>17}  outputs bit-identical across runs: {}; their bits hash to {:016x} \
+             (compare across RAYON_NUM_THREADS)",
             "",
-            if repeatable { "yes" } else { "NO" }
+            if repeatable { "yes" } else { "NO" },
+            bits_hash(&first)
         );
         let (_, profile) = eager.run_profiled(&inputs, &params, &run_opts)?;
         let total: f64 = profile.iter().map(|t| t.seconds).sum();

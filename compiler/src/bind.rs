@@ -11,7 +11,7 @@
 //!   or `I64` tensors (every `I64` value must fit in i32); a float input takes `F32` or
 //!   `F64`; a `bool` input takes `Bool`.
 //! - Ranks must match. An axis whose dim is a single symbol binds it; two inputs that
-//!   disagree on it are a [`ExecError::DimConflict`] naming both. Constant dims must match
+//!   disagree on it are an [`ExecError::DimConflict`] naming both. Constant dims must match
 //!   exactly; composite dims (`t + 1`) are evaluated once every symbol is bound.
 //! - A parameter is looked up when a node needs it: it must be given, consistent, a float
 //!   tensor (`F32` or `F64`) and have exactly the graph's shape.

@@ -17,6 +17,9 @@
 //!
 //! # Binding
 //!
+//! (The checks live in [`crate::bind`], shared with the other executors, so every
+//! executor accepts the same tensors and reports the same errors.)
+//!
 //! - Every graph input must be given (tensors with other names are ignored). An `i32`
 //!   input takes `I32` or `I64` tensors (every `I64` value must fit in i32); a float
 //!   input takes `F32` or `F64` tensors in either precision (converted to the working

@@ -446,6 +446,18 @@ fn permutes_and_reshapes() {
     let bt = permute(&mut g, big, &[1, 0]);
     let btr = reshape(&mut g, bt, &[257 * 301]);
     out(&mut g, "big_t", btr);
+    // Batched transposes (copied in bands), with and without merged leading axes.
+    let b3 = input(&mut g, "b3", DType::F32, &["3", "40", "70"]);
+    let b3t = permute(&mut g, b3, &[0, 2, 1]);
+    let b3r = reshape(&mut g, b3t, &[3 * 70 * 40]);
+    out(&mut g, "b3_t", b3r);
+    let b4 = input(&mut g, "b4", DType::F32, &["2", "3", "33", "65"]);
+    let b4t = permute(&mut g, b4, &[0, 1, 3, 2]);
+    let b4r = reshape(&mut g, b4t, &[6, 65 * 33]);
+    out(&mut g, "b4_t", b4r);
+    let b4p = permute(&mut g, b4, &[1, 0, 3, 2]);
+    let b4pr = reshape(&mut g, b4p, &[6 * 65 * 33]);
+    out(&mut g, "b4_pt", b4pr);
     check(
         &g,
         vec![
@@ -454,6 +466,8 @@ fn permutes_and_reshapes() {
             ("one", f32t(&[1, 1], &[4.5])),
             ("z", rand(&[2, 0, 3], 3)),
             ("big", rand(&[301, 257], 4)),
+            ("b3", rand(&[3, 40, 70], 5)),
+            ("b4", rand(&[2, 3, 33, 65], 6)),
         ],
         vec![],
         Tol::Exact,

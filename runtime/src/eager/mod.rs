@@ -10,25 +10,27 @@
 //! op semantics — with kernels meant for speed:
 //!
 //! - **Matmuls** go to the `gemm` crate, reading transposed operands through their
-//!   strides ([`matmul`]).
+//!   strides (`matmul.rs`).
 //! - **Everything else** is a loop over slices that LLVM vectorizes, parallel with rayon
-//!   above a size threshold ([`walk`], [`reduce`], [`index`]).
+//!   above a size threshold (`walk.rs`, `reduce.rs`, `index.rs`).
 //! - **Views** (`reshape` of row-major data, `permute`, `broadcast`, `slice`) change a
-//!   value's strides, never its elements ([`value`]); kernels read any strides.
+//!   value's strides, never its elements (`value.rs`); kernels read any strides.
 //! - **Memory**: parameters and inputs are borrowed, never copied; each buffer is freed
 //!   after its last reader (planned in `new`); an elementwise op whose operand dies with
-//!   it writes into that operand's buffer; large freed buffers go to a pool ([`pool`])
+//!   it writes into that operand's buffer; large freed buffers go to a pool (`pool.rs`)
 //!   and are reused by later nodes and runs instead of being page-faulted in again.
 //!
 //! # Numerics and determinism
 //!
 //! Results equal the reference's up to rounding: matmuls use FMA and `gemm`'s blocking,
-//! and last-axis reductions sum in 16 interleaved lanes (see [`reduce`]). Everything
-//! else — elementwise ops, other reductions, gathers, `scatter_add`, dropout masks — is
-//! bit-identical to the reference in f32. Every kernel splits work between threads only
-//! by *which* output elements a task computes, never by how one element is computed, so
-//! one run's bits do not depend on the number of threads or on scheduling (the tests
-//! check 1 vs 2 threads; `gemm` is included in that check).
+//! and last-axis sums add in 16 interleaved lanes (see `reduce.rs`). Everything else —
+//! elementwise ops, `reduce_max` (up to the sign of a zero maximum), other reductions,
+//! gathers, `scatter_add`, dropout masks — is bit-identical to the reference in f32.
+//! Every kernel splits work between threads only by *which* output elements a task
+//! computes, never by how one element is computed, and chooses its loop shape from the
+//! problem size, not the thread count; `gemm` splits its work the same way (its k
+//! blocking does not depend on threads). So a run's bits do not depend on the number of
+//! threads or on scheduling: the tests compare 1, 2, 3 and 4 threads bit for bit.
 
 mod index;
 mod matmul;

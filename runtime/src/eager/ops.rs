@@ -553,10 +553,11 @@ pub(crate) fn compute<'t>(
                 ));
             }
             let parts: Vec<Value<'t>> = (0..nargs).map(|_| arg()).collect::<R<_>>()?;
-            match &parts[0].data {
-                Data::F(_) => ctx.value(shape, concat_as::<f32>(ctx, &parts, axis, shape)?),
-                Data::I(_) => ctx.value(shape, concat_as::<i32>(ctx, &parts, axis, shape)?),
-                Data::B(_) => ctx.value(shape, concat_as::<bool>(ctx, &parts, axis, shape)?),
+            match parts.first().map(|p| &p.data) {
+                Some(Data::F(_)) => ctx.value(shape, concat_as::<f32>(ctx, &parts, axis, shape)?),
+                Some(Data::I(_)) => ctx.value(shape, concat_as::<i32>(ctx, &parts, axis, shape)?),
+                Some(Data::B(_)) => ctx.value(shape, concat_as::<bool>(ctx, &parts, axis, shape)?),
+                None => return Err("internal: concat of nothing".into()),
             }
         }
     })

@@ -3,7 +3,7 @@
 //! In: buffers written by kernels (owned, shared by reference count) or borrowed from the
 //! caller's tensors (parameters are never copied). Out: [`Value`]s that views (`reshape`,
 //! `permute`, `broadcast`, `slice`) re-describe without touching the elements, typed
-//! [`View`]s for kernels, and host [`Tensor`]s at the end of a run.
+//! [`View`]s for kernels, and row-major buffers for host tensors at the end of a run.
 //!
 //! A [`Layout`] maps a multi-index `i` to the element `offset + Σ i[d] * strides[d]` of
 //! the storage. Strides are never negative; a broadcast axis has stride 0.

@@ -369,10 +369,64 @@ pub(crate) fn update_with<A: Elem, B: Elem>(
 }
 
 /// The elements of `x` in row-major order, copied (a borrowed slice when they already
-/// are is the caller's business).
+/// are is the caller's business). Transposed views (the last two merged axes swapped in
+/// memory) are copied in bands of output rows, reading the source in short contiguous
+/// runs instead of one element per cache line.
 pub(crate) fn to_vec<E: Elem>(pool: Option<&Pool>, x: View<'_, E>) -> Vec<E> {
-    map1(pool, x, |a| a)
+    let numel = x.layout.numel();
+    let (cshape, [cstr]) = collapse(x.shape(), &[Operand::of(x.layout)]);
+    let r = cshape.len();
+    let transposed = r >= 2 && cstr[r - 2] == 1 && cstr[r - 1] > 1;
+    if !transposed || numel < 4 * TILE * TILE {
+        return map1(pool, x, |a| a);
+    }
+    let (rows, cols) = (cshape[r - 2], cshape[r - 1]);
+    let col_stride = cstr[r - 1];
+    let mut out = E::alloc(pool, numel);
+    // One task per band of TILE output rows of one matrix.
+    let bands = rows.div_ceil(TILE);
+    let band = |(t, dst): (usize, &mut [E])| {
+        let (m, b) = (t / bands, t % bands);
+        // Storage offset of matrix `m` (an odometer over the leading merged axes).
+        let mut base = x.layout.offset;
+        let mut rest = m;
+        for d in (0..r - 2).rev() {
+            base += (rest % cshape[d]) * cstr[d];
+            rest /= cshape[d];
+        }
+        let i0 = b * TILE;
+        let h = dst.len() / cols;
+        // Column j of the band is `h` consecutive source elements; the band itself
+        // (`h` output rows) stays in cache while its columns are filled.
+        for j in 0..cols {
+            let src = &x.data[base + i0 + j * col_stride..][..h];
+            for (i, &v) in src.iter().enumerate() {
+                dst[i * cols + j] = v;
+            }
+        }
+    };
+    // Bands of TILE output rows, never straddling two matrices.
+    let matrices = numel / (rows * cols);
+    let mut tasks: Vec<(usize, &mut [E])> = Vec::with_capacity(matrices * bands);
+    let mut rest: &mut [E] = &mut out;
+    for m in 0..matrices {
+        for b in 0..bands {
+            let h = TILE.min(rows - b * TILE);
+            let (head, tail) = rest.split_at_mut(h * cols);
+            tasks.push((m * bands + b, head));
+            rest = tail;
+        }
+    }
+    if numel >= PAR_MIN {
+        tasks.into_par_iter().for_each(band);
+    } else {
+        tasks.into_iter().for_each(band);
+    }
+    out
 }
+
+/// Output rows per band of a transposing copy.
+const TILE: usize = 32;
 
 /// Calls `body(chunk, flat_start)` over `out` in chunks, in parallel when large.
 pub(crate) fn chunked<O: Send>(out: &mut [O], body: impl Fn(&mut [O], usize) + Sync) {
