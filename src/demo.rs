@@ -5,11 +5,14 @@
 //! about a minute with the paper's recipe (Adam, warmup, label smoothing, token batches),
 //! then beam-decodes a held-out set and reports exact-match accuracy and BLEU.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use kiln_compiler::tensor::Tensor;
 use kiln_dsl::Error;
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions};
+use kiln_runtime::checkpoint;
 use kiln_runtime::config::Config;
 use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
 use kiln_runtime::synthetic::Task;
@@ -23,6 +26,8 @@ const BASE: &str = include_str!("../models/transformer_base.kiln");
 
 pub struct DemoArgs {
     pub seconds: u64,
+    /// A fixed number of steps instead of a time budget: the same result on every run.
+    pub steps: Option<u64>,
     pub dir: Option<PathBuf>,
 }
 
@@ -62,14 +67,19 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     write(
         "demo.yaml",
         &format!(
-            "model:\n  spec: transformer_base.kiln\n  set: {{d_model: 64, d_ff: 256, h: 4, n: 2, p_drop: 0.0, eps_ls: 0.1}}\n\
+            "model:\n  spec: transformer_base.kiln\n  set: {{d_model: 48, d_ff: 96, h: 4, n: 2, p_drop: 0.0, eps_ls: 0.1}}\n\
              data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 256, max_len: 32}}\n\
-             batch: {{max_src_tokens: 1200, max_tgt_tokens: 1200, update_freq: 1}}\n\
-             schedule: {{warmup: 300, factor: 2.0}}\n\
-             train: {{max_steps: 100000, max_seconds: {}, executor: eager, log_every: 50, seed: 1}}\n\
-             checkpoint: {{dir: run, every: 100000, keep: 1}}\n\
+             batch: {{max_src_tokens: 600, max_tgt_tokens: 600, update_freq: 1}}\n\
+             schedule: {{warmup: 300, factor: 1.0}}\n\
+             train: {{max_steps: {}, max_seconds: {}, executor: eager, log_every: 50, seed: 1}}\n\
+             checkpoint: {{dir: run, every: 100, keep: 5}}\n\
              valid: {{every: 250, beam: 4, max_sentences: 50}}\n",
-            a.seconds
+            a.steps.unwrap_or(100_000),
+            if a.steps.is_some() {
+                0
+            } else {
+                a.seconds
+            }
         ),
     )?;
     println!("kiln demo — the paper's Transformer, small, on a generated translation task");
@@ -85,14 +95,17 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     for n in trainer.notes() {
         println!("  {n}");
     }
-    println!("  training for about {} seconds ...", a.seconds);
+    match a.steps {
+        Some(n) => println!("  training for {n} steps ..."),
+        None => println!("  training for about {} seconds ...", a.seconds),
+    }
     let s = trainer.run().map_err(err("kiln::train"))?;
     println!(
         "  trained {} steps in {:.0}s ({:.0} tokens/s); training loss {:.3}",
         s.steps, s.seconds, s.tokens_per_second, s.last_loss
     );
-    // Held-out test set, beam 4 with the paper's length penalty.
-    let start = Instant::now();
+    // Held-out test set, beam 4 with the paper's length penalty: the last weights, then
+    // the average of the last five checkpoints (the paper averages the last 5 or 20).
     let set = trainer.graphs();
     let encode =
         kiln_runtime::exec::executor(kiln_runtime::exec::ExecutorKind::Eager, set.encode.clone())
@@ -113,38 +126,96 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         ..DecodeOptions::default()
     };
     let vocab = set.vocab().unwrap_or(tok.vocab_size());
-    let hyps = translate_ids(&*encode, &*step, trainer.params(), &srcs, &opts, vocab)
-        .map_err(err("kiln::demo"))?;
-    let hyps: Vec<String> = hyps.iter().map(|h| tok.decode(h)).collect();
     let refs: Vec<String> = test.iter().map(|p| p.1.clone()).collect();
-    let exact = hyps.iter().zip(&refs).filter(|(h, r)| h == r).count();
-    let bleu =
-        corpus_bleu(&hyps, &[refs.clone()], &BleuOptions::default()).map_err(err("kiln::demo"))?;
+    let evaluate = |params: &BTreeMap<String, Tensor>| -> Result<Scored, Error> {
+        let start = Instant::now();
+        let hyps = translate_ids(&*encode, &*step, params, &srcs, &opts, vocab)
+            .map_err(err("kiln::demo"))?;
+        let hyps: Vec<String> = hyps.iter().map(|h| tok.decode(h)).collect();
+        let exact = hyps.iter().zip(&refs).filter(|(h, r)| h == r).count();
+        let bleu = corpus_bleu(&hyps, &[refs.clone()], &BleuOptions::default())
+            .map_err(err("kiln::demo"))?;
+        Ok(Scored {
+            line: format!(
+                "exact match {}/{} = {:.1}%   {}",
+                exact,
+                refs.len(),
+                100.0 * exact as f64 / refs.len() as f64,
+                bleu
+            ),
+            hyps,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    };
+    let last = evaluate(trainer.params())?;
+    let ckpts = checkpoint::list(&trainer.checkpoint_root()).map_err(err("kiln::demo"))?;
+    let recent: Vec<&Path> = ckpts
+        .iter()
+        .rev()
+        .take(5)
+        .rev()
+        .map(|c| c.dir.as_path())
+        .collect();
+    let averaged = if recent.len() >= 2 {
+        let p = checkpoint::average(&recent).map_err(err("kiln::demo"))?;
+        Some(evaluate(&p)?)
+    } else {
+        None
+    };
     println!(
-        "  beam search (beam 4, α 0.6) on {} held-out sentences in {:.1}s:",
+        "  beam search (beam 4, α 0.6) on {} held-out sentences, {:.1}s:",
         test.len(),
-        start.elapsed().as_secs_f64()
+        last.seconds
     );
+    let best = averaged.as_ref().unwrap_or(&last);
     for i in 0..3.min(test.len()) {
         println!(
             "    {}  →  {}{}",
             test[i].0,
-            hyps[i],
-            if hyps[i] == refs[i] { "" } else { "   ✗" }
+            best.hyps[i],
+            if best.hyps[i] == refs[i] {
+                ""
+            } else {
+                "   ✗"
+            }
         );
     }
+    println!("  last weights (step {}):      {}", s.steps, last.line);
+    if let Some(a) = &averaged {
+        let steps: Vec<String> = ckpts
+            .iter()
+            .rev()
+            .take(recent.len())
+            .rev()
+            .map(|c| c.step.to_string())
+            .collect();
+        println!(
+            "  average of {} checkpoints (steps {}):  {}",
+            recent.len(),
+            steps.join(", "),
+            a.line
+        );
+    }
+    println!("  result: {}", best.line);
+    write("test.src", &join(test.iter().map(|p| &p.0)))?;
+    write("test.tgt", &join(refs.iter()))?;
+    write("test.hyp", &join(best.hyps.iter()))?;
     println!(
-        "  exact match: {}/{} = {:.1}%   {}",
-        exact,
-        test.len(),
-        100.0 * exact as f64 / test.len() as f64,
-        bleu
-    );
-    println!(
-        "  run directory (checkpoint, metrics.jsonl, training.png): {}",
+        "  run directory (checkpoints, metrics.jsonl, training.png): {}",
         Path::new(&dir).join("run").display()
     );
+    println!(
+        "  test set and beam output: {}/test.{{src,tgt,hyp}}",
+        dir.display()
+    );
     Ok(())
+}
+
+/// One decoding of the test set.
+struct Scored {
+    line: String,
+    hyps: Vec<String>,
+    seconds: f64,
 }
 
 fn join<'a>(lines: impl Iterator<Item = &'a String>) -> String {

@@ -224,6 +224,9 @@ enum Command {
         /// Training time in seconds.
         #[arg(long, default_value_t = 60)]
         seconds: u64,
+        /// Train for exactly this many steps instead (deterministic; overrides --seconds).
+        #[arg(long)]
+        steps: Option<u64>,
         /// Where to write the generated data and the run (default: a temporary folder).
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -476,7 +479,15 @@ fn run(cli: Cli) -> Result<(), Error> {
             input,
             output,
         } => train_cmds::import(&format, &input, &output),
-        Command::Demo { seconds, dir } => demo::demo(demo::DemoArgs { seconds, dir }),
+        Command::Demo {
+            seconds,
+            steps,
+            dir,
+        } => demo::demo(demo::DemoArgs {
+            seconds,
+            steps,
+            dir,
+        }),
     }
 }
 

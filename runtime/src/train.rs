@@ -422,6 +422,11 @@ impl Trainer {
         &self.graphs
     }
 
+    /// Where this run writes its checkpoints (`<run dir>/checkpoints`).
+    pub fn checkpoint_root(&self) -> PathBuf {
+        self.dir.join("checkpoints")
+    }
+
     /// The next batch, advancing the data position (epochs wrap around).
     fn next_batch(&mut self) -> crate::data::Batch {
         if self.state.batch_in_epoch as usize >= self.plan.len() {
