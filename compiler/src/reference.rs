@@ -864,17 +864,21 @@ fn matmul<T: Real>(a: &Buf<T>, b: &Buf<T>) -> NodeResult<Data<T>> {
     let (m, k, n) = (a.shape[ra - 2], a.shape[ra - 1], b.shape[rb - 1]);
     let batch = product(&a.shape[..ra - 2]);
     let shared = rb == 2;
-    let mut out = Vec::with_capacity(batch * m * n);
+    // Each out[i, j] is the sum over p = 0, 1, …, k-1 in that order (a plain dot product);
+    // the loops run i, p, j so that rows of `b` are read contiguously, which keeps the
+    // per-element order while touching memory in a cache-friendly way.
+    let mut out = vec![T::ZERO; batch * m * n];
     for bi in 0..batch {
         let a0 = bi * m * k;
         let b0 = if shared { 0 } else { bi * k * n };
         for i in 0..m {
-            for j in 0..n {
-                let mut acc = T::ZERO;
-                for p in 0..k {
-                    acc = acc + av[a0 + i * k + p] * bv[b0 + p * n + j];
+            let row = &mut out[(bi * m + i) * n..(bi * m + i + 1) * n];
+            for p in 0..k {
+                let x = av[a0 + i * k + p];
+                let brow = &bv[b0 + p * n..b0 + (p + 1) * n];
+                for (o, &y) in row.iter_mut().zip(brow) {
+                    *o = *o + x * y;
                 }
-                out.push(acc);
             }
         }
     }
