@@ -472,7 +472,16 @@ pub fn decode(
                     }
                 }
             }
-            cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            // Only the best 2K candidates matter: select them (linear time), then sort
+            // those. The order is total, so this is the full sort's prefix exactly.
+            let better = |a: &(f64, usize, i32), b: &(f64, usize, i32)| {
+                b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+            };
+            if cands.len() > 2 * k {
+                cands.select_nth_unstable_by(2 * k - 1, better);
+                cands.truncate(2 * k);
+            }
+            cands.sort_by(better);
             for (rank, &(score, h, tok)) in cands.iter().take(2 * k).enumerate() {
                 if tok == opts.eos {
                     // A finished hypothesis counts only from the top K candidates.
