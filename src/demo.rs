@@ -133,7 +133,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             .map_err(err("kiln::demo"))?;
         let hyps: Vec<String> = hyps.iter().map(|h| tok.decode(h)).collect();
         let exact = hyps.iter().zip(&refs).filter(|(h, r)| h == r).count();
-        let bleu = corpus_bleu(&hyps, &[refs.clone()], &BleuOptions::default())
+        let bleu = corpus_bleu(&hyps, std::slice::from_ref(&refs), &BleuOptions::default())
             .map_err(err("kiln::demo"))?;
         Ok(Scored {
             line: format!(

@@ -61,8 +61,8 @@ fn ids(rng: &mut SplitMix, rows: usize, cols: usize, first: Option<i32>) -> Tens
     let mut v = Vec::with_capacity(rows * cols);
     for r in 0..rows {
         for c in 0..cols {
-            let id = if c == 0 && first.is_some() {
-                first.unwrap()
+            let id = if let (0, Some(f)) = (c, first) {
+                f
             } else if r == 1 && c + 1 == cols {
                 0
             } else {
