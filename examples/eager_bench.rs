@@ -7,8 +7,13 @@
 //! run spends its time per op kind, on stdout; also whether runs are bit-identical and
 //! a hash of the outputs' bits, to compare runs with different thread counts.
 //!
-//! Run with `cargo run --release --example eager_bench`. An optional argument gives the
-//! number of timed runs (default 5); `RAYON_NUM_THREADS` sets the thread count.
+//! The `train_step` entry (train mode: dropout on, objective plus every parameter's
+//! gradient) is timed the same way.
+//!
+//! Run with `cargo run --release --example eager_bench [RUNS [SPEC [B]]]`: RUNS timed
+//! runs (default 5), SPEC `base` (default) or `big`, B sentences (default 32) — e.g.
+//! `eager_bench 3 big 256` for the big model on 6,400 target tokens.
+//! `RAYON_NUM_THREADS` sets the thread count.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -22,7 +27,6 @@ use kiln_compiler::tensor::Tensor;
 use kiln_dsl::Options;
 use kiln_runtime::Eager;
 
-const B: usize = 32;
 const S: usize = 25;
 const T: usize = 25;
 const VOCAB: i32 = 37000;
@@ -60,22 +64,43 @@ fn main() -> Result<()> {
             .context("the first argument is the number of runs")?,
         None => 5,
     };
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_base.kiln");
+    let spec = args.next().unwrap_or_else(|| "base".to_string());
+    if spec != "base" && spec != "big" {
+        return Err(anyhow!(
+            "the second argument is the spec: `base` or `big`, not `{spec}`"
+        ));
+    }
+    let b: usize = match args.next() {
+        Some(a) => a
+            .parse()
+            .context("the third argument is the number of sentences")?,
+        None => 32,
+    };
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("models/transformer_{spec}.kiln"));
     let opts = Options {
         overrides: vec!["vocab=37000".into()],
         ..Options::default()
     };
     let g = kiln_dsl::compile_file(&path, &opts).map_err(|e| anyhow!("{e}"))?;
+    let train = kiln_dsl::compile_file(
+        &path,
+        &Options {
+            mode: kiln_dsl::Mode::Train,
+            ..opts.clone()
+        },
+    )
+    .map_err(|e| anyhow!("{e}"))?;
     let params: BTreeMap<String, Tensor> = init_params(&g, 1)?.into_iter().collect();
     let mut inputs = BTreeMap::new();
-    inputs.insert("src".to_string(), random_ids(B, S, 1)?);
-    inputs.insert("tgt_in".to_string(), random_ids(B, T, 2)?);
-    inputs.insert("tgt_out".to_string(), random_ids(B, T, 3)?);
+    inputs.insert("src".to_string(), random_ids(b, S, 1)?);
+    inputs.insert("tgt_in".to_string(), random_ids(b, T, 2)?);
+    inputs.insert("tgt_out".to_string(), random_ids(b, T, 3)?);
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| {
         std::thread::available_parallelism().map_or("?".into(), |n| n.to_string())
     });
     println!(
-        "transformer_base, vocab 37000: {} parameters; B={B}, S={S}, T={T}; {threads} threads",
+        "transformer_{spec}, vocab 37000: {} parameters; B={b}, S={S}, T={T}; {threads} threads",
         g.num_parameters(),
     );
     let objective = g
@@ -85,8 +110,13 @@ fn main() -> Result<()> {
     let entries = [
         ("forward (logits)", g.prune(&g.forward_outputs())?),
         ("loss", g.prune(&[objective])?),
+        ("train_step", kiln_compiler::autodiff::train_step(&train)?),
     ];
-    let run_opts = RunOptions::default();
+    let run_opts = RunOptions {
+        seed: 1,
+        step: 1,
+        ..RunOptions::default()
+    };
     for (name, entry) in entries {
         let nodes = entry.len();
         let eager = Eager::new(entry)?;
@@ -108,7 +138,7 @@ fn main() -> Result<()> {
              min {:.1}, max {:.1}); {:.0} target tokens/s",
             times.iter().copied().fold(f64::INFINITY, f64::min),
             times.iter().copied().fold(0.0, f64::max),
-            (B * T) as f64 / (med / 1e3)
+            (b * T) as f64 / (med / 1e3)
         );
         println!(
             "{:>17}  outputs bit-identical across runs: {}; their bits hash to {:016x} \

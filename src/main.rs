@@ -432,17 +432,15 @@ fn run(cli: Cli) -> Result<(), Error> {
             dir,
             threads,
             quiet,
-        } => {
-            set_threads(threads)?;
-            train_cmds::train(train_cmds::TrainArgs {
-                config,
-                resume,
-                max_steps,
-                max_seconds,
-                dir,
-                quiet,
-            })
-        }
+        } => train_cmds::train(train_cmds::TrainArgs {
+            config,
+            resume,
+            max_steps,
+            max_seconds,
+            dir,
+            threads,
+            quiet,
+        }),
         Command::Translate {
             checkpoint,
             input,
@@ -492,7 +490,7 @@ fn run(cli: Cli) -> Result<(), Error> {
 }
 
 /// Sizes the global thread pool (before any parallel work).
-fn set_threads(threads: Option<usize>) -> Result<(), Error> {
+pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
     if let Some(n) = threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

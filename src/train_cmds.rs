@@ -47,10 +47,26 @@ pub struct TrainArgs {
     pub max_steps: Option<u64>,
     pub max_seconds: Option<u64>,
     pub dir: Option<PathBuf>,
+    /// `--threads`; without it, the configuration's `train.threads` (0: one per core).
+    pub threads: Option<usize>,
     pub quiet: bool,
 }
 
 pub fn train(a: TrainArgs) -> Result<(), Error> {
+    // The thread pool is sized before any parallel work: from the command line, else
+    // from the configuration (the run directory's, when resuming).
+    let threads = a.threads.or_else(|| {
+        let path = match (&a.config, &a.resume) {
+            (Some(p), _) => p.clone(),
+            (None, Some(d)) => d.join(kiln_runtime::model::CONFIG_FILE),
+            _ => return None,
+        };
+        Config::load(&path)
+            .ok()
+            .map(|c| c.train.threads)
+            .filter(|&n| n > 0)
+    });
+    crate::set_threads(threads)?;
     let progress = if a.quiet {
         Progress::Quiet
     } else {

@@ -76,3 +76,36 @@ fn readme_opens_with_the_two_commands_and_ci_runs_the_test_command() {
 fn blocks_any(text: &str) -> String {
     fenced(text).remove(0).1
 }
+
+/// Every block of docs/LANGUAGE.md that is a whole spec (it defines a model with a body
+/// and elides nothing with `...`) compiles, in eval, train and decode mode.
+#[test]
+fn language_reference_examples_compile() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("docs/LANGUAGE.md")).unwrap();
+    let whole: Vec<String> = blocks(&text)
+        .into_iter()
+        .filter(|b| {
+            b.lines().any(|l| {
+                // `model name(params) {`, not a derived `model name = base(...) {`.
+                let head = l.split('(').next().unwrap_or("");
+                l.starts_with("model ") && !head.contains('=') && l.trim_end().ends_with('{')
+            }) && !b.contains("...")
+        })
+        .collect();
+    assert!(!whole.is_empty(), "LANGUAGE.md has a complete example");
+    for b in &whole {
+        for mode in [
+            kiln_dsl::Mode::Eval,
+            kiln_dsl::Mode::Train,
+            kiln_dsl::Mode::Decode,
+        ] {
+            let opts = Options {
+                mode,
+                ..Options::default()
+            };
+            kiln_dsl::compile_str("LANGUAGE.md", b, &opts)
+                .unwrap_or_else(|e| panic!("{mode:?}: {}\n{b}", e.render(false)));
+        }
+    }
+}

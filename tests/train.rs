@@ -4,6 +4,8 @@
 //! - a process killed while it writes checkpoints leaves the previous checkpoint loadable,
 //!   and the run resumes from it;
 //! - a configuration with an unknown key is refused, naming the key;
+//! - resuming after an edit of the run's configuration that would change the trajectory
+//!   (batch, schedule, …) is refused, naming the part; raising `max_steps` is accepted;
 //! - translation, averaging and the PyTorch export work on the checkpoints.
 
 use std::path::{Path, PathBuf};
@@ -124,6 +126,39 @@ fn resuming_gives_bit_identical_parameters() {
     let train_steps: Vec<&str> = log.lines().filter(|l| l.contains("\"train\"")).collect();
     assert_eq!(train_steps.len(), 4, "{log}");
     assert!(b.join("run/training.png").is_file());
+}
+
+#[test]
+fn resuming_under_an_edited_configuration() {
+    let dir = workspace("edited", "");
+    ok(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "4",
+        ],
+    );
+    let cfg_path = dir.join("run/config.yaml");
+    let original = std::fs::read_to_string(&cfg_path).unwrap();
+    assert!(original.contains("max_src_tokens: 120"), "{original}");
+    let edited = original
+        .replace("max_src_tokens: 120", "max_src_tokens: 100")
+        .replace("warmup: 50", "warmup: 60");
+    std::fs::write(&cfg_path, edited).unwrap();
+    let out = kiln(&dir, &["train", "--resume", "run", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("differs in `batch`, `schedule`"), "{err}");
+    assert!(err.contains("step_00000004"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // How long to train is not part of the trajectory.
+    std::fs::write(&cfg_path, original.replace("max_steps: 4", "max_steps: 6")).unwrap();
+    ok(&dir, &["train", "--resume", "run", "--quiet"]);
+    assert!(dir.join("run/checkpoints/step_00000006").is_dir());
 }
 
 #[test]

@@ -269,6 +269,18 @@ impl Trainer {
             )));
         };
         let loaded = checkpoint::load(&ck.dir)?;
+        let changed = digest_changes(&loaded.state.config_digest, &digest(&cfg));
+        if !changed.is_empty() {
+            return Err(TrainError::Setup(format!(
+                "`{}` differs in {} from the configuration {} was trained with; an exact \
+                 resume needs the same model, data, batch, optimizer, schedule, seed and \
+                 executor (how long to train, logging, checkpoints and validation may \
+                 change): undo the edit, or start a new run with `kiln train --config`",
+                cfg_path.display(),
+                changed.join(", "),
+                ck.dir.display()
+            )));
+        }
         let graphs_bytes = checkpoint::read_extra(&ck.dir, GRAPHS_FILE)?;
         let set = GraphSet::from_json(&graphs_bytes, &ck.dir.join(GRAPHS_FILE))?;
         let tok_bytes = checkpoint::read_extra(&ck.dir, TOKENIZER_FILE)?;
@@ -800,14 +812,63 @@ fn scalar(out: &BTreeMap<String, Tensor>, name: &str) -> Option<f32> {
 }
 
 /// A digest of the configuration that matters for exact resumption.
-fn digest(cfg: &Config) -> String {
-    let text = serde_yaml::to_string(cfg).unwrap_or_default();
+/// FNV-1a of a value's YAML text.
+fn fnv(value: &impl serde::Serialize) -> String {
+    let text = serde_yaml::to_string(value).unwrap_or_default();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in text.bytes() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     format!("{h:016x}")
+}
+
+/// A digest of each part of the configuration that decides the training trajectory
+/// (`model=… data=… batch=… optimizer=… schedule=… run=…`, `run` being the seed and the
+/// executor). How long to train, how often to log, checkpoint or validate are left out:
+/// a resumed run may change those.
+fn digest(cfg: &Config) -> String {
+    [
+        ("model", fnv(&cfg.model)),
+        ("data", fnv(&cfg.data)),
+        ("batch", fnv(&cfg.batch)),
+        ("optimizer", fnv(&cfg.optimizer)),
+        ("schedule", fnv(&cfg.schedule)),
+        ("run", fnv(&(cfg.train.seed, &cfg.train.executor))),
+    ]
+    .iter()
+    .map(|(k, v)| format!("{k}={v}"))
+    .collect::<Vec<_>>()
+    .join(" ")
+}
+
+/// The parts whose digests differ between two [`digest`] texts (none when either is
+/// not in that form).
+fn digest_changes(saved: &str, now: &str) -> Vec<String> {
+    let parts = |s: &str| -> Option<BTreeMap<String, String>> {
+        s.split(' ')
+            .map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+            })
+            .collect()
+    };
+    let (Some(a), Some(b)) = (parts(saved), parts(now)) else {
+        return Vec::new();
+    };
+    a.keys()
+        .chain(b.keys())
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            if k == "run" {
+                "`train.seed`/`train.executor`".to_string()
+            } else {
+                format!("`{k}`")
+            }
+        })
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
 }
 
 /// Beam-decodes token-id sentences in batches of similar length; results in input order.
