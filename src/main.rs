@@ -222,10 +222,10 @@ enum Command {
     /// Run the main job on an embedded default: generate a task, train, translate, score.
     Demo {
         /// Training time in seconds.
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
         seconds: u64,
         /// Train for exactly this many steps instead (deterministic; overrides --seconds).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         steps: Option<u64>,
         /// Where to write the generated data and the run (default: a temporary folder).
         #[arg(long)]

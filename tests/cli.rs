@@ -478,3 +478,14 @@ fn demo_runs_without_files_and_learns_the_task() {
         assert!(dir.join("run").join(f).exists(), "{f} missing:\n{text}");
     }
 }
+
+#[test]
+fn demo_refuses_an_empty_budget() {
+    // `--seconds 0` would mean "no time limit" to the trainer, `--steps 0` no training.
+    for flag in ["--seconds", "--steps"] {
+        let out = kiln(&["demo", flag, "0"]);
+        assert_eq!(out.status.code(), Some(2), "demo {flag} 0");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("0 is not in 1.."), "{err}");
+    }
+}

@@ -59,26 +59,29 @@ fn train_model() -> Graph {
     kiln_dsl::compile_file(&path, &opts).expect("the tiny spec compiles")
 }
 
-/// SplitMix64, for the ids.
-struct Rng(u64);
+/// Philox draws (`rng::uniform01`) in sequence, for the ids.
+struct Rng {
+    seed: u64,
+    index: u64,
+}
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     /// Ids in 3..64 (0 is the pad id; 1 and 2 are left alone too).
     fn ids(&mut self, n: usize) -> Vec<i32> {
-        (0..n).map(|_| 3 + (self.next() % 61) as i32).collect()
+        (0..n)
+            .map(|_| {
+                self.index += 1;
+                3 + (kiln_compiler::rng::uniform01(self.seed, 0, self.index) * 61.0) as i32
+            })
+            .collect()
     }
 }
 
 fn feeds() -> BTreeMap<String, Tensor> {
-    let mut rng = Rng(2024);
+    let mut rng = Rng {
+        seed: 2024,
+        index: 0,
+    };
     let src = rng.ids(10);
     let tgt_in = rng.ids(8);
     let mut tgt_out = rng.ids(8);

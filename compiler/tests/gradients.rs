@@ -45,21 +45,21 @@ fn shape(dims: &[&str]) -> Shape {
     )
 }
 
-/// SplitMix64: a fixed stream of test values.
-struct Rng(u64);
+/// Philox draws (`rng::uniform01`) in sequence: a fixed stream of test values.
+struct Rng {
+    seed: u64,
+    index: u64,
+}
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    fn new(seed: u64) -> Rng {
+        Rng { seed, index: 0 }
     }
 
-    /// Uniform in [lo, hi).
+    /// Uniform in (lo, hi).
     fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
+        self.index += 1;
+        lo + (hi - lo) * kiln_compiler::rng::uniform01(self.seed, 0, self.index - 1)
     }
 }
 
@@ -87,7 +87,7 @@ impl Case {
             inputs: BTreeMap::new(),
             params: BTreeMap::new(),
             vars: vec![],
-            rng: Rng(0x5EED),
+            rng: Rng::new(0x5EED),
             opts: RunOptions {
                 precision: Precision::F64,
                 ..RunOptions::default()
@@ -932,7 +932,7 @@ fn train_step_outputs_and_zero_gradients() {
     );
 
     // Run it, and check the gradients against those `gradients` gives directly.
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     let mut vals = |n: usize| (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<_>>();
     let inputs: BTreeMap<String, Tensor> = [
         ("x".to_string(), Tensor::f64(vec![3, 3], vals(9)).unwrap()),
