@@ -16,6 +16,7 @@ use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
 
+mod compile_cmds;
 mod demo;
 mod train_cmds;
 
@@ -70,6 +71,30 @@ enum Command {
     Graph {
         #[command(flatten)]
         spec: SpecArgs,
+    },
+    /// Optimize an entry point and explain it: rules fired, e-graph sizes and stop
+    /// reasons per phase, kernels per kind before and after, bytes moved, time spent.
+    Explain {
+        #[command(flatten)]
+        args: compile_cmds::OptArgs,
+        /// Also print the kernel graph.
+        #[arg(long)]
+        kernels: bool,
+    },
+    /// Compile an entry point into its kernel graph (fused kernels, deterministic text).
+    Compile {
+        #[command(flatten)]
+        args: compile_cmds::OptArgs,
+        /// Where to write the kernel graph (default: standard output).
+        #[arg(short = 'o', long = "output")]
+        output: Option<PathBuf>,
+        /// Run the program and the unoptimized graph on random inputs (reference
+        /// executor) and fail unless they agree.
+        #[arg(long)]
+        validate: bool,
+        /// Seed of the validation's inputs and weights.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Initialize a spec's parameters (seeded, deterministic) into a safetensors file.
     Init {
@@ -260,6 +285,13 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
+        Command::Explain { args, kernels } => compile_cmds::explain(&args, kernels),
+        Command::Compile {
+            args,
+            output,
+            validate,
+            seed,
+        } => compile_cmds::compile(&args, output.as_deref(), validate, seed),
         Command::Graph { spec } => {
             let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
             print!("{}", print_graph(&g));

@@ -38,7 +38,8 @@
 //! - `sum`: broadcast g back. `reduce_max`: g goes to the positions equal to the maximum
 //!   (`eq` against the broadcast max), split evenly among ties (like `torch.amax`).
 //! - `neg`: −g; `exp`: g·y; `log`: g/x; `sqrt`: g/(y + y); `recip`: −(g·(y·y));
-//!   `relu`: `where(x > 0, g, 0)` (zero at 0, as in PyTorch); `sin`: g·cos x;
+//!   `relu`: `where(y > 0, g, 0)` (zero at 0, as in PyTorch; y > 0 exactly where x > 0,
+//!   and reading y lets a fused forward keep only its output); `sin`: g·cos x;
 //!   `cos`: −(g·sin x).
 //! - `add`: g, g; `sub`: g, −g; `mul`: g·b, g·a; `div`: g/b and −((g/b)·y) (= −g·a/b²);
 //!   `max`: g to the larger operand, split evenly on ties (like `torch.maximum`).
@@ -80,6 +81,18 @@ pub fn grad_scope(scope: &str) -> String {
 pub fn gradients(
     graph: &Graph,
     loss: NodeId,
+    wrt: &[NodeId],
+) -> Result<(Graph, Vec<NodeId>), IrError> {
+    gradients_seeded(graph, loss, None, wrt)
+}
+
+/// Like [`gradients`], but the gradient of `out` is the node `seed` (a node of `graph`
+/// with `out`'s type) instead of ones: the vector-Jacobian product with `seed`. The
+/// optimizer derives the backward templates of fused kernels this way.
+pub fn gradients_seeded(
+    graph: &Graph,
+    loss: NodeId,
+    seed: Option<NodeId>,
     wrt: &[NodeId],
 ) -> Result<(Graph, Vec<NodeId>), IrError> {
     graph.verify()?;
@@ -138,7 +151,19 @@ pub fn gradients(
             scope: grad_scope(&graph.node(loss).scope),
         };
         let ty = graph.ty(loss);
-        grads[loss.index()] = Some(b.fill(1.0, ty.dtype, &ty.shape)?);
+        grads[loss.index()] = Some(match seed {
+            Some(s) => {
+                in_range(s, "the seed")?;
+                if graph.ty(s) != ty {
+                    return Err(IrError::Type(format!(
+                        "the seed {s} is {} but the differentiated node is {ty}",
+                        graph.ty(s)
+                    )));
+                }
+                s
+            }
+            None => b.fill(1.0, ty.dtype, &ty.shape)?,
+        });
     }
     for i in (0..=loss.index()).rev() {
         if !(live[i] && active[i]) {
@@ -436,8 +461,10 @@ fn backward(
                         b.unary(UnaryOp::Neg, gyy)?
                     }
                     UnaryOp::Relu => {
+                        // y > 0 exactly where x > 0: reading the output (as PyTorch's
+                        // threshold_backward does) lets the forward keep only y.
                         let zeros = b.zeros_like(x)?;
-                        let pos = b.compare(CmpOp::Gt, x, zeros)?;
+                        let pos = b.compare(CmpOp::Gt, id, zeros)?;
                         b.select(pos, g, zeros)?
                     }
                     UnaryOp::Sin => {

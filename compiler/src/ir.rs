@@ -74,7 +74,7 @@ impl fmt::Display for DType {
 }
 
 /// A dtype and a symbolic shape.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TensorType {
     pub dtype: DType,
     pub shape: Shape,
@@ -173,7 +173,7 @@ impl fmt::Display for Init {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub enum UnaryOp {
     Neg,
     Exp,
@@ -185,7 +185,7 @@ pub enum UnaryOp {
     Cos,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub enum BinaryOp {
     Add,
     Sub,
@@ -195,7 +195,7 @@ pub enum BinaryOp {
 }
 
 /// Elementwise comparisons; the result is a bool tensor.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub enum CmpOp {
     Eq,
     Ne,
@@ -205,7 +205,7 @@ pub enum CmpOp {
     Ge,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub enum ReduceOp {
     Sum,
     Max,

@@ -11,12 +11,15 @@
 //!   shared by every executor;
 //! - [`reference`] — the reference executor, the oracle every later path is tested against;
 //! - [`autodiff`] — reverse-mode gradients as a graph-to-graph pass, and `train_step`.
+//! - [`adam`] — the Adam optimizer update as an `adam_update` graph of primitives.
 
+pub mod adam;
 pub mod autodiff;
 pub mod bind;
 pub mod infer;
 pub mod init;
 pub mod ir;
+pub mod optimize;
 pub mod printer;
 pub mod reference;
 pub mod rng;

@@ -117,6 +117,19 @@ impl Dim {
         Dim::from_map(map)
     }
 
+    /// The dim with each symbol replaced by a dim from `map` (symbols not in the map stay).
+    pub fn subst(&self, map: &BTreeMap<String, Dim>) -> Dim {
+        let mut total = Dim::c(0);
+        for (m, c) in &self.terms {
+            let mut v = Dim::c(*c);
+            for s in m {
+                v = v.mul(map.get(s).unwrap_or(&Dim::sym(s)));
+            }
+            total = total.add(&v);
+        }
+        total
+    }
+
     /// The value of the dim under `bindings` (symbol → size).
     pub fn eval(&self, bindings: &BTreeMap<String, i64>) -> Result<i64, String> {
         let mut total: i64 = 0;
