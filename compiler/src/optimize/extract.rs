@@ -202,6 +202,15 @@ impl CostModel {
     /// The cost of one e-node, in seconds.
     pub fn cost(&self, eg: &EG, node: &KNode, out: &Info) -> f64 {
         match self.work(eg, node, out) {
+            // Views cost nothing to launch, but each one is indexing a kernel must do:
+            // a token cost makes extraction prefer one view to a chain of them.
+            None if matches!(
+                node,
+                KNode::Op(Kind::Reshape | Kind::Broadcast | Kind::Permute, _)
+            ) =>
+            {
+                1e-12
+            }
             None => 0.0,
             Some((bytes, flops)) => {
                 let t = self.launch_s + (bytes / self.bytes_per_s).max(flops / self.flops_per_s);

@@ -167,6 +167,7 @@ struct Builder<'a> {
     shape: &'a crate::shape::Shape,
     inputs: Vec<Id>,
     insts: Vec<Inst>,
+    ops: usize,
     memo: HashMap<Id, usize>,
 }
 
@@ -198,12 +199,13 @@ impl Builder<'_> {
         } else {
             let inline = root
                 || (self.consumers.get(&id).copied().unwrap_or(0) == 1
-                    && self.insts.len() < MAX_OPS * 2
+                    && self.ops < MAX_OPS
                     && self.inputs.len() < MAX_INPUTS
                     && &ty.shape == self.shape);
             match (inline, elementwise_node(self.eg, id)) {
                 (true, Some(node)) => {
                     let (op, operands) = node_op(self.eg, node).ok()?;
+                    self.ops += 1;
                     let mut a = Vec::with_capacity(operands.len());
                     for o in operands {
                         a.push(self.operand(o, false)?);
@@ -256,17 +258,10 @@ fn build_region(
         shape: &shape,
         inputs: Vec::new(),
         insts: Vec::new(),
+        ops: 0,
         memo: HashMap::new(),
     };
     b.operand(root, true)?;
-    if b.insts
-        .iter()
-        .filter(|i| !matches!(i, Inst::In(_) | Inst::Const(..)))
-        .count()
-        > MAX_OPS
-    {
-        return None;
-    }
     let inputs = b.inputs.clone();
     Some((
         Expr {
