@@ -545,3 +545,76 @@ fn every_template_is_well_formed() {
         );
     }
 }
+
+#[test]
+fn bias_gradients_become_one_row_sum() {
+    let g = graph(&["a", "b", "6"], |g, x| {
+        let s0 = g
+            .add(
+                Op::Reduce {
+                    op: kiln_compiler::ir::ReduceOp::Sum,
+                    axis: 0,
+                },
+                &[x],
+                "",
+            )
+            .unwrap();
+        let s1 = g
+            .add(
+                Op::Reduce {
+                    op: kiln_compiler::ir::ReduceOp::Sum,
+                    axis: 1,
+                },
+                &[s0],
+                "",
+            )
+            .unwrap();
+        vec![g
+            .add(
+                Op::Reshape {
+                    shape: shape(&["6"]),
+                },
+                &[s1],
+                "",
+            )
+            .unwrap()]
+    });
+    let (kg, _) = run(&g);
+    assert_eq!(count(&kg, "sum_rows"), 1, "{}", kg.text());
+    assert_eq!(kg.kernels().len(), 1);
+    // Summed in the other order, it is left as it is.
+    let g = graph(&["a", "b", "6"], |g, x| {
+        let s1 = g
+            .add(
+                Op::Reduce {
+                    op: kiln_compiler::ir::ReduceOp::Sum,
+                    axis: 1,
+                },
+                &[x],
+                "",
+            )
+            .unwrap();
+        let s0 = g
+            .add(
+                Op::Reduce {
+                    op: kiln_compiler::ir::ReduceOp::Sum,
+                    axis: 0,
+                },
+                &[s1],
+                "",
+            )
+            .unwrap();
+        vec![g
+            .add(
+                Op::Reshape {
+                    shape: shape(&["6"]),
+                },
+                &[s0],
+                "",
+            )
+            .unwrap()]
+    });
+    let (kg, _) = run(&g);
+    assert_eq!(count(&kg, "sum_rows"), 0, "{}", kg.text());
+    assert_eq!(count(&kg, "sum"), 2);
+}

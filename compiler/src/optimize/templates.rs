@@ -653,6 +653,32 @@ fn build_registry() -> Vec<TemplateDef> {
             vec![y],
         ));
     }
+    // sum_rows: the sum over every leading axis, as autodiff writes the gradient of a
+    // broadcast bias (one `sum` per axis, then a reshape to the bias' shape).
+    for rank in 2..=4 {
+        let mut t = TB::new("sum_rows");
+        let mut dims = lead_dims(rank - 1);
+        dims.push("n".into());
+        let x = t.input("x", DType::F32, &strs(&dims));
+        let mut y = x;
+        for axis in 0..rank - 1 {
+            y = t.reduce(ReduceOp::Sum, y, axis);
+        }
+        let y = t.op(
+            Op::Reshape {
+                shape: sym_shape(&["n"]),
+            },
+            &[y],
+        );
+        out.push(def(
+            "sum_rows",
+            format!("rank={rank}"),
+            t,
+            vec![x],
+            vec![],
+            vec![y],
+        ));
+    }
     // adam_update: the whole optimizer step of one parameter (crate::adam's nodes).
     for rank in 0..=2 {
         let mut t = TB::new("adam_update");
