@@ -23,6 +23,7 @@ pub mod canon;
 pub mod extract;
 pub mod kernels;
 pub mod lang;
+pub mod native;
 pub mod regions;
 pub mod templates;
 pub mod validate;
