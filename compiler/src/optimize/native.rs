@@ -153,7 +153,7 @@ pub fn attention(
         .map(|m| Mask::new(m, [d.b, d.h, d.tq, d.tk]))
         .transpose()?;
     let mut out = vec![0.0f32; d.b * d.h * d.tq * d.dv];
-    let mut s = vec![0.0f32; BLOCK];
+    let mut s = [0.0f32; BLOCK];
     for bh in 0..d.b * d.h {
         for i in 0..d.tq {
             let o = &mut out[(bh * d.tq + i) * d.dv..][..d.dv];
