@@ -364,7 +364,11 @@ impl KernelGraph {
                             format!("{}[{}]", def.name, describe(def, &konst, attrs))
                         }
                     };
-                    format!("k{index} %{i} = {head} {}", args(inputs))
+                    if inputs.is_empty() {
+                        format!("k{index} %{i} = {head}")
+                    } else {
+                        format!("k{index} %{i} = {head} {}", args(inputs))
+                    }
                 }
             };
             let scope = if v.scope.is_empty() {

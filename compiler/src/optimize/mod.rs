@@ -104,7 +104,7 @@ pub enum OptError {
 fn stop_text(s: &Option<StopReason>) -> (String, bool) {
     match s {
         Some(StopReason::Saturated) => ("saturated".to_string(), false),
-        Some(StopReason::IterationLimit(n)) => (format!("iteration limit {n}"), false),
+        Some(StopReason::IterationLimit(n)) => (format!("iteration limit {n}"), true),
         Some(StopReason::NodeLimit(n)) => (format!("node limit {n}"), true),
         Some(StopReason::TimeLimit(t)) => (format!("time limit {t}s"), true),
         Some(StopReason::Other(o)) => (o.clone(), true),

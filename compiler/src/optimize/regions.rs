@@ -59,14 +59,23 @@ impl Expr {
             .count()
     }
 
-    /// The program as one line: `t2 = exp(in0); t3 = mul(t2, 0.5)` with operands named
+    /// The program as one line: `t0 = exp(in0); t1 = mul(t0, 0.5)` with operands named
     /// `in<i>`, constants inline, and the result last.
     pub fn text(&self) -> String {
+        // Temporaries are numbered by op, from t0.
+        let mut temp = vec![0usize; self.insts.len()];
+        let mut n = 0;
+        for (i, inst) in self.insts.iter().enumerate() {
+            if !matches!(inst, Inst::In(_) | Inst::Const(..)) {
+                temp[i] = n;
+                n += 1;
+            }
+        }
         let name = |i: usize| -> String {
             match &self.insts[i] {
                 Inst::In(k) => format!("in{k}"),
                 Inst::Const(v, _) => format!("{v}"),
-                _ => format!("t{i}"),
+                _ => format!("t{}", temp[i]),
             }
         };
         let mut s = String::new();
@@ -87,7 +96,7 @@ impl Expr {
             if !s.is_empty() {
                 s.push_str("; ");
             }
-            let _ = write!(s, "t{i} = {rhs}");
+            let _ = write!(s, "t{} = {rhs}", temp[i]);
         }
         if s.is_empty() {
             s = name(self.insts.len() - 1);
