@@ -618,3 +618,125 @@ fn bias_gradients_become_one_row_sum() {
     assert_eq!(count(&kg, "sum_rows"), 0, "{}", kg.text());
     assert_eq!(count(&kg, "sum"), 2);
 }
+
+#[test]
+fn noop_views_and_view_chains_are_simplified() {
+    // permute-identity, reshape-noop, broadcast-noop: views that change nothing.
+    let g = graph(&["a", "4"], |g, x| {
+        let p = g.add(Op::Permute { perm: vec![0, 1] }, &[x], "").unwrap();
+        let r = g
+            .add(
+                Op::Reshape {
+                    shape: shape(&["a", "4"]),
+                },
+                &[p],
+                "",
+            )
+            .unwrap();
+        let b = g
+            .add(
+                Op::Broadcast {
+                    shape: shape(&["a", "4"]),
+                },
+                &[r],
+                "",
+            )
+            .unwrap();
+        vec![g.add(Op::Unary(UnaryOp::Exp), &[b], "").unwrap()]
+    });
+    let (kg, r) = run(&g);
+    assert_eq!(fired(&r, "permute-identity"), 1);
+    assert_eq!(fired(&r, "reshape-noop"), 1);
+    assert_eq!(fired(&r, "broadcast-noop"), 1);
+    assert_eq!(
+        views(&kg, "permute") + views(&kg, "reshape") + views(&kg, "broadcast"),
+        0,
+        "{}",
+        kg.text()
+    );
+    // broadcast-broadcast: [4] -> [3, 4] -> [2, 3, 4] is one broadcast.
+    let g = graph(&["4"], |g, x| {
+        let a = g
+            .add(
+                Op::Broadcast {
+                    shape: shape(&["3", "4"]),
+                },
+                &[x],
+                "",
+            )
+            .unwrap();
+        let b = g
+            .add(
+                Op::Broadcast {
+                    shape: shape(&["2", "3", "4"]),
+                },
+                &[a],
+                "",
+            )
+            .unwrap();
+        let y = g
+            .add_input("y", TensorType::new(DType::F32, shape(&["2", "3", "4"])))
+            .unwrap();
+        vec![g.add(Op::Binary(BinaryOp::Add), &[y, b], "").unwrap()]
+    });
+    let (kg, r) = run(&g);
+    assert_eq!(fired(&r, "broadcast-broadcast"), 1);
+    assert!(views(&kg, "broadcast") <= 1, "{}", kg.text());
+}
+
+#[test]
+fn zero_on_the_left_and_scales_on_the_right_operand() {
+    let g = graph(&["n"], |g, x| {
+        let zero = konst(g, 0.0, x);
+        vec![g.add(Op::Binary(BinaryOp::Add), &[zero, x], "").unwrap()]
+    });
+    let (kg, r) = run(&g);
+    assert_eq!(fired(&r, "zero-add"), 1);
+    assert_eq!(kg.kernels().len(), 0, "{}", kg.text());
+
+    let g = graph(&["m", "8"], |g, x| {
+        let w = g
+            .add_input("w", TensorType::new(DType::F32, shape(&["8", "5"])))
+            .unwrap();
+        let half = konst(g, 0.5, w);
+        let ws = g.add(Op::Binary(BinaryOp::Mul), &[w, half], "").unwrap();
+        vec![g.add(Op::MatMul, &[x, ws], "").unwrap()]
+    });
+    let (_, r) = run(&g);
+    assert_eq!(fired(&r, "scale-out-of-matmul-rhs"), 1);
+}
+
+#[test]
+fn scale_mask_softmax_when_the_weights_are_dropped_out() {
+    // Dropout on the attention weights (p_attn > 0) sits between the softmax and the
+    // product with v: no `attention` kernel, but the scale-mask-softmax rule matches.
+    let text = "model m() {\n  dims b, s\n  input x: f32[b, s, 16]\n  input keep: bool[b, s]\n  \
+                att = attention(d_model = 16, h = 2, p_attn = 0.2)\n  y = att(x, x, key_mask = keep)\n  \
+                output o = y\n  objective loss = sum(y * y)\n}\n";
+    let (kg, r) = run(&spec(text, Mode::Train));
+    assert_eq!(fired(&r, "attention[mask=key]"), 0);
+    assert_eq!(fired(&r, "scale_mask_softmax[mask=key]"), 1);
+    assert_eq!(count(&kg, "attention"), 0, "{}", kg.text());
+    // The softmax backward reads the masked scores, so extraction keeps them and fuses
+    // only the softmax itself.
+    assert_eq!(count(&kg, "softmax"), 1, "{}", kg.text());
+    assert_eq!(count(&kg, "exp"), 0, "{}", kg.text());
+}
+
+#[test]
+fn causal_attention_fuses_in_training_and_in_a_decoding_step() {
+    let text = "model m() {\n  dims b, t\n  input x: f32[b, t, 16]\n  \
+                att = attention(d_model = 16, h = 4, causal = true)\n  y = att(x, x)\n  \
+                output o = y\n  objective loss = sum(y * y)\n}\n";
+    let (kg, _) = run(&spec(text, Mode::Train));
+    assert_eq!(count(&kg, "attention"), 1, "{}", kg.text());
+    assert_eq!(count(&kg, "attention_bwd"), 1, "{}", kg.text());
+    assert!(kg.text().contains("attention[mask=causal"), "{}", kg.text());
+    // Decoding: the keys and values are the cache plus the new positions.
+    let g = spec(text, Mode::Decode);
+    let mut outs = g.forward_outputs();
+    outs.extend(g.cache_outputs());
+    let (kg, _) = run(&g.prune(&outs).unwrap());
+    assert_eq!(count(&kg, "attention"), 1, "{}", kg.text());
+    assert_eq!(count(&kg, "concat"), 2, "{}", kg.text());
+}
