@@ -740,3 +740,15 @@ fn causal_attention_fuses_in_training_and_in_a_decoding_step() {
     assert_eq!(count(&kg, "attention"), 1, "{}", kg.text());
     assert_eq!(count(&kg, "concat"), 2, "{}", kg.text());
 }
+
+#[test]
+fn embedding_positions_and_their_dropout_fuse_in_training() {
+    let text = "model m() {\n  dims b, t\n  input ids: i32[b, t]\n  emb = embedding(vocab = 20, d = 8)\n  \
+                pos = sinusoidal(d = 8)\n  y = dropout(pos(emb(ids)), p = 0.1)\n  output o = y\n  \
+                objective loss = sum(y * y)\n}\n";
+    let (kg, r) = run(&spec(text, Mode::Train));
+    assert_eq!(fired(&r, "embed_pe[rank=2 dropout]"), 1);
+    assert_eq!(count(&kg, "embed_pe"), 1, "{}", kg.text());
+    assert_eq!(count(&kg, "gather"), 0, "{}", kg.text());
+    assert!(kg.text().contains("p=0.1 stream="), "{}", kg.text());
+}

@@ -59,12 +59,17 @@ pub struct TemplateDef {
     /// Attribute operands (a pad id): placeholder values in the template graph, replaced
     /// by the matched values; e-node children after the tensor operands.
     pub attr_inputs: Vec<Attr>,
+    /// The attribute operands' names (`pad`, `p`, `stream`).
+    pub attr_names: Vec<&'static str>,
     /// The kernel's outputs.
     pub outputs: Vec<NodeId>,
 }
 
 /// The sentinel pad id of the `xent_ls` template (replaced by the matched pad id).
 const PAD_SENTINEL: i64 = -1_000_003;
+/// The sentinel dropout probability and stream of `embed_pe[dropout]`.
+const P_SENTINEL: f64 = 0.123_456_789_012_345;
+const STREAM_SENTINEL: i64 = 1_000_007;
 
 impl TemplateDef {
     /// Binds the template's symbolic dims to the dims of actual operand types.
@@ -171,6 +176,14 @@ fn subst_shape(s: &Shape, map: &BTreeMap<String, Dim>) -> Shape {
     Shape(s.dims().iter().map(|d| d.subst(map)).collect())
 }
 
+/// The matched value of an attribute placeholder.
+fn replaced(a: &Attr, from: &[Attr], to: &[Attr]) -> Option<Attr> {
+    from.iter()
+        .zip(to)
+        .find(|(f, _)| *f == a)
+        .map(|(_, t)| t.clone())
+}
+
 fn subst_op(op: &Op, map: &BTreeMap<String, Dim>, from: &[Attr], to: &[Attr]) -> Op {
     let d = |x: &Dim| x.subst(map);
     let s = |x: &Shape| subst_shape(x, map);
@@ -189,17 +202,22 @@ fn subst_op(op: &Op, map: &BTreeMap<String, Dim>, from: &[Attr], to: &[Attr]) ->
             start: d(start),
             len: d(len),
         },
-        Op::PadMask { pad } => {
-            let pad = from
-                .iter()
-                .zip(to)
-                .find_map(|(f, t)| match (f, t) {
-                    (Attr::Int(f), Attr::Int(t)) if f == pad => Some(*t),
-                    _ => None,
-                })
-                .unwrap_or(*pad);
-            Op::PadMask { pad }
-        }
+        Op::PadMask { pad } => Op::PadMask {
+            pad: match replaced(&Attr::Int(*pad), from, to) {
+                Some(Attr::Int(t)) => t,
+                _ => *pad,
+            },
+        },
+        Op::Dropout { p, stream } => Op::Dropout {
+            p: match replaced(&Attr::F(*p), from, to) {
+                Some(Attr::F(t)) => t,
+                _ => *p,
+            },
+            stream: match replaced(&Attr::Int(i64::from(*stream)), from, to) {
+                Some(Attr::Int(t)) => u32::try_from(t).unwrap_or(*stream),
+                _ => *stream,
+            },
+        },
         other => other.clone(),
     }
 }
@@ -414,12 +432,21 @@ fn def(
     attr_inputs: Vec<Attr>,
     outputs: Vec<NodeId>,
 ) -> TemplateDef {
+    let attr_names = attr_inputs
+        .iter()
+        .map(|a| match a {
+            Attr::Int(PAD_SENTINEL) => "pad",
+            Attr::Int(STREAM_SENTINEL) => "stream",
+            _ => "p",
+        })
+        .collect();
     TemplateDef {
         name: name.to_string(),
         variant,
         graph: t.g,
         inputs,
         attr_inputs,
+        attr_names,
         outputs,
     }
 }
@@ -632,8 +659,9 @@ fn build_registry() -> Vec<TemplateDef> {
             vec![mean, grads[0]],
         ));
     }
-    // embed_pe: gather(table, ids) · scale + positions.
-    {
+    // embed_pe: gather(table, ids) · scale + positions, and in training the dropout
+    // that follows (the mask is the same: dropout's element index is the output's).
+    for dropout in [false, true] {
         let mut t = TB::new("embed_pe");
         let table = t.input("table", DType::F32, &["vocab", "d"]);
         let ids = t.input("ids", DType::I32, &["b", "t"]);
@@ -643,13 +671,25 @@ fn build_registry() -> Vec<TemplateDef> {
         let sb = t.bc(scale, e);
         let es = t.bin(BinaryOp::Mul, e, sb);
         let pb = t.bc(pe, es);
-        let y = t.bin(BinaryOp::Add, es, pb);
+        let mut y = t.bin(BinaryOp::Add, es, pb);
+        let mut attrs = vec![];
+        if dropout {
+            y = t.op(
+                Op::Dropout {
+                    p: Float::new(P_SENTINEL),
+                    stream: STREAM_SENTINEL as u32,
+                },
+                &[y],
+            );
+            attrs = vec![Attr::F(Float::new(P_SENTINEL)), Attr::Int(STREAM_SENTINEL)];
+        }
+        let variant = if dropout { "rank=2 dropout" } else { "rank=2" };
         out.push(def(
             "embed_pe",
-            "rank=2".to_string(),
+            variant.to_string(),
             t,
             vec![table, ids, pe, scale],
-            vec![],
+            attrs,
             vec![y],
         ));
     }
@@ -1112,8 +1152,8 @@ pub fn describe(def: &TemplateDef, operand_konst: &[Option<f64>], attrs: &[Attr]
             }
         }
     }
-    for a in attrs {
-        parts.push(format!("pad={a}"));
+    for (name, a) in def.attr_names.iter().zip(attrs) {
+        parts.push(format!("{name}={a}"));
     }
     parts.join(" ")
 }
