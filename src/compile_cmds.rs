@@ -76,6 +76,17 @@ pub fn entry_graph_of(
             a.name = g.name.clone();
             Ok(a)
         }
+        "train_step" if g.objective.is_none() => Err(plain(
+            "kiln::entry",
+            format!(
+                "model `{}` declares no objective, so it has no `train_step` entry",
+                g.name
+            ),
+            Some(
+                "declare one in the spec: `objective loss = label_smoothed_xent(logits, targets)`"
+                    .to_string(),
+            ),
+        )),
         "train_step" => kiln_compiler::autodiff::train_step(&g).map_err(bug),
         other => {
             let e =
