@@ -6,19 +6,9 @@ use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
 use kiln_compiler::Graph;
 use kiln_dsl::{Error, Mode, Options};
-use kiln_runtime::{entry_graph, Entry, GraphKind};
+use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind, COMPILED_ENTRIES};
 
 use crate::plain;
-
-/// The entry points the optimizer takes: the runtime's, plus `adam_update`.
-pub const ENTRIES: [&str; 6] = [
-    "forward",
-    "loss",
-    "encode",
-    "decode_step",
-    "train_step",
-    "adam_update",
-];
 
 /// Which spec, overrides and entry point.
 #[derive(clap::Args, Clone)]
@@ -33,7 +23,7 @@ pub struct OptArgs {
     pub model: Option<String>,
     /// The entry point: forward, loss, encode, decode_step, train_step, or adam_update
     /// (the optimizer step of every parameter: Adam with β = 0.9, 0.98, ε = 1e-9).
-    #[arg(long, default_value = "forward", value_parser = ENTRIES)]
+    #[arg(long, default_value = "forward", value_parser = COMPILED_ENTRIES)]
     pub entry: String,
     /// The target whose cost model drives extraction.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
@@ -47,15 +37,11 @@ pub fn entry_graph_of(
     model: &Option<String>,
     entry: &str,
 ) -> Result<Graph, Error> {
-    let mode = if entry == "adam_update" {
-        Mode::Eval
-    } else {
-        let e = Entry::parse(entry).map_err(|e| plain("kiln::entry", e.message, Some(e.help)))?;
-        match e.graph_kind() {
-            GraphKind::Eval => Mode::Eval,
-            GraphKind::Train => Mode::Train,
-            GraphKind::Decode => Mode::Decode,
-        }
+    let run_err = |e: kiln_runtime::RuntimeError| plain("kiln::entry", e.message, Some(e.help));
+    let mode = match compiled_graph_kind(entry).map_err(run_err)? {
+        GraphKind::Eval => Mode::Eval,
+        GraphKind::Train => Mode::Train,
+        GraphKind::Decode => Mode::Decode,
     };
     let opts = Options {
         overrides: set.to_vec(),
@@ -63,37 +49,7 @@ pub fn entry_graph_of(
         model: model.clone(),
     };
     let g = kiln_dsl::compile_file(spec, &opts)?;
-    let bug = |e: kiln_compiler::IrError| plain("kiln::compiler", e.to_string(), None);
-    match entry {
-        "adam_update" => {
-            let params: Vec<(String, kiln_compiler::TensorType)> = g
-                .params
-                .iter()
-                .map(|&p| (g.source_name(p).unwrap_or("").to_string(), g.ty(p).clone()))
-                .collect();
-            let mut a =
-                kiln_compiler::adam::adam_update_graph(&params, 0.9, 0.98, 1e-9).map_err(bug)?;
-            a.name = g.name.clone();
-            Ok(a)
-        }
-        "train_step" if g.objective.is_none() => Err(plain(
-            "kiln::entry",
-            format!(
-                "model `{}` declares no objective, so it has no `train_step` entry",
-                g.name
-            ),
-            Some(
-                "declare one in the spec: `objective loss = label_smoothed_xent(logits, targets)`"
-                    .to_string(),
-            ),
-        )),
-        "train_step" => kiln_compiler::autodiff::train_step(&g).map_err(bug),
-        other => {
-            let e =
-                Entry::parse(other).map_err(|e| plain("kiln::entry", e.message, Some(e.help)))?;
-            entry_graph(&g, e).map_err(|e| plain("kiln::entry", e.message, Some(e.help)))
-        }
-    }
+    compiled_entry_graph(&g, entry).map_err(run_err)
 }
 
 fn run_optimizer(args: &OptArgs) -> Result<(Graph, KernelGraph, Report), Error> {
@@ -141,7 +97,9 @@ pub fn compile(args: &OptArgs, output: Option<&Path>, check: bool, seed: u64) ->
     let text = kg.text();
     match output {
         Some(path) => {
-            let tmp = path.with_extension("tmp");
+            let mut tmp = path.as_os_str().to_owned();
+            tmp.push(".tmp");
+            let tmp = PathBuf::from(tmp);
             std::fs::write(&tmp, &text)
                 .and_then(|_| std::fs::rename(&tmp, path))
                 .map_err(|e| {

@@ -14,7 +14,9 @@ use kiln_compiler::summary::{group_digits, Summary};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
-use kiln_runtime::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
+use kiln_runtime::{
+    check_inputs, check_weights, compiled_entry_graph, Entry, GraphKind, RuntimeError,
+};
 
 mod compile_cmds;
 mod demo;
@@ -333,11 +335,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 GraphKind::Decode => Mode::Decode,
             };
             let g = kiln_dsl::compile_file(&spec.spec, &opts)?;
-            let eg = match entry {
-                Entry::TrainStep => kiln_compiler::autodiff::train_step(&g)
-                    .map_err(|e| plain("kiln::autodiff", e.to_string(), None))?,
-                _ => entry_graph(&g, entry).map_err(runtime_error)?,
-            };
+            let eg = compiled_entry_graph(&g, entry.name()).map_err(runtime_error)?;
             let feeds = load_safetensors(&inputs).map_err(file_error)?;
             check_inputs(&g, &inputs.display().to_string(), &feeds).map_err(runtime_error)?;
             let params: BTreeMap<String, Tensor> = match &weights {

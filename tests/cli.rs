@@ -4,25 +4,15 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use kiln_compiler::init::init_params;
 use kiln_compiler::reference::{run, RunOptions};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
 use kiln_dsl::Options;
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .current_dir(root())
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("kiln runs")
-}
+mod common;
+use common::{kiln, root};
 
 fn ok(args: &[&str]) -> String {
     let out = kiln(args);

@@ -30,7 +30,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Instant;
 
 use kiln_compiler::optimize::validate::{validate_with, Feeds, DEFAULT_ABS, DEFAULT_REL};
@@ -40,79 +40,47 @@ use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::{Mode, Options};
 use kiln_runtime::Eager;
-use kiln_runtime::{entry_graph, Entry, GraphKind};
+use kiln_runtime::{
+    compiled_entry_graph, compiled_graph_kind, GraphKind, COMPILED_ENTRIES as ENTRIES,
+};
 use rayon::prelude::*;
 
-/// The entry points the optimizer takes (as `kiln compile --entry`).
-const ENTRIES: [&str; 6] = [
-    "forward",
-    "loss",
-    "encode",
-    "decode_step",
-    "train_step",
-    "adam_update",
-];
+mod common;
+use common::{kiln, root, shipped_specs as specs};
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn specs() -> Vec<PathBuf> {
-    let models = root().join("models");
-    let mut out = Vec::new();
-    for dir in [models.clone(), models.join("table3")] {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.extension().is_some_and(|x| x == "kiln") {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
-/// The graph of an entry point of a spec, built as `kiln explain` / `kiln compile`
-/// build it (`entry_graph_of` in `src/compile_cmds.rs`, which lives in the binary).
+/// The graph of an entry point of a spec, built as `kiln explain` / `kiln compile` build
+/// it (the runtime's `compiled_entry_graph`), except that `adam_update` is built over
+/// one parameter per distinct shape: every parameter's update is the same kernel, and
+/// big's 176M parameters with their moments would need ~3 GB.
 fn entry_graph_of(spec: &Path, set: &[&str], entry: &str) -> Result<Graph, String> {
-    let mode = if entry == "adam_update" {
-        Mode::Eval
-    } else {
-        match Entry::parse(entry).map_err(|e| e.message)?.graph_kind() {
-            GraphKind::Eval => Mode::Eval,
-            GraphKind::Train => Mode::Train,
-            GraphKind::Decode => Mode::Decode,
-        }
+    let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
+        GraphKind::Eval => Mode::Eval,
+        GraphKind::Train => Mode::Train,
+        GraphKind::Decode => Mode::Decode,
     };
     let opts = Options {
         overrides: set.iter().map(|s| s.to_string()).collect(),
         mode,
         model: None,
     };
-    let g = kiln_dsl::compile_file(spec, &opts)
+    let mut g = kiln_dsl::compile_file(spec, &opts)
         .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
-    match entry {
-        "adam_update" => {
-            // One parameter per distinct shape: every parameter's update is the same
-            // kernel, and big's 176M parameters with their moments would need ~3 GB.
-            let mut seen = std::collections::BTreeSet::new();
-            let params: Vec<(String, kiln_compiler::TensorType)> = g
-                .params
-                .iter()
-                .filter(|&&p| seen.insert(g.ty(p).shape.to_string()))
-                .map(|&p| (g.source_name(p).unwrap_or("").to_string(), g.ty(p).clone()))
-                .collect();
-            let mut a = kiln_compiler::adam::adam_update_graph(&params, 0.9, 0.98, 1e-9)
-                .map_err(|e| e.to_string())?;
-            a.name = g.name.clone();
-            Ok(a)
-        }
-        "train_step" => kiln_compiler::autodiff::train_step(&g).map_err(|e| e.to_string()),
-        other => {
-            let e = Entry::parse(other).map_err(|e| e.message)?;
-            entry_graph(&g, e).map_err(|e| e.message)
-        }
+    if entry == "adam_update" {
+        let mut seen = std::collections::BTreeSet::new();
+        let keep: Vec<bool> = g
+            .params
+            .iter()
+            .map(|&p| seen.insert(g.ty(p).shape.to_string()))
+            .collect();
+        g.params = g
+            .params
+            .iter()
+            .zip(keep)
+            .filter(|(_, k)| *k)
+            .map(|(p, _)| *p)
+            .collect();
     }
+    compiled_entry_graph(&g, entry).map_err(|e| e.message)
 }
 
 fn spec(name: &str) -> PathBuf {
@@ -283,15 +251,6 @@ fn every_spec_every_entry_validates() {
         pairs.len(),
         failures.join("\n")
     );
-}
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .current_dir(root())
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("kiln runs")
 }
 
 fn ok(args: &[&str]) -> Output {

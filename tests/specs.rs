@@ -19,7 +19,7 @@
 //! fraction of its largest element, far above the bound.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use kiln_compiler::autodiff;
 use kiln_compiler::init::init_params;
@@ -32,20 +32,8 @@ use kiln_runtime::Eager;
 
 const VOCAB: i32 = 48;
 
-fn specs() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
-    let mut out = Vec::new();
-    for dir in [root.clone(), root.join("table3")] {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.extension().is_some_and(|x| x == "kiln") {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
-}
+mod common;
+use common::shipped_specs as specs;
 
 fn compile(path: &Path, mode: Mode) -> Graph {
     let opts = Options {

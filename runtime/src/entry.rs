@@ -156,6 +156,64 @@ pub fn entry_graph(model: &Graph, entry: Entry) -> Result<Graph, RuntimeError> {
         .map_err(|e| RuntimeError::new(e.to_string(), "this is a bug in kiln; please report it"))
 }
 
+/// The entry points the optimizer compiles (`kiln explain`, `kiln compile`): the
+/// runtime's, plus `adam_update`, the optimizer step of every parameter.
+pub const COMPILED_ENTRIES: [&str; 6] = [
+    "forward",
+    "loss",
+    "encode",
+    "decode_step",
+    "train_step",
+    "adam_update",
+];
+
+/// The graph a compiled entry point is cut from (`adam_update` needs only the
+/// parameters: the inference graph).
+pub fn compiled_graph_kind(name: &str) -> Result<GraphKind, RuntimeError> {
+    if name == "adam_update" {
+        Ok(GraphKind::Eval)
+    } else {
+        Ok(Entry::parse(name)?.graph_kind())
+    }
+}
+
+/// The graph of any compiled entry point of `model` (elaborated as
+/// [`compiled_graph_kind`] says): `train_step` through the compiler's autodiff,
+/// `adam_update` as Adam with the paper's β1 = 0.9, β2 = 0.98, ε = 1e-9 over every
+/// parameter, the others through [`entry_graph`].
+pub fn compiled_entry_graph(model: &Graph, name: &str) -> Result<Graph, RuntimeError> {
+    let bug = |e: kiln_compiler::IrError| {
+        RuntimeError::new(e.to_string(), "this is a bug in kiln; please report it")
+    };
+    match name {
+        "adam_update" => {
+            let params: Vec<(String, kiln_compiler::TensorType)> = model
+                .params
+                .iter()
+                .map(|&p| {
+                    (
+                        model.source_name(p).unwrap_or("").to_string(),
+                        model.ty(p).clone(),
+                    )
+                })
+                .collect();
+            let mut g =
+                kiln_compiler::adam::adam_update_graph(&params, 0.9, 0.98, 1e-9).map_err(bug)?;
+            g.name = model.name.clone();
+            Ok(g)
+        }
+        "train_step" if model.objective.is_none() => Err(RuntimeError::new(
+            format!(
+                "model `{}` declares no objective, so it has no `train_step` entry",
+                model.name
+            ),
+            "declare one in the spec: `objective loss = label_smoothed_xent(logits, targets)`",
+        )),
+        "train_step" => kiln_compiler::autodiff::train_step(model).map_err(bug),
+        other => entry_graph(model, Entry::parse(other)?),
+    }
+}
+
 /// Rejects tensors whose names are not inputs of the model (a typo, or a file meant for
 /// another spec). Inputs of the model that this entry does not use are fine.
 pub fn check_inputs(

@@ -33,4 +33,7 @@ pub mod synthetic;
 pub mod train;
 
 pub use eager::{Eager, OpTime, Outputs};
-pub use entry::{check_inputs, check_weights, entry_graph, Entry, GraphKind, RuntimeError};
+pub use entry::{
+    check_inputs, check_weights, compiled_entry_graph, compiled_graph_kind, entry_graph, Entry,
+    GraphKind, RuntimeError, COMPILED_ENTRIES,
+};

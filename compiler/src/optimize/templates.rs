@@ -267,11 +267,15 @@ impl TB {
     fn matmul(&mut self, a: NodeId, b: NodeId) -> NodeId {
         self.op(Op::MatMul, &[a, b])
     }
-    /// `softmax(x, axis)`: `e = exp(x - amax(x)); e / sum(e)`.
-    fn softmax(&mut self, x: NodeId, axis: usize) -> NodeId {
+    /// `x - amax(x)`, the shift both softmaxes start with.
+    fn shifted(&mut self, x: NodeId, axis: usize) -> NodeId {
         let m = self.reduce(ReduceOp::Max, x, axis);
         let mb = self.bc(m, x);
-        let s = self.bin(BinaryOp::Sub, x, mb);
+        self.bin(BinaryOp::Sub, x, mb)
+    }
+    /// `softmax(x, axis)`: `e = exp(x - amax(x)); e / sum(e)`.
+    fn softmax(&mut self, x: NodeId, axis: usize) -> NodeId {
+        let s = self.shifted(x, axis);
         let e = self.un(UnaryOp::Exp, s);
         let z = self.reduce(ReduceOp::Sum, e, axis);
         let zb = self.bc(z, e);
@@ -279,9 +283,7 @@ impl TB {
     }
     /// `log_softmax(x, axis)`: `s = x - amax(x); s - log(sum(exp(s)))`.
     fn log_softmax(&mut self, x: NodeId, axis: usize) -> NodeId {
-        let m = self.reduce(ReduceOp::Max, x, axis);
-        let mb = self.bc(m, x);
-        let s = self.bin(BinaryOp::Sub, x, mb);
+        let s = self.shifted(x, axis);
         let e = self.un(UnaryOp::Exp, s);
         let z = self.reduce(ReduceOp::Sum, e, axis);
         let l = self.un(UnaryOp::Log, z);
