@@ -16,6 +16,7 @@
 pub mod adam;
 pub mod autodiff;
 pub mod bind;
+pub mod codegen;
 pub mod infer;
 pub mod init;
 pub mod ir;
