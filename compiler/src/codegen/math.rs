@@ -111,7 +111,7 @@ pub fn log(kb: &mut Kb, x: Value) -> Value {
         -1.666_805_8e-1,
         2.000_071_5e-1,
         -2.499_999_4e-1,
-        3.333_333_1e-1,
+        0.333_333_33,
     ] {
         let k = kb.fconst(ty, c);
         y = kb.fma(y, xm, k);

@@ -12,3 +12,6 @@
 pub mod clif;
 pub mod jit;
 pub mod math;
+pub mod misc;
+pub mod region;
+pub mod rows;
