@@ -42,7 +42,7 @@ pub fn exp(kb: &mut Kb, x: Value) -> Value {
         8.333_452e-3,
         4.166_579_6e-2,
         1.666_666_5e-1,
-        5.000_000_1e-1,
+        0.5,
     ] {
         let k = kb.fconst(ty, c);
         y = kb.fma(y, r, k);
