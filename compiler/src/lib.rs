@@ -21,6 +21,7 @@ pub mod infer;
 pub mod init;
 pub mod ir;
 pub mod optimize;
+pub mod plan;
 pub mod printer;
 pub mod reference;
 pub mod rng;

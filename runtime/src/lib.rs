@@ -18,6 +18,7 @@
 
 pub mod bleu;
 pub mod checkpoint;
+pub mod compiled;
 pub mod config;
 pub mod data;
 pub mod decode;

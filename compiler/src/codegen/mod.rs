@@ -13,5 +13,7 @@ pub mod clif;
 pub mod jit;
 pub mod math;
 pub mod misc;
+pub mod philox;
+pub mod program;
 pub mod region;
 pub mod rows;

@@ -388,6 +388,12 @@ impl KernelGraph {
     /// through their definitions, regions through their programs). Parameters keep the
     /// initializers of `source`. Used to validate the program against `source`.
     pub fn to_graph(&self, source: &Graph) -> Result<Graph, IrError> {
+        self.to_graph_mapped(source).map(|(g, _)| g)
+    }
+
+    /// [`KernelGraph::to_graph`], also returning the nodes of every value (one per
+    /// output of a multi-output kernel).
+    pub fn to_graph_mapped(&self, source: &Graph) -> Result<(Graph, Vec<Vec<NodeId>>), IrError> {
         let mut g = Graph::new(&self.name);
         g.dims = self.dims.clone();
         let mut val: Vec<Vec<NodeId>> = Vec::with_capacity(self.values.len());
@@ -434,7 +440,7 @@ impl KernelGraph {
         g.stages = self.stages.clone();
         g.hparams = self.hparams.clone();
         g.verify()?;
-        Ok(g)
+        Ok((g, val))
     }
 }
 

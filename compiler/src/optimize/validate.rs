@@ -86,7 +86,16 @@ pub type Feeds = BTreeMap<String, Tensor>;
 
 /// Random inputs and initialized parameters for `g`.
 pub fn random_feeds(g: &Graph, seed: u64) -> Result<(Feeds, Feeds), String> {
-    let dims = dim_sizes(g);
+    random_feeds_with(g, seed, &dim_sizes(g))
+}
+
+/// Random inputs and initialized parameters for `g` with the given dim sizes.
+pub fn random_feeds_with(
+    g: &Graph,
+    seed: u64,
+    dims: &BTreeMap<String, i64>,
+) -> Result<(Feeds, Feeds), String> {
+    let dims = dims.clone();
     let vocab = g.hparam("vocab").and_then(|v| v.parse::<i64>().ok());
     let mut inputs = BTreeMap::new();
     for (k, &id) in g.inputs.iter().enumerate() {

@@ -34,11 +34,11 @@
 
 mod index;
 mod matmul;
-mod ops;
-mod pool;
+pub(crate) mod ops;
+pub(crate) mod pool;
 mod reduce;
-mod value;
-mod walk;
+pub(crate) mod value;
+pub(crate) mod walk;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

@@ -1,0 +1,297 @@
+//! The CPU code of a kernel graph: which CLIF functions exist and which each kernel runs.
+//!
+//! In: a [`KernelGraph`]. Out: [`CpuCode`] — CLIF functions as text, deduplicated (two
+//! kernels with the same body share one function: dims are arguments, so every
+//! `add_layer_norm` of a model runs the same code), named `<kind>_<n>` in first-use
+//! order, plus for every kernel (by launch index) its functions by role (`main`,
+//! `finish`, `epilogue`, …). The text is deterministic: the same kernel graph gives the
+//! same bytes.
+//!
+//! Which kinds get generated code, and the argument layouts, are documented with each
+//! emitter ([`super::region`], [`super::rows`], [`super::misc`]); the executor
+//! (`kiln_runtime::compiled`) launches them. A kernel with no function runs a library
+//! path there (GEMM, gathers and scatters, masks).
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use cranelift_codegen::ir::Function;
+
+use crate::codegen::clif::{text, Reduce};
+use crate::codegen::rows::MaskKind;
+use crate::codegen::{misc, region, rows};
+use crate::ir::{DType, Op, ReduceOp};
+use crate::optimize::kernels::{Def, KernelGraph, KernelOp};
+use crate::optimize::templates::registry;
+use crate::shape::Shape;
+
+/// Generated CPU code of one kernel graph.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CpuCode {
+    /// Function name → CLIF text, in first-use order.
+    pub functions: Vec<(String, String)>,
+    /// Per kernel launch index: role → function name.
+    pub kernels: Vec<BTreeMap<String, String>>,
+}
+
+impl CpuCode {
+    /// All functions as one CLIF text (what the JIT compiles).
+    pub fn text(&self) -> String {
+        let mut s = String::new();
+        for (_, t) in &self.functions {
+            s.push_str(t);
+            if !t.ends_with('\n') {
+                s.push('\n');
+            }
+            s.push('\n');
+        }
+        s
+    }
+
+    /// The text of function `name`.
+    pub fn function(&self, name: &str) -> Option<&str> {
+        self.functions
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.as_str())
+    }
+}
+
+/// Builds functions on demand, sharing one per distinct key.
+pub struct Emitter {
+    code: CpuCode,
+    by_key: HashMap<String, String>,
+    per_kind: BTreeMap<String, usize>,
+}
+
+impl Emitter {
+    fn new() -> Emitter {
+        Emitter {
+            code: CpuCode::default(),
+            by_key: HashMap::new(),
+            per_kind: BTreeMap::new(),
+        }
+    }
+
+    /// The function for `key` (a full description of the body), built by `build(name)`
+    /// the first time.
+    pub fn get(
+        &mut self,
+        kind: &str,
+        key: String,
+        build: impl FnOnce(&str) -> Result<Function, String>,
+    ) -> Result<String, String> {
+        if let Some(n) = self.by_key.get(&key) {
+            return Ok(n.clone());
+        }
+        let n = self.per_kind.entry(kind.to_string()).or_insert(0);
+        let name = format!("{kind}_{n}");
+        *n += 1;
+        let f = build(&name)?;
+        self.code.functions.push((name.clone(), text(&f)));
+        self.by_key.insert(key, name.clone());
+        Ok(name)
+    }
+}
+
+/// The CPU code of `kg`.
+pub fn emit(kg: &KernelGraph) -> Result<CpuCode, String> {
+    let mut em = Emitter::new();
+    let kernels = kg.kernels();
+    let mut roles = Vec::with_capacity(kernels.len());
+    for (v, op, inputs) in kernels {
+        let r = kernel_functions(&mut em, kg, v, op, inputs)
+            .map_err(|e| format!("kernel %{v} ({}): {e}", op.kind()))?;
+        roles.push(r);
+    }
+    em.code.kernels = roles;
+    Ok(em.code)
+}
+
+/// The mask variant of an attention-family template.
+pub fn mask_kind(variant: &str) -> MaskKind {
+    if variant.contains("mask=key") {
+        MaskKind::Key
+    } else if variant.contains("mask=causal") {
+        MaskKind::Causal
+    } else {
+        MaskKind::None
+    }
+}
+
+/// The functions of one kernel, by role.
+fn kernel_functions(
+    em: &mut Emitter,
+    kg: &KernelGraph,
+    v: usize,
+    op: &KernelOp,
+    inputs: &[usize],
+) -> Result<BTreeMap<String, String>, String> {
+    let mut r = BTreeMap::new();
+    let mut put = |role: &str, name: String| {
+        r.insert(role.to_string(), name);
+    };
+    match op {
+        KernelOp::Region(expr) => {
+            let out = kg.values[v].types[0].shape.clone();
+            let inner: Vec<bool> = inputs
+                .iter()
+                .map(|&x| static_inner(kg, x, &out))
+                .collect();
+            let dtypes: Vec<DType> = inputs.iter().map(|&x| kg.values[x].types[0].dtype).collect();
+            let key = format!("region {} inner={inner:?} in={dtypes:?} out={}", expr.text(), expr.out);
+            put(
+                "main",
+                em.get("region", key, |n| region::region_typed(n, expr, &inner, &dtypes))?,
+            );
+            // The inner-stride flags the function was built for (1: unit, 0: broadcast).
+            put("inner", inner.iter().map(|&b| if b { '1' } else { '0' }).collect());
+        }
+        KernelOp::Template { id, attrs } => {
+            let def = &registry()[*id as usize];
+            match def.name.as_str() {
+                "linear" => put("bias", em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?),
+                "linear_relu" => {
+                    put("bias", em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?);
+                    put("epilogue", em.get("relu", "relu".into(), |n| Ok(misc::relu(n)))?);
+                }
+                "softmax" => put("main", em.get("softmax", "softmax".into(), |n| Ok(rows::softmax(n)))?),
+                "scale_mask_softmax" | "attention" | "attention_bwd" => {
+                    let m = mask_kind(&def.variant);
+                    put(
+                        "softmax",
+                        em.get("scale_mask_softmax", format!("scale_mask_softmax {m:?}"), |n| {
+                            Ok(rows::scale_mask_softmax(n, m))
+                        })?,
+                    );
+                    if def.name == "attention_bwd" {
+                        put("softmax_bwd", em.get("softmax_bwd", "softmax_bwd".into(), |n| Ok(rows::softmax_bwd(n)))?);
+                    }
+                }
+                "add_layer_norm" => put(
+                    "main",
+                    em.get("add_layer_norm", "add_layer_norm".into(), |n| Ok(rows::add_layer_norm(n)))?,
+                ),
+                "add_layer_norm_bwd" => {
+                    put(
+                        "main",
+                        em.get("add_layer_norm_bwd", "add_layer_norm_bwd".into(), |n| {
+                            Ok(rows::add_layer_norm_bwd(n))
+                        })?,
+                    );
+                    put(
+                        "finish",
+                        em.get("add_layer_norm_bwd_finish", "add_layer_norm_bwd_finish".into(), |n| {
+                            Ok(rows::add_layer_norm_bwd_finish(n))
+                        })?,
+                    );
+                }
+                "xent_ls" => put("main", em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?),
+                "embed_pe" => {
+                    let dropout = !attrs.is_empty();
+                    put(
+                        "main",
+                        em.get("embed_pe", format!("embed_pe dropout={dropout}"), |n| {
+                            Ok(region::embed_pe(n, dropout))
+                        })?,
+                    );
+                }
+                "sum_rows" => {
+                    let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
+                    put(
+                        "main",
+                        em.get("sum_rows", format!("sum_rows lead={lead}"), |n| Ok(misc::sum_rows(n, lead)))?,
+                    );
+                }
+                "adam_update" => put(
+                    "main",
+                    em.get("adam_update", "adam_update".into(), |n| Ok(misc::adam_update(n)))?,
+                ),
+                other => return Err(format!("no CPU code for template `{other}`")),
+            }
+        }
+        KernelOp::Prim(Op::Reduce { op, axis }) if kg.values[inputs[0]].types[0].dtype == DType::F32 => {
+            let rank = kg.values[inputs[0]].types[0].shape.rank();
+            let layout = if *axis + 1 == rank {
+                misc::ReduceLayout::Rows
+            } else {
+                misc::ReduceLayout::Across
+            };
+            let rop = match op {
+                ReduceOp::Sum => Reduce::Sum,
+                ReduceOp::Max => Reduce::Max,
+            };
+            put(
+                "main",
+                em.get("reduce", format!("reduce {rop:?} {layout:?}"), |n| Ok(misc::reduce(n, rop, layout)))?,
+            );
+        }
+        KernelOp::Prim(_) => {}
+    }
+    // Any operand a kernel needs contiguous may arrive as a strided view: one copy
+    // kernel serves them all.
+    r.insert(
+        "copy".to_string(),
+        em.get("copy_strided", "copy_strided gather".into(), |n| Ok(misc::copy_strided(n, false)))?,
+    );
+    Ok(r)
+}
+
+/// With every symbolic dim at 7: the element strides of value `v` seen through its view
+/// chain, broadcast to `out`; whether the innermost one is nonzero (1, or a layout the
+/// executor copies to contiguous first).
+fn static_inner(kg: &KernelGraph, v: usize, out: &Shape) -> bool {
+    let (shape, strides) = static_layout(kg, v);
+    let out_rank = out.rank();
+    if out_rank == 0 || shape.is_empty() {
+        return false;
+    }
+    // Right-aligned broadcast: the input's last axis meets the output's last axis.
+    let last = shape.len() - 1;
+    !(shape[last] == 1 || strides[last] == 0)
+}
+
+fn static_layout(kg: &KernelGraph, v: usize) -> (Vec<i64>, Vec<i64>) {
+    let seven = |s: &Shape| -> Vec<i64> {
+        s.dims()
+            .iter()
+            .map(|d| {
+                let b: std::collections::BTreeMap<String, i64> =
+                    d.symbols().iter().map(|x| (x.to_string(), 7)).collect();
+                d.eval(&b).unwrap_or(7)
+            })
+            .collect()
+    };
+    let contiguous = |shape: Vec<i64>| {
+        let mut st = vec![1i64; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            st[i] = st[i + 1] * shape[i + 1];
+        }
+        (shape, st)
+    };
+    let val = &kg.values[v];
+    match &val.def {
+        Def::View(op, x) => {
+            let (sh, st) = static_layout(kg, *x);
+            let shape = seven(&val.types[0].shape);
+            match op {
+                Op::Permute { perm } => (
+                    perm.iter().map(|&p| sh[p]).collect(),
+                    perm.iter().map(|&p| st[p]).collect(),
+                ),
+                Op::Broadcast { .. } => {
+                    let off = shape.len() - sh.len();
+                    let strides = (0..shape.len())
+                        .map(|i| if i < off || sh[i - off] == 1 { 0 } else { st[i - off] })
+                        .collect();
+                    (shape, strides)
+                }
+                // A reshape keeps a contiguous layout contiguous; the executor copies
+                // any other first.
+                _ => contiguous(shape),
+            }
+        }
+        _ => contiguous(seven(&val.types[0].shape)),
+    }
+}

@@ -1,0 +1,278 @@
+//! The memory plan: which arena slot holds each kernel result, by liveness.
+//!
+//! In: a [`KernelGraph`] (kernels in launch order). Out: a [`MemoryPlan`] — one buffer per
+//! kernel result (one per output of a multi-output kernel), each born at the step that
+//! writes it and dead after the last step that reads it (directly or through views and
+//! projections); the graph's outputs live to the end. Buffers whose lifetimes do not
+//! overlap share a slot; the arena is the slots end to end.
+//!
+//! Shapes are symbolic, so the plan is static and the sizes are not: a slot's size is the
+//! largest of its buffers' sizes, evaluated per run from the bound dims
+//! ([`MemoryPlan::layout`]); one plan serves every batch size and length. Slot choice
+//! when a buffer is born, among the slots free at that step: one whose buffers have the
+//! same symbolic size, else the smallest that is at least as large (sizes estimated with
+//! every dim at 32), else the largest (it grows), else a new slot.
+//!
+//! Activations are kept for the backward pass exactly as long as a backward kernel reads
+//! them: liveness is the whole policy. Sources (inputs, parameters, constants) are not in
+//! the arena: executors read the caller's tensors in place.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ir::TensorType;
+use crate::optimize::kernels::{Def, KernelGraph};
+use crate::shape::Dim;
+
+/// Bytes per element in CPU buffers (f32, i32, and bool stored as i32).
+pub const ELEM_BYTES: usize = 4;
+/// Slot offsets are multiples of this many bytes.
+pub const ALIGN: usize = 64;
+
+/// One kernel result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// The kernel's value number in the kernel graph.
+    pub value: usize,
+    /// Which output of the kernel.
+    pub output: usize,
+    pub ty: TensorType,
+    pub slot: usize,
+    /// The step (kernel launch index) that writes it.
+    pub born: usize,
+    /// The last step that reads it (`steps` for graph outputs).
+    pub dies: usize,
+}
+
+/// The plan of one kernel graph.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    pub buffers: Vec<Buffer>,
+    pub slots: usize,
+    pub steps: usize,
+}
+
+/// Concrete offsets of one run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArenaLayout {
+    /// Byte offset of each buffer (same order as [`MemoryPlan::buffers`]).
+    pub offsets: Vec<usize>,
+    /// Bytes of each slot.
+    pub slot_bytes: Vec<usize>,
+    /// The arena's size in bytes (the peak: every slot at its largest).
+    pub total: usize,
+    /// Bytes if every buffer had its own memory (no reuse).
+    pub unshared: usize,
+}
+
+fn estimate(d: &Dim) -> f64 {
+    let mut b = BTreeMap::new();
+    for s in d.symbols() {
+        b.insert(s.to_string(), crate::optimize::extract::ESTIMATE_DIM);
+    }
+    d.eval(&b).unwrap_or(0) as f64
+}
+
+impl MemoryPlan {
+    /// Plans `kg`.
+    pub fn build(kg: &KernelGraph) -> MemoryPlan {
+        // Step of each kernel value.
+        let mut step_of: BTreeMap<usize, usize> = BTreeMap::new();
+        for (v, val) in kg.values.iter().enumerate() {
+            if let Def::Kernel { index, .. } = val.def {
+                step_of.insert(v, index);
+            }
+        }
+        let steps = step_of.len();
+        // Buffers in birth order.
+        let mut buffers: Vec<Buffer> = Vec::new();
+        let mut index: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+        let mut order: Vec<(usize, usize)> = step_of.iter().map(|(&v, &s)| (s, v)).collect();
+        order.sort();
+        for &(s, v) in &order {
+            for (k, ty) in kg.values[v].types.iter().enumerate() {
+                index.insert((v, k), buffers.len());
+                buffers.push(Buffer {
+                    value: v,
+                    output: k,
+                    ty: ty.clone(),
+                    slot: 0,
+                    born: s,
+                    dies: s,
+                });
+            }
+        }
+        // Liveness: every read of a value (through views and projections) extends the
+        // life of the buffer under it.
+        let root = |mut v: usize| -> Option<(usize, usize)> {
+            loop {
+                match &kg.values[v].def {
+                    Def::View(_, x) => v = *x,
+                    Def::Proj(t, k) => return Some((*t, *k as usize)),
+                    Def::Kernel { .. } => return Some((v, 0)),
+                    _ => return None,
+                }
+            }
+        };
+        for val in &kg.values {
+            if let Def::Kernel {
+                index: s, inputs, ..
+            } = &val.def
+            {
+                for &x in inputs {
+                    if let Some(b) = root(x).and_then(|r| index.get(&r)) {
+                        let b = &mut buffers[*b];
+                        b.dies = b.dies.max(*s);
+                    }
+                }
+            }
+        }
+        for (_, v) in &kg.outputs {
+            if let Some(b) = root(*v).and_then(|r| index.get(&r)) {
+                buffers[*b].dies = steps;
+            }
+        }
+        // Slot assignment in birth order. A slot is free for a buffer born at step s if
+        // its last buffer died before s.
+        let mut slot_free_after: Vec<usize> = Vec::new(); // last death per slot
+        let mut slot_size: Vec<(Dim, f64)> = Vec::new(); // largest buffer: symbolic, estimate
+        for b in buffers.iter_mut() {
+            let need = b.ty.shape.numel();
+            let need_est = estimate(&need);
+            let free: Vec<usize> = (0..slot_free_after.len())
+                .filter(|&s| slot_free_after[s] < b.born)
+                .collect();
+            let same = free.iter().copied().find(|&s| slot_size[s].0 == need);
+            let fit = free
+                .iter()
+                .copied()
+                .filter(|&s| slot_size[s].1 >= need_est)
+                .min_by(|&a, &c| slot_size[a].1.total_cmp(&slot_size[c].1).then(a.cmp(&c)));
+            let largest = free
+                .iter()
+                .copied()
+                .max_by(|&a, &c| slot_size[a].1.total_cmp(&slot_size[c].1).then(c.cmp(&a)));
+            let reuse = std::env::var_os("KILN_NO_REUSE").is_none();
+            let slot = match same.or(fit).or(largest).filter(|_| reuse) {
+                Some(s) => s,
+                None => {
+                    slot_free_after.push(0);
+                    slot_size.push((need.clone(), need_est));
+                    slot_free_after.len() - 1
+                }
+            };
+            if need_est > slot_size[slot].1 {
+                slot_size[slot] = (need, need_est);
+            }
+            slot_free_after[slot] = b.dies;
+            b.slot = slot;
+        }
+        MemoryPlan {
+            buffers,
+            slots: slot_free_after.len(),
+            steps,
+        }
+    }
+
+    /// The buffer holding output `output` of kernel value `value`.
+    pub fn buffer_of(&self, value: usize, output: usize) -> Option<usize> {
+        self.buffers
+            .iter()
+            .position(|b| b.value == value && b.output == output)
+    }
+
+    /// Offsets for concrete dims.
+    pub fn layout(&self, dims: &BTreeMap<String, i64>) -> Result<ArenaLayout, String> {
+        let mut slot_bytes = vec![0usize; self.slots];
+        let mut sizes = Vec::with_capacity(self.buffers.len());
+        let mut unshared = 0usize;
+        for b in &self.buffers {
+            let n: usize = b.ty.shape.eval(dims)?.iter().product();
+            let bytes = (n * ELEM_BYTES).div_ceil(ALIGN) * ALIGN;
+            sizes.push(bytes);
+            unshared += bytes;
+            slot_bytes[b.slot] = slot_bytes[b.slot].max(bytes);
+        }
+        let mut slot_off = Vec::with_capacity(self.slots);
+        let mut total = 0usize;
+        for &s in &slot_bytes {
+            slot_off.push(total);
+            total += s;
+        }
+        let offsets = self.buffers.iter().map(|b| slot_off[b.slot]).collect();
+        Ok(ArenaLayout {
+            offsets,
+            slot_bytes,
+            total,
+            unshared,
+        })
+    }
+
+    /// The most bytes live at once over the steps (a lower bound for any plan; the arena
+    /// reaches it only when slot sizes fit perfectly).
+    pub fn live_peak(&self, dims: &BTreeMap<String, i64>) -> Result<usize, String> {
+        let mut delta = vec![0i64; self.steps + 2];
+        for b in &self.buffers {
+            let n: usize = b.ty.shape.eval(dims)?.iter().product();
+            let bytes = (n * ELEM_BYTES) as i64;
+            delta[b.born] += bytes;
+            delta[b.dies + 1] -= bytes;
+        }
+        let mut cur = 0i64;
+        let mut peak = 0i64;
+        for d in delta {
+            cur += d;
+            peak = peak.max(cur);
+        }
+        Ok(peak as usize)
+    }
+
+    /// The plan as text: one line per slot (its buffers with their lifetimes), then the
+    /// totals for `dims` when given.
+    pub fn text(&self, kg: &KernelGraph, dims: Option<&BTreeMap<String, i64>>) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "memory plan: {} buffers in {} slots over {} steps",
+            self.buffers.len(),
+            self.slots,
+            self.steps
+        );
+        let layout = dims.and_then(|d| self.layout(d).ok());
+        for slot in 0..self.slots {
+            let members: Vec<String> = self
+                .buffers
+                .iter()
+                .filter(|b| b.slot == slot)
+                .map(|b| {
+                    let name = if kg.values[b.value].types.len() > 1 {
+                        format!("%{}.{}", b.value, b.output)
+                    } else {
+                        format!("%{}", b.value)
+                    };
+                    format!("{name} {} [k{}..k{}]", b.ty, b.born, b.dies)
+                })
+                .collect();
+            let size = match &layout {
+                Some(l) => format!(" {} B", l.slot_bytes[slot]),
+                None => String::new(),
+            };
+            let _ = writeln!(s, "  slot {slot}{size}: {}", members.join(", "));
+        }
+        if let (Some(l), Some(d)) = (&layout, dims) {
+            let dims_text: Vec<String> = d.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let _ = writeln!(
+                s,
+                "arena at {}: {} bytes ({:.1} MiB); without reuse {:.1} MiB; live peak {:.1} MiB",
+                dims_text.join(" "),
+                l.total,
+                l.total as f64 / 1048576.0,
+                l.unshared as f64 / 1048576.0,
+                self.live_peak(d).unwrap_or(0) as f64 / 1048576.0
+            );
+        }
+        s
+    }
+}

@@ -1,0 +1,655 @@
+//! How each kernel of the compiled executor runs: generated code, GEMM, or a fallback.
+//!
+//! In: the kernel graph, its CPU code and the compiled functions ([`prepare`], once per
+//! executor); operand and result locations per run ([`run_step`]). Out: results written
+//! into the arena.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kiln_compiler::codegen::jit::{launch, JitModule, KernelFn};
+use kiln_compiler::codegen::misc::{self, ReduceLayout};
+use kiln_compiler::codegen::program::{mask_kind, CpuCode};
+use kiln_compiler::codegen::region;
+use kiln_compiler::codegen::rows::{self, MaskKind};
+use kiln_compiler::ir::Op;
+use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
+use kiln_compiler::optimize::lang::Attr;
+use kiln_compiler::optimize::regions::Expr;
+use kiln_compiler::optimize::templates::registry;
+use rayon::prelude::*;
+
+use super::fallback::{self, Fallback};
+use super::gemm::{self, Mat};
+use super::{Keep, Loc};
+use crate::eager::value::Layout;
+use ::gemm::Parallelism;
+use crate::eager::pool::Pool;
+
+/// What a run needs besides locations.
+pub(crate) struct RunCtx<'a> {
+    pub dims: &'a BTreeMap<String, i64>,
+    /// The generated strided-copy kernel.
+    pub copy: KernelFn,
+    pub seed: u64,
+    pub step: u32,
+    pub pool: &'a Arc<Pool>,
+}
+
+/// One kernel, ready to launch.
+pub(crate) struct Step {
+    /// The kernel's value number.
+    pub value: usize,
+    /// Its kind (`matmul`, `region`, `attention`, …), for profiles and messages.
+    pub kind: String,
+    pub inputs: Vec<usize>,
+    pub exec: Exec,
+    /// With `KILN_CHECK_KERNELS=1`: the kernel's definition, run after it on the same
+    /// operands and compared (a debugging aid; see `check`).
+    pub check: Option<Fallback>,
+}
+
+/// How a kernel runs.
+pub(crate) enum Exec {
+    /// A primitive matmul through GEMM.
+    Matmul,
+    /// `x·w + b` (then relu): the bias pre-loaded into the result by a generated kernel,
+    /// GEMM with `dst = dst + x·w`, relu as a generated epilogue.
+    Linear { bias: KernelFn, relu: Option<KernelFn> },
+    Region { f: KernelFn, expr: Arc<Expr>, inner: Vec<bool> },
+    Softmax(KernelFn),
+    ScaleMaskSoftmax(KernelFn, MaskKind),
+    /// Per head: GEMM for `q·kᵀ`, the generated masked softmax, GEMM for `p·v`.
+    Attention { softmax: KernelFn, mask: MaskKind },
+    AttentionBwd { softmax: KernelFn, softmax_bwd: KernelFn, mask: MaskKind },
+    AddLayerNorm(KernelFn),
+    AddLayerNormBwd { main: KernelFn, finish: KernelFn },
+    XentLs { f: KernelFn, pad: i64 },
+    EmbedPe { f: KernelFn, dropout: Option<(f64, u32)> },
+    SumRows(KernelFn),
+    Adam(KernelFn),
+    Reduce { f: KernelFn, axis: usize, layout: ReduceLayout },
+    /// The eager executor's kernels (see `fallback.rs`).
+    Fallback(Fallback),
+}
+
+impl Exec {
+    /// Whether this kernel runs generated code or GEMM (not a fallback).
+    pub fn is_native(&self) -> bool {
+        !matches!(self, Exec::Fallback(_))
+    }
+}
+
+/// Prepares every kernel of `kg`.
+pub(crate) fn prepare(kg: &KernelGraph, code: &CpuCode, jit: &JitModule) -> Result<(Vec<Step>, KernelFn), String> {
+    let mut steps = Vec::new();
+    if code.kernels.len() != kg.kernels().len() {
+        return Err(format!(
+            "the code lists {} kernels, the kernel graph has {}",
+            code.kernels.len(),
+            kg.kernels().len()
+        ));
+    }
+    let mut copy = None;
+    for (i, (v, op, inputs)) in kg.kernels().into_iter().enumerate() {
+        let kind = op.kind();
+        let roles = &code.kernels[i];
+        let f = |role: &str| -> Result<KernelFn, String> {
+            let name = roles
+                .get(role)
+                .ok_or_else(|| format!("kernel %{v} ({kind}) has no `{role}` function"))?;
+            jit.get(name)
+                .ok_or_else(|| format!("kernel %{v}: function `{name}` is missing from the code"))
+        };
+        if copy.is_none() {
+            copy = Some(f("copy")?);
+        }
+        let exec = match op {
+            KernelOp::Prim(Op::MatMul) if is_f32(kg, inputs) => Exec::Matmul,
+            KernelOp::Prim(Op::Reduce { axis, .. }) if roles.contains_key("main") => {
+                let rank = kg.values[inputs[0]].types[0].shape.rank();
+                Exec::Reduce {
+                    f: f("main")?,
+                    axis: *axis,
+                    layout: if axis + 1 == rank { ReduceLayout::Rows } else { ReduceLayout::Across },
+                }
+            }
+            KernelOp::Region(expr) => {
+                let out = &kg.values[v].types[0].shape;
+                let _ = out;
+                Exec::Region {
+                    f: f("main")?,
+                    expr: expr.clone(),
+                    inner: static_inner_of(code, i),
+                }
+            }
+            KernelOp::Template { id, attrs } => {
+                let def = &registry()[*id as usize];
+                match def.name.as_str() {
+                    "linear" => Exec::Linear { bias: f("bias")?, relu: None },
+                    "linear_relu" => Exec::Linear { bias: f("bias")?, relu: Some(f("epilogue")?) },
+                    "softmax" => Exec::Softmax(f("main")?),
+                    "scale_mask_softmax" => Exec::ScaleMaskSoftmax(f("softmax")?, mask_kind(&def.variant)),
+                    "attention" => Exec::Attention { softmax: f("softmax")?, mask: mask_kind(&def.variant) },
+                    "attention_bwd" => Exec::AttentionBwd {
+                        softmax: f("softmax")?,
+                        softmax_bwd: f("softmax_bwd")?,
+                        mask: mask_kind(&def.variant),
+                    },
+                    "add_layer_norm" => Exec::AddLayerNorm(f("main")?),
+                    "add_layer_norm_bwd" => Exec::AddLayerNormBwd { main: f("main")?, finish: f("finish")? },
+                    "xent_ls" => {
+                        let Some(Attr::Int(pad)) = attrs.first() else {
+                            return Err(format!("kernel %{v}: xent_ls without its pad id"));
+                        };
+                        Exec::XentLs { f: f("main")?, pad: *pad }
+                    }
+                    "embed_pe" => {
+                        let dropout = match attrs.as_slice() {
+                            [] => None,
+                            [Attr::F(p), Attr::Int(stream)] => Some((p.get(), *stream as u32)),
+                            other => return Err(format!("kernel %{v}: embed_pe attributes {other:?}")),
+                        };
+                        Exec::EmbedPe { f: f("main")?, dropout }
+                    }
+                    "sum_rows" => Exec::SumRows(f("main")?),
+                    "adam_update" => Exec::Adam(f("main")?),
+                    _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
+                }
+            }
+            _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
+        };
+        let check = if std::env::var_os("KILN_CHECK_KERNELS").is_some() && exec.is_native() {
+            Some(fallback::build_expanded(kg, v, op, inputs)?)
+        } else {
+            None
+        };
+        steps.push(Step {
+            value: v,
+            kind,
+            inputs: inputs.to_vec(),
+            exec,
+            check,
+        });
+    }
+    let copy = match copy {
+        Some(c) => c,
+        None => jit
+            .get("copy_strided_0")
+            .ok_or("the code has no copy kernel")?,
+    };
+    Ok((steps, copy))
+}
+
+/// The region's static inner-stride flags, recorded in its function key by the emitter.
+fn static_inner_of(code: &CpuCode, i: usize) -> Vec<bool> {
+    let name = &code.kernels[i]["main"];
+    let text = code.function(name).unwrap_or("");
+    // The flags are not in the text; recompute them from the loads is fragile, so the
+    // emitter records them in the kernel's roles.
+    let _ = text;
+    code.kernels[i]
+        .get("inner")
+        .map(|s| s.chars().map(|c| c == '1').collect())
+        .unwrap_or_default()
+}
+
+fn is_f32(kg: &KernelGraph, inputs: &[usize]) -> bool {
+    inputs
+        .iter()
+        .all(|&x| kg.values[x].types[0].dtype == kiln_compiler::ir::DType::F32)
+}
+
+/// Runs one kernel.
+pub(crate) fn run_step(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mut Keep) -> Result<(), String> {
+    run_exec(step, ins, outs, ctx, keep)?;
+    if let Some(fb) = &step.check {
+        let tmp: Vec<Loc> = outs
+            .iter()
+            .map(|o| Loc {
+                ptr: keep.alloc(o.numel()),
+                layout: o.layout.clone(),
+                dtype: o.dtype,
+            })
+            .collect();
+        fallback::run(fb, ins, &tmp, ctx)?;
+        for (k, (o, t)) in outs.iter().zip(&tmp).enumerate() {
+            let (a, b) = (gather_words(o), gather_words(t));
+            let (mut diff, mut max) = (0f32, 0f32);
+            for (x, y) in a.iter().zip(&b) {
+                let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+                diff = diff.max((x - y).abs());
+                max = max.max(y.abs());
+            }
+            if diff > 1e-5 * max + 1e-6 || diff.is_nan() {
+                eprintln!(
+                    "KILN_CHECK_KERNELS: %{} {} output {k}: max diff {diff:.3e}, max |def| {max:.3e}",
+                    step.value, step.kind
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mut Keep) -> Result<(), String> {
+    let copy = ctx.copy;
+    // An operand as a contiguous location (copied by the generated copy kernel if not).
+    let mut contig = |l: &Loc, keep: &mut Keep| -> Result<Loc, String> {
+        if l.is_contiguous() {
+            return Ok(l.clone());
+        }
+        if l.layout.shape.len() > misc::MAX_COPY_RANK {
+            let p = keep.alloc(l.numel());
+            copy_to_contiguous(l, p);
+            return Ok(Loc { ptr: p, layout: Layout::contiguous(l.shape()), dtype: l.dtype });
+        }
+        let p = keep.alloc(l.numel());
+        let strides: Vec<i64> = l.layout.strides.iter().map(|&s| s as i64).collect();
+        let (dims, items) = misc::copy_strided_dims(l.shape(), &strides);
+        call(copy, &[l.base(), p], &dims, items, 64);
+        Ok(Loc { ptr: p, layout: Layout::contiguous(l.shape()), dtype: l.dtype })
+    };
+    let last = |l: &Loc| l.shape().last().copied().unwrap_or(1);
+    match &step.exec {
+        Exec::Matmul => gemm::matmul(ins[0], ins[1], &outs[0], false),
+        Exec::Linear { bias, relu } => {
+            let out = &outs[0];
+            let n = last(out);
+            let rows = out.numel() / n.max(1);
+            let b = contig(ins[2], keep)?;
+            let (dims, items) = misc::rows_dims(rows, n);
+            call(*bias, &[b.base(), out.base()], &dims, items, grain(n));
+            gemm::matmul(ins[0], ins[1], out, true)?;
+            if let Some(relu) = relu {
+                let (dims, items) = misc::relu_dims(out.numel());
+                call(*relu, &[out.base()], &dims, items, 32);
+            }
+            Ok(())
+        }
+        Exec::Region { f, expr, inner } => {
+            let out = &outs[0];
+            let shape = out.shape().to_vec();
+            let c = shape.last().copied().unwrap_or(1);
+            let mut ptrs = Vec::with_capacity(ins.len() + 1);
+            let mut strides = Vec::with_capacity(ins.len());
+            for (k, l) in ins.iter().enumerate() {
+                let want_unit = inner.get(k).copied().unwrap_or(true);
+                let mut l = (*l).clone();
+                let mut b = l.layout.broadcast(&shape);
+                let s_last = b.strides.last().copied().unwrap_or(0);
+                let ok = c <= 1 || (want_unit && s_last == 1) || (!want_unit && s_last == 0);
+                if !ok {
+                    if !want_unit {
+                        return Err("internal: a broadcast region input is not broadcast".into());
+                    }
+                    l = contig(&l, keep)?;
+                    b = l.layout.broadcast(&shape);
+                }
+                ptrs.push(l.ptr.wrapping_add(4 * b.offset));
+                strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
+            }
+            ptrs.push(out.base());
+            let (dims, items) = region::region_dims(expr, &shape, &strides, ctx.seed, ctx.step);
+            call(*f, &ptrs, &dims, items, grain(c));
+            Ok(())
+        }
+        Exec::Softmax(f) => {
+            let x = contig(ins[0], keep)?;
+            let c = last(&x);
+            let (dims, items) = rows::softmax_dims(x.numel() / c.max(1), c);
+            call(*f, &[x.base(), outs[0].base()], &dims, items, grain(c));
+            Ok(())
+        }
+        Exec::ScaleMaskSoftmax(f, mask) => {
+            let x = contig(ins[0], keep)?;
+            let s = x.shape().to_vec();
+            let (dims, items) = rows::scale_mask_softmax_dims(s[0], s[1], s[2], s[3]);
+            let ptrs = if *mask == MaskKind::None {
+                vec![x.base(), ins[1].base(), outs[0].base()]
+            } else {
+                let m = contig(ins[1], keep)?;
+                vec![x.base(), m.base(), ins[2].base(), ins[3].base(), outs[0].base()]
+            };
+            call(*f, &ptrs, &dims, items, grain(s[3]));
+            Ok(())
+        }
+        Exec::Attention { softmax, mask } => attention(ins, &outs[0], *softmax, *mask, keep, &mut contig),
+        Exec::AttentionBwd { softmax, softmax_bwd, mask } => {
+            attention_bwd(ins, outs, *softmax, *softmax_bwd, *mask, keep, &mut contig)
+        }
+        Exec::AddLayerNorm(f) => {
+            let x = contig(ins[0], keep)?;
+            let y = contig(ins[1], keep)?;
+            let g = contig(ins[2], keep)?;
+            let b = contig(ins[3], keep)?;
+            let d = last(&x);
+            let (dims, items) = rows::add_layer_norm_dims(x.numel() / d.max(1), d);
+            call(
+                *f,
+                &[x.base(), y.base(), g.base(), b.base(), ins[4].base(), ins[5].base(), outs[0].base()],
+                &dims,
+                items,
+                grain(d),
+            );
+            Ok(())
+        }
+        Exec::AddLayerNormBwd { main, finish } => {
+            let x = contig(ins[0], keep)?;
+            let y = contig(ins[1], keep)?;
+            let g = contig(ins[2], keep)?;
+            let dy = contig(ins[3], keep)?;
+            let d = last(&x);
+            let rows_n = x.numel() / d.max(1);
+            let scratch = keep.alloc(rows::add_layer_norm_bwd_scratch(rows_n, d));
+            let (dims, items) = rows::add_layer_norm_bwd_dims(rows_n, d);
+            call(
+                *main,
+                &[x.base(), y.base(), g.base(), dy.base(), ins[4].base(), ins[5].base(), outs[0].base(), scratch],
+                &dims,
+                items,
+                (grain(d) / rows::LN_BWD_BLOCK).max(1),
+            );
+            let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
+            call(*finish, &[scratch, outs[1].base(), outs[2].base()], &dims, items, 64);
+            Ok(())
+        }
+        Exec::XentLs { f, pad } => {
+            let logits = contig(ins[0], keep)?;
+            let target = contig(ins[1], keep)?;
+            let v = last(&logits);
+            let rows_n = logits.numel() / v.max(1);
+            let t = gather_words(&target);
+            let den = t.iter().filter(|&&w| w as i32 as i64 != *pad).count() as f32;
+            let inv = keep.alloc(1);
+            // SAFETY: a fresh one-element buffer.
+            unsafe { *(inv as *mut f32) = 1.0 / den };
+            let row_loss = keep.alloc(rows_n);
+            let (dims, items) = rows::xent_ls_dims(rows_n, v, *pad);
+            call(
+                *f,
+                &[
+                    logits.base(),
+                    target.base(),
+                    ins[2].base(),
+                    ins[3].base(),
+                    ins[4].base(),
+                    inv,
+                    row_loss,
+                    outs[1].base(),
+                ],
+                &dims,
+                items,
+                grain(v),
+            );
+            // SAFETY: `row_loss` holds `rows_n` elements the kernel wrote.
+            let rl = unsafe { std::slice::from_raw_parts(row_loss as *const f32, rows_n) };
+            let mean = rows::xent_ls_finish(rl, den);
+            write_words(&outs[0], &[mean.to_bits()]);
+            Ok(())
+        }
+        Exec::EmbedPe { f, dropout } => {
+            let table = contig(ins[0], keep)?;
+            let ids = contig(ins[1], keep)?;
+            let pe = contig(ins[2], keep)?;
+            let vocab = table.shape()[0];
+            for (i, w) in gather_words(&ids).iter().enumerate() {
+                kiln_compiler::bind::check_id(*w as i32, vocab, i, &format!("the embedding table has {vocab} rows"))?;
+            }
+            let s = outs[0].shape().to_vec();
+            let (b, t, d) = (s[0], s[1], s[2]);
+            let (dims, items) = region::embed_pe_dims(d, t, b, *dropout, ctx.seed, ctx.step);
+            call(*f, &[table.base(), ids.base(), pe.base(), ins[3].base(), outs[0].base()], &dims, items, grain(d));
+            Ok(())
+        }
+        Exec::SumRows(f) => {
+            let x = contig(ins[0], keep)?;
+            let (dims, items) = misc::sum_rows_dims(x.shape());
+            let rows_n = x.numel() / last(&x).max(1);
+            call(*f, &[x.base(), outs[0].base()], &dims, items, (grain(rows_n * 16) / 16).max(1));
+            Ok(())
+        }
+        Exec::Adam(f) => {
+            let mut ptrs = Vec::with_capacity(14);
+            for l in ins.iter().take(4) {
+                ptrs.push(contig(l, keep)?.base());
+            }
+            for l in ins.iter().skip(4) {
+                ptrs.push(l.base());
+            }
+            for o in outs {
+                ptrs.push(o.base());
+            }
+            let (dims, items) = misc::adam_update_dims(outs[0].numel());
+            call(*f, &ptrs, &dims, items, 32);
+            Ok(())
+        }
+        Exec::Reduce { f, axis, layout } => {
+            let x = contig(ins[0], keep)?;
+            let s = x.shape();
+            let outer: usize = s[..*axis].iter().product();
+            let len = s[*axis];
+            let inner: usize = s[axis + 1..].iter().product();
+            let (layout, f) = match (layout, inner) {
+                (ReduceLayout::Rows, 1) => (ReduceLayout::Rows, *f),
+                (ReduceLayout::Across, _) => (ReduceLayout::Across, *f),
+                _ => return Err("internal: a row reduction over a non-last axis".into()),
+            };
+            let (dims, items) = misc::reduce_dims(layout, outer, len, inner);
+            call(f, &[x.base(), outs[0].base()], &dims, items, grain(len));
+            Ok(())
+        }
+        Exec::Fallback(fb) => fallback::run(fb, ins, outs, ctx),
+    }
+}
+
+/// Rows per task so that a task has at least ~32k elements of work.
+fn grain(row_len: usize) -> usize {
+    (32_768 / row_len.max(1)).max(1)
+}
+
+/// Launches a generated kernel over `items` (see `jit::launch`).
+fn call(f: KernelFn, ptrs: &[*mut u8], dims: &[i64], items: usize, grain: usize) {
+    if items == 0 {
+        return;
+    }
+    // SAFETY: every caller passes the buffers and dims of the kernel's documented ABI,
+    // sized by the shapes the run bound.
+    unsafe { launch(f, ptrs, dims, items, grain) };
+}
+
+/// A raw pointer that may cross threads (each task touches its own elements).
+#[derive(Clone, Copy)]
+struct P(*mut u8);
+unsafe impl Send for P {}
+unsafe impl Sync for P {}
+
+/// The mask pointer for batch entry `bi` (key: row `bi` of `[b, tk]`; causal: the
+/// `[tq, tk]` matrix), or null.
+fn mask_at(mask: Option<&Loc>, kind: MaskKind, bi: usize, tk: usize) -> *mut u8 {
+    match (mask, kind) {
+        (Some(m), MaskKind::Key) => m.base().wrapping_add(4 * bi * tk),
+        (Some(m), MaskKind::Causal) => m.base(),
+        _ => std::ptr::null_mut(),
+    }
+}
+
+/// Attention forward: per (batch, head), `s = q·kᵀ` (GEMM), the masked scaled softmax
+/// in place (generated), `o = s·v` (GEMM). Heads run in parallel.
+fn attention(
+    ins: &[&Loc],
+    out: &Loc,
+    softmax: KernelFn,
+    mask: MaskKind,
+    keep: &mut Keep,
+    contig: &mut dyn FnMut(&Loc, &mut Keep) -> Result<Loc, String>,
+) -> Result<(), String> {
+    let (q, k, v) = (ins[0], ins[1], ins[2]);
+    let (m, scale, fill) = if mask == MaskKind::None {
+        (None, ins[3], None)
+    } else {
+        (Some(contig(ins[3], keep)?), ins[4], Some(ins[5]))
+    };
+    let qs = q.shape();
+    let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
+    let tk = k.shape()[2];
+    let dv = v.shape()[3];
+    let (sp, fp) = (P(scale.base()), P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())));
+    let o = P(out.base());
+    let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
+    (0..b * h).into_par_iter().for_each_init(
+        || vec![0f32; tq * tk],
+        |s, bh| {
+            let (bi, hi) = (bh / h, bh % h);
+            let (sp, fp, o) = (sp, fp, o);
+            let qm = head(q, bi, hi, 2, 3);
+            let kt = head(k, bi, hi, 3, 2);
+            // SAFETY: each task writes its own scratch and its own head of `out`.
+            unsafe {
+                gemm::gemm_one((tq, dk, tk), s.as_mut_ptr(), tk as isize, qm, kt, false, Parallelism::None);
+                let sptr = s.as_mut_ptr() as *mut u8;
+                let ptrs: Vec<*mut u8> = if mask == MaskKind::None {
+                    vec![sptr, sp.0, sptr]
+                } else {
+                    vec![sptr, mask_at(m.as_ref(), mask, bi, tk), sp.0, fp.0, sptr]
+                };
+                softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
+                let pm = Mat { ptr: s.as_ptr(), rs: tk as isize, cs: 1 };
+                let vm = head(v, bi, hi, 2, 3);
+                let dst = (o.0 as *mut f32).add(bh * tq * dv);
+                gemm::gemm_one((tq, tk, dv), dst, dv as isize, pm, vm, false, Parallelism::None);
+            }
+        },
+    );
+    let _ = dk;
+    Ok(())
+}
+
+/// The `[rows, cols]` matrix of head (bi, hi) of a `[b, h, t, d]` location, with rows
+/// along axis `r` and columns along axis `c` (`r = 3, c = 2` reads it transposed).
+fn head(l: &Loc, bi: usize, hi: usize, r: usize, c: usize) -> Mat {
+    let st = &l.layout.strides;
+    let off = l.layout.offset + bi * st[0] + hi * st[1];
+    Mat {
+        ptr: (l.ptr as *const f32).wrapping_add(off),
+        rs: st[r] as isize,
+        cs: st[c] as isize,
+    }
+}
+
+/// Attention backward: per (batch, head), recompute `p` (GEMM + generated softmax),
+/// `dv = pᵀ·g`, `dp = g·vᵀ`, `ds = softmax_bwd(p, dp)·scale` (generated; zero where
+/// masked), `dq = ds·k`, `dk = dsᵀ·q`.
+fn attention_bwd(
+    ins: &[&Loc],
+    outs: &[Loc],
+    softmax: KernelFn,
+    softmax_bwd: KernelFn,
+    mask: MaskKind,
+    keep: &mut Keep,
+    contig: &mut dyn FnMut(&Loc, &mut Keep) -> Result<Loc, String>,
+) -> Result<(), String> {
+    let (q, k, v) = (ins[0], ins[1], ins[2]);
+    let (m, g, scale, fill) = if mask == MaskKind::None {
+        (None, ins[3], ins[4], None)
+    } else {
+        (Some(contig(ins[3], keep)?), ins[4], ins[5], Some(ins[6]))
+    };
+    let qs = q.shape();
+    let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
+    let tk = k.shape()[2];
+    let dv = v.shape()[3];
+    let (sp, fp) = (P(scale.base()), P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())));
+    let (dq, dkk, dvv) = (P(outs[0].base()), P(outs[1].base()), P(outs[2].base()));
+    let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
+    let (bdims, _) = rows::softmax_bwd_dims(tq, tk);
+    let mloc = m.as_ref();
+    (0..b * h).into_par_iter().for_each_init(
+        || (vec![0f32; tq * tk], vec![0f32; tq * tk]),
+        |(s, dp), bh| {
+            let (bi, hi) = (bh / h, bh % h);
+            let (sp, fp, dq, dkk, dvv) = (sp, fp, dq, dkk, dvv);
+            let mp = mask_at(mloc, mask, bi, tk);
+            // SAFETY: each task writes its own scratch and its own heads of the results.
+            unsafe {
+                gemm::gemm_one((tq, dk, tk), s.as_mut_ptr(), tk as isize, head(q, bi, hi, 2, 3), head(k, bi, hi, 3, 2), false, Parallelism::None);
+                let sptr = s.as_mut_ptr() as *mut u8;
+                let ptrs: Vec<*mut u8> = if mask == MaskKind::None {
+                    vec![sptr, sp.0, sptr]
+                } else {
+                    vec![sptr, mp, sp.0, fp.0, sptr]
+                };
+                softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
+                let pm = Mat { ptr: s.as_ptr(), rs: tk as isize, cs: 1 };
+                let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: tk as isize };
+                let gm = head(g, bi, hi, 2, 3);
+                // dv = pᵀ·g
+                gemm::gemm_one((tk, tq, dv), (dvv.0 as *mut f32).add(bh * tk * dv), dv as isize, pt, gm, false, Parallelism::None);
+                // dp = g·vᵀ
+                gemm::gemm_one((tq, dv, tk), dp.as_mut_ptr(), tk as isize, gm, head(v, bi, hi, 3, 2), false, Parallelism::None);
+                let dpp = dp.as_mut_ptr() as *mut u8;
+                let bp = [sptr, dpp, sp.0, dpp];
+                softmax_bwd(bp.as_ptr(), bdims.as_ptr(), 0, tq as i64);
+                let _ = pm;
+                if !mp.is_null() {
+                    let mi = mp as *const i32;
+                    for i in 0..tq {
+                        let row = if mask == MaskKind::Key { 0 } else { i * tk };
+                        for j in 0..tk {
+                            if *mi.add(row + j) == 0 {
+                                dp[i * tk + j] = 0.0;
+                            }
+                        }
+                    }
+                }
+                let ds = Mat { ptr: dp.as_ptr(), rs: tk as isize, cs: 1 };
+                let dst = Mat { ptr: dp.as_ptr(), rs: 1, cs: tk as isize };
+                gemm::gemm_one((tq, tk, dk), (dq.0 as *mut f32).add(bh * tq * dk), dk as isize, ds, head(k, bi, hi, 2, 3), false, Parallelism::None);
+                gemm::gemm_one((tk, tq, dk), (dkk.0 as *mut f32).add(bh * tk * dk), dk as isize, dst, head(q, bi, hi, 2, 3), false, Parallelism::None);
+            }
+        },
+    );
+    Ok(())
+}
+
+/// The elements of a location in row-major order, as 4-byte words.
+pub(crate) fn gather_words(loc: &Loc) -> Vec<u32> {
+    let n = loc.numel();
+    let mut out = Vec::with_capacity(n);
+    let p = loc.ptr as *const u32;
+    if loc.is_contiguous() {
+        // SAFETY: a contiguous layout covers `offset .. offset + n`.
+        unsafe { out.extend_from_slice(std::slice::from_raw_parts(p.add(loc.layout.offset), n)) };
+        return out;
+    }
+    let shape = &loc.layout.shape;
+    let strides = &loc.layout.strides;
+    let mut idx = vec![0usize; shape.len()];
+    for _ in 0..n {
+        let off = loc.layout.offset + idx.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
+        // SAFETY: every multi-index of the layout is inside the location's buffer.
+        out.push(unsafe { *p.add(off) });
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
+
+/// Writes row-major words into a contiguous location.
+pub(crate) fn write_words(loc: &Loc, words: &[u32]) {
+    debug_assert!(loc.is_contiguous() && words.len() == loc.numel());
+    // SAFETY: the location is a contiguous buffer of `numel` elements.
+    unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), loc.base() as *mut u32, words.len().min(loc.numel())) };
+}
+
+/// Copies a strided location into a fresh contiguous buffer at `dst`.
+pub(crate) fn copy_to_contiguous(src: &Loc, dst: *mut u8) {
+    let w = gather_words(src);
+    // SAFETY: the caller allocated `numel` elements at `dst`.
+    unsafe { std::ptr::copy_nonoverlapping(w.as_ptr(), dst as *mut u32, w.len()) };
+}

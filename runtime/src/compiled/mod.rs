@@ -1,0 +1,492 @@
+//! The compiled CPU executor: a kernel graph run as JIT-compiled kernels over one arena.
+//!
+//! In: an entry-point [`Graph`] (for binding and messages), its optimized
+//! [`KernelGraph`], the [`MemoryPlan`] and the CPU code ([`CpuCode`]: CLIF functions and
+//! which ones each kernel launches), all of which an artifact carries. Out: the graph's
+//! outputs as host tensors — the same values as the reference executor's, within the
+//! stated tolerances.
+//!
+//! A run:
+//! 1. binds inputs and parameters exactly as every executor does
+//!    (`kiln_compiler::bind`), which gives the symbolic dims their values;
+//! 2. lays out the arena from the plan for those dims (reused between runs, grown when a
+//!    larger batch comes);
+//! 3. gives every value a location — a base pointer and a strided layout: sources point
+//!    into the caller's tensors (bools converted to the 4-byte form kernels use), views
+//!    re-describe their source, kernel results live at their buffer's arena offset;
+//! 4. launches the kernels in order: JIT functions split over rows with rayon
+//!    ([`launch`](kiln_compiler::codegen::jit::launch)), matrix products through the
+//!    `gemm` crate (see `gemm.rs`), and the few primitives without generated code
+//!    (gathers, scatters, masks, `arange`, `concat`) through the eager executor's kernels
+//!    (see `fallback.rs`);
+//! 5. copies the outputs out.
+//!
+//! Determinism: every kernel splits work by output rows or fixed-size blocks, never by the
+//! thread count, so the bits do not depend on how many threads run.
+
+mod fallback;
+mod gemm;
+mod launch;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use kiln_compiler::bind::{Binder, Source};
+use kiln_compiler::codegen::jit::JitModule;
+use kiln_compiler::codegen::program::CpuCode;
+use kiln_compiler::ir::{DType, Graph, Op};
+use kiln_compiler::optimize::kernels::{Def, KernelGraph};
+use kiln_compiler::plan::MemoryPlan;
+use kiln_compiler::reference::{ExecError, Precision, RunOptions};
+use kiln_compiler::tensor::{Tensor, TensorData};
+
+use crate::eager::pool::Pool;
+use crate::eager::value::Layout;
+
+const EXECUTOR: &str = "the compiled executor";
+
+/// A graph compiled for the CPU, ready to run.
+pub struct Compiled {
+    graph: Graph,
+    kg: KernelGraph,
+    plan: MemoryPlan,
+    code: CpuCode,
+    jit: Arc<JitModule>,
+    /// Per kernel launch index: how it runs.
+    steps: Vec<launch::Step>,
+    /// The generated strided-copy kernel.
+    copy: kiln_compiler::codegen::jit::KernelFn,
+    arena: Mutex<Vec<f32>>,
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Compiled({}, {} kernels, {} functions)",
+            self.kg.name,
+            self.steps.len(),
+            self.jit.len()
+        )
+    }
+}
+
+/// Where a value's elements are during a run.
+#[derive(Clone, Debug)]
+pub(crate) struct Loc {
+    pub ptr: *mut u8,
+    pub layout: Layout,
+    pub dtype: DType,
+}
+
+// SAFETY: a run's locations point into memory the run owns or borrows for its duration;
+// kernels that share them across threads write disjoint elements.
+unsafe impl Send for Loc {}
+unsafe impl Sync for Loc {}
+
+impl Loc {
+    /// Element `offset + i` as a pointer (4-byte elements).
+    pub fn at(&self, elem: usize) -> *mut u8 {
+        self.ptr.wrapping_add(4 * elem)
+    }
+
+    /// The pointer to the first element of the layout.
+    pub fn base(&self) -> *mut u8 {
+        self.at(self.layout.offset)
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.layout.shape
+    }
+
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+
+    /// One past the largest element offset the layout reaches.
+    pub fn extent(&self) -> usize {
+        if self.numel() == 0 {
+            return self.layout.offset;
+        }
+        self.layout.offset
+            + self
+                .layout
+                .shape
+                .iter()
+                .zip(&self.layout.strides)
+                .map(|(&d, &s)| (d - 1) * s)
+                .sum::<usize>()
+            + 1
+    }
+}
+
+/// Memory a run owns besides the arena: converted inputs, constants, fallback results.
+#[derive(Default)]
+pub(crate) struct Keep {
+    bufs: Vec<Vec<u32>>,
+}
+
+impl Keep {
+    /// A buffer of `n` 4-byte elements that lives as long as the run.
+    pub fn alloc(&mut self, n: usize) -> *mut u8 {
+        self.bufs.push(vec![0u32; n.max(1)]);
+        self.bufs.last_mut().expect("pushed").as_mut_ptr() as *mut u8
+    }
+}
+
+impl Compiled {
+    /// Builds the executor: checks that the kernel graph belongs to `graph` and compiles
+    /// every CLIF function of `code` for this machine.
+    pub fn new(
+        graph: Graph,
+        kg: KernelGraph,
+        plan: MemoryPlan,
+        code: CpuCode,
+    ) -> Result<Compiled, ExecError> {
+        graph.verify()?;
+        let jit = kiln_compiler::codegen::jit::compile(&code.text()).map_err(|e| {
+            ExecError::Unsupported(format!("cannot compile the program's kernels: {e}"))
+        })?;
+        let (steps, copy) = launch::prepare(&kg, &code, &jit).map_err(ExecError::Unsupported)?;
+        for (n, _) in &kg.outputs {
+            if !graph.outputs.iter().any(|o| &o.name == n) {
+                return Err(ExecError::Unsupported(format!(
+                    "the program computes `{n}`, which the graph does not declare"
+                )));
+            }
+        }
+        Ok(Compiled {
+            graph,
+            kg,
+            plan,
+            code,
+            jit: Arc::new(jit),
+            steps,
+            copy,
+            arena: Mutex::new(Vec::new()),
+            pool: Arc::new(Pool::default()),
+        })
+    }
+
+    /// Optimizes `graph` for the CPU, plans it, generates its code and builds the
+    /// executor — what `kiln compile` + loading the artifact do, in one process.
+    pub fn from_graph(graph: Graph) -> Result<Compiled, ExecError> {
+        let opts = kiln_compiler::optimize::Options::default();
+        let (kg, _) = kiln_compiler::optimize::optimize(&graph, &opts)
+            .map_err(|e| ExecError::Unsupported(e.to_string()))?;
+        let plan = MemoryPlan::build(&kg);
+        let code = kiln_compiler::codegen::program::emit(&kg).map_err(ExecError::Unsupported)?;
+        Compiled::new(graph, kg, plan, code)
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    pub fn kernel_graph(&self) -> &KernelGraph {
+        &self.kg
+    }
+
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    pub fn code(&self) -> &CpuCode {
+        &self.code
+    }
+
+    /// Runs the program; outputs in `graph.outputs` order.
+    pub fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.run_inner(inputs, params, opts, None, None)
+    }
+
+    /// Runs the program and returns every value of the kernel graph (a debugging aid:
+    /// run with `KILN_NO_REUSE=1` so that no buffer is overwritten before the end).
+    pub fn run_all_values(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<Vec<Tensor>>, ExecError> {
+        let mut dump = Vec::new();
+        self.run_inner(inputs, params, opts, None, Some(&mut dump))?;
+        Ok(dump)
+    }
+
+    /// [`Compiled::run`], reporting each kernel's kind and seconds to `profile`.
+    pub fn run_profiled(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        profile: &mut dyn FnMut(&str, f64),
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.run_inner(inputs, params, opts, Some(profile), None)
+    }
+
+    fn run_inner(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        mut profile: Option<&mut dyn FnMut(&str, f64)>,
+        dump: Option<&mut Vec<Vec<Tensor>>>,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        if opts.precision != Precision::F32 {
+            return Err(ExecError::Unsupported(format!(
+                "the compiled executor computes in f32 only, but {:?} precision was \
+                 requested; use the reference executor for f64",
+                opts.precision
+            )));
+        }
+        let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
+        let dims = bind.dims.clone();
+        let layout = self.plan.layout(&dims).map_err(|m| ExecError::Node {
+            node: "the memory plan".into(),
+            message: m,
+        })?;
+        let mut arena = self.arena.lock().unwrap_or_else(|p| p.into_inner());
+        let words = layout.total / 4;
+        if arena.len() < words {
+            arena.clear();
+            arena.resize(words, 0.0);
+        }
+        let base = arena.as_mut_ptr() as *mut u8;
+        let mut keep = Keep::default();
+        let mut locs: Vec<Vec<Loc>> = Vec::with_capacity(self.kg.values.len());
+        // Reshapes of non-contiguous views become copies, made when first read (their
+        // source is computed by then, and still alive: views extend liveness).
+        let mut copies: Vec<(Loc, *mut u8, bool)> = Vec::new();
+        let mut needs: Vec<Vec<usize>> = Vec::with_capacity(self.kg.values.len());
+        let node_err = |v: usize, m: String| ExecError::Node {
+            node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
+            message: m,
+        };
+        for (v, val) in self.kg.values.iter().enumerate() {
+            let shapes: Vec<Vec<usize>> = val
+                .types
+                .iter()
+                .map(|t| t.shape.eval(&dims))
+                .collect::<Result<_, _>>()
+                .map_err(|m| node_err(v, m))?;
+            let loc = match &val.def {
+                Def::Input(name) => {
+                    let id = self.graph.input(name).ok_or_else(|| {
+                        node_err(v, format!("the graph has no input `{name}`"))
+                    })?;
+                    vec![source_loc(bind.input(id, name)?, &shapes[0], &mut keep)]
+                }
+                Def::Param(name) => {
+                    let id = self.graph.param(name).ok_or_else(|| {
+                        node_err(v, format!("the graph has no parameter `{name}`"))
+                    })?;
+                    vec![source_loc(bind.param(id, name, &shapes[0])?, &shapes[0], &mut keep)]
+                }
+                Def::Const(c, dtype) => {
+                    let p = keep.alloc(1);
+                    let bits = match dtype {
+                        DType::I32 => c.get() as i32 as u32,
+                        DType::Bool => (c.get() != 0.0) as u32,
+                        _ => (c.get() as f32).to_bits(),
+                    };
+                    // SAFETY: `p` is a fresh one-element buffer.
+                    unsafe { *(p as *mut u32) = bits };
+                    vec![Loc {
+                        ptr: p,
+                        layout: Layout::contiguous(&[]),
+                        dtype: *dtype,
+                    }]
+                }
+                Def::View(op, x) => {
+                    let src = &locs[*x][0];
+                    let mut need = needs[*x].clone();
+                    let layout = match op {
+                        Op::Reshape { .. } => src.layout.reshape(&shapes[0]),
+                        Op::Permute { perm } => Some(src.layout.permute(perm)),
+                        Op::Broadcast { .. } => Some(src.layout.broadcast(&shapes[0])),
+                        other => {
+                            return Err(node_err(v, format!("`{}` is not a view", other.name())))
+                        }
+                    };
+                    match layout {
+                        Some(layout) => {
+                            needs.push(need);
+                            vec![Loc {
+                                ptr: src.ptr,
+                                layout,
+                                dtype: val.types[0].dtype,
+                            }]
+                        }
+                        None => {
+                            // A reshape of a non-contiguous view: a copy.
+                            let p = keep.alloc(src.numel());
+                            copies.push((src.clone(), p, false));
+                            need.push(copies.len() - 1);
+                            needs.push(need);
+                            vec![Loc {
+                                ptr: p,
+                                layout: Layout::contiguous(&shapes[0]),
+                                dtype: val.types[0].dtype,
+                            }]
+                        }
+                    }
+                }
+                Def::Proj(t, k) => {
+                    needs.push(needs[*t].clone());
+                    vec![locs[*t][*k as usize].clone()]
+                }
+                Def::Kernel { .. } => (0..val.types.len())
+                    .map(|k| {
+                        let b = self.plan.buffer_of(v, k).ok_or_else(|| {
+                            node_err(v, "internal: no buffer in the memory plan".into())
+                        })?;
+                        Ok(Loc {
+                            ptr: base.wrapping_add(layout.offsets[b]),
+                            layout: Layout::contiguous(&shapes[k]),
+                            dtype: val.types[k].dtype,
+                        })
+                    })
+                    .collect::<Result<_, ExecError>>()?,
+            };
+            if needs.len() < locs.len() + 1 {
+                needs.push(Vec::new());
+            }
+            locs.push(loc);
+        }
+        let materialize = |v: usize, copies: &mut Vec<(Loc, *mut u8, bool)>| {
+            for &c in &needs[v] {
+                if !copies[c].2 {
+                    launch::copy_to_contiguous(&copies[c].0, copies[c].1);
+                    copies[c].2 = true;
+                }
+            }
+        };
+        let ctx = launch::RunCtx {
+            dims: &dims,
+            copy: self.copy,
+            seed: opts.seed,
+            step: opts.step,
+            pool: &self.pool,
+        };
+        for step in &self.steps {
+            for &x in &step.inputs {
+                materialize(x, &mut copies);
+            }
+            let started = profile.as_ref().map(|_| std::time::Instant::now());
+            let ins: Vec<&Loc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
+            let outs = &locs[step.value];
+            launch::run_step(step, &ins, outs, &ctx, &mut keep)
+                .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
+                p(&step.kind, t0.elapsed().as_secs_f64());
+            }
+        }
+        if let Some(dump) = dump {
+            for l in &locs {
+                dump.push(l.iter().map(to_tensor).collect());
+            }
+        }
+        let mut out = Vec::with_capacity(self.graph.outputs.len());
+        for o in &self.graph.outputs {
+            let (_, v) = self
+                .kg
+                .outputs
+                .iter()
+                .find(|(n, _)| n == &o.name)
+                .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
+            materialize(*v, &mut copies);
+            out.push((o.name.clone(), to_tensor(&locs[*v][0])));
+        }
+        Ok(out)
+    }
+}
+
+/// A bound source as a location: f32 and i32 read in place, others converted.
+fn source_loc(src: Source<'_>, shape: &[usize], keep: &mut Keep) -> Loc {
+    let layout = Layout::contiguous(shape);
+    match src {
+        Source::F32(v) => Loc {
+            ptr: v.as_ptr() as *mut u8,
+            layout,
+            dtype: DType::F32,
+        },
+        Source::F64(v) => {
+            let p = keep.alloc(v.len());
+            for (i, x) in v.iter().enumerate() {
+                // SAFETY: `p` holds `v.len()` elements.
+                unsafe { *(p as *mut f32).add(i) = *x as f32 };
+            }
+            Loc {
+                ptr: p,
+                layout,
+                dtype: DType::F32,
+            }
+        }
+        Source::I32(v) => match v {
+            std::borrow::Cow::Borrowed(s) => Loc {
+                ptr: s.as_ptr() as *mut u8,
+                layout,
+                dtype: DType::I32,
+            },
+            std::borrow::Cow::Owned(s) => {
+                let p = keep.alloc(s.len());
+                // SAFETY: `p` holds `s.len()` elements.
+                unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), p as *mut i32, s.len()) };
+                Loc {
+                    ptr: p,
+                    layout,
+                    dtype: DType::I32,
+                }
+            }
+        },
+        Source::Bool(v) => {
+            let p = keep.alloc(v.len());
+            for (i, &b) in v.iter().enumerate() {
+                // SAFETY: `p` holds `v.len()` elements.
+                unsafe { *(p as *mut u32).add(i) = b as u32 };
+            }
+            Loc {
+                ptr: p,
+                layout,
+                dtype: DType::Bool,
+            }
+        }
+    }
+}
+
+/// Reads a location into a host tensor (row-major).
+pub(crate) fn to_tensor(loc: &Loc) -> Tensor {
+    let shape = loc.layout.shape.clone();
+    let words = launch::gather_words(loc);
+    let data = match loc.dtype {
+        DType::I32 => TensorData::I32(words.iter().map(|&w| w as i32).collect()),
+        DType::Bool => TensorData::Bool(words.iter().map(|&w| w != 0).collect()),
+        _ => TensorData::F32(words.iter().map(|&w| f32::from_bits(w)).collect()),
+    };
+    Tensor { shape, data }
+}
+
+impl crate::exec::Exec for Compiled {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        Compiled::run(self, inputs, params, opts)
+    }
+}
