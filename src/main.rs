@@ -18,6 +18,7 @@ use kiln_runtime::{
     check_inputs, check_weights, compiled_entry_graph, Entry, GraphKind, RuntimeError,
 };
 
+mod bench_cmd;
 mod compile_cmds;
 mod demo;
 mod train_cmds;
@@ -83,20 +84,53 @@ enum Command {
         #[arg(long)]
         kernels: bool,
     },
-    /// Compile an entry point into its kernel graph (fused kernels, deterministic text).
+    /// Compile an entry point into its kernel graph (fused kernels, deterministic text),
+    /// or with `--entries` several entry points into an artifact directory (kernel
+    /// graphs, memory plans, CLIF code, weights) that runs without the spec.
     Compile {
         #[command(flatten)]
         args: compile_cmds::OptArgs,
-        /// Where to write the kernel graph (default: standard output).
+        /// Write an artifact directory (`-o DIR`) with these entry points, e.g.
+        /// `--entries train_step,encode,decode_step`.
+        #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
+        entries: Vec<String>,
+        /// Where to write the kernel graph (default: standard output), or the artifact
+        /// directory with `--entries`.
         #[arg(short = 'o', long = "output")]
         output: Option<PathBuf>,
         /// Run the program and the unoptimized graph on random inputs (reference
         /// executor) and fail unless they agree.
         #[arg(long)]
         validate: bool,
-        /// Seed of the validation's inputs and weights.
+        /// Seed of the validation's inputs and weights (and an artifact's weights).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+    },
+    /// Describe a compiled artifact: format, model, kernels, code size, memory plan and
+    /// arena bytes at given dims.
+    Inspect {
+        /// The artifact directory (`kiln compile --entries … -o DIR`).
+        dir: PathBuf,
+        /// Batch size for the arena sizes.
+        #[arg(long, default_value_t = 32)]
+        batch: i64,
+        /// Source length for the arena sizes.
+        #[arg(long = "src-len", default_value_t = 25)]
+        src_len: i64,
+        /// Target length for the arena sizes.
+        #[arg(long = "tgt-len", default_value_t = 25)]
+        tgt_len: i64,
+        /// Cached positions (decode_step) for the arena sizes.
+        #[arg(long, default_value_t = 0)]
+        past: i64,
+        /// Also print each memory plan (slots and their buffers).
+        #[arg(long)]
+        plan: bool,
+    },
+    /// Time an entry point (median ms/step, tokens/s, peak RSS).
+    Bench {
+        #[command(flatten)]
+        args: bench_cmd::BenchArgs,
     },
     /// Initialize a spec's parameters (seeded, deterministic) into a safetensors file.
     Init {
@@ -290,10 +324,35 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Explain { args, kernels } => compile_cmds::explain(&args, kernels),
         Command::Compile {
             args,
+            entries,
             output,
             validate,
             seed,
-        } => compile_cmds::compile(&args, output.as_deref(), validate, seed),
+        } => {
+            if entries.is_empty() {
+                compile_cmds::compile(&args, output.as_deref(), validate, seed)
+            } else {
+                compile_cmds::compile_artifact(&args, &entries, output.as_deref(), validate, seed)
+            }
+        }
+        Command::Inspect {
+            dir,
+            batch,
+            src_len,
+            tgt_len,
+            past,
+            plan,
+        } => compile_cmds::inspect(
+            &dir,
+            &[
+                ("batch", batch),
+                ("src_len", src_len),
+                ("tgt_len", tgt_len),
+                ("past", past),
+            ],
+            plan,
+        ),
+        Command::Bench { args } => bench_cmd::bench(&args),
         Command::Graph { spec } => {
             let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
             print!("{}", print_graph(&g));

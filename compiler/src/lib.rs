@@ -14,6 +14,7 @@
 //! - [`adam`] — the Adam optimizer update as an `adam_update` graph of primitives.
 
 pub mod adam;
+pub mod artifact;
 pub mod autodiff;
 pub mod bind;
 pub mod codegen;

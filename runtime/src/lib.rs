@@ -16,6 +16,7 @@
 //! - [`train`] — the trainer;
 //! - [`synthetic`] — the generated task of the demo.
 
+pub mod artifact;
 pub mod bleu;
 pub mod checkpoint;
 pub mod compiled;

@@ -27,7 +27,7 @@ use crate::optimize::templates::registry;
 use crate::shape::Shape;
 
 /// What the optimizer targets; picks the cost constants.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Target {
     Cpu,
     Cuda,

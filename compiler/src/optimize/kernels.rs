@@ -16,6 +16,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use egg::{Id, Language};
+use serde::{Deserialize, Serialize};
 
 use crate::ir::{DType, Float, Graph, IrError, NodeId, Op, TensorType};
 use crate::optimize::analysis::{Info, EG};
@@ -26,7 +27,11 @@ use crate::optimize::templates::{describe, registry};
 use crate::printer::op_attrs;
 
 /// What a kernel computes.
-#[derive(Clone, Debug)]
+///
+/// Serialized with a template by its name and variant (not its registry index, which
+/// changes when templates are added), resolved back through [`registry`] on load.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(into = "KernelOpRepr", try_from = "KernelOpRepr")]
 pub enum KernelOp {
     /// One primitive op (a matmul, a reduction, a gather, …).
     Prim(Op),
@@ -37,7 +42,7 @@ pub enum KernelOp {
 }
 
 /// How a value is defined.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Def {
     Input(String),
     Param(String),
@@ -55,7 +60,7 @@ pub enum Def {
 }
 
 /// A value of the kernel graph.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Value {
     pub def: Def,
     /// One type, or one per output of a multi-output kernel.
@@ -64,7 +69,7 @@ pub struct Value {
 }
 
 /// The extracted program.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct KernelGraph {
     pub name: String,
     pub target: Target,
@@ -74,6 +79,66 @@ pub struct KernelGraph {
     pub objective: Option<String>,
     pub stages: Vec<String>,
     pub hparams: Vec<(String, String)>,
+}
+
+/// The serialized form of [`KernelOp`]: a template by name and variant.
+#[derive(Serialize, Deserialize)]
+#[serde(rename = "KernelOp")]
+enum KernelOpRepr {
+    Prim(Op),
+    Template {
+        name: String,
+        variant: String,
+        attrs: Vec<Attr>,
+    },
+    Region(Arc<Expr>),
+}
+
+impl From<KernelOp> for KernelOpRepr {
+    fn from(op: KernelOp) -> KernelOpRepr {
+        match op {
+            KernelOp::Prim(op) => KernelOpRepr::Prim(op),
+            KernelOp::Template { id, attrs } => {
+                let t = &registry()[id as usize];
+                KernelOpRepr::Template {
+                    name: t.name.clone(),
+                    variant: t.variant.clone(),
+                    attrs,
+                }
+            }
+            KernelOp::Region(e) => KernelOpRepr::Region(e),
+        }
+    }
+}
+
+impl TryFrom<KernelOpRepr> for KernelOp {
+    type Error = String;
+
+    fn try_from(r: KernelOpRepr) -> Result<KernelOp, String> {
+        match r {
+            KernelOpRepr::Prim(op) => Ok(KernelOp::Prim(op)),
+            KernelOpRepr::Region(e) => Ok(KernelOp::Region(e)),
+            KernelOpRepr::Template {
+                name,
+                variant,
+                attrs,
+            } => {
+                let id = registry()
+                    .iter()
+                    .position(|t| t.name == name && t.variant == variant)
+                    .ok_or_else(|| {
+                        format!(
+                            "unknown kernel template `{name}` (variant `{variant}`): this kiln \
+                             has no such template; recompile the program with this kiln"
+                        )
+                    })?;
+                Ok(KernelOp::Template {
+                    id: id as u16,
+                    attrs,
+                })
+            }
+        }
+    }
 }
 
 impl KernelOp {

@@ -23,7 +23,9 @@ use crate::optimize::regions::Expr;
 use crate::shape::{Dim, Shape};
 
 /// An attribute, stored as a leaf e-node.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+#[derive(
+    Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub enum Attr {
     Shape(Shape),
     Perm(Vec<usize>),

@@ -28,7 +28,9 @@ pub const MAX_OPS: usize = 24;
 pub const MAX_INPUTS: usize = 8;
 
 /// One step of a region's scalar program; operands are earlier steps.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+#[derive(
+    Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub enum Inst {
     /// Element of input `i` (broadcast to the region's shape).
     In(usize),
@@ -43,7 +45,9 @@ pub enum Inst {
 }
 
 /// A region's scalar program: the last step is the output.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+#[derive(
+    Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub struct Expr {
     pub out: TensorType,
     pub inputs: usize,

@@ -387,6 +387,12 @@ impl Compiled {
             let outs = &locs[step.value];
             launch::run_step(step, &ins, outs, &ctx, &mut keep)
                 .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            if let Some(t) = std::env::var("KILN_TRACE_VALUE").ok().and_then(|v| v.parse::<usize>().ok()) {
+                if t < locs.len() && self.kg.values[t].types.len() == 1 {
+                    let sum: f64 = launch::gather_words(&locs[t][0]).iter().map(|&w| f32::from_bits(w) as f64).sum();
+                    eprintln!("trace after %{} {}: %{t} sum {sum}", step.value, step.kind);
+                }
+            }
             if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
                 p(&step.kind, t0.elapsed().as_secs_f64());
             }

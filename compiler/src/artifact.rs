@@ -1,0 +1,541 @@
+//! Compiled artifacts: an optimized, planned, code-generated model on disk.
+//!
+//! In: per entry point its source [`Graph`], [`KernelGraph`], [`MemoryPlan`] and
+//! [`CpuCode`], the initial weights, and metadata (model, spec hash, hparams). Out: a
+//! directory that `kiln_runtime::artifact::Artifact::load` runs without the DSL:
+//!
+//! - `manifest.json` — [`Manifest`]: `format` ([`ARTIFACT_FORMAT`]), `version`
+//!   ([`ARTIFACT_VERSION`]), target, model, spec hash, hparams, seed; per entry the
+//!   graph, the kernel graph, the memory plan, the functions each kernel runs by role and
+//!   a summary of the kernels in launch order (kind, buffers read and written); and the
+//!   size and FNV-1a 64 hash of every other file;
+//! - `kernels/<entry>.clif` — the entry's CLIF functions ([`CpuCode::text`]); the loader
+//!   rebuilds the function list by splitting it at `function %name` lines
+//!   ([`split_functions`]), so the text is the source of truth;
+//! - `weights.safetensors` — the parameters (the union over the entries).
+//!
+//! The write is atomic: everything goes into `DIR.tmp-<pid>`, is flushed, and is renamed
+//! to `DIR`; an existing artifact at `DIR` is moved aside only once the new one is
+//! complete, and removed after the rename. A `DIR` that exists but is not an artifact (and
+//! is not empty) is never touched. The bytes are deterministic: the same inputs give
+//! byte-identical files.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::codegen::program::CpuCode;
+use crate::ir::Graph;
+use crate::optimize::kernels::{Def, KernelGraph};
+use crate::plan::MemoryPlan;
+use crate::tensor::{save_safetensors, Tensor, TensorFileError};
+
+/// The `format` field of every manifest.
+pub const ARTIFACT_FORMAT: &str = "kiln-artifact";
+/// The manifest layout this kiln writes and reads; bumped on any incompatible change.
+pub const ARTIFACT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const WEIGHTS_FILE: &str = "weights.safetensors";
+pub const KERNELS_DIR: &str = "kernels";
+
+/// The 64-bit FNV-1a hash of `bytes`.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes
+        .iter()
+        .fold(OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+}
+
+/// The hash as it appears in a manifest: 16 lowercase hex digits.
+pub fn hash_hex(bytes: &[u8]) -> String {
+    format!("{:016x}", fnv1a64(bytes))
+}
+
+/// The spec hash of a manifest: FNV-1a 64 over the spec text, then each override on its
+/// own line (NUL-separated so `a` + `bc` differs from `ab` + `c`).
+pub fn spec_hash(spec_text: &str, overrides: &[String], model: Option<&str>) -> String {
+    let mut bytes = spec_text.as_bytes().to_vec();
+    for o in overrides {
+        bytes.push(0);
+        bytes.extend_from_slice(o.as_bytes());
+    }
+    if let Some(m) = model {
+        bytes.extend_from_slice(b"\0model=");
+        bytes.extend_from_slice(m.as_bytes());
+    }
+    hash_hex(&bytes)
+}
+
+/// The relative path of an entry's CLIF file.
+pub fn clif_path(entry: &str) -> String {
+    format!("{KERNELS_DIR}/{entry}.clif")
+}
+
+/// Size and hash of one file of the artifact.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRecord {
+    pub bytes: u64,
+    /// FNV-1a 64, 16 hex digits.
+    pub fnv1a64: String,
+}
+
+/// One operand or result of a kernel in the manifest's summary.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Access {
+    /// The plan buffer (index into [`MemoryPlan::buffers`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer: Option<usize>,
+    /// The buffer's arena slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<usize>,
+    /// A source not in the arena: `input NAME`, `param NAME` or `const V`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+/// One kernel in launch order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelSummary {
+    /// Launch index.
+    pub index: usize,
+    /// The kernel's value number in the kernel graph.
+    pub value: usize,
+    pub kind: String,
+    pub reads: Vec<Access>,
+    pub writes: Vec<Access>,
+}
+
+/// One entry point in the manifest.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    pub name: String,
+    /// The CLIF file, relative to the artifact (`kernels/<name>.clif`).
+    pub clif: String,
+    /// Function names in the order of the CLIF file.
+    pub functions: Vec<String>,
+    /// Per kernel launch index: role → function name.
+    pub roles: Vec<BTreeMap<String, String>>,
+    pub kernels: Vec<KernelSummary>,
+    pub graph: Graph,
+    pub kernel_graph: KernelGraph,
+    pub plan: MemoryPlan,
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub target: String,
+    /// The kiln that wrote it (informational).
+    pub kiln: String,
+    pub model: String,
+    pub spec_hash: String,
+    pub seed: u64,
+    pub hparams: Vec<(String, String)>,
+    /// Every file besides the manifest, by relative path.
+    pub files: BTreeMap<String, FileRecord>,
+    pub entries: Vec<ManifestEntry>,
+}
+
+/// One entry point to write.
+#[derive(Clone, Debug)]
+pub struct EntrySpec {
+    pub name: String,
+    pub graph: Graph,
+    pub kernel_graph: KernelGraph,
+    pub plan: MemoryPlan,
+    pub code: CpuCode,
+}
+
+/// Everything an artifact holds.
+#[derive(Clone, Debug)]
+pub struct ArtifactSpec {
+    pub model: String,
+    pub spec_hash: String,
+    pub seed: u64,
+    pub hparams: Vec<(String, String)>,
+    /// `cpu` (the only target with generated code so far).
+    pub target: String,
+    pub entries: Vec<EntrySpec>,
+    /// Parameters by name.
+    pub weights: BTreeMap<String, Tensor>,
+}
+
+/// Why an artifact could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("cannot {action} `{path}`: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tensor(#[from] TensorFileError),
+    #[error(
+        "`{path}` exists and is not a kiln artifact (it has no `{MANIFEST_FILE}` and is not \
+         empty); choose another output directory, or remove it first"
+    )]
+    NotAnArtifact { path: PathBuf },
+    #[error("cannot write the artifact: {0}")]
+    Invalid(String),
+}
+
+fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError {
+    let path = path.to_path_buf();
+    move |source| ArtifactError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// Splits CLIF text (as [`CpuCode::text`] writes it) into `(name, text)` per function at
+/// every line that starts with `function %`. Errors when there is text before the first
+/// function, a header has no name, or a name repeats.
+pub fn split_functions(text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for (n, line) in text.split_inclusive('\n').enumerate() {
+        if let Some(rest) = line.strip_prefix("function %") {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if name.is_empty() {
+                return Err(format!("line {}: a function header without a name", n + 1));
+            }
+            if out.iter().any(|(m, _)| *m == name) {
+                return Err(format!(
+                    "line {}: function `%{name}` is defined twice",
+                    n + 1
+                ));
+            }
+            out.push((name, String::new()));
+        }
+        match out.last_mut() {
+            Some((_, t)) => t.push_str(line),
+            None if line.trim().is_empty() => {}
+            None => {
+                return Err(format!(
+                    "line {}: text before the first `function %name` line",
+                    n + 1
+                ))
+            }
+        }
+    }
+    // Undo the blank separator line `CpuCode::text` puts after every function.
+    for (_, t) in &mut out {
+        while t.ends_with("\n\n") {
+            t.pop();
+        }
+    }
+    Ok(out)
+}
+
+/// The buffers and sources each kernel reads and writes, in launch order.
+pub fn kernel_summary(kg: &KernelGraph, plan: &MemoryPlan) -> Vec<KernelSummary> {
+    let access = |mut v: usize| -> Access {
+        loop {
+            match &kg.values[v].def {
+                Def::View(_, x) => v = *x,
+                Def::Proj(t, k) => {
+                    let b = plan.buffer_of(*t, *k as usize);
+                    return Access {
+                        buffer: b,
+                        slot: b.map(|b| plan.buffers[b].slot),
+                        source: None,
+                    };
+                }
+                Def::Kernel { .. } => {
+                    let b = plan.buffer_of(v, 0);
+                    return Access {
+                        buffer: b,
+                        slot: b.map(|b| plan.buffers[b].slot),
+                        source: None,
+                    };
+                }
+                Def::Input(n) => {
+                    return Access {
+                        buffer: None,
+                        slot: None,
+                        source: Some(format!("input {n}")),
+                    }
+                }
+                Def::Param(n) => {
+                    return Access {
+                        buffer: None,
+                        slot: None,
+                        source: Some(format!("param {n}")),
+                    }
+                }
+                Def::Const(x, d) => {
+                    return Access {
+                        buffer: None,
+                        slot: None,
+                        source: Some(format!("const {x}:{d}")),
+                    }
+                }
+            }
+        }
+    };
+    let mut out: Vec<KernelSummary> = kg
+        .values
+        .iter()
+        .enumerate()
+        .filter_map(|(v, val)| match &val.def {
+            Def::Kernel { index, op, inputs } => Some(KernelSummary {
+                index: *index,
+                value: v,
+                kind: op.kind(),
+                reads: inputs.iter().map(|&x| access(x)).collect(),
+                writes: (0..val.types.len())
+                    .map(|k| {
+                        let b = plan.buffer_of(v, k);
+                        Access {
+                            buffer: b,
+                            slot: b.map(|b| plan.buffers[b].slot),
+                            source: None,
+                        }
+                    })
+                    .collect(),
+            }),
+            _ => None,
+        })
+        .collect();
+    out.sort_by_key(|k| k.index);
+    out
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ArtifactError> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(io_err("create", path))?;
+    f.write_all(bytes).map_err(io_err("write", path))?;
+    f.sync_all().map_err(io_err("sync", path))
+}
+
+fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+}
+
+/// `<dir><suffix>` next to `dir`.
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir.as_os_str().to_os_string();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// The CLIF files of `art` (relative path → bytes), after checking the entry names and
+/// that each text splits back into its functions.
+fn clif_files(art: &ArtifactSpec) -> Result<Vec<(String, Vec<u8>)>, ArtifactError> {
+    let mut files = Vec::new();
+    for e in &art.entries {
+        if e.name.is_empty()
+            || !e
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return Err(ArtifactError::Invalid(format!(
+                "entry name `{}` is not a plain name (letters, digits, `_`, `-`)",
+                e.name
+            )));
+        }
+        if art.entries.iter().filter(|o| o.name == e.name).count() > 1 {
+            return Err(ArtifactError::Invalid(format!(
+                "entry `{}` is given twice",
+                e.name
+            )));
+        }
+        let text = e.code.text();
+        // The loader rebuilds the functions from the text: check that it will.
+        let split = split_functions(&text).map_err(|m| {
+            ArtifactError::Invalid(format!("the CLIF text of `{}` does not split: {m}", e.name))
+        })?;
+        let names: Vec<&String> = split.iter().map(|(n, _)| n).collect();
+        let want: Vec<&String> = e.code.functions.iter().map(|(n, _)| n).collect();
+        if names != want {
+            return Err(ArtifactError::Invalid(format!(
+                "the CLIF text of `{}` splits into functions {names:?}, not {want:?}",
+                e.name
+            )));
+        }
+        files.push((clif_path(&e.name), text.into_bytes()));
+    }
+    Ok(files)
+}
+
+/// Writes the artifact `art` to `dir` (see the module documentation).
+pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactError> {
+    if art.entries.is_empty() {
+        return Err(ArtifactError::Invalid(
+            "no entry points; give at least one".to_string(),
+        ));
+    }
+    let clifs = clif_files(art)?;
+    if dir.exists() {
+        let is_artifact = dir.join(MANIFEST_FILE).is_file();
+        let empty = dir.is_dir()
+            && std::fs::read_dir(dir)
+                .map_err(io_err("read", dir))?
+                .next()
+                .is_none();
+        if !is_artifact && !empty {
+            return Err(ArtifactError::NotAnArtifact {
+                path: dir.to_path_buf(),
+            });
+        }
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io_err("create", parent))?;
+    }
+    let pid = std::process::id();
+    let tmp = sibling(dir, &format!(".tmp-{pid}"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err("remove", &tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err("create", &tmp))?;
+    let written = (|| {
+        let kdir = tmp.join(KERNELS_DIR);
+        std::fs::create_dir(&kdir).map_err(io_err("create", &kdir))?;
+        let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
+        for (rel, bytes) in &clifs {
+            write_synced(&tmp.join(rel), bytes)?;
+            files.insert(
+                rel.clone(),
+                FileRecord {
+                    bytes: bytes.len() as u64,
+                    fnv1a64: hash_hex(bytes),
+                },
+            );
+        }
+        let named: Vec<(String, Tensor)> = art
+            .weights
+            .iter()
+            .map(|(k, t)| (k.clone(), t.clone()))
+            .collect();
+        let wpath = tmp.join(WEIGHTS_FILE);
+        save_safetensors(&wpath, &named, None)?;
+        let wbytes = std::fs::read(&wpath).map_err(io_err("read back", &wpath))?;
+        files.insert(
+            WEIGHTS_FILE.to_string(),
+            FileRecord {
+                bytes: wbytes.len() as u64,
+                fnv1a64: hash_hex(&wbytes),
+            },
+        );
+        let manifest = Manifest {
+            format: ARTIFACT_FORMAT.to_string(),
+            version: ARTIFACT_VERSION,
+            target: art.target.clone(),
+            kiln: format!("kiln {}", env!("CARGO_PKG_VERSION")),
+            model: art.model.clone(),
+            spec_hash: art.spec_hash.clone(),
+            seed: art.seed,
+            hparams: art.hparams.clone(),
+            files,
+            entries: art
+                .entries
+                .iter()
+                .map(|e| ManifestEntry {
+                    name: e.name.clone(),
+                    clif: clif_path(&e.name),
+                    functions: e.code.functions.iter().map(|(n, _)| n.clone()).collect(),
+                    roles: e.code.kernels.clone(),
+                    kernels: kernel_summary(&e.kernel_graph, &e.plan),
+                    graph: e.graph.clone(),
+                    kernel_graph: e.kernel_graph.clone(),
+                    plan: e.plan.clone(),
+                })
+                .collect(),
+        };
+        let mut json = serde_json::to_vec_pretty(&manifest)
+            .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
+        json.push(b'\n');
+        write_synced(&tmp.join(MANIFEST_FILE), &json)?;
+        sync_dir(&kdir);
+        sync_dir(&tmp);
+
+        let old = sibling(dir, &format!(".tmp-{pid}-old"));
+        let replaced = dir.exists();
+        if replaced {
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(io_err("remove", &old))?;
+            }
+            std::fs::rename(dir, &old).map_err(io_err("move aside", dir))?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, dir) {
+            if replaced {
+                // Put the previous artifact back.
+                let _ = std::fs::rename(&old, dir);
+            }
+            return Err(io_err("rename into place", &tmp)(e));
+        }
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            sync_dir(parent);
+        }
+        if replaced {
+            let _ = std::fs::remove_dir_all(&old);
+        }
+        Ok(())
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_undoes_text() {
+        let code = CpuCode {
+            functions: vec![
+                (
+                    "a_0".to_string(),
+                    "function %a_0() {\nblock0:\n    return\n}\n".to_string(),
+                ),
+                (
+                    "b_1".to_string(),
+                    "function %b_1() {\nblock0:\n    return\n}\n".to_string(),
+                ),
+            ],
+            kernels: vec![],
+        };
+        assert_eq!(split_functions(&code.text()).unwrap(), code.functions);
+        assert!(split_functions("junk\nfunction %a() {}\n").is_err());
+        assert!(split_functions("function %a() {}\nfunction %a() {}\n").is_err());
+    }
+
+    #[test]
+    fn templates_are_unique_by_name_and_variant() {
+        let reg = crate::optimize::templates::registry();
+        let mut seen = std::collections::BTreeSet::new();
+        for t in reg {
+            assert!(
+                seen.insert((t.name.clone(), t.variant.clone())),
+                "template {} [{}] is registered twice",
+                t.name,
+                t.variant
+            );
+        }
+    }
+
+    #[test]
+    fn spec_hash_is_stable() {
+        assert_eq!(hash_hex(b""), "cbf29ce484222325");
+        let a = spec_hash("x", &["a=1".to_string()], None);
+        assert_eq!(a, spec_hash("x", &["a=1".to_string()], None));
+        assert_ne!(a, spec_hash("x", &["a=2".to_string()], None));
+    }
+}

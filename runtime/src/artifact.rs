@@ -1,0 +1,311 @@
+//! Loading compiled artifacts (written by `kiln compile --entries …`): no DSL, no optimizer.
+//!
+//! In: an artifact directory (format in `kiln_compiler::artifact`). Out: an [`Artifact`]
+//! — the manifest's metadata, per entry a ready-to-build executor ([`Artifact::executor`])
+//! and the weights ([`Artifact::weights`]).
+//!
+//! [`Artifact::load`] checks, in order: the directory and `manifest.json` exist; the
+//! manifest is JSON with `format` = `kiln-artifact` and the `version` this kiln reads;
+//! every file the manifest lists is present with its recorded size and FNV-1a hash (so a
+//! truncated or edited file is named, not run); each entry's CLIF text splits back into
+//! the functions the manifest lists; each graph verifies. The CLIF itself is parsed and
+//! compiled by [`Artifact::executor`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::artifact::{
+    hash_hex, split_functions, Manifest, ManifestEntry, ARTIFACT_FORMAT, ARTIFACT_VERSION,
+    MANIFEST_FILE, WEIGHTS_FILE,
+};
+use kiln_compiler::codegen::program::CpuCode;
+use kiln_compiler::reference::ExecError;
+use kiln_compiler::tensor::{load_safetensors, Tensor, TensorFileError};
+
+use crate::compiled::Compiled;
+
+/// Why an artifact could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error(
+        "no artifact at `{path}`: the directory does not exist; check the path, or write \
+         one with `kiln compile SPEC --entries forward,... -o {path}`"
+    )]
+    NotFound { path: PathBuf },
+    #[error(
+        "`{dir}` is not a kiln artifact: it has no `{file}`; give the directory that \
+         `kiln compile --entries … -o DIR` wrote, or recompile"
+    )]
+    MissingManifest { dir: PathBuf, file: &'static str },
+    #[error("cannot {action} `{path}`: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "`{path}` is not a valid artifact manifest ({message}); recompile with `kiln compile`"
+    )]
+    BadManifest { path: PathBuf, message: String },
+    #[error(
+        "`{path}` has format `{found}`, not `{ARTIFACT_FORMAT}`: it is not a kiln artifact \
+         manifest; give the directory that `kiln compile --entries … -o DIR` wrote"
+    )]
+    WrongFormat { path: PathBuf, found: String },
+    #[error(
+        "`{path}` is artifact format version {found}, but this kiln reads version \
+         {ARTIFACT_VERSION}; recompile the spec with this kiln (`kiln compile SPEC \
+         --entries … -o DIR`)"
+    )]
+    Version { path: PathBuf, found: u64 },
+    #[error(
+        "artifact file `{path}` is missing; the artifact is incomplete (copied partially?) — \
+         copy it again or recompile with `kiln compile`"
+    )]
+    MissingFile { path: PathBuf },
+    #[error(
+        "artifact file `{path}` is corrupt: {what}; it was truncated or modified after \
+         `kiln compile` wrote it — copy it again or recompile"
+    )]
+    Corrupt { path: PathBuf, what: String },
+    #[error(transparent)]
+    Tensor(#[from] TensorFileError),
+    #[error(
+        "the artifact has no entry `{entry}`; it has {available}; recompile with \
+         `--entries` including it"
+    )]
+    NoEntry { entry: String, available: String },
+    #[error("cannot build the executor of entry `{entry}`: {source}")]
+    Executor {
+        entry: String,
+        source: Box<ExecError>,
+    },
+}
+
+fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError {
+    let path = path.to_path_buf();
+    move |source| ArtifactError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// One entry point of a loaded artifact.
+#[derive(Clone, Debug)]
+pub struct ArtifactEntry {
+    pub manifest: ManifestEntry,
+    /// The CPU code, rebuilt from `kernels/<entry>.clif`.
+    pub code: CpuCode,
+    /// The CLIF file's size in bytes.
+    pub clif_bytes: usize,
+}
+
+/// A loaded, checked artifact.
+#[derive(Clone, Debug)]
+pub struct Artifact {
+    pub dir: PathBuf,
+    /// Format, version, target, model, spec hash, hparams, files (entries moved out into
+    /// [`Artifact::entries`]).
+    pub manifest: Manifest,
+    entries: Vec<ArtifactEntry>,
+}
+
+impl Artifact {
+    /// Loads and checks the artifact at `dir` (see the module documentation).
+    pub fn load(dir: &Path) -> Result<Artifact, ArtifactError> {
+        if !dir.is_dir() {
+            return Err(ArtifactError::NotFound {
+                path: dir.to_path_buf(),
+            });
+        }
+        let mpath = dir.join(MANIFEST_FILE);
+        if !mpath.is_file() {
+            return Err(ArtifactError::MissingManifest {
+                dir: dir.to_path_buf(),
+                file: MANIFEST_FILE,
+            });
+        }
+        let bytes = std::fs::read(&mpath).map_err(io_err("read", &mpath))?;
+        // Format and version first, from an untyped parse: a newer layout must give the
+        // version error, not a schema error.
+        let value: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| ArtifactError::BadManifest {
+                path: mpath.clone(),
+                message: format!("not JSON: {e}"),
+            })?;
+        let format = value.get("format").and_then(|f| f.as_str()).unwrap_or("");
+        if format != ARTIFACT_FORMAT {
+            return Err(ArtifactError::WrongFormat {
+                path: mpath,
+                found: format.to_string(),
+            });
+        }
+        let version = value
+            .get("version")
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| ArtifactError::BadManifest {
+                path: mpath.clone(),
+                message: "no `version` number".to_string(),
+            })?;
+        if version != u64::from(ARTIFACT_VERSION) {
+            return Err(ArtifactError::Version {
+                path: mpath,
+                found: version,
+            });
+        }
+        let mut manifest: Manifest =
+            serde_json::from_value(value).map_err(|e| ArtifactError::BadManifest {
+                path: mpath.clone(),
+                message: e.to_string(),
+            })?;
+
+        // Every listed file: present, same size, same hash.
+        let mut contents: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for (rel, rec) in &manifest.files {
+            if rel.split('/').any(|c| c == ".." || c.is_empty()) || rel.starts_with('/') {
+                return Err(ArtifactError::BadManifest {
+                    path: mpath.clone(),
+                    message: format!("file `{rel}` is not a path inside the artifact"),
+                });
+            }
+            let path = dir.join(rel);
+            if !path.is_file() {
+                return Err(ArtifactError::MissingFile { path });
+            }
+            let data = std::fs::read(&path).map_err(io_err("read", &path))?;
+            if data.len() as u64 != rec.bytes {
+                return Err(ArtifactError::Corrupt {
+                    path,
+                    what: format!(
+                        "it has {} bytes, the manifest records {}",
+                        data.len(),
+                        rec.bytes
+                    ),
+                });
+            }
+            let h = hash_hex(&data);
+            if h != rec.fnv1a64 {
+                return Err(ArtifactError::Corrupt {
+                    path,
+                    what: format!(
+                        "its FNV-1a hash is {h}, the manifest records {}",
+                        rec.fnv1a64
+                    ),
+                });
+            }
+            if rel != WEIGHTS_FILE {
+                contents.insert(rel.clone(), data);
+            }
+        }
+        if !manifest.files.contains_key(WEIGHTS_FILE) {
+            return Err(ArtifactError::BadManifest {
+                path: mpath,
+                message: format!("`{WEIGHTS_FILE}` is not in the files table"),
+            });
+        }
+
+        let mut entries = Vec::with_capacity(manifest.entries.len());
+        for e in std::mem::take(&mut manifest.entries) {
+            let cpath = dir.join(&e.clif);
+            let Some(data) = contents.get(&e.clif) else {
+                return Err(ArtifactError::BadManifest {
+                    path: mpath,
+                    message: format!(
+                        "entry `{}`: its CLIF file `{}` is not in the files table",
+                        e.name, e.clif
+                    ),
+                });
+            };
+            let corrupt = |what: String| ArtifactError::Corrupt {
+                path: cpath.clone(),
+                what,
+            };
+            let text = std::str::from_utf8(data)
+                .map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
+            let functions = split_functions(text).map_err(corrupt)?;
+            let names: Vec<&String> = functions.iter().map(|(n, _)| n).collect();
+            let want: Vec<&String> = e.functions.iter().collect();
+            if names != want {
+                return Err(corrupt(format!(
+                    "it defines functions {names:?}, the manifest lists {want:?}"
+                )));
+            }
+            e.graph.verify().map_err(|err| ArtifactError::BadManifest {
+                path: mpath.clone(),
+                message: format!("entry `{}`: the graph is corrupt: {err}", e.name),
+            })?;
+            let code = CpuCode {
+                functions,
+                kernels: e.roles.clone(),
+            };
+            entries.push(ArtifactEntry {
+                clif_bytes: data.len(),
+                manifest: e,
+                code,
+            });
+        }
+        Ok(Artifact {
+            dir: dir.to_path_buf(),
+            manifest,
+            entries,
+        })
+    }
+
+    pub fn model(&self) -> &str {
+        &self.manifest.model
+    }
+
+    pub fn hparams(&self) -> &[(String, String)] {
+        &self.manifest.hparams
+    }
+
+    pub fn entries(&self) -> &[ArtifactEntry] {
+        &self.entries
+    }
+
+    /// The entry named `name`.
+    pub fn entry(&self, name: &str) -> Result<&ArtifactEntry, ArtifactError> {
+        self.entries
+            .iter()
+            .find(|e| e.manifest.name == name)
+            .ok_or_else(|| ArtifactError::NoEntry {
+                entry: name.to_string(),
+                available: self
+                    .entries
+                    .iter()
+                    .map(|e| format!("`{}`", e.manifest.name))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    /// The compiled executor of entry `name` (JIT-compiles its CLIF for this machine).
+    pub fn executor(&self, name: &str) -> Result<Compiled, ArtifactError> {
+        let e = self.entry(name)?;
+        Compiled::new(
+            e.manifest.graph.clone(),
+            e.manifest.kernel_graph.clone(),
+            e.manifest.plan.clone(),
+            e.code.clone(),
+        )
+        .map_err(|source| ArtifactError::Executor {
+            entry: name.to_string(),
+            source: Box::new(source),
+        })
+    }
+
+    /// The weights (`weights.safetensors`; its hash was checked by [`Artifact::load`]).
+    pub fn weights(&self) -> Result<BTreeMap<String, Tensor>, ArtifactError> {
+        Ok(load_safetensors(&self.dir.join(WEIGHTS_FILE))?)
+    }
+
+    /// The byte size of `weights.safetensors` as recorded in the manifest.
+    pub fn weights_file_bytes(&self) -> u64 {
+        self.manifest
+            .files
+            .get(WEIGHTS_FILE)
+            .map(|r| r.bytes)
+            .unwrap_or(0)
+    }
+}

@@ -1,0 +1,276 @@
+//! `kiln bench`: time an entry point of a spec with an executor.
+//!
+//! Warm-up runs, then timed runs; prints the median (and min/max) per step, tokens per
+//! second and the process's peak resident memory. `train_step` includes the Adam update
+//! of every parameter (the compiled executor runs the `adam_update` program; the eager
+//! executor the runtime's optimizer), as a training step of the paper's recipe does.
+//! `decode` is one incremental decoder step with `tgt_len` cached positions.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kiln_compiler::init::init_params;
+use kiln_compiler::optimize::validate::random_feeds_with;
+use kiln_compiler::reference::RunOptions;
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::Graph;
+use kiln_dsl::Error;
+use kiln_runtime::compiled::Compiled;
+use kiln_runtime::exec::Exec;
+
+use crate::compile_cmds::entry_graph_of;
+use crate::plain;
+
+#[derive(clap::Args, Clone)]
+pub struct BenchArgs {
+    /// The model spec (a `.kiln` file).
+    pub spec: PathBuf,
+    /// Override a model parameter: `--set vocab=37000` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Which model of the file, when it defines several.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// What to time: `forward`, `train_step` (forward, backward and Adam) or `decode`
+    /// (one decoder step with `tgt-len` cached positions).
+    #[arg(long, default_value = "train_step", value_parser = ["forward", "train_step", "decode"])]
+    pub entry: String,
+    #[arg(long, default_value_t = 32)]
+    pub batch: i64,
+    #[arg(long = "src-len", default_value_t = 25)]
+    pub src_len: i64,
+    #[arg(long = "tgt-len", default_value_t = 25)]
+    pub tgt_len: i64,
+    /// `compiled` (generated kernels) or `eager` (one primitive at a time).
+    #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager"])]
+    pub executor: String,
+    /// Untimed runs first.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed runs.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the time per kernel kind of the last run (compiled executor).
+    #[arg(long)]
+    pub profile: bool,
+}
+
+fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
+    let err = |e: kiln_compiler::reference::ExecError| plain("kiln::bench", e.to_string(), None);
+    Ok(match kind {
+        "eager" => Box::new(kiln_runtime::Eager::new(g.clone()).map_err(err)?),
+        _ => Box::new(Compiled::from_graph(g.clone()).map_err(err)?),
+    })
+}
+
+/// Peak resident set size of this process, bytes (Linux; 0 elsewhere).
+pub fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+pub fn bench(a: &BenchArgs) -> Result<(), Error> {
+    let entry = match a.entry.as_str() {
+        "decode" => "decode_step",
+        e => e,
+    };
+    let t0 = Instant::now();
+    let g = entry_graph_of(&a.spec, &a.set, &a.model, entry)?;
+    let mut dims = BTreeMap::new();
+    for d in &g.dims {
+        let v = match d.as_str() {
+            "batch" => a.batch,
+            "src_len" => a.src_len,
+            "tgt_len" if entry == "decode_step" => 1,
+            "tgt_len" => a.tgt_len,
+            "past" => a.tgt_len,
+            _ => 1,
+        };
+        dims.insert(d.clone(), v);
+    }
+    let (inputs, _) = random_feeds_with(&g, 1, &dims).map_err(|e| plain("kiln::bench", e, None))?;
+    let params: BTreeMap<String, Tensor> = init_params(&g, 1)
+        .map_err(|e| plain("kiln::bench", e.to_string(), None))?
+        .into_iter()
+        .collect();
+    let exec = executor(&a.executor, &g)?;
+    // The optimizer step of a training step.
+    let adam = if entry == "train_step" {
+        let ag = kiln_runtime::compiled_entry_graph(&g, "adam_update")
+            .map_err(|e| plain("kiln::bench", e.message, Some(e.help)))?;
+        Some(ag)
+    } else {
+        None
+    };
+    let adam_exec = match (&adam, a.executor.as_str()) {
+        (Some(ag), "compiled") => Some(executor("compiled", ag)?),
+        _ => None,
+    };
+    let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
+    if adam.is_some() {
+        for (n, t) in &params {
+            let z = Tensor::f32(t.shape.clone(), vec![0.0; t.numel()])
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            moments.insert(format!("m.{n}"), z.clone());
+            moments.insert(format!("v.{n}"), z);
+        }
+    }
+    let mut host_adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    let setup = t0.elapsed().as_secs_f64();
+    let opts = RunOptions {
+        seed: 1,
+        step: 1,
+        ..RunOptions::default()
+    };
+    let mut params = params;
+    let mut times = Vec::new();
+    let mut adam_times = Vec::new();
+    let mut profile: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for run in 0..a.warmup + a.runs {
+        let started = Instant::now();
+        let outs = if a.profile && run + 1 == a.warmup + a.runs && a.executor == "compiled" {
+            let c = Compiled::from_graph(g.clone())
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let mut rec = |k: &str, s: f64| {
+                let e = profile.entry(k.to_string()).or_insert((0.0, 0));
+                e.0 += s;
+                e.1 += 1;
+            };
+            c.run_profiled(&inputs, &params, &opts, &mut rec)
+        } else {
+            exec.run(&inputs, &params, &opts)
+        }
+        .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+        let fwd = started.elapsed().as_secs_f64();
+        let mut upd = 0.0;
+        if adam.is_some() {
+            let t1 = Instant::now();
+            let grads: BTreeMap<String, Tensor> = outs
+                .into_iter()
+                .filter_map(|(n, t)| n.strip_prefix("grad.").map(|p| (p.to_string(), t)))
+                .collect();
+            if let Some(ax) = &adam_exec {
+                let mut feed: BTreeMap<String, Tensor> = BTreeMap::new();
+                feed.insert("step_size".into(), Tensor::f32(vec![], vec![1e-4]).expect("scalar"));
+                feed.insert("inv_sqrt_bc2".into(), Tensor::f32(vec![], vec![1.0]).expect("scalar"));
+                for (n, t) in &params {
+                    feed.insert(n.clone(), t.clone());
+                    if let Some(gr) = grads.get(n) {
+                        feed.insert(format!("grad.{n}"), gr.clone());
+                    }
+                }
+                for (n, t) in &moments {
+                    feed.insert(n.clone(), t.clone());
+                }
+                let out = ax
+                    .run(&feed, &BTreeMap::new(), &opts)
+                    .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+                for (n, t) in out {
+                    if n.starts_with("m.") || n.starts_with("v.") {
+                        moments.insert(n, t);
+                    } else {
+                        params.insert(n, t);
+                    }
+                }
+            } else {
+                let gv: BTreeMap<String, Vec<f32>> = grads
+                    .into_iter()
+                    .filter_map(|(n, t)| match t.data {
+                        kiln_compiler::tensor::TensorData::F32(v) => Some((n, v)),
+                        _ => None,
+                    })
+                    .collect();
+                host_adam
+                    .step(&mut params, &gv, 1e-4)
+                    .map_err(|e| plain("kiln::bench", e.0, None))?;
+            }
+            upd = t1.elapsed().as_secs_f64();
+        }
+        if run >= a.warmup {
+            times.push(fwd + upd);
+            adam_times.push(upd);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            0.0
+        } else {
+            v[v.len() / 2]
+        }
+    };
+    let (min, max) = (
+        times.iter().cloned().fold(f64::INFINITY, f64::min),
+        times.iter().cloned().fold(0.0, f64::max),
+    );
+    let med = median(&mut times.clone());
+    let adam_med = median(&mut adam_times);
+    let tokens = match entry {
+        "decode_step" => a.batch,
+        _ => a.batch * a.tgt_len,
+    } as f64;
+    let rss = peak_rss();
+    let threads = rayon::current_num_threads();
+    if a.json {
+        let obj = serde_json::json!({
+            "spec": a.spec.display().to_string(),
+            "entry": a.entry,
+            "executor": a.executor,
+            "batch": a.batch, "src_len": a.src_len, "tgt_len": a.tgt_len,
+            "threads": threads,
+            "runs": a.runs, "warmup": a.warmup,
+            "median_ms": med * 1e3, "min_ms": min * 1e3, "max_ms": max * 1e3,
+            "adam_ms": adam_med * 1e3,
+            "tokens_per_s": tokens / med,
+            "peak_rss_bytes": rss,
+            "setup_s": setup,
+        });
+        println!("{obj}");
+    } else {
+        println!(
+            "bench {} entry={} executor={} batch={} src_len={} tgt_len={} threads={threads}",
+            a.spec.display(),
+            a.entry,
+            a.executor,
+            a.batch,
+            a.src_len,
+            a.tgt_len
+        );
+        println!(
+            "  median {:.1} ms/step (min {:.1}, max {:.1}; {} runs after {} warm-up){}",
+            med * 1e3,
+            min * 1e3,
+            max * 1e3,
+            a.runs,
+            a.warmup,
+            if adam.is_some() {
+                format!("; Adam {:.1} ms of it", adam_med * 1e3)
+            } else {
+                String::new()
+            }
+        );
+        println!("  {:.0} target tokens/s", tokens / med);
+        println!("  peak RSS {:.1} MiB; setup (compile, init) {:.2} s", rss as f64 / 1048576.0, setup);
+        if !profile.is_empty() {
+            let mut p: Vec<(String, (f64, usize))> = profile.into_iter().collect();
+            p.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+            println!("  time per kernel kind (last run):");
+            for (k, (s, n)) in p {
+                println!("    {k:<22} {:>9.1} ms  {n:>5} kernels", s * 1e3);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,443 @@
+//! Compiled artifacts: `kiln compile --entries … -o DIR`, `kiln inspect DIR`, and
+//! `kiln_runtime::artifact::Artifact::load` — round trip against the reference executor,
+//! determinism, and the errors for corrupted, truncated and newer artifacts.
+//!
+//! Tolerance, per output (as in `tests/compiled.rs`):
+//! `max|artifact − reference| ≤ 1e-5·max|reference| + 1e-6`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
+use kiln_compiler::reference::{self, RunOptions};
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::Graph;
+use kiln_runtime::artifact::{Artifact, ArtifactError};
+
+mod common;
+use common::kiln;
+
+const REL: f64 = 1e-5;
+const ABS: f64 = 1e-6;
+const SPEC: &str = "models/transformer_tiny.kiln";
+
+/// A fresh, empty directory for one test.
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("artifact")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Compiles the tiny spec (vocabulary 48) into `dir` with `entries`.
+fn compile(dir: &Path, entries: &str) {
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--entries",
+        entries,
+        "--target",
+        "cpu",
+        "-o",
+        dir.to_str().unwrap(),
+        "--seed",
+        "7",
+    ]);
+    assert!(
+        out.status.success(),
+        "kiln compile failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn stderr(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// Every file under `dir`, by relative path.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().to_string_lossy().to_string();
+                out.insert(rel, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Runs entry `entry` of the artifact and the reference executor on the same random
+/// inputs with the artifact's weights; returns the mismatches.
+fn compare(
+    art: &Artifact,
+    entry: &str,
+    weights: &BTreeMap<String, Tensor>,
+    seed: u64,
+) -> Vec<String> {
+    let exec = art
+        .executor(entry)
+        .unwrap_or_else(|e| panic!("{entry}: {e}"));
+    let g: &Graph = exec.graph();
+    let sizes = [2i64, 5, 3, 2];
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (d.clone(), sizes[i % sizes.len()]))
+        .collect();
+    let (inputs, random_params): (Feeds, Feeds) =
+        random_feeds_with(g, seed, &dims).unwrap_or_else(|e| panic!("{entry}: {e}"));
+    // The artifact's weights, for exactly the graph's parameters.
+    let params: Feeds = random_params
+        .keys()
+        .map(|k| {
+            let w = weights
+                .get(k)
+                .unwrap_or_else(|| panic!("{entry}: the artifact has no weight `{k}`"));
+            (k.clone(), w.clone())
+        })
+        .collect();
+    let opts = RunOptions {
+        seed,
+        step: 3,
+        ..RunOptions::default()
+    };
+    let want = reference::run(g, &inputs, &params, &opts)
+        .unwrap_or_else(|e| panic!("{entry}: reference: {e}"));
+    let got = exec
+        .run(&inputs, &params, &opts)
+        .unwrap_or_else(|e| panic!("{entry}: artifact: {e}"));
+    assert_eq!(want.len(), got.len(), "{entry}: output count");
+    let mut bad = Vec::new();
+    for ((name, w), (n2, c)) in want.iter().zip(&got) {
+        assert_eq!(name, n2);
+        let (w, c) = (w.to_f64_vec().unwrap(), c.to_f64_vec().unwrap());
+        assert_eq!(w.len(), c.len(), "{entry}: output `{name}` size");
+        let max_ref = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let diff = w
+            .iter()
+            .zip(&c)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        if diff > REL * max_ref + ABS || diff.is_nan() {
+            bad.push(format!(
+                "{entry} `{name}`: max diff {diff:.3e}, max |ref| {max_ref:.3e}"
+            ));
+        }
+    }
+    bad
+}
+
+#[test]
+fn artifact_round_trips_and_matches_the_reference() {
+    let dir = tmp("round_trip").join("tiny");
+    compile(&dir, "forward,encode,decode_step,train_step");
+    for f in [
+        "manifest.json",
+        "weights.safetensors",
+        "kernels/forward.clif",
+        "kernels/encode.clif",
+        "kernels/decode_step.clif",
+        "kernels/train_step.clif",
+    ] {
+        assert!(dir.join(f).is_file(), "missing {f}");
+    }
+    // No temporary directories left beside it.
+    let siblings: Vec<String> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(siblings, vec!["tiny".to_string()]);
+
+    // The manifest's fields.
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["format"], "kiln-artifact");
+    assert_eq!(m["version"], 1);
+    assert_eq!(m["target"], "cpu");
+    assert_eq!(m["model"], "transformer_tiny");
+    assert_eq!(m["spec_hash"].as_str().unwrap().len(), 16);
+    let fwd = &m["entries"][0];
+    assert_eq!(fwd["name"], "forward");
+    let ks = fwd["kernels"].as_array().unwrap();
+    assert!(ks.len() > 10);
+    for (i, k) in ks.iter().enumerate() {
+        assert_eq!(k["index"], i, "kernels are listed in launch order");
+        assert!(k["writes"][0]["buffer"].is_u64(), "{k}");
+        assert!(k["writes"][0]["slot"].is_u64(), "{k}");
+    }
+    assert!(m["files"]["weights.safetensors"]["bytes"].as_u64().unwrap() > 1000);
+    assert!(m["files"]["kernels/forward.clif"]["fnv1a64"].is_string());
+
+    // Load it without the spec and run every entry against the reference.
+    let art = Artifact::load(&dir).unwrap();
+    assert_eq!(art.model(), "transformer_tiny");
+    assert!(art.hparams().iter().any(|(k, v)| k == "vocab" && v == "48"));
+    let names: Vec<&str> = art
+        .entries()
+        .iter()
+        .map(|e| e.manifest.name.as_str())
+        .collect();
+    assert_eq!(names, ["forward", "encode", "decode_step", "train_step"]);
+    let weights = art.weights().unwrap();
+    assert_eq!(weights.len(), 85);
+    // The weights are the spec's, initialized from the seed given to `kiln compile`.
+    let init_dir = tmp("round_trip_init");
+    let init = init_dir.join("w.safetensors");
+    let out = kiln(&[
+        "init",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--seed",
+        "7",
+        "-o",
+        init.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let want = kiln_compiler::tensor::load_safetensors(&init).unwrap();
+    assert_eq!(
+        weights.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (k, w) in &want {
+        assert_eq!(weights[k].as_f32(), w.as_f32(), "weight `{k}`");
+    }
+    let mut bad = Vec::new();
+    for (i, e) in ["forward", "encode", "decode_step", "train_step"]
+        .iter()
+        .enumerate()
+    {
+        bad.extend(compare(&art, e, &weights, 11 + i as u64));
+    }
+    assert!(
+        bad.is_empty(),
+        "the artifact disagrees with the reference:\n{}",
+        bad.join("\n")
+    );
+    assert!(matches!(
+        art.executor("loss"),
+        Err(ArtifactError::NoEntry { .. })
+    ));
+
+    // `kiln inspect` reports real numbers.
+    let out = kiln(&["inspect", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    for want in [
+        "format: kiln-artifact v1",
+        "model: transformer_tiny",
+        "target: cpu",
+        "host: ",
+        "weights: 85 tensors",
+        "entry forward",
+        "entry train_step",
+        "attention 6",
+        "at batch=32 src_len=25 tgt_len=25: arena ",
+        "at batch=32 past=0 src_len=25 tgt_len=25: arena ",
+    ] {
+        assert!(text.contains(want), "`{want}` not in:\n{text}");
+    }
+    // Kernel totals and arena bytes agree with the loaded artifact.
+    let fwd = art.entry("forward").unwrap();
+    let total = fwd.manifest.kernel_graph.kernels().len();
+    assert!(text.contains(&format!("  kernels: {total} (")), "{text}");
+    let dims: BTreeMap<String, i64> = [("batch", 32), ("src_len", 25), ("tgt_len", 25)]
+        .iter()
+        .map(|(k, v)| (k.to_string(), *v))
+        .collect();
+    let arena = fwd.manifest.plan.layout(&dims).unwrap().total;
+    let peak = fwd.manifest.plan.live_peak(&dims).unwrap();
+    assert!(arena > 0 && peak > 0);
+    assert!(
+        text.contains(&format!("arena {arena} bytes, live peak {peak} bytes")),
+        "{text}"
+    );
+    // Other dims, and the plan text.
+    let out = kiln(&["inspect", dir.to_str().unwrap(), "--batch", "2", "--plan"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.contains("at batch=2 src_len=25 tgt_len=25: arena "),
+        "{text}"
+    );
+    assert!(text.contains("slot 0 "), "{text}");
+}
+
+#[test]
+fn the_same_spec_compiles_to_the_same_bytes() {
+    let base = tmp("deterministic");
+    let (a, b) = (base.join("a"), base.join("b"));
+    compile(&a, "forward,decode_step");
+    compile(&b, "forward,decode_step");
+    let (fa, fb) = (files(&a), files(&b));
+    assert_eq!(fa.keys().collect::<Vec<_>>(), fb.keys().collect::<Vec<_>>());
+    for (k, v) in &fa {
+        assert!(v == &fb[k], "{k} differs between two compilations");
+    }
+    // Recompiling over an existing artifact replaces it (same bytes again).
+    compile(&a, "forward,decode_step");
+    assert_eq!(files(&a), fa);
+    // A different entry list replaces the old artifact entirely.
+    compile(&a, "encode");
+    assert!(!a.join("kernels/forward.clif").exists());
+    assert!(a.join("kernels/encode.clif").is_file());
+}
+
+#[test]
+fn a_corrupted_kernel_file_is_named() {
+    let dir = tmp("corrupt").join("art");
+    compile(&dir, "forward");
+    let clif = dir.join("kernels/forward.clif");
+    let mut bytes = std::fs::read(&clif).unwrap();
+    let i = bytes.len() / 2;
+    bytes[i] = if bytes[i] == b'x' { b'y' } else { b'x' };
+    std::fs::write(&clif, &bytes).unwrap();
+    let err = Artifact::load(&dir).unwrap_err();
+    assert!(matches!(err, ArtifactError::Corrupt { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("forward.clif") && msg.contains("corrupt") && msg.contains("recompile"),
+        "{msg}"
+    );
+    let out = kiln(&["inspect", dir.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("kiln::artifact") && e.contains("forward.clif"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_truncated_weights_file_is_named() {
+    let dir = tmp("truncated").join("art");
+    compile(&dir, "forward");
+    let w = dir.join("weights.safetensors");
+    let bytes = std::fs::read(&w).unwrap();
+    std::fs::write(&w, &bytes[..bytes.len() - 100]).unwrap();
+    let err = Artifact::load(&dir).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, ArtifactError::Corrupt { .. }), "{err:?}");
+    assert!(
+        msg.contains("weights.safetensors") && msg.contains("bytes"),
+        "{msg}"
+    );
+    // A missing file is named too.
+    std::fs::remove_file(&w).unwrap();
+    let msg = Artifact::load(&dir).unwrap_err().to_string();
+    assert!(
+        msg.contains("weights.safetensors") && msg.contains("missing"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_newer_artifact_version_says_to_recompile() {
+    let dir = tmp("version").join("art");
+    compile(&dir, "forward");
+    let mpath = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&mpath).unwrap();
+    assert!(text.contains("\"version\": 1,"));
+    std::fs::write(
+        &mpath,
+        text.replacen("\"version\": 1,", "\"version\": 2,", 1),
+    )
+    .unwrap();
+    let err = Artifact::load(&dir).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, ArtifactError::Version { found: 2, .. }),
+        "{err:?}"
+    );
+    assert!(
+        msg.contains("version 2")
+            && msg.contains("reads version 1")
+            && msg.contains("kiln compile"),
+        "{msg}"
+    );
+    let out = kiln(&["inspect", dir.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("version 2"), "{}", stderr(&out));
+}
+
+#[test]
+fn cli_errors() {
+    // No artifact there.
+    let base = tmp("cli_errors");
+    let missing = base.join("nope");
+    let out = kiln(&["inspect", missing.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no artifact at"), "{}", stderr(&out));
+    // A directory without a manifest.
+    let empty = base.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = kiln(&["inspect", empty.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("manifest.json"), "{}", stderr(&out));
+    // CUDA artifacts are not supported yet.
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--entries",
+        "forward",
+        "--target",
+        "cuda",
+        "-o",
+        base.join("cuda").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("not supported yet (#6)"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!base.join("cuda").exists());
+    // An unknown entry.
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--entries",
+        "forward,bogus",
+        "-o",
+        base.join("x").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    // A directory that is not an artifact is never replaced.
+    let mine = base.join("mine");
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::write(mine.join("notes.txt"), "keep me").unwrap();
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--entries",
+        "forward",
+        "-o",
+        mine.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("is not a kiln artifact"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        std::fs::read_to_string(mine.join("notes.txt")).unwrap(),
+        "keep me"
+    );
+    // Without `--entries`, `kiln compile` still prints the kernel graph.
+    let out = kiln(&["compile", SPEC, "--set", "vocab=48", "--entry", "encode"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!out.stdout.is_empty());
+}
