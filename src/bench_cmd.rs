@@ -54,9 +54,13 @@ pub struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Print the time per kernel kind of the last run (compiled executor).
+    /// Print the time per kernel kind of the last run.
     #[arg(long)]
     pub profile: bool,
+    /// Run the optimizer step as the compiled `adam_update` program (fed by copies of
+    /// every parameter and moment) instead of the runtime's optimizer.
+    #[arg(long)]
+    pub adam_program: bool,
 }
 
 fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
@@ -105,7 +109,21 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         .map_err(|e| plain("kiln::bench", e.to_string(), None))?
         .into_iter()
         .collect();
-    let exec = executor(&a.executor, &g)?;
+    let compiled = if a.executor == "compiled" {
+        Some(
+            Compiled::from_graph(g.clone())
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
+        )
+    } else {
+        None
+    };
+    let exec: Box<dyn Exec> = match compiled {
+        Some(_) => Box::new(
+            kiln_runtime::exec::Reference::new(g.clone())
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
+        ),
+        None => executor(&a.executor, &g)?,
+    };
     // The optimizer step of a training step.
     let adam = if entry == "train_step" {
         let ag = kiln_runtime::compiled_entry_graph(&g, "adam_update")
@@ -114,8 +132,10 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } else {
         None
     };
-    let adam_exec = match (&adam, a.executor.as_str()) {
-        (Some(ag), "compiled") => Some(executor("compiled", ag)?),
+    // The trainer's optimizer step (the runtime's Adam over host tensors) for every
+    // executor; `--adam-program` runs the compiled `adam_update` program instead.
+    let adam_exec = match (&adam, a.adam_program) {
+        (Some(ag), true) => Some(executor("compiled", ag)?),
         _ => None,
     };
     let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
@@ -141,14 +161,25 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     for run in 0..a.warmup + a.runs {
         let started = Instant::now();
         let outs = if a.profile && run + 1 == a.warmup + a.runs && a.executor == "compiled" {
-            let c = Compiled::from_graph(g.clone())
-                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let c = compiled.as_ref().expect("compiled");
             let mut rec = |k: &str, s: f64| {
                 let e = profile.entry(k.to_string()).or_insert((0.0, 0));
                 e.0 += s;
                 e.1 += 1;
             };
             c.run_profiled(&inputs, &params, &opts, &mut rec)
+        } else if a.profile && run + 1 == a.warmup + a.runs {
+            let e = kiln_runtime::Eager::new(g.clone())
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let (outs, times) = e
+                .run_profiled(&inputs, &params, &opts)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            for t in times {
+                profile.insert(t.op.to_string(), (t.seconds, t.nodes));
+            }
+            Ok(outs)
+        } else if let Some(c) = &compiled {
+            c.run(&inputs, &params, &opts)
         } else {
             exec.run(&inputs, &params, &opts)
         }
@@ -163,8 +194,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 .collect();
             if let Some(ax) = &adam_exec {
                 let mut feed: BTreeMap<String, Tensor> = BTreeMap::new();
-                feed.insert("step_size".into(), Tensor::f32(vec![], vec![1e-4]).expect("scalar"));
-                feed.insert("inv_sqrt_bc2".into(), Tensor::f32(vec![], vec![1.0]).expect("scalar"));
+                feed.insert(
+                    "step_size".into(),
+                    Tensor::f32(vec![], vec![1e-4]).expect("scalar"),
+                );
+                feed.insert(
+                    "inv_sqrt_bc2".into(),
+                    Tensor::f32(vec![], vec![1.0]).expect("scalar"),
+                );
                 for (n, t) in &params {
                     feed.insert(n.clone(), t.clone());
                     if let Some(gr) = grads.get(n) {
@@ -262,7 +299,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             }
         );
         println!("  {:.0} target tokens/s", tokens / med);
-        println!("  peak RSS {:.1} MiB; setup (compile, init) {:.2} s", rss as f64 / 1048576.0, setup);
+        println!(
+            "  peak RSS {:.1} MiB; setup (compile, init) {:.2} s",
+            rss as f64 / 1048576.0,
+            setup
+        );
         if !profile.is_empty() {
             let mut p: Vec<(String, (f64, usize))> = profile.into_iter().collect();
             p.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));

@@ -166,8 +166,9 @@ enum Command {
         /// The training step the dropout masks are drawn for (`train_step`).
         #[arg(long, default_value_t = 0)]
         step: u32,
-        /// `reference` (plain loops, the oracle) or `eager` (op by op, fast GEMM).
-        #[arg(long, default_value = "reference", value_parser = ["reference", "eager"])]
+        /// `reference` (plain loops, the oracle), `eager` (op by op, fast GEMM) or
+        /// `compiled` (the optimized program as generated code).
+        #[arg(long, default_value = "reference", value_parser = ["reference", "eager", "compiled"])]
         executor: String,
         /// Where to write the outputs.
         #[arg(short = 'o', long = "output")]
@@ -248,7 +249,8 @@ enum Command {
         /// Greedy decoding instead of beam search.
         #[arg(long)]
         greedy: bool,
-        #[arg(long, default_value = "eager", value_parser = ["eager", "reference"])]
+        /// `compiled` (generated kernels), `eager` or `reference`.
+        #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference"])]
         executor: String,
         /// Worker threads (default: one per core).
         #[arg(long)]

@@ -14,7 +14,8 @@
 //! every dim at 32), else the largest (it grows), else a new slot.
 //!
 //! Activations are kept for the backward pass exactly as long as a backward kernel reads
-//! them: liveness is the whole policy. Sources (inputs, parameters, constants) are not in
+//! them: liveness is the whole policy. `KILN_NO_REUSE=1` gives every buffer its own slot
+//! (a debugging aid: every value survives to the end of the run). Sources (inputs, parameters, constants) are not in
 //! the arena: executors read the caller's tensors in place.
 
 use std::collections::BTreeMap;

@@ -300,9 +300,9 @@ impl Config {
                 self.valid.length_penalty
             ));
         }
-        if !["eager", "reference"].contains(&self.train.executor.as_str()) {
+        if !["eager", "reference", "compiled"].contains(&self.train.executor.as_str()) {
             bad.push(format!(
-                "train.executor is `{}`; use eager or reference",
+                "train.executor is `{}`; use compiled, eager or reference",
                 self.train.executor
             ));
         }

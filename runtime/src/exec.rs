@@ -3,7 +3,8 @@
 //! In: an entry-point graph and the tensors it needs. Out: its outputs. The trainer and
 //! the decoder hold a `Box<dyn Exec>` and do not care which executor runs the graph:
 //! - [`Reference`]: the compiler's reference executor (plain loops, the oracle);
-//! - [`crate::eager::Eager`]: op by op, GEMM through the `gemm` crate.
+//! - [`crate::eager::Eager`]: op by op, GEMM through the `gemm` crate;
+//! - [`crate::compiled::Compiled`]: the optimized kernel graph as generated code.
 
 use std::collections::BTreeMap;
 
@@ -79,6 +80,9 @@ impl Exec for crate::eager::Eager {
 pub enum ExecutorKind {
     Reference,
     Eager,
+    /// Generated kernels (`crate::compiled`): the graph is optimized, planned and
+    /// JIT-compiled when the executor is built.
+    Compiled,
 }
 
 impl ExecutorKind {
@@ -86,6 +90,7 @@ impl ExecutorKind {
         match s {
             "reference" => Some(ExecutorKind::Reference),
             "eager" => Some(ExecutorKind::Eager),
+            "compiled" => Some(ExecutorKind::Compiled),
             _ => None,
         }
     }
@@ -96,5 +101,6 @@ pub fn executor(kind: ExecutorKind, graph: Graph) -> Result<Box<dyn Exec>, ExecE
     match kind {
         ExecutorKind::Reference => Ok(Box::new(Reference::new(graph)?)),
         ExecutorKind::Eager => Ok(Box::new(crate::eager::Eager::new(graph)?)),
+        ExecutorKind::Compiled => Ok(Box::new(crate::compiled::Compiled::from_graph(graph)?)),
     }
 }

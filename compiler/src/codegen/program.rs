@@ -135,43 +135,73 @@ fn kernel_functions(
     match op {
         KernelOp::Region(expr) => {
             let out = kg.values[v].types[0].shape.clone();
-            let inner: Vec<bool> = inputs
+            let inner: Vec<bool> = inputs.iter().map(|&x| static_inner(kg, x, &out)).collect();
+            let dtypes: Vec<DType> = inputs
                 .iter()
-                .map(|&x| static_inner(kg, x, &out))
+                .map(|&x| kg.values[x].types[0].dtype)
                 .collect();
-            let dtypes: Vec<DType> = inputs.iter().map(|&x| kg.values[x].types[0].dtype).collect();
-            let key = format!("region {} inner={inner:?} in={dtypes:?} out={}", expr.text(), expr.out);
+            let key = format!(
+                "region {} inner={inner:?} in={dtypes:?} out={}",
+                expr.text(),
+                expr.out
+            );
             put(
                 "main",
-                em.get("region", key, |n| region::region_typed(n, expr, &inner, &dtypes))?,
+                em.get("region", key, |n| {
+                    region::region_typed(n, expr, &inner, &dtypes)
+                })?,
             );
             // The inner-stride flags the function was built for (1: unit, 0: broadcast).
-            put("inner", inner.iter().map(|&b| if b { '1' } else { '0' }).collect());
+            put(
+                "inner",
+                inner.iter().map(|&b| if b { '1' } else { '0' }).collect(),
+            );
         }
         KernelOp::Template { id, attrs } => {
             let def = &registry()[*id as usize];
             match def.name.as_str() {
-                "linear" => put("bias", em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?),
+                "linear" => put(
+                    "bias",
+                    em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
+                ),
                 "linear_relu" => {
-                    put("bias", em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?);
-                    put("epilogue", em.get("relu", "relu".into(), |n| Ok(misc::relu(n)))?);
+                    put(
+                        "bias",
+                        em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
+                    );
+                    put(
+                        "epilogue",
+                        em.get("relu", "relu".into(), |n| Ok(misc::relu(n)))?,
+                    );
                 }
-                "softmax" => put("main", em.get("softmax", "softmax".into(), |n| Ok(rows::softmax(n)))?),
+                "softmax" => put(
+                    "main",
+                    em.get("softmax", "softmax".into(), |n| Ok(rows::softmax(n)))?,
+                ),
                 "scale_mask_softmax" | "attention" | "attention_bwd" => {
                     let m = mask_kind(&def.variant);
                     put(
                         "softmax",
-                        em.get("scale_mask_softmax", format!("scale_mask_softmax {m:?}"), |n| {
-                            Ok(rows::scale_mask_softmax(n, m))
-                        })?,
+                        em.get(
+                            "scale_mask_softmax",
+                            format!("scale_mask_softmax {m:?}"),
+                            |n| Ok(rows::scale_mask_softmax(n, m)),
+                        )?,
                     );
                     if def.name == "attention_bwd" {
-                        put("softmax_bwd", em.get("softmax_bwd", "softmax_bwd".into(), |n| Ok(rows::softmax_bwd(n)))?);
+                        put(
+                            "softmax_bwd",
+                            em.get("softmax_bwd", "softmax_bwd".into(), |n| {
+                                Ok(rows::softmax_bwd(n))
+                            })?,
+                        );
                     }
                 }
                 "add_layer_norm" => put(
                     "main",
-                    em.get("add_layer_norm", "add_layer_norm".into(), |n| Ok(rows::add_layer_norm(n)))?,
+                    em.get("add_layer_norm", "add_layer_norm".into(), |n| {
+                        Ok(rows::add_layer_norm(n))
+                    })?,
                 ),
                 "add_layer_norm_bwd" => {
                     put(
@@ -182,12 +212,17 @@ fn kernel_functions(
                     );
                     put(
                         "finish",
-                        em.get("add_layer_norm_bwd_finish", "add_layer_norm_bwd_finish".into(), |n| {
-                            Ok(rows::add_layer_norm_bwd_finish(n))
-                        })?,
+                        em.get(
+                            "add_layer_norm_bwd_finish",
+                            "add_layer_norm_bwd_finish".into(),
+                            |n| Ok(rows::add_layer_norm_bwd_finish(n)),
+                        )?,
                     );
                 }
-                "xent_ls" => put("main", em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?),
+                "xent_ls" => put(
+                    "main",
+                    em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?,
+                ),
                 "embed_pe" => {
                     let dropout = !attrs.is_empty();
                     put(
@@ -201,17 +236,23 @@ fn kernel_functions(
                     let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
                     put(
                         "main",
-                        em.get("sum_rows", format!("sum_rows lead={lead}"), |n| Ok(misc::sum_rows(n, lead)))?,
+                        em.get("sum_rows", format!("sum_rows lead={lead}"), |n| {
+                            Ok(misc::sum_rows(n, lead))
+                        })?,
                     );
                 }
                 "adam_update" => put(
                     "main",
-                    em.get("adam_update", "adam_update".into(), |n| Ok(misc::adam_update(n)))?,
+                    em.get("adam_update", "adam_update".into(), |n| {
+                        Ok(misc::adam_update(n))
+                    })?,
                 ),
                 other => return Err(format!("no CPU code for template `{other}`")),
             }
         }
-        KernelOp::Prim(Op::Reduce { op, axis }) if kg.values[inputs[0]].types[0].dtype == DType::F32 => {
+        KernelOp::Prim(Op::Reduce { op, axis })
+            if kg.values[inputs[0]].types[0].dtype == DType::F32 =>
+        {
             let rank = kg.values[inputs[0]].types[0].shape.rank();
             let layout = if *axis + 1 == rank {
                 misc::ReduceLayout::Rows
@@ -224,7 +265,9 @@ fn kernel_functions(
             };
             put(
                 "main",
-                em.get("reduce", format!("reduce {rop:?} {layout:?}"), |n| Ok(misc::reduce(n, rop, layout)))?,
+                em.get("reduce", format!("reduce {rop:?} {layout:?}"), |n| {
+                    Ok(misc::reduce(n, rop, layout))
+                })?,
             );
         }
         KernelOp::Prim(_) => {}
@@ -233,7 +276,9 @@ fn kernel_functions(
     // kernel serves them all.
     r.insert(
         "copy".to_string(),
-        em.get("copy_strided", "copy_strided gather".into(), |n| Ok(misc::copy_strided(n, false)))?,
+        em.get("copy_strided", "copy_strided gather".into(), |n| {
+            Ok(misc::copy_strided(n, false))
+        })?,
     );
     Ok(r)
 }
@@ -283,7 +328,13 @@ fn static_layout(kg: &KernelGraph, v: usize) -> (Vec<i64>, Vec<i64>) {
                 Op::Broadcast { .. } => {
                     let off = shape.len() - sh.len();
                     let strides = (0..shape.len())
-                        .map(|i| if i < off || sh[i - off] == 1 { 0 } else { st[i - off] })
+                        .map(|i| {
+                            if i < off || sh[i - off] == 1 {
+                                0
+                            } else {
+                                st[i - off]
+                            }
+                        })
                         .collect();
                     (shape, strides)
                 }

@@ -12,10 +12,10 @@
 use std::collections::BTreeMap;
 
 use kiln_compiler::ir::{DType, Graph, Op, TensorType};
-use kiln_compiler::shape::{Dim, Shape};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::templates::registry;
 use kiln_compiler::reference::{Precision, RunOptions};
+use kiln_compiler::shape::{Dim, Shape};
 use kiln_compiler::tensor::Tensor;
 
 use super::launch::{gather_words, write_words, RunCtx};
@@ -31,7 +31,12 @@ pub(crate) enum Fallback {
 }
 
 /// The fallback of kernel value `v`.
-pub(crate) fn build(kg: &KernelGraph, v: usize, op: &KernelOp, inputs: &[usize]) -> Result<Fallback, String> {
+pub(crate) fn build(
+    kg: &KernelGraph,
+    v: usize,
+    op: &KernelOp,
+    inputs: &[usize],
+) -> Result<Fallback, String> {
     match op {
         KernelOp::Prim(p) => Ok(Fallback::Prim(p.clone())),
         _ => build_expanded(kg, v, op, inputs),
@@ -39,7 +44,12 @@ pub(crate) fn build(kg: &KernelGraph, v: usize, op: &KernelOp, inputs: &[usize])
 }
 
 /// Kernel value `v` expanded to primitives, run by the eager executor.
-pub(crate) fn build_expanded(kg: &KernelGraph, v: usize, op: &KernelOp, inputs: &[usize]) -> Result<Fallback, String> {
+pub(crate) fn build_expanded(
+    kg: &KernelGraph,
+    v: usize,
+    op: &KernelOp,
+    inputs: &[usize],
+) -> Result<Fallback, String> {
     match op {
         KernelOp::Prim(p) => Ok(Fallback::Prim(p.clone())),
         _ => {
@@ -75,16 +85,21 @@ pub(crate) fn build_expanded(kg: &KernelGraph, v: usize, op: &KernelOp, inputs: 
             }
             let scope = kg.values[v].scope.clone();
             let outs = match op {
-                KernelOp::Region(e) => vec![e.instantiate(&mut g, &ins, &scope).map_err(|e| e.to_string())?],
+                KernelOp::Region(e) => vec![e
+                    .instantiate(&mut g, &ins, &scope)
+                    .map_err(|e| e.to_string())?],
                 KernelOp::Template { id, attrs } => registry()[*id as usize]
                     .instantiate(&mut g, &ins, attrs, &scope)
                     .map_err(|e| e.to_string())?,
                 KernelOp::Prim(_) => unreachable!(),
             };
             for (k, o) in outs.iter().enumerate() {
-                g.add_output(&format!("out{k}"), *o).map_err(|e| e.to_string())?;
+                g.add_output(&format!("out{k}"), *o)
+                    .map_err(|e| e.to_string())?;
             }
-            Ok(Fallback::Graph(Box::new(Eager::new(g).map_err(|e| e.to_string())?)))
+            Ok(Fallback::Graph(Box::new(
+                Eager::new(g).map_err(|e| e.to_string())?,
+            )))
         }
     }
 }
@@ -95,16 +110,24 @@ fn value<'a>(l: &'a Loc) -> Value<'a> {
     match l.dtype {
         DType::I32 => Value {
             // SAFETY: the location's layout stays inside `extent` elements.
-            data: Data::I(Store::Borrowed(unsafe { std::slice::from_raw_parts(l.ptr as *const i32, n) })),
+            data: Data::I(Store::Borrowed(unsafe {
+                std::slice::from_raw_parts(l.ptr as *const i32, n)
+            })),
             layout: l.layout.clone(),
         },
         DType::Bool => {
             let w = gather_words(l);
-            Value::owned(l.shape(), w.iter().map(|&x| x != 0).collect::<Vec<bool>>(), None)
+            Value::owned(
+                l.shape(),
+                w.iter().map(|&x| x != 0).collect::<Vec<bool>>(),
+                None,
+            )
         }
         _ => Value {
             // SAFETY: as above.
-            data: Data::F(Store::Borrowed(unsafe { std::slice::from_raw_parts(l.ptr as *const f32, n) })),
+            data: Data::F(Store::Borrowed(unsafe {
+                std::slice::from_raw_parts(l.ptr as *const f32, n)
+            })),
             layout: l.layout.clone(),
         },
     }
@@ -113,20 +136,33 @@ fn value<'a>(l: &'a Loc) -> Value<'a> {
 /// Writes an eager value into a contiguous location.
 fn store(v: &Value<'_>, out: &Loc) -> Result<(), String> {
     if v.shape() != out.shape() {
-        return Err(format!("internal: result shape {:?}, expected {:?}", v.shape(), out.shape()));
+        return Err(format!(
+            "internal: result shape {:?}, expected {:?}",
+            v.shape(),
+            out.shape()
+        ));
     }
     let words: Vec<u32> = match &v.data {
         Data::F(_) => {
             let view = v.view::<f32>().expect("f32");
-            crate::eager::walk::to_vec(None, view).iter().map(|x| x.to_bits()).collect()
+            crate::eager::walk::to_vec(None, view)
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
         }
         Data::I(_) => {
             let view = v.view::<i32>().expect("i32");
-            crate::eager::walk::to_vec(None, view).iter().map(|&x| x as u32).collect()
+            crate::eager::walk::to_vec(None, view)
+                .iter()
+                .map(|&x| x as u32)
+                .collect()
         }
         Data::B(_) => {
             let view = v.view::<bool>().expect("bool");
-            crate::eager::walk::to_vec(None, view).iter().map(|&x| x as u32).collect()
+            crate::eager::walk::to_vec(None, view)
+                .iter()
+                .map(|&x| x as u32)
+                .collect()
         }
     };
     write_words(out, &words);
@@ -134,7 +170,12 @@ fn store(v: &Value<'_>, out: &Loc) -> Result<(), String> {
 }
 
 /// Runs a fallback kernel.
-pub(crate) fn run(fb: &Fallback, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>) -> Result<(), String> {
+pub(crate) fn run(
+    fb: &Fallback,
+    ins: &[&Loc],
+    outs: &[Loc],
+    ctx: &RunCtx<'_>,
+) -> Result<(), String> {
     match fb {
         Fallback::Prim(op) => {
             let args: Vec<Value<'_>> = ins.iter().map(|l| value(l)).collect();
@@ -158,13 +199,21 @@ pub(crate) fn run(fb: &Fallback, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>) -
                 seed: ctx.seed,
                 step: ctx.step,
             };
-            let res = eager.run(&inputs, &BTreeMap::new(), &opts).map_err(|e| e.to_string())?;
+            let res = eager
+                .run(&inputs, &BTreeMap::new(), &opts)
+                .map_err(|e| e.to_string())?;
             for (k, (_, t)) in res.iter().enumerate() {
                 let out = outs.get(k).ok_or("internal: too many results")?;
                 let words: Vec<u32> = match &t.data {
-                    kiln_compiler::tensor::TensorData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
-                    kiln_compiler::tensor::TensorData::I32(v) => v.iter().map(|&x| x as u32).collect(),
-                    kiln_compiler::tensor::TensorData::Bool(v) => v.iter().map(|&x| x as u32).collect(),
+                    kiln_compiler::tensor::TensorData::F32(v) => {
+                        v.iter().map(|x| x.to_bits()).collect()
+                    }
+                    kiln_compiler::tensor::TensorData::I32(v) => {
+                        v.iter().map(|&x| x as u32).collect()
+                    }
+                    kiln_compiler::tensor::TensorData::Bool(v) => {
+                        v.iter().map(|&x| x as u32).collect()
+                    }
                     other => return Err(format!("internal: a {} result", other.dtype_name())),
                 };
                 write_words(out, &words);

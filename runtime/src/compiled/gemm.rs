@@ -131,7 +131,10 @@ pub(crate) fn matmul(a: &Loc, b: &Loc, out: &Loc, read_dst: bool) -> Result<(), 
     let fits =
         ra >= 2 && rb >= 2 && sa[ra - 1] == sb[rb - 2] && (rb == 2 || sa[..ra - 2] == sb[..rb - 2]);
     if !fits || !out.is_contiguous() {
-        return Err(format!("cannot multiply {sa:?} by {sb:?} into {:?}", out.shape()));
+        return Err(format!(
+            "cannot multiply {sa:?} by {sb:?} into {:?}",
+            out.shape()
+        ));
     }
     let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
     let batch: usize = sa[..ra - 2].iter().product();

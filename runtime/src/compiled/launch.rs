@@ -22,15 +22,18 @@ use rayon::prelude::*;
 use super::fallback::{self, Fallback};
 use super::gemm::{self, Mat};
 use super::{Keep, Loc};
+use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
 use ::gemm::Parallelism;
-use crate::eager::pool::Pool;
 
 /// What a run needs besides locations.
 pub(crate) struct RunCtx<'a> {
     pub dims: &'a BTreeMap<String, i64>,
     /// The generated strided-copy kernel.
     pub copy: KernelFn,
+    /// Per kernel kind: worst relative error against the kernel's definition and how
+    /// many kernels were checked (executors built with checks).
+    pub checks: Option<&'a std::sync::Mutex<BTreeMap<String, (f64, usize)>>>,
     pub seed: u64,
     pub step: u32,
     pub pool: &'a Arc<Pool>,
@@ -55,20 +58,47 @@ pub(crate) enum Exec {
     Matmul,
     /// `x·w + b` (then relu): the bias pre-loaded into the result by a generated kernel,
     /// GEMM with `dst = dst + x·w`, relu as a generated epilogue.
-    Linear { bias: KernelFn, relu: Option<KernelFn> },
-    Region { f: KernelFn, expr: Arc<Expr>, inner: Vec<bool> },
+    Linear {
+        bias: KernelFn,
+        relu: Option<KernelFn>,
+    },
+    Region {
+        f: KernelFn,
+        expr: Arc<Expr>,
+        inner: Vec<bool>,
+    },
     Softmax(KernelFn),
     ScaleMaskSoftmax(KernelFn, MaskKind),
     /// Per head: GEMM for `q·kᵀ`, the generated masked softmax, GEMM for `p·v`.
-    Attention { softmax: KernelFn, mask: MaskKind },
-    AttentionBwd { softmax: KernelFn, softmax_bwd: KernelFn, mask: MaskKind },
+    Attention {
+        softmax: KernelFn,
+        mask: MaskKind,
+    },
+    AttentionBwd {
+        softmax: KernelFn,
+        softmax_bwd: KernelFn,
+        mask: MaskKind,
+    },
     AddLayerNorm(KernelFn),
-    AddLayerNormBwd { main: KernelFn, finish: KernelFn },
-    XentLs { f: KernelFn, pad: i64 },
-    EmbedPe { f: KernelFn, dropout: Option<(f64, u32)> },
+    AddLayerNormBwd {
+        main: KernelFn,
+        finish: KernelFn,
+    },
+    XentLs {
+        f: KernelFn,
+        pad: i64,
+    },
+    EmbedPe {
+        f: KernelFn,
+        dropout: Option<(f64, u32)>,
+    },
     SumRows(KernelFn),
     Adam(KernelFn),
-    Reduce { f: KernelFn, axis: usize, layout: ReduceLayout },
+    Reduce {
+        f: KernelFn,
+        axis: usize,
+        layout: ReduceLayout,
+    },
     /// The eager executor's kernels (see `fallback.rs`).
     Fallback(Fallback),
 }
@@ -81,7 +111,12 @@ impl Exec {
 }
 
 /// Prepares every kernel of `kg`.
-pub(crate) fn prepare(kg: &KernelGraph, code: &CpuCode, jit: &JitModule) -> Result<(Vec<Step>, KernelFn), String> {
+pub(crate) fn prepare(
+    kg: &KernelGraph,
+    code: &CpuCode,
+    jit: &JitModule,
+    checks: bool,
+) -> Result<(Vec<Step>, KernelFn), String> {
     let mut steps = Vec::new();
     if code.kernels.len() != kg.kernels().len() {
         return Err(format!(
@@ -111,7 +146,11 @@ pub(crate) fn prepare(kg: &KernelGraph, code: &CpuCode, jit: &JitModule) -> Resu
                 Exec::Reduce {
                     f: f("main")?,
                     axis: *axis,
-                    layout: if axis + 1 == rank { ReduceLayout::Rows } else { ReduceLayout::Across },
+                    layout: if axis + 1 == rank {
+                        ReduceLayout::Rows
+                    } else {
+                        ReduceLayout::Across
+                    },
                 }
             }
             KernelOp::Region(expr) => {
@@ -126,31 +165,53 @@ pub(crate) fn prepare(kg: &KernelGraph, code: &CpuCode, jit: &JitModule) -> Resu
             KernelOp::Template { id, attrs } => {
                 let def = &registry()[*id as usize];
                 match def.name.as_str() {
-                    "linear" => Exec::Linear { bias: f("bias")?, relu: None },
-                    "linear_relu" => Exec::Linear { bias: f("bias")?, relu: Some(f("epilogue")?) },
+                    "linear" => Exec::Linear {
+                        bias: f("bias")?,
+                        relu: None,
+                    },
+                    "linear_relu" => Exec::Linear {
+                        bias: f("bias")?,
+                        relu: Some(f("epilogue")?),
+                    },
                     "softmax" => Exec::Softmax(f("main")?),
-                    "scale_mask_softmax" => Exec::ScaleMaskSoftmax(f("softmax")?, mask_kind(&def.variant)),
-                    "attention" => Exec::Attention { softmax: f("softmax")?, mask: mask_kind(&def.variant) },
+                    "scale_mask_softmax" => {
+                        Exec::ScaleMaskSoftmax(f("softmax")?, mask_kind(&def.variant))
+                    }
+                    "attention" => Exec::Attention {
+                        softmax: f("softmax")?,
+                        mask: mask_kind(&def.variant),
+                    },
                     "attention_bwd" => Exec::AttentionBwd {
                         softmax: f("softmax")?,
                         softmax_bwd: f("softmax_bwd")?,
                         mask: mask_kind(&def.variant),
                     },
                     "add_layer_norm" => Exec::AddLayerNorm(f("main")?),
-                    "add_layer_norm_bwd" => Exec::AddLayerNormBwd { main: f("main")?, finish: f("finish")? },
+                    "add_layer_norm_bwd" => Exec::AddLayerNormBwd {
+                        main: f("main")?,
+                        finish: f("finish")?,
+                    },
                     "xent_ls" => {
                         let Some(Attr::Int(pad)) = attrs.first() else {
                             return Err(format!("kernel %{v}: xent_ls without its pad id"));
                         };
-                        Exec::XentLs { f: f("main")?, pad: *pad }
+                        Exec::XentLs {
+                            f: f("main")?,
+                            pad: *pad,
+                        }
                     }
                     "embed_pe" => {
                         let dropout = match attrs.as_slice() {
                             [] => None,
                             [Attr::F(p), Attr::Int(stream)] => Some((p.get(), *stream as u32)),
-                            other => return Err(format!("kernel %{v}: embed_pe attributes {other:?}")),
+                            other => {
+                                return Err(format!("kernel %{v}: embed_pe attributes {other:?}"))
+                            }
                         };
-                        Exec::EmbedPe { f: f("main")?, dropout }
+                        Exec::EmbedPe {
+                            f: f("main")?,
+                            dropout,
+                        }
                     }
                     "sum_rows" => Exec::SumRows(f("main")?),
                     "adam_update" => Exec::Adam(f("main")?),
@@ -159,11 +220,12 @@ pub(crate) fn prepare(kg: &KernelGraph, code: &CpuCode, jit: &JitModule) -> Resu
             }
             _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
         };
-        let check = if std::env::var_os("KILN_CHECK_KERNELS").is_some() && exec.is_native() {
-            Some(fallback::build_expanded(kg, v, op, inputs)?)
-        } else {
-            None
-        };
+        let check =
+            if (checks || std::env::var_os("KILN_CHECK_KERNELS").is_some()) && exec.is_native() {
+                Some(fallback::build_expanded(kg, v, op, inputs)?)
+            } else {
+                None
+            };
         steps.push(Step {
             value: v,
             kind,
@@ -201,7 +263,13 @@ fn is_f32(kg: &KernelGraph, inputs: &[usize]) -> bool {
 }
 
 /// Runs one kernel.
-pub(crate) fn run_step(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mut Keep) -> Result<(), String> {
+pub(crate) fn run_step(
+    step: &Step,
+    ins: &[&Loc],
+    outs: &[Loc],
+    ctx: &RunCtx<'_>,
+    keep: &mut Keep,
+) -> Result<(), String> {
     run_exec(step, ins, outs, ctx, keep)?;
     if let Some(fb) = &step.check {
         let tmp: Vec<Loc> = outs
@@ -221,6 +289,17 @@ pub(crate) fn run_step(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>
                 diff = diff.max((x - y).abs());
                 max = max.max(y.abs());
             }
+            if let Some(log) = ctx.checks {
+                let rel = if diff <= 1e-6 {
+                    0.0
+                } else {
+                    (diff / max.max(1e-30)) as f64
+                };
+                let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
+                let e = log.entry(step.kind.clone()).or_insert((0.0, 0));
+                e.0 = if rel.is_nan() { f64::NAN } else { e.0.max(rel) };
+                e.1 += 1;
+            }
             if diff > 1e-5 * max + 1e-6 || diff.is_nan() {
                 eprintln!(
                     "KILN_CHECK_KERNELS: %{} {} output {k}: max diff {diff:.3e}, max |def| {max:.3e}",
@@ -232,7 +311,13 @@ pub(crate) fn run_step(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>
     Ok(())
 }
 
-fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mut Keep) -> Result<(), String> {
+fn run_exec(
+    step: &Step,
+    ins: &[&Loc],
+    outs: &[Loc],
+    ctx: &RunCtx<'_>,
+    keep: &mut Keep,
+) -> Result<(), String> {
     let copy = ctx.copy;
     // An operand as a contiguous location (copied by the generated copy kernel if not).
     let mut contig = |l: &Loc, keep: &mut Keep| -> Result<Loc, String> {
@@ -242,13 +327,21 @@ fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mu
         if l.layout.shape.len() > misc::MAX_COPY_RANK {
             let p = keep.alloc(l.numel());
             copy_to_contiguous(l, p);
-            return Ok(Loc { ptr: p, layout: Layout::contiguous(l.shape()), dtype: l.dtype });
+            return Ok(Loc {
+                ptr: p,
+                layout: Layout::contiguous(l.shape()),
+                dtype: l.dtype,
+            });
         }
         let p = keep.alloc(l.numel());
         let strides: Vec<i64> = l.layout.strides.iter().map(|&s| s as i64).collect();
         let (dims, items) = misc::copy_strided_dims(l.shape(), &strides);
         call(copy, &[l.base(), p], &dims, items, 64);
-        Ok(Loc { ptr: p, layout: Layout::contiguous(l.shape()), dtype: l.dtype })
+        Ok(Loc {
+            ptr: p,
+            layout: Layout::contiguous(l.shape()),
+            dtype: l.dtype,
+        })
     };
     let last = |l: &Loc| l.shape().last().copied().unwrap_or(1);
     match &step.exec {
@@ -309,15 +402,25 @@ fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mu
                 vec![x.base(), ins[1].base(), outs[0].base()]
             } else {
                 let m = contig(ins[1], keep)?;
-                vec![x.base(), m.base(), ins[2].base(), ins[3].base(), outs[0].base()]
+                vec![
+                    x.base(),
+                    m.base(),
+                    ins[2].base(),
+                    ins[3].base(),
+                    outs[0].base(),
+                ]
             };
             call(*f, &ptrs, &dims, items, grain(s[3]));
             Ok(())
         }
-        Exec::Attention { softmax, mask } => attention(ins, &outs[0], *softmax, *mask, keep, &mut contig),
-        Exec::AttentionBwd { softmax, softmax_bwd, mask } => {
-            attention_bwd(ins, outs, *softmax, *softmax_bwd, *mask, keep, &mut contig)
+        Exec::Attention { softmax, mask } => {
+            attention(ins, &outs[0], *softmax, *mask, keep, &mut contig)
         }
+        Exec::AttentionBwd {
+            softmax,
+            softmax_bwd,
+            mask,
+        } => attention_bwd(ins, outs, *softmax, *softmax_bwd, *mask, keep, &mut contig),
         Exec::AddLayerNorm(f) => {
             let x = contig(ins[0], keep)?;
             let y = contig(ins[1], keep)?;
@@ -327,7 +430,15 @@ fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mu
             let (dims, items) = rows::add_layer_norm_dims(x.numel() / d.max(1), d);
             call(
                 *f,
-                &[x.base(), y.base(), g.base(), b.base(), ins[4].base(), ins[5].base(), outs[0].base()],
+                &[
+                    x.base(),
+                    y.base(),
+                    g.base(),
+                    b.base(),
+                    ins[4].base(),
+                    ins[5].base(),
+                    outs[0].base(),
+                ],
                 &dims,
                 items,
                 grain(d),
@@ -345,13 +456,28 @@ fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mu
             let (dims, items) = rows::add_layer_norm_bwd_dims(rows_n, d);
             call(
                 *main,
-                &[x.base(), y.base(), g.base(), dy.base(), ins[4].base(), ins[5].base(), outs[0].base(), scratch],
+                &[
+                    x.base(),
+                    y.base(),
+                    g.base(),
+                    dy.base(),
+                    ins[4].base(),
+                    ins[5].base(),
+                    outs[0].base(),
+                    scratch,
+                ],
                 &dims,
                 items,
                 (grain(d) / rows::LN_BWD_BLOCK).max(1),
             );
             let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
-            call(*finish, &[scratch, outs[1].base(), outs[2].base()], &dims, items, 64);
+            call(
+                *finish,
+                &[scratch, outs[1].base(), outs[2].base()],
+                &dims,
+                items,
+                64,
+            );
             Ok(())
         }
         Exec::XentLs { f, pad } => {
@@ -394,19 +520,42 @@ fn run_exec(step: &Step, ins: &[&Loc], outs: &[Loc], ctx: &RunCtx<'_>, keep: &mu
             let pe = contig(ins[2], keep)?;
             let vocab = table.shape()[0];
             for (i, w) in gather_words(&ids).iter().enumerate() {
-                kiln_compiler::bind::check_id(*w as i32, vocab, i, &format!("the embedding table has {vocab} rows"))?;
+                kiln_compiler::bind::check_id(
+                    *w as i32,
+                    vocab,
+                    i,
+                    &format!("the embedding table has {vocab} rows"),
+                )?;
             }
             let s = outs[0].shape().to_vec();
             let (b, t, d) = (s[0], s[1], s[2]);
             let (dims, items) = region::embed_pe_dims(d, t, b, *dropout, ctx.seed, ctx.step);
-            call(*f, &[table.base(), ids.base(), pe.base(), ins[3].base(), outs[0].base()], &dims, items, grain(d));
+            call(
+                *f,
+                &[
+                    table.base(),
+                    ids.base(),
+                    pe.base(),
+                    ins[3].base(),
+                    outs[0].base(),
+                ],
+                &dims,
+                items,
+                grain(d),
+            );
             Ok(())
         }
         Exec::SumRows(f) => {
             let x = contig(ins[0], keep)?;
             let (dims, items) = misc::sum_rows_dims(x.shape());
             let rows_n = x.numel() / last(&x).max(1);
-            call(*f, &[x.base(), outs[0].base()], &dims, items, (grain(rows_n * 16) / 16).max(1));
+            call(
+                *f,
+                &[x.base(), outs[0].base()],
+                &dims,
+                items,
+                (grain(rows_n * 16) / 16).max(1),
+            );
             Ok(())
         }
         Exec::Adam(f) => {
@@ -494,7 +643,10 @@ fn attention(
     let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
     let tk = k.shape()[2];
     let dv = v.shape()[3];
-    let (sp, fp) = (P(scale.base()), P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())));
+    let (sp, fp) = (
+        P(scale.base()),
+        P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
+    );
     let o = P(out.base());
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     (0..b * h).into_par_iter().for_each_init(
@@ -506,7 +658,15 @@ fn attention(
             let kt = head(k, bi, hi, 3, 2);
             // SAFETY: each task writes its own scratch and its own head of `out`.
             unsafe {
-                gemm::gemm_one((tq, dk, tk), s.as_mut_ptr(), tk as isize, qm, kt, false, Parallelism::None);
+                gemm::gemm_one(
+                    (tq, dk, tk),
+                    s.as_mut_ptr(),
+                    tk as isize,
+                    qm,
+                    kt,
+                    false,
+                    Parallelism::None,
+                );
                 let sptr = s.as_mut_ptr() as *mut u8;
                 let ptrs: Vec<*mut u8> = if mask == MaskKind::None {
                     vec![sptr, sp.0, sptr]
@@ -514,10 +674,22 @@ fn attention(
                     vec![sptr, mask_at(m.as_ref(), mask, bi, tk), sp.0, fp.0, sptr]
                 };
                 softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
-                let pm = Mat { ptr: s.as_ptr(), rs: tk as isize, cs: 1 };
+                let pm = Mat {
+                    ptr: s.as_ptr(),
+                    rs: tk as isize,
+                    cs: 1,
+                };
                 let vm = head(v, bi, hi, 2, 3);
                 let dst = (o.0 as *mut f32).add(bh * tq * dv);
-                gemm::gemm_one((tq, tk, dv), dst, dv as isize, pm, vm, false, Parallelism::None);
+                gemm::gemm_one(
+                    (tq, tk, dv),
+                    dst,
+                    dv as isize,
+                    pm,
+                    vm,
+                    false,
+                    Parallelism::None,
+                );
             }
         },
     );
@@ -559,7 +731,10 @@ fn attention_bwd(
     let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
     let tk = k.shape()[2];
     let dv = v.shape()[3];
-    let (sp, fp) = (P(scale.base()), P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())));
+    let (sp, fp) = (
+        P(scale.base()),
+        P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
+    );
     let (dq, dkk, dvv) = (P(outs[0].base()), P(outs[1].base()), P(outs[2].base()));
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     let (bdims, _) = rows::softmax_bwd_dims(tq, tk);
@@ -572,7 +747,15 @@ fn attention_bwd(
             let mp = mask_at(mloc, mask, bi, tk);
             // SAFETY: each task writes its own scratch and its own heads of the results.
             unsafe {
-                gemm::gemm_one((tq, dk, tk), s.as_mut_ptr(), tk as isize, head(q, bi, hi, 2, 3), head(k, bi, hi, 3, 2), false, Parallelism::None);
+                gemm::gemm_one(
+                    (tq, dk, tk),
+                    s.as_mut_ptr(),
+                    tk as isize,
+                    head(q, bi, hi, 2, 3),
+                    head(k, bi, hi, 3, 2),
+                    false,
+                    Parallelism::None,
+                );
                 let sptr = s.as_mut_ptr() as *mut u8;
                 let ptrs: Vec<*mut u8> = if mask == MaskKind::None {
                     vec![sptr, sp.0, sptr]
@@ -580,13 +763,37 @@ fn attention_bwd(
                     vec![sptr, mp, sp.0, fp.0, sptr]
                 };
                 softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
-                let pm = Mat { ptr: s.as_ptr(), rs: tk as isize, cs: 1 };
-                let pt = Mat { ptr: s.as_ptr(), rs: 1, cs: tk as isize };
+                let pm = Mat {
+                    ptr: s.as_ptr(),
+                    rs: tk as isize,
+                    cs: 1,
+                };
+                let pt = Mat {
+                    ptr: s.as_ptr(),
+                    rs: 1,
+                    cs: tk as isize,
+                };
                 let gm = head(g, bi, hi, 2, 3);
                 // dv = pᵀ·g
-                gemm::gemm_one((tk, tq, dv), (dvv.0 as *mut f32).add(bh * tk * dv), dv as isize, pt, gm, false, Parallelism::None);
+                gemm::gemm_one(
+                    (tk, tq, dv),
+                    (dvv.0 as *mut f32).add(bh * tk * dv),
+                    dv as isize,
+                    pt,
+                    gm,
+                    false,
+                    Parallelism::None,
+                );
                 // dp = g·vᵀ
-                gemm::gemm_one((tq, dv, tk), dp.as_mut_ptr(), tk as isize, gm, head(v, bi, hi, 3, 2), false, Parallelism::None);
+                gemm::gemm_one(
+                    (tq, dv, tk),
+                    dp.as_mut_ptr(),
+                    tk as isize,
+                    gm,
+                    head(v, bi, hi, 3, 2),
+                    false,
+                    Parallelism::None,
+                );
                 let dpp = dp.as_mut_ptr() as *mut u8;
                 let bp = [sptr, dpp, sp.0, dpp];
                 softmax_bwd(bp.as_ptr(), bdims.as_ptr(), 0, tq as i64);
@@ -602,10 +809,34 @@ fn attention_bwd(
                         }
                     }
                 }
-                let ds = Mat { ptr: dp.as_ptr(), rs: tk as isize, cs: 1 };
-                let dst = Mat { ptr: dp.as_ptr(), rs: 1, cs: tk as isize };
-                gemm::gemm_one((tq, tk, dk), (dq.0 as *mut f32).add(bh * tq * dk), dk as isize, ds, head(k, bi, hi, 2, 3), false, Parallelism::None);
-                gemm::gemm_one((tk, tq, dk), (dkk.0 as *mut f32).add(bh * tk * dk), dk as isize, dst, head(q, bi, hi, 2, 3), false, Parallelism::None);
+                let ds = Mat {
+                    ptr: dp.as_ptr(),
+                    rs: tk as isize,
+                    cs: 1,
+                };
+                let dst = Mat {
+                    ptr: dp.as_ptr(),
+                    rs: 1,
+                    cs: tk as isize,
+                };
+                gemm::gemm_one(
+                    (tq, tk, dk),
+                    (dq.0 as *mut f32).add(bh * tq * dk),
+                    dk as isize,
+                    ds,
+                    head(k, bi, hi, 2, 3),
+                    false,
+                    Parallelism::None,
+                );
+                gemm::gemm_one(
+                    (tk, tq, dk),
+                    (dkk.0 as *mut f32).add(bh * tk * dk),
+                    dk as isize,
+                    dst,
+                    head(q, bi, hi, 2, 3),
+                    false,
+                    Parallelism::None,
+                );
             }
         },
     );
@@ -644,7 +875,25 @@ pub(crate) fn gather_words(loc: &Loc) -> Vec<u32> {
 pub(crate) fn write_words(loc: &Loc, words: &[u32]) {
     debug_assert!(loc.is_contiguous() && words.len() == loc.numel());
     // SAFETY: the location is a contiguous buffer of `numel` elements.
-    unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), loc.base() as *mut u32, words.len().min(loc.numel())) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            words.as_ptr(),
+            loc.base() as *mut u32,
+            words.len().min(loc.numel()),
+        )
+    };
+}
+
+/// Copies a strided location into a contiguous buffer at `dst` with the generated copy
+/// kernel (rank ≤ 5; a plain loop otherwise).
+pub(crate) fn copy_with(copy: KernelFn, src: &Loc, dst: *mut u8) {
+    if src.layout.shape.len() > misc::MAX_COPY_RANK {
+        return copy_to_contiguous(src, dst);
+    }
+    let strides: Vec<i64> = src.layout.strides.iter().map(|&s| s as i64).collect();
+    let (dims, items) = misc::copy_strided_dims(src.shape(), &strides);
+    let row = src.shape().last().copied().unwrap_or(1);
+    call(copy, &[src.base(), dst], &dims, items, grain(row));
 }
 
 /// Copies a strided location into a fresh contiguous buffer at `dst`.

@@ -57,6 +57,10 @@ pub struct Compiled {
     /// The generated strided-copy kernel.
     copy: kiln_compiler::codegen::jit::KernelFn,
     arena: Mutex<Vec<f32>>,
+    /// Buffers of earlier runs' [`Keep`]s.
+    scratch: Mutex<Vec<Vec<u32>>>,
+    /// Kernel checks (see [`Compiled::from_graph_checked`]).
+    checks: Mutex<BTreeMap<String, (f64, usize)>>,
     pool: Arc<Pool>,
 }
 
@@ -125,16 +129,33 @@ impl Loc {
     }
 }
 
-/// Memory a run owns besides the arena: converted inputs, constants, fallback results.
+/// Memory a run owns besides the arena: converted inputs, constants, copies, scratch.
+/// Buffers come from (and go back to) a pool kept between runs, so a run does not
+/// page-fault fresh memory in for every copy.
 #[derive(Default)]
 pub(crate) struct Keep {
     bufs: Vec<Vec<u32>>,
+    pool: Vec<Vec<u32>>,
 }
 
 impl Keep {
-    /// A buffer of `n` 4-byte elements that lives as long as the run.
+    /// A buffer of `n` 4-byte elements that lives as long as the run (contents
+    /// unspecified).
     pub fn alloc(&mut self, n: usize) -> *mut u8 {
-        self.bufs.push(vec![0u32; n.max(1)]);
+        let n = n.max(1);
+        let best = self
+            .pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= n)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut b = match best {
+            Some(i) => self.pool.swap_remove(i),
+            None => Vec::with_capacity(n),
+        };
+        b.resize(n, 0);
+        self.bufs.push(b);
         self.bufs.last_mut().expect("pushed").as_mut_ptr() as *mut u8
     }
 }
@@ -148,11 +169,50 @@ impl Compiled {
         plan: MemoryPlan,
         code: CpuCode,
     ) -> Result<Compiled, ExecError> {
+        Compiled::build(graph, kg, plan, code, false)
+    }
+
+    /// [`Compiled::from_graph`] with every generated kernel checked after it runs: its
+    /// definition (expanded to primitives) runs on the same operands through the eager
+    /// executor and the worst relative error per kernel kind is recorded
+    /// ([`Compiled::kernel_errors`]). Slow; for tests.
+    pub fn from_graph_checked(graph: Graph) -> Result<Compiled, ExecError> {
+        let (kg, plan, code) = Compiled::lower(&graph)?;
+        Compiled::build(graph, kg, plan, code, true)
+    }
+
+    /// Per kernel kind: the worst relative error against the definition seen so far
+    /// (`max|kernel − definition| / max|definition|`, 0 when within 1e-6 absolute) and
+    /// how many kernels were checked.
+    pub fn kernel_errors(&self) -> BTreeMap<String, (f64, usize)> {
+        self.checks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn lower(graph: &Graph) -> Result<(KernelGraph, MemoryPlan, CpuCode), ExecError> {
+        let opts = kiln_compiler::optimize::Options::default();
+        let (kg, _) = kiln_compiler::optimize::optimize(graph, &opts)
+            .map_err(|e| ExecError::Unsupported(e.to_string()))?;
+        let plan = MemoryPlan::build(&kg);
+        let code = kiln_compiler::codegen::program::emit(&kg).map_err(ExecError::Unsupported)?;
+        Ok((kg, plan, code))
+    }
+
+    fn build(
+        graph: Graph,
+        kg: KernelGraph,
+        plan: MemoryPlan,
+        code: CpuCode,
+        checks: bool,
+    ) -> Result<Compiled, ExecError> {
         graph.verify()?;
         let jit = kiln_compiler::codegen::jit::compile(&code.text()).map_err(|e| {
             ExecError::Unsupported(format!("cannot compile the program's kernels: {e}"))
         })?;
-        let (steps, copy) = launch::prepare(&kg, &code, &jit).map_err(ExecError::Unsupported)?;
+        let (steps, copy) =
+            launch::prepare(&kg, &code, &jit, checks).map_err(ExecError::Unsupported)?;
         for (n, _) in &kg.outputs {
             if !graph.outputs.iter().any(|o| &o.name == n) {
                 return Err(ExecError::Unsupported(format!(
@@ -169,6 +229,8 @@ impl Compiled {
             steps,
             copy,
             arena: Mutex::new(Vec::new()),
+            scratch: Mutex::new(Vec::new()),
+            checks: Mutex::new(BTreeMap::new()),
             pool: Arc::new(Pool::default()),
         })
     }
@@ -176,11 +238,7 @@ impl Compiled {
     /// Optimizes `graph` for the CPU, plans it, generates its code and builds the
     /// executor — what `kiln compile` + loading the artifact do, in one process.
     pub fn from_graph(graph: Graph) -> Result<Compiled, ExecError> {
-        let opts = kiln_compiler::optimize::Options::default();
-        let (kg, _) = kiln_compiler::optimize::optimize(&graph, &opts)
-            .map_err(|e| ExecError::Unsupported(e.to_string()))?;
-        let plan = MemoryPlan::build(&kg);
-        let code = kiln_compiler::codegen::program::emit(&kg).map_err(ExecError::Unsupported)?;
+        let (kg, plan, code) = Compiled::lower(&graph)?;
         Compiled::new(graph, kg, plan, code)
     }
 
@@ -262,7 +320,10 @@ impl Compiled {
             arena.resize(words, 0.0);
         }
         let base = arena.as_mut_ptr() as *mut u8;
-        let mut keep = Keep::default();
+        let mut keep = Keep {
+            bufs: Vec::new(),
+            pool: std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner())),
+        };
         let mut locs: Vec<Vec<Loc>> = Vec::with_capacity(self.kg.values.len());
         // Reshapes of non-contiguous views become copies, made when first read (their
         // source is computed by then, and still alive: views extend liveness).
@@ -281,16 +342,21 @@ impl Compiled {
                 .map_err(|m| node_err(v, m))?;
             let loc = match &val.def {
                 Def::Input(name) => {
-                    let id = self.graph.input(name).ok_or_else(|| {
-                        node_err(v, format!("the graph has no input `{name}`"))
-                    })?;
+                    let id = self
+                        .graph
+                        .input(name)
+                        .ok_or_else(|| node_err(v, format!("the graph has no input `{name}`")))?;
                     vec![source_loc(bind.input(id, name)?, &shapes[0], &mut keep)]
                 }
                 Def::Param(name) => {
                     let id = self.graph.param(name).ok_or_else(|| {
                         node_err(v, format!("the graph has no parameter `{name}`"))
                     })?;
-                    vec![source_loc(bind.param(id, name, &shapes[0])?, &shapes[0], &mut keep)]
+                    vec![source_loc(
+                        bind.param(id, name, &shapes[0])?,
+                        &shapes[0],
+                        &mut keep,
+                    )]
                 }
                 Def::Const(c, dtype) => {
                     let p = keep.alloc(1);
@@ -366,7 +432,7 @@ impl Compiled {
         let materialize = |v: usize, copies: &mut Vec<(Loc, *mut u8, bool)>| {
             for &c in &needs[v] {
                 if !copies[c].2 {
-                    launch::copy_to_contiguous(&copies[c].0, copies[c].1);
+                    launch::copy_with(self.copy, &copies[c].0, copies[c].1);
                     copies[c].2 = true;
                 }
             }
@@ -374,6 +440,7 @@ impl Compiled {
         let ctx = launch::RunCtx {
             dims: &dims,
             copy: self.copy,
+            checks: Some(&self.checks),
             seed: opts.seed,
             step: opts.step,
             pool: &self.pool,
@@ -387,12 +454,6 @@ impl Compiled {
             let outs = &locs[step.value];
             launch::run_step(step, &ins, outs, &ctx, &mut keep)
                 .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
-            if let Some(t) = std::env::var("KILN_TRACE_VALUE").ok().and_then(|v| v.parse::<usize>().ok()) {
-                if t < locs.len() && self.kg.values[t].types.len() == 1 {
-                    let sum: f64 = launch::gather_words(&locs[t][0]).iter().map(|&w| f32::from_bits(w) as f64).sum();
-                    eprintln!("trace after %{} {}: %{t} sum {sum}", step.value, step.kind);
-                }
-            }
             if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
                 p(&step.kind, t0.elapsed().as_secs_f64());
             }
@@ -403,6 +464,8 @@ impl Compiled {
             }
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
+        let keep_out = &mut keep;
+        let _ = keep_out;
         for o in &self.graph.outputs {
             let (_, v) = self
                 .kg
@@ -413,6 +476,9 @@ impl Compiled {
             materialize(*v, &mut copies);
             out.push((o.name.clone(), to_tensor(&locs[*v][0])));
         }
+        let mut pool = keep.pool;
+        pool.extend(keep.bufs);
+        *self.scratch.lock().unwrap_or_else(|p| p.into_inner()) = pool;
         Ok(out)
     }
 }
@@ -473,6 +539,17 @@ fn source_loc(src: Source<'_>, shape: &[usize], keep: &mut Keep) -> Loc {
 /// Reads a location into a host tensor (row-major).
 pub(crate) fn to_tensor(loc: &Loc) -> Tensor {
     let shape = loc.layout.shape.clone();
+    if loc.is_contiguous() && loc.dtype == DType::F32 {
+        // SAFETY: a contiguous layout covers `offset .. offset + numel` of f32 elements.
+        let v = unsafe {
+            std::slice::from_raw_parts((loc.ptr as *const f32).add(loc.layout.offset), loc.numel())
+        }
+        .to_vec();
+        return Tensor {
+            shape,
+            data: TensorData::F32(v),
+        };
+    }
     let words = launch::gather_words(loc);
     let data = match loc.dtype {
         DType::I32 => TensorData::I32(words.iter().map(|&w| w as i32).collect()),

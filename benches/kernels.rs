@@ -1,0 +1,149 @@
+//! Kernel-level numbers of the CPU backend: GEMM GFLOP/s (the `gemm` crate as the
+//! compiled executor calls it) and GB/s of generated memory-bound kernels (softmax,
+//! add_layer_norm, Adam), each JIT-compiled from its CLIF text and launched over rayon
+//! exactly as the executor launches it. `cargo bench --bench kernels`.
+
+use std::time::Instant;
+
+use kiln_compiler::codegen::jit::{compile, launch};
+use kiln_compiler::codegen::{clif, misc, rows};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn time(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn main() {
+    let threads = rayon::current_num_threads();
+    println!(
+        "kernels bench, {threads} threads, host {}",
+        kiln_compiler::codegen::jit::host_description()
+    );
+    for n in [512usize, 1024, 2048] {
+        let a = vec![0.5f32; n * n];
+        let b = vec![0.25f32; n * n];
+        let mut c = vec![0f32; n * n];
+        let s = time(5, || unsafe {
+            gemm::gemm(
+                n,
+                n,
+                n,
+                c.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.as_ptr(),
+                1,
+                n as isize,
+                b.as_ptr(),
+                1,
+                n as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(threads),
+            )
+        });
+        println!(
+            "gemm {n}^3: {:.1} ms, {:.1} GFLOP/s",
+            s * 1e3,
+            2.0 * (n * n * n) as f64 / s / 1e9
+        );
+    }
+    let funcs = [
+        clif::text(&rows::softmax("softmax")),
+        clif::text(&rows::add_layer_norm("ln")),
+        clif::text(&misc::adam_update("adam")),
+    ]
+    .join("\n");
+    let m = compile(&funcs).expect("kernels compile");
+    // softmax over 800 × 37000 (the vocabulary projection's rows).
+    let (r, cdim) = (800usize, 37000usize);
+    let x = vec![0.1f32; r * cdim];
+    let mut y = vec![0f32; r * cdim];
+    let (dims, items) = rows::softmax_dims(r, cdim);
+    let f = m.get("softmax").unwrap();
+    let s = time(5, || unsafe {
+        launch(
+            f,
+            &[x.as_ptr() as *mut u8, y.as_mut_ptr() as *mut u8],
+            &dims,
+            items,
+            1,
+        )
+    });
+    println!(
+        "softmax 800x37000: {:.1} ms, {:.1} GB/s",
+        s * 1e3,
+        8.0 * (r * cdim) as f64 / s / 1e9
+    );
+    // add_layer_norm over 800 × 512.
+    let (r, d) = (800usize, 512usize);
+    let x = vec![0.1f32; r * d];
+    let yv = vec![0.2f32; r * d];
+    let g = vec![1f32; d];
+    let bb = vec![0f32; d];
+    let (inv_d, eps) = (1.0f32 / d as f32, 1e-5f32);
+    let mut o = vec![0f32; r * d];
+    let (dims, items) = rows::add_layer_norm_dims(r, d);
+    let f = m.get("ln").unwrap();
+    let ptrs = [
+        x.as_ptr() as *mut u8,
+        yv.as_ptr() as *mut u8,
+        g.as_ptr() as *mut u8,
+        bb.as_ptr() as *mut u8,
+        &inv_d as *const f32 as *mut u8,
+        &eps as *const f32 as *mut u8,
+        o.as_mut_ptr() as *mut u8,
+    ];
+    let s = time(20, || unsafe { launch(f, &ptrs, &dims, items, 64) });
+    println!(
+        "add_layer_norm 800x512: {:.3} ms, {:.1} GB/s",
+        s * 1e3,
+        12.0 * (r * d) as f64 / s / 1e9
+    );
+    // Adam over 18.9M elements (the shared embedding table of base at vocab 37000).
+    let n = 37000 * 512;
+    let mut p = vec![0.1f32; n];
+    let gr = vec![0.01f32; n];
+    let mut mm = vec![0f32; n];
+    let mut vv = vec![0f32; n];
+    let k = [0.9f32, 0.98, 0.1, 0.02, 1e-9, 1e-4, 1.0];
+    let (dims, items) = misc::adam_update_dims(n);
+    let f = m.get("adam").unwrap();
+    let s = time(5, || {
+        let mut ptrs = vec![
+            p.as_mut_ptr() as *mut u8,
+            gr.as_ptr() as *mut u8,
+            mm.as_mut_ptr() as *mut u8,
+            vv.as_mut_ptr() as *mut u8,
+        ];
+        ptrs.extend(k.iter().map(|c| c as *const f32 as *mut u8));
+        ptrs.extend([
+            p.as_mut_ptr() as *mut u8,
+            mm.as_mut_ptr() as *mut u8,
+            vv.as_mut_ptr() as *mut u8,
+        ]);
+        unsafe { launch(f, &ptrs, &dims, items, 32) }
+    });
+    println!(
+        "adam_update 18.9M params: {:.1} ms, {:.1} GB/s",
+        s * 1e3,
+        28.0 * n as f64 / s / 1e9
+    );
+}

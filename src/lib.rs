@@ -1,0 +1,56 @@
+//! kiln as a library: helpers for users' own tests.
+//!
+//! The command-line tool is `src/main.rs`; this library exposes what a user's test suite
+//! needs, such as snapshotting the generated kernels of a spec in one line:
+//!
+//! ```no_run
+//! // tests/kernels.rs of your project (with insta as a dev-dependency)
+//! # macro_rules! assert_snapshot { ($e:expr) => { let _ = $e; } }
+//! assert_snapshot!(kiln::snapshot::kernels("models/my_model.kiln", &["vocab=100"], "forward").unwrap());
+//! ```
+
+pub mod snapshot {
+    //! Deterministic text of a spec's generated CPU kernels, for snapshot tests.
+
+    use std::fmt::Write as _;
+    use std::path::Path;
+
+    use kiln_dsl::{Mode, Options};
+    use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind};
+
+    /// The CPU code of entry point `entry` of `spec` (with `--set` style overrides): one
+    /// line per kernel in launch order (its kind and the functions it runs), then every
+    /// CLIF function. The same spec and overrides give the same text, byte for byte.
+    pub fn kernels(spec: impl AsRef<Path>, set: &[&str], entry: &str) -> Result<String, String> {
+        let spec = spec.as_ref();
+        let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
+            GraphKind::Eval => Mode::Eval,
+            GraphKind::Train => Mode::Train,
+            GraphKind::Decode => Mode::Decode,
+        };
+        let opts = Options {
+            overrides: set.iter().map(|s| s.to_string()).collect(),
+            mode,
+            model: None,
+        };
+        let g = kiln_dsl::compile_file(spec, &opts)
+            .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
+        let g = compiled_entry_graph(&g, entry).map_err(|e| e.message)?;
+        let (kg, _) = kiln_compiler::optimize::optimize(&g, &Default::default())
+            .map_err(|e| e.to_string())?;
+        let code = kiln_compiler::codegen::program::emit(&kg)?;
+        let mut s = String::new();
+        let _ = writeln!(s, "# kernels of {} entry={entry}", g.name);
+        for ((v, op, _), roles) in kg.kernels().iter().zip(&code.kernels) {
+            let fns: Vec<String> = roles
+                .iter()
+                .filter(|(r, _)| r.as_str() != "inner" && r.as_str() != "copy")
+                .map(|(r, f)| format!("{r}={f}"))
+                .collect();
+            let _ = writeln!(s, "%{v} {} {}", op.kind(), fns.join(" "));
+        }
+        s.push('\n');
+        s.push_str(&code.text());
+        Ok(s)
+    }
+}

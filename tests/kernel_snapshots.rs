@@ -1,0 +1,91 @@
+//! Snapshots of the generated CLIF: one function of every kernel kind, from the tiny
+//! Transformer's training step, forward pass and optimizer step. The text is
+//! deterministic (emitted twice here, byte for byte).
+
+use std::collections::BTreeMap;
+
+use kiln_compiler::codegen::program::emit;
+use kiln_compiler::optimize::optimize;
+
+mod common;
+use common::root;
+
+fn code_of(entry: &str) -> kiln_compiler::codegen::program::CpuCode {
+    let spec = root().join("models/transformer_tiny.kiln");
+    let mode = match entry {
+        "train_step" | "adam_update" => kiln_dsl::Mode::Train,
+        "decode_step" => kiln_dsl::Mode::Decode,
+        _ => kiln_dsl::Mode::Eval,
+    };
+    let opts = kiln_dsl::Options {
+        overrides: vec!["vocab=48".into()],
+        mode,
+        model: None,
+    };
+    let g = kiln_dsl::compile_file(&spec, &opts).expect("tiny compiles");
+    let g = kiln_runtime::compiled_entry_graph(&g, entry).expect("entry");
+    let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
+    emit(&kg).expect("emits")
+}
+
+#[test]
+fn clif_of_every_kernel_kind_is_pinned() {
+    let mut first: BTreeMap<String, String> = BTreeMap::new();
+    for entry in ["train_step", "forward", "adam_update", "decode_step"] {
+        let code = code_of(entry);
+        assert_eq!(code, code_of(entry), "{entry}: the code is deterministic");
+        for (name, text) in &code.functions {
+            let kind = name
+                .rsplit_once('_')
+                .map(|(k, _)| k)
+                .unwrap_or(name)
+                .to_string();
+            first.entry(kind).or_insert_with(|| text.clone());
+        }
+    }
+    let kinds: Vec<&str> = first.keys().map(|s| s.as_str()).collect();
+    for want in [
+        "adam_update",
+        "add_layer_norm",
+        "add_layer_norm_bwd",
+        "add_layer_norm_bwd_finish",
+        "copy_strided",
+        "embed_pe",
+        "fill_rows",
+        "region",
+        "relu",
+        "scale_mask_softmax",
+        "softmax_bwd",
+        "sum_rows",
+        "xent_ls",
+    ] {
+        assert!(kinds.contains(&want), "no `{want}` kernel among {kinds:?}");
+    }
+    for (kind, text) in &first {
+        assert!(
+            !text.contains("call "),
+            "{kind}: no libcalls in generated kernels"
+        );
+        insta::assert_snapshot!(format!("clif_{kind}"), text);
+    }
+}
+
+#[test]
+fn the_public_snapshot_helper_is_deterministic() {
+    let spec = root().join("models/transformer_tiny.kiln");
+    let a = kiln::snapshot::kernels(&spec, &["vocab=48"], "forward").expect("helper");
+    let b = kiln::snapshot::kernels(&spec, &["vocab=48"], "forward").expect("helper");
+    assert_eq!(a, b);
+    assert!(
+        a.starts_with("# kernels of transformer_tiny entry=forward\n"),
+        "{}",
+        &a[..80]
+    );
+    assert!(
+        a.contains(" attention softmax=scale_mask_softmax_0"),
+        "{a:.2000}"
+    );
+    assert!(a.contains("function %embed_pe_0(i64, i64, i64, i64) system_v {"));
+    let err = kiln::snapshot::kernels(root().join("models/nope.kiln"), &[], "forward").unwrap_err();
+    assert!(err.contains("nope.kiln"), "{err}");
+}
