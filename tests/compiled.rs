@@ -11,10 +11,11 @@
 //!
 //! One exception, stated: the gradients of `train_step` pass through relu's kink
 //! (`where(y > 0, g, 0)`); an activation within rounding of 0 can fall on either side in
-//! two correct executors, which changes one column of the first FFN weight's gradient (and
-//! one bias element) by a visible amount. A gradient output therefore passes when at
-//! most 1% of its elements are outside the 1e-5 tolerance (one flip touches 1/d_ff of
-//! them); the per-kernel checks hold every kernel of the backward pass to 1e-5.
+//! two correct executors, which changes one column of the first FFN weight's gradient by
+//! a visible amount and, through the rest of the backward pass, every earlier gradient by
+//! a little. A gradient output therefore passes when `‖got − want‖₂ ≤ 1e-2·‖want‖₂` (one
+//! flip moves a gradient's norm by ~1e-3; a wrong kernel by O(1)); the per-kernel checks
+//! hold every kernel of the backward pass to 1e-5.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -35,9 +36,9 @@ use common::shipped_specs;
 
 const REL: f64 = 1e-5;
 const ABS: f64 = 1e-6;
-/// Gradients of `train_step`: the largest fraction of elements outside the tolerance
-/// (see the module documentation).
-const GRAD_OUTLIERS: f64 = 0.01;
+/// Gradients of `train_step`: relative tolerance on the 2-norm of the difference (see the
+/// module documentation).
+const GRAD_NORM_REL: f64 = 1e-2;
 
 fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<Graph, String> {
     let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
@@ -135,15 +136,25 @@ fn compare(
             .iter()
             .zip(&c)
             .filter(|(a, b)| {
-                !(a.is_nan() && b.is_nan()) && !((*a - *b).abs() <= REL * max_ref + ABS)
+                let within = (*a - *b).abs() <= REL * max_ref + ABS;
+                !(within || a.is_nan() && b.is_nan())
             })
             .count();
         let grad = name.starts_with("grad.");
         if !grad {
             worst = worst.max(if diff <= ABS { 0.0 } else { rel });
         }
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
         let ok = if grad {
-            (outside as f64) <= GRAD_OUTLIERS * w.len() as f64 && !diff.is_nan()
+            let d =
+                norm(
+                    &mut w
+                        .iter()
+                        .zip(&c)
+                        .map(|(a, b)| if a.is_nan() && b.is_nan() { 0.0 } else { a - b }),
+                );
+            let r = norm(&mut w.iter().copied());
+            d <= GRAD_NORM_REL * r + ABS
         } else {
             outside == 0
         };
@@ -173,7 +184,7 @@ fn every_spec_every_entry_matches() {
         .iter()
         .flat_map(|p| COMPILED_ENTRIES.iter().map(move |&e| (p.as_path(), e)))
         .collect();
-    let kinds: Mutex<BTreeMap<String, (f64, usize)>> = Mutex::new(BTreeMap::new());
+    let kinds: Mutex<BTreeMap<String, (f64, usize, usize)>> = Mutex::new(BTreeMap::new());
     let failures: Vec<String> = pairs
         .par_iter()
         .enumerate()
@@ -200,13 +211,15 @@ fn every_spec_every_entry_matches() {
             }
             let mut bad = Vec::new();
             let mut all = kinds.lock().unwrap();
-            for (kind, (err, n)) in exec.kernel_errors() {
-                let e = all.entry(kind.clone()).or_insert((0.0, 0));
+            for (kind, (err, n, outside)) in exec.kernel_errors() {
+                let e = all.entry(kind.clone()).or_insert((0.0, 0, 0));
                 e.0 = e.0.max(err);
                 e.1 += n;
-                if !(err <= REL) {
+                e.2 += outside;
+                if outside > 0 || err.is_nan() {
                     bad.push(format!(
-                        "  kernel kind {kind}: relative error {err:.3e} against its definition"
+                        "  kernel kind {kind}: {outside} of {n} kernels outside 1e-5 of their \
+                         definition (worst relative error {err:.3e})"
                     ));
                 }
             }
@@ -222,7 +235,7 @@ fn every_spec_every_entry_matches() {
         })
         .collect();
     eprintln!("worst relative error per kernel kind, against its definition:");
-    for (kind, (err, n)) in kinds.lock().unwrap().iter() {
+    for (kind, (err, n, _)) in kinds.lock().unwrap().iter() {
         eprintln!("  {kind:<22} {err:.2e}  ({n} kernel runs)");
     }
     eprintln!(

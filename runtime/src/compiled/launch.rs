@@ -26,14 +26,18 @@ use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
 use ::gemm::Parallelism;
 
+/// Per kernel kind: worst relative error against the definition, kernels checked, kernels
+/// outside the tolerance.
+pub type CheckLog = BTreeMap<String, (f64, usize, usize)>;
+
 /// What a run needs besides locations.
 pub(crate) struct RunCtx<'a> {
     pub dims: &'a BTreeMap<String, i64>,
     /// The generated strided-copy kernel.
     pub copy: KernelFn,
-    /// Per kernel kind: worst relative error against the kernel's definition and how
-    /// many kernels were checked (executors built with checks).
-    pub checks: Option<&'a std::sync::Mutex<BTreeMap<String, (f64, usize)>>>,
+    /// Per kernel kind: worst relative error against the kernel's definition, how many
+    /// kernels were checked, and how many were outside `1e-5·max|def| + 1e-6`.
+    pub checks: Option<&'a std::sync::Mutex<CheckLog>>,
     pub seed: u64,
     pub step: u32,
     pub pool: &'a Arc<Pool>,
@@ -289,16 +293,18 @@ pub(crate) fn run_step(
                 diff = diff.max((x - y).abs());
                 max = max.max(y.abs());
             }
+            let within = diff <= 1e-5 * max + 1e-6;
             if let Some(log) = ctx.checks {
-                let rel = if diff <= 1e-6 {
+                let rel = if diff == 0.0 {
                     0.0
                 } else {
                     (diff / max.max(1e-30)) as f64
                 };
                 let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
-                let e = log.entry(step.kind.clone()).or_insert((0.0, 0));
+                let e = log.entry(step.kind.clone()).or_insert((0.0, 0, 0));
                 e.0 = if rel.is_nan() { f64::NAN } else { e.0.max(rel) };
                 e.1 += 1;
+                e.2 += usize::from(!within);
             }
             if diff > 1e-5 * max + 1e-6 || diff.is_nan() {
                 eprintln!(
