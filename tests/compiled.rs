@@ -25,48 +25,20 @@ use std::time::Instant;
 use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::reference::{self, RunOptions};
 use kiln_compiler::Graph;
-use kiln_dsl::{Mode, Options};
 use kiln_runtime::compiled::Compiled;
 use kiln_runtime::Eager;
-use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind, COMPILED_ENTRIES};
+use kiln_runtime::COMPILED_ENTRIES;
 use rayon::prelude::*;
 use std::sync::Mutex;
 
 mod common;
-use common::shipped_specs;
+use common::{entry_graph, shipped_specs};
 
 const REL: f64 = 1e-5;
 const ABS: f64 = 1e-6;
 /// Gradients of `train_step`: relative tolerance on the 2-norm of the difference (see the
 /// module documentation).
 const GRAD_NORM_REL: f64 = 1e-2;
-
-fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<Graph, String> {
-    let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
-        GraphKind::Eval => Mode::Eval,
-        GraphKind::Train => Mode::Train,
-        GraphKind::Decode => Mode::Decode,
-    };
-    let opts = Options {
-        overrides: set.iter().map(|s| s.to_string()).collect(),
-        mode,
-        model: None,
-    };
-    let mut g = kiln_dsl::compile_file(spec, &opts)
-        .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
-    if entry == "adam_update" {
-        // One parameter per distinct shape: every parameter's update is the same kernel.
-        let mut seen = std::collections::BTreeSet::new();
-        let params: Vec<_> = g
-            .params
-            .iter()
-            .copied()
-            .filter(|&p| seen.insert(g.ty(p).shape.to_string()))
-            .collect();
-        g.params = params;
-    }
-    compiled_entry_graph(&g, entry).map_err(|e| e.message)
-}
 
 /// Dim sets: the validation default, then odd sizes.
 fn dim_sets(g: &Graph) -> Vec<BTreeMap<String, i64>> {

@@ -38,50 +38,12 @@ use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Repo
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
-use kiln_dsl::{Mode, Options};
 use kiln_runtime::Eager;
-use kiln_runtime::{
-    compiled_entry_graph, compiled_graph_kind, GraphKind, COMPILED_ENTRIES as ENTRIES,
-};
+use kiln_runtime::COMPILED_ENTRIES as ENTRIES;
 use rayon::prelude::*;
 
 mod common;
 use common::{kiln, root, shipped_specs as specs};
-
-/// The graph of an entry point of a spec, built as `kiln explain` / `kiln compile` build
-/// it (the runtime's `compiled_entry_graph`), except that `adam_update` is built over
-/// one parameter per distinct shape: every parameter's update is the same kernel, and
-/// big's 176M parameters with their moments would need ~3 GB.
-fn entry_graph_of(spec: &Path, set: &[&str], entry: &str) -> Result<Graph, String> {
-    let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
-        GraphKind::Eval => Mode::Eval,
-        GraphKind::Train => Mode::Train,
-        GraphKind::Decode => Mode::Decode,
-    };
-    let opts = Options {
-        overrides: set.iter().map(|s| s.to_string()).collect(),
-        mode,
-        model: None,
-    };
-    let mut g = kiln_dsl::compile_file(spec, &opts)
-        .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
-    if entry == "adam_update" {
-        let mut seen = std::collections::BTreeSet::new();
-        let keep: Vec<bool> = g
-            .params
-            .iter()
-            .map(|&p| seen.insert(g.ty(p).shape.to_string()))
-            .collect();
-        g.params = g
-            .params
-            .iter()
-            .zip(keep)
-            .filter(|(_, k)| *k)
-            .map(|(p, _)| *p)
-            .collect();
-    }
-    compiled_entry_graph(&g, entry).map_err(|e| e.message)
-}
 
 fn spec(name: &str) -> PathBuf {
     root().join("models").join(name)
@@ -89,7 +51,7 @@ fn spec(name: &str) -> PathBuf {
 
 fn optimized(spec: &Path, set: &[&str], entry: &str) -> (Graph, KernelGraph, Report) {
     let what = format!("{} {set:?} {entry}", spec.display());
-    let g = entry_graph_of(spec, set, entry).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let g = common::entry_graph(spec, set, entry).unwrap_or_else(|e| panic!("{what}: {e}"));
     let (kg, report) =
         optimize(&g, &OptOptions::default()).unwrap_or_else(|e| panic!("{what}: optimize: {e}"));
     (g, kg, report)
@@ -213,7 +175,7 @@ fn every_spec_every_entry_validates() {
             let name = path.file_name().unwrap().to_string_lossy();
             let what = format!("{name} --entry {entry}");
             let t = Instant::now();
-            let g = match entry_graph_of(path, &["vocab=48"], entry) {
+            let g = match common::entry_graph(path, &["vocab=48"], entry) {
                 Ok(g) => g,
                 Err(e) => return Some(format!("{what}: building the graph: {e}")),
             };

@@ -310,20 +310,10 @@ pub fn kernel_summary(kg: &KernelGraph, plan: &MemoryPlan) -> Vec<KernelSummary>
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ArtifactError> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path).map_err(io_err("create", path))?;
-    f.write_all(bytes).map_err(io_err("write", path))?;
-    f.sync_all().map_err(io_err("sync", path))
+    crate::fsync::write_synced(path, bytes).map_err(|(action, e)| io_err(action, path)(e))
 }
 
-fn sync_dir(dir: &Path) {
-    #[cfg(unix)]
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
-}
+use crate::fsync::sync_dir;
 
 /// `<dir><suffix>` next to `dir`.
 fn sibling(dir: &Path, suffix: &str) -> PathBuf {

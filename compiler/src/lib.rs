@@ -18,6 +18,7 @@ pub mod artifact;
 pub mod autodiff;
 pub mod bind;
 pub mod codegen;
+pub mod fsync;
 pub mod infer;
 pub mod init;
 pub mod ir;

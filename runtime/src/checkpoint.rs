@@ -308,20 +308,10 @@ fn list_names(names: &[&str]) -> String {
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path).map_err(io_err("create", path))?;
-    f.write_all(bytes).map_err(io_err("write", path))?;
-    f.sync_all().map_err(io_err("sync", path))
+    kiln_compiler::fsync::write_synced(path, bytes).map_err(|(action, e)| io_err(action, path)(e))
 }
 
-fn sync_dir(dir: &Path) {
-    #[cfg(unix)]
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
-}
+use kiln_compiler::fsync::sync_dir;
 
 /// Whether process `pid` is running (Linux `/proc`; elsewhere assumed dead).
 fn pid_alive(pid: u32) -> bool {

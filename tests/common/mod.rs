@@ -35,3 +35,34 @@ pub fn shipped_specs() -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// The graph of an entry point of a spec, built as `kiln explain` / `kiln compile` build
+/// it (the runtime's `compiled_entry_graph`), except that `adam_update` is built over
+/// one parameter per distinct shape: every parameter's update is the same kernel, and
+/// big's 176M parameters with their moments would need ~3 GB.
+pub fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<kiln_compiler::Graph, String> {
+    use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind};
+    let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
+        GraphKind::Eval => kiln_dsl::Mode::Eval,
+        GraphKind::Train => kiln_dsl::Mode::Train,
+        GraphKind::Decode => kiln_dsl::Mode::Decode,
+    };
+    let opts = kiln_dsl::Options {
+        overrides: set.iter().map(|s| s.to_string()).collect(),
+        mode,
+        model: None,
+    };
+    let mut g = kiln_dsl::compile_file(spec, &opts)
+        .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
+    if entry == "adam_update" {
+        let mut seen = std::collections::BTreeSet::new();
+        let params: Vec<_> = g
+            .params
+            .iter()
+            .copied()
+            .filter(|&p| seen.insert(g.ty(p).shape.to_string()))
+            .collect();
+        g.params = params;
+    }
+    compiled_entry_graph(&g, entry).map_err(|e| e.message)
+}
