@@ -177,6 +177,27 @@ pub(crate) fn run(
     ctx: &RunCtx<'_>,
 ) -> Result<(), String> {
     match fb {
+        // The embedding gradient (a vocabulary-sized result): summed straight into the
+        // arena rather than into a fresh buffer that is then copied.
+        Fallback::Prim(Op::ScatterAdd { .. })
+            if outs[0].dtype == DType::F32 && outs[0].is_contiguous() && ins.len() == 2 =>
+        {
+            let (ids, src) = (value(ins[0]), value(ins[1]));
+            let out = &outs[0];
+            let row: usize = out.shape().iter().skip(1).product();
+            // SAFETY: a contiguous f32 location of `numel` elements that this kernel alone
+            // writes.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(out.base() as *mut f32, out.numel()) };
+            crate::eager::index::scatter_add_into(
+                ids.view::<i32>()
+                    .ok_or("internal: scatter_add ids are not i32")?,
+                src.view::<f32>()
+                    .ok_or("internal: scatter_add values are not f32")?,
+                row,
+                dst,
+            )
+        }
         Fallback::Prim(op) => {
             let args: Vec<Value<'_>> = ins.iter().map(|l| value(l)).collect();
             let c = Ctx {

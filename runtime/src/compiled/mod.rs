@@ -544,10 +544,21 @@ pub(crate) fn to_tensor(loc: &Loc) -> Tensor {
     let shape = loc.layout.shape.clone();
     if loc.is_contiguous() && loc.dtype == DType::F32 {
         // SAFETY: a contiguous layout covers `offset .. offset + numel` of f32 elements.
-        let v = unsafe {
+        let src = unsafe {
             std::slice::from_raw_parts((loc.ptr as *const f32).add(loc.layout.offset), loc.numel())
+        };
+        // Large outputs (logits, gradients) are copied by all threads: the fresh pages'
+        // first touch costs as much as the copy.
+        const CHUNK: usize = 1 << 16;
+        let mut v = vec![0f32; src.len()];
+        if src.len() > 4 * CHUNK {
+            use rayon::prelude::*;
+            v.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+        } else {
+            v.copy_from_slice(src);
         }
-        .to_vec();
         return Tensor {
             shape,
             data: TensorData::F32(v),

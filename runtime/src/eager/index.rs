@@ -83,13 +83,30 @@ pub(crate) fn scatter_add(
             shape
         ));
     }
+    let mut out = f32::alloc(pool, rows * row);
+    scatter_add_into(ids, src, row, &mut out)?;
+    Ok(out)
+}
+
+/// [`scatter_add`] into `out` (`rows · row` elements, overwritten): the same sums in the
+/// same order, so the compiled executor can write straight into its arena.
+pub(crate) fn scatter_add_into(
+    ids: View<'_, i32>,
+    src: View<'_, f32>,
+    row: usize,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let rows = out.len().checked_div(row).unwrap_or(0);
     let ids = contiguous(ids);
     let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
     let src = contiguous(src);
-    let mut out = f32::alloc(pool, rows * row);
-    out.fill(0.0);
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(PAR_MIN).for_each(|c| c.fill(0.0));
+    } else {
+        out.fill(0.0);
+    }
     if row == 0 || targets.is_empty() {
-        return Ok(out);
+        return Ok(());
     }
     // The positions that land on each result row, in increasing order (a counting
     // sort), so every row can be summed independently in the reference's order.
@@ -118,7 +135,7 @@ pub(crate) fn scatter_add(
     } else {
         out.chunks_mut(row).enumerate().for_each(body);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// `ids[I...] -> f32[I..., depth]`, 1.0 at the id.

@@ -32,7 +32,7 @@
 //! blocking does not depend on threads). So a run's bits do not depend on the number of
 //! threads or on scheduling: the tests compare 1, 2, 3 and 4 threads bit for bit.
 
-mod index;
+pub(crate) mod index;
 mod matmul;
 pub(crate) mod ops;
 pub(crate) mod pool;
