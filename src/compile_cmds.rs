@@ -1,6 +1,14 @@
 //! `kiln explain` and `kiln compile`: the optimizer from the command line.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use kiln_compiler::artifact::TOKENIZER_FILE;
+use kiln_compiler::init::init_params;
+use kiln_compiler::tensor::Tensor;
+use kiln_runtime::config::Config;
+use kiln_runtime::model::{self, GraphSet};
+use kiln_runtime::train::tokenizer_of;
 
 use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
@@ -117,37 +125,8 @@ pub fn compile(args: &OptArgs, output: Option<&Path>, check: bool, seed: u64) ->
     Ok(())
 }
 
-/// `kiln compile --entries …`: a compiled artifact directory (see
-/// `kiln_compiler::artifact`): per entry the kernel graph, memory plan and CLIF code,
-/// plus the initial weights from `seed`.
-pub fn compile_artifact(
-    args: &OptArgs,
-    entries: &[String],
-    output: Option<&Path>,
-    check: bool,
-    seed: u64,
-) -> Result<(), Error> {
-    let Some(dir) = output else {
-        return Err(plain(
-            "kiln::compile",
-            "`--entries` writes an artifact directory, and no `-o DIR` was given".to_string(),
-            Some("add `-o DIR`, e.g. `-o build/model.kiln-artifact`".to_string()),
-        ));
-    };
-    let target = Target::parse(&args.target).unwrap_or(Target::Cpu);
-    if target != Target::Cpu {
-        return Err(plain(
-            "kiln::compile",
-            format!(
-                "artifacts for target `{}` are not supported yet (#6): only `cpu` has generated code",
-                args.target
-            ),
-            Some(
-                "use `--target cpu`; `kiln explain --target cuda` shows the CUDA cost model's choices"
-                    .to_string(),
-            ),
-        ));
-    }
+/// The entry points of `--entries`, each once.
+fn entry_names(entries: &[String]) -> Result<Vec<String>, Error> {
     let mut names: Vec<String> = Vec::new();
     for e in entries {
         if names.contains(e) {
@@ -159,29 +138,231 @@ pub fn compile_artifact(
         }
         names.push(e.clone());
     }
-    let spec_text = std::fs::read_to_string(&args.spec).map_err(|e| {
+    Ok(names)
+}
+
+/// What an artifact is compiled from, whatever the source (spec, training configuration
+/// or trained model).
+struct Source {
+    /// Entry points and their graphs, in `--entries` order.
+    graphs: Vec<(String, Graph)>,
+    /// The weights to ship; `None`: initialized from `seed` per entry graph.
+    weights: Option<BTreeMap<String, Tensor>>,
+    seed: u64,
+    spec_hash: String,
+    extras: BTreeMap<String, Vec<u8>>,
+}
+
+fn read_text(path: &Path) -> Result<String, Error> {
+    std::fs::read_to_string(path).map_err(|e| {
         plain(
             "kiln::file",
-            format!("cannot read {}: {e}", args.spec.display()),
+            format!("cannot read {}: {e}", path.display()),
             None,
         )
-    })?;
+    })
+}
+
+/// `kiln compile SPEC --entries …`: a compiled artifact directory (see
+/// `kiln_compiler::artifact`): per entry the kernel graph, memory plan and CLIF code,
+/// plus the initial weights from `seed`.
+pub fn compile_artifact(
+    args: &OptArgs,
+    entries: &[String],
+    output: Option<&Path>,
+    check: bool,
+    seed: u64,
+) -> Result<(), Error> {
+    let dir = output_dir(output)?;
+    let target = cpu_target(&args.target)?;
+    let names = entry_names(entries)?;
+    let spec_text = read_text(&args.spec)?;
     let spec_hash =
         kiln_compiler::artifact::spec_hash(&spec_text, &args.set, args.model.as_deref());
+    let mut graphs = Vec::new();
+    for name in &names {
+        graphs.push((
+            name.clone(),
+            entry_graph_of(&args.spec, &args.set, &args.model, name)?,
+        ));
+    }
+    let src = Source {
+        graphs,
+        weights: None,
+        seed,
+        spec_hash,
+        extras: BTreeMap::new(),
+    };
+    write_artifact_from(dir, target, src, check)
+}
+
+/// The entries a trainer needs, which `--config` compiles by default.
+pub const TRAINING_ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
+/// The entries a decoder needs, which `--from-model` compiles by default.
+pub const DECODING_ENTRIES: [&str; 2] = ["encode", "decode_step"];
+
+/// The graph of `name` in a trainer's graph set.
+fn from_set(set: &GraphSet, name: &str, origin: &str) -> Result<Graph, Error> {
+    Ok(match name {
+        "train_step" => set.train_step.clone(),
+        "loss" => set.loss.clone(),
+        "encode" => set.encode.clone(),
+        "decode_step" => set.decode_step.clone(),
+        other => {
+            return Err(plain(
+                "kiln::compile",
+                format!("{origin} has no entry `{other}`"),
+                Some(format!(
+                    "its entries are {}; compile `{other}` from the spec instead",
+                    TRAINING_ENTRIES.join(", ")
+                )),
+            ))
+        }
+    })
+}
+
+/// `kiln compile --config CONFIG.yaml -o DIR`: what `kiln train --config` would train —
+/// the spec with the configuration's overrides and its BPE vocabulary's size, the first
+/// weights from `train.seed`, and the tokenizer — as an artifact that `kiln train
+/// --artifact DIR` (or `model.artifact`) starts from.
+pub fn compile_artifact_from_config(
+    config: &Path,
+    entries: &[String],
+    output: Option<&Path>,
+    check: bool,
+    target: &str,
+) -> Result<(), Error> {
+    let dir = output_dir(output)?;
+    let target = cpu_target(target)?;
+    let cfg = Config::load(config).map_err(|e| plain("kiln::config", e.to_string(), None))?;
+    if cfg.model.spec.as_os_str().is_empty() {
+        return Err(plain(
+            "kiln::compile",
+            format!("`{}` names no `model.spec` to compile", config.display()),
+            Some("add `model: {spec: path/to/model.kiln}`".to_string()),
+        ));
+    }
+    let (tok, note, _) = tokenizer_of(&cfg).map_err(crate::train_cmds::err("kiln::train"))?;
+    eprintln!("{note}");
+    let model_graphs = crate::train_cmds::compile_graphs(&cfg, tok.vocab_size())?;
+    let set = model_graphs
+        .entries()
+        .map_err(crate::train_cmds::err("kiln::compile"))?;
+    let names = if entries.is_empty() {
+        TRAINING_ENTRIES.iter().map(|s| s.to_string()).collect()
+    } else {
+        entry_names(entries)?
+    };
+    let origin = format!("the configuration `{}`", config.display());
+    let mut graphs = Vec::new();
+    for name in &names {
+        graphs.push((name.clone(), from_set(&set, name, &origin)?));
+    }
+    let weights: BTreeMap<String, Tensor> = init_params(&set.loss, cfg.train.seed)
+        .map_err(|e| plain("kiln::init", e.to_string(), None))?
+        .into_iter()
+        .collect();
+    let mut overrides = cfg.overrides();
+    overrides.retain(|o| !o.starts_with("vocab="));
+    overrides.push(format!("vocab={}", tok.vocab_size()));
+    let spec_text = read_text(&cfg.model.spec)?;
+    let spec_hash =
+        kiln_compiler::artifact::spec_hash(&spec_text, &overrides, cfg.model.name.as_deref());
+    let tok_json = tok
+        .to_json()
+        .map_err(crate::train_cmds::err("kiln::compile"))?;
+    let src = Source {
+        graphs,
+        weights: Some(weights),
+        seed: cfg.train.seed,
+        spec_hash,
+        extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
+    };
+    write_artifact_from(dir, target, src, check)
+}
+
+/// `kiln compile --from-model MODEL_DIR -o DIR`: a trained model (a checkpoint, a run
+/// directory or the output of `kiln average`) with its weights and tokenizer, compiled for
+/// `kiln translate --model DIR` (by default the decoding entries).
+pub fn compile_artifact_from_model(
+    model_dir: &Path,
+    entries: &[String],
+    output: Option<&Path>,
+    check: bool,
+    target: &str,
+) -> Result<(), Error> {
+    let dir = output_dir(output)?;
+    let target = cpu_target(target)?;
+    let m = model::load(model_dir).map_err(crate::train_cmds::err("kiln::model"))?;
+    let names = if entries.is_empty() {
+        DECODING_ENTRIES.iter().map(|s| s.to_string()).collect()
+    } else {
+        entry_names(entries)?
+    };
+    let origin = format!("the model `{}`", m.dir.display());
+    let mut graphs = Vec::new();
+    for name in &names {
+        graphs.push((name.clone(), from_set(&m.graphs, name, &origin)?));
+    }
+    let tok_json = m
+        .tokenizer
+        .to_json()
+        .map_err(crate::train_cmds::err("kiln::compile"))?;
+    let src = Source {
+        graphs,
+        weights: Some(m.params),
+        seed: 0,
+        spec_hash: format!(
+            "model:{}",
+            kiln_compiler::artifact::hash_hex(&m.graphs.to_json())
+        ),
+        extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
+    };
+    write_artifact_from(dir, target, src, check)
+}
+
+fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
+    output.ok_or_else(|| {
+        plain(
+            "kiln::compile",
+            "an artifact is a directory, and no `-o DIR` was given".to_string(),
+            Some("add `-o DIR`, e.g. `-o build/model.kiln-artifact`".to_string()),
+        )
+    })
+}
+
+fn cpu_target(name: &str) -> Result<Target, Error> {
+    let target = Target::parse(name).unwrap_or(Target::Cpu);
+    if target != Target::Cpu {
+        return Err(plain(
+            "kiln::compile",
+            format!(
+                "artifacts for target `{name}` are not supported yet (#6): only `cpu` has generated code"
+            ),
+            Some(
+                "use `--target cpu`; `kiln explain --target cuda` shows the CUDA cost model's choices"
+                    .to_string(),
+            ),
+        ));
+    }
+    Ok(target)
+}
+
+/// Optimizes, plans and generates code for every entry of `src`, and writes the artifact.
+fn write_artifact_from(dir: &Path, target: Target, src: Source, check: bool) -> Result<(), Error> {
     let opts = OptOptions {
         target,
         ..OptOptions::default()
     };
     let mut specs = Vec::new();
-    let mut weights = std::collections::BTreeMap::new();
+    let mut weights = BTreeMap::new();
     let mut model = String::new();
     let mut hparams = Vec::new();
-    for name in &names {
-        let g = entry_graph_of(&args.spec, &args.set, &args.model, name)?;
+    for (name, g) in src.graphs {
         let (kg, _) = optimize(&g, &opts)
             .map_err(|e| plain("kiln::optimizer", format!("entry `{name}`: {e}"), None))?;
         if check {
-            let v = validate(&g, &kg, seed, DEFAULT_REL, DEFAULT_ABS)
+            let v = validate(&g, &kg, src.seed, DEFAULT_REL, DEFAULT_ABS)
                 .map_err(|e| plain("kiln::validate", e, None))?;
             eprint!("{}", v.text());
             if !v.ok() {
@@ -200,17 +381,36 @@ pub fn compile_artifact(
                 Some("this is a code generator bug; please report it with the spec".to_string()),
             )
         })?;
-        for (p, t) in kiln_compiler::init::init_params(&g, seed)
-            .map_err(|e| plain("kiln::init", e.to_string(), None))?
-        {
-            weights.insert(p, t);
+        match &src.weights {
+            Some(all) => {
+                // Only the parameters some entry reads.
+                for p in &g.params {
+                    if let kiln_compiler::ir::Op::Param { name: pname, .. } = &g.node(*p).op {
+                        let t = all.get(pname).ok_or_else(|| {
+                            plain(
+                                "kiln::compile",
+                                format!("entry `{name}` reads parameter `{pname}`, which the weights lack"),
+                                Some("the weights and graphs come from different models".to_string()),
+                            )
+                        })?;
+                        weights.insert(pname.clone(), t.clone());
+                    }
+                }
+            }
+            None => {
+                for (p, t) in init_params(&g, src.seed)
+                    .map_err(|e| plain("kiln::init", e.to_string(), None))?
+                {
+                    weights.insert(p, t);
+                }
+            }
         }
         if model.is_empty() {
             model = g.name.clone();
             hparams = g.hparams.clone();
         }
         specs.push(kiln_compiler::artifact::EntrySpec {
-            name: name.clone(),
+            name,
             graph: g,
             kernel_graph: kg,
             plan,
@@ -219,12 +419,13 @@ pub fn compile_artifact(
     }
     let art = kiln_compiler::artifact::ArtifactSpec {
         model,
-        spec_hash,
-        seed,
+        spec_hash: src.spec_hash,
+        seed: src.seed,
         hparams,
         target: target.name().to_string(),
         entries: specs,
         weights,
+        extras: src.extras,
     };
     kiln_compiler::artifact::write_artifact(dir, &art).map_err(|e| {
         plain(
@@ -239,13 +440,95 @@ pub fn compile_artifact(
         .map(|e| e.kernel_graph.kernels().len())
         .sum();
     eprintln!(
-        "wrote {} ({} entries, {} kernels, {} parameter tensors)",
+        "wrote {} ({} entries, {} kernels, {} parameter tensors{})",
         dir.display(),
         art.entries.len(),
         kernels,
-        art.weights.len()
+        art.weights.len(),
+        if art.extras.contains_key(TOKENIZER_FILE) {
+            ", tokenizer"
+        } else {
+            ""
+        }
     );
     Ok(())
+}
+
+/// `kiln run ARTIFACT_DIR --entry …`: an entry of a compiled artifact on the inputs of a
+/// safetensors file, with the artifact's weights (or `--weights`).
+pub fn run_artifact(
+    dir: &Path,
+    entry: &str,
+    inputs: &Path,
+    weights: Option<&Path>,
+    opts: &kiln_compiler::reference::RunOptions,
+    executor: &str,
+    output: &Path,
+) -> Result<(), Error> {
+    use kiln_runtime::artifact::Artifact;
+    use kiln_runtime::exec::ExecutorKind;
+    let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
+    let e = art
+        .entry(entry)
+        .map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
+    let g = e.manifest.graph.clone();
+    let mut feeds = kiln_compiler::tensor::load_safetensors(inputs).map_err(crate::file_error)?;
+    // Inputs of the artifact's other entries (`tgt_out` in a file made for `loss`) are
+    // not an error, as with a spec; anything else is named by the entry's check.
+    let input_names = |g: &kiln_compiler::Graph| -> Vec<String> {
+        g.inputs
+            .iter()
+            .filter_map(|&i| g.source_name(i).map(str::to_string))
+            .collect()
+    };
+    let others: Vec<String> = art
+        .entries()
+        .iter()
+        .flat_map(|e| input_names(&e.manifest.graph))
+        .collect();
+    let mine_in = input_names(&g);
+    feeds.retain(|k, _| mine_in.contains(k) || !others.contains(k));
+    kiln_runtime::check_inputs(&g, &inputs.display().to_string(), &feeds)
+        .map_err(crate::runtime_error)?;
+    // The parameters of this entry; others (of other entries) are not an error.
+    let mine: std::collections::BTreeSet<String> = g
+        .params
+        .iter()
+        .filter_map(|&p| match &g.node(p).op {
+            kiln_compiler::ir::Op::Param { name, .. } => Some(name.clone()),
+            _ => None,
+        })
+        .collect();
+    let (origin, all) = match weights {
+        Some(path) => (
+            path.display().to_string(),
+            kiln_compiler::tensor::load_safetensors(path).map_err(crate::file_error)?,
+        ),
+        None => (
+            dir.join(kiln_compiler::artifact::WEIGHTS_FILE)
+                .display()
+                .to_string(),
+            art.weights()
+                .map_err(|e| plain("kiln::artifact", e.to_string(), None))?,
+        ),
+    };
+    let params: BTreeMap<String, Tensor> =
+        all.into_iter().filter(|(k, _)| mine.contains(k)).collect();
+    kiln_runtime::check_weights(&g, &origin, &params).map_err(crate::runtime_error)?;
+    let kind = ExecutorKind::parse(executor).unwrap_or(ExecutorKind::Compiled);
+    let exec: Box<dyn kiln_runtime::exec::Exec> = if kind == ExecutorKind::Compiled {
+        Box::new(
+            art.executor(entry)
+                .map_err(|e| plain("kiln::artifact", e.to_string(), None))?,
+        )
+    } else {
+        kiln_runtime::exec::executor(kind, g.clone())
+            .map_err(|e| plain("kiln::run", e.to_string(), None))?
+    };
+    let outs = exec
+        .run(&feeds, &params, opts)
+        .map_err(|e| plain("kiln::run", e.to_string(), None))?;
+    crate::write_outputs(art.model(), &outs, output)
 }
 
 /// `kiln inspect`: what an artifact holds.
@@ -283,6 +566,9 @@ pub fn inspect(dir: &Path, dims: &[(&str, i64)], plan_text: bool) -> Result<(), 
         art.weights_file_bytes(),
         m.seed
     );
+    if let Some(t) = art.tokenizer_json() {
+        let _ = writeln!(out, "  tokenizer: {TOKENIZER_FILE} ({} bytes)", t.len());
+    }
     if !m.hparams.is_empty() {
         let hp: Vec<String> = m.hparams.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let _ = writeln!(out, "  hparams: {}", hp.join(" "));

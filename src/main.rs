@@ -86,10 +86,37 @@ enum Command {
     },
     /// Compile an entry point into its kernel graph (fused kernels, deterministic text),
     /// or with `--entries` several entry points into an artifact directory (kernel
-    /// graphs, memory plans, CLIF code, weights) that runs without the spec.
+    /// graphs, memory plans, CLIF code, weights) that runs without the spec. With
+    /// `--config` the artifact is what `kiln train` needs (tokenizer included); with
+    /// `--from-model` it is a trained model ready for `kiln translate`.
     Compile {
-        #[command(flatten)]
-        args: compile_cmds::OptArgs,
+        /// The model spec (a `.kiln` file); not with `--config` or `--from-model`.
+        #[arg(required_unless_present_any = ["config", "from_model"])]
+        spec: Option<PathBuf>,
+        /// Override a model parameter: `--set d_model=256` (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Which model of the file, when it defines several.
+        #[arg(long)]
+        model: Option<String>,
+        /// The entry point of a kernel-graph compile (without `--entries`): forward, loss,
+        /// encode, decode_step, train_step, or adam_update.
+        #[arg(long, default_value = "forward", value_parser = kiln_runtime::COMPILED_ENTRIES)]
+        entry: String,
+        /// The target whose cost model drives extraction (artifacts: `cpu`).
+        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+        target: String,
+        /// Compile the spec of this training configuration, at its BPE vocabulary's size,
+        /// with its first weights (`train.seed`) and its tokenizer, into the artifact
+        /// `kiln train --artifact DIR` starts from (entries: train_step, loss, encode,
+        /// decode_step).
+        #[arg(long, conflicts_with_all = ["spec", "from_model", "set", "model"])]
+        config: Option<PathBuf>,
+        /// Compile a trained model (checkpoint, run directory or `kiln average` output)
+        /// with its weights and tokenizer, for `kiln translate --model DIR` (entries:
+        /// encode, decode_step).
+        #[arg(long = "from-model", conflicts_with_all = ["spec", "set", "model"])]
+        from_model: Option<PathBuf>,
         /// Write an artifact directory (`-o DIR`) with these entry points, e.g.
         /// `--entries train_step,encode,decode_step`.
         #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
@@ -143,7 +170,9 @@ enum Command {
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
     },
-    /// Run an entry point of a spec with the reference executor.
+    /// Run an entry point of a spec (reference executor by default), or of a compiled
+    /// artifact directory given in place of the spec (its generated kernels by default,
+    /// its own weights unless `--weights`).
     Run {
         #[command(flatten)]
         spec: SpecArgs,
@@ -166,10 +195,11 @@ enum Command {
         /// The training step the dropout masks are drawn for (`train_step`).
         #[arg(long, default_value_t = 0)]
         step: u32,
-        /// `reference` (plain loops, the oracle), `eager` (op by op, fast GEMM) or
-        /// `compiled` (the optimized program as generated code).
-        #[arg(long, default_value = "reference", value_parser = ["reference", "eager", "compiled"])]
-        executor: String,
+        /// `reference` (plain loops, the oracle; the default for a spec), `eager` (op by
+        /// op, fast GEMM) or `compiled` (the optimized program as generated code; the
+        /// default for an artifact).
+        #[arg(long, value_parser = ["reference", "eager", "compiled"])]
+        executor: Option<String>,
         /// Where to write the outputs.
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
@@ -217,6 +247,10 @@ enum Command {
         /// Override `checkpoint.dir` (the run directory).
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// Start from this compiled artifact (`kiln compile --config CONFIG.yaml -o DIR`)
+        /// instead of compiling the spec: sets `model.artifact`.
+        #[arg(long, conflicts_with = "resume")]
+        artifact: Option<PathBuf>,
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
@@ -226,9 +260,9 @@ enum Command {
     },
     /// Translate lines of text (standard input, or --input) with a trained model.
     Translate {
-        /// A checkpoint directory, a run directory (its newest checkpoint) or the output of
-        /// `kiln average`.
-        #[arg(long)]
+        /// A checkpoint directory, a run directory (its newest checkpoint), the output of
+        /// `kiln average`, or a compiled artifact (`kiln compile --from-model`).
+        #[arg(long, visible_alias = "model")]
         checkpoint: PathBuf,
         /// Read sentences from this file instead of standard input.
         #[arg(long)]
@@ -325,12 +359,50 @@ fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Explain { args, kernels } => compile_cmds::explain(&args, kernels),
         Command::Compile {
-            args,
+            spec,
+            set,
+            model,
+            entry,
+            target,
+            config,
+            from_model,
             entries,
             output,
             validate,
             seed,
         } => {
+            if let Some(cfg) = config {
+                return compile_cmds::compile_artifact_from_config(
+                    &cfg,
+                    &entries,
+                    output.as_deref(),
+                    validate,
+                    &target,
+                );
+            }
+            if let Some(m) = from_model {
+                return compile_cmds::compile_artifact_from_model(
+                    &m,
+                    &entries,
+                    output.as_deref(),
+                    validate,
+                    &target,
+                );
+            }
+            let Some(spec) = spec else {
+                return Err(plain(
+                    "kiln::compile",
+                    "nothing to compile".to_string(),
+                    Some("give a spec, `--config CONFIG.yaml` or `--from-model DIR`".to_string()),
+                ));
+            };
+            let args = compile_cmds::OptArgs {
+                spec,
+                set,
+                model,
+                entry,
+                target,
+            };
             if entries.is_empty() {
                 compile_cmds::compile(&args, output.as_deref(), validate, seed)
             } else {
@@ -389,6 +461,27 @@ fn run(cli: Cli) -> Result<(), Error> {
             executor,
         } => {
             let entry = Entry::parse(&entry).map_err(runtime_error)?;
+            let run_opts = RunOptions {
+                precision: if precision == "f64" {
+                    Precision::F64
+                } else {
+                    Precision::F32
+                },
+                seed,
+                step,
+            };
+            if kiln_runtime::artifact::is_artifact_dir(&spec.spec) {
+                return compile_cmds::run_artifact(
+                    &spec.spec,
+                    entry.name(),
+                    &inputs,
+                    weights.as_deref(),
+                    &run_opts,
+                    executor.as_deref().unwrap_or("compiled"),
+                    &output,
+                );
+            }
+            let executor = executor.unwrap_or_else(|| "reference".to_string());
             let mut opts = spec.options();
             opts.mode = match entry.graph_kind() {
                 GraphKind::Eval => Mode::Eval,
@@ -410,15 +503,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     .into_iter()
                     .collect(),
             };
-            let opts = RunOptions {
-                precision: if precision == "f64" {
-                    Precision::F64
-                } else {
-                    Precision::F32
-                },
-                seed,
-                step,
-            };
+            let opts = run_opts;
             let exec = kiln_runtime::exec::executor(
                 kiln_runtime::exec::ExecutorKind::parse(&executor)
                     .unwrap_or(kiln_runtime::exec::ExecutorKind::Reference),
@@ -439,18 +524,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     )),
                 )
             })?;
-            let mut meta = BTreeMap::new();
-            meta.insert("kiln.model".to_string(), g.name.clone());
-            save_safetensors(&output, &outs, Some(&meta)).map_err(file_error)?;
-            for (name, t) in &outs {
-                let value = match (t.shape.is_empty(), t.to_f64_vec()) {
-                    (true, Some(v)) => format!(" = {}", v[0]),
-                    _ => String::new(),
-                };
-                println!("{name}: {} {:?}{value}", t.dtype_name(), t.shape);
-            }
-            println!("wrote {} output(s) to {}", outs.len(), output.display());
-            Ok(())
+            write_outputs(&g.name, &outs, &output)
         }
         Command::Bleu {
             refs,
@@ -521,6 +595,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             max_steps,
             max_seconds,
             dir,
+            artifact,
             threads,
             quiet,
         } => train_cmds::train(train_cmds::TrainArgs {
@@ -529,6 +604,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             max_steps,
             max_seconds,
             dir,
+            artifact,
             threads,
             quiet,
         }),
@@ -580,6 +656,26 @@ fn run(cli: Cli) -> Result<(), Error> {
     }
 }
 
+/// Writes the outputs of `kiln run` and prints one line per output.
+pub(crate) fn write_outputs(
+    model: &str,
+    outs: &[(String, Tensor)],
+    output: &std::path::Path,
+) -> Result<(), Error> {
+    let mut meta = BTreeMap::new();
+    meta.insert("kiln.model".to_string(), model.to_string());
+    save_safetensors(output, outs, Some(&meta)).map_err(file_error)?;
+    for (name, t) in outs {
+        let value = match (t.shape.is_empty(), t.to_f64_vec()) {
+            (true, Some(v)) => format!(" = {}", v[0]),
+            _ => String::new(),
+        };
+        println!("{name}: {} {:?}{value}", t.dtype_name(), t.shape);
+    }
+    println!("wrote {} output(s) to {}", outs.len(), output.display());
+    Ok(())
+}
+
 /// Sizes the global thread pool (before any parallel work).
 pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
     if let Some(n) = threads {
@@ -608,10 +704,10 @@ pub(crate) fn plain(code: &'static str, message: String, help: Option<String>) -
     Error::plain(code, message, help)
 }
 
-fn file_error(e: TensorFileError) -> Error {
+pub(crate) fn file_error(e: TensorFileError) -> Error {
     plain("kiln::file", e.to_string(), None)
 }
 
-fn runtime_error(e: RuntimeError) -> Error {
+pub(crate) fn runtime_error(e: RuntimeError) -> Error {
     plain("kiln::run", e.message, Some(e.help))
 }

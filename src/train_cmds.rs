@@ -5,11 +5,14 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
+use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
 use kiln_dsl::{Error, Mode, Options};
+use kiln_runtime::artifact::{is_artifact_dir, Artifact};
 use kiln_runtime::config::Config;
+use kiln_runtime::data::Tokenizer;
 use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
-use kiln_runtime::exec::{executor, ExecutorKind};
+use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
 use kiln_runtime::train::{prepare_tokenizer, translate_ids, ModelGraphs, Progress, Trainer};
 
@@ -47,6 +50,8 @@ pub struct TrainArgs {
     pub max_steps: Option<u64>,
     pub max_seconds: Option<u64>,
     pub dir: Option<PathBuf>,
+    /// `--artifact`: start from a compiled artifact (sets `model.artifact`).
+    pub artifact: Option<PathBuf>,
     /// `--threads`; without it, the configuration's `train.threads` (0: one per core).
     pub threads: Option<usize>,
     pub quiet: bool,
@@ -90,12 +95,24 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
             if let Some(d) = &a.dir {
                 cfg.checkpoint.dir = d.clone();
             }
-            let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
-            if !a.quiet {
-                eprintln!("{note}");
+            if let Some(art) = &a.artifact {
+                cfg.model.artifact = Some(std::path::absolute(art).unwrap_or(art.clone()));
             }
-            let graphs = compile_graphs(&cfg, tok.vocab_size())?;
-            Trainer::new(cfg, tok, &graphs, progress).map_err(err("kiln::train"))?
+            match cfg.model.artifact.clone() {
+                Some(dir) => {
+                    let art = Artifact::load(&dir).map_err(err("kiln::artifact"))?;
+                    let tok = artifact_tokenizer(&art, &cfg, a.quiet)?;
+                    Trainer::from_artifact(cfg, tok, &art, progress).map_err(err("kiln::train"))?
+                }
+                None => {
+                    let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
+                    if !a.quiet {
+                        eprintln!("{note}");
+                    }
+                    let graphs = compile_graphs(&cfg, tok.vocab_size())?;
+                    Trainer::new(cfg, tok, &graphs, progress).map_err(err("kiln::train"))?
+                }
+            }
         }
         (None, Some(dir)) => {
             let mut t = Trainer::resume(dir, progress).map_err(err("kiln::train"))?;
@@ -139,6 +156,105 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// The tokenizer of a run started from an artifact: the artifact's own (also written to
+/// the run directory), else the run's as `kiln train --config` prepares it.
+fn artifact_tokenizer(art: &Artifact, cfg: &Config, quiet: bool) -> Result<Tokenizer, Error> {
+    let Some(bytes) = art.tokenizer_json() else {
+        let (tok, note) = prepare_tokenizer(cfg).map_err(err("kiln::train"))?;
+        if !quiet {
+            eprintln!("{note} (the artifact carries no tokenizer)");
+        }
+        return Ok(tok);
+    };
+    let origin = art.dir.join(TOKENIZER_FILE);
+    let text = std::str::from_utf8(bytes).map_err(|_| {
+        plain(
+            "kiln::artifact",
+            format!("`{}` is not UTF-8", origin.display()),
+            None,
+        )
+    })?;
+    let tok = Tokenizer::from_json(text, &origin).map_err(err("kiln::artifact"))?;
+    let run = &cfg.checkpoint.dir;
+    std::fs::create_dir_all(run)
+        .and_then(|_| model::write_atomic(&run.join(TOKENIZER_FILE), bytes))
+        .map_err(|e| {
+            plain(
+                "kiln::train",
+                format!("cannot write `{}`: {e}", run.join(TOKENIZER_FILE).display()),
+                None,
+            )
+        })?;
+    if !quiet {
+        eprintln!(
+            "the artifact's BPE vocabulary ({} tokens)",
+            tok.vocab_size()
+        );
+    }
+    Ok(tok)
+}
+
+/// What `kiln translate` runs: a model directory's, or a compiled artifact's.
+struct Translator {
+    encode: Box<dyn Exec>,
+    step: Box<dyn Exec>,
+    params: BTreeMap<String, Tensor>,
+    tokenizer: Tokenizer,
+    vocab: usize,
+}
+
+fn translator(path: &Path, kind: ExecutorKind) -> Result<Translator, Error> {
+    if is_artifact_dir(path) {
+        let art = Artifact::load(path).map_err(err("kiln::artifact"))?;
+        let Some(bytes) = art.tokenizer_json() else {
+            return Err(plain(
+                "kiln::translate",
+                format!(
+                    "the artifact `{}` carries no tokenizer, so it cannot translate text",
+                    path.display()
+                ),
+                Some(
+                    "compile it from a trained model: `kiln compile --from-model RUN_OR_CHECKPOINT -o DIR`"
+                        .to_string(),
+                ),
+            ));
+        };
+        let origin = path.join(TOKENIZER_FILE);
+        let tokenizer = Tokenizer::from_json(&String::from_utf8_lossy(bytes), &origin)
+            .map_err(err("kiln::artifact"))?;
+        let ex = |name: &str| -> Result<Box<dyn Exec>, Error> {
+            if kind == ExecutorKind::Compiled {
+                Ok(Box::new(art.executor(name).map_err(err("kiln::artifact"))?))
+            } else {
+                let g = art.entry(name).map_err(err("kiln::artifact"))?;
+                executor(kind, g.manifest.graph.clone()).map_err(err("kiln::model"))
+            }
+        };
+        let encode = ex("encode")?;
+        let step = ex("decode_step")?;
+        let params = art.weights().map_err(err("kiln::artifact"))?;
+        let vocab = model::logits_width(step.graph()).unwrap_or(tokenizer.vocab_size());
+        return Ok(Translator {
+            encode,
+            step,
+            params,
+            tokenizer,
+            vocab,
+        });
+    }
+    let m = model::load(path).map_err(err("kiln::model"))?;
+    let encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
+    let step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
+    let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
+    Ok(Translator {
+        encode,
+        step,
+        params: m.params,
+        tokenizer: m.tokenizer,
+        vocab,
+    })
+}
+
 pub struct TranslateArgs {
     pub checkpoint: PathBuf,
     pub input: Option<PathBuf>,
@@ -152,10 +268,8 @@ pub struct TranslateArgs {
 }
 
 pub fn translate(a: TranslateArgs) -> Result<(), Error> {
-    let m = model::load(&a.checkpoint).map_err(err("kiln::model"))?;
-    let kind = ExecutorKind::parse(&a.executor).unwrap_or(ExecutorKind::Eager);
-    let encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
-    let step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
+    let kind = ExecutorKind::parse(&a.executor).unwrap_or(ExecutorKind::Compiled);
+    let m = translator(&a.checkpoint, kind)?;
     let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
         plain(
             "kiln::translate",
@@ -202,8 +316,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             which.push(i);
         }
     }
-    let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
-    let hyps = translate_ids(&*encode, &*step, &m.params, &srcs, &opts, vocab)
+    let hyps = translate_ids(&*m.encode, &*m.step, &m.params, &srcs, &opts, m.vocab)
         .map_err(err("kiln::translate"))?;
     let mut out = vec![String::new(); lines.len()];
     for (i, h) in which.into_iter().zip(hyps) {

@@ -54,8 +54,30 @@ fn compile(dir: &Path, entries: &str) {
     );
 }
 
+/// Standard error with the diagnostic's line wrapping undone (`\n  │ ` → ` `): where a
+/// message wraps depends on the length of the paths in it.
 fn stderr(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stderr).to_string()
+    unwrap_lines(&String::from_utf8_lossy(&out.stderr))
+}
+
+fn unwrap_lines(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for (i, line) in text.lines().enumerate() {
+        let t = line.trim_start();
+        match t.strip_prefix('│') {
+            Some(rest) if i > 0 => {
+                out.push(' ');
+                out.push_str(rest.trim_start());
+            }
+            _ => {
+                if i > 0 {
+                    out.push('\n');
+                }
+                out.push_str(line);
+            }
+        }
+    }
+    out
 }
 
 /// Every file under `dir`, by relative path.
@@ -440,4 +462,146 @@ fn cli_errors() {
     let out = kiln(&["compile", SPEC, "--set", "vocab=48", "--entry", "encode"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!out.stdout.is_empty());
+}
+
+/// `kiln run ARTIFACT_DIR`: the artifact's kernels on a safetensors file of inputs, with
+/// its own weights, equal (within the tolerance) to `kiln run SPEC` with the reference
+/// executor and those weights; `--executor eager` runs the artifact's graph.
+#[test]
+fn kiln_run_takes_an_artifact() {
+    let dir = tmp("run");
+    let art = dir.join("art");
+    compile(&art, "forward,loss");
+    let inputs = dir.join("inputs.safetensors");
+    kiln_compiler::tensor::save_safetensors(
+        &inputs,
+        &[
+            (
+                "src".to_string(),
+                Tensor::i32(vec![2, 5], vec![5, 6, 7, 0, 9, 8, 9, 10, 11, 3]).unwrap(),
+            ),
+            (
+                "tgt_in".to_string(),
+                Tensor::i32(vec![2, 3], vec![1, 7, 6, 1, 11, 10]).unwrap(),
+            ),
+            (
+                "tgt_out".to_string(),
+                Tensor::i32(vec![2, 3], vec![7, 6, 2, 11, 10, 2]).unwrap(),
+            ),
+        ],
+        None,
+    )
+    .unwrap();
+    let weights = art.join("weights.safetensors");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    for entry in ["forward", "loss"] {
+        let run = |target: &str, extra: &[&str], out: &Path| {
+            let mut args = vec![
+                "run".to_string(),
+                target.to_string(),
+                "--entry".into(),
+                entry.into(),
+            ];
+            args.extend(["--inputs".to_string(), s(&inputs), "-o".to_string(), s(out)]);
+            args.extend(extra.iter().map(|x| x.to_string()));
+            let refs: Vec<&str> = args.iter().map(|a| a.as_str()).collect();
+            let o = kiln(&refs);
+            assert!(o.status.success(), "kiln {args:?}:\n{}", stderr(&o));
+            kiln_compiler::tensor::load_safetensors(out).unwrap()
+        };
+        let got = run(&s(&art), &[], &dir.join(format!("{entry}_art.safetensors")));
+        let eager = run(
+            &s(&art),
+            &["--executor", "eager"],
+            &dir.join(format!("{entry}_eager.safetensors")),
+        );
+        let want = run(
+            SPEC,
+            &["--set", "vocab=48", "--weights", &s(&weights)],
+            &dir.join(format!("{entry}_ref.safetensors")),
+        );
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>()
+        );
+        for (name, w) in &want {
+            let w = w.as_f32().unwrap();
+            let scale = w.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+            for other in [&got, &eager] {
+                let g = other[name].as_f32().unwrap();
+                let err = g
+                    .iter()
+                    .zip(w)
+                    .fold(0.0f64, |m, (&a, &b)| m.max(f64::from(a - b).abs()));
+                assert!(
+                    err <= REL * scale + ABS,
+                    "{entry}/{name}: error {err:e} (scale {scale:e})"
+                );
+            }
+        }
+    }
+    // An entry the artifact does not have is named with the ones it has.
+    let o = kiln(&[
+        "run",
+        &s(&art),
+        "--entry",
+        "encode",
+        "--inputs",
+        &s(&inputs),
+        "-o",
+        &s(&dir.join("x.safetensors")),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("no entry `encode`") && err.contains("`forward`, `loss`"),
+        "{err}"
+    );
+}
+
+/// The other sources of `kiln compile` and the artifact consumers name what is wrong.
+#[test]
+fn artifact_source_and_consumer_errors() {
+    let base = tmp("source_errors");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let fails = |args: &[&str]| {
+        let out = kiln(args);
+        assert!(
+            out.status.code().is_some_and(|c| c != 0),
+            "{args:?} succeeded"
+        );
+        stderr(&out)
+    };
+    // Nothing to compile.
+    let err = fails(&["compile", "-o", &s(&base.join("a"))]);
+    assert!(err.contains("<SPEC>") || err.contains("required"), "{err}");
+    // A missing configuration.
+    let err = fails(&[
+        "compile",
+        "--config",
+        &s(&base.join("nope.yaml")),
+        "-o",
+        &s(&base.join("a")),
+    ]);
+    assert!(err.contains("nope.yaml"), "{err}");
+    // A directory that is not a trained model.
+    let err = fails(&[
+        "compile",
+        "--from-model",
+        &s(&base),
+        "-o",
+        &s(&base.join("a")),
+    ]);
+    assert!(err.contains("is not a kiln model"), "{err}");
+    assert!(!base.join("a").exists());
+    // An artifact compiled from a spec has no tokenizer: it cannot translate text.
+    let art = base.join("art");
+    compile(&art, "encode,decode_step");
+    let input = base.join("in.txt");
+    std::fs::write(&input, "a b c\n").unwrap();
+    let err = fails(&["translate", "--model", &s(&art), "--input", &s(&input)]);
+    assert!(
+        err.contains("carries no tokenizer") && err.contains("--from-model"),
+        "{err}"
+    );
 }

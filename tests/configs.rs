@@ -30,6 +30,7 @@ fn configs_parse_with_the_papers_recipe() {
         (25_000, 25_000)
     );
     assert_eq!(base.train.max_steps, 100_000);
+    assert_eq!(base.train.executor, "compiled");
     assert_eq!(base.data.vocab_size, 37000);
     assert_eq!(
         (base.valid.beam, base.valid.alpha, base.valid.max_len_b),

@@ -322,3 +322,232 @@ fn checkpoints_translate_average_and_export() {
     let back = load_safetensors(&dir.join("back.safetensors")).unwrap();
     assert_eq!(back, m);
 }
+
+/// A diagnostic on one line: its wrapped lines (`\n  │ `) joined with spaces.
+fn unwrapped(stderr: &[u8]) -> String {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .map(|l| l.trim_start().trim_start_matches('│').trim())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The trainer's metrics log: ("step kind", loss) of every training and validation
+/// record.
+fn logged_losses(dir: &Path) -> Vec<(String, f64)> {
+    let text = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((
+                format!("{} {}", v.get("step")?.as_u64()?, v.get("kind")?.as_str()?),
+                v.get("loss")?.as_f64()?,
+            ))
+        })
+        .collect()
+}
+
+/// The relative distance of two parameter snapshots: ‖a − b‖ / ‖a‖ over every tensor.
+fn relative_distance(a: &Snapshot, b: &Snapshot) -> f64 {
+    let (mut d2, mut n2) = (0.0f64, 0.0f64);
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!((&x.0, &x.1), (&y.0, &y.1));
+        for (&p, &q) in x.2.iter().zip(&y.2) {
+            let (p, q) = (f64::from(f32::from_bits(p)), f64::from(f32::from_bits(q)));
+            d2 += (p - q) * (p - q);
+            n2 += p * p;
+        }
+    }
+    (d2 / n2).sqrt()
+}
+
+/// Training from a compiled artifact (`kiln compile --config`, `kiln train --artifact`,
+/// compiled executor) follows the eager executor's run: the same first weights, the
+/// logged training and validation losses within 1e-4 relative, and the parameters after
+/// 10 Adam steps no further from the eager run's than twice the reference executor's run
+/// is (relative norm, about 1.5e-3 here: executors differ by float rounding, and Adam's
+/// normalized first steps turn the sign of a near-zero gradient into a full-size step). A
+/// trained model compiled with `kiln compile --from-model` translates exactly as the
+/// model directory does.
+#[test]
+fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
+    let eager = workspace("from_artifact_eager", "");
+    let cfg = std::fs::read_to_string(eager.join("cfg.yaml")).unwrap();
+    let cfg = cfg.replace(
+        "max_steps: 20, executor: reference",
+        "max_steps: 10, executor: eager",
+    );
+    std::fs::write(eager.join("cfg.yaml"), &cfg).unwrap();
+    ok(&eager, &["train", "--config", "cfg.yaml", "--quiet"]);
+
+    let comp = workspace("from_artifact_compiled", "");
+    let cfg = cfg.replace("executor: eager", "executor: compiled");
+    std::fs::write(comp.join("cfg.yaml"), &cfg).unwrap();
+    ok(&comp, &["compile", "--config", "cfg.yaml", "-o", "art"]);
+    // The artifact holds what training needs, and compiling did not start a run.
+    let inspect = ok(&comp, &["inspect", "art"]);
+    for want in [
+        "entry train_step",
+        "entry loss",
+        "entry encode",
+        "entry decode_step",
+        "tokenizer: tokenizer.json",
+    ] {
+        assert!(inspect.contains(want), "`{want}` missing from:\n{inspect}");
+    }
+    assert!(!comp.join("run").exists());
+    ok(
+        &comp,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "art",
+            "--quiet",
+        ],
+    );
+
+    // The same first weights: the artifact's are the trainer's initialization.
+    let art_w = load_safetensors(&comp.join("art/weights.safetensors")).unwrap();
+    let init = kiln_compiler::init::init_params(
+        &kiln_dsl::compile_file(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("models/transformer_base.kiln")
+                .as_path(),
+            &kiln_dsl::Options {
+                overrides: ["d_model=16", "d_ff=32", "h=2", "n=1", "p_drop=0.1"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain([format!("vocab={}", art_w["emb.weight"].shape[0])])
+                    .collect(),
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+        1,
+    )
+    .unwrap();
+    for (name, t) in &init {
+        assert_eq!(&art_w[name], t, "artifact weight `{name}`");
+    }
+
+    let (le, lc) = (logged_losses(&eager), logged_losses(&comp));
+    assert!(le.len() >= 2, "{le:?}");
+    assert_eq!(
+        le.iter().map(|x| &x.0).collect::<Vec<_>>(),
+        lc.iter().map(|x| &x.0).collect::<Vec<_>>()
+    );
+    for ((s, a), (_, b)) in le.iter().zip(&lc) {
+        assert!(
+            (a - b).abs() <= 1e-4 * a.abs(),
+            "step {s}: eager loss {a}, artifact {b}"
+        );
+    }
+    let (pe, se) = final_state(&eager, 10);
+    let (pc, sc) = final_state(&comp, 10);
+    assert_eq!((se.epoch, se.batch_in_epoch), (sc.epoch, sc.batch_in_epoch));
+    // The yardstick: the reference executor's run of the same configuration.
+    let reference = workspace("from_artifact_reference", "");
+    std::fs::write(
+        reference.join("cfg.yaml"),
+        cfg.replace("executor: compiled", "executor: reference"),
+    )
+    .unwrap();
+    ok(&reference, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let (pr, _) = final_state(&reference, 10);
+    let d = relative_distance(&pe, &pc);
+    let d_ref = relative_distance(&pe, &pr);
+    assert!(
+        d <= 2.0 * d_ref && d > 0.0,
+        "parameters after 10 steps: artifact vs eager {d:e}, reference vs eager {d_ref:e} (relative norm)"
+    );
+
+    // Resuming a run started from an artifact continues on it.
+    ok(
+        &comp,
+        &["train", "--resume", "run", "--quiet", "--max-steps", "12"],
+    );
+    assert!(comp.join("run/checkpoints/step_00000012").is_dir());
+
+    // Translation: the checkpoint compiled into an artifact decodes exactly as the
+    // checkpoint with the compiled executor, and as the eager executor does.
+    std::fs::write(comp.join("in.txt"), "s1 s2 s3\n\ns4 s5\ns3 s1 s1 s2\n").unwrap();
+    ok(&comp, &["compile", "--from-model", "run", "-o", "tart"]);
+    let tr = |model: &str, exec: &str| {
+        ok(
+            &comp,
+            &[
+                "translate",
+                "--model",
+                model,
+                "--input",
+                "in.txt",
+                "--executor",
+                exec,
+                "--max-len-b",
+                "6",
+            ],
+        )
+    };
+    let from_artifact = tr("tart", "compiled");
+    assert_eq!(from_artifact.lines().count(), 4, "{from_artifact:?}");
+    assert_eq!(from_artifact, tr("run", "compiled"));
+    assert_eq!(from_artifact, tr("run", "eager"));
+    assert_eq!(from_artifact, tr("tart", "eager"));
+
+    // An artifact for another vocabulary is refused, naming both sizes and the fix.
+    ok(
+        &comp,
+        &[
+            "compile",
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("models/transformer_tiny.kiln")
+                .to_str()
+                .unwrap(),
+            "--set",
+            "vocab=40",
+            "--entries",
+            "train_step,loss,encode,decode_step",
+            "-o",
+            "other",
+        ],
+    );
+    let bad = kiln(
+        &comp,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "other",
+            "--dir",
+            "run2",
+            "--quiet",
+        ],
+    );
+    let err = unwrapped(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("vocabulary of 40 tokens") && err.contains("kiln compile --config"),
+        "{err}"
+    );
+    // One without the training entries is refused, naming them.
+    let bad = kiln(
+        &comp,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "tart",
+            "--dir",
+            "run3",
+            "--quiet",
+        ],
+    );
+    let err = unwrapped(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(1), "{err}");
+    assert!(err.contains("train_step, loss"), "{err}");
+}

@@ -12,7 +12,10 @@
 //! - `kernels/<entry>.clif` — the entry's CLIF functions ([`CpuCode::text`]); the loader
 //!   rebuilds the function list by splitting it at `function %name` lines
 //!   ([`split_functions`]), so the text is the source of truth;
-//! - `weights.safetensors` — the parameters (the union over the entries).
+//! - `weights.safetensors` — the parameters (the union over the entries);
+//! - optional extra files at the top level, hashed like the rest: `tokenizer.json`
+//!   ([`TOKENIZER_FILE`]) when the artifact was compiled from a training configuration or
+//!   a trained model, so that `kiln train` and `kiln translate` need nothing else.
 //!
 //! The write is atomic: everything goes into `DIR.tmp-<pid>`, is flushed, and is renamed
 //! to `DIR`; an existing artifact at `DIR` is moved aside only once the new one is
@@ -38,6 +41,8 @@ pub const ARTIFACT_VERSION: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const KERNELS_DIR: &str = "kernels";
+/// The shared BPE vocabulary (the `tokenizers` JSON), when the artifact carries one.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The 64-bit FNV-1a hash of `bytes`.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -162,6 +167,8 @@ pub struct ArtifactSpec {
     pub entries: Vec<EntrySpec>,
     /// Parameters by name.
     pub weights: BTreeMap<String, Tensor>,
+    /// Extra top-level files by name (e.g. [`TOKENIZER_FILE`]).
+    pub extras: BTreeMap<String, Vec<u8>>,
 }
 
 /// Why an artifact could not be written.
@@ -370,6 +377,19 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         ));
     }
     let clifs = clif_files(art)?;
+    for name in art.extras.keys() {
+        let reserved = [MANIFEST_FILE, WEIGHTS_FILE, KERNELS_DIR];
+        if name.is_empty()
+            || name.contains(['/', '\\'])
+            || name.starts_with('.')
+            || reserved.contains(&name.as_str())
+        {
+            return Err(ArtifactError::Invalid(format!(
+                "extra file `{name}` must be a plain top-level name other than {}",
+                reserved.join(", ")
+            )));
+        }
+    }
     if dir.exists() {
         let is_artifact = dir.join(MANIFEST_FILE).is_file();
         let empty = dir.is_dir()
@@ -421,6 +441,16 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
                 fnv1a64: hash_hex(&wbytes),
             },
         );
+        for (name, bytes) in &art.extras {
+            write_synced(&tmp.join(name), bytes)?;
+            files.insert(
+                name.clone(),
+                FileRecord {
+                    bytes: bytes.len() as u64,
+                    fnv1a64: hash_hex(bytes),
+                },
+            );
+        }
         let manifest = Manifest {
             format: ARTIFACT_FORMAT.to_string(),
             version: ARTIFACT_VERSION,

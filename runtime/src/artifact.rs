@@ -16,13 +16,14 @@ use std::path::{Path, PathBuf};
 
 use kiln_compiler::artifact::{
     hash_hex, split_functions, Manifest, ManifestEntry, ARTIFACT_FORMAT, ARTIFACT_VERSION,
-    MANIFEST_FILE, WEIGHTS_FILE,
+    MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use kiln_compiler::codegen::program::CpuCode;
 use kiln_compiler::reference::ExecError;
 use kiln_compiler::tensor::{load_safetensors, Tensor, TensorFileError};
 
 use crate::compiled::Compiled;
+use crate::model::{GraphSet, GRAPHS_FORMAT};
 
 /// Why an artifact could not be loaded or run.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,11 @@ pub enum ArtifactError {
          `--entries` including it"
     )]
     NoEntry { entry: String, available: String },
+    #[error(
+        "the artifact `{path}` lacks the entries {missing} that training needs; compile it \
+         from the training configuration: `kiln compile --config CONFIG.yaml -o {path}`"
+    )]
+    MissingEntries { path: PathBuf, missing: String },
     #[error("cannot build the executor of entry `{entry}`: {source}")]
     Executor {
         entry: String,
@@ -109,6 +115,13 @@ pub struct Artifact {
     /// [`Artifact::entries`]).
     pub manifest: Manifest,
     entries: Vec<ArtifactEntry>,
+    /// The files that are neither weights nor kernels (e.g. `tokenizer.json`), checked.
+    extras: BTreeMap<String, Vec<u8>>,
+}
+
+/// Is `dir` an artifact directory (rather than a spec file or a model directory)?
+pub fn is_artifact_dir(dir: &Path) -> bool {
+    dir.is_dir() && dir.join(MANIFEST_FILE).is_file()
 }
 
 impl Artifact {
@@ -206,6 +219,7 @@ impl Artifact {
         }
 
         let mut entries = Vec::with_capacity(manifest.entries.len());
+        let clif_files: Vec<String> = manifest.entries.iter().map(|e| e.clif.clone()).collect();
         for e in std::mem::take(&mut manifest.entries) {
             let cpath = dir.join(&e.clif);
             let Some(data) = contents.get(&e.clif) else {
@@ -245,11 +259,55 @@ impl Artifact {
                 code,
             });
         }
+        contents.retain(|rel, _| !clif_files.contains(rel));
         Ok(Artifact {
             dir: dir.to_path_buf(),
             manifest,
             entries,
+            extras: contents,
         })
+    }
+
+    /// An extra file of the artifact (checked against the manifest when loaded).
+    pub fn file(&self, name: &str) -> Option<&[u8]> {
+        self.extras.get(name).map(|v| v.as_slice())
+    }
+
+    /// The tokenizer JSON, when the artifact carries one (compiled from a training
+    /// configuration or a trained model).
+    pub fn tokenizer_json(&self) -> Option<&[u8]> {
+        self.file(TOKENIZER_FILE)
+    }
+
+    /// The graph of every entry a trainer needs (`train_step`, `loss`, `encode`,
+    /// `decode_step`), or an error that names the missing ones and the fix.
+    pub fn graph_set(&self) -> Result<GraphSet, ArtifactError> {
+        let need = ["train_step", "loss", "encode", "decode_step"];
+        let missing: Vec<&str> = need
+            .iter()
+            .copied()
+            .filter(|n| !self.has_entry(n))
+            .collect();
+        if !missing.is_empty() {
+            return Err(ArtifactError::MissingEntries {
+                path: self.dir.clone(),
+                missing: missing.join(", "),
+            });
+        }
+        let g = |n: &str| self.entry(n).map(|e| e.manifest.graph.clone());
+        Ok(GraphSet {
+            format: GRAPHS_FORMAT,
+            model: self.manifest.model.clone(),
+            train_step: g("train_step")?,
+            loss: g("loss")?,
+            encode: g("encode")?,
+            decode_step: g("decode_step")?,
+        })
+    }
+
+    /// Whether the artifact has an entry `name`.
+    pub fn has_entry(&self, name: &str) -> bool {
+        self.entries.iter().any(|e| e.manifest.name == name)
     }
 
     pub fn model(&self) -> &str {

@@ -37,8 +37,14 @@ pub struct Config {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    /// The `.kiln` spec.
+    /// The `.kiln` spec (not needed when `artifact` is given).
+    #[serde(default, skip_serializing_if = "is_empty_path")]
     pub spec: PathBuf,
+    /// A compiled artifact (`kiln compile --config CONFIG.yaml -o DIR`): the trainer
+    /// takes its graphs, first weights and tokenizer, and runs its generated kernels
+    /// (with `train.executor: compiled`) instead of compiling the spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<PathBuf>,
     /// The model in the spec, when it defines several.
     #[serde(default)]
     pub name: Option<String>,
@@ -46,6 +52,10 @@ pub struct ModelConfig {
     /// vocabulary.
     #[serde(default)]
     pub set: BTreeMap<String, serde_yaml::Value>,
+}
+
+fn is_empty_path(p: &Path) -> bool {
+    p.as_os_str().is_empty()
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -145,7 +155,7 @@ pub struct TrainConfig {
     /// Optimizer steps to run.
     pub max_steps: u64,
     pub seed: u64,
-    /// `eager` or `reference`.
+    /// `compiled` (generated kernels; the default), `eager` or `reference`.
     pub executor: String,
     /// Worker threads (0: one per core).
     pub threads: usize,
@@ -160,7 +170,7 @@ impl Default for TrainConfig {
         TrainConfig {
             max_steps: 100_000,
             seed: 1,
-            executor: "eager".to_string(),
+            executor: "compiled".to_string(),
             threads: 0,
             log_every: 100,
             max_seconds: 0,
@@ -252,8 +262,11 @@ impl Config {
             &mut c.data.valid_src,
             &mut c.data.valid_tgt,
             &mut c.checkpoint.dir,
-        ] {
-            if p.is_relative() {
+        ]
+        .into_iter()
+        .chain(c.model.artifact.as_mut())
+        {
+            if p.is_relative() && !p.as_os_str().is_empty() {
                 *p = base.join(&*p);
             }
         }
@@ -269,6 +282,13 @@ impl Config {
 
     fn check(&self) -> Result<(), String> {
         let mut bad = Vec::new();
+        if self.model.spec.as_os_str().is_empty() && self.model.artifact.is_none() {
+            bad.push(
+                "model.spec is missing: give the `.kiln` spec (or `model.artifact`, a \
+                 directory written by `kiln compile --config`)"
+                    .to_string(),
+            );
+        }
         if !(0.0..1.0).contains(&self.optimizer.beta1)
             || !(0.0..1.0).contains(&self.optimizer.beta2)
         {

@@ -70,15 +70,14 @@ impl GraphSet {
 
     /// The vocabulary size: the last axis of the logits.
     pub fn vocab(&self) -> Option<usize> {
-        let id = self.decode_step.output("logits")?;
-        self.decode_step
-            .ty(id)
-            .shape
-            .dims()
-            .last()?
-            .as_const()
-            .map(|v| v as usize)
+        logits_width(&self.decode_step)
     }
+}
+
+/// The last axis of a graph's `logits` output (the vocabulary size).
+pub fn logits_width(g: &Graph) -> Option<usize> {
+    let id = g.output("logits")?;
+    g.ty(id).shape.dims().last()?.as_const().map(|v| v as usize)
 }
 
 /// Why a model directory could not be used.

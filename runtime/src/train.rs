@@ -1,7 +1,8 @@
 //! The trainer: the paper's recipe, run to the letter and resumable to the bit.
 //!
 //! In: a [`Config`], a tokenizer and the spec's graphs (compiled by the caller, which owns
-//! the DSL), or a run directory to resume. Out: a run directory —
+//! the DSL) or a compiled artifact (`model.artifact`: its graphs, first weights and
+//! generated kernels), or a run directory to resume. Out: a run directory —
 //!
 //! ```text
 //! <run>/config.yaml            the resolved configuration
@@ -29,6 +30,7 @@ use kiln_compiler::ir::Graph;
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 
+use crate::artifact::Artifact;
 use crate::bleu::{corpus_bleu, BleuOptions};
 use crate::checkpoint::{self, AdamMoments, TrainState};
 use crate::config::Config;
@@ -125,8 +127,23 @@ pub struct Summary {
 }
 
 /// The tokenizer of a run: trained on the training corpus (both sides), or loaded from
-/// `<run>/tokenizer.json` when the run already has one.
+/// `<run>/tokenizer.json` when the run already has one; a trained one is saved there.
 pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError> {
+    let (tok, note, trained) = tokenizer_of(cfg)?;
+    if trained {
+        let dir = &cfg.checkpoint.dir;
+        std::fs::create_dir_all(dir).map_err(|e| TrainError::Write {
+            path: dir.clone(),
+            message: e.to_string(),
+        })?;
+        tok.save(&dir.join(TOKENIZER_FILE))?;
+    }
+    Ok((tok, note))
+}
+
+/// The tokenizer [`prepare_tokenizer`] would give, without writing anything; `true` when
+/// it was trained now (rather than loaded from the run directory).
+pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainError> {
     let dir = &cfg.checkpoint.dir;
     let path = dir.join(TOKENIZER_FILE);
     if path.is_file() {
@@ -138,15 +155,11 @@ pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError
                 path.display(),
                 t_size(&path)?
             ),
+            false,
         ));
     }
     let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
     let (tok, report) = Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size)?;
-    std::fs::create_dir_all(dir).map_err(|e| TrainError::Write {
-        path: dir.clone(),
-        message: e.to_string(),
-    })?;
-    tok.save(&path)?;
     let note = if report.vocab_size < report.requested {
         format!(
             " (asked for {}; the corpus has no more merges)",
@@ -162,6 +175,7 @@ pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError
             report.vocab_size,
             corpus.len()
         ),
+        true,
     ))
 }
 
@@ -194,6 +208,32 @@ pub struct Trainer {
     notes: Vec<String>,
 }
 
+/// What the trainer runs: the entry graphs, and the artifact whose kernels run them
+/// (with the compiled executor).
+struct Program<'a> {
+    graphs: GraphSet,
+    artifact: Option<&'a Artifact>,
+}
+
+/// The artifact's vocabulary (the logits' width) must be the tokenizer's.
+fn check_artifact_vocab(
+    set: &GraphSet,
+    tokenizer: &Tokenizer,
+    art: &Artifact,
+) -> Result<(), TrainError> {
+    match set.vocab() {
+        Some(v) if v != tokenizer.vocab_size() => Err(TrainError::Setup(format!(
+            "the artifact `{}` was compiled for a vocabulary of {v} tokens, but the run's BPE \
+             vocabulary has {}; compile the artifact from this configuration (`kiln compile \
+             --config CONFIG.yaml -o {}`), which also stores its tokenizer",
+            art.dir.display(),
+            tokenizer.vocab_size(),
+            art.dir.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn setup<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> TrainError + '_ {
     move |e| TrainError::Setup(format!("{what}: {e}"))
 }
@@ -206,6 +246,50 @@ impl Trainer {
         graphs: &ModelGraphs,
         progress: Progress,
     ) -> Result<Trainer, TrainError> {
+        let set = graphs.entries()?;
+        let params: BTreeMap<String, Tensor> =
+            kiln_compiler::init::init_params(&set.loss, cfg.train.seed)
+                .map_err(setup("initializing the parameters"))?
+                .into_iter()
+                .collect();
+        Trainer::start(cfg, tokenizer, set, params, None, progress)
+    }
+
+    /// Starts a new run from a compiled artifact (`kiln compile --config … -o DIR`): its
+    /// graphs, its weights as the first parameters, and — with `train.executor: compiled`
+    /// — its generated kernels as they are (no optimizer, no code generator at start).
+    pub fn from_artifact(
+        cfg: Config,
+        tokenizer: Tokenizer,
+        art: &Artifact,
+        progress: Progress,
+    ) -> Result<Trainer, TrainError> {
+        let set = art.graph_set().map_err(setup("using the artifact"))?;
+        check_artifact_vocab(&set, &tokenizer, art)?;
+        let params = art
+            .weights()
+            .map_err(setup("reading the artifact's weights"))?;
+        let file = art.dir.join(kiln_compiler::artifact::WEIGHTS_FILE);
+        crate::entry::check_weights(&set.loss, &file.display().to_string(), &params)
+            .map_err(|e| TrainError::Setup(format!("{} ({})", e.message, e.help)))?;
+        let mut t = Trainer::start(cfg, tokenizer, set, params, Some(art), progress)?;
+        t.notes.push(format!(
+            "from the artifact {} (seed {}, {} parameter tensors)",
+            art.dir.display(),
+            art.manifest.seed,
+            t.params.len()
+        ));
+        Ok(t)
+    }
+
+    fn start(
+        cfg: Config,
+        tokenizer: Tokenizer,
+        set: GraphSet,
+        params: BTreeMap<String, Tensor>,
+        artifact: Option<&Artifact>,
+        progress: Progress,
+    ) -> Result<Trainer, TrainError> {
         let dir = cfg.checkpoint.dir.clone();
         let ckpts = dir.join("checkpoints");
         if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
@@ -215,12 +299,6 @@ impl Trainer {
                 dir.display()
             )));
         }
-        let set = graphs.entries()?;
-        let params: BTreeMap<String, Tensor> =
-            kiln_compiler::init::init_params(&set.loss, cfg.train.seed)
-                .map_err(setup("initializing the parameters"))?
-                .into_iter()
-                .collect();
         let adam = Adam::new(
             cfg.optimizer.beta1,
             cfg.optimizer.beta2,
@@ -245,7 +323,11 @@ impl Trainer {
         })?;
         // A fresh run starts a fresh log.
         let _ = std::fs::remove_file(dir.join(crate::metrics::FILE_NAME));
-        Trainer::assemble(cfg, tokenizer, set, params, adam, state, progress)
+        let program = Program {
+            graphs: set,
+            artifact,
+        };
+        Trainer::assemble(cfg, tokenizer, program, params, adam, state, progress)
     }
 
     /// Continues the run in `dir` from its newest checkpoint.
@@ -283,6 +365,30 @@ impl Trainer {
         }
         let graphs_bytes = checkpoint::read_extra(&ck.dir, GRAPHS_FILE)?;
         let set = GraphSet::from_json(&graphs_bytes, &ck.dir.join(GRAPHS_FILE))?;
+        // A run started from an artifact continues on its kernels, if it still matches.
+        let artifact = match &cfg.model.artifact {
+            Some(path) => {
+                let art = Artifact::load(path).map_err(setup("loading `model.artifact`"))?;
+                let same = art
+                    .graph_set()
+                    .map(|g| g.to_json() == set.to_json())
+                    .unwrap_or(false);
+                if !same {
+                    return Err(TrainError::Setup(format!(
+                        "the artifact `{}` no longer holds the graphs this run was trained \
+                         with (checkpoint {}); recompile it from the run's configuration \
+                         (`kiln compile --config {} -o {}`) or point `model.artifact` at \
+                         the original",
+                        path.display(),
+                        ck.dir.display(),
+                        cfg_path.display(),
+                        path.display()
+                    )));
+                }
+                Some(art)
+            }
+            None => None,
+        };
         let tok_bytes = checkpoint::read_extra(&ck.dir, TOKENIZER_FILE)?;
         let tokenizer = Tokenizer::from_json(
             &String::from_utf8_lossy(&tok_bytes),
@@ -305,10 +411,14 @@ impl Trainer {
             .map_err(setup("restoring the optimizer"))?;
         // Records written after this checkpoint belong to the run that is being redone.
         let _ = truncate_after(&dir.join(crate::metrics::FILE_NAME), loaded.state.step);
+        let program = Program {
+            graphs: set,
+            artifact: artifact.as_ref(),
+        };
         let mut t = Trainer::assemble(
             cfg,
             tokenizer,
-            set,
+            program,
             loaded.params,
             adam,
             loaded.state,
@@ -325,12 +435,13 @@ impl Trainer {
     fn assemble(
         cfg: Config,
         tokenizer: Tokenizer,
-        graphs: GraphSet,
+        program: Program<'_>,
         params: BTreeMap<String, Tensor>,
         adam: Adam,
         state: TrainState,
         progress: Progress,
     ) -> Result<Trainer, TrainError> {
+        let Program { graphs, artifact } = program;
         let mut notes = Vec::new();
         let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
         let train = Dataset::build(&corpus, &tokenizer, Some(cfg.data.max_len))?;
@@ -367,8 +478,17 @@ impl Trainer {
             plan.len(),
             valid.examples.len()
         ));
-        let kind = ExecutorKind::parse(&cfg.train.executor).unwrap_or(ExecutorKind::Eager);
-        let ex = |g: &Graph| executor(kind, g.clone()).map_err(setup("preparing an executor"));
+        let kind = ExecutorKind::parse(&cfg.train.executor).unwrap_or(ExecutorKind::Compiled);
+        // With an artifact and the compiled executor, its kernels run as they are;
+        // otherwise the executor is built from the graph now.
+        let ex = |name: &str, g: &Graph| -> Result<Box<dyn Exec>, TrainError> {
+            match artifact {
+                Some(art) if kind == ExecutorKind::Compiled => Ok(Box::new(
+                    art.executor(name).map_err(setup("preparing an executor"))?,
+                )),
+                _ => executor(kind, g.clone()).map_err(setup("preparing an executor")),
+            }
+        };
         let d_model = match cfg.schedule.d_model {
             Some(d) => d,
             None => graphs
@@ -383,10 +503,10 @@ impl Trainer {
                 })?,
         };
         Ok(Trainer {
-            train_exec: ex(&graphs.train_step)?,
-            loss_exec: ex(&graphs.loss)?,
-            encode_exec: ex(&graphs.encode)?,
-            step_exec: ex(&graphs.decode_step)?,
+            train_exec: ex("train_step", &graphs.train_step)?,
+            loss_exec: ex("loss", &graphs.loss)?,
+            encode_exec: ex("encode", &graphs.encode)?,
+            step_exec: ex("decode_step", &graphs.decode_step)?,
             graphs_json: graphs.to_json(),
             graphs,
             dir: cfg.checkpoint.dir.clone(),
