@@ -71,7 +71,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
              data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 256, max_len: 32}}\n\
              batch: {{max_src_tokens: 600, max_tgt_tokens: 600, update_freq: 1}}\n\
              schedule: {{warmup: 300, factor: 1.0}}\n\
-             train: {{max_steps: {}, max_seconds: {}, executor: eager, log_every: 50, seed: 1}}\n\
+             train: {{max_steps: {}, max_seconds: {}, executor: compiled, log_every: 50, seed: 1}}\n\
              checkpoint: {{dir: run, every: 100, keep: 5}}\n\
              valid: {{every: 250, beam: 4, max_sentences: 50}}\n",
             a.steps.unwrap_or(100_000),
@@ -107,14 +107,11 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     // Held-out test set, beam 4 with the paper's length penalty: the last weights, then
     // the average of the last five checkpoints (the paper averages the last 5 or 20).
     let set = trainer.graphs();
+    let kind = kiln_runtime::exec::ExecutorKind::Compiled;
     let encode =
-        kiln_runtime::exec::executor(kiln_runtime::exec::ExecutorKind::Eager, set.encode.clone())
-            .map_err(err("kiln::demo"))?;
-    let step = kiln_runtime::exec::executor(
-        kiln_runtime::exec::ExecutorKind::Eager,
-        set.decode_step.clone(),
-    )
-    .map_err(err("kiln::demo"))?;
+        kiln_runtime::exec::executor(kind, set.encode.clone()).map_err(err("kiln::demo"))?;
+    let step =
+        kiln_runtime::exec::executor(kind, set.decode_step.clone()).map_err(err("kiln::demo"))?;
     let srcs: Vec<Vec<i32>> = test
         .iter()
         .map(|(s, _)| tok.encode(s))

@@ -415,10 +415,10 @@ fn init_to_an_unwritable_place_fails_cleanly() {
 
 #[test]
 fn demo_runs_without_files_and_learns_the_task() {
-    // A fixed step count makes the run deterministic (on this machine: 194/200 exact,
-    // BLEU 99.12 for the average of the last five checkpoints); 1,000 steps take ~70 s in
-    // the dev profile. The default demo trains for 60 s (~1,950 steps in release on 2
-    // cores: 199/200).
+    // A fixed step count makes the run deterministic (on this machine, compiled executor:
+    // 192/200 exact, BLEU 98.86 for the average of the last five checkpoints); 1,000
+    // steps take ~30 s in the dev profile. The default demo trains for 60 s (~2,780 steps
+    // in release on 2 cores: 200/200).
     let dir = tmp("demo_cwd");
     std::fs::create_dir_all(&dir).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
