@@ -153,16 +153,6 @@ struct Source {
     extras: BTreeMap<String, Vec<u8>>,
 }
 
-fn read_text(path: &Path) -> Result<String, Error> {
-    std::fs::read_to_string(path).map_err(|e| {
-        plain(
-            "kiln::file",
-            format!("cannot read {}: {e}", path.display()),
-            None,
-        )
-    })
-}
-
 /// `kiln compile SPEC --entries …`: a compiled artifact directory (see
 /// `kiln_compiler::artifact`): per entry the kernel graph, memory plan and CLIF code,
 /// plus the initial weights from `seed`.
@@ -176,7 +166,7 @@ pub fn compile_artifact(
     let dir = output_dir(output)?;
     let target = cpu_target(&args.target)?;
     let names = entry_names(entries)?;
-    let spec_text = read_text(&args.spec)?;
+    let spec_text = kiln_dsl::source_text(&args.spec)?;
     let spec_hash =
         kiln_compiler::artifact::spec_hash(&spec_text, &args.set, args.model.as_deref());
     let mut graphs = Vec::new();
@@ -265,7 +255,7 @@ pub fn compile_artifact_from_config(
     let mut overrides = cfg.overrides();
     overrides.retain(|o| !o.starts_with("vocab="));
     overrides.push(format!("vocab={}", tok.vocab_size()));
-    let spec_text = read_text(&cfg.model.spec)?;
+    let spec_text = kiln_dsl::source_text(&cfg.model.spec)?;
     let spec_hash =
         kiln_compiler::artifact::spec_hash(&spec_text, &overrides, cfg.model.name.as_deref());
     let tok_json = tok

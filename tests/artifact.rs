@@ -605,3 +605,37 @@ fn artifact_source_and_consumer_errors() {
         "{err}"
     );
 }
+
+/// The manifest's spec hash covers the files the spec imports (an edited import is a
+/// different model), not the path the spec was named by.
+#[test]
+fn the_spec_hash_covers_imports() {
+    let dir = tmp("spec_hash");
+    for f in ["transformer_tiny.kiln", "transformer_base.kiln"] {
+        std::fs::copy(common::root().join("models").join(f), dir.join(f)).unwrap();
+    }
+    let hash_of = |spec: &Path, out: &str| -> String {
+        let o = kiln(&[
+            "compile",
+            spec.to_str().unwrap(),
+            "--set",
+            "vocab=48",
+            "--entries",
+            "encode",
+            "-o",
+            dir.join(out).to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(out).join("manifest.json")).unwrap())
+                .unwrap();
+        m["spec_hash"].as_str().unwrap().to_string()
+    };
+    let a = hash_of(&dir.join("transformer_tiny.kiln"), "a");
+    // The shipped copy, named by a relative path: same files, same hash.
+    assert_eq!(a, hash_of(Path::new(SPEC), "b"));
+    let base = dir.join("transformer_base.kiln");
+    let text = std::fs::read_to_string(&base).unwrap();
+    std::fs::write(&base, format!("{text}\n# edited\n")).unwrap();
+    assert_ne!(a, hash_of(&dir.join("transformer_tiny.kiln"), "c"));
+}

@@ -171,17 +171,7 @@ fn every_spec_every_entry_matches() {
             // Kernel checks where the kernels differ (every kind, every mask, d_k ≠ d_v,
             // one head, learned positions, no dropout); the other Table 3 variants repeat
             // base's kernels at other widths and are compared end to end.
-            let checked = [
-                "transformer_tiny.kiln",
-                "transformer_base.kiln",
-                "transformer_big.kiln",
-                "parsing.kiln",
-                "a_h1.kiln",
-                "b_dk32.kiln",
-                "d_drop0.kiln",
-                "e_learned.kiln",
-            ]
-            .contains(&name.as_str());
+            let checked = common::DISTINCT_SPECS.contains(&name.as_str());
             let built = if checked {
                 Compiled::from_graph_checked(g.clone())
             } else {

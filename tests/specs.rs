@@ -29,6 +29,7 @@ use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::{Mode, Options};
 use kiln_runtime::Eager;
+use rayon::prelude::*;
 
 const VOCAB: i32 = 48;
 
@@ -141,7 +142,8 @@ fn seed_of(name: &str, draw: u64) -> u64 {
 fn eager_equals_reference_on_every_shipped_spec() {
     let all = specs();
     assert!(all.len() >= 22, "expected the paper's specs, found {all:?}");
-    for path in &all {
+    // The reference executor is single-threaded: the specs run side by side.
+    let failures: Vec<String> = all.par_iter().filter_map(|path| {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         let eval = compile(path, Mode::Eval);
         let params: BTreeMap<String, Tensor> = init_params(&eval, 3).unwrap().into_iter().collect();
@@ -182,14 +184,16 @@ fn eager_equals_reference_on_every_shipped_spec() {
             }
         }
         let Some((w_fwd, w_step)) = result else {
-            panic!(
+            return Some(format!(
                 "{name}: eager and reference differ on both draws:\n{}",
                 failures.join("\n")
-            );
+            ));
         };
         eprintln!(
             "{name}: {} parameters; worst max-diff/max-value forward {w_fwd:.1e}, train_step {w_step:.1e}",
             params.values().map(|t| t.numel()).sum::<usize>()
         );
-    }
+        None
+    }).collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

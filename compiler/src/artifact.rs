@@ -58,8 +58,9 @@ pub fn hash_hex(bytes: &[u8]) -> String {
     format!("{:016x}", fnv1a64(bytes))
 }
 
-/// The spec hash of a manifest: FNV-1a 64 over the spec text, then each override on its
-/// own line (NUL-separated so `a` + `bc` differs from `ab` + `c`).
+/// The spec hash of a manifest: FNV-1a 64 over the spec's source text (the CLI passes
+/// every file it reads: the spec, its imports and the prelude, each with its name), then
+/// each override (NUL-separated so `a` + `bc` differs from `ab` + `c`).
 pub fn spec_hash(spec_text: &str, overrides: &[String], model: Option<&str>) -> String {
     let mut bytes = spec_text.as_bytes().to_vec();
     for o in overrides {

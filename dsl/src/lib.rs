@@ -42,6 +42,20 @@ pub fn compile_file(path: &Path, opts: &Options) -> Result<Graph, Error> {
     compile_program(prog, opts)
 }
 
+/// The text of every file the spec at `path` reads — the embedded prelude, the spec and
+/// its imports (transitively), in load order, NUL-separated: what a hash of "the spec"
+/// must cover (an edited import or a new prelude is a different model). Paths are left
+/// out, so the same files give the same text from any working directory.
+pub fn source_text(path: &Path) -> Result<String, Error> {
+    let prog = load::load_file(path)?;
+    let mut out = String::new();
+    for f in prog.sources.files() {
+        out.push_str(&f.text);
+        out.push('\0');
+    }
+    Ok(out)
+}
+
 /// Compiles spec text; `name` is the file name shown in diagnostics, imports resolve
 /// against the current directory.
 pub fn compile_str(name: &str, text: &str, opts: &Options) -> Result<Graph, Error> {

@@ -69,6 +69,11 @@ impl SourceMap {
         (self.files.len() - 1) as u32
     }
 
+    /// Every file, in the order they were added.
+    pub fn files(&self) -> &[SourceFile] {
+        &self.files
+    }
+
     pub fn file(&self, id: u32) -> &SourceFile {
         &self.files[id as usize]
     }

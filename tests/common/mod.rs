@@ -36,6 +36,21 @@ pub fn shipped_specs() -> Vec<PathBuf> {
     out
 }
 
+/// The shipped specs whose kernels differ from base's in kind or structure (every kernel
+/// kind, every mask, d_k ≠ d_v, one head, learned positions, no dropout, parsing's
+/// vocabulary and depth); the other Table 3 variants repeat base's kernels at other
+/// widths. The expensive per-kernel sweeps run on these; end-to-end comparisons on all.
+pub const DISTINCT_SPECS: [&str; 8] = [
+    "transformer_tiny.kiln",
+    "transformer_base.kiln",
+    "transformer_big.kiln",
+    "parsing.kiln",
+    "a_h1.kiln",
+    "b_dk32.kiln",
+    "d_drop0.kiln",
+    "e_learned.kiln",
+];
+
 /// The graph of an entry point of a spec, built as `kiln explain` / `kiln compile` build
 /// it (the runtime's `compiled_entry_graph`), except that `adam_update` is built over
 /// one parameter per distinct shape: every parameter's update is the same kernel, and
