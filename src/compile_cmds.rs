@@ -211,6 +211,24 @@ fn from_set(set: &GraphSet, name: &str, origin: &str) -> Result<Graph, Error> {
     })
 }
 
+/// The graphs of `--entries` (or of `default` without it) from a trainer's graph set.
+fn graphs_of(
+    set: &GraphSet,
+    entries: &[String],
+    default: &[&str],
+    origin: &str,
+) -> Result<Vec<(String, Graph)>, Error> {
+    let names = if entries.is_empty() {
+        default.iter().map(|s| s.to_string()).collect()
+    } else {
+        entry_names(entries)?
+    };
+    names
+        .into_iter()
+        .map(|n| from_set(set, &n, origin).map(|g| (n, g)))
+        .collect()
+}
+
 /// `kiln compile --config CONFIG.yaml -o DIR`: what `kiln train --config` would train —
 /// the spec with the configuration's overrides and its BPE vocabulary's size, the first
 /// weights from `train.seed`, and the tokenizer — as an artifact that `kiln train
@@ -238,16 +256,8 @@ pub fn compile_artifact_from_config(
     let set = model_graphs
         .entries()
         .map_err(crate::train_cmds::err("kiln::compile"))?;
-    let names = if entries.is_empty() {
-        TRAINING_ENTRIES.iter().map(|s| s.to_string()).collect()
-    } else {
-        entry_names(entries)?
-    };
     let origin = format!("the configuration `{}`", config.display());
-    let mut graphs = Vec::new();
-    for name in &names {
-        graphs.push((name.clone(), from_set(&set, name, &origin)?));
-    }
+    let graphs = graphs_of(&set, entries, &TRAINING_ENTRIES, &origin)?;
     let weights: BTreeMap<String, Tensor> = init_params(&set.loss, cfg.train.seed)
         .map_err(|e| plain("kiln::init", e.to_string(), None))?
         .into_iter()
@@ -284,16 +294,8 @@ pub fn compile_artifact_from_model(
     let dir = output_dir(output)?;
     let target = cpu_target(target)?;
     let m = model::load(model_dir).map_err(crate::train_cmds::err("kiln::model"))?;
-    let names = if entries.is_empty() {
-        DECODING_ENTRIES.iter().map(|s| s.to_string()).collect()
-    } else {
-        entry_names(entries)?
-    };
     let origin = format!("the model `{}`", m.dir.display());
-    let mut graphs = Vec::new();
-    for name in &names {
-        graphs.push((name.clone(), from_set(&m.graphs, name, &origin)?));
-    }
+    let graphs = graphs_of(&m.graphs, entries, &DECODING_ENTRIES, &origin)?;
     let tok_json = m
         .tokenizer
         .to_json()

@@ -514,40 +514,28 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
             "other",
         ],
     );
-    let bad = kiln(
-        &comp,
-        &[
+    let refused = |artifact: &str, run: &str| {
+        let args = [
             "train",
             "--config",
             "cfg.yaml",
             "--artifact",
-            "other",
+            artifact,
             "--dir",
-            "run2",
+            run,
             "--quiet",
-        ],
-    );
-    let err = unwrapped(&bad.stderr);
-    assert_eq!(bad.status.code(), Some(1), "{err}");
+        ];
+        let out = kiln(&comp, &args);
+        let err = unwrapped(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        err
+    };
+    let err = refused("other", "run2");
     assert!(
         err.contains("vocabulary of 40 tokens") && err.contains("kiln compile --config"),
         "{err}"
     );
     // One without the training entries is refused, naming them.
-    let bad = kiln(
-        &comp,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--artifact",
-            "tart",
-            "--dir",
-            "run3",
-            "--quiet",
-        ],
-    );
-    let err = unwrapped(&bad.stderr);
-    assert_eq!(bad.status.code(), Some(1), "{err}");
+    let err = refused("tart", "run3");
     assert!(err.contains("train_step, loss"), "{err}");
 }

@@ -87,6 +87,16 @@ pub struct FileRecord {
     pub fnv1a64: String,
 }
 
+impl FileRecord {
+    /// The record of a file with these bytes.
+    pub fn of(bytes: &[u8]) -> FileRecord {
+        FileRecord {
+            bytes: bytes.len() as u64,
+            fnv1a64: hash_hex(bytes),
+        }
+    }
+}
+
 /// One operand or result of a kernel in the manifest's summary.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Access {
@@ -419,13 +429,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
         for (rel, bytes) in &clifs {
             write_synced(&tmp.join(rel), bytes)?;
-            files.insert(
-                rel.clone(),
-                FileRecord {
-                    bytes: bytes.len() as u64,
-                    fnv1a64: hash_hex(bytes),
-                },
-            );
+            files.insert(rel.clone(), FileRecord::of(bytes));
         }
         let named: Vec<(String, Tensor)> = art
             .weights
@@ -435,22 +439,10 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         let wpath = tmp.join(WEIGHTS_FILE);
         save_safetensors(&wpath, &named, None)?;
         let wbytes = std::fs::read(&wpath).map_err(io_err("read back", &wpath))?;
-        files.insert(
-            WEIGHTS_FILE.to_string(),
-            FileRecord {
-                bytes: wbytes.len() as u64,
-                fnv1a64: hash_hex(&wbytes),
-            },
-        );
+        files.insert(WEIGHTS_FILE.to_string(), FileRecord::of(&wbytes));
         for (name, bytes) in &art.extras {
             write_synced(&tmp.join(name), bytes)?;
-            files.insert(
-                name.clone(),
-                FileRecord {
-                    bytes: bytes.len() as u64,
-                    fnv1a64: hash_hex(bytes),
-                },
-            );
+            files.insert(name.clone(), FileRecord::of(bytes));
         }
         let manifest = Manifest {
             format: ARTIFACT_FORMAT.to_string(),
