@@ -6,7 +6,9 @@
 use std::time::Instant;
 
 use kiln_compiler::codegen::jit::{compile, launch};
-use kiln_compiler::codegen::{clif, misc, rows};
+use kiln_compiler::codegen::{clif, misc, region, rows};
+use kiln_compiler::ir::Float;
+use kiln_compiler::optimize::regions::{Expr, Inst};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -145,5 +147,43 @@ fn main() {
         "adam_update 18.9M params: {:.1} ms, {:.1} GB/s",
         s * 1e3,
         28.0 * n as f64 / s / 1e9
+    );
+    dropout_region();
+}
+
+/// A dropout region over `[32, 25, 512]` (a residual branch of the base model's
+/// training step): bound by drawing the Philox mask, not by memory.
+fn dropout_region() {
+    let shape = [32usize, 25, 512];
+    let expr = Expr {
+        out: kiln_compiler::TensorType {
+            dtype: kiln_compiler::DType::F32,
+            shape: kiln_compiler::Shape::consts(&[32, 25, 512]),
+        },
+        inputs: 1,
+        insts: vec![Inst::In(0), Inst::Dropout(Float::new(0.1), 5, 0)],
+    };
+    let inner = [true];
+    let f = region::region("dropout", &expr, &inner).expect("region builds");
+    let m = compile(&clif::text(&f)).expect("region compiles");
+    let n: usize = shape.iter().product();
+    let x = vec![1f32; n];
+    let mut y = vec![0f32; n];
+    let strides: Vec<isize> = vec![25 * 512, 512, 1];
+    let (dims, items) = region::region_dims(&expr, &shape, &[strides], 42, 7);
+    let k = m.get("dropout").unwrap();
+    let s = time(20, || unsafe {
+        launch(
+            k,
+            &[x.as_ptr() as *mut u8, y.as_mut_ptr() as *mut u8],
+            &dims,
+            items,
+            64,
+        )
+    });
+    println!(
+        "dropout region 32x25x512: {:.2} ms, {:.2} ns/element",
+        s * 1e3,
+        s * 1e9 / n as f64
     );
 }

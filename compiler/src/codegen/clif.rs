@@ -232,19 +232,31 @@ impl Kb<'_> {
     /// Runs `body(index, ty)` over elements `[lo, hi)`: `UNROLL` vectors per iteration,
     /// then one vector, then scalars (`ty` is `F32X4` or `F32`). For maps without a carry.
     pub fn map_elems(&mut self, lo: Value, hi: Value, mut body: impl FnMut(&mut Kb, Value, Type)) {
+        self.map_elems_unrolled(lo, hi, |kb, i, ty, _| body(kb, i, ty));
+    }
+
+    /// [`Kb::map_elems`], telling `body` which of the `UNROLL` vectors of the main loop's
+    /// iteration it emits (`Some(u)`, in order `0..UNROLL`, all in one block sequence so
+    /// values of `u = 0` are usable by the rest) or that it is in a tail (`None`).
+    pub fn map_elems_unrolled(
+        &mut self,
+        lo: Value,
+        hi: Value,
+        mut body: impl FnMut(&mut Kb, Value, Type, Option<usize>),
+    ) {
         let (i, _) = self.for_range(lo, hi, LANES * UNROLL, &[], |kb, i, _| {
             for u in 0..UNROLL {
                 let j = kb.b.ins().iadd_imm_s(i, u * LANES);
-                body(kb, j, VF);
+                body(kb, j, VF, Some(u as usize));
             }
             vec![]
         });
         let (i, _) = self.for_range(i, hi, LANES, &[], |kb, i, _| {
-            body(kb, i, VF);
+            body(kb, i, VF, None);
             vec![]
         });
         self.for_range(i, hi, 1, &[], |kb, i, _| {
-            body(kb, i, types::F32);
+            body(kb, i, types::F32, None);
             vec![]
         });
     }

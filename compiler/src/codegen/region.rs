@@ -57,7 +57,7 @@
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{types, Function, InstBuilder, Type, Value};
 
-use crate::codegen::clif::{build_kernel, lanes, Kb, VF, VI};
+use crate::codegen::clif::{build_kernel, lanes, Kb, UNROLL, VF, VI};
 use crate::codegen::math;
 use crate::codegen::philox::Dropout;
 use crate::ir::{BinaryOp, CmpOp, DType, UnaryOp};
@@ -703,7 +703,9 @@ fn build_region(
             eval_level(kb, 1, &mut scal, &mut vecs, &rowptr);
 
             let zero = kb.iconst(0);
-            kb.map_elems(zero, cols, |kb, c, ty| {
+            // Dropout masks of the main loop's sixteen elements, drawn at its first vector.
+            let mut masks16: Vec<Option<[Value; 4]>> = vec![None; n];
+            kb.map_elems_unrolled(zero, cols, |kb, c, ty, unrolled| {
                 let vector = ty.is_vector();
                 let mut v: Vec<Value> = Vec::with_capacity(n);
                 let mut loaded: Vec<Option<Value>> = vec![None; n_in];
@@ -727,10 +729,15 @@ fn build_region(
                         Inst::Dropout(_, _, a) => {
                             let (g, scale) = gens[k].as_ref().expect("a generator per dropout");
                             let index = kb.b.ins().iadd(first, c);
-                            let keep = if vector {
-                                g.keep_mask4(kb, index)
-                            } else {
-                                g.keep(kb, index)
+                            let keep = match unrolled {
+                                Some(u) if UNROLL == 4 => {
+                                    if u == 0 {
+                                        masks16[k] = Some(g.keep_masks16(kb, index));
+                                    }
+                                    masks16[k].expect("masks drawn at the first vector")[u]
+                                }
+                                _ if vector => g.keep_mask4(kb, index),
+                                _ => g.keep(kb, index),
                             };
                             apply_dropout(kb, keep, v[a], *scale)
                         }
@@ -816,7 +823,8 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
             let first = kb.b.ins().imul(row, d);
             let dst = kb.elem_addr(out, first);
             let zero = kb.iconst(0);
-            kb.map_elems(zero, d, |kb, c, ty| {
+            let mut masks16: Option<[Value; 4]> = None;
+            kb.map_elems_unrolled(zero, d, |kb, c, ty, unrolled| {
                 let vector = ty.is_vector();
                 let x = kb.load(ty, src, c);
                 let s = if vector { scale_v } else { scale };
@@ -825,10 +833,15 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
                 let mut y = kb.b.ins().fadd(x, q);
                 if let Some((g, ks, ks_v)) = &gen {
                     let index = kb.b.ins().iadd(first, c);
-                    let keep = if vector {
-                        g.keep_mask4(kb, index)
-                    } else {
-                        g.keep(kb, index)
+                    let keep = match unrolled {
+                        Some(u) if UNROLL == 4 => {
+                            if u == 0 {
+                                masks16 = Some(g.keep_masks16(kb, index));
+                            }
+                            masks16.expect("masks drawn at the first vector")[u]
+                        }
+                        _ if vector => g.keep_mask4(kb, index),
+                        _ => g.keep(kb, index),
                     };
                     let k = if vector { *ks_v } else { *ks };
                     let kept = kb.b.ins().fmul(y, k);
