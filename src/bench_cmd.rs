@@ -232,6 +232,13 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 host_adam
                     .step(&mut params, &gv, 1e-4)
                     .map_err(|e| plain("kiln::bench", e.0, None))?;
+                // As the trainer does: the gradients' storage goes back to the executor.
+                if let Some(c) = &compiled {
+                    c.recycle(gv.into_values().map(|v| Tensor {
+                        shape: vec![v.len()],
+                        data: kiln_compiler::tensor::TensorData::F32(v),
+                    }));
+                }
             }
             upd = t1.elapsed().as_secs_f64();
         }

@@ -22,6 +22,12 @@ pub trait Exec: Send + Sync {
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError>;
 
+    /// Hands back output tensors of an earlier run that the caller is done with; an
+    /// executor may store later outputs in their memory. The default drops them.
+    fn recycle(&self, tensors: Vec<Tensor>) {
+        drop(tensors);
+    }
+
     /// Runs and returns the outputs by name.
     fn run_map(
         &self,

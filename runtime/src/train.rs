@@ -579,9 +579,6 @@ impl Trainer {
         grads: &mut BTreeMap<String, Vec<f32>>,
     ) -> Result<(f64, usize, usize), TrainError> {
         let step = self.state.step + 1;
-        for g in grads.values_mut() {
-            g.iter_mut().for_each(|x| *x = 0.0);
-        }
         let objective = self
             .graphs
             .train_step
@@ -615,31 +612,29 @@ impl Trainer {
                 });
             }
             let w = batch.n_tgt_tokens as f32;
-            for (name, acc) in grads.iter_mut() {
-                let g = out
-                    .get(&format!("grad.{name}"))
-                    .and_then(|t| t.as_f32())
-                    .ok_or_else(|| {
-                        TrainError::Setup(format!("train_step has no gradient for `{name}`"))
-                    })?;
-                if let Some(bad) = g.iter().find(|x| !x.is_finite()) {
-                    return Err(TrainError::NonFinite {
-                        step,
-                        what: format!("the gradient of `{name}`"),
-                        value: *bad,
-                    });
+            accumulate(grads, &out, w, micro == 0).map_err(|e| match e {
+                Accumulate::Missing(name) => {
+                    TrainError::Setup(format!("train_step has no gradient for `{name}`"))
                 }
-                for (a, x) in acc.iter_mut().zip(g) {
-                    *a += w * x;
-                }
-            }
+                Accumulate::NonFinite(name, value) => TrainError::NonFinite {
+                    step,
+                    what: format!("the gradient of `{name}`"),
+                    value,
+                },
+            })?;
+            // The outputs' storage goes back to the executor for the next run.
+            self.train_exec.recycle(out.into_values().collect());
             loss_sum += loss as f64 * w as f64;
             tokens += batch.n_tgt_tokens;
             src_tokens += batch.n_src_tokens;
         }
         let inv = 1.0 / tokens.max(1) as f32;
-        for g in grads.values_mut() {
-            g.iter_mut().for_each(|x| *x *= inv);
+        {
+            use rayon::prelude::*;
+            grads.par_iter_mut().for_each(|(_, g)| {
+                g.par_chunks_mut(ACC_CHUNK)
+                    .for_each(|c| c.iter_mut().for_each(|x| *x *= inv))
+            });
         }
         let lr = self.cfg.schedule.lr(self.d_model, step);
         self.adam
@@ -1025,4 +1020,62 @@ pub fn translate_ids(
         }
     }
     Ok(out)
+}
+
+/// Elements per parallel task of the gradient passes.
+const ACC_CHUNK: usize = 1 << 16;
+
+/// Why a micro-batch's gradients could not be accumulated.
+enum Accumulate {
+    /// The step's outputs have no gradient for this parameter.
+    Missing(String),
+    /// This parameter's gradient has a non-finite element (the first one found).
+    NonFinite(String, f32),
+}
+
+/// `acc = w·g` (`first`) or `acc += w·g` for every parameter's accumulator, with `g` the
+/// micro-batch's `grad.NAME` output, checking that `g` is finite on the way: one pass
+/// over the gradients, split across the threads. The results do not depend on the
+/// split (every element is its own sum).
+fn accumulate(
+    grads: &mut BTreeMap<String, Vec<f32>>,
+    out: &BTreeMap<String, Tensor>,
+    w: f32,
+    first: bool,
+) -> Result<(), Accumulate> {
+    use rayon::prelude::*;
+    let pairs: Vec<(&String, &mut Vec<f32>, &[f32])> = grads
+        .iter_mut()
+        .map(|(name, acc)| {
+            out.get(&format!("grad.{name}"))
+                .and_then(|t| t.as_f32())
+                .filter(|g| g.len() == acc.len())
+                .map(|g| (name, acc, g))
+                .ok_or_else(|| Accumulate::Missing(name.clone()))
+        })
+        .collect::<Result<_, _>>()?;
+    let bad = pairs
+        .into_par_iter()
+        .filter_map(|(name, acc, g)| {
+            acc.par_chunks_mut(ACC_CHUNK)
+                .zip(g.par_chunks(ACC_CHUNK))
+                .filter_map(|(a, g)| {
+                    if let Some(x) = g.iter().find(|x| !x.is_finite()) {
+                        return Some(*x);
+                    }
+                    if first {
+                        a.iter_mut().zip(g).for_each(|(a, x)| *a = w * x);
+                    } else {
+                        a.iter_mut().zip(g).for_each(|(a, x)| *a += w * x);
+                    }
+                    None
+                })
+                .find_first(|_| true)
+                .map(|x| (name, x))
+        })
+        .find_first(|_| true);
+    match bad {
+        Some((name, x)) => Err(Accumulate::NonFinite(name.clone(), x)),
+        None => Ok(()),
+    }
 }

@@ -62,6 +62,8 @@ pub struct Compiled {
     arena: Mutex<Vec<f32>>,
     /// Buffers of earlier runs' [`Keep`]s.
     scratch: Mutex<Vec<Vec<u32>>>,
+    /// Output storage handed back by [`Compiled::recycle`], reused by later runs.
+    spare: Mutex<Vec<Vec<f32>>>,
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
     pool: Arc<Pool>,
@@ -233,6 +235,7 @@ impl Compiled {
             copy,
             arena: Mutex::new(Vec::new()),
             scratch: Mutex::new(Vec::new()),
+            spare: Mutex::new(Vec::new()),
             checks: Mutex::new(BTreeMap::new()),
             pool: Arc::new(Pool::default()),
         })
@@ -282,6 +285,22 @@ impl Compiled {
         let mut dump = Vec::new();
         self.run_inner(inputs, params, opts, None, Some(&mut dump))?;
         Ok(dump)
+    }
+
+    /// Hands output tensors of an earlier run back: later runs store outputs of the same
+    /// sizes in their storage instead of fresh allocations (for a training step's
+    /// gradients, a fresh 250 MB is page-faulted in on every step otherwise). Tensors of
+    /// other types or small ones are dropped. Storage no output of the next run takes is
+    /// freed then.
+    pub fn recycle(&self, tensors: impl IntoIterator<Item = Tensor>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        for t in tensors {
+            if let TensorData::F32(v) = t.data {
+                if v.len() >= RECYCLE_MIN {
+                    spare.push(v);
+                }
+            }
+        }
     }
 
     /// [`Compiled::run`], reporting each kernel's kind and seconds to `profile`.
@@ -467,8 +486,7 @@ impl Compiled {
             }
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
-        let keep_out = &mut keep;
-        let _ = keep_out;
+        let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|p| p.into_inner()));
         for o in &self.graph.outputs {
             let (_, v) = self
                 .kg
@@ -477,8 +495,10 @@ impl Compiled {
                 .find(|(n, _)| n == &o.name)
                 .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
             materialize(*v, &mut copies);
-            out.push((o.name.clone(), to_tensor(&locs[*v][0])));
+            out.push((o.name.clone(), to_tensor_into(&locs[*v][0], &mut spare)));
         }
+        // What no output took is not kept: its sizes no longer match.
+        drop(spare);
         let mut pool = keep.pool;
         pool.extend(keep.bufs);
         *self.scratch.lock().unwrap_or_else(|p| p.into_inner()) = pool;
@@ -541,16 +561,35 @@ fn source_loc(src: Source<'_>, shape: &[usize], keep: &mut Keep) -> Loc {
 
 /// Reads a location into a host tensor (row-major).
 pub(crate) fn to_tensor(loc: &Loc) -> Tensor {
+    to_tensor_into(loc, &mut Vec::new())
+}
+
+/// Outputs at least this long (in elements) are worth recycling (see
+/// [`Compiled::recycle`]); smaller ones are cheap to allocate.
+const RECYCLE_MIN: usize = 1 << 14;
+
+/// [`to_tensor`], storing an f32 output in a vector of `spare` of exactly its length
+/// when there is one (taken out of `spare`).
+pub(crate) fn to_tensor_into(loc: &Loc, spare: &mut Vec<Vec<f32>>) -> Tensor {
     let shape = loc.layout.shape.clone();
     if loc.is_contiguous() && loc.dtype == DType::F32 {
         // SAFETY: a contiguous layout covers `offset .. offset + numel` of f32 elements.
         let src = unsafe {
             std::slice::from_raw_parts((loc.ptr as *const f32).add(loc.layout.offset), loc.numel())
         };
-        // Large outputs (logits, gradients) are copied by all threads: the fresh pages'
-        // first touch costs as much as the copy.
+        // Large outputs (logits, gradients) are copied by all threads: a fresh
+        // allocation's first touch costs as much as the copy, which recycled storage
+        // does not pay.
         const CHUNK: usize = 1 << 16;
-        let mut v = vec![0f32; src.len()];
+        let reused = if src.len() >= RECYCLE_MIN {
+            spare
+                .iter()
+                .position(|v| v.len() == src.len())
+                .map(|i| spare.swap_remove(i))
+        } else {
+            None
+        };
+        let mut v = reused.unwrap_or_else(|| vec![0f32; src.len()]);
         if src.len() > 4 * CHUNK {
             use rayon::prelude::*;
             v.par_chunks_mut(CHUNK)
@@ -585,5 +624,9 @@ impl crate::exec::Exec for Compiled {
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         Compiled::run(self, inputs, params, opts)
+    }
+
+    fn recycle(&self, tensors: Vec<Tensor>) {
+        Compiled::recycle(self, tensors)
     }
 }
