@@ -149,6 +149,32 @@ fn main() {
         28.0 * n as f64 / s / 1e9
     );
     dropout_region();
+    sum_rows();
+}
+
+/// A bias gradient: `sum_rows` of `[32, 25, 512]` (two leading axes) into `[512]`.
+fn sum_rows() {
+    let shape = [32usize, 25, 512];
+    let m = compile(&clif::text(&misc::sum_rows("sum_rows", 2))).expect("sum_rows compiles");
+    let n: usize = shape.iter().product();
+    let x = vec![0.5f32; n];
+    let mut y = vec![0f32; 512];
+    let (dims, items) = misc::sum_rows_dims(&shape);
+    let k = m.get("sum_rows").unwrap();
+    let s = time(50, || unsafe {
+        launch(
+            k,
+            &[x.as_ptr() as *mut u8, y.as_mut_ptr() as *mut u8],
+            &dims,
+            items,
+            1,
+        )
+    });
+    println!(
+        "sum_rows 32x25x512 -> 512: {:.3} ms, {:.1} GB/s",
+        s * 1e3,
+        4.0 * n as f64 / s / 1e9
+    );
 }
 
 /// A dropout region over `[32, 25, 512]` (a residual branch of the base model's
