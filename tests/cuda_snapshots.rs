@@ -2,7 +2,8 @@
 //! Transformer's training step, forward pass, optimizer step and decoding step, plus the
 //! prelude. No GPU is needed: the text is deterministic (emitted twice here, byte for
 //! byte) and checked for plausibility (balanced brackets, one `__global__` per function,
-//! exact constants); `cuda_host.rs` compiles and runs it on the host.
+//! exact constants) and, where `g++` exists, compiled as C++ under the host shim
+//! (`compiler/tests/cuda_host.rs` runs kernels that way against the CPU kernels).
 
 use std::collections::BTreeMap;
 
@@ -269,4 +270,40 @@ fn the_tiny_training_step_runs_only_gathers_and_masks_on_the_host() {
     }
     host.sort();
     insta::assert_snapshot!("cuda_host_kinds", host.join("\n"));
+}
+
+#[test]
+fn every_program_compiles_as_cpp_under_the_host_shim() {
+    let ok = std::process::Command::new("g++")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        println!("skipped: no g++ on the path to compile the CUDA C on the host");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kiln-cuda-syntax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for entry in ENTRIES {
+        let code = code_of(entry);
+        let path = dir.join(format!("{entry}.cpp"));
+        let src = format!(
+            "{}\n{}",
+            kiln_compiler::codegen::cuda::host::SHIM,
+            code.source()
+        );
+        std::fs::write(&path, &src).expect("write");
+        let out = std::process::Command::new("g++")
+            .args(["-std=c++20", "-fsyntax-only", "-Wall", "-Werror"])
+            .arg(&path)
+            .output()
+            .expect("g++ runs");
+        assert!(
+            out.status.success(),
+            "{entry}: the CUDA C is not valid C++ under the shim:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

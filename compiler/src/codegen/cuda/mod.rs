@@ -13,7 +13,8 @@
 //! - [`region`] — elementwise regions and `embed_pe`;
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
-//! - [`program`] — which functions each kernel kind gets ([`CudaCode`]).
+//! - [`program`] — which functions each kernel kind gets ([`CudaCode`]);
+//! - [`host`] — a C++ shim that compiles and runs the text on the host (tests).
 //!
 //! # The launch ABI
 //!
@@ -53,6 +54,7 @@
 //! instead of the CPU's four vector lanes (different rounding, deterministic), and
 //! `expf`/`logf`/`sinf`/`cosf` are CUDA's (≤ 2 ulp), not the CPU's polynomials.
 
+pub mod host;
 pub mod misc;
 pub mod philox;
 pub mod program;

@@ -225,7 +225,9 @@ pub fn region(
     params.push(param("out", &format!("{}*", buf(types[n - 1]))));
     let mut w = W::new();
     signature(&mut w, name, &params);
-    w.l("const long long C = dims.d[0];");
+    if lead > 0 {
+        w.l("const long long C = dims.d[0];");
+    }
     let dropout_base = 1 + lead + n_in * lead;
     if expr.insts.iter().any(|s| matches!(s, Inst::Dropout(..))) {
         w.l(format!(
