@@ -14,13 +14,16 @@
 //! - [`interop`] — PyTorch `nn.Transformer` parameter names;
 //! - [`model`] — model directories (weights, graphs, tokenizer) used without the spec;
 //! - [`train`] — the trainer;
-//! - [`synthetic`] — the generated task of the demo.
+//! - [`synthetic`] — the generated task of the demo;
+//! - [`cuda`] — the CUDA guard: whether the driver, NVRTC and cuBLAS load and a device
+//!   exists (every CUDA call goes behind it).
 
 pub mod artifact;
 pub mod bleu;
 pub mod checkpoint;
 pub mod compiled;
 pub mod config;
+pub mod cuda;
 pub mod data;
 pub mod decode;
 pub mod eager;

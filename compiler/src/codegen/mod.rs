@@ -7,9 +7,11 @@
 //! - [`clif`] — the kernel ABI and builder helpers (loops, vectors, reductions);
 //! - [`math`] — `exp`, `log`, `sin`, `cos` as polynomials in CLIF;
 //! - [`jit`] — CLIF text to machine code for the host (`cranelift_native`, `opt_level =
-//!   speed`), and the rayon launcher.
+//!   speed`), and the rayon launcher;
+//! - [`cuda`] — the same kernels as CUDA C text (NVRTC at load), with their launch ABI.
 
 pub mod clif;
+pub mod cuda;
 pub mod jit;
 pub mod math;
 pub mod misc;

@@ -286,7 +286,7 @@ fn kernel_functions(
 /// With every symbolic dim at 7: the element strides of value `v` seen through its view
 /// chain, broadcast to `out`; whether the innermost one is nonzero (1, or a layout the
 /// executor copies to contiguous first).
-fn static_inner(kg: &KernelGraph, v: usize, out: &Shape) -> bool {
+pub fn static_inner(kg: &KernelGraph, v: usize, out: &Shape) -> bool {
     let (shape, strides) = static_layout(kg, v);
     let out_rank = out.rank();
     if out_rank == 0 || shape.is_empty() {

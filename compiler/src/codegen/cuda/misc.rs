@@ -1,0 +1,247 @@
+//! Small kernels as CUDA C: Adam, bias gradients (`sum_rows`), single-axis reductions,
+//! bias fill, relu, strided copy.
+//!
+//! In: each kind's static configuration (leading axes, reduce op and layout, element
+//! type). Out: one [`CudaFunction`]. Buffers and `dims` are the CPU kernels'
+//! ([`crate::codegen::misc`]); items differ where the CPU groups elements per item:
+//!
+//! | kind            | items (GPU)                         | CPU items                |
+//! |-----------------|-------------------------------------|--------------------------|
+//! | `adam_update`   | elements `n`                        | `⌈n / BLOCK⌉`            |
+//! | `sum_rows`      | columns `n`                         | `⌈n / GROUP⌉`            |
+//! | `reduce` rows   | rows `outer` (one block each)       | `outer`                  |
+//! | `reduce` across | outputs `outer · inner`             | `outer · ⌈inner / GROUP⌉`|
+//! | `fill_rows`     | elements `R · n`                    | `R`                      |
+//! | `relu`          | elements `n`                        | `⌈n / BLOCK⌉`            |
+//! | `copy_strided`  | elements `s0 · … · s4`              | `s0 · s1 · s2 · s3`      |
+//!
+//! Every output element is computed by one thread in the CPU kernel's order where that
+//! order is sequential (`adam_update`, `sum_rows`, `reduce` across rows: bit-identical
+//! with [`crate::codegen::cuda::nvrtc_options`]); a row reduction uses the block tree and
+//! then, for `max`, returns the first element equal to the maximum or NaN, as the
+//! reference does.
+
+use crate::codegen::clif::Reduce;
+use crate::codegen::cuda::text::{f32_lit, Elem, W};
+use crate::codegen::cuda::{
+    for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS, FOR_THREADS,
+};
+use crate::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
+
+fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
+    CudaFunction {
+        name: name.to_string(),
+        params,
+        work,
+        items_rule: items.to_string(),
+        text: w.finish(),
+    }
+}
+
+/// One Adam step per element, the CPU kernel's op order:
+/// `m' = b1·m + c1·g; v' = b2·v + (c2·g)·g; p' = p − (step_size·m') / (sqrt(v')·inv_sqrt_bc2
+/// + eps)`. Buffers `[p, g, m, v, b1, b2, c1, c2, eps, step_size, inv_sqrt_bc2, p', m',
+/// v']` (the outputs may be `p`, `m`, `v`), dims `[n]`, items `n`.
+pub fn adam_update(name: &str, e: Elem) -> CudaFunction {
+    let t = e.c_type();
+    let mut params: Vec<Param> = ["p", "g", "m", "v"]
+        .iter()
+        .map(|n| param(n, &format!("const {t}*")))
+        .collect();
+    for s in ["b1", "b2", "c1", "c2", "eps", "step_size", "inv_sqrt_bc2"] {
+        params.push(param(s, "const float*"));
+    }
+    for o in ["p_out", "m_out", "v_out"] {
+        params.push(param(o, &format!("{t}*")));
+    }
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    for s in ["b1", "b2", "c1", "c2", "eps", "step_size", "inv_sqrt_bc2"] {
+        w.l(format!("const float k_{s} = {s}[0];"));
+    }
+    w.open(FOR_THREADS);
+    for b in ["p", "g", "m", "v"] {
+        w.l(format!(
+            "const float {b}i = {};",
+            e.load(&format!("{b}[i]"))
+        ));
+    }
+    w.l("const float m2 = k_b1 * mi + k_c1 * gi;");
+    w.l("const float v2 = k_b2 * vi + (k_c2 * gi) * gi;");
+    w.l("const float denom = sqrtf(v2) * k_inv_sqrt_bc2 + k_eps;");
+    w.l("const float p2 = pi - (k_step_size * m2) / denom;");
+    w.l(format!("p_out[i] = {};", e.store("p2")));
+    w.l(format!("m_out[i] = {};", e.store("m2")));
+    w.l(format!("v_out[i] = {};", e.store("v2")));
+    w.close();
+    w.close();
+    function(name, params, Work::Threads, "elements n", w)
+}
+
+/// The sum over the `lead` leading axes of `x[A0, …, A(L−1), n]` into `y[n]`, axis `A0`
+/// innermost, each sum sequential from `0.0` (the CPU kernel's and the reference's order).
+/// Buffers `[x, y]`, dims `[A0, …, A(L−1), n]`, items columns `n`.
+pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
+    if lead == 0 {
+        return Err("sum_rows sums at least one leading axis".into());
+    }
+    let params = vec![param("x", "const float*"), param("y", "float*")];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l(format!("const long long n = dims.d[{lead}];"));
+    // Element strides of the leading axes: stride_k = A(k+1)·…·A(L−1)·n.
+    w.l(format!("const long long st{} = n;", lead - 1));
+    for k in (0..lead - 1).rev() {
+        w.l(format!(
+            "const long long st{k} = st{} * dims.d[{}];",
+            k + 1,
+            k + 1
+        ));
+    }
+    w.open(FOR_THREADS);
+    // Axis L−1 outermost; the sum of level k accumulates the sums of level k−1.
+    fn level(w: &mut W, k: usize, base: &str) {
+        if k == 0 {
+            return;
+        }
+        let a = k - 1;
+        w.l(format!("float s{a} = 0.0f;"));
+        w.open(format!(
+            "for (long long a{a} = 0; a{a} < dims.d[{a}]; ++a{a})"
+        ));
+        let at = format!("{base} + a{a} * st{a}");
+        if a == 0 {
+            w.l(format!("s0 = s0 + x[{at}];"));
+        } else {
+            level(w, a, &at);
+            w.l(format!("s{a} = s{a} + s{};", a - 1));
+        }
+        w.close();
+    }
+    level(&mut w, lead, "i");
+    w.l(format!("y[i] = s{};", lead - 1));
+    w.close();
+    w.close();
+    Ok(function(name, params, Work::Threads, "columns n", w))
+}
+
+/// The reduction of `x` viewed as `[outer, len, inner]` over `len`, into `y[outer, inner]`.
+/// Buffers `[x, y]`, dims `[outer, len, inner]`. `Rows` (`inner = 1`): one block per row;
+/// `Across`: one thread per output, sequential over `len`.
+pub fn reduce(name: &str, op: Reduce, layout: ReduceLayout) -> CudaFunction {
+    let params = vec![param("x", "const float*"), param("y", "float*")];
+    let (init, combine) = match op {
+        Reduce::Sum => ("0.0f".to_string(), "acc + v"),
+        Reduce::Max => (f32_lit(f32::NEG_INFINITY), "kiln_max_ref(acc, v)"),
+    };
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long len = dims.d[1];");
+    match layout {
+        ReduceLayout::Rows => {
+            w.l("__shared__ float sh[KILN_THREADS];");
+            w.open(FOR_BLOCKS);
+            w.l("const float* xr = x + r * len;");
+            w.l(format!("float acc = {init};"));
+            w.open(for_cols("len"));
+            w.l("const float v = xr[j];");
+            w.l(format!("acc = {combine};"));
+            w.close();
+            match op {
+                Reduce::Sum => w.l("acc = kiln_block_sum(acc, sh);"),
+                Reduce::Max => {
+                    w.l("acc = kiln_block_max(acc, sh);");
+                    w.l("// The reference's bits: the first element that is NaN or equals the");
+                    w.l("// max (only a zero or NaN max can differ from it in bits).");
+                    w.open("if (threadIdx.x == 0 && (acc == 0.0f || acc != acc))");
+                    w.open("for (long long j = 0; j < len; ++j)");
+                    w.open("if (xr[j] == acc || xr[j] != xr[j])");
+                    w.l("acc = xr[j];");
+                    w.l("break;");
+                    w.close();
+                    w.close();
+                    w.close();
+                }
+            }
+            w.l("if (threadIdx.x == 0) y[r] = acc;");
+            w.close();
+            w.close();
+            function(name, params, Work::Blocks, "rows outer", w)
+        }
+        ReduceLayout::Across => {
+            w.l("const long long inner = dims.d[2];");
+            w.open(FOR_THREADS);
+            w.l("const long long o = i / inner;");
+            w.l("const long long c = i - o * inner;");
+            w.l("const float* xo = x + o * len * inner + c;");
+            w.l(format!("float acc = {init};"));
+            w.open("for (long long a = 0; a < len; ++a)");
+            w.l("const float v = xo[a * inner];");
+            w.l(format!("acc = {combine};"));
+            w.close();
+            w.l("y[i] = acc;");
+            w.close();
+            w.close();
+            function(name, params, Work::Threads, "outputs outer·inner", w)
+        }
+    }
+}
+
+/// `dst[r, :] = b` (the bias pre-loaded before a GEMM with `beta = 1`). Buffers `[b, dst]`,
+/// dims `[n]`, items elements `R·n`.
+pub fn fill_rows(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![
+        param("b", "const float*"),
+        param("dst", &format!("{}*", e.c_type())),
+    ];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long n = dims.d[0];");
+    w.open(FOR_THREADS);
+    w.l(format!("dst[i] = {};", e.store("b[i % n]")));
+    w.close();
+    w.close();
+    function(name, params, Work::Threads, "elements R·n", w)
+}
+
+/// In place `y = relu(y)` (`x` if `x > 0` or NaN, else `+0`). Buffers `[y]`, dims `[n]`,
+/// items elements `n`.
+pub fn relu(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![param("y", &format!("{}*", e.c_type()))];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.open(FOR_THREADS);
+    w.l(format!(
+        "y[i] = {};",
+        e.store(&format!("kiln_relu({})", e.load("y[i]")))
+    ));
+    w.close();
+    w.close();
+    function(name, params, Work::Threads, "elements n", w)
+}
+
+/// Materializes a strided view of 4-byte elements: `out[i0, …, i4] = src[Σ i_k·t_k]`.
+/// Buffers `[src, out]` (`src` at the view's element `(0, …, 0)`; strides of any sign),
+/// dims `[s0, …, s4, t0, …, t4]` ([`crate::codegen::misc::copy_strided_dims`]), items
+/// elements `s0·…·s4`.
+pub fn copy_strided(name: &str) -> CudaFunction {
+    let params = vec![param("src", "const unsigned*"), param("out", "unsigned*")];
+    let r = MAX_COPY_RANK;
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.open(FOR_THREADS);
+    w.l("long long rest = i;");
+    w.l("long long off = 0;");
+    for k in (1..r).rev() {
+        w.l(format!(
+            "off = off + (rest % dims.d[{k}]) * dims.d[{}];",
+            r + k
+        ));
+        w.l(format!("rest = rest / dims.d[{k}];"));
+    }
+    w.l(format!("off = off + rest * dims.d[{r}];"));
+    w.l("out[i] = src[off];");
+    w.close();
+    w.close();
+    function(name, params, Work::Threads, "elements s0·…·s4", w)
+}

@@ -1,0 +1,248 @@
+//! The CUDA code of a kernel graph: which functions exist and what each kernel launches.
+//!
+//! In: a [`KernelGraph`]. Out: [`CudaCode`] — generated functions, deduplicated by body
+//! and named `<kind>_<n>` in first-use order (the CPU backend's names,
+//! [`crate::codegen::program`]), and per kernel (by launch index) its functions by role
+//! and the library routine it stands for. The roles are the CPU backend's (`main`,
+//! `bias`, `epilogue`, `softmax`, `softmax_bwd`, `finish`, `copy`), plus `count` for
+//! `xent_ls` (see [`super::rows`]). The text is deterministic: the same kernel graph
+//! gives the same bytes.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::codegen::clif::Reduce;
+use crate::codegen::cuda::text::{prelude, Elem};
+use crate::codegen::cuda::{misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library};
+use crate::codegen::misc::ReduceLayout;
+use crate::codegen::program::{mask_kind, static_inner};
+use crate::codegen::rows::MaskKind;
+use crate::ir::{DType, Op, ReduceOp};
+use crate::optimize::kernels::{KernelGraph, KernelOp};
+use crate::optimize::templates::registry;
+
+/// Builds functions on demand, one per distinct key.
+struct Emitter {
+    functions: Vec<CudaFunction>,
+    by_key: HashMap<String, String>,
+    per_kind: BTreeMap<String, usize>,
+}
+
+impl Emitter {
+    fn get(
+        &mut self,
+        kind: &str,
+        key: String,
+        build: impl FnOnce(&str) -> Result<CudaFunction, String>,
+    ) -> Result<String, String> {
+        if let Some(n) = self.by_key.get(&key) {
+            return Ok(n.clone());
+        }
+        let n = self.per_kind.entry(kind.to_string()).or_insert(0);
+        let name = format!("{kind}_{n}");
+        *n += 1;
+        let f = build(&name)?;
+        self.functions.push(f);
+        self.by_key.insert(key, name.clone());
+        Ok(name)
+    }
+
+    /// A function whose body depends on nothing but its kind.
+    fn plain(&mut self, kind: &str, build: impl FnOnce(&str) -> CudaFunction) -> String {
+        self.get(kind, kind.to_string(), |n| Ok(build(n)))
+            .expect("infallible builder")
+    }
+}
+
+/// The CUDA code of `kg`, float buffers as `f32`.
+pub fn emit(kg: &KernelGraph) -> Result<CudaCode, String> {
+    emit_with(kg, Elem::F32)
+}
+
+/// The CUDA code of `kg` with float activations stored as `elem`.
+pub fn emit_with(kg: &KernelGraph, elem: Elem) -> Result<CudaCode, String> {
+    let mut em = Emitter {
+        functions: Vec::new(),
+        by_key: HashMap::new(),
+        per_kind: BTreeMap::new(),
+    };
+    let mut kernels = Vec::new();
+    for (v, op, inputs) in kg.kernels() {
+        let k = launch(&mut em, kg, v, op, inputs, elem)
+            .map_err(|e| format!("kernel %{v} ({}): {e}", op.kind()))?;
+        kernels.push(k);
+    }
+    Ok(CudaCode {
+        prelude: prelude(),
+        functions: em.functions,
+        kernels,
+    })
+}
+
+fn mask_name(m: MaskKind) -> &'static str {
+    match m {
+        MaskKind::None => "none",
+        MaskKind::Key => "key",
+        MaskKind::Causal => "causal",
+    }
+}
+
+/// What one kernel launches.
+fn launch(
+    em: &mut Emitter,
+    kg: &KernelGraph,
+    v: usize,
+    op: &KernelOp,
+    inputs: &[usize],
+    e: Elem,
+) -> Result<KernelLaunch, String> {
+    let mut f = BTreeMap::new();
+    let mut library = None;
+    match op {
+        KernelOp::Region(expr) => {
+            let out = kg.values[v].types[0].shape.clone();
+            let inner: Vec<bool> = inputs.iter().map(|&x| static_inner(kg, x, &out)).collect();
+            let dtypes: Vec<DType> = inputs
+                .iter()
+                .map(|&x| kg.values[x].types[0].dtype)
+                .collect();
+            let key = format!(
+                "region {} inner={inner:?} in={dtypes:?} out={}",
+                expr.text(),
+                expr.out
+            );
+            let name = em.get("region", key, |n| region::region(n, expr, &inner, &dtypes))?;
+            f.insert("main".to_string(), name);
+            f.insert(
+                "inner".to_string(),
+                inner.iter().map(|&b| if b { '1' } else { '0' }).collect(),
+            );
+        }
+        KernelOp::Template { id, attrs } => {
+            let def = &registry()[*id as usize];
+            match def.name.as_str() {
+                "linear" | "linear_relu" => {
+                    let relu = def.name == "linear_relu";
+                    f.insert(
+                        "bias".into(),
+                        em.plain("fill_rows", |n| misc::fill_rows(n, e)),
+                    );
+                    if relu {
+                        f.insert("epilogue".into(), em.plain("relu", |n| misc::relu(n, e)));
+                    }
+                    library = Some(Library::Gemm {
+                        x: 0,
+                        w: 1,
+                        bias: Some(2),
+                        relu,
+                    });
+                }
+                "softmax" => {
+                    f.insert("main".into(), em.plain("softmax", |n| rows::softmax(n, e)));
+                }
+                "scale_mask_softmax" | "attention" | "attention_bwd" => {
+                    let m = mask_kind(&def.variant);
+                    let name = em.get(
+                        "scale_mask_softmax",
+                        format!("scale_mask_softmax {m:?}"),
+                        |n| Ok(rows::scale_mask_softmax(n, m, e)),
+                    )?;
+                    f.insert("softmax".into(), name);
+                    if def.name == "attention_bwd" {
+                        f.insert(
+                            "softmax_bwd".into(),
+                            em.plain("softmax_bwd", |n| rows::softmax_bwd(n, e)),
+                        );
+                    }
+                    if def.name != "scale_mask_softmax" {
+                        library = Some(Library::Attention {
+                            mask: mask_name(m).to_string(),
+                            backward: def.name == "attention_bwd",
+                        });
+                    }
+                }
+                "add_layer_norm" => {
+                    f.insert(
+                        "main".into(),
+                        em.plain("add_layer_norm", |n| rows::add_layer_norm(n, e)),
+                    );
+                }
+                "add_layer_norm_bwd" => {
+                    f.insert(
+                        "main".into(),
+                        em.plain("add_layer_norm_bwd", |n| rows::add_layer_norm_bwd(n, e)),
+                    );
+                    f.insert(
+                        "finish".into(),
+                        em.plain("add_layer_norm_bwd_finish", rows::add_layer_norm_bwd_finish),
+                    );
+                }
+                "xent_ls" => {
+                    f.insert(
+                        "count".into(),
+                        em.plain("xent_ls_count", rows::xent_ls_count),
+                    );
+                    f.insert("main".into(), em.plain("xent_ls", |n| rows::xent_ls(n, e)));
+                    f.insert(
+                        "finish".into(),
+                        em.plain("xent_ls_finish", rows::xent_ls_finish),
+                    );
+                }
+                "embed_pe" => {
+                    let dropout = !attrs.is_empty();
+                    let name = em.get("embed_pe", format!("embed_pe dropout={dropout}"), |n| {
+                        Ok(region::embed_pe(n, dropout))
+                    })?;
+                    f.insert("main".into(), name);
+                }
+                "sum_rows" => {
+                    let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
+                    let name = em.get("sum_rows", format!("sum_rows lead={lead}"), |n| {
+                        misc::sum_rows(n, lead)
+                    })?;
+                    f.insert("main".into(), name);
+                }
+                "adam_update" => {
+                    f.insert(
+                        "main".into(),
+                        em.plain("adam_update", |n| misc::adam_update(n, e)),
+                    );
+                }
+                other => return Err(format!("no CUDA code for template `{other}`")),
+            }
+        }
+        KernelOp::Prim(Op::Reduce { op, axis })
+            if kg.values[inputs[0]].types[0].dtype == DType::F32 =>
+        {
+            let rank = kg.values[inputs[0]].types[0].shape.rank();
+            let layout = if *axis + 1 == rank {
+                ReduceLayout::Rows
+            } else {
+                ReduceLayout::Across
+            };
+            let rop = match op {
+                ReduceOp::Sum => Reduce::Sum,
+                ReduceOp::Max => Reduce::Max,
+            };
+            let name = em.get("reduce", format!("reduce {rop:?} {layout:?}"), |n| {
+                Ok(misc::reduce(n, rop, layout))
+            })?;
+            f.insert("main".into(), name);
+        }
+        KernelOp::Prim(Op::MatMul) => {
+            library = Some(Library::Gemm {
+                x: 0,
+                w: 1,
+                bias: None,
+                relu: false,
+            });
+        }
+        KernelOp::Prim(_) => library = Some(Library::Host),
+    }
+    // Any operand a kernel needs contiguous may arrive as a strided view.
+    f.insert("copy".into(), em.plain("copy_strided", misc::copy_strided));
+    Ok(KernelLaunch {
+        kind: op.kind(),
+        functions: f,
+        library,
+    })
+}

@@ -1,0 +1,345 @@
+//! Elementwise regions and `embed_pe` as CUDA C.
+//!
+//! In: a region's scalar program ([`Expr`]), its inputs' dtypes and innermost-stride
+//! flags (as the CPU backend computes them); or `embed_pe`'s dropout flag. Out: one
+//! [`CudaFunction`] each.
+//!
+//! # Region kernels ([`region`])
+//!
+//! Buffers: the inputs in order (`const float*` / `const int*`; bools are `int` 0/1),
+//! then the output. `dims`: exactly [`crate::codegen::region::region_dims`]'s array —
+//! `C`, the `L` leading output dims, each input's `L` element strides over them, then
+//! `seed` and `step` when the program has a dropout. Items: **elements**, `R·C` (the CPU
+//! kernel's items are rows); one thread per element. Element `i` is row `i / C`, column
+//! `i % C`; input `k` is read at `Σ_l j_l·s_k,l (+ c if its innermost stride is 1)`.
+//!
+//! Semantics are the reference executor's, as in the CPU kernel: NaN-propagating `max`
+//! and `relu`, wrapping `i32` arithmetic, saturating `f32 → i32` casts (NaN → 0),
+//! number → bool is `x != 0`, bool → number is 0/1, `recip` is `1/x`, dropout keeps
+//! element `i` as [`crate::rng::dropout_keep`] does and scales by `1/(1−p)` computed in
+//! f64 and rounded to f32. `exp`, `log`, `sin`, `cos` are CUDA's `expf`, `logf`, `sinf`,
+//! `cosf` (not the CPU's polynomials).
+//!
+//! # `embed_pe` ([`embed_pe`])
+//!
+//! `out[b, t, :] = table[ids[b, t], :] · scale + pe[t, :]` (a product, then a sum), then
+//! optionally dropout keyed by the flat output index. Buffers `[table, ids, pe, scale,
+//! out]` and `dims` as [`crate::codegen::region::embed_pe_dims`] (`[d, t]`, with dropout
+//! `[d, t, seed, step, stream, threshold, keep-scale bits]`). Items: elements `b·t·d`.
+//! Ids must be in range (the caller checks them, as on the CPU).
+
+use crate::codegen::cuda::text::{f32_lit, i32_lit, W};
+use crate::codegen::cuda::{param, signature, CudaFunction, Param, Work, FOR_THREADS};
+use crate::ir::{BinaryOp, CmpOp, DType, UnaryOp};
+use crate::optimize::regions::{Expr, Inst};
+use crate::rng;
+
+/// The dtype of every step, given the inputs' dtypes; an `Err` for what neither the
+/// reference nor the CPU kernels define.
+fn step_types(expr: &Expr, in_dtypes: &[DType]) -> Result<Vec<DType>, String> {
+    let mut t: Vec<DType> = Vec::with_capacity(expr.insts.len());
+    for (k, inst) in expr.insts.iter().enumerate() {
+        let at = |a: usize| -> Result<DType, String> {
+            t.get(a)
+                .copied()
+                .ok_or_else(|| format!("step {k} reads step {a}, which is not before it"))
+        };
+        let d = match *inst {
+            Inst::In(i) => *in_dtypes
+                .get(i)
+                .ok_or_else(|| format!("step {k} reads input {i} of {}", in_dtypes.len()))?,
+            Inst::Const(_, d) | Inst::Cast(d, _) => d,
+            Inst::Un(u, a) => {
+                let d = at(a)?;
+                match (u, d) {
+                    (_, DType::F32) | (UnaryOp::Neg | UnaryOp::Relu, DType::I32) => d,
+                    _ => return Err(format!("region step {k}: {u:?} of {d} is not defined")),
+                }
+            }
+            Inst::Bin(b, a, c) => {
+                let (d, e) = (at(a)?, at(c)?);
+                if d != e {
+                    return Err(format!("region step {k}: {b:?} of {d} and {e}"));
+                }
+                match (b, d) {
+                    (_, DType::F32) => d,
+                    (b, DType::I32) if b != BinaryOp::Div => d,
+                    _ => return Err(format!("region step {k}: {b:?} of {d} is not defined")),
+                }
+            }
+            Inst::Cmp(c, a, b) => {
+                let (d, e) = (at(a)?, at(b)?);
+                if d != e || d == DType::Bool {
+                    return Err(format!("region step {k}: {c:?} of {d} and {e}"));
+                }
+                DType::Bool
+            }
+            Inst::Where(c, a, b) => {
+                let (dc, d, e) = (at(c)?, at(a)?, at(b)?);
+                if dc != DType::Bool || d != e {
+                    return Err(format!("region step {k}: where({dc}, {d}, {e})"));
+                }
+                d
+            }
+            Inst::Dropout(_, _, a) => {
+                if at(a)? != DType::F32 {
+                    return Err(format!("region step {k}: dropout of non-f32"));
+                }
+                DType::F32
+            }
+        };
+        if !matches!(d, DType::F32 | DType::I32 | DType::Bool) {
+            return Err(format!(
+                "{d} values are not supported by CUDA region kernels"
+            ));
+        }
+        t.push(d);
+    }
+    if t.last() != Some(&expr.out.dtype) {
+        return Err(format!(
+            "the region's last step is not its output type {}",
+            expr.out.dtype
+        ));
+    }
+    Ok(t)
+}
+
+/// The C type of a value of dtype `d` in registers (bools are `int` 0/1).
+fn reg(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        _ => "int",
+    }
+}
+
+/// The C type of a buffer of dtype `d` (bools are stored as `int` 0/1).
+fn buf(d: DType) -> &'static str {
+    reg(d)
+}
+
+fn unary(u: UnaryOp, d: DType, x: &str) -> String {
+    if d == DType::I32 {
+        return match u {
+            UnaryOp::Neg => format!("kiln_wrap_sub(0, {x})"),
+            _ => format!("({x} > 0 ? {x} : 0)"),
+        };
+    }
+    match u {
+        UnaryOp::Neg => format!("-{x}"),
+        UnaryOp::Exp => format!("expf({x})"),
+        UnaryOp::Log => format!("logf({x})"),
+        UnaryOp::Sqrt => format!("sqrtf({x})"),
+        UnaryOp::Recip => format!("1.0f / {x}"),
+        UnaryOp::Relu => format!("kiln_relu({x})"),
+        UnaryOp::Sin => format!("sinf({x})"),
+        UnaryOp::Cos => format!("cosf({x})"),
+    }
+}
+
+fn binary(b: BinaryOp, d: DType, x: &str, y: &str) -> String {
+    if d == DType::I32 {
+        return match b {
+            BinaryOp::Add => format!("kiln_wrap_add({x}, {y})"),
+            BinaryOp::Sub => format!("kiln_wrap_sub({x}, {y})"),
+            BinaryOp::Mul => format!("kiln_wrap_mul({x}, {y})"),
+            _ => format!("({x} > {y} ? {x} : {y})"),
+        };
+    }
+    match b {
+        BinaryOp::Add => format!("{x} + {y}"),
+        BinaryOp::Sub => format!("{x} - {y}"),
+        BinaryOp::Mul => format!("{x} * {y}"),
+        BinaryOp::Div => format!("{x} / {y}"),
+        BinaryOp::Max => format!("kiln_max_bin({x}, {y})"),
+    }
+}
+
+fn compare(c: CmpOp, x: &str, y: &str) -> String {
+    let op = match c {
+        CmpOp::Eq => "==",
+        CmpOp::Ne => "!=",
+        CmpOp::Lt => "<",
+        CmpOp::Le => "<=",
+        CmpOp::Gt => ">",
+        CmpOp::Ge => ">=",
+    };
+    format!("({x} {op} {y}) ? 1 : 0")
+}
+
+fn cast(from: DType, to: DType, x: &str) -> String {
+    match (from, to) {
+        (a, b) if a == b => x.to_string(),
+        (DType::F32, DType::I32) => format!("kiln_f2i({x})"),
+        (DType::F32, _) => format!("({x} != 0.0f) ? 1 : 0"),
+        (DType::I32, DType::F32) => format!("(float){x}"),
+        (DType::I32, _) => format!("({x} != 0) ? 1 : 0"),
+        (_, DType::I32) => x.to_string(),
+        _ => format!("{x} ? 1.0f : 0.0f"),
+    }
+}
+
+fn constant(d: DType, v: f64) -> String {
+    match d {
+        DType::F32 => f32_lit(v as f32),
+        DType::I32 => i32_lit(v as i32),
+        _ => (if v != 0.0 { "1" } else { "0" }).to_string(),
+    }
+}
+
+/// The region kernel for `expr` with inputs of `in_dtypes`, innermost strides 1
+/// (`inner[k]`) or 0.
+pub fn region(
+    name: &str,
+    expr: &Expr,
+    inner: &[bool],
+    in_dtypes: &[DType],
+) -> Result<CudaFunction, String> {
+    let n_in = expr.inputs;
+    if inner.len() != n_in || in_dtypes.len() != n_in {
+        return Err(format!(
+            "region `{name}`: {} inner flags and {} dtypes for {n_in} inputs",
+            inner.len(),
+            in_dtypes.len()
+        ));
+    }
+    let rank = expr.out.shape.rank();
+    if rank > 5 {
+        return Err(format!(
+            "region `{name}`: rank {rank} outputs are not supported"
+        ));
+    }
+    let types = step_types(expr, in_dtypes)?;
+    let lead = rank.saturating_sub(1);
+    let n = expr.insts.len();
+    let used: Vec<bool> = (0..n_in)
+        .map(|i| {
+            expr.insts
+                .iter()
+                .any(|s| matches!(s, Inst::In(k) if *k == i))
+        })
+        .collect();
+
+    let mut params: Vec<Param> = (0..n_in)
+        .map(|i| param(&format!("in{i}"), &format!("const {}*", buf(in_dtypes[i]))))
+        .collect();
+    params.push(param("out", &format!("{}*", buf(types[n - 1]))));
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    if lead > 0 {
+        w.l("const long long C = dims.d[0];");
+    }
+    let dropout_base = 1 + lead + n_in * lead;
+    if expr.insts.iter().any(|s| matches!(s, Inst::Dropout(..))) {
+        w.l(format!(
+            "const unsigned long long seed = (unsigned long long)dims.d[{dropout_base}];"
+        ));
+        w.l(format!(
+            "const unsigned step = (unsigned)dims.d[{}];",
+            dropout_base + 1
+        ));
+    }
+    w.open(FOR_THREADS);
+    if lead > 0 {
+        w.l("const long long row = i / C;");
+        w.l("const long long c = i - row * C;");
+        w.l("long long rest = row;");
+        for k in (1..lead).rev() {
+            w.l(format!("const long long j{k} = rest % dims.d[{}];", 1 + k));
+            w.l(format!("rest = rest / dims.d[{}];", 1 + k));
+        }
+        w.l("const long long j0 = rest;");
+    } else {
+        w.l("const long long c = i;");
+    }
+    for i in 0..n_in {
+        if !used[i] {
+            continue;
+        }
+        let mut terms: Vec<String> = (0..lead)
+            .map(|k| format!("j{k} * dims.d[{}]", 1 + lead + i * lead + k))
+            .collect();
+        if inner[i] {
+            terms.push("c".into());
+        }
+        if terms.is_empty() {
+            terms.push("0".into());
+        }
+        w.l(format!("const long long o{i} = {};", terms.join(" + ")));
+    }
+    for (k, inst) in expr.insts.iter().enumerate() {
+        let v = |a: usize| format!("v{a}");
+        let rhs = match *inst {
+            Inst::In(i) if in_dtypes[i] == DType::Bool => format!("(in{i}[o{i}] != 0) ? 1 : 0"),
+            Inst::In(i) => format!("in{i}[o{i}]"),
+            Inst::Const(c, d) => constant(d, c.get()),
+            Inst::Un(u, a) => unary(u, types[a], &v(a)),
+            Inst::Bin(b, a, c) => binary(b, types[a], &v(a), &v(c)),
+            Inst::Cmp(c, a, b) => compare(c, &v(a), &v(b)),
+            Inst::Where(c, a, b) => format!("v{c} ? v{a} : v{b}"),
+            Inst::Cast(d, a) => cast(types[a], d, &v(a)),
+            Inst::Dropout(p, stream, a) => {
+                let p = p.get();
+                let threshold = rng::dropout_threshold(p);
+                let scale = (1.0 / (1.0 - p)) as f32;
+                format!(
+                    "kiln_keep(seed, step, {stream}u, (unsigned long long)i, {threshold}u) ? v{a} * {} : 0.0f",
+                    f32_lit(scale)
+                )
+            }
+        };
+        w.l(format!("const {} v{k} = {rhs};", reg(types[k])));
+    }
+    w.l(format!("out[i] = v{};", n - 1));
+    w.close();
+    w.close();
+    Ok(CudaFunction {
+        name: name.to_string(),
+        params,
+        work: Work::Threads,
+        items_rule: "elements R·C of the output".into(),
+        text: w.finish(),
+    })
+}
+
+/// The `embed_pe` kernel (see the module documentation).
+pub fn embed_pe(name: &str, dropout: bool) -> CudaFunction {
+    let params = vec![
+        param("table", "const float*"),
+        param("ids", "const int*"),
+        param("pe", "const float*"),
+        param("scale", "const float*"),
+        param("out", "float*"),
+    ];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long d = dims.d[0];");
+    w.l("const long long t = dims.d[1];");
+    w.l("const float s = scale[0];");
+    if dropout {
+        w.l("const unsigned long long seed = (unsigned long long)dims.d[2];");
+        w.l("const unsigned step = (unsigned)dims.d[3];");
+        w.l("const unsigned stream = (unsigned)dims.d[4];");
+        w.l("const unsigned threshold = (unsigned)dims.d[5];");
+        w.l("const float keep_scale = __int_as_float((int)dims.d[6]);");
+    }
+    w.open(FOR_THREADS);
+    w.l("const long long row = i / d;");
+    w.l("const long long c = i - row * d;");
+    w.l("const long long pos = row % t;");
+    w.l("const long long id = ids[row];");
+    w.l("const float x = table[id * d + c] * s;");
+    w.l("float y = x + pe[pos * d + c];");
+    if dropout {
+        w.l("y = kiln_keep(seed, step, stream, (unsigned long long)i, threshold) ? y * keep_scale : 0.0f;");
+    }
+    w.l("out[i] = y;");
+    w.close();
+    w.close();
+    CudaFunction {
+        name: name.to_string(),
+        params,
+        work: Work::Threads,
+        items_rule: "elements b·t·d of the output".into(),
+        text: w.finish(),
+    }
+}

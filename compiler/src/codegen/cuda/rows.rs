@@ -1,0 +1,478 @@
+//! Row kernels as CUDA C: softmaxes, layer norm and its backward, the label-smoothed
+//! cross-entropy. One block of [`THREADS`](crate::codegen::cuda::text::THREADS) threads
+//! per row (or per block of rows); each thread owns the columns `j ≡ threadIdx.x (mod
+//! blockDim.x)` in every pass, and row sums and maxima go through the prelude's fixed
+//! block tree (`kiln_block_sum`, `kiln_block_max`).
+//!
+//! In: the element type of the float buffers (and the mask kind). Out: one
+//! [`CudaFunction`]. Buffers and `dims` are the CPU kernels' ([`crate::codegen::rows`]):
+//! the same order, the same `*_dims` arrays, the same aliasing allowances (an output may
+//! be the input where the CPU kernel allows it: every thread reads an element before it
+//! writes it, and a block barrier separates a pass that reads other threads' elements
+//! from the writes). Items are the CPU kernels' items too (rows, or blocks of
+//! [`LN_BWD_BLOCK`] rows), except for `add_layer_norm_bwd_finish` (columns, as on the
+//! CPU) and the `xent_ls` helpers documented below.
+//!
+//! The formulas are the CPU kernels', step for step; only the order of the row sums
+//! differs (a block tree instead of four vector lanes).
+//!
+//! `xent_ls` runs as three kernels so that no value crosses to the host: [`xent_ls_count`]
+//! (`den` = the non-pad targets, and `1/den`), [`xent_ls`] (the CPU kernel: per-row loss
+//! and the logits' gradient, reading `inv_den` from the count's buffer), and
+//! [`xent_ls_finish`] (`Σ row_loss / den` into the scalar loss).
+
+use crate::codegen::cuda::text::{f32_lit, Elem, W};
+use crate::codegen::cuda::{for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS};
+use crate::codegen::rows::{MaskKind, LN_BWD_BLOCK};
+
+fn ptr(e: Elem, konst: bool) -> String {
+    if konst {
+        format!("const {}*", e.c_type())
+    } else {
+        format!("{}*", e.c_type())
+    }
+}
+
+fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
+    CudaFunction {
+        name: name.to_string(),
+        params,
+        work,
+        items_rule: items.to_string(),
+        text: w.finish(),
+    }
+}
+
+/// Opens a row kernel: signature, shared scratch, the loop over rows `r`.
+fn open_rows(w: &mut W, name: &str, params: &[Param]) {
+    signature(w, name, params);
+    w.l("__shared__ float sh[KILN_THREADS];");
+}
+
+/// The last two passes of a softmax into `outr` given the row max `m` and the value
+/// expression `value` of element `j`: `e = exp(value − m)` summed, then `e · (1/Σe)`.
+fn softmax_tail(w: &mut W, e: Elem, n: &str, value: &str) {
+    w.l("float z = 0.0f;");
+    w.open(for_cols(n));
+    w.l(format!("const float ex = expf({value} - m);"));
+    w.l(format!("outr[j] = {};", e.store("ex")));
+    w.l("z = z + ex;");
+    w.close();
+    w.l("z = kiln_block_sum(z, sh);");
+    w.l("const float rz = 1.0f / z;");
+    w.open(for_cols(n));
+    w.l(format!(
+        "outr[j] = {};",
+        e.store(&format!("{} * rz", e.load("outr[j]")))
+    ));
+    w.close();
+}
+
+/// `out[r, :] = softmax(x[r, :])`. Buffers `[x, out]`, dims `[c]`, items rows.
+pub fn softmax(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![param("x", &ptr(e, true)), param("out", &ptr(e, false))];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long c = dims.d[0];");
+    w.open(FOR_BLOCKS);
+    w.l(format!("const {}* xr = x + r * c;", e.c_type()));
+    w.l(format!("{}* outr = out + r * c;", e.c_type()));
+    w.l(format!("float m = {};", f32_lit(f32::NEG_INFINITY)));
+    w.open(for_cols("c"));
+    w.l(format!("m = kiln_max_ref(m, {});", e.load("xr[j]")));
+    w.close();
+    w.l("m = kiln_block_max(m, sh);");
+    softmax_tail(&mut w, e, "c", &e.load("xr[j]"));
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "rows", w)
+}
+
+/// `softmax(where(mask, x·scale, fill))` over the last axis of `x[b, h, tq, tk]`.
+/// Buffers `[x, scale, out]` without a mask, else `[x, mask, scale, fill, out]` (mask
+/// `int` 0/1: `[b, tk]` for `Key`, `[tq, tk]` for `Causal`); dims `[b, h, tq, tk]`; items
+/// rows `b·h·tq`.
+pub fn scale_mask_softmax(name: &str, mask: MaskKind, e: Elem) -> CudaFunction {
+    let masked = mask != MaskKind::None;
+    let mut params = vec![param("x", &ptr(e, true))];
+    if masked {
+        params.push(param("mask", "const int*"));
+    }
+    params.push(param("scale", "const float*"));
+    if masked {
+        params.push(param("fill", "const float*"));
+    }
+    params.push(param("out", &ptr(e, false)));
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    if mask == MaskKind::Key {
+        w.l("const long long h = dims.d[1];");
+    }
+    if masked {
+        w.l("const long long tq = dims.d[2];");
+    }
+    w.l("const long long tk = dims.d[3];");
+    w.l("const float s = scale[0];");
+    if masked {
+        w.l("const float f = fill[0];");
+    }
+    w.open(FOR_BLOCKS);
+    w.l(format!("const {}* xr = x + r * tk;", e.c_type()));
+    w.l(format!("{}* outr = out + r * tk;", e.c_type()));
+    let value = match mask {
+        MaskKind::None => format!("({} * s)", e.load("xr[j]")),
+        _ => {
+            let mrow = if mask == MaskKind::Key {
+                "r / (h * tq)"
+            } else {
+                "r % tq"
+            };
+            w.l(format!("const int* mr = mask + ({mrow}) * tk;"));
+            format!("(mr[j] != 0 ? {} * s : f)", e.load("xr[j]"))
+        }
+    };
+    w.l(format!("float m = {};", f32_lit(f32::NEG_INFINITY)));
+    w.open(for_cols("tk"));
+    w.l(format!("m = kiln_max_ref(m, {value});"));
+    w.close();
+    w.l("m = kiln_block_max(m, sh);");
+    softmax_tail(&mut w, e, "tk", &value);
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "rows b·h·tq", w)
+}
+
+/// `ds = p ∘ (dp − Σ p∘dp) · mult` per row. Buffers `[p, dp, mult, ds]` (`ds` may be
+/// `dp`), dims `[c]`, items rows.
+pub fn softmax_bwd(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![
+        param("p", &ptr(e, true)),
+        param("dp", &ptr(e, true)),
+        param("mult", "const float*"),
+        param("ds", &ptr(e, false)),
+    ];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long c = dims.d[0];");
+    w.l("const float k = mult[0];");
+    w.open(FOR_BLOCKS);
+    w.l(format!("const {}* pr = p + r * c;", e.c_type()));
+    w.l(format!("const {}* dpr = dp + r * c;", e.c_type()));
+    w.l(format!("{}* dsr = ds + r * c;", e.c_type()));
+    w.l("float dot = 0.0f;");
+    w.open(for_cols("c"));
+    w.l(format!(
+        "dot = dot + {} * {};",
+        e.load("pr[j]"),
+        e.load("dpr[j]")
+    ));
+    w.close();
+    w.l("dot = kiln_block_sum(dot, sh);");
+    w.open(for_cols("c"));
+    w.l(format!("const float d = {} - dot;", e.load("dpr[j]")));
+    w.l(format!("const float v = {} * d;", e.load("pr[j]")));
+    w.l(format!("dsr[j] = {};", e.store("v * k")));
+    w.close();
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "rows", w)
+}
+
+/// `out = normalize(x + y)·γ + β` per row of `d`. Buffers `[x, y, gamma, beta, inv_d,
+/// eps, out]` (`out` may be `x` or `y`), dims `[d]`, items rows.
+pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![
+        param("x", &ptr(e, true)),
+        param("y", &ptr(e, true)),
+        param("gamma", "const float*"),
+        param("beta", "const float*"),
+        param("inv_d", "const float*"),
+        param("eps", "const float*"),
+        param("out", &ptr(e, false)),
+    ];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long d = dims.d[0];");
+    w.l("const float c = inv_d[0];");
+    w.l("const float ep = eps[0];");
+    w.open(FOR_BLOCKS);
+    w.l(format!("const {}* xr = x + r * d;", e.c_type()));
+    w.l(format!("const {}* yr = y + r * d;", e.c_type()));
+    w.l(format!("{}* outr = out + r * d;", e.c_type()));
+    w.l("// Pass 1: s = x + y into out, and its sum.");
+    w.l("float sum = 0.0f;");
+    w.open(for_cols("d"));
+    w.l(format!(
+        "const float s = {} + {};",
+        e.load("xr[j]"),
+        e.load("yr[j]")
+    ));
+    w.l(format!("outr[j] = {};", e.store("s")));
+    w.l("sum = sum + s;");
+    w.close();
+    w.l("sum = kiln_block_sum(sum, sh);");
+    w.l("const float mean = sum * c;");
+    w.l("// Pass 2: the sum of squared deviations.");
+    w.l("float ssq = 0.0f;");
+    w.open(for_cols("d"));
+    w.l(format!("const float xc = {} - mean;", e.load("outr[j]")));
+    w.l("ssq = ssq + xc * xc;");
+    w.close();
+    w.l("ssq = kiln_block_sum(ssq, sh);");
+    w.l("const float var = ssq * c;");
+    w.l("const float rstd = 1.0f / sqrtf(var + ep);");
+    w.l("// Pass 3: out = (s - mean)·rstd·γ + β.");
+    w.open(for_cols("d"));
+    w.l(format!("const float xc = {} - mean;", e.load("outr[j]")));
+    w.l("const float xh = xc * rstd;");
+    w.l("const float v = xh * gamma[j];");
+    w.l(format!("outr[j] = {};", e.store("v + beta[j]")));
+    w.close();
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "rows", w)
+}
+
+/// The backward of [`add_layer_norm`] (the CPU kernel's formulas): `dx` per row and per
+/// block of [`LN_BWD_BLOCK`] rows the partial `dγ`, `dβ` sums into `scratch[blk, 0..2d]`.
+/// Buffers `[x, y, gamma, g, inv_d, eps, dx, scratch]` (`dx` may be `x`, `y` or `g`),
+/// dims `[rows, d]`, items row blocks `ceil(rows / 16)`. Each thread owns its columns of
+/// the block's partials, summed over the block's rows in order (as on the CPU).
+pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![
+        param("x", &ptr(e, true)),
+        param("y", &ptr(e, true)),
+        param("gamma", "const float*"),
+        param("g", &ptr(e, true)),
+        param("inv_d", "const float*"),
+        param("eps", "const float*"),
+        param("dx", &ptr(e, false)),
+        param("scratch", "float*"),
+    ];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long rows = dims.d[0];");
+    w.l("const long long d = dims.d[1];");
+    w.l("const float c = inv_d[0];");
+    w.l("const float ep = eps[0];");
+    w.open(FOR_BLOCKS);
+    w.l("float* dg = scratch + r * 2 * d;");
+    w.l("float* db = dg + d;");
+    w.open(for_cols("d"));
+    w.l("dg[j] = 0.0f;");
+    w.l("db[j] = 0.0f;");
+    w.close();
+    w.l(format!("const long long lo = r * {LN_BWD_BLOCK};"));
+    w.l(format!(
+        "const long long hi = lo + {LN_BWD_BLOCK} < rows ? lo + {LN_BWD_BLOCK} : rows;"
+    ));
+    w.open("for (long long q = lo; q < hi; ++q)");
+    w.l(format!("const {}* xr = x + q * d;", e.c_type()));
+    w.l(format!("const {}* yr = y + q * d;", e.c_type()));
+    w.l(format!("const {}* gr = g + q * d;", e.c_type()));
+    w.l(format!("{}* dxr = dx + q * d;", e.c_type()));
+    w.l("// Pass 1: the sum of s = x + y.");
+    w.l("float sum = 0.0f;");
+    w.open(for_cols("d"));
+    w.l(format!(
+        "sum = sum + ({} + {});",
+        e.load("xr[j]"),
+        e.load("yr[j]")
+    ));
+    w.close();
+    w.l("sum = kiln_block_sum(sum, sh);");
+    w.l("const float mean = sum * c;");
+    w.l("// Pass 2: Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
+    w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
+    w.open(for_cols("d"));
+    w.l(format!(
+        "const float xc = ({} + {}) - mean;",
+        e.load("xr[j]"),
+        e.load("yr[j]")
+    ));
+    w.l(format!("const float a = {} * gamma[j];", e.load("gr[j]")));
+    w.l("ssq = ssq + xc * xc;");
+    w.l("sxc = sxc + xc;");
+    w.l("sa = sa + a;");
+    w.l("saxc = saxc + a * xc;");
+    w.close();
+    w.l("ssq = kiln_block_sum(ssq, sh);");
+    w.l("sxc = kiln_block_sum(sxc, sh);");
+    w.l("sa = kiln_block_sum(sa, sh);");
+    w.l("saxc = kiln_block_sum(saxc, sh);");
+    w.l("const float var = ssq * c;");
+    w.l("const float rstd = 1.0f / sqrtf(var + ep);");
+    w.l("// dx_j = rstd·(a_j − c·Σa) − k·(xc_j − c·Σxc), k = c·rstd³·Σa·xc.");
+    w.l("const float ca = c * sa;");
+    w.l("const float r3 = (rstd * rstd) * rstd;");
+    w.l("const float k = (c * r3) * saxc;");
+    w.l("const float cx = c * sxc;");
+    w.l("// Pass 3: dx, and this block's dγ, dβ partials.");
+    w.open(for_cols("d"));
+    w.l(format!(
+        "const float xc = ({} + {}) - mean;",
+        e.load("xr[j]"),
+        e.load("yr[j]")
+    ));
+    w.l(format!("const float gv = {};", e.load("gr[j]")));
+    w.l("const float a = gv * gamma[j];");
+    w.l("const float t1 = rstd * (a - ca);");
+    w.l("const float t2 = k * (xc - cx);");
+    w.l(format!("dxr[j] = {};", e.store("t1 - t2")));
+    w.l("dg[j] = dg[j] + (gv * xc) * rstd;");
+    w.l("db[j] = db[j] + gv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.close();
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "row blocks ceil(rows / 16)", w)
+}
+
+/// `dgamma[j] = Σ_k scratch[k, j]`, `dbeta[j] = Σ_k scratch[k, d + j]` in block order.
+/// Buffers `[scratch, dgamma, dbeta]`, dims `[blocks, d]`, items columns `d`.
+pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
+    let params = vec![
+        param("scratch", "const float*"),
+        param("dgamma", "float*"),
+        param("dbeta", "float*"),
+    ];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long blocks = dims.d[0];");
+    w.l("const long long d = dims.d[1];");
+    w.open(crate::codegen::cuda::FOR_THREADS);
+    w.l("float sg = 0.0f;");
+    w.l("float sb = 0.0f;");
+    w.open("for (long long k = 0; k < blocks; ++k)");
+    w.l("sg = sg + scratch[k * 2 * d + i];");
+    w.close();
+    w.open("for (long long k = 0; k < blocks; ++k)");
+    w.l("sb = sb + scratch[k * 2 * d + d + i];");
+    w.close();
+    w.l("dgamma[i] = sg;");
+    w.l("dbeta[i] = sb;");
+    w.close();
+    w.close();
+    function(name, params, Work::Threads, "columns d", w)
+}
+
+/// The count of non-pad targets: `stats[0] = den`, `stats[1] = 1/den` (`inf` and `NaN`
+/// follow when every target is pad, as on the CPU). Buffers `[target, stats]` (`int
+/// [rows]`, `float[2]`), dims `[rows, pad]`, items 1 (one block).
+pub fn xent_ls_count(name: &str) -> CudaFunction {
+    let params = vec![param("target", "const int*"), param("stats", "float*")];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long rows = dims.d[0];");
+    w.l("const long long pad = dims.d[1];");
+    w.open(FOR_BLOCKS);
+    w.l("// Per-thread counts are exact integers below 2^24; their sum is exact too.");
+    w.l("float n = 0.0f;");
+    w.open(for_cols("rows"));
+    w.l("if ((long long)target[j] != pad) n = n + 1.0f;");
+    w.close();
+    w.l("n = kiln_block_sum(n, sh);");
+    w.open("if (threadIdx.x == 0)");
+    w.l("stats[0] = n;");
+    w.l("stats[1] = 1.0f / n;");
+    w.close();
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "1 (one block)", w)
+}
+
+/// The CPU kernel's label-smoothed cross-entropy per row and the logits' gradient.
+/// Buffers `[logits, target, c_nll, c_smooth, inv_v, inv_den, row_loss, dlogits]`
+/// (`inv_den` is `stats + 1` of [`xent_ls_count`]; `dlogits` may be `logits`), dims
+/// `[v, pad]`, items rows.
+pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
+    let params = vec![
+        param("logits", &ptr(e, true)),
+        param("target", "const int*"),
+        param("c_nll", "const float*"),
+        param("c_smooth", "const float*"),
+        param("inv_v", "const float*"),
+        param("inv_den", "const float*"),
+        param("row_loss", "float*"),
+        param("dlogits", &ptr(e, false)),
+    ];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long v = dims.d[0];");
+    w.l("const long long pad = dims.d[1];");
+    w.l("const float vf = (float)v;");
+    w.l("const float cn = c_nll[0];");
+    w.l("const float cs = c_smooth[0];");
+    w.l("const float iv = inv_v[0];");
+    w.l("const float id = inv_den[0];");
+    w.open(FOR_BLOCKS);
+    w.l(format!("const {}* xr = logits + r * v;", e.c_type()));
+    w.l(format!("{}* dr = dlogits + r * v;", e.c_type()));
+    w.l("const long long t = target[r];");
+    w.l("const float keep = t != pad ? 1.0f : 0.0f;");
+    w.l("const bool in_range = (unsigned long long)t < (unsigned long long)v;");
+    w.l("const long long ti = in_range ? t : 0;");
+    w.l("// Read before any write (dlogits may be logits): the block max below is a barrier.");
+    w.l(format!("const float xt = {};", e.load("xr[ti]")));
+    w.l(format!("float m = {};", f32_lit(f32::NEG_INFINITY)));
+    w.open(for_cols("v"));
+    w.l(format!("m = kiln_max_ref(m, {});", e.load("xr[j]")));
+    w.close();
+    w.l("m = kiln_block_max(m, sh);");
+    w.l("// Pass 2: e = exp(x − m) into dlogits; Σe and Σ(x − m).");
+    w.l("float z = 0.0f, sxm = 0.0f;");
+    w.open(for_cols("v"));
+    w.l(format!("const float xm = {} - m;", e.load("xr[j]")));
+    w.l("const float ex = expf(xm);");
+    w.l(format!("dr[j] = {};", e.store("ex")));
+    w.l("z = z + ex;");
+    w.l("sxm = sxm + xm;");
+    w.close();
+    w.l("z = kiln_block_sum(z, sh);");
+    w.l("sxm = kiln_block_sum(sxm, sh);");
+    w.l("const float lse = logf(z);");
+    w.l("// −lp_t = m + lse − x_t; −Σlp = v·lse − Σ(x − m).");
+    w.l("const float nll = in_range ? (m + lse) - xt : 0.0f;");
+    w.l("const float smooth = (vf * lse - sxm) * iv;");
+    w.l("const float loss = (nll * cn + smooth * cs) * keep;");
+    w.l("if (threadIdx.x == 0) row_loss[r] = loss;");
+    w.l("// dlogits = e·(w·(c_nll + c_smooth·inv_v·v)/z) − w·c_smooth·inv_v, minus w·c_nll");
+    w.l("// at the target; w = keep·inv_den.");
+    w.l("const float wk = keep * id;");
+    w.l("const float csi = cs * iv;");
+    w.l("const float cp = (wk * (cn + csi * vf)) / z;");
+    w.l("const float c0 = wk * csi;");
+    w.l("const float wn = in_range ? wk * cn : 0.0f;");
+    w.open(for_cols("v"));
+    w.l(format!("float gv = {} * cp - c0;", e.load("dr[j]")));
+    w.l("if (j == ti) gv = gv - wn;");
+    w.l(format!("dr[j] = {};", e.store("gv")));
+    w.close();
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "rows", w)
+}
+
+/// `loss = Σ row_loss / den` (`den = stats[0]` of [`xent_ls_count`]). Buffers
+/// `[row_loss, stats, loss]`, dims `[rows]`, items 1 (one block).
+pub fn xent_ls_finish(name: &str) -> CudaFunction {
+    let params = vec![
+        param("row_loss", "const float*"),
+        param("stats", "const float*"),
+        param("loss", "float*"),
+    ];
+    let mut w = W::new();
+    open_rows(&mut w, name, &params);
+    w.l("const long long rows = dims.d[0];");
+    w.open(FOR_BLOCKS);
+    w.l("float num = 0.0f;");
+    w.open(for_cols("rows"));
+    w.l("num = num + row_loss[j];");
+    w.close();
+    w.l("num = kiln_block_sum(num, sh);");
+    w.l("if (threadIdx.x == 0) loss[0] = num / stats[0];");
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, "1 (one block)", w)
+}

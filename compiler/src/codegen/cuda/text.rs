@@ -1,0 +1,200 @@
+//! CUDA C text: an indenting writer, exact constants, the element type of loads and
+//! stores, and the prelude every kernel is compiled with.
+//!
+//! In: what an emitter wants to write. Out: deterministic text. Constants never go
+//! through Rust's float formatting (which prints `NaN` and `inf`, and rounds): an `f32`
+//! is written as a small exact integer (`2.0f`) or as its bit pattern
+//! (`__int_as_float(0x3dcccccd)`), an `i32` as its bit pattern, so the text is exact.
+
+use crate::codegen::cuda::philox;
+
+/// Threads per block of every kernel (a power of two: the block reductions halve it).
+pub const THREADS: u32 = 256;
+
+/// Entries of the `kiln_dims` struct every kernel takes by value (the longest dims array
+/// is a region's: `1 + 4 + 8·4 + 2 = 39`).
+pub const MAX_DIMS: usize = 48;
+
+/// An indenting line writer.
+#[derive(Default)]
+pub struct W {
+    s: String,
+    depth: usize,
+}
+
+impl W {
+    pub fn new() -> W {
+        W::default()
+    }
+
+    /// One line at the current depth.
+    pub fn l(&mut self, line: impl AsRef<str>) {
+        for _ in 0..self.depth {
+            self.s.push_str("    ");
+        }
+        self.s.push_str(line.as_ref());
+        self.s.push('\n');
+    }
+
+    /// `line {` and one level deeper.
+    pub fn open(&mut self, line: impl AsRef<str>) {
+        self.l(format!("{} {{", line.as_ref()));
+        self.depth += 1;
+    }
+
+    /// One level shallower and `}`.
+    pub fn close(&mut self) {
+        self.depth -= 1;
+        self.l("}");
+    }
+
+    pub fn finish(self) -> String {
+        assert_eq!(self.depth, 0, "unbalanced CUDA text");
+        self.s
+    }
+}
+
+/// An exact `f32` constant: a small integer as `2.0f`, anything else (fractions, huge
+/// values, `-0.0`, infinities, NaN) as its bits.
+pub fn f32_lit(v: f32) -> String {
+    if v.is_finite()
+        && v == v.trunc()
+        && v.abs() < 16_777_216.0
+        && !(v == 0.0 && v.is_sign_negative())
+    {
+        format!("{}.0f", v as i64)
+    } else {
+        format!("__int_as_float(0x{:08x})", v.to_bits())
+    }
+}
+
+/// An exact `i32` constant (`i32::MIN` has no literal of its own).
+pub fn i32_lit(v: i32) -> String {
+    if v == i32::MIN {
+        "(-2147483647 - 1)".to_string()
+    } else {
+        format!("{v}")
+    }
+}
+
+/// The element type a kernel loads and stores its float tensors as. Arithmetic is always
+/// in `float`; a reduced-precision variant adds a case here (C type, widening load,
+/// rounding store) and the emitters take it as their `elem` parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Elem {
+    F32,
+}
+
+impl Elem {
+    /// The C type of a buffer element.
+    pub fn c_type(self) -> &'static str {
+        match self {
+            Elem::F32 => "float",
+        }
+    }
+
+    /// `expr` (an element read from memory) as a `float`.
+    pub fn load(self, expr: &str) -> String {
+        match self {
+            Elem::F32 => expr.to_string(),
+        }
+    }
+
+    /// A `float` value as the element to store.
+    pub fn store(self, value: &str) -> String {
+        match self {
+            Elem::F32 => value.to_string(),
+        }
+    }
+}
+
+/// The text shared by every kernel: the dims struct, NaN-exact `max`/`relu`, saturating
+/// casts, wrapping integer arithmetic, the block reductions and Philox. Compiled once
+/// ahead of the kernels of a program (see [`crate::codegen::cuda::CudaCode::source`]).
+pub fn prelude() -> String {
+    let mut w = W::new();
+    w.l("// kiln CUDA prelude: shared by every generated kernel.");
+    w.l(format!("#define KILN_MAX_DIMS {MAX_DIMS}"));
+    w.l(format!("#define KILN_THREADS {THREADS}"));
+    w.l("// Sizes and strides (element counts), passed by value.");
+    w.l("typedef struct { long long d[KILN_MAX_DIMS]; } kiln_dims;");
+    w.l("");
+    w.l("// max as the reference reduces: a NaN `a` wins, then the larger, ties keep `a`.");
+    w.open("__device__ __forceinline__ float kiln_max_ref(float a, float b)");
+    w.l("return (a >= b || a != a) ? a : b;");
+    w.close();
+    w.l("// The elementwise max of the reference: a NaN `a` wins, then a NaN or larger `b`.");
+    w.open("__device__ __forceinline__ float kiln_max_bin(float a, float b)");
+    w.l("return (b != b || b > a) ? b : a;");
+    w.close();
+    w.l("// relu: x if x > 0 or NaN, else +0.");
+    w.open("__device__ __forceinline__ float kiln_relu(float x)");
+    w.l("return x <= 0.0f ? 0.0f : x;");
+    w.close();
+    w.l("// f32 -> i32: truncate, saturate, NaN -> 0.");
+    w.open("__device__ __forceinline__ int kiln_f2i(float x)");
+    w.l("if (x != x) return 0;");
+    w.l(format!(
+        "if (x >= {}) return 2147483647;",
+        f32_lit(2_147_483_648.0)
+    ));
+    w.l(format!(
+        "if (x < {}) return {};",
+        f32_lit(-2_147_483_648.0),
+        i32_lit(i32::MIN)
+    ));
+    w.l("return (int)x;");
+    w.close();
+    w.l("// Wrapping i32 arithmetic.");
+    for (name, op) in [("add", "+"), ("sub", "-"), ("mul", "*")] {
+        w.open(format!(
+            "__device__ __forceinline__ int kiln_wrap_{name}(int a, int b)"
+        ));
+        w.l(format!("return (int)((unsigned)a {op} (unsigned)b);"));
+        w.close();
+    }
+    w.l("");
+    w.l("// Block reductions over KILN_THREADS partials (blockDim.x, a power of two): a fixed");
+    w.l("// tree, so the result does not depend on scheduling. Every thread gets the result.");
+    for (name, init, combine) in [
+        ("sum", "", "sh[t] + sh[t + s]"),
+        ("max", "", "kiln_max_ref(sh[t], sh[t + s])"),
+    ] {
+        let _ = init;
+        w.open(format!(
+            "__device__ float kiln_block_{name}(float v, float* sh)"
+        ));
+        w.l("const unsigned t = threadIdx.x;");
+        w.l("sh[t] = v;");
+        w.l("__syncthreads();");
+        w.open("for (unsigned s = blockDim.x >> 1; s > 0; s >>= 1)");
+        w.l(format!("if (t < s) sh[t] = {combine};"));
+        w.l("__syncthreads();");
+        w.close();
+        w.l("const float r = sh[0];");
+        w.l("__syncthreads();");
+        w.l("return r;");
+        w.close();
+    }
+    w.l("");
+    philox::write(&mut w);
+    w.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_are_exact_and_never_nan_or_inf_words() {
+        assert_eq!(f32_lit(0.0), "0.0f");
+        assert_eq!(f32_lit(-3.0), "-3.0f");
+        assert_eq!(f32_lit(-0.0), "__int_as_float(0x80000000)");
+        assert_eq!(f32_lit(0.1), "__int_as_float(0x3dcccccd)");
+        assert_eq!(f32_lit(f32::NAN), "__int_as_float(0x7fc00000)");
+        assert_eq!(f32_lit(f32::NEG_INFINITY), "__int_as_float(0xff800000)");
+        assert_eq!(f32_lit(-1e9), "__int_as_float(0xce6e6b28)");
+        assert_eq!(i32_lit(i32::MIN), "(-2147483647 - 1)");
+        assert_eq!(i32_lit(-5), "-5");
+    }
+}

@@ -1,0 +1,710 @@
+//! The generated CUDA C compiled and run on the host, against the CPU kernels.
+//!
+//! In: kernels emitted by `codegen::cuda` and their CPU twins from `codegen::{region,
+//! rows, misc}`. Out: pass/fail. With `g++` on the path (else each test prints
+//! `skipped: …`), every kernel's text is compiled as C++20 after a small shim that
+//! plays CUDA: `__global__`/`__device__` vanish, `__shared__` is a static, every block
+//! runs as `blockDim.x` host threads with `__syncthreads()` a `std::barrier`, blocks run
+//! one after another, `__umulhi` and `__int_as_float` are plain C++. The kernels run with
+//! 4 threads per block and 3 blocks (so grid-stride loops, the block reduction tree and
+//! the barriers are all exercised) on the same random data as the JIT-compiled CPU
+//! kernels, and must agree: bit for bit where the module documentation of
+//! `codegen::cuda` promises it (Philox dropout masks, Adam, `embed_pe`, `sum_rows`,
+//! reductions across rows, copies, fills, relu), else within `1e-5·max|cpu| + 1e-6`
+//! (row sums in another order, libm's `expf`/`logf` against the CPU's polynomials).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use kiln_compiler::codegen::clif::{text, Reduce};
+use kiln_compiler::codegen::cuda::host::SHIM;
+use kiln_compiler::codegen::cuda::text::{prelude, Elem, MAX_DIMS};
+use kiln_compiler::codegen::cuda::{self, CudaFunction};
+use kiln_compiler::codegen::misc::{self, ReduceLayout};
+use kiln_compiler::codegen::rows::{self, MaskKind};
+use kiln_compiler::codegen::{jit, region};
+use kiln_compiler::ir::Float;
+use kiln_compiler::optimize::regions::{Expr, Inst};
+use kiln_compiler::{DType, Shape, TensorType};
+
+/// Reads the buffers and the launch from stdin, runs the kernel, writes the buffers.
+const DRIVER: &str = r#"
+static void kiln_read(void* p, size_t n) {
+    if (n && fread(p, 1, n, stdin) != n) { fprintf(stderr, "short read\n"); exit(2); }
+}
+int main() {
+    unsigned n;
+    kiln_read(&n, 4);
+    std::vector<std::vector<unsigned char>> b(n);
+    for (unsigned k = 0; k < n; ++k) {
+        unsigned long long len;
+        kiln_read(&len, 8);
+        b[k].resize(len + 4);
+        kiln_read(b[k].data(), len);
+        b[k].resize(len);
+    }
+    kiln_dims dims;
+    kiln_read(dims.d, sizeof dims.d);
+    long long items;
+    unsigned grid, block;
+    kiln_read(&items, 8);
+    kiln_read(&grid, 4);
+    kiln_read(&block, 4);
+    kiln_launch(grid, block, [&]() { KILN_CALL; });
+    for (unsigned k = 0; k < n; ++k) fwrite(b[k].data(), 1, b[k].size(), stdout);
+    return 0;
+}
+"#;
+
+const BLOCK: u32 = 4;
+const GRID: u32 = 3;
+
+/// The host C++ compiler, or `None` with the skip printed.
+fn gxx() -> Option<&'static str> {
+    let ok = Command::new("g++")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        println!("skipped: no g++ on the path to compile the CUDA C on the host");
+        return None;
+    }
+    Some("g++")
+}
+
+/// A fresh directory per kernel run (tests run in parallel).
+fn work_dir() -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("kiln-cuda-host-{}-{k}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+/// Compiles `f` (with the prelude and the driver) into an executable.
+fn build(cxx: &str, dir: &Path, f: &CudaFunction) -> PathBuf {
+    let args: Vec<String> = f
+        .params
+        .iter()
+        .enumerate()
+        .map(|(k, p)| format!("({})b[{k}].data()", p.c_type))
+        .collect();
+    let call = format!("{}({}, dims, items)", f.name, args.join(", "));
+    let src = format!(
+        "{SHIM}\n{}\n{}\n#define KILN_CALL {call}\n{DRIVER}",
+        prelude(),
+        f.text
+    );
+    let path = dir.join(format!("{}.cpp", f.name));
+    std::fs::write(&path, &src).expect("write source");
+    let exe = dir.join(&f.name);
+    let out = Command::new(cxx)
+        .args([
+            "-std=c++20",
+            "-O1",
+            "-ffp-contract=off",
+            "-pthread",
+            "-Wall",
+            "-Werror",
+        ])
+        .arg(&path)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("g++ runs");
+    assert!(
+        out.status.success(),
+        "{} does not compile:\n{}\n{src}",
+        f.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// Runs `f` on the host over `bufs` (updated in place).
+fn run(cxx: &str, f: &CudaFunction, bufs: &mut [Vec<u8>], dims: &[i64], items: u64) {
+    assert_eq!(
+        bufs.len(),
+        f.params.len(),
+        "{}: one buffer per parameter",
+        f.name
+    );
+    let dir = work_dir();
+    let exe = build(cxx, &dir, f);
+    let mut input = Vec::new();
+    input.extend((bufs.len() as u32).to_le_bytes());
+    for b in bufs.iter() {
+        input.extend((b.len() as u64).to_le_bytes());
+        input.extend(b);
+    }
+    assert!(dims.len() <= MAX_DIMS);
+    for k in 0..MAX_DIMS {
+        input.extend(dims.get(k).copied().unwrap_or(0).to_le_bytes());
+    }
+    input.extend((items as i64).to_le_bytes());
+    input.extend(GRID.to_le_bytes());
+    input.extend(BLOCK.to_le_bytes());
+    let mut child = Command::new(&exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the kernel runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(&input)
+        .expect("feed the kernel");
+    let out = child.wait_with_output().expect("kernel output");
+    assert!(
+        out.status.success(),
+        "{} failed: {}",
+        f.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut at = 0;
+    for b in bufs.iter_mut() {
+        let n = b.len();
+        b.copy_from_slice(&out.stdout[at..at + n]);
+        at += n;
+    }
+    assert_eq!(at, out.stdout.len());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs the CPU kernel built as `clif` over `items` in a few uneven calls.
+fn run_cpu(
+    clif: &cranelift_codegen::ir::Function,
+    name: &str,
+    bufs: &mut [Vec<u8>],
+    dims: &[i64],
+    items: usize,
+) {
+    let src = text(clif);
+    let m = jit::compile(&src).unwrap_or_else(|e| panic!("{e}\n{src}"));
+    let k = m.get(name).expect("the CPU kernel");
+    let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+    let mut lo = 0;
+    while lo < items {
+        let hi = (lo + 3).min(items);
+        // SAFETY: every buffer is sized for the kernel's dims.
+        unsafe { k(ptrs.as_ptr(), dims.as_ptr(), lo as i64, hi as i64) };
+        lo = hi;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Data.
+
+/// xorshift64*: deterministic test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    fn floats(&mut self, n: usize, lo: f32, hi: f32) -> Vec<u8> {
+        (0..n)
+            .flat_map(|_| self.uniform(lo, hi).to_le_bytes())
+            .collect()
+    }
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn i32s(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn as_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn zeros(n: usize) -> Vec<u8> {
+    vec![0; 4 * n]
+}
+
+fn exact(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: sizes");
+    for (i, (a, b)) in as_f32(got).iter().zip(as_f32(want)).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "{what}: element {i}: {a} vs {b}");
+    }
+}
+
+fn close(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: sizes");
+    let (g, w) = (as_f32(got), as_f32(want));
+    let max = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let tol = 1e-5 * max + 1e-6;
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!(
+            (a - b).abs() <= tol,
+            "{what}: element {i}: cuda {a}, cpu {b} (tolerance {tol})"
+        );
+    }
+}
+
+/// A scalar operand.
+fn one(v: f32) -> Vec<u8> {
+    f32s(&[v])
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests.
+
+#[test]
+fn dropout_masks_match_the_cpu_kernel_and_philox_bit_for_bit() {
+    let Some(cxx) = gxx() else { return };
+    let (r, c) = (7usize, 13usize);
+    let expr = Expr {
+        out: TensorType::new(DType::F32, Shape::consts(&[r as i64, c as i64])),
+        inputs: 1,
+        insts: vec![
+            Inst::In(0),
+            Inst::Dropout(Float::new(0.3), 6, 0),
+            Inst::Const(Float::new(0.25), DType::F32),
+            Inst::Bin(kiln_compiler::ir::BinaryOp::Max, 1, 2),
+        ],
+    };
+    let f = cuda::region::region("region_0", &expr, &[true], &[DType::F32]).expect("emits");
+    let cpu = region::region("region_0", &expr, &[true]).expect("CPU region");
+    let seed = 0x0123_4567_89ab_cdef_u64;
+    let step = 77;
+    let strides = vec![vec![c as isize, 1]];
+    let (dims, rows_n) = region::region_dims(&expr, &[r, c], &strides, seed, step);
+    let mut rng = Rng(3);
+    let x = rng.floats(r * c, -1.0, 2.0);
+    let mut g = vec![x.clone(), zeros(r * c)];
+    run(cxx, &f, &mut g, &dims, (r * c) as u64);
+    let mut h = vec![x.clone(), zeros(r * c)];
+    run_cpu(&cpu, "region_0", &mut h, &dims, rows_n);
+    exact("dropout region", &g[1], &h[1]);
+    // And the mask is crate::rng's.
+    let th = kiln_compiler::rng::dropout_threshold(0.3);
+    let xs = as_f32(&x);
+    let scale = (1.0 / (1.0 - 0.3f64)) as f32;
+    for (i, y) in as_f32(&g[1]).iter().enumerate() {
+        let keep = kiln_compiler::rng::dropout_keep(seed, step, 6, i as u64, th);
+        let want = if keep { xs[i] * scale } else { 0.0 }.max(0.25);
+        assert_eq!(y.to_bits(), want.to_bits(), "element {i}");
+    }
+}
+
+#[test]
+fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(11);
+    // Adam.
+    let n = 37;
+    let mut bufs = vec![
+        rng.floats(n, -1.0, 1.0),
+        rng.floats(n, -0.1, 0.1),
+        rng.floats(n, -0.01, 0.01),
+        rng.floats(n, 0.0, 0.001),
+    ];
+    for s in [0.9f32, 0.98, 0.1, 0.02, 1e-9, 3e-4, 1.2] {
+        bufs.push(one(s));
+    }
+    bufs.extend([zeros(n), zeros(n), zeros(n)]);
+    let mut g = bufs.clone();
+    let f = cuda::misc::adam_update("adam_update_0", Elem::F32);
+    run(cxx, &f, &mut g, &[n as i64], n as u64);
+    let (dims, items) = misc::adam_update_dims(n);
+    let mut h = bufs.clone();
+    run_cpu(
+        &misc::adam_update("adam_update_0"),
+        "adam_update_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    for k in 11..14 {
+        exact("adam", &g[k], &h[k]);
+    }
+
+    // embed_pe with dropout.
+    let (vocab, d, b, t) = (11usize, 6usize, 2usize, 5usize);
+    let ids: Vec<i32> = (0..b * t).map(|i| ((i * 7 + 3) % vocab) as i32).collect();
+    let bufs = vec![
+        rng.floats(vocab * d, -1.0, 1.0),
+        i32s(&ids),
+        rng.floats(t * d, -1.0, 1.0),
+        one(2.5),
+        zeros(b * t * d),
+    ];
+    let (dims, items) = region::embed_pe_dims(d, t, b, Some((0.2, 9)), 42, 3);
+    let mut g = bufs.clone();
+    run(
+        cxx,
+        &cuda::region::embed_pe("embed_pe_0", true),
+        &mut g,
+        &dims,
+        (b * t * d) as u64,
+    );
+    let mut h = bufs.clone();
+    run_cpu(
+        &region::embed_pe("embed_pe_0", true),
+        "embed_pe_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    exact("embed_pe", &g[4], &h[4]);
+
+    // sum_rows over two leading axes.
+    let shape = [3usize, 4, 9];
+    let x = rng.floats(108, -1.0, 1.0);
+    let (dims, items) = misc::sum_rows_dims(&shape);
+    let mut g = vec![x.clone(), zeros(9)];
+    run(
+        cxx,
+        &cuda::misc::sum_rows("sum_rows_0", 2).unwrap(),
+        &mut g,
+        &dims,
+        9,
+    );
+    let mut h = vec![x.clone(), zeros(9)];
+    run_cpu(
+        &misc::sum_rows("sum_rows_0", 2),
+        "sum_rows_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    exact("sum_rows", &g[1], &h[1]);
+
+    // Reductions across rows (sum, max) and along rows (max, with ties of zeros and a NaN).
+    for op in [Reduce::Sum, Reduce::Max] {
+        let (outer, len, inner) = (3usize, 5usize, 7usize);
+        let x = rng.floats(outer * len * inner, -1.0, 1.0);
+        let (dims, items) = misc::reduce_dims(ReduceLayout::Across, outer, len, inner);
+        let mut g = vec![x.clone(), zeros(outer * inner)];
+        let f = cuda::misc::reduce("reduce_0", op, ReduceLayout::Across);
+        run(cxx, &f, &mut g, &dims, (outer * inner) as u64);
+        let mut h = vec![x.clone(), zeros(outer * inner)];
+        run_cpu(
+            &misc::reduce("reduce_0", op, ReduceLayout::Across),
+            "reduce_0",
+            &mut h,
+            &dims,
+            items,
+        );
+        exact(&format!("reduce {op:?} across"), &g[1], &h[1]);
+    }
+    let rows_x = [
+        -1.0f32,
+        -0.0,
+        0.0,
+        -2.0,
+        -0.5, // max 0: the first zero, -0.0
+        1.0,
+        f32::NAN,
+        3.0,
+        2.0,
+        0.5, // a NaN
+        -3.0,
+        -1.0,
+        -2.0,
+        -1.0,
+        -4.0, // ties
+    ];
+    let x = f32s(&rows_x);
+    let (dims, items) = misc::reduce_dims(ReduceLayout::Rows, 3, 5, 1);
+    let mut g = vec![x.clone(), zeros(3)];
+    run(
+        cxx,
+        &cuda::misc::reduce("reduce_0", Reduce::Max, ReduceLayout::Rows),
+        &mut g,
+        &dims,
+        3,
+    );
+    let mut h = vec![x.clone(), zeros(3)];
+    run_cpu(
+        &misc::reduce("reduce_0", Reduce::Max, ReduceLayout::Rows),
+        "reduce_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    exact("reduce max rows", &g[1], &h[1]);
+    assert_eq!(as_f32(&g[1])[0].to_bits(), (-0.0f32).to_bits());
+
+    // Fill, relu, strided copy (a transposed view read backwards along one axis).
+    let (rows_n, n) = (5usize, 7usize);
+    let bias = rng.floats(n, -1.0, 1.0);
+    let (dims, items) = misc::rows_dims(rows_n, n);
+    let mut g = vec![bias.clone(), zeros(rows_n * n)];
+    run(
+        cxx,
+        &cuda::misc::fill_rows("fill_rows_0", Elem::F32),
+        &mut g,
+        &dims,
+        (rows_n * n) as u64,
+    );
+    let mut h = vec![bias.clone(), zeros(rows_n * n)];
+    run_cpu(
+        &misc::fill_rows("fill_rows_0"),
+        "fill_rows_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    exact("fill_rows", &g[1], &h[1]);
+    let mut y = as_f32(&rng.floats(23, -1.0, 1.0));
+    y[3] = f32::NAN;
+    y[4] = -0.0;
+    let (dims, items) = misc::relu_dims(23);
+    let mut g = vec![f32s(&y)];
+    run(
+        cxx,
+        &cuda::misc::relu("relu_0", Elem::F32),
+        &mut g,
+        &dims,
+        23,
+    );
+    let mut h = vec![f32s(&y)];
+    run_cpu(&misc::relu("relu_0"), "relu_0", &mut h, &dims, items);
+    exact("relu", &g[0], &h[0]);
+    // out[i, j] = src[i + 6·j]: a transposed view, shape [6, 4], strides [1, 6].
+    let src = rng.floats(24, -1.0, 1.0);
+    let (dims, items) = misc::copy_strided_dims(&[6, 4], &[1, 6]);
+    let mut g = vec![src.clone(), zeros(24)];
+    run(
+        cxx,
+        &cuda::misc::copy_strided("copy_strided_0"),
+        &mut g,
+        &dims,
+        24,
+    );
+    let mut h = vec![src.clone(), zeros(24)];
+    run_cpu(
+        &misc::copy_strided("copy_strided_0", false),
+        "copy_strided_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    exact("copy_strided", &g[1], &h[1]);
+    assert_eq!(as_f32(&g[1])[1], as_f32(&src)[6]);
+}
+
+#[test]
+fn row_kernels_match_the_cpu_within_rounding() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(5);
+    // softmax and the softmax backward.
+    let (rows_n, c) = (6usize, 19usize);
+    let x = rng.floats(rows_n * c, -4.0, 4.0);
+    let (dims, items) = rows::softmax_dims(rows_n, c);
+    let mut g = vec![x.clone(), zeros(rows_n * c)];
+    run(
+        cxx,
+        &cuda::rows::softmax("softmax_0", Elem::F32),
+        &mut g,
+        &dims,
+        rows_n as u64,
+    );
+    let mut h = vec![x.clone(), zeros(rows_n * c)];
+    run_cpu(
+        &rows::softmax("softmax_0"),
+        "softmax_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close("softmax", &g[1], &h[1]);
+    let p = h[1].clone();
+    let dp = rng.floats(rows_n * c, -1.0, 1.0);
+    let (dims, items) = rows::softmax_bwd_dims(rows_n, c);
+    let mut g = vec![p.clone(), dp.clone(), one(0.125), zeros(rows_n * c)];
+    run(
+        cxx,
+        &cuda::rows::softmax_bwd("softmax_bwd_0", Elem::F32),
+        &mut g,
+        &dims,
+        rows_n as u64,
+    );
+    let mut h = vec![p, dp, one(0.125), zeros(rows_n * c)];
+    run_cpu(
+        &rows::softmax_bwd("softmax_bwd_0"),
+        "softmax_bwd_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close("softmax_bwd", &g[3], &h[3]);
+
+    // scale_mask_softmax, every mask; a fully masked key row included.
+    let (b, hh, tq, tk) = (2usize, 3usize, 4usize, 6usize);
+    for mask in [MaskKind::None, MaskKind::Key, MaskKind::Causal] {
+        let x = rng.floats(b * hh * tq * tk, -3.0, 3.0);
+        let m: Vec<i32> = match mask {
+            // Batch 0 fully masked (every row uniform), batch 1 sees its first 4 keys.
+            MaskKind::Key => (0..b * tk)
+                .map(|i| i32::from(i / tk == 1 && i % tk < 4))
+                .collect(),
+            _ => (0..tq * tk)
+                .map(|i| i32::from(i % tk <= i / tk + 2))
+                .collect(),
+        };
+        let mut bufs = vec![x];
+        if mask != MaskKind::None {
+            bufs.push(i32s(&m));
+        }
+        bufs.push(one(0.5));
+        if mask != MaskKind::None {
+            bufs.push(one(-1e9));
+        }
+        bufs.push(zeros(b * hh * tq * tk));
+        let (dims, items) = rows::scale_mask_softmax_dims(b, hh, tq, tk);
+        let mut g = bufs.clone();
+        let f = cuda::rows::scale_mask_softmax("scale_mask_softmax_0", mask, Elem::F32);
+        run(cxx, &f, &mut g, &dims, items as u64);
+        let mut h = bufs.clone();
+        let cpu = rows::scale_mask_softmax("scale_mask_softmax_0", mask);
+        run_cpu(&cpu, "scale_mask_softmax_0", &mut h, &dims, items);
+        let last = bufs.len() - 1;
+        close(&format!("scale_mask_softmax {mask:?}"), &g[last], &h[last]);
+    }
+
+    // add_layer_norm, its backward and the finish.
+    let (rows_n, d) = (37usize, 10usize);
+    let bufs = vec![
+        rng.floats(rows_n * d, -2.0, 2.0),
+        rng.floats(rows_n * d, -2.0, 2.0),
+        rng.floats(d, 0.5, 1.5),
+        rng.floats(d, -0.5, 0.5),
+        one(1.0 / d as f32),
+        one(1e-6),
+        zeros(rows_n * d),
+    ];
+    let (dims, items) = rows::add_layer_norm_dims(rows_n, d);
+    let mut g = bufs.clone();
+    run(
+        cxx,
+        &cuda::rows::add_layer_norm("add_layer_norm_0", Elem::F32),
+        &mut g,
+        &dims,
+        rows_n as u64,
+    );
+    let mut h = bufs.clone();
+    run_cpu(
+        &rows::add_layer_norm("add_layer_norm_0"),
+        "add_layer_norm_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close("add_layer_norm", &g[6], &h[6]);
+    let scratch = rows::add_layer_norm_bwd_scratch(rows_n, d);
+    let bufs = vec![
+        bufs[0].clone(),
+        bufs[1].clone(),
+        bufs[2].clone(),
+        rng.floats(rows_n * d, -1.0, 1.0),
+        one(1.0 / d as f32),
+        one(1e-6),
+        zeros(rows_n * d),
+        zeros(scratch),
+    ];
+    let (dims, items) = rows::add_layer_norm_bwd_dims(rows_n, d);
+    let mut g = bufs.clone();
+    let f = cuda::rows::add_layer_norm_bwd("add_layer_norm_bwd_0", Elem::F32);
+    run(cxx, &f, &mut g, &dims, items as u64);
+    let mut h = bufs.clone();
+    run_cpu(
+        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0"),
+        "add_layer_norm_bwd_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close("add_layer_norm_bwd dx", &g[6], &h[6]);
+    close("add_layer_norm_bwd partials", &g[7], &h[7]);
+    let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
+    let mut g = vec![g[7].clone(), zeros(d), zeros(d)];
+    let f = cuda::rows::add_layer_norm_bwd_finish("add_layer_norm_bwd_finish_0");
+    run(cxx, &f, &mut g, &dims, d as u64);
+    let mut h = vec![h[7].clone(), zeros(d), zeros(d)];
+    let cpu = rows::add_layer_norm_bwd_finish("add_layer_norm_bwd_finish_0");
+    run_cpu(&cpu, "add_layer_norm_bwd_finish_0", &mut h, &dims, items);
+    close("dgamma", &g[1], &h[1]);
+    close("dbeta", &g[2], &h[2]);
+}
+
+#[test]
+fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(8);
+    let (rows_n, v, pad) = (9usize, 40usize, 0i64);
+    let logits = rng.floats(rows_n * v, -5.0, 5.0);
+    let target: Vec<i32> = (0..rows_n)
+        .map(|i| {
+            if i % 4 == 3 {
+                0
+            } else {
+                (i * 7 % 39 + 1) as i32
+            }
+        })
+        .collect();
+    let (c_nll, c_smooth, inv_v) = (0.9f32, 0.1f32, 1.0 / v as f32);
+    // The GPU path: count, main, finish, nothing on the host.
+    let mut stats = vec![i32s(&target), zeros(2)];
+    let f = cuda::rows::xent_ls_count("xent_ls_count_0");
+    run(cxx, &f, &mut stats, &[rows_n as i64, pad], 1);
+    let den = target.iter().filter(|&&t| i64::from(t) != pad).count() as f32;
+    assert_eq!(as_f32(&stats[1]), vec![den, 1.0 / den]);
+    let inv_den = f32s(&as_f32(&stats[1])[1..]);
+    let bufs = vec![
+        logits.clone(),
+        i32s(&target),
+        one(c_nll),
+        one(c_smooth),
+        one(inv_v),
+        inv_den,
+        zeros(rows_n),
+        zeros(rows_n * v),
+    ];
+    let (dims, items) = rows::xent_ls_dims(rows_n, v, pad);
+    let mut g = bufs.clone();
+    run(
+        cxx,
+        &cuda::rows::xent_ls("xent_ls_0", Elem::F32),
+        &mut g,
+        &dims,
+        rows_n as u64,
+    );
+    let mut h = bufs.clone();
+    run_cpu(
+        &rows::xent_ls("xent_ls_0"),
+        "xent_ls_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close("xent_ls row losses", &g[6], &h[6]);
+    close("xent_ls dlogits", &g[7], &h[7]);
+    let mut fin = vec![g[6].clone(), stats[1].clone(), zeros(1)];
+    run(
+        cxx,
+        &cuda::rows::xent_ls_finish("xent_ls_finish_0"),
+        &mut fin,
+        &[rows_n as i64],
+        1,
+    );
+    let want = rows::xent_ls_finish(&as_f32(&h[6]), den);
+    close("xent_ls loss", &fin[2], &f32s(&[want]));
+}

@@ -1,0 +1,273 @@
+//! The CUDA backend's entry gate: whether CUDA can be used on this machine at all.
+//!
+//! In: nothing (the machine). Out: [`cuda_available`] — `Ok(CudaInfo)` when the driver,
+//! NVRTC, cuBLAS and cuBLASLt libraries load and the driver reports at least one device,
+//! otherwise `Err` with a sentence naming exactly what is missing.
+//!
+//! cudarc is built with `dynamic-loading`: nothing links against CUDA, so the workspace
+//! builds and its tests run on a machine without the toolkit. The price is that cudarc's
+//! wrappers panic when a library or symbol is absent, so **every CUDA call of kiln goes
+//! behind this one guard**: it only probes (`is_culib_present` opens and closes each
+//! library; the driver calls run under `catch_unwind`), and its answer is computed once per
+//! process.
+//!
+//! Tests that need a GPU start with [`require_cuda_or_skip`]: without CUDA they print
+//! `skipped: <reason>` and return early, unless `KILN_REQUIRE_CUDA=1`, in which case a
+//! missing GPU fails the test (what a GPU CI runner sets, so that a broken installation
+//! cannot pass as a skip).
+
+use std::sync::OnceLock;
+
+/// The environment variable that turns a skipped GPU test into a failure.
+pub const REQUIRE_CUDA_ENV: &str = "KILN_REQUIRE_CUDA";
+
+/// What the guard found on a machine where CUDA is usable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaInfo {
+    /// Devices the driver reports (at least 1).
+    pub device_count: usize,
+    /// The driver's CUDA version, `1000 * major + 10 * minor` (13000 for 13.0).
+    pub driver_version: i32,
+}
+
+/// One probe of the machine: which libraries load and what the driver says. Split from
+/// [`diagnose`] so the decision can be tested with any combination of facts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Probe {
+    /// `libcuda` (the driver API).
+    pub driver: bool,
+    /// `libnvrtc` (runtime compilation of the emitted kernels).
+    pub nvrtc: bool,
+    /// `libcublas` (GEMMs).
+    pub cublas: bool,
+    /// `libcublasLt` (GEMMs with bias/relu epilogues).
+    pub cublaslt: bool,
+    /// The driver's answer, asked only when the driver library loads:
+    /// `(driver version, device count)` or the error of `cuInit` / `cuDeviceGetCount`.
+    pub devices: Option<Result<(i32, i32), String>>,
+}
+
+/// The decision of [`cuda_available`] for one [`Probe`].
+pub fn diagnose(p: &Probe) -> Result<CudaInfo, String> {
+    let missing: Vec<&str> = [
+        (p.driver, "the CUDA driver library (libcuda)"),
+        (p.nvrtc, "NVRTC (libnvrtc)"),
+        (p.cublas, "cuBLAS (libcublas)"),
+        (p.cublaslt, "cuBLASLt (libcublasLt)"),
+    ]
+    .iter()
+    .filter(|(present, _)| !present)
+    .map(|(_, name)| *name)
+    .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "CUDA is not available: cannot load {} (searched the dynamic loader's path, \
+             LD_LIBRARY_PATH included)",
+            join_names(&missing)
+        ));
+    }
+    match &p.devices {
+        None => Err("CUDA is not available: the driver was not asked for devices".into()),
+        Some(Err(e)) => Err(format!("CUDA is not available: the driver failed: {e}")),
+        Some(Ok((_, n))) if *n <= 0 => {
+            Err("CUDA is not available: the driver reports no CUDA device".into())
+        }
+        Some(Ok((version, n))) => Ok(CudaInfo {
+            device_count: *n as usize,
+            driver_version: *version,
+        }),
+    }
+}
+
+fn join_names(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
+
+/// Probes this machine (no caching; see [`cuda_available`]). Never panics: the library
+/// checks only open and close the libraries, and the driver calls run under
+/// `catch_unwind` (cudarc panics on a missing symbol).
+pub fn probe() -> Probe {
+    // SAFETY: `is_culib_present` only tries to open the library with `dlopen` and drops it.
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    let cublas = unsafe { cudarc::cublas::sys::is_culib_present() };
+    let cublaslt = unsafe { cudarc::cublaslt::sys::is_culib_present() };
+    let devices = driver.then(|| {
+        std::panic::catch_unwind(|| -> Result<(i32, i32), String> {
+            let n = cudarc::driver::CudaContext::device_count().map_err(|e| format!("{e:?}"))?;
+            let mut v = 0i32;
+            // SAFETY: `cuDriverGetVersion` writes one int; the driver is initialized by
+            // `device_count` above.
+            unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
+                .result()
+                .map_err(|e| format!("{e:?}"))?;
+            Ok((v, n))
+        })
+        .unwrap_or_else(|panic| Err(panic_text(&*panic)))
+    });
+    Probe {
+        driver,
+        nvrtc,
+        cublas,
+        cublaslt,
+        devices,
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic inside cudarc".to_string()
+    }
+}
+
+/// Whether CUDA is usable here, and if not, why. Computed once per process: call it
+/// before any other CUDA call.
+pub fn cuda_available() -> Result<CudaInfo, String> {
+    static ANSWER: OnceLock<Result<CudaInfo, String>> = OnceLock::new();
+    ANSWER.get_or_init(|| diagnose(&probe())).clone()
+}
+
+/// For a test that needs a GPU: `Some(info)` when CUDA is usable; otherwise prints
+/// `skipped: <reason>` and returns `None`, or panics with the reason when
+/// `KILN_REQUIRE_CUDA=1`.
+pub fn require_cuda_or_skip() -> Option<CudaInfo> {
+    skip_or_fail(
+        cuda_available(),
+        std::env::var(REQUIRE_CUDA_ENV).ok().as_deref(),
+    )
+}
+
+/// [`require_cuda_or_skip`] with the guard's answer and the value of `KILN_REQUIRE_CUDA`
+/// as arguments (what the tests exercise, without touching the process environment).
+/// Only the value `1` requires CUDA.
+pub fn skip_or_fail(
+    available: Result<CudaInfo, String>,
+    require_env: Option<&str>,
+) -> Option<CudaInfo> {
+    match available {
+        Ok(info) => Some(info),
+        Err(reason) if require_env.map(str::trim) == Some("1") => {
+            panic!("{REQUIRE_CUDA_ENV}=1 but {reason}")
+        }
+        Err(reason) => {
+            println!("skipped: {reason}");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_present(devices: Option<Result<(i32, i32), String>>) -> Probe {
+        Probe {
+            driver: true,
+            nvrtc: true,
+            cublas: true,
+            cublaslt: true,
+            devices,
+        }
+    }
+
+    #[test]
+    fn every_missing_library_is_named() {
+        let p = Probe {
+            driver: false,
+            nvrtc: true,
+            cublas: false,
+            cublaslt: false,
+            devices: None,
+        };
+        let e = diagnose(&p).unwrap_err();
+        assert!(e.contains("libcuda"), "{e}");
+        assert!(!e.contains("libnvrtc"), "{e}");
+        assert!(
+            e.contains("the CUDA driver library (libcuda), cuBLAS (libcublas) or cuBLASLt"),
+            "{e}"
+        );
+        let p = Probe {
+            nvrtc: false,
+            ..all_present(Some(Ok((13000, 1))))
+        };
+        let e = diagnose(&p).unwrap_err();
+        assert!(
+            e.ends_with("cannot load NVRTC (libnvrtc) (searched the dynamic loader's path, LD_LIBRARY_PATH included)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn devices_decide_once_the_libraries_load() {
+        assert_eq!(
+            diagnose(&all_present(Some(Ok((13000, 2))))),
+            Ok(CudaInfo {
+                device_count: 2,
+                driver_version: 13000
+            })
+        );
+        let e = diagnose(&all_present(Some(Ok((13000, 0))))).unwrap_err();
+        assert!(e.contains("no CUDA device"), "{e}");
+        let e = diagnose(&all_present(Some(Err("CUDA_ERROR_NO_DEVICE".into())))).unwrap_err();
+        assert!(e.contains("driver failed: CUDA_ERROR_NO_DEVICE"), "{e}");
+    }
+
+    #[test]
+    fn the_guard_answers_on_this_machine_without_panicking() {
+        let answer = cuda_available();
+        assert_eq!(answer, cuda_available(), "computed once");
+        match &answer {
+            Ok(info) => assert!(info.device_count > 0),
+            Err(reason) => {
+                assert!(reason.starts_with("CUDA is not available: "), "{reason}");
+                // The probe agrees with the libraries as the loader sees them.
+                let p = probe();
+                assert_eq!(diagnose(&p), answer);
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_gpu_skips_unless_required() {
+        let absent = || Err::<CudaInfo, _>("CUDA is not available: test".to_string());
+        assert_eq!(skip_or_fail(absent(), None), None);
+        assert_eq!(skip_or_fail(absent(), Some("0")), None);
+        assert_eq!(skip_or_fail(absent(), Some("")), None);
+        let required = std::panic::catch_unwind(|| skip_or_fail(absent(), Some("1")));
+        let msg = panic_text(&*required.unwrap_err());
+        assert_eq!(msg, "KILN_REQUIRE_CUDA=1 but CUDA is not available: test");
+        let info = CudaInfo {
+            device_count: 1,
+            driver_version: 13000,
+        };
+        assert_eq!(skip_or_fail(Ok(info.clone()), Some("1")), Some(info));
+    }
+
+    #[test]
+    fn the_helper_follows_the_guard_on_this_machine() {
+        // What a GPU test sees here, with the environment as it is: on a machine without
+        // CUDA and without KILN_REQUIRE_CUDA=1, a skip; with it, a failure.
+        let env = std::env::var(REQUIRE_CUDA_ENV).ok();
+        let got = std::panic::catch_unwind(|| skip_or_fail(cuda_available(), env.as_deref()));
+        match (cuda_available(), env.as_deref().map(str::trim) == Some("1")) {
+            (Ok(info), _) => assert_eq!(got.unwrap(), Some(info)),
+            (Err(_), false) => assert_eq!(got.unwrap(), None),
+            (Err(_), true) => assert!(got.is_err()),
+        }
+        // And with the variable forced both ways.
+        if cuda_available().is_err() {
+            assert!(
+                std::panic::catch_unwind(|| skip_or_fail(cuda_available(), Some("1"))).is_err()
+            );
+            assert_eq!(skip_or_fail(cuda_available(), None), None);
+        }
+    }
+}

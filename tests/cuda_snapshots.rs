@@ -1,0 +1,309 @@
+//! Snapshots of the generated CUDA C: one function of every kernel kind, from the tiny
+//! Transformer's training step, forward pass, optimizer step and decoding step, plus the
+//! prelude. No GPU is needed: the text is deterministic (emitted twice here, byte for
+//! byte) and checked for plausibility (balanced brackets, one `__global__` per function,
+//! exact constants) and, where `g++` exists, compiled as C++ under the host shim
+//! (`compiler/tests/cuda_host.rs` runs kernels that way against the CPU kernels).
+
+use std::collections::BTreeMap;
+
+use kiln_compiler::codegen::cuda::{emit, CudaCode, Library, Work};
+use kiln_compiler::optimize::optimize;
+
+mod common;
+use common::root;
+
+fn code_of(entry: &str) -> CudaCode {
+    let spec = root().join("models/transformer_tiny.kiln");
+    let mode = match entry {
+        "train_step" | "adam_update" => kiln_dsl::Mode::Train,
+        "decode_step" => kiln_dsl::Mode::Decode,
+        _ => kiln_dsl::Mode::Eval,
+    };
+    let opts = kiln_dsl::Options {
+        overrides: vec!["vocab=48".into()],
+        mode,
+        model: None,
+    };
+    let g = kiln_dsl::compile_file(&spec, &opts).expect("tiny compiles");
+    let g = kiln_runtime::compiled_entry_graph(&g, entry).expect("entry");
+    let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
+    emit(&kg).expect("emits")
+}
+
+const ENTRIES: [&str; 4] = ["train_step", "forward", "adam_update", "decode_step"];
+
+/// The kind of a function named `<kind>_<n>`.
+fn kind_of(name: &str) -> String {
+    name.rsplit_once('_')
+        .map(|(k, _)| k)
+        .unwrap_or(name)
+        .to_string()
+}
+
+#[test]
+fn cuda_of_every_kernel_kind_is_pinned() {
+    let mut first: BTreeMap<String, String> = BTreeMap::new();
+    let mut prelude = None;
+    for entry in ENTRIES {
+        let code = code_of(entry);
+        assert_eq!(code, code_of(entry), "{entry}: the code is deterministic");
+        for f in &code.functions {
+            first
+                .entry(kind_of(&f.name))
+                .or_insert_with(|| f.text.clone());
+            if f.text.contains("kiln_keep(") && f.name.starts_with("region_") {
+                first
+                    .entry("region_dropout".into())
+                    .or_insert_with(|| f.text.clone());
+            }
+        }
+        let p = prelude.get_or_insert_with(|| code.prelude.clone());
+        assert_eq!(*p, code.prelude, "one prelude for every program");
+    }
+    let kinds: Vec<&str> = first.keys().map(|s| s.as_str()).collect();
+    for want in [
+        "adam_update",
+        "add_layer_norm",
+        "add_layer_norm_bwd",
+        "add_layer_norm_bwd_finish",
+        "copy_strided",
+        "embed_pe",
+        "fill_rows",
+        "region",
+        "region_dropout",
+        "relu",
+        "scale_mask_softmax",
+        "softmax_bwd",
+        "sum_rows",
+        "xent_ls",
+        "xent_ls_count",
+        "xent_ls_finish",
+    ] {
+        assert!(kinds.contains(&want), "no `{want}` kernel among {kinds:?}");
+    }
+    insta::assert_snapshot!("cuda_prelude", prelude.expect("a prelude"));
+    for (kind, text) in &first {
+        insta::assert_snapshot!(format!("cuda_{kind}"), text);
+    }
+}
+
+/// Every `(`/`)`, `[`/`]`, `{`/`}` pair balanced and properly nested.
+fn balanced(text: &str) -> Result<(), String> {
+    let mut stack = Vec::new();
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' | '[' | '{' => stack.push(c),
+            ')' | ']' | '}' => {
+                let want = match c {
+                    ')' => '(',
+                    ']' => '[',
+                    _ => '{',
+                };
+                if stack.pop() != Some(want) {
+                    return Err(format!("unbalanced `{c}` at byte {i}"));
+                }
+            }
+            _ => {}
+        }
+    }
+    if stack.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("unclosed {stack:?}"))
+    }
+}
+
+/// `text` without its `//` comments (which may name NaN in words).
+fn without_comments(text: &str) -> String {
+    text.lines()
+        .map(|l| l.split_once("//").map(|(code, _)| code).unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The identifier-like words of `text`.
+fn words(text: &str) -> impl Iterator<Item = &str> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+}
+
+#[test]
+fn every_source_is_plausible_cuda() {
+    for entry in ENTRIES {
+        let code = code_of(entry);
+        let source = code.source();
+        balanced(&source).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let code_text = without_comments(&source);
+        for w in words(&code_text) {
+            let lower = w.to_ascii_lowercase();
+            assert!(
+                !matches!(lower.as_str(), "nan" | "inf" | "infinity"),
+                "{entry}: `{w}` in the text: constants must be exact bit patterns"
+            );
+        }
+        // Float literals are small integers (`2.0f`); anything else is a bit pattern.
+        let b = code_text.as_bytes();
+        for i in 1..b.len().saturating_sub(2) {
+            if b[i] == b'.' && b[i - 1].is_ascii_digit() {
+                assert_eq!(
+                    &code_text[i..i + 3],
+                    ".0f",
+                    "{entry}: an inexact float literal near `{}`",
+                    &code_text[i.saturating_sub(20)..(i + 20).min(code_text.len())]
+                );
+            }
+        }
+        assert_eq!(
+            source.matches("__global__").count(),
+            code.functions.len(),
+            "{entry}: one __global__ per function"
+        );
+        for f in &code.functions {
+            balanced(&f.text).unwrap_or_else(|e| panic!("{}: {e}", f.name));
+            let head = format!("extern \"C\" __global__ void {}(", f.name);
+            assert_eq!(f.text.matches(&head).count(), 1, "{}: {}", f.name, f.text);
+            assert_eq!(
+                f.text.matches("__global__").count(),
+                1,
+                "{}: one kernel per function text",
+                f.name
+            );
+            // The declared parameters, then dims and items, in order.
+            let mut sig: Vec<String> = f
+                .params
+                .iter()
+                .map(|p| format!("{} {}", p.c_type, p.name))
+                .collect();
+            sig.push("const kiln_dims dims".into());
+            sig.push("long long items".into());
+            assert!(
+                f.text.contains(&format!("{head}{})", sig.join(", "))),
+                "{}: the signature is the declared parameters:\n{}",
+                f.name,
+                f.text
+            );
+            let shared = f.text.contains("__shared__");
+            let uses_block = f.text.contains("kiln_block_");
+            assert_eq!(
+                shared, uses_block,
+                "{}: shared scratch iff block sums",
+                f.name
+            );
+            if uses_block {
+                assert_eq!(
+                    f.work,
+                    Work::Blocks,
+                    "{}: block reductions need blocks",
+                    f.name
+                );
+            }
+            assert!(!f.items_rule.is_empty());
+        }
+        // Every kernel launches something, and every role names an emitted function.
+        for (i, k) in code.kernels.iter().enumerate() {
+            for (role, name) in &k.functions {
+                if role == "inner" {
+                    assert!(name.chars().all(|c| c == '0' || c == '1'));
+                    continue;
+                }
+                assert!(
+                    code.function(name).is_some(),
+                    "{entry} kernel {i} ({}): role {role} names missing `{name}`",
+                    k.kind
+                );
+            }
+            let generated = k.functions.keys().any(|r| r != "copy" && r != "inner");
+            assert!(
+                generated || k.library.is_some(),
+                "{entry} kernel {i} ({}) launches nothing",
+                k.kind
+            );
+            match (k.kind.as_str(), &k.library) {
+                ("linear" | "linear_relu", Some(Library::Gemm { bias, relu, .. })) => {
+                    assert_eq!(*bias, Some(2));
+                    assert_eq!(*relu, k.kind == "linear_relu");
+                    assert!(k.functions.contains_key("bias"));
+                    assert_eq!(k.functions.contains_key("epilogue"), *relu);
+                }
+                (
+                    "matmul",
+                    Some(Library::Gemm {
+                        bias: None,
+                        relu: false,
+                        ..
+                    }),
+                ) => {}
+                (
+                    "attention",
+                    Some(Library::Attention {
+                        backward: false, ..
+                    }),
+                ) => {
+                    assert!(k.functions.contains_key("softmax"))
+                }
+                ("attention_bwd", Some(Library::Attention { backward: true, .. })) => {
+                    assert!(k.functions.contains_key("softmax_bwd"))
+                }
+                ("linear" | "linear_relu" | "matmul" | "attention" | "attention_bwd", l) => {
+                    panic!("{entry} kernel {i} ({}): library {l:?}", k.kind)
+                }
+                (_, Some(Library::Host)) => assert!(!generated, "{}", k.kind),
+                (_, None) => assert!(k.functions.contains_key("main"), "{}", k.kind),
+                (kind, l) => panic!("{entry} kernel {i} ({kind}): library {l:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_tiny_training_step_runs_only_gathers_and_masks_on_the_host() {
+    // What is left without CUDA code is listed here, so a new kind that falls back to
+    // the host is a visible change.
+    let mut host: Vec<String> = Vec::new();
+    for entry in ENTRIES {
+        for k in code_of(entry).kernels {
+            if k.library == Some(Library::Host) && !host.contains(&k.kind) {
+                host.push(k.kind);
+            }
+        }
+    }
+    host.sort();
+    insta::assert_snapshot!("cuda_host_kinds", host.join("\n"));
+}
+
+#[test]
+fn every_program_compiles_as_cpp_under_the_host_shim() {
+    let ok = std::process::Command::new("g++")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        println!("skipped: no g++ on the path to compile the CUDA C on the host");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kiln-cuda-syntax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for entry in ENTRIES {
+        let code = code_of(entry);
+        let path = dir.join(format!("{entry}.cpp"));
+        let src = format!(
+            "{}\n{}",
+            kiln_compiler::codegen::cuda::host::SHIM,
+            code.source()
+        );
+        std::fs::write(&path, &src).expect("write");
+        let out = std::process::Command::new("g++")
+            .args(["-std=c++20", "-fsyntax-only", "-Wall", "-Werror"])
+            .arg(&path)
+            .output()
+            .expect("g++ runs");
+        assert!(
+            out.status.success(),
+            "{entry}: the CUDA C is not valid C++ under the shim:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
