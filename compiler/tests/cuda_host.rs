@@ -708,3 +708,71 @@ fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
     let want = rows::xent_ls_finish(&as_f32(&h[6]), den);
     close("xent_ls loss", &fin[2], &f32s(&[want]));
 }
+
+fn as_i32(b: &[u8]) -> Vec<i32> {
+    b.chunks(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn index_kernels_follow_the_reference_semantics() {
+    let Some(cxx) = gxx() else { return };
+    use kiln_compiler::codegen::cuda::index;
+    // causal_mask [q, k] with k > q (a cache of k − q positions).
+    let (q, k) = (3usize, 7usize);
+    let (dims, items) = index::causal_mask_dims(q, k);
+    let mut g = vec![zeros(q * k)];
+    run(
+        cxx,
+        &index::causal_mask("causal_mask_0"),
+        &mut g,
+        &dims,
+        items as u64,
+    );
+    let want: Vec<i32> = (0..q * k)
+        .map(|e| i32::from((e % k) as i64 <= (e / k) as i64 + (k as i64 - q as i64)))
+        .collect();
+    assert_eq!(as_i32(&g[0]), want);
+    // pad_mask.
+    let ids = [0, 5, 1, 0, 9, -3];
+    let (dims, items) = index::pad_mask_dims(ids.len(), 0);
+    let mut g = vec![i32s(&ids), zeros(ids.len())];
+    run(
+        cxx,
+        &index::pad_mask("pad_mask_0"),
+        &mut g,
+        &dims,
+        items as u64,
+    );
+    assert_eq!(as_i32(&g[1]), vec![0, 1, 1, 0, 1, 1]);
+    // arange from a cache length.
+    let (dims, items) = index::arange_dims(5, 11);
+    let mut g = vec![zeros(5)];
+    run(cxx, &index::arange("arange_0"), &mut g, &dims, items as u64);
+    assert_eq!(as_i32(&g[0]), vec![11, 12, 13, 14, 15]);
+    // concat of three operands along the middle axis of [2, n, 3].
+    let sizes = [2usize, 1, 3];
+    let parts: Vec<Vec<i32>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(p, &n)| (0..2 * n * 3).map(|e| (100 * p + e) as i32).collect())
+        .collect();
+    let (dims, items) = index::concat_dims(2, 3, &sizes);
+    let mut g: Vec<Vec<u8>> = parts.iter().map(|p| i32s(p)).collect();
+    g.push(zeros(items));
+    run(
+        cxx,
+        &index::concat("concat_0", 3).unwrap(),
+        &mut g,
+        &dims,
+        items as u64,
+    );
+    let mut want = Vec::new();
+    for o in 0..2 {
+        for (p, &n) in sizes.iter().enumerate() {
+            want.extend_from_slice(&parts[p][o * n * 3..(o + 1) * n * 3]);
+        }
+    }
+    assert_eq!(as_i32(&g[3]), want);
+}

@@ -39,9 +39,13 @@ fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> Cu
 }
 
 /// One Adam step per element, the CPU kernel's op order:
-/// `m' = b1·m + c1·g; v' = b2·v + (c2·g)·g; p' = p − (step_size·m') / (sqrt(v')·inv_sqrt_bc2
-/// + eps)`. Buffers `[p, g, m, v, b1, b2, c1, c2, eps, step_size, inv_sqrt_bc2, p', m',
-/// v']` (the outputs may be `p`, `m`, `v`), dims `[n]`, items `n`.
+///
+/// ```text
+/// m' = b1·m + c1·g;  v' = b2·v + (c2·g)·g;  p' = p − (step_size·m') / (sqrt(v')·inv_sqrt_bc2 + eps)
+/// ```
+///
+/// Buffers `[p, g, m, v, b1, b2, c1, c2, eps, step_size, inv_sqrt_bc2, p_out, m_out,
+/// v_out]` (the outputs may be `p`, `m`, `v`), dims `[n]`, items `n`.
 pub fn adam_update(name: &str, e: Elem) -> CudaFunction {
     let t = e.c_type();
     let mut params: Vec<Param> = ["p", "g", "m", "v"]

@@ -13,6 +13,7 @@
 //! - [`region`] — elementwise regions and `embed_pe`;
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
+//! - [`index`] — `causal_mask`, `pad_mask`, `arange`, `concat` (host kernels on the CPU);
 //! - [`program`] — which functions each kernel kind gets ([`CudaCode`]);
 //! - [`host`] — a C++ shim that compiles and runs the text on the host (tests).
 //!
@@ -55,6 +56,7 @@
 //! `expf`/`logf`/`sinf`/`cosf` are CUDA's (≤ 2 ulp), not the CPU's polynomials.
 
 pub mod host;
+pub mod index;
 pub mod misc;
 pub mod philox;
 pub mod program;
@@ -145,8 +147,8 @@ pub enum Library {
     /// and, backward, its gradient (role `softmax_bwd`), as the CPU executor runs it; a
     /// fused flash-style kernel is later work.
     Attention { mask: String, backward: bool },
-    /// No CUDA code yet: the kind runs on the host (gathers, scatters, masks, `arange`,
-    /// `concat`, integer reductions, …, as the CPU backend's fallback kernels).
+    /// No CUDA code yet: the kind runs on the host (`gather`, `scatter_add`, `slice`,
+    /// `one_hot`, integer reductions, …, as the CPU backend's fallback kernels).
     Host,
 }
 

@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::text::{prelude, Elem};
-use crate::codegen::cuda::{misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library};
+use crate::codegen::cuda::{
+    index, misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library,
+};
 use crate::codegen::misc::ReduceLayout;
 use crate::codegen::program::{mask_kind, static_inner};
 use crate::codegen::rows::MaskKind;
@@ -235,6 +237,22 @@ fn launch(
                 bias: None,
                 relu: false,
             });
+        }
+        KernelOp::Prim(Op::CausalMask { .. }) => {
+            f.insert("main".into(), em.plain("causal_mask", index::causal_mask));
+        }
+        KernelOp::Prim(Op::PadMask { .. }) => {
+            f.insert("main".into(), em.plain("pad_mask", index::pad_mask));
+        }
+        KernelOp::Prim(Op::Arange { .. }) => {
+            f.insert("main".into(), em.plain("arange", index::arange));
+        }
+        KernelOp::Prim(Op::Concat { .. }) => {
+            let n = inputs.len();
+            let name = em.get("concat", format!("concat {n}"), |name| {
+                index::concat(name, n)
+            })?;
+            f.insert("main".into(), name);
         }
         KernelOp::Prim(_) => library = Some(Library::Host),
     }

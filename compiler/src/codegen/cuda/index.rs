@@ -1,0 +1,133 @@
+//! Index and mask primitives as CUDA C: `causal_mask`, `pad_mask`, `arange`, `concat`.
+//!
+//! In: the primitive (and for `concat` its operand count). Out: one [`CudaFunction`].
+//! The CPU backend runs these through the eager executor's kernels, so there are no CPU
+//! dims helpers to share: each function documents its own `dims` (and [`causal_mask_dims`]
+//! … give them). Every element is 4 bytes (`int`, bools as 0/1); items are output
+//! elements, one thread each. Semantics are the reference executor's:
+//!
+//! | kind          | buffers               | dims                              | out[e]                         |
+//! |---------------|-----------------------|-----------------------------------|--------------------------------|
+//! | `causal_mask` | out `[q, k]`          | `[q, k]`                          | `j ≤ i + (k − q)`              |
+//! | `pad_mask`    | ids, out (same shape) | `[n, pad]`                        | `ids[e] ≠ pad`                 |
+//! | `arange`      | out `[n]`             | `[n, start]`                      | `start + e` (the caller checks that it fits in `i32`) |
+//! | `concat`      | in0 … in(N−1), out    | `[outer, inner, n0, …, n(N−1)]`   | the operand holding position `a` of the axis |
+//!
+//! `concat` views every operand as `[outer, n_k, inner]` (contiguous) and the output as
+//! `[outer, Σ n_k, inner]`.
+
+use crate::codegen::cuda::text::W;
+use crate::codegen::cuda::{param, signature, CudaFunction, Work, FOR_THREADS};
+
+fn threads(name: &str, params: Vec<crate::codegen::cuda::Param>, w: W) -> CudaFunction {
+    CudaFunction {
+        name: name.to_string(),
+        params,
+        work: Work::Threads,
+        items_rule: "elements of the output".into(),
+        text: w.finish(),
+    }
+}
+
+/// The causal mask `[q, k]`.
+pub fn causal_mask(name: &str) -> CudaFunction {
+    let params = vec![param("out", "int*")];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long q = dims.d[0];");
+    w.l("const long long k = dims.d[1];");
+    w.open(FOR_THREADS);
+    w.l("const long long row = i / k;");
+    w.l("const long long j = i - row * k;");
+    w.l("out[i] = j <= row + (k - q) ? 1 : 0;");
+    w.close();
+    w.close();
+    threads(name, params, w)
+}
+
+/// Dims and items of [`causal_mask`].
+pub fn causal_mask_dims(q: usize, k: usize) -> (Vec<i64>, usize) {
+    (vec![q as i64, k as i64], q * k)
+}
+
+/// `out = ids ≠ pad`.
+pub fn pad_mask(name: &str) -> CudaFunction {
+    let params = vec![param("ids", "const int*"), param("out", "int*")];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long pad = dims.d[1];");
+    w.open(FOR_THREADS);
+    w.l("out[i] = (long long)ids[i] != pad ? 1 : 0;");
+    w.close();
+    w.close();
+    threads(name, params, w)
+}
+
+/// Dims and items of [`pad_mask`] over `n` ids.
+pub fn pad_mask_dims(n: usize, pad: i64) -> (Vec<i64>, usize) {
+    (vec![n as i64, pad], n)
+}
+
+/// `out[e] = start + e`.
+pub fn arange(name: &str) -> CudaFunction {
+    let params = vec![param("out", "int*")];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long start = dims.d[1];");
+    w.open(FOR_THREADS);
+    w.l("out[i] = (int)(start + i);");
+    w.close();
+    w.close();
+    threads(name, params, w)
+}
+
+/// Dims and items of [`arange`] of `n` values from `start`.
+pub fn arange_dims(n: usize, start: i64) -> (Vec<i64>, usize) {
+    (vec![n as i64, start], n)
+}
+
+/// The concatenation of `inputs` operands along an axis.
+pub fn concat(name: &str, inputs: usize) -> Result<CudaFunction, String> {
+    if inputs == 0 || 2 + inputs > crate::codegen::cuda::text::MAX_DIMS {
+        return Err(format!("concat of {inputs} operands"));
+    }
+    let mut params: Vec<_> = (0..inputs)
+        .map(|k| param(&format!("in{k}"), "const unsigned*"))
+        .collect();
+    params.push(param("out", "unsigned*"));
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long inner = dims.d[1];");
+    let total: Vec<String> = (0..inputs).map(|k| format!("dims.d[{}]", 2 + k)).collect();
+    w.l(format!("const long long total = {};", total.join(" + ")));
+    w.open(FOR_THREADS);
+    w.l("const long long o = i / (total * inner);");
+    w.l("const long long rem = i - o * (total * inner);");
+    w.l("long long a = rem / inner;");
+    w.l("const long long c = rem - a * inner;");
+    for k in 0..inputs {
+        let n = format!("dims.d[{}]", 2 + k);
+        let read = format!("out[i] = in{k}[(o * {n} + a) * inner + c];");
+        if k + 1 < inputs {
+            w.open(format!("if (a < {n})"));
+            w.l(read);
+            w.l("continue;");
+            w.close();
+            w.l(format!("a = a - {n};"));
+        } else {
+            w.l(read);
+        }
+    }
+    w.close();
+    w.close();
+    Ok(threads(name, params, w))
+}
+
+/// Dims and items of [`concat`]: `outer` and `inner` around the axis, `sizes` the
+/// operands' lengths along it.
+pub fn concat_dims(outer: usize, inner: usize, sizes: &[usize]) -> (Vec<i64>, usize) {
+    let mut dims = vec![outer as i64, inner as i64];
+    dims.extend(sizes.iter().map(|&n| n as i64));
+    let items = outer * inner * sizes.iter().sum::<usize>();
+    (dims, items)
+}
