@@ -162,9 +162,10 @@ pub fn compile_artifact(
     output: Option<&Path>,
     check: bool,
     seed: u64,
+    cuda_arch: &str,
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
-    let target = cpu_target(&args.target)?;
+    let target = artifact_target(&args.target, cuda_arch)?;
     let names = entry_names(entries)?;
     let spec_text = kiln_dsl::source_text(&args.spec)?;
     let spec_hash =
@@ -239,9 +240,10 @@ pub fn compile_artifact_from_config(
     output: Option<&Path>,
     check: bool,
     target: &str,
+    cuda_arch: &str,
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
-    let target = cpu_target(target)?;
+    let target = artifact_target(target, cuda_arch)?;
     let cfg = Config::load(config).map_err(|e| plain("kiln::config", e.to_string(), None))?;
     if cfg.model.spec.as_os_str().is_empty() {
         return Err(plain(
@@ -290,9 +292,10 @@ pub fn compile_artifact_from_model(
     output: Option<&Path>,
     check: bool,
     target: &str,
+    cuda_arch: &str,
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
-    let target = cpu_target(target)?;
+    let target = artifact_target(target, cuda_arch)?;
     let m = model::load(model_dir).map_err(crate::train_cmds::err("kiln::model"))?;
     let origin = format!("the model `{}`", m.dir.display());
     let graphs = graphs_of(&m.graphs, entries, &DECODING_ENTRIES, &origin)?;
@@ -323,27 +326,45 @@ fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
     })
 }
 
-fn cpu_target(name: &str) -> Result<Target, Error> {
+/// What an artifact is compiled for: the cost model's target and, for `cuda`, the GPU
+/// architecture of its CUDA C.
+#[derive(Clone, Debug)]
+pub struct ArtifactTarget {
+    pub target: Target,
+    pub cuda_arch: Option<String>,
+}
+
+fn artifact_target(name: &str, cuda_arch: &str) -> Result<ArtifactTarget, Error> {
     let target = Target::parse(name).unwrap_or(Target::Cpu);
-    if target != Target::Cpu {
+    if target == Target::Cpu {
+        return Ok(ArtifactTarget {
+            target,
+            cuda_arch: None,
+        });
+    }
+    let digits = cuda_arch.strip_prefix("sm_").unwrap_or("");
+    if digits.len() < 2 || !digits.chars().all(|c| c.is_ascii_digit()) {
         return Err(plain(
             "kiln::compile",
-            format!(
-                "artifacts for target `{name}` are not supported yet (#6): only `cpu` has generated code"
-            ),
-            Some(
-                "use `--target cpu`; `kiln explain --target cuda` shows the CUDA cost model's choices"
-                    .to_string(),
-            ),
+            format!("`{cuda_arch}` is not a CUDA architecture"),
+            Some("give `--cuda-arch sm_XY`, e.g. `sm_90` (H100) or `sm_80` (A100)".to_string()),
         ));
     }
-    Ok(target)
+    Ok(ArtifactTarget {
+        target,
+        cuda_arch: Some(cuda_arch.to_string()),
+    })
 }
 
 /// Optimizes, plans and generates code for every entry of `src`, and writes the artifact.
-fn write_artifact_from(dir: &Path, target: Target, src: Source, check: bool) -> Result<(), Error> {
+fn write_artifact_from(
+    dir: &Path,
+    target: ArtifactTarget,
+    src: Source,
+    check: bool,
+) -> Result<(), Error> {
     let opts = OptOptions {
-        target,
+        target: target.target,
         ..OptOptions::default()
     };
     let mut specs = Vec::new();
@@ -373,6 +394,22 @@ fn write_artifact_from(dir: &Path, target: Target, src: Source, check: bool) -> 
                 Some("this is a code generator bug; please report it with the spec".to_string()),
             )
         })?;
+        let cuda = match &target.cuda_arch {
+            Some(arch) => Some(kiln_compiler::artifact::CudaEntrySpec {
+                code: kiln_compiler::codegen::cuda::emit(&kg).map_err(|e| {
+                    plain(
+                        "kiln::codegen",
+                        format!("entry `{name}`, CUDA C: {e}"),
+                        Some(
+                            "this is a code generator bug; please report it with the spec"
+                                .to_string(),
+                        ),
+                    )
+                })?,
+                arch: arch.clone(),
+            }),
+            None => None,
+        };
         match &src.weights {
             Some(all) => {
                 // Only the parameters some entry reads.
@@ -407,6 +444,7 @@ fn write_artifact_from(dir: &Path, target: Target, src: Source, check: bool) -> 
             kernel_graph: kg,
             plan,
             code,
+            cuda,
         });
     }
     let art = kiln_compiler::artifact::ArtifactSpec {
@@ -414,7 +452,7 @@ fn write_artifact_from(dir: &Path, target: Target, src: Source, check: bool) -> 
         spec_hash: src.spec_hash,
         seed: src.seed,
         hparams,
-        target: target.name().to_string(),
+        target: target.target.name().to_string(),
         entries: specs,
         weights,
         extras: src.extras,
@@ -460,6 +498,13 @@ pub fn run_artifact(
     use kiln_runtime::artifact::Artifact;
     use kiln_runtime::exec::ExecutorKind;
     let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
+    if art.manifest.target == "cuda" && executor == "compiled" {
+        let why = match kiln_runtime::cuda::cuda_available() {
+            Ok(_) => "kiln has no CUDA executor yet (#6)".to_string(),
+            Err(reason) => reason,
+        };
+        eprintln!("note: a `cuda` artifact, run with its CPU code ({why})");
+    }
     let e = art
         .entry(entry)
         .map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
@@ -580,6 +625,27 @@ pub fn inspect(dir: &Path, dims: &[(&str, i64)], plan_text: bool) -> Result<(), 
             e.clif_bytes,
             me.clif
         );
+        if let (Some(c), Some(src)) = (&me.cuda, &e.cuda_source) {
+            use kiln_compiler::codegen::cuda::Library;
+            let (mut gemm, mut attn, mut host) = (0, 0, 0);
+            for k in &c.kernels {
+                match k.library {
+                    Some(Library::Gemm { .. }) => gemm += 1,
+                    Some(Library::Attention { .. }) => attn += 1,
+                    Some(Library::Host) => host += 1,
+                    None => {}
+                }
+            }
+            let _ = writeln!(
+                out,
+                "  cuda: {} functions ({} bytes of CUDA C in {}) for {}; {gemm} cuBLAS GEMMs, \
+                 {attn} attentions, {host} on the host",
+                c.functions.len(),
+                src.len(),
+                c.source,
+                c.arch
+            );
+        }
         let _ = writeln!(
             out,
             "  memory plan: {} buffers in {} slots over {} steps",

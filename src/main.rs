@@ -103,9 +103,14 @@ enum Command {
         /// encode, decode_step, train_step, or adam_update.
         #[arg(long, default_value = "forward", value_parser = kiln_runtime::COMPILED_ENTRIES)]
         entry: String,
-        /// The target whose cost model drives extraction (artifacts: `cpu`).
+        /// The target whose cost model drives extraction; with `-o DIR --entries …`,
+        /// `cuda` also writes each entry's CUDA C (`kernels/<entry>.cu`) beside its CLIF.
         #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
         target: String,
+        /// The GPU architecture of a `--target cuda` artifact's kernels (NVRTC's
+        /// `--gpu-architecture`).
+        #[arg(long = "cuda-arch", default_value = kiln_compiler::codegen::cuda::DEFAULT_ARCH)]
+        cuda_arch: String,
         /// Compile the spec of this training configuration, at its BPE vocabulary's size,
         /// with its first weights (`train.seed`) and its tokenizer, into the artifact
         /// `kiln train --artifact DIR` starts from (entries: train_step, loss, encode,
@@ -364,6 +369,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             model,
             entry,
             target,
+            cuda_arch,
             config,
             from_model,
             entries,
@@ -378,6 +384,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     output.as_deref(),
                     validate,
                     &target,
+                    &cuda_arch,
                 );
             }
             if let Some(m) = from_model {
@@ -387,6 +394,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     output.as_deref(),
                     validate,
                     &target,
+                    &cuda_arch,
                 );
             }
             let Some(spec) = spec else {
@@ -406,7 +414,14 @@ fn run(cli: Cli) -> Result<(), Error> {
             if entries.is_empty() {
                 compile_cmds::compile(&args, output.as_deref(), validate, seed)
             } else {
-                compile_cmds::compile_artifact(&args, &entries, output.as_deref(), validate, seed)
+                compile_cmds::compile_artifact(
+                    &args,
+                    &entries,
+                    output.as_deref(),
+                    validate,
+                    seed,
+                    &cuda_arch,
+                )
             }
         }
         Command::Inspect {

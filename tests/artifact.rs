@@ -406,7 +406,7 @@ fn cli_errors() {
     let out = kiln(&["inspect", empty.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("manifest.json"), "{}", stderr(&out));
-    // CUDA artifacts are not supported yet.
+    // A CUDA architecture that is not one.
     let out = kiln(&[
         "compile",
         SPEC,
@@ -414,12 +414,15 @@ fn cli_errors() {
         "forward",
         "--target",
         "cuda",
+        "--cuda-arch",
+        "hopper",
         "-o",
         base.join("cuda").to_str().unwrap(),
     ]);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("not supported yet (#6)"),
+        stderr(&out).contains("`hopper` is not a CUDA architecture")
+            && stderr(&out).contains("sm_90"),
         "{}",
         stderr(&out)
     );
@@ -638,4 +641,131 @@ fn the_spec_hash_covers_imports() {
     let text = std::fs::read_to_string(&base).unwrap();
     std::fs::write(&base, format!("{text}\n# edited\n")).unwrap();
     assert_ne!(a, hash_of(&dir.join("transformer_tiny.kiln"), "c"));
+}
+
+/// `kiln compile --target cuda`: each entry's CUDA C beside its CLIF, byte for byte the
+/// emitter's text for the manifest's kernel graph, launch metadata in the manifest,
+/// summarized by `kiln inspect`; `kiln run` runs its CPU code; a corrupted `.cu` file or
+/// a manifest whose function list disagrees with the text is named.
+#[test]
+fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
+    let dir = tmp("cuda");
+    let art = dir.join("art");
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--entries",
+        "train_step,encode,decode_step",
+        "--target",
+        "cuda",
+        "--cuda-arch",
+        "sm_80",
+        "-o",
+        art.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let loaded = Artifact::load(&art).unwrap();
+    assert_eq!(loaded.manifest.target, "cuda");
+    for name in ["train_step", "encode", "decode_step"] {
+        let e = loaded.entry(name).unwrap();
+        let c = e.manifest.cuda.as_ref().expect("a cuda section");
+        assert_eq!(c.source, format!("kernels/{name}.cu"));
+        assert_eq!(c.arch, "sm_80");
+        assert!(c
+            .nvrtc_options
+            .contains(&"--gpu-architecture=sm_80".to_string()));
+        let text = std::fs::read_to_string(art.join(&c.source)).unwrap();
+        assert_eq!(e.cuda_source.as_deref(), Some(text.as_str()));
+        let code = kiln_compiler::codegen::cuda::emit(&e.manifest.kernel_graph).unwrap();
+        assert_eq!(text, code.source(), "{name}: the emitter's text");
+        assert_eq!(c.kernels, code.kernels);
+        assert_eq!(c.kernels.len(), e.manifest.kernel_graph.kernels().len());
+        assert!(!c.functions.is_empty());
+    }
+    // The same spec gives the same bytes.
+    let again = dir.join("again");
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--entries",
+        "train_step,encode,decode_step",
+        "--target",
+        "cuda",
+        "--cuda-arch",
+        "sm_80",
+        "-o",
+        again.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(files(&art), files(&again));
+    // `kiln inspect` summarizes the CUDA side.
+    let out = kiln(&["inspect", art.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("target: cuda"), "{text}");
+    assert!(
+        text.contains("bytes of CUDA C in kernels/train_step.cu) for sm_80")
+            && text.contains("cuBLAS GEMMs"),
+        "{text}"
+    );
+    // `kiln run` runs the artifact's CPU code, and says so.
+    let inputs = dir.join("inputs.safetensors");
+    kiln_compiler::tensor::save_safetensors(
+        &inputs,
+        &[(
+            "src".to_string(),
+            Tensor::i32(vec![1, 4], vec![5, 6, 7, 8]).unwrap(),
+        )],
+        None,
+    )
+    .unwrap();
+    let enc = dir.join("enc.safetensors");
+    let out = kiln(&[
+        "run",
+        art.to_str().unwrap(),
+        "--entry",
+        "encode",
+        "--inputs",
+        inputs.to_str().unwrap(),
+        "-o",
+        enc.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("a `cuda` artifact, run with its CPU code"),
+        "{}",
+        stderr(&out)
+    );
+    let memory = &kiln_compiler::tensor::load_safetensors(&enc).unwrap()["memory"];
+    assert_eq!(memory.shape, vec![1, 4, 32]);
+    // A changed byte in the CUDA C is named.
+    let cu = art.join("kernels/encode.cu");
+    let mut bytes = std::fs::read(&cu).unwrap();
+    let i = bytes.len() / 2;
+    bytes[i] = if bytes[i] == b'x' { b'y' } else { b'x' };
+    std::fs::write(&cu, &bytes).unwrap();
+    let err = Artifact::load(&art).unwrap_err().to_string();
+    assert!(
+        err.contains("encode.cu") && err.contains("corrupt"),
+        "{err}"
+    );
+    // A manifest that lists other functions than the text defines (hashes updated, as a
+    // hand edit would need) is refused by the function check.
+    let good = again;
+    let mpath = good.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    let funcs = m["entries"][1]["cuda"]["functions"].as_array_mut().unwrap();
+    let removed = funcs.pop().unwrap();
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let err = Artifact::load(&good).unwrap_err().to_string();
+    assert!(
+        err.contains("encode.cu")
+            && err.contains(removed["name"].as_str().unwrap())
+            && err.contains("the manifest lists"),
+        "{err}"
+    );
 }

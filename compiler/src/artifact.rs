@@ -12,6 +12,11 @@
 //! - `kernels/<entry>.clif` — the entry's CLIF functions ([`CpuCode::text`]); the loader
 //!   rebuilds the function list by splitting it at `function %name` lines
 //!   ([`split_functions`]), so the text is the source of truth;
+//! - `kernels/<entry>.cu` — for target `cuda` only: the entry's CUDA C, one NVRTC
+//!   compilation unit ([`crate::codegen::cuda::CudaCode::source`]); the manifest entry's
+//!   `cuda` field records the architecture, the NVRTC options, each function's launch
+//!   metadata and what every kernel launches ([`CudaManifest`]). A CUDA artifact carries
+//!   the CLIF of the same kernel graph too, so it runs on any machine;
 //! - `weights.safetensors` — the parameters (the union over the entries);
 //! - optional extra files at the top level, hashed like the rest: `tokenizer.json`
 //!   ([`TOKENIZER_FILE`]) when the artifact was compiled from a training configuration or
@@ -28,6 +33,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::codegen::cuda::{CudaCode, KernelLaunch, Param, Work};
 use crate::codegen::program::CpuCode;
 use crate::ir::Graph;
 use crate::optimize::kernels::{Def, KernelGraph};
@@ -123,12 +129,59 @@ pub struct KernelSummary {
     pub writes: Vec<Access>,
 }
 
+/// The CUDA C file of an entry, relative to the artifact (`kernels/<name>.cu`).
+pub fn cuda_path(entry: &str) -> String {
+    format!("{KERNELS_DIR}/{entry}.cu")
+}
+
+/// One generated CUDA function as the manifest lists it (its text is in the `.cu` file).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaFunctionInfo {
+    pub name: String,
+    /// Buffer parameters in order (then `dims` and `items`).
+    pub params: Vec<Param>,
+    pub work: Work,
+    /// What `items` counts.
+    pub items_rule: String,
+}
+
+/// The CUDA half of a manifest entry (target `cuda`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaManifest {
+    /// The CUDA C file, relative to the artifact (`kernels/<name>.cu`).
+    pub source: String,
+    /// The GPU architecture NVRTC compiles for (`sm_90`).
+    pub arch: String,
+    /// The NVRTC options the kernels are written for.
+    pub nvrtc_options: Vec<String>,
+    /// Functions in the order of the file.
+    pub functions: Vec<CudaFunctionInfo>,
+    /// Per kernel launch index: its functions by role, or the library call it is.
+    pub kernels: Vec<KernelLaunch>,
+}
+
+/// Every `__global__` function name defined in CUDA C text, in order.
+pub fn cuda_function_names(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.split("__global__ void ").nth(1) {
+            if let Some(name) = rest.split('(').next() {
+                names.push(name.trim().to_string());
+            }
+        }
+    }
+    names
+}
+
 /// One entry point in the manifest.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ManifestEntry {
     pub name: String,
     /// The CLIF file, relative to the artifact (`kernels/<name>.clif`).
     pub clif: String,
+    /// Target `cuda`: the CUDA C code (absent for `cpu`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaManifest>,
     /// Function names in the order of the CLIF file.
     pub functions: Vec<String>,
     /// Per kernel launch index: role → function name.
@@ -164,6 +217,16 @@ pub struct EntrySpec {
     pub kernel_graph: KernelGraph,
     pub plan: MemoryPlan,
     pub code: CpuCode,
+    /// Target `cuda`: the CUDA code of the same kernel graph, for `arch`.
+    pub cuda: Option<CudaEntrySpec>,
+}
+
+/// The CUDA code of one entry to write.
+#[derive(Clone, Debug)]
+pub struct CudaEntrySpec {
+    pub code: CudaCode,
+    /// `sm_90`, …
+    pub arch: String,
 }
 
 /// Everything an artifact holds.
@@ -173,7 +236,7 @@ pub struct ArtifactSpec {
     pub spec_hash: String,
     pub seed: u64,
     pub hparams: Vec<(String, String)>,
-    /// `cpu` (the only target with generated code so far).
+    /// `cpu` or `cuda` (then every entry has [`EntrySpec::cuda`]).
     pub target: String,
     pub entries: Vec<EntrySpec>,
     /// Parameters by name.
@@ -380,6 +443,43 @@ fn clif_files(art: &ArtifactSpec) -> Result<Vec<(String, Vec<u8>)>, ArtifactErro
     Ok(files)
 }
 
+/// The `.cu` files of a `cuda` artifact (none for `cpu`), checked: the target and the
+/// entries agree, and the text defines exactly the listed functions, in order.
+fn cuda_files(art: &ArtifactSpec) -> Result<Vec<(String, Vec<u8>)>, ArtifactError> {
+    let cuda = art.target == "cuda";
+    let mut files = Vec::new();
+    for e in &art.entries {
+        match (&e.cuda, cuda) {
+            (None, false) => continue,
+            (Some(_), false) => {
+                return Err(ArtifactError::Invalid(format!(
+                    "entry `{}` has CUDA code but the target is `{}`",
+                    e.name, art.target
+                )))
+            }
+            (None, true) => {
+                return Err(ArtifactError::Invalid(format!(
+                    "target `cuda`, but entry `{}` has no CUDA code",
+                    e.name
+                )))
+            }
+            (Some(c), true) => {
+                let text = c.code.source();
+                let names = cuda_function_names(&text);
+                let want: Vec<String> = c.code.functions.iter().map(|f| f.name.clone()).collect();
+                if names != want {
+                    return Err(ArtifactError::Invalid(format!(
+                        "the CUDA C of `{}` defines functions {names:?}, not {want:?}",
+                        e.name
+                    )));
+                }
+                files.push((cuda_path(&e.name), text.into_bytes()));
+            }
+        }
+    }
+    Ok(files)
+}
+
 /// Writes the artifact `art` to `dir` (see the module documentation).
 pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactError> {
     if art.entries.is_empty() {
@@ -388,6 +488,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         ));
     }
     let clifs = clif_files(art)?;
+    let cudas = cuda_files(art)?;
     for name in art.extras.keys() {
         let reserved = [MANIFEST_FILE, WEIGHTS_FILE, KERNELS_DIR];
         if name.is_empty()
@@ -427,7 +528,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         let kdir = tmp.join(KERNELS_DIR);
         std::fs::create_dir(&kdir).map_err(io_err("create", &kdir))?;
         let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
-        for (rel, bytes) in &clifs {
+        for (rel, bytes) in clifs.iter().chain(&cudas) {
             write_synced(&tmp.join(rel), bytes)?;
             files.insert(rel.clone(), FileRecord::of(bytes));
         }
@@ -460,6 +561,23 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
                 .map(|e| ManifestEntry {
                     name: e.name.clone(),
                     clif: clif_path(&e.name),
+                    cuda: e.cuda.as_ref().map(|c| CudaManifest {
+                        source: cuda_path(&e.name),
+                        arch: c.arch.clone(),
+                        nvrtc_options: crate::codegen::cuda::nvrtc_options(&c.arch),
+                        functions: c
+                            .code
+                            .functions
+                            .iter()
+                            .map(|f| CudaFunctionInfo {
+                                name: f.name.clone(),
+                                params: f.params.clone(),
+                                work: f.work,
+                                items_rule: f.items_rule.clone(),
+                            })
+                            .collect(),
+                        kernels: c.code.kernels.clone(),
+                    }),
                     functions: e.code.functions.iter().map(|(n, _)| n.clone()).collect(),
                     roles: e.code.kernels.clone(),
                     kernels: kernel_summary(&e.kernel_graph, &e.plan),

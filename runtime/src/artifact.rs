@@ -105,6 +105,9 @@ pub struct ArtifactEntry {
     pub code: CpuCode,
     /// The CLIF file's size in bytes.
     pub clif_bytes: usize,
+    /// Target `cuda`: the CUDA C of `kernels/<entry>.cu` (checked to define exactly the
+    /// manifest's functions); its launch metadata is `manifest.cuda`.
+    pub cuda_source: Option<String>,
 }
 
 /// A loaded, checked artifact.
@@ -219,7 +222,14 @@ impl Artifact {
         }
 
         let mut entries = Vec::with_capacity(manifest.entries.len());
-        let clif_files: Vec<String> = manifest.entries.iter().map(|e| e.clif.clone()).collect();
+        let mut clif_files: Vec<String> = manifest.entries.iter().map(|e| e.clif.clone()).collect();
+        clif_files.extend(
+            manifest
+                .entries
+                .iter()
+                .filter_map(|e| e.cuda.as_ref().map(|c| c.source.clone())),
+        );
+        let cuda_target = manifest.target == "cuda";
         for e in std::mem::take(&mut manifest.entries) {
             let cpath = dir.join(&e.clif);
             let Some(data) = contents.get(&e.clif) else {
@@ -253,10 +263,62 @@ impl Artifact {
                 functions,
                 kernels: e.roles.clone(),
             };
+            let cuda_source = match (&e.cuda, cuda_target) {
+                (None, false) => None,
+                (Some(_), false) | (None, true) => {
+                    return Err(ArtifactError::BadManifest {
+                        path: mpath,
+                        message: format!(
+                            "entry `{}` {} CUDA code, but the target is `{}`",
+                            e.name,
+                            if e.cuda.is_some() { "has" } else { "lacks" },
+                            manifest.target
+                        ),
+                    })
+                }
+                (Some(c), true) => {
+                    let upath = dir.join(&c.source);
+                    let Some(data) = contents.get(&c.source) else {
+                        return Err(ArtifactError::BadManifest {
+                            path: mpath,
+                            message: format!(
+                                "entry `{}`: its CUDA file `{}` is not in the files table",
+                                e.name, c.source
+                            ),
+                        });
+                    };
+                    let corrupt = |what: String| ArtifactError::Corrupt {
+                        path: upath.clone(),
+                        what,
+                    };
+                    let text = std::str::from_utf8(data)
+                        .map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
+                    let names = kiln_compiler::artifact::cuda_function_names(text);
+                    let want: Vec<String> = c.functions.iter().map(|f| f.name.clone()).collect();
+                    if names != want {
+                        return Err(corrupt(format!(
+                            "it defines functions {names:?}, the manifest lists {want:?}"
+                        )));
+                    }
+                    if c.kernels.len() != e.roles.len() {
+                        return Err(ArtifactError::BadManifest {
+                            path: mpath,
+                            message: format!(
+                                "entry `{}`: {} CUDA kernel launches for {} kernels",
+                                e.name,
+                                c.kernels.len(),
+                                e.roles.len()
+                            ),
+                        });
+                    }
+                    Some(text.to_string())
+                }
+            };
             entries.push(ArtifactEntry {
                 clif_bytes: data.len(),
                 manifest: e,
                 code,
+                cuda_source,
             });
         }
         contents.retain(|rel, _| !clif_files.contains(rel));
