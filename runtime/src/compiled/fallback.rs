@@ -176,6 +176,31 @@ pub(crate) fn run(
     outs: &[Loc],
     ctx: &RunCtx<'_>,
 ) -> Result<(), String> {
+    let host = HostCtx {
+        dims: ctx.dims,
+        seed: ctx.seed,
+        step: ctx.step,
+        pool: ctx.pool,
+    };
+    run_host(fb, ins, outs, &host)
+}
+
+/// What a fallback kernel needs of a run (host locations only; the CUDA executor copies
+/// operands to the host and calls [`run_host`] too).
+pub(crate) struct HostCtx<'a> {
+    pub dims: &'a BTreeMap<String, i64>,
+    pub seed: u64,
+    pub step: u32,
+    pub pool: &'a std::sync::Arc<crate::eager::pool::Pool>,
+}
+
+/// [`run`] with only what a fallback reads of the run.
+pub(crate) fn run_host(
+    fb: &Fallback,
+    ins: &[&Loc],
+    outs: &[Loc],
+    ctx: &HostCtx<'_>,
+) -> Result<(), String> {
     match fb {
         // The embedding gradient (a vocabulary-sized result): summed straight into the
         // arena rather than into a fresh buffer that is then copied.

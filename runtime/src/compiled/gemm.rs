@@ -89,7 +89,7 @@ pub(crate) fn parallelism(work: usize) -> Parallelism {
 }
 
 /// Element offsets of every batch entry (the axes before the last two).
-fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
+pub(crate) fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
     let r = shape.len();
     let batch_dims = &shape[..r - 2];
     let count: usize = batch_dims.iter().product();
@@ -109,7 +109,7 @@ fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize
 }
 
 /// The stride of one axis that `shape` (with `strides`) merges into, if any.
-fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
+pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
     let mut inner: Option<(usize, usize)> = None; // (stride, size) of the merged axes below
     for (&d, &s) in shape.iter().zip(strides).rev() {
         if d == 1 {

@@ -24,9 +24,9 @@
 //! Determinism: every kernel splits work by output rows or fixed-size blocks, never by the
 //! thread count, so the bits do not depend on how many threads run.
 
-mod fallback;
-mod gemm;
-mod launch;
+pub(crate) mod fallback;
+pub(crate) mod gemm;
+pub(crate) mod launch;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

@@ -15,8 +15,25 @@
 //! `skipped: <reason>` and return early, unless `KILN_REQUIRE_CUDA=1`, in which case a
 //! missing GPU fails the test (what a GPU CI runner sets, so that a broken installation
 //! cannot pass as a skip).
+//!
+//! Behind the guard, the CUDA executor ([`CudaExecutor`], [`executor_for`]) runs an entry
+//! of a `--target cuda` artifact:
+//! - [`abi`] — the launch ABI as pure functions: `kiln_dims` packing, GPU work items,
+//!   grids, and row-major GEMMs as column-major cuBLAS calls;
+//! - `steps` — what each kernel launches, from the manifest (no GPU needed:
+//!   [`launch_plan`]);
+//! - `device` — the context, stream, NVRTC module, cuBLAS, buffers, raw launches;
+//! - [`executor`] — binding, the device arena at the memory plan's offsets, views, and
+//!   each kernel kind's launches.
+
+pub mod abi;
+mod device;
+pub mod executor;
+mod steps;
 
 use std::sync::OnceLock;
+
+pub use executor::{launch_plan, CudaExecError, CudaExecutor};
 
 /// The environment variable that turns a skipped GPU test into a failure.
 pub const REQUIRE_CUDA_ENV: &str = "KILN_REQUIRE_CUDA";
@@ -162,6 +179,17 @@ pub fn skip_or_fail(
             None
         }
     }
+}
+
+/// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
+/// calls); the error says why not (no GPU: the guard's reason and the CPU alternative).
+pub fn executor_for(
+    art: &crate::artifact::Artifact,
+    entry: &str,
+) -> Result<Box<dyn crate::exec::Exec>, String> {
+    CudaExecutor::from_artifact_entry(art, entry)
+        .map(|e| Box::new(e) as Box<dyn crate::exec::Exec>)
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

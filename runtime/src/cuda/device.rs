@@ -1,0 +1,317 @@
+//! One GPU as the CUDA executor uses it: a context and its default stream, the entry's
+//! module compiled by NVRTC, cuBLAS, device buffers, raw launches and copies.
+//!
+//! In: the entry's CUDA C (one unit), the manifest's NVRTC options and function list.
+//! Out: [`Device`] — everything later calls need. Only built after
+//! [`super::cuda_available`] said yes: cudarc panics on a missing library.
+//!
+//! Everything runs on one stream, in order; host copies synchronize it. Device pointers
+//! are plain `CUdeviceptr`s (`u64`) into [`Buf`]s that the caller keeps alive until the
+//! stream has finished with them.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DevicePtr};
+use cudarc::nvrtc::Ptx;
+use kiln_compiler::codegen::cuda::Work;
+
+use super::abi::{grid, pack_dims, Sgemm};
+
+/// A device buffer of 4-byte words and its address.
+pub(crate) struct Buf {
+    _slice: CudaSlice<u32>,
+    pub ptr: u64,
+    pub words: usize,
+}
+
+/// A loaded generated function.
+struct Func {
+    f: cudarc::driver::CudaFunction,
+    work: Work,
+    params: usize,
+}
+
+pub(crate) struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    _module: Arc<CudaModule>,
+    funcs: BTreeMap<String, Func>,
+}
+
+fn drv<E: std::fmt::Debug>(what: &str) -> impl Fn(E) -> String + '_ {
+    move |e| format!("{what}: {e:?}")
+}
+
+/// NVRTC's answer as text: the log of a failed compilation, verbatim.
+fn nvrtc_error(e: cudarc::nvrtc::CompileError) -> String {
+    match e {
+        cudarc::nvrtc::CompileError::CompileError {
+            nvrtc,
+            options,
+            log,
+        } => format!(
+            "NVRTC failed ({nvrtc:?}) with options {}:\n{}",
+            options.join(" "),
+            log.to_string_lossy()
+        ),
+        other => format!("NVRTC failed: {other:?}"),
+    }
+}
+
+/// Compiles `source` (one unit) with NVRTC and `options`; the error is NVRTC's log.
+pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options.to_vec(),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(nvrtc_error)
+}
+
+impl Device {
+    /// Device 0 with the module `ptx` loaded, and the functions
+    /// `(name, work, buffer parameter count)`.
+    pub fn new(ptx: Ptx, functions: &[(String, Work, usize)]) -> Result<Device, String> {
+        let ctx = CudaContext::new(0).map_err(drv("cannot create a CUDA context"))?;
+        let stream = ctx.default_stream();
+        let module = ctx
+            .load_module(ptx)
+            .map_err(drv("cannot load the compiled module"))?;
+        let mut funcs = BTreeMap::new();
+        for (name, work, params) in functions {
+            let f = module
+                .load_function(name)
+                .map_err(drv(&format!("cannot load function `{name}`")))?;
+            funcs.insert(
+                name.clone(),
+                Func {
+                    f,
+                    work: *work,
+                    params: *params,
+                },
+            );
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(drv("cannot create a cuBLAS handle"))?;
+        // Plain fp32 GEMMs: no TF32 tensor-core rounding (the CPU executor's precision).
+        // SAFETY: a valid handle.
+        unsafe {
+            cudarc::cublas::sys::cublasSetMathMode(
+                *blas.handle(),
+                cublasMath_t::CUBLAS_PEDANTIC_MATH,
+            )
+        }
+        .result()
+        .map_err(drv("cannot set cuBLAS's math mode"))?;
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            _module: module,
+            funcs,
+        })
+    }
+
+    /// Makes the context current on the calling thread (runs may come from any thread).
+    pub fn bind(&self) -> Result<(), String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("cannot bind the CUDA context"))
+    }
+
+    /// `words` zeroed 4-byte words (at least one).
+    pub fn alloc(&self, words: usize) -> Result<Buf, String> {
+        let slice = self
+            .stream
+            .alloc_zeros::<u32>(words.max(1))
+            .map_err(drv(&format!("cannot allocate {} bytes", 4 * words)))?;
+        let ptr = slice.device_ptr(&self.stream).0;
+        Ok(Buf {
+            _slice: slice,
+            ptr,
+            words,
+        })
+    }
+
+    /// A fresh buffer holding `words`.
+    pub fn upload(&self, words: &[u32]) -> Result<Buf, String> {
+        let b = self.alloc(words.len())?;
+        self.write(b.ptr, words)?;
+        Ok(b)
+    }
+
+    /// Copies `words` to `dst` and waits for the copy.
+    pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        if words.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` addresses at least `words.len()` words of a live buffer; the copy
+        // completes before `words` can go away (synchronized below).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, words, self.stream.cu_stream()) }
+            .map_err(drv("host-to-device copy"))?;
+        self.sync()
+    }
+
+    /// `n` words at `src`, after everything queued before.
+    pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
+        let mut out = vec![0u32; n];
+        if n == 0 {
+            return Ok(out);
+        }
+        // SAFETY: `src` addresses at least `n` words of a live buffer; synchronized below
+        // before `out` is used.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out, src, self.stream.cu_stream())
+        }
+        .map_err(drv("device-to-host copy"))?;
+        self.sync()?;
+        Ok(out)
+    }
+
+    /// Zeroes `words` words at `dst`.
+    pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
+        if words == 0 {
+            return Ok(());
+        }
+        // SAFETY: `dst` addresses at least `words` words of a live buffer.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(dst, 0, 4 * words, self.stream.cu_stream())
+        }
+        .map_err(drv("memset"))
+    }
+
+    /// Copies `words` words device to device.
+    pub fn copy(&self, dst: u64, src: u64, words: usize) -> Result<(), String> {
+        if words == 0 {
+            return Ok(());
+        }
+        // SAFETY: both address at least `words` words of live buffers.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, 4 * words, self.stream.cu_stream())
+        }
+        .map_err(drv("device-to-device copy"))
+    }
+
+    pub fn sync(&self) -> Result<(), String> {
+        self.stream
+            .synchronize()
+            .map_err(drv("the CUDA stream failed"))
+    }
+
+    /// Launches generated function `name` on `ptrs` (its buffers, in order), `dims` and
+    /// `items` (see the launch ABI of `codegen::cuda`); nothing for zero items.
+    pub fn launch(
+        &self,
+        name: &str,
+        ptrs: &[u64],
+        dims: &[i64],
+        items: usize,
+    ) -> Result<(), String> {
+        let func = self
+            .funcs
+            .get(name)
+            .ok_or_else(|| format!("the module has no function `{name}`"))?;
+        if ptrs.len() != func.params {
+            return Err(format!(
+                "`{name}` takes {} buffers, {} given",
+                func.params,
+                ptrs.len()
+            ));
+        }
+        let Some((g, b)) = grid(func.work, items) else {
+            return Ok(());
+        };
+        let mut packed = pack_dims(dims).map_err(|e| format!("`{name}`: {e}"))?;
+        let mut items = items as i64;
+        let mut vals: Vec<u64> = ptrs.to_vec();
+        let mut params: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        params.push(&mut packed as *mut _ as *mut c_void);
+        params.push(&mut items as *mut i64 as *mut c_void);
+        // SAFETY: the parameters match the function's signature (pointers, the by-value
+        // `kiln_dims`, `long long items`), checked by count above; `cuLaunchKernel` copies
+        // the values before returning.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                func.f.cu_function(),
+                (g, 1, 1),
+                (b, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(drv(&format!("launching `{name}`")))
+    }
+
+    /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] at `a`, `b`, `c`; with `batch =
+    /// Some((count, stride_a, stride_b, stride_c))` one strided-batched call (element
+    /// strides).
+    pub fn sgemm(
+        &self,
+        g: &Sgemm,
+        a: u64,
+        b: u64,
+        c: u64,
+        beta: f32,
+        batch: Option<(usize, i64, i64, i64)>,
+    ) -> Result<(), String> {
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let alpha = 1.0f32;
+        let h = *self.blas.handle();
+        // SAFETY: the pointers address the operands the plan describes (sizes and leading
+        // dimensions from `sgemm_args`); cuBLAS runs on the executor's stream.
+        unsafe {
+            match batch {
+                None => cudarc::cublas::result::sgemm(
+                    h,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    &alpha,
+                    b as *const f32,
+                    g.lda,
+                    a as *const f32,
+                    g.ldb,
+                    &beta,
+                    c as *mut f32,
+                    g.ldc,
+                ),
+                Some((count, sa, sb, sc)) => cudarc::cublas::result::sgemm_strided_batched(
+                    h,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    &alpha,
+                    b as *const f32,
+                    g.lda,
+                    sb,
+                    a as *const f32,
+                    g.ldb,
+                    sa,
+                    &beta,
+                    c as *mut f32,
+                    g.ldc,
+                    sc,
+                    i32::try_from(count).map_err(|_| format!("{count} GEMMs in one batch"))?,
+                ),
+            }
+        }
+        .map_err(drv("cuBLAS sgemm"))
+    }
+}

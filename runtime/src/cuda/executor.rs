@@ -1,0 +1,1130 @@
+//! The CUDA executor: one entry of a `--target cuda` artifact run on the GPU.
+//!
+//! In: an [`Artifact`] and an entry name. Out: [`CudaExecutor`], an [`Exec`] whose runs
+//! give the entry's outputs as host tensors, the values of the CPU compiled executor
+//! within the tolerances of `codegen::cuda` (fp32, cuBLAS in pedantic math: no TF32).
+//!
+//! Building one:
+//! 1. the guard [`cuda_available`]: without CUDA, an error naming the reason and pointing
+//!    at the CPU executor (never a panic: no CUDA call is made before it);
+//! 2. the steps: what each kernel launches ([`super::steps`], from the manifest);
+//! 3. NVRTC compiles the entry's `.cu` unit with the manifest's options (a failure
+//!    reports NVRTC's log); the module and every listed function are loaded; cuBLAS is
+//!    set up on the same stream.
+//!
+//! A run mirrors the CPU executor (`compiled/mod.rs`):
+//! 1. binds inputs and parameters (`kiln_compiler::bind`), which gives the dims;
+//! 2. lays out the arena from the memory plan for those dims — the **same byte offsets**
+//!    as the CPU arena, in one device allocation (kept between runs, grown when needed);
+//! 3. uploads inputs, parameters and constants (bools as 4-byte 0/1, f64 as f32) into
+//!    device buffers of their own, every run (no caching yet);
+//! 4. gives every value a location: a device address and a strided layout (views
+//!    re-describe their source; a reshape of a non-contiguous view is copied by the
+//!    generated `copy_strided` when first read);
+//! 5. launches the kernels in order on one stream (see [`Run::exec`]);
+//! 6. copies the outputs back.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use kiln_compiler::bind::{Binder, Source};
+use kiln_compiler::codegen::cuda::index;
+use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
+use kiln_compiler::codegen::rows::{self, MaskKind};
+use kiln_compiler::ir::{DType, Graph, Op};
+use kiln_compiler::optimize::kernels::{Def, KernelGraph};
+use kiln_compiler::plan::MemoryPlan;
+use kiln_compiler::reference::{ExecError, Precision, RunOptions};
+use kiln_compiler::tensor::{Tensor, TensorData};
+
+use super::abi::{blas_operand, even_stride, plan_matmul, sgemm_args, Launch, MatDesc};
+use super::cuda_available;
+use super::device::{self, Buf, Device};
+use super::steps::{self, Exec as StepExec, Step};
+use crate::artifact::Artifact;
+use crate::compiled::fallback::{self, HostCtx};
+use crate::compiled::Loc;
+use crate::eager::pool::Pool;
+use crate::eager::value::Layout;
+use crate::exec::Exec;
+
+const EXECUTOR: &str = "the CUDA executor";
+
+/// Why a CUDA executor could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaExecError {
+    /// No usable GPU (the guard's reason).
+    #[error(
+        "{reason}; the CUDA executor cannot run entry `{entry}` here: use the CPU compiled \
+         executor instead (the artifact's CPU code, `Artifact::executor`, which `kiln run` uses)"
+    )]
+    Unavailable { entry: String, reason: String },
+    /// The artifact has no such entry, or no CUDA code for it.
+    #[error("{0}")]
+    Artifact(String),
+    /// The entry's launches cannot be run by this executor.
+    #[error("entry `{entry}`: {message}")]
+    Unsupported { entry: String, message: String },
+    /// NVRTC rejected the entry's CUDA C.
+    #[error("NVRTC cannot compile `{file}`: {log}")]
+    Nvrtc { file: String, log: String },
+    /// The driver or cuBLAS failed while setting up.
+    #[error("CUDA: {0}")]
+    Driver(String),
+}
+
+/// The device and the arena, used by one run at a time.
+struct State {
+    device: Device,
+    arena: Option<Buf>,
+}
+
+/// An entry of a CUDA artifact, ready to run on the GPU.
+pub struct CudaExecutor {
+    graph: Graph,
+    kg: KernelGraph,
+    plan: MemoryPlan,
+    steps: Vec<Step>,
+    copy: Option<String>,
+    state: Mutex<State>,
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for CudaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaExecutor({}, {} kernels)",
+            self.kg.name,
+            self.steps.len()
+        )
+    }
+}
+
+/// The entry's CUDA source and manifest section, checked (no CUDA call).
+fn cuda_parts<'a>(
+    art: &'a Artifact,
+    entry: &str,
+) -> Result<
+    (
+        &'a crate::artifact::ArtifactEntry,
+        &'a kiln_compiler::artifact::CudaManifest,
+        &'a str,
+    ),
+    CudaExecError,
+> {
+    let e = art
+        .entry(entry)
+        .map_err(|e| CudaExecError::Artifact(e.to_string()))?;
+    let (Some(m), Some(src)) = (&e.manifest.cuda, &e.cuda_source) else {
+        return Err(CudaExecError::Artifact(format!(
+            "entry `{entry}` has no CUDA code: the artifact's target is `{}`; compile it with \
+             `kiln compile --target cuda`",
+            art.manifest.target
+        )));
+    };
+    Ok((e, m, src))
+}
+
+/// The steps of entry `entry` (no CUDA call).
+fn entry_steps(art: &Artifact, entry: &str) -> Result<(Vec<Step>, Option<String>), CudaExecError> {
+    let (e, m, _) = cuda_parts(art, entry)?;
+    let names: BTreeSet<String> = m.functions.iter().map(|f| f.name.clone()).collect();
+    steps::prepare(&e.manifest.kernel_graph, &m.kernels, &names).map_err(|message| {
+        CudaExecError::Unsupported {
+            entry: entry.to_string(),
+            message,
+        }
+    })
+}
+
+/// What every kernel of entry `entry` runs as on the GPU, in launch order: its kind and
+/// `generated`, `gemm` (cuBLAS), `attention` (batched cuBLAS + generated softmaxes) or
+/// `host` (the CPU fallback between copies). Needs no GPU.
+pub fn launch_plan(
+    art: &Artifact,
+    entry: &str,
+) -> Result<Vec<(String, &'static str)>, CudaExecError> {
+    Ok(entry_steps(art, entry)?
+        .0
+        .iter()
+        .map(|s| (s.kind.clone(), s.exec.how()))
+        .collect())
+}
+
+impl CudaExecutor {
+    /// The executor of entry `entry` of `art` (see the module documentation).
+    pub fn from_artifact_entry(art: &Artifact, entry: &str) -> Result<CudaExecutor, CudaExecError> {
+        let (e, m, src) = cuda_parts(art, entry)?;
+        cuda_available().map_err(|reason| CudaExecError::Unavailable {
+            entry: entry.to_string(),
+            reason,
+        })?;
+        let kg = e.manifest.kernel_graph.clone();
+        let (steps, copy) = entry_steps(art, entry)?;
+        let ptx = device::compile(src, &m.nvrtc_options).map_err(|log| CudaExecError::Nvrtc {
+            file: m.source.clone(),
+            log,
+        })?;
+        let funcs: Vec<_> = m
+            .functions
+            .iter()
+            .map(|f| (f.name.clone(), f.work, f.params.len()))
+            .collect();
+        let device = Device::new(ptx, &funcs).map_err(CudaExecError::Driver)?;
+        let graph = e.manifest.graph.clone();
+        graph
+            .verify()
+            .map_err(|err| CudaExecError::Artifact(format!("entry `{entry}`: {err}")))?;
+        Ok(CudaExecutor {
+            graph,
+            kg,
+            plan: e.manifest.plan.clone(),
+            steps,
+            copy,
+            state: Mutex::new(State {
+                device,
+                arena: None,
+            }),
+            pool: Arc::new(Pool::default()),
+        })
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Per kernel: its kind and how it runs (`generated`, `gemm`, `attention`, `host`).
+    pub fn launches(&self) -> Vec<(String, &'static str)> {
+        self.steps
+            .iter()
+            .map(|s| (s.kind.clone(), s.exec.how()))
+            .collect()
+    }
+
+    /// Runs the entry; outputs in `graph.outputs` order.
+    pub fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        if opts.precision != Precision::F32 {
+            return Err(ExecError::Unsupported(format!(
+                "the CUDA executor computes in f32 only, but {:?} precision was requested",
+                opts.precision
+            )));
+        }
+        let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
+        let dims = bind.dims.clone();
+        let layout = self.plan.layout(&dims).map_err(|m| ExecError::Node {
+            node: "the memory plan".into(),
+            message: m,
+        })?;
+        let dev_err = |m: String| ExecError::Node {
+            node: "the GPU".into(),
+            message: m,
+        };
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.device.bind().map_err(dev_err)?;
+        let words = layout.total / 4;
+        if st.arena.as_ref().is_none_or(|a| a.words < words) {
+            st.arena = None;
+            let a = st.device.alloc(words).map_err(dev_err)?;
+            st.arena = Some(a);
+        }
+        let st = &*st;
+        let base = st.arena.as_ref().expect("allocated").ptr;
+        let mut r = Run {
+            dev: &st.device,
+            copy: self.copy.as_deref(),
+            keep: Vec::new(),
+            dims: &dims,
+            seed: opts.seed,
+            step: opts.step,
+            pool: &self.pool,
+        };
+        let node_err = |v: usize, m: String| ExecError::Node {
+            node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
+            message: m,
+        };
+        let mut locs: Vec<Vec<DLoc>> = Vec::with_capacity(self.kg.values.len());
+        // Reshapes of non-contiguous views: (source, destination, done), copied when first
+        // read; `needs[v]` lists the copies value `v` reads through.
+        let mut copies: Vec<(DLoc, u64, bool)> = Vec::new();
+        let mut needs: Vec<Vec<usize>> = Vec::with_capacity(self.kg.values.len());
+        for (v, val) in self.kg.values.iter().enumerate() {
+            let shapes: Vec<Vec<usize>> = val
+                .types
+                .iter()
+                .map(|t| t.shape.eval(&dims))
+                .collect::<Result<_, _>>()
+                .map_err(|m| node_err(v, m))?;
+            let mut need = Vec::new();
+            let loc = match &val.def {
+                Def::Input(name) => {
+                    let id = self
+                        .graph
+                        .input(name)
+                        .ok_or_else(|| node_err(v, format!("the graph has no input `{name}`")))?;
+                    let src = bind.input(id, name)?;
+                    vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?]
+                }
+                Def::Param(name) => {
+                    let id = self.graph.param(name).ok_or_else(|| {
+                        node_err(v, format!("the graph has no parameter `{name}`"))
+                    })?;
+                    let src = bind.param(id, name, &shapes[0])?;
+                    vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?]
+                }
+                Def::Const(c, dtype) => {
+                    let bits = match dtype {
+                        DType::I32 => c.get() as i32 as u32,
+                        DType::Bool => (c.get() != 0.0) as u32,
+                        _ => (c.get() as f32).to_bits(),
+                    };
+                    let ptr = r.upload(&[bits]).map_err(|m| node_err(v, m))?;
+                    vec![DLoc {
+                        ptr,
+                        layout: Layout::contiguous(&[]),
+                        dtype: *dtype,
+                    }]
+                }
+                Def::View(op, x) => {
+                    let src = locs[*x][0].clone();
+                    need = needs[*x].clone();
+                    let layout = match op {
+                        Op::Reshape { .. } => src.layout.reshape(&shapes[0]),
+                        Op::Permute { perm } => Some(src.layout.permute(perm)),
+                        Op::Broadcast { .. } => Some(src.layout.broadcast(&shapes[0])),
+                        other => {
+                            return Err(node_err(v, format!("`{}` is not a view", other.name())))
+                        }
+                    };
+                    match layout {
+                        Some(layout) => vec![DLoc {
+                            ptr: src.ptr,
+                            layout,
+                            dtype: val.types[0].dtype,
+                        }],
+                        None => {
+                            let dst = r.alloc(src.numel()).map_err(|m| node_err(v, m))?;
+                            copies.push((src, dst, false));
+                            need.push(copies.len() - 1);
+                            vec![DLoc {
+                                ptr: dst,
+                                layout: Layout::contiguous(&shapes[0]),
+                                dtype: val.types[0].dtype,
+                            }]
+                        }
+                    }
+                }
+                Def::Proj(t, k) => {
+                    need = needs[*t].clone();
+                    vec![locs[*t][*k as usize].clone()]
+                }
+                Def::Kernel { .. } => (0..val.types.len())
+                    .map(|k| {
+                        let b = self.plan.buffer_of(v, k).ok_or_else(|| {
+                            node_err(v, "internal: no buffer in the memory plan".into())
+                        })?;
+                        Ok(DLoc {
+                            ptr: base + layout.offsets[b] as u64,
+                            layout: Layout::contiguous(&shapes[k]),
+                            dtype: val.types[k].dtype,
+                        })
+                    })
+                    .collect::<Result<_, ExecError>>()?,
+            };
+            needs.push(need);
+            locs.push(loc);
+        }
+        let materialize = |v: usize,
+                           copies: &mut Vec<(DLoc, u64, bool)>,
+                           r: &mut Run<'_>|
+         -> Result<(), String> {
+            for &c in &needs[v] {
+                if !copies[c].2 {
+                    r.copy_to(&copies[c].0, copies[c].1)?;
+                    copies[c].2 = true;
+                }
+            }
+            Ok(())
+        };
+        for step in &self.steps {
+            for &x in &step.inputs {
+                materialize(x, &mut copies, &mut r).map_err(|m| node_err(step.value, m))?;
+            }
+            let ins: Vec<&DLoc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
+            let outs = &locs[step.value];
+            r.exec(step, &ins, outs)
+                .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+        }
+        let mut out = Vec::with_capacity(self.graph.outputs.len());
+        for o in &self.graph.outputs {
+            let (_, v) = self
+                .kg
+                .outputs
+                .iter()
+                .find(|(n, _)| n == &o.name)
+                .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
+            materialize(*v, &mut copies, &mut r).map_err(dev_err)?;
+            let t = r.download(&locs[*v][0]).map_err(dev_err)?;
+            out.push((o.name.clone(), t));
+        }
+        st.device.sync().map_err(dev_err)?;
+        Ok(out)
+    }
+}
+
+impl Exec for CudaExecutor {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        CudaExecutor::run(self, inputs, params, opts)
+    }
+}
+
+/// Where a value's elements are on the device: element `i` of the layout at
+/// `ptr + 4·i` (4-byte elements: f32, i32, bools as 0/1).
+#[derive(Clone, Debug)]
+pub(crate) struct DLoc {
+    pub ptr: u64,
+    pub layout: Layout,
+    pub dtype: DType,
+}
+
+impl DLoc {
+    fn base(&self) -> u64 {
+        self.at(self.layout.offset)
+    }
+
+    fn at(&self, elem: usize) -> u64 {
+        self.ptr + 4 * elem as u64
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.layout.shape
+    }
+
+    fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+
+    fn last(&self) -> usize {
+        self.shape().last().copied().unwrap_or(1)
+    }
+}
+
+/// A matrix per (batch, head): element offsets of each, and the row and column strides.
+struct Heads {
+    ptr: u64,
+    offsets: Vec<usize>,
+    rs: usize,
+    cs: usize,
+}
+
+/// The `[rows, cols]` matrices of every head of a `[b, h, t, d]` location, rows along
+/// axis `r` and columns along axis `c` (`r = 3, c = 2` reads them transposed).
+fn heads(l: &DLoc, r: usize, c: usize) -> Heads {
+    let (s, st) = (&l.layout.shape, &l.layout.strides);
+    let mut offsets = Vec::with_capacity(s[0] * s[1]);
+    for bi in 0..s[0] {
+        for hi in 0..s[1] {
+            offsets.push(l.layout.offset + bi * st[0] + hi * st[1]);
+        }
+    }
+    Heads {
+        ptr: l.ptr,
+        offsets,
+        rs: st[r],
+        cs: st[c],
+    }
+}
+
+/// Contiguous `[count, rows, cols]` scratch as per-head matrices (`transposed`: read
+/// as `[cols, rows]`).
+fn scratch_heads(ptr: u64, count: usize, rows: usize, cols: usize, transposed: bool) -> Heads {
+    Heads {
+        ptr,
+        offsets: (0..count).map(|i| i * rows * cols).collect(),
+        rs: if transposed { 1 } else { cols },
+        cs: if transposed { cols } else { 1 },
+    }
+}
+
+/// One run's device work: launches, GEMMs, copies, and the buffers they need.
+struct Run<'a> {
+    dev: &'a Device,
+    copy: Option<&'a str>,
+    keep: Vec<Buf>,
+    dims: &'a BTreeMap<String, i64>,
+    seed: u64,
+    step: u32,
+    pool: &'a Arc<Pool>,
+}
+
+impl Run<'_> {
+    /// A fresh zeroed buffer of `words` words, alive until the run ends.
+    fn alloc(&mut self, words: usize) -> Result<u64, String> {
+        let b = self.dev.alloc(words)?;
+        let p = b.ptr;
+        self.keep.push(b);
+        Ok(p)
+    }
+
+    fn upload(&mut self, words: &[u32]) -> Result<u64, String> {
+        let b = self.dev.upload(words)?;
+        let p = b.ptr;
+        self.keep.push(b);
+        Ok(p)
+    }
+
+    /// A bound input or parameter on the device.
+    fn source(&mut self, src: Source<'_>, shape: &[usize]) -> Result<DLoc, String> {
+        let (words, dtype): (Vec<u32>, DType) = match src {
+            Source::F32(v) => (v.iter().map(|x| x.to_bits()).collect(), DType::F32),
+            Source::F64(v) => (
+                v.iter().map(|&x| (x as f32).to_bits()).collect(),
+                DType::F32,
+            ),
+            Source::I32(v) => (v.iter().map(|&x| x as u32).collect(), DType::I32),
+            Source::Bool(v) => (v.iter().map(|&b| b as u32).collect(), DType::Bool),
+        };
+        Ok(DLoc {
+            ptr: self.upload(&words)?,
+            layout: Layout::contiguous(shape),
+            dtype,
+        })
+    }
+
+    fn launch(&self, f: &str, ptrs: &[u64], l: Launch) -> Result<(), String> {
+        self.dev.launch(f, ptrs, &l.dims, l.items)
+    }
+
+    /// Copies a strided location into the contiguous buffer at `dst` (generated
+    /// `copy_strided`, rank ≤ `MAX_COPY_RANK`).
+    fn copy_to(&mut self, src: &DLoc, dst: u64) -> Result<(), String> {
+        if src.numel() == 0 {
+            return Ok(());
+        }
+        if src.layout.is_contiguous() {
+            return self.dev.copy(dst, src.base(), src.numel());
+        }
+        if src.shape().len() > MAX_COPY_RANK {
+            return Err(format!(
+                "unsupported: a strided view of rank {} (copy_strided takes at most {MAX_COPY_RANK})",
+                src.shape().len()
+            ));
+        }
+        let f = self
+            .copy
+            .ok_or("the CUDA module has no copy_strided function")?;
+        let strides: Vec<i64> = src.layout.strides.iter().map(|&s| s as i64).collect();
+        self.launch(f, &[src.base(), dst], Launch::copy(src.shape(), &strides))
+    }
+
+    /// `l` as a contiguous location (copied if it is not).
+    fn contig(&mut self, l: &DLoc) -> Result<DLoc, String> {
+        if l.layout.is_contiguous() {
+            return Ok(l.clone());
+        }
+        let dst = self.alloc(l.numel())?;
+        self.copy_to(l, dst)?;
+        Ok(DLoc {
+            ptr: dst,
+            layout: Layout::contiguous(l.shape()),
+            dtype: l.dtype,
+        })
+    }
+
+    /// `l`'s elements in row-major order, on the host.
+    fn words(&mut self, l: &DLoc) -> Result<Vec<u32>, String> {
+        let c = self.contig(l)?;
+        self.dev.read(c.base(), c.numel())
+    }
+
+    fn download(&mut self, l: &DLoc) -> Result<Tensor, String> {
+        let w = self.words(l)?;
+        let data = match l.dtype {
+            DType::I32 => TensorData::I32(w.iter().map(|&x| x as i32).collect()),
+            DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
+            _ => TensorData::F32(w.iter().map(|&x| f32::from_bits(x)).collect()),
+        };
+        Ok(Tensor {
+            shape: l.shape().to_vec(),
+            data,
+        })
+    }
+
+    /// `out = a·b` (`beta = 1`: `out += a·b`, a bias already loaded), `out` contiguous.
+    fn matmul(&mut self, a: &DLoc, b: &DLoc, out: &DLoc, beta: f32) -> Result<(), String> {
+        let (mut a, mut b) = (a.clone(), b.clone());
+        let plan = match plan_matmul(&a.layout, &b.layout) {
+            Ok(p) => p,
+            Err(Err(m)) => return Err(m),
+            Err(Ok(need)) => {
+                if need.a {
+                    a = self.contig(&a)?;
+                }
+                if need.b {
+                    b = self.contig(&b)?;
+                }
+                plan_matmul(&a.layout, &b.layout).map_err(|e| match e {
+                    Ok(n) => format!("internal: cuBLAS cannot read contiguous operands ({n:?})"),
+                    Err(m) => m,
+                })?
+            }
+        };
+        if out.numel() == 0 {
+            return Ok(());
+        }
+        if plan.empty_k {
+            return if beta == 0.0 {
+                self.dev.zero(out.base(), out.numel())
+            } else {
+                Ok(())
+            };
+        }
+        match plan.strided {
+            Some((sa, sb)) => self.dev.sgemm(
+                &plan.gemm,
+                a.at(plan.a_offsets[0]),
+                b.at(plan.b_offsets[0]),
+                out.base(),
+                beta,
+                Some((plan.a_offsets.len(), sa, sb, plan.c_stride as i64)),
+            ),
+            None => {
+                for (i, (&oa, &ob)) in plan.a_offsets.iter().zip(&plan.b_offsets).enumerate() {
+                    self.dev.sgemm(
+                        &plan.gemm,
+                        a.at(oa),
+                        b.at(ob),
+                        out.base() + 4 * (i * plan.c_stride) as u64,
+                        beta,
+                        None,
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Per head `i`: `c_i[m, n] = a_i[m, k]·b_i[k, n]` into contiguous `c` (`m·n` per
+    /// head); one strided-batched call when the heads are evenly spaced.
+    fn head_gemms(
+        &self,
+        (m, k, n): (usize, usize, usize),
+        a: &Heads,
+        b: &Heads,
+        c: u64,
+    ) -> Result<(), String> {
+        let count = a.offsets.len();
+        if count == 0 || m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return self.dev.zero(c, count * m * n);
+        }
+        let da = MatDesc {
+            rows: m,
+            cols: k,
+            rs: a.rs,
+            cs: a.cs,
+        };
+        let db = MatDesc {
+            rows: k,
+            cols: n,
+            rs: b.rs,
+            cs: b.cs,
+        };
+        let g = sgemm_args((m, k, n), &da, &db, n).map_err(|e| match e {
+            Ok(need) => format!("internal: attention operands cuBLAS cannot read ({need:?})"),
+            Err(m) => m,
+        })?;
+        let at = |h: &Heads, i: usize| h.ptr + 4 * h.offsets[i] as u64;
+        match (even_stride(&a.offsets), even_stride(&b.offsets)) {
+            (Some(sa), Some(sb)) => self.dev.sgemm(
+                &g,
+                at(a, 0),
+                at(b, 0),
+                c,
+                0.0,
+                Some((count, sa, sb, (m * n) as i64)),
+            ),
+            _ => {
+                for i in 0..count {
+                    self.dev.sgemm(
+                        &g,
+                        at(a, i),
+                        at(b, i),
+                        c + 4 * (i * m * n) as u64,
+                        0.0,
+                        None,
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A `[b, h, t, d]` operand whose matrices cuBLAS can read (copied if not).
+    fn blas_ready(&mut self, l: &DLoc) -> Result<DLoc, String> {
+        let (s, st) = (&l.layout.shape, &l.layout.strides);
+        let d = MatDesc {
+            rows: s[2],
+            cols: s[3],
+            rs: st[2],
+            cs: st[3],
+        };
+        if blas_operand(&d).is_some() {
+            Ok(l.clone())
+        } else {
+            self.contig(l)
+        }
+    }
+
+    /// Zeroes `ds[b, h, tq, tk]` where the mask is false (the CPU executor's rule), on
+    /// the host: no generated function does it yet.
+    fn zero_masked(
+        &mut self,
+        ds: u64,
+        mask: &DLoc,
+        kind: MaskKind,
+        (b, h, tq, tk): (usize, usize, usize, usize),
+    ) -> Result<(), String> {
+        let m = self.words(mask)?;
+        let mut d = self.dev.read(ds, b * h * tq * tk)?;
+        for bi in 0..b {
+            for hi in 0..h {
+                for i in 0..tq {
+                    let row = if kind == MaskKind::Key {
+                        bi * tk
+                    } else {
+                        i * tk
+                    };
+                    for j in 0..tk {
+                        if m[row + j] == 0 {
+                            d[((bi * h + hi) * tq + i) * tk + j] = 0f32.to_bits();
+                        }
+                    }
+                }
+            }
+        }
+        self.dev.write(ds, &d)
+    }
+
+    /// Runs one kernel (the CPU executor's `launch::run_exec`, on the device).
+    fn exec(&mut self, step: &Step, ins: &[&DLoc], outs: &[DLoc]) -> Result<(), String> {
+        match &step.exec {
+            StepExec::Gemm { bias, relu } => {
+                let out = &outs[0];
+                if let Some(f) = bias {
+                    let n = out.last();
+                    let rows = out.numel() / n.max(1);
+                    let b = self.contig(ins[2])?;
+                    self.launch(f, &[b.base(), out.base()], Launch::fill_rows(rows, n))?;
+                }
+                let beta = if bias.is_some() { 1.0 } else { 0.0 };
+                self.matmul(ins[0], ins[1], out, beta)?;
+                if let Some(f) = relu {
+                    self.launch(f, &[out.base()], Launch::relu(out.numel()))?;
+                }
+                Ok(())
+            }
+            StepExec::Region { f, expr, inner } => {
+                let out = &outs[0];
+                let shape = out.shape().to_vec();
+                let c = out.last();
+                let mut ptrs = Vec::with_capacity(ins.len() + 1);
+                let mut strides = Vec::with_capacity(ins.len());
+                for (k, l) in ins.iter().enumerate() {
+                    let want_unit = inner.get(k).copied().unwrap_or(true);
+                    let mut l = (*l).clone();
+                    let mut b = l.layout.broadcast(&shape);
+                    let s_last = b.strides.last().copied().unwrap_or(0);
+                    let ok = c <= 1 || (want_unit && s_last == 1) || (!want_unit && s_last == 0);
+                    if !ok {
+                        if !want_unit {
+                            return Err(
+                                "internal: a broadcast region input is not broadcast".into()
+                            );
+                        }
+                        l = self.contig(&l)?;
+                        b = l.layout.broadcast(&shape);
+                    }
+                    ptrs.push(l.at(b.offset));
+                    strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
+                }
+                ptrs.push(out.base());
+                let launch = Launch::region(expr, &shape, &strides, self.seed, self.step);
+                self.launch(f, &ptrs, launch)
+            }
+            StepExec::Softmax(f) => {
+                let x = self.contig(ins[0])?;
+                let c = x.last();
+                let l = Launch::same(rows::softmax_dims(x.numel() / c.max(1), c));
+                self.launch(f, &[x.base(), outs[0].base()], l)
+            }
+            StepExec::ScaleMaskSoftmax(f, mask) => {
+                let x = self.contig(ins[0])?;
+                let s = x.shape().to_vec();
+                let l = Launch::same(rows::scale_mask_softmax_dims(s[0], s[1], s[2], s[3]));
+                let ptrs = if *mask == MaskKind::None {
+                    vec![x.base(), ins[1].base(), outs[0].base()]
+                } else {
+                    let m = self.contig(ins[1])?;
+                    vec![
+                        x.base(),
+                        m.base(),
+                        ins[2].base(),
+                        ins[3].base(),
+                        outs[0].base(),
+                    ]
+                };
+                self.launch(f, &ptrs, l)
+            }
+            StepExec::Attention { softmax, mask } => self.attention(ins, &outs[0], softmax, *mask),
+            StepExec::AttentionBwd {
+                softmax,
+                softmax_bwd,
+                mask,
+            } => self.attention_bwd(ins, outs, softmax, softmax_bwd, *mask),
+            StepExec::AddLayerNorm(f) => {
+                let x = self.contig(ins[0])?;
+                let y = self.contig(ins[1])?;
+                let g = self.contig(ins[2])?;
+                let b = self.contig(ins[3])?;
+                let d = x.last();
+                let l = Launch::same(rows::add_layer_norm_dims(x.numel() / d.max(1), d));
+                let ptrs = [
+                    x.base(),
+                    y.base(),
+                    g.base(),
+                    b.base(),
+                    ins[4].base(),
+                    ins[5].base(),
+                    outs[0].base(),
+                ];
+                self.launch(f, &ptrs, l)
+            }
+            StepExec::AddLayerNormBwd { main, finish } => {
+                let x = self.contig(ins[0])?;
+                let y = self.contig(ins[1])?;
+                let g = self.contig(ins[2])?;
+                let dy = self.contig(ins[3])?;
+                let d = x.last();
+                let rows_n = x.numel() / d.max(1);
+                let scratch = self.alloc(rows::add_layer_norm_bwd_scratch(rows_n, d))?;
+                let ptrs = [
+                    x.base(),
+                    y.base(),
+                    g.base(),
+                    dy.base(),
+                    ins[4].base(),
+                    ins[5].base(),
+                    outs[0].base(),
+                    scratch,
+                ];
+                self.launch(
+                    main,
+                    &ptrs,
+                    Launch::same(rows::add_layer_norm_bwd_dims(rows_n, d)),
+                )?;
+                self.launch(
+                    finish,
+                    &[scratch, outs[1].base(), outs[2].base()],
+                    Launch::same(rows::add_layer_norm_bwd_finish_dims(rows_n, d)),
+                )
+            }
+            StepExec::XentLs {
+                count,
+                main,
+                finish,
+                pad,
+            } => {
+                let logits = self.contig(ins[0])?;
+                let target = self.contig(ins[1])?;
+                let v = logits.last();
+                let rows_n = logits.numel() / v.max(1);
+                let stats = self.alloc(2)?;
+                let row_loss = self.alloc(rows_n)?;
+                self.launch(
+                    count,
+                    &[target.base(), stats],
+                    Launch::xent_count(rows_n, *pad),
+                )?;
+                let ptrs = [
+                    logits.base(),
+                    target.base(),
+                    ins[2].base(),
+                    ins[3].base(),
+                    ins[4].base(),
+                    stats + 4,
+                    row_loss,
+                    outs[1].base(),
+                ];
+                self.launch(
+                    main,
+                    &ptrs,
+                    Launch::same(rows::xent_ls_dims(rows_n, v, *pad)),
+                )?;
+                self.launch(
+                    finish,
+                    &[row_loss, stats, outs[0].base()],
+                    Launch::xent_finish(rows_n),
+                )
+            }
+            StepExec::EmbedPe { f, dropout } => {
+                let table = self.contig(ins[0])?;
+                let ids = self.contig(ins[1])?;
+                let pe = self.contig(ins[2])?;
+                let vocab = table.shape()[0];
+                // Ids are checked on the host, as on the CPU (the kernel does not).
+                for (i, w) in self.words(&ids)?.iter().enumerate() {
+                    kiln_compiler::bind::check_id(
+                        *w as i32,
+                        vocab,
+                        i,
+                        &format!("the embedding table has {vocab} rows"),
+                    )?;
+                }
+                let s = outs[0].shape().to_vec();
+                let l = Launch::embed_pe(s[2], s[1], s[0], *dropout, self.seed, self.step);
+                let ptrs = [
+                    table.base(),
+                    ids.base(),
+                    pe.base(),
+                    ins[3].base(),
+                    outs[0].base(),
+                ];
+                self.launch(f, &ptrs, l)
+            }
+            StepExec::SumRows(f) => {
+                let x = self.contig(ins[0])?;
+                self.launch(f, &[x.base(), outs[0].base()], Launch::sum_rows(x.shape()))
+            }
+            StepExec::Adam(f) => {
+                let mut ptrs = Vec::with_capacity(14);
+                for l in ins.iter().take(4) {
+                    ptrs.push(self.contig(l)?.base());
+                }
+                for l in ins.iter().skip(4) {
+                    ptrs.push(l.base());
+                }
+                for o in outs {
+                    ptrs.push(o.base());
+                }
+                self.launch(f, &ptrs, Launch::adam(outs[0].numel()))
+            }
+            StepExec::Reduce { f, axis, layout } => {
+                let x = self.contig(ins[0])?;
+                let s = x.shape();
+                let outer: usize = s[..*axis].iter().product();
+                let len = s[*axis];
+                let inner: usize = s[axis + 1..].iter().product();
+                if *layout == ReduceLayout::Rows && inner != 1 {
+                    return Err("internal: a row reduction over a non-last axis".into());
+                }
+                let l = Launch::reduce(*layout, outer, len, inner);
+                self.launch(f, &[x.base(), outs[0].base()], l)
+            }
+            StepExec::CausalMask(f) => {
+                let s = outs[0].shape();
+                let l = Launch::same(index::causal_mask_dims(s[0], s[1]));
+                self.launch(f, &[outs[0].base()], l)
+            }
+            StepExec::PadMask(f, pad) => {
+                let ids = self.contig(ins[0])?;
+                let l = Launch::same(index::pad_mask_dims(ids.numel(), *pad));
+                self.launch(f, &[ids.base(), outs[0].base()], l)
+            }
+            StepExec::Arange(f, start) => {
+                let start = start
+                    .eval(self.dims)
+                    .map_err(|e| format!("arange start: {e}"))?;
+                let n = outs[0].numel();
+                let end = start + n as i64;
+                if n > 0 && (start < i64::from(i32::MIN) || end - 1 > i64::from(i32::MAX)) {
+                    return Err(format!("the range {start}..{end} does not fit in i32"));
+                }
+                self.launch(
+                    f,
+                    &[outs[0].base()],
+                    Launch::same(index::arange_dims(n, start)),
+                )
+            }
+            StepExec::Concat(f, axis) => {
+                let out = &outs[0];
+                let s = out.shape().to_vec();
+                if *axis >= s.len() {
+                    return Err(format!("internal: concat axis {axis} of {s:?}"));
+                }
+                let outer: usize = s[..*axis].iter().product();
+                let inner: usize = s[axis + 1..].iter().product();
+                let mut ptrs = Vec::with_capacity(ins.len() + 1);
+                let mut sizes = Vec::with_capacity(ins.len());
+                for l in ins {
+                    sizes.push(l.shape()[*axis]);
+                    ptrs.push(self.contig(l)?.base());
+                }
+                ptrs.push(out.base());
+                self.launch(
+                    f,
+                    &ptrs,
+                    Launch::same(index::concat_dims(outer, inner, &sizes)),
+                )
+            }
+            StepExec::Host(fb) => self.host(fb, ins, outs),
+        }
+    }
+
+    /// A kernel without CUDA code: operands to the host, the CPU executor's fallback,
+    /// results back into the arena.
+    fn host(
+        &mut self,
+        fb: &fallback::Fallback,
+        ins: &[&DLoc],
+        outs: &[DLoc],
+    ) -> Result<(), String> {
+        let mut host_ins: Vec<Vec<u32>> = Vec::with_capacity(ins.len());
+        for l in ins {
+            host_ins.push(self.words(l)?);
+        }
+        let mut host_outs: Vec<Vec<u32>> =
+            outs.iter().map(|o| vec![0u32; o.numel().max(1)]).collect();
+        let in_locs: Vec<Loc> = host_ins
+            .iter_mut()
+            .zip(ins)
+            .map(|(w, l)| Loc {
+                ptr: w.as_mut_ptr() as *mut u8,
+                layout: Layout::contiguous(l.shape()),
+                dtype: l.dtype,
+            })
+            .collect();
+        let out_locs: Vec<Loc> = host_outs
+            .iter_mut()
+            .zip(outs)
+            .map(|(w, o)| Loc {
+                ptr: w.as_mut_ptr() as *mut u8,
+                layout: Layout::contiguous(o.shape()),
+                dtype: o.dtype,
+            })
+            .collect();
+        let in_refs: Vec<&Loc> = in_locs.iter().collect();
+        let ctx = HostCtx {
+            dims: self.dims,
+            seed: self.seed,
+            step: self.step,
+            pool: self.pool,
+        };
+        fallback::run_host(fb, &in_refs, &out_locs, &ctx)?;
+        for (o, w) in outs.iter().zip(&host_outs) {
+            if !o.layout.is_contiguous() {
+                return Err("internal: a strided kernel result".into());
+            }
+            self.dev.write(o.base(), &w[..o.numel()])?;
+        }
+        Ok(())
+    }
+
+    /// Attention forward on `[b, h, t, d]` operands: `s = q·kᵀ` for every head (batched
+    /// GEMM into scratch), the generated masked softmax over all `b·h·tq` rows in place,
+    /// `o = s·v` (batched GEMM into the contiguous result).
+    fn attention(
+        &mut self,
+        ins: &[&DLoc],
+        out: &DLoc,
+        softmax: &str,
+        mask: MaskKind,
+    ) -> Result<(), String> {
+        let q = self.blas_ready(ins[0])?;
+        let k = self.blas_ready(ins[1])?;
+        let v = self.blas_ready(ins[2])?;
+        let (m, scale, fill) = if mask == MaskKind::None {
+            (None, ins[3], None)
+        } else {
+            (Some(self.contig(ins[3])?), ins[4], Some(ins[5]))
+        };
+        let qs = q.shape();
+        let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
+        let tk = k.shape()[2];
+        let dv = v.shape()[3];
+        let s = self.alloc(b * h * tq * tk)?;
+        self.head_gemms((tq, dk, tk), &heads(&q, 2, 3), &heads(&k, 3, 2), s)?;
+        self.softmax_rows(s, softmax, m.as_ref(), scale, fill, (b, h, tq, tk))?;
+        let p = scratch_heads(s, b * h, tq, tk, false);
+        self.head_gemms((tq, tk, dv), &p, &heads(&v, 2, 3), out.base())
+    }
+
+    /// The generated masked scaled softmax over `s[b, h, tq, tk]`, in place.
+    fn softmax_rows(
+        &self,
+        s: u64,
+        f: &str,
+        mask: Option<&DLoc>,
+        scale: &DLoc,
+        fill: Option<&DLoc>,
+        (b, h, tq, tk): (usize, usize, usize, usize),
+    ) -> Result<(), String> {
+        let l = Launch::same(rows::scale_mask_softmax_dims(b, h, tq, tk));
+        let ptrs = match (mask, fill) {
+            (Some(m), Some(fl)) => vec![s, m.base(), scale.base(), fl.base(), s],
+            _ => vec![s, scale.base(), s],
+        };
+        self.launch(f, &ptrs, l)
+    }
+
+    /// Attention backward, as the CPU executor: recompute `p`, `dv = pᵀ·g`,
+    /// `dp = g·vᵀ`, `ds = softmax_bwd(p, dp)·scale` (zero where masked), `dq = ds·k`,
+    /// `dk = dsᵀ·q`, every GEMM batched over the heads.
+    fn attention_bwd(
+        &mut self,
+        ins: &[&DLoc],
+        outs: &[DLoc],
+        softmax: &str,
+        softmax_bwd: &str,
+        mask: MaskKind,
+    ) -> Result<(), String> {
+        let q = self.blas_ready(ins[0])?;
+        let k = self.blas_ready(ins[1])?;
+        let v = self.blas_ready(ins[2])?;
+        let (m, g, scale, fill) = if mask == MaskKind::None {
+            (None, ins[3], ins[4], None)
+        } else {
+            (Some(self.contig(ins[3])?), ins[4], ins[5], Some(ins[6]))
+        };
+        let g = self.blas_ready(g)?;
+        let qs = q.shape();
+        let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
+        let tk = k.shape()[2];
+        let dv = v.shape()[3];
+        let n = b * h;
+        let s = self.alloc(n * tq * tk)?;
+        let dp = self.alloc(n * tq * tk)?;
+        self.head_gemms((tq, dk, tk), &heads(&q, 2, 3), &heads(&k, 3, 2), s)?;
+        self.softmax_rows(s, softmax, m.as_ref(), scale, fill, (b, h, tq, tk))?;
+        // dv = pᵀ·g
+        let pt = scratch_heads(s, n, tq, tk, true);
+        self.head_gemms((tk, tq, dv), &pt, &heads(&g, 2, 3), outs[2].base())?;
+        // dp = g·vᵀ
+        self.head_gemms((tq, dv, tk), &heads(&g, 2, 3), &heads(&v, 3, 2), dp)?;
+        let l = Launch::same(rows::softmax_bwd_dims(n * tq, tk));
+        self.launch(softmax_bwd, &[s, dp, scale.base(), dp], l)?;
+        if let Some(m) = &m {
+            self.zero_masked(dp, m, mask, (b, h, tq, tk))?;
+        }
+        let ds = scratch_heads(dp, n, tq, tk, false);
+        self.head_gemms((tq, tk, dk), &ds, &heads(&k, 2, 3), outs[0].base())?;
+        let dst = scratch_heads(dp, n, tq, tk, true);
+        self.head_gemms((tk, tq, dk), &dst, &heads(&q, 2, 3), outs[1].base())
+    }
+}

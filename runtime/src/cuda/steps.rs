@@ -1,0 +1,279 @@
+//! What each kernel of a CUDA artifact entry launches, resolved once per executor.
+//!
+//! In: the entry's kernel graph and the manifest's per-kernel [`KernelLaunch`]es and
+//! function list. Out: one [`Step`] per kernel, naming the generated functions by role
+//! (checked to exist in the module) and the library routine, mirroring the CPU executor's
+//! `launch::prepare`. Pure: runs without a GPU.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use kiln_compiler::codegen::cuda::{KernelLaunch, Library};
+use kiln_compiler::codegen::misc::ReduceLayout;
+use kiln_compiler::codegen::program::mask_kind;
+use kiln_compiler::codegen::rows::MaskKind;
+use kiln_compiler::ir::{DType, Op};
+use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
+use kiln_compiler::optimize::lang::Attr;
+use kiln_compiler::optimize::regions::Expr;
+use kiln_compiler::optimize::templates::registry;
+use kiln_compiler::shape::Dim;
+
+use crate::compiled::fallback::{self, Fallback};
+
+/// One kernel, ready to launch.
+pub(crate) struct Step {
+    pub value: usize,
+    pub kind: String,
+    pub inputs: Vec<usize>,
+    pub exec: Exec,
+}
+
+/// How a kernel runs on the GPU (function names are the module's).
+pub(crate) enum Exec {
+    /// `Library::Gemm`: `out = x·w` through cuBLAS; with a bias pre-loaded by `bias`
+    /// (`fill_rows`) and `beta = 1`; relu by `relu` after.
+    Gemm {
+        bias: Option<String>,
+        relu: Option<String>,
+    },
+    Region {
+        f: String,
+        expr: Arc<Expr>,
+        inner: Vec<bool>,
+    },
+    Softmax(String),
+    ScaleMaskSoftmax(String, MaskKind),
+    /// `Library::Attention` forward: batched GEMMs and the generated masked softmax.
+    Attention {
+        softmax: String,
+        mask: MaskKind,
+    },
+    AttentionBwd {
+        softmax: String,
+        softmax_bwd: String,
+        mask: MaskKind,
+    },
+    AddLayerNorm(String),
+    AddLayerNormBwd {
+        main: String,
+        finish: String,
+    },
+    XentLs {
+        count: String,
+        main: String,
+        finish: String,
+        pad: i64,
+    },
+    EmbedPe {
+        f: String,
+        dropout: Option<(f64, u32)>,
+    },
+    SumRows(String),
+    Adam(String),
+    Reduce {
+        f: String,
+        axis: usize,
+        layout: ReduceLayout,
+    },
+    CausalMask(String),
+    PadMask(String, i64),
+    Arange(String, Dim),
+    Concat(String, usize),
+    /// `Library::Host`: operands copied to the host, the CPU executor's fallback, results
+    /// copied back.
+    Host(Fallback),
+}
+
+impl Exec {
+    /// A short name of how the kernel runs (`gemm`, `generated`, `attention`, `host`).
+    pub fn how(&self) -> &'static str {
+        match self {
+            Exec::Gemm { .. } => "gemm",
+            Exec::Attention { .. } | Exec::AttentionBwd { .. } => "attention",
+            Exec::Host(_) => "host",
+            _ => "generated",
+        }
+    }
+}
+
+fn mask_of(name: &str) -> Result<MaskKind, String> {
+    match name {
+        "none" => Ok(MaskKind::None),
+        "key" => Ok(MaskKind::Key),
+        "causal" => Ok(MaskKind::Causal),
+        other => Err(format!("unknown attention mask `{other}`")),
+    }
+}
+
+/// The steps of `kg` from its launches; `functions` are the module's function names.
+/// Also returns the strided-copy function (`None` when no kernel names one).
+pub(crate) fn prepare(
+    kg: &KernelGraph,
+    launches: &[KernelLaunch],
+    functions: &BTreeSet<String>,
+) -> Result<(Vec<Step>, Option<String>), String> {
+    let kernels = kg.kernels();
+    if launches.len() != kernels.len() {
+        return Err(format!(
+            "the CUDA manifest lists {} kernel launches, the kernel graph has {} kernels",
+            launches.len(),
+            kernels.len()
+        ));
+    }
+    let mut copy = None;
+    let mut steps = Vec::with_capacity(kernels.len());
+    for ((v, op, inputs), l) in kernels.into_iter().zip(launches) {
+        let kind = op.kind();
+        if l.kind != kind {
+            return Err(format!(
+                "kernel %{v}: the manifest launches a `{}`, the kernel graph has a `{kind}`",
+                l.kind
+            ));
+        }
+        let role = |r: &str| -> Result<String, String> {
+            let name = l
+                .functions
+                .get(r)
+                .ok_or_else(|| format!("kernel %{v} ({kind}) has no `{r}` function"))?;
+            if !functions.contains(name) {
+                return Err(format!(
+                    "kernel %{v} ({kind}): function `{name}` is not in the CUDA module"
+                ));
+            }
+            Ok(name.clone())
+        };
+        if copy.is_none() && l.functions.contains_key("copy") {
+            copy = Some(role("copy")?);
+        }
+        let f32s = inputs
+            .iter()
+            .all(|&x| kg.values[x].types[0].dtype == DType::F32);
+        let exec = match (&l.library, op) {
+            (Some(Library::Host), _) => Exec::Host(fallback::build(kg, v, op, inputs)?),
+            (Some(Library::Gemm { x, w, bias, relu }), _) => {
+                if (*x, *w) != (0, 1) || bias.is_some_and(|b| b != 2) {
+                    return Err(format!(
+                        "kernel %{v} ({kind}): unsupported GEMM operand order x={x} w={w} \
+                         bias={bias:?} (the executor expects 0, 1, 2)"
+                    ));
+                }
+                if !f32s {
+                    // An integer matmul: cuBLAS sgemm is f32 only.
+                    Exec::Host(fallback::build(kg, v, op, inputs)?)
+                } else {
+                    Exec::Gemm {
+                        bias: if bias.is_some() {
+                            Some(role("bias")?)
+                        } else {
+                            None
+                        },
+                        relu: if *relu { Some(role("epilogue")?) } else { None },
+                    }
+                }
+            }
+            (Some(Library::Attention { mask, backward }), _) => {
+                let mask = mask_of(mask).map_err(|e| format!("kernel %{v}: {e}"))?;
+                if *backward {
+                    Exec::AttentionBwd {
+                        softmax: role("softmax")?,
+                        softmax_bwd: role("softmax_bwd")?,
+                        mask,
+                    }
+                } else {
+                    Exec::Attention {
+                        softmax: role("softmax")?,
+                        mask,
+                    }
+                }
+            }
+            (None, KernelOp::Region(expr)) => Exec::Region {
+                f: role("main")?,
+                expr: expr.clone(),
+                inner: l
+                    .functions
+                    .get("inner")
+                    .map(|s| s.chars().map(|c| c == '1').collect())
+                    .unwrap_or_default(),
+            },
+            (None, KernelOp::Template { id, attrs }) => {
+                let def = &registry()[*id as usize];
+                match def.name.as_str() {
+                    "softmax" => Exec::Softmax(role("main")?),
+                    "scale_mask_softmax" => {
+                        Exec::ScaleMaskSoftmax(role("softmax")?, mask_kind(&def.variant))
+                    }
+                    "add_layer_norm" => Exec::AddLayerNorm(role("main")?),
+                    "add_layer_norm_bwd" => Exec::AddLayerNormBwd {
+                        main: role("main")?,
+                        finish: role("finish")?,
+                    },
+                    "xent_ls" => {
+                        let Some(Attr::Int(pad)) = attrs.first() else {
+                            return Err(format!("kernel %{v}: xent_ls without its pad id"));
+                        };
+                        Exec::XentLs {
+                            count: role("count")?,
+                            main: role("main")?,
+                            finish: role("finish")?,
+                            pad: *pad,
+                        }
+                    }
+                    "embed_pe" => {
+                        let dropout = match attrs.as_slice() {
+                            [] => None,
+                            [Attr::F(p), Attr::Int(stream)] => Some((p.get(), *stream as u32)),
+                            other => {
+                                return Err(format!("kernel %{v}: embed_pe attributes {other:?}"))
+                            }
+                        };
+                        Exec::EmbedPe {
+                            f: role("main")?,
+                            dropout,
+                        }
+                    }
+                    "sum_rows" => Exec::SumRows(role("main")?),
+                    "adam_update" => Exec::Adam(role("main")?),
+                    other => {
+                        return Err(format!(
+                            "kernel %{v}: the CUDA executor has no launch for template `{other}` \
+                             without a library routine"
+                        ))
+                    }
+                }
+            }
+            (None, KernelOp::Prim(Op::Reduce { axis, .. })) => {
+                let rank = kg.values[inputs[0]].types[0].shape.rank();
+                Exec::Reduce {
+                    f: role("main")?,
+                    axis: *axis,
+                    layout: if axis + 1 == rank {
+                        ReduceLayout::Rows
+                    } else {
+                        ReduceLayout::Across
+                    },
+                }
+            }
+            (None, KernelOp::Prim(Op::CausalMask { .. })) => Exec::CausalMask(role("main")?),
+            (None, KernelOp::Prim(Op::PadMask { pad })) => Exec::PadMask(role("main")?, *pad),
+            (None, KernelOp::Prim(Op::Arange { start, .. })) => {
+                Exec::Arange(role("main")?, start.clone())
+            }
+            (None, KernelOp::Prim(Op::Concat { axis })) => Exec::Concat(role("main")?, *axis),
+            (None, KernelOp::Prim(p)) => {
+                return Err(format!(
+                    "kernel %{v}: the CUDA executor has no launch for primitive `{}` without \
+                     a library routine",
+                    p.name()
+                ))
+            }
+        };
+        steps.push(Step {
+            value: v,
+            kind,
+            inputs: inputs.to_vec(),
+            exec,
+        });
+    }
+    Ok((steps, copy))
+}

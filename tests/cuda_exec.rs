@@ -1,0 +1,247 @@
+//! The CUDA executor (`kiln_runtime::cuda::CudaExecutor`) on a `--target cuda` artifact
+//! of `models/transformer_tiny.kiln`.
+//!
+//! Without a GPU: building it fails with the guard's reason and points at the CPU
+//! executor (never a panic), every kernel of every entry has a GPU launch, and the
+//! artifact-level errors are named. With a GPU (skipped here unless
+//! `KILN_REQUIRE_CUDA=1`): every entry matches the CPU compiled executor within
+//! `1e-5·max + 1e-6`, and so do consecutive training steps.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use common::kiln;
+use kiln_compiler::codegen::cuda::Library;
+use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
+use kiln_compiler::reference::RunOptions;
+use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_runtime::artifact::Artifact;
+use kiln_runtime::cuda::{
+    cuda_available, executor_for, launch_plan, require_cuda_or_skip, CudaExecError, CudaExecutor,
+};
+use kiln_runtime::exec::Exec;
+
+const SPEC: &str = "models/transformer_tiny.kiln";
+const ENTRIES: [&str; 3] = ["train_step", "encode", "decode_step"];
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_exec_{name}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn compile(dir: &Path, target: &str) -> Artifact {
+    let art = dir.join("art");
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--entries",
+        &ENTRIES.join(","),
+        "--target",
+        target,
+        "-o",
+        art.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "kiln compile failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Artifact::load(&art).unwrap()
+}
+
+/// The tiny model's CUDA artifact, compiled once per test binary.
+fn cuda_artifact() -> &'static Artifact {
+    static ART: OnceLock<Artifact> = OnceLock::new();
+    ART.get_or_init(|| compile(&tmp("cuda"), "cuda"))
+}
+
+#[test]
+fn without_cuda_building_names_the_reason_and_the_cpu_executor() {
+    let art = cuda_artifact();
+    let Err(reason) = cuda_available() else {
+        println!("skipped: CUDA is available here");
+        return;
+    };
+    for entry in ENTRIES {
+        let e = CudaExecutor::from_artifact_entry(art, entry).unwrap_err();
+        assert!(
+            matches!(&e, CudaExecError::Unavailable { entry: n, reason: r } if n == entry && r == &reason),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.starts_with("CUDA is not available: "), "{text}");
+        assert!(text.contains(&format!("entry `{entry}`")), "{text}");
+        assert!(text.contains("CPU compiled executor"), "{text}");
+        // The CLI's entry point says the same.
+        let e = executor_for(art, entry)
+            .err()
+            .expect("no executor without CUDA");
+        assert_eq!(e, text);
+    }
+}
+
+#[test]
+fn artifact_errors_come_before_the_guard() {
+    let art = cuda_artifact();
+    let e = CudaExecutor::from_artifact_entry(art, "no_such_entry").unwrap_err();
+    assert!(matches!(e, CudaExecError::Artifact(_)), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("no_such_entry") && text.contains("`encode`"),
+        "{text}"
+    );
+    let cpu = compile(&tmp("cpu"), "cpu");
+    let e = CudaExecutor::from_artifact_entry(&cpu, "encode").unwrap_err();
+    assert!(matches!(e, CudaExecError::Artifact(_)), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("entry `encode` has no CUDA code")
+            && text.contains("target is `cpu`")
+            && text.contains("--target cuda"),
+        "{text}"
+    );
+    assert!(launch_plan(&cpu, "encode").is_err());
+}
+
+#[test]
+fn every_kernel_of_the_tiny_model_has_a_gpu_launch() {
+    let art = cuda_artifact();
+    let mut seen = BTreeMap::<&str, usize>::new();
+    for entry in ENTRIES {
+        let plan = launch_plan(art, entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let e = art.entry(entry).unwrap();
+        let launches = &e.manifest.cuda.as_ref().unwrap().kernels;
+        assert_eq!(plan.len(), launches.len(), "{entry}");
+        assert_eq!(plan.len(), e.manifest.kernel_graph.kernels().len());
+        for ((kind, how), l) in plan.iter().zip(launches) {
+            assert_eq!(kind, &l.kind);
+            let want = match &l.library {
+                Some(Library::Host) => "host",
+                Some(Library::Attention { .. }) => "attention",
+                // Integer matmuls would go to the host; the tiny model has none.
+                Some(Library::Gemm { .. }) => "gemm",
+                None => "generated",
+            };
+            assert_eq!(*how, want, "{entry}: {kind}");
+            *seen.entry(how).or_default() += 1;
+        }
+    }
+    // The tiny model exercises every path: generated kernels, cuBLAS, attention and the
+    // host fallback (gathers/scatters).
+    for how in ["generated", "gemm", "attention", "host"] {
+        assert!(
+            seen.get(how).copied().unwrap_or(0) > 0,
+            "no `{how}` kernel: {seen:?}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU tests (skipped without CUDA)
+
+fn feeds(g: &kiln_compiler::Graph, art: &Artifact, seed: u64) -> (Feeds, Feeds) {
+    let sizes = [2i64, 5, 3, 2];
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (d.clone(), sizes[i % sizes.len()]))
+        .collect();
+    let (inputs, random_params) = random_feeds_with(g, seed, &dims).unwrap();
+    let weights = art.weights().unwrap();
+    let params = random_params
+        .keys()
+        .map(|k| (k.clone(), weights[k].clone()))
+        .collect();
+    (inputs, params)
+}
+
+fn as_f64(t: &Tensor) -> Vec<f64> {
+    match &t.data {
+        TensorData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        TensorData::I32(v) => v.iter().map(|&x| x as f64).collect(),
+        TensorData::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
+        other => panic!("a {} output", other.dtype_name()),
+    }
+}
+
+/// Mismatches of `got` against `want` beyond `1e-5·max|want| + 1e-6`.
+fn mismatches(entry: &str, want: &[(String, Tensor)], got: &[(String, Tensor)]) -> Vec<String> {
+    let mut bad = Vec::new();
+    assert_eq!(want.len(), got.len());
+    for ((n, w), (m, g)) in want.iter().zip(got) {
+        assert_eq!(n, m);
+        if w.shape != g.shape {
+            bad.push(format!("{entry}.{n}: shape {:?} vs {:?}", g.shape, w.shape));
+            continue;
+        }
+        let (w, g) = (as_f64(w), as_f64(g));
+        let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
+        let diff = w.iter().zip(&g).fold(0f64, |a, (x, y)| {
+            if (x - y).is_nan() {
+                f64::NAN
+            } else {
+                a.max((x - y).abs())
+            }
+        });
+        if diff.is_nan() || diff > 1e-5 * max + 1e-6 {
+            bad.push(format!("{entry}.{n}: max diff {diff:e}, max |cpu| {max:e}"));
+        }
+    }
+    bad
+}
+
+#[test]
+fn gpu_every_entry_matches_the_cpu_executor() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let mut bad = Vec::new();
+    for entry in ENTRIES {
+        let gpu = CudaExecutor::from_artifact_entry(art, entry).unwrap_or_else(|e| panic!("{e}"));
+        let cpu = art.executor(entry).unwrap();
+        let (inputs, params) = feeds(cpu.graph(), art, 11);
+        let opts = RunOptions {
+            seed: 11,
+            step: 3,
+            ..RunOptions::default()
+        };
+        let want = cpu.run(&inputs, &params, &opts).unwrap();
+        let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
+        bad.extend(mismatches(entry, &want, &got));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[test]
+fn gpu_train_steps_match_the_cpu_executor() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
+    let cpu = art.executor("train_step").unwrap();
+    let (inputs, params) = feeds(cpu.graph(), art, 5);
+    // Three runs with different dropout seeds and steps: the arena, the module and
+    // cuBLAS are reused between runs.
+    let mut bad = Vec::new();
+    for (step, seed) in [(1u32, 5u64), (2, 6), (3, 5)] {
+        let opts = RunOptions {
+            seed,
+            step,
+            ..RunOptions::default()
+        };
+        let want = cpu.run(&inputs, &params, &opts).unwrap();
+        let got = gpu.run(&inputs, &params, &opts).unwrap();
+        bad.extend(mismatches(&format!("train_step@{step}"), &want, &got));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
