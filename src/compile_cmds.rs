@@ -553,7 +553,15 @@ pub fn run_artifact(
         all.into_iter().filter(|(k, _)| mine.contains(k)).collect();
     kiln_runtime::check_weights(&g, &origin, &params).map_err(crate::runtime_error)?;
     let kind = ExecutorKind::parse(executor).unwrap_or(ExecutorKind::Compiled);
-    let exec: Box<dyn kiln_runtime::exec::Exec> = if kind == ExecutorKind::Compiled {
+    let exec: Box<dyn kiln_runtime::exec::Exec> = if executor == "cuda" {
+        kiln_runtime::cuda::executor_for(&art, entry).map_err(|e| {
+            plain(
+                "kiln::cuda",
+                e,
+                Some("`--executor compiled` runs the artifact's CPU code".to_string()),
+            )
+        })?
+    } else if kind == ExecutorKind::Compiled {
         Box::new(
             art.executor(entry)
                 .map_err(|e| plain("kiln::artifact", e.to_string(), None))?,

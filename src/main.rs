@@ -201,9 +201,10 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         step: u32,
         /// `reference` (plain loops, the oracle; the default for a spec), `eager` (op by
-        /// op, fast GEMM) or `compiled` (the optimized program as generated code; the
-        /// default for an artifact).
-        #[arg(long, value_parser = ["reference", "eager", "compiled"])]
+        /// op, fast GEMM), `compiled` (the optimized program as generated code; the
+        /// default for an artifact) or `cuda` (a `--target cuda` artifact's CUDA C on the
+        /// GPU).
+        #[arg(long, value_parser = ["reference", "eager", "compiled", "cuda"])]
         executor: Option<String>,
         /// Where to write the outputs.
         #[arg(short = 'o', long = "output")]
@@ -497,6 +498,18 @@ fn run(cli: Cli) -> Result<(), Error> {
                 );
             }
             let executor = executor.unwrap_or_else(|| "reference".to_string());
+            if executor == "cuda" {
+                return Err(plain(
+                    "kiln::run",
+                    "`--executor cuda` runs a compiled CUDA artifact, not a spec".to_string(),
+                    Some(format!(
+                        "compile one first: `kiln compile {} --entries {} --target cuda -o DIR`, \
+                         then `kiln run DIR --executor cuda …`",
+                        spec.spec.display(),
+                        entry.name()
+                    )),
+                ));
+            }
             let mut opts = spec.options();
             opts.mode = match entry.graph_kind() {
                 GraphKind::Eval => Mode::Eval,

@@ -245,3 +245,67 @@ fn gpu_train_steps_match_the_cpu_executor() {
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// `kiln run DIR --executor cuda`: without CUDA a non-zero exit with the guard's reason
+/// and the CPU alternative; on a spec, the command to compile an artifact first.
+#[test]
+fn kiln_run_with_the_cuda_executor() {
+    let dir = tmp("run");
+    let art = cuda_artifact();
+    let inputs = dir.join("in.safetensors");
+    kiln_compiler::tensor::save_safetensors(
+        &inputs,
+        &[(
+            "src".to_string(),
+            Tensor::i32(vec![1, 4], vec![5, 6, 7, 8]).unwrap(),
+        )],
+        None,
+    )
+    .unwrap();
+    let out_path = dir.join("out.safetensors");
+    let run = |target: &str| {
+        kiln(&[
+            "run",
+            target,
+            "--entry",
+            "encode",
+            "--inputs",
+            inputs.to_str().unwrap(),
+            "--executor",
+            "cuda",
+            "-o",
+            out_path.to_str().unwrap(),
+        ])
+    };
+    let out = run(art.dir.to_str().unwrap());
+    // Miette wraps lines (where depends on the paths): compare with whitespace collapsed.
+    let flat = |o: &std::process::Output| {
+        String::from_utf8_lossy(&o.stderr)
+            .split_whitespace()
+            .filter(|w| *w != "│")
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let err = flat(&out);
+    match cuda_available() {
+        Err(reason) => {
+            assert!(!out.status.success());
+            let first = reason
+                .split_whitespace()
+                .take(4)
+                .collect::<Vec<_>>()
+                .join(" ");
+            assert!(err.contains("kiln::cuda") && err.contains(&first), "{err}");
+            assert!(err.contains("--executor compiled"), "{err}");
+            assert!(!out_path.exists(), "no output written on failure");
+        }
+        Ok(_) => assert!(out.status.success(), "{err}"),
+    }
+    let out = run(SPEC);
+    assert!(!out.status.success());
+    let err = flat(&out);
+    assert!(
+        err.contains("runs a compiled CUDA artifact, not a spec") && err.contains("--target cuda"),
+        "{err}"
+    );
+}
