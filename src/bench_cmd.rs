@@ -42,8 +42,9 @@ pub struct BenchArgs {
     pub src_len: i64,
     #[arg(long = "tgt-len", default_value_t = 25)]
     pub tgt_len: i64,
-    /// `compiled` (generated kernels) or `eager` (one primitive at a time).
-    #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager"])]
+    /// `compiled` (generated kernels), `eager` (one primitive at a time) or `cuda` (the
+    /// entry compiled with `--target cuda` and run by the CUDA executor on the GPU).
+    #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "cuda"])]
     pub executor: String,
     /// Untimed runs first.
     #[arg(long, default_value_t = 1)]
@@ -69,6 +70,44 @@ fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
         "eager" => Box::new(kiln_runtime::Eager::new(g.clone()).map_err(err)?),
         _ => Box::new(Compiled::from_graph(g.clone()).map_err(err)?),
     })
+}
+
+/// The CUDA executor of `entry`: the spec compiled as a `--target cuda` artifact into a
+/// temporary directory (removed again), loaded, and handed to the CUDA executor. Without
+/// a GPU the error is the guard's reason.
+fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<Box<dyn Exec>, Error> {
+    let no_cuda = |reason: String| {
+        plain(
+            "kiln::cuda",
+            reason,
+            Some("`--executor compiled` benchmarks the CPU backend".to_string()),
+        )
+    };
+    // Before compiling anything: is there a GPU at all?
+    kiln_runtime::cuda::cuda_available().map_err(no_cuda)?;
+    let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
+    let args = crate::compile_cmds::OptArgs {
+        spec: a.spec.clone(),
+        set: a.set.clone(),
+        model: a.model.clone(),
+        entry: entry.to_string(),
+        target: "cuda".to_string(),
+    };
+    let built = crate::compile_cmds::compile_artifact(
+        &args,
+        &[entry.to_string()],
+        Some(&dir),
+        false,
+        1,
+        kiln_compiler::codegen::cuda::DEFAULT_ARCH,
+    )
+    .and_then(|()| {
+        kiln_runtime::artifact::Artifact::load(&dir)
+            .map_err(|e| plain("kiln::artifact", e.to_string(), None))
+    })
+    .and_then(|art| kiln_runtime::cuda::executor_for(&art, entry).map_err(no_cuda));
+    let _ = std::fs::remove_dir_all(&dir);
+    built
 }
 
 /// Peak resident set size of this process, bytes (Linux; 0 elsewhere).
@@ -122,6 +161,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             kiln_runtime::exec::Reference::new(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
         ),
+        None if a.executor == "cuda" => cuda_executor(a, entry)?,
         None => executor(&a.executor, &g)?,
     };
     // The optimizer step of a training step.
@@ -168,7 +208,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 e.1 += 1;
             };
             c.run_profiled(&inputs, &params, &opts, &mut rec)
-        } else if a.profile && run + 1 == a.warmup + a.runs {
+        } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == "eager" {
             let e = kiln_runtime::Eager::new(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
             let (outs, times) = e
