@@ -6,6 +6,10 @@ Same shapes as `kiln bench models/transformer_base.kiln --set vocab=37000 --batc
 projection, label-smoothed cross-entropy (0.1), Adam(0.9, 0.98, 1e-9).
 
     python3 benches/pytorch_transformer.py [--threads 2] [--runs 5]
+    python3 benches/pytorch_transformer.py --device cuda --batch 1000   # ~25k tokens/side
+
+On `--device cuda` the timings wait for the GPU (`torch.cuda.synchronize`) and fp32
+matmuls do not use TF32 unless `--tf32`.
 """
 import argparse
 import math
@@ -35,7 +39,7 @@ class Model(nn.Module):
         return self.drop(self.emb(x) * math.sqrt(self.d) + self.pe[: x.shape[1]])
 
     def forward(self, src, tgt):
-        mask = self.tf.generate_square_subsequent_mask(tgt.shape[1])
+        mask = self.tf.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
         y = self.tf(self.embed(src), self.embed(tgt), tgt_mask=mask,
                     src_key_padding_mask=src == 0, memory_key_padding_mask=src == 0)
         return y @ self.emb.weight.t()
@@ -52,14 +56,25 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--len", type=int, default=25)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tf32", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    m = Model()
+    dev = torch.device(a.device)
+    gpu = dev.type == "cuda"
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = a.tf32
+        torch.backends.cudnn.allow_tf32 = a.tf32
+    m = Model().to(dev)
     opt = torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    src = torch.randint(1, 37000, (a.batch, a.len))
-    tgt = torch.randint(1, 37000, (a.batch, a.len))
-    out = torch.randint(1, 37000, (a.batch, a.len))
+    src = torch.randint(1, 37000, (a.batch, a.len), device=dev)
+    tgt = torch.randint(1, 37000, (a.batch, a.len), device=dev)
+    out = torch.randint(1, 37000, (a.batch, a.len), device=dev)
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
 
     def step():
         opt.zero_grad()
@@ -76,13 +91,16 @@ def main():
     for name, f in [("train_step", step), ("forward", fwd)]:
         m.train(name == "train_step")
         f()
+        sync()
         ts = []
         for _ in range(a.runs):
             t = time.perf_counter()
             f()
+            sync()
             ts.append(time.perf_counter() - t)
+        where = torch.cuda.get_device_name(dev) if gpu else f"threads={a.threads}"
         print(f"pytorch {torch.__version__} {name}: median {median(ts)*1e3:.1f} ms "
-              f"(min {min(ts)*1e3:.1f}) threads={a.threads}")
+              f"(min {min(ts)*1e3:.1f}) {where}")
 
 
 if __name__ == "__main__":
