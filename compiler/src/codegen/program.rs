@@ -58,19 +58,40 @@ impl CpuCode {
     }
 }
 
+/// Function names of one program: one per distinct key (a full description of the
+/// body), `<kind>_<n>` numbered per kind in first-use order. Shared by the CPU and CUDA
+/// emitters so both name their functions alike.
+#[derive(Default)]
+pub struct Names {
+    by_key: HashMap<String, String>,
+    per_kind: BTreeMap<String, usize>,
+}
+
+impl Names {
+    /// The name for `key`, and whether it is new (its function must be built).
+    pub fn name(&mut self, kind: &str, key: String) -> (String, bool) {
+        if let Some(n) = self.by_key.get(&key) {
+            return (n.clone(), false);
+        }
+        let n = self.per_kind.entry(kind.to_string()).or_insert(0);
+        let name = format!("{kind}_{n}");
+        *n += 1;
+        self.by_key.insert(key, name.clone());
+        (name, true)
+    }
+}
+
 /// Builds functions on demand, sharing one per distinct key.
 pub struct Emitter {
     code: CpuCode,
-    by_key: HashMap<String, String>,
-    per_kind: BTreeMap<String, usize>,
+    names: Names,
 }
 
 impl Emitter {
     fn new() -> Emitter {
         Emitter {
             code: CpuCode::default(),
-            by_key: HashMap::new(),
-            per_kind: BTreeMap::new(),
+            names: Names::default(),
         }
     }
 
@@ -82,15 +103,11 @@ impl Emitter {
         key: String,
         build: impl FnOnce(&str) -> Result<Function, String>,
     ) -> Result<String, String> {
-        if let Some(n) = self.by_key.get(&key) {
-            return Ok(n.clone());
+        let (name, new) = self.names.name(kind, key);
+        if new {
+            let f = build(&name)?;
+            self.code.functions.push((name.clone(), text(&f)));
         }
-        let n = self.per_kind.entry(kind.to_string()).or_insert(0);
-        let name = format!("{kind}_{n}");
-        *n += 1;
-        let f = build(&name)?;
-        self.code.functions.push((name.clone(), text(&f)));
-        self.by_key.insert(key, name.clone());
         Ok(name)
     }
 }

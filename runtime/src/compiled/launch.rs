@@ -195,28 +195,14 @@ pub(crate) fn prepare(
                         main: f("main")?,
                         finish: f("finish")?,
                     },
-                    "xent_ls" => {
-                        let Some(Attr::Int(pad)) = attrs.first() else {
-                            return Err(format!("kernel %{v}: xent_ls without its pad id"));
-                        };
-                        Exec::XentLs {
-                            f: f("main")?,
-                            pad: *pad,
-                        }
-                    }
-                    "embed_pe" => {
-                        let dropout = match attrs.as_slice() {
-                            [] => None,
-                            [Attr::F(p), Attr::Int(stream)] => Some((p.get(), *stream as u32)),
-                            other => {
-                                return Err(format!("kernel %{v}: embed_pe attributes {other:?}"))
-                            }
-                        };
-                        Exec::EmbedPe {
-                            f: f("main")?,
-                            dropout,
-                        }
-                    }
+                    "xent_ls" => Exec::XentLs {
+                        f: f("main")?,
+                        pad: xent_pad(v, attrs)?,
+                    },
+                    "embed_pe" => Exec::EmbedPe {
+                        f: f("main")?,
+                        dropout: embed_pe_dropout(v, attrs)?,
+                    },
                     "sum_rows" => Exec::SumRows(f("main")?),
                     "adam_update" => Exec::Adam(f("main")?),
                     _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
@@ -375,16 +361,13 @@ fn run_exec(
             for (k, l) in ins.iter().enumerate() {
                 let want_unit = inner.get(k).copied().unwrap_or(true);
                 let mut l = (*l).clone();
-                let mut b = l.layout.broadcast(&shape);
-                let s_last = b.strides.last().copied().unwrap_or(0);
-                let ok = c <= 1 || (want_unit && s_last == 1) || (!want_unit && s_last == 0);
-                if !ok {
-                    if !want_unit {
-                        return Err("internal: a broadcast region input is not broadcast".into());
+                let b = match region_operand(&l.layout, &shape, want_unit)? {
+                    Some(b) => b,
+                    None => {
+                        l = contig(&l, keep)?;
+                        l.layout.broadcast(&shape)
                     }
-                    l = contig(&l, keep)?;
-                    b = l.layout.broadcast(&shape);
-                }
+                };
                 ptrs.push(l.ptr.wrapping_add(4 * b.offset));
                 strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
             }
@@ -595,6 +578,45 @@ fn run_exec(
             Ok(())
         }
         Exec::Fallback(fb) => fallback::run(fb, ins, outs, ctx),
+    }
+}
+
+/// The layout a region kernel reads operand `layout` with, broadcast to the output
+/// `shape`, or `None` when the operand must be made contiguous first: the kernel was
+/// built for a unit innermost stride (`want_unit`) or a broadcast one (0). Shared by the
+/// CPU and CUDA executors.
+pub(crate) fn region_operand(
+    layout: &Layout,
+    shape: &[usize],
+    want_unit: bool,
+) -> Result<Option<Layout>, String> {
+    let b = layout.broadcast(shape);
+    let c = shape.last().copied().unwrap_or(1);
+    let s_last = b.strides.last().copied().unwrap_or(0);
+    if c <= 1 || (want_unit && s_last == 1) || (!want_unit && s_last == 0) {
+        Ok(Some(b))
+    } else if want_unit {
+        Ok(None)
+    } else {
+        Err("internal: a broadcast region input is not broadcast".into())
+    }
+}
+
+/// The padding id of `xent_ls` kernel `%v` from its attributes.
+pub(crate) fn xent_pad(v: usize, attrs: &[Attr]) -> Result<i64, String> {
+    match attrs.first() {
+        Some(Attr::Int(pad)) => Ok(*pad),
+        _ => Err(format!("kernel %{v}: xent_ls without its pad id")),
+    }
+}
+
+/// The dropout `(p, stream)` of `embed_pe` kernel `%v` from its attributes (`None`:
+/// no dropout).
+pub(crate) fn embed_pe_dropout(v: usize, attrs: &[Attr]) -> Result<Option<(f64, u32)>, String> {
+    match attrs {
+        [] => Ok(None),
+        [Attr::F(p), Attr::Int(stream)] => Ok(Some((p.get(), *stream as u32))),
+        other => Err(format!("kernel %{v}: embed_pe attributes {other:?}")),
     }
 }
 

@@ -43,6 +43,7 @@ use super::device::{self, Buf, Device};
 use super::steps::{self, Exec as StepExec, Step};
 use crate::artifact::Artifact;
 use crate::compiled::fallback::{self, HostCtx};
+use crate::compiled::launch::region_operand;
 use crate::compiled::Loc;
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
@@ -743,24 +744,18 @@ impl Run<'_> {
             StepExec::Region { f, expr, inner } => {
                 let out = &outs[0];
                 let shape = out.shape().to_vec();
-                let c = out.last();
                 let mut ptrs = Vec::with_capacity(ins.len() + 1);
                 let mut strides = Vec::with_capacity(ins.len());
                 for (k, l) in ins.iter().enumerate() {
                     let want_unit = inner.get(k).copied().unwrap_or(true);
                     let mut l = (*l).clone();
-                    let mut b = l.layout.broadcast(&shape);
-                    let s_last = b.strides.last().copied().unwrap_or(0);
-                    let ok = c <= 1 || (want_unit && s_last == 1) || (!want_unit && s_last == 0);
-                    if !ok {
-                        if !want_unit {
-                            return Err(
-                                "internal: a broadcast region input is not broadcast".into()
-                            );
+                    let b = match region_operand(&l.layout, &shape, want_unit)? {
+                        Some(b) => b,
+                        None => {
+                            l = self.contig(&l)?;
+                            l.layout.broadcast(&shape)
                         }
-                        l = self.contig(&l)?;
-                        b = l.layout.broadcast(&shape);
-                    }
+                    };
                     ptrs.push(l.at(b.offset));
                     strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
                 }

@@ -14,12 +14,12 @@ use kiln_compiler::codegen::program::mask_kind;
 use kiln_compiler::codegen::rows::MaskKind;
 use kiln_compiler::ir::{DType, Op};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
-use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
 use kiln_compiler::optimize::templates::registry;
 use kiln_compiler::shape::Dim;
 
 use crate::compiled::fallback::{self, Fallback};
+use crate::compiled::launch::{embed_pe_dropout, xent_pad};
 
 /// One kernel, ready to launch.
 pub(crate) struct Step {
@@ -208,30 +208,16 @@ pub(crate) fn prepare(
                         main: role("main")?,
                         finish: role("finish")?,
                     },
-                    "xent_ls" => {
-                        let Some(Attr::Int(pad)) = attrs.first() else {
-                            return Err(format!("kernel %{v}: xent_ls without its pad id"));
-                        };
-                        Exec::XentLs {
-                            count: role("count")?,
-                            main: role("main")?,
-                            finish: role("finish")?,
-                            pad: *pad,
-                        }
-                    }
-                    "embed_pe" => {
-                        let dropout = match attrs.as_slice() {
-                            [] => None,
-                            [Attr::F(p), Attr::Int(stream)] => Some((p.get(), *stream as u32)),
-                            other => {
-                                return Err(format!("kernel %{v}: embed_pe attributes {other:?}"))
-                            }
-                        };
-                        Exec::EmbedPe {
-                            f: role("main")?,
-                            dropout,
-                        }
-                    }
+                    "xent_ls" => Exec::XentLs {
+                        count: role("count")?,
+                        main: role("main")?,
+                        finish: role("finish")?,
+                        pad: xent_pad(v, attrs)?,
+                    },
+                    "embed_pe" => Exec::EmbedPe {
+                        f: role("main")?,
+                        dropout: embed_pe_dropout(v, attrs)?,
+                    },
                     "sum_rows" => Exec::SumRows(role("main")?),
                     "adam_update" => Exec::Adam(role("main")?),
                     other => {

@@ -8,7 +8,7 @@
 //! `xent_ls` (see [`super::rows`]). The text is deterministic: the same kernel graph
 //! gives the same bytes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::text::{prelude, Elem};
@@ -16,17 +16,16 @@ use crate::codegen::cuda::{
     index, misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library,
 };
 use crate::codegen::misc::ReduceLayout;
-use crate::codegen::program::{mask_kind, static_inner};
+use crate::codegen::program::{mask_kind, static_inner, Names};
 use crate::codegen::rows::MaskKind;
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{KernelGraph, KernelOp};
 use crate::optimize::templates::registry;
 
-/// Builds functions on demand, one per distinct key.
+/// Builds functions on demand, one per distinct key (named as the CPU emitter names).
 struct Emitter {
     functions: Vec<CudaFunction>,
-    by_key: HashMap<String, String>,
-    per_kind: BTreeMap<String, usize>,
+    names: Names,
 }
 
 impl Emitter {
@@ -36,15 +35,11 @@ impl Emitter {
         key: String,
         build: impl FnOnce(&str) -> Result<CudaFunction, String>,
     ) -> Result<String, String> {
-        if let Some(n) = self.by_key.get(&key) {
-            return Ok(n.clone());
+        let (name, new) = self.names.name(kind, key);
+        if new {
+            let f = build(&name)?;
+            self.functions.push(f);
         }
-        let n = self.per_kind.entry(kind.to_string()).or_insert(0);
-        let name = format!("{kind}_{n}");
-        *n += 1;
-        let f = build(&name)?;
-        self.functions.push(f);
-        self.by_key.insert(key, name.clone());
         Ok(name)
     }
 
@@ -64,8 +59,7 @@ pub fn emit(kg: &KernelGraph) -> Result<CudaCode, String> {
 pub fn emit_with(kg: &KernelGraph, elem: Elem) -> Result<CudaCode, String> {
     let mut em = Emitter {
         functions: Vec::new(),
-        by_key: HashMap::new(),
-        per_kind: BTreeMap::new(),
+        names: Names::default(),
     };
     let mut kernels = Vec::new();
     for (v, op, inputs) in kg.kernels() {
