@@ -30,7 +30,13 @@ pub fn exp(kb: &mut Kb, x: Value) -> Value {
 
     let log2e = kb.fconst(ty, std::f32::consts::LOG2_E);
     let t = kb.b.ins().fmul(xc, log2e);
-    let fx = kb.b.ins().nearest(t);
+    // n = nearest(t) by the magic-number trick: adding 1.5·2²³ rounds t to an integer
+    // (to nearest, ties to even — exactly what `nearest` does) and leaves n in the low
+    // mantissa bits. Cheaper than `nearest` plus a saturating conversion, and the same
+    // bits for |t| < 2²², which the clamp above guarantees.
+    let magic = kb.fconst(ty, 12_582_912.0);
+    let tm = kb.b.ins().fadd(t, magic);
+    let fx = kb.b.ins().fsub(tm, magic);
     let c1 = kb.fconst(ty, -0.693_359_4);
     let c2 = kb.fconst(ty, 2.121_944_4e-4);
     let r = kb.fma(fx, c1, xc);
@@ -51,7 +57,9 @@ pub fn exp(kb: &mut Kb, x: Value) -> Value {
     let one = kb.fconst(ty, 1.0);
     let y = kb.b.ins().fadd(y, one);
 
-    let n = kb.b.ins().fcvt_to_sint_sat(ity, fx);
+    // bits(tm) = 0x4B40_0000 + n; shifted left by 23 the constant part leaves the word
+    // (its lowest set bit is bit 22), so (bits(tm) + 127) << 23 is 2^n's bits.
+    let n = kb.b.ins().bitcast(ity, lanes(), tm);
     let bias = kb.i32const(ity, 127);
     let e = kb.b.ins().iadd(n, bias);
     let e = kb.b.ins().ishl_imm_u(e, 23);

@@ -599,7 +599,7 @@ pub fn xent_ls(name: &str) -> Function {
             });
             let mv = Sc::new(kb, m);
             // Pass 2: e = exp(x − m) into dlogits; Σe and Σ(x − m).
-            let s = sums(kb, zero, v, 2, 4, |kb, j, ty| {
+            let s = sums(kb, zero, v, 2, 2, |kb, j, ty| {
                 let x = kb.load(ty, xr, j);
                 let xm = kb.b.ins().fsub(x, mv.get(ty));
                 let e = kb.exp(xm);
