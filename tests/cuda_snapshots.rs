@@ -189,11 +189,17 @@ fn every_source_is_plausible_cuda() {
             );
             let shared = f.text.contains("__shared__");
             let uses_block = f.text.contains("kiln_block_");
+            let flash = f.name.starts_with("attention");
             assert_eq!(
-                shared, uses_block,
-                "{}: shared scratch iff block sums",
+                shared,
+                uses_block || flash,
+                "{}: shared scratch iff block sums or flash tiles",
                 f.name
             );
+            if flash {
+                assert_eq!(f.work, Work::Blocks, "{}: one tile per block", f.name);
+                assert!(f.text.contains("__syncthreads()"), "{}", f.name);
+            }
             if uses_block {
                 assert_eq!(
                     f.work,
@@ -244,10 +250,14 @@ fn every_source_is_plausible_cuda() {
                         backward: false, ..
                     }),
                 ) => {
-                    assert!(k.functions.contains_key("softmax"))
+                    assert!(k.functions.contains_key("softmax"));
+                    // The tiny model's heads (8) take the flash kernel.
+                    assert_eq!(kind_of(&k.functions["flash"]), "attention");
                 }
                 ("attention_bwd", Some(Library::Attention { backward: true, .. })) => {
-                    assert!(k.functions.contains_key("softmax_bwd"))
+                    assert!(k.functions.contains_key("softmax_bwd"));
+                    assert_eq!(kind_of(&k.functions["flash_q"]), "attention_bwd_q");
+                    assert_eq!(kind_of(&k.functions["flash_kv"]), "attention_bwd_kv");
                 }
                 ("linear" | "linear_relu" | "matmul" | "attention" | "attention_bwd", l) => {
                     panic!("{entry} kernel {i} ({}): library {l:?}", k.kind)

@@ -125,6 +125,18 @@ fn build(cxx: &str, dir: &Path, f: &CudaFunction) -> PathBuf {
 
 /// Runs `f` on the host over `bufs` (updated in place).
 fn run(cxx: &str, f: &CudaFunction, bufs: &mut [Vec<u8>], dims: &[i64], items: u64) {
+    run_with(cxx, f, bufs, dims, items, (GRID, BLOCK))
+}
+
+/// [`run`] with `(grid, block)`.
+fn run_with(
+    cxx: &str,
+    f: &CudaFunction,
+    bufs: &mut [Vec<u8>],
+    dims: &[i64],
+    items: u64,
+    (grid, block): (u32, u32),
+) {
     assert_eq!(
         bufs.len(),
         f.params.len(),
@@ -144,8 +156,8 @@ fn run(cxx: &str, f: &CudaFunction, bufs: &mut [Vec<u8>], dims: &[i64], items: u
         input.extend(dims.get(k).copied().unwrap_or(0).to_le_bytes());
     }
     input.extend((items as i64).to_le_bytes());
-    input.extend(GRID.to_le_bytes());
-    input.extend(BLOCK.to_le_bytes());
+    input.extend(grid.to_le_bytes());
+    input.extend(block.to_le_bytes());
     let mut child = Command::new(&exe)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -775,4 +787,289 @@ fn index_kernels_follow_the_reference_semantics() {
         }
     }
     assert_eq!(as_i32(&g[3]), want);
+}
+
+// ---------------------------------------------------------------------------------------
+// Flash attention against plain loops.
+
+/// One attention problem: `[b, h, t, d]` operands stored in layouts of their own.
+struct Attn {
+    b: usize,
+    h: usize,
+    tq: usize,
+    tk: usize,
+    dk: usize,
+    dv: usize,
+    mask: MaskKind,
+    scale: f32,
+    fill: f32,
+}
+
+/// A `[b, h, t, d]` operand: its storage and its element strides. `permuted` stores it
+/// as `[b, t, h, d]` (the projections' layout before the head split).
+fn operand(
+    rng: &mut Rng,
+    (b, h, t, d): (usize, usize, usize, usize),
+    permuted: bool,
+) -> (Vec<f32>, [usize; 4]) {
+    let data = as_f32(&rng.floats(b * h * t * d, -1.0, 1.0));
+    let strides = if permuted {
+        [t * h * d, d, h * d, 1]
+    } else {
+        [h * t * d, t * d, d, 1]
+    };
+    (data, strides)
+}
+
+fn at(x: &(Vec<f32>, [usize; 4]), i: [usize; 4]) -> f64 {
+    let s = x.1;
+    x.0[i[0] * s[0] + i[1] * s[1] + i[2] * s[2] + i[3] * s[3]] as f64
+}
+
+/// The reference: `(out, dq, dk, dv)`, contiguous `[b, h, t, d]`, in f64 by the
+/// definitions (softmax of the masked scaled scores; its backward, zero where masked).
+#[allow(clippy::type_complexity)]
+fn attention_reference(
+    a: &Attn,
+    q: &(Vec<f32>, [usize; 4]),
+    k: &(Vec<f32>, [usize; 4]),
+    v: &(Vec<f32>, [usize; 4]),
+    g: &(Vec<f32>, [usize; 4]),
+    mask: &[i32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (tq, tk, dk, dv) = (a.tq, a.tk, a.dk, a.dv);
+    let mut out = vec![0f32; a.b * a.h * tq * dv];
+    let mut dq = vec![0f32; a.b * a.h * tq * dk];
+    let mut dkk = vec![0f32; a.b * a.h * tk * dk];
+    let mut dvv = vec![0f32; a.b * a.h * tk * dv];
+    for bi in 0..a.b {
+        for hi in 0..a.h {
+            let keep = |i: usize, j: usize| match a.mask {
+                MaskKind::None => true,
+                MaskKind::Key => mask[bi * tk + j] != 0,
+                MaskKind::Causal => mask[i * tk + j] != 0,
+            };
+            let mut p = vec![vec![0f64; tk]; tq];
+            for (i, pr) in p.iter_mut().enumerate() {
+                for (j, x) in pr.iter_mut().enumerate() {
+                    let d: f64 = (0..dk)
+                        .map(|c| at(q, [bi, hi, i, c]) * at(k, [bi, hi, j, c]))
+                        .sum();
+                    *x = if keep(i, j) {
+                        d * a.scale as f64
+                    } else {
+                        a.fill as f64
+                    };
+                }
+                let m = pr.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = pr.iter().map(|x| (x - m).exp()).sum();
+                for x in pr.iter_mut() {
+                    *x = (*x - m).exp() / z;
+                }
+            }
+            let bh = bi * a.h + hi;
+            for i in 0..tq {
+                for c in 0..dv {
+                    let o: f64 = (0..tk).map(|j| p[i][j] * at(v, [bi, hi, j, c])).sum();
+                    out[(bh * tq + i) * dv + c] = o as f32;
+                }
+                let dp: Vec<f64> = (0..tk)
+                    .map(|j| {
+                        (0..dv)
+                            .map(|c| at(g, [bi, hi, i, c]) * at(v, [bi, hi, j, c]))
+                            .sum()
+                    })
+                    .collect();
+                let dot: f64 = (0..tk).map(|j| p[i][j] * dp[j]).sum();
+                let ds: Vec<f64> = (0..tk)
+                    .map(|j| {
+                        if keep(i, j) {
+                            p[i][j] * (dp[j] - dot) * a.scale as f64
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                for c in 0..dk {
+                    let x: f64 = (0..tk).map(|j| ds[j] * at(k, [bi, hi, j, c])).sum();
+                    dq[(bh * tq + i) * dk + c] = x as f32;
+                }
+                for j in 0..tk {
+                    for c in 0..dk {
+                        dkk[(bh * tk + j) * dk + c] += (ds[j] * at(q, [bi, hi, i, c])) as f32;
+                    }
+                    for c in 0..dv {
+                        dvv[(bh * tk + j) * dv + c] += (p[i][j] * at(g, [bi, hi, i, c])) as f32;
+                    }
+                }
+            }
+        }
+    }
+    (out, dq, dkk, dvv)
+}
+
+/// Runs the three flash kernels on the host for `a` and checks them against the
+/// reference (within `1e-5·max|ref| + 1e-6`), with `block` threads per block.
+fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
+    use kiln_compiler::codegen::cuda::attention::{self, Part};
+    let mut rng = Rng(seed);
+    let (b, h, tq, tk, dk, dv) = (a.b, a.h, a.tq, a.tk, a.dk, a.dv);
+    let q = operand(&mut rng, (b, h, tq, dk), true);
+    let k = operand(&mut rng, (b, h, tk, dk), false);
+    let v = operand(&mut rng, (b, h, tk, dv), true);
+    let g = operand(&mut rng, (b, h, tq, dv), true);
+    let mask: Vec<i32> = match a.mask {
+        MaskKind::None => vec![],
+        // Padding: batch entry 0 keeps every key, the others lose a tail (the last loses
+        // all but its first key).
+        MaskKind::Key => (0..b)
+            .flat_map(|bi| {
+                let keep = if bi == 0 { tk } else { (tk / (bi + 1)).max(1) };
+                (0..tk).map(move |j| (j < keep) as i32)
+            })
+            .collect(),
+        MaskKind::Causal => (0..tq)
+            .flat_map(|i| (0..tk).map(move |j| (j <= i) as i32))
+            .collect(),
+    };
+    let (out, dq, dkk, dvv) = attention_reference(a, &q, &k, &v, &g, &mask);
+    let masked = a.mask != MaskKind::None;
+    let what = format!(
+        "{:?} b={b} h={h} tq={tq} tk={tk} dk={dk} dv={dv} block={block}",
+        a.mask
+    );
+
+    let head = |mut bufs: Vec<Vec<u8>>, with_g: bool| {
+        let mut all = vec![f32s(&q.0), f32s(&k.0), f32s(&v.0)];
+        if masked {
+            all.push(i32s(&mask));
+        }
+        if with_g {
+            all.push(f32s(&g.0));
+        }
+        all.push(one(a.scale));
+        if masked {
+            all.push(one(a.fill));
+        }
+        all.append(&mut bufs);
+        all
+    };
+    let fdims = attention::dims(b, h, tq, tk, &[q.1, k.1, v.1]);
+    let bdims = attention::dims(b, h, tq, tk, &[q.1, k.1, v.1, g.1]);
+    let launch = (GRID, block);
+
+    let f = attention::forward("flash_fwd", a.mask, dk, dv, Elem::F32);
+    let t = attention::tile(Part::Forward, dk, dv).unwrap();
+    let mut bufs = head(vec![zeros(out.len())], false);
+    run_with(
+        cxx,
+        &f,
+        &mut bufs,
+        &fdims,
+        attention::items(Part::Forward, t, b, h, tq, tk) as u64,
+        launch,
+    );
+    close(
+        &format!("forward {what}"),
+        bufs.last().unwrap(),
+        &f32s(&out),
+    );
+
+    let f = attention::backward_q("flash_q", a.mask, dk, dv, Elem::F32);
+    let t = attention::tile(Part::BackwardQ, dk, dv).unwrap();
+    let mut bufs = head(vec![zeros(dq.len()), zeros(b * h * tq * 3)], true);
+    run_with(
+        cxx,
+        &f,
+        &mut bufs,
+        &bdims,
+        attention::items(Part::BackwardQ, t, b, h, tq, tk) as u64,
+        launch,
+    );
+    let n = bufs.len();
+    close(&format!("dq {what}"), &bufs[n - 2], &f32s(&dq));
+    let stats = bufs[n - 1].clone();
+
+    let f = attention::backward_kv("flash_kv", a.mask, dk, dv, Elem::F32);
+    let t = attention::tile(Part::BackwardKv, dk, dv).unwrap();
+    let mut bufs = head(vec![stats, zeros(dkk.len()), zeros(dvv.len())], true);
+    run_with(
+        cxx,
+        &f,
+        &mut bufs,
+        &bdims,
+        attention::items(Part::BackwardKv, t, b, h, tq, tk) as u64,
+        launch,
+    );
+    let n = bufs.len();
+    close(&format!("dk {what}"), &bufs[n - 2], &f32s(&dkk));
+    close(&format!("dv {what}"), &bufs[n - 1], &f32s(&dvv));
+}
+
+#[test]
+fn flash_attention_matches_the_definition_without_a_mask() {
+    let Some(cxx) = gxx() else { return };
+    for (tq, tk, block) in [(1, 1, 4), (5, 7, 4), (37, 45, 32)] {
+        let a = Attn {
+            b: 2,
+            h: 3,
+            tq,
+            tk,
+            dk: 8,
+            dv: 12,
+            mask: MaskKind::None,
+            scale: 0.35,
+            fill: 0.0,
+        };
+        check_flash(cxx, &a, 21 + tq as u64, block);
+    }
+}
+
+#[test]
+fn flash_attention_matches_the_definition_with_key_padding() {
+    let Some(cxx) = gxx() else { return };
+    for (tq, tk, block) in [(6, 9, 4), (33, 40, 32)] {
+        let a = Attn {
+            b: 3,
+            h: 2,
+            tq,
+            tk,
+            dk: 12,
+            dv: 8,
+            mask: MaskKind::Key,
+            scale: 0.3,
+            fill: -1e9,
+        };
+        check_flash(cxx, &a, 31 + tq as u64, block);
+    }
+}
+
+#[test]
+fn flash_attention_matches_the_definition_with_a_causal_mask() {
+    let Some(cxx) = gxx() else { return };
+    let a = Attn {
+        b: 2,
+        h: 2,
+        tq: 35,
+        tk: 35,
+        dk: 8,
+        dv: 8,
+        mask: MaskKind::Causal,
+        scale: 0.5,
+        fill: -1e9,
+    };
+    check_flash(cxx, &a, 41, 32);
+    // The Transformer's heads (64): 32-row tiles forward, 16-row tiles on the key side.
+    let a = Attn {
+        b: 1,
+        h: 2,
+        tq: 20,
+        tk: 20,
+        dk: 64,
+        dv: 64,
+        mask: MaskKind::Causal,
+        scale: 0.125,
+        fill: -1e9,
+    };
+    check_flash(cxx, &a, 43, 64);
 }

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use kiln_compiler::bind::{Binder, Source};
+use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
@@ -787,11 +788,24 @@ impl Run<'_> {
                 };
                 self.launch(f, &ptrs, l)
             }
-            StepExec::Attention { softmax, mask } => self.attention(ins, &outs[0], softmax, *mask),
+            StepExec::Attention {
+                flash: Some(f),
+                mask,
+                ..
+            } => self.flash_forward(ins, &outs[0], f, *mask),
+            StepExec::Attention { softmax, mask, .. } => {
+                self.attention(ins, &outs[0], softmax, *mask)
+            }
+            StepExec::AttentionBwd {
+                flash: Some((fq, fkv)),
+                mask,
+                ..
+            } => self.flash_backward(ins, outs, fq, fkv, *mask),
             StepExec::AttentionBwd {
                 softmax,
                 softmax_bwd,
                 mask,
+                ..
             } => self.attention_bwd(ins, outs, softmax, softmax_bwd, *mask),
             StepExec::AddLayerNorm(f) => {
                 let x = self.contig(ins[0])?;
@@ -1031,6 +1045,77 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Flash attention forward ([`attention::forward`]): operands read through their
+    /// strides, the mask made contiguous, `out` contiguous.
+    fn flash_forward(
+        &mut self,
+        ins: &[&DLoc],
+        out: &DLoc,
+        f: &str,
+        mask: MaskKind,
+    ) -> Result<(), String> {
+        let (q, k, v) = (ins[0], ins[1], ins[2]);
+        let (b, h, tq, tk, dk, dv) = attention_sizes(q, k, v)?;
+        let mut ptrs = vec![q.base(), k.base(), v.base()];
+        if mask == MaskKind::None {
+            ptrs.push(ins[3].base());
+        } else {
+            let m = self.contig(ins[3])?;
+            ptrs.extend([m.base(), ins[4].base(), ins[5].base()]);
+        }
+        ptrs.push(out.base());
+        let t = attention::tile(Part::Forward, dk, dv).ok_or("internal: no flash tile")?;
+        let dims = attention::dims(b, h, tq, tk, &[strides4(q)?, strides4(k)?, strides4(v)?]);
+        let items = attention::items(Part::Forward, t, b, h, tq, tk);
+        self.launch(f, &ptrs, Launch { dims, items })
+    }
+
+    /// Flash attention backward: [`attention::backward_q`] (`dq` and the row statistics
+    /// into scratch), then [`attention::backward_kv`] (`dk`, `dv`).
+    fn flash_backward(
+        &mut self,
+        ins: &[&DLoc],
+        outs: &[DLoc],
+        fq: &str,
+        fkv: &str,
+        mask: MaskKind,
+    ) -> Result<(), String> {
+        let (q, k, v) = (ins[0], ins[1], ins[2]);
+        let (b, h, tq, tk, dk, dv) = attention_sizes(q, k, v)?;
+        let mut ptrs = vec![q.base(), k.base(), v.base()];
+        let g = if mask == MaskKind::None {
+            ptrs.extend([ins[3].base(), ins[4].base()]);
+            ins[3]
+        } else {
+            let m = self.contig(ins[3])?;
+            ptrs.extend([m.base(), ins[4].base(), ins[5].base(), ins[6].base()]);
+            ins[4]
+        };
+        let stats = self.alloc(b * h * tq * 3)?;
+        let dims = attention::dims(
+            b,
+            h,
+            tq,
+            tk,
+            &[strides4(q)?, strides4(k)?, strides4(v)?, strides4(g)?],
+        );
+        let tile = |p| attention::tile(p, dk, dv).ok_or("internal: no flash tile");
+        let mut pq = ptrs.clone();
+        pq.extend([outs[0].base(), stats]);
+        let items = attention::items(Part::BackwardQ, tile(Part::BackwardQ)?, b, h, tq, tk);
+        self.launch(
+            fq,
+            &pq,
+            Launch {
+                dims: dims.clone(),
+                items,
+            },
+        )?;
+        ptrs.extend([stats, outs[1].base(), outs[2].base()]);
+        let items = attention::items(Part::BackwardKv, tile(Part::BackwardKv)?, b, h, tq, tk);
+        self.launch(fkv, &ptrs, Launch { dims, items })
+    }
+
     /// Attention forward on `[b, h, t, d]` operands: `s = q·kᵀ` for every head (batched
     /// GEMM into scratch), the generated masked softmax over all `b·h·tq` rows in place,
     /// `o = s·v` (batched GEMM into the contiguous result).
@@ -1122,4 +1207,26 @@ impl Run<'_> {
         let dst = scratch_heads(dp, n, tq, tk, true);
         self.head_gemms((tk, tq, dk), &dst, &heads(&q, 2, 3), outs[1].base())
     }
+}
+
+/// `(b, h, tq, tk, dk, dv)` of attention operands `q [b, h, tq, dk]`, `k [b, h, tk, dk]`,
+/// `v [b, h, tk, dv]`.
+fn attention_sizes(
+    q: &DLoc,
+    k: &DLoc,
+    v: &DLoc,
+) -> Result<(usize, usize, usize, usize, usize, usize), String> {
+    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
+    if qs.len() != 4 || ks.len() != 4 || vs.len() != 4 {
+        return Err(format!(
+            "attention takes [b, h, t, d] operands, not {qs:?}, {ks:?}, {vs:?}"
+        ));
+    }
+    Ok((qs[0], qs[1], qs[2], ks[2], qs[3], vs[3]))
+}
+
+/// The element strides of a rank-4 location.
+fn strides4(l: &DLoc) -> Result<[usize; 4], String> {
+    <[usize; 4]>::try_from(l.layout.strides.as_slice())
+        .map_err(|_| format!("a rank-4 operand was expected, not {:?}", l.shape()))
 }

@@ -44,15 +44,20 @@ pub(crate) enum Exec {
     },
     Softmax(String),
     ScaleMaskSoftmax(String, MaskKind),
-    /// `Library::Attention` forward: batched GEMMs and the generated masked softmax.
+    /// `Library::Attention` forward: the flash kernel (`flash`) when the module has one
+    /// for these heads, else batched GEMMs and the generated masked softmax.
     Attention {
         softmax: String,
         mask: MaskKind,
+        flash: Option<String>,
     },
+    /// Backward: the flash kernels (`flash_q`, then `flash_kv`) when present, else the
+    /// batched-GEMM path.
     AttentionBwd {
         softmax: String,
         softmax_bwd: String,
         mask: MaskKind,
+        flash: Option<(String, String)>,
     },
     AddLayerNorm(String),
     AddLayerNormBwd {
@@ -86,10 +91,14 @@ pub(crate) enum Exec {
 }
 
 impl Exec {
-    /// A short name of how the kernel runs (`gemm`, `generated`, `attention`, `host`).
+    /// A short name of how the kernel runs (`gemm`, `generated`, `flash` — the flash
+    /// attention kernels —, `attention` — batched GEMMs and a softmax —, `host`).
     pub fn how(&self) -> &'static str {
         match self {
             Exec::Gemm { .. } => "gemm",
+            Exec::Attention { flash: Some(_), .. } | Exec::AttentionBwd { flash: Some(_), .. } => {
+                "flash"
+            }
             Exec::Attention { .. } | Exec::AttentionBwd { .. } => "attention",
             Exec::Host(_) => "host",
             _ => "generated",
@@ -174,16 +183,27 @@ pub(crate) fn prepare(
             }
             (Some(Library::Attention { mask, backward }), _) => {
                 let mask = mask_of(mask).map_err(|e| format!("kernel %{v}: {e}"))?;
+                let has = |r: &str| l.functions.contains_key(r);
                 if *backward {
                     Exec::AttentionBwd {
                         softmax: role("softmax")?,
                         softmax_bwd: role("softmax_bwd")?,
                         mask,
+                        flash: if has("flash_q") || has("flash_kv") {
+                            Some((role("flash_q")?, role("flash_kv")?))
+                        } else {
+                            None
+                        },
                     }
                 } else {
                     Exec::Attention {
                         softmax: role("softmax")?,
                         mask,
+                        flash: if has("flash") {
+                            Some(role("flash")?)
+                        } else {
+                            None
+                        },
                     }
                 }
             }

@@ -12,6 +12,7 @@
 //! - [`philox`] — Philox4x32-10 and the dropout mask, bit-identical to [`crate::rng`];
 //! - [`region`] — elementwise regions and `embed_pe`;
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
+//! - [`attention`] — flash-style attention, forward and backward (tiled, online softmax);
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
 //! - [`index`] — `causal_mask`, `pad_mask`, `arange`, `concat` (host kernels on the CPU);
 //! - [`program`] — which functions each kernel kind gets ([`CudaCode`]);
@@ -55,6 +56,7 @@
 //! instead of the CPU's four vector lanes (different rounding, deterministic), and
 //! `expf`/`logf`/`sinf`/`cosf` are CUDA's (≤ 2 ulp), not the CPU's polynomials.
 
+pub mod attention;
 pub mod host;
 pub mod index;
 pub mod misc;
@@ -143,9 +145,11 @@ pub enum Library {
         bias: Option<usize>,
         relu: bool,
     },
-    /// Attention through batched GEMMs and the generated masked softmax (role `softmax`)
-    /// and, backward, its gradient (role `softmax_bwd`), as the CPU executor runs it; a
-    /// fused flash-style kernel is later work.
+    /// Attention. With heads of at most [`attention::MAX_HEAD`] the flash kernels
+    /// ([`attention`]): role `flash` forward, `flash_q` and `flash_kv` backward (with a
+    /// `f32[b·h·tq, 3]` statistics scratch between them). Always also the batched-GEMM
+    /// path the CPU executor runs: GEMMs and the generated masked softmax (role
+    /// `softmax`) and, backward, its gradient (role `softmax_bwd`).
     Attention { mask: String, backward: bool },
     /// No CUDA code yet: the kind runs on the host (`gather`, `scatter_add`, `slice`,
     /// `one_hot`, integer reductions, …, as the CPU backend's fallback kernels).

@@ -5,7 +5,8 @@
 //! [`crate::codegen::program`]), and per kernel (by launch index) its functions by role
 //! and the library routine it stands for. The roles are the CPU backend's (`main`,
 //! `bias`, `epilogue`, `softmax`, `softmax_bwd`, `finish`, `copy`), plus `count` for
-//! `xent_ls` (see [`super::rows`]). The text is deterministic: the same kernel graph
+//! `xent_ls` (see [`super::rows`]) and `flash`, `flash_q`, `flash_kv` for attention (see
+//! [`super::attention`]). The text is deterministic: the same kernel graph
 //! gives the same bytes.
 
 use std::collections::BTreeMap;
@@ -13,7 +14,7 @@ use std::collections::BTreeMap;
 use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::text::{prelude, Elem};
 use crate::codegen::cuda::{
-    index, misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library,
+    attention, index, misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library,
 };
 use crate::codegen::misc::ReduceLayout;
 use crate::codegen::program::{mask_kind, static_inner, Names};
@@ -72,6 +73,24 @@ pub fn emit_with(kg: &KernelGraph, elem: Elem) -> Result<CudaCode, String> {
         functions: em.functions,
         kernels,
     })
+}
+
+/// The head sizes `(dk, dv)` of an attention kernel (inputs `q, k, v, …`) when they are
+/// constants the flash kernels take.
+fn flash_heads(kg: &KernelGraph, inputs: &[usize]) -> Option<(usize, usize)> {
+    let last = |x: usize| {
+        let dims = kg.values[*inputs.get(x)?].types[0].shape.dims().to_vec();
+        usize::try_from(dims.last()?.as_const()?).ok()
+    };
+    let (dk, dv) = (last(0)?, last(2)?);
+    [
+        attention::Part::Forward,
+        attention::Part::BackwardQ,
+        attention::Part::BackwardKv,
+    ]
+    .iter()
+    .all(|&p| attention::tile(p, dk, dv).is_some())
+    .then_some((dk, dv))
 }
 
 fn mask_name(m: MaskKind) -> &'static str {
@@ -150,6 +169,26 @@ fn launch(
                         );
                     }
                     if def.name != "scale_mask_softmax" {
+                        if let Some((dk, dv)) = flash_heads(kg, inputs) {
+                            // Keys name the function kind: one key space for all.
+                            let key = |kind: &str| format!("{kind} {m:?} dk={dk} dv={dv}");
+                            if def.name == "attention" {
+                                let n = em.get("attention", key("attention"), |n| {
+                                    Ok(attention::forward(n, m, dk, dv, e))
+                                })?;
+                                f.insert("flash".into(), n);
+                            } else {
+                                let n = em.get("attention_bwd_q", key("attention_bwd_q"), |n| {
+                                    Ok(attention::backward_q(n, m, dk, dv, e))
+                                })?;
+                                f.insert("flash_q".into(), n);
+                                let n =
+                                    em.get("attention_bwd_kv", key("attention_bwd_kv"), |n| {
+                                        Ok(attention::backward_kv(n, m, dk, dv, e))
+                                    })?;
+                                f.insert("flash_kv".into(), n);
+                            }
+                        }
                         library = Some(Library::Attention {
                             mask: mask_name(m).to_string(),
                             backward: def.name == "attention_bwd",

@@ -1,0 +1,574 @@
+//! Flash-style attention as CUDA C: tiled, online softmax, the `[tq, tk]` score matrix
+//! never in global memory (DESIGN §5).
+//!
+//! In: the mask kind, the head sizes `dk` and `dv` (constants of the kernel graph), the
+//! element type. Out: three [`CudaFunction`]s per (mask, dk, dv):
+//!
+//! - [`forward`] — `out = softmax(where(mask, q·kᵀ·scale, fill))·v`. One block per tile of
+//!   `T` query rows of one head; key/value tiles of `T` rows stream through shared
+//!   memory; each row keeps its running maximum `m`, sum `l` and unnormalized output
+//!   (rescaled by `exp(m_old − m_new)` when the maximum grows), divided by `l` at the end.
+//! - [`backward_q`] — recomputes the forward for its query tile (so `m`, `l` and `o`),
+//!   then `D = Σ_c g·o / l` per row, writes `(m, l, D)` to the `stats` scratch
+//!   (`f32[b·h·tq, 3]`) and streams the keys again for `dq = Σ_j ds_ij·k_j` with
+//!   `p = exp(s − m)/l`, `dp = g·vᵀ`, `ds = p·(dp − D)·scale` (0 where masked).
+//! - [`backward_kv`] — one block per tile of `T` keys: streams the query tiles (with their
+//!   `stats`) for `dv = Σ_i p_ij·g_i` and `dk = Σ_i ds_ij·q_i`.
+//!
+//! Every output element is summed by one thread in a fixed order: no atomics, the same
+//! bits on every run. The formulas are the CPU attention's (`s = q·kᵀ`, the masked scaled
+//! softmax, `softmax_bwd`, the zeroed masked gradient); only the rounding of the online
+//! softmax differs from the CPU's two-pass one.
+//!
+//! # ABI
+//!
+//! The general one of [`super`] (`Work::Blocks`, any block size: every loop strides by
+//! `blockDim.x`). Buffers, with `[mask]` and `[fill]` present unless the mask kind is
+//! `None` (the CPU attention's operand order, then the results):
+//!
+//! - forward: `q, k, v, [mask], scale, [fill], out`;
+//! - backward_q: `q, k, v, [mask], g, scale, [fill], dq, stats`;
+//! - backward_kv: `q, k, v, [mask], g, scale, [fill], stats, dk, dv`.
+//!
+//! `q [b, h, tq, dk]`, `k [b, h, tk, dk]`, `v [b, h, tk, dv]` and `g [b, h, tq, dv]` are
+//! read through their strides (views of the projections need no copy); `out`, `dq`, `dk`,
+//! `dv` are contiguous. The mask is `int` 0/1, `[b, tk]` (key padding) or `[tq, tk]`
+//! (causal). dims ([`dims`]): `[b, h, tq, tk]`, then the four element strides of `q`, `k`,
+//! `v` and (backward) `g`. Items: tiles, `b·h·⌈tq/T⌉` (forward, backward_q) or
+//! `b·h·⌈tk/T⌉` (backward_kv), with `T` from [`tile`].
+
+use crate::codegen::cuda::text::{f32_lit, Elem, W};
+use crate::codegen::cuda::{param, signature, CudaFunction, Param, Work, FOR_BLOCKS};
+use crate::codegen::rows::MaskKind;
+
+/// The largest head size the flash kernels take (larger heads use the batched-GEMM path).
+pub const MAX_HEAD: usize = 128;
+
+/// Static shared memory a kernel may use (the limit without opting in to more).
+pub const SHARED_BYTES: usize = 48 * 1024;
+
+/// The three flash kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Forward,
+    BackwardQ,
+    BackwardKv,
+}
+
+/// Shared memory of `part` with tiles of `t` rows, in bytes.
+pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
+    let floats = match part {
+        // qs, ks, vs, ss, os, m/l/alpha
+        Part::Forward => 2 * t * (dk + 1) + t * (dv + 1) + t * (t + 1) + t * dv + 3 * t,
+        // qs, ks, vs, gs, ss, os (o, then dq), m/l/alpha/D
+        Part::BackwardQ => {
+            2 * t * (dk + 1) + 2 * t * (dv + 1) + t * (t + 1) + t * dk.max(dv) + 4 * t
+        }
+        // ks, vs, qs, gs, ps, dss, dks, dvs, m/l/D
+        Part::BackwardKv => {
+            2 * t * (dk + 1) + 2 * t * (dv + 1) + 2 * t * (t + 1) + t * dk + t * dv + 3 * t
+        }
+    };
+    4 * floats
+}
+
+/// Rows per tile of `part` for heads `dk`, `dv`: the largest of 32, 16, 8 whose shared
+/// memory fits [`SHARED_BYTES`]; `None` past [`MAX_HEAD`].
+pub fn tile(part: Part, dk: usize, dv: usize) -> Option<usize> {
+    if dk == 0 || dv == 0 || dk > MAX_HEAD || dv > MAX_HEAD {
+        return None;
+    }
+    [32, 16, 8]
+        .into_iter()
+        .find(|&t| shared_bytes(part, t, dk, dv) <= SHARED_BYTES)
+}
+
+/// dims of every flash kernel: `[b, h, tq, tk]` and the `[b, h, t, d]` element strides of
+/// each operand in `strides` (`q, k, v` forward; `q, k, v, g` backward).
+pub fn dims(b: usize, h: usize, tq: usize, tk: usize, strides: &[[usize; 4]]) -> Vec<i64> {
+    let mut d = vec![b as i64, h as i64, tq as i64, tk as i64];
+    for s in strides {
+        d.extend(s.iter().map(|&x| x as i64));
+    }
+    d
+}
+
+/// Work items of `part` (tiles): `b·h·⌈tq/T⌉` or, for `BackwardKv`, `b·h·⌈tk/T⌉`.
+pub fn items(part: Part, t: usize, b: usize, h: usize, tq: usize, tk: usize) -> usize {
+    let rows = if part == Part::BackwardKv { tk } else { tq };
+    b * h * rows.div_ceil(t)
+}
+
+fn ptr(e: Elem, konst: bool) -> String {
+    if konst {
+        format!("const {}*", e.c_type())
+    } else {
+        format!("{}*", e.c_type())
+    }
+}
+
+/// The buffer parameters of `part`.
+fn params(part: Part, mask: MaskKind, e: Elem) -> Vec<Param> {
+    let masked = mask != MaskKind::None;
+    let mut p = vec![
+        param("q", &ptr(e, true)),
+        param("k", &ptr(e, true)),
+        param("v", &ptr(e, true)),
+    ];
+    if masked {
+        p.push(param("mask", "const int*"));
+    }
+    if part != Part::Forward {
+        p.push(param("g", &ptr(e, true)));
+    }
+    p.push(param("scale", "const float*"));
+    if masked {
+        p.push(param("fill", "const float*"));
+    }
+    match part {
+        Part::Forward => p.push(param("out", &ptr(e, false))),
+        Part::BackwardQ => {
+            p.push(param("dq", &ptr(e, false)));
+            p.push(param("stats", "float*"));
+        }
+        Part::BackwardKv => {
+            p.push(param("stats", "const float*"));
+            p.push(param("dk", &ptr(e, false)));
+            p.push(param("dv", &ptr(e, false)));
+        }
+    }
+    p
+}
+
+/// Writes `text` line by line at the writer's depth (`text` indents itself further).
+fn lines(w: &mut W, text: &str) {
+    for line in text.lines() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        w.l(line);
+    }
+}
+
+/// The common head of every flash kernel: sizes, strides, scalars.
+fn head(w: &mut W, part: Part, mask: MaskKind) {
+    lines(
+        w,
+        "const long long H = dims.d[1], tq = dims.d[2], tk = dims.d[3];
+const long long qsb = dims.d[4], qsh = dims.d[5], qst = dims.d[6], qsd = dims.d[7];
+const long long ksb = dims.d[8], ksh = dims.d[9], kst = dims.d[10], ksd = dims.d[11];
+const long long vsb = dims.d[12], vsh = dims.d[13], vst = dims.d[14], vsd = dims.d[15];",
+    );
+    if part != Part::Forward {
+        w.l("const long long gsb = dims.d[16], gsh = dims.d[17], gst = dims.d[18], gsd = dims.d[19];");
+    }
+    w.l("const float sc = scale[0];");
+    if mask != MaskKind::None {
+        w.l("const float fl = fill[0];");
+    }
+    w.l("const int tid = (int)threadIdx.x, nt = (int)blockDim.x;");
+}
+
+/// The score of query row `qrow` (global) against key row `krow` (global) given the
+/// dot product `d`: `d·scale`, or `fill` where the mask is 0.
+fn masked_score(mask: MaskKind) -> &'static str {
+    match mask {
+        MaskKind::None => "d * sc",
+        MaskKind::Key => "(mask[bi * tk + krow] != 0 ? d * sc : fl)",
+        MaskKind::Causal => "(mask[qrow * tk + krow] != 0 ? d * sc : fl)",
+    }
+}
+
+/// Whether the pair is masked out (its gradient is zero).
+fn masked_out(mask: MaskKind) -> &'static str {
+    match mask {
+        MaskKind::None => "false",
+        MaskKind::Key => "(mask[bi * tk + krow] == 0)",
+        MaskKind::Causal => "(mask[qrow * tk + krow] == 0)",
+    }
+}
+
+/// Loads `n` rows (the rest of the tile zero) of a `[.., t, d]` operand into the shared
+/// array `dst` (row pitch `d + 1`): `src` points at the head, rows from `row0`, strides
+/// `<dst>t` and `<dst>d` (the operand's own: `qs` is `q`'s tile, `qst` its row stride).
+fn load_tile(w: &mut W, e: Elem, dst: &str, src: &str, d: usize, row0: &str, n: &str) {
+    let st = dst;
+    w.open(format!("for (int e = tid; e < T * {d}; e += nt)"));
+    w.l(format!("const int i = e / {d}, c = e % {d};"));
+    w.l(format!(
+        "{dst}[i * {} + c] = i < {n} ? {} : 0.0f;",
+        d + 1,
+        e.load(&format!("{src}[({row0} + i) * {st}t + c * {st}d]"))
+    ));
+    w.close();
+}
+
+/// The forward pass over all key tiles for the query tile at `q0` (`nq` rows): leaves
+/// the unnormalized output in `os` (`T × dv`), the running max in `ms` and sum in `ls`.
+fn forward_sweep(w: &mut W, e: Elem, mask: MaskKind, dk: usize, dv: usize) {
+    let (pk, pv) = (dk + 1, dv + 1);
+    lines(
+        w,
+        &format!(
+            "for (int e = tid; e < T * {dv}; e += nt) os[e] = 0.0f;
+for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
+    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
+    w.l("__syncthreads();");
+    load_tile(w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(w, e, "vs", "vh", dv, "k0", "nk");
+    w.l("__syncthreads();");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float x = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("float d = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
+    ));
+    w.l(format!("x = {};", masked_score(mask)));
+    w.l("(void)qrow; (void)krow;");
+    w.close();
+    w.l("ss[i * (T + 1) + j] = x;");
+    w.close();
+    w.l("__syncthreads();");
+    lines(
+        w,
+        "for (int i = tid; i < nq; i += nt) {
+    float* sr = ss + i * (T + 1);
+    float mx = ms[i];
+    for (int j = 0; j < nk; ++j) mx = kiln_max_ref(mx, sr[j]);
+    const float al = ms[i] == mx ? 1.0f : expf(ms[i] - mx);
+    float z = 0.0f;
+    for (int j = 0; j < nk; ++j) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
+    ls[i] = ls[i] * al + z;
+    ms[i] = mx;
+    as_[i] = al;
+}
+__syncthreads();",
+    );
+    w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
+    w.l(format!("const int i = e / {dv}, c = e % {dv};"));
+    w.l("const float* sr = ss + i * (T + 1);");
+    w.l("float acc = os[e] * as_[i];");
+    w.l(format!(
+        "for (int j = 0; j < nk; ++j) acc = acc + sr[j] * vs[j * {pv} + c];"
+    ));
+    w.l("os[e] = acc;");
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+}
+
+/// Opens the tile loop: `bh`, `bi`, `hi`, the tile's first row `r0` and row count `n0`
+/// (over `rows`, `tq` or `tk`), and the operand heads `qh`, `kh`, `vh` (and `gh`).
+fn open_tiles(w: &mut W, e: Elem, part: Part, rows: &str) {
+    let c = e.c_type();
+    w.l(format!("const long long ntile = ({rows} + T - 1) / T;"));
+    w.open(FOR_BLOCKS);
+    lines(
+        w,
+        &format!(
+            "const long long bh = r / ntile, bi = bh / H, hi = bh % H;
+(void)bi;
+const long long r0 = (r % ntile) * T;
+const int n0 = (int)({rows} - r0 < T ? {rows} - r0 : T);
+const {c}* qh = q + bi * qsb + hi * qsh;
+const {c}* kh = k + bi * ksb + hi * ksh;
+const {c}* vh = v + bi * vsb + hi * vsh;"
+        ),
+    );
+    if part != Part::Forward {
+        w.l(format!("const {c}* gh = g + bi * gsb + hi * gsh;"));
+    }
+}
+
+fn function(name: &str, params: Vec<Param>, items: &str, w: W) -> CudaFunction {
+    CudaFunction {
+        name: name.to_string(),
+        params,
+        work: Work::Blocks,
+        items_rule: items.to_string(),
+        text: w.finish(),
+    }
+}
+
+/// Shared arrays (`name`, floats).
+fn shared(w: &mut W, arrays: &[(&str, String)]) {
+    for (n, size) in arrays {
+        w.l(format!("__shared__ float {n}[{size}];"));
+    }
+}
+
+/// The forward kernel (see the module documentation).
+pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::Forward, dk, dv).expect("head sizes checked by the caller");
+    let ps = params(Part::Forward, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention forward: tiles of T = {t} rows, heads dk = {dk}, dv = {dv}"
+    ));
+    w.l(format!("enum {{ T = {t} }};"));
+    shared(
+        &mut w,
+        &[
+            ("qs", format!("T * {}", dk + 1)),
+            ("ks", format!("T * {}", dk + 1)),
+            ("vs", format!("T * {}", dv + 1)),
+            ("ss", "T * (T + 1)".into()),
+            ("os", format!("T * {dv}")),
+            ("ms", "T".into()),
+            ("ls", "T".into()),
+            ("as_", "T".into()),
+        ],
+    );
+    head(&mut w, Part::Forward, mask);
+    open_tiles(&mut w, e, Part::Forward, "tq");
+    w.l("const long long q0 = r0;");
+    w.l("const int nq = n0;");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    forward_sweep(&mut w, e, mask, dk, dv);
+    w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
+    w.l(format!("const int i = e / {dv};"));
+    w.l(format!(
+        "out[(bh * tq + q0) * {dv} + e] = {};",
+        e.store("os[e] / ls[i]")
+    ));
+    w.close();
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉"), w)
+}
+
+/// The query-side backward kernel: `dq` and the row statistics.
+pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::BackwardQ, dk, dv).expect("head sizes checked by the caller");
+    let (pk, pv) = (dk + 1, dv + 1);
+    let ps = params(Part::BackwardQ, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention backward, query side: tiles of T = {t} rows, heads dk = {dk}, dv = {dv}"
+    ));
+    w.l(format!("enum {{ T = {t} }};"));
+    shared(
+        &mut w,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("ss", "T * (T + 1)".into()),
+            ("os", format!("T * {}", dk.max(dv))),
+            ("ms", "T".into()),
+            ("ls", "T".into()),
+            ("as_", "T".into()),
+            ("ds", "T".into()),
+        ],
+    );
+    head(&mut w, Part::BackwardQ, mask);
+    open_tiles(&mut w, e, Part::BackwardQ, "tq");
+    w.l("const long long q0 = r0;");
+    w.l("const int nq = n0;");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
+    forward_sweep(&mut w, e, mask, dk, dv);
+    // D = Σ_c g·o / l, the statistics, then dq from zero.
+    w.open("for (int i = tid; i < nq; i += nt)");
+    w.l("float d = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dv}; ++c) d = d + gs[i * {pv} + c] * os[i * {dv} + c];"
+    ));
+    w.l("ds[i] = d / ls[i];");
+    w.l("float* st = stats + (bh * tq + q0 + i) * 3;");
+    w.l("st[0] = ms[i];");
+    w.l("st[1] = ls[i];");
+    w.l("st[2] = ds[i];");
+    w.close();
+    w.l("__syncthreads();");
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) os[e] = 0.0f;"
+    ));
+    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
+    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
+    w.l("__syncthreads();");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("float d = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
+    ));
+    w.l(format!("const float x = {};", masked_score(mask)));
+    w.l("const float p = expf(x - ms[i]) / ls[i];");
+    w.l("float dp = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
+    ));
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dp - ds[i]) * sc;",
+        masked_out(mask)
+    ));
+    w.l("(void)qrow; (void)krow;");
+    w.close();
+    w.l("ss[i * (T + 1) + j] = dsv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
+    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
+    w.l("const float* sr = ss + i * (T + 1);");
+    w.l("float acc = os[e];");
+    w.l(format!(
+        "for (int j = 0; j < nk; ++j) acc = acc + sr[j] * ks[j * {pk} + c];"
+    ));
+    w.l("os[e] = acc;");
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
+    w.l(format!(
+        "dq[(bh * tq + q0) * {dk} + e] = {};",
+        e.store("os[e]")
+    ));
+    w.close();
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉"), w)
+}
+
+/// The key-side backward kernel: `dk` and `dv` from the row statistics.
+pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::BackwardKv, dk, dv).expect("head sizes checked by the caller");
+    let (pk, pv) = (dk + 1, dv + 1);
+    let ps = params(Part::BackwardKv, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention backward, key side: tiles of T = {t} rows, heads dk = {dk}, dv = {dv}"
+    ));
+    w.l(format!("enum {{ T = {t} }};"));
+    shared(
+        &mut w,
+        &[
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("qs", format!("T * {pk}")),
+            ("gs", format!("T * {pv}")),
+            ("ps", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("dks", format!("T * {dk}")),
+            ("dvs", format!("T * {dv}")),
+            ("st", "T * 3".into()),
+        ],
+    );
+    head(&mut w, Part::BackwardKv, mask);
+    open_tiles(&mut w, e, Part::BackwardKv, "tk");
+    w.l("const long long k0 = r0;");
+    w.l("const int nk = n0;");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) dks[e] = 0.0f;"
+    ));
+    w.l(format!(
+        "for (int e = tid; e < T * {dv}; e += nt) dvs[e] = 0.0f;"
+    ));
+    w.open("for (long long q0 = 0; q0 < tq; q0 += T)");
+    w.l("const int nq = (int)(tq - q0 < T ? tq - q0 : T);");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
+    w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
+    w.l("__syncthreads();");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float p = 0.0f, dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("float d = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
+    ));
+    w.l(format!("const float x = {};", masked_score(mask)));
+    w.l("p = expf(x - st[i * 3]) / st[i * 3 + 1];");
+    w.l("float dp = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
+    ));
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dp - st[i * 3 + 2]) * sc;",
+        masked_out(mask)
+    ));
+    w.l("(void)qrow; (void)krow;");
+    w.close();
+    w.l("ps[i * (T + 1) + j] = p;");
+    w.l("dss[i * (T + 1) + j] = dsv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.open(format!("for (int e = tid; e < nk * {dv}; e += nt)"));
+    w.l(format!("const int j = e / {dv}, c = e % {dv};"));
+    w.l("float acc = dvs[e];");
+    w.l(format!(
+        "for (int i = 0; i < nq; ++i) acc = acc + ps[i * (T + 1) + j] * gs[i * {pv} + c];"
+    ));
+    w.l("dvs[e] = acc;");
+    w.close();
+    w.open(format!("for (int e = tid; e < nk * {dk}; e += nt)"));
+    w.l(format!("const int j = e / {dk}, c = e % {dk};"));
+    w.l("float acc = dks[e];");
+    w.l(format!(
+        "for (int i = 0; i < nq; ++i) acc = acc + dss[i * (T + 1) + j] * qs[i * {pk} + c];"
+    ));
+    w.l("dks[e] = acc;");
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+    w.l(format!(
+        "for (int e = tid; e < nk * {dk}; e += nt) dk[(bh * tk + k0) * {dk} + e] = {};",
+        e.store("dks[e]")
+    ));
+    w.l(format!(
+        "for (int e = tid; e < nk * {dv}; e += nt) dv[(bh * tk + k0) * {dv} + e] = {};",
+        e.store("dvs[e]")
+    ));
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_fit_shared_memory() {
+        for part in [Part::Forward, Part::BackwardQ, Part::BackwardKv] {
+            for d in [1, 8, 64, 100, 128] {
+                let t = tile(part, d, d).expect("a tile");
+                assert!(shared_bytes(part, t, d, d) <= SHARED_BYTES);
+            }
+            assert_eq!(tile(part, 129, 64), None);
+            assert_eq!(tile(part, 64, 0), None);
+        }
+        // The base and big Transformers' heads (64) get 32-row tiles forward and on the
+        // query side.
+        assert_eq!(tile(Part::Forward, 64, 64), Some(32));
+        assert_eq!(tile(Part::BackwardQ, 64, 64), Some(32));
+        assert_eq!(tile(Part::BackwardKv, 64, 64), Some(16));
+        assert_eq!(items(Part::Forward, 32, 2, 8, 25, 40), 16);
+        assert_eq!(items(Part::BackwardKv, 16, 2, 8, 25, 40), 48);
+    }
+}
