@@ -269,6 +269,39 @@ fn close(what: &str, got: &[u8], want: &[u8]) {
     }
 }
 
+/// `v` rounded to bf16, as buffer bytes.
+fn bf16s(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+        .collect()
+}
+
+/// bf16 buffer bytes, widened.
+fn from_bf16(b: &[u8]) -> Vec<f32> {
+    b.chunks(2)
+        .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect()
+}
+
+/// f32 buffer bytes rounded to bf16 and widened again (what a bf16 operand holds).
+fn through_bf16(b: &[u8]) -> Vec<u8> {
+    f32s(&from_bf16(&bf16s(&as_f32(b))))
+}
+
+/// A bf16 result against an f32 one: within `2⁻⁷·max|want| + 1e-6`.
+fn close_bf16(what: &str, got: &[u8], want: &[f32]) {
+    let g = from_bf16(got);
+    assert_eq!(g.len(), want.len(), "{what}: sizes");
+    let max = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let tol = max / 128.0 + 1e-6;
+    for (i, (a, b)) in g.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= tol,
+            "{what}: element {i}: bf16 {a}, f32 {b} (tolerance {tol})"
+        );
+    }
+}
+
 /// A scalar operand.
 fn one(v: f32) -> Vec<u8> {
     f32s(&[v])
@@ -911,13 +944,38 @@ fn attention_reference(
 /// Runs the three flash kernels on the host for `a` and checks them against the
 /// reference (within `1e-5·max|ref| + 1e-6`), with `block` threads per block.
 fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
+    check_flash_as(cxx, a, seed, block, Elem::F32)
+}
+
+/// [`check_flash`] with the activations (`q`, `k`, `v`, `g` and the results) stored as
+/// `elem`: bf16 operands are rounded first and the reference takes the rounded values;
+/// bf16 results are compared within `2⁻⁷·max|ref|` (their own rounding and that of the
+/// values the kernels store between passes).
+fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
     use kiln_compiler::codegen::cuda::attention::{self, Part};
     let mut rng = Rng(seed);
     let (b, h, tq, tk, dk, dv) = (a.b, a.h, a.tq, a.tk, a.dk, a.dv);
-    let q = operand(&mut rng, (b, h, tq, dk), true);
-    let k = operand(&mut rng, (b, h, tk, dk), false);
-    let v = operand(&mut rng, (b, h, tk, dv), true);
-    let g = operand(&mut rng, (b, h, tq, dv), true);
+    let round = |mut x: (Vec<f32>, [usize; 4])| {
+        if elem == Elem::Bf16 {
+            for v in x.0.iter_mut() {
+                *v = half::bf16::from_f32(*v).to_f32();
+            }
+        }
+        x
+    };
+    let q = round(operand(&mut rng, (b, h, tq, dk), true));
+    let k = round(operand(&mut rng, (b, h, tk, dk), false));
+    let v = round(operand(&mut rng, (b, h, tk, dv), true));
+    let g = round(operand(&mut rng, (b, h, tq, dv), true));
+    let store = |x: &[f32]| match elem {
+        Elem::F32 => f32s(x),
+        Elem::Bf16 => bf16s(x),
+    };
+    let zeros_e = |n: usize| vec![0u8; n * elem.bytes()];
+    let check = |what: &str, got: &[u8], want: &[f32]| match elem {
+        Elem::F32 => close(what, got, &f32s(want)),
+        Elem::Bf16 => close_bf16(what, got, want),
+    };
     let mask: Vec<i32> = match a.mask {
         MaskKind::None => vec![],
         // Padding: batch entry 0 keeps every key, the others lose a tail (the last loses
@@ -935,17 +993,17 @@ fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
     let (out, dq, dkk, dvv) = attention_reference(a, &q, &k, &v, &g, &mask);
     let masked = a.mask != MaskKind::None;
     let what = format!(
-        "{:?} b={b} h={h} tq={tq} tk={tk} dk={dk} dv={dv} block={block}",
+        "{:?} b={b} h={h} tq={tq} tk={tk} dk={dk} dv={dv} block={block} {elem:?}",
         a.mask
     );
 
     let head = |mut bufs: Vec<Vec<u8>>, with_g: bool| {
-        let mut all = vec![f32s(&q.0), f32s(&k.0), f32s(&v.0)];
+        let mut all = vec![store(&q.0), store(&k.0), store(&v.0)];
         if masked {
             all.push(i32s(&mask));
         }
         if with_g {
-            all.push(f32s(&g.0));
+            all.push(store(&g.0));
         }
         all.push(one(a.scale));
         if masked {
@@ -958,9 +1016,9 @@ fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
     let bdims = attention::dims(b, h, tq, tk, &[q.1, k.1, v.1, g.1]);
     let launch = (GRID, block);
 
-    let f = attention::forward("flash_fwd", a.mask, dk, dv, Elem::F32);
+    let f = attention::forward("flash_fwd", a.mask, dk, dv, elem);
     let t = attention::tile(Part::Forward, dk, dv).unwrap();
-    let mut bufs = head(vec![zeros(out.len())], false);
+    let mut bufs = head(vec![zeros_e(out.len())], false);
     run_with(
         cxx,
         &f,
@@ -969,15 +1027,11 @@ fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
         attention::items(Part::Forward, t, b, h, tq, tk) as u64,
         launch,
     );
-    close(
-        &format!("forward {what}"),
-        bufs.last().unwrap(),
-        &f32s(&out),
-    );
+    check(&format!("forward {what}"), bufs.last().unwrap(), &out);
 
-    let f = attention::backward_q("flash_q", a.mask, dk, dv, Elem::F32);
+    let f = attention::backward_q("flash_q", a.mask, dk, dv, elem);
     let t = attention::tile(Part::BackwardQ, dk, dv).unwrap();
-    let mut bufs = head(vec![zeros(dq.len()), zeros(b * h * tq * 3)], true);
+    let mut bufs = head(vec![zeros_e(dq.len()), zeros(b * h * tq * 3)], true);
     run_with(
         cxx,
         &f,
@@ -987,12 +1041,12 @@ fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
         launch,
     );
     let n = bufs.len();
-    close(&format!("dq {what}"), &bufs[n - 2], &f32s(&dq));
+    check(&format!("dq {what}"), &bufs[n - 2], &dq);
     let stats = bufs[n - 1].clone();
 
-    let f = attention::backward_kv("flash_kv", a.mask, dk, dv, Elem::F32);
+    let f = attention::backward_kv("flash_kv", a.mask, dk, dv, elem);
     let t = attention::tile(Part::BackwardKv, dk, dv).unwrap();
-    let mut bufs = head(vec![stats, zeros(dkk.len()), zeros(dvv.len())], true);
+    let mut bufs = head(vec![stats, zeros_e(dkk.len()), zeros_e(dvv.len())], true);
     run_with(
         cxx,
         &f,
@@ -1002,8 +1056,8 @@ fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
         launch,
     );
     let n = bufs.len();
-    close(&format!("dk {what}"), &bufs[n - 2], &f32s(&dkk));
-    close(&format!("dv {what}"), &bufs[n - 1], &f32s(&dvv));
+    check(&format!("dk {what}"), &bufs[n - 2], &dkk);
+    check(&format!("dv {what}"), &bufs[n - 1], &dvv);
 }
 
 #[test]
@@ -1072,4 +1126,191 @@ fn flash_attention_matches_the_definition_with_a_causal_mask() {
         fill: -1e9,
     };
     check_flash(cxx, &a, 43, 64);
+}
+
+#[test]
+fn flash_attention_in_bf16_matches_the_definition_within_bf16_rounding() {
+    let Some(cxx) = gxx() else { return };
+    let a = Attn {
+        b: 2,
+        h: 2,
+        tq: 21,
+        tk: 37,
+        dk: 16,
+        dv: 8,
+        mask: MaskKind::Key,
+        scale: 0.25,
+        fill: -1e9,
+    };
+    check_flash_as(cxx, &a, 51, 32, Elem::Bf16);
+    let a = Attn {
+        b: 1,
+        h: 2,
+        tq: 33,
+        tk: 33,
+        dk: 8,
+        dv: 8,
+        mask: MaskKind::Causal,
+        scale: 0.35,
+        fill: -1e9,
+    };
+    check_flash_as(cxx, &a, 52, 16, Elem::Bf16);
+}
+
+// ---------------------------------------------------------------------------------------
+// bf16 storage.
+
+/// A kernel over the prelude's conversions: `bits[i] = narrow(x[i])`, `wide[i] =
+/// widen(bits[i])`.
+fn bf16_roundtrip_kernel() -> CudaFunction {
+    let text = "extern \"C\" __global__ void bf16_roundtrip(const float* x, kiln_bf16* bits, float* wide, const kiln_dims dims, long long items) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (long long)gridDim.x * blockDim.x) {
+        const kiln_bf16 h = kiln_f32_to_bf16(x[i]);
+        bits[i] = h;
+        wide[i] = kiln_bf16_to_f32(h);
+    }
+    (void)dims;
+}
+";
+    CudaFunction {
+        name: "bf16_roundtrip".into(),
+        params: vec![
+            cuda_param("x", "const float*"),
+            cuda_param("bits", "kiln_bf16*"),
+            cuda_param("wide", "float*"),
+        ],
+        work: kiln_compiler::codegen::cuda::Work::Threads,
+        items_rule: "elements".into(),
+        text: text.into(),
+    }
+}
+
+fn cuda_param(name: &str, c_type: &str) -> kiln_compiler::codegen::cuda::Param {
+    kiln_compiler::codegen::cuda::Param {
+        name: name.into(),
+        c_type: c_type.into(),
+    }
+}
+
+#[test]
+fn bf16_conversions_are_the_half_crates_bit_for_bit() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(61);
+    let mut xs: Vec<u32> = vec![
+        0,
+        0x8000_0000,
+        0x7f80_0000, // inf
+        0xff80_0000, // -inf
+        0x7fc0_0000, // NaN
+        0x7f80_0001, // a signalling NaN with a low payload (must stay NaN)
+        0xffff_ffff, // -NaN, every payload bit
+        0x7f7f_ffff, // the largest finite: rounds up to inf
+        0x7f7f_7fff, // just below the tie: stays finite
+        0x0000_0001, // the smallest subnormal
+        0x3f80_8000, // 1 + 2⁻⁸: a tie, to even (down)
+        0x3f81_8000, // 1 + 3·2⁻⁸: a tie, to even (up)
+        0x3f80_8001, // just above a tie: up
+        0xbf80_8000, // a negative tie
+    ];
+    xs.extend((0..4000).map(|_| rng.next() as u32));
+    let x: Vec<f32> = xs.iter().map(|&b| f32::from_bits(b)).collect();
+    let n = x.len();
+    let mut bufs = vec![f32s(&x), vec![0u8; 2 * n], zeros(n)];
+    run(cxx, &bf16_roundtrip_kernel(), &mut bufs, &[], n as u64);
+    let wide = as_f32(&bufs[2]);
+    for (i, &v) in x.iter().enumerate() {
+        let want = half::bf16::from_f32(v);
+        let got = u16::from_le_bytes([bufs[1][2 * i], bufs[1][2 * i + 1]]);
+        if v.is_nan() {
+            assert!(
+                half::bf16::from_bits(got).is_nan(),
+                "{:#010x}: {got:#06x}",
+                xs[i]
+            );
+        } else {
+            assert_eq!(got, want.to_bits(), "{:#010x} ({v})", xs[i]);
+        }
+        assert_eq!(wide[i].to_bits(), (got as u32) << 16, "widening {got:#06x}");
+    }
+}
+
+#[test]
+fn row_kernels_in_bf16_match_the_cpu_within_bf16_rounding() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(71);
+    // softmax: bf16 in and out against the CPU kernel on the rounded input.
+    let (rows_n, c) = (5usize, 37usize);
+    let x = through_bf16(&rng.floats(rows_n * c, -4.0, 4.0));
+    let (dims, items) = rows::softmax_dims(rows_n, c);
+    let mut g = vec![bf16s(&as_f32(&x)), vec![0u8; 2 * rows_n * c]];
+    run(
+        cxx,
+        &cuda::rows::softmax("softmax_0", Elem::Bf16),
+        &mut g,
+        &dims,
+        rows_n as u64,
+    );
+    let mut h = vec![x.clone(), zeros(rows_n * c)];
+    run_cpu(
+        &rows::softmax("softmax_0"),
+        "softmax_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close_bf16("softmax bf16", &g[1], &as_f32(&h[1]));
+
+    // The masked scaled softmax with key padding.
+    let (b, hh, tq, tk) = (2usize, 2usize, 3usize, 11usize);
+    let n = b * hh * tq * tk;
+    let x = through_bf16(&rng.floats(n, -3.0, 3.0));
+    let mask: Vec<i32> = (0..b * tk).map(|i| (i % tk < 7 + i / tk) as i32).collect();
+    let (dims, items) = rows::scale_mask_softmax_dims(b, hh, tq, tk);
+    let f = cuda::rows::scale_mask_softmax("scale_mask_softmax_0", MaskKind::Key, Elem::Bf16);
+    let mut g = vec![
+        bf16s(&as_f32(&x)),
+        i32s(&mask),
+        one(0.5),
+        one(-1e9),
+        vec![0u8; 2 * n],
+    ];
+    run(cxx, &f, &mut g, &dims, items as u64);
+    let mut h = vec![x.clone(), i32s(&mask), one(0.5), one(-1e9), zeros(n)];
+    run_cpu(
+        &rows::scale_mask_softmax("scale_mask_softmax_0", MaskKind::Key),
+        "scale_mask_softmax_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close_bf16("scale_mask_softmax bf16", &g[4], &as_f32(&h[4]));
+
+    // add_layer_norm: bf16 activations, f32 gain and bias.
+    let (rows_n, d) = (4usize, 24usize);
+    let x = through_bf16(&rng.floats(rows_n * d, -2.0, 2.0));
+    let y = through_bf16(&rng.floats(rows_n * d, -2.0, 2.0));
+    let gamma = rng.floats(d, 0.5, 1.5);
+    let beta = rng.floats(d, -0.5, 0.5);
+    let (dims, items) = rows::add_layer_norm_dims(rows_n, d);
+    let (inv_d, eps) = (one(1.0 / d as f32), one(1e-5));
+    let mut g = vec![
+        bf16s(&as_f32(&x)),
+        bf16s(&as_f32(&y)),
+        gamma.clone(),
+        beta.clone(),
+        inv_d.clone(),
+        eps.clone(),
+        vec![0u8; 2 * rows_n * d],
+    ];
+    let f = cuda::rows::add_layer_norm("add_layer_norm_0", Elem::Bf16);
+    run(cxx, &f, &mut g, &dims, rows_n as u64);
+    let mut h = vec![x, y, gamma, beta, inv_d, eps, zeros(rows_n * d)];
+    run_cpu(
+        &rows::add_layer_norm("add_layer_norm_0"),
+        "add_layer_norm_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    close_bf16("add_layer_norm bf16", &g[6], &as_f32(&h[6]));
 }

@@ -3,8 +3,8 @@
 //! In: nothing. Out: [`SHIM`], C++20 text to put before [`super::text::prelude`] and the
 //! kernels: `__global__`/`__device__` vanish, `__shared__` is a function static,
 //! `threadIdx` is thread-local and the other launch coordinates are globals,
-//! `__syncthreads()` waits on the `std::barrier` that `kiln_bar` points at, `__umulhi`
-//! and `__int_as_float` are plain C++ and the math functions are libm's.
+//! `__syncthreads()` waits on the `std::barrier` that `kiln_bar` points at, `__umulhi`,
+//! `__int_as_float` and `__float_as_int` are plain C++ and the math functions are libm's.
 //! `kiln_launch(grid, block, f)` runs each block as `blockDim.x` threads sharing a
 //! barrier, blocks one after another (the kernels' grid-stride loops make any grid
 //! valid). This is how the tests check the
@@ -33,6 +33,7 @@ static inline unsigned __umulhi(unsigned a, unsigned b) {
     return (unsigned)(((unsigned long long)a * b) >> 32);
 }
 static inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+static inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
 // Runs f() as a grid of `grid` blocks of `block` threads, one block after another.
 template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
     gridDim = {grid, 1, 1};

@@ -77,12 +77,16 @@ pub fn i32_lit(v: i32) -> String {
     }
 }
 
-/// The element type a kernel loads and stores its float tensors as. Arithmetic is always
-/// in `float`; a reduced-precision variant adds a case here (C type, widening load,
-/// rounding store) and the emitters take it as their `elem` parameter.
+/// The element type a kernel loads and stores its float activations as (parameters,
+/// scalars and statistics stay `float`). Arithmetic is always in `float`: a load widens,
+/// a store rounds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Elem {
     F32,
+    /// bfloat16 (`kiln_bf16`, the upper half of an `f32`): widening is exact, narrowing
+    /// rounds to nearest, ties to even, NaN stays NaN — the `half` crate's `bf16`
+    /// conversions, bit for bit (the prelude's `kiln_bf16_to_f32`/`kiln_f32_to_bf16`).
+    Bf16,
 }
 
 impl Elem {
@@ -90,6 +94,15 @@ impl Elem {
     pub fn c_type(self) -> &'static str {
         match self {
             Elem::F32 => "float",
+            Elem::Bf16 => "kiln_bf16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::Bf16 => 2,
         }
     }
 
@@ -97,6 +110,7 @@ impl Elem {
     pub fn load(self, expr: &str) -> String {
         match self {
             Elem::F32 => expr.to_string(),
+            Elem::Bf16 => format!("kiln_bf16_to_f32({expr})"),
         }
     }
 
@@ -104,6 +118,7 @@ impl Elem {
     pub fn store(self, value: &str) -> String {
         match self {
             Elem::F32 => value.to_string(),
+            Elem::Bf16 => format!("kiln_f32_to_bf16({value})"),
         }
     }
 }
@@ -144,6 +159,17 @@ pub fn prelude() -> String {
         i32_lit(i32::MIN)
     ));
     w.l("return (int)x;");
+    w.close();
+    w.l("// bf16 storage: the upper 16 bits of an f32. Widening is exact; narrowing rounds to");
+    w.l("// nearest, ties to even (overflow gives inf), and keeps NaN a quiet NaN.");
+    w.l("typedef unsigned short kiln_bf16;");
+    w.open("__device__ __forceinline__ float kiln_bf16_to_f32(kiln_bf16 h)");
+    w.l("return __int_as_float((int)((unsigned)h << 16));");
+    w.close();
+    w.open("__device__ __forceinline__ kiln_bf16 kiln_f32_to_bf16(float f)");
+    w.l("const unsigned x = (unsigned)__float_as_int(f);");
+    w.l("if ((x & 0x7fffffffu) > 0x7f800000u) return (kiln_bf16)((x >> 16) | 0x40u);");
+    w.l("return (kiln_bf16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);");
     w.close();
     w.l("// Wrapping i32 arithmetic.");
     for (name, op) in [("add", "+"), ("sub", "-"), ("mul", "*")] {
