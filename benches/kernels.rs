@@ -150,6 +150,46 @@ fn main() {
     );
     dropout_region();
     sum_rows();
+    xent_ls();
+}
+
+/// The label-smoothed cross-entropy with its gradient over the logits of base's
+/// `train_step` (800 target tokens × vocabulary 37000): one `exp` per logit.
+fn xent_ls() {
+    let m = compile(&clif::text(&rows::xent_ls("xent"))).expect("xent_ls compiles");
+    let (r, v) = (800usize, 37000usize);
+    let x: Vec<f32> = (0..r * v)
+        .map(|i| ((i * 7919) % 1000) as f32 * 0.01 - 5.0)
+        .collect();
+    let target: Vec<i32> = (0..r as i32).map(|i| i * 13 % v as i32).collect();
+    let (c_nll, c_smooth, inv_v, inv_den) = (0.9f32, 0.1f32, 1.0 / v as f32, 1.0 / r as f32);
+    let mut row_loss = vec![0f32; r];
+    let mut d = vec![0f32; r * v];
+    let (dims, items) = rows::xent_ls_dims(r, v, -1);
+    let k = m.get("xent").unwrap();
+    let s = time(9, || unsafe {
+        launch(
+            k,
+            &[
+                x.as_ptr() as *mut u8,
+                target.as_ptr() as *mut u8,
+                &c_nll as *const f32 as *mut u8,
+                &c_smooth as *const f32 as *mut u8,
+                &inv_v as *const f32 as *mut u8,
+                &inv_den as *const f32 as *mut u8,
+                row_loss.as_mut_ptr() as *mut u8,
+                d.as_mut_ptr() as *mut u8,
+            ],
+            &dims,
+            items,
+            1,
+        )
+    });
+    println!(
+        "xent_ls 800x37000 (loss + gradient): {:.1} ms, {:.1} ns/logit",
+        s * 1e3,
+        s * 1e9 / (r * v) as f64
+    );
 }
 
 /// A bias gradient: `sum_rows` of `[32, 25, 512]` (two leading axes) into `[512]`.
