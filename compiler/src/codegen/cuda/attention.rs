@@ -188,6 +188,54 @@ fn masked_out(mask: MaskKind) -> &'static str {
     }
 }
 
+/// Inside `if (i < nq && j < nk)`: the masked scaled score `x` of query row `i` and key
+/// row `j` of the shared tiles (`const float x` when `declare`, else assigned).
+fn score(w: &mut W, mask: MaskKind, dk: usize, declare: bool) {
+    let pk = dk + 1;
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l("float d = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
+    ));
+    let lhs = if declare { "const float x" } else { "x" };
+    w.l(format!("{lhs} = {};", masked_score(mask)));
+}
+
+/// Inside `if (i < nq && j < nk)` of a backward kernel: the score, then (into the
+/// declared `p` and `dsv`) `p = exp(x − m)/l`, `dp = g·v`, `dsv = p·(dp − D)·scale` (0
+/// where masked), with the row's statistics `m`, `l`, `D` as C expressions.
+fn pair_gradient(w: &mut W, mask: MaskKind, dk: usize, dv: usize, (m, l, dd): (&str, &str, &str)) {
+    let pv = dv + 1;
+    score(w, mask, dk, true);
+    w.l(format!("p = expf(x - {m}) / {l};"));
+    w.l("float dp = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
+    ));
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dp - {dd}) * sc;",
+        masked_out(mask)
+    ));
+}
+
+/// The signature, a comment, the tile size `T` and the shared arrays of a flash kernel.
+fn open_kernel(
+    w: &mut W,
+    name: &str,
+    ps: &[Param],
+    what: &str,
+    t: usize,
+    arrays: &[(&str, String)],
+) {
+    signature(w, name, ps);
+    w.l(format!("// flash attention {what}: tiles of T = {t} rows"));
+    w.l(format!("enum {{ T = {t} }};"));
+    for (n, size) in arrays {
+        w.l(format!("__shared__ float {n}[{size}];"));
+    }
+}
+
 /// Loads `n` rows (the rest of the tile zero) of a `[.., t, d]` operand into the shared
 /// array `dst` (row pitch `d + 1`): `src` points at the head, rows from `row0`, strides
 /// `<dst>t` and `<dst>d` (the operand's own: `qs` is `q`'s tile, `qst` its row stride).
@@ -206,7 +254,7 @@ fn load_tile(w: &mut W, e: Elem, dst: &str, src: &str, d: usize, row0: &str, n: 
 /// The forward pass over all key tiles for the query tile at `q0` (`nq` rows): leaves
 /// the unnormalized output in `os` (`T × dv`), the running max in `ms` and sum in `ls`.
 fn forward_sweep(w: &mut W, e: Elem, mask: MaskKind, dk: usize, dv: usize) {
-    let (pk, pv) = (dk + 1, dv + 1);
+    let pv = dv + 1;
     lines(
         w,
         &format!(
@@ -225,13 +273,7 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
     w.l("const int i = e / T, j = e % T;");
     w.l("float x = 0.0f;");
     w.open("if (i < nq && j < nk)");
-    w.l("const long long qrow = q0 + i, krow = k0 + j;");
-    w.l("float d = 0.0f;");
-    w.l(format!(
-        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
-    ));
-    w.l(format!("x = {};", masked_score(mask)));
-    w.l("(void)qrow; (void)krow;");
+    score(w, mask, dk, false);
     w.close();
     w.l("ss[i * (T + 1) + j] = x;");
     w.close();
@@ -297,25 +339,18 @@ fn function(name: &str, params: Vec<Param>, items: &str, w: W) -> CudaFunction {
     }
 }
 
-/// Shared arrays (`name`, floats).
-fn shared(w: &mut W, arrays: &[(&str, String)]) {
-    for (n, size) in arrays {
-        w.l(format!("__shared__ float {n}[{size}];"));
-    }
-}
-
 /// The forward kernel (see the module documentation).
 pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
     let t = tile(Part::Forward, dk, dv).expect("head sizes checked by the caller");
     let ps = params(Part::Forward, mask, e);
     let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention forward: tiles of T = {t} rows, heads dk = {dk}, dv = {dv}"
-    ));
-    w.l(format!("enum {{ T = {t} }};"));
-    shared(
+    let what = format!("forward, heads dk = {dk}, dv = {dv}");
+    open_kernel(
         &mut w,
+        name,
+        &ps,
+        &what,
+        t,
         &[
             ("qs", format!("T * {}", dk + 1)),
             ("ks", format!("T * {}", dk + 1)),
@@ -352,13 +387,13 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
     let (pk, pv) = (dk + 1, dv + 1);
     let ps = params(Part::BackwardQ, mask, e);
     let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention backward, query side: tiles of T = {t} rows, heads dk = {dk}, dv = {dv}"
-    ));
-    w.l(format!("enum {{ T = {t} }};"));
-    shared(
+    let what = format!("backward, query side, heads dk = {dk}, dv = {dv}");
+    open_kernel(
         &mut w,
+        name,
+        &ps,
+        &what,
+        t,
         &[
             ("qs", format!("T * {pk}")),
             ("ks", format!("T * {pk}")),
@@ -404,25 +439,11 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
     w.l("__syncthreads();");
     w.open("for (int e = tid; e < T * T; e += nt)");
     w.l("const int i = e / T, j = e % T;");
-    w.l("float dsv = 0.0f;");
+    w.l("float p = 0.0f, dsv = 0.0f;");
     w.open("if (i < nq && j < nk)");
-    w.l("const long long qrow = q0 + i, krow = k0 + j;");
-    w.l("float d = 0.0f;");
-    w.l(format!(
-        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
-    ));
-    w.l(format!("const float x = {};", masked_score(mask)));
-    w.l("const float p = expf(x - ms[i]) / ls[i];");
-    w.l("float dp = 0.0f;");
-    w.l(format!(
-        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
-    ));
-    w.l(format!(
-        "dsv = {} ? 0.0f : p * (dp - ds[i]) * sc;",
-        masked_out(mask)
-    ));
-    w.l("(void)qrow; (void)krow;");
+    pair_gradient(&mut w, mask, dk, dv, ("ms[i]", "ls[i]", "ds[i]"));
     w.close();
+    w.l("(void)p;");
     w.l("ss[i * (T + 1) + j] = dsv;");
     w.close();
     w.l("__syncthreads();");
@@ -454,13 +475,13 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     let (pk, pv) = (dk + 1, dv + 1);
     let ps = params(Part::BackwardKv, mask, e);
     let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention backward, key side: tiles of T = {t} rows, heads dk = {dk}, dv = {dv}"
-    ));
-    w.l(format!("enum {{ T = {t} }};"));
-    shared(
+    let what = format!("backward, key side, heads dk = {dk}, dv = {dv}");
+    open_kernel(
         &mut w,
+        name,
+        &ps,
+        &what,
+        t,
         &[
             ("ks", format!("T * {pk}")),
             ("vs", format!("T * {pv}")),
@@ -497,22 +518,13 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     w.l("const int i = e / T, j = e % T;");
     w.l("float p = 0.0f, dsv = 0.0f;");
     w.open("if (i < nq && j < nk)");
-    w.l("const long long qrow = q0 + i, krow = k0 + j;");
-    w.l("float d = 0.0f;");
-    w.l(format!(
-        "for (int c = 0; c < {dk}; ++c) d = d + qs[i * {pk} + c] * ks[j * {pk} + c];"
-    ));
-    w.l(format!("const float x = {};", masked_score(mask)));
-    w.l("p = expf(x - st[i * 3]) / st[i * 3 + 1];");
-    w.l("float dp = 0.0f;");
-    w.l(format!(
-        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
-    ));
-    w.l(format!(
-        "dsv = {} ? 0.0f : p * (dp - st[i * 3 + 2]) * sc;",
-        masked_out(mask)
-    ));
-    w.l("(void)qrow; (void)krow;");
+    pair_gradient(
+        &mut w,
+        mask,
+        dk,
+        dv,
+        ("st[i * 3]", "st[i * 3 + 1]", "st[i * 3 + 2]"),
+    );
     w.close();
     w.l("ps[i * (T + 1) + j] = p;");
     w.l("dss[i * (T + 1) + j] = dsv;");
