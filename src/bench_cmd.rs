@@ -189,7 +189,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     }
     let mut host_adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
     let setup = t0.elapsed().as_secs_f64();
-    let opts = RunOptions {
+    let mut opts = RunOptions {
         seed: 1,
         step: 1,
         ..RunOptions::default()
@@ -198,7 +198,16 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     let mut times = Vec::new();
     let mut adam_times = Vec::new();
     let mut profile: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    // Without an optimizer step the parameters never change: an executor may keep them
+    // on its device between runs (the decoder's promise). A training step's optimizer
+    // changes them: every run is a new version.
+    let fixed_params = kiln_runtime::exec::fresh_params_version();
     for run in 0..a.warmup + a.runs {
+        opts.params_version = if adam.is_some() {
+            Some(kiln_runtime::exec::fresh_params_version())
+        } else {
+            Some(fixed_params)
+        };
         let started = Instant::now();
         let outs = if a.profile && run + 1 == a.warmup + a.runs && a.executor == "compiled" {
             let c = compiled.as_ref().expect("compiled");
@@ -218,6 +227,13 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 profile.insert(t.op.to_string(), (t.seconds, t.nodes));
             }
             Ok(outs)
+        } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == "cuda" {
+            let mut rec = |k: &str, s: f64| {
+                let e = profile.entry(k.to_string()).or_insert((0.0, 0));
+                e.0 += s;
+                e.1 += 1;
+            };
+            exec.run_profiled(&inputs, &params, &opts, &mut rec)
         } else if let Some(c) = &compiled {
             c.run(&inputs, &params, &opts)
         } else {
@@ -305,13 +321,20 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         "decode_step" => a.batch,
         _ => a.batch * a.tgt_len,
     } as f64;
+    // The CUDA executor's GEMM precision is part of what was measured.
+    let executor_name = if a.executor == "cuda" && kiln_runtime::cuda::CudaOptions::from_env().tf32
+    {
+        "cuda-tf32".to_string()
+    } else {
+        a.executor.clone()
+    };
     let rss = peak_rss();
     let threads = rayon::current_num_threads();
     if a.json {
         let obj = serde_json::json!({
             "spec": a.spec.display().to_string(),
             "entry": a.entry,
-            "executor": a.executor,
+            "executor": executor_name,
             "batch": a.batch, "src_len": a.src_len, "tgt_len": a.tgt_len,
             "threads": threads,
             "runs": a.runs, "warmup": a.warmup,
@@ -327,7 +350,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             "bench {} entry={} executor={} batch={} src_len={} tgt_len={} threads={threads}",
             a.spec.display(),
             a.entry,
-            a.executor,
+            executor_name,
             a.batch,
             a.src_len,
             a.tgt_len

@@ -289,8 +289,9 @@ enum Command {
         /// Greedy decoding instead of beam search.
         #[arg(long)]
         greedy: bool,
-        /// `compiled` (generated kernels), `eager` or `reference`.
-        #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference"])]
+        /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
+        /// cuda` artifact's kernels on the GPU).
+        #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference", "cuda"])]
         executor: String,
         /// Worker threads (default: one per core).
         #[arg(long)]
@@ -485,6 +486,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 },
                 seed,
                 step,
+                ..RunOptions::default()
             };
             if kiln_runtime::artifact::is_artifact_dir(&spec.spec) {
                 return compile_cmds::run_artifact(

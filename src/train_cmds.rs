@@ -203,7 +203,10 @@ struct Translator {
     vocab: usize,
 }
 
-fn translator(path: &Path, kind: ExecutorKind) -> Result<Translator, Error> {
+/// `kind` `None`: the CUDA executor (a `--target cuda` artifact only).
+fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Translator, Error> {
+    let cuda = kind.is_none();
+    let kind = kind.unwrap_or(ExecutorKind::Compiled);
     if is_artifact_dir(path) {
         let art = Artifact::load(path).map_err(err("kiln::artifact"))?;
         let Some(bytes) = art.tokenizer_json() else {
@@ -223,7 +226,15 @@ fn translator(path: &Path, kind: ExecutorKind) -> Result<Translator, Error> {
         let tokenizer = Tokenizer::from_json(&String::from_utf8_lossy(bytes), &origin)
             .map_err(err("kiln::artifact"))?;
         let ex = |name: &str| -> Result<Box<dyn Exec>, Error> {
-            if kind == ExecutorKind::Compiled {
+            if cuda {
+                kiln_runtime::cuda::executor_for(&art, name).map_err(|e| {
+                    plain(
+                        "kiln::cuda",
+                        e,
+                        Some("`--executor compiled` runs the artifact's CPU code".to_string()),
+                    )
+                })
+            } else if kind == ExecutorKind::Compiled {
                 Ok(Box::new(art.executor(name).map_err(err("kiln::artifact"))?))
             } else {
                 let g = art.entry(name).map_err(err("kiln::artifact"))?;
@@ -241,6 +252,20 @@ fn translator(path: &Path, kind: ExecutorKind) -> Result<Translator, Error> {
             tokenizer,
             vocab,
         });
+    }
+    if cuda {
+        return Err(plain(
+            "kiln::translate",
+            format!(
+                "`--executor cuda` runs a compiled CUDA artifact, and `{}` is a model directory",
+                path.display()
+            ),
+            Some(format!(
+                "compile one first: `kiln compile --from-model {} --target cuda -o DIR`, then \
+                 `kiln translate DIR --executor cuda`",
+                path.display()
+            )),
+        ));
     }
     let m = model::load(path).map_err(err("kiln::model"))?;
     let encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
@@ -268,7 +293,10 @@ pub struct TranslateArgs {
 }
 
 pub fn translate(a: TranslateArgs) -> Result<(), Error> {
-    let kind = ExecutorKind::parse(&a.executor).unwrap_or(ExecutorKind::Compiled);
+    let kind = match a.executor.as_str() {
+        "cuda" => None,
+        e => Some(ExecutorKind::parse(e).unwrap_or(ExecutorKind::Compiled)),
+    };
     let m = translator(&a.checkpoint, kind)?;
     let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
         plain(

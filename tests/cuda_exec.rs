@@ -21,6 +21,7 @@ use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_runtime::artifact::Artifact;
 use kiln_runtime::cuda::{
     cuda_available, executor_for, launch_plan, require_cuda_or_skip, CudaExecError, CudaExecutor,
+    CudaOptions,
 };
 use kiln_runtime::exec::Exec;
 
@@ -138,9 +139,18 @@ fn every_kernel_of_the_tiny_model_has_a_gpu_launch() {
             *seen.entry(how).or_default() += 1;
         }
     }
-    // The tiny model exercises every path: generated kernels, cuBLAS, flash attention
-    // (its heads are small) and the host fallback (gathers/scatters).
-    for how in ["generated", "gemm", "flash", "host"] {
+    // The tiny model exercises every device path: generated kernels, cuBLAS and flash
+    // attention (its heads are small). Its training step never leaves the device: the
+    // embedding gradient (`scatter_add`) is a generated kernel too.
+    let train = launch_plan(art, "train_step").unwrap();
+    assert!(
+        train
+            .iter()
+            .any(|(k, how)| k == "scatter_add" && *how == "generated"),
+        "{train:?}"
+    );
+    assert!(train.iter().all(|(_, how)| *how != "host"), "{train:?}");
+    for how in ["generated", "gemm", "flash"] {
         assert!(
             seen.get(how).copied().unwrap_or(0) > 0,
             "no `{how}` kernel: {seen:?}"
@@ -248,6 +258,89 @@ fn gpu_train_steps_match_the_cpu_executor() {
         let got = gpu.run(&inputs, &params, &opts).unwrap();
         bad.extend(mismatches(&format!("train_step@{step}"), &want, &got));
     }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// TF32 GEMMs (`CudaOptions::tf32`, `KILN_CUDA_TF32=1` on the command line): a training
+/// step within `1e-2·max + 1e-5` of the CPU (operands rounded to a 10-bit mantissa,
+/// fp32 accumulation), the loss within `1e-3` relative.
+#[test]
+fn gpu_tf32_train_step_is_close_to_the_cpu() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let gpu = CudaExecutor::with_options(art, "train_step", CudaOptions { tf32: true }).unwrap();
+    let cpu = art.executor("train_step").unwrap();
+    let (inputs, params) = feeds(cpu.graph(), art, 9);
+    let opts = RunOptions {
+        seed: 9,
+        step: 2,
+        ..RunOptions::default()
+    };
+    let want = cpu.run(&inputs, &params, &opts).unwrap();
+    let got = gpu.run(&inputs, &params, &opts).unwrap();
+    assert!(want.iter().any(|(n, _)| n == "loss"));
+    let mut worst = 0f64;
+    for ((n, w), (_, g)) in want.iter().zip(&got) {
+        let (w, g) = (as_f64(w), as_f64(g));
+        let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
+        let diff = w
+            .iter()
+            .zip(&g)
+            .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+        assert!(
+            diff <= 1e-2 * max + 1e-5,
+            "{n}: max diff {diff:e}, max |cpu| {max:e}"
+        );
+        if n == "loss" {
+            assert!(diff <= 1e-3 * max, "loss: {g:?} vs {w:?}");
+        }
+        worst = worst.max(diff / (1e-2 * max + 1e-5));
+    }
+    println!("tf32 train_step: at most {worst:.3} of the bound used");
+}
+
+/// Parameters kept on the device under one `params_version`: the second run of a
+/// version reads the kept copies (same results), a new version reads the changed values
+/// even though they sit at the same host address.
+#[test]
+fn gpu_kept_parameters_follow_the_version() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let gpu = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
+    let cpu = art.executor("encode").unwrap();
+    let (inputs, mut params) = feeds(cpu.graph(), art, 7);
+    let version = kiln_runtime::exec::fresh_params_version();
+    let opts = RunOptions {
+        params_version: Some(version),
+        ..RunOptions::default()
+    };
+    let want = cpu.run(&inputs, &params, &opts).unwrap();
+    let mut bad = Vec::new();
+    for round in 0..2 {
+        let got = gpu.run(&inputs, &params, &opts).unwrap();
+        bad.extend(mismatches(&format!("encode, run {round}"), &want, &got));
+    }
+    // Change every f32 parameter in place (same allocation), under a new version.
+    for t in params.values_mut() {
+        if let TensorData::F32(v) = &mut t.data {
+            v.iter_mut().for_each(|x| *x = *x * 0.5 + 0.01);
+        }
+    }
+    let opts = RunOptions {
+        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        ..RunOptions::default()
+    };
+    let want2 = cpu.run(&inputs, &params, &opts).unwrap();
+    assert!(
+        !mismatches("changed", &want, &want2).is_empty(),
+        "the change shows"
+    );
+    let got = gpu.run(&inputs, &params, &opts).unwrap();
+    bad.extend(mismatches("encode, new version", &want2, &got));
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 

@@ -80,6 +80,8 @@ fn cuda_of_every_kernel_kind_is_pinned() {
         "scale_mask_softmax",
         "softmax_bwd",
         "sum_rows",
+        "sum_rows_finish",
+        "scatter_rows",
         "xent_ls",
         "xent_ls_count",
         "xent_ls_finish",
@@ -190,12 +192,17 @@ fn every_source_is_plausible_cuda() {
             let shared = f.text.contains("__shared__");
             let uses_block = f.text.contains("kiln_block_");
             let flash = f.name.starts_with("attention");
+            // `sum_rows` adds its warps' column sums through shared memory.
+            let column_sums = f.name.starts_with("sum_rows_") && !f.name.contains("finish");
             assert_eq!(
                 shared,
-                uses_block || flash,
-                "{}: shared scratch iff block sums or flash tiles",
+                uses_block || flash || column_sums,
+                "{}: shared scratch iff block sums, flash tiles or column sums",
                 f.name
             );
+            if shared {
+                assert_eq!(f.work, Work::Blocks, "{}: shared memory per block", f.name);
+            }
             if flash {
                 assert_eq!(f.work, Work::Blocks, "{}: one tile per block", f.name);
                 assert!(f.text.contains("__syncthreads()"), "{}", f.name);

@@ -100,6 +100,7 @@ fn opts(precision: Precision) -> RunOptions {
         precision,
         seed: 17,
         step: 3,
+        ..RunOptions::default()
     }
 }
 

@@ -74,6 +74,11 @@ pub struct RunOptions {
     pub seed: u64,
     /// The training step (a Philox counter word for dropout).
     pub step: u32,
+    /// A promise about the parameters: runs given the same `Some(version)` are given the
+    /// same parameter values (same names, same tensors, unchanged contents), so an
+    /// executor that copies parameters to a device may keep the copies between them.
+    /// `None` (the default): no promise, every run reads its parameters afresh.
+    pub params_version: Option<u64>,
 }
 
 /// Why a graph could not be run.

@@ -9,9 +9,9 @@
 //! 4 threads per block and 3 blocks (so grid-stride loops, the block reduction tree and
 //! the barriers are all exercised) on the same random data as the JIT-compiled CPU
 //! kernels, and must agree: bit for bit where the module documentation of
-//! `codegen::cuda` promises it (Philox dropout masks, Adam, `embed_pe`, `sum_rows`,
-//! reductions across rows, copies, fills, relu), else within `1e-5·max|cpu| + 1e-6`
-//! (row sums in another order, libm's `expf`/`logf` against the CPU's polynomials).
+//! `codegen::cuda` promises it (Philox dropout masks, Adam, `embed_pe`, reductions
+//! across rows, copies, fills, relu), else within `1e-5·max|cpu| + 1e-6` (row and
+//! column sums in another order, libm's `expf`/`logf` against the CPU's polynomials).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -409,27 +409,7 @@ fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
     );
     exact("embed_pe", &g[4], &h[4]);
 
-    // sum_rows over two leading axes.
-    let shape = [3usize, 4, 9];
-    let x = rng.floats(108, -1.0, 1.0);
-    let (dims, items) = misc::sum_rows_dims(&shape);
-    let mut g = vec![x.clone(), zeros(9)];
-    run(
-        cxx,
-        &cuda::misc::sum_rows("sum_rows_0", 2).unwrap(),
-        &mut g,
-        &dims,
-        9,
-    );
-    let mut h = vec![x.clone(), zeros(9)];
-    run_cpu(
-        &misc::sum_rows("sum_rows_0", 2),
-        "sum_rows_0",
-        &mut h,
-        &dims,
-        items,
-    );
-    exact("sum_rows", &g[1], &h[1]);
+    // sum_rows: the partial sums and their finish (its own test: not bit-identical).
 
     // Reductions across rows (sum, max) and along rows (max, with ties of zeros and a NaN).
     for op in [Reduce::Sum, Reduce::Max] {
@@ -544,6 +524,70 @@ fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
     );
     exact("copy_strided", &g[1], &h[1]);
     assert_eq!(as_f32(&g[1])[1], as_f32(&src)[6]);
+}
+
+/// `sum_rows` in two kernels (partial sums of 128-row chunks by 32-column blocks, then
+/// the chunks in order) against an f64 sum and the CPU kernel: one row, rows across
+/// chunks (300 = 2·128 + 44), columns across tiles (37 = 32 + 5), one and two leading
+/// axes, blocks of 4 (one lane looping over the columns), 48 (a warp and idle threads),
+/// 64 and 256 threads (2 and 8 warps per column tile).
+#[test]
+fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(23);
+    for (shape, block) in [
+        (vec![1usize, 5], BLOCK),
+        (vec![300, 37], 256),
+        (vec![130, 40], 48),
+        (vec![3, 100, 37], 64),
+        (vec![2, 129, 9], 256),
+        (vec![7, 64], 64),
+    ] {
+        let n = *shape.last().unwrap();
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        let lead = shape.len() - 1;
+        let x = rng.floats(rows * n, -1.0, 1.0);
+        let xs = as_f32(&x);
+        let chunks = cuda::misc::sum_rows_chunks(rows);
+        let (dims, cpu_items) = misc::sum_rows_dims(&shape);
+        let mut g = vec![x.clone(), f32s(&vec![f32::NAN; chunks * n])];
+        let items = cuda::misc::sum_rows_items(rows, n) as u64;
+        run_with(
+            cxx,
+            &cuda::misc::sum_rows("sum_rows_0", lead).unwrap(),
+            &mut g,
+            &dims,
+            items,
+            (3, block),
+        );
+        let mut y = vec![g[1].clone(), f32s(&vec![f32::NAN; n])];
+        run(
+            cxx,
+            &cuda::misc::sum_rows_finish("sum_rows_finish_0", lead).unwrap(),
+            &mut y,
+            &dims,
+            n as u64,
+        );
+        let got = as_f32(&y[1]);
+        let scale = xs.iter().fold(0f64, |a, v| a + v.abs() as f64) / n as f64;
+        for j in 0..n {
+            let want: f64 = (0..rows).map(|r| xs[r * n + j] as f64).sum();
+            assert!(
+                (got[j] as f64 - want).abs() <= 1e-6 * scale + 1e-7,
+                "{shape:?} block {block}: column {j}: {} vs {want}",
+                got[j]
+            );
+        }
+        let mut h = vec![x.clone(), zeros(n)];
+        run_cpu(
+            &misc::sum_rows("sum_rows_0", lead),
+            "sum_rows_0",
+            &mut h,
+            &dims,
+            cpu_items,
+        );
+        close(&format!("sum_rows {shape:?}"), &y[1], &h[1]);
+    }
 }
 
 #[test]
@@ -820,6 +864,52 @@ fn index_kernels_follow_the_reference_semantics() {
         }
     }
     assert_eq!(as_i32(&g[3]), want);
+}
+
+/// `scatter_add` as `scatter_index` + `scatter_rows`: every output element the sum of
+/// its row's source rows in position order from 0.0 (the CPU fallback's order, so bit
+/// for bit), rows no id names zero (the output is poisoned first), repeated ids, the
+/// first and last row; an id out of range is named with its position.
+#[test]
+fn scatter_rows_sums_each_row_in_position_order() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(31);
+    let (rows, width) = (11usize, 7usize);
+    let ids: Vec<i32> = vec![3, 0, 10, 3, 3, 7, 0, 10, 5, 3, 9, 1, 3];
+    let src = rng.floats(ids.len() * width, -1.0, 1.0);
+    let xs = as_f32(&src);
+    let (start, order) = cuda::index::scatter_index(&ids, rows).unwrap();
+    assert_eq!(start.len(), rows + 1);
+    assert_eq!(
+        &order[start[3] as usize..start[4] as usize],
+        &[0, 3, 4, 9, 12]
+    );
+    let (dims, items) = cuda::index::scatter_rows_dims(rows, width);
+    let mut g = vec![
+        i32s(&start),
+        i32s(&order),
+        src.clone(),
+        f32s(&vec![f32::NAN; rows * width]),
+    ];
+    run(
+        cxx,
+        &cuda::index::scatter_rows("scatter_rows"),
+        &mut g,
+        &dims,
+        items as u64,
+    );
+    let mut want = vec![0f32; rows * width];
+    for (p, &id) in ids.iter().enumerate() {
+        for j in 0..width {
+            want[id as usize * width + j] += xs[p * width + j];
+        }
+    }
+    exact("scatter_rows", &g[3], &f32s(&want));
+    assert!(as_f32(&g[3])[2 * width..3 * width]
+        .iter()
+        .all(|&x| x == 0.0));
+    assert_eq!(cuda::index::scatter_index(&[1, 11, 2], rows), Err((1, 11)));
+    assert_eq!(cuda::index::scatter_index(&[-1], rows), Err((0, -1)));
 }
 
 // ---------------------------------------------------------------------------------------

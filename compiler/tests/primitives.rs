@@ -1044,6 +1044,7 @@ fn dropout_scales_and_is_deterministic() {
             precision: Precision::F32,
             seed,
             step,
+            ..RunOptions::default()
         };
         try_run(&g, vec![("x", f32t(&[1000], &x))], vec![], opts).unwrap()["y"].clone()
     };
@@ -1072,6 +1073,7 @@ fn dropout_scales_and_is_deterministic() {
         precision: Precision::F64,
         seed: 11,
         step: 4,
+        ..RunOptions::default()
     };
     let y64 = try_run(&g, vec![("x", f32t(&[1000], &x))], vec![], opts).unwrap()["y"].clone();
     for (i, (&v, &xi)) in f64s(&y64).iter().zip(&x).enumerate() {

@@ -155,7 +155,8 @@ pub struct TrainConfig {
     /// Optimizer steps to run.
     pub max_steps: u64,
     pub seed: u64,
-    /// `compiled` (generated kernels; the default), `eager` or `reference`.
+    /// `compiled` (generated kernels; the default), `eager`, `reference`, or `cuda` (the
+    /// GPU: needs a `--target cuda` artifact, `model.artifact` / `kiln train --artifact`).
     pub executor: String,
     /// Worker threads (0: one per core).
     pub threads: usize,
@@ -320,9 +321,9 @@ impl Config {
                 self.valid.length_penalty
             ));
         }
-        if !["eager", "reference", "compiled"].contains(&self.train.executor.as_str()) {
+        if !["eager", "reference", "compiled", "cuda"].contains(&self.train.executor.as_str()) {
             bad.push(format!(
-                "train.executor is `{}`; use compiled, eager or reference",
+                "train.executor is `{}`; use compiled, eager, reference or cuda",
                 self.train.executor
             ));
         }

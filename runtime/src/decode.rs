@@ -220,7 +220,11 @@ impl<'a> CachedStep<'a> {
             encode,
             step,
             params,
-            opts: RunOptions::default(),
+            // `params` is borrowed for the decoder's life: unchanged between its runs.
+            opts: RunOptions {
+                params_version: Some(crate::exec::fresh_params_version()),
+                ..RunOptions::default()
+            },
             state: BTreeMap::new(),
             vocab,
         }

@@ -28,6 +28,20 @@ pub trait Exec: Send + Sync {
         drop(tensors);
     }
 
+    /// [`Exec::run`], calling `rec(what, seconds)` for the parts of the run an executor
+    /// times (the CUDA executor: uploads, each kernel, downloads). The default times
+    /// nothing and just runs.
+    fn run_profiled(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        rec: &mut dyn FnMut(&str, f64),
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        let _ = rec;
+        self.run(inputs, params, opts)
+    }
+
     /// Runs and returns the outputs by name.
     fn run_map(
         &self,
@@ -37,6 +51,14 @@ pub trait Exec: Send + Sync {
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
         Ok(self.run(inputs, params, opts)?.into_iter().collect())
     }
+}
+
+/// A `RunOptions::params_version` no earlier call returned (process-wide): for a caller
+/// about to run an executor several times on parameters it will not change in between
+/// (one decoder, one optimizer step's micro-batches, one validation pass).
+pub fn fresh_params_version() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The reference executor.

@@ -481,8 +481,18 @@ impl Trainer {
         let kind = ExecutorKind::parse(&cfg.train.executor).unwrap_or(ExecutorKind::Compiled);
         // With an artifact and the compiled executor, its kernels run as they are;
         // otherwise the executor is built from the graph now.
+        let cuda = cfg.train.executor == "cuda";
         let ex = |name: &str, g: &Graph| -> Result<Box<dyn Exec>, TrainError> {
             match artifact {
+                Some(art) if cuda => {
+                    crate::cuda::executor_for(art, name).map_err(TrainError::Setup)
+                }
+                None if cuda => Err(TrainError::Setup(
+                    "`train.executor: cuda` runs a compiled `--target cuda` artifact: compile one \
+                     with `kiln compile --config CONFIG --target cuda -o DIR` and start the run \
+                     with `--artifact DIR`"
+                        .to_string(),
+                )),
                 Some(art) if kind == ExecutorKind::Compiled => Ok(Box::new(
                     art.executor(name).map_err(setup("preparing an executor"))?,
                 )),
@@ -586,6 +596,8 @@ impl Trainer {
             .clone()
             .unwrap_or_else(|| "loss".to_string());
         let (mut loss_sum, mut tokens, mut src_tokens) = (0.0f64, 0usize, 0usize);
+        // The parameters stay as they are until the optimizer step below.
+        let params_version = Some(crate::exec::fresh_params_version());
         for micro in 0..self.cfg.batch.update_freq {
             let batch = self.next_batch();
             let mut inputs = BTreeMap::new();
@@ -596,6 +608,7 @@ impl Trainer {
             let opts = RunOptions {
                 seed: self.state.seed,
                 step: counter as u32,
+                params_version,
                 ..RunOptions::default()
             };
             let out = self
@@ -656,6 +669,11 @@ impl Trainer {
             .clone()
             .unwrap_or_else(|| "loss".to_string());
         let (mut sum, mut tokens) = (0.0f64, 0usize);
+        // `&self`: the parameters cannot change during the pass.
+        let opts = RunOptions {
+            params_version: Some(crate::exec::fresh_params_version()),
+            ..RunOptions::default()
+        };
         for b in 0..self.valid_plan.len() {
             let batch = self.valid_plan.batch(&self.valid, b).expect("valid batch");
             let mut inputs = BTreeMap::new();
@@ -664,7 +682,7 @@ impl Trainer {
             inputs.insert("tgt_out".to_string(), batch.tgt_out);
             let out = self
                 .loss_exec
-                .run_map(&inputs, &self.params, &RunOptions::default())
+                .run_map(&inputs, &self.params, &opts)
                 .map_err(|source| TrainError::Exec {
                     step: self.state.step,
                     source,

@@ -244,6 +244,7 @@ pub(crate) fn run_host(
                 precision: Precision::F32,
                 seed: ctx.seed,
                 step: ctx.step,
+                ..RunOptions::default()
             };
             let res = eager
                 .run(&inputs, &BTreeMap::new(), &opts)

@@ -9,6 +9,7 @@
 //! the arguments of a row-major GEMM as a column-major cuBLAS `sgemm` ([`sgemm_args`],
 //! [`plan_matmul`]).
 
+use kiln_compiler::codegen::cuda::misc as cuda_misc;
 use kiln_compiler::codegen::cuda::text::MAX_DIMS;
 use kiln_compiler::codegen::cuda::Work;
 use kiln_compiler::codegen::misc::{self, ReduceLayout};
@@ -82,12 +83,19 @@ impl Launch {
         }
     }
 
-    /// `sum_rows` of `x[…, n]`: items columns `n`.
-    pub fn sum_rows(shape: &[usize]) -> Launch {
-        Launch {
-            dims: misc::sum_rows_dims(shape).0,
-            items: shape.last().copied().unwrap_or(1),
-        }
+    /// `sum_rows` of `x[…, n]`: the partial sums (items row chunks × column tiles), then
+    /// their sum (items columns `n`).
+    pub fn sum_rows(shape: &[usize]) -> (Launch, Launch) {
+        let dims = misc::sum_rows_dims(shape).0;
+        let n = shape.last().copied().unwrap_or(1);
+        let rows = shape[..shape.len().saturating_sub(1)].iter().product();
+        (
+            Launch {
+                dims: dims.clone(),
+                items: cuda_misc::sum_rows_items(rows, n),
+            },
+            Launch { dims, items: n },
+        )
     }
 
     /// A reduction of `[outer, len, inner]` over `len`: items rows `outer` (one block
@@ -392,11 +400,13 @@ mod tests {
         assert_eq!(Launch::relu(1000).dims, misc::relu_dims(1000).0);
         assert_eq!(Launch::adam(77).items, 77);
         assert_eq!(Launch::adam(77).dims, misc::adam_update_dims(77).0);
-        let s = Launch::sum_rows(&[2, 3, 9]);
+        let (s, f) = Launch::sum_rows(&[2, 300, 9]);
         assert_eq!(
             (s.dims.clone(), s.items),
-            (misc::sum_rows_dims(&[2, 3, 9]).0, 9)
+            (misc::sum_rows_dims(&[2, 300, 9]).0, 5)
         );
+        assert_eq!((f.dims, f.items), (s.dims, 9));
+        assert_eq!(Launch::sum_rows(&[0, 40]).0.items, 2);
         assert_eq!(
             Launch::reduce(ReduceLayout::Across, 2, 3, 7),
             Launch {

@@ -41,6 +41,62 @@ pub(crate) struct Device {
     blas: CudaBlas,
     _module: Arc<CudaModule>,
     funcs: BTreeMap<String, Func>,
+    /// Page-locked host memory that large copies go through (allocated on first use).
+    staging: std::sync::Mutex<Option<Staging>>,
+}
+
+/// Words of the page-locked staging buffer (32 MiB).
+const STAGE_WORDS: usize = 8 << 20;
+/// Copies of fewer words go straight from or to pageable memory.
+const STAGE_MIN: usize = 64 << 10;
+/// Words per rayon task when copying between pageable and staging memory.
+const COPY_GRAIN: usize = 256 << 10;
+
+/// A page-locked host buffer (`cuMemHostAlloc`): the driver copies it at the bus's full
+/// speed, where pageable memory goes through the driver's own smaller bounce buffers.
+/// Large transfers are staged through it, the pageable side copied by several threads
+/// (which also spreads the page faults of a fresh destination).
+struct Staging {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u32,
+}
+
+// SAFETY: the buffer is plain host memory owned by this struct and used under the
+// device's mutex.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Staging, String> {
+        // SAFETY: a fresh allocation of `STAGE_WORDS` words, freed in `drop`.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(4 * STAGE_WORDS, 0) }
+            .map_err(drv("cannot allocate page-locked host memory"))?;
+        Ok(Staging {
+            ctx: ctx.clone(),
+            ptr: ptr as *mut u32,
+        })
+    }
+
+    fn slice(&mut self, n: usize) -> &mut [u32] {
+        assert!(n <= STAGE_WORDS);
+        // SAFETY: `ptr` addresses `STAGE_WORDS` words that only `self` uses.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from `malloc_host` and is freed once.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+/// `dst.copy_from_slice(src)` by several threads.
+fn par_copy(dst: &mut [u32], src: &[u32]) {
+    use rayon::prelude::*;
+    dst.par_chunks_mut(COPY_GRAIN)
+        .zip(src.par_chunks(COPY_GRAIN))
+        .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 fn drv<E: std::fmt::Debug>(what: &str) -> impl Fn(E) -> String + '_ {
@@ -75,7 +131,14 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
 impl Device {
     /// Device 0 with the module `ptx` loaded, and the functions
     /// `(name, work, buffer parameter count)`.
-    pub fn new(ptx: Ptx, functions: &[(String, Work, usize)]) -> Result<Device, String> {
+    ///
+    /// `tf32`: cuBLAS may round GEMM operands to TF32 on the tensor cores (fp32
+    /// accumulation); otherwise pedantic fp32, the CPU executor's precision.
+    pub fn new(
+        ptx: Ptx,
+        functions: &[(String, Work, usize)],
+        tf32: bool,
+    ) -> Result<Device, String> {
         let ctx = CudaContext::new(0).map_err(drv("cannot create a CUDA context"))?;
         let stream = ctx.default_stream();
         let module = ctx
@@ -96,22 +159,23 @@ impl Device {
             );
         }
         let blas = CudaBlas::new(stream.clone()).map_err(drv("cannot create a cuBLAS handle"))?;
-        // Plain fp32 GEMMs: no TF32 tensor-core rounding (the CPU executor's precision).
+        // Plain fp32 GEMMs unless TF32 was asked for.
+        let mode = if tf32 {
+            cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cublasMath_t::CUBLAS_PEDANTIC_MATH
+        };
         // SAFETY: a valid handle.
-        unsafe {
-            cudarc::cublas::sys::cublasSetMathMode(
-                *blas.handle(),
-                cublasMath_t::CUBLAS_PEDANTIC_MATH,
-            )
-        }
-        .result()
-        .map_err(drv("cannot set cuBLAS's math mode"))?;
+        unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) }
+            .result()
+            .map_err(drv("cannot set cuBLAS's math mode"))?;
         Ok(Device {
             ctx,
             stream,
             blas,
             _module: module,
             funcs,
+            staging: std::sync::Mutex::new(None),
         })
     }
 
@@ -143,10 +207,44 @@ impl Device {
         Ok(b)
     }
 
+    /// Runs `f` with the staging buffer (allocated on first use).
+    fn with_staging<T>(
+        &self,
+        f: impl FnOnce(&mut Staging) -> Result<T, String>,
+    ) -> Result<T, String> {
+        let mut st = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if st.is_none() {
+            *st = Some(Staging::new(&self.ctx)?);
+        }
+        f(st.as_mut().expect("allocated"))
+    }
+
     /// Copies `words` to `dst` and waits for the copy.
     pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
         if words.is_empty() {
             return Ok(());
+        }
+        if words.len() >= STAGE_MIN {
+            return self.with_staging(|st| {
+                for (k, chunk) in words.chunks(STAGE_WORDS).enumerate() {
+                    let stage = st.slice(chunk.len());
+                    par_copy(stage, chunk);
+                    let at = dst + 4 * (k * STAGE_WORDS) as u64;
+                    // SAFETY: `dst` addresses `words.len()` words of a live buffer; the
+                    // staging buffer is not touched again before the copy has finished
+                    // (synchronized below).
+                    unsafe {
+                        cudarc::driver::result::memcpy_htod_async(
+                            at,
+                            &*stage,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(drv("host-to-device copy"))?;
+                    self.sync()?;
+                }
+                Ok(())
+            });
         }
         // SAFETY: `dst` addresses at least `words.len()` words of a live buffer; the copy
         // completes before `words` can go away (synchronized below).
@@ -159,6 +257,28 @@ impl Device {
     pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
         let mut out = vec![0u32; n];
         if n == 0 {
+            return Ok(out);
+        }
+        if n >= STAGE_MIN {
+            self.with_staging(|st| {
+                for (k, chunk) in out.chunks_mut(STAGE_WORDS).enumerate() {
+                    let stage = st.slice(chunk.len());
+                    let at = src + 4 * (k * STAGE_WORDS) as u64;
+                    // SAFETY: `src` addresses `n` words of a live buffer; the staging
+                    // buffer is read only after the copy has finished (synchronized).
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtoh_async(
+                            &mut *stage,
+                            at,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(drv("device-to-host copy"))?;
+                    self.sync()?;
+                    par_copy(chunk, stage);
+                }
+                Ok(())
+            })?;
             return Ok(out);
         }
         // SAFETY: `src` addresses at least `n` words of a live buffer; synchronized below

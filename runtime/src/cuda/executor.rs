@@ -17,7 +17,9 @@
 //! 2. lays out the arena from the memory plan for those dims — the **same byte offsets**
 //!    as the CPU arena, in one device allocation (kept between runs, grown when needed);
 //! 3. uploads inputs, parameters and constants (bools as 4-byte 0/1, f64 as f32) into
-//!    device buffers of their own, every run (no caching yet);
+//!    device buffers of their own; parameters are kept on the device between runs that
+//!    give the same `RunOptions::params_version` (the caller's promise that they did
+//!    not change: the decoder's steps, the trainer between optimizer steps);
 //! 4. gives every value a location: a device address and a strided layout (views
 //!    re-describe their source; a reshape of a non-contiguous view is copied by the
 //!    generated `copy_strided` when first read);
@@ -30,6 +32,7 @@ use std::sync::{Arc, Mutex};
 use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
+use kiln_compiler::codegen::cuda::misc as cuda_misc;
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, Op};
@@ -79,6 +82,49 @@ pub enum CudaExecError {
 struct State {
     device: Device,
     arena: Option<Buf>,
+    /// Device copies of the parameters of the last run that gave a `params_version`.
+    params: Option<ParamCache>,
+}
+
+/// Parameters kept on the device between runs of one `RunOptions::params_version`:
+/// by name, the host slice they were copied from (address, length) and the copy.
+struct ParamCache {
+    version: u64,
+    bufs: BTreeMap<String, ((usize, usize), DType, Buf)>,
+}
+
+/// A bound input or parameter as 4-byte words (f32 and i32 reinterpreted in place;
+/// f64 narrowed, bools as 0/1), its dtype, and the host slice it came from.
+fn source_words<'s>(src: &'s Source<'_>) -> (std::borrow::Cow<'s, [u32]>, DType, (usize, usize)) {
+    use std::borrow::Cow;
+    match src {
+        Source::F32(v) => (
+            // SAFETY: f32 and u32 have the same size and alignment; every bit pattern is a u32.
+            Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u32, v.len()) }),
+            DType::F32,
+            (v.as_ptr() as usize, v.len()),
+        ),
+        Source::F64(v) => (
+            Cow::Owned(v.iter().map(|&x| (x as f32).to_bits()).collect()),
+            DType::F32,
+            (v.as_ptr() as usize, v.len()),
+        ),
+        Source::I32(v) => (
+            // SAFETY: i32 and u32 have the same size and alignment.
+            Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u32, v.len()) }),
+            DType::I32,
+            // A converted (owned) id tensor has a temporary address: never a cache hit.
+            match v {
+                Cow::Borrowed(b) => (b.as_ptr() as usize, b.len()),
+                Cow::Owned(_) => (0, usize::MAX),
+            },
+        ),
+        Source::Bool(v) => (
+            Cow::Owned(v.iter().map(|&b| b as u32).collect()),
+            DType::Bool,
+            (v.as_ptr() as usize, v.len()),
+        ),
+    }
 }
 
 /// An entry of a CUDA artifact, ready to run on the GPU.
@@ -154,9 +200,43 @@ pub fn launch_plan(
         .collect())
 }
 
+/// What a profiled run calls per timed part: `(what, seconds)`.
+type Recorder<'a> = &'a mut dyn FnMut(&str, f64);
+
+/// How the CUDA executor computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// GEMMs on the tensor cores with TF32 operands (10-bit mantissa) and fp32
+    /// accumulation, instead of pedantic fp32. Off by default: results then match the
+    /// CPU executor within `1e-5` relative.
+    pub tf32: bool,
+}
+
+/// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
+pub const TF32_ENV: &str = "KILN_CUDA_TF32";
+
+impl CudaOptions {
+    /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`.
+    pub fn from_env() -> CudaOptions {
+        CudaOptions {
+            tf32: std::env::var(TF32_ENV).is_ok_and(|v| v.trim() == "1"),
+        }
+    }
+}
+
 impl CudaExecutor {
-    /// The executor of entry `entry` of `art` (see the module documentation).
+    /// The executor of entry `entry` of `art` (see the module documentation), pedantic
+    /// fp32.
     pub fn from_artifact_entry(art: &Artifact, entry: &str) -> Result<CudaExecutor, CudaExecError> {
+        CudaExecutor::with_options(art, entry, CudaOptions::default())
+    }
+
+    /// [`CudaExecutor::from_artifact_entry`] with `options`.
+    pub fn with_options(
+        art: &Artifact,
+        entry: &str,
+        options: CudaOptions,
+    ) -> Result<CudaExecutor, CudaExecError> {
         let (e, m, src) = cuda_parts(art, entry)?;
         cuda_available().map_err(|reason| CudaExecError::Unavailable {
             entry: entry.to_string(),
@@ -173,7 +253,7 @@ impl CudaExecutor {
             .iter()
             .map(|f| (f.name.clone(), f.work, f.params.len()))
             .collect();
-        let device = Device::new(ptx, &funcs).map_err(CudaExecError::Driver)?;
+        let device = Device::new(ptx, &funcs, options.tf32).map_err(CudaExecError::Driver)?;
         let graph = e.manifest.graph.clone();
         graph
             .verify()
@@ -187,6 +267,7 @@ impl CudaExecutor {
             state: Mutex::new(State {
                 device,
                 arena: None,
+                params: None,
             }),
             pool: Arc::new(Pool::default()),
         })
@@ -211,6 +292,32 @@ impl CudaExecutor {
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.run_with(inputs, params, opts, None)
+    }
+
+    /// [`CudaExecutor::run`], synchronizing the stream after every phase to time it:
+    /// `rec(what, seconds)` for the uploads (`upload`), each kernel (`kind (how)`, see
+    /// [`CudaExecutor::launches`]) and the downloads (`download`). Slower than `run`
+    /// (one synchronization per kernel); for `kiln bench --profile`.
+    pub fn run_profiled(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        rec: &mut dyn FnMut(&str, f64),
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        self.run_with(inputs, params, opts, Some(rec))
+    }
+
+    fn run_with(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        mut rec: Option<Recorder<'_>>,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        let mut clock = std::time::Instant::now();
+        let profiling = rec.is_some();
         if opts.precision != Precision::F32 {
             return Err(ExecError::Unsupported(format!(
                 "the CUDA executor computes in f32 only, but {:?} precision was requested",
@@ -227,15 +334,34 @@ impl CudaExecutor {
             node: "the GPU".into(),
             message: m,
         };
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.device.bind().map_err(dev_err)?;
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
         let words = layout.total / 4;
-        if st.arena.as_ref().is_none_or(|a| a.words < words) {
-            st.arena = None;
-            let a = st.device.alloc(words).map_err(dev_err)?;
-            st.arena = Some(a);
+        if guard.arena.as_ref().is_none_or(|a| a.words < words) {
+            guard.arena = None;
+            let a = guard.device.alloc(words).map_err(dev_err)?;
+            guard.arena = Some(a);
         }
-        let st = &*st;
+        // The parameters' device copies are kept for runs of the same version (taken out
+        // here, put back after a successful run).
+        let mut cache = match (opts.params_version, guard.params.take()) {
+            (Some(v), Some(c)) if c.version == v => Some(c),
+            (Some(v), _) => Some(ParamCache {
+                version: v,
+                bufs: BTreeMap::new(),
+            }),
+            (None, _) => None,
+        };
+        let st = &*guard;
+        // Synchronizes and records the time since the last mark (profiled runs only).
+        let mut mark = |what: &str| -> Result<(), ExecError> {
+            if let Some(rec) = rec.as_mut() {
+                st.device.sync().map_err(dev_err)?;
+                rec(what, clock.elapsed().as_secs_f64());
+                clock = std::time::Instant::now();
+            }
+            Ok(())
+        };
         let base = st.arena.as_ref().expect("allocated").ptr;
         let mut r = Run {
             dev: &st.device,
@@ -277,7 +403,23 @@ impl CudaExecutor {
                         node_err(v, format!("the graph has no parameter `{name}`"))
                     })?;
                     let src = bind.param(id, name, &shapes[0])?;
-                    vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?]
+                    match cache.as_mut() {
+                        None => vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?],
+                        Some(c) => {
+                            let (words, dtype, key) = source_words(&src);
+                            let hit = c.bufs.get(name).is_some_and(|(k, _, _)| *k == key);
+                            if !hit {
+                                let b = st.device.upload(&words).map_err(|m| node_err(v, m))?;
+                                c.bufs.insert(name.to_string(), (key, dtype, b));
+                            }
+                            let (_, dtype, b) = &c.bufs[name];
+                            vec![DLoc {
+                                ptr: b.ptr,
+                                layout: Layout::contiguous(&shapes[0]),
+                                dtype: *dtype,
+                            }]
+                        }
+                    }
                 }
                 Def::Const(c, dtype) => {
                     let bits = match dtype {
@@ -341,6 +483,7 @@ impl CudaExecutor {
             needs.push(need);
             locs.push(loc);
         }
+        mark("upload")?;
         let materialize = |v: usize,
                            copies: &mut Vec<(DLoc, u64, bool)>,
                            r: &mut Run<'_>|
@@ -361,6 +504,9 @@ impl CudaExecutor {
             let outs = &locs[step.value];
             r.exec(step, &ins, outs)
                 .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            if profiling {
+                mark(&format!("{} ({})", step.kind, step.exec.how()))?;
+            }
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
         for o in &self.graph.outputs {
@@ -375,6 +521,9 @@ impl CudaExecutor {
             out.push((o.name.clone(), t));
         }
         st.device.sync().map_err(dev_err)?;
+        mark("download")?;
+        drop(r);
+        guard.params = cache;
         Ok(out)
     }
 }
@@ -391,6 +540,16 @@ impl Exec for CudaExecutor {
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         CudaExecutor::run(self, inputs, params, opts)
+    }
+
+    fn run_profiled(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        rec: &mut dyn FnMut(&str, f64),
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        CudaExecutor::run_profiled(self, inputs, params, opts, rec)
     }
 }
 
@@ -491,15 +650,7 @@ impl Run<'_> {
 
     /// A bound input or parameter on the device.
     fn source(&mut self, src: Source<'_>, shape: &[usize]) -> Result<DLoc, String> {
-        let (words, dtype): (Vec<u32>, DType) = match src {
-            Source::F32(v) => (v.iter().map(|x| x.to_bits()).collect(), DType::F32),
-            Source::F64(v) => (
-                v.iter().map(|&x| (x as f32).to_bits()).collect(),
-                DType::F32,
-            ),
-            Source::I32(v) => (v.iter().map(|&x| x as u32).collect(), DType::I32),
-            Source::Bool(v) => (v.iter().map(|&b| b as u32).collect(), DType::Bool),
-        };
+        let (words, dtype, _) = source_words(&src);
         Ok(DLoc {
             ptr: self.upload(&words)?,
             layout: Layout::contiguous(shape),
@@ -555,10 +706,11 @@ impl Run<'_> {
 
     fn download(&mut self, l: &DLoc) -> Result<Tensor, String> {
         let w = self.words(l)?;
+        // Same-size maps over an owned vector reuse its allocation (no copy).
         let data = match l.dtype {
-            DType::I32 => TensorData::I32(w.iter().map(|&x| x as i32).collect()),
+            DType::I32 => TensorData::I32(w.into_iter().map(|x| x as i32).collect()),
             DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
-            _ => TensorData::F32(w.iter().map(|&x| f32::from_bits(x)).collect()),
+            _ => TensorData::F32(w.into_iter().map(f32::from_bits).collect()),
         };
         Ok(Tensor {
             shape: l.shape().to_vec(),
@@ -917,9 +1069,14 @@ impl Run<'_> {
                 ];
                 self.launch(f, &ptrs, l)
             }
-            StepExec::SumRows(f) => {
+            StepExec::SumRows { main, finish } => {
                 let x = self.contig(ins[0])?;
-                self.launch(f, &[x.base(), outs[0].base()], Launch::sum_rows(x.shape()))
+                let n = x.last();
+                let rows = x.numel() / n.max(1);
+                let part = self.alloc(cuda_misc::sum_rows_chunks(rows) * n)?;
+                let (main_l, finish_l) = Launch::sum_rows(x.shape());
+                self.launch(main, &[x.base(), part], main_l)?;
+                self.launch(finish, &[part, outs[0].base()], finish_l)
             }
             StepExec::Adam(f) => {
                 let mut ptrs = Vec::with_capacity(14);
@@ -991,6 +1148,39 @@ impl Run<'_> {
                     &ptrs,
                     Launch::same(index::concat_dims(outer, inner, &sizes)),
                 )
+            }
+            StepExec::ScatterAdd(f) => {
+                let out = &outs[0];
+                let rows = out.shape().first().copied().unwrap_or(1);
+                let width: usize = out.shape().iter().skip(1).product();
+                let ids: Vec<i32> = self.words(ins[0])?.iter().map(|&w| w as i32).collect();
+                let src = self.contig(ins[1])?;
+                if src.numel() != ids.len() * width {
+                    return Err(format!(
+                        "scatter_add of {} ids with {} values into rows of {width}",
+                        ids.len(),
+                        src.numel()
+                    ));
+                }
+                // Ids are checked on the host, as on the CPU (the kernel does not).
+                for (i, &id) in ids.iter().enumerate() {
+                    kiln_compiler::bind::check_id(
+                        id,
+                        rows,
+                        i,
+                        &format!("the result has {rows} rows"),
+                    )?;
+                }
+                let (start, order) = index::scatter_index(&ids, rows)
+                    .map_err(|(p, id)| format!("internal: id {id} at {p} passed the check"))?;
+                let start = self.upload(&start.iter().map(|&x| x as u32).collect::<Vec<_>>())?;
+                let mut order: Vec<u32> = order.iter().map(|&x| x as u32).collect();
+                if order.is_empty() {
+                    order.push(0);
+                }
+                let order = self.upload(&order)?;
+                let l = Launch::same(index::scatter_rows_dims(rows, width));
+                self.launch(f, &[start, order, src.base(), out.base()], l)
             }
             StepExec::Host(fb) => self.host(fb, ins, outs),
         }

@@ -33,7 +33,7 @@ mod steps;
 
 use std::sync::OnceLock;
 
-pub use executor::{launch_plan, CudaExecError, CudaExecutor};
+pub use executor::{launch_plan, CudaExecError, CudaExecutor, CudaOptions, TF32_ENV};
 
 /// The environment variable that turns a skipped GPU test into a failure.
 pub const REQUIRE_CUDA_ENV: &str = "KILN_REQUIRE_CUDA";
@@ -182,12 +182,14 @@ pub fn skip_or_fail(
 }
 
 /// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
-/// calls); the error says why not (no GPU: the guard's reason and the CPU alternative).
+/// calls), with the options of the environment ([`CudaOptions::from_env`]: TF32 GEMMs
+/// with `KILN_CUDA_TF32=1`); the error says why not (no GPU: the guard's reason and the
+/// CPU alternative).
 pub fn executor_for(
     art: &crate::artifact::Artifact,
     entry: &str,
 ) -> Result<Box<dyn crate::exec::Exec>, String> {
-    CudaExecutor::from_artifact_entry(art, entry)
+    CudaExecutor::with_options(art, entry, CudaOptions::from_env())
         .map(|e| Box::new(e) as Box<dyn crate::exec::Exec>)
         .map_err(|e| e.to_string())
 }

@@ -74,7 +74,10 @@ pub(crate) enum Exec {
         f: String,
         dropout: Option<(f64, u32)>,
     },
-    SumRows(String),
+    SumRows {
+        main: String,
+        finish: String,
+    },
     Adam(String),
     Reduce {
         f: String,
@@ -83,6 +86,9 @@ pub(crate) enum Exec {
     },
     CausalMask(String),
     PadMask(String, i64),
+    /// `scatter_add` of f32 rows: the ids indexed on the host, then
+    /// `kiln_compiler::codegen::cuda::index::scatter_rows`.
+    ScatterAdd(String),
     Arange(String, Dim),
     Concat(String, usize),
     /// `Library::Host`: operands copied to the host, the CPU executor's fallback, results
@@ -238,7 +244,10 @@ pub(crate) fn prepare(
                         f: role("main")?,
                         dropout: embed_pe_dropout(v, attrs)?,
                     },
-                    "sum_rows" => Exec::SumRows(role("main")?),
+                    "sum_rows" => Exec::SumRows {
+                        main: role("main")?,
+                        finish: role("finish")?,
+                    },
                     "adam_update" => Exec::Adam(role("main")?),
                     other => {
                         return Err(format!(
@@ -266,6 +275,7 @@ pub(crate) fn prepare(
                 Exec::Arange(role("main")?, start.clone())
             }
             (None, KernelOp::Prim(Op::Concat { axis })) => Exec::Concat(role("main")?, *axis),
+            (None, KernelOp::Prim(Op::ScatterAdd { .. })) => Exec::ScatterAdd(role("main")?),
             (None, KernelOp::Prim(p)) => {
                 return Err(format!(
                     "kernel %{v}: the CUDA executor has no launch for primitive `{}` without \

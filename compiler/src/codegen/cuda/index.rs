@@ -1,4 +1,5 @@
-//! Index and mask primitives as CUDA C: `causal_mask`, `pad_mask`, `arange`, `concat`.
+//! Index and mask primitives as CUDA C: `causal_mask`, `pad_mask`, `arange`, `concat`,
+//! and `scatter_add` (the embedding gradient) over a host-built row index.
 //!
 //! In: the primitive (and for `concat` its operand count). Out: one [`CudaFunction`].
 //! The CPU backend runs these through the eager executor's kernels, so there are no CPU
@@ -15,6 +16,13 @@
 //!
 //! `concat` views every operand as `[outer, n_k, inner]` (contiguous) and the output as
 //! `[outer, Σ n_k, inner]`.
+//!
+//! `scatter_add(ids[n], src[n, w]) -> out[rows, w]` is [`scatter_rows`]: the caller
+//! counting-sorts the ids (they are few: one per token) into `start[rows + 1]` and
+//! `order[n]` — the positions landing on row `r` are `order[start[r]..start[r + 1]]`, in
+//! increasing order — and each thread sums one output element over its row's positions
+//! from `0.0` in that order: the CPU fallback's order, so bit-identical, and every output
+//! element written (rows no id names are 0).
 
 use crate::codegen::cuda::text::W;
 use crate::codegen::cuda::{param, signature, CudaFunction, Work, FOR_THREADS};
@@ -130,4 +138,57 @@ pub fn concat_dims(outer: usize, inner: usize, sizes: &[usize]) -> (Vec<i64>, us
     dims.extend(sizes.iter().map(|&n| n as i64));
     let items = outer * inner * sizes.iter().sum::<usize>();
     (dims, items)
+}
+
+/// `out[r, j] = Σ_{k ∈ start[r]..start[r+1]} src[order[k], j]`, in that order from `0.0`.
+/// Buffers `[start, order, src, out]`, dims `[rows, w]`, items `rows · w`.
+pub fn scatter_rows(name: &str) -> CudaFunction {
+    let params = vec![
+        param("start", "const int*"),
+        param("order", "const int*"),
+        param("src", "const float*"),
+        param("out", "float*"),
+    ];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long width = dims.d[1];");
+    w.open(FOR_THREADS);
+    w.l("const long long r = i / width;");
+    w.l("const long long j = i - r * width;");
+    w.l("float s = 0.0f;");
+    w.open("for (int k = start[r]; k < start[r + 1]; ++k)");
+    w.l("s = s + src[(long long)order[k] * width + j];");
+    w.close();
+    w.l("out[i] = s;");
+    w.close();
+    w.close();
+    threads(name, params, w)
+}
+
+/// Dims and items of [`scatter_rows`] into `[rows, w]`.
+pub fn scatter_rows_dims(rows: usize, w: usize) -> (Vec<i64>, usize) {
+    (vec![rows as i64, w as i64], rows * w)
+}
+
+/// The row index [`scatter_rows`] reads: `(start[rows + 1], order[n])` of `ids`, or the
+/// first id outside `0..rows` as `Err((position, id))`.
+pub fn scatter_index(ids: &[i32], rows: usize) -> Result<(Vec<i32>, Vec<i32>), (usize, i32)> {
+    let mut start = vec![0i32; rows + 1];
+    for (p, &id) in ids.iter().enumerate() {
+        if id < 0 || id as usize >= rows {
+            return Err((p, id));
+        }
+        start[id as usize + 1] += 1;
+    }
+    for r in 0..rows {
+        start[r + 1] += start[r];
+    }
+    let mut fill: Vec<i32> = start[..rows].to_vec();
+    let mut order = vec![0i32; ids.len()];
+    for (p, &id) in ids.iter().enumerate() {
+        let f = &mut fill[id as usize];
+        order[*f as usize] = p as i32;
+        *f += 1;
+    }
+    Ok((start, order))
 }

@@ -8,7 +8,7 @@
 //! | kind            | items (GPU)                         | CPU items                |
 //! |-----------------|-------------------------------------|--------------------------|
 //! | `adam_update`   | elements `n`                        | `⌈n / BLOCK⌉`            |
-//! | `sum_rows`      | columns `n`                         | `⌈n / GROUP⌉`            |
+//! | `sum_rows`      | row chunks × column tiles, then `n` | `⌈n / GROUP⌉`            |
 //! | `reduce` rows   | rows `outer` (one block each)       | `outer`                  |
 //! | `reduce` across | outputs `outer · inner`             | `outer · ⌈inner / GROUP⌉`|
 //! | `fill_rows`     | elements `R · n`                    | `R`                      |
@@ -16,10 +16,11 @@
 //! | `copy_strided`  | elements `s0 · … · s4`              | `s0 · s1 · s2 · s3`      |
 //!
 //! Every output element is computed by one thread in the CPU kernel's order where that
-//! order is sequential (`adam_update`, `sum_rows`, `reduce` across rows: bit-identical
+//! order is sequential (`adam_update`, `reduce` across rows: bit-identical
 //! with [`crate::codegen::cuda::nvrtc_options`]); a row reduction uses the block tree and
 //! then, for `max`, returns the first element equal to the maximum or NaN, as the
-//! reference does.
+//! reference does. `sum_rows` (bias gradients, up to tens of thousands of rows) sums in
+//! two passes for parallelism: partial sums of row chunks, then the chunks in order.
 
 use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
@@ -82,48 +83,125 @@ pub fn adam_update(name: &str, e: Elem) -> CudaFunction {
     function(name, params, Work::Threads, "elements n", w)
 }
 
-/// The sum over the `lead` leading axes of `x[A0, …, A(L−1), n]` into `y[n]`, axis `A0`
-/// innermost, each sum sequential from `0.0` (the CPU kernel's and the reference's order).
-/// Buffers `[x, y]`, dims `[A0, …, A(L−1), n]`, items columns `n`.
+/// Rows of one `sum_rows` partial sum (one block sums this many rows of 32 columns).
+pub const SUM_ROWS_CHUNK: usize = 128;
+/// Columns of one `sum_rows` block (a warp reads 32 consecutive floats of a row).
+pub const SUM_ROWS_COLS: usize = 32;
+
+/// The number of partial sums per column: `⌈rows / SUM_ROWS_CHUNK⌉`, at least 1.
+pub fn sum_rows_chunks(rows: usize) -> usize {
+    rows.div_ceil(SUM_ROWS_CHUNK).max(1)
+}
+
+/// Work items of [`sum_rows`]: one block per (chunk of [`SUM_ROWS_CHUNK`] rows, tile of
+/// [`SUM_ROWS_COLS`] columns).
+pub fn sum_rows_items(rows: usize, n: usize) -> usize {
+    sum_rows_chunks(rows) * n.div_ceil(SUM_ROWS_COLS)
+}
+
+/// The first of the two kernels summing the `lead` leading axes of `x[A0, …, A(L−1), n]`
+/// (read as `rows × n`, `rows = A0·…·A(L−1)`): block `(chunk, tile)` sums rows
+/// `[chunk·CHUNK, (chunk+1)·CHUNK)` of 32 columns — each of the block's `blockDim / 32`
+/// warps every `blockDim / 32`-th row, then the warps' sums in warp order — into
+/// `part[chunk, n]`. [`sum_rows_finish`] adds the chunks in order. The order is fixed
+/// for a block size (the executor's is always `THREADS`) but not the CPU kernel's
+/// sequential one: the two agree within float rounding. Buffers `[x, part]`, dims `[A0, …, A(L−1), n]`, items [`sum_rows_items`].
 pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
     if lead == 0 {
         return Err("sum_rows sums at least one leading axis".into());
     }
-    let params = vec![param("x", "const float*"), param("y", "float*")];
+    let params = vec![param("x", "const float*"), param("part", "float*")];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("__shared__ float sh[KILN_THREADS];");
+    w.l(format!("const long long n = dims.d[{lead}];"));
+    let rows: Vec<String> = (0..lead).map(|k| format!("dims.d[{k}]")).collect();
+    w.l(format!("const long long rows = {};", rows.join(" * ")));
+    w.l(format!(
+        "const long long tiles = (n + {SUM_ROWS_COLS} - 1) / {SUM_ROWS_COLS};"
+    ));
+    // Warps of 32 threads, each summing every `lanes`-th row of the chunk; a block of
+    // fewer than 32 threads is one lane looping over the 32 columns.
+    w.l(format!(
+        "const int width = blockDim.x < {SUM_ROWS_COLS} ? blockDim.x : {SUM_ROWS_COLS};"
+    ));
+    w.l(format!(
+        "const int lanes = blockDim.x < {SUM_ROWS_COLS} ? 1 : blockDim.x / {SUM_ROWS_COLS};"
+    ));
+    w.l("const int lane = threadIdx.x / width;");
+    w.open(FOR_BLOCKS);
+    w.l("const long long chunk = r / tiles;");
+    w.l(format!(
+        "const long long col0 = (r % tiles) * {SUM_ROWS_COLS};"
+    ));
+    w.l(format!("const long long r0 = chunk * {SUM_ROWS_CHUNK};"));
+    w.l(format!(
+        "const long long r1 = r0 + {SUM_ROWS_CHUNK} < rows ? r0 + {SUM_ROWS_CHUNK} : rows;"
+    ));
+    w.open("if (lane < lanes)");
+    w.open(format!(
+        "for (int c = threadIdx.x % width; c < {SUM_ROWS_COLS}; c += width)"
+    ));
+    w.l("const long long col = col0 + c;");
+    w.l("float s = 0.0f;");
+    w.open("if (col < n)");
+    w.open("for (long long k = r0 + lane; k < r1; k += lanes)");
+    w.l("s = s + x[k * n + col];");
+    w.close();
+    w.close();
+    w.l(format!("sh[lane * {SUM_ROWS_COLS} + c] = s;"));
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+    w.open("if (lane == 0)");
+    w.open(format!(
+        "for (int c = threadIdx.x % width; c < {SUM_ROWS_COLS}; c += width)"
+    ));
+    w.l("const long long col = col0 + c;");
+    w.open("if (col < n)");
+    w.l("float t = sh[c];");
+    w.open("for (int l = 1; l < lanes; ++l)");
+    w.l(format!("t = t + sh[l * {SUM_ROWS_COLS} + c];"));
+    w.close();
+    w.l("part[chunk * n + col] = t;");
+    w.close();
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+    w.close();
+    w.close();
+    Ok(function(
+        name,
+        params,
+        Work::Blocks,
+        "row chunks × column tiles",
+        w,
+    ))
+}
+
+/// The second `sum_rows` kernel: `y[j] = Σ_chunk part[chunk, j]`, chunks in order.
+/// Buffers `[part, y]`, dims those of [`sum_rows`], items columns `n`.
+pub fn sum_rows_finish(name: &str, lead: usize) -> Result<CudaFunction, String> {
+    if lead == 0 {
+        return Err("sum_rows sums at least one leading axis".into());
+    }
+    let params = vec![param("part", "const float*"), param("y", "float*")];
     let mut w = W::new();
     signature(&mut w, name, &params);
     w.l(format!("const long long n = dims.d[{lead}];"));
-    // Element strides of the leading axes: stride_k = A(k+1)·…·A(L−1)·n.
-    w.l(format!("const long long st{} = n;", lead - 1));
-    for k in (0..lead - 1).rev() {
-        w.l(format!(
-            "const long long st{k} = st{} * dims.d[{}];",
-            k + 1,
-            k + 1
-        ));
-    }
+    let rows: Vec<String> = (0..lead).map(|k| format!("dims.d[{k}]")).collect();
+    w.l(format!("const long long rows = {};", rows.join(" * ")));
+    w.l(format!(
+        "const long long chunks = rows > 0 ? (rows + {SUM_ROWS_CHUNK} - 1) / {SUM_ROWS_CHUNK} : 1;"
+    ));
     w.open(FOR_THREADS);
-    // Axis L−1 outermost; the sum of level k accumulates the sums of level k−1.
-    fn level(w: &mut W, k: usize, base: &str) {
-        if k == 0 {
-            return;
-        }
-        let a = k - 1;
-        w.l(format!("float s{a} = 0.0f;"));
-        w.open(format!(
-            "for (long long a{a} = 0; a{a} < dims.d[{a}]; ++a{a})"
-        ));
-        let at = format!("{base} + a{a} * st{a}");
-        if a == 0 {
-            w.l(format!("s0 = s0 + x[{at}];"));
-        } else {
-            level(w, a, &at);
-            w.l(format!("s{a} = s{a} + s{};", a - 1));
-        }
-        w.close();
-    }
-    level(&mut w, lead, "i");
-    w.l(format!("y[i] = s{};", lead - 1));
+    w.l("float s = 0.0f;");
+    w.open("if (rows > 0)");
+    w.open("for (long long k = 0; k < chunks; ++k)");
+    w.l("s = s + part[k * n + i];");
+    w.close();
+    w.close();
+    w.l("y[i] = s;");
     w.close();
     w.close();
     Ok(function(name, params, Work::Threads, "columns n", w))

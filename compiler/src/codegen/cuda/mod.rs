@@ -49,11 +49,12 @@
 //!
 //! The arithmetic mirrors the CPU kernels' definitions step for step (same formulas,
 //! same op order). Compile with [`nvrtc_options`] (`--fmad=false`, IEEE division and
-//! square root, no flush to zero): then `adam_update`, `embed_pe`, `sum_rows`, the
+//! square root, no flush to zero): then `adam_update`, `embed_pe`, the
 //! reductions across rows, fills, copies and region arithmetic other than
 //! `exp`/`log`/`sin`/`cos` are bit-identical to the CPU kernels, and the dropout masks are
 //! identical to [`crate::rng`]'s. Row sums (softmax, layer norm, xent) use a block tree
-//! instead of the CPU's four vector lanes (different rounding, deterministic), and
+//! instead of the CPU's four vector lanes, and bias gradients (`sum_rows`) partial sums
+//! of 128-row chunks added in order (different rounding, deterministic), and
 //! `expf`/`logf`/`sinf`/`cosf` are CUDA's (≤ 2 ulp), not the CPU's polynomials.
 
 pub mod attention;

@@ -248,6 +248,12 @@ fn launch(
                         misc::sum_rows(n, lead)
                     })?;
                     f.insert("main".into(), name);
+                    let name = em.get(
+                        "sum_rows_finish",
+                        format!("sum_rows_finish lead={lead}"),
+                        |n| misc::sum_rows_finish(n, lead),
+                    )?;
+                    f.insert("finish".into(), name);
                 }
                 "adam_update" => {
                     f.insert(
@@ -299,6 +305,13 @@ fn launch(
                 index::concat(name, n)
             })?;
             f.insert("main".into(), name);
+        }
+        KernelOp::Prim(Op::ScatterAdd { .. })
+            if inputs.len() == 2
+                && kg.values[inputs[0]].types[0].dtype == DType::I32
+                && kg.values[inputs[1]].types[0].dtype == DType::F32 =>
+        {
+            f.insert("main".into(), em.plain("scatter_rows", index::scatter_rows));
         }
         KernelOp::Prim(_) => library = Some(Library::Host),
     }
