@@ -99,24 +99,34 @@ pub fn sum_rows_items(rows: usize, n: usize) -> usize {
     sum_rows_chunks(rows) * n.div_ceil(SUM_ROWS_COLS)
 }
 
+/// Opens either `sum_rows` kernel: the signature, shared scratch if `shared`, the column
+/// count `n` and the row count `rows = A0·…·A(L−1)` from dims `[A0, …, A(L−1), n]`.
+fn open_sum_rows(name: &str, lead: usize, params: &[Param], shared: bool) -> Result<W, String> {
+    if lead == 0 {
+        return Err("sum_rows sums at least one leading axis".into());
+    }
+    let mut w = W::new();
+    signature(&mut w, name, params);
+    if shared {
+        w.l("__shared__ float sh[KILN_THREADS];");
+    }
+    w.l(format!("const long long n = dims.d[{lead}];"));
+    let rows: Vec<String> = (0..lead).map(|k| format!("dims.d[{k}]")).collect();
+    w.l(format!("const long long rows = {};", rows.join(" * ")));
+    Ok(w)
+}
+
 /// The first of the two kernels summing the `lead` leading axes of `x[A0, …, A(L−1), n]`
 /// (read as `rows × n`, `rows = A0·…·A(L−1)`): block `(chunk, tile)` sums rows
 /// `[chunk·CHUNK, (chunk+1)·CHUNK)` of 32 columns — each of the block's `blockDim / 32`
 /// warps every `blockDim / 32`-th row, then the warps' sums in warp order — into
 /// `part[chunk, n]`. [`sum_rows_finish`] adds the chunks in order. The order is fixed
 /// for a block size (the executor's is always `THREADS`) but not the CPU kernel's
-/// sequential one: the two agree within float rounding. Buffers `[x, part]`, dims `[A0, …, A(L−1), n]`, items [`sum_rows_items`].
+/// sequential one: the two agree within float rounding. Buffers `[x, part]`, dims
+/// `[A0, …, A(L−1), n]`, items [`sum_rows_items`].
 pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
-    if lead == 0 {
-        return Err("sum_rows sums at least one leading axis".into());
-    }
     let params = vec![param("x", "const float*"), param("part", "float*")];
-    let mut w = W::new();
-    signature(&mut w, name, &params);
-    w.l("__shared__ float sh[KILN_THREADS];");
-    w.l(format!("const long long n = dims.d[{lead}];"));
-    let rows: Vec<String> = (0..lead).map(|k| format!("dims.d[{k}]")).collect();
-    w.l(format!("const long long rows = {};", rows.join(" * ")));
+    let mut w = open_sum_rows(name, lead, &params, true)?;
     w.l(format!(
         "const long long tiles = (n + {SUM_ROWS_COLS} - 1) / {SUM_ROWS_COLS};"
     ));
@@ -182,15 +192,8 @@ pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
 /// The second `sum_rows` kernel: `y[j] = Σ_chunk part[chunk, j]`, chunks in order.
 /// Buffers `[part, y]`, dims those of [`sum_rows`], items columns `n`.
 pub fn sum_rows_finish(name: &str, lead: usize) -> Result<CudaFunction, String> {
-    if lead == 0 {
-        return Err("sum_rows sums at least one leading axis".into());
-    }
     let params = vec![param("part", "const float*"), param("y", "float*")];
-    let mut w = W::new();
-    signature(&mut w, name, &params);
-    w.l(format!("const long long n = dims.d[{lead}];"));
-    let rows: Vec<String> = (0..lead).map(|k| format!("dims.d[{k}]")).collect();
-    w.l(format!("const long long rows = {};", rows.join(" * ")));
+    let mut w = open_sum_rows(name, lead, &params, false)?;
     w.l(format!(
         "const long long chunks = rows > 0 ? (rows + {SUM_ROWS_CHUNK} - 1) / {SUM_ROWS_CHUNK} : 1;"
     ));
