@@ -14,6 +14,9 @@ mod common;
 use common::root;
 
 fn code_of(entry: &str) -> CudaCode {
+    if entry == "optimizer" {
+        return kiln_compiler::codegen::cuda::optim::code();
+    }
     let spec = root().join("models/transformer_tiny.kiln");
     let mode = match entry {
         "train_step" | "adam_update" => kiln_dsl::Mode::Train,
@@ -32,6 +35,15 @@ fn code_of(entry: &str) -> CudaCode {
 }
 
 const ENTRIES: [&str; 4] = ["train_step", "forward", "adam_update", "decode_step"];
+/// Every CUDA unit: the entries' programs and the device optimizer's
+/// (`codegen::cuda::optim`).
+const UNITS: [&str; 5] = [
+    "train_step",
+    "forward",
+    "adam_update",
+    "decode_step",
+    "optimizer",
+];
 
 /// The kind of a function named `<kind>_<n>`.
 fn kind_of(name: &str) -> String {
@@ -94,6 +106,19 @@ fn cuda_of_every_kernel_kind_is_pinned() {
     }
 }
 
+#[test]
+fn the_device_optimizer_is_pinned() {
+    let code = code_of("optimizer");
+    assert_eq!(code, code_of("optimizer"), "the code is deterministic");
+    assert_eq!(
+        code.prelude,
+        code_of("train_step").prelude,
+        "the programs' prelude"
+    );
+    let text: Vec<&str> = code.functions.iter().map(|f| f.text.as_str()).collect();
+    insta::assert_snapshot!("cuda_device_optimizer", text.join("\n"));
+}
+
 /// Every `(`/`)`, `[`/`]`, `{`/`}` pair balanced and properly nested.
 fn balanced(text: &str) -> Result<(), String> {
     let mut stack = Vec::new();
@@ -136,7 +161,7 @@ fn words(text: &str) -> impl Iterator<Item = &str> {
 
 #[test]
 fn every_source_is_plausible_cuda() {
-    for entry in ENTRIES {
+    for entry in UNITS {
         let code = code_of(entry);
         let source = code.source();
         balanced(&source).unwrap_or_else(|e| panic!("{entry}: {e}"));
@@ -306,7 +331,7 @@ fn every_program_compiles_as_cpp_under_the_host_shim() {
     }
     let dir = std::env::temp_dir().join(format!("kiln-cuda-syntax-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    for entry in ENTRIES {
+    for entry in UNITS {
         let code = code_of(entry);
         let path = dir.join(format!("{entry}.cpp"));
         let src = format!(

@@ -532,6 +532,95 @@ fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
 /// axes, blocks of 4 (one lane looping over the columns), 48 (a warp and idle threads),
 /// 64 and 256 threads (2 and 8 warps per column tile).
 #[test]
+fn device_optimizer_kernels_match_the_host_loops_bit_for_bit() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(23);
+    // 2·BLOCK·GRID + 5 elements: every thread of the grid-stride loop takes several.
+    let n = 2 * (BLOCK * GRID) as usize + 5;
+    let (g1, g2) = (rng.floats(n, -2.0, 2.0), rng.floats(n, -2.0, 2.0));
+    let (w1, w2) = (731.0f32, 64.0f32);
+    let mut bufs = vec![g1.clone(), one(w1), zeros(n), vec![0u8; 4]];
+    run(
+        cxx,
+        &cuda::optim::grad_accumulate(true),
+        &mut bufs,
+        &[n as i64],
+        n as u64,
+    );
+    bufs[0] = g2.clone();
+    bufs[1] = one(w2);
+    run(
+        cxx,
+        &cuda::optim::grad_accumulate(false),
+        &mut bufs,
+        &[n as i64],
+        n as u64,
+    );
+    // The trainer's `accumulate`: `acc = w·g`, then `acc += w·g`.
+    let want: Vec<f32> = as_f32(&g1)
+        .iter()
+        .zip(as_f32(&g2))
+        .map(|(a, b)| {
+            let mut acc = w1 * a;
+            acc += w2 * b;
+            acc
+        })
+        .collect();
+    exact("accumulated gradient", &bufs[2], &f32s(&want));
+    assert_eq!(bufs[3], vec![0u8; 4], "finite gradients raise no flag");
+    let acc = bufs[2].clone();
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut g = as_f32(&g2);
+        g[n - 2] = bad;
+        let mut b = vec![f32s(&g), one(1.0), acc.clone(), vec![0u8; 4]];
+        run(
+            cxx,
+            &cuda::optim::grad_accumulate(false),
+            &mut b,
+            &[n as i64],
+            n as u64,
+        );
+        assert_eq!(b[3], 1u32.to_le_bytes().to_vec(), "{bad} raises the flag");
+    }
+
+    // Adam from the accumulated gradient and 1/tokens, against the CPU `adam_update`
+    // kernel (the host optimizer's bits) fed with `acc·scale` rounded to f32.
+    let scale = 1.0f32 / 795.0;
+    let consts = [0.9f32, 0.98, 0.1, 0.02, 1e-9, 3.7e-4, 1.3, scale];
+    let (p, m, v) = (
+        rng.floats(n, -1.0, 1.0),
+        rng.floats(n, -0.01, 0.01),
+        rng.floats(n, 0.0, 0.001),
+    );
+    let mut dev = vec![p.clone(), acc.clone(), m.clone(), v.clone(), f32s(&consts)];
+    run(
+        cxx,
+        &cuda::optim::adam_step(),
+        &mut dev,
+        &[n as i64],
+        n as u64,
+    );
+    let g: Vec<f32> = as_f32(&acc).iter().map(|x| x * scale).collect();
+    let mut h = vec![p, f32s(&g), m, v];
+    for s in &consts[..7] {
+        h.push(one(*s));
+    }
+    h.extend([zeros(n), zeros(n), zeros(n)]);
+    let (dims, items) = misc::adam_update_dims(n);
+    run_cpu(
+        &misc::adam_update("adam_update_0"),
+        "adam_update_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    exact("adam p", &dev[0], &h[11]);
+    exact("adam m", &dev[2], &h[12]);
+    exact("adam v", &dev[3], &h[13]);
+    assert_ne!(dev[0], h[0], "the parameters moved");
+}
+
+#[test]
 fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
     let Some(cxx) = gxx() else { return };
     let mut rng = Rng(23);

@@ -71,16 +71,23 @@ pub fn adam_update(name: &str, e: Elem) -> CudaFunction {
             e.load(&format!("{b}[i]"))
         ));
     }
-    w.l("const float m2 = k_b1 * mi + k_c1 * gi;");
-    w.l("const float v2 = k_b2 * vi + (k_c2 * gi) * gi;");
-    w.l("const float denom = sqrtf(v2) * k_inv_sqrt_bc2 + k_eps;");
-    w.l("const float p2 = pi - (k_step_size * m2) / denom;");
+    adam_math(&mut w);
     w.l(format!("p_out[i] = {};", e.store("p2")));
     w.l(format!("m_out[i] = {};", e.store("m2")));
     w.l(format!("v_out[i] = {};", e.store("v2")));
     w.close();
     w.close();
     function(name, params, Work::Threads, "elements n", w)
+}
+
+/// Adam's arithmetic on `pi`, `gi`, `mi`, `vi` and the constants `k_b1`, `k_b2`, `k_c1`,
+/// `k_c2`, `k_eps`, `k_step_size`, `k_inv_sqrt_bc2`, giving `m2`, `v2` and `p2` in the
+/// host optimizer's op order (`kiln_runtime::optim::Adam::step`).
+pub(crate) fn adam_math(w: &mut W) {
+    w.l("const float m2 = k_b1 * mi + k_c1 * gi;");
+    w.l("const float v2 = k_b2 * vi + (k_c2 * gi) * gi;");
+    w.l("const float denom = sqrtf(v2) * k_inv_sqrt_bc2 + k_eps;");
+    w.l("const float p2 = pi - (k_step_size * m2) / denom;");
 }
 
 /// Rows of one `sum_rows` partial sum (one block sums this many rows of 32 columns).

@@ -14,6 +14,7 @@
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
 //! - [`attention`] — flash-style attention, forward and backward (tiled, online softmax);
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
+//! - [`optim`] — gradient accumulation and Adam for training with state on the device;
 //! - [`index`] — `causal_mask`, `pad_mask`, `arange`, `concat` (host kernels on the CPU);
 //! - [`program`] — which functions each kernel kind gets ([`CudaCode`]);
 //! - [`host`] — a C++ shim that compiles and runs the text on the host (tests).
@@ -61,6 +62,7 @@ pub mod attention;
 pub mod host;
 pub mod index;
 pub mod misc;
+pub mod optim;
 pub mod philox;
 pub mod program;
 pub mod region;

@@ -1,0 +1,120 @@
+//! The optimizer step on the device: what training needs so that parameters, gradients
+//! and Adam's moments stay in GPU memory between steps.
+//!
+//! In: nothing but the element count of each call. Out: [`code`] — a CUDA unit of its own
+//! (the prelude and three functions), compiled by NVRTC next to an entry's module with
+//! the same [`super::nvrtc_options`]:
+//!
+//! | function            | buffers                          | does, per element `i < n`            |
+//! |---------------------|----------------------------------|--------------------------------------|
+//! | [`GRAD_ASSIGN`]     | `[g, w, acc, bad]`               | `acc[i] = w·g[i]`                    |
+//! | [`GRAD_ACCUMULATE`] | `[g, w, acc, bad]`               | `acc[i] = acc[i] + w·g[i]`           |
+//! | [`ADAM_STEP`]       | `[p, acc, m, v, k]`              | Adam on `g = acc[i]·scale`, in place |
+//!
+//! dims `[n]`, items `n` (one thread per element, `Work::Threads`). `w` is one `float`
+//! (a micro-batch's target tokens), `bad` one `unsigned` set to 1 when some `g[i]` is not
+//! finite (it is never cleared here), `k` the [`ADAM_CONSTANTS`] in that order.
+//!
+//! These are the trainer's host loops (`kiln_runtime::train`'s gradient accumulation,
+//! its `1/tokens` scaling and `kiln_runtime::optim::Adam::step`) element for element in
+//! the same op order, so with `--fmad=false` a step on the device gives the host's bits:
+//! `w·g` then the sum; `acc·scale` rounded to `f32` before Adam uses it.
+
+use crate::codegen::cuda::misc::adam_math;
+use crate::codegen::cuda::text::{prelude, W};
+use crate::codegen::cuda::{param, signature, CudaCode, CudaFunction, Param, Work, FOR_THREADS};
+
+/// `acc = w·g` (the first micro-batch of a step).
+pub const GRAD_ASSIGN: &str = "kiln_grad_assign";
+/// `acc += w·g` (the later micro-batches).
+pub const GRAD_ACCUMULATE: &str = "kiln_grad_accumulate";
+/// One Adam update from the accumulated gradient.
+pub const ADAM_STEP: &str = "kiln_adam_step";
+
+/// The values of [`ADAM_STEP`]'s `k` buffer, in order: `beta1`, `beta2`, `1 − beta1`,
+/// `1 − beta2`, `eps`, `lr / (1 − beta1^t)`, `1 / sqrt(1 − beta2^t)` (each as the host
+/// optimizer rounds it to `f32`) and the gradient's scale (`1 / tokens`).
+pub const ADAM_CONSTANTS: [&str; 8] = [
+    "b1",
+    "b2",
+    "c1",
+    "c2",
+    "eps",
+    "step_size",
+    "inv_sqrt_bc2",
+    "scale",
+];
+
+fn function(name: &str, params: Vec<Param>, w: W) -> CudaFunction {
+    CudaFunction {
+        name: name.to_string(),
+        params,
+        work: Work::Threads,
+        items_rule: "elements n".to_string(),
+        text: w.finish(),
+    }
+}
+
+/// [`GRAD_ASSIGN`] (`first`) or [`GRAD_ACCUMULATE`].
+pub fn grad_accumulate(first: bool) -> CudaFunction {
+    let name = if first { GRAD_ASSIGN } else { GRAD_ACCUMULATE };
+    let params = vec![
+        param("g", "const float*"),
+        param("w", "const float*"),
+        param("acc", "float*"),
+        param("bad", "unsigned*"),
+    ];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const float k_w = w[0];");
+    w.open(FOR_THREADS);
+    w.l("const float gi = g[i];");
+    w.l("// Not finite: all exponent bits set (inf or NaN). Every writer stores 1.");
+    w.l("if ((__float_as_int(gi) & 0x7f800000) == 0x7f800000) bad[0] = 1u;");
+    if first {
+        w.l("acc[i] = k_w * gi;");
+    } else {
+        w.l("acc[i] = acc[i] + k_w * gi;");
+    }
+    w.close();
+    w.close();
+    function(name, params, w)
+}
+
+/// [`ADAM_STEP`]: `g = acc·scale`, then Adam's update of `p`, `m`, `v` in place.
+pub fn adam_step() -> CudaFunction {
+    let params = vec![
+        param("p", "float*"),
+        param("acc", "const float*"),
+        param("m", "float*"),
+        param("v", "float*"),
+        param("k", "const float*"),
+    ];
+    let mut w = W::new();
+    signature(&mut w, ADAM_STEP, &params);
+    for (j, c) in ADAM_CONSTANTS.iter().enumerate() {
+        w.l(format!("const float k_{c} = k[{j}];"));
+    }
+    w.open(FOR_THREADS);
+    w.l("const float gi = acc[i] * k_scale;");
+    w.l("const float pi = p[i];");
+    w.l("const float mi = m[i];");
+    w.l("const float vi = v[i];");
+    adam_math(&mut w);
+    w.l("p[i] = p2;");
+    w.l("m[i] = m2;");
+    w.l("v[i] = v2;");
+    w.close();
+    w.close();
+    function(ADAM_STEP, params, w)
+}
+
+/// The optimizer's unit: the prelude, [`GRAD_ASSIGN`], [`GRAD_ACCUMULATE`], [`ADAM_STEP`]
+/// (no kernel launches of a graph). Deterministic text.
+pub fn code() -> CudaCode {
+    CudaCode {
+        prelude: prelude(),
+        functions: vec![grad_accumulate(true), grad_accumulate(false), adam_step()],
+        kernels: Vec::new(),
+    }
+}
