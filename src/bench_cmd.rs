@@ -3,7 +3,9 @@
 //! Warm-up runs, then timed runs; prints the median (and min/max) per step, tokens per
 //! second and the process's peak resident memory. `train_step` includes the Adam update
 //! of every parameter (the compiled executor runs the `adam_update` program; the eager
-//! executor the runtime's optimizer), as a training step of the paper's recipe does.
+//! executor the runtime's optimizer; the CUDA executor keeps parameters, gradients and
+//! Adam's moments on the GPU and updates them there, as `kiln train` does), as a training
+//! step of the paper's recipe does.
 //! `decode` is one incremental decoder step with `tgt_len` cached positions.
 
 use std::collections::BTreeMap;
@@ -62,6 +64,11 @@ pub struct BenchArgs {
     /// every parameter and moment) instead of the runtime's optimizer.
     #[arg(long)]
     pub adam_program: bool,
+    /// With `--executor cuda`, `train_step`: copy the gradients to the host and update
+    /// host parameters with the runtime's Adam (uploading them again for every step),
+    /// instead of keeping parameters, gradients and moments on the GPU.
+    #[arg(long)]
+    pub host_optimizer: bool,
 }
 
 fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
@@ -75,7 +82,7 @@ fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
 /// The CUDA executor of `entry`: the spec compiled as a `--target cuda` artifact into a
 /// temporary directory (removed again), loaded, and handed to the CUDA executor. Without
 /// a GPU the error is the guard's reason.
-fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<Box<dyn Exec>, Error> {
+fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::cuda::CudaExecutor, Error> {
     let no_cuda = |reason: String| {
         plain(
             "kiln::cuda",
@@ -105,7 +112,14 @@ fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<Box<dyn Exec>, Error> {
         kiln_runtime::artifact::Artifact::load(&dir)
             .map_err(|e| plain("kiln::artifact", e.to_string(), None))
     })
-    .and_then(|art| kiln_runtime::cuda::executor_for(&art, entry).map_err(no_cuda));
+    .and_then(|art| {
+        kiln_runtime::cuda::CudaExecutor::with_options(
+            &art,
+            entry,
+            kiln_runtime::cuda::CudaOptions::from_env(),
+        )
+        .map_err(|e| no_cuda(e.to_string()))
+    });
     let _ = std::fs::remove_dir_all(&dir);
     built
 }
@@ -156,13 +170,23 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } else {
         None
     };
-    let exec: Box<dyn Exec> = match compiled {
-        Some(_) => Box::new(
+    let cuda = if a.executor == "cuda" {
+        Some(cuda_executor(a, entry)?)
+    } else {
+        None
+    };
+    let other: Option<Box<dyn Exec>> = match (&compiled, &cuda) {
+        (_, Some(_)) => None,
+        (Some(_), None) => Some(Box::new(
             kiln_runtime::exec::Reference::new(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
-        ),
-        None if a.executor == "cuda" => cuda_executor(a, entry)?,
-        None => executor(&a.executor, &g)?,
+        )),
+        (None, None) => Some(executor(&a.executor, &g)?),
+    };
+    let exec: &dyn Exec = match (&cuda, &other) {
+        (Some(c), _) => c,
+        (None, Some(o)) => o.as_ref(),
+        (None, None) => unreachable!("one executor is built"),
     };
     // The optimizer step of a training step.
     let adam = if entry == "train_step" {
@@ -188,6 +212,15 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         }
     }
     let mut host_adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    // The CUDA executor's training step as the trainer runs it: everything on the GPU.
+    let device_training = match &cuda {
+        Some(c) if adam.is_some() && !a.host_optimizer => {
+            c.train_begin(&params, &host_adam.m, &host_adam.v)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            Some(c)
+        }
+        _ => None,
+    };
     let setup = t0.elapsed().as_secs_f64();
     let mut opts = RunOptions {
         seed: 1,
@@ -209,6 +242,42 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             Some(fixed_params)
         };
         let started = Instant::now();
+        if let Some(c) = device_training {
+            let mut rec = |k: &str, s: f64| {
+                let e = profile.entry(k.to_string()).or_insert((0.0, 0));
+                e.0 += s;
+                e.1 += 1;
+            };
+            let last = a.profile && run + 1 == a.warmup + a.runs;
+            let out = c
+                .train_micro(
+                    &inputs,
+                    &params,
+                    &opts,
+                    1.0,
+                    true,
+                    if last { Some(&mut rec) } else { None },
+                )
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            if let Some((name, x)) = out.non_finite {
+                return Err(plain(
+                    "kiln::bench",
+                    format!("the gradient of `{name}` is not finite ({x})"),
+                    None,
+                ));
+            }
+            let fwd = started.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            host_adam.t += 1;
+            c.train_update(host_adam.constants(host_adam.t, 1e-4), 1.0)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let upd = t1.elapsed().as_secs_f64();
+            if run >= a.warmup {
+                times.push(fwd + upd);
+                adam_times.push(upd);
+            }
+            continue;
+        }
         let outs = if a.profile && run + 1 == a.warmup + a.runs && a.executor == "compiled" {
             let c = compiled.as_ref().expect("compiled");
             let mut rec = |k: &str, s: f64| {

@@ -344,6 +344,110 @@ fn gpu_kept_parameters_follow_the_version() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// Training with its state on the device (`train_begin`, `train_micro`,
+/// `train_update`, `train_download`) against the host optimizer fed by the same GPU's
+/// gradients: three optimizer steps of two micro-batches each give the same parameters
+/// and moments **bit for bit** (the trainer's accumulation, `1/tokens` and `Adam::step`
+/// in the same op order), and the losses agree. A parameter made NaN is reported as a
+/// non-finite gradient.
+#[test]
+fn gpu_device_training_matches_the_host_optimizer_bit_for_bit() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let dev = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
+    let host = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
+    let g = host.graph().clone();
+    let (_, params) = feeds(&g, art, 3);
+    let batches: Vec<Feeds> = (0..2).map(|k| feeds(&g, art, 20 + k).0).collect();
+    let names: Vec<String> = params.keys().cloned().collect();
+    let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    let mut dev_adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    let mut hp = params.clone();
+    dev.train_begin(&params, &dev_adam.m, &dev_adam.v).unwrap();
+    for step in 1..=3u64 {
+        let lr = 1e-3 * step as f64;
+        let mut acc: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+        let mut tokens = 0usize;
+        for (micro, inputs) in batches.iter().enumerate() {
+            let w = 7.0 + micro as f32 * 3.0;
+            tokens += w as usize;
+            let opts = RunOptions {
+                seed: 4,
+                step: (2 * step + micro as u64) as u32,
+                ..RunOptions::default()
+            };
+            let out = host.run(inputs, &hp, &opts).unwrap();
+            let got = dev
+                .train_micro(inputs, &params, &opts, w, micro == 0, None)
+                .unwrap();
+            assert!(got.non_finite.is_none());
+            let loss = |o: &[(String, Tensor)]| {
+                o.iter()
+                    .find(|(n, _)| n == "loss")
+                    .map(|(_, t)| as_f64(t)[0])
+            };
+            assert_eq!(loss(&got.outputs), loss(&out), "step {step}.{micro}: loss");
+            assert!(got.outputs.iter().all(|(n, _)| !n.starts_with("grad.")));
+            for (n, t) in &out {
+                let Some(p) = n.strip_prefix("grad.") else {
+                    continue;
+                };
+                let TensorData::F32(gv) = &t.data else {
+                    panic!("{n}")
+                };
+                let a = acc
+                    .entry(p.to_string())
+                    .or_insert_with(|| vec![0.0; gv.len()]);
+                for (a, x) in a.iter_mut().zip(gv) {
+                    if micro == 0 {
+                        *a = w * x;
+                    } else {
+                        *a += w * x;
+                    }
+                }
+            }
+        }
+        let inv = 1.0 / tokens as f32;
+        acc.values_mut()
+            .for_each(|v| v.iter_mut().for_each(|x| *x *= inv));
+        adam.step(&mut hp, &acc, lr).unwrap();
+        dev_adam.t += 1;
+        dev.train_update(dev_adam.constants(dev_adam.t, lr), inv)
+            .unwrap();
+    }
+    let mut dp = params.clone();
+    dev.train_download(&mut dp, &mut dev_adam.m, &mut dev_adam.v)
+        .unwrap();
+    for n in &names {
+        let bits = |t: &Tensor| match &t.data {
+            TensorData::F32(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>(),
+            _ => panic!("{n}"),
+        };
+        assert_eq!(bits(&dp[n]), bits(&hp[n]), "parameter {n}");
+        assert_ne!(bits(&dp[n]), bits(&params[n]), "parameter {n} was trained");
+        assert_eq!(dev_adam.m[n], adam.m[n], "m.{n}");
+        assert_eq!(dev_adam.v[n], adam.v[n], "v.{n}");
+    }
+
+    // A NaN parameter: the gradients are not finite, and the first one is named.
+    let mut bad = params.clone();
+    let first = names[0].clone();
+    if let TensorData::F32(v) = &mut bad.get_mut(&first).unwrap().data {
+        v.iter_mut().for_each(|x| *x = f32::NAN);
+    }
+    dev.train_begin(&bad, &adam.m, &adam.v).unwrap();
+    let opts = RunOptions::default();
+    let out = dev
+        .train_micro(&batches[0], &bad, &opts, 1.0, true, None)
+        .unwrap();
+    let (name, x) = out.non_finite.expect("a non-finite gradient is reported");
+    assert!(names.contains(&name) && !x.is_finite(), "{name}: {x}");
+    dev.train_end();
+    assert!(dev.train_update(adam.constants(1, 1e-3), 1.0).is_err());
+}
+
 /// `kiln run DIR --executor cuda`: without CUDA a non-zero exit with the guard's reason
 /// and the CPU alternative; on a spec, the command to compile an artifact first.
 #[test]

@@ -51,6 +51,27 @@ impl Adam {
         }
     }
 
+    /// The `f32` constants of update number `t` (counting from 1) with learning rate
+    /// `lr`: `[beta1, beta2, 1 − beta1, 1 − beta2, eps, lr / (1 − beta1^t),
+    /// 1 / sqrt(1 − beta2^t)]`, computed in `f64` and rounded once. [`Adam::step`] uses
+    /// them, and so does the device optimizer (`codegen::cuda::optim`), which therefore
+    /// updates with the same bits.
+    pub fn constants(&self, t: u64, lr: f64) -> [f32; 7] {
+        let t = t.min(i32::MAX as u64) as i32;
+        let (b1, b2) = (self.beta1, self.beta2);
+        let bc1 = 1.0 - b1.powi(t);
+        let bc2 = 1.0 - b2.powi(t);
+        [
+            b1 as f32,
+            b2 as f32,
+            (1.0 - b1) as f32,
+            (1.0 - b2) as f32,
+            self.eps as f32,
+            (lr / bc1) as f32,
+            (1.0 / bc2.sqrt()) as f32,
+        ]
+    }
+
     /// One update with learning rate `lr`.
     pub fn step(
         &mut self,
@@ -59,14 +80,7 @@ impl Adam {
         lr: f64,
     ) -> Result<(), OptimError> {
         self.t += 1;
-        let t = self.t as i32;
-        let (b1, b2) = (self.beta1, self.beta2);
-        let bc1 = 1.0 - b1.powi(t);
-        let bc2 = 1.0 - b2.powi(t);
-        let step_size = (lr / bc1) as f32;
-        let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
-        let (b1f, b2f, eps) = (b1 as f32, b2 as f32, self.eps as f32);
-        let (c1, c2) = ((1.0 - b1) as f32, (1.0 - b2) as f32);
+        let [b1f, b2f, c1, c2, eps, step_size, inv_sqrt_bc2] = self.constants(self.t, lr);
         if self.m.len() != params.len()
             || self.v.len() != params.len()
             || !params.keys().zip(self.m.keys()).all(|(a, b)| a == b)

@@ -196,7 +196,9 @@ pub struct Trainer {
     valid_lines: Vec<usize>,
     graphs: GraphSet,
     graphs_json: Vec<u8>,
-    train_exec: Box<dyn Exec>,
+    train_exec: TrainExec,
+    /// Where the parameters and moments are current (device training only).
+    device: DeviceState,
     loss_exec: Box<dyn Exec>,
     encode_exec: Box<dyn Exec>,
     step_exec: Box<dyn Exec>,
@@ -206,6 +208,30 @@ pub struct Trainer {
     d_model: f64,
     progress: Progress,
     notes: Vec<String>,
+}
+
+/// What runs the training step.
+enum TrainExec {
+    /// Any executor: the gradients come back to the host, which accumulates them and
+    /// runs Adam ([`Adam::step`]).
+    Host(Box<dyn Exec>),
+    /// `train.executor: cuda`: parameters, gradient accumulators and Adam's moments stay
+    /// on the GPU (`CudaExecutor::train_begin`); only the loss comes back per
+    /// micro-batch. The host's parameters and moments are refreshed
+    /// ([`Trainer::sync_device`]) for validation, checkpoints and at the end.
+    Device(Box<crate::cuda::CudaExecutor>),
+}
+
+/// Device training: whether the device holds the state, and whether it is ahead of the
+/// host's copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeviceState {
+    /// Nothing on the device yet (or host training).
+    Off,
+    /// The device's parameters and moments equal the host's.
+    InSync,
+    /// The device has taken optimizer steps the host has not seen.
+    Ahead,
 }
 
 /// What the trainer runs: the entry graphs, and the artifact whose kernels run them
@@ -512,8 +538,20 @@ impl Trainer {
                     )
                 })?,
         };
+        let train_exec = match artifact {
+            Some(art) if cuda => TrainExec::Device(Box::new(
+                crate::cuda::CudaExecutor::with_options(
+                    art,
+                    "train_step",
+                    crate::cuda::CudaOptions::from_env(),
+                )
+                .map_err(|e| TrainError::Setup(e.to_string()))?,
+            )),
+            _ => TrainExec::Host(ex("train_step", &graphs.train_step)?),
+        };
         Ok(Trainer {
-            train_exec: ex("train_step", &graphs.train_step)?,
+            train_exec,
+            device: DeviceState::Off,
             loss_exec: ex("loss", &graphs.loss)?,
             encode_exec: ex("encode", &graphs.encode)?,
             step_exec: ex("decode_step", &graphs.decode_step)?,
@@ -611,53 +649,93 @@ impl Trainer {
                 params_version,
                 ..RunOptions::default()
             };
-            let out = self
-                .train_exec
-                .run_map(&inputs, &self.params, &opts)
-                .map_err(|source| TrainError::Exec { step, source })?;
-            let loss = scalar(&out, &objective)
-                .ok_or_else(|| TrainError::Setup("train_step has no scalar loss".to_string()))?;
-            if !loss.is_finite() {
-                return Err(TrainError::NonFinite {
-                    step,
-                    what: "the loss".to_string(),
-                    value: loss,
-                });
-            }
             let w = batch.n_tgt_tokens as f32;
-            accumulate(grads, &out, w, micro == 0).map_err(|e| match e {
-                Accumulate::Missing(name) => {
-                    TrainError::Setup(format!("train_step has no gradient for `{name}`"))
+            let loss = match &self.train_exec {
+                TrainExec::Host(exec) => {
+                    let out = exec
+                        .run_map(&inputs, &self.params, &opts)
+                        .map_err(|source| TrainError::Exec { step, source })?;
+                    let loss = finite_loss(&out, &objective, step)?;
+                    accumulate(grads, &out, w, micro == 0).map_err(|e| match e {
+                        Accumulate::Missing(name) => {
+                            TrainError::Setup(format!("train_step has no gradient for `{name}`"))
+                        }
+                        Accumulate::NonFinite(name, value) => TrainError::NonFinite {
+                            step,
+                            what: format!("the gradient of `{name}`"),
+                            value,
+                        },
+                    })?;
+                    // The outputs' storage goes back to the executor for the next run.
+                    exec.recycle(out.into_values().collect());
+                    loss
                 }
-                Accumulate::NonFinite(name, value) => TrainError::NonFinite {
-                    step,
-                    what: format!("the gradient of `{name}`"),
-                    value,
-                },
-            })?;
-            // The outputs' storage goes back to the executor for the next run.
-            self.train_exec.recycle(out.into_values().collect());
+                TrainExec::Device(exec) => {
+                    if self.device == DeviceState::Off {
+                        exec.train_begin(&self.params, &self.adam.m, &self.adam.v)
+                            .map_err(|source| TrainError::Exec { step, source })?;
+                        self.device = DeviceState::InSync;
+                    }
+                    let out = exec
+                        .train_micro(&inputs, &self.params, &opts, w, micro == 0, None)
+                        .map_err(|source| TrainError::Exec { step, source })?;
+                    let loss = finite_loss(&out.outputs.into_iter().collect(), &objective, step)?;
+                    if let Some((name, value)) = out.non_finite {
+                        return Err(TrainError::NonFinite {
+                            step,
+                            what: format!("the gradient of `{name}`"),
+                            value,
+                        });
+                    }
+                    loss
+                }
+            };
             loss_sum += loss as f64 * w as f64;
             tokens += batch.n_tgt_tokens;
             src_tokens += batch.n_src_tokens;
         }
         let inv = 1.0 / tokens.max(1) as f32;
-        {
-            use rayon::prelude::*;
-            grads.par_iter_mut().for_each(|(_, g)| {
-                g.par_chunks_mut(ACC_CHUNK)
-                    .for_each(|c| c.iter_mut().for_each(|x| *x *= inv))
-            });
-        }
         let lr = self.cfg.schedule.lr(self.d_model, step);
-        self.adam
-            .step(&mut self.params, grads, lr)
-            .map_err(setup("the optimizer step"))?;
+        match &self.train_exec {
+            TrainExec::Host(_) => {
+                use rayon::prelude::*;
+                grads.par_iter_mut().for_each(|(_, g)| {
+                    g.par_chunks_mut(ACC_CHUNK)
+                        .for_each(|c| c.iter_mut().for_each(|x| *x *= inv))
+                });
+                self.adam
+                    .step(&mut self.params, grads, lr)
+                    .map_err(setup("the optimizer step"))?;
+            }
+            TrainExec::Device(exec) => {
+                // The same constants and op order as `Adam::step` (see `optim::constants`).
+                let constants = self.adam.constants(self.adam.t + 1, lr);
+                exec.train_update(constants, inv)
+                    .map_err(|source| TrainError::Exec { step, source })?;
+                self.adam.t += 1;
+                self.device = DeviceState::Ahead;
+            }
+        }
         self.state.step = step;
         self.state.lr = lr;
         self.state.tgt_tokens_seen += tokens as u64;
         self.state.src_tokens_seen += src_tokens as u64;
         Ok((loss_sum / tokens.max(1) as f64, tokens, src_tokens))
+    }
+
+    /// Device training: copies the device's parameters and Adam moments to the host
+    /// when the device is ahead (before validation, checkpoints and at the end of
+    /// [`Trainer::run`]); nothing otherwise.
+    fn sync_device(&mut self) -> Result<(), TrainError> {
+        if let (TrainExec::Device(exec), DeviceState::Ahead) = (&self.train_exec, self.device) {
+            exec.train_download(&mut self.params, &mut self.adam.m, &mut self.adam.v)
+                .map_err(|source| TrainError::Exec {
+                    step: self.state.step,
+                    source,
+                })?;
+            self.device = DeviceState::InSync;
+        }
+        Ok(())
     }
 
     /// Validation loss (token-weighted) and, if configured, BLEU of beam search.
@@ -849,6 +927,7 @@ impl Trainer {
             let _ = interval_steps;
             let last = step == total;
             if step.is_multiple_of(self.cfg.valid.every) || last {
+                self.sync_device()?;
                 let (vl, vb) = self.validate()?;
                 summary.valid_loss = Some(vl);
                 summary.valid_bleu = vb;
@@ -881,9 +960,12 @@ impl Trainer {
                 self.plot()?;
             }
             if step.is_multiple_of(self.cfg.checkpoint.every) || last {
+                self.sync_device()?;
                 summary.checkpoint = Some(self.save_checkpoint()?);
             }
         }
+        // The host's parameters and moments are the run's from here on.
+        self.sync_device()?;
         // Stopped by the time limit: keep what was done.
         if self.state.step < total
             && summary
@@ -933,6 +1015,21 @@ impl Trainer {
             message: e.to_string(),
         })
     }
+}
+
+/// The scalar loss `name` of a training run's outputs; an error when it is missing or
+/// not finite.
+fn finite_loss(out: &BTreeMap<String, Tensor>, name: &str, step: u64) -> Result<f32, TrainError> {
+    let loss = scalar(out, name)
+        .ok_or_else(|| TrainError::Setup("train_step has no scalar loss".to_string()))?;
+    if !loss.is_finite() {
+        return Err(TrainError::NonFinite {
+            step,
+            what: "the loss".to_string(),
+            value: loss,
+        });
+    }
+    Ok(loss)
 }
 
 fn scalar(out: &BTreeMap<String, Tensor>, name: &str) -> Option<f32> {

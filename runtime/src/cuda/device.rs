@@ -39,7 +39,8 @@ pub(crate) struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    _module: Arc<CudaModule>,
+    /// The entry's module, then any loaded later ([`Device::load_module`]).
+    modules: Vec<Arc<CudaModule>>,
     funcs: BTreeMap<String, Func>,
     /// Page-locked host memory that large copies go through (allocated on first use).
     staging: std::sync::Mutex<Option<Staging>>,
@@ -128,6 +129,32 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
     cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(nvrtc_error)
 }
 
+/// Loads `ptx` into `ctx` and its `functions` into `funcs`.
+fn load(
+    ctx: &Arc<CudaContext>,
+    ptx: Ptx,
+    functions: &[(String, Work, usize)],
+    funcs: &mut BTreeMap<String, Func>,
+) -> Result<Arc<CudaModule>, String> {
+    let module = ctx
+        .load_module(ptx)
+        .map_err(drv("cannot load the compiled module"))?;
+    for (name, work, params) in functions {
+        let f = module
+            .load_function(name)
+            .map_err(drv(&format!("cannot load function `{name}`")))?;
+        funcs.insert(
+            name.clone(),
+            Func {
+                f,
+                work: *work,
+                params: *params,
+            },
+        );
+    }
+    Ok(module)
+}
+
 impl Device {
     /// Device 0 with the module `ptx` loaded, and the functions
     /// `(name, work, buffer parameter count)`.
@@ -141,23 +168,8 @@ impl Device {
     ) -> Result<Device, String> {
         let ctx = CudaContext::new(0).map_err(drv("cannot create a CUDA context"))?;
         let stream = ctx.default_stream();
-        let module = ctx
-            .load_module(ptx)
-            .map_err(drv("cannot load the compiled module"))?;
         let mut funcs = BTreeMap::new();
-        for (name, work, params) in functions {
-            let f = module
-                .load_function(name)
-                .map_err(drv(&format!("cannot load function `{name}`")))?;
-            funcs.insert(
-                name.clone(),
-                Func {
-                    f,
-                    work: *work,
-                    params: *params,
-                },
-            );
-        }
+        let module = load(&ctx, ptx, functions, &mut funcs)?;
         let blas = CudaBlas::new(stream.clone()).map_err(drv("cannot create a cuBLAS handle"))?;
         // Plain fp32 GEMMs unless TF32 was asked for.
         let mode = if tf32 {
@@ -173,10 +185,30 @@ impl Device {
             ctx,
             stream,
             blas,
-            _module: module,
+            modules: vec![module],
             funcs,
             staging: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Loads another compiled module into the context and adds its `functions` (names
+    /// must not clash with those already loaded).
+    pub fn load_module(
+        &mut self,
+        ptx: Ptx,
+        functions: &[(String, Work, usize)],
+    ) -> Result<(), String> {
+        if let Some((name, _, _)) = functions.iter().find(|f| self.funcs.contains_key(&f.0)) {
+            return Err(format!("a function `{name}` is loaded already"));
+        }
+        let module = load(&self.ctx, ptx, functions, &mut self.funcs)?;
+        self.modules.push(module);
+        Ok(())
+    }
+
+    /// Whether a function `name` is loaded.
+    pub fn has(&self, name: &str) -> bool {
+        self.funcs.contains_key(name)
     }
 
     /// Makes the context current on the calling thread (runs may come from any thread).

@@ -33,6 +33,7 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
+use kiln_compiler::codegen::cuda::optim;
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, Op};
@@ -84,6 +85,49 @@ struct State {
     arena: Option<Buf>,
     /// Device copies of the parameters of the last run that gave a `params_version`.
     params: Option<ParamCache>,
+    /// Training with its state on the device ([`CudaExecutor::train_begin`]).
+    training: Option<Training>,
+}
+
+/// Parameters, gradient accumulators and Adam's moments on the device, by parameter
+/// name (the trainer's order), for [`CudaExecutor::train_micro`] and
+/// [`CudaExecutor::train_update`].
+struct Training {
+    params: BTreeMap<String, TrainParam>,
+    /// One word per parameter (in name order): 1 when a micro-batch's gradient of that
+    /// parameter had an element that is not finite.
+    bad: Buf,
+    /// Word 0: the micro-batch weight; words 1–8: `optim::ADAM_CONSTANTS`.
+    scalars: Buf,
+}
+
+struct TrainParam {
+    /// Position in name order (the parameter's word of `Training::bad`).
+    index: usize,
+    shape: Vec<usize>,
+    p: Buf,
+    acc: Buf,
+    m: Buf,
+    v: Buf,
+}
+
+/// A micro-batch of device training: its weight (target tokens), and whether it is the
+/// first of the optimizer step (the accumulators are assigned, not added to).
+#[derive(Clone, Copy, Debug)]
+struct Micro {
+    weight: f32,
+    first: bool,
+}
+
+/// What one micro-batch of device training gave back.
+#[derive(Debug)]
+pub struct MicroOut {
+    /// The entry's outputs other than the parameters' gradients (the loss, …), in
+    /// `graph.outputs` order.
+    pub outputs: Vec<(String, Tensor)>,
+    /// The first parameter (in name order) whose gradient had an element that is not
+    /// finite, and the first such element: the step must not be applied.
+    pub non_finite: Option<(String, f32)>,
 }
 
 /// Parameters kept on the device between runs of one `RunOptions::params_version`:
@@ -136,6 +180,8 @@ pub struct CudaExecutor {
     copy: Option<String>,
     state: Mutex<State>,
     pool: Arc<Pool>,
+    /// The artifact's NVRTC options (for the optimizer's unit, compiled on first use).
+    nvrtc_options: Vec<String>,
 }
 
 impl std::fmt::Debug for CudaExecutor {
@@ -268,8 +314,10 @@ impl CudaExecutor {
                 device,
                 arena: None,
                 params: None,
+                training: None,
             }),
             pool: Arc::new(Pool::default()),
+            nvrtc_options: m.nvrtc_options.clone(),
         })
     }
 
@@ -292,7 +340,7 @@ impl CudaExecutor {
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        self.run_with(inputs, params, opts, None)
+        Ok(self.run_with(inputs, params, opts, None, None)?.outputs)
     }
 
     /// [`CudaExecutor::run`], synchronizing the stream after every phase to time it:
@@ -306,16 +354,21 @@ impl CudaExecutor {
         opts: &RunOptions,
         rec: &mut dyn FnMut(&str, f64),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        self.run_with(inputs, params, opts, Some(rec))
+        Ok(self
+            .run_with(inputs, params, opts, Some(rec), None)?
+            .outputs)
     }
 
+    /// A run; with `micro`, one micro-batch of device training (the parameters are the
+    /// device's, the gradients go into its accumulators instead of to the host).
     fn run_with(
         &self,
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
         mut rec: Option<Recorder<'_>>,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        micro: Option<Micro>,
+    ) -> Result<MicroOut, ExecError> {
         let mut clock = std::time::Instant::now();
         let profiling = rec.is_some();
         if opts.precision != Precision::F32 {
@@ -353,6 +406,23 @@ impl CudaExecutor {
             (None, _) => None,
         };
         let st = &*guard;
+        let training = match micro {
+            None => None,
+            Some(mb) => {
+                let t = st.training.as_ref().ok_or_else(|| {
+                    ExecError::Unsupported(
+                        "a training micro-batch before `train_begin` put the parameters on \
+                         the device"
+                            .to_string(),
+                    )
+                })?;
+                st.device
+                    .write(t.scalars.ptr, &[mb.weight.to_bits()])
+                    .map_err(dev_err)?;
+                st.device.zero(t.bad.ptr, t.params.len()).map_err(dev_err)?;
+                Some(t)
+            }
+        };
         // Synchronizes and records the time since the last mark (profiled runs only).
         let mut mark = |what: &str| -> Result<(), ExecError> {
             if let Some(rec) = rec.as_mut() {
@@ -403,6 +473,31 @@ impl CudaExecutor {
                         node_err(v, format!("the graph has no parameter `{name}`"))
                     })?;
                     let src = bind.param(id, name, &shapes[0])?;
+                    if let Some(t) = training {
+                        let tp = t.params.get(name).ok_or_else(|| {
+                            node_err(
+                                v,
+                                format!("parameter `{name}` is not among the trained ones"),
+                            )
+                        })?;
+                        if tp.shape != shapes[0] {
+                            return Err(node_err(
+                                v,
+                                format!(
+                                    "parameter `{name}` is trained with shape {:?}, the entry \
+                                     needs {:?}",
+                                    tp.shape, shapes[0]
+                                ),
+                            ));
+                        }
+                        locs.push(vec![DLoc {
+                            ptr: tp.p.ptr,
+                            layout: Layout::contiguous(&shapes[0]),
+                            dtype: DType::F32,
+                        }]);
+                        needs.push(need);
+                        continue;
+                    }
                     match cache.as_mut() {
                         None => vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?],
                         Some(c) => {
@@ -509,6 +604,8 @@ impl CudaExecutor {
             }
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
+        // Device training: each parameter's gradient, contiguous, as accumulated.
+        let mut grads: BTreeMap<&str, DLoc> = BTreeMap::new();
         for o in &self.graph.outputs {
             let (_, v) = self
                 .kg
@@ -517,14 +614,243 @@ impl CudaExecutor {
                 .find(|(n, _)| n == &o.name)
                 .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
             materialize(*v, &mut copies, &mut r).map_err(dev_err)?;
+            let trained = training.zip(micro).and_then(|(t, mb)| {
+                let name = o.name.strip_prefix("grad.")?;
+                let (key, tp) = t.params.get_key_value(name)?;
+                Some((t, mb, key.as_str(), tp))
+            });
+            if let Some((t, mb, name, tp)) = trained {
+                let g = r.contig(&locs[*v][0]).map_err(dev_err)?;
+                let n = g.numel();
+                if g.dtype != DType::F32 || g.shape() != tp.shape.as_slice() {
+                    return Err(dev_err(format!(
+                        "the gradient of `{name}` is {:?} {:?}, the parameter f32 {:?}",
+                        g.dtype,
+                        g.shape(),
+                        tp.shape
+                    )));
+                }
+                let f = if mb.first {
+                    optim::GRAD_ASSIGN
+                } else {
+                    optim::GRAD_ACCUMULATE
+                };
+                let flag = t.bad.ptr + 4 * tp.index as u64;
+                st.device
+                    .launch(
+                        f,
+                        &[g.base(), t.scalars.ptr, tp.acc.ptr, flag],
+                        &[n as i64],
+                        n,
+                    )
+                    .map_err(dev_err)?;
+                grads.insert(name, g);
+                continue;
+            }
             let t = r.download(&locs[*v][0]).map_err(dev_err)?;
             out.push((o.name.clone(), t));
+        }
+        let mut non_finite = None;
+        if let Some(t) = training {
+            if let Some(missing) = t.params.keys().find(|n| !grads.contains_key(n.as_str())) {
+                return Err(ExecError::Unsupported(format!(
+                    "the entry has no gradient output `grad.{missing}` for a trained parameter"
+                )));
+            }
+            let flags = st.device.read(t.bad.ptr, t.params.len()).map_err(dev_err)?;
+            // The first flagged parameter in name order, and its first bad element.
+            if let Some((name, _)) = t.params.iter().find(|(_, tp)| flags[tp.index] != 0) {
+                let words = r.words(&grads[name.as_str()]).map_err(dev_err)?;
+                let x = words
+                    .into_iter()
+                    .map(f32::from_bits)
+                    .find(|x| !x.is_finite())
+                    .unwrap_or(f32::NAN);
+                non_finite = Some((name.clone(), x));
+            }
         }
         st.device.sync().map_err(dev_err)?;
         mark("download")?;
         drop(r);
         guard.params = cache;
-        Ok(out)
+        Ok(MicroOut {
+            outputs: out,
+            non_finite,
+        })
+    }
+
+    /// Starts training with its state on the device: uploads `params` and Adam's moments
+    /// `m`, `v` (by parameter name, f32, the moments as long as their parameter) and
+    /// zeroes the gradient accumulators. Replaces any earlier training state. Compiles
+    /// and loads the optimizer's kernels (`codegen::cuda::optim`) on first use.
+    pub fn train_begin(
+        &self,
+        params: &BTreeMap<String, Tensor>,
+        m: &BTreeMap<String, Vec<f32>>,
+        v: &BTreeMap<String, Vec<f32>>,
+    ) -> Result<(), ExecError> {
+        let dev_err = |m: String| ExecError::Node {
+            node: "the GPU".into(),
+            message: m,
+        };
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        guard.training = None;
+        if !guard.device.has(optim::ADAM_STEP) {
+            let code = optim::code();
+            let ptx = device::compile(&code.source(), &self.nvrtc_options)
+                .map_err(|log| dev_err(format!("NVRTC cannot compile the optimizer: {log}")))?;
+            let funcs: Vec<_> = code
+                .functions
+                .iter()
+                .map(|f| (f.name.clone(), f.work, f.params.len()))
+                .collect();
+            guard.device.load_module(ptx, &funcs).map_err(dev_err)?;
+        }
+        let dev = &guard.device;
+        let mut tps = BTreeMap::new();
+        for (index, (name, t)) in params.iter().enumerate() {
+            let TensorData::F32(p) = &t.data else {
+                return Err(ExecError::Unsupported(format!(
+                    "parameter `{name}` is not f32: device training keeps f32 parameters"
+                )));
+            };
+            let moment = |which: &str, x: &BTreeMap<String, Vec<f32>>| {
+                x.get(name)
+                    .filter(|x| x.len() == p.len())
+                    .ok_or_else(|| {
+                        ExecError::Unsupported(format!(
+                            "no Adam moment `{which}` of {} elements for parameter `{name}`",
+                            p.len()
+                        ))
+                    })
+                    .map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
+            };
+            let (mw, vw) = (moment("m", m)?, moment("v", v)?);
+            let bits: Vec<u32> = p.iter().map(|f| f.to_bits()).collect();
+            tps.insert(
+                name.clone(),
+                TrainParam {
+                    index,
+                    shape: t.shape.clone(),
+                    p: dev.upload(&bits).map_err(dev_err)?,
+                    acc: dev.alloc(p.len()).map_err(dev_err)?,
+                    m: dev.upload(&mw).map_err(dev_err)?,
+                    v: dev.upload(&vw).map_err(dev_err)?,
+                },
+            );
+        }
+        let bad = dev.alloc(tps.len()).map_err(dev_err)?;
+        let scalars = dev
+            .alloc(1 + optim::ADAM_CONSTANTS.len())
+            .map_err(dev_err)?;
+        dev.sync().map_err(dev_err)?;
+        guard.training = Some(Training {
+            params: tps,
+            bad,
+            scalars,
+        });
+        Ok(())
+    }
+
+    /// One micro-batch of device training: runs the entry on the device's parameters
+    /// (`params` gives only the shapes, as the bound dims need them) and adds
+    /// `weight·grad.NAME` to each parameter's accumulator (assigns it when `first`).
+    /// The other outputs come back to the host. A gradient that is not finite is
+    /// reported in [`MicroOut::non_finite`] (its accumulator is then not usable: the
+    /// caller stops or starts the step over).
+    pub fn train_micro(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        weight: f32,
+        first: bool,
+        rec: Option<Recorder<'_>>,
+    ) -> Result<MicroOut, ExecError> {
+        self.run_with(inputs, params, opts, rec, Some(Micro { weight, first }))
+    }
+
+    /// One Adam update of every parameter from its accumulated gradient times `scale`
+    /// (`1 / tokens`); `constants` are the first seven `optim::ADAM_CONSTANTS`, as
+    /// `Adam::constants` rounds them. Waits for the update to finish.
+    pub fn train_update(&self, constants: [f32; 7], scale: f32) -> Result<(), ExecError> {
+        let dev_err = |m: String| ExecError::Node {
+            node: "the GPU".into(),
+            message: m,
+        };
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        let t = guard.training.as_ref().ok_or_else(|| {
+            ExecError::Unsupported("an optimizer step before `train_begin`".to_string())
+        })?;
+        let mut k: Vec<u32> = constants.iter().map(|c| c.to_bits()).collect();
+        k.push(scale.to_bits());
+        let dev = &guard.device;
+        dev.write(t.scalars.ptr + 4, &k).map_err(dev_err)?;
+        for tp in t.params.values() {
+            let n = tp.acc.words;
+            dev.launch(
+                optim::ADAM_STEP,
+                &[tp.p.ptr, tp.acc.ptr, tp.m.ptr, tp.v.ptr, t.scalars.ptr + 4],
+                &[n as i64],
+                n,
+            )
+            .map_err(dev_err)?;
+        }
+        dev.sync().map_err(dev_err)
+    }
+
+    /// Copies the device's parameters and Adam moments into `params`, `m` and `v`
+    /// (which must have every trained parameter, of its size).
+    pub fn train_download(
+        &self,
+        params: &mut BTreeMap<String, Tensor>,
+        m: &mut BTreeMap<String, Vec<f32>>,
+        v: &mut BTreeMap<String, Vec<f32>>,
+    ) -> Result<(), ExecError> {
+        let dev_err = |m: String| ExecError::Node {
+            node: "the GPU".into(),
+            message: m,
+        };
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        let t = guard.training.as_ref().ok_or_else(|| {
+            ExecError::Unsupported("no training state on the device to download".to_string())
+        })?;
+        let dev = &guard.device;
+        let read = |b: &Buf, into: &mut [f32]| -> Result<(), ExecError> {
+            let w = dev.read(b.ptr, into.len()).map_err(dev_err)?;
+            into.iter_mut()
+                .zip(w)
+                .for_each(|(d, x)| *d = f32::from_bits(x));
+            Ok(())
+        };
+        for (name, tp) in &t.params {
+            let missing = || ExecError::Unsupported(format!("no host copy of `{name}`"));
+            let p = params.get_mut(name).ok_or_else(missing)?;
+            let n = p.numel();
+            let (Some(TensorData::F32(pv)), Some(mv), Some(vv)) = (
+                Some(&mut p.data),
+                m.get_mut(name).filter(|x| x.len() == n),
+                v.get_mut(name).filter(|x| x.len() == n),
+            ) else {
+                return Err(missing());
+            };
+            if pv.len() != tp.acc.words {
+                return Err(missing());
+            }
+            read(&tp.p, pv)?;
+            read(&tp.m, mv)?;
+            read(&tp.v, vv)?;
+        }
+        Ok(())
+    }
+
+    /// Frees the training state on the device.
+    pub fn train_end(&self) {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.training = None;
     }
 }
 

@@ -33,7 +33,7 @@ mod steps;
 
 use std::sync::OnceLock;
 
-pub use executor::{launch_plan, CudaExecError, CudaExecutor, CudaOptions, TF32_ENV};
+pub use executor::{launch_plan, CudaExecError, CudaExecutor, CudaOptions, MicroOut, TF32_ENV};
 
 /// The environment variable that turns a skipped GPU test into a failure.
 pub const REQUIRE_CUDA_ENV: &str = "KILN_REQUIRE_CUDA";
