@@ -391,9 +391,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         _ => a.batch * a.tgt_len,
     } as f64;
     // The CUDA executor's GEMM precision is part of what was measured.
-    let executor_name = if a.executor == "cuda" && kiln_runtime::cuda::CudaOptions::from_env().tf32
-    {
-        "cuda-tf32".to_string()
+    let executor_name = if a.executor == "cuda" {
+        match kiln_runtime::cuda::CudaOptions::from_env().gemm_name() {
+            "fp32" => "cuda".to_string(),
+            g => format!("cuda-{g}"),
+        }
     } else {
         a.executor.clone()
     };

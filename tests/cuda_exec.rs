@@ -270,7 +270,11 @@ fn gpu_tf32_train_step_is_close_to_the_cpu() {
         return;
     }
     let art = cuda_artifact();
-    let gpu = CudaExecutor::with_options(art, "train_step", CudaOptions { tf32: true }).unwrap();
+    let tf32 = CudaOptions {
+        tf32: true,
+        ..CudaOptions::default()
+    };
+    let gpu = CudaExecutor::with_options(art, "train_step", tf32).unwrap();
     let cpu = art.executor("train_step").unwrap();
     let (inputs, params) = feeds(cpu.graph(), art, 9);
     let opts = RunOptions {
@@ -299,6 +303,70 @@ fn gpu_tf32_train_step_is_close_to_the_cpu() {
         worst = worst.max(diff / (1e-2 * max + 1e-5));
     }
     println!("tf32 train_step: at most {worst:.3} of the bound used");
+}
+
+/// bf16 GEMM operands (`CudaOptions::bf16`, `KILN_CUDA_BF16=1`): a training step within
+/// `5e-2·max + 1e-4` of the CPU (operands rounded to an 8-bit mantissa, fp32
+/// accumulation and results), the loss within `1e-2` relative; and device training runs
+/// with it (the loss of a second step is finite and differs from the first).
+#[test]
+fn gpu_bf16_train_step_is_close_to_the_cpu() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let bf16 = CudaOptions {
+        bf16: true,
+        ..CudaOptions::default()
+    };
+    let gpu = CudaExecutor::with_options(art, "train_step", bf16).unwrap();
+    let cpu = art.executor("train_step").unwrap();
+    let (inputs, params) = feeds(cpu.graph(), art, 12);
+    let opts = RunOptions {
+        seed: 12,
+        step: 2,
+        ..RunOptions::default()
+    };
+    let want = cpu.run(&inputs, &params, &opts).unwrap();
+    let got = gpu.run(&inputs, &params, &opts).unwrap();
+    let mut worst = 0f64;
+    let mut exact = true;
+    for ((n, w), (_, g)) in want.iter().zip(&got) {
+        let (w, g) = (as_f64(w), as_f64(g));
+        let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
+        let diff = w
+            .iter()
+            .zip(&g)
+            .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+        assert!(
+            diff <= 5e-2 * max + 1e-4,
+            "{n}: max diff {diff:e}, max |cpu| {max:e}"
+        );
+        if n == "loss" {
+            assert!(diff <= 1e-2 * max, "loss: {g:?} vs {w:?}");
+        }
+        exact &= diff == 0.0;
+        worst = worst.max(diff / (5e-2 * max + 1e-4));
+    }
+    assert!(!exact, "bf16 GEMMs round: some output differs from fp32");
+    println!("bf16 train_step: at most {worst:.3} of the bound used");
+    let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    gpu.train_begin(&params, &adam.m, &adam.v).unwrap();
+    let mut losses = Vec::new();
+    for step in 1..=2u64 {
+        let out = gpu
+            .train_micro(&inputs, &params, &opts, 1.0, true, None)
+            .unwrap();
+        assert!(out.non_finite.is_none());
+        let l = out.outputs.iter().find(|(n, _)| n == "loss").unwrap();
+        losses.push(as_f64(&l.1)[0]);
+        adam.t += 1;
+        gpu.train_update(adam.constants(step, 1e-3), 1.0).unwrap();
+    }
+    assert!(
+        losses.iter().all(|l| l.is_finite()) && losses[0] != losses[1],
+        "{losses:?}"
+    );
 }
 
 /// Parameters kept on the device under one `params_version`: the second run of a

@@ -17,6 +17,9 @@ fn code_of(entry: &str) -> CudaCode {
     if entry == "optimizer" {
         return kiln_compiler::codegen::cuda::optim::code();
     }
+    if entry == "cast" {
+        return kiln_compiler::codegen::cuda::cast::code();
+    }
     let spec = root().join("models/transformer_tiny.kiln");
     let mode = match entry {
         "train_step" | "adam_update" => kiln_dsl::Mode::Train,
@@ -35,14 +38,15 @@ fn code_of(entry: &str) -> CudaCode {
 }
 
 const ENTRIES: [&str; 4] = ["train_step", "forward", "adam_update", "decode_step"];
-/// Every CUDA unit: the entries' programs and the device optimizer's
-/// (`codegen::cuda::optim`).
-const UNITS: [&str; 5] = [
+/// Every CUDA unit: the entries' programs, the device optimizer's
+/// (`codegen::cuda::optim`) and the bf16 conversion's (`codegen::cuda::cast`).
+const UNITS: [&str; 6] = [
     "train_step",
     "forward",
     "adam_update",
     "decode_step",
     "optimizer",
+    "cast",
 ];
 
 /// The kind of a function named `<kind>_<n>`.
@@ -117,6 +121,9 @@ fn the_device_optimizer_is_pinned() {
     );
     let text: Vec<&str> = code.functions.iter().map(|f| f.text.as_str()).collect();
     insta::assert_snapshot!("cuda_device_optimizer", text.join("\n"));
+    let cast = code_of("cast");
+    assert_eq!(cast.prelude, code.prelude);
+    insta::assert_snapshot!("cuda_to_bf16", cast.functions[0].text);
 }
 
 /// Every `(`/`)`, `[`/`]`, `{`/`}` pair balanced and properly nested.

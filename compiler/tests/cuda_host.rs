@@ -621,6 +621,37 @@ fn device_optimizer_kernels_match_the_host_loops_bit_for_bit() {
 }
 
 #[test]
+fn gemm_operands_convert_to_bf16_as_the_half_crate_does() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(31);
+    let mut v: Vec<f32> = as_f32(&rng.floats(40, -3.0, 3.0));
+    // Ties both ways, overflow, infinities, NaN, subnormals, signed zeros.
+    v.extend([
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::MAX,
+        -f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x0000_0001),
+        -0.0,
+        0.0,
+        1e-40,
+    ]);
+    let n = v.len();
+    let mut bufs = vec![f32s(&v), vec![0u8; 2 * n]];
+    run(
+        cxx,
+        &cuda::cast::to_bf16(),
+        &mut bufs,
+        &[n as i64],
+        n as u64,
+    );
+    assert_eq!(bufs[1], bf16s(&v), "bf16 bits of {v:?}");
+}
+
+#[test]
 fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
     let Some(cxx) = gxx() else { return };
     let mut rng = Rng(23);

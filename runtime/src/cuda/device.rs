@@ -28,6 +28,21 @@ pub(crate) struct Buf {
     pub words: usize,
 }
 
+/// cuBLAS's math mode ([`Device::new`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemmMath {
+    F32,
+    Tf32,
+    Bf16,
+}
+
+/// The element type of GEMM operands ([`Device::gemm`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemmElem {
+    F32,
+    Bf16,
+}
+
 /// A loaded generated function.
 struct Func {
     f: cudarc::driver::CudaFunction,
@@ -159,12 +174,14 @@ impl Device {
     /// Device 0 with the module `ptx` loaded, and the functions
     /// `(name, work, buffer parameter count)`.
     ///
-    /// `tf32`: cuBLAS may round GEMM operands to TF32 on the tensor cores (fp32
-    /// accumulation); otherwise pedantic fp32, the CPU executor's precision.
+    /// `gemm`: the element type GEMMs take their operands in. `Tf32`: cuBLAS may round
+    /// f32 operands to TF32 on the tensor cores (fp32 accumulation); `Bf16`: the default
+    /// math mode, in which bf16 `cublasGemmEx` calls use the tensor cores (f32 `sgemm`
+    /// stays full fp32 there too); `F32`: pedantic fp32, the CPU executor's precision.
     pub fn new(
         ptx: Ptx,
         functions: &[(String, Work, usize)],
-        tf32: bool,
+        gemm: GemmMath,
     ) -> Result<Device, String> {
         let ctx = CudaContext::new(0).map_err(drv("cannot create a CUDA context"))?;
         let stream = ctx.default_stream();
@@ -172,10 +189,10 @@ impl Device {
         let module = load(&ctx, ptx, functions, &mut funcs)?;
         let blas = CudaBlas::new(stream.clone()).map_err(drv("cannot create a cuBLAS handle"))?;
         // Plain fp32 GEMMs unless TF32 was asked for.
-        let mode = if tf32 {
-            cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            cublasMath_t::CUBLAS_PEDANTIC_MATH
+        let mode = match gemm {
+            GemmMath::Tf32 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+            GemmMath::Bf16 => cublasMath_t::CUBLAS_DEFAULT_MATH,
+            GemmMath::F32 => cublasMath_t::CUBLAS_PEDANTIC_MATH,
         };
         // SAFETY: a valid handle.
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) }
@@ -399,6 +416,93 @@ impl Device {
             )
         }
         .map_err(drv(&format!("launching `{name}`")))
+    }
+
+    /// [`Device::sgemm`] with the operands `a` and `b` of element type `elem` (the
+    /// result f32, accumulation fp32): bf16 operands go through `cublasGemmEx`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        g: &Sgemm,
+        elem: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        beta: f32,
+        batch: Option<(usize, i64, i64, i64)>,
+    ) -> Result<(), String> {
+        if elem == GemmElem::F32 {
+            return self.sgemm(g, a, b, c, beta, batch);
+        }
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let alpha = 1.0f32;
+        let h = *self.blas.handle();
+        let (bf, f) = (cudaDataType::CUDA_R_16BF, cudaDataType::CUDA_R_32F);
+        let compute = cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let algo = cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        let alpha_p = &alpha as *const f32 as *const c_void;
+        let beta_p = &beta as *const f32 as *const c_void;
+        // SAFETY: as `sgemm`: the pointers address bf16 operands laid out as the plan
+        // describes (element strides, 2-byte elements) and an f32 result; cuBLAS runs on
+        // the executor's stream and reads alpha and beta before returning.
+        unsafe {
+            match batch {
+                None => cudarc::cublas::result::gemm_ex(
+                    h,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    alpha_p,
+                    b as *const c_void,
+                    bf,
+                    g.lda,
+                    a as *const c_void,
+                    bf,
+                    g.ldb,
+                    beta_p,
+                    c as *mut c_void,
+                    f,
+                    g.ldc,
+                    compute,
+                    algo,
+                ),
+                Some((count, sa, sb, sc)) => cudarc::cublas::result::gemm_strided_batched_ex(
+                    h,
+                    op(g.transa),
+                    op(g.transb),
+                    g.m,
+                    g.n,
+                    g.k,
+                    alpha_p,
+                    b as *const c_void,
+                    bf,
+                    g.lda,
+                    sb,
+                    a as *const c_void,
+                    bf,
+                    g.ldb,
+                    sa,
+                    beta_p,
+                    c as *mut c_void,
+                    f,
+                    g.ldc,
+                    sc,
+                    i32::try_from(count).map_err(|_| format!("{count} GEMMs in one batch"))?,
+                    compute,
+                    algo,
+                ),
+            }
+        }
+        .map_err(drv("cuBLAS GemmEx (bf16)"))
     }
 
     /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] at `a`, `b`, `c`; with `batch =

@@ -33,7 +33,7 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
-use kiln_compiler::codegen::cuda::optim;
+use kiln_compiler::codegen::cuda::{cast, optim};
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, Op};
@@ -180,6 +180,8 @@ pub struct CudaExecutor {
     copy: Option<String>,
     state: Mutex<State>,
     pool: Arc<Pool>,
+    /// GEMM operands converted to bf16 ([`CudaOptions::bf16`]).
+    bf16: bool,
     /// The artifact's NVRTC options (for the optimizer's unit, compiled on first use).
     nvrtc_options: Vec<String>,
 }
@@ -256,16 +258,37 @@ pub struct CudaOptions {
     /// accumulation, instead of pedantic fp32. Off by default: results then match the
     /// CPU executor within `1e-5` relative.
     pub tf32: bool,
+    /// GEMMs on the tensor cores with bf16 operands (8-bit mantissa: the f32 operands,
+    /// activations and parameters alike, rounded to nearest even by a generated kernel
+    /// before each GEMM) and fp32 accumulation and results (`cublasGemmEx`); everything
+    /// else, parameters and Adam included, stays f32. Takes precedence over `tf32`.
+    pub bf16: bool,
 }
 
 /// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
 pub const TF32_ENV: &str = "KILN_CUDA_TF32";
+/// The variable that turns on [`CudaOptions::bf16`] for the command line's CUDA executors.
+pub const BF16_ENV: &str = "KILN_CUDA_BF16";
 
 impl CudaOptions {
-    /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`.
+    /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`,
+    /// `KILN_CUDA_BF16=1` sets `bf16`.
     pub fn from_env() -> CudaOptions {
+        let on = |var: &str| std::env::var(var).is_ok_and(|v| v.trim() == "1");
         CudaOptions {
-            tf32: std::env::var(TF32_ENV).is_ok_and(|v| v.trim() == "1"),
+            tf32: on(TF32_ENV),
+            bf16: on(BF16_ENV),
+        }
+    }
+
+    /// The GEMM precision in words, for reports: `fp32`, `tf32` or `bf16`.
+    pub fn gemm_name(&self) -> &'static str {
+        if self.bf16 {
+            "bf16"
+        } else if self.tf32 {
+            "tf32"
+        } else {
+            "fp32"
         }
     }
 }
@@ -299,7 +322,31 @@ impl CudaExecutor {
             .iter()
             .map(|f| (f.name.clone(), f.work, f.params.len()))
             .collect();
-        let device = Device::new(ptx, &funcs, options.tf32).map_err(CudaExecError::Driver)?;
+        let math = if options.bf16 {
+            device::GemmMath::Bf16
+        } else if options.tf32 {
+            device::GemmMath::Tf32
+        } else {
+            device::GemmMath::F32
+        };
+        let mut device = Device::new(ptx, &funcs, math).map_err(CudaExecError::Driver)?;
+        if options.bf16 {
+            let code = cast::code();
+            let ptx = device::compile(&code.source(), &m.nvrtc_options).map_err(|log| {
+                CudaExecError::Nvrtc {
+                    file: "the bf16 conversion unit".into(),
+                    log,
+                }
+            })?;
+            let funcs: Vec<_> = code
+                .functions
+                .iter()
+                .map(|f| (f.name.clone(), f.work, f.params.len()))
+                .collect();
+            device
+                .load_module(ptx, &funcs)
+                .map_err(CudaExecError::Driver)?;
+        }
         let graph = e.manifest.graph.clone();
         graph
             .verify()
@@ -317,6 +364,7 @@ impl CudaExecutor {
                 training: None,
             }),
             pool: Arc::new(Pool::default()),
+            bf16: options.bf16,
             nvrtc_options: m.nvrtc_options.clone(),
         })
     }
@@ -441,6 +489,7 @@ impl CudaExecutor {
             seed: opts.seed,
             step: opts.step,
             pool: &self.pool,
+            bf16: self.bf16,
         };
         let node_err = |v: usize, m: String| ExecError::Node {
             node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
@@ -910,6 +959,19 @@ impl DLoc {
     }
 }
 
+/// Where a GEMM operand's element `e` is: `base + size·(e − lo)`.
+struct Addr {
+    base: u64,
+    lo: usize,
+    size: u64,
+}
+
+impl Addr {
+    fn at(&self, e: usize) -> u64 {
+        self.base + self.size * (e - self.lo) as u64
+    }
+}
+
 /// A matrix per (batch, head): element offsets of each, and the row and column strides.
 struct Heads {
     ptr: u64,
@@ -956,6 +1018,8 @@ struct Run<'a> {
     seed: u64,
     step: u32,
     pool: &'a Arc<Pool>,
+    /// GEMM operands as bf16 ([`CudaOptions::bf16`]).
+    bf16: bool,
 }
 
 impl Run<'_> {
@@ -1073,21 +1137,56 @@ impl Run<'_> {
                 Ok(())
             };
         }
+        // The operands' addresses: f32 in place, or their bf16 copies (element `e` of
+        // the f32 location at `base + 2·(e − lo)`).
+        let (at_a, at_b, elem) = if self.bf16 {
+            let (pa, la) = self.bf16_span(&a)?;
+            let (pb, lb) = self.bf16_span(&b)?;
+            (
+                Addr {
+                    base: pa,
+                    lo: la,
+                    size: 2,
+                },
+                Addr {
+                    base: pb,
+                    lo: lb,
+                    size: 2,
+                },
+                device::GemmElem::Bf16,
+            )
+        } else {
+            (
+                Addr {
+                    base: a.ptr,
+                    lo: 0,
+                    size: 4,
+                },
+                Addr {
+                    base: b.ptr,
+                    lo: 0,
+                    size: 4,
+                },
+                device::GemmElem::F32,
+            )
+        };
         match plan.strided {
-            Some((sa, sb)) => self.dev.sgemm(
+            Some((sa, sb)) => self.dev.gemm(
                 &plan.gemm,
-                a.at(plan.a_offsets[0]),
-                b.at(plan.b_offsets[0]),
+                elem,
+                at_a.at(plan.a_offsets[0]),
+                at_b.at(plan.b_offsets[0]),
                 out.base(),
                 beta,
                 Some((plan.a_offsets.len(), sa, sb, plan.c_stride as i64)),
             ),
             None => {
                 for (i, (&oa, &ob)) in plan.a_offsets.iter().zip(&plan.b_offsets).enumerate() {
-                    self.dev.sgemm(
+                    self.dev.gemm(
                         &plan.gemm,
-                        a.at(oa),
-                        b.at(ob),
+                        elem,
+                        at_a.at(oa),
+                        at_b.at(ob),
                         out.base() + 4 * (i * plan.c_stride) as u64,
                         beta,
                         None,
@@ -1096,6 +1195,28 @@ impl Run<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// The elements `l` can address, `lo..hi` of its buffer, converted to bf16 in a
+    /// fresh buffer: its address and `lo`.
+    fn bf16_span(&mut self, l: &DLoc) -> Result<(u64, usize), String> {
+        if l.dtype != DType::F32 {
+            return Err(format!("a {:?} GEMM operand", l.dtype));
+        }
+        let lo = l.layout.offset;
+        let hi = lo
+            + l.layout
+                .shape
+                .iter()
+                .zip(&l.layout.strides)
+                .map(|(&d, &s)| d.saturating_sub(1) * s)
+                .sum::<usize>()
+            + 1;
+        let n = hi - lo;
+        let dst = self.alloc(n.div_ceil(2))?;
+        self.dev
+            .launch(cast::TO_BF16, &[l.at(lo), dst], &[n as i64], n)?;
+        Ok((dst, lo))
     }
 
     /// Per head `i`: `c_i[m, n] = a_i[m, k]·b_i[k, n]` into contiguous `c` (`m·n` per

@@ -33,7 +33,9 @@ mod steps;
 
 use std::sync::OnceLock;
 
-pub use executor::{launch_plan, CudaExecError, CudaExecutor, CudaOptions, MicroOut, TF32_ENV};
+pub use executor::{
+    launch_plan, CudaExecError, CudaExecutor, CudaOptions, MicroOut, BF16_ENV, TF32_ENV,
+};
 
 /// The environment variable that turns a skipped GPU test into a failure.
 pub const REQUIRE_CUDA_ENV: &str = "KILN_REQUIRE_CUDA";
@@ -183,7 +185,7 @@ pub fn skip_or_fail(
 
 /// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
 /// calls), with the options of the environment ([`CudaOptions::from_env`]: TF32 GEMMs
-/// with `KILN_CUDA_TF32=1`); the error says why not (no GPU: the guard's reason and the
+/// with `KILN_CUDA_TF32=1`, bf16 GEMM operands with `KILN_CUDA_BF16=1`); the error says why not (no GPU: the guard's reason and the
 /// CPU alternative).
 pub fn executor_for(
     art: &crate::artifact::Artifact,

@@ -14,6 +14,7 @@
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
 //! - [`attention`] — flash-style attention, forward and backward (tiled, online softmax);
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
+//! - [`cast`] — f32 → bf16 for the GEMM operands of bf16 GEMMs;
 //! - [`optim`] — gradient accumulation and Adam for training with state on the device;
 //! - [`index`] — `causal_mask`, `pad_mask`, `arange`, `concat` (host kernels on the CPU);
 //! - [`program`] — which functions each kernel kind gets ([`CudaCode`]);
@@ -59,6 +60,7 @@
 //! `expf`/`logf`/`sinf`/`cosf` are CUDA's (≤ 2 ulp), not the CPU's polynomials.
 
 pub mod attention;
+pub mod cast;
 pub mod host;
 pub mod index;
 pub mod misc;
