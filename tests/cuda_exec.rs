@@ -584,47 +584,50 @@ fn kiln_run_with_the_cuda_executor() {
 /// before anything is compiled; with it, a timing line.
 #[test]
 fn kiln_bench_with_the_cuda_executor() {
-    let out = kiln(&[
-        "bench",
-        SPEC,
-        "--set",
-        "vocab=48",
-        "--entry",
-        "forward",
-        "--batch",
-        "2",
-        "--src-len",
-        "5",
-        "--tgt-len",
-        "4",
-        "--runs",
-        "1",
-        "--executor",
-        "cuda",
-    ]);
-    let err: String = String::from_utf8_lossy(&out.stderr)
-        .split_whitespace()
-        .filter(|w| *w != "│")
-        .collect::<Vec<_>>()
-        .join(" ");
-    match cuda_available() {
-        Err(reason) => {
-            assert!(!out.status.success());
-            let first = reason
-                .split_whitespace()
-                .take(4)
-                .collect::<Vec<_>>()
-                .join(" ");
-            assert!(
-                err.contains("kiln::cuda")
-                    && err.contains(&first)
-                    && err.contains("--executor compiled"),
-                "{err}"
-            );
-        }
-        Ok(_) => {
-            assert!(out.status.success(), "{err}");
-            assert!(String::from_utf8_lossy(&out.stdout).contains("ms/step"));
+    // `train_step` on the GPU keeps parameters, gradients and moments on the device.
+    for entry in ["forward", "train_step"] {
+        let out = kiln(&[
+            "bench",
+            SPEC,
+            "--set",
+            "vocab=48",
+            "--entry",
+            entry,
+            "--batch",
+            "2",
+            "--src-len",
+            "5",
+            "--tgt-len",
+            "4",
+            "--runs",
+            "1",
+            "--executor",
+            "cuda",
+        ]);
+        let err: String = String::from_utf8_lossy(&out.stderr)
+            .split_whitespace()
+            .filter(|w| *w != "│")
+            .collect::<Vec<_>>()
+            .join(" ");
+        match cuda_available() {
+            Err(reason) => {
+                assert!(!out.status.success());
+                let first = reason
+                    .split_whitespace()
+                    .take(4)
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                assert!(
+                    err.contains("kiln::cuda")
+                        && err.contains(&first)
+                        && err.contains("--executor compiled"),
+                    "{entry}: {err}"
+                );
+            }
+            Ok(_) => {
+                assert!(out.status.success(), "{entry}: {err}");
+                assert!(String::from_utf8_lossy(&out.stdout).contains("ms/step"));
+            }
         }
     }
 }
