@@ -135,13 +135,39 @@ fn nvrtc_error(e: cudarc::nvrtc::CompileError) -> String {
     }
 }
 
-/// Compiles `source` (one unit) with NVRTC and `options`; the error is NVRTC's log.
+/// NVRTC's version, `major.minor` (`?` if it cannot say).
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers; only called after the CUDA guard found NVRTC.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        format!("{major}.{minor}")
+    } else {
+        "?".to_string()
+    }
+}
+
+/// Compiles `source` (one unit) with NVRTC and `options`; the error is NVRTC's log. The
+/// PTX is kept in the PTX cache ([`super::ptx_cache`]): a unit compiled before by the
+/// same NVRTC with the same options is read back instead.
 pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: options.to_vec(),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(nvrtc_error)
+    let dir = super::ptx_cache::dir();
+    let (ptx, _) = super::ptx_cache::compile_cached(
+        dir.as_deref(),
+        source,
+        options,
+        &nvrtc_version(),
+        || {
+            let opts = cudarc::nvrtc::CompileOptions {
+                options: options.to_vec(),
+                ..Default::default()
+            };
+            cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+                .map(|p| p.to_src())
+                .map_err(nvrtc_error)
+        },
+    )?;
+    Ok(Ptx::from_src(ptx))
 }
 
 /// Loads `ptx` into `ctx` and its `functions` into `funcs`.

@@ -29,6 +29,7 @@
 pub mod abi;
 mod device;
 pub mod executor;
+pub mod ptx_cache;
 mod steps;
 
 use std::sync::OnceLock;
