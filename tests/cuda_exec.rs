@@ -261,31 +261,29 @@ fn gpu_train_steps_match_the_cpu_executor() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
-/// TF32 GEMMs (`CudaOptions::tf32`, `KILN_CUDA_TF32=1` on the command line): a training
-/// step within `1e-2·max + 1e-5` of the CPU (operands rounded to a 10-bit mantissa,
-/// fp32 accumulation), the loss within `1e-3` relative.
-#[test]
-fn gpu_tf32_train_step_is_close_to_the_cpu() {
-    if require_cuda_or_skip().is_none() {
-        return;
-    }
+/// A `train_step` with `options` against the CPU executor on the same random feeds:
+/// every output within `rel·max|cpu| + abs`, the loss within `loss_rel·|loss|`. Returns
+/// the executor, the feeds and the options, and asserts that some output differs (the
+/// reduced precision shows). Prints the share of the bound used.
+fn close_train_step(
+    what: &str,
+    options: CudaOptions,
+    seed: u64,
+    (rel, abs, loss_rel): (f64, f64, f64),
+) -> (CudaExecutor, Feeds, Feeds, RunOptions) {
     let art = cuda_artifact();
-    let tf32 = CudaOptions {
-        tf32: true,
-        ..CudaOptions::default()
-    };
-    let gpu = CudaExecutor::with_options(art, "train_step", tf32).unwrap();
+    let gpu = CudaExecutor::with_options(art, "train_step", options).unwrap();
     let cpu = art.executor("train_step").unwrap();
-    let (inputs, params) = feeds(cpu.graph(), art, 9);
+    let (inputs, params) = feeds(cpu.graph(), art, seed);
     let opts = RunOptions {
-        seed: 9,
+        seed,
         step: 2,
         ..RunOptions::default()
     };
     let want = cpu.run(&inputs, &params, &opts).unwrap();
     let got = gpu.run(&inputs, &params, &opts).unwrap();
     assert!(want.iter().any(|(n, _)| n == "loss"));
-    let mut worst = 0f64;
+    let (mut worst, mut exact) = (0f64, true);
     for ((n, w), (_, g)) in want.iter().zip(&got) {
         let (w, g) = (as_f64(w), as_f64(g));
         let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
@@ -294,15 +292,36 @@ fn gpu_tf32_train_step_is_close_to_the_cpu() {
             .zip(&g)
             .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
         assert!(
-            diff <= 1e-2 * max + 1e-5,
-            "{n}: max diff {diff:e}, max |cpu| {max:e}"
+            diff <= rel * max + abs,
+            "{what} {n}: max diff {diff:e}, max |cpu| {max:e}"
         );
         if n == "loss" {
-            assert!(diff <= 1e-3 * max, "loss: {g:?} vs {w:?}");
+            assert!(diff <= loss_rel * max, "{what} loss: {g:?} vs {w:?}");
         }
-        worst = worst.max(diff / (1e-2 * max + 1e-5));
+        exact &= diff == 0.0;
+        worst = worst.max(diff / (rel * max + abs));
     }
-    println!("tf32 train_step: at most {worst:.3} of the bound used");
+    assert!(
+        !exact,
+        "{what}: every output equals fp32's; the precision did not apply"
+    );
+    println!("{what} train_step: at most {worst:.3} of the bound used");
+    (gpu, inputs, params, opts)
+}
+
+/// TF32 GEMMs (`CudaOptions::tf32`, `KILN_CUDA_TF32=1` on the command line): a training
+/// step within `1e-2·max + 1e-5` of the CPU (operands rounded to a 10-bit mantissa,
+/// fp32 accumulation), the loss within `1e-3` relative.
+#[test]
+fn gpu_tf32_train_step_is_close_to_the_cpu() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let tf32 = CudaOptions {
+        tf32: true,
+        ..CudaOptions::default()
+    };
+    close_train_step("tf32", tf32, 9, (1e-2, 1e-5, 1e-3));
 }
 
 /// bf16 GEMM operands (`CudaOptions::bf16`, `KILN_CUDA_BF16=1`): a training step within
@@ -314,42 +333,11 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let art = cuda_artifact();
     let bf16 = CudaOptions {
         bf16: true,
         ..CudaOptions::default()
     };
-    let gpu = CudaExecutor::with_options(art, "train_step", bf16).unwrap();
-    let cpu = art.executor("train_step").unwrap();
-    let (inputs, params) = feeds(cpu.graph(), art, 12);
-    let opts = RunOptions {
-        seed: 12,
-        step: 2,
-        ..RunOptions::default()
-    };
-    let want = cpu.run(&inputs, &params, &opts).unwrap();
-    let got = gpu.run(&inputs, &params, &opts).unwrap();
-    let mut worst = 0f64;
-    let mut exact = true;
-    for ((n, w), (_, g)) in want.iter().zip(&got) {
-        let (w, g) = (as_f64(w), as_f64(g));
-        let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
-        let diff = w
-            .iter()
-            .zip(&g)
-            .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
-        assert!(
-            diff <= 5e-2 * max + 1e-4,
-            "{n}: max diff {diff:e}, max |cpu| {max:e}"
-        );
-        if n == "loss" {
-            assert!(diff <= 1e-2 * max, "loss: {g:?} vs {w:?}");
-        }
-        exact &= diff == 0.0;
-        worst = worst.max(diff / (5e-2 * max + 1e-4));
-    }
-    assert!(!exact, "bf16 GEMMs round: some output differs from fp32");
-    println!("bf16 train_step: at most {worst:.3} of the bound used");
+    let (gpu, inputs, params, opts) = close_train_step("bf16", bf16, 12, (5e-2, 1e-4, 1e-2));
     let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
     gpu.train_begin(&params, &adam.m, &adam.v).unwrap();
     let mut losses = Vec::new();

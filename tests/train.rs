@@ -347,6 +347,22 @@ fn logged_losses(dir: &Path) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// The runs in `a` and `b` logged the same records, with losses within 1e-4 relative.
+fn same_losses(a: &Path, b: &Path, name_a: &str, name_b: &str) {
+    let (la, lb) = (logged_losses(a), logged_losses(b));
+    assert!(la.len() >= 2, "{la:?}");
+    assert_eq!(
+        la.iter().map(|x| &x.0).collect::<Vec<_>>(),
+        lb.iter().map(|x| &x.0).collect::<Vec<_>>()
+    );
+    for ((s, x), (_, y)) in la.iter().zip(&lb) {
+        assert!(
+            (x - y).abs() <= 1e-4 * x.abs(),
+            "step {s}: {name_a} loss {x}, {name_b} {y}"
+        );
+    }
+}
+
 /// The relative distance of two parameter snapshots: ‖a − b‖ / ‖a‖ over every tensor.
 fn relative_distance(a: &Snapshot, b: &Snapshot) -> f64 {
     let (mut d2, mut n2) = (0.0f64, 0.0f64);
@@ -433,18 +449,7 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
         assert_eq!(&art_w[name], t, "artifact weight `{name}`");
     }
 
-    let (le, lc) = (logged_losses(&eager), logged_losses(&comp));
-    assert!(le.len() >= 2, "{le:?}");
-    assert_eq!(
-        le.iter().map(|x| &x.0).collect::<Vec<_>>(),
-        lc.iter().map(|x| &x.0).collect::<Vec<_>>()
-    );
-    for ((s, a), (_, b)) in le.iter().zip(&lc) {
-        assert!(
-            (a - b).abs() <= 1e-4 * a.abs(),
-            "step {s}: eager loss {a}, artifact {b}"
-        );
-    }
+    same_losses(&eager, &comp, "eager", "artifact");
     let (pe, se) = final_state(&eager, 10);
     let (pc, sc) = final_state(&comp, 10);
     assert_eq!((se.epoch, se.batch_in_epoch), (sc.epoch, sc.batch_in_epoch));
@@ -594,18 +599,7 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
     )
     .unwrap();
     ok(&comp, &["train", "--config", "cfg.yaml", "--quiet"]);
-    let (lg, lc) = (logged_losses(&gpu), logged_losses(&comp));
-    assert!(lg.len() >= 2, "{lg:?}");
-    assert_eq!(
-        lg.iter().map(|x| &x.0).collect::<Vec<_>>(),
-        lc.iter().map(|x| &x.0).collect::<Vec<_>>()
-    );
-    for ((s, a), (_, b)) in lc.iter().zip(&lg) {
-        assert!(
-            (a - b).abs() <= 1e-4 * a.abs(),
-            "step {s}: compiled loss {a}, GPU {b}"
-        );
-    }
+    same_losses(&comp, &gpu, "compiled", "GPU");
     let (pg, sg) = final_state(&gpu, 10);
     let (pc, sc) = final_state(&comp, 10);
     assert_eq!((sg.epoch, sg.batch_in_epoch), (sc.epoch, sc.batch_in_epoch));

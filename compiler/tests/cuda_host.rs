@@ -208,6 +208,18 @@ fn run_cpu(
     }
 }
 
+/// The CPU `adam_update` kernel over `n` elements (buffers in its order).
+fn run_cpu_adam(bufs: &mut [Vec<u8>], n: usize) {
+    let (dims, items) = misc::adam_update_dims(n);
+    run_cpu(
+        &misc::adam_update("adam_update_0"),
+        "adam_update_0",
+        bufs,
+        &dims,
+        items,
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Data.
 
@@ -367,15 +379,8 @@ fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
     let mut g = bufs.clone();
     let f = cuda::misc::adam_update("adam_update_0", Elem::F32);
     run(cxx, &f, &mut g, &[n as i64], n as u64);
-    let (dims, items) = misc::adam_update_dims(n);
     let mut h = bufs.clone();
-    run_cpu(
-        &misc::adam_update("adam_update_0"),
-        "adam_update_0",
-        &mut h,
-        &dims,
-        items,
-    );
+    run_cpu_adam(&mut h, n);
     for k in 11..14 {
         exact("adam", &g[k], &h[k]);
     }
@@ -606,14 +611,7 @@ fn device_optimizer_kernels_match_the_host_loops_bit_for_bit() {
         h.push(one(*s));
     }
     h.extend([zeros(n), zeros(n), zeros(n)]);
-    let (dims, items) = misc::adam_update_dims(n);
-    run_cpu(
-        &misc::adam_update("adam_update_0"),
-        "adam_update_0",
-        &mut h,
-        &dims,
-        items,
-    );
+    run_cpu_adam(&mut h, n);
     exact("adam p", &dev[0], &h[11]);
     exact("adam m", &dev[2], &h[12]);
     exact("adam v", &dev[3], &h[13]);

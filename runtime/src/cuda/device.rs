@@ -170,6 +170,15 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
     Ok(Ptx::from_src(ptx))
 }
 
+/// cuBLAS's operation for a (not) transposed operand.
+fn blas_op(transposed: bool) -> cublasOperation_t {
+    if transposed {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
 /// Loads `ptx` into `ctx` and its `functions` into `funcs`.
 fn load(
     ctx: &Arc<CudaContext>,
@@ -461,13 +470,6 @@ impl Device {
             return self.sgemm(g, a, b, c, beta, batch);
         }
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
         let alpha = 1.0f32;
         let h = *self.blas.handle();
         let (bf, f) = (cudaDataType::CUDA_R_16BF, cudaDataType::CUDA_R_32F);
@@ -482,8 +484,8 @@ impl Device {
             match batch {
                 None => cudarc::cublas::result::gemm_ex(
                     h,
-                    op(g.transa),
-                    op(g.transb),
+                    blas_op(g.transa),
+                    blas_op(g.transb),
                     g.m,
                     g.n,
                     g.k,
@@ -503,8 +505,8 @@ impl Device {
                 ),
                 Some((count, sa, sb, sc)) => cudarc::cublas::result::gemm_strided_batched_ex(
                     h,
-                    op(g.transa),
-                    op(g.transb),
+                    blas_op(g.transa),
+                    blas_op(g.transb),
                     g.m,
                     g.n,
                     g.k,
@@ -543,13 +545,6 @@ impl Device {
         beta: f32,
         batch: Option<(usize, i64, i64, i64)>,
     ) -> Result<(), String> {
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
         let alpha = 1.0f32;
         let h = *self.blas.handle();
         // SAFETY: the pointers address the operands the plan describes (sizes and leading
@@ -558,8 +553,8 @@ impl Device {
             match batch {
                 None => cudarc::cublas::result::sgemm(
                     h,
-                    op(g.transa),
-                    op(g.transb),
+                    blas_op(g.transa),
+                    blas_op(g.transb),
                     g.m,
                     g.n,
                     g.k,
@@ -574,8 +569,8 @@ impl Device {
                 ),
                 Some((count, sa, sb, sc)) => cudarc::cublas::result::sgemm_strided_batched(
                     h,
-                    op(g.transa),
-                    op(g.transb),
+                    blas_op(g.transa),
+                    blas_op(g.transb),
                     g.m,
                     g.n,
                     g.k,

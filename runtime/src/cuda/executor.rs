@@ -248,6 +248,14 @@ pub fn launch_plan(
         .collect())
 }
 
+/// A device failure (driver, cuBLAS, a launch) as an execution error.
+fn dev_err(message: String) -> ExecError {
+    ExecError::Node {
+        node: "the GPU".into(),
+        message,
+    }
+}
+
 /// What a profiled run calls per timed part: `(what, seconds)`.
 type Recorder<'a> = &'a mut dyn FnMut(&str, f64);
 
@@ -431,10 +439,6 @@ impl CudaExecutor {
             node: "the memory plan".into(),
             message: m,
         })?;
-        let dev_err = |m: String| ExecError::Node {
-            node: "the GPU".into(),
-            message: m,
-        };
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         let words = layout.total / 4;
@@ -738,10 +742,6 @@ impl CudaExecutor {
         m: &BTreeMap<String, Vec<f32>>,
         v: &BTreeMap<String, Vec<f32>>,
     ) -> Result<(), ExecError> {
-        let dev_err = |m: String| ExecError::Node {
-            node: "the GPU".into(),
-            message: m,
-        };
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         guard.training = None;
@@ -824,10 +824,6 @@ impl CudaExecutor {
     /// (`1 / tokens`); `constants` are the first seven `optim::ADAM_CONSTANTS`, as
     /// `Adam::constants` rounds them. Waits for the update to finish.
     pub fn train_update(&self, constants: [f32; 7], scale: f32) -> Result<(), ExecError> {
-        let dev_err = |m: String| ExecError::Node {
-            node: "the GPU".into(),
-            message: m,
-        };
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         let t = guard.training.as_ref().ok_or_else(|| {
@@ -858,10 +854,6 @@ impl CudaExecutor {
         m: &mut BTreeMap<String, Vec<f32>>,
         v: &mut BTreeMap<String, Vec<f32>>,
     ) -> Result<(), ExecError> {
-        let dev_err = |m: String| ExecError::Node {
-            node: "the GPU".into(),
-            message: m,
-        };
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         let t = guard.training.as_ref().ok_or_else(|| {
