@@ -22,7 +22,7 @@ fn code_of(entry: &str) -> CudaCode {
     }
     let spec = root().join("models/transformer_tiny.kiln");
     let mode = match entry {
-        "train_step" | "adam_update" => kiln_dsl::Mode::Train,
+        "train_step" | "train_step_scaled" | "adam_update" => kiln_dsl::Mode::Train,
         "decode_step" => kiln_dsl::Mode::Decode,
         _ => kiln_dsl::Mode::Eval,
     };
@@ -32,16 +32,29 @@ fn code_of(entry: &str) -> CudaCode {
         model: None,
     };
     let g = kiln_dsl::compile_file(&spec, &opts).expect("tiny compiles");
-    let g = kiln_runtime::compiled_entry_graph(&g, entry).expect("entry");
+    let g = if entry == "train_step_scaled" {
+        // Dynamic loss scaling's train_step (`train.loss_scale`): the seeded cross-entropy.
+        let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale: true };
+        kiln_compiler::autodiff::train_step_with(&g, options).expect("differentiates")
+    } else {
+        kiln_runtime::compiled_entry_graph(&g, entry).expect("entry")
+    };
     let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
     emit(&kg).expect("emits")
 }
 
-const ENTRIES: [&str; 4] = ["train_step", "forward", "adam_update", "decode_step"];
+const ENTRIES: [&str; 5] = [
+    "train_step",
+    "forward",
+    "adam_update",
+    "decode_step",
+    "train_step_scaled",
+];
 /// Every CUDA unit: the entries' programs, the device optimizer's
 /// (`codegen::cuda::optim`) and the bf16 conversion's (`codegen::cuda::cast`).
-const UNITS: [&str; 6] = [
+const UNITS: [&str; 7] = [
     "train_step",
+    "train_step_scaled",
     "forward",
     "adam_update",
     "decode_step",
@@ -100,6 +113,7 @@ fn cuda_of_every_kernel_kind_is_pinned() {
         "scatter_rows",
         "xent_ls",
         "xent_ls_count",
+        "xent_ls_count_seeded",
         "xent_ls_finish",
     ] {
         assert!(kinds.contains(&want), "no `{want}` kernel among {kinds:?}");

@@ -223,3 +223,74 @@ fn tiny_transformer_gradients_match_finite_differences() {
         }
     }
 }
+
+/// `train_step` with dynamic loss scaling's seed: every gradient is the scale times the
+/// unscaled one — bit for bit for a power of two, in the reference executor and in the
+/// compiled one (its fused cross-entropy takes the seed) — and the loss is not scaled.
+#[test]
+fn a_loss_scaled_train_step_scales_every_gradient_exactly() {
+    use kiln_compiler::autodiff::{train_step_with, TrainStepOptions, LOSS_SCALE};
+    use kiln_runtime::compiled::Compiled;
+    let model = train_model();
+    let plain = train_step(&model).unwrap();
+    let scaled = train_step_with(&model, TrainStepOptions { loss_scale: true }).unwrap();
+    assert!(plain.input(LOSS_SCALE).is_none());
+    assert!(scaled.input(LOSS_SCALE).is_some());
+    let params: BTreeMap<String, Tensor> = init_params(&plain, 7).unwrap().into_iter().collect();
+    let inputs = feeds();
+    let with_scale = |s: f32| {
+        let mut m = feeds();
+        m.insert(LOSS_SCALE.into(), Tensor::f32(vec![], vec![s]).unwrap());
+        m
+    };
+    let f32s = |out: &[(String, Tensor)]| -> Vec<(String, Vec<f32>)> {
+        out.iter()
+            .map(|(n, t)| (n.clone(), t.as_f32().unwrap().to_vec()))
+            .collect()
+    };
+    let check = |what: &str, a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)], s: f32| {
+        assert_eq!(a.len(), b.len());
+        assert_eq!(a[0].1[0].to_bits(), b[0].1[0].to_bits(), "{what}: the loss");
+        let mut nonzero = 0;
+        for ((name, x), (_, y)) in a[1..].iter().zip(&b[1..]) {
+            for (u, v) in x.iter().zip(y) {
+                assert_eq!(
+                    (s * u).to_bits(),
+                    v.to_bits(),
+                    "{what}: {name}: {s}·{u} vs {v}"
+                );
+                nonzero += usize::from(*u != 0.0);
+            }
+        }
+        assert!(
+            nonzero > 1000,
+            "{what}: {nonzero} non-zero gradient elements"
+        );
+    };
+    let f = opts(Precision::F32);
+    let want = f32s(&run(&plain, &inputs, &params, &f).unwrap());
+    for s in [1024.0f32, 2f32.powi(-20)] {
+        let got = f32s(&run(&scaled, &with_scale(s), &params, &f).unwrap());
+        check(&format!("reference, scale {s}"), &want, &got, s);
+    }
+    let cp = Compiled::from_graph(plain).unwrap();
+    let cs = Compiled::from_graph(scaled).unwrap();
+    let want = f32s(&cp.run(&inputs, &params, &f).unwrap());
+    let got = f32s(&cs.run(&with_scale(1024.0), &params, &f).unwrap());
+    check("compiled, scale 1024", &want, &got, 1024.0);
+    // Any other scale: the same within rounding, against the largest gradient (the key
+    // biases' gradients are rounding noise around an exact zero, see the module docs).
+    let got = f32s(&cs.run(&with_scale(1000.0), &params, &f).unwrap());
+    let big = want[1..]
+        .iter()
+        .flat_map(|(_, x)| x.iter())
+        .fold(0.0f32, |m, v| m.max(v.abs()));
+    for ((name, x), (_, y)) in want[1..].iter().zip(&got[1..]) {
+        for (u, v) in x.iter().zip(y) {
+            assert!(
+                (1000.0 * u - v).abs() <= 1e-5 * 1000.0 * big,
+                "{name}: {u} vs {v}"
+            );
+        }
+    }
+}

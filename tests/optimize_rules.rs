@@ -401,6 +401,36 @@ fn label_smoothed_cross_entropy_fuses_with_its_gradient() {
 }
 
 #[test]
+fn a_loss_scaled_train_step_fuses_the_seeded_cross_entropy() {
+    let g = kiln_dsl::compile_str(
+        "rule.kiln",
+        XENT,
+        &DslOptions {
+            mode: Mode::Train,
+            ..DslOptions::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}", e.render(false)));
+    let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale: true };
+    let step = kiln_compiler::autodiff::train_step_with(&g, options).expect("differentiates");
+    assert!(step.input(kiln_compiler::autodiff::LOSS_SCALE).is_some());
+    let (kg, r) = run(&step);
+    assert_eq!(fired(&r, "xent_ls[rank=3 seeded]/1"), 1);
+    assert_eq!(count(&kg, "xent_ls"), 1, "{}", kg.text());
+    assert_eq!(count(&kg, "exp"), 0);
+    assert!(kg.text().contains("seeded"), "{}", kg.text());
+    // The same kernels as without the scale: the seed costs no extra launch.
+    let (plain, _) = run(&spec(XENT, Mode::Train));
+    assert_eq!(
+        kg.counts(),
+        plain.counts(),
+        "{}\n{}",
+        kg.text(),
+        plain.text()
+    );
+}
+
+#[test]
 fn embedding_and_positions_fuse() {
     let text = "model m() {\n  dims b, t\n  input ids: i32[b, t]\n  emb = embedding(vocab = 20, d = 8)\n  \
                 pos = sinusoidal(d = 8)\n  output y = pos(emb(ids))\n}\n";

@@ -211,6 +211,26 @@ pub fn gradients_seeded(
 /// parameter in `graph.params` order (zeros for a parameter the objective does not use).
 /// Dims/inputs/params are those of the pruned objective graph; `objective` stays set.
 pub fn train_step(model: &Graph) -> Result<Graph, IrError> {
+    train_step_with(model, TrainStepOptions::default())
+}
+
+/// The name of the scalar input that seeds a loss-scaled `train_step`'s backward pass.
+pub const LOSS_SCALE: &str = "loss_scale";
+
+/// How [`train_step_with`] builds the entry point.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrainStepOptions {
+    /// Seed the backward pass with the scalar input [`LOSS_SCALE`] (of the objective's
+    /// type) instead of one, so every `grad.*` output is `loss_scale` times the
+    /// gradient: the graph half of dynamic loss scaling. The objective output itself is
+    /// not scaled. With a power of two as the scale (and no overflow or underflow) every
+    /// backward value is that power times the unscaled value, bit for bit.
+    pub loss_scale: bool,
+}
+
+/// [`train_step`] with options: see [`TrainStepOptions`]. With `loss_scale`, a model
+/// that already has an input named [`LOSS_SCALE`] is an error.
+pub fn train_step_with(model: &Graph, options: TrainStepOptions) -> Result<Graph, IrError> {
     model.verify()?;
     let objective = model.objective.clone().ok_or_else(|| {
         IrError::Malformed(format!(
@@ -228,7 +248,19 @@ pub fn train_step(model: &Graph) -> Result<Graph, IrError> {
             "the objective `{objective}` must be a floating-point scalar, not {loss_ty}"
         )));
     }
-    let (mut g, grads) = gradients(&pruned, loss, &pruned.params)?;
+    let (mut g, grads) = if options.loss_scale {
+        let mut seeded = pruned.clone();
+        let seed = seeded.add_input(LOSS_SCALE, loss_ty.clone()).map_err(|e| {
+            IrError::Malformed(format!(
+                "a loss-scaled train_step adds the input `{LOSS_SCALE}`: {e}; rename the \
+                 model's input of that name"
+            ))
+        })?;
+        let params = seeded.params.clone();
+        gradients_seeded(&seeded, loss, Some(seed), &params)?
+    } else {
+        gradients(&pruned, loss, &pruned.params)?
+    };
     let by_param: BTreeMap<NodeId, NodeId> = pruned.params.iter().copied().zip(grads).collect();
 
     let mut names = vec![objective.clone()];

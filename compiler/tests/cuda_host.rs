@@ -874,6 +874,11 @@ fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
     run(cxx, &f, &mut stats, &[rows_n as i64, pad], 1);
     let den = target.iter().filter(|&&t| i64::from(t) != pad).count() as f32;
     assert_eq!(as_f32(&stats[1]), vec![den, 1.0 / den]);
+    // The seeded form (a loss-scaled train_step): the weight is seed·(1/den).
+    let mut seeded = vec![i32s(&target), one(3.0), zeros(2)];
+    let f = cuda::rows::xent_ls_count_seeded("xent_ls_count_seeded_0");
+    run(cxx, &f, &mut seeded, &[rows_n as i64, pad], 1);
+    assert_eq!(as_f32(&seeded[2]), vec![den, 3.0 * (1.0 / den)]);
     let inv_den = f32s(&as_f32(&stats[1])[1..]);
     let bufs = vec![
         logits.clone(),

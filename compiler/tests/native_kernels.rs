@@ -223,7 +223,30 @@ fn label_smoothed_xent_and_its_gradient_match_the_definition() {
         &[&logits, &target, &cn, &cs, &iv],
         &[Attr::Int(0)],
     );
-    let got = native::xent_ls(&logits, &target, &cn, &cs, &iv, 0).unwrap();
+    let got = native::xent_ls(&logits, &target, &cn, &cs, &iv, None, 0).unwrap();
     close("xent_ls loss", &got[0], &want[0]);
     close("xent_ls dlogits", &got[1], &want[1]);
+
+    // The seeded form (a loss-scaled train_step): the gradient scales, the loss not.
+    let seed = scalar(1536.0);
+    let want = by_definition(
+        template("xent_ls", "rank=3 seeded"),
+        &[&logits, &target, &cn, &cs, &iv, &seed],
+        &[Attr::Int(0)],
+    );
+    let got = native::xent_ls(&logits, &target, &cn, &cs, &iv, Some(&seed), 0).unwrap();
+    close("seeded xent_ls loss", &got[0], &want[0]);
+    close("seeded xent_ls dlogits", &got[1], &want[1]);
+    let unseeded = native::xent_ls(&logits, &target, &cn, &cs, &iv, None, 0).unwrap();
+    assert_eq!(
+        got[0].as_f32(),
+        unseeded[0].as_f32(),
+        "the loss is not scaled"
+    );
+    let (a, b) = (got[1].as_f32().unwrap(), unseeded[1].as_f32().unwrap());
+    let big = a.iter().map(|x| x.abs()).fold(0.0f32, f32::max);
+    assert!(big > 1.0, "the seeded gradient is scaled: max |dx| = {big}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - 1536.0 * y).abs() <= 1e-5 * big, "{x} vs 1536·{y}");
+    }
 }

@@ -332,7 +332,9 @@ pub fn extract(eg: &EG, roots: &[Id], model: &CostModel) -> Result<Choice, Strin
     // already paid for when it weighs another output (an attention backward chosen for
     // dq and dk still looks expensive from dv). Improve: switch a needed e-class to a
     // cheaper e-node whose children are all needed anyway (and do not need the class),
-    // until nothing changes.
+    // or to one as cheap when that frees something (a loss-scaled cross-entropy's loss
+    // taken from the seeded kernel the gradient needs, not from an unseeded one), until
+    // nothing changes.
     let root_idx: Vec<usize> = roots.iter().map(|&r| index[&eg.find(r)]).collect();
     let kids = |ci: usize, ni: usize| -> Vec<usize> {
         eg[ids[ci]].nodes[ni]
@@ -358,6 +360,13 @@ pub fn extract(eg: &EG, roots: &[Id], model: &CostModel) -> Result<Choice, Strin
         }
         Ok(seen)
     };
+    // The summed own cost of the needed classes' chosen e-nodes.
+    let total_of = |needed: &[bool], chosen: &[Option<usize>]| -> f64 {
+        (0..n)
+            .filter(|&c| needed[c])
+            .map(|c| chosen[c].map_or(0.0, |ni| costs[c][ni]))
+            .sum()
+    };
     // Consumers (larger ids) first, and the needed set recomputed after every switch, so
     // a value a switch frees is not then used to justify another switch.
     for _round in 0..50 {
@@ -369,9 +378,10 @@ pub fn extract(eg: &EG, roots: &[Id], model: &CostModel) -> Result<Choice, Strin
             }
             let cur = chosen[c].expect("needed classes are chosen");
             for ni in 0..costs[c].len() {
-                if ni == cur || costs[c][ni] >= costs[c][cur] - 1e-15 {
+                if ni == cur || costs[c][ni] > costs[c][cur] + 1e-15 {
                     continue;
                 }
+                let cheaper = costs[c][ni] < costs[c][cur] - 1e-15;
                 let ks = kids(c, ni);
                 if ks.iter().any(|&k| !needed[k] || k == c) {
                     continue;
@@ -380,8 +390,14 @@ pub fn extract(eg: &EG, roots: &[Id], model: &CostModel) -> Result<Choice, Strin
                     continue;
                 }
                 chosen[c] = Some(ni);
+                let after = reach(&chosen, &root_idx)?;
+                if !cheaper && total_of(&after, &chosen) >= total_of(&needed, &chosen) - 1e-15 {
+                    // As cheap and freeing nothing: keep the greedy choice.
+                    chosen[c] = Some(cur);
+                    continue;
+                }
                 changed = true;
-                needed = reach(&chosen, &root_idx)?;
+                needed = after;
                 break;
             }
         }

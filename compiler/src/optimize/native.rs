@@ -20,8 +20,8 @@
 //!   exact derivative for any `c` (`ds_j = r(a_j − cΣa) − c r³ (xc_j − c Σxc) Σ a∘xc`,
 //!   `a = g∘γ`), `dγ = Σ_rows g∘xc∘r`, `dβ = Σ_rows g`.
 //! - `xent_ls`: per row `p = softmax(x)`, `loss = c_nll·(−log p_t) + c_smooth·(−inv_v Σ log p)`
-//!   averaged over non-pad rows; `dx_j = keep/N · (c_nll (p_j − [j = t]) +
-//!   c_smooth·inv_v·(V p_j − 1))`.
+//!   averaged over non-pad rows; `dx_j = keep·(seed·(1/N)) · (c_nll (p_j − [j = t]) +
+//!   c_smooth·inv_v·(V p_j − 1))` (`seed` is 1 but in the `seeded` form).
 
 use crate::tensor::Tensor;
 
@@ -369,13 +369,16 @@ pub fn add_layer_norm_bwd(
     ])
 }
 
-/// Label-smoothed cross-entropy averaged over non-pad targets, and its gradient.
+/// Label-smoothed cross-entropy averaged over non-pad targets, and its gradient; with a
+/// `seed` (the `seeded` form: a loss-scaled `train_step`), the gradient is `seed` times
+/// that (the weight `seed·(1/N)` per non-pad row), the loss is not scaled.
 pub fn xent_ls(
     logits: &Tensor,
     target: &Tensor,
     c_nll: &Tensor,
     c_smooth: &Tensor,
     inv_v: &Tensor,
+    seed: Option<&Tensor>,
     pad: i64,
 ) -> Result<[Tensor; 2], String> {
     let x = f32s(logits, "logits")?;
@@ -414,6 +417,10 @@ pub fn xent_ls(
         }
     }
     let loss = total / kept;
+    let w = match seed {
+        Some(s) => scalar(s, "seed")? * (1.0 / kept),
+        None => 1.0 / kept,
+    };
     let mut dx = vec![0.0f32; x.len()];
     for (row, &tid) in t.iter().enumerate() {
         if i64::from(tid) == pad {
@@ -422,7 +429,7 @@ pub fn xent_ls(
         for j in 0..v {
             let p = probs[row * v + j];
             let hit = if j as i32 == tid { 1.0 } else { 0.0 };
-            dx[row * v + j] = (cn * (p - hit) + cs * iv * (v as f32 * p - 1.0)) / kept;
+            dx[row * v + j] = (cn * (p - hit) + cs * iv * (v as f32 * p - 1.0)) * w;
         }
     }
     Ok([

@@ -600,8 +600,9 @@ fn build_registry() -> Vec<TemplateDef> {
         ));
     }
     // xent_ls: log-softmax + label-smoothed NLL averaged over non-pad targets, fused with
-    // the gradient of the logits (output 1; used by train_step).
-    {
+    // the gradient of the logits (output 1; used by train_step). The `seeded` form is a
+    // loss-scaled train_step's: the gradient is seeded by the scalar operand `seed`.
+    for seeded in [false, true] {
         let mut t = TB::new("xent_ls");
         let logits = t.input("logits", DType::F32, &["b", "t", "v"]);
         let target = t.input("target", DType::I32, &["b", "t"]);
@@ -650,13 +651,22 @@ fn build_registry() -> Vec<TemplateDef> {
         let num = full_sum(&mut t, lk);
         let den = full_sum(&mut t, keep);
         let mean = t.bin(BinaryOp::Div, num, den);
-        let (graph, grads) = gradients(&t.g, mean, &[logits]).expect("xent differentiates");
+        let mut operands = vec![logits, target, c_nll, c_smooth, inv_v];
+        let (graph, grads) = if seeded {
+            let seed = t.input("seed", DType::F32, &[]);
+            operands.push(seed);
+            gradients_seeded(&t.g, mean, Some(seed), &[logits])
+        } else {
+            gradients(&t.g, mean, &[logits])
+        }
+        .expect("xent differentiates");
         t.g = graph;
+        let variant = if seeded { "rank=3 seeded" } else { "rank=3" };
         out.push(def(
             "xent_ls",
-            "rank=3".to_string(),
+            variant.to_string(),
             t,
-            vec![logits, target, c_nll, c_smooth, inv_v],
+            operands,
             vec![Attr::Int(PAD_SENTINEL)],
             vec![mean, grads[0]],
         ));

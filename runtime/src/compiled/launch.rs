@@ -476,9 +476,18 @@ fn run_exec(
             let rows_n = logits.numel() / v.max(1);
             let t = gather_words(&target);
             let den = t.iter().filter(|&&w| w as i32 as i64 != *pad).count() as f32;
+            // The gradient's weight per non-pad row: `1/den`, times the seed in the
+            // `seeded` form (a loss-scaled train_step), as `native::xent_ls`.
+            let w = match ins.get(5) {
+                Some(seed) => match gather_words(seed).as_slice() {
+                    [s] => f32::from_bits(*s) * (1.0 / den),
+                    s => return Err(format!("xent_ls: the seed has {} elements, not 1", s.len())),
+                },
+                None => 1.0 / den,
+            };
             let inv = keep.alloc(1);
             // SAFETY: a fresh one-element buffer.
-            unsafe { *(inv as *mut f32) = 1.0 / den };
+            unsafe { *(inv as *mut f32) = w };
             let row_loss = keep.alloc(rows_n);
             let (dims, items) = rows::xent_ls_dims(rows_n, v, *pad);
             call(

@@ -1457,11 +1457,12 @@ impl Run<'_> {
                 let rows_n = logits.numel() / v.max(1);
                 let stats = self.alloc(2)?;
                 let row_loss = self.alloc(rows_n)?;
-                self.launch(
-                    count,
-                    &[target.base(), stats],
-                    Launch::xent_count(rows_n, *pad),
-                )?;
+                // The `seeded` form (a loss-scaled train_step) has the seed as operand 5.
+                let count_bufs = match ins.get(5) {
+                    Some(seed) => vec![target.base(), self.contig(seed)?.base(), stats],
+                    None => vec![target.base(), stats],
+                };
+                self.launch(count, &count_bufs, Launch::xent_count(rows_n, *pad))?;
                 let ptrs = [
                     logits.base(),
                     target.base(),

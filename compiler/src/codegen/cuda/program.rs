@@ -225,10 +225,12 @@ fn launch(
                     );
                 }
                 "xent_ls" => {
-                    f.insert(
-                        "count".into(),
-                        em.plain("xent_ls_count", rows::xent_ls_count),
-                    );
+                    let count = if def.variant.split_whitespace().any(|w| w == "seeded") {
+                        em.plain("xent_ls_count_seeded", rows::xent_ls_count_seeded)
+                    } else {
+                        em.plain("xent_ls_count", rows::xent_ls_count)
+                    };
+                    f.insert("count".into(), count);
                     f.insert("main".into(), em.plain("xent_ls", |n| rows::xent_ls(n, e)));
                     f.insert(
                         "finish".into(),

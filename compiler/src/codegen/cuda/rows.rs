@@ -361,7 +361,22 @@ pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
 /// follow when every target is pad, as on the CPU). Buffers `[target, stats]` (`int
 /// [rows]`, `float[2]`), dims `[rows, pad]`, items 1 (one block).
 pub fn xent_ls_count(name: &str) -> CudaFunction {
-    let params = vec![param("target", "const int*"), param("stats", "float*")];
+    count_kernel(name, false)
+}
+
+/// [`xent_ls_count`] of the `seeded` form (a loss-scaled train_step): `stats[1] =
+/// seed·(1/den)`, the gradient's weight per row, as on the CPU. Buffers `[target, seed,
+/// stats]` (`seed`: `float[1]`).
+pub fn xent_ls_count_seeded(name: &str) -> CudaFunction {
+    count_kernel(name, true)
+}
+
+fn count_kernel(name: &str, seeded: bool) -> CudaFunction {
+    let mut params = vec![param("target", "const int*")];
+    if seeded {
+        params.push(param("seed", "const float*"));
+    }
+    params.push(param("stats", "float*"));
     let mut w = W::new();
     open_rows(&mut w, name, &params);
     w.l("const long long rows = dims.d[0];");
@@ -375,7 +390,11 @@ pub fn xent_ls_count(name: &str) -> CudaFunction {
     w.l("n = kiln_block_sum(n, sh);");
     w.open("if (threadIdx.x == 0)");
     w.l("stats[0] = n;");
-    w.l("stats[1] = 1.0f / n;");
+    w.l(if seeded {
+        "stats[1] = seed[0] * (1.0f / n);"
+    } else {
+        "stats[1] = 1.0f / n;"
+    });
     w.close();
     w.close();
     w.close();
