@@ -256,7 +256,7 @@ pub fn compile_artifact_from_config(
     eprintln!("{note}");
     let model_graphs = crate::train_cmds::compile_graphs(&cfg, tok.vocab_size())?;
     let set = model_graphs
-        .entries()
+        .entries_with(cfg.train.loss_scale.is_some())
         .map_err(crate::train_cmds::err("kiln::compile"))?;
     let origin = format!("the configuration `{}`", config.display());
     let graphs = graphs_of(&set, entries, &TRAINING_ENTRIES, &origin)?;

@@ -149,6 +149,13 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
                 .map(|b| format!(", BLEU {b:.2}"))
                 .unwrap_or_default()
         );
+        if let Some(scale) = s.loss_scale {
+            println!(
+                "loss scale {}; {} step(s) skipped for overflowing gradients",
+                kiln_runtime::train::scale_text(scale),
+                s.overflows
+            );
+        }
         if let Some(c) = s.checkpoint {
             println!("checkpoint: {}", c.display());
         }

@@ -226,6 +226,174 @@ fn unknown_configuration_keys_are_refused_by_name() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
 }
 
+/// Replaces the workspace configuration's `train` section.
+fn set_train(dir: &Path, train: &str) {
+    let path = dir.join("cfg.yaml");
+    let cfg = std::fs::read_to_string(&path).unwrap();
+    let old = "train: {max_steps: 20, executor: reference, log_every: 5}";
+    assert!(cfg.contains(old), "{cfg}");
+    std::fs::write(&path, cfg.replace(old, &format!("train: {{{train}}}"))).unwrap();
+}
+
+/// 2^127, the largest power of two in f32.
+const SCALE_MAX: &str = "1.7014118346046923e38";
+
+#[test]
+fn loss_scaling_by_powers_of_two_changes_no_bit_and_resumes() {
+    let plain = workspace("unscaled", "");
+    set_train(&plain, "max_steps: 10, executor: compiled, log_every: 5");
+    ok(&plain, &["train", "--config", "cfg.yaml", "--quiet"]);
+    // The scale grows 1024 → 2048 → 4096 → 8192 after steps 3, 6 and 9; the run stops
+    // at step 6 and resumes.
+    let scaled = workspace("scaled", "");
+    set_train(
+        &scaled,
+        "max_steps: 10, executor: compiled, log_every: 5, loss_scale: {init: 1024, window: 3}",
+    );
+    let args = ["train", "--config", "cfg.yaml", "--max-steps", "6"];
+    let out = ok(&scaled, &args);
+    assert!(out.contains("loss scale 2^12; 0 step(s) skipped"), "{out}");
+    let out = ok(&scaled, &["train", "--resume", "run", "--max-steps", "10"]);
+    assert!(out.contains("loss scale 2^13; 0 step(s) skipped"), "{out}");
+    let (pa, sa) = final_state(&plain, 10);
+    let (pb, sb) = final_state(&scaled, 10);
+    assert_eq!(pa.len(), pb.len());
+    for (x, y) in pa.iter().zip(&pb) {
+        assert_eq!(x.0, y.0);
+        assert!(x.2 == y.2, "`{}` differs with loss scaling", x.0);
+    }
+    assert_eq!((sa.loss_scale, sa.overflows), (None, 0));
+    assert_eq!(sb.loss_scale, Some(8192.0));
+    assert_eq!((sb.loss_scale_good_steps, sb.overflows), (1, 0));
+    let (_, s6) = final_state(&scaled, 6);
+    assert_eq!((s6.loss_scale, s6.loss_scale_good_steps), (Some(4096.0), 0));
+    // The logged losses are the unscaled run's (the training records after the stop
+    // at step 6 average other intervals).
+    let (la, lb) = (logged_losses(&plain), logged_losses(&scaled));
+    for key in ["5 train", "10 valid"] {
+        let find = |l: &[(String, f64)]| l.iter().find(|(k, _)| k == key).map(|x| x.1);
+        assert!(find(&la).is_some(), "{la:?}");
+        assert_eq!(find(&la), find(&lb), "{key}");
+    }
+}
+
+#[test]
+fn an_overflowing_loss_scale_skips_the_step_and_halves() {
+    let dir = workspace("overflow", "");
+    // Dropout of 0.9 scales what it keeps by 10, so some gradients exceed 2 and
+    // overflow at 2^127.
+    let path = dir.join("cfg.yaml");
+    let cfg = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, cfg.replace("p_drop: 0.1", "p_drop: 0.9")).unwrap();
+    set_train(
+        &dir,
+        &format!(
+            "max_steps: 6, executor: compiled, log_every: 1, \
+             loss_scale: {{init: {SCALE_MAX}, window: 1000}}"
+        ),
+    );
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (params, state) = final_state(&dir, 6);
+    let k = state.overflows;
+    assert!(k >= 1, "2^127 overflows the gradients: {stderr}");
+    assert_eq!(state.step, 6);
+    assert_eq!(state.loss_scale, Some(2f64.powi(127 - k as i32)));
+    assert!(
+        stderr.contains("step 1: the gradient of `")
+            && stderr.contains("overflowed at loss scale 2^127; step skipped, scale 2^126"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("step skipped").count() as u64,
+        k,
+        "one line per skipped step: {stderr}"
+    );
+    let last = format!("loss scale 2^{}; {k} step(s) skipped", 127 - k);
+    assert!(stdout.contains(&last), "{stdout}");
+    for (name, _, bits) in &params {
+        assert!(
+            bits.iter().all(|b| f32::from_bits(*b).is_finite()),
+            "`{name}` is not finite"
+        );
+    }
+
+    // The minimum reached: a clear error, no checkpoint.
+    let dir = workspace("overflow_min", "");
+    let path = dir.join("cfg.yaml");
+    let cfg = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, cfg.replace("p_drop: 0.1", "p_drop: 0.9")).unwrap();
+    set_train(
+        &dir,
+        &format!(
+            "max_steps: 6, executor: compiled, \
+             loss_scale: {{init: {SCALE_MAX}, window: 1000, min: {SCALE_MAX}}}"
+        ),
+    );
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = unwrapped(&out.stderr);
+    assert!(err.contains("step 1: the gradient of `"), "{err}");
+    assert!(
+        err.contains("every loss scale down to 2^127, below `train.loss_scale.min`"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(checkpoint::latest(&dir.join("run/checkpoints"))
+        .unwrap()
+        .is_none());
+}
+
+#[test]
+fn loss_scaling_settings_are_checked() {
+    let dir = workspace("loss_scale_bad", "");
+    set_train(&dir, "max_steps: 2, loss_scale: {init: 1000, window: 0}");
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = unwrapped(&out.stderr);
+    assert!(
+        err.contains("train.loss_scale.init is 1000; use a power of two"),
+        "{err}"
+    );
+    assert!(
+        err.contains("train.loss_scale.window must be at least 1"),
+        "{err}"
+    );
+    // An artifact compiled without loss scaling cannot train with it.
+    let dir = workspace("loss_scale_artifact", "");
+    set_train(&dir, "max_steps: 2, executor: compiled");
+    ok(&dir, &["compile", "--config", "cfg.yaml", "-o", "art"]);
+    let path = dir.join("cfg.yaml");
+    let cfg = std::fs::read_to_string(&path).unwrap().replace(
+        "executor: compiled}",
+        "executor: compiled, loss_scale: {init: 1024}}",
+    );
+    std::fs::write(&path, cfg).unwrap();
+    let out = kiln(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "art",
+            "--quiet",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = unwrapped(&out.stderr);
+    assert!(
+        err.contains("needs a train_step whose backward pass is seeded"),
+        "{err}"
+    );
+    assert!(err.contains("was compiled without it"), "{err}");
+    assert!(!dir.join("run/config.yaml").exists());
+}
+
 #[test]
 fn checkpoints_translate_average_and_export() {
     let dir = workspace("tools", "");
@@ -618,4 +786,48 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
         relative_distance(&pg, &p12) > 0.0,
         "the resumed steps trained"
     );
+}
+
+/// Dynamic loss scaling on the GPU's device-resident training: a power-of-two scale that
+/// never overflows leaves the run as it is without scaling (the scale reaches the seeded
+/// cross-entropy kernel, and the accumulation weights `tokens/S` undo it).
+#[test]
+fn loss_scaling_on_the_gpu_leaves_the_run_unchanged() {
+    let run = |name: &str, train: &str| -> Option<PathBuf> {
+        let dir = workspace(name, "");
+        set_train(&dir, train);
+        ok(
+            &dir,
+            &[
+                "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
+            ],
+        );
+        kiln_runtime::cuda::require_cuda_or_skip()?;
+        ok(
+            &dir,
+            &[
+                "train",
+                "--config",
+                "cfg.yaml",
+                "--artifact",
+                "art",
+                "--quiet",
+            ],
+        );
+        Some(dir)
+    };
+    let Some(plain) = run("gpu_unscaled", "max_steps: 6, executor: cuda, log_every: 5") else {
+        return;
+    };
+    let scaled = run(
+        "gpu_scaled",
+        "max_steps: 6, executor: cuda, log_every: 5, loss_scale: {init: 1024, window: 2}",
+    )
+    .expect("a GPU");
+    let (pa, _) = final_state(&plain, 6);
+    let (pb, sb) = final_state(&scaled, 6);
+    assert_eq!((sb.loss_scale, sb.overflows), (Some(8192.0), 0));
+    let d = relative_distance(&pa, &pb);
+    eprintln!("GPU, scaled vs unscaled after 6 steps: relative distance {d:e}");
+    assert!(d <= 1e-6, "scaled vs unscaled on the GPU: {d:e}");
 }

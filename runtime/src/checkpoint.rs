@@ -66,8 +66,21 @@ pub struct TrainState {
     pub best_bleu: Option<f64>,
     /// A digest of the training configuration, to refuse resuming under another one.
     pub config_digest: String,
+    /// Dynamic loss scaling (`train.loss_scale`): the scale of the next step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Good steps since the scale last changed (it doubles after `window` of them).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub loss_scale_good_steps: u64,
+    /// Steps skipped because their gradients overflowed.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub overflows: u64,
     /// Anything else.
     pub extra: BTreeMap<String, String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Adam's first (`m`) and second (`v`) moments, one tensor per parameter.

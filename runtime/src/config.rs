@@ -164,6 +164,35 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// Stop after this many seconds of training (0: no limit); a checkpoint is written.
     pub max_seconds: u64,
+    /// Dynamic loss scaling (absent: none). The backward pass is seeded with the scale,
+    /// the gradients are unscaled before the update; a step whose gradients overflow is
+    /// skipped and the scale halved, and after `window` good steps in a row it doubles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScaleConfig>,
+}
+
+/// `train.loss_scale`: fairseq's `--fp16-init-scale`, `--fp16-scale-window` and
+/// `--min-loss-scale`, PyTorch's `GradScaler`. The scale stays a power of two, so
+/// scaling and unscaling are exact.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LossScaleConfig {
+    /// The first scale: a power of two from 2^-126 to 2^127.
+    pub init: f64,
+    /// Good steps in a row after which the scale doubles (at most to 2^127).
+    pub window: u64,
+    /// Training stops with an error when an overflow would take the scale below this.
+    pub min: f64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        LossScaleConfig {
+            init: 65536.0,
+            window: 2000,
+            min: 1e-4,
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -175,6 +204,7 @@ impl Default for TrainConfig {
             threads: 0,
             log_every: 100,
             max_seconds: 0,
+            loss_scale: None,
         }
     }
 }
@@ -332,6 +362,29 @@ impl Config {
         }
         if self.schedule.factor <= 0.0 {
             bad.push("schedule.factor must be positive".to_string());
+        }
+        if let Some(ls) = &self.train.loss_scale {
+            let pow2 = ls.init.is_finite()
+                && ls.init > 0.0
+                && (ls.init as f32) as f64 == ls.init
+                && (ls.init as f32).to_bits() & 0x007f_ffff == 0
+                && (ls.init as f32).is_normal();
+            if !pow2 {
+                bad.push(format!(
+                    "train.loss_scale.init is {}; use a power of two from 2^-126 to 2^127, \
+                     e.g. 65536",
+                    ls.init
+                ));
+            }
+            if ls.window == 0 {
+                bad.push("train.loss_scale.window must be at least 1".to_string());
+            }
+            if !(ls.min.is_finite() && ls.min > 0.0 && ls.min <= ls.init) {
+                bad.push(format!(
+                    "train.loss_scale.min is {}; use a positive number no larger than init ({})",
+                    ls.min, ls.init
+                ));
+            }
         }
         if bad.is_empty() {
             Ok(())

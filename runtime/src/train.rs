@@ -45,6 +45,7 @@ use crate::model::{
     write_atomic, GraphSet, CONFIG_FILE, GRAPHS_FILE, GRAPHS_FORMAT, TOKENIZER_FILE,
 };
 use crate::optim::Adam;
+use kiln_compiler::autodiff::LOSS_SCALE;
 
 /// Why training stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +56,19 @@ pub enum TrainError {
         "step {step}: {what} is not finite ({value}); stopping — the last good checkpoint is kept"
     )]
     NonFinite { step: u64, what: String, value: f32 },
+    #[error(
+        "step {step}: {what} overflowed at every loss scale down to {}, below \
+         `train.loss_scale.min` ({min}); stopping — the last good checkpoint is kept. The \
+         gradients are not finite even unscaled: lower the learning rate, check the data, \
+         or lower `min` if a smaller scale is wanted",
+        scale_text(*scale)
+    )]
+    LossScale {
+        step: u64,
+        what: String,
+        scale: f64,
+        min: f64,
+    },
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
     #[error(transparent)]
@@ -87,10 +101,17 @@ pub struct ModelGraphs {
 impl ModelGraphs {
     /// The entry points: `train_step` by differentiation, the others by pruning.
     pub fn entries(&self) -> Result<GraphSet, TrainError> {
+        self.entries_with(false)
+    }
+
+    /// [`ModelGraphs::entries`]; with `loss_scale`, `train_step`'s backward pass is
+    /// seeded by the scalar input `loss_scale` (`train.loss_scale` in the configuration).
+    pub fn entries_with(&self, loss_scale: bool) -> Result<GraphSet, TrainError> {
         let e = |r: Result<Graph, crate::RuntimeError>| {
             r.map_err(|e| TrainError::Setup(format!("{} ({})", e.message, e.help)))
         };
-        let train_step = kiln_compiler::autodiff::train_step(&self.train)
+        let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale };
+        let train_step = kiln_compiler::autodiff::train_step_with(&self.train, options)
             .map_err(|e| TrainError::Setup(format!("differentiating the model failed: {e}")))?;
         Ok(GraphSet {
             format: GRAPHS_FORMAT,
@@ -124,6 +145,57 @@ pub struct Summary {
     pub seconds: f64,
     pub tokens_per_second: f64,
     pub checkpoint: Option<PathBuf>,
+    /// Steps skipped in this run because their gradients overflowed (loss scaling).
+    pub overflows: u64,
+    /// The loss scale at the end (loss scaling).
+    pub loss_scale: Option<f64>,
+}
+
+/// `train.loss_scale` needs a `train_step` seeded by the `loss_scale` input.
+fn loss_scale_fits(
+    cfg: &Config,
+    graphs: &GraphSet,
+    artifact: Option<&Artifact>,
+) -> Result<(), TrainError> {
+    if cfg.train.loss_scale.is_none() || graphs.train_step.input(LOSS_SCALE).is_some() {
+        return Ok(());
+    }
+    let fix = match artifact {
+        Some(art) => format!(
+            "the artifact `{}` was compiled without it: recompile it from this \
+             configuration (`kiln compile --config CONFIG -o DIR`)",
+            art.dir.display()
+        ),
+        None => "this run's graphs were built without it: start a new run with \
+                 `kiln train --config`"
+            .to_string(),
+    };
+    Err(TrainError::Setup(format!(
+        "`train.loss_scale` needs a train_step whose backward pass is seeded by the input \
+         `{LOSS_SCALE}`; {fix}"
+    )))
+}
+
+/// A loss scale as people write it: `2^16`, `2^-3` (a power of two, as the scale
+/// always is), else the number.
+pub fn scale_text(s: f64) -> String {
+    let k = s.log2().round();
+    if s > 0.0 && 2f64.powi(k as i32) == s {
+        format!("2^{k}")
+    } else {
+        s.to_string()
+    }
+}
+
+/// The largest loss scale: 2^127, the largest power of two in f32.
+const MAX_LOSS_SCALE: f64 = 1.7014118346046923e38;
+
+/// What one call of `Trainer::step` did.
+enum StepOutcome {
+    /// An optimizer update: the token-weighted loss, target and source tokens.
+    Update(f64, usize, usize),
+    /// Loss scaling: a gradient overflowed, the update was skipped and the scale halved.
+    Overflow { what: String, from: f64, to: f64 },
 }
 
 /// The tokenizer of a run: trained on the training corpus (both sides), or loaded from
@@ -272,7 +344,7 @@ impl Trainer {
         graphs: &ModelGraphs,
         progress: Progress,
     ) -> Result<Trainer, TrainError> {
-        let set = graphs.entries()?;
+        let set = graphs.entries_with(cfg.train.loss_scale.is_some())?;
         let params: BTreeMap<String, Tensor> =
             kiln_compiler::init::init_params(&set.loss, cfg.train.seed)
                 .map_err(setup("initializing the parameters"))?
@@ -316,6 +388,7 @@ impl Trainer {
         artifact: Option<&Artifact>,
         progress: Progress,
     ) -> Result<Trainer, TrainError> {
+        loss_scale_fits(&cfg, &set, artifact)?;
         let dir = cfg.checkpoint.dir.clone();
         let ckpts = dir.join("checkpoints");
         if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
@@ -334,6 +407,7 @@ impl Trainer {
         let state = TrainState {
             seed: cfg.train.seed,
             config_digest: digest(&cfg),
+            loss_scale: cfg.train.loss_scale.as_ref().map(|l| l.init),
             ..TrainState::default()
         };
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::Write {
@@ -464,11 +538,23 @@ impl Trainer {
         program: Program<'_>,
         params: BTreeMap<String, Tensor>,
         adam: Adam,
-        state: TrainState,
+        mut state: TrainState,
         progress: Progress,
     ) -> Result<Trainer, TrainError> {
         let Program { graphs, artifact } = program;
         let mut notes = Vec::new();
+        loss_scale_fits(&cfg, &graphs, artifact)?;
+        if let Some(ls) = &cfg.train.loss_scale {
+            state.loss_scale.get_or_insert(ls.init);
+            notes.push(format!(
+                "dynamic loss scaling: scale {} (init {}, doubled after {} good steps, \
+                 minimum {})",
+                scale_text(state.loss_scale.unwrap_or(ls.init)),
+                scale_text(ls.init),
+                ls.window,
+                ls.min
+            ));
+        }
         let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
         let train = Dataset::build(&corpus, &tokenizer, Some(cfg.data.max_len))?;
         if train.examples.is_empty() {
@@ -621,11 +707,16 @@ impl Trainer {
             .expect("batch index from the plan")
     }
 
-    /// One optimizer step; returns the token-weighted loss and the target tokens.
-    fn step(
-        &mut self,
-        grads: &mut BTreeMap<String, Vec<f32>>,
-    ) -> Result<(f64, usize, usize), TrainError> {
+    /// The value of the `loss_scale` input, when `train_step` has one: the run's scale
+    /// (`train.loss_scale`), or 1 for a loss-scaled graph trained without scaling.
+    fn scale_input(&self) -> Option<f32> {
+        self.graphs.train_step.input(LOSS_SCALE)?;
+        Some(self.state.loss_scale.unwrap_or(1.0) as f32)
+    }
+
+    /// One optimizer step: the token-weighted loss and the target and source tokens; or,
+    /// with dynamic loss scaling, a skipped step whose gradients overflowed.
+    fn step(&mut self, grads: &mut BTreeMap<String, Vec<f32>>) -> Result<StepOutcome, TrainError> {
         let step = self.state.step + 1;
         let objective = self
             .graphs
@@ -634,6 +725,9 @@ impl Trainer {
             .clone()
             .unwrap_or_else(|| "loss".to_string());
         let (mut loss_sum, mut tokens, mut src_tokens) = (0.0f64, 0usize, 0usize);
+        let scale = self.scale_input();
+        // A gradient that is not finite: the parameter and the value.
+        let mut overflow: Option<(String, f32)> = None;
         // The parameters stay as they are until the optimizer step below.
         let params_version = Some(crate::exec::fresh_params_version());
         for micro in 0..self.cfg.batch.update_freq {
@@ -642,6 +736,10 @@ impl Trainer {
             inputs.insert("src".to_string(), batch.src);
             inputs.insert("tgt_in".to_string(), batch.tgt_in);
             inputs.insert("tgt_out".to_string(), batch.tgt_out);
+            if let Some(s) = scale {
+                let t = Tensor::f32(vec![], vec![s]).map_err(setup("the loss scale"))?;
+                inputs.insert(LOSS_SCALE.to_string(), t);
+            }
             let counter = (step - 1) * self.cfg.batch.update_freq as u64 + micro as u64;
             let opts = RunOptions {
                 seed: self.state.seed,
@@ -649,25 +747,28 @@ impl Trainer {
                 params_version,
                 ..RunOptions::default()
             };
-            let w = batch.n_tgt_tokens as f32;
+            // The gradients come scaled: unscaled by the weight (exact for a power of two).
+            let w = batch.n_tgt_tokens as f32 / scale.unwrap_or(1.0);
             let loss = match &self.train_exec {
                 TrainExec::Host(exec) => {
                     let out = exec
                         .run_map(&inputs, &self.params, &opts)
                         .map_err(|source| TrainError::Exec { step, source })?;
                     let loss = finite_loss(&out, &objective, step)?;
-                    accumulate(grads, &out, w, micro == 0).map_err(|e| match e {
-                        Accumulate::Missing(name) => {
-                            TrainError::Setup(format!("train_step has no gradient for `{name}`"))
-                        }
-                        Accumulate::NonFinite(name, value) => TrainError::NonFinite {
-                            step,
-                            what: format!("the gradient of `{name}`"),
-                            value,
-                        },
-                    })?;
+                    let acc = accumulate(grads, &out, w, micro == 0);
                     // The outputs' storage goes back to the executor for the next run.
                     exec.recycle(out.into_values().collect());
+                    match acc {
+                        Ok(()) => {}
+                        Err(Accumulate::Missing(name)) => {
+                            return Err(TrainError::Setup(format!(
+                                "train_step has no gradient for `{name}`"
+                            )))
+                        }
+                        Err(Accumulate::NonFinite(name, value)) => {
+                            overflow = Some((name, value));
+                        }
+                    }
                     loss
                 }
                 TrainExec::Device(exec) => {
@@ -680,17 +781,14 @@ impl Trainer {
                         .train_micro(&inputs, &self.params, &opts, w, micro == 0, None)
                         .map_err(|source| TrainError::Exec { step, source })?;
                     let loss = finite_loss(&out.outputs.into_iter().collect(), &objective, step)?;
-                    if let Some((name, value)) = out.non_finite {
-                        return Err(TrainError::NonFinite {
-                            step,
-                            what: format!("the gradient of `{name}`"),
-                            value,
-                        });
-                    }
+                    overflow = out.non_finite;
                     loss
                 }
             };
-            loss_sum += loss as f64 * w as f64;
+            if let Some((name, value)) = overflow.take() {
+                return self.overflowed(step, name, value);
+            }
+            loss_sum += loss as f64 * batch.n_tgt_tokens as f64;
             tokens += batch.n_tgt_tokens;
             src_tokens += batch.n_src_tokens;
         }
@@ -716,11 +814,51 @@ impl Trainer {
                 self.device = DeviceState::Ahead;
             }
         }
+        if let (Some(ls), Some(s)) = (&self.cfg.train.loss_scale, self.state.loss_scale) {
+            self.state.loss_scale_good_steps += 1;
+            if self.state.loss_scale_good_steps >= ls.window {
+                self.state.loss_scale = Some((s * 2.0).min(MAX_LOSS_SCALE));
+                self.state.loss_scale_good_steps = 0;
+            }
+        }
         self.state.step = step;
         self.state.lr = lr;
         self.state.tgt_tokens_seen += tokens as u64;
         self.state.src_tokens_seen += src_tokens as u64;
-        Ok((loss_sum / tokens.max(1) as f64, tokens, src_tokens))
+        Ok(StepOutcome::Update(
+            loss_sum / tokens.max(1) as f64,
+            tokens,
+            src_tokens,
+        ))
+    }
+
+    /// A gradient that is not finite at step `step`: with dynamic loss scaling, the step
+    /// is skipped (nothing was updated; the next step's first micro-batch overwrites the
+    /// accumulated gradients) and the scale halved, unless that goes below the minimum;
+    /// without it, an error.
+    fn overflowed(
+        &mut self,
+        step: u64,
+        name: String,
+        value: f32,
+    ) -> Result<StepOutcome, TrainError> {
+        let what = format!("the gradient of `{name}`");
+        let (Some(ls), Some(from)) = (&self.cfg.train.loss_scale, self.state.loss_scale) else {
+            return Err(TrainError::NonFinite { step, what, value });
+        };
+        let to = from / 2.0;
+        if to < ls.min {
+            return Err(TrainError::LossScale {
+                step,
+                what,
+                scale: from,
+                min: ls.min,
+            });
+        }
+        self.state.loss_scale = Some(to);
+        self.state.loss_scale_good_steps = 0;
+        self.state.overflows += 1;
+        Ok(StepOutcome::Overflow { what, from, to })
     }
 
     /// Device training: copies the device's parameters and Adam moments to the host
@@ -879,7 +1017,24 @@ impl Trainer {
                 break;
             }
             let t0 = Instant::now();
-            let (loss, tokens, src_tokens) = self.step(&mut grads)?;
+            let (loss, tokens, src_tokens) = match self.step(&mut grads)? {
+                StepOutcome::Update(loss, tokens, src_tokens) => (loss, tokens, src_tokens),
+                StepOutcome::Overflow { what, from, to } => {
+                    summary.overflows += 1;
+                    let msg = format!(
+                        "step {}: {what} overflowed at loss scale {}; step skipped, scale {}",
+                        self.state.step + 1,
+                        scale_text(from),
+                        scale_text(to)
+                    );
+                    match &bar {
+                        Some(b) => b.println(msg),
+                        None if lines => eprintln!("{msg}"),
+                        None => {}
+                    }
+                    continue;
+                }
+            };
             train_time += t0.elapsed().as_secs_f64();
             all_tokens += tokens + src_tokens;
             interval_loss += loss * tokens as f64;
@@ -981,6 +1136,7 @@ impl Trainer {
             b.finish_and_clear();
         }
         summary.steps = self.state.step;
+        summary.loss_scale = self.state.loss_scale;
         summary.seconds = started.elapsed().as_secs_f64();
         summary.tokens_per_second = all_tokens as f64 / train_time.max(1e-9);
         Ok(summary)
@@ -1066,7 +1222,14 @@ fn digest(cfg: &Config) -> String {
         ("schedule", fnv(&cfg.schedule)),
         ("run", fnv(&(cfg.train.seed, &cfg.train.executor))),
     ]
-    .iter()
+    .into_iter()
+    // Runs without loss scaling keep the digest they had before it existed.
+    .chain(
+        cfg.train
+            .loss_scale
+            .as_ref()
+            .map(|l| ("loss_scale", fnv(l))),
+    )
     .map(|(k, v)| format!("{k}={v}"))
     .collect::<Vec<_>>()
     .join(" ")
@@ -1092,6 +1255,8 @@ fn digest_changes(saved: &str, now: &str) -> Vec<String> {
         .map(|k| {
             if k == "run" {
                 "`train.seed`/`train.executor`".to_string()
+            } else if k == "loss_scale" {
+                "`train.loss_scale`".to_string()
             } else {
                 format!("`{k}`")
             }
