@@ -226,13 +226,31 @@ fn unknown_configuration_keys_are_refused_by_name() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
 }
 
-/// Replaces the workspace configuration's `train` section.
-fn set_train(dir: &Path, train: &str) {
+/// Replaces `from` (which must be there) by `to` in the workspace configuration.
+fn edit_cfg(dir: &Path, from: &str, to: &str) {
     let path = dir.join("cfg.yaml");
     let cfg = std::fs::read_to_string(&path).unwrap();
+    assert!(cfg.contains(from), "no `{from}` in:\n{cfg}");
+    std::fs::write(&path, cfg.replace(from, to)).unwrap();
+}
+
+/// Replaces the workspace configuration's `train` section.
+fn set_train(dir: &Path, train: &str) {
     let old = "train: {max_steps: 20, executor: reference, log_every: 5}";
-    assert!(cfg.contains(old), "{cfg}");
-    std::fs::write(&path, cfg.replace(old, &format!("train: {{{train}}}"))).unwrap();
+    edit_cfg(dir, old, &format!("train: {{{train}}}"));
+}
+
+/// A workspace whose first steps overflow at the largest loss scale, 2^127 (dropout of
+/// 0.9 scales what it keeps by 10, so some gradients exceed 2), trained 6 steps with the
+/// compiled executor and `loss_scale: {<loss_scale>}`.
+fn overflowing(name: &str, loss_scale: &str) -> PathBuf {
+    let dir = workspace(name, "");
+    edit_cfg(&dir, "p_drop: 0.1", "p_drop: 0.9");
+    set_train(
+        &dir,
+        &format!("max_steps: 6, executor: compiled, log_every: 1, loss_scale: {{{loss_scale}}}"),
+    );
+    dir
 }
 
 /// 2^127, the largest power of two in f32.
@@ -279,19 +297,7 @@ fn loss_scaling_by_powers_of_two_changes_no_bit_and_resumes() {
 
 #[test]
 fn an_overflowing_loss_scale_skips_the_step_and_halves() {
-    let dir = workspace("overflow", "");
-    // Dropout of 0.9 scales what it keeps by 10, so some gradients exceed 2 and
-    // overflow at 2^127.
-    let path = dir.join("cfg.yaml");
-    let cfg = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(&path, cfg.replace("p_drop: 0.1", "p_drop: 0.9")).unwrap();
-    set_train(
-        &dir,
-        &format!(
-            "max_steps: 6, executor: compiled, log_every: 1, \
-             loss_scale: {{init: {SCALE_MAX}, window: 1000}}"
-        ),
-    );
+    let dir = overflowing("overflow", &format!("init: {SCALE_MAX}, window: 1000"));
     let out = kiln(&dir, &["train", "--config", "cfg.yaml"]);
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
@@ -323,16 +329,9 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
     }
 
     // The minimum reached: a clear error, no checkpoint.
-    let dir = workspace("overflow_min", "");
-    let path = dir.join("cfg.yaml");
-    let cfg = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(&path, cfg.replace("p_drop: 0.1", "p_drop: 0.9")).unwrap();
-    set_train(
-        &dir,
-        &format!(
-            "max_steps: 6, executor: compiled, \
-             loss_scale: {{init: {SCALE_MAX}, window: 1000, min: {SCALE_MAX}}}"
-        ),
+    let dir = overflowing(
+        "overflow_min",
+        &format!("init: {SCALE_MAX}, window: 1000, min: {SCALE_MAX}"),
     );
     let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert_eq!(out.status.code(), Some(1));
@@ -367,12 +366,11 @@ fn loss_scaling_settings_are_checked() {
     let dir = workspace("loss_scale_artifact", "");
     set_train(&dir, "max_steps: 2, executor: compiled");
     ok(&dir, &["compile", "--config", "cfg.yaml", "-o", "art"]);
-    let path = dir.join("cfg.yaml");
-    let cfg = std::fs::read_to_string(&path).unwrap().replace(
+    edit_cfg(
+        &dir,
         "executor: compiled}",
         "executor: compiled, loss_scale: {init: 1024}}",
     );
-    std::fs::write(&path, cfg).unwrap();
     let out = kiln(
         &dir,
         &[

@@ -33,7 +33,7 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
-use kiln_compiler::codegen::cuda::{cast, optim};
+use kiln_compiler::codegen::cuda::{cast, optim, CudaCode, Work};
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, Op};
@@ -346,13 +346,8 @@ impl CudaExecutor {
                     log,
                 }
             })?;
-            let funcs: Vec<_> = code
-                .functions
-                .iter()
-                .map(|f| (f.name.clone(), f.work, f.params.len()))
-                .collect();
             device
-                .load_module(ptx, &funcs)
+                .load_module(ptx, &signatures(&code))
                 .map_err(CudaExecError::Driver)?;
         }
         let graph = e.manifest.graph.clone();
@@ -749,12 +744,10 @@ impl CudaExecutor {
             let code = optim::code();
             let ptx = device::compile(&code.source(), &self.nvrtc_options)
                 .map_err(|log| dev_err(format!("NVRTC cannot compile the optimizer: {log}")))?;
-            let funcs: Vec<_> = code
-                .functions
-                .iter()
-                .map(|f| (f.name.clone(), f.work, f.params.len()))
-                .collect();
-            guard.device.load_module(ptx, &funcs).map_err(dev_err)?;
+            guard
+                .device
+                .load_module(ptx, &signatures(&code))
+                .map_err(dev_err)?;
         }
         let dev = &guard.device;
         let mut tps = BTreeMap::new();
@@ -999,6 +992,15 @@ fn scratch_heads(ptr: u64, count: usize, rows: usize, cols: usize, transposed: b
         rs: if transposed { 1 } else { cols },
         cs: if transposed { cols } else { 1 },
     }
+}
+
+/// What `Device::load_module` needs of a generated unit's functions: name, work
+/// division and parameter count.
+fn signatures(code: &CudaCode) -> Vec<(String, Work, usize)> {
+    code.functions
+        .iter()
+        .map(|f| (f.name.clone(), f.work, f.params.len()))
+        .collect()
 }
 
 /// One run's device work: launches, GEMMs, copies, and the buffers they need.
