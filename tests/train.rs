@@ -789,35 +789,46 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
 /// Dynamic loss scaling on the GPU's device-resident training: a power-of-two scale that
 /// never overflows leaves the run as it is without scaling (the scale reaches the seeded
 /// cross-entropy kernel, and the accumulation weights `tokens/S` undo it).
+/// A workspace with `train: {<train>}`, its configuration compiled to a CUDA artifact and
+/// trained from it; `None` (after printing why) where there is no GPU.
+fn gpu_run(name: &str, train: &str) -> Option<PathBuf> {
+    gpu_run_edited(name, train, &[])
+}
+
+/// [`gpu_run`] with `edits` (`from`, `to`) made to the configuration first.
+fn gpu_run_edited(name: &str, train: &str, edits: &[(&str, &str)]) -> Option<PathBuf> {
+    let dir = workspace(name, "");
+    set_train(&dir, train);
+    for (from, to) in edits {
+        edit_cfg(&dir, from, to);
+    }
+    ok(
+        &dir,
+        &[
+            "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
+        ],
+    );
+    kiln_runtime::cuda::require_cuda_or_skip()?;
+    ok(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "art",
+            "--quiet",
+        ],
+    );
+    Some(dir)
+}
+
 #[test]
 fn loss_scaling_on_the_gpu_leaves_the_run_unchanged() {
-    let run = |name: &str, train: &str| -> Option<PathBuf> {
-        let dir = workspace(name, "");
-        set_train(&dir, train);
-        ok(
-            &dir,
-            &[
-                "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
-            ],
-        );
-        kiln_runtime::cuda::require_cuda_or_skip()?;
-        ok(
-            &dir,
-            &[
-                "train",
-                "--config",
-                "cfg.yaml",
-                "--artifact",
-                "art",
-                "--quiet",
-            ],
-        );
-        Some(dir)
-    };
-    let Some(plain) = run("gpu_unscaled", "max_steps: 6, executor: cuda, log_every: 5") else {
+    let Some(plain) = gpu_run("gpu_unscaled", "max_steps: 6, executor: cuda, log_every: 5") else {
         return;
     };
-    let scaled = run(
+    let scaled = gpu_run(
         "gpu_scaled",
         "max_steps: 6, executor: cuda, log_every: 5, loss_scale: {init: 1024, window: 2}",
     )
@@ -828,4 +839,88 @@ fn loss_scaling_on_the_gpu_leaves_the_run_unchanged() {
     let d = relative_distance(&pa, &pb);
     eprintln!("GPU, scaled vs unscaled after 6 steps: relative distance {d:e}");
     assert!(d <= 1e-6, "scaled vs unscaled on the GPU: {d:e}");
+}
+
+/// Data-parallel training (`train.devices`) sums gradients with NCCL: without the `nccl`
+/// feature the run is refused with the command that builds it; with it but without a
+/// GPU, with CUDA's reason. Nothing is trained either way.
+#[test]
+fn data_parallel_training_says_what_it_needs() {
+    let dir = workspace("dp_needs", "");
+    set_train(&dir, "max_steps: 2, executor: cuda, devices: [0]");
+    ok(
+        &dir,
+        &[
+            "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
+        ],
+    );
+    let out = kiln(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "art",
+            "--quiet",
+        ],
+    );
+    let err = unwrapped(&out.stderr);
+    if cfg!(feature = "nccl") {
+        if kiln_runtime::cuda::cuda_available().is_ok() {
+            println!("skipped: a GPU is here (data_parallel_on_one_gpu_is_the_single_gpu_run)");
+            return;
+        }
+        assert!(err.contains("CUDA is not available"), "{err}");
+    } else {
+        assert!(
+            err.contains("train.devices")
+                && err.contains("NCCL")
+                && err.contains("cargo build --release --features nccl"),
+            "{err}"
+        );
+    }
+    assert!(!out.status.success());
+    assert!(!dir.join("run/checkpoints").exists(), "nothing trained");
+}
+
+/// With one GPU, data parallel through NCCL (`devices: [0]`) is bit for bit the
+/// single-GPU run: the all-reduce over one rank changes nothing, and the batches and
+/// dropout masks are the same. With two GPUs, `devices: [0, 1]` and `update_freq: 1`
+/// follow one GPU with `update_freq: 2` (the same batches and masks; only the order of
+/// the gradient sums differs).
+#[cfg(feature = "nccl")]
+#[test]
+fn data_parallel_on_one_gpu_is_the_single_gpu_run() {
+    let train = "max_steps: 6, executor: cuda, log_every: 1";
+    let Some(single) = gpu_run("dp_single", train) else {
+        return;
+    };
+    let one = gpu_run("dp_one_rank", &format!("{train}, devices: [0]")).expect("a GPU");
+    assert_eq!(logged_losses(&single), logged_losses(&one));
+    let (ps, ss) = final_state(&single, 6);
+    let (p1, s1) = final_state(&one, 6);
+    assert_eq!((ss.epoch, ss.batch_in_epoch), (s1.epoch, s1.batch_in_epoch));
+    assert!(
+        ps == p1,
+        "one NCCL rank vs one GPU: {:e}",
+        relative_distance(&ps, &p1)
+    );
+    let gpus = kiln_runtime::cuda::cuda_available().unwrap().device_count;
+    if gpus < 2 {
+        println!("{gpus} GPU: the two-rank comparison needs two");
+        return;
+    }
+    let two = gpu_run_edited(
+        "dp_two_ranks",
+        &format!("{train}, devices: [0, 1]"),
+        &[("update_freq: 2", "update_freq: 1")],
+    )
+    .expect("two GPUs");
+    same_losses(&single, &two, "one GPU", "two GPUs");
+    let (p2, s2) = final_state(&two, 6);
+    assert_eq!((ss.epoch, ss.batch_in_epoch), (s2.epoch, s2.batch_in_epoch));
+    let d = relative_distance(&ps, &p2);
+    eprintln!("two NCCL ranks vs one GPU after 6 steps: relative distance {d:e}");
+    assert!(d <= 1e-4, "two ranks vs one GPU: {d:e}");
 }

@@ -169,6 +169,11 @@ pub struct TrainConfig {
     /// skipped and the scale halved, and after `window` good steps in a row it doubles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<LossScaleConfig>,
+    /// Data-parallel training over these GPUs (their ordinals, e.g. `[0, 1, 2, 3]`), the
+    /// gradients summed by NCCL (`--features nccl`); needs `executor: cuda`. Each step
+    /// then takes `batch.update_freq` batches per GPU. Absent: one GPU (0), no NCCL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<usize>>,
 }
 
 /// `train.loss_scale`: fairseq's `--fp16-init-scale`, `--fp16-scale-window` and
@@ -205,6 +210,7 @@ impl Default for TrainConfig {
             log_every: 100,
             max_seconds: 0,
             loss_scale: None,
+            devices: None,
         }
     }
 }
@@ -386,6 +392,18 @@ impl Config {
                 ));
             }
         }
+        if let Some(devices) = &self.train.devices {
+            if let Err(e) = crate::cuda::parallel::check_devices(devices) {
+                bad.push(e);
+            }
+            if self.train.executor != "cuda" {
+                bad.push(format!(
+                    "train.devices lists GPUs for data-parallel training, which runs on the \
+                     GPU: set train.executor to cuda (it is `{}`), or leave train.devices out",
+                    self.train.executor
+                ));
+            }
+        }
         if bad.is_empty() {
             Ok(())
         } else {
@@ -473,6 +491,27 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.contains("update_freq"), "{e}");
+    }
+
+    #[test]
+    fn data_parallel_devices_are_checked() {
+        let with = |train: &str| Config::parse(&format!("{MINIMAL}train:\n{train}"));
+        let c = with("  executor: cuda\n  devices: [0, 1]\n").unwrap();
+        assert_eq!(c.train.devices, Some(vec![0, 1]));
+        let e = with("  executor: compiled\n  devices: [0]\n").unwrap_err();
+        assert!(
+            e.contains("set train.executor to cuda (it is `compiled`)"),
+            "{e}"
+        );
+        let e = with("  executor: cuda\n  devices: []\n").unwrap_err();
+        assert!(e.contains("train.devices is empty"), "{e}");
+        let e = with("  executor: cuda\n  devices: [1, 1]\n").unwrap_err();
+        assert!(e.contains("GPU 1 twice"), "{e}");
+        // Absent: nothing serialized, so the digests of earlier runs stay as they were.
+        let plain = with("  executor: cuda\n").unwrap();
+        assert!(!serde_yaml::to_string(&plain.train)
+            .unwrap()
+            .contains("devices"));
     }
 
     #[test]

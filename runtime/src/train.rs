@@ -34,6 +34,7 @@ use crate::artifact::Artifact;
 use crate::bleu::{corpus_bleu, BleuOptions};
 use crate::checkpoint::{self, AdamMoments, TrainState};
 use crate::config::Config;
+use crate::cuda::parallel::{micro_counter, DataParallel, RankJob};
 use crate::data::{
     load_parallel, BatchConfig, BatchPlan, Dataset, Example, ParallelCorpus, Tokenizer,
 };
@@ -292,6 +293,9 @@ enum TrainExec {
     /// micro-batch. The host's parameters and moments are refreshed
     /// ([`Trainer::sync_device`]) for validation, checkpoints and at the end.
     Device(Box<crate::cuda::CudaExecutor>),
+    /// `train.devices`: device training on every listed GPU, the gradients summed by
+    /// NCCL before each optimizer step (`crate::cuda::parallel`).
+    Parallel(Box<DataParallel>),
 }
 
 /// Device training: whether the device holds the state, and whether it is ahead of the
@@ -624,8 +628,28 @@ impl Trainer {
                     )
                 })?,
         };
-        let train_exec = match artifact {
-            Some(art) if cuda => TrainExec::Device(Box::new(
+        let train_exec = match (artifact, &cfg.train.devices) {
+            (Some(art), Some(devices)) if cuda => {
+                let dp = DataParallel::new(
+                    art,
+                    "train_step",
+                    devices,
+                    crate::cuda::CudaOptions::from_env(),
+                )
+                .map_err(TrainError::Setup)?;
+                notes.push(format!(
+                    "data parallel on GPUs {} ({}): each step takes {} batch(es) per GPU",
+                    devices
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    dp.engine(),
+                    cfg.batch.update_freq
+                ));
+                TrainExec::Parallel(Box::new(dp))
+            }
+            (Some(art), _) if cuda => TrainExec::Device(Box::new(
                 crate::cuda::CudaExecutor::with_options(
                     art,
                     "train_step",
@@ -730,32 +754,49 @@ impl Trainer {
         let mut overflow: Option<(String, f32)> = None;
         // The parameters stay as they are until the optimizer step below.
         let params_version = Some(crate::exec::fresh_params_version());
-        for micro in 0..self.cfg.batch.update_freq {
-            let batch = self.next_batch();
-            let mut inputs = BTreeMap::new();
-            inputs.insert("src".to_string(), batch.src);
-            inputs.insert("tgt_in".to_string(), batch.tgt_in);
-            inputs.insert("tgt_out".to_string(), batch.tgt_out);
-            if let Some(s) = scale {
-                let t = Tensor::f32(vec![], vec![s]).map_err(setup("the loss scale"))?;
-                inputs.insert(LOSS_SCALE.to_string(), t);
+        let update_freq = self.cfg.batch.update_freq;
+        let world = self.world_size();
+        for round in 0..update_freq {
+            // Round `round`: one micro-batch per rank (one rank but in data parallel).
+            let mut jobs = Vec::with_capacity(world);
+            // Each micro-batch's target and source tokens.
+            let mut counts = Vec::with_capacity(world);
+            for rank in 0..world {
+                let batch = self.next_batch();
+                let mut inputs = BTreeMap::new();
+                inputs.insert("src".to_string(), batch.src);
+                inputs.insert("tgt_in".to_string(), batch.tgt_in);
+                inputs.insert("tgt_out".to_string(), batch.tgt_out);
+                if let Some(s) = scale {
+                    let t = Tensor::f32(vec![], vec![s]).map_err(setup("the loss scale"))?;
+                    inputs.insert(LOSS_SCALE.to_string(), t);
+                }
+                let counter = micro_counter(step, update_freq, world, round, rank);
+                let opts = RunOptions {
+                    seed: self.state.seed,
+                    step: counter as u32,
+                    params_version,
+                    ..RunOptions::default()
+                };
+                // The gradients come scaled: unscaled by the weight (exact for a power of
+                // two).
+                let weight = batch.n_tgt_tokens as f32 / scale.unwrap_or(1.0);
+                jobs.push(RankJob {
+                    inputs,
+                    opts,
+                    weight,
+                });
+                counts.push((batch.n_tgt_tokens, batch.n_src_tokens));
             }
-            let counter = (step - 1) * self.cfg.batch.update_freq as u64 + micro as u64;
-            let opts = RunOptions {
-                seed: self.state.seed,
-                step: counter as u32,
-                params_version,
-                ..RunOptions::default()
-            };
-            // The gradients come scaled: unscaled by the weight (exact for a power of two).
-            let w = batch.n_tgt_tokens as f32 / scale.unwrap_or(1.0);
-            let loss = match &self.train_exec {
+            let first = round == 0;
+            let losses: Vec<f32> = match &self.train_exec {
                 TrainExec::Host(exec) => {
+                    let j = &jobs[0];
                     let out = exec
-                        .run_map(&inputs, &self.params, &opts)
+                        .run_map(&j.inputs, &self.params, &j.opts)
                         .map_err(|source| TrainError::Exec { step, source })?;
                     let loss = finite_loss(&out, &objective, step)?;
-                    let acc = accumulate(grads, &out, w, micro == 0);
+                    let acc = accumulate(grads, &out, j.weight, first);
                     // The outputs' storage goes back to the executor for the next run.
                     exec.recycle(out.into_values().collect());
                     match acc {
@@ -769,7 +810,7 @@ impl Trainer {
                             overflow = Some((name, value));
                         }
                     }
-                    loss
+                    vec![loss]
                 }
                 TrainExec::Device(exec) => {
                     if self.device == DeviceState::Off {
@@ -777,20 +818,49 @@ impl Trainer {
                             .map_err(|source| TrainError::Exec { step, source })?;
                         self.device = DeviceState::InSync;
                     }
+                    let j = &jobs[0];
                     let out = exec
-                        .train_micro(&inputs, &self.params, &opts, w, micro == 0, None)
+                        .train_micro(&j.inputs, &self.params, &j.opts, j.weight, first, None)
                         .map_err(|source| TrainError::Exec { step, source })?;
-                    let loss = finite_loss(&out.outputs.into_iter().collect(), &objective, step)?;
                     overflow = out.non_finite;
-                    loss
+                    vec![finite_loss(
+                        &out.outputs.into_iter().collect(),
+                        &objective,
+                        step,
+                    )?]
+                }
+                TrainExec::Parallel(dp) => {
+                    if self.device == DeviceState::Off {
+                        dp.train_begin(&self.params, &self.adam.m, &self.adam.v)
+                            .map_err(|source| TrainError::Exec { step, source })?;
+                        self.device = DeviceState::InSync;
+                    }
+                    let outs = dp
+                        .train_micro(&jobs, &self.params, first)
+                        .map_err(|source| TrainError::Exec { step, source })?;
+                    let mut losses = Vec::with_capacity(outs.len());
+                    for out in outs {
+                        // The first rank (in rank order) whose gradients overflowed.
+                        if overflow.is_none() {
+                            overflow = out.non_finite;
+                        }
+                        losses.push(finite_loss(
+                            &out.outputs.into_iter().collect(),
+                            &objective,
+                            step,
+                        )?);
+                    }
+                    losses
                 }
             };
             if let Some((name, value)) = overflow.take() {
                 return self.overflowed(step, name, value);
             }
-            loss_sum += loss as f64 * batch.n_tgt_tokens as f64;
-            tokens += batch.n_tgt_tokens;
-            src_tokens += batch.n_src_tokens;
+            for (loss, (tgt, src)) in losses.into_iter().zip(counts) {
+                loss_sum += loss as f64 * tgt as f64;
+                tokens += tgt;
+                src_tokens += src;
+            }
         }
         let inv = 1.0 / tokens.max(1) as f32;
         let lr = self.cfg.schedule.lr(self.d_model, step);
@@ -809,6 +879,13 @@ impl Trainer {
                 // The same constants and op order as `Adam::step` (see `optim::constants`).
                 let constants = self.adam.constants(self.adam.t + 1, lr);
                 exec.train_update(constants, inv)
+                    .map_err(|source| TrainError::Exec { step, source })?;
+                self.adam.t += 1;
+                self.device = DeviceState::Ahead;
+            }
+            TrainExec::Parallel(dp) => {
+                let constants = self.adam.constants(self.adam.t + 1, lr);
+                dp.train_update(constants, inv)
                     .map_err(|source| TrainError::Exec { step, source })?;
                 self.adam.t += 1;
                 self.device = DeviceState::Ahead;
@@ -865,15 +942,29 @@ impl Trainer {
     /// when the device is ahead (before validation, checkpoints and at the end of
     /// [`Trainer::run`]); nothing otherwise.
     fn sync_device(&mut self) -> Result<(), TrainError> {
-        if let (TrainExec::Device(exec), DeviceState::Ahead) = (&self.train_exec, self.device) {
-            exec.train_download(&mut self.params, &mut self.adam.m, &mut self.adam.v)
-                .map_err(|source| TrainError::Exec {
-                    step: self.state.step,
-                    source,
-                })?;
-            self.device = DeviceState::InSync;
+        if self.device != DeviceState::Ahead {
+            return Ok(());
         }
+        let (params, m, v) = (&mut self.params, &mut self.adam.m, &mut self.adam.v);
+        let done = match &self.train_exec {
+            TrainExec::Host(_) => Ok(()),
+            TrainExec::Device(exec) => exec.train_download(params, m, v),
+            TrainExec::Parallel(dp) => dp.train_download(params, m, v),
+        };
+        done.map_err(|source| TrainError::Exec {
+            step: self.state.step,
+            source,
+        })?;
+        self.device = DeviceState::InSync;
         Ok(())
+    }
+
+    /// Ranks of data-parallel training (GPUs); 1 otherwise.
+    fn world_size(&self) -> usize {
+        match &self.train_exec {
+            TrainExec::Parallel(dp) => dp.world_size(),
+            _ => 1,
+        }
     }
 
     /// Validation loss (token-weighted) and, if configured, BLEU of beam search.

@@ -206,7 +206,7 @@ fn load(
 }
 
 impl Device {
-    /// Device 0 with the module `ptx` loaded, and the functions
+    /// Device `ordinal` with the module `ptx` loaded, and the functions
     /// `(name, work, buffer parameter count)`.
     ///
     /// `gemm`: the element type GEMMs take their operands in. `Tf32`: cuBLAS may round
@@ -214,11 +214,14 @@ impl Device {
     /// math mode, in which bf16 `cublasGemmEx` calls use the tensor cores (f32 `sgemm`
     /// stays full fp32 there too); `F32`: pedantic fp32, the CPU executor's precision.
     pub fn new(
+        ordinal: usize,
         ptx: Ptx,
         functions: &[(String, Work, usize)],
         gemm: GemmMath,
     ) -> Result<Device, String> {
-        let ctx = CudaContext::new(0).map_err(drv("cannot create a CUDA context"))?;
+        let ctx = CudaContext::new(ordinal).map_err(drv(&format!(
+            "cannot create a CUDA context on device {ordinal}"
+        )))?;
         let stream = ctx.default_stream();
         let mut funcs = BTreeMap::new();
         let module = load(&ctx, ptx, functions, &mut funcs)?;
@@ -397,6 +400,31 @@ impl Device {
             cudarc::driver::result::memcpy_dtod_async(dst, src, 4 * words, self.stream.cu_stream())
         }
         .map_err(drv("device-to-device copy"))
+    }
+
+    /// The stream everything of this device runs on (NCCL communicators are made on it).
+    #[cfg(feature = "nccl")]
+    pub fn stream(&self) -> Arc<CudaStream> {
+        self.stream.clone()
+    }
+
+    /// Enqueues, on this device's stream, an in-place NCCL sum of `buf` (f32 values as
+    /// words) over the ranks of `comm`, whose stream must be this device's. With several
+    /// ranks driven from one thread, the calls of all ranks go between
+    /// `cudarc::nccl::group_start` and `group_end`.
+    #[cfg(feature = "nccl")]
+    pub fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String> {
+        if comm.stream().cu_stream() != self.stream.cu_stream() {
+            return Err("an NCCL communicator of another stream".to_string());
+        }
+        let n = buf.words;
+        // SAFETY: the buffer holds at least `n` 4-byte words; f32 and u32 have the same
+        // size and alignment, and every bit pattern is an f32.
+        let mut view = unsafe { buf._slice.transmute_mut::<f32>(n) }
+            .ok_or_else(|| format!("an all-reduce of {n} words over a smaller buffer"))?;
+        comm.all_reduce_in_place(&mut view, &cudarc::nccl::ReduceOp::Sum)
+            .map_err(drv("NCCL all-reduce"))?;
+        Ok(())
     }
 
     pub fn sync(&self) -> Result<(), String> {

@@ -271,6 +271,8 @@ pub struct CudaOptions {
     /// before each GEMM) and fp32 accumulation and results (`cublasGemmEx`); everything
     /// else, parameters and Adam included, stays f32. Takes precedence over `tf32`.
     pub bf16: bool,
+    /// The GPU (the driver's ordinal; 0, the first, by default).
+    pub device: usize,
 }
 
 /// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
@@ -286,6 +288,7 @@ impl CudaOptions {
         CudaOptions {
             tf32: on(TF32_ENV),
             bf16: on(BF16_ENV),
+            device: 0,
         }
     }
 
@@ -315,10 +318,19 @@ impl CudaExecutor {
         options: CudaOptions,
     ) -> Result<CudaExecutor, CudaExecError> {
         let (e, m, src) = cuda_parts(art, entry)?;
-        cuda_available().map_err(|reason| CudaExecError::Unavailable {
+        let info = cuda_available().map_err(|reason| CudaExecError::Unavailable {
             entry: entry.to_string(),
             reason,
         })?;
+        if options.device >= info.device_count {
+            return Err(CudaExecError::Unavailable {
+                entry: entry.to_string(),
+                reason: format!(
+                    "there is no GPU {}: the driver reports {} (numbered from 0)",
+                    options.device, info.device_count
+                ),
+            });
+        }
         let kg = e.manifest.kernel_graph.clone();
         let (steps, copy) = entry_steps(art, entry)?;
         let ptx = device::compile(src, &m.nvrtc_options).map_err(|log| CudaExecError::Nvrtc {
@@ -337,7 +349,8 @@ impl CudaExecutor {
         } else {
             device::GemmMath::F32
         };
-        let mut device = Device::new(ptx, &funcs, math).map_err(CudaExecError::Driver)?;
+        let mut device =
+            Device::new(options.device, ptx, &funcs, math).map_err(CudaExecError::Driver)?;
         if options.bf16 {
             let code = cast::code();
             let ptx = device::compile(&code.source(), &m.nvrtc_options).map_err(|log| {
@@ -877,6 +890,33 @@ impl CudaExecutor {
             read(&tp.p, pv)?;
             read(&tp.m, mv)?;
             read(&tp.v, vv)?;
+        }
+        Ok(())
+    }
+
+    /// The device's stream, for an NCCL communicator ([`super::parallel`]).
+    #[cfg(feature = "nccl")]
+    pub(crate) fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.stream()
+    }
+
+    /// Enqueues an NCCL sum of every gradient accumulator (in name order) over the ranks
+    /// of `comm`, in place; the next [`CudaExecutor::train_update`] follows it on the
+    /// stream. With several ranks driven from one thread, call it for every rank between
+    /// `cudarc::nccl::group_start` and `group_end`.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn train_all_reduce(&self, comm: &cudarc::nccl::Comm) -> Result<(), ExecError> {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let st = &mut *guard;
+        st.device.bind().map_err(dev_err)?;
+        let t = st.training.as_mut().ok_or_else(|| {
+            ExecError::Unsupported("an all-reduce before `train_begin`".to_string())
+        })?;
+        for tp in t.params.values_mut() {
+            st.device
+                .all_reduce_sum(comm, &mut tp.acc)
+                .map_err(dev_err)?;
         }
         Ok(())
     }

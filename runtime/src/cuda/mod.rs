@@ -29,6 +29,7 @@
 pub mod abi;
 mod device;
 pub mod executor;
+pub mod parallel;
 pub mod ptx_cache;
 mod steps;
 
@@ -153,6 +154,22 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 pub fn cuda_available() -> Result<CudaInfo, String> {
     static ANSWER: OnceLock<Result<CudaInfo, String>> = OnceLock::new();
     ANSWER.get_or_init(|| diagnose(&probe())).clone()
+}
+
+/// Whether NCCL can be used here, on top of [`cuda_available`]: `libnccl` loads (it is
+/// opened at run time like the rest of CUDA). Only with the `nccl` feature.
+#[cfg(feature = "nccl")]
+pub fn nccl_available() -> Result<CudaInfo, String> {
+    let info = cuda_available()?;
+    // SAFETY: `is_culib_present` only tries to open the library with `dlopen` and drops it.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(
+            "NCCL is not available: cannot load libnccl (searched the dynamic \
+                    loader's path, LD_LIBRARY_PATH included)"
+                .to_string(),
+        );
+    }
+    Ok(info)
 }
 
 /// For a test that needs a GPU: `Some(info)` when CUDA is usable; otherwise prints
