@@ -415,6 +415,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             "peak_rss_bytes": rss,
             "setup_s": setup,
         });
+        let mut obj = obj;
+        if let Some(c) = &cuda {
+            let (fused, separate) = c.epilogue_counts();
+            obj["bias_epilogues"] = serde_json::json!({"fused": fused, "separate": separate});
+        }
         println!("{obj}");
     } else {
         println!(
@@ -445,6 +450,16 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             rss as f64 / 1048576.0,
             setup
         );
+        if let Some(c) = &cuda {
+            let (fused, separate) = c.epilogue_counts();
+            if fused + separate > 0 {
+                println!(
+                    "  linear kernels with a bias: {fused} in one cuBLASLt call (bias epilogue), \
+                     {separate} as bias + GEMM (+ ReLU) ({} runs)",
+                    a.warmup + a.runs
+                );
+            }
+        }
         if !profile.is_empty() {
             let mut p: Vec<(String, (f64, usize))> = profile.into_iter().collect();
             p.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));

@@ -236,6 +236,54 @@ fn gpu_every_entry_matches_the_cpu_executor() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// `linear` and `linear_relu` run by default as one cuBLASLt GEMM with a bias (+ ReLU)
+/// epilogue, and with `separate_epilogues` as a bias fill, a GEMM and a ReLU pass: both
+/// match the CPU executor on every entry (fp32, within 1e-5), the default fuses some, and
+/// the separate path fuses none.
+#[test]
+fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let mut bad = Vec::new();
+    let mut counts = [(0usize, 0usize); 2];
+    for (k, separate) in [false, true].into_iter().enumerate() {
+        let options = CudaOptions {
+            separate_epilogues: separate,
+            ..CudaOptions::default()
+        };
+        for entry in ENTRIES {
+            let gpu = CudaExecutor::with_options(art, entry, options).unwrap();
+            let cpu = art.executor(entry).unwrap();
+            let (inputs, params) = feeds(cpu.graph(), art, 17);
+            let opts = RunOptions {
+                seed: 17,
+                step: 1,
+                ..RunOptions::default()
+            };
+            let want = cpu.run(&inputs, &params, &opts).unwrap();
+            let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
+            let tag = if separate { "separate" } else { "fused" };
+            bad.extend(mismatches(&format!("{entry} ({tag})"), &want, &got));
+            let (f, s) = gpu.epilogue_counts();
+            counts[k].0 += f;
+            counts[k].1 += s;
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    println!(
+        "linear kernels with a bias: default {:?}, separate {:?} (fused, separate)",
+        counts[0], counts[1]
+    );
+    assert!(
+        counts[0].0 > 0,
+        "no linear kernel went through cuBLASLt: {counts:?}"
+    );
+    assert_eq!(counts[1].0, 0, "{counts:?}");
+    assert_eq!(counts[0].0 + counts[0].1, counts[1].1, "{counts:?}");
+}
+
 #[test]
 fn gpu_train_steps_match_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {

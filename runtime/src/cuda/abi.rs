@@ -200,7 +200,7 @@ pub fn blas_operand(m: &MatDesc) -> Option<BlasOperand> {
 /// The arguments of `cublasSgemm` computing row-major `C[m, n] = A[m, k]·B[k, n]`
 /// (row stride of `C`: `ldc`) as column-major `Cᵀ = Bᵀ·Aᵀ`: cuBLAS's first operand is
 /// `B` (`transa`, `lda`), its second `A` (`transb`, `ldb`), and its `m, n` are our `n, m`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Sgemm {
     pub transa: bool,
     pub transb: bool,

@@ -59,6 +59,10 @@ pub(crate) struct Device {
     funcs: BTreeMap<String, Func>,
     /// Page-locked host memory that large copies go through (allocated on first use).
     staging: std::sync::Mutex<Option<Staging>>,
+    /// The GEMM precision (for cuBLASLt's plans).
+    math: GemmMath,
+    /// cuBLASLt, for GEMMs with a bias epilogue (made on first use).
+    lt: std::sync::Mutex<Option<super::lt::Lt>>,
 }
 
 /// Words of the page-locked staging buffer (32 MiB).
@@ -243,6 +247,8 @@ impl Device {
             modules: vec![module],
             funcs,
             staging: std::sync::Mutex::new(None),
+            math: gemm,
+            lt: std::sync::Mutex::new(None),
         })
     }
 
@@ -559,6 +565,33 @@ impl Device {
             }
         }
         .map_err(drv("cuBLAS GemmEx (bf16)"))
+    }
+
+    /// Row-major `c = a·b + bias` (then `max(·, 0)` with `relu`) in one cuBLASLt call
+    /// with a bias epilogue (`g` as for [`Device::sgemm`], `bias` one f32 per output
+    /// column). `Ok(false)` when cuBLASLt has no algorithm for it: nothing was launched,
+    /// and the caller runs the bias, the GEMM and the ReLU separately.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bias(
+        &self,
+        g: &Sgemm,
+        elem: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+        relu: bool,
+    ) -> Result<bool, String> {
+        if !super::lt::bias_fits(bias) {
+            return Ok(false);
+        }
+        let mut lt = self.lt.lock().unwrap_or_else(|p| p.into_inner());
+        if lt.is_none() {
+            *lt = Some(super::lt::Lt::new(&self.stream, self.math)?);
+        }
+        lt.as_mut()
+            .expect("made above")
+            .gemm_bias(&self.stream, g, elem, a, b, c, bias, relu)
     }
 
     /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] at `a`, `b`, `c`; with `batch =

@@ -42,7 +42,7 @@ use kiln_compiler::plan::MemoryPlan;
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
-use super::abi::{blas_operand, even_stride, plan_matmul, sgemm_args, Launch, MatDesc};
+use super::abi::{blas_operand, even_stride, plan_matmul, sgemm_args, Launch, MatDesc, MatmulPlan};
 use super::cuda_available;
 use super::device::{self, Buf, Device};
 use super::steps::{self, Exec as StepExec, Step};
@@ -87,6 +87,8 @@ struct State {
     params: Option<ParamCache>,
     /// Training with its state on the device ([`CudaExecutor::train_begin`]).
     training: Option<Training>,
+    /// `linear` kernels with a bias run so far: (in one cuBLASLt call, separately).
+    epilogues: (usize, usize),
 }
 
 /// Parameters, gradient accumulators and Adam's moments on the device, by parameter
@@ -182,6 +184,8 @@ pub struct CudaExecutor {
     pool: Arc<Pool>,
     /// GEMM operands converted to bf16 ([`CudaOptions::bf16`]).
     bf16: bool,
+    /// [`CudaOptions::separate_epilogues`].
+    separate_epilogues: bool,
     /// The artifact's NVRTC options (for the optimizer's unit, compiled on first use).
     nvrtc_options: Vec<String>,
 }
@@ -273,12 +277,18 @@ pub struct CudaOptions {
     pub bf16: bool,
     /// The GPU (the driver's ordinal; 0, the first, by default).
     pub device: usize,
+    /// Run `linear` and `linear_relu` as a bias fill, a cuBLAS GEMM and a ReLU pass
+    /// instead of one cuBLASLt GEMM with a bias (+ ReLU) epilogue (the default, where
+    /// cuBLASLt has an algorithm for the problem). For comparisons.
+    pub separate_epilogues: bool,
 }
 
 /// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
 pub const TF32_ENV: &str = "KILN_CUDA_TF32";
 /// The variable that turns on [`CudaOptions::bf16`] for the command line's CUDA executors.
 pub const BF16_ENV: &str = "KILN_CUDA_BF16";
+/// The variable that turns on [`CudaOptions::separate_epilogues`] (`=1`).
+pub const SEPARATE_EPILOGUES_ENV: &str = "KILN_CUDA_SEPARATE_EPILOGUES";
 
 impl CudaOptions {
     /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`,
@@ -289,6 +299,7 @@ impl CudaOptions {
             tf32: on(TF32_ENV),
             bf16: on(BF16_ENV),
             device: 0,
+            separate_epilogues: on(SEPARATE_EPILOGUES_ENV),
         }
     }
 
@@ -378,9 +389,11 @@ impl CudaExecutor {
                 arena: None,
                 params: None,
                 training: None,
+                epilogues: (0, 0),
             }),
             pool: Arc::new(Pool::default()),
             bf16: options.bf16,
+            separate_epilogues: options.separate_epilogues,
             nvrtc_options: m.nvrtc_options.clone(),
         })
     }
@@ -395,6 +408,15 @@ impl CudaExecutor {
             .iter()
             .map(|s| (s.kind.clone(), s.exec.how()))
             .collect()
+    }
+
+    /// How the `linear` kernels with a bias ran so far, over every run: `(fused,
+    /// separate)` — in one cuBLASLt call with a bias (+ ReLU) epilogue, or as a bias
+    /// fill, a GEMM and a ReLU pass ([`CudaOptions::separate_epilogues`], or no
+    /// cuBLASLt algorithm for the problem).
+    pub fn epilogue_counts(&self) -> (usize, usize) {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.epilogues
     }
 
     /// Runs the entry; outputs in `graph.outputs` order.
@@ -502,6 +524,8 @@ impl CudaExecutor {
             step: opts.step,
             pool: &self.pool,
             bf16: self.bf16,
+            fused_epilogues: !self.separate_epilogues,
+            epilogues: (0, 0),
         };
         let node_err = |v: usize, m: String| ExecError::Node {
             node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
@@ -732,7 +756,10 @@ impl CudaExecutor {
         }
         st.device.sync().map_err(dev_err)?;
         mark("download")?;
+        let (fused, separate) = r.epilogues;
         drop(r);
+        guard.epilogues.0 += fused;
+        guard.epilogues.1 += separate;
         guard.params = cache;
         Ok(MicroOut {
             outputs: out,
@@ -1054,6 +1081,18 @@ struct Run<'a> {
     pool: &'a Arc<Pool>,
     /// GEMM operands as bf16 ([`CudaOptions::bf16`]).
     bf16: bool,
+    /// Bias (+ ReLU) of `linear` kernels in cuBLASLt's epilogue where it can.
+    fused_epilogues: bool,
+    /// `linear` kernels with a bias so far: (fused by cuBLASLt, run separately).
+    epilogues: (usize, usize),
+}
+
+/// A planned GEMM: the plan and where its operands are (f32 in place, or bf16 copies).
+struct MatmulOps {
+    plan: MatmulPlan,
+    a: Addr,
+    b: Addr,
+    elem: device::GemmElem,
 }
 
 impl Run<'_> {
@@ -1144,6 +1183,25 @@ impl Run<'_> {
 
     /// `out = a·b` (`beta = 1`: `out += a·b`, a bias already loaded), `out` contiguous.
     fn matmul(&mut self, a: &DLoc, b: &DLoc, out: &DLoc, beta: f32) -> Result<(), String> {
+        let plan = self.matmul_plan(a, b)?;
+        let (a, b, plan) = plan;
+        if out.numel() == 0 {
+            return Ok(());
+        }
+        if plan.empty_k {
+            return if beta == 0.0 {
+                self.dev.zero(out.base(), out.numel())
+            } else {
+                Ok(())
+            };
+        }
+        let ops = self.matmul_ops(&a, &b, plan)?;
+        self.matmul_launch(&ops, out, beta)
+    }
+
+    /// The plan of `a·b`, with the operands cuBLAS cannot read as they are copied
+    /// contiguous first (the returned locations).
+    fn matmul_plan(&mut self, a: &DLoc, b: &DLoc) -> Result<(DLoc, DLoc, MatmulPlan), String> {
         let (mut a, mut b) = (a.clone(), b.clone());
         let plan = match plan_matmul(&a.layout, &b.layout) {
             Ok(p) => p,
@@ -1161,55 +1219,57 @@ impl Run<'_> {
                 })?
             }
         };
-        if out.numel() == 0 {
-            return Ok(());
-        }
-        if plan.empty_k {
-            return if beta == 0.0 {
-                self.dev.zero(out.base(), out.numel())
-            } else {
-                Ok(())
-            };
-        }
-        // The operands' addresses: f32 in place, or their bf16 copies (element `e` of
-        // the f32 location at `base + 2·(e − lo)`).
-        let (at_a, at_b, elem) = if self.bf16 {
-            let (pa, la) = self.bf16_span(&a)?;
-            let (pb, lb) = self.bf16_span(&b)?;
-            (
-                Addr {
+        Ok((a, b, plan))
+    }
+
+    /// The operands' addresses: f32 in place, or their bf16 copies (element `e` of the
+    /// f32 location at `base + 2·(e − lo)`).
+    fn matmul_ops(&mut self, a: &DLoc, b: &DLoc, plan: MatmulPlan) -> Result<MatmulOps, String> {
+        Ok(if self.bf16 {
+            let (pa, la) = self.bf16_span(a)?;
+            let (pb, lb) = self.bf16_span(b)?;
+            MatmulOps {
+                plan,
+                a: Addr {
                     base: pa,
                     lo: la,
                     size: 2,
                 },
-                Addr {
+                b: Addr {
                     base: pb,
                     lo: lb,
                     size: 2,
                 },
-                device::GemmElem::Bf16,
-            )
+                elem: device::GemmElem::Bf16,
+            }
         } else {
-            (
-                Addr {
+            MatmulOps {
+                plan,
+                a: Addr {
                     base: a.ptr,
                     lo: 0,
                     size: 4,
                 },
-                Addr {
+                b: Addr {
                     base: b.ptr,
                     lo: 0,
                     size: 4,
                 },
-                device::GemmElem::F32,
-            )
-        };
+                elem: device::GemmElem::F32,
+            }
+        })
+    }
+
+    /// The cuBLAS calls of a planned GEMM into `out` (`beta`: 1 adds to what `out`
+    /// holds).
+    fn matmul_launch(&mut self, ops: &MatmulOps, out: &DLoc, beta: f32) -> Result<(), String> {
+        let plan = &ops.plan;
         match plan.strided {
             Some((sa, sb)) => self.dev.gemm(
                 &plan.gemm,
-                elem,
-                at_a.at(plan.a_offsets[0]),
-                at_b.at(plan.b_offsets[0]),
+                ops.elem,
+                ops.a.at(plan.a_offsets[0]),
+                ops.b.at(plan.b_offsets[0]),
                 out.base(),
                 beta,
                 Some((plan.a_offsets.len(), sa, sb, plan.c_stride as i64)),
@@ -1218,9 +1278,9 @@ impl Run<'_> {
                 for (i, (&oa, &ob)) in plan.a_offsets.iter().zip(&plan.b_offsets).enumerate() {
                     self.dev.gemm(
                         &plan.gemm,
-                        elem,
-                        at_a.at(oa),
-                        at_b.at(ob),
+                        ops.elem,
+                        ops.a.at(oa),
+                        ops.b.at(ob),
                         out.base() + 4 * (i * plan.c_stride) as u64,
                         beta,
                         None,
@@ -1229,6 +1289,60 @@ impl Run<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// A `linear` kernel: `out = x·w + bias` (`relu`: then `max(·, 0)`); `bias_fill`
+    /// and `relu` are the generated kernels of the separate path. One cuBLASLt call with
+    /// a bias epilogue where it can (one GEMM over every row, cuBLASLt has an algorithm);
+    /// otherwise the bias rows, a GEMM adding to them, and a ReLU pass.
+    fn linear(
+        &mut self,
+        ins: &[&DLoc],
+        out: &DLoc,
+        bias_fill: Option<&str>,
+        relu: Option<&str>,
+    ) -> Result<(), String> {
+        let Some(fill) = bias_fill else {
+            self.matmul(ins[0], ins[1], out, 0.0)?;
+            if let Some(f) = relu {
+                self.launch(f, &[out.base()], Launch::relu(out.numel()))?;
+            }
+            return Ok(());
+        };
+        let bias = self.contig(ins[2])?;
+        let (a, b, plan) = self.matmul_plan(ins[0], ins[1])?;
+        let n = out.last();
+        let rows = out.numel() / n.max(1);
+        let one_gemm = plan.a_offsets.len() == 1 && plan.strided.is_none() && !plan.empty_k;
+        if out.numel() == 0 {
+            return Ok(());
+        }
+        let ops = self.matmul_ops(&a, &b, plan)?;
+        if self.fused_epilogues && one_gemm && bias.dtype == DType::F32 {
+            let p = &ops.plan;
+            let fused = self.dev.gemm_bias(
+                &p.gemm,
+                ops.elem,
+                ops.a.at(p.a_offsets[0]),
+                ops.b.at(p.b_offsets[0]),
+                out.base(),
+                bias.base(),
+                relu.is_some(),
+            )?;
+            if fused {
+                self.epilogues.0 += 1;
+                return Ok(());
+            }
+        }
+        self.epilogues.1 += 1;
+        self.launch(fill, &[bias.base(), out.base()], Launch::fill_rows(rows, n))?;
+        if !ops.plan.empty_k {
+            self.matmul_launch(&ops, out, 1.0)?;
+        }
+        if let Some(f) = relu {
+            self.launch(f, &[out.base()], Launch::relu(out.numel()))?;
+        }
+        Ok(())
     }
 
     /// The elements `l` can address, `lo..hi` of its buffer, converted to bf16 in a
@@ -1361,19 +1475,7 @@ impl Run<'_> {
     fn exec(&mut self, step: &Step, ins: &[&DLoc], outs: &[DLoc]) -> Result<(), String> {
         match &step.exec {
             StepExec::Gemm { bias, relu } => {
-                let out = &outs[0];
-                if let Some(f) = bias {
-                    let n = out.last();
-                    let rows = out.numel() / n.max(1);
-                    let b = self.contig(ins[2])?;
-                    self.launch(f, &[b.base(), out.base()], Launch::fill_rows(rows, n))?;
-                }
-                let beta = if bias.is_some() { 1.0 } else { 0.0 };
-                self.matmul(ins[0], ins[1], out, beta)?;
-                if let Some(f) = relu {
-                    self.launch(f, &[out.base()], Launch::relu(out.numel()))?;
-                }
-                Ok(())
+                self.linear(ins, &outs[0], bias.as_deref(), relu.as_deref())
             }
             StepExec::Region { f, expr, inner } => {
                 let out = &outs[0];

@@ -29,6 +29,7 @@
 pub mod abi;
 mod device;
 pub mod executor;
+mod lt;
 pub mod parallel;
 pub mod ptx_cache;
 mod steps;

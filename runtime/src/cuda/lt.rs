@@ -1,0 +1,328 @@
+//! GEMMs with the bias (and ReLU) fused into cuBLASLt's epilogue: `linear` and
+//! `linear_relu` in one library call instead of a bias fill, a GEMM and a ReLU pass.
+//!
+//! In: a row-major GEMM as [`Sgemm`] describes it for cuBLAS (operands swapped, so that
+//! cuBLAS's `m` is the output's last axis and the bias runs along it), the operands'
+//! element type, the device addresses, and whether a ReLU follows. Out: the launch on the
+//! device's stream, or `Ok(false)` when cuBLASLt has no algorithm for that problem (the
+//! caller then runs the separate kernels).
+//!
+//! A plan (matmul descriptor, matrix layouts and the heuristic's algorithm) is made once
+//! per problem — shape, transposes, leading dimensions, element type, epilogue and the
+//! alignment of each address — and reused; only the bias address is set per call. The
+//! alignments are part of the problem because the heuristic may choose an algorithm that
+//! needs aligned operands: the preference tells it the alignment each address has.
+//!
+//! Precision follows the executor's GEMM mode: fp32 computes in fp32 (`COMPUTE_32F`, no
+//! TF32), TF32 in `COMPUTE_32F_FAST_TF32`, bf16 operands with fp32 accumulation and an
+//! fp32 result and bias. Only built behind [`super::cuda_available`].
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::abi::Sgemm;
+use super::device::{GemmElem, GemmMath};
+
+/// Bytes of the cuBLASLt workspace (NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// The largest alignment the preferences are told about (cuBLASLt's default assumption).
+const MAX_ALIGN: u64 = 256;
+
+/// The alignment of a device address, in bytes, up to [`MAX_ALIGN`].
+pub(crate) fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return MAX_ALIGN as u32;
+    }
+    (1u64 << ptr.trailing_zeros()).min(MAX_ALIGN) as u32
+}
+
+/// Whether cuBLASLt may take `bias` as an epilogue vector: 16-byte aligned (what its
+/// vectorized epilogues read; other addresses take the separate kernels).
+pub(crate) fn bias_fits(bias: u64) -> bool {
+    alignment(bias) >= 16
+}
+
+/// One GEMM problem: everything the plan depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    g: Sgemm,
+    bf16: bool,
+    relu: bool,
+    /// Alignments of the first operand, the second and the output (which is also `C`).
+    align: [u32; 3],
+}
+
+/// A matmul descriptor, its layouts and its algorithm (destroyed on drop).
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by `Lt::plan`, destroyed once, not in use (the stream that ran
+        // them is synchronized before the executor drops).
+        unsafe {
+            for l in self.layouts.into_iter().filter(|l| !l.is_null()) {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// cuBLASLt on one device: its handle, workspace and plans.
+pub(crate) struct Lt {
+    handle: sys::cublasLtHandle_t,
+    /// Owns the workspace memory (`workspace_ptr`).
+    _workspace: CudaSlice<u8>,
+    workspace_ptr: u64,
+    math: GemmMath,
+    /// `None`: cuBLASLt has no algorithm for the problem.
+    plans: HashMap<Key, Option<Plan>>,
+}
+
+// SAFETY: the handle and plans are plain library objects; the executor uses them from one
+// thread at a time (behind its state's mutex).
+unsafe impl Send for Lt {}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created in `Lt::new`, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+fn err(what: &'static str) -> impl Fn(lt::CublasError) -> String {
+    move |e| format!("cuBLASLt {what}: {e:?}")
+}
+
+/// Sets one attribute of a matmul descriptor.
+///
+/// # Safety
+/// `desc` is a live descriptor and `T` the attribute's C type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<(), String> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        value as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .map_err(err("descriptor attribute"))
+}
+
+impl Lt {
+    /// A handle and a workspace on `stream`'s device.
+    pub fn new(stream: &Arc<CudaStream>, math: GemmMath) -> Result<Lt, String> {
+        let handle = lt::create_handle().map_err(err("handle"))?;
+        // SAFETY: the workspace is scratch memory cuBLASLt writes before it reads.
+        let workspace = match unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { lt::destroy_handle(handle) };
+                return Err(format!("cannot allocate the cuBLASLt workspace: {e:?}"));
+            }
+        };
+        let workspace_ptr = workspace.device_ptr(stream).0;
+        Ok(Lt {
+            handle,
+            _workspace: workspace,
+            workspace_ptr,
+            math,
+            plans: HashMap::new(),
+        })
+    }
+
+    /// The plan of `key`, made on first use; `Ok(None)` when cuBLASLt has no algorithm.
+    fn plan(&mut self, key: Key) -> Result<Option<&Plan>, String> {
+        if !self.plans.contains_key(&key) {
+            let made = self.make(key)?;
+            self.plans.insert(key, made);
+        }
+        Ok(self.plans.get(&key).and_then(|p| p.as_ref()))
+    }
+
+    fn make(&self, key: Key) -> Result<Option<Plan>, String> {
+        use sys::cublasComputeType_t as C;
+        use sys::cudaDataType_t as T;
+        let g = key.g;
+        let compute = match (self.math, key.bf16) {
+            (_, true) | (GemmMath::F32, false) | (GemmMath::Bf16, false) => C::CUBLAS_COMPUTE_32F,
+            (GemmMath::Tf32, false) => C::CUBLAS_COMPUTE_32F_FAST_TF32,
+        };
+        let elem = if key.bf16 {
+            T::CUDA_R_16BF
+        } else {
+            T::CUDA_R_32F
+        };
+        let desc = lt::create_matmul_desc(compute, T::CUDA_R_32F).map_err(err("descriptor"))?;
+        // From here on the plan owns what is made, and frees it on an early return.
+        let mut plan = Plan {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let op = |t: bool| -> i32 { t as i32 };
+        let epilogue = if key.relu {
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS
+        } else {
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+        };
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        // SAFETY: a live descriptor; TRANSA/TRANSB are `int32_t` (`cublasOperation_t`),
+        // EPILOGUE a `uint32_t` enum. The bias has D's type (f32), the default.
+        unsafe {
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.transa))?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.transb))?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))?;
+        }
+        let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
+        // cuBLAS's first operand (our right one) is `m×k`, stored `k×m` when transposed;
+        // the second `k×n` (`n×k`); the output `m×n`, all column-major.
+        let (ar, ac) = if g.transa { (k, m) } else { (m, k) };
+        let (br, bc) = if g.transb { (n, k) } else { (k, n) };
+        for (slot, (ty, r, c, ld)) in [
+            (elem, ar, ac, g.lda),
+            (elem, br, bc, g.ldb),
+            (T::CUDA_R_32F, m, n, g.ldc),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            plan.layouts[slot] =
+                lt::create_matrix_layout(ty, r, c, ld as i64).map_err(err("matrix layout"))?;
+        }
+        let pref = lt::create_matmul_pref().map_err(err("preference"))?;
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        let set_pref = |attr: P, value: *const c_void, size: usize| {
+            // SAFETY: a live preference; the value has the attribute's C type.
+            unsafe { lt::set_matmul_pref_attribute(pref, attr, value, size) }
+                .map_err(err("preference attribute"))
+        };
+        let ws = WORKSPACE_BYTES as u64;
+        let [aa, ab, ac_] = key.align;
+        let prefs = set_pref(
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as *const c_void,
+            8,
+        )
+        .and_then(|_| {
+            [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aa),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ac_),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ac_),
+            ]
+            .into_iter()
+            .try_for_each(|(attr, a)| set_pref(attr, &a as *const u32 as *const c_void, 4))
+        });
+        let found = prefs.map(|()| {
+            let [la, lb, lc] = plan.layouts;
+            // No algorithm (`NOT_SUPPORTED`) or a problem the heuristic refuses: the
+            // separate kernels run it (`gemm_bias` answers `false`).
+            // SAFETY: live descriptor, layouts and preference (D is laid out as C).
+            let h =
+                unsafe { lt::get_matmul_algo_heuristic(self.handle, desc, la, lb, lc, lc, pref) };
+            h.ok().map(|h| h.algo)
+        });
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        Ok(found?.map(|algo| {
+            plan.algo = algo;
+            plan
+        }))
+    }
+
+    /// Row-major `c = a·b + bias` (`relu`: then `max(·, 0)`), with `g` as for
+    /// `cublasSgemm` (cuBLAS's first operand at `b`, its second at `a`) and `bias` one
+    /// f32 per output column. `Ok(false)`: cuBLASLt cannot run this problem (nothing was
+    /// launched).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bias(
+        &mut self,
+        stream: &CudaStream,
+        g: &Sgemm,
+        elem: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+        relu: bool,
+    ) -> Result<bool, String> {
+        if !bias_fits(bias) {
+            return Ok(false);
+        }
+        let key = Key {
+            g: *g,
+            bf16: elem == GemmElem::Bf16,
+            relu,
+            align: [alignment(b), alignment(a), alignment(c)],
+        };
+        let (handle, ws) = (self.handle, self.workspace_ptr);
+        let Some(plan) = self.plan(key)? else {
+            return Ok(false);
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let [la, lb, lc] = plan.layouts;
+        // SAFETY: the plan describes the operands at these addresses (sizes and leading
+        // dimensions from `sgemm_args`, alignments checked by its key); the bias holds
+        // `m` f32s; the workspace is the handle's, on this device; the call is enqueued
+        // on the executor's stream and reads alpha and beta before returning.
+        unsafe {
+            set_desc(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &bias,
+            )?;
+            lt::matmul(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                b as *const c_void,
+                la,
+                a as *const c_void,
+                lb,
+                c as *const c_void,
+                lc,
+                c as *mut c_void,
+                lc,
+                &plan.algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as *mut _,
+            )
+        }
+        .map_err(err("matmul"))?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignments_are_powers_of_two_up_to_256() {
+        assert_eq!(alignment(0x7f00_0000_0000), 256);
+        assert_eq!(alignment(0x7f00_0000_0010), 16);
+        assert_eq!(alignment(0x7f00_0000_0004), 4);
+        assert_eq!(alignment(0x7f00_0000_0002), 2);
+        assert_eq!(alignment(0x7f00_0000_0180), 128);
+        assert!(bias_fits(0x7f00_0000_0010));
+        assert!(!bias_fits(0x7f00_0000_0008));
+    }
+}
