@@ -69,6 +69,12 @@ pub struct BenchArgs {
     /// instead of keeping parameters, gradients and moments on the GPU.
     #[arg(long)]
     pub host_optimizer: bool,
+    /// With `--executor cuda`, `train_step`: data parallel over these GPUs (`0,1,2,3`),
+    /// as `train.devices` trains: every GPU runs the batch, NCCL sums the gradients, every
+    /// GPU takes the Adam step (needs a kiln built with `--features nccl`). Tokens/s count
+    /// every GPU's batch.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub devices: Option<Vec<usize>>,
 }
 
 fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
@@ -79,17 +85,17 @@ fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
     })
 }
 
-/// The CUDA executor of `entry`: the spec compiled as a `--target cuda` artifact into a
-/// temporary directory (removed again), loaded, and handed to the CUDA executor. Without
-/// a GPU the error is the guard's reason.
-fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::cuda::CudaExecutor, Error> {
-    let no_cuda = |reason: String| {
-        plain(
-            "kiln::cuda",
-            reason,
-            Some("`--executor compiled` benchmarks the CPU backend".to_string()),
-        )
-    };
+fn no_cuda(reason: String) -> Error {
+    plain(
+        "kiln::cuda",
+        reason,
+        Some("`--executor compiled` benchmarks the CPU backend".to_string()),
+    )
+}
+
+/// The spec's `entry` compiled as a `--target cuda` artifact into a temporary directory
+/// (removed again) and loaded. Without a GPU the error is the guard's reason.
+fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::Artifact, Error> {
     // Before compiling anything: is there a GPU at all?
     kiln_runtime::cuda::cuda_available().map_err(no_cuda)?;
     let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
@@ -111,17 +117,35 @@ fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::cuda::CudaE
     .and_then(|()| {
         kiln_runtime::artifact::Artifact::load(&dir)
             .map_err(|e| plain("kiln::artifact", e.to_string(), None))
-    })
-    .and_then(|art| {
-        kiln_runtime::cuda::CudaExecutor::with_options(
-            &art,
-            entry,
-            kiln_runtime::cuda::CudaOptions::from_env(),
-        )
-        .map_err(|e| no_cuda(e.to_string()))
     });
     let _ = std::fs::remove_dir_all(&dir);
     built
+}
+
+/// The CUDA executor of `entry` (see [`cuda_artifact`]).
+fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::cuda::CudaExecutor, Error> {
+    let art = cuda_artifact(a, entry)?;
+    kiln_runtime::cuda::CudaExecutor::with_options(
+        &art,
+        entry,
+        kiln_runtime::cuda::CudaOptions::from_env(),
+    )
+    .map_err(|e| no_cuda(e.to_string()))
+}
+
+/// Data-parallel training of `train_step` over `devices` (see [`cuda_artifact`]).
+fn data_parallel(
+    a: &BenchArgs,
+    devices: &[usize],
+) -> Result<kiln_runtime::cuda::parallel::DataParallel, Error> {
+    let art = cuda_artifact(a, "train_step")?;
+    kiln_runtime::cuda::parallel::DataParallel::new(
+        &art,
+        "train_step",
+        devices,
+        kiln_runtime::cuda::CudaOptions::from_env(),
+    )
+    .map_err(|e| plain("kiln::bench", e, None))
 }
 
 /// Peak resident set size of this process, bytes (Linux; 0 elsewhere).
@@ -170,13 +194,36 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } else {
         None
     };
-    let cuda = if a.executor == "cuda" {
+    if let Some(devices) = &a.devices {
+        if a.executor != "cuda" || entry != "train_step" || a.host_optimizer || a.adam_program {
+            return Err(plain(
+                "kiln::bench",
+                "`--devices` times data-parallel training on the GPU".to_string(),
+                Some(
+                    "use it with `--executor cuda --entry train_step`, without \
+                     `--host-optimizer` or `--adam-program`"
+                        .to_string(),
+                ),
+            ));
+        }
+        kiln_runtime::cuda::parallel::check_devices(devices)
+            .map_err(|e| plain("kiln::bench", e.replace("train.devices", "--devices"), None))?;
+    }
+    let parallel = match &a.devices {
+        Some(devices) => Some(data_parallel(a, devices)?),
+        None => None,
+    };
+    let cuda = if a.executor == "cuda" && parallel.is_none() {
         Some(cuda_executor(a, entry)?)
     } else {
         None
     };
     let other: Option<Box<dyn Exec>> = match (&compiled, &cuda) {
         (_, Some(_)) => None,
+        (None, None) if parallel.is_some() => Some(Box::new(
+            kiln_runtime::exec::Reference::new(g.clone())
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
+        )),
         (Some(_), None) => Some(Box::new(
             kiln_runtime::exec::Reference::new(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
@@ -221,6 +268,10 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         }
         _ => None,
     };
+    if let Some(dp) = &parallel {
+        dp.train_begin(&params, &host_adam.m, &host_adam.v)
+            .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+    }
     let setup = t0.elapsed().as_secs_f64();
     let mut opts = RunOptions {
         seed: 1,
@@ -242,6 +293,36 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             Some(fixed_params)
         };
         let started = Instant::now();
+        if let Some(dp) = &parallel {
+            let jobs: Vec<_> = (0..dp.world_size())
+                .map(|_| kiln_runtime::cuda::parallel::RankJob {
+                    inputs: inputs.clone(),
+                    opts,
+                    weight: 1.0,
+                })
+                .collect();
+            let outs = dp
+                .train_micro(&jobs, &params, true)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            if let Some((name, x)) = outs.into_iter().find_map(|o| o.non_finite) {
+                return Err(plain(
+                    "kiln::bench",
+                    format!("the gradient of `{name}` is not finite ({x})"),
+                    None,
+                ));
+            }
+            let fwd = started.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            host_adam.t += 1;
+            dp.train_update(host_adam.constants(host_adam.t, 1e-4), 1.0)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let upd = t1.elapsed().as_secs_f64();
+            if run >= a.warmup {
+                times.push(fwd + upd);
+                adam_times.push(upd);
+            }
+            continue;
+        }
         if let Some(c) = device_training {
             let mut rec = |k: &str, s: f64| {
                 let e = profile.entry(k.to_string()).or_insert((0.0, 0));
@@ -386,12 +467,13 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     );
     let med = median(&mut times.clone());
     let adam_med = median(&mut adam_times);
+    let ranks = parallel.as_ref().map_or(1, |dp| dp.world_size());
     let tokens = match entry {
         "decode_step" => a.batch,
-        _ => a.batch * a.tgt_len,
+        _ => a.batch * a.tgt_len * ranks as i64,
     } as f64;
     // The CUDA executor's GEMM precision is part of what was measured.
-    let executor_name = if a.executor == "cuda" {
+    let mut executor_name = if a.executor == "cuda" {
         match kiln_runtime::cuda::CudaOptions::from_env().gemm_name() {
             "fp32" => "cuda".to_string(),
             g => format!("cuda-{g}"),
@@ -399,6 +481,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } else {
         a.executor.clone()
     };
+    if let Some(dp) = &parallel {
+        executor_name = format!(
+            "{executor_name} x{} (GPUs {:?}, {})",
+            dp.world_size(),
+            dp.devices(),
+            dp.engine()
+        );
+    }
     let rss = peak_rss();
     let threads = rayon::current_num_threads();
     if a.json {

@@ -667,3 +667,67 @@ fn kiln_bench_with_the_cuda_executor() {
         }
     }
 }
+
+/// `kiln bench --devices`: data-parallel training steps. Refused, with the fix, for
+/// anything but the GPU's `train_step` and for a GPU listed twice; without the `nccl`
+/// feature or without a GPU, the reason; with both (and one GPU), a step over `--devices
+/// 0` counts one GPU's tokens.
+#[test]
+fn kiln_bench_data_parallel() {
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            SPEC,
+            "--set",
+            "vocab=48",
+            "--batch",
+            "2",
+            "--src-len",
+            "5",
+            "--tgt-len",
+            "4",
+            "--runs",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        let out = kiln(&args);
+        let err: String = String::from_utf8_lossy(&out.stderr)
+            .split_whitespace()
+            .filter(|w| *w != "│")
+            .collect::<Vec<_>>()
+            .join(" ");
+        (out, err)
+    };
+    let (out, err) = bench(&["--executor", "compiled", "--devices", "0"]);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("`--devices` times data-parallel training on the GPU")
+            && err.contains("--executor cuda --entry train_step"),
+        "{err}"
+    );
+    let (out, err) = bench(&["--executor", "cuda", "--devices", "0,0"]);
+    assert!(!out.status.success());
+    assert!(err.contains("--devices lists GPU 0 twice"), "{err}");
+    let (out, err) = bench(&["--executor", "cuda", "--devices", "0"]);
+    match cuda_available() {
+        Err(reason) => {
+            assert!(!out.status.success());
+            let first = reason
+                .split_whitespace()
+                .take(4)
+                .collect::<Vec<_>>()
+                .join(" ");
+            assert!(err.contains(&first), "{err}");
+        }
+        Ok(_) if !cfg!(feature = "nccl") => {
+            assert!(!out.status.success());
+            assert!(err.contains("--features nccl"), "{err}");
+        }
+        Ok(_) => {
+            assert!(out.status.success(), "{err}");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains("x1 (GPUs [0], NCCL "), "{text}");
+            assert!(text.contains("ms/step"), "{text}");
+        }
+    }
+}

@@ -601,7 +601,21 @@ impl Trainer {
         let ex = |name: &str, g: &Graph| -> Result<Box<dyn Exec>, TrainError> {
             match artifact {
                 Some(art) if cuda => {
-                    crate::cuda::executor_for(art, name).map_err(TrainError::Setup)
+                    // Validation and decoding run on the first GPU of the run.
+                    let device = cfg
+                        .train
+                        .devices
+                        .as_ref()
+                        .and_then(|d| d.first())
+                        .copied()
+                        .unwrap_or(0);
+                    let options = crate::cuda::CudaOptions {
+                        device,
+                        ..crate::cuda::CudaOptions::from_env()
+                    };
+                    crate::cuda::CudaExecutor::with_options(art, name, options)
+                        .map(|e| Box::new(e) as Box<dyn Exec>)
+                        .map_err(|e| TrainError::Setup(e.to_string()))
                 }
                 None if cuda => Err(TrainError::Setup(
                     "`train.executor: cuda` runs a compiled `--target cuda` artifact: compile one \
