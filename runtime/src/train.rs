@@ -1335,6 +1335,15 @@ fn digest(cfg: &Config) -> String {
             .as_ref()
             .map(|l| ("loss_scale", fnv(l))),
     )
+    // Data parallel over several GPUs multiplies the batch (which GPUs does not matter,
+    // and one GPU through NCCL is the run without it).
+    .chain(
+        cfg.train
+            .devices
+            .as_ref()
+            .filter(|d| d.len() > 1)
+            .map(|d| ("gpus", fnv(&d.len()))),
+    )
     .map(|(k, v)| format!("{k}={v}"))
     .collect::<Vec<_>>()
     .join(" ")
@@ -1362,6 +1371,8 @@ fn digest_changes(saved: &str, now: &str) -> Vec<String> {
                 "`train.seed`/`train.executor`".to_string()
             } else if k == "loss_scale" {
                 "`train.loss_scale`".to_string()
+            } else if k == "gpus" {
+                "the number of GPUs in `train.devices`".to_string()
             } else {
                 format!("`{k}`")
             }
@@ -1462,5 +1473,37 @@ fn accumulate(
     match bad {
         Some((name, x)) => Err(Accumulate::NonFinite(name.clone(), x)),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(devices: Option<Vec<usize>>) -> Config {
+        let mut c = Config::parse(
+            "model:\n  spec: m.kiln\ndata:\n  train_src: a\n  train_tgt: b\n  valid_src: c\n  \
+             valid_tgt: d\ntrain:\n  executor: cuda\n",
+        )
+        .unwrap();
+        c.train.devices = devices;
+        c
+    }
+
+    #[test]
+    fn the_number_of_gpus_is_part_of_the_trajectory() {
+        let one = digest(&config(None));
+        // One GPU through NCCL is the run without it; which GPUs does not matter.
+        assert_eq!(digest(&config(Some(vec![0]))), one);
+        let two = digest(&config(Some(vec![0, 1])));
+        assert_eq!(digest(&config(Some(vec![2, 3]))), two);
+        assert_eq!(
+            digest_changes(&one, &two),
+            vec!["the number of GPUs in `train.devices`".to_string()]
+        );
+        assert_eq!(
+            digest_changes(&two, &digest(&config(Some(vec![0, 1, 2])))),
+            vec!["the number of GPUs in `train.devices`".to_string()]
+        );
     }
 }
