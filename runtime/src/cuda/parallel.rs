@@ -97,11 +97,12 @@ unsafe impl Send for Comms {}
 
 /// Data-parallel device training over several GPUs (see the module documentation).
 pub struct DataParallel {
+    /// Declared first: the communicators go before the executors (fields drop in order).
+    #[cfg(feature = "nccl")]
+    comms: std::sync::Mutex<Comms>,
     ranks: Vec<CudaExecutor>,
     devices: Vec<usize>,
     engine: String,
-    #[cfg(feature = "nccl")]
-    comms: std::sync::Mutex<Comms>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -189,10 +190,10 @@ impl DataParallel {
                 format!("NCCL cannot make communicators for GPUs {devices:?}: {e:?}")
             })?;
             Ok(DataParallel {
+                comms: std::sync::Mutex::new(Comms(comms)),
                 ranks,
                 devices: devices.to_vec(),
                 engine: format!("NCCL {}", nccl_version_text(code)),
-                comms: std::sync::Mutex::new(Comms(comms)),
             })
         }
     }
