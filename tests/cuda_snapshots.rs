@@ -20,6 +20,9 @@ fn code_of(entry: &str) -> CudaCode {
     if entry == "cast" {
         return kiln_compiler::codegen::cuda::cast::code();
     }
+    if entry == "resident" {
+        return kiln_compiler::codegen::cuda::resident::code();
+    }
     let spec = root().join("models/transformer_tiny.kiln");
     let mode = match entry {
         "train_step" | "train_step_scaled" | "adam_update" => kiln_dsl::Mode::Train,
@@ -138,6 +141,10 @@ fn the_device_optimizer_is_pinned() {
     let cast = code_of("cast");
     assert_eq!(cast.prelude, code.prelude);
     insta::assert_snapshot!("cuda_to_bf16", cast.functions[0].text);
+    let resident = code_of("resident");
+    assert_eq!(resident, code_of("resident"), "the code is deterministic");
+    assert_eq!(resident.prelude, code.prelude);
+    insta::assert_snapshot!("cuda_take_rows", resident.functions[0].text);
 }
 
 /// Every `(`/`)`, `[`/`]`, `{`/`}` pair balanced and properly nested.

@@ -55,6 +55,8 @@ pub enum Source<'t> {
 pub struct Binder<'g, 't> {
     graph: &'g Graph,
     inputs: &'t BTreeMap<String, Tensor>,
+    /// Inputs the executor already holds (on a device): their shapes and dtypes only.
+    resident: &'t BTreeMap<String, (Vec<usize>, DType)>,
     params: &'t BTreeMap<String, Tensor>,
     /// `the reference executor`: who to name when a dtype is not supported.
     executor: &'static str,
@@ -72,9 +74,24 @@ impl<'g, 't> Binder<'g, 't> {
         params: &'t BTreeMap<String, Tensor>,
         executor: &'static str,
     ) -> Result<Self, ExecError> {
+        static NONE: BTreeMap<String, (Vec<usize>, DType)> = BTreeMap::new();
+        Binder::with_resident(graph, inputs, &NONE, params, executor)
+    }
+
+    /// [`Binder::new`] where some inputs are not host tensors but values an executor
+    /// already holds (a decoder's state on a device), given by shape and dtype: they bind
+    /// dims like the others; [`Binder::input`] does not hand them out.
+    pub fn with_resident(
+        graph: &'g Graph,
+        inputs: &'t BTreeMap<String, Tensor>,
+        resident: &'t BTreeMap<String, (Vec<usize>, DType)>,
+        params: &'t BTreeMap<String, Tensor>,
+        executor: &'static str,
+    ) -> Result<Self, ExecError> {
         let mut b = Binder {
             graph,
             inputs,
+            resident,
             params,
             executor,
             dims: BTreeMap::new(),
@@ -146,34 +163,46 @@ impl<'g, 't> Binder<'g, 't> {
             }
             let name = self.input_name(id)?;
             let ty = graph.ty(id);
-            let t = self
-                .inputs
-                .get(name)
-                .ok_or_else(|| ExecError::MissingInput {
-                    name: name.to_string(),
-                    expected: self.expected_inputs(),
-                })?;
             let err = |message: String| ExecError::Input {
                 name: name.to_string(),
                 message,
             };
-            self.check_source_tensor(ty, t).map_err(err)?;
+            let shape: &[usize] = match (self.inputs.get(name), self.resident.get(name)) {
+                (Some(t), _) => {
+                    self.check_source_tensor(ty, t).map_err(err)?;
+                    &t.shape
+                }
+                (None, Some((shape, dtype))) => {
+                    if *dtype != ty.dtype {
+                        return Err(err(format!(
+                            "is held as {dtype}, but the graph declares {ty}"
+                        )));
+                    }
+                    shape
+                }
+                (None, None) => {
+                    return Err(ExecError::MissingInput {
+                        name: name.to_string(),
+                        expected: self.expected_inputs(),
+                    })
+                }
+            };
             let dims = ty.shape.dims();
-            if t.shape.len() != dims.len() {
+            if shape.len() != dims.len() {
                 return Err(err(format!(
                     "has rank {} (shape {}), but the graph declares rank {}: {}",
-                    t.shape.len(),
-                    fmt_dims(&t.shape),
+                    shape.len(),
+                    fmt_dims(shape),
                     dims.len(),
                     ty.shape
                 )));
             }
-            for (axis, (d, &got)) in dims.iter().zip(&t.shape).enumerate() {
+            for (axis, (d, &got)) in dims.iter().zip(shape).enumerate() {
                 if let Some(c) = d.as_const() {
                     if i64::try_from(got) != Ok(c) {
                         return Err(err(format!(
                             "has shape {}, expected {}: axis {axis} must be {c}",
-                            fmt_dims(&t.shape),
+                            fmt_dims(shape),
                             ty.shape
                         )));
                     }
@@ -206,10 +235,12 @@ impl<'g, 't> Binder<'g, 't> {
         for &id in &graph.inputs {
             let name = self.input_name(id)?;
             let ty = graph.ty(id);
-            let Some(t) = self.inputs.get(name) else {
-                continue;
+            let shape: &[usize] = match (self.inputs.get(name), self.resident.get(name)) {
+                (Some(t), _) => &t.shape,
+                (None, Some((shape, _))) => shape,
+                (None, None) => continue,
             };
-            for (axis, (d, &got)) in ty.shape.dims().iter().zip(&t.shape).enumerate() {
+            for (axis, (d, &got)) in ty.shape.dims().iter().zip(shape).enumerate() {
                 if d.is_const() || d.as_sym().is_some() {
                     continue;
                 }
@@ -225,7 +256,7 @@ impl<'g, 't> Binder<'g, 't> {
                         name: name.to_string(),
                         message: format!(
                             "has shape {}, expected {}: axis {axis} is `{d}` = {want}",
-                            fmt_dims(&t.shape),
+                            fmt_dims(shape),
                             ty.shape
                         ),
                     });
@@ -409,4 +440,64 @@ pub fn liveness(graph: &Graph, requested: &[NodeId]) -> (Vec<bool>, Vec<usize>) 
         }
     }
     (live, last_use)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shape::{Dim, Shape};
+
+    /// Inputs `ids: i32[b, t]` and `cache: f32[b, h, t, 2]` (a decoder's state).
+    fn graph() -> Graph {
+        let mut g = Graph::new("resident");
+        let ids = TensorType::new(DType::I32, Shape::from(vec![Dim::sym("b"), Dim::sym("t")]));
+        let cache = TensorType::new(
+            DType::F32,
+            Shape::from(vec![
+                Dim::sym("b"),
+                Dim::from(3),
+                Dim::sym("t"),
+                Dim::from(2),
+            ]),
+        );
+        let i = g.add_input("ids", ids).unwrap();
+        let c = g.add_input("cache", cache).unwrap();
+        g.add_output("ids", i).unwrap();
+        g.add_output("cache", c).unwrap();
+        g
+    }
+
+    #[test]
+    fn resident_inputs_bind_dims_by_shape() {
+        let g = graph();
+        let mut inputs = BTreeMap::new();
+        inputs.insert(
+            "ids".to_string(),
+            Tensor::i32(vec![4, 5], vec![0; 20]).unwrap(),
+        );
+        let params = BTreeMap::new();
+        let mut resident = BTreeMap::new();
+        resident.insert("cache".to_string(), (vec![4, 3, 5, 2], DType::F32));
+        let b = Binder::with_resident(&g, &inputs, &resident, &params, "test").unwrap();
+        assert_eq!(b.dims["b"], 4);
+        assert_eq!(b.dims["t"], 5);
+        // Not handed out as a host source.
+        let id = g.input("cache").unwrap();
+        assert!(matches!(
+            b.input(id, "cache"),
+            Err(ExecError::MissingInput { .. })
+        ));
+        // Checked like host tensors: conflicting dims, constant axes, dtype, presence.
+        resident.insert("cache".to_string(), (vec![6, 3, 5, 2], DType::F32));
+        let e = Binder::with_resident(&g, &inputs, &resident, &params, "test").err();
+        assert!(matches!(e, Some(ExecError::DimConflict { .. })), "{e:?}");
+        resident.insert("cache".to_string(), (vec![4, 2, 5, 2], DType::F32));
+        let e = Binder::with_resident(&g, &inputs, &resident, &params, "test").err();
+        assert!(e.unwrap().to_string().contains("axis 1 must be 3"));
+        resident.insert("cache".to_string(), (vec![4, 3, 5, 2], DType::I32));
+        let e = Binder::with_resident(&g, &inputs, &resident, &params, "test").err();
+        assert!(e.unwrap().to_string().contains("is held as i32"));
+        let e = Binder::new(&g, &inputs, &params, "test").err();
+        assert!(matches!(e, Some(ExecError::MissingInput { .. })), "{e:?}");
+    }
 }

@@ -1527,3 +1527,39 @@ fn row_kernels_in_bf16_match_the_cpu_within_bf16_rounding() {
     );
     close_bf16("add_layer_norm bf16", &g[6], &as_f32(&h[6]));
 }
+
+/// The resident decoder's row gather (`resident::take_rows`): rows reordered and
+/// repeated as beam search asks, every word copied exactly (NaN payloads and negative
+/// zeros included), whatever the grid.
+#[test]
+fn take_rows_gathers_rows_exactly() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(47);
+    let (src_rows, width) = (5usize, 9usize);
+    let mut src = rng.floats(src_rows * width, -1.0, 1.0);
+    // Odd bit patterns travel as they are.
+    src[..4].copy_from_slice(&0x7fc0_1234u32.to_le_bytes());
+    src[4..8].copy_from_slice(&0x8000_0000u32.to_le_bytes());
+    let rows: Vec<i32> = vec![4, 0, 0, 2, 4, 4, 1];
+    let (dims, items) = cuda::resident::take_rows_dims(rows.len(), width);
+    let mut want = Vec::new();
+    for &r in &rows {
+        want.extend_from_slice(&src[r as usize * width * 4..(r as usize + 1) * width * 4]);
+    }
+    for launch in [(GRID, BLOCK), (1, 32)] {
+        let mut g = vec![
+            i32s(&rows),
+            src.clone(),
+            f32s(&vec![f32::NAN; rows.len() * width]),
+        ];
+        run_with(
+            cxx,
+            &cuda::resident::take_rows(),
+            &mut g,
+            &dims,
+            items as u64,
+            launch,
+        );
+        assert_eq!(g[2], want, "grid {launch:?}");
+    }
+}

@@ -68,6 +68,7 @@ pub mod optim;
 pub mod philox;
 pub mod program;
 pub mod region;
+pub mod resident;
 pub mod rows;
 pub mod text;
 
