@@ -731,3 +731,82 @@ fn kiln_bench_data_parallel() {
         }
     }
 }
+
+/// The GPU decoder keeps its state on the device (`DeviceCachedStep`: the encoder's
+/// output, the source and the key/value caches stay there; rows are reordered by
+/// `take_rows`, the grown caches kept by `run_resident`): the same hypotheses and scores,
+/// bit for bit, as the host-state decoder (`CachedStep`) on the same CUDA executors, and
+/// the CPU executor's tokens. `cached_step` picks the device path for a CUDA executor.
+#[test]
+fn gpu_resident_decoding_matches_the_host_state() {
+    use kiln_runtime::decode::{cached_step, decode, CachedStep, DecodeOptions, DeviceCachedStep};
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let enc = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
+    let step = CudaExecutor::from_artifact_entry(art, "decode_step").unwrap();
+    let params: BTreeMap<String, Tensor> = art.weights().unwrap().into_iter().collect();
+    // Three sentences, two of them padded; ids below the vocabulary of 48.
+    let src = Tensor::i32(
+        vec![3, 5],
+        vec![5, 6, 7, 0, 0, 8, 9, 10, 11, 12, 13, 14, 0, 0, 0],
+    )
+    .unwrap();
+    let opts = DecodeOptions {
+        beam: 4,
+        max_len_b: 6,
+        ..DecodeOptions::default()
+    };
+    let host = decode(&mut CachedStep::new(&enc, &step, &params, 48), &src, &opts).unwrap();
+    let device = decode(
+        &mut DeviceCachedStep::new(&enc, &step, &params, 48),
+        &src,
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(host, device);
+    let mut picked = cached_step(&enc, &step, &params, 48);
+    assert_eq!(decode(picked.as_mut(), &src, &opts).unwrap(), device);
+    let (cenc, cstep) = (
+        art.executor("encode").unwrap(),
+        art.executor("decode_step").unwrap(),
+    );
+    let cpu = decode(
+        &mut CachedStep::new(&cenc, &cstep, &params, 48),
+        &src,
+        &opts,
+    )
+    .unwrap();
+    for (c, g) in cpu.iter().zip(&device) {
+        assert_eq!(c.tokens, g.tokens);
+        assert!(
+            (c.score - g.score).abs() <= 1e-4 * c.score.abs().max(1.0),
+            "{c:?} vs {g:?}"
+        );
+    }
+    // Rows are gathered exactly, repeats included.
+    let t = Tensor::f32(
+        vec![3, 2],
+        vec![1.0, -0.0, 2.5, f32::MIN_POSITIVE, -3.0, 7.0],
+    )
+    .unwrap();
+    let d = step.to_device(&t).unwrap();
+    let g = step.take_rows(&[&d], &[2, 0, 2, 1]).unwrap();
+    let back = step.to_host(&g[0]).unwrap();
+    assert_eq!(back.shape, vec![4, 2]);
+    let bits = |t: &Tensor| {
+        t.as_f32()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>()
+    };
+    let want = Tensor::f32(
+        vec![4, 2],
+        vec![-3.0, 7.0, 1.0, -0.0, -3.0, 7.0, 2.5, f32::MIN_POSITIVE],
+    )
+    .unwrap();
+    assert_eq!(bits(&back), bits(&want));
+    assert!(step.take_rows(&[&d], &[3]).is_err(), "a row out of range");
+}

@@ -292,6 +292,101 @@ impl StepModel for CachedStep<'_> {
     }
 }
 
+/// [`CachedStep`] with the state on the GPU: the `decode_step` entry runs on a CUDA
+/// executor, which holds the encoder's output, the source and the key/value caches
+/// between steps. Each step uploads only the newest tokens, reorders the state's rows on
+/// the device (`CudaExecutor::take_rows`), runs the step with that state bound in place
+/// (`CudaExecutor::run_resident`, the grown caches kept on the device) and downloads only
+/// the logits. The same computation as [`CachedStep`] on the same executor.
+pub struct DeviceCachedStep<'a> {
+    encode: &'a dyn Exec,
+    step: &'a crate::cuda::CudaExecutor,
+    params: &'a BTreeMap<String, Tensor>,
+    opts: RunOptions,
+    state: BTreeMap<String, crate::cuda::DeviceTensor>,
+    vocab: usize,
+}
+
+impl<'a> DeviceCachedStep<'a> {
+    pub fn new(
+        encode: &'a dyn Exec,
+        step: &'a crate::cuda::CudaExecutor,
+        params: &'a BTreeMap<String, Tensor>,
+        vocab: usize,
+    ) -> DeviceCachedStep<'a> {
+        DeviceCachedStep {
+            encode,
+            step,
+            params,
+            opts: RunOptions {
+                params_version: Some(crate::exec::fresh_params_version()),
+                ..RunOptions::default()
+            },
+            state: BTreeMap::new(),
+            vocab,
+        }
+    }
+}
+
+impl StepModel for DeviceCachedStep<'_> {
+    fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
+        let mut host = CachedStep::new(self.encode, self.step, self.params, self.vocab);
+        host.opts = self.opts;
+        host.start(src)?;
+        self.state = host
+            .state
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), self.step.to_device(t)?)))
+            .collect::<Result<_, DecodeError>>()?;
+        Ok(())
+    }
+
+    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+        let rows = tokens.len();
+        let state = std::mem::take(&mut self.state);
+        let names: Vec<String> = state.keys().cloned().collect();
+        let held: Vec<&crate::cuda::DeviceTensor> = state.values().collect();
+        let gathered = self.step.take_rows(&held, parents)?;
+        let mut resident: BTreeMap<String, crate::cuda::DeviceTensor> =
+            names.into_iter().zip(gathered).collect();
+        drop(state);
+        let mut inputs = BTreeMap::new();
+        inputs.insert(
+            "tgt_in".to_string(),
+            Tensor::i32(vec![rows, 1], tokens.to_vec())
+                .map_err(|e| DecodeError::Model(e.to_string()))?,
+        );
+        let is_cache = |name: &str| name.starts_with(kiln_compiler::ir::CACHE_PREFIX);
+        let (out, kept) =
+            self.step
+                .run_resident(&inputs, &resident, self.params, &self.opts, &is_cache)?;
+        let mut out: BTreeMap<String, Tensor> = out.into_iter().collect();
+        let (logits, vocab) = logits_of(&mut out, rows)?;
+        resident.extend(kept);
+        self.state = resident;
+        self.vocab = vocab;
+        Ok(log_softmax_rows(&logits, vocab))
+    }
+
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+}
+
+/// The cached decoder for `encode` and `step`: [`DeviceCachedStep`] when `step` is a
+/// CUDA executor (the state stays on the GPU), [`CachedStep`] otherwise.
+pub fn cached_step<'a>(
+    encode: &'a dyn Exec,
+    step: &'a dyn Exec,
+    params: &'a BTreeMap<String, Tensor>,
+    vocab: usize,
+) -> Box<dyn StepModel + 'a> {
+    match step.as_cuda() {
+        Some(cuda) => Box::new(DeviceCachedStep::new(encode, cuda, params, vocab)),
+        None => Box::new(CachedStep::new(encode, step, params, vocab)),
+    }
+}
+
 /// Decoding by running the `forward` entry on the whole prefix at every step.
 pub struct FullStep<'a> {
     forward: &'a dyn Exec,

@@ -42,6 +42,12 @@ pub trait Exec: Send + Sync {
         self.run(inputs, params, opts)
     }
 
+    /// The CUDA executor behind this one, if it is one: what lets the decoder keep its
+    /// state on the GPU (`decode::DeviceCachedStep`). The default: none.
+    fn as_cuda(&self) -> Option<&crate::cuda::CudaExecutor> {
+        None
+    }
+
     /// Runs and returns the outputs by name.
     fn run_map(
         &self,

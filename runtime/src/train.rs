@@ -38,7 +38,7 @@ use crate::cuda::parallel::{micro_counter, DataParallel, RankJob};
 use crate::data::{
     load_parallel, BatchConfig, BatchPlan, Dataset, Example, ParallelCorpus, Tokenizer,
 };
-use crate::decode::{decode, CachedStep, DecodeOptions, LengthPenalty};
+use crate::decode::{decode, DecodeOptions, LengthPenalty};
 use crate::entry::{entry_graph, Entry};
 use crate::exec::{executor, Exec, ExecutorKind};
 use crate::metrics::{read_metrics, truncate_after, Kind, MetricsWriter, Record};
@@ -1409,8 +1409,8 @@ pub fn translate_ids(
         }
         let src = Tensor::i32(vec![chunk.len(), width], ids)
             .map_err(|e| TrainError::Setup(e.to_string()))?;
-        let mut model = CachedStep::new(encode, step, params, vocab);
-        let hyps = decode(&mut model, &src, opts)?;
+        let mut model = crate::decode::cached_step(encode, step, params, vocab);
+        let hyps = decode(model.as_mut(), &src, opts)?;
         for (&i, h) in chunk.iter().zip(hyps) {
             out[i] = h.tokens;
         }

@@ -33,6 +33,7 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
+use kiln_compiler::codegen::cuda::resident as gather;
 use kiln_compiler::codegen::cuda::{cast, optim, CudaCode, Work};
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
@@ -130,6 +131,45 @@ pub struct MicroOut {
     /// The first parameter (in name order) whose gradient had an element that is not
     /// finite, and the first such element: the step must not be applied.
     pub non_finite: Option<(String, f32)>,
+}
+
+/// A tensor in one CUDA executor's device memory: a decoder's state (encoder output,
+/// key/value caches) kept there between steps ([`CudaExecutor::run_resident`]). 4-byte
+/// elements (f32, i32, bools as 0/1), contiguous.
+pub struct DeviceTensor {
+    buf: Buf,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl std::fmt::Debug for DeviceTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceTensor({:?} {:?})", self.dtype, self.shape)
+    }
+}
+
+impl DeviceTensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// What [`CudaExecutor::run_resident`] gives back: the host outputs (in `graph.outputs`
+/// order) and the outputs kept on the device, by name.
+pub type ResidentOut = (Vec<(String, Tensor)>, BTreeMap<String, DeviceTensor>);
+
+/// A run's device-resident inputs, and which outputs stay on the device.
+struct Resident<'a> {
+    inputs: &'a BTreeMap<String, DeviceTensor>,
+    keep: &'a dyn Fn(&str) -> bool,
+}
+
+/// What a run gives back: the host outputs, a non-finite gradient of device training, and
+/// the outputs kept on the device.
+struct RunOut {
+    outputs: Vec<(String, Tensor)>,
+    non_finite: Option<(String, f32)>,
+    kept: BTreeMap<String, DeviceTensor>,
 }
 
 /// Parameters kept on the device between runs of one `RunOptions::params_version`:
@@ -426,7 +466,9 @@ impl CudaExecutor {
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        Ok(self.run_with(inputs, params, opts, None, None)?.outputs)
+        Ok(self
+            .run_with(inputs, params, opts, None, None, None)?
+            .outputs)
     }
 
     /// [`CudaExecutor::run`], synchronizing the stream after every phase to time it:
@@ -441,7 +483,7 @@ impl CudaExecutor {
         rec: &mut dyn FnMut(&str, f64),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         Ok(self
-            .run_with(inputs, params, opts, Some(rec), None)?
+            .run_with(inputs, params, opts, Some(rec), None, None)?
             .outputs)
     }
 
@@ -454,7 +496,8 @@ impl CudaExecutor {
         opts: &RunOptions,
         mut rec: Option<Recorder<'_>>,
         micro: Option<Micro>,
-    ) -> Result<MicroOut, ExecError> {
+        resident: Option<&Resident<'_>>,
+    ) -> Result<RunOut, ExecError> {
         let mut clock = std::time::Instant::now();
         let profiling = rec.is_some();
         if opts.precision != Precision::F32 {
@@ -463,7 +506,15 @@ impl CudaExecutor {
                 opts.precision
             )));
         }
-        let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
+        let held: BTreeMap<String, (Vec<usize>, DType)> = resident
+            .map(|r| {
+                r.inputs
+                    .iter()
+                    .map(|(n, t)| (n.clone(), (t.shape.clone(), t.dtype)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let bind = Binder::with_resident(&self.graph, inputs, &held, params, EXECUTOR)?;
         let dims = bind.dims.clone();
         let layout = self.plan.layout(&dims).map_err(|m| ExecError::Node {
             node: "the memory plan".into(),
@@ -550,6 +601,24 @@ impl CudaExecutor {
                         .graph
                         .input(name)
                         .ok_or_else(|| node_err(v, format!("the graph has no input `{name}`")))?;
+                    if let Some(t) = resident.and_then(|r| r.inputs.get(name.as_str())) {
+                        if t.shape != shapes[0] {
+                            return Err(node_err(
+                                v,
+                                format!(
+                                    "the device's `{name}` has shape {:?}, the entry needs {:?}",
+                                    t.shape, shapes[0]
+                                ),
+                            ));
+                        }
+                        locs.push(vec![DLoc {
+                            ptr: t.buf.ptr,
+                            layout: Layout::contiguous(&shapes[0]),
+                            dtype: t.dtype,
+                        }]);
+                        needs.push(need);
+                        continue;
+                    }
                     let src = bind.input(id, name)?;
                     vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?]
                 }
@@ -689,6 +758,7 @@ impl CudaExecutor {
             }
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
+        let mut kept = BTreeMap::new();
         // Device training: each parameter's gradient, contiguous, as accumulated.
         let mut grads: BTreeMap<&str, DLoc> = BTreeMap::new();
         for o in &self.graph.outputs {
@@ -732,6 +802,18 @@ impl CudaExecutor {
                 grads.insert(name, g);
                 continue;
             }
+            if resident.is_some_and(|res| (res.keep)(&o.name)) {
+                let l = &locs[*v][0];
+                let buf = st.device.alloc(l.numel()).map_err(dev_err)?;
+                r.copy_to(l, buf.ptr).map_err(dev_err)?;
+                let t = DeviceTensor {
+                    buf,
+                    shape: l.shape().to_vec(),
+                    dtype: l.dtype,
+                };
+                kept.insert(o.name.clone(), t);
+                continue;
+            }
             let t = r.download(&locs[*v][0]).map_err(dev_err)?;
             out.push((o.name.clone(), t));
         }
@@ -761,9 +843,10 @@ impl CudaExecutor {
         guard.epilogues.0 += fused;
         guard.epilogues.1 += separate;
         guard.params = cache;
-        Ok(MicroOut {
+        Ok(RunOut {
             outputs: out,
             non_finite,
+            kept,
         })
     }
 
@@ -850,7 +933,18 @@ impl CudaExecutor {
         first: bool,
         rec: Option<Recorder<'_>>,
     ) -> Result<MicroOut, ExecError> {
-        self.run_with(inputs, params, opts, rec, Some(Micro { weight, first }))
+        let out = self.run_with(
+            inputs,
+            params,
+            opts,
+            rec,
+            Some(Micro { weight, first }),
+            None,
+        )?;
+        Ok(MicroOut {
+            outputs: out.outputs,
+            non_finite: out.non_finite,
+        })
     }
 
     /// One Adam update of every parameter from its accumulated gradient times `scale`
@@ -948,6 +1042,147 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// A host tensor copied to the device (f32, f64 narrowed to f32, i32, i64 checked
+    /// to fit i32, bools as 0/1).
+    pub fn to_device(&self, t: &Tensor) -> Result<DeviceTensor, ExecError> {
+        let numel = t.numel();
+        if !t.is_consistent() {
+            return Err(ExecError::Unsupported(format!(
+                "a tensor of shape {:?} holding {} values",
+                t.shape,
+                t.data.len()
+            )));
+        }
+        let (words, dtype): (Vec<u32>, DType) = match &t.data {
+            TensorData::F32(v) => (v.iter().map(|x| x.to_bits()).collect(), DType::F32),
+            TensorData::F64(v) => (
+                v.iter().map(|&x| (x as f32).to_bits()).collect(),
+                DType::F32,
+            ),
+            TensorData::I32(v) => (v.iter().map(|&x| x as u32).collect(), DType::I32),
+            TensorData::I64(v) => (
+                v.iter()
+                    .map(|&x| {
+                        i32::try_from(x).map(|x| x as u32).map_err(|_| {
+                            ExecError::Unsupported(format!("the id {x} does not fit in i32"))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+                DType::I32,
+            ),
+            TensorData::Bool(v) => (v.iter().map(|&b| b as u32).collect(), DType::Bool),
+        };
+        debug_assert_eq!(words.len(), numel);
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        let buf = guard.device.upload(&words).map_err(dev_err)?;
+        Ok(DeviceTensor {
+            buf,
+            shape: t.shape.clone(),
+            dtype,
+        })
+    }
+
+    /// A device tensor copied to the host.
+    pub fn to_host(&self, t: &DeviceTensor) -> Result<Tensor, ExecError> {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        let w = guard.device.read(t.buf.ptr, t.numel()).map_err(dev_err)?;
+        let data = match t.dtype {
+            DType::I32 => TensorData::I32(w.into_iter().map(|x| x as i32).collect()),
+            DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
+            _ => TensorData::F32(w.into_iter().map(f32::from_bits).collect()),
+        };
+        Ok(Tensor {
+            shape: t.shape.clone(),
+            data,
+        })
+    }
+
+    /// Every tensor of `ts` with its rows (axis 0) taken in the order `rows` (repeats
+    /// allowed): row `r` of each result is row `rows[r]` of its source, bit for bit (the
+    /// host's `decode::take_rows`). One upload of the indices, one launch per tensor of
+    /// the generated `kiln_take_rows` (compiled on first use), one synchronization.
+    pub fn take_rows(
+        &self,
+        ts: &[&DeviceTensor],
+        rows: &[usize],
+    ) -> Result<Vec<DeviceTensor>, ExecError> {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        if !guard.device.has(gather::TAKE_ROWS) {
+            let code = gather::code();
+            let ptx = device::compile(&code.source(), &self.nvrtc_options)
+                .map_err(|log| dev_err(format!("NVRTC cannot compile the row gather: {log}")))?;
+            guard
+                .device
+                .load_module(ptx, &signatures(&code))
+                .map_err(dev_err)?;
+        }
+        let dev = &guard.device;
+        let idx: Vec<u32> = rows
+            .iter()
+            .map(|&r| u32::try_from(r).map_err(|_| ExecError::Unsupported(format!("row {r}"))))
+            .collect::<Result<_, _>>()?;
+        let idx = dev.upload(&idx).map_err(dev_err)?;
+        let mut out = Vec::with_capacity(ts.len());
+        for t in ts {
+            let Some((&n0, rest)) = t.shape.split_first() else {
+                return Err(ExecError::Unsupported(
+                    "rows of a scalar on the device".to_string(),
+                ));
+            };
+            if let Some(&bad) = rows.iter().find(|&&r| r >= n0) {
+                return Err(ExecError::Unsupported(format!(
+                    "row {bad} of a device tensor of shape {:?}",
+                    t.shape
+                )));
+            }
+            let width: usize = rest.iter().product();
+            let mut shape = t.shape.clone();
+            shape[0] = rows.len();
+            let buf = dev.alloc(rows.len() * width).map_err(dev_err)?;
+            let (dims, items) = gather::take_rows_dims(rows.len(), width);
+            if items > 0 {
+                dev.launch(
+                    gather::TAKE_ROWS,
+                    &[idx.ptr, t.buf.ptr, buf.ptr],
+                    &dims,
+                    items,
+                )
+                .map_err(dev_err)?;
+            }
+            out.push(DeviceTensor {
+                buf,
+                shape,
+                dtype: t.dtype,
+            });
+        }
+        dev.sync().map_err(dev_err)?;
+        Ok(out)
+    }
+
+    /// A run with some inputs already on the device (`resident`, by input name; the other
+    /// inputs from the host as in [`CudaExecutor::run`]); the outputs `keep` names stay on
+    /// the device (copied out of the arena), the others come back to the host, in
+    /// `graph.outputs` order. What the GPU decoder runs each step: its encoder output and
+    /// key/value caches never leave the device.
+    pub fn run_resident(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        resident: &BTreeMap<String, DeviceTensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<ResidentOut, ExecError> {
+        let res = Resident {
+            inputs: resident,
+            keep,
+        };
+        let out = self.run_with(inputs, params, opts, None, None, Some(&res))?;
+        Ok((out.outputs, out.kept))
+    }
+
     /// Frees the training state on the device.
     pub fn train_end(&self) {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -977,6 +1212,10 @@ impl Exec for CudaExecutor {
         rec: &mut dyn FnMut(&str, f64),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         CudaExecutor::run_profiled(self, inputs, params, opts, rec)
+    }
+
+    fn as_cuda(&self) -> Option<&CudaExecutor> {
+        Some(self)
     }
 }
 
