@@ -75,6 +75,12 @@ pub struct BenchArgs {
     /// every GPU's batch.
     #[arg(long, value_delimiter = ',', num_args = 1..)]
     pub devices: Option<Vec<usize>>,
+    /// With `--executor cuda`, `decode`: upload the caches and the encoder output and
+    /// download the grown caches every step, instead of keeping the decoder's state on
+    /// the GPU (a row gather, the step, the logits back), as `kiln translate` does.
+    /// (`--profile` times the host-state step, kernel by kernel.)
+    #[arg(long)]
+    pub host_state: bool,
 }
 
 fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
@@ -268,6 +274,27 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         }
         _ => None,
     };
+    // The decoder's state on the GPU, as `kiln translate` keeps it: everything but the
+    // newest tokens uploaded once; each timed step gathers the rows (the identity order),
+    // runs with the state bound in place and downloads only the logits.
+    let resident = match &cuda {
+        Some(c) if entry == "decode_step" && !a.host_state && !a.profile => {
+            let mut held = BTreeMap::new();
+            for (n, t) in inputs.iter().filter(|(n, _)| n.as_str() != "tgt_in") {
+                let d = c
+                    .to_device(t)
+                    .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+                held.insert(n.clone(), d);
+            }
+            Some((c, held))
+        }
+        _ => None,
+    };
+    let step_inputs: BTreeMap<String, Tensor> = inputs
+        .iter()
+        .filter(|(n, _)| n.as_str() == "tgt_in")
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect();
     if let Some(dp) = &parallel {
         dp.train_begin(&params, &host_adam.m, &host_adam.v)
             .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
@@ -293,6 +320,22 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             Some(fixed_params)
         };
         let started = Instant::now();
+        if let Some((c, held)) = &resident {
+            let names: Vec<&String> = held.keys().collect();
+            let rows: Vec<usize> = (0..a.batch as usize).collect();
+            let gathered = c
+                .take_rows(&held.values().collect::<Vec<_>>(), &rows)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let state: BTreeMap<String, _> = names.into_iter().cloned().zip(gathered).collect();
+            let is_cache = |n: &str| n.starts_with(kiln_compiler::ir::CACHE_PREFIX);
+            c.run_resident(&step_inputs, &state, &params, &opts, &is_cache)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            if run >= a.warmup {
+                times.push(started.elapsed().as_secs_f64());
+                adam_times.push(0.0);
+            }
+            continue;
+        }
         if let Some(dp) = &parallel {
             let jobs: Vec<_> = (0..dp.world_size())
                 .map(|_| kiln_runtime::cuda::parallel::RankJob {
@@ -481,6 +524,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } else {
         a.executor.clone()
     };
+    if resident.is_some() {
+        executor_name.push_str(" (state on the GPU)");
+    }
     if let Some(dp) = &parallel {
         executor_name = format!(
             "{executor_name} x{} (GPUs {:?}, {})",

@@ -620,8 +620,9 @@ fn kiln_run_with_the_cuda_executor() {
 /// before anything is compiled; with it, a timing line.
 #[test]
 fn kiln_bench_with_the_cuda_executor() {
-    // `train_step` on the GPU keeps parameters, gradients and moments on the device.
-    for entry in ["forward", "train_step"] {
+    // `train_step` on the GPU keeps parameters, gradients and moments on the device;
+    // `decode` the decoder's state.
+    for entry in ["forward", "train_step", "decode"] {
         let out = kiln(&[
             "bench",
             SPEC,
@@ -662,7 +663,13 @@ fn kiln_bench_with_the_cuda_executor() {
             }
             Ok(_) => {
                 assert!(out.status.success(), "{entry}: {err}");
-                assert!(String::from_utf8_lossy(&out.stdout).contains("ms/step"));
+                let text = String::from_utf8_lossy(&out.stdout);
+                assert!(text.contains("ms/step"), "{text}");
+                assert_eq!(
+                    text.contains("(state on the GPU)"),
+                    entry == "decode",
+                    "{text}"
+                );
             }
         }
     }
