@@ -48,6 +48,21 @@ pub(crate) fn bias_fits(bias: u64) -> bool {
     alignment(bias) >= 16
 }
 
+/// The column-major matrices cuBLASLt is told about for `g` (as `cublasSgemm` takes it),
+/// as stored, before any transpose: `(rows, cols, leading dimension)` of its first
+/// operand (our right one, `m×k`, stored `k×m` when `transa`), its second (`k×n`, stored
+/// `n×k` when `transb`) and the output `D` (`m×n`).
+pub(crate) fn layouts(g: &Sgemm) -> [(u64, u64, i64); 3] {
+    let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
+    let a = if g.transa { (k, m) } else { (m, k) };
+    let b = if g.transb { (n, k) } else { (k, n) };
+    [
+        (a.0, a.1, g.lda as i64),
+        (b.0, b.1, g.ldb as i64),
+        (m, n, g.ldc as i64),
+    ]
+}
+
 /// One GEMM problem: everything the plan depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
@@ -189,21 +204,13 @@ impl Lt {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.transb))?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))?;
         }
-        let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
-        // cuBLAS's first operand (our right one) is `m×k`, stored `k×m` when transposed;
-        // the second `k×n` (`n×k`); the output `m×n`, all column-major.
-        let (ar, ac) = if g.transa { (k, m) } else { (m, k) };
-        let (br, bc) = if g.transb { (n, k) } else { (k, n) };
-        for (slot, (ty, r, c, ld)) in [
-            (elem, ar, ac, g.lda),
-            (elem, br, bc, g.ldb),
-            (T::CUDA_R_32F, m, n, g.ldc),
-        ]
-        .into_iter()
-        .enumerate()
+        let [a, b, d] = layouts(&g);
+        for (slot, (ty, (r, c, ld))) in [(elem, a), (elem, b), (T::CUDA_R_32F, d)]
+            .into_iter()
+            .enumerate()
         {
             plan.layouts[slot] =
-                lt::create_matrix_layout(ty, r, c, ld as i64).map_err(err("matrix layout"))?;
+                lt::create_matrix_layout(ty, r, c, ld).map_err(err("matrix layout"))?;
         }
         let pref = lt::create_matmul_pref().map_err(err("preference"))?;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
@@ -314,6 +321,121 @@ impl Lt {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::abi::{sgemm_args, MatDesc};
+
+    /// What cuBLASLt computes from [`layouts`]: column-major
+    /// `D = op(first)·op(second) + bias` (bias along `m`), then ReLU, into a buffer of
+    /// `ldc·n` elements. Each layout must be valid (`ld ≥ rows`).
+    fn emulate(g: &Sgemm, first: &[f32], second: &[f32], bias: &[f32], relu: bool) -> Vec<f32> {
+        let [a, b, d] = layouts(g);
+        for (r, _, ld) in [a, b, d] {
+            assert!(
+                ld as u64 >= r.max(1),
+                "leading dimension {ld} below {r} rows"
+            );
+        }
+        // The sizes as cuBLASLt reads them: `D` is `m×n`, `op(first)` `m×k`, `op(second)`
+        // `k×n`; the three must agree.
+        let (m, n) = (d.0 as usize, d.1 as usize);
+        let (am, k) = if g.transa { (a.1, a.0) } else { (a.0, a.1) };
+        let (bk, bn) = if g.transb { (b.1, b.0) } else { (b.0, b.1) };
+        assert_eq!(
+            (am as usize, bk as usize, bn as usize),
+            (m, k as usize, n),
+            "{a:?} {b:?} {d:?}"
+        );
+        let k = k as usize;
+        let (lda, ldb, ldc) = (a.2 as usize, b.2 as usize, d.2 as usize);
+        let at = |i: usize, p: usize| {
+            if g.transa {
+                first[p + i * lda]
+            } else {
+                first[i + p * lda]
+            }
+        };
+        let bt = |p: usize, j: usize| {
+            if g.transb {
+                second[j + p * ldb]
+            } else {
+                second[p + j * ldb]
+            }
+        };
+        let mut out = vec![f32::NAN; ldc * n];
+        for j in 0..n {
+            for i in 0..m {
+                let s: f32 = (0..k).map(|p| at(i, p) * bt(p, j)).sum::<f32>() + bias[i];
+                out[i + j * ldc] = if relu { s.max(0.0) } else { s };
+            }
+        }
+        out
+    }
+
+    /// Row-major `x·w + bias` (then ReLU) with `x [rows, k]` and `w [k, n]` read through
+    /// their descriptions.
+    fn direct(x: (&[f32], MatDesc), w: (&[f32], MatDesc), bias: &[f32], relu: bool) -> Vec<f32> {
+        let (rows, k, n) = (x.1.rows, x.1.cols, w.1.cols);
+        let mut out = Vec::with_capacity(rows * n);
+        for r in 0..rows {
+            for c in 0..n {
+                let s: f32 = (0..k)
+                    .map(|p| x.0[r * x.1.rs + p * x.1.cs] * w.0[p * w.1.rs + c * w.1.cs])
+                    .sum::<f32>()
+                    + bias[c];
+                out.push(if relu { s.max(0.0) } else { s });
+            }
+        }
+        out
+    }
+
+    /// The layouts, transposes and operand swap given to cuBLASLt compute row-major
+    /// `x·w + bias` with the bias along the output's columns: for plain and transposed
+    /// weights, and an input that is a strided view (rows further apart than `k`).
+    #[test]
+    fn lt_layouts_compute_the_row_major_linear() {
+        let (rows, k, n) = (3usize, 4usize, 5usize);
+        let val = |i: usize| ((i * 7 + 3) % 11) as f32 - 5.0;
+        let bias: Vec<f32> = (0..n).map(|c| c as f32 * 0.5 - 1.0).collect();
+        let xs: Vec<f32> = (0..rows * 6).map(val).collect();
+        let ws: Vec<f32> = (0..k * n).map(|i| val(i + 40)).collect();
+        let plain_x = MatDesc {
+            rows,
+            cols: k,
+            rs: k,
+            cs: 1,
+        };
+        let wide_x = MatDesc {
+            rows,
+            cols: k,
+            rs: 6,
+            cs: 1,
+        };
+        let plain_w = MatDesc {
+            rows: k,
+            cols: n,
+            rs: n,
+            cs: 1,
+        };
+        // `w` stored as `[n, k]` (a linear layer's `[out, in]`), read transposed.
+        let trans_w = MatDesc {
+            rows: k,
+            cols: n,
+            rs: 1,
+            cs: k,
+        };
+        for (x, w) in [
+            (plain_x, plain_w),
+            (plain_x, trans_w),
+            (wide_x, plain_w),
+            (wide_x, trans_w),
+        ] {
+            let g = sgemm_args((rows, k, n), &x, &w, n).expect("cuBLAS reads both");
+            for relu in [false, true] {
+                let got = emulate(&g, &ws, &xs, &bias, relu);
+                let want = direct((&xs, x), (&ws, w), &bias, relu);
+                assert_eq!(got, want, "{x:?} · {w:?}, relu {relu}");
+            }
+        }
+    }
 
     #[test]
     fn alignments_are_powers_of_two_up_to_256() {
