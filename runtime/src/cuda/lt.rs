@@ -376,11 +376,11 @@ mod tests {
         let (rows, k, n) = (x.1.rows, x.1.cols, w.1.cols);
         let mut out = Vec::with_capacity(rows * n);
         for r in 0..rows {
-            for c in 0..n {
+            for (c, b) in bias.iter().enumerate().take(n) {
                 let s: f32 = (0..k)
                     .map(|p| x.0[r * x.1.rs + p * x.1.cs] * w.0[p * w.1.rs + c * w.1.cs])
                     .sum::<f32>()
-                    + bias[c];
+                    + b;
                 out.push(if relu { s.max(0.0) } else { s });
             }
         }
