@@ -154,6 +154,27 @@ fn data_parallel(
     .map_err(|e| plain("kiln::bench", e, None))
 }
 
+/// The tail of a training step on the GPU: its gradients must be finite (`non_finite`
+/// names the first that is not), then `update` runs Adam's next step with learning rate
+/// 1e-4. Returns the update's seconds.
+fn device_update(
+    non_finite: Option<(String, f32)>,
+    adam: &mut kiln_runtime::optim::Adam,
+    update: impl FnOnce([f32; 7]) -> Result<(), kiln_compiler::reference::ExecError>,
+) -> Result<f64, Error> {
+    if let Some((name, x)) = non_finite {
+        return Err(plain(
+            "kiln::bench",
+            format!("the gradient of `{name}` is not finite ({x})"),
+            None,
+        ));
+    }
+    let t = Instant::now();
+    adam.t += 1;
+    update(adam.constants(adam.t, 1e-4)).map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
 /// Peak resident set size of this process, bytes (Linux; 0 elsewhere).
 pub fn peak_rss() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -347,19 +368,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let outs = dp
                 .train_micro(&jobs, &params, true)
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
-            if let Some((name, x)) = outs.into_iter().find_map(|o| o.non_finite) {
-                return Err(plain(
-                    "kiln::bench",
-                    format!("the gradient of `{name}` is not finite ({x})"),
-                    None,
-                ));
-            }
             let fwd = started.elapsed().as_secs_f64();
-            let t1 = Instant::now();
-            host_adam.t += 1;
-            dp.train_update(host_adam.constants(host_adam.t, 1e-4), 1.0)
-                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
-            let upd = t1.elapsed().as_secs_f64();
+            let bad = outs.into_iter().find_map(|o| o.non_finite);
+            let upd = device_update(bad, &mut host_adam, |k| dp.train_update(k, 1.0))?;
             if run >= a.warmup {
                 times.push(fwd + upd);
                 adam_times.push(upd);
@@ -383,19 +394,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                     if last { Some(&mut rec) } else { None },
                 )
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
-            if let Some((name, x)) = out.non_finite {
-                return Err(plain(
-                    "kiln::bench",
-                    format!("the gradient of `{name}` is not finite ({x})"),
-                    None,
-                ));
-            }
             let fwd = started.elapsed().as_secs_f64();
-            let t1 = Instant::now();
-            host_adam.t += 1;
-            c.train_update(host_adam.constants(host_adam.t, 1e-4), 1.0)
-                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
-            let upd = t1.elapsed().as_secs_f64();
+            let upd = device_update(out.non_finite, &mut host_adam, |k| c.train_update(k, 1.0))?;
             if run >= a.warmup {
                 times.push(fwd + upd);
                 adam_times.push(upd);

@@ -213,26 +213,42 @@ fn mismatches(entry: &str, want: &[(String, Tensor)], got: &[(String, Tensor)]) 
     bad
 }
 
+/// Every entry on the GPU with `options` against the CPU executor on the same random
+/// feeds (`seed`, dropout step `step`): the mismatches, and the `linear` kernels with a
+/// bias that ran (fused, separate).
+fn entries_vs_cpu(options: CudaOptions, seed: u64, step: u32) -> (Vec<String>, (usize, usize)) {
+    let art = cuda_artifact();
+    let (mut bad, mut counts) = (Vec::new(), (0, 0));
+    for entry in ENTRIES {
+        let gpu = CudaExecutor::with_options(art, entry, options).unwrap_or_else(|e| panic!("{e}"));
+        let cpu = art.executor(entry).unwrap();
+        let (inputs, params) = feeds(cpu.graph(), art, seed);
+        let opts = RunOptions {
+            seed,
+            step,
+            ..RunOptions::default()
+        };
+        let want = cpu.run(&inputs, &params, &opts).unwrap();
+        let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
+        let tag = if options.separate_epilogues {
+            " (separate epilogues)"
+        } else {
+            ""
+        };
+        bad.extend(mismatches(&format!("{entry}{tag}"), &want, &got));
+        let (f, s) = gpu.epilogue_counts();
+        counts.0 += f;
+        counts.1 += s;
+    }
+    (bad, counts)
+}
+
 #[test]
 fn gpu_every_entry_matches_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let art = cuda_artifact();
-    let mut bad = Vec::new();
-    for entry in ENTRIES {
-        let gpu = CudaExecutor::from_artifact_entry(art, entry).unwrap_or_else(|e| panic!("{e}"));
-        let cpu = art.executor(entry).unwrap();
-        let (inputs, params) = feeds(cpu.graph(), art, 11);
-        let opts = RunOptions {
-            seed: 11,
-            step: 3,
-            ..RunOptions::default()
-        };
-        let want = cpu.run(&inputs, &params, &opts).unwrap();
-        let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
-        bad.extend(mismatches(entry, &want, &got));
-    }
+    let (bad, _) = entries_vs_cpu(CudaOptions::default(), 11, 3);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
@@ -245,43 +261,21 @@ fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let art = cuda_artifact();
-    let mut bad = Vec::new();
-    let mut counts = [(0usize, 0usize); 2];
-    for (k, separate) in [false, true].into_iter().enumerate() {
-        let options = CudaOptions {
-            separate_epilogues: separate,
-            ..CudaOptions::default()
-        };
-        for entry in ENTRIES {
-            let gpu = CudaExecutor::with_options(art, entry, options).unwrap();
-            let cpu = art.executor(entry).unwrap();
-            let (inputs, params) = feeds(cpu.graph(), art, 17);
-            let opts = RunOptions {
-                seed: 17,
-                step: 1,
-                ..RunOptions::default()
-            };
-            let want = cpu.run(&inputs, &params, &opts).unwrap();
-            let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
-            let tag = if separate { "separate" } else { "fused" };
-            bad.extend(mismatches(&format!("{entry} ({tag})"), &want, &got));
-            let (f, s) = gpu.epilogue_counts();
-            counts[k].0 += f;
-            counts[k].1 += s;
-        }
-    }
+    let (mut bad, fused) = entries_vs_cpu(CudaOptions::default(), 17, 1);
+    let separate = CudaOptions {
+        separate_epilogues: true,
+        ..CudaOptions::default()
+    };
+    let (bad_separate, apart) = entries_vs_cpu(separate, 17, 1);
+    bad.extend(bad_separate);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
-    println!(
-        "linear kernels with a bias: default {:?}, separate {:?} (fused, separate)",
-        counts[0], counts[1]
-    );
+    println!("linear kernels with a bias (fused, separate): default {fused:?}, separate {apart:?}");
     assert!(
-        counts[0].0 > 0,
-        "no linear kernel went through cuBLASLt: {counts:?}"
+        fused.0 > 0,
+        "no linear kernel went through cuBLASLt: {fused:?}"
     );
-    assert_eq!(counts[1].0, 0, "{counts:?}");
-    assert_eq!(counts[0].0 + counts[0].1, counts[1].1, "{counts:?}");
+    assert_eq!(apart.0, 0, "{apart:?}");
+    assert_eq!(fused.0 + fused.1, apart.1, "{fused:?} {apart:?}");
 }
 
 #[test]

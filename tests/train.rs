@@ -728,23 +728,7 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
             "max_steps: 10, executor: cuda",
         );
     std::fs::write(gpu.join("cfg.yaml"), &cfg).unwrap();
-    ok(
-        &gpu,
-        &[
-            "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
-        ],
-    );
-    let out = kiln(
-        &gpu,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--artifact",
-            "art",
-            "--quiet",
-        ],
-    );
+    let out = compile_and_train(&gpu);
     if kiln_runtime::cuda::require_cuda_or_skip().is_none() {
         let reason = kiln_runtime::cuda::cuda_available().unwrap_err();
         let first: String = reason
@@ -789,6 +773,29 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
 /// Dynamic loss scaling on the GPU's device-resident training: a power-of-two scale that
 /// never overflows leaves the run as it is without scaling (the scale reaches the seeded
 /// cross-entropy kernel, and the accumulation weights `tokens/S` undo it).
+/// `kiln compile --config cfg.yaml --target cuda -o art` (which needs no GPU, and must
+/// succeed), then `kiln train --config cfg.yaml --artifact art --quiet` in `dir`: its
+/// output.
+fn compile_and_train(dir: &Path) -> Output {
+    ok(
+        dir,
+        &[
+            "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
+        ],
+    );
+    kiln(
+        dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--artifact",
+            "art",
+            "--quiet",
+        ],
+    )
+}
+
 /// A workspace with `train: {<train>}`, its configuration compiled to a CUDA artifact and
 /// trained from it; `None` (after printing why) where there is no GPU.
 fn gpu_run(name: &str, train: &str) -> Option<PathBuf> {
@@ -802,24 +809,9 @@ fn gpu_run_edited(name: &str, train: &str, edits: &[(&str, &str)]) -> Option<Pat
     for (from, to) in edits {
         edit_cfg(&dir, from, to);
     }
-    ok(
-        &dir,
-        &[
-            "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
-        ],
-    );
+    let out = compile_and_train(&dir);
     kiln_runtime::cuda::require_cuda_or_skip()?;
-    ok(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--artifact",
-            "art",
-            "--quiet",
-        ],
-    );
+    assert!(out.status.success(), "{}", unwrapped(&out.stderr));
     Some(dir)
 }
 
@@ -848,23 +840,7 @@ fn loss_scaling_on_the_gpu_leaves_the_run_unchanged() {
 fn data_parallel_training_says_what_it_needs() {
     let dir = workspace("dp_needs", "");
     set_train(&dir, "max_steps: 2, executor: cuda, devices: [0]");
-    ok(
-        &dir,
-        &[
-            "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
-        ],
-    );
-    let out = kiln(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--artifact",
-            "art",
-            "--quiet",
-        ],
-    );
+    let out = compile_and_train(&dir);
     let err = unwrapped(&out.stderr);
     if cfg!(feature = "nccl") {
         if kiln_runtime::cuda::cuda_available().is_ok() {

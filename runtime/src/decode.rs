@@ -299,12 +299,11 @@ impl StepModel for CachedStep<'_> {
 /// (`CudaExecutor::run_resident`, the grown caches kept on the device) and downloads only
 /// the logits. The same computation as [`CachedStep`] on the same executor.
 pub struct DeviceCachedStep<'a> {
-    encode: &'a dyn Exec,
+    /// The encoder, the parameters, the run options and the vocabulary; its host state
+    /// only between `start` and the upload.
+    host: CachedStep<'a>,
     step: &'a crate::cuda::CudaExecutor,
-    params: &'a BTreeMap<String, Tensor>,
-    opts: RunOptions,
     state: BTreeMap<String, crate::cuda::DeviceTensor>,
-    vocab: usize,
 }
 
 impl<'a> DeviceCachedStep<'a> {
@@ -315,26 +314,18 @@ impl<'a> DeviceCachedStep<'a> {
         vocab: usize,
     ) -> DeviceCachedStep<'a> {
         DeviceCachedStep {
-            encode,
+            host: CachedStep::new(encode, step, params, vocab),
             step,
-            params,
-            opts: RunOptions {
-                params_version: Some(crate::exec::fresh_params_version()),
-                ..RunOptions::default()
-            },
             state: BTreeMap::new(),
-            vocab,
         }
     }
 }
 
 impl StepModel for DeviceCachedStep<'_> {
     fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
-        let mut host = CachedStep::new(self.encode, self.step, self.params, self.vocab);
-        host.opts = self.opts;
-        host.start(src)?;
+        self.host.start(src)?;
+        let host = std::mem::take(&mut self.host.state);
         self.state = host
-            .state
             .iter()
             .map(|(k, t)| Ok((k.clone(), self.step.to_device(t)?)))
             .collect::<Result<_, DecodeError>>()?;
@@ -357,19 +348,23 @@ impl StepModel for DeviceCachedStep<'_> {
                 .map_err(|e| DecodeError::Model(e.to_string()))?,
         );
         let is_cache = |name: &str| name.starts_with(kiln_compiler::ir::CACHE_PREFIX);
-        let (out, kept) =
-            self.step
-                .run_resident(&inputs, &resident, self.params, &self.opts, &is_cache)?;
+        let (out, kept) = self.step.run_resident(
+            &inputs,
+            &resident,
+            self.host.params,
+            &self.host.opts,
+            &is_cache,
+        )?;
         let mut out: BTreeMap<String, Tensor> = out.into_iter().collect();
         let (logits, vocab) = logits_of(&mut out, rows)?;
         resident.extend(kept);
         self.state = resident;
-        self.vocab = vocab;
+        self.host.vocab = vocab;
         Ok(log_softmax_rows(&logits, vocab))
     }
 
     fn vocab(&self) -> usize {
-        self.vocab
+        self.host.vocab
     }
 }
 

@@ -582,9 +582,6 @@ impl Device {
         bias: u64,
         relu: bool,
     ) -> Result<bool, String> {
-        if !super::lt::bias_fits(bias) {
-            return Ok(false);
-        }
         let mut lt = self.lt.lock().unwrap_or_else(|p| p.into_inner());
         if lt.is_none() {
             *lt = Some(super::lt::Lt::new(&self.stream, self.math)?);

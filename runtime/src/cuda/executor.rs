@@ -403,16 +403,12 @@ impl CudaExecutor {
         let mut device =
             Device::new(options.device, ptx, &funcs, math).map_err(CudaExecError::Driver)?;
         if options.bf16 {
-            let code = cast::code();
-            let ptx = device::compile(&code.source(), &m.nvrtc_options).map_err(|log| {
-                CudaExecError::Nvrtc {
+            load_unit_once(&mut device, cast::TO_BF16, cast::code, &m.nvrtc_options).map_err(
+                |log| CudaExecError::Nvrtc {
                     file: "the bf16 conversion unit".into(),
                     log,
-                }
-            })?;
-            device
-                .load_module(ptx, &signatures(&code))
-                .map_err(CudaExecError::Driver)?;
+                },
+            )?;
         }
         let graph = e.manifest.graph.clone();
         graph
@@ -863,15 +859,13 @@ impl CudaExecutor {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         guard.training = None;
-        if !guard.device.has(optim::ADAM_STEP) {
-            let code = optim::code();
-            let ptx = device::compile(&code.source(), &self.nvrtc_options)
-                .map_err(|log| dev_err(format!("NVRTC cannot compile the optimizer: {log}")))?;
-            guard
-                .device
-                .load_module(ptx, &signatures(&code))
-                .map_err(dev_err)?;
-        }
+        load_unit_once(
+            &mut guard.device,
+            optim::ADAM_STEP,
+            optim::code,
+            &self.nvrtc_options,
+        )
+        .map_err(|log| dev_err(format!("NVRTC cannot compile the optimizer: {log}")))?;
         let dev = &guard.device;
         let mut tps = BTreeMap::new();
         for (index, (name, t)) in params.iter().enumerate() {
@@ -1110,15 +1104,13 @@ impl CudaExecutor {
     ) -> Result<Vec<DeviceTensor>, ExecError> {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
-        if !guard.device.has(gather::TAKE_ROWS) {
-            let code = gather::code();
-            let ptx = device::compile(&code.source(), &self.nvrtc_options)
-                .map_err(|log| dev_err(format!("NVRTC cannot compile the row gather: {log}")))?;
-            guard
-                .device
-                .load_module(ptx, &signatures(&code))
-                .map_err(dev_err)?;
-        }
+        load_unit_once(
+            &mut guard.device,
+            gather::TAKE_ROWS,
+            gather::code,
+            &self.nvrtc_options,
+        )
+        .map_err(|log| dev_err(format!("NVRTC cannot compile the row gather: {log}")))?;
         let dev = &guard.device;
         let idx: Vec<u32> = rows
             .iter()
@@ -1298,6 +1290,23 @@ fn scratch_heads(ptr: u64, count: usize, rows: usize, cols: usize, transposed: b
         rs: if transposed { 1 } else { cols },
         cs: if transposed { cols } else { 1 },
     }
+}
+
+/// Compiles (NVRTC, `options`) and loads the generated unit `code` unless its function
+/// `marker` is loaded already: the extra units (bf16 casts, the device optimizer, the row
+/// gather) are built on first use. The error is NVRTC's log or the driver's message.
+fn load_unit_once(
+    device: &mut Device,
+    marker: &str,
+    code: fn() -> CudaCode,
+    options: &[String],
+) -> Result<(), String> {
+    if device.has(marker) {
+        return Ok(());
+    }
+    let code = code();
+    let ptx = device::compile(&code.source(), options)?;
+    device.load_module(ptx, &signatures(&code))
 }
 
 /// What `Device::load_module` needs of a generated unit's functions: name, work

@@ -44,7 +44,7 @@ pub(crate) fn alignment(ptr: u64) -> u32 {
 
 /// Whether cuBLASLt may take `bias` as an epilogue vector: 16-byte aligned (what its
 /// vectorized epilogues read; other addresses take the separate kernels).
-pub(crate) fn bias_fits(bias: u64) -> bool {
+fn bias_fits(bias: u64) -> bool {
     alignment(bias) >= 16
 }
 

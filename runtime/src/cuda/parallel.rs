@@ -277,20 +277,6 @@ impl DataParallel {
     ) -> Result<(), ExecError> {
         self.ranks[0].train_download(params, m, v)
     }
-
-    /// [`CudaExecutor::train_download`] from rank `rank` (to check that ranks agree).
-    pub fn train_download_rank(
-        &self,
-        rank: usize,
-        params: &mut BTreeMap<String, Tensor>,
-        m: &mut BTreeMap<String, Vec<f32>>,
-        v: &mut BTreeMap<String, Vec<f32>>,
-    ) -> Result<(), ExecError> {
-        let exec = self.ranks.get(rank).ok_or_else(|| {
-            ExecError::Unsupported(format!("no rank {rank} of {}", self.ranks.len()))
-        })?;
-        exec.train_download(params, m, v)
-    }
 }
 
 #[cfg(test)]
