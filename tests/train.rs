@@ -68,6 +68,16 @@ fn workspace(name: &str, extra: &str) -> PathBuf {
 /// Every parameter and moment as (name, shape, bits).
 type Snapshot = Vec<(String, Vec<usize>, Vec<u32>)>;
 
+/// Every tensor of `a` and `b` the same, name for name and bit for bit (`what` says how
+/// `b` was made, for the message).
+fn same_bits(a: &Snapshot, b: &Snapshot, what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!((&x.0, &x.1), (&y.0, &y.1));
+        assert!(x.2 == y.2, "`{}` differs {what}", x.0);
+    }
+}
+
 fn final_state(dir: &Path, step: u64) -> (Snapshot, checkpoint::TrainState) {
     let ck = dir.join("run/checkpoints").join(checkpoint::dir_name(step));
     let loaded = checkpoint::load(&ck).unwrap();
@@ -109,11 +119,7 @@ fn resuming_gives_bit_identical_parameters() {
     );
     let (pa, sa) = final_state(&a, 20);
     let (pb, sb) = final_state(&b, 20);
-    assert_eq!(pa.len(), pb.len());
-    for (x, y) in pa.iter().zip(&pb) {
-        assert_eq!(x.0, y.0);
-        assert!(x.2 == y.2, "`{}` differs after resuming", x.0);
-    }
+    same_bits(&pa, &pb, "after resuming");
     assert_eq!(sa.step, 20);
     assert_eq!((sa.epoch, sa.batch_in_epoch), (sb.epoch, sb.batch_in_epoch));
     assert_eq!(sa.tgt_tokens_seen, sb.tgt_tokens_seen);
@@ -275,11 +281,7 @@ fn loss_scaling_by_powers_of_two_changes_no_bit_and_resumes() {
     assert!(out.contains("loss scale 2^13; 0 step(s) skipped"), "{out}");
     let (pa, sa) = final_state(&plain, 10);
     let (pb, sb) = final_state(&scaled, 10);
-    assert_eq!(pa.len(), pb.len());
-    for (x, y) in pa.iter().zip(&pb) {
-        assert_eq!(x.0, y.0);
-        assert!(x.2 == y.2, "`{}` differs with loss scaling", x.0);
-    }
+    same_bits(&pa, &pb, "with loss scaling");
     assert_eq!((sa.loss_scale, sa.overflows), (None, 0));
     assert_eq!(sb.loss_scale, Some(8192.0));
     assert_eq!((sb.loss_scale_good_steps, sb.overflows), (1, 0));
@@ -877,11 +879,7 @@ fn data_parallel_on_one_gpu_is_the_single_gpu_run() {
     let (ps, ss) = final_state(&single, 6);
     let (p1, s1) = final_state(&one, 6);
     assert_eq!((ss.epoch, ss.batch_in_epoch), (s1.epoch, s1.batch_in_epoch));
-    assert!(
-        ps == p1,
-        "one NCCL rank vs one GPU: {:e}",
-        relative_distance(&ps, &p1)
-    );
+    same_bits(&ps, &p1, "with one NCCL rank");
     let gpus = kiln_runtime::cuda::cuda_available().unwrap().device_count;
     if gpus < 2 {
         println!("{gpus} GPU: the two-rank comparison needs two");

@@ -878,7 +878,10 @@ impl Trainer {
         }
         let inv = 1.0 / tokens.max(1) as f32;
         let lr = self.cfg.schedule.lr(self.d_model, step);
-        match &self.train_exec {
+        // Device training: the same constants and op order as `Adam::step` (see
+        // `optim::constants`).
+        let constants = self.adam.constants(self.adam.t + 1, lr);
+        let on_device = match &self.train_exec {
             TrainExec::Host(_) => {
                 use rayon::prelude::*;
                 grads.par_iter_mut().for_each(|(_, g)| {
@@ -888,22 +891,15 @@ impl Trainer {
                 self.adam
                     .step(&mut self.params, grads, lr)
                     .map_err(setup("the optimizer step"))?;
+                None
             }
-            TrainExec::Device(exec) => {
-                // The same constants and op order as `Adam::step` (see `optim::constants`).
-                let constants = self.adam.constants(self.adam.t + 1, lr);
-                exec.train_update(constants, inv)
-                    .map_err(|source| TrainError::Exec { step, source })?;
-                self.adam.t += 1;
-                self.device = DeviceState::Ahead;
-            }
-            TrainExec::Parallel(dp) => {
-                let constants = self.adam.constants(self.adam.t + 1, lr);
-                dp.train_update(constants, inv)
-                    .map_err(|source| TrainError::Exec { step, source })?;
-                self.adam.t += 1;
-                self.device = DeviceState::Ahead;
-            }
+            TrainExec::Device(exec) => Some(exec.train_update(constants, inv)),
+            TrainExec::Parallel(dp) => Some(dp.train_update(constants, inv)),
+        };
+        if let Some(done) = on_device {
+            done.map_err(|source| TrainError::Exec { step, source })?;
+            self.adam.t += 1;
+            self.device = DeviceState::Ahead;
         }
         if let (Some(ls), Some(s)) = (&self.cfg.train.loss_scale, self.state.loss_scale) {
             self.state.loss_scale_good_steps += 1;
