@@ -7,22 +7,17 @@
 
 use std::collections::BTreeMap;
 
+use kiln_compiler::codegen::cuda::program::emit_with;
+use kiln_compiler::codegen::cuda::storage;
+use kiln_compiler::codegen::cuda::text::Elem;
 use kiln_compiler::codegen::cuda::{emit, CudaCode, Library, Work};
 use kiln_compiler::optimize::optimize;
 
 mod common;
 use common::root;
 
-fn code_of(entry: &str) -> CudaCode {
-    if entry == "optimizer" {
-        return kiln_compiler::codegen::cuda::optim::code();
-    }
-    if entry == "cast" {
-        return kiln_compiler::codegen::cuda::cast::code();
-    }
-    if entry == "resident" {
-        return kiln_compiler::codegen::cuda::resident::code();
-    }
+/// The tiny Transformer's kernel graph of `entry`.
+fn kernel_graph(entry: &str) -> kiln_compiler::optimize::KernelGraph {
     let spec = root().join("models/transformer_tiny.kiln");
     let mode = match entry {
         "train_step" | "train_step_scaled" | "adam_update" => kiln_dsl::Mode::Train,
@@ -42,8 +37,24 @@ fn code_of(entry: &str) -> CudaCode {
     } else {
         kiln_runtime::compiled_entry_graph(&g, entry).expect("entry")
     };
-    let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
-    emit(&kg).expect("emits")
+    optimize(&g, &Default::default()).expect("optimizes").0
+}
+
+/// `entry`'s CUDA code; `entry@bf16` is its mixed-precision program.
+fn code_of(entry: &str) -> CudaCode {
+    if let Some(entry) = entry.strip_suffix("@bf16") {
+        return emit_with(&kernel_graph(entry), Elem::Bf16).expect("emits in bf16");
+    }
+    if entry == "optimizer" {
+        return kiln_compiler::codegen::cuda::optim::code();
+    }
+    if entry == "cast" {
+        return kiln_compiler::codegen::cuda::cast::code();
+    }
+    if entry == "resident" {
+        return kiln_compiler::codegen::cuda::resident::code();
+    }
+    emit(&kernel_graph(entry)).expect("emits")
 }
 
 const ENTRIES: [&str; 5] = [
@@ -53,9 +64,18 @@ const ENTRIES: [&str; 5] = [
     "decode_step",
     "train_step_scaled",
 ];
-/// Every CUDA unit: the entries' programs, the device optimizer's
-/// (`codegen::cuda::optim`) and the bf16 conversion's (`codegen::cuda::cast`).
-const UNITS: [&str; 7] = [
+/// The entries' mixed-precision programs (`program::emit_with(…, Elem::Bf16)`).
+const BF16: [&str; 5] = [
+    "train_step@bf16",
+    "forward@bf16",
+    "adam_update@bf16",
+    "decode_step@bf16",
+    "train_step_scaled@bf16",
+];
+/// Every CUDA unit: the entries' programs in f32 and in bf16, the device optimizer's
+/// (`codegen::cuda::optim`), the bf16 conversion's (`codegen::cuda::cast`) and the
+/// resident decoder's (`codegen::cuda::resident`).
+const UNITS: [&str; 13] = [
     "train_step",
     "train_step_scaled",
     "forward",
@@ -63,6 +83,12 @@ const UNITS: [&str; 7] = [
     "decode_step",
     "optimizer",
     "cast",
+    "resident",
+    "train_step@bf16",
+    "train_step_scaled@bf16",
+    "forward@bf16",
+    "adam_update@bf16",
+    "decode_step@bf16",
 ];
 
 /// The kind of a function named `<kind>_<n>`.
@@ -127,6 +153,92 @@ fn cuda_of_every_kernel_kind_is_pinned() {
     }
 }
 
+/// A buffer's element type in words: `bf16`, `f32`, or the dtype of an integer buffer.
+fn stored(kg: &kiln_compiler::optimize::KernelGraph, code: &CudaCode, v: usize) -> String {
+    let (owner, i) = storage::buffer(kg, v);
+    let dtype = kg.values[owner].types[i].dtype;
+    if dtype != kiln_compiler::DType::F32 {
+        return dtype.to_string();
+    }
+    match storage::of(&code.storage, kg, v) {
+        Elem::F32 => "f32".into(),
+        Elem::Bf16 => "bf16".into(),
+    }
+}
+
+/// The tiny Transformer's mixed-precision programs: which buffer is kept in which type,
+/// kernel by kernel (pinned for the training and decoding steps), and the text of every function kind
+/// that reads or writes bf16.
+#[test]
+fn bf16_programs_are_pinned() {
+    let mut first: BTreeMap<String, String> = BTreeMap::new();
+    for entry in BF16 {
+        let code = code_of(entry);
+        assert_eq!(code, code_of(entry), "{entry}: the code is deterministic");
+        let kg = kernel_graph(entry.trim_end_matches("@bf16"));
+        assert_eq!(
+            code.storage.len(),
+            kg.values.len(),
+            "{entry}: one entry per value"
+        );
+        assert_eq!(code.kernels.len(), kg.kernels().len());
+        for f in &code.functions {
+            if f.text.contains("kiln_bf16") {
+                first
+                    .entry(kind_of(&f.name))
+                    .or_insert_with(|| f.text.clone());
+            }
+        }
+        let mut lines = Vec::new();
+        for (v, op, inputs) in kg.kernels() {
+            let ins: Vec<String> = inputs.iter().map(|&x| stored(&kg, &code, x)).collect();
+            let outs: Vec<String> = (0..kg.values[v].types.len())
+                .map(|i| {
+                    let dtype = kg.values[v].types[i].dtype;
+                    match (dtype, code.storage[v][i]) {
+                        (kiln_compiler::DType::F32, Elem::Bf16) => "bf16".to_string(),
+                        (kiln_compiler::DType::F32, Elem::F32) => "f32".to_string(),
+                        (d, _) => d.to_string(),
+                    }
+                })
+                .collect();
+            lines.push(format!(
+                "%{v} {}: {} -> {}",
+                op.kind(),
+                ins.join(" "),
+                outs.join(" ")
+            ));
+        }
+        if let "train_step@bf16" | "decode_step@bf16" = entry {
+            let name = format!("cuda_bf16_storage_{}", entry.trim_end_matches("@bf16"));
+            insta::assert_snapshot!(name, lines.join("\n"));
+        }
+    }
+    let kinds: Vec<&str> = first.keys().map(|s| s.as_str()).collect();
+    for want in [
+        "add_layer_norm",
+        "add_layer_norm_bwd",
+        "attention",
+        "attention_bwd_kv",
+        "attention_bwd_q",
+        "copy_strided16",
+        "embed_pe",
+        "fill_rows",
+        "region",
+        "relu",
+        "sum_rows",
+        "xent_ls",
+    ] {
+        assert!(
+            kinds.contains(&want),
+            "no bf16 `{want}` kernel among {kinds:?}"
+        );
+    }
+    for (kind, text) in &first {
+        insta::assert_snapshot!(format!("cuda_bf16_{kind}"), text);
+    }
+}
+
 #[test]
 fn the_device_optimizer_is_pinned() {
     let code = code_of("optimizer");
@@ -145,6 +257,7 @@ fn the_device_optimizer_is_pinned() {
     assert_eq!(resident, code_of("resident"), "the code is deterministic");
     assert_eq!(resident.prelude, code.prelude);
     insta::assert_snapshot!("cuda_take_rows", resident.functions[0].text);
+    insta::assert_snapshot!("cuda_row_top_k", resident.functions[1].text);
 }
 
 /// Every `(`/`)`, `[`/`]`, `{`/`}` pair balanced and properly nested.
@@ -247,10 +360,12 @@ fn every_source_is_plausible_cuda() {
             let flash = f.name.starts_with("attention");
             // `sum_rows` adds its warps' column sums through shared memory.
             let column_sums = f.name.starts_with("sum_rows_") && !f.name.contains("finish");
+            // The decoder's top-k reduces (max, f64 sum, arg-max) in trees of its own.
+            let top_k = f.name.starts_with("kiln_row_top_k");
             assert_eq!(
                 shared,
-                uses_block || flash || column_sums,
-                "{}: shared scratch iff block sums, flash tiles or column sums",
+                uses_block || flash || column_sums || top_k,
+                "{}: shared scratch iff block sums, flash tiles, column sums or top-k",
                 f.name
             );
             if shared {
@@ -346,8 +461,10 @@ fn what_runs_on_the_host_is_listed() {
     insta::assert_snapshot!("cuda_host_kinds", host.join("\n"));
 }
 
-#[test]
-fn every_program_compiles_as_cpp_under_the_host_shim() {
+/// Each `(what, source)` compiled as C++20 under the host shim (`-fsyntax-only -Wall
+/// -Werror`), in parallel; skipped with a printed reason without `g++`.
+fn compiles_as_cpp(tag: &str, sources: &[(String, String)]) {
+    use rayon::prelude::*;
     let ok = std::process::Command::new("g++")
         .arg("--version")
         .output()
@@ -357,27 +474,93 @@ fn every_program_compiles_as_cpp_under_the_host_shim() {
         println!("skipped: no g++ on the path to compile the CUDA C on the host");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("kiln-cuda-syntax-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kiln-cuda-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    for entry in UNITS {
-        let code = code_of(entry);
-        let path = dir.join(format!("{entry}.cpp"));
-        let src = format!(
-            "{}\n{}",
-            kiln_compiler::codegen::cuda::host::SHIM,
-            code.source()
-        );
-        std::fs::write(&path, &src).expect("write");
-        let out = std::process::Command::new("g++")
-            .args(["-std=c++20", "-fsyntax-only", "-Wall", "-Werror"])
-            .arg(&path)
-            .output()
-            .expect("g++ runs");
-        assert!(
-            out.status.success(),
-            "{entry}: the CUDA C is not valid C++ under the shim:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    sources
+        .par_iter()
+        .enumerate()
+        .for_each(|(k, (what, source))| {
+            let path = dir.join(format!("p{k}.cpp"));
+            let src = format!("{}\n{source}", kiln_compiler::codegen::cuda::host::SHIM);
+            std::fs::write(&path, &src).expect("write");
+            let out = std::process::Command::new("g++")
+                .args(["-std=c++20", "-fsyntax-only", "-Wall", "-Werror"])
+                .arg(&path)
+                .output()
+                .expect("g++ runs");
+            assert!(
+                out.status.success(),
+                "{what}: the CUDA C is not valid C++ under the shim:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        });
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn every_program_compiles_as_cpp_under_the_host_shim() {
+    let sources: Vec<(String, String)> = UNITS
+        .iter()
+        .map(|u| (u.to_string(), code_of(u).source()))
+        .collect();
+    compiles_as_cpp("syntax", &sources);
+}
+
+/// Every distinct shipped spec (`common::DISTINCT_SPECS`: every kernel kind, mask and
+/// head shape) makes a mixed-precision program for every entry: no buffer needs two
+/// types, parameters, gradients, the loss and Adam's state stay f32, and each program is
+/// valid C++ under the host shim where `g++` exists.
+#[test]
+fn every_distinct_spec_emits_a_mixed_precision_program() {
+    use rayon::prelude::*;
+    let entries = [
+        "train_step",
+        "forward",
+        "encode",
+        "decode_step",
+        "adam_update",
+    ];
+    let jobs: Vec<(String, &str)> = common::DISTINCT_SPECS
+        .iter()
+        .flat_map(|s| entries.iter().map(move |e| (s.to_string(), *e)))
+        .collect();
+    let sources: Vec<(String, String)> = jobs
+        .par_iter()
+        .map(|(spec, entry)| {
+            let path = ["models", "models/table3"]
+                .iter()
+                .map(|d| root().join(d).join(spec))
+                .find(|p| p.exists())
+                .expect("a shipped spec");
+            let g = common::entry_graph(&path, &["vocab=48"], entry).expect("the entry");
+            let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
+            let code = emit_with(&kg, Elem::Bf16)
+                .unwrap_or_else(|e| panic!("{spec} {entry}: no bf16 program: {e}"));
+            let mut bf16 = 0;
+            for (v, value) in kg.values.iter().enumerate() {
+                let e = code.storage[v][0];
+                if matches!(value.def, kiln_compiler::optimize::kernels::Def::Param(_)) {
+                    assert_eq!(e, Elem::F32, "{spec} {entry}: a parameter in bf16");
+                }
+                bf16 += usize::from(e == Elem::Bf16);
+            }
+            // The device trainer accumulates f32 gradients, and the loss stays f32.
+            for (name, v) in &kg.outputs {
+                if name.starts_with("grad.") || name == "loss" {
+                    assert_eq!(
+                        storage::of(&code.storage, &kg, *v),
+                        Elem::F32,
+                        "{spec} {entry}: output `{name}` in bf16"
+                    );
+                }
+            }
+            if *entry == "adam_update" {
+                assert_eq!(bf16, 0, "{spec}: Adam keeps everything in f32");
+            } else {
+                assert!(bf16 > 10, "{spec} {entry}: {bf16} bf16 values");
+            }
+            (format!("{spec} {entry}"), code.source())
+        })
+        .collect();
+    compiles_as_cpp("bf16", &sources);
 }

@@ -1563,3 +1563,373 @@ fn take_rows_gathers_rows_exactly() {
         assert_eq!(g[2], want, "grid {launch:?}");
     }
 }
+
+/// `v` logits' best `k` tokens, as the host decoder ranks them: larger value, then
+/// smaller id, NaN and `banned` left out; `(id, value − lse)`, `lse` summed in order.
+fn top_k_reference(x: &[f32], k: usize, banned: &[i32]) -> (f64, Vec<(i32, f64)>) {
+    let m = x
+        .iter()
+        .filter(|a| !a.is_nan())
+        .fold(f32::NEG_INFINITY, |m, &a| m.max(a));
+    let s: f64 = x
+        .iter()
+        .filter(|a| !a.is_nan())
+        .map(|&a| (a as f64 - m as f64).exp())
+        .sum();
+    let lse = m as f64 + s.ln();
+    let mut ids: Vec<usize> = (0..x.len())
+        .filter(|&j| !x[j].is_nan() && !banned.contains(&(j as i32)))
+        .collect();
+    ids.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    let best = ids
+        .iter()
+        .take(k)
+        .map(|&j| (j as i32, x[j] as f64 - lse))
+        .collect();
+    (lse, best)
+}
+
+/// The decoder's top-k on the device (`resident::row_top_k`): per row the `k` best
+/// tokens (ties to the smaller id, NaN and banned ids skipped, `−1`/`−∞` past the last),
+/// their log-probabilities within 1e-12 of the host's f64 log-softmax, and the
+/// end-of-sentence log-probability; rows at a stride and offset (the last position of
+/// `[rows, len, v]`), f32 and bf16 logits, several block sizes.
+#[test]
+fn row_top_k_picks_what_the_host_decoder_picks() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(53);
+    let (rows, len, v) = (5usize, 2usize, 37usize);
+    let mut x = as_f32(&rng.floats(rows * len * v, -4.0, 4.0));
+    // Ties (a repeated maximum), NaN, −∞ and a row with fewer candidates than k.
+    let last = |r: usize, j: usize| (r * len + len - 1) * v + j;
+    x[last(0, 5)] = 9.0;
+    x[last(0, 30)] = 9.0;
+    x[last(1, 3)] = f32::NAN;
+    x[last(1, 7)] = f32::NEG_INFINITY;
+    for j in 0..v {
+        if j > 4 {
+            x[last(4, j)] = f32::NAN;
+        }
+    }
+    let banned = [0i32, 1];
+    let (k, eos) = (6usize, 2i32);
+    for e in [Elem::F32, Elem::Bf16] {
+        let xs: Vec<f32> = match e {
+            Elem::F32 => x.clone(),
+            Elem::Bf16 => from_bf16(&bf16s(&x)),
+        };
+        let f = cuda::resident::row_top_k(e);
+        let (dims, items) =
+            cuda::resident::row_top_k_dims(rows, (v, len * v, (len - 1) * v), k, 2, eos);
+        for launch in [(GRID, BLOCK), (2, 8)] {
+            let mut g = vec![
+                match e {
+                    Elem::F32 => f32s(&xs),
+                    Elem::Bf16 => bf16s(&xs),
+                },
+                i32s(&banned),
+                vec![0u8; 8 * rows * k],
+                zeros(rows * k),
+                vec![0u8; 8 * rows],
+            ];
+            run_with(cxx, &f, &mut g, &dims, items as u64, launch);
+            let f64s = |b: &[u8]| -> Vec<f64> {
+                b.chunks(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            let (vals, idx, eos_lp) = (f64s(&g[2]), as_i32(&g[3]), f64s(&g[4]));
+            for r in 0..rows {
+                let row = &xs[last(r, 0)..last(r, 0) + v];
+                let (lse, want) = top_k_reference(row, k, &banned);
+                for slot in 0..k {
+                    let (gi, gv) = (idx[r * k + slot], vals[r * k + slot]);
+                    match want.get(slot) {
+                        Some(&(wi, wv)) => {
+                            assert_eq!(gi, wi, "{e:?} {launch:?} row {r} slot {slot}");
+                            assert!(
+                                (gv - wv).abs() <= 1e-12 * wv.abs().max(1.0) || gv == wv,
+                                "{e:?} row {r} slot {slot}: {gv} vs {wv}"
+                            );
+                        }
+                        None => assert!(gi == -1 && gv == f64::NEG_INFINITY, "row {r} {slot}"),
+                    }
+                }
+                let we = row[eos as usize] as f64 - lse;
+                assert!(
+                    (eos_lp[r] - we).abs() <= 1e-12 * we.abs().max(1.0),
+                    "eos {r}"
+                );
+            }
+            // The tie at the top of row 0 goes to the smaller id.
+            assert_eq!(&idx[..2], &[5, 30]);
+            // Row 4 has three candidates (ids 2, 3, 4).
+            assert_eq!(&idx[4 * k + 3..5 * k], &[-1, -1, -1]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Mixed precision: the kernels a bf16 program generates per element type.
+
+/// `bytes` (4-byte f32 elements) as stored in `e`: unchanged, or rounded to bf16.
+fn store_as(e: Elem, bytes: &[u8]) -> Vec<u8> {
+    match e {
+        Elem::F32 => bytes.to_vec(),
+        Elem::Bf16 => bf16s(&as_f32(bytes)),
+    }
+}
+
+/// A buffer stored in `e` widened to f32 bytes.
+fn widened(e: Elem, bytes: &[u8]) -> Vec<u8> {
+    match e {
+        Elem::F32 => bytes.to_vec(),
+        Elem::Bf16 => f32s(&from_bf16(bytes)),
+    }
+}
+
+/// Runs `mixed` over `bufs` stored as `elems` and the f32 kernel `plain` over the same
+/// values widened; the results (`outs`, by buffer index) must be the f32 kernel's,
+/// rounded where stored in bf16, bit for bit: the bf16 variant only widens its loads
+/// and rounds its stores.
+#[allow(clippy::too_many_arguments)]
+fn same_as_f32(
+    cxx: &str,
+    what: &str,
+    mixed: &CudaFunction,
+    plain: &CudaFunction,
+    bufs: &[Vec<u8>],
+    elems: &[Option<Elem>],
+    outs: &[usize],
+    (dims, items): (&[i64], u64),
+) {
+    // Operands hold values bf16 can represent, so both kernels read the same numbers.
+    let exact_in: Vec<Vec<u8>> = bufs
+        .iter()
+        .zip(elems)
+        .map(|(b, e)| match e {
+            Some(Elem::Bf16) => through_bf16(b),
+            _ => b.clone(),
+        })
+        .collect();
+    let mut m: Vec<Vec<u8>> = exact_in
+        .iter()
+        .zip(elems)
+        .map(|(b, e)| e.map_or_else(|| b.clone(), |e| store_as(e, b)))
+        .collect();
+    run(cxx, mixed, &mut m, dims, items);
+    let mut p = exact_in.clone();
+    run(cxx, plain, &mut p, dims, items);
+    for &k in outs {
+        let e = elems[k].unwrap_or(Elem::F32);
+        let want = store_as(e, &p[k]);
+        assert_eq!(m[k].len(), want.len(), "{what}: buffer {k} size");
+        assert!(
+            m[k] == want,
+            "{what}: buffer {k}: {:?} vs {:?}",
+            as_f32(&widened(e, &m[k])),
+            as_f32(&widened(e, &want))
+        );
+    }
+}
+
+#[test]
+fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
+    let Some(cxx) = gxx() else { return };
+    use kiln_compiler::codegen::cuda::index;
+    use kiln_compiler::ir::BinaryOp;
+    let (b16, f) = (Some(Elem::Bf16), Some(Elem::F32));
+    let mut rng = Rng(41);
+
+    // A region: bf16 activation · f32 row vector + dropout, max with a constant, into bf16.
+    let (r, c) = (6usize, 11usize);
+    let expr = Expr {
+        out: TensorType::new(DType::F32, Shape::consts(&[r as i64, c as i64])),
+        inputs: 2,
+        insts: vec![
+            Inst::In(0),
+            Inst::In(1),
+            Inst::Bin(BinaryOp::Mul, 0, 1),
+            Inst::Dropout(Float::new(0.2), 3, 2),
+            Inst::Const(Float::new(-0.5), DType::F32),
+            Inst::Bin(BinaryOp::Max, 3, 4),
+        ],
+    };
+    let inner = [true, true];
+    let dtypes = [DType::F32, DType::F32];
+    let strides = vec![vec![c as isize, 1], vec![0, 1]];
+    let (dims, _) = region::region_dims(&expr, &[r, c], &strides, 99, 4);
+    let mixed = cuda::region::region_as(
+        "region_0",
+        &expr,
+        &inner,
+        &dtypes,
+        &[Elem::Bf16, Elem::F32],
+        Elem::Bf16,
+    )
+    .unwrap();
+    assert!(
+        mixed.params[0].c_type == "const kiln_bf16*" && mixed.params[1].c_type == "const float*"
+    );
+    let plain = cuda::region::region("region_0", &expr, &inner, &dtypes).unwrap();
+    let bufs = vec![
+        rng.floats(r * c, -2.0, 2.0),
+        rng.floats(c, -1.0, 1.0),
+        zeros(r * c),
+    ];
+    same_as_f32(
+        cxx,
+        "region",
+        &mixed,
+        &plain,
+        &bufs,
+        &[b16, f, b16],
+        &[2],
+        (&dims, (r * c) as u64),
+    );
+    // A bf16 store of an integer region's output is refused.
+    let ints = Expr {
+        out: TensorType::new(DType::I32, Shape::consts(&[3])),
+        inputs: 1,
+        insts: vec![Inst::In(0)],
+    };
+    assert!(
+        cuda::region::region_as("r", &ints, &[true], &[DType::I32], &[Elem::F32], Elem::Bf16)
+            .is_err()
+    );
+
+    // embed_pe with dropout: f32 table and positions, bf16 output.
+    let (vocab, d, b, t) = (9usize, 6usize, 2usize, 5usize);
+    let ids: Vec<i32> = (0..b * t).map(|i| ((i * 5 + 2) % vocab) as i32).collect();
+    let bufs = vec![
+        rng.floats(vocab * d, -1.0, 1.0),
+        i32s(&ids),
+        rng.floats(t * d, -1.0, 1.0),
+        one(2.5),
+        zeros(b * t * d),
+    ];
+    let (dims, _) = region::embed_pe_dims(d, t, b, Some((0.1, 2)), 5, 8);
+    for pe in [Elem::F32, Elem::Bf16] {
+        same_as_f32(
+            cxx,
+            &format!("embed_pe, pe {pe:?}"),
+            &cuda::region::embed_pe_as("embed_pe_0", true, pe, Elem::Bf16),
+            &cuda::region::embed_pe("embed_pe_0", true),
+            &bufs,
+            &[f, None, Some(pe), f, b16],
+            &[4],
+            (&dims, (b * t * d) as u64),
+        );
+    }
+
+    // Bias gradients: bf16 rows summed into f32 (both passes).
+    let shape = [3usize, 50, 13];
+    let (rows, n) = (150usize, 13usize);
+    let (dims, _) = misc::sum_rows_dims(&shape);
+    let chunks = cuda::misc::sum_rows_chunks(rows);
+    same_as_f32(
+        cxx,
+        "sum_rows",
+        &cuda::misc::sum_rows_as("sum_rows_0", 2, Elem::Bf16).unwrap(),
+        &cuda::misc::sum_rows("sum_rows_0", 2).unwrap(),
+        &[rng.floats(rows * n, -1.0, 1.0), zeros(chunks * n)],
+        &[b16, f],
+        &[1],
+        (&dims, cuda::misc::sum_rows_items(rows, n) as u64),
+    );
+    for y in [Elem::F32, Elem::Bf16] {
+        same_as_f32(
+            cxx,
+            &format!("sum_rows_finish into {y:?}"),
+            &cuda::misc::sum_rows_finish_as("sum_rows_finish_0", 2, y).unwrap(),
+            &cuda::misc::sum_rows_finish("sum_rows_finish_0", 2).unwrap(),
+            &[rng.floats(chunks * n, -9.0, 9.0), zeros(n)],
+            &[f, Some(y)],
+            &[1],
+            (&dims, n as u64),
+        );
+    }
+
+    // Reductions over bf16, both layouts and ops, into bf16 or f32.
+    let (outer, len, inner_n) = (4usize, 9usize, 5usize);
+    for op in [Reduce::Sum, Reduce::Max] {
+        for (layout, inner_n) in [(ReduceLayout::Across, inner_n), (ReduceLayout::Rows, 1)] {
+            let (dims, _) = misc::reduce_dims(layout, outer, len, inner_n);
+            let items = match layout {
+                ReduceLayout::Rows => outer,
+                ReduceLayout::Across => outer * inner_n,
+            };
+            for y in [Elem::F32, Elem::Bf16] {
+                same_as_f32(
+                    cxx,
+                    &format!("reduce {op:?} {layout:?} into {y:?}"),
+                    &cuda::misc::reduce_as("reduce_0", op, layout, Elem::Bf16, y),
+                    &cuda::misc::reduce("reduce_0", op, layout),
+                    &[rng.floats(outer * len * inner_n, -3.0, 3.0), zeros(items)],
+                    &[b16, Some(y)],
+                    &[1],
+                    (&dims, items as u64),
+                );
+            }
+        }
+    }
+
+    // The embedding gradient: bf16 rows scattered into an f32 table.
+    let (rows, width) = (7usize, 5usize);
+    let ids: Vec<i32> = vec![3, 0, 6, 3, 1, 3];
+    let (start, order) = index::scatter_index(&ids, rows).unwrap();
+    let (dims, items) = index::scatter_rows_dims(rows, width);
+    same_as_f32(
+        cxx,
+        "scatter_rows",
+        &index::scatter_rows_as("scatter_rows_0", Elem::Bf16, Elem::F32),
+        &index::scatter_rows("scatter_rows_0"),
+        &[
+            i32s(&start),
+            i32s(&order),
+            rng.floats(ids.len() * width, -1.0, 1.0),
+            zeros(rows * width),
+        ],
+        &[None, None, b16, f],
+        &[3],
+        (&dims, items as u64),
+    );
+
+    // concat: a bf16 cache and a new bf16 position (raw), and mixed operands (converted).
+    let sizes = [3usize, 1];
+    let (dims, items) = index::concat_dims(2, 4, &sizes);
+    let parts = vec![
+        rng.floats(2 * 3 * 4, -1.0, 1.0),
+        rng.floats(2 * 4, -1.0, 1.0),
+        zeros(items),
+    ];
+    for (ins, out) in [
+        ([Elem::Bf16, Elem::Bf16], Elem::Bf16),
+        ([Elem::F32, Elem::Bf16], Elem::Bf16),
+        ([Elem::Bf16, Elem::F32], Elem::F32),
+    ] {
+        same_as_f32(
+            cxx,
+            &format!("concat {ins:?} -> {out:?}"),
+            &index::concat_as("concat_0", &ins, out).unwrap(),
+            &index::concat("concat_0", 2).unwrap(),
+            &parts,
+            &[Some(ins[0]), Some(ins[1]), Some(out)],
+            &[2],
+            (&dims, items as u64),
+        );
+    }
+
+    // A strided view of bf16 elements: a transpose.
+    let (s0, s1) = (3usize, 4usize);
+    let xs = from_bf16(&bf16s(&as_f32(&rng.floats(s0 * s1, -1.0, 1.0))));
+    let view_dims: Vec<i64> = vec![1, 1, 1, s1 as i64, s0 as i64, 0, 0, 0, 1, s1 as i64];
+    let mut g = vec![bf16s(&xs), vec![0u8; 2 * s0 * s1]];
+    let copy = cuda::misc::copy_strided_as("copy_strided16_0", Elem::Bf16);
+    run(cxx, &copy, &mut g, &view_dims, (s0 * s1) as u64);
+    let want: Vec<f32> = (0..s1)
+        .flat_map(|j| (0..s0).map(move |i| (i, j)))
+        .map(|(i, j)| xs[i * s1 + j])
+        .collect();
+    assert_eq!(from_bf16(&g[1]), want, "copy_strided of bf16");
+}

@@ -99,42 +99,34 @@ pub fn items(part: Part, t: usize, b: usize, h: usize, tq: usize, tk: usize) -> 
     b * h * rows.div_ceil(t)
 }
 
-fn ptr(e: Elem, konst: bool) -> String {
-    if konst {
-        format!("const {}*", e.c_type())
-    } else {
-        format!("{}*", e.c_type())
-    }
-}
-
 /// The buffer parameters of `part`.
 fn params(part: Part, mask: MaskKind, e: Elem) -> Vec<Param> {
     let masked = mask != MaskKind::None;
     let mut p = vec![
-        param("q", &ptr(e, true)),
-        param("k", &ptr(e, true)),
-        param("v", &ptr(e, true)),
+        param("q", &e.ptr(true)),
+        param("k", &e.ptr(true)),
+        param("v", &e.ptr(true)),
     ];
     if masked {
         p.push(param("mask", "const int*"));
     }
     if part != Part::Forward {
-        p.push(param("g", &ptr(e, true)));
+        p.push(param("g", &e.ptr(true)));
     }
     p.push(param("scale", "const float*"));
     if masked {
         p.push(param("fill", "const float*"));
     }
     match part {
-        Part::Forward => p.push(param("out", &ptr(e, false))),
+        Part::Forward => p.push(param("out", &e.ptr(false))),
         Part::BackwardQ => {
-            p.push(param("dq", &ptr(e, false)));
+            p.push(param("dq", &e.ptr(false)));
             p.push(param("stats", "float*"));
         }
         Part::BackwardKv => {
             p.push(param("stats", "const float*"));
-            p.push(param("dk", &ptr(e, false)));
-            p.push(param("dv", &ptr(e, false)));
+            p.push(param("dk", &e.ptr(false)));
+            p.push(param("dv", &e.ptr(false)));
         }
     }
     p

@@ -37,5 +37,6 @@ pub fn code() -> CudaCode {
         prelude: prelude(),
         functions: vec![to_bf16()],
         kernels: Vec::new(),
+        storage: Vec::new(),
     }
 }

@@ -24,7 +24,8 @@
 //! from `0.0` in that order: the CPU fallback's order, so bit-identical, and every output
 //! element written (rows no id names are 0).
 
-use crate::codegen::cuda::text::W;
+use crate::codegen::cuda::misc::words;
+use crate::codegen::cuda::text::{Elem, W};
 use crate::codegen::cuda::{param, signature, CudaFunction, Work, FOR_THREADS};
 
 fn threads(name: &str, params: Vec<crate::codegen::cuda::Param>, w: W) -> CudaFunction {
@@ -96,13 +97,23 @@ pub fn arange_dims(n: usize, start: i64) -> (Vec<i64>, usize) {
 
 /// The concatenation of `inputs` operands along an axis.
 pub fn concat(name: &str, inputs: usize) -> Result<CudaFunction, String> {
+    concat_as(name, &vec![Elem::F32; inputs], Elem::F32)
+}
+
+/// [`concat()`] of operands stored as `ins` into an output stored as `out`: elements move
+/// unchanged where an operand's type is the output's, else widened or rounded (only
+/// float values differ in storage).
+pub fn concat_as(name: &str, ins: &[Elem], out: Elem) -> Result<CudaFunction, String> {
+    let inputs = ins.len();
     if inputs == 0 || 2 + inputs > crate::codegen::cuda::text::MAX_DIMS {
         return Err(format!("concat of {inputs} operands"));
     }
-    let mut params: Vec<_> = (0..inputs)
-        .map(|k| param(&format!("in{k}"), "const unsigned*"))
+    let mut params: Vec<_> = ins
+        .iter()
+        .enumerate()
+        .map(|(k, &e)| param(&format!("in{k}"), &format!("const {}*", words(e))))
         .collect();
-    params.push(param("out", "unsigned*"));
+    params.push(param("out", &format!("{}*", words(out))));
     let mut w = W::new();
     signature(&mut w, name, &params);
     w.l("const long long inner = dims.d[1];");
@@ -113,9 +124,15 @@ pub fn concat(name: &str, inputs: usize) -> Result<CudaFunction, String> {
     w.l("const long long rem = i - o * (total * inner);");
     w.l("long long a = rem / inner;");
     w.l("const long long c = rem - a * inner;");
-    for k in 0..inputs {
+    for (k, &e) in ins.iter().enumerate() {
         let n = format!("dims.d[{}]", 2 + k);
-        let read = format!("out[i] = in{k}[(o * {n} + a) * inner + c];");
+        let at = format!("in{k}[(o * {n} + a) * inner + c]");
+        let value = if e == out {
+            at
+        } else {
+            narrow(out, &widen(e, &at))
+        };
+        let read = format!("out[i] = {value};");
         if k + 1 < inputs {
             w.open(format!("if (a < {n})"));
             w.l(read);
@@ -131,7 +148,23 @@ pub fn concat(name: &str, inputs: usize) -> Result<CudaFunction, String> {
     Ok(threads(name, params, w))
 }
 
-/// Dims and items of [`concat`]: `outer` and `inner` around the axis, `sizes` the
+/// A stored float element (as [`words`] holds it) as a `float`.
+fn widen(e: Elem, x: &str) -> String {
+    match e {
+        Elem::F32 => format!("__int_as_float((int){x})"),
+        Elem::Bf16 => format!("kiln_bf16_to_f32({x})"),
+    }
+}
+
+/// A `float` as the element [`words`] stores.
+fn narrow(e: Elem, v: &str) -> String {
+    match e {
+        Elem::F32 => format!("(unsigned)__float_as_int({v})"),
+        Elem::Bf16 => format!("kiln_f32_to_bf16({v})"),
+    }
+}
+
+/// Dims and items of [`concat()`]: `outer` and `inner` around the axis, `sizes` the
 /// operands' lengths along it.
 pub fn concat_dims(outer: usize, inner: usize, sizes: &[usize]) -> (Vec<i64>, usize) {
     let mut dims = vec![outer as i64, inner as i64];
@@ -143,11 +176,17 @@ pub fn concat_dims(outer: usize, inner: usize, sizes: &[usize]) -> (Vec<i64>, us
 /// `out[r, j] = Σ_{k ∈ start[r]..start[r+1]} src[order[k], j]`, in that order from `0.0`.
 /// Buffers `[start, order, src, out]`, dims `[rows, w]`, items `rows · w`.
 pub fn scatter_rows(name: &str) -> CudaFunction {
+    scatter_rows_as(name, Elem::F32, Elem::F32)
+}
+
+/// [`scatter_rows`] with `src` stored as `src` and `out` as `out` (the sums are `float`).
+pub fn scatter_rows_as(name: &str, src: Elem, out: Elem) -> CudaFunction {
+    let (se, oe) = (src, out);
     let params = vec![
         param("start", "const int*"),
         param("order", "const int*"),
-        param("src", "const float*"),
-        param("out", "float*"),
+        param("src", &se.ptr(true)),
+        param("out", &oe.ptr(false)),
     ];
     let mut w = W::new();
     signature(&mut w, name, &params);
@@ -157,9 +196,12 @@ pub fn scatter_rows(name: &str) -> CudaFunction {
     w.l("const long long j = i - r * width;");
     w.l("float s = 0.0f;");
     w.open("for (int k = start[r]; k < start[r + 1]; ++k)");
-    w.l("s = s + src[(long long)order[k] * width + j];");
+    w.l(format!(
+        "s = s + {};",
+        se.load("src[(long long)order[k] * width + j]")
+    ));
     w.close();
-    w.l("out[i] = s;");
+    w.l(format!("out[i] = {};", oe.store("s")));
     w.close();
     w.close();
     threads(name, params, w)

@@ -15,6 +15,10 @@
 //! | `relu`          | elements `n`                        | `⌈n / BLOCK⌉`            |
 //! | `copy_strided`  | elements `s0 · … · s4`              | `s0 · s1 · s2 · s3`      |
 //!
+//! The `_as` forms take the element type of each activation buffer (a mixed-precision
+//! program's, [`crate::codegen::cuda::storage`]): loads widen bf16 to `float`, stores
+//! round, sums stay `float`; `copy_strided_as` moves 2-byte elements unchanged.
+//!
 //! Every output element is computed by one thread in the CPU kernel's order where that
 //! order is sequential (`adam_update`, `reduce` across rows: bit-identical
 //! with [`crate::codegen::cuda::nvrtc_options`]); a row reduction uses the block tree and
@@ -28,6 +32,14 @@ use crate::codegen::cuda::{
     for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS, FOR_THREADS,
 };
 use crate::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
+
+/// The C type that moves one element of `e` unchanged.
+pub(crate) fn words(e: Elem) -> &'static str {
+    match e {
+        Elem::F32 => "unsigned",
+        Elem::Bf16 => "kiln_bf16",
+    }
+}
 
 fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
     CudaFunction {
@@ -132,7 +144,13 @@ fn open_sum_rows(name: &str, lead: usize, params: &[Param], shared: bool) -> Res
 /// sequential one: the two agree within float rounding. Buffers `[x, part]`, dims
 /// `[A0, …, A(L−1), n]`, items [`sum_rows_items`].
 pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
-    let params = vec![param("x", "const float*"), param("part", "float*")];
+    sum_rows_as(name, lead, Elem::F32)
+}
+
+/// [`sum_rows`] over `x` stored as `x` (the partial sums are `float`).
+pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, String> {
+    let xe = x;
+    let params = vec![param("x", &xe.ptr(true)), param("part", "float*")];
     let mut w = open_sum_rows(name, lead, &params, true)?;
     w.l(format!(
         "const long long tiles = (n + {SUM_ROWS_COLS} - 1) / {SUM_ROWS_COLS};"
@@ -163,7 +181,7 @@ pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
     w.l("float s = 0.0f;");
     w.open("if (col < n)");
     w.open("for (long long k = r0 + lane; k < r1; k += lanes)");
-    w.l("s = s + x[k * n + col];");
+    w.l(format!("s = s + {};", xe.load("x[k * n + col]")));
     w.close();
     w.close();
     w.l(format!("sh[lane * {SUM_ROWS_COLS} + c] = s;"));
@@ -199,7 +217,13 @@ pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
 /// The second `sum_rows` kernel: `y[j] = Σ_chunk part[chunk, j]`, chunks in order.
 /// Buffers `[part, y]`, dims those of [`sum_rows`], items columns `n`.
 pub fn sum_rows_finish(name: &str, lead: usize) -> Result<CudaFunction, String> {
-    let params = vec![param("part", "const float*"), param("y", "float*")];
+    sum_rows_finish_as(name, lead, Elem::F32)
+}
+
+/// [`sum_rows_finish`] writing `y` stored as `y`.
+pub fn sum_rows_finish_as(name: &str, lead: usize, y: Elem) -> Result<CudaFunction, String> {
+    let ye = y;
+    let params = vec![param("part", "const float*"), param("y", &ye.ptr(false))];
     let mut w = open_sum_rows(name, lead, &params, false)?;
     w.l(format!(
         "const long long chunks = rows > 0 ? (rows + {SUM_ROWS_CHUNK} - 1) / {SUM_ROWS_CHUNK} : 1;"
@@ -211,7 +235,7 @@ pub fn sum_rows_finish(name: &str, lead: usize) -> Result<CudaFunction, String> 
     w.l("s = s + part[k * n + i];");
     w.close();
     w.close();
-    w.l("y[i] = s;");
+    w.l(format!("y[i] = {};", ye.store("s")));
     w.close();
     w.close();
     Ok(function(name, params, Work::Threads, "columns n", w))
@@ -221,7 +245,12 @@ pub fn sum_rows_finish(name: &str, lead: usize) -> Result<CudaFunction, String> 
 /// Buffers `[x, y]`, dims `[outer, len, inner]`. `Rows` (`inner = 1`): one block per row;
 /// `Across`: one thread per output, sequential over `len`.
 pub fn reduce(name: &str, op: Reduce, layout: ReduceLayout) -> CudaFunction {
-    let params = vec![param("x", "const float*"), param("y", "float*")];
+    reduce_as(name, op, layout, Elem::F32, Elem::F32)
+}
+
+/// [`reduce`] with `x` stored as `xe` and `y` as `ye`.
+pub fn reduce_as(name: &str, op: Reduce, layout: ReduceLayout, xe: Elem, ye: Elem) -> CudaFunction {
+    let params = vec![param("x", &xe.ptr(true)), param("y", &ye.ptr(false))];
     let (init, combine) = match op {
         Reduce::Sum => ("0.0f".to_string(), "acc + v"),
         Reduce::Max => (f32_lit(f32::NEG_INFINITY), "kiln_max_ref(acc, v)"),
@@ -233,10 +262,10 @@ pub fn reduce(name: &str, op: Reduce, layout: ReduceLayout) -> CudaFunction {
         ReduceLayout::Rows => {
             w.l("__shared__ float sh[KILN_THREADS];");
             w.open(FOR_BLOCKS);
-            w.l("const float* xr = x + r * len;");
+            w.l(format!("const {}* xr = x + r * len;", xe.c_type()));
             w.l(format!("float acc = {init};"));
             w.open(for_cols("len"));
-            w.l("const float v = xr[j];");
+            w.l(format!("const float v = {};", xe.load("xr[j]")));
             w.l(format!("acc = {combine};"));
             w.close();
             match op {
@@ -247,15 +276,16 @@ pub fn reduce(name: &str, op: Reduce, layout: ReduceLayout) -> CudaFunction {
                     w.l("// max (only a zero or NaN max can differ from it in bits).");
                     w.open("if (threadIdx.x == 0 && (acc == 0.0f || acc != acc))");
                     w.open("for (long long j = 0; j < len; ++j)");
-                    w.open("if (xr[j] == acc || xr[j] != xr[j])");
-                    w.l("acc = xr[j];");
+                    w.l(format!("const float xj = {};", xe.load("xr[j]")));
+                    w.open("if (xj == acc || xj != xj)");
+                    w.l("acc = xj;");
                     w.l("break;");
                     w.close();
                     w.close();
                     w.close();
                 }
             }
-            w.l("if (threadIdx.x == 0) y[r] = acc;");
+            w.l(format!("if (threadIdx.x == 0) y[r] = {};", ye.store("acc")));
             w.close();
             w.close();
             function(name, params, Work::Blocks, "rows outer", w)
@@ -265,13 +295,16 @@ pub fn reduce(name: &str, op: Reduce, layout: ReduceLayout) -> CudaFunction {
             w.open(FOR_THREADS);
             w.l("const long long o = i / inner;");
             w.l("const long long c = i - o * inner;");
-            w.l("const float* xo = x + o * len * inner + c;");
+            w.l(format!(
+                "const {}* xo = x + o * len * inner + c;",
+                xe.c_type()
+            ));
             w.l(format!("float acc = {init};"));
             w.open("for (long long a = 0; a < len; ++a)");
-            w.l("const float v = xo[a * inner];");
+            w.l(format!("const float v = {};", xe.load("xo[a * inner]")));
             w.l(format!("acc = {combine};"));
             w.close();
-            w.l("y[i] = acc;");
+            w.l(format!("y[i] = {};", ye.store("acc")));
             w.close();
             w.close();
             function(name, params, Work::Threads, "outputs outer·inner", w)
@@ -317,7 +350,16 @@ pub fn relu(name: &str, e: Elem) -> CudaFunction {
 /// dims `[s0, …, s4, t0, …, t4]` ([`crate::codegen::misc::copy_strided_dims`]), items
 /// elements `s0·…·s4`.
 pub fn copy_strided(name: &str) -> CudaFunction {
-    let params = vec![param("src", "const unsigned*"), param("out", "unsigned*")];
+    copy_strided_as(name, Elem::F32)
+}
+
+/// [`copy_strided`] of elements of `e`'s size (`Elem::Bf16`: 2-byte elements).
+pub fn copy_strided_as(name: &str, e: Elem) -> CudaFunction {
+    let word = words(e);
+    let params = vec![
+        param("src", &format!("const {word}*")),
+        param("out", &format!("{word}*")),
+    ];
     let r = MAX_COPY_RANK;
     let mut w = W::new();
     signature(&mut w, name, &params);

@@ -14,6 +14,7 @@
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
 //! - [`attention`] — flash-style attention, forward and backward (tiled, online softmax);
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
+//! - [`storage`] — mixed precision: which buffers a bf16 program keeps in bf16;
 //! - [`cast`] — f32 → bf16 for the GEMM operands of bf16 GEMMs;
 //! - [`optim`] — gradient accumulation and Adam for training with state on the device;
 //! - [`index`] — `causal_mask`, `pad_mask`, `arange`, `concat` (host kernels on the CPU);
@@ -31,7 +32,8 @@
 //! - the pointers are the buffers of the CPU kernel of the same kind, **in the same
 //!   order** (operands, then results; a scalar operand is a pointer to one `float` in
 //!   device memory; bools are `int` 0/1), each typed (`const float*`, `int*`, …), listed
-//!   in [`CudaFunction::params`];
+//!   in [`CudaFunction::params`]; in a mixed-precision program a float buffer may be
+//!   `kiln_bf16` instead, as [`CudaCode::storage`] says ([`storage`]);
 //! - `dims` is the CPU kernel's `dims` array, **the same values** (the `*_dims` helpers of
 //!   [`crate::codegen::region`], [`crate::codegen::rows`] and [`crate::codegen::misc`]
 //!   build it; `xent_ls`'s extra kernels document theirs), copied into a by-value struct of
@@ -70,6 +72,7 @@ pub mod program;
 pub mod region;
 pub mod resident;
 pub mod rows;
+pub mod storage;
 pub mod text;
 
 use std::collections::BTreeMap;
@@ -181,6 +184,11 @@ pub struct CudaCode {
     pub functions: Vec<CudaFunction>,
     /// Per kernel launch index.
     pub kernels: Vec<KernelLaunch>,
+    /// A mixed-precision program's buffers: per value of the kernel graph, the element
+    /// type of each output ([`storage::plan`]). Empty for an f32 program: every buffer
+    /// is `float` (or a 4-byte integer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub storage: storage::Storage,
 }
 
 impl CudaCode {

@@ -116,5 +116,6 @@ pub fn code() -> CudaCode {
         prelude: prelude(),
         functions: vec![grad_accumulate(true), grad_accumulate(false), adam_step()],
         kernels: Vec::new(),
+        storage: Vec::new(),
     }
 }

@@ -5,8 +5,9 @@
 //! [`crate::codegen::program`]), and per kernel (by launch index) its functions by role
 //! and the library routine it stands for. The roles are the CPU backend's (`main`,
 //! `bias`, `epilogue`, `softmax`, `softmax_bwd`, `finish`, `copy`), plus `count` for
-//! `xent_ls` (see [`super::rows`]) and `flash`, `flash_q`, `flash_kv` for attention (see
-//! [`super::attention`]). The text is deterministic: the same kernel graph
+//! `xent_ls` (see [`super::rows`]), `flash`, `flash_q`, `flash_kv` for attention (see
+//! [`super::attention`]) and, in a mixed-precision program ([`emit_with`]), `copy16`
+//! (strided views of bf16 buffers). The text is deterministic: the same kernel graph
 //! gives the same bytes.
 
 use std::collections::BTreeMap;
@@ -14,7 +15,7 @@ use std::collections::BTreeMap;
 use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::text::{prelude, Elem};
 use crate::codegen::cuda::{
-    attention, index, misc, region, rows, CudaCode, CudaFunction, KernelLaunch, Library,
+    attention, index, misc, region, rows, storage, CudaCode, CudaFunction, KernelLaunch, Library,
 };
 use crate::codegen::misc::ReduceLayout;
 use crate::codegen::program::{mask_kind, static_inner, Names};
@@ -58,26 +59,23 @@ pub fn emit(kg: &KernelGraph) -> Result<CudaCode, String> {
 
 /// The CUDA code of `kg` with float activations stored as `elem`.
 ///
-/// Only `Elem::F32` makes a whole program today. The row kernels, the flash attention
-/// kernels, fills and relu take `Elem::Bf16` (each checked on the host against the CPU,
-/// `compiler/tests/cuda_host.rs`), but a bf16 program also needs its regions, `xent_ls`,
-/// `embed_pe` and the GEMMs' operands in bf16 while Adam keeps f32 master weights: that
-/// is a mixed-precision pass putting the casts into the graph, not yet written. Until
-/// then a bf16 program is an error rather than a mix of element types.
+/// `Elem::F32` is [`emit`]. `Elem::Bf16` makes a mixed-precision program: the buffers
+/// [`storage::plan`] chooses are bf16 (activations: what scales with the batch and
+/// depends on its data), parameters, gradients Adam reads, moments, scalars and the loss stay
+/// `float`; [`CudaCode::storage`] lists each buffer's type, and every generated
+/// function reads and writes its buffers in theirs (arithmetic in `float`). The GEMMs
+/// are the executor's: operands and results as stored, fp32 accumulation. A program
+/// where one buffer would need two types is an error naming both kernels.
 pub fn emit_with(kg: &KernelGraph, elem: Elem) -> Result<CudaCode, String> {
-    if elem != Elem::F32 {
-        return Err(format!(
-            "{elem:?} programs are not supported yet: the graph has no mixed-precision \
-             casts (emit the kernels one by one, or use f32)"
-        ));
-    }
+    let plan = storage::plan(kg, elem)?;
     let mut em = Emitter {
         functions: Vec::new(),
         names: Names::default(),
     };
     let mut kernels = Vec::new();
+    let at = Stored { kg, plan: &plan };
     for (v, op, inputs) in kg.kernels() {
-        let k = launch(&mut em, kg, v, op, inputs, elem)
+        let k = launch(&mut em, &at, v, op, inputs, elem)
             .map_err(|e| format!("kernel %{v} ({}): {e}", op.kind()))?;
         kernels.push(k);
     }
@@ -85,7 +83,21 @@ pub fn emit_with(kg: &KernelGraph, elem: Elem) -> Result<CudaCode, String> {
         prelude: prelude(),
         functions: em.functions,
         kernels,
+        storage: if elem == Elem::F32 { Vec::new() } else { plan },
     })
+}
+
+/// The element types of a program's buffers.
+struct Stored<'a> {
+    kg: &'a KernelGraph,
+    plan: &'a storage::Storage,
+}
+
+impl Stored<'_> {
+    /// The element type of value `v`.
+    fn of(&self, v: usize) -> Elem {
+        storage::of(self.plan, self.kg, v)
+    }
 }
 
 /// The head sizes `(dk, dv)` of an attention kernel (inputs `q, k, v, …`) when they are
@@ -117,12 +129,13 @@ fn mask_name(m: MaskKind) -> &'static str {
 /// What one kernel launches.
 fn launch(
     em: &mut Emitter,
-    kg: &KernelGraph,
+    at: &Stored<'_>,
     v: usize,
     op: &KernelOp,
     inputs: &[usize],
     e: Elem,
 ) -> Result<KernelLaunch, String> {
+    let kg = at.kg;
     let mut f = BTreeMap::new();
     let mut library = None;
     match op {
@@ -133,12 +146,16 @@ fn launch(
                 .iter()
                 .map(|&x| kg.values[x].types[0].dtype)
                 .collect();
+            let elems: Vec<Elem> = inputs.iter().map(|&x| at.of(x)).collect();
+            let out_elem = at.of(v);
             let key = format!(
-                "region {} inner={inner:?} in={dtypes:?} out={}",
+                "region {} inner={inner:?} in={dtypes:?} out={} stored={elems:?}->{out_elem:?}",
                 expr.text(),
                 expr.out
             );
-            let name = em.get("region", key, |n| region::region(n, expr, &inner, &dtypes))?;
+            let name = em.get("region", key, |n| {
+                region::region_as(n, expr, &inner, &dtypes, &elems, out_elem)
+            })?;
             f.insert("main".to_string(), name);
             f.insert(
                 "inner".to_string(),
@@ -239,36 +256,40 @@ fn launch(
                 }
                 "embed_pe" => {
                     let dropout = !attrs.is_empty();
-                    let name = em.get("embed_pe", format!("embed_pe dropout={dropout}"), |n| {
-                        Ok(region::embed_pe(n, dropout))
+                    let (pe, out) = (at.of(inputs[2]), at.of(v));
+                    let key = format!("embed_pe dropout={dropout} pe={pe:?} out={out:?}");
+                    let name = em.get("embed_pe", key, |n| {
+                        Ok(region::embed_pe_as(n, dropout, pe, out))
                     })?;
                     f.insert("main".into(), name);
                 }
                 "sum_rows" => {
                     let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
-                    let name = em.get("sum_rows", format!("sum_rows lead={lead}"), |n| {
-                        misc::sum_rows(n, lead)
-                    })?;
+                    let (x, y) = (at.of(inputs[0]), at.of(v));
+                    let name =
+                        em.get("sum_rows", format!("sum_rows lead={lead} x={x:?}"), |n| {
+                            misc::sum_rows_as(n, lead, x)
+                        })?;
                     f.insert("main".into(), name);
                     let name = em.get(
                         "sum_rows_finish",
-                        format!("sum_rows_finish lead={lead}"),
-                        |n| misc::sum_rows_finish(n, lead),
+                        format!("sum_rows_finish lead={lead} y={y:?}"),
+                        |n| misc::sum_rows_finish_as(n, lead, y),
                     )?;
                     f.insert("finish".into(), name);
                 }
                 "adam_update" => {
                     f.insert(
                         "main".into(),
-                        em.plain("adam_update", |n| misc::adam_update(n, e)),
+                        // f32 master weights, moments and gradients in every mode.
+                        em.plain("adam_update", |n| misc::adam_update(n, Elem::F32)),
                     );
                 }
                 other => return Err(format!("no CUDA code for template `{other}`")),
             }
         }
-        KernelOp::Prim(Op::Reduce { op, axis })
-            if kg.values[inputs[0]].types[0].dtype == DType::F32 =>
-        {
+        KernelOp::Prim(p) if !storage::on_device(kg, p, inputs) => library = Some(Library::Host),
+        KernelOp::Prim(Op::Reduce { op, axis }) => {
             let rank = kg.values[inputs[0]].types[0].shape.rank();
             let layout = if *axis + 1 == rank {
                 ReduceLayout::Rows
@@ -279,9 +300,9 @@ fn launch(
                 ReduceOp::Sum => Reduce::Sum,
                 ReduceOp::Max => Reduce::Max,
             };
-            let name = em.get("reduce", format!("reduce {rop:?} {layout:?}"), |n| {
-                Ok(misc::reduce(n, rop, layout))
-            })?;
+            let (x, y) = (at.of(inputs[0]), at.of(v));
+            let key = format!("reduce {rop:?} {layout:?} x={x:?} y={y:?}");
+            let name = em.get("reduce", key, |n| Ok(misc::reduce_as(n, rop, layout, x, y)))?;
             f.insert("main".into(), name);
         }
         KernelOp::Prim(Op::MatMul) => {
@@ -302,23 +323,35 @@ fn launch(
             f.insert("main".into(), em.plain("arange", index::arange));
         }
         KernelOp::Prim(Op::Concat { .. }) => {
-            let n = inputs.len();
-            let name = em.get("concat", format!("concat {n}"), |name| {
-                index::concat(name, n)
+            let ins: Vec<Elem> = inputs.iter().map(|&x| at.of(x)).collect();
+            let out = at.of(v);
+            let name = em.get("concat", format!("concat {ins:?} -> {out:?}"), |name| {
+                index::concat_as(name, &ins, out)
             })?;
             f.insert("main".into(), name);
         }
-        KernelOp::Prim(Op::ScatterAdd { .. })
-            if inputs.len() == 2
-                && kg.values[inputs[0]].types[0].dtype == DType::I32
-                && kg.values[inputs[1]].types[0].dtype == DType::F32 =>
-        {
-            f.insert("main".into(), em.plain("scatter_rows", index::scatter_rows));
+        KernelOp::Prim(Op::ScatterAdd { .. }) => {
+            let (src, out) = (at.of(inputs[1]), at.of(v));
+            let key = format!("scatter_rows src={src:?} out={out:?}");
+            let name = em.get("scatter_rows", key, |n| {
+                Ok(index::scatter_rows_as(n, src, out))
+            })?;
+            f.insert("main".into(), name);
         }
-        KernelOp::Prim(_) => library = Some(Library::Host),
+        KernelOp::Prim(other) => {
+            return Err(format!("internal: no CUDA code for `{}`", other.name()));
+        }
     }
     // Any operand a kernel needs contiguous may arrive as a strided view.
     f.insert("copy".into(), em.plain("copy_strided", misc::copy_strided));
+    if e != Elem::F32 {
+        // … of 2-byte elements too, in a program with bf16 buffers.
+        let kind = "copy_strided16";
+        f.insert(
+            "copy16".into(),
+            em.plain(kind, |n| misc::copy_strided_as(n, e)),
+        );
+    }
     Ok(KernelLaunch {
         kind: op.kind(),
         functions: f,

@@ -7,7 +7,8 @@
 //! # Region kernels ([`region`])
 //!
 //! Buffers: the inputs in order (`const float*` / `const int*`; bools are `int` 0/1),
-//! then the output. `dims`: exactly [`crate::codegen::region::region_dims`]'s array —
+//! then the output; in a mixed-precision program ([`region_as`]) a float buffer may be
+//! `kiln_bf16`, widened on load and rounded on store. `dims`: exactly [`crate::codegen::region::region_dims`]'s array —
 //! `C`, the `L` leading output dims, each input's `L` element strides over them, then
 //! `seed` and `step` when the program has a dropout. Items: **elements**, `R·C` (the CPU
 //! kernel's items are rows); one thread per element. Element `i` is row `i / C`, column
@@ -28,7 +29,7 @@
 //! `[d, t, seed, step, stream, threshold, keep-scale bits]`). Items: elements `b·t·d`.
 //! Ids must be in range (the caller checks them, as on the CPU).
 
-use crate::codegen::cuda::text::{f32_lit, i32_lit, W};
+use crate::codegen::cuda::text::{f32_lit, i32_lit, Elem, W};
 use crate::codegen::cuda::{param, signature, CudaFunction, Param, Work, FOR_THREADS};
 use crate::ir::{BinaryOp, CmpOp, DType, UnaryOp};
 use crate::optimize::regions::{Expr, Inst};
@@ -112,11 +113,6 @@ fn reg(d: DType) -> &'static str {
     }
 }
 
-/// The C type of a buffer of dtype `d` (bools are stored as `int` 0/1).
-fn buf(d: DType) -> &'static str {
-    reg(d)
-}
-
 fn unary(u: UnaryOp, d: DType, x: &str) -> String {
     if d == DType::I32 {
         return match u {
@@ -187,21 +183,47 @@ fn constant(d: DType, v: f64) -> String {
 }
 
 /// The region kernel for `expr` with inputs of `in_dtypes`, innermost strides 1
-/// (`inner[k]`) or 0.
+/// (`inner[k]`) or 0, every float buffer `float`.
 pub fn region(
     name: &str,
     expr: &Expr,
     inner: &[bool],
     in_dtypes: &[DType],
 ) -> Result<CudaFunction, String> {
+    let elems = vec![Elem::F32; in_dtypes.len()];
+    region_as(name, expr, inner, in_dtypes, &elems, Elem::F32)
+}
+
+/// [`region`] with f32 inputs stored as `in_elems` and an f32 output as `out_elem`
+/// (read widened, written rounded; the arithmetic is `float` either way). Integer and
+/// bool buffers take `Elem::F32`.
+pub fn region_as(
+    name: &str,
+    expr: &Expr,
+    inner: &[bool],
+    in_dtypes: &[DType],
+    in_elems: &[Elem],
+    out_elem: Elem,
+) -> Result<CudaFunction, String> {
     let n_in = expr.inputs;
-    if inner.len() != n_in || in_dtypes.len() != n_in {
+    if inner.len() != n_in || in_dtypes.len() != n_in || in_elems.len() != n_in {
         return Err(format!(
-            "region `{name}`: {} inner flags and {} dtypes for {n_in} inputs",
+            "region `{name}`: {} inner flags, {} dtypes and {} element types for {n_in} inputs",
             inner.len(),
-            in_dtypes.len()
+            in_dtypes.len(),
+            in_elems.len()
         ));
     }
+    let stored = |d: DType, e: Elem| -> Result<Elem, String> {
+        if e != Elem::F32 && d != DType::F32 {
+            return Err(format!("region `{name}`: a {d} buffer stored as {e:?}"));
+        }
+        Ok(e)
+    };
+    for (&d, &e) in in_dtypes.iter().zip(in_elems) {
+        stored(d, e)?;
+    }
+    stored(expr.out.dtype, out_elem)?;
     let rank = expr.out.shape.rank();
     if rank > 5 {
         return Err(format!(
@@ -219,10 +241,16 @@ pub fn region(
         })
         .collect();
 
+    let buf = |d: DType, e: Elem| if d == DType::F32 { e.c_type() } else { reg(d) };
     let mut params: Vec<Param> = (0..n_in)
-        .map(|i| param(&format!("in{i}"), &format!("const {}*", buf(in_dtypes[i]))))
+        .map(|i| {
+            param(
+                &format!("in{i}"),
+                &format!("const {}*", buf(in_dtypes[i], in_elems[i])),
+            )
+        })
         .collect();
-    params.push(param("out", &format!("{}*", buf(types[n - 1]))));
+    params.push(param("out", &format!("{}*", buf(types[n - 1], out_elem))));
     let mut w = W::new();
     signature(&mut w, name, &params);
     if lead > 0 {
@@ -238,17 +266,21 @@ pub fn region(
             dropout_base + 1
         ));
     }
+    // The column, unless no input reads along it (every one broadcast over it).
+    let column = (0..n_in).any(|i| used[i] && inner[i]);
     w.open(FOR_THREADS);
     if lead > 0 {
         w.l("const long long row = i / C;");
-        w.l("const long long c = i - row * C;");
+        if column {
+            w.l("const long long c = i - row * C;");
+        }
         w.l("long long rest = row;");
         for k in (1..lead).rev() {
             w.l(format!("const long long j{k} = rest % dims.d[{}];", 1 + k));
             w.l(format!("rest = rest / dims.d[{}];", 1 + k));
         }
         w.l("const long long j0 = rest;");
-    } else {
+    } else if column {
         w.l("const long long c = i;");
     }
     for i in 0..n_in {
@@ -270,6 +302,7 @@ pub fn region(
         let v = |a: usize| format!("v{a}");
         let rhs = match *inst {
             Inst::In(i) if in_dtypes[i] == DType::Bool => format!("(in{i}[o{i}] != 0) ? 1 : 0"),
+            Inst::In(i) if in_dtypes[i] == DType::F32 => in_elems[i].load(&format!("in{i}[o{i}]")),
             Inst::In(i) => format!("in{i}[o{i}]"),
             Inst::Const(c, d) => constant(d, c.get()),
             Inst::Un(u, a) => unary(u, types[a], &v(a)),
@@ -289,7 +322,13 @@ pub fn region(
         };
         w.l(format!("const {} v{k} = {rhs};", reg(types[k])));
     }
-    w.l(format!("out[i] = v{};", n - 1));
+    let last = format!("v{}", n - 1);
+    let value = if types[n - 1] == DType::F32 {
+        out_elem.store(&last)
+    } else {
+        last
+    };
+    w.l(format!("out[i] = {value};"));
     w.close();
     w.close();
     Ok(CudaFunction {
@@ -303,12 +342,17 @@ pub fn region(
 
 /// The `embed_pe` kernel (see the module documentation).
 pub fn embed_pe(name: &str, dropout: bool) -> CudaFunction {
+    embed_pe_as(name, dropout, Elem::F32, Elem::F32)
+}
+
+/// [`embed_pe`] with `pe` stored as `pe` and the output as `out` (the table is `float`).
+pub fn embed_pe_as(name: &str, dropout: bool, pe: Elem, out: Elem) -> CudaFunction {
     let params = vec![
         param("table", "const float*"),
         param("ids", "const int*"),
-        param("pe", "const float*"),
+        param("pe", &pe.ptr(true)),
         param("scale", "const float*"),
-        param("out", "float*"),
+        param("out", &out.ptr(false)),
     ];
     let mut w = W::new();
     signature(&mut w, name, &params);
@@ -328,11 +372,11 @@ pub fn embed_pe(name: &str, dropout: bool) -> CudaFunction {
     w.l("const long long pos = row % t;");
     w.l("const long long id = ids[row];");
     w.l("const float x = table[id * d + c] * s;");
-    w.l("float y = x + pe[pos * d + c];");
+    w.l(format!("float y = x + {};", pe.load("pe[pos * d + c]")));
     if dropout {
         w.l("y = kiln_keep(seed, step, stream, (unsigned long long)i, threshold) ? y * keep_scale : 0.0f;");
     }
-    w.l("out[i] = y;");
+    w.l(format!("out[i] = {};", out.store("y")));
     w.close();
     w.close();
     CudaFunction {

@@ -25,14 +25,6 @@ use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS};
 use crate::codegen::rows::{MaskKind, LN_BWD_BLOCK};
 
-fn ptr(e: Elem, konst: bool) -> String {
-    if konst {
-        format!("const {}*", e.c_type())
-    } else {
-        format!("{}*", e.c_type())
-    }
-}
-
 fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
     CudaFunction {
         name: name.to_string(),
@@ -70,7 +62,7 @@ fn softmax_tail(w: &mut W, e: Elem, n: &str, value: &str) {
 
 /// `out[r, :] = softmax(x[r, :])`. Buffers `[x, out]`, dims `[c]`, items rows.
 pub fn softmax(name: &str, e: Elem) -> CudaFunction {
-    let params = vec![param("x", &ptr(e, true)), param("out", &ptr(e, false))];
+    let params = vec![param("x", &e.ptr(true)), param("out", &e.ptr(false))];
     let mut w = W::new();
     open_rows(&mut w, name, &params);
     w.l("const long long c = dims.d[0];");
@@ -94,7 +86,7 @@ pub fn softmax(name: &str, e: Elem) -> CudaFunction {
 /// rows `b·h·tq`.
 pub fn scale_mask_softmax(name: &str, mask: MaskKind, e: Elem) -> CudaFunction {
     let masked = mask != MaskKind::None;
-    let mut params = vec![param("x", &ptr(e, true))];
+    let mut params = vec![param("x", &e.ptr(true))];
     if masked {
         params.push(param("mask", "const int*"));
     }
@@ -102,7 +94,7 @@ pub fn scale_mask_softmax(name: &str, mask: MaskKind, e: Elem) -> CudaFunction {
     if masked {
         params.push(param("fill", "const float*"));
     }
-    params.push(param("out", &ptr(e, false)));
+    params.push(param("out", &e.ptr(false)));
     let mut w = W::new();
     open_rows(&mut w, name, &params);
     if mask == MaskKind::Key {
@@ -146,10 +138,10 @@ pub fn scale_mask_softmax(name: &str, mask: MaskKind, e: Elem) -> CudaFunction {
 /// `dp`), dims `[c]`, items rows.
 pub fn softmax_bwd(name: &str, e: Elem) -> CudaFunction {
     let params = vec![
-        param("p", &ptr(e, true)),
-        param("dp", &ptr(e, true)),
+        param("p", &e.ptr(true)),
+        param("dp", &e.ptr(true)),
         param("mult", "const float*"),
-        param("ds", &ptr(e, false)),
+        param("ds", &e.ptr(false)),
     ];
     let mut w = W::new();
     open_rows(&mut w, name, &params);
@@ -182,13 +174,13 @@ pub fn softmax_bwd(name: &str, e: Elem) -> CudaFunction {
 /// eps, out]` (`out` may be `x` or `y`), dims `[d]`, items rows.
 pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
     let params = vec![
-        param("x", &ptr(e, true)),
-        param("y", &ptr(e, true)),
+        param("x", &e.ptr(true)),
+        param("y", &e.ptr(true)),
         param("gamma", "const float*"),
         param("beta", "const float*"),
         param("inv_d", "const float*"),
         param("eps", "const float*"),
-        param("out", &ptr(e, false)),
+        param("out", &e.ptr(false)),
     ];
     let mut w = W::new();
     open_rows(&mut w, name, &params);
@@ -240,13 +232,13 @@ pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
 /// the block's partials, summed over the block's rows in order (as on the CPU).
 pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     let params = vec![
-        param("x", &ptr(e, true)),
-        param("y", &ptr(e, true)),
+        param("x", &e.ptr(true)),
+        param("y", &e.ptr(true)),
         param("gamma", "const float*"),
-        param("g", &ptr(e, true)),
+        param("g", &e.ptr(true)),
         param("inv_d", "const float*"),
         param("eps", "const float*"),
-        param("dx", &ptr(e, false)),
+        param("dx", &e.ptr(false)),
         param("scratch", "float*"),
     ];
     let mut w = W::new();
@@ -407,14 +399,14 @@ fn count_kernel(name: &str, seeded: bool) -> CudaFunction {
 /// `[v, pad]`, items rows.
 pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
     let params = vec![
-        param("logits", &ptr(e, true)),
+        param("logits", &e.ptr(true)),
         param("target", "const int*"),
         param("c_nll", "const float*"),
         param("c_smooth", "const float*"),
         param("inv_v", "const float*"),
         param("inv_den", "const float*"),
         param("row_loss", "float*"),
-        param("dlogits", &ptr(e, false)),
+        param("dlogits", &e.ptr(false)),
     ];
     let mut w = W::new();
     open_rows(&mut w, name, &params);

@@ -80,7 +80,7 @@ pub fn i32_lit(v: i32) -> String {
 /// The element type a kernel loads and stores its float activations as (parameters,
 /// scalars and statistics stay `float`). Arithmetic is always in `float`: a load widens,
 /// a store rounds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Elem {
     F32,
     /// bfloat16 (`kiln_bf16`, the upper half of an `f32`): widening is exact, narrowing
@@ -95,6 +95,15 @@ impl Elem {
         match self {
             Elem::F32 => "float",
             Elem::Bf16 => "kiln_bf16",
+        }
+    }
+
+    /// The C type of a pointer to a buffer (`const` for an operand).
+    pub fn ptr(self, konst: bool) -> String {
+        if konst {
+            format!("const {}*", self.c_type())
+        } else {
+            format!("{}*", self.c_type())
         }
     }
 
