@@ -297,7 +297,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     };
     // The decoder's state on the GPU, as `kiln translate` keeps it: everything but the
     // newest tokens uploaded once; each timed step gathers the rows (the identity order),
-    // runs with the state bound in place and downloads only the logits.
+    // runs with the state bound in place and downloads only each row's best tokens.
     let resident = match &cuda {
         Some(c) if entry == "decode_step" && !a.host_state && !a.profile => {
             let mut held = BTreeMap::new();
@@ -348,8 +348,21 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 .take_rows(&held.values().collect::<Vec<_>>(), &rows)
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
             let state: BTreeMap<String, _> = names.into_iter().cloned().zip(gathered).collect();
-            let is_cache = |n: &str| n.starts_with(kiln_compiler::ir::CACHE_PREFIX);
-            c.run_resident(&step_inputs, &state, &params, &opts, &is_cache)
+            // The caches and the logits stay on the device; beam search (beam 4, the
+            // paper's) reads each row's best 8 tokens, selected there.
+            let keep = |n: &str| n.starts_with(kiln_compiler::ir::CACHE_PREFIX) || n == "logits";
+            let (_, kept) = c
+                .run_resident(&step_inputs, &state, &params, &opts, &keep)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let logits = kept.get("logits").ok_or_else(|| {
+                plain(
+                    "kiln::bench",
+                    "the decoding step has no `logits`".into(),
+                    None,
+                )
+            })?;
+            let d = kiln_runtime::decode::DecodeOptions::default();
+            c.row_top_k(logits, 2 * d.beam, &[d.pad, d.bos], d.eos)
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
             if run >= a.warmup {
                 times.push(started.elapsed().as_secs_f64());

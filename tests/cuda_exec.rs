@@ -20,8 +20,8 @@ use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_runtime::artifact::Artifact;
 use kiln_runtime::cuda::{
-    cuda_available, executor_for, launch_plan, require_cuda_or_skip, CudaExecError, CudaExecutor,
-    CudaOptions,
+    cuda_available, executor_for, launch_plan, launch_plan_with, require_cuda_or_skip,
+    CudaExecError, CudaExecutor, CudaOptions,
 };
 use kiln_runtime::exec::Exec;
 
@@ -156,6 +156,26 @@ fn every_kernel_of_the_tiny_model_has_a_gpu_launch() {
             "no `{how}` kernel: {seen:?}"
         );
     }
+}
+
+/// Mixed precision (`CudaOptions::mixed`): every entry's bf16 program, generated from
+/// the artifact's kernel graph, prepares without a GPU, each kernel running as it does in
+/// f32 (flash attention included); an entry that is not in the artifact is named.
+#[test]
+fn every_kernel_of_the_tiny_model_has_a_mixed_precision_launch() {
+    let art = cuda_artifact();
+    let mixed = CudaOptions {
+        mixed: true,
+        ..CudaOptions::default()
+    };
+    assert_eq!(mixed.gemm_name(), "mixed-bf16");
+    for entry in ENTRIES {
+        let f32_plan = launch_plan(art, entry).unwrap();
+        let plan = launch_plan_with(art, entry, &mixed).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        assert_eq!(plan, f32_plan, "{entry}");
+    }
+    let e = launch_plan_with(art, "no_such_entry", &mixed).unwrap_err();
+    assert!(e.to_string().contains("no_such_entry"), "{e}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -380,12 +400,18 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
         ..CudaOptions::default()
     };
     let (gpu, inputs, params, opts) = close_train_step("bf16", bf16, 12, (5e-2, 1e-4, 1e-2));
-    let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
-    gpu.train_begin(&params, &adam.m, &adam.v).unwrap();
+    two_device_steps(&gpu, &inputs, &params, &opts);
+}
+
+/// Two training steps with the state on the device (`train_begin`, `train_micro`,
+/// `train_update`): finite gradients, and finite losses that differ (the update applied).
+fn two_device_steps(gpu: &CudaExecutor, inputs: &Feeds, params: &Feeds, opts: &RunOptions) {
+    let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, params);
+    gpu.train_begin(params, &adam.m, &adam.v).unwrap();
     let mut losses = Vec::new();
     for step in 1..=2u64 {
         let out = gpu
-            .train_micro(&inputs, &params, &opts, 1.0, true, None)
+            .train_micro(inputs, params, opts, 1.0, true, None)
             .unwrap();
         assert!(out.non_finite.is_none());
         let l = out.outputs.iter().find(|(n, _)| n == "loss").unwrap();
@@ -397,6 +423,104 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
         losses.iter().all(|l| l.is_finite()) && losses[0] != losses[1],
         "{losses:?}"
     );
+}
+
+/// Mixed precision (`CudaOptions::mixed`, `KILN_CUDA_MIXED=1`): activations stored in
+/// bf16, bf16 GEMMs, f32 parameters and loss. A training step within `0.1·max + 1e-3` of
+/// the CPU and the loss within `2e-2` relative (first bounds, before any GPU run: the
+/// printed share of the bound calibrates them); every other entry within `0.1·max +
+/// 1e-3`; device training runs with it (two steps, finite and different losses).
+#[test]
+fn gpu_mixed_precision_is_close_to_the_cpu() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let mixed = CudaOptions {
+        mixed: true,
+        ..CudaOptions::default()
+    };
+    let (gpu, inputs, params, opts) = close_train_step("mixed", mixed, 13, (0.1, 1e-3, 2e-2));
+    let art = cuda_artifact();
+    for entry in ["encode", "decode_step"] {
+        let g = CudaExecutor::with_options(art, entry, mixed).unwrap();
+        let cpu = art.executor(entry).unwrap();
+        let (inputs, params) = feeds(cpu.graph(), art, 14);
+        let want = cpu.run(&inputs, &params, &RunOptions::default()).unwrap();
+        let got = Exec::run(&g, &inputs, &params, &RunOptions::default()).unwrap();
+        for ((n, w), (_, o)) in want.iter().zip(&got) {
+            let (w, o) = (as_f64(w), as_f64(o));
+            let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
+            let diff = w
+                .iter()
+                .zip(&o)
+                .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                diff <= 0.1 * max + 1e-3,
+                "mixed {entry} {n}: max diff {diff:e}, max |cpu| {max:e}"
+            );
+        }
+    }
+    two_device_steps(&gpu, &inputs, &params, &opts);
+}
+
+/// Mixed-precision decoding with the state on the GPU equals the same executor with the
+/// state on the host: the caches are bf16 on the device, and the host path widens them
+/// to f32 and rounds them back exactly; bf16 rows gather as words; the top-k reads bf16
+/// logits (the same tokens, scores within rounding: `same_hypotheses`).
+#[test]
+fn gpu_mixed_precision_resident_decoding_matches_its_host_state() {
+    use kiln_runtime::decode::DecodeOptions;
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let mixed = CudaOptions {
+        mixed: true,
+        ..CudaOptions::default()
+    };
+    let enc = CudaExecutor::with_options(art, "encode", mixed).unwrap();
+    let step = CudaExecutor::with_options(art, "decode_step", mixed).unwrap();
+    let params: BTreeMap<String, Tensor> = art.weights().unwrap().into_iter().collect();
+    let src = Tensor::i32(vec![2, 4], vec![5, 6, 7, 0, 8, 9, 10, 11]).unwrap();
+    let opts = DecodeOptions {
+        beam: 3,
+        max_len_b: 5,
+        ..DecodeOptions::default()
+    };
+    host_and_device_state(&enc, &step, &params, &src, &opts);
+}
+
+/// Decodes `src` with the state on the host (`CachedStep`) and on the device
+/// (`DeviceCachedStep`) through the same executors; the two agree (`same_hypotheses`).
+/// Returns the device's hypotheses.
+fn host_and_device_state(
+    enc: &CudaExecutor,
+    step: &CudaExecutor,
+    params: &BTreeMap<String, Tensor>,
+    src: &Tensor,
+    opts: &kiln_runtime::decode::DecodeOptions,
+) -> Vec<kiln_runtime::decode::Hypothesis> {
+    use kiln_runtime::decode::{decode, CachedStep, DeviceCachedStep};
+    let host = decode(&mut CachedStep::new(enc, step, params, 48), src, opts).unwrap();
+    let device = decode(&mut DeviceCachedStep::new(enc, step, params, 48), src, opts).unwrap();
+    same_hypotheses(&host, &device);
+    device
+}
+
+/// The host decoder's hypotheses and the GPU decoder's (the best tokens of each row
+/// selected on the device, `CudaExecutor::row_top_k`): the same tokens, scores within
+/// `1e-9` relative (the log-softmax sums in another order, CUDA's `exp` and `log`).
+fn same_hypotheses(
+    host: &[kiln_runtime::decode::Hypothesis],
+    device: &[kiln_runtime::decode::Hypothesis],
+) {
+    assert_eq!(host.len(), device.len());
+    for (h, d) in host.iter().zip(device) {
+        assert_eq!(h.tokens, d.tokens, "{h:?} vs {d:?}");
+        for (a, b) in [(h.score, d.score), (h.log_prob, d.log_prob)] {
+            assert!((a - b).abs() <= 1e-9 * a.abs().max(1.0), "{h:?} vs {d:?}");
+        }
+    }
 }
 
 /// Parameters kept on the device under one `params_version`: the second run of a
@@ -735,12 +859,13 @@ fn kiln_bench_data_parallel() {
 
 /// The GPU decoder keeps its state on the device (`DeviceCachedStep`: the encoder's
 /// output, the source and the key/value caches stay there; rows are reordered by
-/// `take_rows`, the grown caches kept by `run_resident`): the same hypotheses and scores,
-/// bit for bit, as the host-state decoder (`CachedStep`) on the same CUDA executors, and
-/// the CPU executor's tokens. `cached_step` picks the device path for a CUDA executor.
+/// `take_rows`, the grown caches kept by `run_resident`, each row's best tokens selected
+/// by `row_top_k`): the same hypotheses as the host-state decoder (`CachedStep`) on the
+/// same CUDA executors (scores within rounding, `same_hypotheses`), and the CPU
+/// executor's tokens. `cached_step` picks the device path for a CUDA executor.
 #[test]
 fn gpu_resident_decoding_matches_the_host_state() {
-    use kiln_runtime::decode::{cached_step, decode, CachedStep, DecodeOptions, DeviceCachedStep};
+    use kiln_runtime::decode::{cached_step, decode, CachedStep, DecodeOptions};
     if require_cuda_or_skip().is_none() {
         return;
     }
@@ -759,14 +884,7 @@ fn gpu_resident_decoding_matches_the_host_state() {
         max_len_b: 6,
         ..DecodeOptions::default()
     };
-    let host = decode(&mut CachedStep::new(&enc, &step, &params, 48), &src, &opts).unwrap();
-    let device = decode(
-        &mut DeviceCachedStep::new(&enc, &step, &params, 48),
-        &src,
-        &opts,
-    )
-    .unwrap();
-    assert_eq!(host, device);
+    let device = host_and_device_state(&enc, &step, &params, &src, &opts);
     let mut picked = cached_step(&enc, &step, &params, 48);
     assert_eq!(decode(picked.as_mut(), &src, &opts).unwrap(), device);
     let (cenc, cstep) = (
@@ -810,4 +928,42 @@ fn gpu_resident_decoding_matches_the_host_state() {
     .unwrap();
     assert_eq!(bits(&back), bits(&want));
     assert!(step.take_rows(&[&d], &[3]).is_err(), "a row out of range");
+    // Each row's best tokens, selected on the device from the last position, are the
+    // host's `row_top` of its log-softmax (a tie, a banned token, the end of sentence).
+    // [rows 2, len 2, vocab 5]: the first position is never read.
+    let logits = Tensor::f32(
+        vec![2, 2, 5],
+        vec![
+            9.0, 9.0, 9.0, 9.0, 9.0, // row 0, position 0
+            0.5, 2.0, -1.0, 2.0, 0.25, // row 0, position 1: a tie at the top
+            9.0, 9.0, 9.0, 9.0, 9.0, // row 1, position 0
+            4.0, -2.0, 1.0, 0.5, 0.5, // row 1, position 1: the best is banned
+        ],
+    )
+    .unwrap();
+    let d = step.to_device(&logits).unwrap();
+    let spec = kiln_runtime::decode::TopSpec {
+        k: 3,
+        banned: &[0],
+        eos: 2,
+    };
+    let top = step.row_top_k(&d, spec.k, spec.banned, spec.eos).unwrap();
+    for r in 0..2 {
+        let row: Vec<f64> = logits.as_f32().unwrap()[(2 * r + 1) * 5..(2 * r + 2) * 5]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        let lp: Vec<f64> = row.iter().map(|v| v - lse).collect();
+        let want = kiln_runtime::decode::row_top(&lp, &spec);
+        for (j, &(wv, wi)) in want.best.iter().enumerate() {
+            assert_eq!(top.ids[r * 3 + j], wi, "row {r} slot {j}");
+            assert!(
+                (top.vals[r * 3 + j] - wv).abs() <= 1e-12,
+                "row {r} slot {j}"
+            );
+        }
+        assert!((top.eos[r] - want.eos).abs() <= 1e-12, "row {r}");
+    }
 }

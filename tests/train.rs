@@ -373,17 +373,7 @@ fn loss_scaling_settings_are_checked() {
         "executor: compiled}",
         "executor: compiled, loss_scale: {init: 1024}}",
     );
-    let out = kiln(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--artifact",
-            "art",
-            "--quiet",
-        ],
-    );
+    let out = train_from_artifact(&dir);
     assert_eq!(out.status.code(), Some(1));
     let err = unwrapped(&out.stderr);
     assert!(
@@ -772,9 +762,6 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
     );
 }
 
-/// Dynamic loss scaling on the GPU's device-resident training: a power-of-two scale that
-/// never overflows leaves the run as it is without scaling (the scale reaches the seeded
-/// cross-entropy kernel, and the accumulation weights `tokens/S` undo it).
 /// `kiln compile --config cfg.yaml --target cuda -o art` (which needs no GPU, and must
 /// succeed), then `kiln train --config cfg.yaml --artifact art --quiet` in `dir`: its
 /// output.
@@ -785,6 +772,11 @@ fn compile_and_train(dir: &Path) -> Output {
             "compile", "--config", "cfg.yaml", "--target", "cuda", "-o", "art",
         ],
     );
+    train_from_artifact(dir)
+}
+
+/// `kiln train --config cfg.yaml --artifact art --quiet` in `dir`: its output.
+fn train_from_artifact(dir: &Path) -> Output {
     kiln(
         dir,
         &[
@@ -817,6 +809,9 @@ fn gpu_run_edited(name: &str, train: &str, edits: &[(&str, &str)]) -> Option<Pat
     Some(dir)
 }
 
+/// Dynamic loss scaling on the GPU's device-resident training: a power-of-two scale that
+/// never overflows leaves the run as it is without scaling (the scale reaches the seeded
+/// cross-entropy kernel, and the accumulation weights `tokens/S` undo it).
 #[test]
 fn loss_scaling_on_the_gpu_leaves_the_run_unchanged() {
     let Some(plain) = gpu_run("gpu_unscaled", "max_steps: 6, executor: cuda, log_every: 5") else {

@@ -117,6 +117,53 @@ pub enum DecodeError {
     Model(String),
 }
 
+/// Which tokens of each row beam search reads ([`StepModel::step_top`]).
+#[derive(Clone, Copy, Debug)]
+pub struct TopSpec<'a> {
+    /// How many of the best tokens (beam search needs `2·beam`).
+    pub k: usize,
+    /// Tokens never chosen (padding, beginning of sentence).
+    pub banned: &'a [i32],
+    /// The end-of-sentence token, whose log-probability every row also reports.
+    pub eos: i32,
+}
+
+/// What beam search reads of one row of a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowTop {
+    /// `(log-probability, token)` of the best tokens, best first, ties to the smaller
+    /// token; at most `k`, fewer when fewer tokens are neither banned nor NaN.
+    pub best: Vec<(f64, i32)>,
+    /// The end-of-sentence token's log-probability (`−∞` if it is outside the vocabulary).
+    pub eos: f64,
+}
+
+/// The [`RowTop`] of one row of log-probabilities: NaN and banned tokens left out.
+pub fn row_top(row: &[f64], spec: &TopSpec<'_>) -> RowTop {
+    let mut ids: Vec<(f64, i32)> = row
+        .iter()
+        .enumerate()
+        .filter(|(t, lp)| !lp.is_nan() && !spec.banned.contains(&(*t as i32)))
+        .map(|(t, &lp)| (lp, t as i32))
+        .collect();
+    let better = |a: &(f64, i32), b: &(f64, i32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if ids.len() > spec.k {
+        if spec.k == 0 {
+            ids.clear();
+        } else {
+            ids.select_nth_unstable_by(spec.k - 1, better);
+            ids.truncate(spec.k);
+        }
+    }
+    ids.sort_by(better);
+    let eos = usize::try_from(spec.eos)
+        .ok()
+        .and_then(|e| row.get(e))
+        .copied()
+        .unwrap_or(f64::NEG_INFINITY);
+    RowTop { best: ids, eos }
+}
+
 /// A model that extends hypotheses one token at a time.
 pub trait StepModel {
     /// Prepares for `src` (`[B, S]`); row `i` of the first step continues sentence `i`.
@@ -126,14 +173,40 @@ pub trait StepModel {
     /// row-major log-probabilities, `rows × vocab`.
     fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError>;
     fn vocab(&self) -> usize;
+    /// [`StepModel::step`], returning per row only what beam search reads: the best
+    /// `spec.k` tokens and the end of sentence ([`row_top`] of each row of `step`, unless
+    /// a model selects them where its logits are, as the GPU decoder does).
+    fn step_top(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+        spec: &TopSpec<'_>,
+    ) -> Result<Vec<RowTop>, DecodeError> {
+        let logp = self.step(tokens, parents)?;
+        let v = self.vocab();
+        if logp.len() != tokens.len() * v {
+            return Err(DecodeError::Model(format!(
+                "the step model returned {} scores for {} rows of vocabulary {v}",
+                logp.len(),
+                tokens.len()
+            )));
+        }
+        Ok(logp.chunks(v.max(1)).map(|r| row_top(r, spec)).collect())
+    }
 }
 
-/// Log-softmax of each row of `logits` (`rows × v`), in f64.
+/// Log-softmax of each row of `logits` (`rows × v`), in f64, over the row's non-NaN
+/// values (a NaN logit stays NaN and does not spoil the others), as the GPU decoder's
+/// `row_top_k` computes it.
 fn log_softmax_rows(logits: &[f32], v: usize) -> Vec<f64> {
     let mut out = Vec::with_capacity(logits.len());
     for row in logits.chunks(v) {
         let m = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
-        let s: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
+        let s: f64 = row
+            .iter()
+            .filter(|x| !x.is_nan())
+            .map(|&x| (x as f64 - m).exp())
+            .sum();
         let lse = m + s.ln();
         out.extend(row.iter().map(|&x| x as f64 - lse));
     }
@@ -296,8 +369,11 @@ impl StepModel for CachedStep<'_> {
 /// executor, which holds the encoder's output, the source and the key/value caches
 /// between steps. Each step uploads only the newest tokens, reorders the state's rows on
 /// the device (`CudaExecutor::take_rows`), runs the step with that state bound in place
-/// (`CudaExecutor::run_resident`, the grown caches kept on the device) and downloads only
-/// the logits. The same computation as [`CachedStep`] on the same executor.
+/// (`CudaExecutor::run_resident`, the grown caches kept on the device) and, in beam
+/// search ([`StepModel::step_top`]), selects each row's best tokens on the device too
+/// (`CudaExecutor::row_top_k`): `2·beam` tokens a row come back instead of the logits.
+/// The same computation as [`CachedStep`] on the same executor (the log-softmax's sum in
+/// another order: scores within rounding, the same tokens but for exact ties).
 pub struct DeviceCachedStep<'a> {
     /// The encoder, the parameters, the run options and the vocabulary; its host state
     /// only between `start` and the upload.
@@ -319,20 +395,17 @@ impl<'a> DeviceCachedStep<'a> {
             state: BTreeMap::new(),
         }
     }
-}
 
-impl StepModel for DeviceCachedStep<'_> {
-    fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
-        self.host.start(src)?;
-        let host = std::mem::take(&mut self.host.state);
-        self.state = host
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), self.step.to_device(t)?)))
-            .collect::<Result<_, DecodeError>>()?;
-        Ok(())
-    }
-
-    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+    /// One step on the device: the state's rows gathered in the order `parents`, the
+    /// newest `tokens` uploaded, the grown caches kept on the device as the next state.
+    /// Returns the outputs that came back and, with `keep_logits`, the logits left on
+    /// the device instead.
+    fn advance(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+        keep_logits: bool,
+    ) -> Result<(BTreeMap<String, Tensor>, Option<crate::cuda::DeviceTensor>), DecodeError> {
         let rows = tokens.len();
         let state = std::mem::take(&mut self.state);
         let names: Vec<String> = state.keys().cloned().collect();
@@ -347,20 +420,70 @@ impl StepModel for DeviceCachedStep<'_> {
             Tensor::i32(vec![rows, 1], tokens.to_vec())
                 .map_err(|e| DecodeError::Model(e.to_string()))?,
         );
-        let is_cache = |name: &str| name.starts_with(kiln_compiler::ir::CACHE_PREFIX);
-        let (out, kept) = self.step.run_resident(
-            &inputs,
-            &resident,
-            self.host.params,
-            &self.host.opts,
-            &is_cache,
-        )?;
-        let mut out: BTreeMap<String, Tensor> = out.into_iter().collect();
-        let (logits, vocab) = logits_of(&mut out, rows)?;
+        let keep = |name: &str| {
+            name.starts_with(kiln_compiler::ir::CACHE_PREFIX) || (keep_logits && name == "logits")
+        };
+        let (out, mut kept) =
+            self.step
+                .run_resident(&inputs, &resident, self.host.params, &self.host.opts, &keep)?;
+        let logits = kept.remove("logits");
         resident.extend(kept);
         self.state = resident;
+        Ok((out.into_iter().collect(), logits))
+    }
+}
+
+impl StepModel for DeviceCachedStep<'_> {
+    fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
+        self.host.start(src)?;
+        let host = std::mem::take(&mut self.host.state);
+        self.state = host
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), self.step.to_device(t)?)))
+            .collect::<Result<_, DecodeError>>()?;
+        Ok(())
+    }
+
+    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+        let (mut out, _) = self.advance(tokens, parents, false)?;
+        let (logits, vocab) = logits_of(&mut out, tokens.len())?;
         self.host.vocab = vocab;
         Ok(log_softmax_rows(&logits, vocab))
+    }
+
+    /// The step with its logits left on the GPU: the best tokens of each row are
+    /// selected there (`CudaExecutor::row_top_k`), so only `k` tokens a row come back.
+    fn step_top(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+        spec: &TopSpec<'_>,
+    ) -> Result<Vec<RowTop>, DecodeError> {
+        let (_, logits) = self.advance(tokens, parents, true)?;
+        let logits = logits
+            .ok_or_else(|| DecodeError::Model("the model has no `logits` output".to_string()))?;
+        match logits.shape[..] {
+            [r, _, vocab] if r == tokens.len() => self.host.vocab = vocab,
+            _ => {
+                return Err(DecodeError::Model(format!(
+                    "logits have shape {:?}, expected [{}, len, vocab]",
+                    logits.shape,
+                    tokens.len()
+                )))
+            }
+        }
+        let top = self
+            .step
+            .row_top_k(&logits, spec.k, spec.banned, spec.eos)?;
+        Ok((0..tokens.len())
+            .map(|r| RowTop {
+                best: (0..top.k)
+                    .map(|j| (top.vals[r * top.k + j], top.ids[r * top.k + j]))
+                    .take_while(|&(_, id)| id >= 0)
+                    .collect(),
+                eos: top.eos[r],
+            })
+            .collect())
     }
 
     fn vocab(&self) -> usize {
@@ -531,12 +654,18 @@ pub fn decode(
                 owner.push((s, h));
             }
         }
-        let logp = model.step(&tokens, &parents)?;
-        let v = model.vocab();
-        if logp.len() != tokens.len() * v {
+        // Each sentence's best 2K candidates are among its rows' best 2K each (a row's
+        // candidates share its hypothesis score), so the model reports only those.
+        let spec = TopSpec {
+            k: 2 * k,
+            banned: &[opts.pad, opts.bos],
+            eos: opts.eos,
+        };
+        let tops = model.step_top(&tokens, &parents, &spec)?;
+        if tops.len() != tokens.len() {
             return Err(DecodeError::Model(format!(
-                "the step model returned {} scores for {} rows of vocabulary {v}",
-                logp.len(),
+                "the step model returned {} rows for {}",
+                tops.len(),
                 tokens.len()
             )));
         }
@@ -552,17 +681,14 @@ pub fn decode(
             r += hyps.len();
             let force_end = step >= max_len[s];
             // Candidates (score, hyp index, token), best first; ties by hyp then token.
-            let mut cands: Vec<(f64, usize, i32)> = Vec::with_capacity(hyps.len() * v);
+            let mut cands: Vec<(f64, usize, i32)> = Vec::with_capacity(hyps.len() * 2 * k);
             for (h, hyp) in hyps.iter().enumerate() {
-                let row = &logp[(first + h) * v..(first + h + 1) * v];
+                let top = &tops[first + h];
                 if force_end {
-                    cands.push((hyp.log_prob + row[opts.eos as usize], h, opts.eos));
+                    cands.push((hyp.log_prob + top.eos, h, opts.eos));
                 } else {
-                    for (tok, &lp) in row.iter().enumerate() {
-                        if tok as i32 == opts.pad || tok as i32 == opts.bos {
-                            continue;
-                        }
-                        cands.push((hyp.log_prob + lp, h, tok as i32));
+                    for &(lp, tok) in &top.best {
+                        cands.push((hyp.log_prob + lp, h, tok));
                     }
                 }
             }
@@ -719,6 +845,142 @@ mod tests {
         assert!((LengthPenalty::Gnmt(0.6).divisor(1) - 1.0).abs() < 1e-15);
         assert!((LengthPenalty::Gnmt(0.6).divisor(7) - 2.0f64.powf(0.6)).abs() < 1e-15);
         assert!((LengthPenalty::LenPow(0.5).divisor(9) - 3.0).abs() < 1e-15);
+    }
+
+    /// `row_top` is the prefix of the full ranking (larger first, ties to the smaller
+    /// token) without NaN and banned tokens, whatever `k`.
+    #[test]
+    fn row_top_is_the_prefix_of_the_full_ranking() {
+        let row = [
+            -1.0,
+            -0.5,
+            f64::NAN,
+            -0.5,
+            -3.0,
+            f64::NEG_INFINITY,
+            -0.25,
+            -0.5,
+        ];
+        let spec = |k| TopSpec {
+            k,
+            banned: &[6],
+            eos: 4,
+        };
+        let full: Vec<(f64, i32)> = vec![
+            (-0.5, 1),
+            (-0.5, 3),
+            (-0.5, 7),
+            (-1.0, 0),
+            (-3.0, 4),
+            (f64::NEG_INFINITY, 5),
+        ];
+        for k in 0..9 {
+            let t = row_top(&row, &spec(k));
+            assert_eq!(t.best, full[..k.min(full.len())], "k = {k}");
+            assert_eq!(t.eos, -3.0);
+        }
+        let outside = TopSpec {
+            k: 1,
+            banned: &[],
+            eos: 99,
+        };
+        assert_eq!(row_top(&row, &outside).eos, f64::NEG_INFINITY);
+        // A NaN logit leaves the other log-probabilities finite.
+        let lp = log_softmax_rows(&[0.0, f32::NAN, 0.0], 3);
+        assert!(
+            (lp[0] - (0.5f64).ln()).abs() < 1e-15 && lp[1].is_nan(),
+            "{lp:?}"
+        );
+    }
+
+    /// Beam search over each row's best `2·beam` tokens decodes exactly as over every
+    /// token: a model reporting whole rows (`k` ignored) gives the same hypotheses on
+    /// random tables, every beam size, greedy included.
+    #[test]
+    fn the_best_two_beam_tokens_of_each_row_decode_as_all_tokens() {
+        struct Whole(Random);
+        impl StepModel for Whole {
+            fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
+                self.0.start(src)
+            }
+            fn step(&mut self, t: &[i32], p: &[usize]) -> Result<Vec<f64>, DecodeError> {
+                self.0.step(t, p)
+            }
+            fn vocab(&self) -> usize {
+                self.0.vocab()
+            }
+            fn step_top(
+                &mut self,
+                t: &[i32],
+                p: &[usize],
+                spec: &TopSpec<'_>,
+            ) -> Result<Vec<RowTop>, DecodeError> {
+                let all = TopSpec {
+                    k: self.vocab(),
+                    ..*spec
+                };
+                let logp = self.step(t, p)?;
+                Ok(logp
+                    .chunks(self.vocab())
+                    .map(|r| row_top(r, &all))
+                    .collect())
+            }
+        }
+        /// Log-probabilities that depend on the previous token and the step.
+        struct Random {
+            v: usize,
+            seed: u64,
+            calls: u64,
+        }
+        impl StepModel for Random {
+            fn start(&mut self, _src: &Tensor) -> Result<(), DecodeError> {
+                self.calls = 0;
+                Ok(())
+            }
+            fn step(&mut self, tokens: &[i32], _p: &[usize]) -> Result<Vec<f64>, DecodeError> {
+                self.calls += 1;
+                let mut out = Vec::new();
+                for &t in tokens {
+                    let mut x = (t as u64 + 1) * 0x9e37_79b9
+                        + self.calls * 0x85eb_ca6b
+                        + self.seed * 0xc2b2_ae35;
+                    let mut logits: Vec<f32> = (0..self.v)
+                        .map(|_| {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            // Coarse values: ties happen.
+                            ((x % 16) as f32) / 4.0
+                        })
+                        .collect();
+                    // The end of sentence grows likelier step by step (and with the token).
+                    logits[2] = self.calls as f32 * 0.75 - 1.5 + (t % 3) as f32 * 0.5;
+                    out.extend(log_softmax_rows(&logits, self.v));
+                }
+                Ok(out)
+            }
+            fn vocab(&self) -> usize {
+                self.v
+            }
+        }
+        let src = Tensor::i32(vec![3, 4], vec![5, 6, 7, 8, 9, 10, 0, 0, 11, 0, 0, 0]).unwrap();
+        for seed in 0..40 {
+            for v in [5usize, 12, 40] {
+                for (beam, greedy) in [(1, true), (1, false), (2, false), (4, false), (6, false)] {
+                    let opts = DecodeOptions {
+                        beam,
+                        greedy,
+                        max_len_b: 6,
+                        ..DecodeOptions::default()
+                    };
+                    let mut top = Random { v, seed, calls: 0 };
+                    let mut whole = Whole(Random { v, seed, calls: 0 });
+                    let a = decode(&mut top, &src, &opts).unwrap();
+                    let b = decode(&mut whole, &src, &opts).unwrap();
+                    assert_eq!(a, b, "seed {seed}, vocab {v}, beam {beam}, greedy {greedy}");
+                }
+            }
+        }
     }
 
     #[test]

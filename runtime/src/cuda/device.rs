@@ -396,14 +396,14 @@ impl Device {
         .map_err(drv("memset"))
     }
 
-    /// Copies `words` words device to device.
-    pub fn copy(&self, dst: u64, src: u64, words: usize) -> Result<(), String> {
-        if words == 0 {
+    /// Copies `bytes` bytes device to device (bf16 buffers need not fill whole words).
+    pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: both address at least `words` words of live buffers.
+        // SAFETY: both address at least `bytes` bytes of live buffers.
         unsafe {
-            cudarc::driver::result::memcpy_dtod_async(dst, src, 4 * words, self.stream.cu_stream())
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
         }
         .map_err(drv("device-to-device copy"))
     }
@@ -487,13 +487,16 @@ impl Device {
         .map_err(drv(&format!("launching `{name}`")))
     }
 
-    /// [`Device::sgemm`] with the operands `a` and `b` of element type `elem` (the
-    /// result f32, accumulation fp32): bf16 operands go through `cublasGemmEx`.
+    /// [`Device::sgemm`] with the operands `a` and `b` of element type `elem` and the
+    /// result `c` of element type `out` (accumulation fp32): bf16 operands go through
+    /// `cublasGemmEx`, with an f32 result or, in a mixed-precision program, a bf16 one
+    /// (`beta` then reads the bf16 `c`). An f32 GEMM has an f32 result.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         g: &Sgemm,
         elem: GemmElem,
+        out: GemmElem,
         a: u64,
         b: u64,
         c: u64,
@@ -501,19 +504,26 @@ impl Device {
         batch: Option<(usize, i64, i64, i64)>,
     ) -> Result<(), String> {
         if elem == GemmElem::F32 {
+            if out != GemmElem::F32 {
+                return Err("internal: an f32 GEMM into a bf16 result".to_string());
+            }
             return self.sgemm(g, a, b, c, beta, batch);
         }
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
         let alpha = 1.0f32;
         let h = *self.blas.handle();
-        let (bf, f) = (cudaDataType::CUDA_R_16BF, cudaDataType::CUDA_R_32F);
+        let bf = cudaDataType::CUDA_R_16BF;
+        let f = match out {
+            GemmElem::F32 => cudaDataType::CUDA_R_32F,
+            GemmElem::Bf16 => cudaDataType::CUDA_R_16BF,
+        };
         let compute = cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let algo = cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
         let alpha_p = &alpha as *const f32 as *const c_void;
         let beta_p = &beta as *const f32 as *const c_void;
         // SAFETY: as `sgemm`: the pointers address bf16 operands laid out as the plan
-        // describes (element strides, 2-byte elements) and an f32 result; cuBLAS runs on
-        // the executor's stream and reads alpha and beta before returning.
+        // describes (element strides, 2-byte elements) and a result of `out`'s type;
+        // cuBLAS runs on the executor's stream and reads alpha and beta before returning.
         unsafe {
             match batch {
                 None => cudarc::cublas::result::gemm_ex(

@@ -33,7 +33,10 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
+use kiln_compiler::codegen::cuda::program::emit_with;
 use kiln_compiler::codegen::cuda::resident as gather;
+use kiln_compiler::codegen::cuda::storage::Storage;
+use kiln_compiler::codegen::cuda::text::Elem;
 use kiln_compiler::codegen::cuda::{cast, optim, CudaCode, Work};
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
@@ -213,6 +216,17 @@ fn source_words<'s>(src: &'s Source<'_>) -> (std::borrow::Cow<'s, [u32]>, DType,
     }
 }
 
+/// [`CudaExecutor::row_top_k`]'s results: row `r`'s `j`-th best token is `ids[r·k + j]`
+/// (`−1` past the last candidate) with log-probability `vals[r·k + j]`; `eos[r]` is the
+/// end of sentence's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowsTopK {
+    pub k: usize,
+    pub vals: Vec<f64>,
+    pub ids: Vec<i32>,
+    pub eos: Vec<f64>,
+}
+
 /// An entry of a CUDA artifact, ready to run on the GPU.
 pub struct CudaExecutor {
     graph: Graph,
@@ -220,6 +234,10 @@ pub struct CudaExecutor {
     plan: MemoryPlan,
     steps: Vec<Step>,
     copy: Option<String>,
+    /// The 2-byte strided copy ([`CudaOptions::mixed`]).
+    copy16: Option<String>,
+    /// Each buffer's element type ([`CudaOptions::mixed`]; `None`: every float is f32).
+    storage: Option<Storage>,
     state: Mutex<State>,
     pool: Arc<Pool>,
     /// GEMM operands converted to bf16 ([`CudaOptions::bf16`]).
@@ -266,15 +284,83 @@ fn cuda_parts<'a>(
     Ok((e, m, src))
 }
 
-/// The steps of entry `entry` (no CUDA call).
-fn entry_steps(art: &Artifact, entry: &str) -> Result<(Vec<Step>, Option<String>), CudaExecError> {
-    let (e, m, _) = cuda_parts(art, entry)?;
-    let names: BTreeSet<String> = m.functions.iter().map(|f| f.name.clone()).collect();
-    steps::prepare(&e.manifest.kernel_graph, &m.kernels, &names).map_err(|message| {
-        CudaExecError::Unsupported {
-            entry: entry.to_string(),
-            message,
-        }
+/// What an executor of one entry runs: the CUDA unit and its functions, the steps, the
+/// strided-copy functions and, for a mixed-precision program, its storage plan.
+struct EntryProgram {
+    /// What NVRTC errors name: the artifact's file, or the generated bf16 program.
+    file: String,
+    source: String,
+    functions: Vec<(String, Work, usize)>,
+    steps: Vec<Step>,
+    copy: Option<String>,
+    /// The 2-byte strided copy of a mixed-precision program.
+    copy16: Option<String>,
+    storage: Option<Storage>,
+}
+
+/// The program of entry `entry` (no CUDA call): the artifact's f32 CUDA code, or with
+/// `mixed` the bf16 program generated from its kernel graph.
+fn entry_program(art: &Artifact, entry: &str, mixed: bool) -> Result<EntryProgram, CudaExecError> {
+    let (e, m, src) = cuda_parts(art, entry)?;
+    let unsupported = |message: String| CudaExecError::Unsupported {
+        entry: entry.to_string(),
+        message,
+    };
+    let kg = &e.manifest.kernel_graph;
+    if !mixed {
+        let names: BTreeSet<String> = m.functions.iter().map(|f| f.name.clone()).collect();
+        let (steps, copy) = steps::prepare(kg, &m.kernels, &names).map_err(unsupported)?;
+        return Ok(EntryProgram {
+            file: m.source.clone(),
+            source: src.to_string(),
+            functions: m
+                .functions
+                .iter()
+                .map(|f| (f.name.clone(), f.work, f.params.len()))
+                .collect(),
+            steps,
+            copy,
+            copy16: None,
+            storage: None,
+        });
+    }
+    let code = emit_with(kg, Elem::Bf16)
+        .map_err(|m| unsupported(format!("no mixed-precision program: {m}")))?;
+    let names: BTreeSet<String> = code.functions.iter().map(|f| f.name.clone()).collect();
+    let (steps, copy) = steps::prepare(kg, &code.kernels, &names).map_err(unsupported)?;
+    // The batched-GEMM attention path computes its scores in f32 scratch: mixed
+    // precision runs attention as the flash kernels only.
+    if let Some(s) = steps.iter().find(|s| {
+        matches!(
+            s.exec,
+            StepExec::Attention { flash: None, .. } | StepExec::AttentionBwd { flash: None, .. }
+        )
+    }) {
+        return Err(unsupported(format!(
+            "kernel %{} ({}) has no flash kernels (heads wider than {} or of another \
+             shape): mixed precision runs attention only as flash kernels; use f32 or bf16 \
+             GEMMs for this model",
+            s.value,
+            s.kind,
+            kiln_compiler::codegen::cuda::attention::MAX_HEAD
+        )));
+    }
+    let copy16 = code
+        .kernels
+        .iter()
+        .find_map(|l| l.functions.get("copy16").cloned());
+    Ok(EntryProgram {
+        file: format!("the mixed-precision program of entry `{entry}`"),
+        source: code.source(),
+        functions: code
+            .functions
+            .iter()
+            .map(|f| (f.name.clone(), f.work, f.params.len()))
+            .collect(),
+        steps,
+        copy,
+        copy16,
+        storage: Some(code.storage),
     })
 }
 
@@ -285,8 +371,18 @@ pub fn launch_plan(
     art: &Artifact,
     entry: &str,
 ) -> Result<Vec<(String, &'static str)>, CudaExecError> {
-    Ok(entry_steps(art, entry)?
-        .0
+    launch_plan_with(art, entry, &CudaOptions::default())
+}
+
+/// [`launch_plan`] of the program `options` run: with [`CudaOptions::mixed`], the
+/// mixed-precision program (generated here; a spec it cannot run is an error).
+pub fn launch_plan_with(
+    art: &Artifact,
+    entry: &str,
+    options: &CudaOptions,
+) -> Result<Vec<(String, &'static str)>, CudaExecError> {
+    Ok(entry_program(art, entry, options.mixed)?
+        .steps
         .iter()
         .map(|s| (s.kind.clone(), s.exec.how()))
         .collect())
@@ -317,6 +413,14 @@ pub struct CudaOptions {
     pub bf16: bool,
     /// The GPU (the driver's ordinal; 0, the first, by default).
     pub device: usize,
+    /// Mixed precision: the entry's bf16 program (`codegen::cuda::program::emit_with`,
+    /// `Elem::Bf16`, generated at load from the artifact's kernel graph) — activations
+    /// stored in bf16 (half the memory traffic), GEMMs on bf16 operands (parameters
+    /// converted per GEMM, as with `bf16`) with fp32 accumulation and bf16 or f32
+    /// results as the storage plan says, parameters, gradients, Adam's moments and the
+    /// loss in f32. Float inputs the plan keeps in bf16 are rounded when uploaded;
+    /// outputs come back as f32. Takes precedence over `bf16` and `tf32`.
+    pub mixed: bool,
     /// Run `linear` and `linear_relu` as a bias fill, a cuBLAS GEMM and a ReLU pass
     /// instead of one cuBLASLt GEMM with a bias (+ ReLU) epilogue (the default, where
     /// cuBLASLt has an algorithm for the problem). For comparisons.
@@ -327,25 +431,31 @@ pub struct CudaOptions {
 pub const TF32_ENV: &str = "KILN_CUDA_TF32";
 /// The variable that turns on [`CudaOptions::bf16`] for the command line's CUDA executors.
 pub const BF16_ENV: &str = "KILN_CUDA_BF16";
+/// The variable that turns on [`CudaOptions::mixed`] for the command line's CUDA executors.
+pub const MIXED_ENV: &str = "KILN_CUDA_MIXED";
 /// The variable that turns on [`CudaOptions::separate_epilogues`] (`=1`).
 pub const SEPARATE_EPILOGUES_ENV: &str = "KILN_CUDA_SEPARATE_EPILOGUES";
 
 impl CudaOptions {
     /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`,
-    /// `KILN_CUDA_BF16=1` sets `bf16`.
+    /// `KILN_CUDA_BF16=1` sets `bf16`, `KILN_CUDA_MIXED=1` sets `mixed`.
     pub fn from_env() -> CudaOptions {
         let on = |var: &str| std::env::var(var).is_ok_and(|v| v.trim() == "1");
         CudaOptions {
             tf32: on(TF32_ENV),
             bf16: on(BF16_ENV),
+            mixed: on(MIXED_ENV),
             device: 0,
             separate_epilogues: on(SEPARATE_EPILOGUES_ENV),
         }
     }
 
-    /// The GEMM precision in words, for reports: `fp32`, `tf32` or `bf16`.
+    /// The precision in words, for reports: `fp32`, `tf32` or `bf16` (the GEMMs'), or
+    /// `mixed-bf16` (bf16 activations and GEMMs, [`CudaOptions::mixed`]).
     pub fn gemm_name(&self) -> &'static str {
-        if self.bf16 {
+        if self.mixed {
+            "mixed-bf16"
+        } else if self.bf16 {
             "bf16"
         } else if self.tf32 {
             "tf32"
@@ -368,7 +478,7 @@ impl CudaExecutor {
         entry: &str,
         options: CudaOptions,
     ) -> Result<CudaExecutor, CudaExecError> {
-        let (e, m, src) = cuda_parts(art, entry)?;
+        let (e, m, _) = cuda_parts(art, entry)?;
         let info = cuda_available().map_err(|reason| CudaExecError::Unavailable {
             entry: entry.to_string(),
             reason,
@@ -383,17 +493,15 @@ impl CudaExecutor {
             });
         }
         let kg = e.manifest.kernel_graph.clone();
-        let (steps, copy) = entry_steps(art, entry)?;
-        let ptx = device::compile(src, &m.nvrtc_options).map_err(|log| CudaExecError::Nvrtc {
-            file: m.source.clone(),
-            log,
+        let program = entry_program(art, entry, options.mixed)?;
+        let ptx = device::compile(&program.source, &m.nvrtc_options).map_err(|log| {
+            CudaExecError::Nvrtc {
+                file: program.file.clone(),
+                log,
+            }
         })?;
-        let funcs: Vec<_> = m
-            .functions
-            .iter()
-            .map(|f| (f.name.clone(), f.work, f.params.len()))
-            .collect();
-        let math = if options.bf16 {
+        let funcs = program.functions;
+        let math = if options.bf16 || options.mixed {
             device::GemmMath::Bf16
         } else if options.tf32 {
             device::GemmMath::Tf32
@@ -402,7 +510,7 @@ impl CudaExecutor {
         };
         let mut device =
             Device::new(options.device, ptx, &funcs, math).map_err(CudaExecError::Driver)?;
-        if options.bf16 {
+        if options.bf16 || options.mixed {
             load_unit_once(&mut device, cast::TO_BF16, cast::code, &m.nvrtc_options).map_err(
                 |log| CudaExecError::Nvrtc {
                     file: "the bf16 conversion unit".into(),
@@ -418,8 +526,10 @@ impl CudaExecutor {
             graph,
             kg,
             plan: e.manifest.plan.clone(),
-            steps,
-            copy,
+            steps: program.steps,
+            copy: program.copy,
+            copy16: program.copy16,
+            storage: program.storage,
             state: Mutex::new(State {
                 device,
                 arena: None,
@@ -428,7 +538,7 @@ impl CudaExecutor {
                 epilogues: (0, 0),
             }),
             pool: Arc::new(Pool::default()),
-            bf16: options.bf16,
+            bf16: options.bf16 || options.mixed,
             separate_epilogues: options.separate_epilogues,
             nvrtc_options: m.nvrtc_options.clone(),
         })
@@ -436,6 +546,23 @@ impl CudaExecutor {
 
     pub fn graph(&self) -> &Graph {
         &self.graph
+    }
+
+    /// The device dtype of output `k` of kernel-graph value `v`: `BF16` where the
+    /// mixed-precision plan keeps it in bf16 ([`CudaOptions::mixed`]), else its dtype.
+    fn stored(&self, v: usize, k: usize) -> DType {
+        let dtype = self.kg.values[v].types[k].dtype;
+        let bf16 = self
+            .storage
+            .as_ref()
+            .and_then(|st| st.get(v))
+            .and_then(|e| e.get(k))
+            == Some(&Elem::Bf16);
+        if bf16 && dtype == DType::F32 {
+            DType::BF16
+        } else {
+            dtype
+        }
     }
 
     /// Per kernel: its kind and how it runs (`generated`, `gemm`, `attention`, `host`).
@@ -565,6 +692,7 @@ impl CudaExecutor {
         let mut r = Run {
             dev: &st.device,
             copy: self.copy.as_deref(),
+            copy16: self.copy16.as_deref(),
             keep: Vec::new(),
             dims: &dims,
             seed: opts.seed,
@@ -607,16 +735,35 @@ impl CudaExecutor {
                                 ),
                             ));
                         }
-                        locs.push(vec![DLoc {
+                        let held = DLoc {
                             ptr: t.buf.ptr,
                             layout: Layout::contiguous(&shapes[0]),
                             dtype: t.dtype,
-                        }]);
+                        };
+                        let want = self.stored(v, 0);
+                        let held = if want == DType::BF16 && held.dtype == DType::F32 {
+                            // An f32 tensor (`to_device`) for a bf16 input: rounded here.
+                            r.rounded_to_bf16(&held).map_err(|m| node_err(v, m))?
+                        } else if held.dtype != want {
+                            return Err(node_err(
+                                v,
+                                format!(
+                                    "the device's `{name}` holds {:?}, the entry reads {want:?}",
+                                    held.dtype
+                                ),
+                            ));
+                        } else {
+                            held
+                        };
+                        locs.push(vec![held]);
                         needs.push(need);
                         continue;
                     }
                     let src = bind.input(id, name)?;
-                    vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?]
+                    let bf16 = self.stored(v, 0) == DType::BF16;
+                    vec![r
+                        .source(src, &shapes[0], bf16)
+                        .map_err(|m| node_err(v, m))?]
                 }
                 Def::Param(name) => {
                     let id = self.graph.param(name).ok_or_else(|| {
@@ -649,7 +796,9 @@ impl CudaExecutor {
                         continue;
                     }
                     match cache.as_mut() {
-                        None => vec![r.source(src, &shapes[0]).map_err(|m| node_err(v, m))?],
+                        None => vec![r
+                            .source(src, &shapes[0], false)
+                            .map_err(|m| node_err(v, m))?],
                         Some(c) => {
                             let (words, dtype, key) = source_words(&src);
                             let hit = c.bufs.get(name).is_some_and(|(k, _, _)| *k == key);
@@ -690,20 +839,28 @@ impl CudaExecutor {
                             return Err(node_err(v, format!("`{}` is not a view", other.name())))
                         }
                     };
+                    // A view of a bf16 buffer is bf16.
+                    let dtype = if src.is_bf16() {
+                        DType::BF16
+                    } else {
+                        val.types[0].dtype
+                    };
                     match layout {
                         Some(layout) => vec![DLoc {
                             ptr: src.ptr,
                             layout,
-                            dtype: val.types[0].dtype,
+                            dtype,
                         }],
                         None => {
-                            let dst = r.alloc(src.numel()).map_err(|m| node_err(v, m))?;
+                            let dst = r
+                                .alloc(words_of(dtype, src.numel()))
+                                .map_err(|m| node_err(v, m))?;
                             copies.push((src, dst, false));
                             need.push(copies.len() - 1);
                             vec![DLoc {
                                 ptr: dst,
                                 layout: Layout::contiguous(&shapes[0]),
-                                dtype: val.types[0].dtype,
+                                dtype,
                             }]
                         }
                     }
@@ -720,7 +877,7 @@ impl CudaExecutor {
                         Ok(DLoc {
                             ptr: base + layout.offsets[b] as u64,
                             layout: Layout::contiguous(&shapes[k]),
-                            dtype: val.types[k].dtype,
+                            dtype: self.stored(v, k),
                         })
                     })
                     .collect::<Result<_, ExecError>>()?,
@@ -1081,16 +1238,37 @@ impl CudaExecutor {
     pub fn to_host(&self, t: &DeviceTensor) -> Result<Tensor, ExecError> {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
-        let w = guard.device.read(t.buf.ptr, t.numel()).map_err(dev_err)?;
+        let n = t.numel();
+        let w = guard
+            .device
+            .read(t.buf.ptr, words_of(t.dtype, n))
+            .map_err(dev_err)?;
         let data = match t.dtype {
             DType::I32 => TensorData::I32(w.into_iter().map(|x| x as i32).collect()),
             DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
+            DType::BF16 => TensorData::F32(unpack_bf16(&w, n)),
             _ => TensorData::F32(w.into_iter().map(f32::from_bits).collect()),
         };
         Ok(Tensor {
             shape: t.shape.clone(),
             data,
         })
+    }
+
+    /// The device, bound to this thread, with the resident decoder's unit
+    /// (`codegen::cuda::resident`: the row gather and the top-k) compiled and loaded on
+    /// first use.
+    fn decoder_unit(&self) -> Result<std::sync::MutexGuard<'_, State>, ExecError> {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        load_unit_once(
+            &mut guard.device,
+            gather::TAKE_ROWS,
+            gather::code,
+            &self.nvrtc_options,
+        )
+        .map_err(|log| dev_err(format!("NVRTC cannot compile the decoder's unit: {log}")))?;
+        Ok(guard)
     }
 
     /// Every tensor of `ts` with its rows (axis 0) taken in the order `rows` (repeats
@@ -1102,15 +1280,7 @@ impl CudaExecutor {
         ts: &[&DeviceTensor],
         rows: &[usize],
     ) -> Result<Vec<DeviceTensor>, ExecError> {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.device.bind().map_err(dev_err)?;
-        load_unit_once(
-            &mut guard.device,
-            gather::TAKE_ROWS,
-            gather::code,
-            &self.nvrtc_options,
-        )
-        .map_err(|log| dev_err(format!("NVRTC cannot compile the row gather: {log}")))?;
+        let guard = self.decoder_unit()?;
         let dev = &guard.device;
         let idx: Vec<u32> = rows
             .iter()
@@ -1130,7 +1300,18 @@ impl CudaExecutor {
                     t.shape
                 )));
             }
-            let width: usize = rest.iter().product();
+            let elems: usize = rest.iter().product();
+            // The gather moves words: a bf16 row is half as many (rows of an even width).
+            let width = if t.dtype == DType::BF16 {
+                if !elems.is_multiple_of(2) {
+                    return Err(ExecError::Unsupported(format!(
+                        "rows of {elems} bf16 values (an odd count) on the device"
+                    )));
+                }
+                elems / 2
+            } else {
+                elems
+            };
             let mut shape = t.shape.clone();
             shape[0] = rows.len();
             let buf = dev.alloc(rows.len() * width).map_err(dev_err)?;
@@ -1151,6 +1332,79 @@ impl CudaExecutor {
             });
         }
         dev.sync().map_err(dev_err)?;
+        Ok(out)
+    }
+
+    /// What beam search reads of a step's logits, selected on the device
+    /// (`codegen::cuda::resident::row_top_k`, compiled on first use): per row of
+    /// `logits` (`[rows, len, vocab]` f32 or bf16, its last position), the best `k` tokens
+    /// other than `banned` and NaN, best first with ties to the smaller id, their
+    /// log-probabilities (f64 log-softmax over the row's non-NaN values), and `eos`'s.
+    /// Downloads `12·k + 8` bytes a row instead of the row.
+    pub fn row_top_k(
+        &self,
+        logits: &DeviceTensor,
+        k: usize,
+        banned: &[i32],
+        eos: i32,
+    ) -> Result<RowsTopK, ExecError> {
+        let [rows, len, vocab] = logits.shape[..] else {
+            return Err(ExecError::Unsupported(format!(
+                "logits of shape {:?}: the top-k reads [rows, len, vocab]",
+                logits.shape
+            )));
+        };
+        let f = match logits.dtype {
+            DType::F32 => gather::TOP_K,
+            DType::BF16 => gather::TOP_K_BF16,
+            other => {
+                return Err(ExecError::Unsupported(format!(
+                    "{other:?} logits for the top-k"
+                )))
+            }
+        };
+        let mut out = RowsTopK {
+            k,
+            vals: vec![f64::NEG_INFINITY; rows * k],
+            ids: vec![-1; rows * k],
+            eos: vec![f64::NEG_INFINITY; rows],
+        };
+        if rows == 0 || len == 0 {
+            return Ok(out);
+        }
+        let guard = self.decoder_unit()?;
+        let dev = &guard.device;
+        let mut ban: Vec<u32> = banned.iter().map(|&b| b as u32).collect();
+        let nb = ban.len();
+        ban.push(0);
+        let ban = dev.upload(&ban).map_err(dev_err)?;
+        let vals = dev.alloc(2 * rows * k.max(1)).map_err(dev_err)?;
+        let ids = dev.alloc(rows * k.max(1)).map_err(dev_err)?;
+        let eos_buf = dev.alloc(2 * rows).map_err(dev_err)?;
+        let (dims, items) =
+            gather::row_top_k_dims(rows, (vocab, len * vocab, (len - 1) * vocab), k, nb, eos);
+        dev.launch(
+            f,
+            &[logits.buf.ptr, ban.ptr, vals.ptr, ids.ptr, eos_buf.ptr],
+            &dims,
+            items,
+        )
+        .map_err(dev_err)?;
+        let f64s = |w: Vec<u32>| -> Vec<f64> {
+            w.chunks(2)
+                .map(|p| f64::from_bits(u64::from(p[0]) | (u64::from(p[1]) << 32)))
+                .collect()
+        };
+        if k > 0 {
+            out.vals = f64s(dev.read(vals.ptr, 2 * rows * k).map_err(dev_err)?);
+            out.ids = dev
+                .read(ids.ptr, rows * k)
+                .map_err(dev_err)?
+                .into_iter()
+                .map(|w| w as i32)
+                .collect();
+        }
+        out.eos = f64s(dev.read(eos_buf.ptr, 2 * rows).map_err(dev_err)?);
         Ok(out)
     }
 
@@ -1226,7 +1480,12 @@ impl DLoc {
     }
 
     fn at(&self, elem: usize) -> u64 {
-        self.ptr + 4 * elem as u64
+        self.ptr + elem_bytes(self.dtype) * elem as u64
+    }
+
+    /// Whether the elements are 2-byte bf16 (a mixed-precision program's activations).
+    fn is_bf16(&self) -> bool {
+        self.dtype == DType::BF16
     }
 
     fn shape(&self) -> &[usize] {
@@ -1240,6 +1499,52 @@ impl DLoc {
     fn last(&self) -> usize {
         self.shape().last().copied().unwrap_or(1)
     }
+}
+
+/// Bytes per element of a device buffer of `dtype`: 2 for bf16 (a mixed-precision
+/// program's activations), else 4 (f32, i32, bools as 0/1).
+fn elem_bytes(dtype: DType) -> u64 {
+    if dtype == DType::BF16 {
+        2
+    } else {
+        4
+    }
+}
+
+/// Words (4 bytes) that hold `n` elements of `dtype`.
+fn words_of(dtype: DType, n: usize) -> usize {
+    if dtype == DType::BF16 {
+        n.div_ceil(2)
+    } else {
+        n
+    }
+}
+
+/// f32 values rounded to bf16 (the `half` crate's round to nearest even, as the device's
+/// conversion), two to a word, little end first (an odd count pads with zero).
+pub(crate) fn pack_bf16(v: impl ExactSizeIterator<Item = f32>) -> Vec<u32> {
+    let mut out = Vec::with_capacity(v.len().div_ceil(2));
+    let mut half_word: Option<u32> = None;
+    for x in v {
+        let h = u32::from(half::bf16::from_f32(x).to_bits());
+        match half_word.take() {
+            None => half_word = Some(h),
+            Some(lo) => out.push(lo | (h << 16)),
+        }
+    }
+    out.extend(half_word);
+    out
+}
+
+/// The first `n` bf16 values of `words` (as [`pack_bf16`] lays them out), widened.
+pub(crate) fn unpack_bf16(words: &[u32], n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let w = words[i / 2];
+            let h = if i % 2 == 0 { w & 0xffff } else { w >> 16 };
+            half::bf16::from_bits(h as u16).to_f32()
+        })
+        .collect()
 }
 
 /// Where a GEMM operand's element `e` is: `base + size·(e − lo)`.
@@ -1322,6 +1627,8 @@ fn signatures(code: &CudaCode) -> Vec<(String, Work, usize)> {
 struct Run<'a> {
     dev: &'a Device,
     copy: Option<&'a str>,
+    /// The 2-byte strided copy (mixed precision).
+    copy16: Option<&'a str>,
     keep: Vec<Buf>,
     dims: &'a BTreeMap<String, i64>,
     seed: u64,
@@ -1359,13 +1666,37 @@ impl Run<'_> {
         Ok(p)
     }
 
-    /// A bound input or parameter on the device.
-    fn source(&mut self, src: Source<'_>, shape: &[usize]) -> Result<DLoc, String> {
+    /// A bound input or parameter on the device (`bf16`: a float input the program keeps
+    /// in bf16, rounded on the host).
+    fn source(&mut self, src: Source<'_>, shape: &[usize], bf16: bool) -> Result<DLoc, String> {
         let (words, dtype, _) = source_words(&src);
+        if bf16 && dtype == DType::F32 {
+            let packed = pack_bf16(words.iter().map(|&w| f32::from_bits(w)));
+            return Ok(DLoc {
+                ptr: self.upload(&packed)?,
+                layout: Layout::contiguous(shape),
+                dtype: DType::BF16,
+            });
+        }
         Ok(DLoc {
             ptr: self.upload(&words)?,
             layout: Layout::contiguous(shape),
             dtype,
+        })
+    }
+
+    /// `l` (contiguous f32) rounded to bf16 in a fresh buffer.
+    fn rounded_to_bf16(&mut self, l: &DLoc) -> Result<DLoc, String> {
+        let n = l.numel();
+        let dst = self.alloc(n.div_ceil(2).max(1))?;
+        if n > 0 {
+            self.dev
+                .launch(cast::TO_BF16, &[l.base(), dst], &[n as i64], n)?;
+        }
+        Ok(DLoc {
+            ptr: dst,
+            layout: Layout::contiguous(l.shape()),
+            dtype: DType::BF16,
         })
     }
 
@@ -1380,7 +1711,8 @@ impl Run<'_> {
             return Ok(());
         }
         if src.layout.is_contiguous() {
-            return self.dev.copy(dst, src.base(), src.numel());
+            let bytes = elem_bytes(src.dtype) as usize * src.numel();
+            return self.dev.copy_bytes(dst, src.base(), bytes);
         }
         if src.shape().len() > MAX_COPY_RANK {
             return Err(format!(
@@ -1388,9 +1720,13 @@ impl Run<'_> {
                 src.shape().len()
             ));
         }
-        let f = self
-            .copy
-            .ok_or("the CUDA module has no copy_strided function")?;
+        let f = if src.is_bf16() {
+            self.copy16
+                .ok_or("the CUDA module has no strided copy of bf16 elements")?
+        } else {
+            self.copy
+                .ok_or("the CUDA module has no copy_strided function")?
+        };
         let strides: Vec<i64> = src.layout.strides.iter().map(|&s| s as i64).collect();
         self.launch(f, &[src.base(), dst], Launch::copy(src.shape(), &strides))
     }
@@ -1400,7 +1736,7 @@ impl Run<'_> {
         if l.layout.is_contiguous() {
             return Ok(l.clone());
         }
-        let dst = self.alloc(l.numel())?;
+        let dst = self.alloc(words_of(l.dtype, l.numel()))?;
         self.copy_to(l, dst)?;
         Ok(DLoc {
             ptr: dst,
@@ -1409,10 +1745,11 @@ impl Run<'_> {
         })
     }
 
-    /// `l`'s elements in row-major order, on the host.
+    /// `l`'s elements in row-major order, on the host (bf16 elements two to a word, as
+    /// [`pack_bf16`] lays them out).
     fn words(&mut self, l: &DLoc) -> Result<Vec<u32>, String> {
         let c = self.contig(l)?;
-        self.dev.read(c.base(), c.numel())
+        self.dev.read(c.base(), words_of(c.dtype, c.numel()))
     }
 
     fn download(&mut self, l: &DLoc) -> Result<Tensor, String> {
@@ -1421,6 +1758,7 @@ impl Run<'_> {
         let data = match l.dtype {
             DType::I32 => TensorData::I32(w.into_iter().map(|x| x as i32).collect()),
             DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
+            DType::BF16 => TensorData::F32(unpack_bf16(&w, l.numel())),
             _ => TensorData::F32(w.into_iter().map(f32::from_bits).collect()),
         };
         Ok(Tensor {
@@ -1438,7 +1776,7 @@ impl Run<'_> {
         }
         if plan.empty_k {
             return if beta == 0.0 {
-                self.dev.zero(out.base(), out.numel())
+                self.dev.zero(out.base(), words_of(out.dtype, out.numel()))
             } else {
                 Ok(())
             };
@@ -1470,9 +1808,13 @@ impl Run<'_> {
         Ok((a, b, plan))
     }
 
-    /// The operands' addresses: f32 in place, or their bf16 copies (element `e` of the
-    /// f32 location at `base + 2·(e − lo)`).
+    /// The operands' addresses: f32 in place, or as bf16 — in place when stored in
+    /// bf16 (mixed precision), else bf16 copies (element `e` of the f32 location at
+    /// `base + 2·(e − lo)`).
     fn matmul_ops(&mut self, a: &DLoc, b: &DLoc, plan: MatmulPlan) -> Result<MatmulOps, String> {
+        if !self.bf16 && (a.is_bf16() || b.is_bf16()) {
+            return Err("internal: a bf16 operand of an f32 GEMM".to_string());
+        }
         Ok(if self.bf16 {
             let (pa, la) = self.bf16_span(a)?;
             let (pb, lb) = self.bf16_span(b)?;
@@ -1509,13 +1851,19 @@ impl Run<'_> {
     }
 
     /// The cuBLAS calls of a planned GEMM into `out` (`beta`: 1 adds to what `out`
-    /// holds).
+    /// holds), f32 or, in a mixed-precision program, bf16.
     fn matmul_launch(&mut self, ops: &MatmulOps, out: &DLoc, beta: f32) -> Result<(), String> {
         let plan = &ops.plan;
+        let out_elem = if out.is_bf16() {
+            device::GemmElem::Bf16
+        } else {
+            device::GemmElem::F32
+        };
         match plan.strided {
             Some((sa, sb)) => self.dev.gemm(
                 &plan.gemm,
                 ops.elem,
+                out_elem,
                 ops.a.at(plan.a_offsets[0]),
                 ops.b.at(plan.b_offsets[0]),
                 out.base(),
@@ -1527,9 +1875,10 @@ impl Run<'_> {
                     self.dev.gemm(
                         &plan.gemm,
                         ops.elem,
+                        out_elem,
                         ops.a.at(oa),
                         ops.b.at(ob),
-                        out.base() + 4 * (i * plan.c_stride) as u64,
+                        out.at(out.layout.offset + i * plan.c_stride),
                         beta,
                         None,
                     )?;
@@ -1566,7 +1915,9 @@ impl Run<'_> {
             return Ok(());
         }
         let ops = self.matmul_ops(&a, &b, plan)?;
-        if self.fused_epilogues && one_gemm && bias.dtype == DType::F32 {
+        // cuBLASLt's epilogue writes f32 results here; a bf16 result (mixed precision)
+        // takes the separate path.
+        if self.fused_epilogues && one_gemm && bias.dtype == DType::F32 && !out.is_bf16() {
             let p = &ops.plan;
             let fused = self.dev.gemm_bias(
                 &p.gemm,
@@ -1596,6 +1947,10 @@ impl Run<'_> {
     /// The elements `l` can address, `lo..hi` of its buffer, converted to bf16 in a
     /// fresh buffer: its address and `lo`.
     fn bf16_span(&mut self, l: &DLoc) -> Result<(u64, usize), String> {
+        if l.is_bf16() {
+            // Stored in bf16 already: element `e` at `ptr + 2·e`.
+            return Ok((l.ptr, 0));
+        }
         if l.dtype != DType::F32 {
             return Err(format!("a {:?} GEMM operand", l.dtype));
         }
@@ -2026,6 +2381,9 @@ impl Run<'_> {
         ins: &[&DLoc],
         outs: &[DLoc],
     ) -> Result<(), String> {
+        if ins.iter().any(|l| l.is_bf16()) || outs.iter().any(|l| l.is_bf16()) {
+            return Err("internal: a host kernel with a bf16 buffer".into());
+        }
         let mut host_ins: Vec<Vec<u32>> = Vec::with_capacity(ins.len());
         for l in ins {
             host_ins.push(self.words(l)?);
@@ -2251,4 +2609,40 @@ fn attention_sizes(
 fn strides4(l: &DLoc) -> Result<[usize; 4], String> {
     <[usize; 4]>::try_from(l.layout.strides.as_slice())
         .map_err(|_| format!("a rank-4 operand was expected, not {:?}", l.shape()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bf16 buffers hold two values per word, the first in the low half, rounded to
+    /// nearest even as the device's `kiln_f32_to_bf16` and the `half` crate round; an odd
+    /// count pads the last word with zero.
+    #[test]
+    fn bf16_values_pack_two_to_a_word() {
+        let v = [1.0f32, -2.0, 1.0 + 1.0 / 256.0, 3.0e38, f32::NAN];
+        let w = pack_bf16(v.iter().copied());
+        assert_eq!(w.len(), 3);
+        assert_eq!(w[0], 0x3f80 | (0xc000 << 16));
+        // 1 + 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷: to even, 1.
+        assert_eq!(w[1] & 0xffff, 0x3f80);
+        assert_eq!(
+            w[1] >> 16,
+            u32::from(half::bf16::from_f32(3.0e38).to_bits())
+        );
+        assert_eq!(w[2] >> 16, 0, "the pad");
+        let back = unpack_bf16(&w, v.len());
+        assert_eq!(&back[..3], &[1.0, -2.0, 1.0]);
+        assert_eq!(back[3], half::bf16::from_f32(3.0e38).to_f32());
+        assert!(back[4].is_nan());
+        assert!(pack_bf16(std::iter::empty()).is_empty());
+        assert_eq!((words_of(DType::BF16, 5), words_of(DType::F32, 5)), (3, 5));
+        assert_eq!((elem_bytes(DType::BF16), elem_bytes(DType::I32)), (2, 4));
+        let l = DLoc {
+            ptr: 1000,
+            layout: Layout::contiguous(&[2, 3]),
+            dtype: DType::BF16,
+        };
+        assert_eq!(l.at(5), 1010);
+    }
 }
