@@ -568,6 +568,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         if let Some(c) = &cuda {
             let (fused, separate) = c.epilogue_counts();
             obj["bias_epilogues"] = serde_json::json!({"fused": fused, "separate": separate});
+            obj["arena_bytes"] = serde_json::json!(c.arena_bytes());
         }
         println!("{obj}");
     } else {
@@ -600,6 +601,10 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             setup
         );
         if let Some(c) = &cuda {
+            println!(
+                "  device arena {:.1} MiB (the memory plan at these dims)",
+                c.arena_bytes() as f64 / 1048576.0
+            );
             let (fused, separate) = c.epilogue_counts();
             if fused + separate > 0 {
                 println!(

@@ -20,8 +20,8 @@ use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_runtime::artifact::Artifact;
 use kiln_runtime::cuda::{
-    cuda_available, executor_for, launch_plan, launch_plan_with, require_cuda_or_skip,
-    CudaExecError, CudaExecutor, CudaOptions,
+    cuda_available, executor_for, launch_plan, launch_plan_with, memory_plan_with,
+    require_cuda_or_skip, CudaExecError, CudaExecutor, CudaOptions,
 };
 use kiln_runtime::exec::Exec;
 
@@ -173,6 +173,20 @@ fn every_kernel_of_the_tiny_model_has_a_mixed_precision_launch() {
         let f32_plan = launch_plan(art, entry).unwrap();
         let plan = launch_plan_with(art, entry, &mixed).unwrap_or_else(|e| panic!("{entry}: {e}"));
         assert_eq!(plan, f32_plan, "{entry}");
+        // The f32 program runs in the artifact's memory plan; the mixed one plans its bf16
+        // activations in 2-byte elements.
+        let manifest = &art.entry(entry).unwrap().manifest.plan;
+        assert_eq!(
+            &memory_plan_with(art, entry, &CudaOptions::default()).unwrap(),
+            manifest
+        );
+        let halves = memory_plan_with(art, entry, &mixed)
+            .unwrap()
+            .buffers
+            .iter()
+            .filter(|b| b.elem_bytes == 2)
+            .count();
+        assert!(halves > 3, "{entry}: {halves} two-byte buffers");
     }
     let e = launch_plan_with(art, "no_such_entry", &mixed).unwrap_err();
     assert!(e.to_string().contains("no_such_entry"), "{e}");

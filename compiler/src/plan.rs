@@ -17,6 +17,11 @@
 //! them: liveness is the whole policy. `KILN_NO_REUSE=1` gives every buffer its own slot
 //! (a debugging aid: every value survives to the end of the run). Sources (inputs, parameters, constants) are not in
 //! the arena: executors read the caller's tensors in place.
+//!
+//! Buffers are 4-byte words ([`ELEM_BYTES`]) unless planned with other element sizes
+//! ([`MemoryPlan::build_with`]: a CUDA mixed-precision program keeps its activations in
+//! 2-byte bf16); a slot's size is then its buffers' largest byte size, and slots are
+//! matched by element count and element size together.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -45,6 +50,25 @@ pub struct Buffer {
     pub born: usize,
     /// The last step that reads it (`steps` for graph outputs).
     pub dies: usize,
+    /// Bytes per element: [`ELEM_BYTES`] but in plans built with other sizes.
+    #[serde(default = "elem_bytes", skip_serializing_if = "is_elem_bytes")]
+    pub elem_bytes: usize,
+}
+
+fn elem_bytes() -> usize {
+    ELEM_BYTES
+}
+
+fn is_elem_bytes(n: &usize) -> bool {
+    *n == ELEM_BYTES
+}
+
+impl Buffer {
+    /// Its size in bytes for concrete dims (unaligned).
+    pub fn bytes(&self, dims: &BTreeMap<String, i64>) -> Result<usize, String> {
+        let n: usize = self.ty.shape.eval(dims)?.iter().product();
+        Ok(n * self.elem_bytes)
+    }
 }
 
 /// The plan of one kernel graph.
@@ -77,8 +101,14 @@ fn estimate(d: &Dim) -> f64 {
 }
 
 impl MemoryPlan {
-    /// Plans `kg`.
+    /// Plans `kg` with every buffer in 4-byte elements.
     pub fn build(kg: &KernelGraph) -> MemoryPlan {
+        Self::build_with(kg, &|_, _| ELEM_BYTES)
+    }
+
+    /// Plans `kg` with `elem_bytes(v, k)` bytes per element of output `k` of kernel value
+    /// `v`.
+    pub fn build_with(kg: &KernelGraph, elem_bytes: &dyn Fn(usize, usize) -> usize) -> MemoryPlan {
         // Step of each kernel value.
         let mut step_of: BTreeMap<usize, usize> = BTreeMap::new();
         for (v, val) in kg.values.iter().enumerate() {
@@ -102,6 +132,7 @@ impl MemoryPlan {
                     slot: 0,
                     born: s,
                     dies: s,
+                    elem_bytes: elem_bytes(v, k),
                 });
             }
         }
@@ -138,34 +169,38 @@ impl MemoryPlan {
         // Slot assignment in birth order. A slot is free for a buffer born at step s if
         // its last buffer died before s.
         let mut slot_free_after: Vec<usize> = Vec::new(); // last death per slot
-        let mut slot_size: Vec<(Dim, f64)> = Vec::new(); // largest buffer: symbolic, estimate
+                                                          // Largest buffer of each slot: symbolic elements, element size, estimated bytes.
+        let mut slot_size: Vec<(Dim, usize, f64)> = Vec::new();
         for b in buffers.iter_mut() {
             let need = b.ty.shape.numel();
-            let need_est = estimate(&need);
+            let need_est = estimate(&need) * b.elem_bytes as f64;
             let free: Vec<usize> = (0..slot_free_after.len())
                 .filter(|&s| slot_free_after[s] < b.born)
                 .collect();
-            let same = free.iter().copied().find(|&s| slot_size[s].0 == need);
+            let same = free
+                .iter()
+                .copied()
+                .find(|&s| slot_size[s].0 == need && slot_size[s].1 == b.elem_bytes);
             let fit = free
                 .iter()
                 .copied()
-                .filter(|&s| slot_size[s].1 >= need_est)
-                .min_by(|&a, &c| slot_size[a].1.total_cmp(&slot_size[c].1).then(a.cmp(&c)));
+                .filter(|&s| slot_size[s].2 >= need_est)
+                .min_by(|&a, &c| slot_size[a].2.total_cmp(&slot_size[c].2).then(a.cmp(&c)));
             let largest = free
                 .iter()
                 .copied()
-                .max_by(|&a, &c| slot_size[a].1.total_cmp(&slot_size[c].1).then(c.cmp(&a)));
+                .max_by(|&a, &c| slot_size[a].2.total_cmp(&slot_size[c].2).then(c.cmp(&a)));
             let reuse = std::env::var_os("KILN_NO_REUSE").is_none();
             let slot = match same.or(fit).or(largest).filter(|_| reuse) {
                 Some(s) => s,
                 None => {
                     slot_free_after.push(0);
-                    slot_size.push((need.clone(), need_est));
+                    slot_size.push((need.clone(), b.elem_bytes, need_est));
                     slot_free_after.len() - 1
                 }
             };
-            if need_est > slot_size[slot].1 {
-                slot_size[slot] = (need, need_est);
+            if need_est > slot_size[slot].2 {
+                slot_size[slot] = (need, b.elem_bytes, need_est);
             }
             slot_free_after[slot] = b.dies;
             b.slot = slot;
@@ -190,8 +225,7 @@ impl MemoryPlan {
         let mut sizes = Vec::with_capacity(self.buffers.len());
         let mut unshared = 0usize;
         for b in &self.buffers {
-            let n: usize = b.ty.shape.eval(dims)?.iter().product();
-            let bytes = (n * ELEM_BYTES).div_ceil(ALIGN) * ALIGN;
+            let bytes = b.bytes(dims)?.div_ceil(ALIGN) * ALIGN;
             sizes.push(bytes);
             unshared += bytes;
             slot_bytes[b.slot] = slot_bytes[b.slot].max(bytes);
@@ -211,13 +245,59 @@ impl MemoryPlan {
         })
     }
 
+    /// Checks the plan for concrete dims: buffers sharing a slot have disjoint lifetimes
+    /// and each fits its slot. The error names the first two buffers that overlap, or
+    /// the buffer that does not fit.
+    pub fn check(&self, dims: &BTreeMap<String, i64>) -> Result<(), String> {
+        if let Some(b) = self
+            .buffers
+            .iter()
+            .find(|b| b.born > b.dies || b.slot >= self.slots)
+        {
+            return Err(format!(
+                "buffer %{}.{}: slot {} of {}, lifetime k{}..k{}",
+                b.value, b.output, b.slot, self.slots, b.born, b.dies
+            ));
+        }
+        let layout = self.layout(dims)?;
+        let mut by_slot: Vec<Vec<&Buffer>> = vec![Vec::new(); self.slots];
+        for (i, b) in self.buffers.iter().enumerate() {
+            let bytes = b.bytes(dims)?;
+            if bytes > layout.slot_bytes[b.slot] || layout.offsets[i] % ALIGN != 0 {
+                return Err(format!(
+                    "buffer %{}.{} ({bytes} bytes) does not fit slot {} ({} bytes)",
+                    b.value, b.output, b.slot, layout.slot_bytes[b.slot]
+                ));
+            }
+            by_slot[b.slot].push(b);
+        }
+        for (slot, members) in by_slot.iter_mut().enumerate() {
+            members.sort_by_key(|b| (b.born, b.dies));
+            for w in members.windows(2) {
+                if w[1].born <= w[0].dies {
+                    return Err(format!(
+                        "slot {slot}: %{}.{} (k{}..k{}) and %{}.{} (k{}..k{}) are live at once",
+                        w[0].value,
+                        w[0].output,
+                        w[0].born,
+                        w[0].dies,
+                        w[1].value,
+                        w[1].output,
+                        w[1].born,
+                        w[1].dies
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The most bytes live at once over the steps (a lower bound for any plan; the arena
     /// reaches it only when slot sizes fit perfectly).
     pub fn live_peak(&self, dims: &BTreeMap<String, i64>) -> Result<usize, String> {
         let mut delta = vec![0i64; self.steps + 2];
         for b in &self.buffers {
-            let n: usize = b.ty.shape.eval(dims)?.iter().product();
-            let bytes = (n * ELEM_BYTES) as i64;
+            let bytes = b.bytes(dims)? as i64;
             delta[b.born] += bytes;
             delta[b.dies + 1] -= bytes;
         }
@@ -253,7 +333,12 @@ impl MemoryPlan {
                     } else {
                         format!("%{}", b.value)
                     };
-                    format!("{name} {} [k{}..k{}]", b.ty, b.born, b.dies)
+                    let elem = if b.elem_bytes == ELEM_BYTES {
+                        String::new()
+                    } else {
+                        format!(" ({} B each)", b.elem_bytes)
+                    };
+                    format!("{name} {}{elem} [k{}..k{}]", b.ty, b.born, b.dies)
                 })
                 .collect();
             let size = match &layout {
@@ -275,5 +360,66 @@ impl MemoryPlan {
             );
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+    use crate::shape::Shape;
+
+    fn buffer(value: usize, slot: usize, born: usize, dies: usize, elem_bytes: usize) -> Buffer {
+        Buffer {
+            value,
+            output: 0,
+            ty: TensorType::new(DType::F32, Shape(vec![Dim::sym("batch"), Dim::c(100)])),
+            slot,
+            born,
+            dies,
+            elem_bytes,
+        }
+    }
+
+    fn dims() -> BTreeMap<String, i64> {
+        [("batch".to_string(), 10)].into_iter().collect()
+    }
+
+    #[test]
+    fn check_names_two_buffers_of_one_slot_live_at_once() {
+        let mut plan = MemoryPlan {
+            buffers: vec![buffer(1, 0, 0, 2, 4), buffer(2, 0, 2, 3, 4)],
+            slots: 1,
+            steps: 4,
+        };
+        let e = plan.check(&dims()).unwrap_err();
+        assert_eq!(
+            e,
+            "slot 0: %1.0 (k0..k2) and %2.0 (k2..k3) are live at once"
+        );
+        plan.buffers[1].born = 3;
+        plan.check(&dims()).unwrap();
+        plan.buffers[1].slot = 1;
+        let e = plan.check(&dims()).unwrap_err();
+        assert_eq!(e, "buffer %2.0: slot 1 of 1, lifetime k3..k3");
+    }
+
+    #[test]
+    fn two_byte_buffers_take_half_the_bytes() {
+        let plan = MemoryPlan {
+            buffers: vec![buffer(1, 0, 0, 1, 2), buffer(2, 1, 0, 1, 4)],
+            slots: 2,
+            steps: 2,
+        };
+        let l = plan.layout(&dims()).unwrap();
+        // 1,000 elements: 2,000 bytes aligned up to 2,048, and 4,000 to 4,032.
+        assert_eq!(l.slot_bytes, vec![2048, 4032]);
+        assert_eq!((l.offsets.clone(), l.total), (vec![0, 2048], 6080));
+        assert_eq!(plan.live_peak(&dims()).unwrap(), 6000);
+        // 4-byte buffers serialize as before (artifacts are unchanged); others name it.
+        let text = serde_json::to_string(&plan).unwrap();
+        assert_eq!(text.matches("elem_bytes").count(), 1, "{text}");
+        let back: MemoryPlan = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, plan);
     }
 }

@@ -16,6 +16,7 @@
 //! 1. binds inputs and parameters (`kiln_compiler::bind`), which gives the dims;
 //! 2. lays out the arena from the memory plan for those dims — the **same byte offsets**
 //!    as the CPU arena, in one device allocation (kept between runs, grown when needed);
+//!    a mixed-precision program plans its own, with bf16 buffers in 2-byte elements;
 //! 3. uploads inputs, parameters and constants (bools as 4-byte 0/1, f64 as f32) into
 //!    device buffers of their own; parameters are kept on the device between runs that
 //!    give the same `RunOptions::params_version` (the caller's promise that they did
@@ -35,7 +36,7 @@ use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
 use kiln_compiler::codegen::cuda::program::emit_with;
 use kiln_compiler::codegen::cuda::resident as gather;
-use kiln_compiler::codegen::cuda::storage::Storage;
+use kiln_compiler::codegen::cuda::storage::{self, Storage};
 use kiln_compiler::codegen::cuda::text::Elem;
 use kiln_compiler::codegen::cuda::{cast, optim, CudaCode, Work};
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
@@ -285,7 +286,8 @@ fn cuda_parts<'a>(
 }
 
 /// What an executor of one entry runs: the CUDA unit and its functions, the steps, the
-/// strided-copy functions and, for a mixed-precision program, its storage plan.
+/// strided-copy functions and, for a mixed-precision program, its storage plan and the
+/// memory plan sized by it.
 struct EntryProgram {
     /// What NVRTC errors name: the artifact's file, or the generated bf16 program.
     file: String,
@@ -296,6 +298,9 @@ struct EntryProgram {
     /// The 2-byte strided copy of a mixed-precision program.
     copy16: Option<String>,
     storage: Option<Storage>,
+    /// The arena's plan with bf16 buffers in 2-byte elements (the artifact's plan sizes
+    /// every buffer in 4-byte words).
+    plan: Option<MemoryPlan>,
 }
 
 /// The program of entry `entry` (no CUDA call): the artifact's f32 CUDA code, or with
@@ -322,6 +327,7 @@ fn entry_program(art: &Artifact, entry: &str, mixed: bool) -> Result<EntryProgra
             copy,
             copy16: None,
             storage: None,
+            plan: None,
         });
     }
     let code = emit_with(kg, Elem::Bf16)
@@ -360,6 +366,7 @@ fn entry_program(art: &Artifact, entry: &str, mixed: bool) -> Result<EntryProgra
         steps,
         copy,
         copy16,
+        plan: Some(storage::memory_plan(kg, &code.storage)),
         storage: Some(code.storage),
     })
 }
@@ -386,6 +393,21 @@ pub fn launch_plan_with(
         .iter()
         .map(|s| (s.kind.clone(), s.exec.how()))
         .collect())
+}
+
+/// The memory plan of entry `entry`'s arena in the program `options` run (needs no
+/// GPU): the artifact's, or with [`CudaOptions::mixed`] one that sizes the bf16 buffers
+/// in 2-byte elements.
+pub fn memory_plan_with(
+    art: &Artifact,
+    entry: &str,
+    options: &CudaOptions,
+) -> Result<MemoryPlan, CudaExecError> {
+    let program = entry_program(art, entry, options.mixed)?;
+    match program.plan {
+        Some(p) => Ok(p),
+        None => Ok(cuda_parts(art, entry)?.0.manifest.plan.clone()),
+    }
 }
 
 /// A device failure (driver, cuBLAS, a launch) as an execution error.
@@ -525,7 +547,7 @@ impl CudaExecutor {
         Ok(CudaExecutor {
             graph,
             kg,
-            plan: e.manifest.plan.clone(),
+            plan: program.plan.unwrap_or_else(|| e.manifest.plan.clone()),
             steps: program.steps,
             copy: program.copy,
             copy16: program.copy16,
@@ -580,6 +602,13 @@ impl CudaExecutor {
     pub fn epilogue_counts(&self) -> (usize, usize) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.epilogues
+    }
+
+    /// Bytes of the device arena allocated so far (the memory plan's layout for the
+    /// largest dims run; 0 before the first run).
+    pub fn arena_bytes(&self) -> usize {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.arena.as_ref().map_or(0, |a| a.words * 4)
     }
 
     /// Runs the entry; outputs in `graph.outputs` order.

@@ -37,8 +37,8 @@ mod steps;
 use std::sync::OnceLock;
 
 pub use executor::{
-    launch_plan, launch_plan_with, CudaExecError, CudaExecutor, CudaOptions, DeviceTensor,
-    MicroOut, RowsTopK, BF16_ENV, MIXED_ENV, SEPARATE_EPILOGUES_ENV, TF32_ENV,
+    launch_plan, launch_plan_with, memory_plan_with, CudaExecError, CudaExecutor, CudaOptions,
+    DeviceTensor, MicroOut, RowsTopK, BF16_ENV, MIXED_ENV, SEPARATE_EPILOGUES_ENV, TF32_ENV,
 };
 
 /// The environment variable that turns a skipped GPU test into a failure.

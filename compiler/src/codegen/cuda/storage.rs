@@ -47,6 +47,7 @@ use crate::codegen::cuda::text::Elem;
 use crate::ir::{DType, Op};
 use crate::optimize::kernels::{Def, KernelGraph, KernelOp};
 use crate::optimize::templates::registry;
+use crate::plan::MemoryPlan;
 
 /// The element type of each value's buffers: `storage[v][i]` for output `i` of value `v`
 /// (one entry for a value with one type).
@@ -250,6 +251,18 @@ pub fn of(storage: &Storage, kg: &KernelGraph, v: usize) -> Elem {
         .and_then(|s| s.get(i))
         .copied()
         .unwrap_or(Elem::F32)
+}
+
+/// The memory plan of a program stored as `storage` says: kernel results in their
+/// element type's bytes (a bf16 activation takes half the slot an f32 one does). With
+/// an f32 storage (or an empty one) it is [`MemoryPlan::build`]'s plan.
+pub fn memory_plan(kg: &KernelGraph, storage: &Storage) -> MemoryPlan {
+    MemoryPlan::build_with(kg, &|v, k| {
+        storage
+            .get(v)
+            .and_then(|s| s.get(k))
+            .map_or(Elem::F32.bytes(), |e| e.bytes())
+    })
 }
 
 fn name(e: Elem) -> &'static str {
