@@ -4,11 +4,15 @@
 //! kernel result (one per output of a multi-output kernel), each born at the step that
 //! writes it and dead after the last step that reads it (directly or through views and
 //! projections); the graph's outputs live to the end. Buffers whose lifetimes do not
-//! overlap share a slot; the arena is the slots end to end.
+//! overlap share a slot.
 //!
-//! Shapes are symbolic, so the plan is static and the sizes are not: a slot's size is the
-//! largest of its buffers' sizes, evaluated per run from the bound dims
-//! ([`MemoryPlan::layout`]); one plan serves every batch size and length. Slot choice
+//! Shapes are symbolic, so the plan is static and the sizes are not: one plan serves
+//! every batch size and length, and a run's layout ([`MemoryPlan::layout`]) is made for
+//! its bound dims. With concrete sizes the buffers are packed by lifetime (largest
+//! first, each into the smallest gap free for its whole life: TensorFlow Lite's
+//! greedy-by-size arena planner), which reaches the live peak on the shipped models; the
+//! slots end to end — a slot sized by its largest buffer — are the fallback whenever
+//! they would be smaller, so a layout is never larger than the slots. Slot choice
 //! when a buffer is born, among the slots free at that step: one whose buffers have the
 //! same symbolic size, else the smallest that is at least as large (sizes estimated with
 //! every dim at 32), else the largest (it grows), else a new slot.
@@ -23,8 +27,9 @@
 //! 2-byte bf16); a slot's size is then its buffers' largest byte size, and slots are
 //! matched by element count and element size together.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -86,10 +91,49 @@ pub struct ArenaLayout {
     pub offsets: Vec<usize>,
     /// Bytes of each slot.
     pub slot_bytes: Vec<usize>,
-    /// The arena's size in bytes (the peak: every slot at its largest).
+    /// The arena's size in bytes.
     pub total: usize,
     /// Bytes if every buffer had its own memory (no reuse).
     pub unshared: usize,
+    /// Bytes of the slots end to end (every slot at its largest buffer).
+    pub slots_total: usize,
+    /// Whether the offsets are the packed ones (else each buffer is at its slot).
+    pub packed: bool,
+}
+
+/// Bound dims in name order.
+type DimsKey = Vec<(String, i64)>;
+
+/// Layouts already made, by dims: training and decoding meet the same few shapes again
+/// and again, and packing ~700 buffers takes a few hundred microseconds. Holds at most
+/// [`LayoutCache::CAPACITY`] layouts (it starts over when full).
+#[derive(Debug, Default)]
+pub struct LayoutCache {
+    map: std::sync::Mutex<HashMap<DimsKey, Arc<ArenaLayout>>>,
+}
+
+impl LayoutCache {
+    pub const CAPACITY: usize = 256;
+
+    /// `plan.layout(dims)`, made once per distinct `dims`. The cache belongs to one plan:
+    /// asking it for another plan's layout is a bug.
+    pub fn get(
+        &self,
+        plan: &MemoryPlan,
+        dims: &BTreeMap<String, i64>,
+    ) -> Result<Arc<ArenaLayout>, String> {
+        let key: DimsKey = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = map.get(&key) {
+            return Ok(l.clone());
+        }
+        let l = Arc::new(plan.layout(dims)?);
+        if map.len() >= Self::CAPACITY {
+            map.clear();
+        }
+        map.insert(key, l.clone());
+        Ok(l)
+    }
 }
 
 fn estimate(d: &Dim) -> f64 {
@@ -219,7 +263,9 @@ impl MemoryPlan {
             .position(|b| b.value == value && b.output == output)
     }
 
-    /// Offsets for concrete dims.
+    /// Offsets for concrete dims: the buffers packed at these sizes
+    /// ([`MemoryPlan::pack`]), or the slots end to end where that is not larger (and
+    /// always under `KILN_NO_REUSE`).
     pub fn layout(&self, dims: &BTreeMap<String, i64>) -> Result<ArenaLayout, String> {
         let mut slot_bytes = vec![0usize; self.slots];
         let mut sizes = Vec::with_capacity(self.buffers.len());
@@ -231,23 +277,80 @@ impl MemoryPlan {
             slot_bytes[b.slot] = slot_bytes[b.slot].max(bytes);
         }
         let mut slot_off = Vec::with_capacity(self.slots);
-        let mut total = 0usize;
+        let mut slots_total = 0usize;
         for &s in &slot_bytes {
-            slot_off.push(total);
-            total += s;
+            slot_off.push(slots_total);
+            slots_total += s;
         }
-        let offsets = self.buffers.iter().map(|b| slot_off[b.slot]).collect();
-        Ok(ArenaLayout {
-            offsets,
+        let mut layout = ArenaLayout {
+            offsets: self.buffers.iter().map(|b| slot_off[b.slot]).collect(),
             slot_bytes,
-            total,
+            total: slots_total,
             unshared,
-        })
+            slots_total,
+            packed: false,
+        };
+        if std::env::var_os("KILN_NO_REUSE").is_none() {
+            let (offsets, total) = self.pack(&sizes);
+            if total <= slots_total {
+                layout.offsets = offsets;
+                layout.total = total;
+                layout.packed = true;
+            }
+        }
+        Ok(layout)
+    }
+
+    /// Offsets of buffers of `sizes` bytes (multiples of [`ALIGN`]) packed by lifetime,
+    /// and the arena's size: the largest first (then the earliest born, then in plan
+    /// order), each into the smallest gap that holds it between the buffers already
+    /// placed that are live at the same time as it, else above them all. The greedy-by-size
+    /// offset assignment of TensorFlow Lite's arena planner; on the shipped models it
+    /// reaches the live peak, where slots sized by their largest buffer take ~40% more.
+    fn pack(&self, sizes: &[usize]) -> (Vec<usize>, usize) {
+        let n = self.buffers.len();
+        let life: Vec<(usize, usize)> = self.buffers.iter().map(|b| (b.born, b.dies)).collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_unstable_by(|&a, &c| {
+            sizes[c]
+                .cmp(&sizes[a])
+                .then(life[a].0.cmp(&life[c].0))
+                .then(a.cmp(&c))
+        });
+        let mut offsets = vec![0usize; n];
+        // Placed buffers as (start, end, born, dies), kept sorted by offset so the scan
+        // below meets the ones live with a buffer in address order.
+        let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(n);
+        let mut total = 0;
+        for &i in &order {
+            let (born, dies) = life[i];
+            let need = sizes[i];
+            // (gap, offset) of the smallest gap that holds it.
+            let mut best: Option<(usize, usize)> = None;
+            let mut top = 0;
+            for &(start, end, b0, b1) in &placed {
+                if b0 > dies || born > b1 {
+                    continue;
+                }
+                if start >= top + need && best.is_none_or(|(g, _)| start - top < g) {
+                    best = Some((start - top, top));
+                }
+                top = top.max(end);
+            }
+            let at = best.map_or(top, |(_, at)| at);
+            offsets[i] = at;
+            total = total.max(at + need);
+            let entry = (at, at + need, born, dies);
+            let k = placed.partition_point(|p| *p < entry);
+            placed.insert(k, entry);
+        }
+        (offsets, total)
     }
 
     /// Checks the plan for concrete dims: buffers sharing a slot have disjoint lifetimes
-    /// and each fits its slot. The error names the first two buffers that overlap, or
-    /// the buffer that does not fit.
+    /// and each fits its slot, and in the layout no two buffers live at once share a
+    /// byte, every one lies inside the arena at an aligned offset. The error names the
+    /// first two buffers that overlap, or the buffer that does not fit.
     pub fn check(&self, dims: &BTreeMap<String, i64>) -> Result<(), String> {
         if let Some(b) = self
             .buffers
@@ -261,9 +364,9 @@ impl MemoryPlan {
         }
         let layout = self.layout(dims)?;
         let mut by_slot: Vec<Vec<&Buffer>> = vec![Vec::new(); self.slots];
-        for (i, b) in self.buffers.iter().enumerate() {
+        for b in &self.buffers {
             let bytes = b.bytes(dims)?;
-            if bytes > layout.slot_bytes[b.slot] || layout.offsets[i] % ALIGN != 0 {
+            if bytes > layout.slot_bytes[b.slot] {
                 return Err(format!(
                     "buffer %{}.{} ({bytes} bytes) does not fit slot {} ({} bytes)",
                     b.value, b.output, b.slot, layout.slot_bytes[b.slot]
@@ -285,6 +388,39 @@ impl MemoryPlan {
                         w[1].output,
                         w[1].born,
                         w[1].dies
+                    ));
+                }
+            }
+        }
+        self.check_layout(dims, &layout)
+    }
+
+    /// Checks `layout` for concrete dims: every buffer at an aligned offset inside the
+    /// arena, and no two buffers live at the same step sharing a byte.
+    pub fn check_layout(
+        &self,
+        dims: &BTreeMap<String, i64>,
+        layout: &ArenaLayout,
+    ) -> Result<(), String> {
+        let mut spans = Vec::with_capacity(self.buffers.len());
+        for (b, &at) in self.buffers.iter().zip(&layout.offsets) {
+            let end = at + b.bytes(dims)?;
+            if at % ALIGN != 0 || end > layout.total {
+                return Err(format!(
+                    "buffer %{}.{} at bytes {at}..{end} of an arena of {}",
+                    b.value, b.output, layout.total
+                ));
+            }
+            spans.push((b, at, end));
+        }
+        for (i, &(a, a0, a1)) in spans.iter().enumerate() {
+            for &(c, c0, c1) in &spans[i + 1..] {
+                let live = a.born <= c.dies && c.born <= a.dies;
+                if live && a0 < c1 && c0 < a1 && a0 < a1 && c0 < c1 {
+                    return Err(format!(
+                        "%{}.{} (k{}..k{}, bytes {a0}..{a1}) and %{}.{} (k{}..k{}, bytes \
+                         {c0}..{c1}) are live at once in shared bytes",
+                        a.value, a.output, a.born, a.dies, c.value, c.output, c.born, c.dies
                     ));
                 }
             }
@@ -351,10 +487,17 @@ impl MemoryPlan {
             let dims_text: Vec<String> = d.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let _ = writeln!(
                 s,
-                "arena at {}: {} bytes ({:.1} MiB); without reuse {:.1} MiB; live peak {:.1} MiB",
+                "arena at {}: {} bytes ({:.1} MiB, {}); slots end to end {:.1} MiB; \
+                 without reuse {:.1} MiB; live peak {:.1} MiB",
                 dims_text.join(" "),
                 l.total,
                 l.total as f64 / 1048576.0,
+                if l.packed {
+                    "buffers packed at these sizes"
+                } else {
+                    "the slots"
+                },
+                l.slots_total as f64 / 1048576.0,
                 l.unshared as f64 / 1048576.0,
                 self.live_peak(d).unwrap_or(0) as f64 / 1048576.0
             );
@@ -370,10 +513,22 @@ mod tests {
     use crate::shape::Shape;
 
     fn buffer(value: usize, slot: usize, born: usize, dies: usize, elem_bytes: usize) -> Buffer {
+        sized(value, slot, born, dies, elem_bytes, 100)
+    }
+
+    /// `f32[batch, cols]` at `elem_bytes` per element.
+    fn sized(
+        value: usize,
+        slot: usize,
+        born: usize,
+        dies: usize,
+        elem_bytes: usize,
+        cols: i64,
+    ) -> Buffer {
         Buffer {
             value,
             output: 0,
-            ty: TensorType::new(DType::F32, Shape(vec![Dim::sym("batch"), Dim::c(100)])),
+            ty: TensorType::new(DType::F32, Shape(vec![Dim::sym("batch"), Dim::c(cols)])),
             slot,
             born,
             dies,
@@ -412,14 +567,129 @@ mod tests {
             steps: 2,
         };
         let l = plan.layout(&dims()).unwrap();
-        // 1,000 elements: 2,000 bytes aligned up to 2,048, and 4,000 to 4,032.
+        // 1,000 elements: 2,000 bytes aligned up to 2,048, and 4,000 to 4,032; packed
+        // the larger first.
         assert_eq!(l.slot_bytes, vec![2048, 4032]);
-        assert_eq!((l.offsets.clone(), l.total), (vec![0, 2048], 6080));
+        assert_eq!((l.offsets.clone(), l.total), (vec![4032, 0], 6080));
         assert_eq!(plan.live_peak(&dims()).unwrap(), 6000);
         // 4-byte buffers serialize as before (artifacts are unchanged); others name it.
         let text = serde_json::to_string(&plan).unwrap();
         assert_eq!(text.matches("elem_bytes").count(), 1, "{text}");
         let back: MemoryPlan = serde_json::from_str(&text).unwrap();
         assert_eq!(back, plan);
+    }
+
+    /// Two slots, each a large buffer then a small one in turn: end to end they take two
+    /// large sizes, packed one large and one small — the live peak.
+    #[test]
+    fn packing_reuses_what_slots_sized_by_their_largest_buffer_hold() {
+        let plan = MemoryPlan {
+            buffers: vec![
+                sized(1, 0, 0, 1, 4, 1000),
+                sized(2, 1, 0, 1, 4, 16),
+                sized(3, 0, 2, 3, 4, 16),
+                sized(4, 1, 2, 3, 4, 1000),
+            ],
+            slots: 2,
+            steps: 4,
+        };
+        let l = plan.layout(&dims()).unwrap();
+        assert_eq!((l.slots_total, l.total, l.packed), (80_000, 40_640, true));
+        assert_eq!(l.offsets, vec![0, 40_000, 40_000, 0]);
+        assert_eq!(plan.live_peak(&dims()).unwrap(), 40_640);
+        plan.check(&dims()).unwrap();
+        // The check sees a layout that puts two live buffers on shared bytes.
+        let mut bad = l.clone();
+        bad.offsets[1] = 39_936;
+        let e = plan.check_layout(&dims(), &bad).unwrap_err();
+        assert_eq!(
+            e,
+            "%1.0 (k0..k1, bytes 0..40000) and %2.0 (k0..k1, bytes 39936..40576) are live \
+             at once in shared bytes"
+        );
+        bad.offsets[1] = 40_064;
+        let e = plan.check_layout(&dims(), &bad).unwrap_err();
+        assert_eq!(e, "buffer %2.0 at bytes 40064..40704 of an arena of 40640");
+    }
+
+    /// Random plans (lifetimes, sizes, slots from a greedy first fit): every layout is
+    /// sound, never larger than the slots, and at least the live peak.
+    #[test]
+    fn random_plans_pack_soundly() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..200 {
+            let steps = 1 + next(40) as usize;
+            let n = 1 + next(60) as usize;
+            let mut buffers = Vec::new();
+            let mut free_after: Vec<usize> = Vec::new();
+            for v in 0..n {
+                let born = next(steps as u64) as usize;
+                let dies = born + next((steps - born) as u64 + 1) as usize;
+                let slot = match free_after.iter().position(|&d| d < born) {
+                    Some(s) => s,
+                    None => {
+                        free_after.push(0);
+                        free_after.len() - 1
+                    }
+                };
+                free_after[slot] = dies;
+                let elem = if next(2) == 0 { 2 } else { 4 };
+                buffers.push(sized(v, slot, born, dies, elem, 1 + next(500) as i64));
+            }
+            // Slots were chosen in value order, not birth order: keep only what a slot
+            // holds soundly by moving clashing buffers to slots of their own.
+            let plan = MemoryPlan {
+                slots: free_after.len(),
+                buffers,
+                steps: steps + 1,
+            };
+            let plan = if plan.check(&dims()).is_err() {
+                let slots = plan.buffers.len();
+                MemoryPlan {
+                    buffers: plan
+                        .buffers
+                        .iter()
+                        .enumerate()
+                        .map(|(i, b)| Buffer {
+                            slot: i,
+                            ..b.clone()
+                        })
+                        .collect(),
+                    slots,
+                    steps: plan.steps,
+                }
+            } else {
+                plan
+            };
+            plan.check(&dims()).unwrap();
+            let l = plan.layout(&dims()).unwrap();
+            assert!(l.total <= l.slots_total);
+            assert!(l.total >= plan.live_peak(&dims()).unwrap());
+        }
+    }
+
+    #[test]
+    fn the_cache_makes_each_layout_once() {
+        let plan = MemoryPlan {
+            buffers: vec![buffer(1, 0, 0, 1, 4), buffer(2, 1, 0, 1, 4)],
+            slots: 2,
+            steps: 2,
+        };
+        let cache = LayoutCache::default();
+        let a = cache.get(&plan, &dims()).unwrap();
+        let b = cache.get(&plan, &dims()).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let other: BTreeMap<String, i64> = [("batch".to_string(), 3)].into_iter().collect();
+        let c = cache.get(&plan, &other).unwrap();
+        assert_eq!((a.total, c.total), (8064, 2432));
+        assert_eq!(*a, plan.layout(&dims()).unwrap());
+        let e = cache.get(&plan, &BTreeMap::new()).unwrap_err();
+        assert!(e.contains("batch"), "{e}");
     }
 }

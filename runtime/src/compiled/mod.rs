@@ -36,7 +36,7 @@ use kiln_compiler::codegen::jit::JitModule;
 use kiln_compiler::codegen::program::CpuCode;
 use kiln_compiler::ir::{DType, Graph, Op};
 use kiln_compiler::optimize::kernels::{Def, KernelGraph};
-use kiln_compiler::plan::MemoryPlan;
+use kiln_compiler::plan::{LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
@@ -53,6 +53,8 @@ pub struct Compiled {
     graph: Graph,
     kg: KernelGraph,
     plan: MemoryPlan,
+    /// The plan's layouts by dims.
+    layouts: LayoutCache,
     code: CpuCode,
     jit: Arc<JitModule>,
     /// Per kernel launch index: how it runs.
@@ -229,6 +231,7 @@ impl Compiled {
             graph,
             kg,
             plan,
+            layouts: LayoutCache::default(),
             code,
             jit: Arc::new(jit),
             steps,
@@ -331,10 +334,13 @@ impl Compiled {
         }
         let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
         let dims = bind.dims.clone();
-        let layout = self.plan.layout(&dims).map_err(|m| ExecError::Node {
-            node: "the memory plan".into(),
-            message: m,
-        })?;
+        let layout = self
+            .layouts
+            .get(&self.plan, &dims)
+            .map_err(|m| ExecError::Node {
+                node: "the memory plan".into(),
+                message: m,
+            })?;
         let mut arena = self.arena.lock().unwrap_or_else(|p| p.into_inner());
         let words = layout.total / 4;
         if arena.len() < words {

@@ -43,7 +43,7 @@ use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, Op};
 use kiln_compiler::optimize::kernels::{Def, KernelGraph};
-use kiln_compiler::plan::MemoryPlan;
+use kiln_compiler::plan::{LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
@@ -233,6 +233,8 @@ pub struct CudaExecutor {
     graph: Graph,
     kg: KernelGraph,
     plan: MemoryPlan,
+    /// The plan's layouts by dims.
+    layouts: LayoutCache,
     steps: Vec<Step>,
     copy: Option<String>,
     /// The 2-byte strided copy ([`CudaOptions::mixed`]).
@@ -548,6 +550,7 @@ impl CudaExecutor {
             graph,
             kg,
             plan: program.plan.unwrap_or_else(|| e.manifest.plan.clone()),
+            layouts: LayoutCache::default(),
             steps: program.steps,
             copy: program.copy,
             copy16: program.copy16,
@@ -668,10 +671,13 @@ impl CudaExecutor {
             .unwrap_or_default();
         let bind = Binder::with_resident(&self.graph, inputs, &held, params, EXECUTOR)?;
         let dims = bind.dims.clone();
-        let layout = self.plan.layout(&dims).map_err(|m| ExecError::Node {
-            node: "the memory plan".into(),
-            message: m,
-        })?;
+        let layout = self
+            .layouts
+            .get(&self.plan, &dims)
+            .map_err(|m| ExecError::Node {
+                node: "the memory plan".into(),
+                message: m,
+            })?;
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         let words = layout.total / 4;
