@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ir::TensorType;
 use crate::optimize::kernels::{Def, KernelGraph};
+use crate::reference::ExecError;
 use crate::shape::Dim;
 
 /// Bytes per element in CPU buffers (f32, i32, and bool stored as i32).
@@ -115,19 +116,23 @@ pub struct LayoutCache {
 impl LayoutCache {
     pub const CAPACITY: usize = 256;
 
-    /// `plan.layout(dims)`, made once per distinct `dims`. The cache belongs to one plan:
-    /// asking it for another plan's layout is a bug.
+    /// `plan.layout(dims)`, made once per distinct `dims`; an error is the executors'
+    /// (the node is "the memory plan"). The cache belongs to one plan: asking it for
+    /// another plan's layout is a bug.
     pub fn get(
         &self,
         plan: &MemoryPlan,
         dims: &BTreeMap<String, i64>,
-    ) -> Result<Arc<ArenaLayout>, String> {
+    ) -> Result<Arc<ArenaLayout>, ExecError> {
         let key: DimsKey = dims.iter().map(|(k, v)| (k.clone(), *v)).collect();
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(l) = map.get(&key) {
             return Ok(l.clone());
         }
-        let l = Arc::new(plan.layout(dims)?);
+        let l = Arc::new(plan.layout(dims).map_err(|message| ExecError::Node {
+            node: "the memory plan".into(),
+            message,
+        })?);
         if map.len() >= Self::CAPACITY {
             map.clear();
         }
@@ -689,7 +694,7 @@ mod tests {
         let c = cache.get(&plan, &other).unwrap();
         assert_eq!((a.total, c.total), (8064, 2432));
         assert_eq!(*a, plan.layout(&dims()).unwrap());
-        let e = cache.get(&plan, &BTreeMap::new()).unwrap_err();
-        assert!(e.contains("batch"), "{e}");
+        let e = cache.get(&plan, &BTreeMap::new()).unwrap_err().to_string();
+        assert!(e.contains("the memory plan") && e.contains("batch"), "{e}");
     }
 }

@@ -334,13 +334,7 @@ impl Compiled {
         }
         let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
         let dims = bind.dims.clone();
-        let layout = self
-            .layouts
-            .get(&self.plan, &dims)
-            .map_err(|m| ExecError::Node {
-                node: "the memory plan".into(),
-                message: m,
-            })?;
+        let layout = self.layouts.get(&self.plan, &dims)?;
         let mut arena = self.arena.lock().unwrap_or_else(|p| p.into_inner());
         let words = layout.total / 4;
         if arena.len() < words {

@@ -671,13 +671,7 @@ impl CudaExecutor {
             .unwrap_or_default();
         let bind = Binder::with_resident(&self.graph, inputs, &held, params, EXECUTOR)?;
         let dims = bind.dims.clone();
-        let layout = self
-            .layouts
-            .get(&self.plan, &dims)
-            .map_err(|m| ExecError::Node {
-                node: "the memory plan".into(),
-                message: m,
-            })?;
+        let layout = self.layouts.get(&self.plan, &dims)?;
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.bind().map_err(dev_err)?;
         let words = layout.total / 4;
