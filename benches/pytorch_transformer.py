@@ -9,8 +9,11 @@ projection, label-smoothed cross-entropy (0.1), Adam(0.9, 0.98, 1e-9).
     python3 benches/pytorch_transformer.py --device cuda --batch 1000   # ~25k tokens/side
 
 On `--device cuda` the timings wait for the GPU (`torch.cuda.synchronize`) and fp32
-matmuls do not use TF32 unless `--tf32`.
+matmuls do not use TF32 unless `--tf32`. `--bf16` runs the forward and the loss under
+`torch.autocast(dtype=torch.bfloat16)` (bf16 matmuls with fp32 accumulation, fp32
+weights and Adam): the comparison for `KILN_CUDA_MIXED=1`.
 """
+import contextlib
 import argparse
 import math
 import time
@@ -58,6 +61,7 @@ def main():
     ap.add_argument("--len", type=int, default=25)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tf32", action="store_true")
+    ap.add_argument("--bf16", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -72,20 +76,26 @@ def main():
     tgt = torch.randint(1, 37000, (a.batch, a.len), device=dev)
     out = torch.randint(1, 37000, (a.batch, a.len), device=dev)
 
+    def autocast():
+        if a.bf16:
+            return torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def sync():
         if gpu:
             torch.cuda.synchronize()
 
     def step():
         opt.zero_grad()
-        logits = m(src, tgt)
-        loss = F.cross_entropy(logits.reshape(-1, 37000), out.reshape(-1),
-                               label_smoothing=0.1, ignore_index=0)
+        with autocast():
+            logits = m(src, tgt)
+            loss = F.cross_entropy(logits.reshape(-1, 37000), out.reshape(-1),
+                                   label_smoothing=0.1, ignore_index=0)
         loss.backward()
         opt.step()
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             m(src, tgt)
 
     for name, f in [("train_step", step), ("forward", fwd)]:
@@ -99,6 +109,10 @@ def main():
             sync()
             ts.append(time.perf_counter() - t)
         where = torch.cuda.get_device_name(dev) if gpu else f"threads={a.threads}"
+        if a.bf16:
+            where += " bf16 autocast"
+        elif a.tf32:
+            where += " tf32"
         print(f"pytorch {torch.__version__} {name}: median {median(ts)*1e3:.1f} ms "
               f"(min {min(ts)*1e3:.1f}) {where}")
 
