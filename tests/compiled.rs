@@ -233,3 +233,52 @@ fn every_spec_every_entry_matches() {
         failures.join("\n")
     );
 }
+
+/// One program run from several places at once: plain threads, and rayon's workers
+/// (where a run waiting for its kernels may take up a second run of the same program).
+/// Every run must give the bits of a run alone, with different dims in flight together,
+/// and none may wait on itself (the shared arena is never waited for).
+#[test]
+fn concurrent_runs_of_one_program_agree_bit_for_bit() {
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let g = entry_graph(&path, &["vocab=48"], "train_step").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let sets = dim_sets(&g);
+    let opts = RunOptions {
+        seed: 5,
+        step: 3,
+        ..RunOptions::default()
+    };
+    let feeds: Vec<(Feeds, Feeds)> = sets
+        .iter()
+        .enumerate()
+        .map(|(k, d)| random_feeds_with(&g, 40 + k as u64, d).expect("feeds"))
+        .collect();
+    let bits = |out: &[(String, kiln_compiler::tensor::Tensor)]| -> Vec<u64> {
+        out.iter()
+            .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
+            .map(f64::to_bits)
+            .collect()
+    };
+    let alone: Vec<Vec<u64>> = feeds
+        .iter()
+        .map(|(i, p)| bits(&exec.run(i, p, &opts).expect("runs")))
+        .collect();
+    let check = |n: usize| {
+        let k = n % feeds.len();
+        let (i, p) = &feeds[k];
+        let got = bits(&exec.run(i, p, &opts).expect("runs"));
+        assert!(
+            got == alone[k],
+            "run {n} (dims {:?}) differs from a run alone",
+            sets[k]
+        );
+    };
+    std::thread::scope(|s| {
+        for t in 0..3 {
+            let check = &check;
+            s.spawn(move || (0..8).for_each(|n| check(t * 8 + n)));
+        }
+        (0..24).into_par_iter().for_each(check);
+    });
+}

@@ -46,7 +46,20 @@ use crate::eager::value::Layout;
 const EXECUTOR: &str = "the compiled executor";
 
 /// Receives each kernel's kind and seconds.
-type Profile<'a> = &'a mut dyn FnMut(&str, f64);
+type Profile<'a> = &'a mut (dyn FnMut(&str, f64) + Send);
+
+/// Runs `f` on one of rayon's worker threads (in place when already on one). A run
+/// launches hundreds of kernels, each split over the pool: from a worker, the split goes
+/// to its own queue and the worker takes part, where from any other thread every launch
+/// is injected into the pool and the caller sleeps until it is done — two futex
+/// round-trips per kernel, which cost the demo's small model a third of its speed.
+fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
 
 /// A graph compiled for the CPU, ready to run.
 pub struct Compiled {
@@ -274,7 +287,7 @@ impl Compiled {
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        self.run_inner(inputs, params, opts, None, None)
+        on_worker(|| self.run_inner(inputs, params, opts, None, None))
     }
 
     /// Runs the program and returns every value of the kernel graph (a debugging aid:
@@ -286,7 +299,7 @@ impl Compiled {
         opts: &RunOptions,
     ) -> Result<Vec<Vec<Tensor>>, ExecError> {
         let mut dump = Vec::new();
-        self.run_inner(inputs, params, opts, None, Some(&mut dump))?;
+        on_worker(|| self.run_inner(inputs, params, opts, None, Some(&mut dump)))?;
         Ok(dump)
     }
 
@@ -312,9 +325,9 @@ impl Compiled {
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
-        profile: &mut dyn FnMut(&str, f64),
+        profile: &mut (dyn FnMut(&str, f64) + Send),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        self.run_inner(inputs, params, opts, Some(profile), None)
+        on_worker(|| self.run_inner(inputs, params, opts, Some(profile), None))
     }
 
     fn run_inner(
@@ -335,7 +348,20 @@ impl Compiled {
         let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
         let dims = bind.dims.clone();
         let layout = self.layouts.get(&self.plan, &dims)?;
-        let mut arena = self.arena.lock().unwrap_or_else(|p| p.into_inner());
+        // The shared arena, or one of this run's own while another run holds it. Never
+        // wait for it: runs go on rayon's workers, and a worker waiting for its kernels
+        // may take up a second run of this program (rayon steals whole jobs), which would
+        // then wait on the worker itself.
+        let mut own = Vec::new();
+        let mut shared = match self.arena.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let arena: &mut Vec<f32> = match shared.as_deref_mut() {
+            Some(a) => a,
+            None => &mut own,
+        };
         let words = layout.total / 4;
         if arena.len() < words {
             arena.clear();
