@@ -565,6 +565,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             "setup_s": setup,
         });
         let mut obj = obj;
+        if let Some(c) = &compiled {
+            obj["arena_bytes"] = serde_json::json!(c.arena_bytes());
+        }
         if let Some(c) = &cuda {
             let (fused, separate) = c.epilogue_counts();
             obj["bias_epilogues"] = serde_json::json!({"fused": fused, "separate": separate});
@@ -600,6 +603,12 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             rss as f64 / 1048576.0,
             setup
         );
+        if let Some(c) = &compiled {
+            println!(
+                "  arena {:.1} MiB (the memory plan at these dims)",
+                c.arena_bytes() as f64 / 1048576.0
+            );
+        }
         if let Some(c) = &cuda {
             println!(
                 "  device arena {:.1} MiB (the memory plan at these dims)",

@@ -282,3 +282,58 @@ fn concurrent_runs_of_one_program_agree_bit_for_bit() {
         (0..24).into_par_iter().for_each(check);
     });
 }
+
+/// `kiln bench --json` with the compiled executor reports what it measured: the runs it
+/// was asked for, `min ≤ median ≤ max`, tokens per second from the median and the batch's
+/// target tokens, and the arena of the memory plan at the bench's dims.
+#[test]
+fn kiln_bench_reports_the_compiled_run_and_its_arena() {
+    let out = common::kiln(&[
+        "bench",
+        "models/transformer_tiny.kiln",
+        "--set",
+        "vocab=48",
+        "--entry",
+        "train_step",
+        "--batch",
+        "3",
+        "--src-len",
+        "7",
+        "--tgt-len",
+        "5",
+        "--runs",
+        "3",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+    assert_eq!(v["executor"], "compiled");
+    assert_eq!(
+        (v["runs"].as_u64(), v["warmup"].as_u64()),
+        (Some(3), Some(1))
+    );
+    let ms = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("no `{k}` in {v}"));
+    assert!(
+        0.0 < ms("min_ms") && ms("min_ms") <= ms("median_ms") && ms("median_ms") <= ms("max_ms")
+    );
+    let tokens = ms("tokens_per_s") * ms("median_ms") / 1e3;
+    assert!(
+        (tokens - 15.0).abs() < 1e-6,
+        "3 sentences × 5 target tokens, got {tokens}"
+    );
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let g = entry_graph(&path, &["vocab=48"], "train_step").expect("the entry");
+    let exec = Compiled::from_graph(g).expect("compiles");
+    let dims: BTreeMap<String, i64> = [("batch", 3), ("src_len", 7), ("tgt_len", 5)]
+        .iter()
+        .map(|(k, n)| (k.to_string(), *n))
+        .collect();
+    let want = exec.plan().layout(&dims).expect("a layout").total;
+    assert!(want > 0);
+    assert_eq!(v["arena_bytes"].as_u64(), Some(want as u64), "{v}");
+}

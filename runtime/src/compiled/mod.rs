@@ -303,6 +303,12 @@ impl Compiled {
         Ok(dump)
     }
 
+    /// Bytes of the shared arena: the memory plan's layout at the largest dims run so far
+    /// (0 before the first run).
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.lock().unwrap_or_else(|p| p.into_inner()).len() * 4
+    }
+
     /// Hands output tensors of an earlier run back: later runs store outputs of the same
     /// sizes in their storage instead of fresh allocations (for a training step's
     /// gradients, a fresh 250 MB is page-faulted in on every step otherwise). Tensors of
