@@ -19,8 +19,9 @@
 //!
 //! Activations are kept for the backward pass exactly as long as a backward kernel reads
 //! them: liveness is the whole policy. `KILN_NO_REUSE=1` gives every buffer its own slot
-//! (a debugging aid: every value survives to the end of the run). Sources (inputs, parameters, constants) are not in
-//! the arena: executors read the caller's tensors in place.
+//! (a debugging aid: every value survives to the end of the run). Sources (inputs,
+//! parameters, constants) are not in the arena: executors read the caller's tensors in
+//! place.
 //!
 //! Buffers are 4-byte words ([`ELEM_BYTES`]) unless planned with other element sizes
 //! ([`MemoryPlan::build_with`]: a CUDA mixed-precision program keeps its activations in
@@ -217,8 +218,9 @@ impl MemoryPlan {
         }
         // Slot assignment in birth order. A slot is free for a buffer born at step s if
         // its last buffer died before s.
-        let mut slot_free_after: Vec<usize> = Vec::new(); // last death per slot
-                                                          // Largest buffer of each slot: symbolic elements, element size, estimated bytes.
+        // Last death per slot.
+        let mut slot_free_after: Vec<usize> = Vec::new();
+        // Largest buffer of each slot: symbolic elements, element size, estimated bytes.
         let mut slot_size: Vec<(Dim, usize, f64)> = Vec::new();
         for b in buffers.iter_mut() {
             let need = b.ty.shape.numel();
@@ -268,10 +270,29 @@ impl MemoryPlan {
             .position(|b| b.value == value && b.output == output)
     }
 
-    /// Offsets for concrete dims: the buffers packed at these sizes
-    /// ([`MemoryPlan::pack`]), or the slots end to end where that is not larger (and
-    /// always under `KILN_NO_REUSE`).
+    /// Every buffer names a slot of the plan and lives within its steps; the error says
+    /// which does not (a damaged artifact).
+    fn sound(&self) -> Result<(), String> {
+        if let Some(b) = self
+            .buffers
+            .iter()
+            .find(|b| b.born > b.dies || b.dies > self.steps || b.slot >= self.slots)
+        {
+            return Err(format!(
+                "buffer %{}.{}: slot {} of {}, lifetime k{}..k{} of {} steps; the plan is \
+                 damaged (recompile the artifact)",
+                b.value, b.output, b.slot, self.slots, b.born, b.dies, self.steps
+            ));
+        }
+        Ok(())
+    }
+
+    /// Offsets for concrete dims: the buffers packed by lifetime at these sizes, or the
+    /// slots end to end where that is not larger (and always under `KILN_NO_REUSE`). A
+    /// plan whose buffers name a slot it does not have, or die before they are born (a
+    /// damaged artifact), is an error.
     pub fn layout(&self, dims: &BTreeMap<String, i64>) -> Result<ArenaLayout, String> {
+        self.sound()?;
         let mut slot_bytes = vec![0usize; self.slots];
         let mut sizes = Vec::with_capacity(self.buffers.len());
         let mut unshared = 0usize;
@@ -357,16 +378,6 @@ impl MemoryPlan {
     /// byte, every one lies inside the arena at an aligned offset. The error names the
     /// first two buffers that overlap, or the buffer that does not fit.
     pub fn check(&self, dims: &BTreeMap<String, i64>) -> Result<(), String> {
-        if let Some(b) = self
-            .buffers
-            .iter()
-            .find(|b| b.born > b.dies || b.slot >= self.slots)
-        {
-            return Err(format!(
-                "buffer %{}.{}: slot {} of {}, lifetime k{}..k{}",
-                b.value, b.output, b.slot, self.slots, b.born, b.dies
-            ));
-        }
         let layout = self.layout(dims)?;
         let mut by_slot: Vec<Vec<&Buffer>> = vec![Vec::new(); self.slots];
         for b in &self.buffers {
@@ -436,6 +447,7 @@ impl MemoryPlan {
     /// The most bytes live at once over the steps (a lower bound for any plan; the arena
     /// reaches it only when slot sizes fit perfectly).
     pub fn live_peak(&self, dims: &BTreeMap<String, i64>) -> Result<usize, String> {
+        self.sound()?;
         let mut delta = vec![0i64; self.steps + 2];
         for b in &self.buffers {
             let bytes = b.bytes(dims)? as i64;
@@ -561,7 +573,17 @@ mod tests {
         plan.check(&dims()).unwrap();
         plan.buffers[1].slot = 1;
         let e = plan.check(&dims()).unwrap_err();
-        assert_eq!(e, "buffer %2.0: slot 1 of 1, lifetime k3..k3");
+        assert_eq!(
+            e,
+            "buffer %2.0: slot 1 of 1, lifetime k3..k3 of 4 steps; the plan is damaged \
+             (recompile the artifact)"
+        );
+        // A buffer living past the last step: an error from every use, not a panic.
+        plan.buffers[1].slot = 0;
+        plan.buffers[1].dies = 9;
+        let e = plan.live_peak(&dims()).unwrap_err();
+        assert!(e.contains("lifetime k3..k9 of 4 steps"), "{e}");
+        assert_eq!(plan.layout(&dims()).unwrap_err(), e);
     }
 
     #[test]
