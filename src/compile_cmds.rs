@@ -674,11 +674,34 @@ pub fn inspect(dir: &Path, dims: &[(&str, i64)], plan_text: bool) -> Result<(), 
             .collect();
         let at: Vec<String> = bound.iter().map(|(k, v)| format!("{k}={v}")).collect();
         if missing.is_empty() {
-            match (me.plan.layout(&bound), me.plan.live_peak(&bound)) {
+            // The CPU executor writes the outputs straight into the tensors it returns,
+            // outside the arena; the CUDA executor keeps them in its device arena.
+            let external = if m.target == "cuda" {
+                Vec::new()
+            } else {
+                me.plan.output_buffers(kg)
+            };
+            match (
+                me.plan.layout_with(&bound, &external),
+                me.plan.live_peak(&bound),
+            ) {
                 (Ok(l), Ok(peak)) => {
+                    let outside: usize = me
+                        .plan
+                        .buffers
+                        .iter()
+                        .zip(&external)
+                        .filter(|(_, &x)| x)
+                        .map(|(b, _)| b.bytes(&bound).unwrap_or(0))
+                        .sum();
+                    let outputs = if outside > 0 {
+                        format!(" (+ {outside} bytes of outputs outside it)")
+                    } else {
+                        String::new()
+                    };
                     let _ = writeln!(
                         out,
-                        "  at {}: arena {} bytes, live peak {} bytes, unshared {} bytes",
+                        "  at {}: arena {} bytes{outputs}, live peak {} bytes, unshared {} bytes",
                         at.join(" "),
                         l.total,
                         peak,

@@ -101,6 +101,9 @@ pub struct ArenaLayout {
     pub slots_total: usize,
     /// Whether the offsets are the packed ones (else each buffer is at its slot).
     pub packed: bool,
+    /// Buffers the executor keeps outside the arena (empty: none). They take no bytes of
+    /// it; their offsets mean nothing. See [`MemoryPlan::layout_with`].
+    pub external: Vec<bool>,
 }
 
 /// Bound dims in name order.
@@ -112,10 +115,21 @@ type DimsKey = Vec<(String, i64)>;
 #[derive(Debug, Default)]
 pub struct LayoutCache {
     map: std::sync::Mutex<HashMap<DimsKey, Arc<ArenaLayout>>>,
+    /// The buffers its layouts leave out of the arena ([`MemoryPlan::layout_with`]).
+    external: Vec<bool>,
 }
 
 impl LayoutCache {
     pub const CAPACITY: usize = 256;
+
+    /// A cache whose layouts keep the buffers marked in `external` (one flag per buffer
+    /// of the plan) out of the arena.
+    pub fn with_external(external: Vec<bool>) -> LayoutCache {
+        LayoutCache {
+            map: Default::default(),
+            external,
+        }
+    }
 
     /// `plan.layout(dims)`, made once per distinct `dims`; an error is the executors'
     /// (the node is "the memory plan"). The cache belongs to one plan: asking it for
@@ -130,7 +144,7 @@ impl LayoutCache {
         if let Some(l) = map.get(&key) {
             return Ok(l.clone());
         }
-        let l = Arc::new(plan.layout(dims).map_err(|message| ExecError::Node {
+        let l = Arc::new(plan.layout_with(dims, &self.external).map_err(|message| ExecError::Node {
             node: "the memory plan".into(),
             message,
         })?);
@@ -140,6 +154,21 @@ impl LayoutCache {
         map.insert(key, l.clone());
         Ok(l)
     }
+}
+
+/// The kernel result (value, output) that graph output `name` is, when it is a whole f32
+/// result — a kernel's, directly or through a projection — and not a view (which may be
+/// strided): an executor can write it straight into the tensor it returns.
+pub fn direct_output(kg: &KernelGraph, name: &str) -> Option<(usize, usize)> {
+    let (_, v) = kg.outputs.iter().find(|(n, _)| n == name)?;
+    let (v, k) = match &kg.values.get(*v)?.def {
+        Def::Kernel { .. } => (*v, 0),
+        Def::Proj(t, k) if matches!(kg.values.get(*t)?.def, Def::Kernel { .. }) => {
+            (*t, *k as usize)
+        }
+        _ => return None,
+    };
+    (kg.values[v].types.get(k)?.dtype == crate::ir::DType::F32).then_some((v, k))
 }
 
 fn estimate(d: &Dim) -> f64 {
@@ -263,6 +292,19 @@ impl MemoryPlan {
         }
     }
 
+    /// The buffers of the graph's outputs that a CPU executor keeps out of the arena
+    /// (one flag per buffer): it writes each whole f32 kernel result the graph returns
+    /// straight into the returned tensor ([`direct_output`]).
+    pub fn output_buffers(&self, kg: &KernelGraph) -> Vec<bool> {
+        let mut flags = vec![false; self.buffers.len()];
+        for (name, _) in &kg.outputs {
+            if let Some(b) = direct_output(kg, name).and_then(|(v, k)| self.buffer_of(v, k)) {
+                flags[b] = true;
+            }
+        }
+        flags
+    }
+
     /// The buffer holding output `output` of kernel value `value`.
     pub fn buffer_of(&self, value: usize, output: usize) -> Option<usize> {
         self.buffers
@@ -292,12 +334,29 @@ impl MemoryPlan {
     /// plan whose buffers name a slot it does not have, or die before they are born (a
     /// damaged artifact), is an error.
     pub fn layout(&self, dims: &BTreeMap<String, i64>) -> Result<ArenaLayout, String> {
+        self.layout_with(dims, &[])
+    }
+
+    /// [`MemoryPlan::layout`] with the buffers flagged in `external` (by plan index; a
+    /// short or empty slice flags none) left out of the arena: an executor that stores
+    /// them elsewhere — the CPU executor writes the graph's outputs straight into the
+    /// tensors it returns — needs no arena bytes for them.
+    pub fn layout_with(
+        &self,
+        dims: &BTreeMap<String, i64>,
+        external: &[bool],
+    ) -> Result<ArenaLayout, String> {
         self.sound()?;
+        let outside = |i: usize| external.get(i).copied().unwrap_or(false);
         let mut slot_bytes = vec![0usize; self.slots];
         let mut sizes = Vec::with_capacity(self.buffers.len());
         let mut unshared = 0usize;
-        for b in &self.buffers {
-            let bytes = b.bytes(dims)?.div_ceil(ALIGN) * ALIGN;
+        for (i, b) in self.buffers.iter().enumerate() {
+            let bytes = if outside(i) {
+                0
+            } else {
+                b.bytes(dims)?.div_ceil(ALIGN) * ALIGN
+            };
             sizes.push(bytes);
             unshared += bytes;
             slot_bytes[b.slot] = slot_bytes[b.slot].max(bytes);
@@ -315,6 +374,7 @@ impl MemoryPlan {
             unshared,
             slots_total,
             packed: false,
+            external: (0..self.buffers.len()).map(outside).collect(),
         };
         if std::env::var_os("KILN_NO_REUSE").is_none() {
             let (offsets, total) = self.pack(&sizes);
@@ -351,6 +411,10 @@ impl MemoryPlan {
         for &i in &order {
             let (born, dies) = life[i];
             let need = sizes[i];
+            if need == 0 {
+                // Takes no bytes (an empty tensor, or a buffer kept outside the arena).
+                continue;
+            }
             // (gap, offset) of the smallest gap that holds it.
             let mut best: Option<(usize, usize)> = None;
             let mut top = 0;
@@ -419,7 +483,10 @@ impl MemoryPlan {
         layout: &ArenaLayout,
     ) -> Result<(), String> {
         let mut spans = Vec::with_capacity(self.buffers.len());
-        for (b, &at) in self.buffers.iter().zip(&layout.offsets) {
+        for (i, (b, &at)) in self.buffers.iter().zip(&layout.offsets).enumerate() {
+            if layout.external.get(i).copied().unwrap_or(false) {
+                continue;
+            }
             let end = at + b.bytes(dims)?;
             if at % ALIGN != 0 || end > layout.total {
                 return Err(format!(
@@ -637,6 +704,33 @@ mod tests {
         bad.offsets[1] = 40_064;
         let e = plan.check_layout(&dims(), &bad).unwrap_err();
         assert_eq!(e, "buffer %2.0 at bytes 40064..40704 of an arena of 40640");
+    }
+
+    /// Buffers kept outside the arena take none of it: the rest pack as if they were
+    /// not there, and the check passes over them.
+    #[test]
+    fn external_buffers_take_no_arena_bytes() {
+        let plan = MemoryPlan {
+            buffers: vec![
+                sized(1, 0, 0, 1, 4, 1000),
+                sized(2, 1, 0, 3, 4, 16),
+                sized(3, 0, 2, 3, 4, 500),
+            ],
+            slots: 2,
+            steps: 4,
+        };
+        assert_eq!(plan.layout(&dims()).unwrap().total, 40_640);
+        let l = plan.layout_with(&dims(), &[true, false, false]).unwrap();
+        // Without the 40,000-byte buffer: 20,032 and 640 bytes, live at once.
+        assert_eq!((l.total, l.unshared), (20_672, 20_672));
+        assert_eq!(l.external, vec![true, false, false]);
+        assert_eq!((l.offsets[2], l.offsets[1]), (0, 20_032));
+        plan.check_layout(&dims(), &l).unwrap();
+        // A short flag list flags only what it covers.
+        assert_eq!(plan.layout_with(&dims(), &[]).unwrap(), plan.layout(&dims()).unwrap());
+        let all = plan.layout_with(&dims(), &[true, true, true]).unwrap();
+        assert_eq!(all.total, 0);
+        plan.check_layout(&dims(), &all).unwrap();
     }
 
     /// Random plans (lifetimes, sizes, slots from a greedy first fit): every layout is

@@ -36,7 +36,7 @@ use kiln_compiler::codegen::jit::JitModule;
 use kiln_compiler::codegen::program::CpuCode;
 use kiln_compiler::ir::{DType, Graph, Op};
 use kiln_compiler::optimize::kernels::{Def, KernelGraph};
-use kiln_compiler::plan::{LayoutCache, MemoryPlan};
+use kiln_compiler::plan::{direct_output, LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
@@ -79,6 +79,13 @@ pub struct Compiled {
     scratch: Mutex<Vec<Vec<u32>>>,
     /// Output storage handed back by [`Compiled::recycle`], reused by later runs.
     spare: Mutex<Vec<Vec<f32>>>,
+    /// Per graph output: the kernel result (value, output) written straight into the
+    /// returned tensor's storage, if it is one (f32, not a view, the first output naming
+    /// it). Its buffer is left out of the arena.
+    direct: Vec<Option<(usize, usize)>>,
+    /// Where each kernel result lives: the graph output it is written into, or its
+    /// buffer in the plan.
+    home: std::collections::HashMap<(usize, usize), Home>,
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
     pool: Arc<Pool>,
@@ -94,6 +101,15 @@ impl std::fmt::Debug for Compiled {
             self.jit.len()
         )
     }
+}
+
+/// Where a kernel result is stored during a run.
+#[derive(Clone, Copy, Debug)]
+enum Home {
+    /// In the arena, as buffer `b` of the memory plan.
+    Arena(usize),
+    /// In the storage of graph output `i` (see `Compiled::direct`).
+    Output(usize),
 }
 
 /// Where a value's elements are during a run.
@@ -240,11 +256,35 @@ impl Compiled {
                 )));
             }
         }
+        let direct = direct_outputs(&graph, &kg);
+        if let Some((v, k)) = direct
+            .iter()
+            .flatten()
+            .find(|(v, k)| plan.buffer_of(*v, *k).is_none())
+        {
+            return Err(ExecError::Unsupported(format!(
+                "the memory plan has no buffer for output {k} of kernel value %{v}"
+            )));
+        }
+        let external = plan.output_buffers(&kg);
+        let mut home: std::collections::HashMap<(usize, usize), Home> = plan
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(b, buf)| ((buf.value, buf.output), Home::Arena(b)))
+            .collect();
+        for (i, d) in direct.iter().enumerate() {
+            if let Some(vk) = d {
+                home.insert(*vk, Home::Output(i));
+            }
+        }
         Ok(Compiled {
             graph,
             kg,
             plan,
-            layouts: LayoutCache::default(),
+            layouts: LayoutCache::with_external(external),
+            direct,
+            home,
             code,
             jit: Arc::new(jit),
             steps,
@@ -370,14 +410,18 @@ impl Compiled {
         };
         let words = layout.total / 4;
         if arena.len() < words {
-            arena.clear();
-            arena.resize(words, 0.0);
+            *arena = Vec::new();
+            *arena = zeroed(words);
         }
         let base = arena.as_mut_ptr() as *mut u8;
         let mut keep = Keep {
             bufs: Vec::new(),
             pool: std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner())),
         };
+        // Outputs written in place: their storage, taken from recycled outputs of the
+        // same length where there are some, else fresh.
+        let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut direct: Vec<Option<Vec<f32>>> = vec![None; self.direct.len()];
         let mut locs: Vec<Vec<Loc>> = Vec::with_capacity(self.kg.values.len());
         // Reshapes of non-contiguous views become copies, made when first read (their
         // source is computed by then, and still alive: views extend liveness).
@@ -467,11 +511,24 @@ impl Compiled {
                 }
                 Def::Kernel { .. } => (0..val.types.len())
                     .map(|k| {
-                        let b = self.plan.buffer_of(v, k).ok_or_else(|| {
-                            node_err(v, "internal: no buffer in the memory plan".into())
-                        })?;
+                        let ptr = match self.home.get(&(v, k)) {
+                            Some(Home::Output(i)) => {
+                                let n: usize = shapes[k].iter().product();
+                                let mut store = take_spare(&mut spare, n);
+                                let ptr = store.as_mut_ptr() as *mut u8;
+                                direct[*i] = Some(store);
+                                ptr
+                            }
+                            Some(Home::Arena(b)) => base.wrapping_add(layout.offsets[*b]),
+                            None => {
+                                return Err(node_err(
+                                    v,
+                                    "internal: no buffer in the memory plan".into(),
+                                ))
+                            }
+                        };
                         Ok(Loc {
-                            ptr: base.wrapping_add(layout.offsets[b]),
+                            ptr,
                             layout: Layout::contiguous(&shapes[k]),
                             dtype: val.types[k].dtype,
                         })
@@ -518,8 +575,18 @@ impl Compiled {
             }
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
-        let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|p| p.into_inner()));
-        for o in &self.graph.outputs {
+        for (i, o) in self.graph.outputs.iter().enumerate() {
+            if let (Some(store), Some((v, k))) = (direct[i].take(), self.direct[i]) {
+                let shape = locs[v][k].layout.shape.clone();
+                out.push((
+                    o.name.clone(),
+                    Tensor {
+                        shape,
+                        data: TensorData::F32(store),
+                    },
+                ));
+                continue;
+            }
             let (_, v) = self
                 .kg
                 .outputs
@@ -537,6 +604,60 @@ impl Compiled {
         Ok(out)
     }
 }
+
+/// Per graph output, the kernel result written straight into the returned tensor's
+/// storage ([`direct_output`]), for the first output naming it only.
+fn direct_outputs(graph: &Graph, kg: &KernelGraph) -> Vec<Option<(usize, usize)>> {
+    let mut seen = std::collections::HashSet::new();
+    graph
+        .outputs
+        .iter()
+        .map(|o| direct_output(kg, &o.name).filter(|vk| seen.insert(*vk)))
+        .collect()
+}
+
+/// Storage for `n` f32 elements: a vector of exactly that length from `spare` (taken
+/// out of it) when there is one and it is worth it, else a fresh zeroed one.
+fn take_spare(spare: &mut Vec<Vec<f32>>, n: usize) -> Vec<f32> {
+    let reused = if n >= RECYCLE_MIN {
+        spare
+            .iter()
+            .position(|v| v.len() == n)
+            .map(|i| spare.swap_remove(i))
+    } else {
+        None
+    };
+    reused.unwrap_or_else(|| zeroed(n))
+}
+
+/// A zeroed vector of `n` f32. Large ones ask for transparent huge pages before the
+/// first touch (Linux `madvise(MADV_HUGEPAGE)`, which the default `madvise` THP mode
+/// honours): a fresh 118 MB of logits is otherwise page-faulted in 4 KiB at a time by
+/// the kernel writing it — 29,000 faults, a quarter of the output projection's time.
+pub(crate) fn zeroed(n: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    advise_huge_pages(&mut v);
+    v
+}
+
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(v: &mut [f32]) {
+    const HUGE: usize = 2 << 20;
+    let (start, bytes) = (v.as_mut_ptr() as usize, std::mem::size_of_val(v));
+    if bytes < 2 * HUGE {
+        return;
+    }
+    let (from, to) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
+    if to > from {
+        // SAFETY: the range lies inside `v`'s allocation, which this function borrows
+        // mutably; the advice changes how its pages are backed, never their contents.
+        // Failure (no THP in this kernel) leaves ordinary pages.
+        unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_: &mut [f32]) {}
 
 /// A bound source as a location: f32 and i32 read in place, others converted.
 fn source_loc(src: Source<'_>, shape: &[usize], keep: &mut Keep) -> Loc {
@@ -613,15 +734,7 @@ pub(crate) fn to_tensor_into(loc: &Loc, spare: &mut Vec<Vec<f32>>) -> Tensor {
         // allocation's first touch costs as much as the copy, which recycled storage
         // does not pay.
         const CHUNK: usize = 1 << 16;
-        let reused = if src.len() >= RECYCLE_MIN {
-            spare
-                .iter()
-                .position(|v| v.len() == src.len())
-                .map(|i| spare.swap_remove(i))
-        } else {
-            None
-        };
-        let mut v = reused.unwrap_or_else(|| vec![0f32; src.len()]);
+        let mut v = take_spare(spare, src.len());
         if src.len() > 4 * CHUNK {
             use rayon::prelude::*;
             v.par_chunks_mut(CHUNK)
