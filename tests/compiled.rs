@@ -283,6 +283,59 @@ fn concurrent_runs_of_one_program_agree_bit_for_bit() {
     });
 }
 
+/// An inference program run on unchanged parameters (one `params_version`) reads the
+/// tied output projection from a contiguous copy of the transposed embedding from its
+/// second run on, with the bits of a run that reads it in place; a training step never
+/// copies its weights.
+#[test]
+fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let g = entry_graph(&path, &["vocab=3001"], "forward").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let dims = dim_sets(&g).pop().expect("a dim set");
+    let (inputs, params) = random_feeds_with(&g, 7, &dims).expect("feeds");
+    let bits = |out: &[(String, kiln_compiler::tensor::Tensor)]| -> Vec<u64> {
+        out.iter()
+            .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
+            .map(f64::to_bits)
+            .collect()
+    };
+    let plain = bits(
+        &exec
+            .run(&inputs, &params, &RunOptions::default())
+            .expect("runs"),
+    );
+    let fixed = RunOptions {
+        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        ..RunOptions::default()
+    };
+    for run in 0..3 {
+        let got = bits(&exec.run(&inputs, &params, &fixed).expect("runs"));
+        assert!(got == plain, "run {run} on a fixed version differs");
+        // The first run of the version notes it; the second makes the copy.
+        assert_eq!(
+            exec.weight_copies(),
+            usize::from(run > 0),
+            "after run {run}"
+        );
+    }
+    // A new version: the view again, then a new copy.
+    let next = RunOptions {
+        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        ..RunOptions::default()
+    };
+    assert!(bits(&exec.run(&inputs, &params, &next).expect("runs")) == plain);
+    assert_eq!(exec.weight_copies(), 0);
+
+    let g = entry_graph(&path, &["vocab=48"], "train_step").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let (inputs, params) = random_feeds_with(&g, 7, &dims).expect("feeds");
+    for _ in 0..3 {
+        exec.run(&inputs, &params, &fixed).expect("runs");
+    }
+    assert_eq!(exec.weight_copies(), 0, "a training step copies no weight");
+}
+
 /// `kiln bench --json` with the compiled executor reports what it measured: the runs it
 /// was asked for, `min ≤ median ≤ max`, tokens per second from the median and the batch's
 /// target tokens, and the arena of the memory plan at the bench's dims.
@@ -337,7 +390,10 @@ fn kiln_bench_reports_the_compiled_run_and_its_arena() {
     // arena is the plan's layout without their buffers.
     let plan = exec.plan();
     let external = plan.output_buffers(exec.kernel_graph());
-    assert!(external.iter().filter(|&&x| x).count() > 10, "the gradients are outside");
+    assert!(
+        external.iter().filter(|&&x| x).count() > 10,
+        "the gradients are outside"
+    );
     let want = plan.layout_with(&dims, &external).expect("a layout").total;
     assert!(want < plan.layout(&dims).expect("a layout").total);
     assert!(want > 0);

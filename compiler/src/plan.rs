@@ -144,9 +144,11 @@ impl LayoutCache {
         if let Some(l) = map.get(&key) {
             return Ok(l.clone());
         }
-        let l = Arc::new(plan.layout_with(dims, &self.external).map_err(|message| ExecError::Node {
-            node: "the memory plan".into(),
-            message,
+        let l = Arc::new(plan.layout_with(dims, &self.external).map_err(|message| {
+            ExecError::Node {
+                node: "the memory plan".into(),
+                message,
+            }
         })?);
         if map.len() >= Self::CAPACITY {
             map.clear();
@@ -727,7 +729,10 @@ mod tests {
         assert_eq!((l.offsets[2], l.offsets[1]), (0, 20_032));
         plan.check_layout(&dims(), &l).unwrap();
         // A short flag list flags only what it covers.
-        assert_eq!(plan.layout_with(&dims(), &[]).unwrap(), plan.layout(&dims()).unwrap());
+        assert_eq!(
+            plan.layout_with(&dims(), &[]).unwrap(),
+            plan.layout(&dims()).unwrap()
+        );
         let all = plan.layout_with(&dims(), &[true, true, true]).unwrap();
         assert_eq!(all.total, 0);
         plan.check_layout(&dims(), &all).unwrap();

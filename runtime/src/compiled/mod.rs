@@ -86,6 +86,10 @@ pub struct Compiled {
     /// Where each kernel result lives: the graph output it is written into, or its
     /// buffer in the plan.
     home: std::collections::HashMap<(usize, usize), Home>,
+    /// Views of a parameter that a matrix product reads as its right operand (the tied
+    /// output projection reads the embedding `[vocab, d]` transposed), and their
+    /// contiguous copies (see [`Transposed`]).
+    transposed: Mutex<std::collections::HashMap<usize, Transposed>>,
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
     pool: Arc<Pool>,
@@ -101,6 +105,39 @@ impl std::fmt::Debug for Compiled {
             self.jit.len()
         )
     }
+}
+
+/// A transposed weight view's contiguous copy, for one parameters version.
+#[derive(Default)]
+struct Transposed {
+    /// The `params_version` of the last run that read the view.
+    version: Option<u64>,
+    /// The copy, made by the second run of that version.
+    copy: Option<Arc<Vec<f32>>>,
+}
+
+/// The views that matrix products read as their right operand (`x·w`, `x·w + b`) and
+/// that are views of a parameter: those a transposed copy can serve (see
+/// `Compiled::weight_copy`).
+fn weight_views(kg: &KernelGraph, steps: &[launch::Step]) -> Vec<usize> {
+    let mut out: Vec<usize> = steps
+        .iter()
+        .filter(|s| matches!(s.exec, launch::Exec::Matmul | launch::Exec::Linear { .. }))
+        .filter_map(|s| s.inputs.get(1).copied())
+        .filter(|&w| {
+            let mut v = w;
+            loop {
+                match &kg.values[v].def {
+                    Def::View(Op::Permute { .. } | Op::Reshape { .. }, x) => v = *x,
+                    Def::Param(_) => return v != w,
+                    _ => return false,
+                }
+            }
+        })
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// Where a kernel result is stored during a run.
@@ -278,10 +315,19 @@ impl Compiled {
                 home.insert(*vk, Home::Output(i));
             }
         }
+        // Inference only: a training step reads every weight transposed in its backward
+        // pass, and copying them all would cost what it saves (and their size again).
+        let training = graph.outputs.iter().any(|o| o.name.starts_with("grad."));
+        let transposed = weight_views(&kg, &steps)
+            .into_iter()
+            .filter(|_| !training)
+            .map(|v| (v, Transposed::default()))
+            .collect();
         Ok(Compiled {
             graph,
             kg,
             plan,
+            transposed: Mutex::new(transposed),
             layouts: LayoutCache::with_external(external),
             direct,
             home,
@@ -349,6 +395,17 @@ impl Compiled {
         self.arena.lock().unwrap_or_else(|p| p.into_inner()).len() * 4
     }
 
+    /// How many transposed weight copies the program holds (see `Compiled::weight_copy`:
+    /// an inference program run twice on one `params_version` makes them).
+    pub fn weight_copies(&self) -> usize {
+        self.transposed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|t| t.copy.is_some())
+            .count()
+    }
+
     /// Hands output tensors of an earlier run back: later runs store outputs of the same
     /// sizes in their storage instead of fresh allocations (for a training step's
     /// gradients, a fresh 250 MB is page-faulted in on every step otherwise). Tensors of
@@ -374,6 +431,34 @@ impl Compiled {
         profile: &mut (dyn FnMut(&str, f64) + Send),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         on_worker(|| self.run_inner(inputs, params, opts, Some(profile), None))
+    }
+
+    /// A contiguous copy of the transposed weight view `v` (at `loc`), when this run
+    /// promises unchanged parameters (`params_version`) and an earlier run made the same
+    /// promise: products read it row by row instead of with a stride of the model width.
+    /// The first run of a version reads the view in place and only notes the version, so
+    /// a training step (a new version every step) never pays for a copy; a decoder or a
+    /// validation pass (one version for many runs) pays for one.
+    fn weight_copy(&self, v: usize, loc: &Loc, version: Option<u64>) -> Option<Arc<Vec<f32>>> {
+        let version = version?;
+        if loc.is_contiguous() || loc.dtype != DType::F32 || loc.shape().len() != 2 {
+            return None;
+        }
+        let mut cache = self.transposed.lock().unwrap_or_else(|p| p.into_inner());
+        let t = cache.get_mut(&v)?;
+        if t.version != Some(version) {
+            *t = Transposed {
+                version: Some(version),
+                copy: None,
+            };
+            return None;
+        }
+        if t.copy.is_none() {
+            let mut c = zeroed(loc.numel());
+            launch::copy_with(self.copy, loc, c.as_mut_ptr() as *mut u8);
+            t.copy = Some(Arc::new(c));
+        }
+        t.copy.clone()
     }
 
     fn run_inner(
@@ -422,6 +507,8 @@ impl Compiled {
         // same length where there are some, else fresh.
         let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|p| p.into_inner()));
         let mut direct: Vec<Option<Vec<f32>>> = vec![None; self.direct.len()];
+        // Contiguous copies of transposed weights this run reads (kept alive by it).
+        let mut held: Vec<Arc<Vec<f32>>> = Vec::new();
         let mut locs: Vec<Vec<Loc>> = Vec::with_capacity(self.kg.values.len());
         // Reshapes of non-contiguous views become copies, made when first read (their
         // source is computed by then, and still alive: views extend liveness).
@@ -485,11 +572,23 @@ impl Compiled {
                     match layout {
                         Some(layout) => {
                             needs.push(need);
-                            vec![Loc {
+                            let loc = Loc {
                                 ptr: src.ptr,
                                 layout,
                                 dtype: val.types[0].dtype,
-                            }]
+                            };
+                            match self.weight_copy(v, &loc, opts.params_version) {
+                                Some(copy) => {
+                                    let l = Loc {
+                                        ptr: copy.as_ptr() as *mut u8,
+                                        layout: Layout::contiguous(&shapes[0]),
+                                        dtype: DType::F32,
+                                    };
+                                    held.push(copy);
+                                    vec![l]
+                                }
+                                None => vec![loc],
+                            }
                         }
                         None => {
                             // A reshape of a non-contiguous view: a copy.
