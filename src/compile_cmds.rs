@@ -14,7 +14,7 @@ use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
 use kiln_compiler::Graph;
 use kiln_dsl::{Error, Mode, Options};
-use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind, COMPILED_ENTRIES};
+use kiln_runtime::{GraphKind, COMPILED_ENTRIES};
 
 use crate::plain;
 
@@ -46,18 +46,20 @@ pub fn entry_graph_of(
     entry: &str,
 ) -> Result<Graph, Error> {
     let run_err = |e: kiln_runtime::RuntimeError| plain("kiln::entry", e.message, Some(e.help));
-    let mode = match compiled_graph_kind(entry).map_err(run_err)? {
-        GraphKind::Eval => Mode::Eval,
-        GraphKind::Train => Mode::Train,
-        GraphKind::Decode => Mode::Decode,
+    let elaborate = |kind: GraphKind| -> Result<Graph, Error> {
+        let mode = match kind {
+            GraphKind::Eval => Mode::Eval,
+            GraphKind::Train => Mode::Train,
+            GraphKind::Decode => Mode::Decode,
+        };
+        let opts = Options {
+            overrides: set.to_vec(),
+            mode,
+            model: model.clone(),
+        };
+        kiln_dsl::compile_file(spec, &opts)
     };
-    let opts = Options {
-        overrides: set.to_vec(),
-        mode,
-        model: model.clone(),
-    };
-    let g = kiln_dsl::compile_file(spec, &opts)?;
-    compiled_entry_graph(&g, entry).map_err(run_err)
+    kiln_runtime::compiled_entry_graph_with(entry, elaborate, run_err)
 }
 
 fn run_optimizer(args: &OptArgs) -> Result<(Graph, KernelGraph, Report), Error> {

@@ -16,26 +16,28 @@ pub mod snapshot {
     use std::path::Path;
 
     use kiln_dsl::{Mode, Options};
-    use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind};
+    use kiln_runtime::{compiled_entry_graph_with, GraphKind};
 
     /// The CPU code of entry point `entry` of `spec` (with `--set` style overrides): one
     /// line per kernel in launch order (its kind and the functions it runs), then every
     /// CLIF function. The same spec and overrides give the same text, byte for byte.
     pub fn kernels(spec: impl AsRef<Path>, set: &[&str], entry: &str) -> Result<String, String> {
         let spec = spec.as_ref();
-        let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
-            GraphKind::Eval => Mode::Eval,
-            GraphKind::Train => Mode::Train,
-            GraphKind::Decode => Mode::Decode,
+        let elaborate = |kind: GraphKind| {
+            let mode = match kind {
+                GraphKind::Eval => Mode::Eval,
+                GraphKind::Train => Mode::Train,
+                GraphKind::Decode => Mode::Decode,
+            };
+            let opts = Options {
+                overrides: set.iter().map(|s| s.to_string()).collect(),
+                mode,
+                model: None,
+            };
+            kiln_dsl::compile_file(spec, &opts)
+                .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))
         };
-        let opts = Options {
-            overrides: set.iter().map(|s| s.to_string()).collect(),
-            mode,
-            model: None,
-        };
-        let g = kiln_dsl::compile_file(spec, &opts)
-            .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
-        let g = compiled_entry_graph(&g, entry).map_err(|e| e.message)?;
+        let g = compiled_entry_graph_with(entry, elaborate, |e| e.message)?;
         let (kg, _) = kiln_compiler::optimize::optimize(&g, &Default::default())
             .map_err(|e| e.to_string())?;
         let code = kiln_compiler::codegen::program::emit(&kg)?;

@@ -14,9 +14,7 @@ use kiln_compiler::summary::{group_digits, Summary};
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
-use kiln_runtime::{
-    check_inputs, check_weights, compiled_entry_graph, Entry, GraphKind, RuntimeError,
-};
+use kiln_runtime::{check_inputs, check_weights, Entry, GraphKind, RuntimeError};
 
 mod bench_cmd;
 mod compile_cmds;
@@ -512,16 +510,23 @@ fn run(cli: Cli) -> Result<(), Error> {
                     )),
                 ));
             }
-            let mut opts = spec.options();
-            opts.mode = match entry.graph_kind() {
-                GraphKind::Eval => Mode::Eval,
-                GraphKind::Train => Mode::Train,
-                GraphKind::Decode => Mode::Decode,
+            let elaborate = |kind: GraphKind| -> Result<kiln_compiler::Graph, Error> {
+                let mut opts = spec.options();
+                opts.mode = match kind {
+                    GraphKind::Eval => Mode::Eval,
+                    GraphKind::Train => Mode::Train,
+                    GraphKind::Decode => Mode::Decode,
+                };
+                kiln_dsl::compile_file(&spec.spec, &opts)
             };
-            let g = kiln_dsl::compile_file(&spec.spec, &opts)?;
-            let eg = compiled_entry_graph(&g, entry.name()).map_err(runtime_error)?;
+            let g = elaborate(entry.graph_kind())?;
+            let eg =
+                kiln_runtime::compiled_entry_graph_with(entry.name(), elaborate, runtime_error)?;
             let feeds = load_safetensors(&inputs).map_err(file_error)?;
-            check_inputs(&g, &inputs.display().to_string(), &feeds).map_err(runtime_error)?;
+            // A decoder step reads what `encode` hoisted out of it (`static.…`): the
+            // step's own inputs are the ones to check.
+            let check = if entry == Entry::DecodeStep { &eg } else { &g };
+            check_inputs(check, &inputs.display().to_string(), &feeds).map_err(runtime_error)?;
             let params: BTreeMap<String, Tensor> = match &weights {
                 Some(path) => {
                     let w = load_safetensors(path).map_err(file_error)?;

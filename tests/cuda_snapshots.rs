@@ -30,13 +30,25 @@ fn kernel_graph(entry: &str) -> kiln_compiler::optimize::KernelGraph {
         mode,
         model: None,
     };
+    let elaborate = |kind: kiln_runtime::GraphKind| {
+        let mode = match kind {
+            kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
+            kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
+            kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
+        };
+        let opts = kiln_dsl::Options {
+            mode,
+            ..opts.clone()
+        };
+        kiln_dsl::compile_file(&spec, &opts).map_err(|e| format!("{e:?}"))
+    };
     let g = kiln_dsl::compile_file(&spec, &opts).expect("tiny compiles");
     let g = if entry == "train_step_scaled" {
         // Dynamic loss scaling's train_step (`train.loss_scale`): the seeded cross-entropy.
         let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale: true };
         kiln_compiler::autodiff::train_step_with(&g, options).expect("differentiates")
     } else {
-        kiln_runtime::compiled_entry_graph(&g, entry).expect("entry")
+        kiln_runtime::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry")
     };
     optimize(&g, &Default::default()).expect("optimizes").0
 }

@@ -13,7 +13,7 @@ use kiln_compiler::Graph;
 use kiln_dsl::{Mode, Options};
 use kiln_runtime::decode::{decode, CachedStep, DecodeOptions, FullStep, LengthPenalty};
 use kiln_runtime::exec::{Exec, Reference};
-use kiln_runtime::{entry_graph, Entry};
+use kiln_runtime::{decoder_entries, entry_graph, Entry};
 
 fn graph(mode: Mode) -> Graph {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_tiny.kiln");
@@ -34,7 +34,23 @@ struct Setup {
     params: BTreeMap<String, Tensor>,
 }
 
+/// The shipped pair: the step's per-sentence values hoisted into `encode`.
 fn setup(seed: u64) -> Setup {
+    let eval = graph(Mode::Eval);
+    let dec = graph(Mode::Decode);
+    let params = init_params(&eval, seed).unwrap().into_iter().collect();
+    let (encode, step) = decoder_entries(&eval, &dec).unwrap();
+    Setup {
+        forward: Reference::new(entry_graph(&eval, Entry::Forward).unwrap()).unwrap(),
+        encode: Reference::new(encode).unwrap(),
+        step: Reference::new(step).unwrap(),
+        params,
+    }
+}
+
+/// The pair as cut before hoisting (what checkpoints written earlier hold): the step
+/// reads the memory and computes everything from it.
+fn setup_unhoisted(seed: u64) -> Setup {
     let eval = graph(Mode::Eval);
     let dec = graph(Mode::Decode);
     let params = init_params(&eval, seed).unwrap().into_iter().collect();
@@ -56,7 +72,7 @@ fn src() -> Tensor {
 }
 
 #[test]
-fn decode_step_graph_has_caches_and_stage_inputs() {
+fn decode_step_graph_has_caches_and_the_hoisted_inputs() {
     let s = setup(1);
     let g = s.step.graph().clone();
     let inputs: Vec<&str> = g
@@ -64,13 +80,29 @@ fn decode_step_graph_has_caches_and_stage_inputs() {
         .iter()
         .map(|&i| g.source_name(i).unwrap())
         .collect();
-    assert!(inputs.contains(&"memory"), "{inputs:?}");
-    assert!(inputs.contains(&"src"));
-    assert!(inputs.contains(&"tgt_in"));
-    assert!(
-        !inputs.contains(&"tgt_out"),
-        "the loss is not part of decode_step"
+    // The cross-attention's keys and values of each layer and the source mask come from
+    // `encode`: the step reads neither the memory nor the source.
+    assert_eq!(
+        inputs,
+        [
+            "tgt_in",
+            "static.0",
+            "cache.decoder.layers.0.self_attn.k",
+            "cache.decoder.layers.0.self_attn.v",
+            "static.decoder.layers.0.cross_attn.0",
+            "static.decoder.layers.0.cross_attn.1",
+            "cache.decoder.layers.1.self_attn.k",
+            "cache.decoder.layers.1.self_attn.v",
+            "static.decoder.layers.1.cross_attn.0",
+            "static.decoder.layers.1.cross_attn.1",
+        ]
     );
+    let ty = |name: &str| g.ty(g.input(name).unwrap()).to_string();
+    assert_eq!(
+        ty("static.decoder.layers.1.cross_attn.0"),
+        "f32[batch, src_len, 32]"
+    );
+    assert_eq!(ty("static.0"), "bool[batch, src_len]");
     let caches = g.cache_outputs();
     assert_eq!(
         caches.len(),
@@ -78,13 +110,50 @@ fn decode_step_graph_has_caches_and_stage_inputs() {
         "k and v for each of 2 decoder layers: {caches:?}"
     );
     assert!(caches.contains(&"cache.decoder.layers.1.self_attn.v".to_string()));
-    // The encoder is not part of decode_step.
+    // Neither the encoder nor the cross-attention's key and value projections are part
+    // of the step; `encode` runs them once per sentence.
     assert!(g.param("encoder.layers.0.self_attn.w_q").is_none());
-    assert!(g.param("decoder.layers.0.cross_attn.w_k").is_some());
+    assert!(g.param("decoder.layers.0.cross_attn.w_k").is_none());
+    assert!(g.param("decoder.layers.0.cross_attn.w_q").is_some());
     let enc = s.encode.graph();
-    assert_eq!(enc.outputs.len(), 1);
-    assert_eq!(enc.outputs[0].name, "memory");
+    let outs: Vec<&str> = enc.outputs.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(outs.len(), 6, "{outs:?}");
+    assert_eq!(outs[0], "memory");
+    assert!(
+        outs.iter().skip(1).all(|o| g.input(o).is_some()),
+        "{outs:?}"
+    );
+    assert!(enc.param("decoder.layers.0.cross_attn.w_k").is_some());
     assert!(enc.param("decoder.layers.0.self_attn.w_q").is_none());
+
+    // Cut without hoisting, the step reads the memory and the source.
+    let plain = setup_unhoisted(1);
+    let g = plain.step.graph();
+    assert!(g.input("memory").is_some() && g.input("src").is_some());
+    assert!(g
+        .inputs
+        .iter()
+        .all(|&i| !g.source_name(i).unwrap().starts_with("static.")));
+    assert_eq!(plain.encode.graph().outputs.len(), 1);
+}
+
+/// Graphs cut before hoisting (a checkpoint written by an earlier kiln) decode as before:
+/// the same hypotheses as the hoisted pair, to the bit.
+#[test]
+fn unhoisted_steps_decode_as_the_hoisted_ones() {
+    let opts = DecodeOptions {
+        beam: 4,
+        penalty: LengthPenalty::Gnmt(0.6),
+        max_len_a: 1.0,
+        max_len_b: 4,
+        ..DecodeOptions::default()
+    };
+    let (s, p) = (setup(2), setup_unhoisted(2));
+    let mut hoisted = CachedStep::new(&s.encode, &s.step, &s.params, 64);
+    let mut plain = CachedStep::new(&p.encode, &p.step, &p.params, 64);
+    let a = decode(&mut hoisted, &src(), &opts).unwrap();
+    let b = decode(&mut plain, &src(), &opts).unwrap();
+    assert_eq!(a, b);
 }
 
 #[test]

@@ -22,8 +22,20 @@ fn code_of(entry: &str) -> kiln_compiler::codegen::program::CpuCode {
         mode,
         model: None,
     };
-    let g = kiln_dsl::compile_file(&spec, &opts).expect("tiny compiles");
-    let g = kiln_runtime::compiled_entry_graph(&g, entry).expect("entry");
+    let elaborate = |kind: kiln_runtime::GraphKind| {
+        let mode = match kind {
+            kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
+            kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
+            kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
+        };
+        let opts = kiln_dsl::Options {
+            mode,
+            ..opts.clone()
+        };
+        kiln_dsl::compile_file(&spec, &opts).map_err(|e| format!("{e:?}"))
+    };
+    let g =
+        kiln_runtime::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry");
     let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
     emit(&kg).expect("emits")
 }

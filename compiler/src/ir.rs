@@ -708,6 +708,45 @@ impl Graph {
             .collect()
     }
 
+    /// A new graph in which each node of `replace` is an input of the given name (what it
+    /// read is no longer needed for it), with the same outputs, pruned to them: nodes only
+    /// the replaced ones read are dropped.
+    pub fn replace_with_inputs(&self, replace: &[(NodeId, String)]) -> Result<Graph, IrError> {
+        let by_node: BTreeMap<NodeId, &str> =
+            replace.iter().map(|(id, n)| (*id, n.as_str())).collect();
+        let mut g = Graph::new(&self.name);
+        g.dims = self.dims.clone();
+        let mut remap: Vec<NodeId> = Vec::with_capacity(self.nodes.len());
+        for (i, node) in self.nodes.iter().enumerate() {
+            let new = match (by_node.get(&NodeId(i as u32)), &node.op) {
+                (Some(name), _) => g.add_input(name, node.ty.clone())?,
+                (None, Op::Input { name }) => g.add_input(name, node.ty.clone())?,
+                (None, Op::Param { name, init }) => {
+                    g.add_param(name, node.ty.clone(), *init, &node.scope)?
+                }
+                (None, op) => {
+                    let inputs: Vec<NodeId> =
+                        node.inputs.iter().map(|x| remap[x.index()]).collect();
+                    let id = g.push(op.clone(), inputs.clone(), node.ty.clone(), &node.scope);
+                    g.dedup.insert((op.clone(), inputs), id);
+                    id
+                }
+            };
+            remap.push(new);
+        }
+        for o in &self.outputs {
+            g.outputs.push(Output {
+                name: o.name.clone(),
+                node: remap[o.node.index()],
+            });
+        }
+        g.objective = self.objective.clone();
+        g.hparams = self.hparams.clone();
+        g.stages = self.stages.clone();
+        let names: Vec<String> = self.outputs.iter().map(|o| o.name.clone()).collect();
+        g.prune(&names)
+    }
+
     /// A new graph with only the named outputs and the nodes they need, renumbered in the
     /// same relative order. Inputs and parameters they do not use are dropped.
     pub fn prune(&self, outputs: &[String]) -> Result<Graph, IrError> {

@@ -19,6 +19,7 @@ pub mod autodiff;
 pub mod bind;
 pub mod codegen;
 pub mod fsync;
+pub mod hoist;
 pub mod infer;
 pub mod init;
 pub mod ir;

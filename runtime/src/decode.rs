@@ -311,8 +311,11 @@ impl StepModel for CachedStep<'_> {
         let stages = self.encode.run_map(&inputs, self.params, &self.opts)?;
         self.state = stages;
         self.state.insert("src".to_string(), src.clone());
-        // Empty caches: the decode graph's cache inputs with 0 past positions.
+        // Only what the step reads is kept (and reordered at every step): a step whose
+        // per-sentence values `encode` computed (`static.…`) no longer reads the memory.
         let g = self.step.graph();
+        self.state.retain(|name, _| g.input(name).is_some());
+        // Empty caches: the decode graph's cache inputs with 0 past positions.
         let b = src.shape[0];
         for name in g.cache_outputs() {
             let id = g

@@ -210,7 +210,56 @@ pub fn compiled_entry_graph(model: &Graph, name: &str) -> Result<Graph, RuntimeE
             "declare one in the spec: `objective loss = label_smoothed_xent(logits, targets)`",
         )),
         "train_step" => kiln_compiler::autodiff::train_step(model).map_err(bug),
+        "encode" | "decode_step" => Err(RuntimeError::new(
+            format!("the `{name}` entry is cut from two graphs (eval and decode)"),
+            "this is a bug in kiln: build it with compiled_entry_graph_with or decoder_entries",
+        )),
         other => entry_graph(model, Entry::parse(other)?),
+    }
+}
+
+/// [`compiled_entry_graph`] for any entry point, elaborating the model in each mode the
+/// entry needs through `elaborate` (`encode` and `decode_step` need the eval and the
+/// decode graphs: see [`decoder_entries`]); `err` turns the runtime's errors into the
+/// caller's.
+pub fn compiled_entry_graph_with<E>(
+    name: &str,
+    mut elaborate: impl FnMut(GraphKind) -> Result<Graph, E>,
+    err: impl Fn(RuntimeError) -> E,
+) -> Result<Graph, E> {
+    match name {
+        "encode" | "decode_step" => {
+            let eval = elaborate(GraphKind::Eval)?;
+            let decode = elaborate(GraphKind::Decode)?;
+            let (encode, step) = decoder_entries(&eval, &decode).map_err(err)?;
+            Ok(if name == "encode" { encode } else { step })
+        }
+        _ => {
+            let kind = compiled_graph_kind(name).map_err(&err)?;
+            let model = elaborate(kind)?;
+            compiled_entry_graph(&model, name).map_err(err)
+        }
+    }
+}
+
+/// The decoder's two entry points: `encode` cut from the eval graph and `decode_step`
+/// from the decode graph, with every value of the step that depends only on what
+/// `encode` provides (its stages and its inputs: the memory, the source) and on
+/// parameters computed once per sentence by `encode` instead of at every step
+/// ([`kiln_compiler::hoist`]: the cross-attention's keys and values, the source mask).
+/// The step takes them as inputs named `static.…`; `encode` returns them beside its
+/// stages.
+pub fn decoder_entries(eval: &Graph, decode: &Graph) -> Result<(Graph, Graph), RuntimeError> {
+    let encode = entry_graph(eval, Entry::Encode)?;
+    let step = entry_graph(decode, Entry::DecodeStep)?;
+    let per_step = |name: &str| encode.output(name).is_none() && encode.input(name).is_none();
+    match kiln_compiler::hoist::hoist_static(&encode, &step, &per_step) {
+        Ok(Some(h)) => Ok((h.encode, h.step)),
+        Ok(None) => Ok((encode, step)),
+        Err(e) => Err(RuntimeError::new(
+            format!("cannot hoist the decoder's per-sentence values: {e}"),
+            "this is a bug in kiln; please report it",
+        )),
     }
 }
 

@@ -39,6 +39,7 @@ pub mod train;
 
 pub use eager::{Eager, OpTime, Outputs};
 pub use entry::{
-    check_inputs, check_weights, compiled_entry_graph, compiled_graph_kind, entry_graph, Entry,
-    GraphKind, RuntimeError, COMPILED_ENTRIES,
+    check_inputs, check_weights, compiled_entry_graph, compiled_entry_graph_with,
+    compiled_graph_kind, decoder_entries, entry_graph, Entry, GraphKind, RuntimeError,
+    COMPILED_ENTRIES,
 };

@@ -114,13 +114,15 @@ impl ModelGraphs {
         let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale };
         let train_step = kiln_compiler::autodiff::train_step_with(&self.train, options)
             .map_err(|e| TrainError::Setup(format!("differentiating the model failed: {e}")))?;
+        let (encode, decode_step) = crate::entry::decoder_entries(&self.eval, &self.decode)
+            .map_err(|e| TrainError::Setup(format!("{} ({})", e.message, e.help)))?;
         Ok(GraphSet {
             format: GRAPHS_FORMAT,
             model: self.eval.name.clone(),
             train_step,
             loss: e(entry_graph(&self.eval, Entry::Loss))?,
-            encode: e(entry_graph(&self.eval, Entry::Encode))?,
-            decode_step: e(entry_graph(&self.decode, Entry::DecodeStep))?,
+            encode,
+            decode_step,
         })
     }
 }

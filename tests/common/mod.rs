@@ -56,20 +56,26 @@ pub const DISTINCT_SPECS: [&str; 8] = [
 /// one parameter per distinct shape: every parameter's update is the same kernel, and
 /// big's 176M parameters with their moments would need ~3 GB.
 pub fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<kiln_compiler::Graph, String> {
-    use kiln_runtime::{compiled_entry_graph, compiled_graph_kind, GraphKind};
-    let mode = match compiled_graph_kind(entry).map_err(|e| e.message)? {
-        GraphKind::Eval => kiln_dsl::Mode::Eval,
-        GraphKind::Train => kiln_dsl::Mode::Train,
-        GraphKind::Decode => kiln_dsl::Mode::Decode,
+    use kiln_runtime::{compiled_entry_graph, compiled_entry_graph_with, GraphKind};
+    let elaborate = |kind: GraphKind| {
+        let mode = match kind {
+            GraphKind::Eval => kiln_dsl::Mode::Eval,
+            GraphKind::Train => kiln_dsl::Mode::Train,
+            GraphKind::Decode => kiln_dsl::Mode::Decode,
+        };
+        let opts = kiln_dsl::Options {
+            overrides: set.iter().map(|s| s.to_string()).collect(),
+            mode,
+            model: None,
+        };
+        kiln_dsl::compile_file(spec, &opts)
+            .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))
     };
-    let opts = kiln_dsl::Options {
-        overrides: set.iter().map(|s| s.to_string()).collect(),
-        mode,
-        model: None,
-    };
-    let mut g = kiln_dsl::compile_file(spec, &opts)
-        .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))?;
-    if entry == "adam_update" {
+    if entry != "adam_update" {
+        return compiled_entry_graph_with(entry, elaborate, |e| e.message);
+    }
+    let mut g = elaborate(GraphKind::Eval)?;
+    {
         let mut seen = std::collections::BTreeSet::new();
         let params: Vec<_> = g
             .params

@@ -1,0 +1,220 @@
+//! Per-sentence values of a decoder step, hoisted out of it.
+//!
+//! In: a `decode_step` graph and which of its inputs change at every step (the newest
+//! tokens and the key/value caches); the `encode` graph. Out: the step graph with every
+//! value that depends only on the other inputs (the encoder memory, the source) and on
+//! parameters replaced by an input named `static.<scope>.<i>`, and the `encode` graph
+//! extended to compute those values once per sentence ([`hoist_static`]).
+//!
+//! In the Transformer these are the cross-attention's keys and values — `memory·W_K + b_K`
+//! and `memory·W_V + b_V` in every decoder layer — and the source padding mask: without
+//! hoisting, every step of beam search recomputes them over every source position, most
+//! of a step's multiply-adds (fairseq and Marian cache them the same way). Views (reshape,
+//! permute, broadcast) are never hoisted: their source is, and the view stays in the step,
+//! so the step's kernels keep their shape (the heads' split feeds the fused attention as
+//! before).
+
+use std::collections::BTreeMap;
+
+use crate::ir::{Graph, IrError, NodeId, Op};
+use crate::shape::Dim;
+
+/// Prefix of the inputs that [`hoist_static`] gives the step (and outputs it gives
+/// `encode`).
+pub const STATIC_PREFIX: &str = "static.";
+
+/// The `encode` and `decode_step` graphs after hoisting.
+#[derive(Clone, Debug)]
+pub struct Hoisted {
+    pub encode: Graph,
+    pub step: Graph,
+    /// The names of the hoisted values, in node order.
+    pub names: Vec<String>,
+}
+
+fn is_view(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Reshape { .. } | Op::Permute { .. } | Op::Broadcast { .. }
+    )
+}
+
+/// Symbols a list of dims names.
+fn symbols<'a>(dims: impl IntoIterator<Item = &'a Dim>) -> Vec<String> {
+    dims.into_iter()
+        .flat_map(|d| d.symbols())
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// Symbols an op's attributes name (dims that can change between steps hide there).
+fn attr_symbols(op: &Op) -> Vec<String> {
+    let dims: Vec<&Dim> = match op {
+        Op::Reshape { shape } | Op::Broadcast { shape } => shape.dims().iter().collect(),
+        Op::ScatterAdd { rows } => vec![rows],
+        Op::CausalMask { q, k } => vec![q, k],
+        Op::Arange { start, len } | Op::Slice { start, len, .. } => vec![start, len],
+        Op::OneHot { depth } => vec![depth],
+        _ => vec![],
+    };
+    symbols(dims)
+}
+
+/// Hoists out of `step` every value computed from parameters, constants and the inputs
+/// for which `per_step` is false, and adds their computation to `encode`: each input the
+/// hoisted values read must be an output of `encode` (a stage, such as the memory) or an
+/// input of it (such as the source). `None` when nothing is worth hoisting (no value
+/// reads such an input through an op other than a view).
+pub fn hoist_static(
+    encode: &Graph,
+    step: &Graph,
+    per_step: &dyn Fn(&str) -> bool,
+) -> Result<Option<Hoisted>, IrError> {
+    let n = step.nodes.len();
+    // Symbols the per-sentence inputs carry: a value whose type or attributes name any
+    // other (the cache length, the step's own length) is not per-sentence.
+    let mut allowed: Vec<String> = Vec::new();
+    for &i in &step.inputs {
+        let node = step.node(i);
+        if let Op::Input { name } = &node.op {
+            if !per_step(name) {
+                allowed.extend(symbols(node.ty.shape.dims()));
+            }
+        }
+    }
+    let fits = |syms: Vec<String>| syms.iter().all(|s| allowed.contains(s));
+    // inv: computed from per-sentence inputs, parameters and constants; dep: reads at
+    // least one per-sentence input.
+    let mut inv = vec![false; n];
+    let mut dep = vec![false; n];
+    for (i, node) in step.nodes.iter().enumerate() {
+        (inv[i], dep[i]) = match &node.op {
+            Op::Input { name } => (!per_step(name), !per_step(name)),
+            Op::Param { .. } | Op::Const { .. } => (true, false),
+            Op::Dropout { .. } => (false, false),
+            op => {
+                let ok = !node.inputs.is_empty()
+                    && node.inputs.iter().all(|x| inv[x.index()])
+                    && fits(symbols(node.ty.shape.dims()))
+                    && fits(attr_symbols(op));
+                (ok, ok && node.inputs.iter().any(|x| dep[x.index()]))
+            }
+        };
+    }
+    // The frontier: per-sentence values read by a per-step one (or returned), each taken
+    // back through views to the value under them.
+    let root = |mut x: NodeId| {
+        while is_view(&step.node(x).op) {
+            x = step.node(x).inputs[0];
+        }
+        x
+    };
+    let mut frontier = vec![false; n];
+    let mut mark = |x: NodeId| {
+        let r = root(x);
+        let node = step.node(r);
+        if inv[r.index()] && dep[r.index()] && !matches!(node.op, Op::Input { .. }) {
+            frontier[r.index()] = true;
+        }
+    };
+    for (i, node) in step.nodes.iter().enumerate() {
+        if !inv[i] {
+            for &x in &node.inputs {
+                if inv[x.index()] {
+                    mark(x);
+                }
+            }
+        }
+    }
+    for o in &step.outputs {
+        if inv[o.node.index()] {
+            mark(o.node);
+        }
+    }
+    let hoisted: Vec<NodeId> = (0..n)
+        .filter(|&i| frontier[i])
+        .map(|i| NodeId(i as u32))
+        .collect();
+    if hoisted.is_empty() {
+        return Ok(None);
+    }
+    // Names: `static.<scope>.<i>`, numbered within each scope in node order.
+    let mut per_scope: BTreeMap<&str, usize> = BTreeMap::new();
+    let names: Vec<String> = hoisted
+        .iter()
+        .map(|&h| {
+            let scope = step.node(h).scope.as_str();
+            let k = per_scope.entry(scope).or_insert(0);
+            *k += 1;
+            if scope.is_empty() {
+                format!("{STATIC_PREFIX}{}", *k - 1)
+            } else {
+                format!("{STATIC_PREFIX}{scope}.{}", *k - 1)
+            }
+        })
+        .collect();
+
+    // `encode` extended: the hoisted values' computation, reading its stages and inputs.
+    let mut enc = encode.clone();
+    let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut need = vec![false; n];
+    for &h in &hoisted {
+        need[h.index()] = true;
+    }
+    for i in (0..n).rev() {
+        if need[i] {
+            for x in &step.nodes[i].inputs {
+                need[x.index()] = true;
+            }
+        }
+    }
+    for (i, node) in step.nodes.iter().enumerate() {
+        if !need[i] {
+            continue;
+        }
+        let id = NodeId(i as u32);
+        let new = match &node.op {
+            Op::Input { name } => {
+                enc.output(name)
+                    .or_else(|| enc.input(name))
+                    .ok_or_else(|| {
+                        IrError::Malformed(format!(
+                    "the decoder's per-sentence input `{name}` is neither an output nor an \
+                     input of the encode graph"
+                ))
+                    })?
+            }
+            Op::Param { name, init } => match enc.param(name) {
+                Some(p) => p,
+                None => enc.add_param(name, node.ty.clone(), *init, &node.scope)?,
+            },
+            op => {
+                let inputs: Vec<NodeId> = node.inputs.iter().map(|x| map[x]).collect();
+                enc.add(op.clone(), &inputs, &node.scope)?
+            }
+        };
+        if enc.ty(new) != &node.ty {
+            return Err(IrError::Type(format!(
+                "`{}` is {} in the encode graph but {} in the decoder step",
+                step.source_name(id).unwrap_or("a hoisted value"),
+                enc.ty(new),
+                node.ty
+            )));
+        }
+        map.insert(id, new);
+    }
+    for (h, name) in hoisted.iter().zip(&names) {
+        enc.add_output(name, map[h])?;
+    }
+
+    // The step: each hoisted value an input, what only they needed pruned away.
+    let replace: Vec<(NodeId, String)> = hoisted.iter().copied().zip(names.clone()).collect();
+    let step = step.replace_with_inputs(&replace)?;
+    enc.verify()?;
+    step.verify()?;
+    Ok(Some(Hoisted {
+        encode: enc,
+        step,
+        names,
+    }))
+}
