@@ -80,13 +80,13 @@ fn decode_step_graph_has_caches_and_the_hoisted_inputs() {
         .iter()
         .map(|&i| g.source_name(i).unwrap())
         .collect();
-    // The cross-attention's keys and values of each layer and the source mask come from
-    // `encode`: the step reads neither the memory nor the source.
+    // The cross-attention's keys and values of each layer come from `encode`: the step
+    // no longer reads the memory (the source still gives it the padding mask).
     assert_eq!(
         inputs,
         [
+            "src",
             "tgt_in",
-            "static.0",
             "cache.decoder.layers.0.self_attn.k",
             "cache.decoder.layers.0.self_attn.v",
             "static.decoder.layers.0.cross_attn.0",
@@ -102,7 +102,6 @@ fn decode_step_graph_has_caches_and_the_hoisted_inputs() {
         ty("static.decoder.layers.1.cross_attn.0"),
         "f32[batch, src_len, 32]"
     );
-    assert_eq!(ty("static.0"), "bool[batch, src_len]");
     let caches = g.cache_outputs();
     assert_eq!(
         caches.len(),
@@ -117,7 +116,7 @@ fn decode_step_graph_has_caches_and_the_hoisted_inputs() {
     assert!(g.param("decoder.layers.0.cross_attn.w_q").is_some());
     let enc = s.encode.graph();
     let outs: Vec<&str> = enc.outputs.iter().map(|o| o.name.as_str()).collect();
-    assert_eq!(outs.len(), 6, "{outs:?}");
+    assert_eq!(outs.len(), 5, "{outs:?}");
     assert_eq!(outs[0], "memory");
     assert!(
         outs.iter().skip(1).all(|o| g.input(o).is_some()),

@@ -7,9 +7,10 @@
 //! extended to compute those values once per sentence ([`hoist_static`]).
 //!
 //! In the Transformer these are the cross-attention's keys and values — `memory·W_K + b_K`
-//! and `memory·W_V + b_V` in every decoder layer — and the source padding mask: without
+//! and `memory·W_V + b_V` in every decoder layer: without
 //! hoisting, every step of beam search recomputes them over every source position, most
-//! of a step's multiply-adds (fairseq and Marian cache them the same way). Views (reshape,
+//! of a step's multiply-adds (fairseq and Marian cache them the same way). Only
+//! floating-point values are hoisted (the source mask stays in the step). Views (reshape,
 //! permute, broadcast) are never hoisted: their source is, and the view stays in the step,
 //! so the step's kernels keep their shape (the heads' split feeds the fused attention as
 //! before).
@@ -113,7 +114,13 @@ pub fn hoist_static(
     let mut mark = |x: NodeId| {
         let r = root(x);
         let node = step.node(r);
-        if inv[r.index()] && dep[r.index()] && !matches!(node.op, Op::Input { .. }) {
+        // Floating-point values only: a mask is cheap to recompute, and every executor
+        // already takes the integer source it comes from.
+        if inv[r.index()]
+            && dep[r.index()]
+            && node.ty.dtype.is_float()
+            && !matches!(node.op, Op::Input { .. })
+        {
             frontier[r.index()] = true;
         }
     };
