@@ -225,3 +225,120 @@ pub fn hoist_static(
         names,
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, Init, TensorType, UnaryOp};
+    use crate::reference::{run, RunOptions};
+    use crate::shape::Shape;
+    use crate::tensor::Tensor;
+
+    fn f32_ty(dims: &[Dim]) -> TensorType {
+        TensorType::new(DType::F32, Shape(dims.to_vec()))
+    }
+
+    /// `encode`: memory = exp(x). The step: scores = tgt_in · (memory·w)ᵀ.
+    fn graphs() -> (Graph, Graph) {
+        let (b, s, t) = (Dim::sym("batch"), Dim::sym("src_len"), Dim::sym("tgt_len"));
+        let mut enc = Graph::new("m");
+        let x = enc
+            .add_input("x", f32_ty(&[b.clone(), s.clone(), Dim::c(4)]))
+            .unwrap();
+        let m = enc.add(Op::Unary(UnaryOp::Exp), &[x], "enc").unwrap();
+        enc.add_output("memory", m).unwrap();
+        let mut step = Graph::new("m");
+        let mem = step
+            .add_input("memory", f32_ty(&[b.clone(), s.clone(), Dim::c(4)]))
+            .unwrap();
+        let tok = step
+            .add_input("tgt_in", f32_ty(&[b, t, Dim::c(4)]))
+            .unwrap();
+        let w = step
+            .add_param(
+                "w",
+                f32_ty(&[Dim::c(4), Dim::c(4)]),
+                Init::XavierUniform,
+                "dec.cross",
+            )
+            .unwrap();
+        let k = step.add(Op::MatMul, &[mem, w], "dec.cross").unwrap();
+        let kt = step
+            .add(
+                Op::Permute {
+                    perm: vec![0, 2, 1],
+                },
+                &[k],
+                "dec.cross",
+            )
+            .unwrap();
+        let scores = step.add(Op::MatMul, &[tok, kt], "dec.cross").unwrap();
+        step.add_output("scores", scores).unwrap();
+        (enc, step)
+    }
+
+    fn tensor(shape: &[usize], seed: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v = (0..n).map(|i| ((i as f32 * 0.37 + seed).sin())).collect();
+        Tensor::f32(shape.to_vec(), v).unwrap()
+    }
+
+    #[test]
+    fn the_keys_move_to_encode_and_the_view_stays_in_the_step() {
+        let (enc, step) = graphs();
+        let per_step = |n: &str| enc.output(n).is_none() && enc.input(n).is_none();
+        let h = hoist_static(&enc, &step, &per_step)
+            .unwrap()
+            .expect("hoists");
+        assert_eq!(h.names, ["static.dec.cross.0"]);
+        let names = |g: &Graph| -> Vec<String> {
+            g.inputs
+                .iter()
+                .map(|&i| g.source_name(i).unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(names(&h.step), ["tgt_in", "static.dec.cross.0"]);
+        assert!(h.step.param("w").is_none() && h.encode.param("w").is_some());
+        assert!(h
+            .step
+            .nodes
+            .iter()
+            .any(|n| matches!(n.op, Op::Permute { .. })));
+        let outs: Vec<&str> = h.encode.outputs.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(outs, ["memory", "static.dec.cross.0"]);
+
+        // Same scores, to the bit, through either pair.
+        let opts = RunOptions::default();
+        let params: BTreeMap<String, Tensor> = [("w".to_string(), tensor(&[4, 4], 0.5))].into();
+        let enc_in: BTreeMap<String, Tensor> = [("x".to_string(), tensor(&[2, 3, 4], 1.0))].into();
+        let tgt = tensor(&[2, 1, 4], 2.0);
+        let before: BTreeMap<String, Tensor> = run(&enc, &enc_in, &params, &opts)
+            .unwrap()
+            .into_iter()
+            .chain([("tgt_in".to_string(), tgt.clone())])
+            .collect();
+        let want = run(&step, &before, &params, &opts).unwrap();
+        let after: BTreeMap<String, Tensor> = run(&h.encode, &enc_in, &params, &opts)
+            .unwrap()
+            .into_iter()
+            .filter(|(n, _)| n.starts_with(STATIC_PREFIX))
+            .chain([("tgt_in".to_string(), tgt)])
+            .collect();
+        let got = run(&h.step, &after, &params, &opts).unwrap();
+        assert_eq!(format!("{want:?}"), format!("{got:?}"));
+    }
+
+    #[test]
+    fn nothing_to_hoist_and_an_input_encode_lacks() {
+        let (enc, step) = graphs();
+        // Everything per step: nothing is hoisted.
+        assert!(hoist_static(&enc, &step, &|_| true).unwrap().is_none());
+        // `tgt_in` taken for per-sentence: encode cannot compute the scores.
+        let e = hoist_static(&enc, &step, &|_| false).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("per-sentence input `tgt_in` is neither an output nor an input"),
+            "{e}"
+        );
+    }
+}
