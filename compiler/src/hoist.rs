@@ -279,7 +279,7 @@ mod tests {
 
     fn tensor(shape: &[usize], seed: f32) -> Tensor {
         let n: usize = shape.iter().product();
-        let v = (0..n).map(|i| ((i as f32 * 0.37 + seed).sin())).collect();
+        let v = (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
         Tensor::f32(shape.to_vec(), v).unwrap()
     }
 
