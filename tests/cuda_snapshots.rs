@@ -20,30 +20,9 @@ use common::root;
 /// The tiny Transformer's kernel graph of `entry`.
 fn kernel_graph(entry: &str) -> kiln_compiler::optimize::KernelGraph {
     let spec = root().join("models/transformer_tiny.kiln");
-    let mode = match entry {
-        "train_step" | "train_step_scaled" | "adam_update" => kiln_dsl::Mode::Train,
-        "decode_step" => kiln_dsl::Mode::Decode,
-        _ => kiln_dsl::Mode::Eval,
-    };
-    let opts = kiln_dsl::Options {
-        overrides: vec!["vocab=48".into()],
-        mode,
-        model: None,
-    };
-    let elaborate = |kind: kiln_runtime::GraphKind| {
-        let mode = match kind {
-            kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
-            kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
-            kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
-        };
-        let opts = kiln_dsl::Options {
-            mode,
-            ..opts.clone()
-        };
-        kiln_dsl::compile_file(&spec, &opts).map_err(|e| format!("{e:?}"))
-    };
-    let g = kiln_dsl::compile_file(&spec, &opts).expect("tiny compiles");
+    let elaborate = common::elaborator(&spec, &["vocab=48"]);
     let g = if entry == "train_step_scaled" {
+        let g = elaborate(kiln_runtime::GraphKind::Train).expect("tiny compiles");
         // Dynamic loss scaling's train_step (`train.loss_scale`): the seeded cross-entropy.
         let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale: true };
         kiln_compiler::autodiff::train_step_with(&g, options).expect("differentiates")

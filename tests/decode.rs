@@ -62,6 +62,17 @@ fn setup_unhoisted(seed: u64) -> Setup {
     }
 }
 
+/// Beam 4 with the paper's length penalty, at most the source length + 4 tokens.
+fn beam_four() -> DecodeOptions {
+    DecodeOptions {
+        beam: 4,
+        penalty: LengthPenalty::Gnmt(0.6),
+        max_len_a: 1.0,
+        max_len_b: 4,
+        ..DecodeOptions::default()
+    }
+}
+
 fn src() -> Tensor {
     // Three sentences, two of them padded.
     Tensor::i32(
@@ -140,13 +151,7 @@ fn decode_step_graph_has_caches_and_the_hoisted_inputs() {
 /// the same hypotheses as the hoisted pair, to the bit.
 #[test]
 fn unhoisted_steps_decode_as_the_hoisted_ones() {
-    let opts = DecodeOptions {
-        beam: 4,
-        penalty: LengthPenalty::Gnmt(0.6),
-        max_len_a: 1.0,
-        max_len_b: 4,
-        ..DecodeOptions::default()
-    };
+    let opts = beam_four();
     let (s, p) = (setup(2), setup_unhoisted(2));
     let mut hoisted = CachedStep::new(&s.encode, &s.step, &s.params, 64);
     let mut plain = CachedStep::new(&p.encode, &p.step, &p.params, 64);
@@ -159,13 +164,7 @@ fn unhoisted_steps_decode_as_the_hoisted_ones() {
 fn beam_search_with_the_cache_equals_full_recomputation() {
     for seed in [1, 2] {
         let s = setup(seed);
-        let opts = DecodeOptions {
-            beam: 4,
-            penalty: LengthPenalty::Gnmt(0.6),
-            max_len_a: 1.0,
-            max_len_b: 4,
-            ..DecodeOptions::default()
-        };
+        let opts = beam_four();
         let mut cached = CachedStep::new(&s.encode, &s.step, &s.params, 64);
         let mut full = FullStep::new(&s.forward, &s.params, 64);
         let a = decode(&mut cached, &src(), &opts).unwrap();

@@ -12,28 +12,7 @@ use common::root;
 
 fn code_of(entry: &str) -> kiln_compiler::codegen::program::CpuCode {
     let spec = root().join("models/transformer_tiny.kiln");
-    let mode = match entry {
-        "train_step" | "adam_update" => kiln_dsl::Mode::Train,
-        "decode_step" => kiln_dsl::Mode::Decode,
-        _ => kiln_dsl::Mode::Eval,
-    };
-    let opts = kiln_dsl::Options {
-        overrides: vec!["vocab=48".into()],
-        mode,
-        model: None,
-    };
-    let elaborate = |kind: kiln_runtime::GraphKind| {
-        let mode = match kind {
-            kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
-            kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
-            kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
-        };
-        let opts = kiln_dsl::Options {
-            mode,
-            ..opts.clone()
-        };
-        kiln_dsl::compile_file(&spec, &opts).map_err(|e| format!("{e:?}"))
-    };
+    let elaborate = common::elaborator(&spec, &["vocab=48"]);
     let g =
         kiln_runtime::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry");
     let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");

@@ -4,6 +4,28 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Elaborates `spec` with `set` in the mode of a graph kind (what
+/// `kiln_runtime::compiled_entry_graph_with` asks for).
+pub fn elaborator<'a>(
+    spec: &'a Path,
+    set: &'a [&str],
+) -> impl Fn(kiln_runtime::GraphKind) -> Result<kiln_compiler::Graph, String> + 'a {
+    move |kind| {
+        let mode = match kind {
+            kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
+            kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
+            kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
+        };
+        let opts = kiln_dsl::Options {
+            overrides: set.iter().map(|s| s.to_string()).collect(),
+            mode,
+            model: None,
+        };
+        kiln_dsl::compile_file(spec, &opts)
+            .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))
+    }
+}
+
 /// The repository root.
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -57,20 +79,7 @@ pub const DISTINCT_SPECS: [&str; 8] = [
 /// big's 176M parameters with their moments would need ~3 GB.
 pub fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<kiln_compiler::Graph, String> {
     use kiln_runtime::{compiled_entry_graph, compiled_entry_graph_with, GraphKind};
-    let elaborate = |kind: GraphKind| {
-        let mode = match kind {
-            GraphKind::Eval => kiln_dsl::Mode::Eval,
-            GraphKind::Train => kiln_dsl::Mode::Train,
-            GraphKind::Decode => kiln_dsl::Mode::Decode,
-        };
-        let opts = kiln_dsl::Options {
-            overrides: set.iter().map(|s| s.to_string()).collect(),
-            mode,
-            model: None,
-        };
-        kiln_dsl::compile_file(spec, &opts)
-            .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))
-    };
+    let elaborate = elaborator(spec, set);
     if entry != "adam_update" {
         return compiled_entry_graph_with(entry, elaborate, |e| e.message);
     }
