@@ -340,25 +340,40 @@ impl StepModel for CachedStep<'_> {
 
     fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
         let rows = tokens.len();
-        let mut inputs: BTreeMap<String, Tensor> = self
-            .state
-            .iter()
-            .map(|(k, t)| (k.clone(), take_rows(t, parents)))
+        let tgt_in = Tensor::i32(vec![rows, 1], tokens.to_vec())
+            .map_err(|e| DecodeError::Model(e.to_string()))?;
+        // Rows in the same order (greedy decoding until a sentence ends) keep their
+        // tensors as they are; any other order is gathered.
+        let same = parents.iter().enumerate().all(|(i, &p)| i == p);
+        let mut inputs: BTreeMap<String, Tensor> = std::mem::take(&mut self.state)
+            .into_iter()
+            .map(|(k, t)| {
+                if same && t.shape.first() == Some(&rows) {
+                    (k, t)
+                } else {
+                    (k, take_rows(&t, parents))
+                }
+            })
             .collect();
-        inputs.insert(
-            "tgt_in".to_string(),
-            Tensor::i32(vec![rows, 1], tokens.to_vec())
-                .map_err(|e| DecodeError::Model(e.to_string()))?,
-        );
-        let mut out = self.step.run_map(&inputs, self.params, &self.opts)?;
-        let (logits, vocab) = logits_of(&mut out, rows)?;
+        inputs.insert("tgt_in".to_string(), tgt_in);
+        let out = self.step.run_map(&inputs, self.params, &self.opts);
         inputs.remove("tgt_in");
+        let mut out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                // The state as this step read it: the decoder stays usable.
+                self.state = inputs;
+                return Err(e.into());
+            }
+        };
+        let logits = logits_of(&mut out, rows);
         for (name, t) in out {
             if name.starts_with(kiln_compiler::ir::CACHE_PREFIX) {
                 inputs.insert(name, t);
             }
         }
         self.state = inputs;
+        let (logits, vocab) = logits?;
         self.vocab = vocab;
         Ok(log_softmax_rows(&logits, vocab))
     }
