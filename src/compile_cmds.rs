@@ -13,7 +13,7 @@ use kiln_runtime::train::tokenizer_of;
 use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
 use kiln_compiler::Graph;
-use kiln_dsl::{Error, Mode, Options};
+use kiln_dsl::{Error, Options};
 use kiln_runtime::{GraphKind, COMPILED_ENTRIES};
 
 use crate::plain;
@@ -47,14 +47,9 @@ pub fn entry_graph_of(
 ) -> Result<Graph, Error> {
     let run_err = |e: kiln_runtime::RuntimeError| plain("kiln::entry", e.message, Some(e.help));
     let elaborate = |kind: GraphKind| -> Result<Graph, Error> {
-        let mode = match kind {
-            GraphKind::Eval => Mode::Eval,
-            GraphKind::Train => Mode::Train,
-            GraphKind::Decode => Mode::Decode,
-        };
         let opts = Options {
             overrides: set.to_vec(),
-            mode,
+            mode: kiln::dsl_mode(kind),
             model: model.clone(),
         };
         kiln_dsl::compile_file(spec, &opts)

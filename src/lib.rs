@@ -9,13 +9,22 @@
 //! assert_snapshot!(kiln::snapshot::kernels("models/my_model.kiln", &["vocab=100"], "forward").unwrap());
 //! ```
 
+/// The DSL mode that elaborates a graph of `kind` (what an entry point is cut from).
+pub fn dsl_mode(kind: kiln_runtime::GraphKind) -> kiln_dsl::Mode {
+    match kind {
+        kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
+        kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
+        kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
+    }
+}
+
 pub mod snapshot {
     //! Deterministic text of a spec's generated CPU kernels, for snapshot tests.
 
     use std::fmt::Write as _;
     use std::path::Path;
 
-    use kiln_dsl::{Mode, Options};
+    use kiln_dsl::Options;
     use kiln_runtime::{compiled_entry_graph_with, GraphKind};
 
     /// The CPU code of entry point `entry` of `spec` (with `--set` style overrides): one
@@ -24,14 +33,9 @@ pub mod snapshot {
     pub fn kernels(spec: impl AsRef<Path>, set: &[&str], entry: &str) -> Result<String, String> {
         let spec = spec.as_ref();
         let elaborate = |kind: GraphKind| {
-            let mode = match kind {
-                GraphKind::Eval => Mode::Eval,
-                GraphKind::Train => Mode::Train,
-                GraphKind::Decode => Mode::Decode,
-            };
             let opts = Options {
                 overrides: set.iter().map(|s| s.to_string()).collect(),
-                mode,
+                mode: crate::dsl_mode(kind),
                 model: None,
             };
             kiln_dsl::compile_file(spec, &opts)

@@ -512,11 +512,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let elaborate = |kind: GraphKind| -> Result<kiln_compiler::Graph, Error> {
                 let mut opts = spec.options();
-                opts.mode = match kind {
-                    GraphKind::Eval => Mode::Eval,
-                    GraphKind::Train => Mode::Train,
-                    GraphKind::Decode => Mode::Decode,
-                };
+                opts.mode = kiln::dsl_mode(kind);
                 kiln_dsl::compile_file(&spec.spec, &opts)
             };
             let g = elaborate(entry.graph_kind())?;

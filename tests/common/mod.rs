@@ -11,14 +11,9 @@ pub fn elaborator<'a>(
     set: &'a [&str],
 ) -> impl Fn(kiln_runtime::GraphKind) -> Result<kiln_compiler::Graph, String> + 'a {
     move |kind| {
-        let mode = match kind {
-            kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
-            kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
-            kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
-        };
         let opts = kiln_dsl::Options {
             overrides: set.iter().map(|s| s.to_string()).collect(),
-            mode,
+            mode: kiln::dsl_mode(kind),
             model: None,
         };
         kiln_dsl::compile_file(spec, &opts)

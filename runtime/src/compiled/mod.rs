@@ -495,6 +495,7 @@ impl Compiled {
         };
         let words = layout.total / 4;
         if arena.len() < words {
+            // The old arena goes before the new one comes: never both at once.
             *arena = Vec::new();
             *arena = zeroed(words);
         }
