@@ -195,22 +195,183 @@ pub trait StepModel {
     }
 }
 
-/// Log-softmax of each row of `logits` (`rows × v`), in f64, over the row's non-NaN
-/// values (a NaN logit stays NaN and does not spoil the others), as the GPU decoder's
-/// `row_top_k` computes it.
+/// The log-sum-exp of one row of logits, in f64, over its non-NaN values (a NaN logit
+/// does not spoil the others), as the GPU decoder's `row_top_k` computes it (there in
+/// another order of summation, so within rounding).
+///
+/// The maximum and the sum run in eight interleaved lanes with [`exp_nonpositive`], so
+/// the loops vectorize: with AVX-512 or AVX2 where the CPU has them (detected at run
+/// time; no fused multiply-add, so every path gives the same bits), four times faster
+/// than one libm `exp` per logit with AVX-512.
+fn row_lse(row: &[f32]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return unsafe { row_lse_avx512(row) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { row_lse_avx2(row) };
+        }
+    }
+    row_lse_lanes(row)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_lse_avx512(row: &[f32]) -> f64 {
+    row_lse_lanes(row)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_lse_avx2(row: &[f32]) -> f64 {
+    row_lse_lanes(row)
+}
+
+/// [`row_lse`] in eight lanes: lane `i` takes the logits `i, i + 8, …` (the remainder's
+/// to the first lanes), and the lanes are combined in order.
+#[inline(always)]
+fn row_lse_lanes(row: &[f32]) -> f64 {
+    const L: usize = 8;
+    let mut top = [f64::NEG_INFINITY; L];
+    let mut chunks = row.chunks_exact(L);
+    for c in &mut chunks {
+        for i in 0..L {
+            top[i] = top[i].max(c[i] as f64);
+        }
+    }
+    for (t, &x) in top.iter_mut().zip(chunks.remainder()) {
+        *t = t.max(x as f64);
+    }
+    let m = top.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+    let term = |x: f32| {
+        let e = exp_nonpositive(x as f64 - m);
+        if x.is_nan() {
+            0.0
+        } else {
+            e
+        }
+    };
+    let mut acc = [0.0f64; L];
+    let mut chunks = row.chunks_exact(L);
+    for c in &mut chunks {
+        let mut e = [0.0f64; L];
+        for i in 0..L {
+            e[i] = term(c[i]);
+        }
+        for i in 0..L {
+            acc[i] += e[i];
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += term(x);
+    }
+    m + acc.iter().sum::<f64>().ln()
+}
+
+/// `exp(d)` for `d ≤ 0` in f64 without a libm call, so that a loop over a row
+/// vectorizes: `2^n · e^r` with `n = round(d / ln 2)`, `|r| ≤ ln 2 / 2`, and `e^r` by its
+/// Taylor series to `r^13 / 13!` (truncated below 1e-17 relative; within a few units in
+/// the last place of `f64::exp`). NaN stays NaN. Below −708, where `exp` leaves the
+/// normal range, it returns `exp(−708)` ≈ 3e−308: nothing next to a row's largest term, 1.
+#[inline(always)]
+fn exp_nonpositive(d: f64) -> f64 {
+    // 1.5 · 2^52: adding it rounds to an integer, which its low bits then hold.
+    const ROUND: f64 = 6_755_399_441_055_744.0;
+    // ln 2 in two parts; `n · LN2_HI` is exact for |n| < 2^11.
+    const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000); // 0.693147180369…
+    const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76); // 1.9082149292…e-10
+    let d = if d < -708.0 { -708.0 } else { d };
+    let t = d * std::f64::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    let r = (d - n * LN2_HI) - n * LN2_LO;
+    // 1/k! for k = 13 down to 1.
+    const INV_FACT: [f64; 13] = [
+        1.0 / 6_227_020_800.0,
+        1.0 / 479_001_600.0,
+        1.0 / 39_916_800.0,
+        1.0 / 3_628_800.0,
+        1.0 / 362_880.0,
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        1.0 / 2.0,
+        1.0,
+    ];
+    let mut p = INV_FACT[0];
+    for &c in &INV_FACT[1..] {
+        p = p * r + c;
+    }
+    p = p * r + 1.0;
+    // 2^n: the biased exponent n + 1023 (in 1 ..= 1023 here) in the exponent bits.
+    let scale = f64::from_bits(t.to_bits().wrapping_add(1023) << 52);
+    p * scale
+}
+
+/// Log-softmax of each row of `logits` (`rows × v`), in f64 ([`row_lse`]; a NaN logit
+/// stays NaN).
 fn log_softmax_rows(logits: &[f32], v: usize) -> Vec<f64> {
     let mut out = Vec::with_capacity(logits.len());
-    for row in logits.chunks(v) {
-        let m = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
-        let s: f64 = row
-            .iter()
-            .filter(|x| !x.is_nan())
-            .map(|&x| (x as f64 - m).exp())
-            .sum();
-        let lse = m + s.ln();
+    for row in logits.chunks(v.max(1)) {
+        let lse = row_lse(row);
         out.extend(row.iter().map(|&x| x as f64 - lse));
     }
     out
+}
+
+/// [`row_top`] of every row of [`log_softmax_rows`]`(logits, v)`, bit for bit, without
+/// the log-probabilities of the whole vocabulary in memory: per row its log-sum-exp, then
+/// one pass that keeps the best `spec.k` in order. The rows run in parallel.
+pub fn rows_top(logits: &[f32], v: usize, spec: &TopSpec<'_>) -> Vec<RowTop> {
+    use rayon::prelude::*;
+    if v == 0 {
+        return Vec::new();
+    }
+    logits
+        .par_chunks(v)
+        .with_min_len(4)
+        .map(|row| top_of_logits(row, spec))
+        .collect()
+}
+
+/// [`row_top`] of the log-softmax of one row of logits.
+fn top_of_logits(row: &[f32], spec: &TopSpec<'_>) -> RowTop {
+    use std::cmp::Ordering;
+    let lse = row_lse(row);
+    // The order of `row_top`: the higher log-probability first, then the smaller token.
+    let better = |a: &(f64, i32), b: &(f64, i32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    let mut best: Vec<(f64, i32)> = Vec::with_capacity(spec.k + 1);
+    if spec.k > 0 {
+        for (t, &x) in row.iter().enumerate() {
+            let c = (x as f64 - lse, t as i32);
+            if c.0.is_nan() {
+                continue;
+            }
+            if best.len() == spec.k
+                // Numerically below the k-th: after it in the total order too.
+                && (c.0 < best[spec.k - 1].0 || better(&c, &best[spec.k - 1]) != Ordering::Less)
+            {
+                continue;
+            }
+            if spec.banned.contains(&c.1) {
+                continue;
+            }
+            let at = best.partition_point(|b| better(b, &c) == Ordering::Less);
+            best.insert(at, c);
+            best.truncate(spec.k);
+        }
+    }
+    let eos = usize::try_from(spec.eos)
+        .ok()
+        .and_then(|e| row.get(e))
+        .map(|&x| x as f64 - lse)
+        .unwrap_or(f64::NEG_INFINITY);
+    RowTop { best, eos }
 }
 
 /// The rows `rows` of `t` along axis 0, in that order.
@@ -262,6 +423,10 @@ fn logits_of(
             "logits have {r} rows, expected {rows}"
         )));
     }
+    if len == 1 {
+        // A decoding step: the logits are those of the newest position already.
+        return Ok((v, vocab));
+    }
     // The last position of every row.
     let mut last = Vec::with_capacity(rows * vocab);
     for i in 0..rows {
@@ -279,6 +444,10 @@ pub struct CachedStep<'a> {
     opts: RunOptions,
     /// Per row: the source, the stage values (encoder memory), the caches.
     state: BTreeMap<String, Tensor>,
+    /// The sentence of each row of `state`. What is not a cache is the same for every
+    /// row of a sentence, so a step whose rows continue the same sentences in the same
+    /// places (beam search between two steps where no sentence ends) keeps it as it is.
+    sentences: Vec<usize>,
     vocab: usize,
 }
 
@@ -299,8 +468,73 @@ impl<'a> CachedStep<'a> {
                 ..RunOptions::default()
             },
             state: BTreeMap::new(),
+            sentences: Vec::new(),
             vocab,
         }
+    }
+
+    /// One step: the state's rows gathered in the order `parents`, the step run on the
+    /// newest `tokens`, the grown caches kept as the next state. Returns the logits of
+    /// the newest position, `rows × vocab`.
+    fn step_logits(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+    ) -> Result<(Vec<f32>, usize), DecodeError> {
+        use rayon::prelude::*;
+        let rows = tokens.len();
+        if let Some(&p) = parents.iter().find(|&&p| p >= self.sentences.len()) {
+            return Err(DecodeError::Model(format!(
+                "row {p} continued, but the step before had {} rows",
+                self.sentences.len()
+            )));
+        }
+        let tgt_in = Tensor::i32(vec![rows, 1], tokens.to_vec())
+            .map_err(|e| DecodeError::Model(e.to_string()))?;
+        // Rows in the same order (greedy decoding until a sentence ends) keep their
+        // tensors as they are; any other order is gathered, but for the values of the
+        // sentences when every row continues a row of its own sentence.
+        let same = parents.iter().enumerate().all(|(i, &p)| i == p);
+        let sentences: Vec<usize> = parents.iter().map(|&p| self.sentences[p]).collect();
+        let same_sentences = sentences == self.sentences;
+        let keep = |k: &str, t: &Tensor| {
+            t.shape.first() == Some(&rows)
+                && (same || (same_sentences && !k.starts_with(kiln_compiler::ir::CACHE_PREFIX)))
+        };
+        let mut inputs: BTreeMap<String, Tensor> = std::mem::take(&mut self.state)
+            .into_par_iter()
+            .map(|(k, t)| {
+                if keep(&k, &t) {
+                    (k, t)
+                } else {
+                    let t = take_rows(&t, parents);
+                    (k, t)
+                }
+            })
+            .collect();
+        inputs.insert("tgt_in".to_string(), tgt_in);
+        let out = self.step.run_map(&inputs, self.params, &self.opts);
+        inputs.remove("tgt_in");
+        let mut out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                // The state as this step read it: the decoder stays usable.
+                self.state = inputs;
+                self.sentences = sentences;
+                return Err(e.into());
+            }
+        };
+        let logits = logits_of(&mut out, rows);
+        for (name, t) in out {
+            if name.starts_with(kiln_compiler::ir::CACHE_PREFIX) {
+                inputs.insert(name, t);
+            }
+        }
+        self.state = inputs;
+        self.sentences = sentences;
+        let (logits, vocab) = logits?;
+        self.vocab = vocab;
+        Ok((logits, vocab))
     }
 }
 
@@ -315,6 +549,7 @@ impl StepModel for CachedStep<'_> {
         // per-sentence values `encode` computed (`static.…`) no longer reads the memory.
         let g = self.step.graph();
         self.state.retain(|name, _| g.input(name).is_some());
+        self.sentences = (0..src.shape.first().copied().unwrap_or(0)).collect();
         // Empty caches: the decode graph's cache inputs with 0 past positions.
         let b = src.shape[0];
         for name in g.cache_outputs() {
@@ -339,43 +574,20 @@ impl StepModel for CachedStep<'_> {
     }
 
     fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
-        let rows = tokens.len();
-        let tgt_in = Tensor::i32(vec![rows, 1], tokens.to_vec())
-            .map_err(|e| DecodeError::Model(e.to_string()))?;
-        // Rows in the same order (greedy decoding until a sentence ends) keep their
-        // tensors as they are; any other order is gathered.
-        let same = parents.iter().enumerate().all(|(i, &p)| i == p);
-        let mut inputs: BTreeMap<String, Tensor> = std::mem::take(&mut self.state)
-            .into_iter()
-            .map(|(k, t)| {
-                if same && t.shape.first() == Some(&rows) {
-                    (k, t)
-                } else {
-                    (k, take_rows(&t, parents))
-                }
-            })
-            .collect();
-        inputs.insert("tgt_in".to_string(), tgt_in);
-        let out = self.step.run_map(&inputs, self.params, &self.opts);
-        inputs.remove("tgt_in");
-        let mut out = match out {
-            Ok(out) => out,
-            Err(e) => {
-                // The state as this step read it: the decoder stays usable.
-                self.state = inputs;
-                return Err(e.into());
-            }
-        };
-        let logits = logits_of(&mut out, rows);
-        for (name, t) in out {
-            if name.starts_with(kiln_compiler::ir::CACHE_PREFIX) {
-                inputs.insert(name, t);
-            }
-        }
-        self.state = inputs;
-        let (logits, vocab) = logits?;
-        self.vocab = vocab;
+        let (logits, vocab) = self.step_logits(tokens, parents)?;
         Ok(log_softmax_rows(&logits, vocab))
+    }
+
+    /// The step's logits reduced to each row's best tokens ([`rows_top`]), without the
+    /// log-probabilities of the whole vocabulary.
+    fn step_top(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+        spec: &TopSpec<'_>,
+    ) -> Result<Vec<RowTop>, DecodeError> {
+        let (logits, vocab) = self.step_logits(tokens, parents)?;
+        Ok(rows_top(&logits, vocab, spec))
     }
 
     fn vocab(&self) -> usize {
@@ -548,17 +760,13 @@ impl<'a> FullStep<'a> {
             vocab,
         }
     }
-}
 
-impl StepModel for FullStep<'_> {
-    fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
-        self.src = Some(src.clone());
-        self.prefixes = vec![vec![]; src.shape[0]];
-        self.src_rows = (0..src.shape[0]).collect();
-        Ok(())
-    }
-
-    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+    /// One step on the whole prefix of every row: the logits of its newest position.
+    fn step_logits(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+    ) -> Result<(Vec<f32>, usize), DecodeError> {
         let rows = tokens.len();
         let mut prefixes = Vec::with_capacity(rows);
         let mut src_rows = Vec::with_capacity(rows);
@@ -587,7 +795,31 @@ impl StepModel for FullStep<'_> {
         self.prefixes = prefixes;
         self.src_rows = src_rows;
         self.vocab = vocab;
+        Ok((logits, vocab))
+    }
+}
+
+impl StepModel for FullStep<'_> {
+    fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
+        self.src = Some(src.clone());
+        self.prefixes = vec![vec![]; src.shape[0]];
+        self.src_rows = (0..src.shape[0]).collect();
+        Ok(())
+    }
+
+    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+        let (logits, vocab) = self.step_logits(tokens, parents)?;
         Ok(log_softmax_rows(&logits, vocab))
+    }
+
+    fn step_top(
+        &mut self,
+        tokens: &[i32],
+        parents: &[usize],
+        spec: &TopSpec<'_>,
+    ) -> Result<Vec<RowTop>, DecodeError> {
+        let (logits, vocab) = self.step_logits(tokens, parents)?;
+        Ok(rows_top(&logits, vocab, spec))
     }
 
     fn vocab(&self) -> usize {
@@ -999,6 +1231,103 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn rows_top_is_row_top_of_the_log_softmax_bit_for_bit() {
+        // Ties, NaN, infinities, banned tokens, k of 0, k past the vocabulary, and rows
+        // of one value.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for case in 0..200 {
+            let v = 1 + (next() % 40) as usize;
+            let rows = 1 + (next() % 5) as usize;
+            let logits: Vec<f32> = (0..rows * v)
+                .map(|_| match next() % 23 {
+                    0 => f32::NAN,
+                    1 if case % 7 == 0 => f32::INFINITY,
+                    2 => f32::NEG_INFINITY,
+                    3..=6 => 0.5, // ties
+                    r => (r as f32 - 12.0) * 0.37 + (next() % 1000) as f32 * 1e-3,
+                })
+                .collect();
+            let banned = [(next() % v as u64) as i32, 0];
+            let spec = TopSpec {
+                k: (next() % (v as u64 + 3)) as usize,
+                banned: &banned,
+                eos: (next() % (v as u64 + 2)) as i32 - 1,
+            };
+            let want: Vec<RowTop> = log_softmax_rows(&logits, v)
+                .chunks(v)
+                .map(|r| row_top(r, &spec))
+                .collect();
+            let got = rows_top(&logits, v, &spec);
+            assert_eq!(got.len(), want.len(), "case {case}");
+            for (g, w) in got.iter().zip(&want) {
+                let bits = |r: &RowTop| {
+                    let best: Vec<(u64, i32)> =
+                        r.best.iter().map(|&(lp, t)| (lp.to_bits(), t)).collect();
+                    (best, r.eos.to_bits())
+                };
+                assert_eq!(bits(g), bits(w), "case {case}: {logits:?} {spec:?}");
+            }
+        }
+        assert!(rows_top(
+            &[],
+            0,
+            &TopSpec {
+                k: 2,
+                banned: &[],
+                eos: 0
+            }
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn exp_without_libm_is_within_a_few_ulp_of_libm() {
+        let mut worst = 0.0f64;
+        for i in 0..=200_000 {
+            let d = -708.0 * (i as f64 / 200_000.0).powi(3);
+            let (got, want) = (exp_nonpositive(d), d.exp());
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 4.0 * f64::EPSILON, "relative error {worst:e}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-0.0), 1.0);
+        assert!(exp_nonpositive(f64::NAN).is_nan());
+        let tiny = exp_nonpositive(f64::NEG_INFINITY);
+        assert!(tiny > 0.0 && tiny < 1e-307, "{tiny:e}");
+        // A row's log-sum-exp against the libm one, and a NaN logit left out.
+        let row: Vec<f32> = (0..1000)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.3)
+            .collect();
+        let m = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
+        let want = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+        assert!(
+            (row_lse(&row) - want).abs() < 1e-13,
+            "{} vs {want}",
+            row_lse(&row)
+        );
+        // Every instruction set gives the same bits (no fused multiply-add).
+        for len in [1, 7, 8, 9, 1000] {
+            let r = &row[..len];
+            let plain = row_lse_lanes(r).to_bits();
+            assert_eq!(row_lse(r).to_bits(), plain, "length {len}");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2.
+                assert_eq!(unsafe { row_lse_avx2(r) }.to_bits(), plain, "length {len}");
+            }
+        }
+        let mut with_nan = row.clone();
+        with_nan.push(f32::NAN);
+        assert_eq!(row_lse(&with_nan).to_bits(), row_lse(&row).to_bits());
     }
 
     #[test]
