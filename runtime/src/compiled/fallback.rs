@@ -223,6 +223,17 @@ pub(crate) fn run_host(
                 dst,
             )
         }
+        // A decoding step's key/value caches grow by a concat: written straight into its
+        // result, not built in a fresh value that is then copied twice.
+        Fallback::Prim(Op::Concat { axis })
+            if outs[0].is_contiguous()
+                && matches!(outs[0].dtype, DType::F32 | DType::I32)
+                && ins.iter().all(|l| l.dtype == outs[0].dtype)
+                && ins.iter().all(|l| l.shape().len() == outs[0].shape().len())
+                && *axis < outs[0].shape().len() =>
+        {
+            concat_into(ins, &outs[0], *axis)
+        }
         Fallback::Prim(op) => {
             let args: Vec<Value<'_>> = ins.iter().map(|l| value(l)).collect();
             let c = Ctx {
@@ -266,6 +277,193 @@ pub(crate) fn run_host(
                 write_words(out, &words);
             }
             Ok(())
+        }
+    }
+}
+
+/// `concat` along `axis` of 4-byte locations `parts` into the contiguous `out`: for each
+/// index of the axes before `axis` (an "outer" index), each part's block in turn, the
+/// outer indices in parallel when the result is large.
+fn concat_into(parts: &[&Loc], out: &Loc, axis: usize) -> Result<(), String> {
+    use rayon::prelude::*;
+    let shape = out.shape();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let total = shape[axis] * inner;
+    let mut sum = 0;
+    for p in parts {
+        let ps = p.shape();
+        if ps[..axis] != shape[..axis] || ps[axis + 1..] != shape[axis + 1..] {
+            return Err(format!(
+                "internal: concat of {ps:?} into {shape:?} along axis {axis}"
+            ));
+        }
+        sum += ps[axis];
+    }
+    if sum != shape[axis] {
+        return Err(format!(
+            "internal: concat parts sum to {sum} along axis {axis}, the result has {}",
+            shape[axis]
+        ));
+    }
+    if out.numel() == 0 {
+        return Ok(());
+    }
+    // SAFETY: a contiguous location of `numel` 4-byte elements that this kernel alone
+    // writes; the parts are other values (a kernel never reads its own result).
+    let dst = unsafe { std::slice::from_raw_parts_mut(out.base() as *mut u32, out.numel()) };
+    let body = |(o, row): (usize, &mut [u32])| {
+        let mut at = 0;
+        for p in parts {
+            let n = p.shape()[axis] * inner;
+            if n > 0 {
+                copy_block(p, axis, o, &mut row[at..at + n]);
+            }
+            at += n;
+        }
+    };
+    if dst.len() >= 1 << 15 {
+        dst.par_chunks_mut(total).enumerate().for_each(body);
+    } else {
+        dst.chunks_mut(total).enumerate().for_each(body);
+    }
+    Ok(())
+}
+
+/// Copies the block of `p` at outer index `o` (the row-major index over the axes before
+/// `axis`) into `dst`, in row-major order: whole when it is contiguous, else a row of
+/// the last axis at a time.
+fn copy_block(p: &Loc, axis: usize, o: usize, dst: &mut [u32]) {
+    let (shape, strides) = (p.shape(), &p.layout.strides);
+    let mut off = p.layout.offset;
+    let mut rest = o;
+    for d in (0..axis).rev() {
+        off += (rest % shape[d]) * strides[d];
+        rest /= shape[d];
+    }
+    let src = p.ptr as *const u32;
+    let (sub, sub_strides) = (&shape[axis..], &strides[axis..]);
+    let contiguous = {
+        let mut want = 1;
+        sub.iter().zip(sub_strides).rev().all(|(&d, &s)| {
+            let ok = d == 1 || s == want;
+            want *= d;
+            ok
+        })
+    };
+    if contiguous {
+        // SAFETY: a contiguous block of `dst.len()` elements inside the part's buffer.
+        let from = unsafe { std::slice::from_raw_parts(src.add(off), dst.len()) };
+        dst.copy_from_slice(from);
+        return;
+    }
+    let r = sub.len();
+    let (last, last_stride) = (sub[r - 1], sub_strides[r - 1]);
+    let mut idx = vec![0usize; r - 1];
+    for row in dst.chunks_mut(last.max(1)) {
+        let at = off
+            + idx
+                .iter()
+                .zip(sub_strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>();
+        if last_stride == 1 {
+            // SAFETY: a row of the layout, inside the part's buffer.
+            row.copy_from_slice(unsafe { std::slice::from_raw_parts(src.add(at), last) });
+        } else {
+            for (j, w) in row.iter_mut().enumerate() {
+                // SAFETY: element `j` of the row, inside the part's buffer.
+                *w = unsafe { *src.add(at + j * last_stride) };
+            }
+        }
+        for d in (0..r - 1).rev() {
+            idx[d] += 1;
+            if idx[d] < sub[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eager::value::Layout;
+
+    fn loc(data: &mut [u32], layout: Layout, dtype: DType) -> Loc {
+        Loc {
+            ptr: data.as_mut_ptr() as *mut u8,
+            layout,
+            dtype,
+        }
+    }
+
+    /// The element of `layout` at multi-index `idx`.
+    fn at(data: &[u32], l: &Layout, idx: &[usize]) -> u32 {
+        data[l.offset
+            + idx
+                .iter()
+                .zip(&l.strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>()]
+    }
+
+    #[test]
+    fn concat_into_copies_strided_and_contiguous_parts_along_every_axis() {
+        // A [2, 3, 4] part read through a permutation (strided, offset 5), a contiguous
+        // part, and an empty one (a cache with no past positions), along each axis.
+        let mut a_data: Vec<u32> = (0..5 + 24).map(|i| 1000 + i).collect();
+        let a_base = Layout {
+            shape: vec![4, 2, 3],
+            strides: vec![6, 3, 1],
+            offset: 5,
+        };
+        let a_layout = a_base.permute(&[1, 2, 0]); // [2, 3, 4], innermost stride 6
+        for axis in 0..3 {
+            let mut b_shape = vec![2, 3, 4];
+            b_shape[axis] = 3;
+            let mut e_shape = vec![2, 3, 4];
+            e_shape[axis] = 0;
+            let mut b_data: Vec<u32> = (0..b_shape.iter().product::<usize>() as u32)
+                .map(|i| 2000 + i)
+                .collect();
+            let mut out_shape = vec![2, 3, 4];
+            out_shape[axis] += 3;
+            let n: usize = out_shape.iter().product();
+            let mut out_data = vec![0u32; n];
+            let mut empty: Vec<u32> = vec![];
+            let (b_layout, e_layout) = (Layout::contiguous(&b_shape), Layout::contiguous(&e_shape));
+            let parts = [
+                loc(&mut empty, e_layout, DType::F32),
+                loc(&mut a_data, a_layout.clone(), DType::F32),
+                loc(&mut b_data, b_layout.clone(), DType::F32),
+            ];
+            let out_layout = Layout::contiguous(&out_shape);
+            let out = loc(&mut out_data, out_layout.clone(), DType::F32);
+            let refs: Vec<&Loc> = parts.iter().collect();
+            concat_into(&refs, &out, axis).unwrap();
+            for i in 0..out_shape[0] {
+                for j in 0..out_shape[1] {
+                    for k in 0..out_shape[2] {
+                        let mut idx = [i, j, k];
+                        let want = if idx[axis] < a_layout.shape[axis] {
+                            at(&a_data, &a_layout, &idx)
+                        } else {
+                            idx[axis] -= a_layout.shape[axis];
+                            at(&b_data, &b_layout, &idx)
+                        };
+                        assert_eq!(
+                            at(&out_data, &out_layout, &[i, j, k]),
+                            want,
+                            "axis {axis} at {:?}",
+                            [i, j, k]
+                        );
+                    }
+                }
+            }
+            // Parts that do not add up are an error, not a wild write.
+            let short = loc(&mut out_data, Layout::contiguous(&out_shape), DType::F32);
+            assert!(concat_into(&refs[1..2], &short, axis).is_err());
         }
     }
 }
