@@ -28,20 +28,24 @@ fn main() {
             "decode_step" => Mode::Decode,
             _ => Mode::Eval,
         };
-        let g = kiln_dsl::compile_file(
-            &root.join("models").join(spec),
-            &DslOptions {
-                mode,
-                ..DslOptions::default()
-            },
-        )
-        .expect("the spec compiles");
+        let elaborate = |mode| {
+            kiln_dsl::compile_file(
+                &root.join("models").join(spec),
+                &DslOptions {
+                    mode,
+                    ..DslOptions::default()
+                },
+            )
+            .expect("the spec compiles")
+        };
+        let g = elaborate(mode);
         let g = match entry {
             "train_step" => kiln_compiler::autodiff::train_step(&g).expect("differentiates"),
+            // The step the decoder runs: its per-sentence values computed by `encode`.
             "decode_step" => {
-                let mut outs = g.forward_outputs();
-                outs.extend(g.cache_outputs());
-                g.prune(&outs).expect("prunes")
+                kiln_runtime::decoder_entries(&elaborate(Mode::Eval), &g)
+                    .expect("cuts the decoder's entries")
+                    .1
             }
             _ => g.prune(&g.forward_outputs()).expect("prunes"),
         };
