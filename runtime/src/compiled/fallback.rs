@@ -142,30 +142,34 @@ fn store(v: &Value<'_>, out: &Loc) -> Result<(), String> {
             out.shape()
         ));
     }
-    let words: Vec<u32> = match &v.data {
-        Data::F(_) => {
-            let view = v.view::<f32>().expect("f32");
-            crate::eager::walk::to_vec(None, view)
-                .iter()
-                .map(|x| x.to_bits())
-                .collect()
-        }
-        Data::I(_) => {
-            let view = v.view::<i32>().expect("i32");
-            crate::eager::walk::to_vec(None, view)
-                .iter()
-                .map(|&x| x as u32)
-                .collect()
-        }
+    // f32 and i32 results are copied once, straight from the value where it is
+    // contiguous; bools become 0/1 words.
+    fn copy_in<E: crate::eager::value::Elem>(view: crate::eager::value::View<'_, E>, out: &Loc) {
+        let data = crate::eager::index::contiguous(view);
+        debug_assert!(out.is_contiguous() && data.len() == out.numel());
+        debug_assert_eq!(std::mem::size_of::<E>(), 4);
+        // SAFETY: the location is a contiguous buffer of `numel` 4-byte elements, and `E`
+        // is a 4-byte element (f32 or i32).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr() as *const u32,
+                out.base() as *mut u32,
+                data.len().min(out.numel()),
+            )
+        };
+    }
+    match &v.data {
+        Data::F(_) => copy_in(v.view::<f32>().ok_or("internal: not f32")?, out),
+        Data::I(_) => copy_in(v.view::<i32>().ok_or("internal: not i32")?, out),
         Data::B(_) => {
-            let view = v.view::<bool>().expect("bool");
-            crate::eager::walk::to_vec(None, view)
+            let view = v.view::<bool>().ok_or("internal: not bool")?;
+            let words: Vec<u32> = crate::eager::walk::to_vec(None, view)
                 .iter()
                 .map(|&x| x as u32)
-                .collect()
+                .collect();
+            write_words(out, &words);
         }
-    };
-    write_words(out, &words);
+    }
     Ok(())
 }
 
