@@ -1393,6 +1393,9 @@ pub fn translate_ids(
     order.sort_by_key(|&i| (srcs[i].len(), i));
     let mut out = vec![Vec::new(); srcs.len()];
     const SENTENCES: usize = 32;
+    // One decoder for every batch: the parameters stay the same, so its programs keep
+    // what they derive from them (the transposed weight copies) from batch to batch.
+    let mut model = crate::decode::cached_step(encode, step, params, vocab);
     for chunk in order.chunks(SENTENCES) {
         let width = chunk
             .iter()
@@ -1407,7 +1410,6 @@ pub fn translate_ids(
         }
         let src = Tensor::i32(vec![chunk.len(), width], ids)
             .map_err(|e| TrainError::Setup(e.to_string()))?;
-        let mut model = crate::decode::cached_step(encode, step, params, vocab);
         let hyps = decode(model.as_mut(), &src, opts)?;
         for (&i, h) in chunk.iter().zip(hyps) {
             out[i] = h.tokens;
