@@ -436,6 +436,32 @@ fn logits_of(
     Ok((last, vocab))
 }
 
+/// The [`StepModel`] methods of a host step model with a `step_logits` method and a
+/// `vocab` field: log-probabilities of whole rows, or each row's best tokens straight
+/// from the logits ([`rows_top`]).
+macro_rules! host_step_methods {
+    () => {
+        fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+            let (logits, vocab) = self.step_logits(tokens, parents)?;
+            Ok(log_softmax_rows(&logits, vocab))
+        }
+
+        fn step_top(
+            &mut self,
+            tokens: &[i32],
+            parents: &[usize],
+            spec: &TopSpec<'_>,
+        ) -> Result<Vec<RowTop>, DecodeError> {
+            let (logits, vocab) = self.step_logits(tokens, parents)?;
+            Ok(rows_top(&logits, vocab, spec))
+        }
+
+        fn vocab(&self) -> usize {
+            self.vocab
+        }
+    };
+}
+
 /// Decoding with the `encode` and `decode_step` entry points and a key/value cache.
 pub struct CachedStep<'a> {
     encode: &'a dyn Exec,
@@ -573,26 +599,7 @@ impl StepModel for CachedStep<'_> {
         Ok(())
     }
 
-    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
-        let (logits, vocab) = self.step_logits(tokens, parents)?;
-        Ok(log_softmax_rows(&logits, vocab))
-    }
-
-    /// The step's logits reduced to each row's best tokens ([`rows_top`]), without the
-    /// log-probabilities of the whole vocabulary.
-    fn step_top(
-        &mut self,
-        tokens: &[i32],
-        parents: &[usize],
-        spec: &TopSpec<'_>,
-    ) -> Result<Vec<RowTop>, DecodeError> {
-        let (logits, vocab) = self.step_logits(tokens, parents)?;
-        Ok(rows_top(&logits, vocab, spec))
-    }
-
-    fn vocab(&self) -> usize {
-        self.vocab
-    }
+    host_step_methods!();
 }
 
 /// [`CachedStep`] with the state on the GPU: the `decode_step` entry runs on a CUDA
@@ -807,24 +814,7 @@ impl StepModel for FullStep<'_> {
         Ok(())
     }
 
-    fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
-        let (logits, vocab) = self.step_logits(tokens, parents)?;
-        Ok(log_softmax_rows(&logits, vocab))
-    }
-
-    fn step_top(
-        &mut self,
-        tokens: &[i32],
-        parents: &[usize],
-        spec: &TopSpec<'_>,
-    ) -> Result<Vec<RowTop>, DecodeError> {
-        let (logits, vocab) = self.step_logits(tokens, parents)?;
-        Ok(rows_top(&logits, vocab, spec))
-    }
-
-    fn vocab(&self) -> usize {
-        self.vocab
-    }
+    host_step_methods!();
 }
 
 /// The number of non-pad tokens of each row of `src`.
