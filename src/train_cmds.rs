@@ -2,7 +2,7 @@
 //! the runtime's trainer, decoder, checkpoints and interop.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, Write};
+use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 use kiln_compiler::artifact::TOKENIZER_FILE;
@@ -14,7 +14,7 @@ use kiln_runtime::data::Tokenizer;
 use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
-use kiln_runtime::train::{prepare_tokenizer, translate_ids, ModelGraphs, Progress, Trainer};
+use kiln_runtime::train::{prepare_tokenizer, translate_ids_with, ModelGraphs, Progress, Trainer};
 
 use crate::plain;
 
@@ -351,8 +351,39 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             which.push(i);
         }
     }
-    let hyps = translate_ids(&*m.encode, &*m.step, &m.params, &srcs, &opts, m.vocab)
-        .map_err(err("kiln::translate"))?;
+    // A progress bar on a terminal; a summary line on standard error in any case, as
+    // fairseq and Marian print one.
+    let started = std::time::Instant::now();
+    let bar = (std::io::stderr().is_terminal() && srcs.len() > 32).then(|| {
+        let b = indicatif::ProgressBar::new(srcs.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:30}] {pos}/{len} sentences",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        b
+    });
+    let hyps = translate_ids_with(
+        &*m.encode,
+        &*m.step,
+        &m.params,
+        &srcs,
+        &opts,
+        m.vocab,
+        &mut |n| {
+            if let Some(b) = &bar {
+                b.set_position(n as u64);
+            }
+        },
+    )
+    .map_err(err("kiln::translate"))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let tokens: usize = hyps.iter().map(|h| h.len()).sum();
     let mut out = vec![String::new(); lines.len()];
     for (i, h) in which.into_iter().zip(hyps) {
         out[i] = m.tokenizer.decode(&h);
@@ -364,6 +395,21 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     }
     w.flush()
         .map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
+    eprintln!(
+        "translated {} sentence{} ({} source and {tokens} output tokens) in {secs:.1} s: \
+         {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
+        srcs.len(),
+        if srcs.len() == 1 { "" } else { "s" },
+        srcs.iter().map(|s| s.len()).sum::<usize>(),
+        srcs.len() as f64 / secs.max(1e-9),
+        tokens as f64 / secs.max(1e-9),
+        if opts.greedy {
+            "greedy".to_string()
+        } else {
+            format!("beam {}", opts.beam)
+        },
+        a.executor,
+    );
     Ok(())
 }
 

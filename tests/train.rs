@@ -411,6 +411,33 @@ fn checkpoints_translate_average_and_export() {
     let lines: Vec<&str> = out.split('\n').collect();
     assert_eq!(lines.len(), 4, "{out:?}");
     assert_eq!(lines[1], "");
+    // Standard error gets one summary line: the sentences (the empty line is not one),
+    // their source tokens, and the speed.
+    let run = kiln(
+        &dir,
+        &[
+            "translate",
+            "--checkpoint",
+            "run",
+            "--input",
+            "in.txt",
+            "--executor",
+            "reference",
+            "--max-len-b",
+            "4",
+            "--greedy",
+        ],
+    );
+    assert!(run.status.success());
+    assert_eq!(String::from_utf8(run.stdout).unwrap().lines().count(), 3);
+    let err = String::from_utf8(run.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("translated 2 sentences (5 source and ")
+            && err.contains(" sentences/s, ")
+            && err.trim_end().ends_with("(greedy, reference)"),
+        "{err}"
+    );
     // Averaging two checkpoints gives their mean, as a model directory translate accepts.
     ok(
         &dir,

@@ -1389,6 +1389,20 @@ pub fn translate_ids(
     opts: &DecodeOptions,
     vocab: usize,
 ) -> Result<Vec<Vec<i32>>, TrainError> {
+    translate_ids_with(encode, step, params, srcs, opts, vocab, &mut |_| {})
+}
+
+/// [`translate_ids`], calling `done(n)` after each batch with the number of sentences
+/// decoded so far (for a progress bar).
+pub fn translate_ids_with(
+    encode: &dyn Exec,
+    step: &dyn Exec,
+    params: &BTreeMap<String, Tensor>,
+    srcs: &[Vec<i32>],
+    opts: &DecodeOptions,
+    vocab: usize,
+    done: &mut dyn FnMut(usize),
+) -> Result<Vec<Vec<i32>>, TrainError> {
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
     let mut out = vec![Vec::new(); srcs.len()];
@@ -1396,6 +1410,7 @@ pub fn translate_ids(
     // One decoder for every batch: the parameters stay the same, so its programs keep
     // what they derive from them (the transposed weight copies) from batch to batch.
     let mut model = crate::decode::cached_step(encode, step, params, vocab);
+    let mut finished = 0;
     for chunk in order.chunks(SENTENCES) {
         let width = chunk
             .iter()
@@ -1414,6 +1429,8 @@ pub fn translate_ids(
         for (&i, h) in chunk.iter().zip(hyps) {
             out[i] = h.tokens;
         }
+        finished += chunk.len();
+        done(finished);
     }
     Ok(out)
 }
