@@ -14,7 +14,7 @@ use kiln_runtime::data::Tokenizer;
 use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
-use kiln_runtime::train::{prepare_tokenizer, translate_ids_with, ModelGraphs, Progress, Trainer};
+use kiln_runtime::train::{prepare_tokenizer, translate_ids, ModelGraphs, Progress, Trainer};
 
 use crate::plain;
 
@@ -365,7 +365,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         );
         b
     });
-    let hyps = translate_ids_with(
+    let hyps = translate_ids(
         &*m.encode,
         &*m.step,
         &m.params,

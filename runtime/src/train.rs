@@ -1033,6 +1033,7 @@ impl Trainer {
             &srcs,
             &opts,
             self.vocab(),
+            &mut |_| {},
         )?;
         let hyps: Vec<String> = hyps.iter().map(|h| self.tokenizer.decode(h)).collect();
         let refs: Vec<String> = self.valid_lines[..n]
@@ -1381,20 +1382,9 @@ fn digest_changes(saved: &str, now: &str) -> Vec<String> {
 }
 
 /// Beam-decodes token-id sentences in batches of similar length; results in input order.
+/// `done(n)` is called after each batch with the number of sentences decoded so far (for
+/// a progress bar).
 pub fn translate_ids(
-    encode: &dyn Exec,
-    step: &dyn Exec,
-    params: &BTreeMap<String, Tensor>,
-    srcs: &[Vec<i32>],
-    opts: &DecodeOptions,
-    vocab: usize,
-) -> Result<Vec<Vec<i32>>, TrainError> {
-    translate_ids_with(encode, step, params, srcs, opts, vocab, &mut |_| {})
-}
-
-/// [`translate_ids`], calling `done(n)` after each batch with the number of sentences
-/// decoded so far (for a progress bar).
-pub fn translate_ids_with(
     encode: &dyn Exec,
     step: &dyn Exec,
     params: &BTreeMap<String, Tensor>,
