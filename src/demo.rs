@@ -126,8 +126,17 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     let refs: Vec<String> = test.iter().map(|p| p.1.clone()).collect();
     let evaluate = |params: &BTreeMap<String, Tensor>| -> Result<Scored, Error> {
         let start = Instant::now();
-        let hyps = translate_ids(&*encode, &*step, params, &srcs, &opts, vocab, &mut |_| {})
-            .map_err(err("kiln::demo"))?;
+        let hyps = translate_ids(
+            &*encode,
+            &*step,
+            params,
+            &srcs,
+            &opts,
+            vocab,
+            kiln_runtime::train::TRANSLATE_BATCH,
+            &mut |_| {},
+        )
+        .map_err(err("kiln::demo"))?;
         let hyps: Vec<String> = hyps.iter().map(|h| tok.decode(h)).collect();
         let exact = hyps.iter().zip(&refs).filter(|(h, r)| h == r).count();
         let bleu = corpus_bleu(&hyps, std::slice::from_ref(&refs), &BleuOptions::default())

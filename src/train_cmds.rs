@@ -296,6 +296,8 @@ pub struct TranslateArgs {
     pub max_len_a: f64,
     pub max_len_b: usize,
     pub greedy: bool,
+    /// Sentences decoded together.
+    pub batch: usize,
     pub executor: String,
 }
 
@@ -354,7 +356,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     // A progress bar on a terminal; a summary line on standard error in any case, as
     // fairseq and Marian print one.
     let started = std::time::Instant::now();
-    let bar = (std::io::stderr().is_terminal() && srcs.len() > 32).then(|| {
+    let bar = (std::io::stderr().is_terminal() && srcs.len() > a.batch).then(|| {
         let b = indicatif::ProgressBar::new(srcs.len() as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template(
@@ -372,6 +374,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         &srcs,
         &opts,
         m.vocab,
+        a.batch,
         &mut |n| {
             if let Some(b) = &bar {
                 b.set_position(n as u64);

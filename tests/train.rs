@@ -396,9 +396,8 @@ fn checkpoints_translate_average_and_export() {
     // error gets one summary line: the sentences (the empty line is not one), their
     // source tokens, and the speed.
     std::fs::write(dir.join("in.txt"), "s1 s2 s3\n\ns4 s5\n").unwrap();
-    let run = kiln(
-        &dir,
-        &[
+    let translate = |extra: &[&str]| {
+        let base = [
             "translate",
             "--checkpoint",
             "run",
@@ -408,8 +407,10 @@ fn checkpoints_translate_average_and_export() {
             "reference",
             "--max-len-b",
             "4",
-        ],
-    );
+        ];
+        kiln(&dir, &[&base[..], extra].concat())
+    };
+    let run = translate(&[]);
     assert!(run.status.success());
     let out = String::from_utf8(run.stdout).unwrap();
     let lines: Vec<&str> = out.split('\n').collect();
@@ -423,6 +424,12 @@ fn checkpoints_translate_average_and_export() {
             && err.trim_end().ends_with("(beam 4, reference)"),
         "{err}"
     );
+    // One sentence a batch translates the same.
+    let one = translate(&["--batch", "1"]);
+    assert!(one.status.success());
+    assert_eq!(String::from_utf8(one.stdout).unwrap(), out);
+    let zero = kiln(&dir, &["translate", "--checkpoint", "run", "--batch", "0"]);
+    assert_eq!(zero.status.code(), Some(2), "clap's usage error");
     // Averaging two checkpoints gives their mean, as a model directory translate accepts.
     ok(
         &dir,

@@ -1033,6 +1033,7 @@ impl Trainer {
             &srcs,
             &opts,
             self.vocab(),
+            TRANSLATE_BATCH,
             &mut |_| {},
         )?;
         let hyps: Vec<String> = hyps.iter().map(|h| self.tokenizer.decode(h)).collect();
@@ -1381,9 +1382,15 @@ fn digest_changes(saved: &str, now: &str) -> Vec<String> {
         .collect()
 }
 
-/// Beam-decodes token-id sentences in batches of similar length; results in input order.
-/// `done(n)` is called after each batch with the number of sentences decoded so far (for
-/// a progress bar).
+/// Sentences a batch of [`translate_ids`] by default: the fastest on the 2-core machine
+/// (`kiln translate` of Multi30k val: 16 → 26.6 s, 32 → 21.8 s, 64 → 23.6 s, 128 → 26.4
+/// s, with RSS growing with the batch).
+pub const TRANSLATE_BATCH: usize = 32;
+
+/// Beam-decodes token-id sentences in batches of `batch` sentences of similar length;
+/// results in input order. `done(n)` is called after each batch with the number of
+/// sentences decoded so far (for a progress bar).
+#[allow(clippy::too_many_arguments)]
 pub fn translate_ids(
     encode: &dyn Exec,
     step: &dyn Exec,
@@ -1391,17 +1398,17 @@ pub fn translate_ids(
     srcs: &[Vec<i32>],
     opts: &DecodeOptions,
     vocab: usize,
+    batch: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<i32>>, TrainError> {
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
     let mut out = vec![Vec::new(); srcs.len()];
-    const SENTENCES: usize = 32;
     // One decoder for every batch: the parameters stay the same, so its programs keep
     // what they derive from them (the transposed weight copies) from batch to batch.
     let mut model = crate::decode::cached_step(encode, step, params, vocab);
     let mut finished = 0;
-    for chunk in order.chunks(SENTENCES) {
+    for chunk in order.chunks(batch.max(1)) {
         let width = chunk
             .iter()
             .map(|&i| srcs[i].len())
