@@ -138,6 +138,12 @@ pub struct RowTop {
     pub eos: f64,
 }
 
+/// The order of a row's candidates `(log-probability, token)`: the higher
+/// log-probability first, ties to the smaller token.
+fn ranks_before(a: &(f64, i32), b: &(f64, i32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
 /// The [`RowTop`] of one row of log-probabilities: NaN and banned tokens left out.
 pub fn row_top(row: &[f64], spec: &TopSpec<'_>) -> RowTop {
     let mut ids: Vec<(f64, i32)> = row
@@ -146,7 +152,7 @@ pub fn row_top(row: &[f64], spec: &TopSpec<'_>) -> RowTop {
         .filter(|(t, lp)| !lp.is_nan() && !spec.banned.contains(&(*t as i32)))
         .map(|(t, &lp)| (lp, t as i32))
         .collect();
-    let better = |a: &(f64, i32), b: &(f64, i32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    let better = ranks_before;
     if ids.len() > spec.k {
         if spec.k == 0 {
             ids.clear();
@@ -343,8 +349,7 @@ pub fn rows_top(logits: &[f32], v: usize, spec: &TopSpec<'_>) -> Vec<RowTop> {
 fn top_of_logits(row: &[f32], spec: &TopSpec<'_>) -> RowTop {
     use std::cmp::Ordering;
     let lse = row_lse(row);
-    // The order of `row_top`: the higher log-probability first, then the smaller token.
-    let better = |a: &(f64, i32), b: &(f64, i32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    let better = ranks_before;
     let mut best: Vec<(f64, i32)> = Vec::with_capacity(spec.k + 1);
     if spec.k > 0 {
         for (t, &x) in row.iter().enumerate() {
@@ -533,8 +538,7 @@ impl<'a> CachedStep<'a> {
                 if keep(&k, &t) {
                     (k, t)
                 } else {
-                    let t = take_rows(&t, parents);
-                    (k, t)
+                    (k, take_rows(&t, parents))
                 }
             })
             .collect();

@@ -232,8 +232,6 @@ pub(crate) fn run_host(
         Fallback::Prim(Op::Concat { axis })
             if outs[0].is_contiguous()
                 && matches!(outs[0].dtype, DType::F32 | DType::I32)
-                && ins.iter().all(|l| l.dtype == outs[0].dtype)
-                && ins.iter().all(|l| l.shape().len() == outs[0].shape().len())
                 && *axis < outs[0].shape().len() =>
         {
             concat_into(ins, &outs[0], *axis)
@@ -285,18 +283,19 @@ pub(crate) fn run_host(
     }
 }
 
-/// `concat` along `axis` of 4-byte locations `parts` into the contiguous `out`: for each
-/// index of the axes before `axis` (an "outer" index), each part's block in turn, the
-/// outer indices in parallel when the result is large.
+/// `concat` along `axis` of f32 or i32 locations `parts` into the contiguous `out` of
+/// the same type: the eager kernel ([`crate::eager::index::concat_into`]) reading the
+/// parts in place and writing the result where it lives.
 fn concat_into(parts: &[&Loc], out: &Loc, axis: usize) -> Result<(), String> {
-    use rayon::prelude::*;
     let shape = out.shape();
-    let inner: usize = shape[axis + 1..].iter().product();
-    let total = shape[axis] * inner;
     let mut sum = 0;
     for p in parts {
         let ps = p.shape();
-        if ps[..axis] != shape[..axis] || ps[axis + 1..] != shape[axis + 1..] {
+        if p.dtype != out.dtype
+            || ps.len() != shape.len()
+            || ps[..axis] != shape[..axis]
+            || ps[axis + 1..] != shape[axis + 1..]
+        {
             return Err(format!(
                 "internal: concat of {ps:?} into {shape:?} along axis {axis}"
             ));
@@ -309,84 +308,30 @@ fn concat_into(parts: &[&Loc], out: &Loc, axis: usize) -> Result<(), String> {
             shape[axis]
         ));
     }
-    if out.numel() == 0 {
-        return Ok(());
+    let values: Vec<Value<'_>> = parts.iter().map(|l| value(l)).collect();
+    fn views<'a, E: crate::eager::value::Elem>(
+        values: &'a [Value<'_>],
+    ) -> Option<Vec<crate::eager::value::View<'a, E>>> {
+        values.iter().map(|v| v.view::<E>()).collect()
     }
-    // SAFETY: a contiguous location of `numel` 4-byte elements that this kernel alone
-    // writes; the parts are other values (a kernel never reads its own result).
-    let dst = unsafe { std::slice::from_raw_parts_mut(out.base() as *mut u32, out.numel()) };
-    let body = |(o, row): (usize, &mut [u32])| {
-        let mut at = 0;
-        for p in parts {
-            let n = p.shape()[axis] * inner;
-            if n > 0 {
-                copy_block(p, axis, o, &mut row[at..at + n]);
-            }
-            at += n;
+    let n = out.numel();
+    match out.dtype {
+        DType::F32 => {
+            let parts = views::<f32>(&values).ok_or("internal: concat of non-f32 parts")?;
+            // SAFETY: a contiguous f32 location of `numel` elements that this kernel alone
+            // writes; the parts are other values (a kernel never reads its own result).
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.base() as *mut f32, n) };
+            crate::eager::index::concat_into(&parts, axis, shape, dst);
         }
-    };
-    if dst.len() >= 1 << 15 {
-        dst.par_chunks_mut(total).enumerate().for_each(body);
-    } else {
-        dst.chunks_mut(total).enumerate().for_each(body);
+        DType::I32 => {
+            let parts = views::<i32>(&values).ok_or("internal: concat of non-i32 parts")?;
+            // SAFETY: as above, for i32.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.base() as *mut i32, n) };
+            crate::eager::index::concat_into(&parts, axis, shape, dst);
+        }
+        other => return Err(format!("internal: a direct concat of {other:?}")),
     }
     Ok(())
-}
-
-/// Copies the block of `p` at outer index `o` (the row-major index over the axes before
-/// `axis`) into `dst`, in row-major order: whole when it is contiguous, else a row of
-/// the last axis at a time.
-fn copy_block(p: &Loc, axis: usize, o: usize, dst: &mut [u32]) {
-    let (shape, strides) = (p.shape(), &p.layout.strides);
-    let mut off = p.layout.offset;
-    let mut rest = o;
-    for d in (0..axis).rev() {
-        off += (rest % shape[d]) * strides[d];
-        rest /= shape[d];
-    }
-    let src = p.ptr as *const u32;
-    let (sub, sub_strides) = (&shape[axis..], &strides[axis..]);
-    let contiguous = {
-        let mut want = 1;
-        sub.iter().zip(sub_strides).rev().all(|(&d, &s)| {
-            let ok = d == 1 || s == want;
-            want *= d;
-            ok
-        })
-    };
-    if contiguous {
-        // SAFETY: a contiguous block of `dst.len()` elements inside the part's buffer.
-        let from = unsafe { std::slice::from_raw_parts(src.add(off), dst.len()) };
-        dst.copy_from_slice(from);
-        return;
-    }
-    let r = sub.len();
-    let (last, last_stride) = (sub[r - 1], sub_strides[r - 1]);
-    let mut idx = vec![0usize; r - 1];
-    for row in dst.chunks_mut(last.max(1)) {
-        let at = off
-            + idx
-                .iter()
-                .zip(sub_strides)
-                .map(|(i, s)| i * s)
-                .sum::<usize>();
-        if last_stride == 1 {
-            // SAFETY: a row of the layout, inside the part's buffer.
-            row.copy_from_slice(unsafe { std::slice::from_raw_parts(src.add(at), last) });
-        } else {
-            for (j, w) in row.iter_mut().enumerate() {
-                // SAFETY: element `j` of the row, inside the part's buffer.
-                *w = unsafe { *src.add(at + j * last_stride) };
-            }
-        }
-        for d in (0..r - 1).rev() {
-            idx[d] += 1;
-            if idx[d] < sub[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
-    }
 }
 
 #[cfg(test)]

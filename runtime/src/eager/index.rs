@@ -169,17 +169,29 @@ pub(crate) fn concat<E: Elem>(
     axis: usize,
     shape: &[usize],
 ) -> Vec<E> {
-    let outer: usize = shape[..axis].iter().product();
+    let mut out = E::alloc(pool, shape.iter().product());
+    concat_into(parts, axis, shape, &mut out);
+    out
+}
+
+/// [`concat`] into `out`, a row-major buffer of `shape` (the compiled executor's arena or
+/// output): each part's block of every index of the axes before `axis`, those indices in
+/// parallel when large. The caller checks that the parts fit `shape`.
+pub(crate) fn concat_into<E: Elem>(
+    parts: &[View<'_, E>],
+    axis: usize,
+    shape: &[usize],
+    out: &mut [E],
+) {
     let inner: usize = shape[axis + 1..].iter().product();
     let total = shape[axis] * inner;
+    if total == 0 || out.is_empty() {
+        return;
+    }
     let parts: Vec<(Cow<'_, [E]>, usize)> = parts
         .iter()
         .map(|p| (contiguous(*p), p.shape()[axis] * inner))
         .collect();
-    let mut out = E::alloc(pool, outer * total);
-    if total == 0 {
-        return out;
-    }
     let body = |(o, dst): (usize, &mut [E])| {
         let mut at = 0;
         for (v, chunk) in &parts {
@@ -192,7 +204,6 @@ pub(crate) fn concat<E: Elem>(
     } else {
         out.chunks_mut(total).enumerate().for_each(body);
     }
-    out
 }
 
 /// `out[i] = f(i)` for every flat index, in parallel when large.
