@@ -661,11 +661,21 @@ impl CudaExecutor {
                 opts.precision
             )));
         }
+        // A bf16 device tensor stands for an f32 input of the graph (a mixed-precision
+        // program's caches): the binder sees f32, and the placement below checks the
+        // dtype against the storage plan.
         let held: BTreeMap<String, (Vec<usize>, DType)> = resident
             .map(|r| {
                 r.inputs
                     .iter()
-                    .map(|(n, t)| (n.clone(), (t.shape.clone(), t.dtype)))
+                    .map(|(n, t)| {
+                        let seen = if t.dtype == DType::BF16 {
+                            DType::F32
+                        } else {
+                            t.dtype
+                        };
+                        (n.clone(), (t.shape.clone(), seen))
+                    })
                     .collect()
             })
             .unwrap_or_default();
