@@ -5,7 +5,8 @@
 //! executor (never a panic), every kernel of every entry has a GPU launch, and the
 //! artifact-level errors are named. With a GPU (skipped here unless
 //! `KILN_REQUIRE_CUDA=1`): every entry matches the CPU compiled executor within
-//! `1e-5·max + 1e-6`, and so do consecutive training steps.
+//! `1e-5·max + 1e-6`, and so do consecutive training steps. `cuda_emulated.rs` runs
+//! these same tests on the host emulation of the device (`KILN_CUDA_EMULATE=1`).
 
 mod common;
 
@@ -338,8 +339,11 @@ fn gpu_train_steps_match_the_cpu_executor() {
 }
 
 /// A `train_step` with `options` against the CPU executor on the same random feeds:
-/// every output within `rel·max|cpu| + abs`, the loss within `loss_rel·|loss|`. Returns
-/// the executor, the feeds and the options, and asserts that some output differs (the
+/// every output within `rel` in relative L2 norm (`‖gpu − cpu‖₂ ≤ rel·‖cpu‖₂ +
+/// abs·√n`), the loss within `loss_rel·|loss|`. The L2 norm, not the largest element:
+/// a ReLU whose input rounds across zero in reduced precision passes or stops a whole
+/// gradient element, which is how reduced precision behaves, not an error. Returns the
+/// executor, the feeds and the options, and asserts that some output differs (the
 /// reduced precision shows). Prints the share of the bound used.
 fn close_train_step(
     what: &str,
@@ -362,20 +366,23 @@ fn close_train_step(
     let (mut worst, mut exact) = (0f64, true);
     for ((n, w), (_, g)) in want.iter().zip(&got) {
         let (w, g) = (as_f64(w), as_f64(g));
-        let max = w.iter().fold(0f64, |a, x| a.max(x.abs()));
+        let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
         let diff = w
             .iter()
             .zip(&g)
-            .fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+            .map(|(x, y)| (x - y) * (x - y))
+            .sum::<f64>()
+            .sqrt();
+        let bound = rel * norm + abs * (w.len() as f64).sqrt();
         assert!(
-            diff <= rel * max + abs,
-            "{what} {n}: max diff {diff:e}, max |cpu| {max:e}"
+            diff <= bound,
+            "{what} {n}: ‖gpu − cpu‖₂ {diff:e}, ‖cpu‖₂ {norm:e} (bound {bound:e})"
         );
         if n == "loss" {
-            assert!(diff <= loss_rel * max, "{what} loss: {g:?} vs {w:?}");
+            assert!(diff <= loss_rel * norm, "{what} loss: {g:?} vs {w:?}");
         }
         exact &= diff == 0.0;
-        worst = worst.max(diff / (rel * max + abs));
+        worst = worst.max(diff / bound);
     }
     assert!(
         !exact,
@@ -386,8 +393,8 @@ fn close_train_step(
 }
 
 /// TF32 GEMMs (`CudaOptions::tf32`, `KILN_CUDA_TF32=1` on the command line): a training
-/// step within `1e-2·max + 1e-5` of the CPU (operands rounded to a 10-bit mantissa,
-/// fp32 accumulation), the loss within `1e-3` relative.
+/// step within `1e-2` of the CPU in relative L2 norm (operands rounded to a 10-bit
+/// mantissa, fp32 accumulation), the loss within `1e-3` relative.
 #[test]
 fn gpu_tf32_train_step_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
@@ -401,9 +408,11 @@ fn gpu_tf32_train_step_is_close_to_the_cpu() {
 }
 
 /// bf16 GEMM operands (`CudaOptions::bf16`, `KILN_CUDA_BF16=1`): a training step within
-/// `5e-2·max + 1e-4` of the CPU (operands rounded to an 8-bit mantissa, fp32
-/// accumulation and results), the loss within `1e-2` relative; and device training runs
-/// with it (the loss of a second step is finite and differs from the first).
+/// `8e-2` of the CPU in relative L2 norm (operands rounded to an 8-bit mantissa, fp32
+/// accumulation and results; the host emulation measured at most 3.6 %, the first FFN
+/// layer's gradients, where ReLU gates flip), the loss within `1e-2` relative; and
+/// device training runs with it (the loss of a second step is finite and differs from
+/// the first).
 #[test]
 fn gpu_bf16_train_step_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
@@ -413,7 +422,7 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
         bf16: true,
         ..CudaOptions::default()
     };
-    let (gpu, inputs, params, opts) = close_train_step("bf16", bf16, 12, (5e-2, 1e-4, 1e-2));
+    let (gpu, inputs, params, opts) = close_train_step("bf16", bf16, 12, (8e-2, 1e-4, 1e-2));
     two_device_steps(&gpu, &inputs, &params, &opts);
 }
 
@@ -440,10 +449,13 @@ fn two_device_steps(gpu: &CudaExecutor, inputs: &Feeds, params: &Feeds, opts: &R
 }
 
 /// Mixed precision (`CudaOptions::mixed`, `KILN_CUDA_MIXED=1`): activations stored in
-/// bf16, bf16 GEMMs, f32 parameters and loss. A training step within `0.1·max + 1e-3` of
-/// the CPU and the loss within `2e-2` relative (first bounds, before any GPU run: the
-/// printed share of the bound calibrates them); every other entry within `0.1·max +
-/// 1e-3`; device training runs with it (two steps, finite and different losses).
+/// bf16, bf16 GEMMs, f32 parameters and loss. A training step within `0.3` of the CPU in
+/// relative L2 norm and the loss within `2e-2` relative (the host emulation, which
+/// rounds exactly as the kernels do, measured the loss within 1e-4 and the gradients at
+/// 2–20 %, the most in the first decoder layer's query projection: every activation and
+/// activation gradient is rounded to 8 bits on the way); every other entry within
+/// `0.1·max + 1e-3`; device training runs with it (two steps, finite and different
+/// losses).
 #[test]
 fn gpu_mixed_precision_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
@@ -453,7 +465,7 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
         mixed: true,
         ..CudaOptions::default()
     };
-    let (gpu, inputs, params, opts) = close_train_step("mixed", mixed, 13, (0.1, 1e-3, 2e-2));
+    let (gpu, inputs, params, opts) = close_train_step("mixed", mixed, 13, (0.3, 1e-3, 2e-2));
     let art = cuda_artifact();
     for entry in ["encode", "decode_step"] {
         let g = CudaExecutor::with_options(art, entry, mixed).unwrap();

@@ -20,12 +20,21 @@ use cudarc::nvrtc::Ptx;
 use kiln_compiler::codegen::cuda::Work;
 
 use super::abi::{grid, pack_dims, Sgemm};
+use super::emulate::{HostDevice, HostMem};
 
 /// A device buffer of 4-byte words and its address.
 pub(crate) struct Buf {
-    _slice: CudaSlice<u32>,
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    owner: Owner,
     pub ptr: u64,
     pub words: usize,
+}
+
+/// What keeps a buffer's memory alive (freed when dropped; only NCCL reads it).
+#[allow(dead_code)]
+enum Owner {
+    Gpu(CudaSlice<u32>),
+    Host(HostMem),
 }
 
 /// cuBLAS's math mode ([`Device::new`]).
@@ -50,7 +59,19 @@ struct Func {
     params: usize,
 }
 
-pub(crate) struct Device {
+/// One GPU, or its host emulation ([`super::emulate`], `KILN_CUDA_EMULATE=1`).
+pub(crate) enum Device {
+    Gpu(Box<Gpu>),
+    Host(HostDevice),
+}
+
+/// A compiled unit: PTX for a GPU, or the CUDA C itself for the host emulation.
+pub(crate) enum Unit {
+    Ptx(Ptx),
+    Host(String),
+}
+
+pub(crate) struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -154,7 +175,10 @@ fn nvrtc_version() -> String {
 /// Compiles `source` (one unit) with NVRTC and `options`; the error is NVRTC's log. The
 /// PTX is kept in the PTX cache ([`super::ptx_cache`]): a unit compiled before by the
 /// same NVRTC with the same options is read back instead.
-pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
+pub(crate) fn compile(source: &str, options: &[String]) -> Result<Unit, String> {
+    if super::emulate::emulated() {
+        return Ok(Unit::Host(source.to_string()));
+    }
     let dir = super::ptx_cache::dir();
     let (ptx, _) = super::ptx_cache::compile_cached(
         dir.as_deref(),
@@ -171,7 +195,7 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Ptx, String> {
                 .map_err(nvrtc_error)
         },
     )?;
-    Ok(Ptx::from_src(ptx))
+    Ok(Unit::Ptx(Ptx::from_src(ptx)))
 }
 
 /// cuBLAS's operation for a (not) transposed operand.
@@ -209,7 +233,7 @@ fn load(
     Ok(module)
 }
 
-impl Device {
+impl Gpu {
     /// Device `ordinal` with the module `ptx` loaded, and the functions
     /// `(name, work, buffer parameter count)`.
     ///
@@ -222,7 +246,7 @@ impl Device {
         ptx: Ptx,
         functions: &[(String, Work, usize)],
         gemm: GemmMath,
-    ) -> Result<Device, String> {
+    ) -> Result<Gpu, String> {
         let ctx = CudaContext::new(ordinal).map_err(drv(&format!(
             "cannot create a CUDA context on device {ordinal}"
         )))?;
@@ -240,7 +264,7 @@ impl Device {
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) }
             .result()
             .map_err(drv("cannot set cuBLAS's math mode"))?;
-        Ok(Device {
+        Ok(Gpu {
             ctx,
             stream,
             blas,
@@ -287,17 +311,10 @@ impl Device {
             .map_err(drv(&format!("cannot allocate {} bytes", 4 * words)))?;
         let ptr = slice.device_ptr(&self.stream).0;
         Ok(Buf {
-            _slice: slice,
+            owner: Owner::Gpu(slice),
             ptr,
             words,
         })
-    }
-
-    /// A fresh buffer holding `words`.
-    pub fn upload(&self, words: &[u32]) -> Result<Buf, String> {
-        let b = self.alloc(words.len())?;
-        self.write(b.ptr, words)?;
-        Ok(b)
     }
 
     /// Runs `f` with the staging buffer (allocated on first use).
@@ -426,7 +443,10 @@ impl Device {
         let n = buf.words;
         // SAFETY: the buffer holds at least `n` 4-byte words; f32 and u32 have the same
         // size and alignment, and every bit pattern is an f32.
-        let mut view = unsafe { buf._slice.transmute_mut::<f32>(n) }
+        let Owner::Gpu(slice) = &mut buf.owner else {
+            return Err("an NCCL all-reduce of a host buffer".to_string());
+        };
+        let mut view = unsafe { slice.transmute_mut::<f32>(n) }
             .ok_or_else(|| format!("an all-reduce of {n} words over a smaller buffer"))?;
         comm.all_reduce_in_place(&mut view, &cudarc::nccl::ReduceOp::Sum)
             .map_err(drv("NCCL all-reduce"))?;
@@ -658,5 +678,203 @@ impl Device {
             }
         }
         .map_err(drv("cuBLAS sgemm"))
+    }
+}
+
+impl Device {
+    /// Device `ordinal` with `unit` loaded (see [`Gpu::new`]); a host unit makes the
+    /// emulated device (the ordinal is then 0, the only one).
+    pub fn new(
+        ordinal: usize,
+        unit: Unit,
+        functions: &[(String, Work, usize)],
+        gemm: GemmMath,
+    ) -> Result<Device, String> {
+        match unit {
+            Unit::Ptx(ptx) => Ok(Device::Gpu(Box::new(Gpu::new(
+                ordinal, ptx, functions, gemm,
+            )?))),
+            Unit::Host(source) => Ok(Device::Host(HostDevice::new(&source, functions, gemm)?)),
+        }
+    }
+
+    /// See [`Gpu::load_module`].
+    pub fn load_module(
+        &mut self,
+        unit: Unit,
+        functions: &[(String, Work, usize)],
+    ) -> Result<(), String> {
+        match (self, unit) {
+            (Device::Gpu(g), Unit::Ptx(ptx)) => g.load_module(ptx, functions),
+            (Device::Host(h), Unit::Host(source)) => h.load_module(&source, functions),
+            _ => Err("internal: a unit compiled for another device".to_string()),
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        match self {
+            Device::Gpu(g) => g.has(name),
+            Device::Host(h) => h.has(name),
+        }
+    }
+
+    /// See [`Gpu::bind`] (nothing to do on the host).
+    pub fn bind(&self) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.bind(),
+            Device::Host(_) => Ok(()),
+        }
+    }
+
+    /// `words` zeroed 4-byte words (at least one).
+    pub fn alloc(&self, words: usize) -> Result<Buf, String> {
+        match self {
+            Device::Gpu(g) => g.alloc(words),
+            Device::Host(h) => {
+                let mem = h.alloc(words);
+                Ok(Buf {
+                    ptr: mem.ptr(),
+                    owner: Owner::Host(mem),
+                    words,
+                })
+            }
+        }
+    }
+
+    /// A fresh buffer holding `words`.
+    pub fn upload(&self, words: &[u32]) -> Result<Buf, String> {
+        let b = self.alloc(words.len())?;
+        self.write(b.ptr, words)?;
+        Ok(b)
+    }
+
+    /// Copies `words` to `dst` and waits for the copy.
+    pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.write(dst, words),
+            Device::Host(h) => h.write(dst, words),
+        }
+    }
+
+    /// `n` words at `src`, after everything queued before.
+    pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
+        match self {
+            Device::Gpu(g) => g.read(src, n),
+            Device::Host(h) => h.read(src, n),
+        }
+    }
+
+    /// Zeroes `words` words at `dst`.
+    pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.zero(dst, words),
+            Device::Host(h) => h.zero(dst, words),
+        }
+    }
+
+    /// Copies `bytes` bytes device to device.
+    pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.copy_bytes(dst, src, bytes),
+            Device::Host(h) => h.copy_bytes(dst, src, bytes),
+        }
+    }
+
+    /// The GPU's stream (NCCL communicators are made on it); none for the emulation.
+    #[cfg(feature = "nccl")]
+    pub fn stream(&self) -> Result<Arc<CudaStream>, String> {
+        match self {
+            Device::Gpu(g) => Ok(g.stream()),
+            Device::Host(_) => Err("NCCL needs GPUs: the emulated device has no stream".into()),
+        }
+    }
+
+    /// See [`Gpu::all_reduce_sum`].
+    #[cfg(feature = "nccl")]
+    pub fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.all_reduce_sum(comm, buf),
+            Device::Host(_) => Err("NCCL needs GPUs, not the emulated device".to_string()),
+        }
+    }
+
+    /// Waits for everything queued (the emulation runs each call to its end).
+    pub fn sync(&self) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.sync(),
+            Device::Host(_) => Ok(()),
+        }
+    }
+
+    /// See [`Gpu::launch`].
+    pub fn launch(
+        &self,
+        name: &str,
+        ptrs: &[u64],
+        dims: &[i64],
+        items: usize,
+    ) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.launch(name, ptrs, dims, items),
+            Device::Host(h) => h.launch(name, ptrs, dims, items),
+        }
+    }
+
+    /// See [`Gpu::gemm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        g: &Sgemm,
+        elem: GemmElem,
+        out: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        beta: f32,
+        batch: Option<(usize, i64, i64, i64)>,
+    ) -> Result<(), String> {
+        match self {
+            Device::Gpu(d) => d.gemm(g, elem, out, a, b, c, beta, batch),
+            Device::Host(h) => {
+                if elem == GemmElem::F32 && out != GemmElem::F32 {
+                    return Err("internal: an f32 GEMM into a bf16 result".to_string());
+                }
+                h.gemm(g, elem, out, a, b, c, beta, batch)
+            }
+        }
+    }
+
+    /// See [`Gpu::gemm_bias`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bias(
+        &self,
+        g: &Sgemm,
+        elem: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+        relu: bool,
+    ) -> Result<bool, String> {
+        match self {
+            Device::Gpu(d) => d.gemm_bias(g, elem, a, b, c, bias, relu),
+            Device::Host(h) => h.gemm_bias(g, elem, a, b, c, bias, relu),
+        }
+    }
+
+    /// See [`Gpu::sgemm`].
+    pub fn sgemm(
+        &self,
+        g: &Sgemm,
+        a: u64,
+        b: u64,
+        c: u64,
+        beta: f32,
+        batch: Option<(usize, i64, i64, i64)>,
+    ) -> Result<(), String> {
+        match self {
+            Device::Gpu(d) => d.sgemm(g, a, b, c, beta, batch),
+            Device::Host(h) => h.gemm(g, GemmElem::F32, GemmElem::F32, a, b, c, beta, batch),
+        }
     }
 }

@@ -1207,7 +1207,7 @@ impl CudaExecutor {
 
     /// The device's stream, for an NCCL communicator ([`super::parallel`]).
     #[cfg(feature = "nccl")]
-    pub(crate) fn stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream> {
+    pub(crate) fn stream(&self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, String> {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.device.stream()
     }
@@ -1649,8 +1649,8 @@ fn load_unit_once(
         return Ok(());
     }
     let code = code();
-    let ptx = device::compile(&code.source(), options)?;
-    device.load_module(ptx, &signatures(&code))
+    let unit = device::compile(&code.source(), options)?;
+    device.load_module(unit, &signatures(&code))
 }
 
 /// What `Device::load_module` needs of a generated unit's functions: name, work

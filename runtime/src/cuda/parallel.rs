@@ -185,7 +185,10 @@ impl DataParallel {
                 .collect::<Result<Vec<_>, String>>()?;
             let code = cudarc::nccl::result::get_nccl_version()
                 .map_err(|e| format!("NCCL does not answer: {e:?}"))?;
-            let streams = ranks.iter().map(|r| r.stream()).collect();
+            let streams = ranks
+                .iter()
+                .map(|r| r.stream())
+                .collect::<Result<Vec<_>, String>>()?;
             let comms = cudarc::nccl::Comm::from_devices(streams).map_err(|e| {
                 format!("NCCL cannot make communicators for GPUs {devices:?}: {e:?}")
             })?;

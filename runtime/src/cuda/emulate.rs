@@ -1,0 +1,533 @@
+//! The CUDA device emulated on the host: the CUDA executor's whole host side (binding,
+//! the device arena, views, launches, cuBLAS and cuBLASLt calls, the device optimizer,
+//! the resident decoder) run on a machine without a GPU, for tests.
+//!
+//! In: `KILN_CUDA_EMULATE=1` in the environment (read once per process), then what
+//! [`super::device::Device`] is asked for. Out: [`HostDevice`] — the same operations on
+//! host memory:
+//! - **memory**: every buffer is host memory at its real address, registered with its
+//!   length; every copy, GEMM operand and launch pointer is checked to lie inside one
+//!   live buffer (an error naming the call, not a corrupted heap);
+//! - **kernels**: the unit's CUDA C is compiled by the host C++ compiler (`$CXX`, else
+//!   `g++`) under the shim of `codegen::cuda::host` into a shared library (cached by
+//!   the source's hash in `$TMPDIR/kiln-cuda-emulate`), with one `extern "C"`
+//!   trampoline per function; a launch runs `min(grid, 2)` blocks of `min(block, 32)`
+//!   threads — the kernels loop over their items with a grid stride and take any
+//!   power-of-two block, so the barriers, block reductions, one warp's lanes and the
+//!   grid strides all run (a block of host threads is slow: 32 is the least that takes
+//!   the kernels' warp paths);
+//! - **cuBLAS / cuBLASLt**: column-major `C = op(A)·op(B) + β·C` (batched with element
+//!   strides; bias along `m` and ReLU for the cuBLASLt epilogue), f64 accumulation,
+//!   bf16 operands and results rounded as the kernels' `kiln_f32_to_bf16`, TF32 math
+//!   rounding the f32 operands to 10 mantissa bits; the leading dimensions are checked
+//!   as cuBLAS checks them.
+//!
+//! Slow (each block is host threads meeting at `std::barrier`s) and for tiny models:
+//! it proves the executor's logic, not the GPU's numbers. NCCL is not emulated
+//! (`nccl_available` still needs the library).
+
+use std::collections::BTreeMap;
+use std::ffi::{c_void, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use kiln_compiler::artifact::fnv1a64;
+use kiln_compiler::codegen::cuda::host::SHIM;
+use kiln_compiler::codegen::cuda::Work;
+
+use super::abi::{grid, pack_dims, KilnDims, Sgemm};
+use super::device::{GemmElem, GemmMath};
+
+/// The variable that turns the emulation on (`1`).
+pub const EMULATE_ENV: &str = "KILN_CUDA_EMULATE";
+
+/// Blocks and threads per block of an emulated launch, at most.
+const EMU_GRID: u32 = 2;
+const EMU_BLOCK: u32 = 32;
+
+/// Whether this process emulates the CUDA device (`KILN_CUDA_EMULATE=1`, read once).
+pub fn emulated() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var(EMULATE_ENV).is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Live host buffers: start address → length in bytes.
+#[derive(Default)]
+struct Registry(Mutex<BTreeMap<u64, usize>>);
+
+impl Registry {
+    /// Whether `[addr, addr + bytes)` lies inside one live buffer; the error names `what`.
+    fn check(&self, addr: u64, bytes: usize, what: &str) -> Result<(), String> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let inside = map
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&start, &len)| addr + bytes as u64 <= start + len as u64);
+        if inside {
+            Ok(())
+        } else {
+            Err(format!(
+                "emulated device: {what} reaches {bytes} bytes at {addr:#x}, outside every \
+                 live buffer"
+            ))
+        }
+    }
+}
+
+/// A buffer's host memory; unregistered when dropped.
+pub(crate) struct HostMem {
+    data: Box<[u32]>,
+    registry: Arc<Registry>,
+}
+
+impl HostMem {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.data.as_ptr() as u64
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        let mut map = self.registry.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.remove(&(self.data.as_ptr() as u64));
+    }
+}
+
+/// A trampoline of the compiled library: buffers, packed dims, items, grid, block.
+type Trampoline = unsafe extern "C" fn(*const u64, *const KilnDims, i64, u32, u32);
+
+struct HostFunc {
+    call: Trampoline,
+    work: Work,
+    params: usize,
+}
+
+/// The emulated device (see the module documentation).
+pub(crate) struct HostDevice {
+    registry: Arc<Registry>,
+    /// The loaded functions. Their libraries stay open for the process's lifetime (the
+    /// same file opened again shares the handle).
+    funcs: BTreeMap<String, HostFunc>,
+    math: GemmMath,
+}
+
+/// Launches share the shim's globals (grid coordinates, the barrier, `__shared__`
+/// statics): one at a time in the process.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+impl HostDevice {
+    pub fn new(
+        source: &str,
+        functions: &[(String, Work, usize)],
+        math: GemmMath,
+    ) -> Result<HostDevice, String> {
+        let mut d = HostDevice {
+            registry: Arc::default(),
+            funcs: BTreeMap::new(),
+            math,
+        };
+        d.load_module(source, functions)?;
+        Ok(d)
+    }
+
+    pub fn load_module(
+        &mut self,
+        source: &str,
+        functions: &[(String, Work, usize)],
+    ) -> Result<(), String> {
+        if let Some((name, _, _)) = functions.iter().find(|f| self.funcs.contains_key(&f.0)) {
+            return Err(format!("a function `{name}` is loaded already"));
+        }
+        let path = build(source, functions)?;
+        let c_path = CString::new(path.to_string_lossy().as_bytes())
+            .map_err(|_| format!("a library path with a NUL: {}", path.display()))?;
+        // SAFETY: a valid C string; the library's initializers are the C++ runtime's.
+        let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return Err(format!(
+                "emulated device: cannot load {}: {}",
+                path.display(),
+                dl_error()
+            ));
+        }
+        for (name, work, params) in functions {
+            let sym = CString::new(format!("kiln_emu_{name}")).expect("no NUL in a name");
+            // SAFETY: a live handle and a valid C string.
+            let f = unsafe { libc::dlsym(handle, sym.as_ptr()) };
+            if f.is_null() {
+                return Err(format!(
+                    "emulated device: no function `{name}` in {}",
+                    path.display()
+                ));
+            }
+            self.funcs.insert(
+                name.clone(),
+                HostFunc {
+                    // SAFETY: the symbol is a trampoline generated by `build` with this
+                    // signature.
+                    call: unsafe { std::mem::transmute::<*mut c_void, Trampoline>(f) },
+                    work: *work,
+                    params: *params,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.funcs.contains_key(name)
+    }
+
+    pub fn alloc(&self, words: usize) -> HostMem {
+        let data = vec![0u32; words.max(1)].into_boxed_slice();
+        let mut map = self.registry.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.insert(data.as_ptr() as u64, 4 * data.len());
+        drop(map);
+        HostMem {
+            data,
+            registry: self.registry.clone(),
+        }
+    }
+
+    pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        self.registry
+            .check(dst, 4 * words.len(), "a host-to-device copy")?;
+        // SAFETY: checked to lie inside a live buffer, which `words` (host memory the
+        // caller borrows) cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), dst as *mut u32, words.len()) };
+        Ok(())
+    }
+
+    pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
+        self.registry.check(src, 4 * n, "a device-to-host copy")?;
+        let mut out = vec![0u32; n];
+        // SAFETY: checked to lie inside a live buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u32, out.as_mut_ptr(), n) };
+        Ok(out)
+    }
+
+    pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
+        self.registry.check(dst, 4 * words, "a memset")?;
+        // SAFETY: checked to lie inside a live buffer.
+        unsafe { std::ptr::write_bytes(dst as *mut u32, 0, words) };
+        Ok(())
+    }
+
+    pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        self.registry
+            .check(dst, bytes, "a device-to-device copy's destination")?;
+        self.registry
+            .check(src, bytes, "a device-to-device copy's source")?;
+        // SAFETY: both checked to lie inside live buffers; `copy` allows overlap, as
+        // `cuMemcpyDtoD` does not promise to.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    pub fn launch(
+        &self,
+        name: &str,
+        ptrs: &[u64],
+        dims: &[i64],
+        items: usize,
+    ) -> Result<(), String> {
+        let func = self
+            .funcs
+            .get(name)
+            .ok_or_else(|| format!("the module has no function `{name}`"))?;
+        if ptrs.len() != func.params {
+            return Err(format!(
+                "`{name}` takes {} buffers, {} given",
+                func.params,
+                ptrs.len()
+            ));
+        }
+        let Some((g, b)) = grid(func.work, items) else {
+            return Ok(());
+        };
+        for (k, &p) in ptrs.iter().enumerate() {
+            self.registry
+                .check(p, 0, &format!("buffer {k} of a launch of `{name}`"))?;
+        }
+        let packed = pack_dims(dims).map_err(|e| format!("`{name}`: {e}"))?;
+        let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the trampoline casts each pointer to its parameter's type and runs
+        // the kernel over host memory the pointers address (checked above to start
+        // inside live buffers; the kernels' own bounds are the launch ABI's).
+        unsafe {
+            (func.call)(
+                ptrs.as_ptr(),
+                &packed,
+                items as i64,
+                g.min(EMU_GRID),
+                b.min(EMU_BLOCK),
+            )
+        };
+        Ok(())
+    }
+
+    /// `cublasSgemm` / `cublasGemmEx` (strided-batched with `batch`): see the module
+    /// documentation. `first` is cuBLAS's first operand (`b` of the row-major product).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        g: &Sgemm,
+        elem: GemmElem,
+        out: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        beta: f32,
+        batch: Option<(usize, i64, i64, i64)>,
+    ) -> Result<(), String> {
+        let (count, sa, sb, sc) = batch.unwrap_or((1, 0, 0, 0));
+        for i in 0..count as i64 {
+            let at = |p: u64, stride: i64, el: GemmElem| p + (i * stride) as u64 * size(el);
+            self.one_gemm(
+                g,
+                (at(b, sb, elem), elem),
+                (at(a, sa, elem), elem),
+                (at(c, sc, out), out),
+                beta,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// cuBLASLt's `D = op(A)·op(B) + bias` (then ReLU), f32 result and bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bias(
+        &self,
+        g: &Sgemm,
+        elem: GemmElem,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+        relu: bool,
+    ) -> Result<bool, String> {
+        self.one_gemm(
+            g,
+            (b, elem),
+            (a, elem),
+            (c, GemmElem::F32),
+            0.0,
+            Some((bias, relu)),
+        )?;
+        Ok(true)
+    }
+
+    fn one_gemm(
+        &self,
+        g: &Sgemm,
+        (first, fe): (u64, GemmElem),
+        (second, se): (u64, GemmElem),
+        (c, ce): (u64, GemmElem),
+        beta: f32,
+        epilogue: Option<(u64, bool)>,
+    ) -> Result<(), String> {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let [la, lb, lc] = super::lt::layouts(g);
+        for ((rows, cols, ld), p, el, what) in [
+            (la, first, fe, "the GEMM's first operand"),
+            (lb, second, se, "the GEMM's second operand"),
+            (lc, c, ce, "the GEMM's result"),
+        ] {
+            if ld < rows.max(1) as i64 {
+                return Err(format!(
+                    "emulated cuBLAS: {what} has {rows} rows but a leading dimension of {ld} \
+                     (CUBLAS_STATUS_INVALID_VALUE)"
+                ));
+            }
+            if rows > 0 && cols > 0 {
+                let extent = (cols as usize - 1) * ld as usize + rows as usize;
+                self.registry.check(p, extent * size(el) as usize, what)?;
+            }
+        }
+        if let Some((bias, _)) = epilogue {
+            self.registry.check(bias, 4 * m, "the GEMM's bias")?;
+        }
+        let tf32 = self.math == GemmMath::Tf32;
+        let load = |p: u64, el: GemmElem, idx: usize| -> f64 {
+            // SAFETY: every index below lies in the extent checked above.
+            let v = unsafe { read_elem(p, el, idx) };
+            f64::from(if tf32 && el == GemmElem::F32 {
+                round_tf32(v)
+            } else {
+                v
+            })
+        };
+        let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+        let mut out = vec![0f32; m * n];
+        {
+            use rayon::prelude::*;
+            out.par_chunks_mut(m.max(1))
+                .enumerate()
+                .for_each(|(j, col)| {
+                    for (i, o) in col.iter_mut().enumerate() {
+                        let mut acc = 0f64;
+                        for p in 0..k {
+                            let x = if g.transa {
+                                load(first, fe, p + i * lda)
+                            } else {
+                                load(first, fe, i + p * lda)
+                            };
+                            let y = if g.transb {
+                                load(second, se, j + p * ldb)
+                            } else {
+                                load(second, se, p + j * ldb)
+                            };
+                            acc += x * y;
+                        }
+                        *o = acc as f32;
+                    }
+                });
+        }
+        for j in 0..n {
+            for i in 0..m {
+                let at = i + j * ldc;
+                let mut v = out[i + j * m];
+                if beta != 0.0 {
+                    // SAFETY: inside the result's checked extent.
+                    v += beta * unsafe { read_elem(c, ce, at) };
+                }
+                if let Some((bias, relu)) = epilogue {
+                    // SAFETY: `m` f32s checked above.
+                    v += unsafe { *(bias as *const f32).add(i) };
+                    if relu {
+                        v = v.max(0.0);
+                    }
+                }
+                // SAFETY: inside the result's checked extent.
+                unsafe { write_elem(c, ce, at, v) };
+            }
+        }
+        Ok(())
+    }
+}
+
+fn size(el: GemmElem) -> u64 {
+    match el {
+        GemmElem::F32 => 4,
+        GemmElem::Bf16 => 2,
+    }
+}
+
+/// # Safety
+/// `p` must address element `idx` of its type.
+unsafe fn read_elem(p: u64, el: GemmElem, idx: usize) -> f32 {
+    match el {
+        GemmElem::F32 => unsafe { *(p as *const f32).add(idx) },
+        GemmElem::Bf16 => half::bf16::from_bits(unsafe { *(p as *const u16).add(idx) }).to_f32(),
+    }
+}
+
+/// # Safety
+/// `p` must address element `idx` of its type.
+unsafe fn write_elem(p: u64, el: GemmElem, idx: usize, v: f32) {
+    match el {
+        GemmElem::F32 => unsafe { *(p as *mut f32).add(idx) = v },
+        GemmElem::Bf16 => unsafe { *(p as *mut u16).add(idx) = half::bf16::from_f32(v).to_bits() },
+    }
+}
+
+/// `v` with its mantissa rounded to TF32's 10 bits (nearest, ties away; NaN and the
+/// infinities as they are).
+fn round_tf32(v: f32) -> f32 {
+    if !v.is_finite() {
+        return v;
+    }
+    f32::from_bits((v.to_bits() + 0x1000) & !0x1fff)
+}
+
+fn dl_error() -> String {
+    // SAFETY: `dlerror` returns NULL or a C string valid until the next dl call.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown error".to_string()
+    } else {
+        // SAFETY: a valid C string (above).
+        unsafe { std::ffi::CStr::from_ptr(e) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// The trampolines' helper: casts the buffers to the kernel's parameter types.
+const CALL: &str = r#"
+#include <cstddef>
+#include <tuple>
+#include <utility>
+template <class... A, std::size_t... I>
+static void kiln_emu_call_at(void (*f)(A...), const unsigned long long* b, kiln_dims d,
+                             long long items, std::index_sequence<I...>) {
+    f(reinterpret_cast<std::tuple_element_t<I, std::tuple<A...>>>(b[I])..., d, items);
+}
+template <class... A>
+static void kiln_emu_call(void (*f)(A...), const unsigned long long* b, kiln_dims d,
+                          long long items) {
+    kiln_emu_call_at(f, b, d, items, std::make_index_sequence<sizeof...(A) - 2>{});
+}
+"#;
+
+/// The library of `source`'s `functions` (compiled once per source: cached by hash).
+fn build(source: &str, functions: &[(String, Work, usize)]) -> Result<PathBuf, String> {
+    let mut text = format!("{SHIM}\n{source}\n{CALL}\n");
+    for (name, _, _) in functions {
+        text.push_str(&format!(
+            "extern \"C\" void kiln_emu_{name}(const unsigned long long* b, const kiln_dims* d, \
+             long long items, unsigned grid, unsigned block) {{\n    kiln_dims dims = *d;\n    \
+             kiln_launch(grid, block, [&]() {{ kiln_emu_call({name}, b, dims, items); }});\n}}\n"
+        ));
+    }
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+    let dir = std::env::temp_dir().join("kiln-cuda-emulate");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| format!("emulated device: cannot create {}: {e}", dir.display()))?;
+    let key = format!("{:016x}-{}", fnv1a64(text.as_bytes()), text.len());
+    let lib = dir.join(format!("{key}.so"));
+    if lib.exists() {
+        return Ok(lib);
+    }
+    let unique = format!(
+        "{key}.{}.{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    )
+    .replace(
+        |c: char| !c.is_ascii_alphanumeric() && c != '.' && c != '-',
+        "_",
+    );
+    let src = dir.join(format!("{unique}.cpp"));
+    let tmp = dir.join(format!("{unique}.so.tmp"));
+    std::fs::write(&src, &text)
+        .map_err(|e| format!("emulated device: cannot write {}: {e}", src.display()))?;
+    let out = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&tmp)
+        .output()
+        .map_err(|e| format!("emulated device: cannot run `{cxx}` (set CXX): {e}"))?;
+    let _ = std::fs::remove_file(&src);
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(format!(
+            "emulated device: `{cxx}` cannot compile the unit:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    rename_into(&tmp, &lib)?;
+    Ok(lib)
+}
+
+fn rename_into(tmp: &Path, lib: &Path) -> Result<(), String> {
+    std::fs::rename(tmp, lib).map_err(|e| {
+        format!(
+            "emulated device: cannot move {} into place: {e}",
+            tmp.display()
+        )
+    })
+}

@@ -1,0 +1,61 @@
+//! Every GPU test of `cuda_exec.rs`, run on the host emulation of the CUDA device
+//! (`kiln_runtime::cuda::emulate`): the CUDA executor's whole host side — binding, the
+//! device arena, views, launches, the cuBLAS and cuBLASLt calls, the device optimizer,
+//! loss scaling, mixed precision, the resident decoder, `kiln run` and `kiln bench`
+//! with `--executor cuda` — on a machine without a GPU, the generated CUDA C compiled by
+//! the host C++ compiler under the shim of `codegen::cuda::host`.
+//!
+//! In: this test binary. Out: pass/fail. `every_gpu_test_passes_on_the_emulated_device`
+//! runs this binary again with `KILN_CUDA_EMULATE=1`, filtered to the tests of
+//! `cuda_exec.rs` (included below as `gpu`), and fails with the child's output if any
+//! of them fails. Skipped, with the reason printed, without `g++` (or `$CXX`). In this
+//! process itself the included tests run as they do in `cuda_exec.rs` (here: skipped,
+//! no GPU).
+
+#[path = "cuda_exec.rs"]
+mod gpu;
+
+use std::process::Command;
+
+use kiln_runtime::cuda::emulate::EMULATE_ENV;
+
+#[test]
+fn every_gpu_test_passes_on_the_emulated_device() {
+    if std::env::var_os(EMULATE_ENV).is_some() {
+        // The child: its own tests are the `gpu::` ones.
+        return;
+    }
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+    let have = Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        println!("skipped: no `{cxx}` to compile the CUDA C for the emulated device");
+        return;
+    }
+    let me = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(me)
+        .args(["gpu::", "--test-threads", "2"])
+        .env(EMULATE_ENV, "1")
+        .env_remove("KILN_REQUIRE_CUDA")
+        .output()
+        .expect("the test binary runs again");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success(),
+        "a GPU test fails on the emulated device"
+    );
+    // Every GPU test ran (none skipped for want of CUDA), and there were some.
+    assert!(!text.contains("skipped: CUDA is not available"), "{text}");
+    let passed = text
+        .lines()
+        .filter(|l| l.starts_with("test gpu::") && l.ends_with("... ok"))
+        .count();
+    assert!(passed >= 15, "only {passed} GPU tests ran:\n{text}");
+}
