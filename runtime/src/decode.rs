@@ -648,13 +648,35 @@ impl<'a> DeviceCachedStep<'a> {
         keep_logits: bool,
     ) -> Result<(BTreeMap<String, Tensor>, Option<crate::cuda::DeviceTensor>), DecodeError> {
         let rows = tokens.len();
-        let state = std::mem::take(&mut self.state);
-        let names: Vec<String> = state.keys().cloned().collect();
-        let held: Vec<&crate::cuda::DeviceTensor> = state.values().collect();
-        let gathered = self.step.take_rows(&held, parents)?;
-        let mut resident: BTreeMap<String, crate::cuda::DeviceTensor> =
-            names.into_iter().zip(gathered).collect();
-        drop(state);
+        let before = &self.host.sentences;
+        if let Some(&p) = parents.iter().find(|&&p| p >= before.len()) {
+            return Err(DecodeError::Model(format!(
+                "row {p} continued, but the step before had {} rows",
+                before.len()
+            )));
+        }
+        // As `CachedStep::step_logits`: rows in the same order keep their tensors, and
+        // the per-sentence values stay where they are while every row continues a row of
+        // its own sentence; the rest is gathered on the device.
+        let same = parents.iter().enumerate().all(|(i, &p)| i == p);
+        let sentences: Vec<usize> = parents.iter().map(|&p| before[p]).collect();
+        let same_sentences = sentences == *before;
+        let keep_rows = |k: &str, t: &crate::cuda::DeviceTensor| {
+            t.shape.first() == Some(&rows)
+                && (same || (same_sentences && !k.starts_with(kiln_compiler::ir::CACHE_PREFIX)))
+        };
+        let (mut resident, moved): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            std::mem::take(&mut self.state)
+                .into_iter()
+                .partition(|(k, t)| keep_rows(k, t));
+        let names: Vec<String> = moved.keys().cloned().collect();
+        let held: Vec<&crate::cuda::DeviceTensor> = moved.values().collect();
+        if !held.is_empty() {
+            let gathered = self.step.take_rows(&held, parents)?;
+            resident.extend(names.into_iter().zip(gathered));
+        }
+        drop(moved);
+        self.host.sentences = sentences;
         let mut inputs = BTreeMap::new();
         inputs.insert(
             "tgt_in".to_string(),
