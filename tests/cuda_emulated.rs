@@ -7,13 +7,16 @@
 //!
 //! In: this test binary. Out: pass/fail. `every_gpu_test_passes_on_the_emulated_device`
 //! runs this binary again with `KILN_CUDA_EMULATE=1`, filtered to the tests of
-//! `cuda_exec.rs` (included below as `gpu`), and fails with the child's output if any
-//! of them fails. Skipped, with the reason printed, without `g++` (or `$CXX`). In this
+//! `cuda_exec.rs` (included below as `gpu`) and the GPU training tests of
+//! `train_common/gpu.rs` (`train_common::gpu`: `kiln train` with `executor: cuda`, loss
+//! scaling on the device), and fails with the child's output if any of them fails. Skipped, with the reason printed, without `g++` (or `$CXX`). In this
 //! process itself the included tests run as they do in `cuda_exec.rs` (here: skipped,
 //! no GPU).
 
 #[path = "cuda_exec.rs"]
 mod gpu;
+#[path = "train_common/mod.rs"]
+mod train_common;
 
 use std::process::Command;
 
@@ -55,7 +58,7 @@ fn every_gpu_test_passes_on_the_emulated_device() {
     assert!(!text.contains("skipped: CUDA is not available"), "{text}");
     let passed = text
         .lines()
-        .filter(|l| l.starts_with("test gpu::") && l.ends_with("... ok"))
+        .filter(|l| l.contains("gpu::") && l.ends_with("... ok"))
         .count();
-    assert!(passed >= 15, "only {passed} GPU tests ran:\n{text}");
+    assert!(passed >= 18, "only {passed} GPU tests ran:\n{text}");
 }

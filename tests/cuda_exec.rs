@@ -30,7 +30,14 @@ const SPEC: &str = "models/transformer_tiny.kiln";
 const ENTRIES: [&str; 3] = ["train_step", "encode", "decode_step"];
 
 fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_exec_{name}"));
+    // The emulated device's runs (`cuda_emulated.rs`) apart from the plain ones, which
+    // may run at the same time.
+    let kind = if kiln_runtime::cuda::emulate::emulated() {
+        "cuda_emulated"
+    } else {
+        "cuda_exec"
+    };
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{kind}_{name}"));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
