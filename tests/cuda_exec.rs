@@ -44,19 +44,20 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn compile(dir: &Path, target: &str) -> Artifact {
+    compile_spec(dir, SPEC, &["vocab=48"], target)
+}
+
+/// `spec` with `sets` compiled for `target` with the three entries into `dir/art`.
+fn compile_spec(dir: &Path, spec: &str, sets: &[&str], target: &str) -> Artifact {
     let art = dir.join("art");
-    let out = kiln(&[
-        "compile",
-        SPEC,
-        "--set",
-        "vocab=48",
-        "--entries",
-        &ENTRIES.join(","),
-        "--target",
-        target,
-        "-o",
-        art.to_str().unwrap(),
-    ]);
+    let mut args = vec!["compile", spec];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    let entries = ENTRIES.join(",");
+    args.extend(["--entries", &entries, "--target", target, "-o"]);
+    args.push(art.to_str().unwrap());
+    let out = kiln(&args);
     assert!(
         out.status.success(),
         "kiln compile failed:\n{}",
@@ -283,6 +284,80 @@ fn entries_vs_cpu(options: CudaOptions, seed: u64, step: u32) -> (Vec<String>, (
         counts.1 += s;
     }
     (bad, counts)
+}
+
+/// Every spec whose kernels differ from the tiny model's (`common::DISTINCT_SPECS`: base,
+/// big, parsing, one head, `d_k ≠ d_v`, no dropout, learned positions), one layer of
+/// each with an FFN of 128 and a vocabulary of 48: every entry on the GPU against the
+/// CPU executor on the same random feeds, within `1e-5·max + 1e-6`, the gradients of
+/// `train_step` within `1e-2` in relative L2 norm (a ReLU input within rounding of zero
+/// may fall on either side in two correct executors; `tests/compiled.rs` says more).
+#[test]
+fn gpu_every_distinct_spec_matches_the_cpu_executor() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    use rayon::prelude::*;
+    let specs: Vec<&str> = common::DISTINCT_SPECS
+        .into_iter()
+        .filter(|&n| n != "transformer_tiny.kiln") // every other test here
+        .collect();
+    // Specs in parallel: compiling them is most of the time (launches take turns).
+    let bad: Vec<String> = specs
+        .par_iter()
+        .flat_map(|&name| spec_vs_cpu(name))
+        .collect();
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The mismatches of spec `name` (see `gpu_every_distinct_spec_matches_the_cpu_executor`).
+fn spec_vs_cpu(name: &str) -> Vec<String> {
+    let mut bad = Vec::new();
+    let spec = ["models", "models/table3"]
+        .iter()
+        .map(|d| format!("{d}/{name}"))
+        .find(|p| common::root().join(p).exists())
+        .unwrap_or_else(|| panic!("no {name} under models/"));
+    let dir = tmp(&format!("spec_{}", name.trim_end_matches(".kiln")));
+    let art = compile_spec(&dir, &spec, &["vocab=48", "n=1", "d_ff=128"], "cuda");
+    for entry in ENTRIES {
+        let gpu = CudaExecutor::from_artifact_entry(&art, entry)
+            .unwrap_or_else(|e| panic!("{name} {entry}: {e}"));
+        let cpu = art.executor(entry).unwrap();
+        let (inputs, params) = feeds(cpu.graph(), &art, 21);
+        let opts = RunOptions {
+            seed: 21,
+            step: 1,
+            ..RunOptions::default()
+        };
+        let want = cpu.run(&inputs, &params, &opts).unwrap();
+        let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
+        let is_grad = |n: &str| n.starts_with("grad.");
+        let plain = |v: &[(String, Tensor)]| -> Vec<(String, Tensor)> {
+            v.iter().filter(|(n, _)| !is_grad(n)).cloned().collect()
+        };
+        bad.extend(mismatches(
+            &format!("{name} {entry}"),
+            &plain(&want),
+            &plain(&got),
+        ));
+        for ((n, w), (_, g)) in want.iter().zip(&got).filter(|((n, _), _)| is_grad(n)) {
+            let (w, g) = (as_f64(w), as_f64(g));
+            let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let diff = w
+                .iter()
+                .zip(&g)
+                .map(|(x, y)| (x - y) * (x - y))
+                .sum::<f64>()
+                .sqrt();
+            if diff.is_nan() || diff > 1e-2 * norm + 1e-6 {
+                bad.push(format!(
+                    "{name} {entry}.{n}: ‖gpu − cpu‖₂ {diff:e}, ‖cpu‖₂ {norm:e}"
+                ));
+            }
+        }
+    }
+    bad
 }
 
 #[test]
