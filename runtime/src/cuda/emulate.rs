@@ -9,21 +9,22 @@
 //!   length; every copy, GEMM operand and launch pointer is checked to lie inside one
 //!   live buffer (an error naming the call, not a corrupted heap);
 //! - **kernels**: the unit's CUDA C is compiled by the host C++ compiler (`$CXX`, else
-//!   `g++`) under the shim of `codegen::cuda::host` into a shared library (cached by
+//!   `g++`) under `codegen::cuda::host::FIBER_SHIM` into a shared library (cached by
 //!   the source's hash in `$TMPDIR/kiln-cuda-emulate`), with one `extern "C"`
 //!   trampoline per function; a launch runs `min(grid, 2)` blocks of `min(block, 32)`
-//!   threads — the kernels loop over their items with a grid stride and take any
-//!   power-of-two block, so the barriers, block reductions, one warp's lanes and the
-//!   grid strides all run (a block of host threads is slow: 32 is the least that takes
-//!   the kernels' warp paths);
+//!   threads, each thread a fiber that runs to its next barrier in turn — the kernels
+//!   loop over their items with a grid stride and take any power-of-two block, so the
+//!   barriers, block reductions, one warp's lanes and the grid strides all run (more
+//!   threads cost more than they show: 64 doubles the time of a training run);
 //! - **cuBLAS / cuBLASLt**: column-major `C = op(A)·op(B) + β·C` (batched with element
 //!   strides; bias along `m` and ReLU for the cuBLASLt epilogue), f64 accumulation,
 //!   bf16 operands and results rounded as the kernels' `kiln_f32_to_bf16`, TF32 math
 //!   rounding the f32 operands to 10 mantissa bits; the leading dimensions are checked
 //!   as cuBLAS checks them.
 //!
-//! Slow (each block is host threads meeting at `std::barrier`s) and for tiny models:
-//! it proves the executor's logic, not the GPU's numbers. NCCL is not emulated
+//! Slow, and for tiny models: it proves the executor's logic, not the GPU's numbers, and
+//! with fibers no two GPU threads run at once (`compiler/tests/cuda_host.rs` runs the
+//! kernels on real threads for that). NCCL is not emulated
 //! (`nccl_available` still needs the library).
 
 use std::collections::BTreeMap;
@@ -33,7 +34,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kiln_compiler::artifact::fnv1a64;
-use kiln_compiler::codegen::cuda::host::SHIM;
+use kiln_compiler::codegen::cuda::host::FIBER_SHIM;
 use kiln_compiler::codegen::cuda::Work;
 
 use super::abi::{grid, pack_dims, KilnDims, Sgemm};
@@ -474,7 +475,7 @@ static void kiln_emu_call(void (*f)(A...), const unsigned long long* b, kiln_dim
 
 /// The library of `source`'s `functions` (compiled once per source: cached by hash).
 fn build(source: &str, functions: &[(String, Work, usize)]) -> Result<PathBuf, String> {
-    let mut text = format!("{SHIM}\n{source}\n{CALL}\n");
+    let mut text = format!("{FIBER_SHIM}\n{source}\n{CALL}\n");
     for (name, _, _) in functions {
         text.push_str(&format!(
             "extern \"C\" void kiln_emu_{name}(const unsigned long long* b, const kiln_dims* d, \

@@ -9,10 +9,14 @@
 //! barrier, blocks one after another (the kernels' grid-stride loops make any grid
 //! valid). This is how the tests check the
 //! emitted text on machines without CUDA (`g++ -std=c++20 -pthread`); it is no part of
-//! the GPU path.
+//! the GPU path. [`FIBER_SHIM`] is the same with a block's threads as fibers of one host
+//! thread, for the emulated device, where launches are many and must be cheap.
 
-/// The shim (see the module documentation).
-pub const SHIM: &str = r#"
+/// What both shims share: includes, the keywords, the launch coordinates and the
+/// intrinsics, each shim then defining `__syncthreads` and `kiln_launch`.
+macro_rules! common {
+    () => {
+        r#"
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -27,13 +31,20 @@ pub const SHIM: &str = r#"
 struct kiln_dim3 { unsigned x, y, z; };
 static thread_local kiln_dim3 threadIdx;
 static kiln_dim3 blockIdx, blockDim, gridDim;
-static std::barrier<>* kiln_bar;
-static inline void __syncthreads() { kiln_bar->arrive_and_wait(); }
 static inline unsigned __umulhi(unsigned a, unsigned b) {
     return (unsigned)(((unsigned long long)a * b) >> 32);
 }
 static inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 static inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
+"#
+    };
+}
+
+/// The shim (see the module documentation).
+pub const SHIM: &str = concat!(
+    common!(),
+    r#"static std::barrier<>* kiln_bar;
+static inline void __syncthreads() { kiln_bar->arrive_and_wait(); }
 // Runs f() as a grid of `grid` blocks of `block` threads, one block after another.
 template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
     gridDim = {grid, 1, 1};
@@ -47,4 +58,72 @@ template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
         for (auto& th : ts) th.join();
     }
 }
-"#;
+"#
+);
+
+/// [`SHIM`] with a block's threads as fibers of one host thread (`ucontext`): each runs
+/// until its next `__syncthreads()` or its end, then the next, so every barrier holds
+/// until all have reached it — the same results as [`SHIM`] for kernels that are
+/// correct under any interleaving (those of `codegen::cuda`), without a thread per
+/// GPU thread. What the emulated device (`kiln_runtime::cuda::emulate`) launches with.
+/// Not reentrant: one launch at a time in a process.
+pub const FIBER_SHIM: &str = concat!(
+    common!(),
+    r#"#include <functional>
+#include <ucontext.h>
+struct kiln_fibers {
+    std::vector<ucontext_t> ctx;
+    std::vector<std::vector<char>> stacks;
+    std::vector<char> done;
+    ucontext_t sched;
+    unsigned cur = 0;
+    const std::function<void()>* job = nullptr;
+};
+static kiln_fibers* kiln_fib = new kiln_fibers;
+static inline void __syncthreads() {
+    swapcontext(&kiln_fib->ctx[kiln_fib->cur], &kiln_fib->sched);
+}
+static void kiln_fiber_main() {
+    (*kiln_fib->job)();
+    kiln_fib->done[kiln_fib->cur] = 1;
+}
+// Runs f() as a grid of `grid` blocks of `block` fibers, one block after another; in a
+// block, the fibers in turn, each to its next barrier, until all have ended.
+template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
+    const size_t stack = 256 << 10;
+    kiln_fibers& k = *kiln_fib;
+    gridDim = {grid, 1, 1};
+    blockDim = {block, 1, 1};
+    const std::function<void()> job = [&]() { f(); };
+    k.job = &job;
+    if (k.ctx.size() < block) {
+        k.ctx.resize(block);
+        k.stacks.resize(block);
+        k.done.resize(block);
+    }
+    for (unsigned g = 0; g < grid; ++g) {
+        blockIdx = {g, 0, 0};
+        for (unsigned t = 0; t < block; ++t) {
+            if (k.stacks[t].size() < stack) k.stacks[t].resize(stack);
+            getcontext(&k.ctx[t]);
+            k.ctx[t].uc_stack.ss_sp = k.stacks[t].data();
+            k.ctx[t].uc_stack.ss_size = stack;
+            k.ctx[t].uc_link = &k.sched;
+            makecontext(&k.ctx[t], kiln_fiber_main, 0);
+            k.done[t] = 0;
+        }
+        for (bool running = true; running;) {
+            running = false;
+            for (unsigned t = 0; t < block; ++t) {
+                if (k.done[t]) continue;
+                k.cur = t;
+                threadIdx = {t, 0, 0};
+                swapcontext(&k.sched, &k.ctx[t]);
+                running |= !k.done[t];
+            }
+        }
+    }
+    k.job = nullptr;
+}
+"#
+);
