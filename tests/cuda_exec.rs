@@ -230,6 +230,18 @@ fn as_f64(t: &Tensor) -> Vec<f64> {
     }
 }
 
+/// `(‖want − got‖₂, ‖want‖₂)`.
+fn l2_distance(want: &[f64], got: &[f64]) -> (f64, f64) {
+    let norm = want.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let diff = want
+        .iter()
+        .zip(got)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt();
+    (diff, norm)
+}
+
 /// Mismatches of `got` against `want` beyond `1e-5·max|want| + 1e-6`.
 fn mismatches(entry: &str, want: &[(String, Tensor)], got: &[(String, Tensor)]) -> Vec<String> {
     let mut bad = Vec::new();
@@ -342,14 +354,7 @@ fn spec_vs_cpu(name: &str) -> Vec<String> {
             &plain(&got),
         ));
         for ((n, w), (_, g)) in want.iter().zip(&got).filter(|((n, _), _)| is_grad(n)) {
-            let (w, g) = (as_f64(w), as_f64(g));
-            let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
-            let diff = w
-                .iter()
-                .zip(&g)
-                .map(|(x, y)| (x - y) * (x - y))
-                .sum::<f64>()
-                .sqrt();
+            let (diff, norm) = l2_distance(&as_f64(w), &as_f64(g));
             if diff.is_nan() || diff > 1e-2 * norm + 1e-6 {
                 bad.push(format!(
                     "{name} {entry}.{n}: ‖gpu − cpu‖₂ {diff:e}, ‖cpu‖₂ {norm:e}"
@@ -448,13 +453,7 @@ fn close_train_step(
     let (mut worst, mut exact) = (0f64, true);
     for ((n, w), (_, g)) in want.iter().zip(&got) {
         let (w, g) = (as_f64(w), as_f64(g));
-        let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
-        let diff = w
-            .iter()
-            .zip(&g)
-            .map(|(x, y)| (x - y) * (x - y))
-            .sum::<f64>()
-            .sqrt();
+        let (diff, norm) = l2_distance(&w, &g);
         let bound = rel * norm + abs * (w.len() as f64).sqrt();
         assert!(
             diff <= bound,

@@ -443,17 +443,8 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
         assert!(inspect.contains(want), "`{want}` missing from:\n{inspect}");
     }
     assert!(!comp.join("run").exists());
-    ok(
-        &comp,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--artifact",
-            "art",
-            "--quiet",
-        ],
-    );
+    let out = train_from_artifact(&comp);
+    assert!(out.status.success(), "{}", unwrapped(&out.stderr));
 
     // The same first weights: the artifact's are the trainer's initialization.
     let art_w = load_safetensors(&comp.join("art/weights.safetensors")).unwrap();

@@ -198,6 +198,26 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Unit, String> 
     Ok(Unit::Ptx(Ptx::from_src(ptx)))
 }
 
+/// Function `name` of `funcs` for a launch with `given` buffers (`params`: how many it
+/// takes), or the error that names what is wrong.
+pub(crate) fn launchable<'a, F>(
+    funcs: &'a BTreeMap<String, F>,
+    name: &str,
+    given: usize,
+    params: impl Fn(&F) -> usize,
+) -> Result<&'a F, String> {
+    let func = funcs
+        .get(name)
+        .ok_or_else(|| format!("the module has no function `{name}`"))?;
+    if given != params(func) {
+        return Err(format!(
+            "`{name}` takes {} buffers, {given} given",
+            params(func)
+        ));
+    }
+    Ok(func)
+}
+
 /// cuBLAS's operation for a (not) transposed operand.
 fn blas_op(transposed: bool) -> cublasOperation_t {
     if transposed {
@@ -468,17 +488,7 @@ impl Gpu {
         dims: &[i64],
         items: usize,
     ) -> Result<(), String> {
-        let func = self
-            .funcs
-            .get(name)
-            .ok_or_else(|| format!("the module has no function `{name}`"))?;
-        if ptrs.len() != func.params {
-            return Err(format!(
-                "`{name}` takes {} buffers, {} given",
-                func.params,
-                ptrs.len()
-            ));
-        }
+        let func = launchable(&self.funcs, name, ptrs.len(), |f| f.params)?;
         let Some((g, b)) = grid(func.work, items) else {
             return Ok(());
         };
@@ -524,9 +534,6 @@ impl Gpu {
         batch: Option<(usize, i64, i64, i64)>,
     ) -> Result<(), String> {
         if elem == GemmElem::F32 {
-            if out != GemmElem::F32 {
-                return Err("internal: an f32 GEMM into a bf16 result".to_string());
-            }
             return self.sgemm(g, a, b, c, beta, batch);
         }
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
@@ -833,14 +840,12 @@ impl Device {
         beta: f32,
         batch: Option<(usize, i64, i64, i64)>,
     ) -> Result<(), String> {
+        if elem == GemmElem::F32 && out != GemmElem::F32 {
+            return Err("internal: an f32 GEMM into a bf16 result".to_string());
+        }
         match self {
             Device::Gpu(d) => d.gemm(g, elem, out, a, b, c, beta, batch),
-            Device::Host(h) => {
-                if elem == GemmElem::F32 && out != GemmElem::F32 {
-                    return Err("internal: an f32 GEMM into a bf16 result".to_string());
-                }
-                h.gemm(g, elem, out, a, b, c, beta, batch)
-            }
+            Device::Host(h) => h.gemm(g, elem, out, a, b, c, beta, batch),
         }
     }
 

@@ -233,17 +233,7 @@ impl HostDevice {
         dims: &[i64],
         items: usize,
     ) -> Result<(), String> {
-        let func = self
-            .funcs
-            .get(name)
-            .ok_or_else(|| format!("the module has no function `{name}`"))?;
-        if ptrs.len() != func.params {
-            return Err(format!(
-                "`{name}` takes {} buffers, {} given",
-                func.params,
-                ptrs.len()
-            ));
-        }
+        let func = super::device::launchable(&self.funcs, name, ptrs.len(), |f| f.params)?;
         let Some((g, b)) = grid(func.work, items) else {
             return Ok(());
         };
