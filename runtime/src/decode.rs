@@ -467,6 +467,41 @@ macro_rules! host_step_methods {
     };
 }
 
+/// How a step's rows continue the rows of the step before (`parents`), given the
+/// sentence of each earlier row: rows in the same order (greedy decoding until a sentence
+/// ends) keep every state tensor as it is; in any other order the caches are gathered,
+/// and the per-sentence values too unless every row continues a row of its own sentence.
+struct RowLayout {
+    same: bool,
+    same_sentences: bool,
+    /// The sentence of each new row.
+    sentences: Vec<usize>,
+}
+
+impl RowLayout {
+    fn new(before: &[usize], parents: &[usize]) -> Result<RowLayout, DecodeError> {
+        if let Some(&p) = parents.iter().find(|&&p| p >= before.len()) {
+            return Err(DecodeError::Model(format!(
+                "row {p} continued, but the step before had {} rows",
+                before.len()
+            )));
+        }
+        let sentences: Vec<usize> = parents.iter().map(|&p| before[p]).collect();
+        Ok(RowLayout {
+            same: parents.iter().enumerate().all(|(i, &p)| i == p),
+            same_sentences: sentences == before,
+            sentences,
+        })
+    }
+
+    /// Whether state tensor `name` (first axis `first`) stays as it is for `rows` rows.
+    fn stays(&self, name: &str, first: Option<&usize>, rows: usize) -> bool {
+        first == Some(&rows)
+            && (self.same
+                || (self.same_sentences && !name.starts_with(kiln_compiler::ir::CACHE_PREFIX)))
+    }
+}
+
 /// Decoding with the `encode` and `decode_step` entry points and a key/value cache.
 pub struct CachedStep<'a> {
     encode: &'a dyn Exec,
@@ -514,24 +549,11 @@ impl<'a> CachedStep<'a> {
     ) -> Result<(Vec<f32>, usize), DecodeError> {
         use rayon::prelude::*;
         let rows = tokens.len();
-        if let Some(&p) = parents.iter().find(|&&p| p >= self.sentences.len()) {
-            return Err(DecodeError::Model(format!(
-                "row {p} continued, but the step before had {} rows",
-                self.sentences.len()
-            )));
-        }
+        let layout = RowLayout::new(&self.sentences, parents)?;
         let tgt_in = Tensor::i32(vec![rows, 1], tokens.to_vec())
             .map_err(|e| DecodeError::Model(e.to_string()))?;
-        // Rows in the same order (greedy decoding until a sentence ends) keep their
-        // tensors as they are; any other order is gathered, but for the values of the
-        // sentences when every row continues a row of its own sentence.
-        let same = parents.iter().enumerate().all(|(i, &p)| i == p);
-        let sentences: Vec<usize> = parents.iter().map(|&p| self.sentences[p]).collect();
-        let same_sentences = sentences == self.sentences;
-        let keep = |k: &str, t: &Tensor| {
-            t.shape.first() == Some(&rows)
-                && (same || (same_sentences && !k.starts_with(kiln_compiler::ir::CACHE_PREFIX)))
-        };
+        let sentences = layout.sentences.clone();
+        let keep = |k: &str, t: &Tensor| layout.stays(k, t.shape.first(), rows);
         let mut inputs: BTreeMap<String, Tensor> = std::mem::take(&mut self.state)
             .into_par_iter()
             .map(|(k, t)| {
@@ -648,27 +670,12 @@ impl<'a> DeviceCachedStep<'a> {
         keep_logits: bool,
     ) -> Result<(BTreeMap<String, Tensor>, Option<crate::cuda::DeviceTensor>), DecodeError> {
         let rows = tokens.len();
-        let before = &self.host.sentences;
-        if let Some(&p) = parents.iter().find(|&&p| p >= before.len()) {
-            return Err(DecodeError::Model(format!(
-                "row {p} continued, but the step before had {} rows",
-                before.len()
-            )));
-        }
-        // As `CachedStep::step_logits`: rows in the same order keep their tensors, and
-        // the per-sentence values stay where they are while every row continues a row of
-        // its own sentence; the rest is gathered on the device.
-        let same = parents.iter().enumerate().all(|(i, &p)| i == p);
-        let sentences: Vec<usize> = parents.iter().map(|&p| before[p]).collect();
-        let same_sentences = sentences == *before;
-        let keep_rows = |k: &str, t: &crate::cuda::DeviceTensor| {
-            t.shape.first() == Some(&rows)
-                && (same || (same_sentences && !k.starts_with(kiln_compiler::ir::CACHE_PREFIX)))
-        };
+        // What stays and what is gathered (on the device) as on the host.
+        let layout = RowLayout::new(&self.host.sentences, parents)?;
         let (mut resident, moved): (BTreeMap<_, _>, BTreeMap<_, _>) =
             std::mem::take(&mut self.state)
                 .into_iter()
-                .partition(|(k, t)| keep_rows(k, t));
+                .partition(|(k, t)| layout.stays(k, t.shape.first(), rows));
         let names: Vec<String> = moved.keys().cloned().collect();
         let held: Vec<&crate::cuda::DeviceTensor> = moved.values().collect();
         if !held.is_empty() {
@@ -676,7 +683,7 @@ impl<'a> DeviceCachedStep<'a> {
             resident.extend(names.into_iter().zip(gathered));
         }
         drop(moved);
-        self.host.sentences = sentences;
+        self.host.sentences = layout.sentences;
         let mut inputs = BTreeMap::new();
         inputs.insert(
             "tgt_in".to_string(),

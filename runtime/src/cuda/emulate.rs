@@ -153,7 +153,8 @@ impl HostDevice {
             ));
         }
         for (name, work, params) in functions {
-            let sym = CString::new(format!("kiln_emu_{name}")).expect("no NUL in a name");
+            let sym = CString::new(format!("kiln_emu_{name}"))
+                .map_err(|_| format!("emulated device: a function name with a NUL: {name:?}"))?;
             // SAFETY: a live handle and a valid C string.
             let f = unsafe { libc::dlsym(handle, sym.as_ptr()) };
             if f.is_null() {
