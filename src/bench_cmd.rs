@@ -567,6 +567,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         let mut obj = obj;
         if let Some(c) = &compiled {
             obj["arena_bytes"] = serde_json::json!(c.arena_bytes());
+            obj["scratch_bytes"] = serde_json::json!(c.scratch_bytes());
+            let (n, bytes) = c.view_copies();
+            obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
         }
         if let Some(c) = &cuda {
             let (fused, separate) = c.epilogue_counts();
@@ -607,6 +610,13 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             println!(
                 "  arena {:.1} MiB (the memory plan at these dims)",
                 c.arena_bytes() as f64 / 1048576.0
+            );
+            let (n, bytes) = c.view_copies();
+            println!(
+                "  outside the arena: {:.1} MiB live at once for inputs, view copies and kernel \
+                 scratch ({n} view copies of {:.1} MiB in all)",
+                c.scratch_bytes() as f64 / 1048576.0,
+                bytes as f64 / 1048576.0
             );
         }
         if let Some(c) = &cuda {

@@ -399,3 +399,48 @@ fn kiln_bench_reports_the_compiled_run_and_its_arena() {
     assert!(want > 0);
     assert_eq!(v["arena_bytes"].as_u64(), Some(want as u64), "{v}");
 }
+
+/// Reshapes of non-contiguous views (attention's heads merged back, their gradients) are
+/// copies outside the memory plan. Each is freed after the last kernel that reads it, so
+/// what a run holds outside the arena is what was live at once, not every copy; runs
+/// that reuse those buffers give the first run's bits.
+#[test]
+fn view_copies_are_freed_after_their_last_reader() {
+    let path = common::root().join("models/transformer_base.kiln");
+    let sets = ["vocab=64", "d_model=32", "d_ff=64", "h=4", "n=2"];
+    let g = entry_graph(&path, &sets, "train_step").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let dims: BTreeMap<String, i64> = [("batch", 6), ("src_len", 9), ("tgt_len", 7)]
+        .iter()
+        .map(|(k, n)| (k.to_string(), *n))
+        .collect();
+    let (inputs, params) = random_feeds_with(&g, 3, &dims).expect("feeds");
+    let bits = |out: &[(String, kiln_compiler::tensor::Tensor)]| -> Vec<u64> {
+        out.iter()
+            .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
+            .map(f64::to_bits)
+            .collect()
+    };
+    let first = bits(
+        &exec
+            .run(&inputs, &params, &RunOptions::default())
+            .expect("runs"),
+    );
+    let (count, copied) = exec.view_copies();
+    let held = exec.scratch_bytes();
+    eprintln!("{count} view copies of {copied} bytes; {held} bytes held outside the arena");
+    assert!(count >= 8, "attention heads are copied: {count}");
+    assert!(
+        held < copied,
+        "{held} bytes held for {copied} bytes of copies: every copy was kept"
+    );
+    for run in 0..2 {
+        let again = bits(
+            &exec
+                .run(&inputs, &params, &RunOptions::default())
+                .expect("runs"),
+        );
+        assert!(again == first, "run {run} reusing the buffers differs");
+        assert_eq!(exec.scratch_bytes(), held, "the pool does not grow");
+    }
+}

@@ -138,3 +138,75 @@ pub fn executor(kind: ExecutorKind, graph: Graph) -> Result<Box<dyn Exec>, ExecE
         ExecutorKind::Compiled => Ok(Box::new(crate::compiled::Compiled::from_graph(graph)?)),
     }
 }
+
+/// When an executor may hand back the buffers of a run's view copies (reshapes of
+/// non-contiguous views, which the memory plan does not place): per step, the copies
+/// whose last reader it is. `needs[v]` lists the copies value `v` reads through, `steps`
+/// gives each launch's input values in order, and copies that an output reads (`outputs`)
+/// are in no list: they live to the end of the run.
+pub(crate) fn copies_freed_after<'a>(
+    copies: usize,
+    needs: &[Vec<usize>],
+    steps: impl Iterator<Item = &'a [usize]>,
+    outputs: impl Iterator<Item = usize>,
+) -> Vec<Vec<usize>> {
+    const END: usize = usize::MAX;
+    let mut last: Vec<Option<usize>> = vec![None; copies];
+    let mut count = 0;
+    for (s, inputs) in steps.enumerate() {
+        count = s + 1;
+        for &x in inputs {
+            for &c in &needs[x] {
+                last[c] = Some(s);
+            }
+        }
+    }
+    for v in outputs {
+        for &c in &needs[v] {
+            last[c] = Some(END);
+        }
+    }
+    let mut freed = vec![Vec::new(); count];
+    for (c, l) in last.into_iter().enumerate() {
+        if let Some(s) = l.filter(|&s| s != END) {
+            freed[s].push(c);
+        }
+    }
+    freed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copies_freed_after;
+
+    #[test]
+    fn a_copy_is_freed_after_its_last_reader_unless_an_output_reads_it() {
+        // Values: 0 and 1 are copies 0 and 1, 2 a view of copy 1, 3 reads nothing.
+        let needs = vec![vec![0], vec![1], vec![1], vec![]];
+        let steps: Vec<Vec<usize>> = vec![vec![0, 3], vec![2], vec![3], vec![0]];
+        let freed = copies_freed_after(
+            2,
+            &needs,
+            steps.iter().map(|s| s.as_slice()),
+            [].into_iter(),
+        );
+        assert_eq!(freed, vec![vec![], vec![1], vec![], vec![0]]);
+        let freed = copies_freed_after(
+            2,
+            &needs,
+            steps.iter().map(|s| s.as_slice()),
+            [2].into_iter(),
+        );
+        assert_eq!(freed, vec![vec![], vec![], vec![], vec![0]]);
+        // A copy of a copy: reading the outer one reads the inner one too.
+        let needs = vec![vec![0], vec![0, 1], vec![]];
+        let steps: Vec<Vec<usize>> = vec![vec![0], vec![2], vec![1]];
+        let freed = copies_freed_after(
+            2,
+            &needs,
+            steps.iter().map(|s| s.as_slice()),
+            [].into_iter(),
+        );
+        assert_eq!(freed, vec![vec![], vec![], vec![0, 1]]);
+    }
+}

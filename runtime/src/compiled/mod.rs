@@ -77,6 +77,8 @@ pub struct Compiled {
     arena: Mutex<Vec<f32>>,
     /// Buffers of earlier runs' [`Keep`]s.
     scratch: Mutex<Vec<Vec<u32>>>,
+    /// The last run's view copies: how many, and their bytes in all.
+    view_copies: Mutex<(usize, usize)>,
     /// Output storage handed back by [`Compiled::recycle`], reused by later runs.
     spare: Mutex<Vec<Vec<f32>>>,
     /// Per graph output: the kernel result (value, output) written straight into the
@@ -202,34 +204,122 @@ impl Loc {
     }
 }
 
-/// Memory a run owns besides the arena: converted inputs, constants, copies, scratch.
-/// Buffers come from (and go back to) a pool kept between runs, so a run does not
-/// page-fault fresh memory in for every copy.
+/// Memory a run owns besides the arena: converted inputs, constants, copies of strided
+/// views, kernels' scratch. Buffers come from (and go back to) a pool kept between runs,
+/// so a run does not page-fault fresh memory in for every copy; a buffer handed back
+/// during the run ([`Keep::release_since`], [`Keep::give_back`]) serves later requests of
+/// the same run.
 #[derive(Default)]
 pub(crate) struct Keep {
+    /// In use until the run ends (or until released).
     bufs: Vec<Vec<u32>>,
-    pool: Vec<Vec<u32>>,
+    /// Free, handed back during this run.
+    free: Vec<Vec<u32>>,
+    /// Free, left by earlier runs; what this run does not take is dropped at its end, so
+    /// the pool never holds more than one run used.
+    old: Vec<Vec<u32>>,
 }
 
 impl Keep {
+    /// A keep whose requests are served first from `pool` (an earlier run's buffers).
+    fn with_pool(pool: Vec<Vec<u32>>) -> Keep {
+        Keep {
+            bufs: Vec::new(),
+            free: Vec::new(),
+            old: pool,
+        }
+    }
+
+    /// A buffer of at least `n` 4-byte elements (contents unspecified), owned by the
+    /// caller: the smallest free one that holds `n`, else a fresh one.
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        let n = n.max(1);
+        let best = |v: &Vec<Vec<u32>>| {
+            v.iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= n)
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, b)| (i, b.capacity()))
+        };
+        let mut b = match (best(&self.free), best(&self.old)) {
+            (Some((i, a)), Some((_, o))) if a <= o => self.free.swap_remove(i),
+            (_, Some((j, _))) => self.old.swap_remove(j),
+            (Some((i, _)), None) => self.free.swap_remove(i),
+            (None, None) => Vec::with_capacity(n),
+        };
+        // Filled once, when first grown: a buffer's length only ever grows, so reusing
+        // it writes nothing.
+        if b.len() < n {
+            b.resize(n, 0);
+        }
+        b
+    }
+
     /// A buffer of `n` 4-byte elements that lives as long as the run (contents
     /// unspecified).
     pub fn alloc(&mut self, n: usize) -> *mut u8 {
-        let n = n.max(1);
-        let best = self
-            .pool
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.capacity() >= n)
-            .min_by_key(|(_, b)| b.capacity())
-            .map(|(i, _)| i);
-        let mut b = match best {
-            Some(i) => self.pool.swap_remove(i),
-            None => Vec::with_capacity(n),
-        };
-        b.resize(n, 0);
+        let b = self.take(n);
         self.bufs.push(b);
         self.bufs.last_mut().expect("pushed").as_mut_ptr() as *mut u8
+    }
+
+    /// How many buffers are in use: a mark for [`Keep::release_since`].
+    fn mark(&self) -> usize {
+        self.bufs.len()
+    }
+
+    /// Frees every buffer allocated since `mark` (a kernel's scratch, once it has run).
+    fn release_since(&mut self, mark: usize) {
+        let done = self.bufs.drain(mark..);
+        self.free.extend(done);
+    }
+
+    /// Frees a buffer [`Keep::take`] gave out.
+    fn give_back(&mut self, b: Vec<u32>) {
+        self.free.push(b);
+    }
+
+    /// The pool for the next run: every buffer this run used.
+    fn into_pool(self) -> Vec<Vec<u32>> {
+        let mut pool = self.bufs;
+        pool.extend(self.free);
+        pool
+    }
+}
+
+/// A reshape of a non-contiguous view, which cannot be another view of its source: its
+/// elements are copied into a buffer of their own when a kernel first reads them, and
+/// the buffer is freed after the last kernel that reads them.
+struct ViewCopy {
+    /// The value copied (a strided view).
+    src: usize,
+    words: usize,
+    buf: Option<Vec<u32>>,
+    /// The values that start at the copy: itself and views of it. Their locations get
+    /// its address when it is made.
+    users: Vec<usize>,
+}
+
+/// Makes the copies in `cs` that are not made yet (in order: a copy of a view of a copy
+/// comes after the copy it reads).
+fn materialize(
+    copy: kiln_compiler::codegen::jit::KernelFn,
+    cs: &[usize],
+    copies: &mut [ViewCopy],
+    locs: &mut [Vec<Loc>],
+    keep: &mut Keep,
+) {
+    for &c in cs {
+        if copies[c].buf.is_some() {
+            continue;
+        }
+        let mut b = keep.take(copies[c].words);
+        let p = b.as_mut_ptr() as *mut u8;
+        for &u in &copies[c].users {
+            locs[u][0].ptr = p;
+        }
+        launch::copy_with(copy, &locs[copies[c].src][0], p);
+        copies[c].buf = Some(b);
     }
 }
 
@@ -337,6 +427,7 @@ impl Compiled {
             copy,
             arena: Mutex::new(Vec::new()),
             scratch: Mutex::new(Vec::new()),
+            view_copies: Mutex::new((0, 0)),
             spare: Mutex::new(Vec::new()),
             checks: Mutex::new(BTreeMap::new()),
             pool: Arc::new(Pool::default()),
@@ -393,6 +484,25 @@ impl Compiled {
     /// (0 before the first run).
     pub fn arena_bytes(&self) -> usize {
         self.arena.lock().unwrap_or_else(|p| p.into_inner()).len() * 4
+    }
+
+    /// Bytes held between runs outside the arena: the buffers the last run used for
+    /// converted inputs, view copies and kernel scratch, kept for the next run. Copies
+    /// and scratch are freed after their last reader, so this is what was live at once,
+    /// not the sum of every copy ([`Compiled::view_copies`]).
+    pub fn scratch_bytes(&self) -> usize {
+        self.scratch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|b| b.capacity() * 4)
+            .sum()
+    }
+
+    /// The last run's copies of non-contiguous views that a reshape reads (which the
+    /// memory plan does not place): how many, and their bytes in all.
+    pub fn view_copies(&self) -> (usize, usize) {
+        *self.view_copies.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// How many transposed weight copies the program holds (see `Compiled::weight_copy`:
@@ -500,10 +610,9 @@ impl Compiled {
             *arena = zeroed(words);
         }
         let base = arena.as_mut_ptr() as *mut u8;
-        let mut keep = Keep {
-            bufs: Vec::new(),
-            pool: std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner())),
-        };
+        let mut keep = Keep::with_pool(std::mem::take(
+            &mut *self.scratch.lock().unwrap_or_else(|p| p.into_inner()),
+        ));
         // Outputs written in place: their storage, taken from recycled outputs of the
         // same length where there are some, else fresh.
         let mut spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|p| p.into_inner()));
@@ -512,9 +621,12 @@ impl Compiled {
         let mut held: Vec<Arc<Vec<f32>>> = Vec::new();
         let mut locs: Vec<Vec<Loc>> = Vec::with_capacity(self.kg.values.len());
         // Reshapes of non-contiguous views become copies, made when first read (their
-        // source is computed by then, and still alive: views extend liveness).
-        let mut copies: Vec<(Loc, *mut u8, bool)> = Vec::new();
+        // source is computed by then, and still alive: views extend liveness) and freed
+        // after their last reader. `needs[v]`: the copies value `v` reads through;
+        // `origin[v]`: the copy whose buffer `v`'s location starts at.
+        let mut copies: Vec<ViewCopy> = Vec::new();
         let mut needs: Vec<Vec<usize>> = Vec::with_capacity(self.kg.values.len());
+        let mut origin: Vec<Option<usize>> = Vec::with_capacity(self.kg.values.len());
         let node_err = |v: usize, m: String| ExecError::Node {
             node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
             message: m,
@@ -562,6 +674,7 @@ impl Compiled {
                 Def::View(op, x) => {
                     let src = &locs[*x][0];
                     let mut need = needs[*x].clone();
+                    let mut from = origin[*x];
                     let layout = match op {
                         Op::Reshape { .. } => src.layout.reshape(&shapes[0]),
                         Op::Permute { perm } => Some(src.layout.permute(perm)),
@@ -570,7 +683,7 @@ impl Compiled {
                             return Err(node_err(v, format!("`{}` is not a view", other.name())))
                         }
                     };
-                    match layout {
+                    let loc = match layout {
                         Some(layout) => {
                             needs.push(need);
                             let loc = Loc {
@@ -586,24 +699,36 @@ impl Compiled {
                                         dtype: DType::F32,
                                     };
                                     held.push(copy);
+                                    from = None;
                                     vec![l]
                                 }
                                 None => vec![loc],
                             }
                         }
                         None => {
-                            // A reshape of a non-contiguous view: a copy.
-                            let p = keep.alloc(src.numel());
-                            copies.push((src.clone(), p, false));
+                            // A reshape of a non-contiguous view: a copy, placed when
+                            // it is made.
+                            copies.push(ViewCopy {
+                                src: *x,
+                                words: src.numel(),
+                                buf: None,
+                                users: Vec::new(),
+                            });
+                            from = Some(copies.len() - 1);
                             need.push(copies.len() - 1);
                             needs.push(need);
                             vec![Loc {
-                                ptr: p,
+                                ptr: std::ptr::null_mut(),
                                 layout: Layout::contiguous(&shapes[0]),
                                 dtype: val.types[0].dtype,
                             }]
                         }
+                    };
+                    if let Some(c) = from {
+                        copies[c].users.push(v);
                     }
+                    origin.push(from);
+                    loc
                 }
                 Def::Proj(t, k) => {
                     needs.push(needs[*t].clone());
@@ -638,15 +763,21 @@ impl Compiled {
             if needs.len() < locs.len() + 1 {
                 needs.push(Vec::new());
             }
+            if origin.len() < locs.len() + 1 {
+                origin.push(None);
+            }
             locs.push(loc);
         }
-        let materialize = |v: usize, copies: &mut Vec<(Loc, *mut u8, bool)>| {
-            for &c in &needs[v] {
-                if !copies[c].2 {
-                    launch::copy_with(self.copy, &copies[c].0, copies[c].1);
-                    copies[c].2 = true;
-                }
-            }
+        // Which copies each step is the last to read (none while dumping every value).
+        let freed = if dump.is_some() {
+            vec![Vec::new(); self.steps.len()]
+        } else {
+            crate::exec::copies_freed_after(
+                copies.len(),
+                &needs,
+                self.steps.iter().map(|s| s.inputs.as_slice()),
+                self.kg.outputs.iter().map(|(_, v)| *v),
+            )
         };
         let ctx = launch::RunCtx {
             dims: &dims,
@@ -656,20 +787,30 @@ impl Compiled {
             step: opts.step,
             pool: &self.pool,
         };
-        for step in &self.steps {
+        for (s, step) in self.steps.iter().enumerate() {
             for &x in &step.inputs {
-                materialize(x, &mut copies);
+                materialize(self.copy, &needs[x], &mut copies, &mut locs, &mut keep);
             }
             let started = profile.as_ref().map(|_| std::time::Instant::now());
             let ins: Vec<&Loc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
             let outs = &locs[step.value];
+            let mark = keep.mark();
             launch::run_step(step, &ins, outs, &ctx, &mut keep)
                 .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            // The kernel's scratch and the copies no later kernel reads.
+            keep.release_since(mark);
+            for &c in &freed[s] {
+                if let Some(b) = copies[c].buf.take() {
+                    keep.give_back(b);
+                }
+            }
             if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
                 p(&step.kind, t0.elapsed().as_secs_f64());
             }
         }
         if let Some(dump) = dump {
+            let all: Vec<usize> = (0..copies.len()).collect();
+            materialize(self.copy, &all, &mut copies, &mut locs, &mut keep);
             for l in &locs {
                 dump.push(l.iter().map(to_tensor).collect());
             }
@@ -693,14 +834,19 @@ impl Compiled {
                 .iter()
                 .find(|(n, _)| n == &o.name)
                 .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
-            materialize(*v, &mut copies);
+            materialize(self.copy, &needs[*v], &mut copies, &mut locs, &mut keep);
             out.push((o.name.clone(), to_tensor_into(&locs[*v][0], &mut spare)));
         }
         // What no output took is not kept: its sizes no longer match.
         drop(spare);
-        let mut pool = keep.pool;
-        pool.extend(keep.bufs);
-        *self.scratch.lock().unwrap_or_else(|p| p.into_inner()) = pool;
+        *self.view_copies.lock().unwrap_or_else(|p| p.into_inner()) =
+            (copies.len(), copies.iter().map(|c| c.words * 4).sum());
+        for c in copies {
+            if let Some(b) = c.buf {
+                keep.give_back(b);
+            }
+        }
+        *self.scratch.lock().unwrap_or_else(|p| p.into_inner()) = keep.into_pool();
         Ok(out)
     }
 }

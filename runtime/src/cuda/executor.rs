@@ -746,10 +746,12 @@ impl CudaExecutor {
             message: m,
         };
         let mut locs: Vec<Vec<DLoc>> = Vec::with_capacity(self.kg.values.len());
-        // Reshapes of non-contiguous views: (source, destination, done), copied when first
-        // read; `needs[v]` lists the copies value `v` reads through.
-        let mut copies: Vec<(DLoc, u64, bool)> = Vec::new();
+        // Reshapes of non-contiguous views: copied when first read, freed after their last
+        // reader; `needs[v]` lists the copies value `v` reads through, `origin[v]` the copy
+        // whose buffer `v`'s location starts at.
+        let mut copies: Vec<DevCopy> = Vec::new();
         let mut needs: Vec<Vec<usize>> = Vec::with_capacity(self.kg.values.len());
+        let mut origin: Vec<Option<usize>> = Vec::with_capacity(self.kg.values.len());
         for (v, val) in self.kg.values.iter().enumerate() {
             let shapes: Vec<Vec<usize>> = val
                 .types
@@ -758,6 +760,7 @@ impl CudaExecutor {
                 .collect::<Result<_, _>>()
                 .map_err(|m| node_err(v, m))?;
             let mut need = Vec::new();
+            let mut from: Option<usize> = None;
             let loc = match &val.def {
                 Def::Input(name) => {
                     let id = self
@@ -796,6 +799,7 @@ impl CudaExecutor {
                         };
                         locs.push(vec![held]);
                         needs.push(need);
+                        origin.push(None);
                         continue;
                     }
                     let src = bind.input(id, name)?;
@@ -832,6 +836,7 @@ impl CudaExecutor {
                             dtype: DType::F32,
                         }]);
                         needs.push(need);
+                        origin.push(None);
                         continue;
                     }
                     match cache.as_mut() {
@@ -870,6 +875,7 @@ impl CudaExecutor {
                 Def::View(op, x) => {
                     let src = locs[*x][0].clone();
                     need = needs[*x].clone();
+                    from = origin[*x];
                     let layout = match op {
                         Op::Reshape { .. } => src.layout.reshape(&shapes[0]),
                         Op::Permute { perm } => Some(src.layout.permute(perm)),
@@ -891,13 +897,17 @@ impl CudaExecutor {
                             dtype,
                         }],
                         None => {
-                            let dst = r
-                                .alloc(words_of(dtype, src.numel()))
-                                .map_err(|m| node_err(v, m))?;
-                            copies.push((src, dst, false));
+                            // Placed when it is made.
+                            copies.push(DevCopy {
+                                src: *x,
+                                words: words_of(dtype, src.numel()),
+                                buf: None,
+                                users: Vec::new(),
+                            });
+                            from = Some(copies.len() - 1);
                             need.push(copies.len() - 1);
                             vec![DLoc {
-                                ptr: dst,
+                                ptr: 0,
                                 layout: Layout::contiguous(&shapes[0]),
                                 dtype,
                             }]
@@ -921,30 +931,36 @@ impl CudaExecutor {
                     })
                     .collect::<Result<_, ExecError>>()?,
             };
+            if let Some(c) = from {
+                copies[c].users.push(v);
+            }
             needs.push(need);
+            origin.push(from);
             locs.push(loc);
         }
         mark("upload")?;
-        let materialize = |v: usize,
-                           copies: &mut Vec<(DLoc, u64, bool)>,
-                           r: &mut Run<'_>|
-         -> Result<(), String> {
-            for &c in &needs[v] {
-                if !copies[c].2 {
-                    r.copy_to(&copies[c].0, copies[c].1)?;
-                    copies[c].2 = true;
-                }
-            }
-            Ok(())
-        };
-        for step in &self.steps {
+        let freed = crate::exec::copies_freed_after(
+            copies.len(),
+            &needs,
+            self.steps.iter().map(|s| s.inputs.as_slice()),
+            self.kg.outputs.iter().map(|(_, v)| *v),
+        );
+        for (s, step) in self.steps.iter().enumerate() {
             for &x in &step.inputs {
-                materialize(x, &mut copies, &mut r).map_err(|m| node_err(step.value, m))?;
+                r.materialize(&needs[x], &mut copies, &mut locs)
+                    .map_err(|m| node_err(step.value, m))?;
             }
             let ins: Vec<&DLoc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
             let outs = &locs[step.value];
+            let held = r.keep.len();
             r.exec(step, &ins, outs)
                 .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            // The kernel's scratch and the copies no later kernel reads (freed in stream
+            // order: the memory is reused by later launches only).
+            r.keep.truncate(held);
+            for &c in &freed[s] {
+                copies[c].buf = None;
+            }
             if profiling {
                 mark(&format!("{} ({})", step.kind, step.exec.how()))?;
             }
@@ -960,7 +976,8 @@ impl CudaExecutor {
                 .iter()
                 .find(|(n, _)| n == &o.name)
                 .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
-            materialize(*v, &mut copies, &mut r).map_err(dev_err)?;
+            r.materialize(&needs[*v], &mut copies, &mut locs)
+                .map_err(dev_err)?;
             let trained = training.zip(micro).and_then(|(t, mb)| {
                 let name = o.name.strip_prefix("grad.")?;
                 let (key, tp) = t.params.get_key_value(name)?;
@@ -1662,6 +1679,18 @@ fn signatures(code: &CudaCode) -> Vec<(String, Work, usize)> {
         .collect()
 }
 
+/// A reshape of a non-contiguous view (see the CPU executor's `ViewCopy`): copied into a
+/// buffer of its own when a kernel first reads it, freed after the last one does.
+struct DevCopy {
+    /// The value copied (a strided view).
+    src: usize,
+    words: usize,
+    buf: Option<Buf>,
+    /// The values that start at the copy (itself and views of it): their locations get
+    /// its address when it is made.
+    users: Vec<usize>,
+}
+
 /// One run's device work: launches, GEMMs, copies, and the buffers they need.
 struct Run<'a> {
     dev: &'a Device,
@@ -1690,6 +1719,29 @@ struct MatmulOps {
 }
 
 impl Run<'_> {
+    /// Makes the copies in `cs` not made yet, in order (a copy of a view of a copy comes
+    /// after the copy it reads).
+    fn materialize(
+        &mut self,
+        cs: &[usize],
+        copies: &mut [DevCopy],
+        locs: &mut [Vec<DLoc>],
+    ) -> Result<(), String> {
+        for &c in cs {
+            if copies[c].buf.is_some() {
+                continue;
+            }
+            let b = self.dev.alloc(copies[c].words)?;
+            for &u in &copies[c].users {
+                locs[u][0].ptr = b.ptr;
+            }
+            let src = locs[copies[c].src][0].clone();
+            self.copy_to(&src, b.ptr)?;
+            copies[c].buf = Some(b);
+        }
+        Ok(())
+    }
+
     /// A fresh zeroed buffer of `words` words, alive until the run ends.
     fn alloc(&mut self, words: usize) -> Result<u64, String> {
         let b = self.dev.alloc(words)?;
