@@ -565,16 +565,25 @@ fn every_distinct_spec_emits_a_mixed_precision_program() {
                 plan.check(&dims)
                     .unwrap_or_else(|e| panic!("{spec} {entry}: the {what} plan: {e}"));
             }
-            let (full, half) = (
-                f32_plan.layout(&dims).unwrap().total,
-                mixed.layout(&dims).unwrap().total,
-            );
+            // bf16 activations take fewer bytes: the mixed plan's live peak is below the
+            // f32 one's. (At these small dims the f32 gradients of the 37,000-row
+            // embedding dominate both, so by little, and the packed layouts can differ
+            // the other way by the packer's gaps; the next test compares the arenas at
+            // the benchmark's size.)
+            let peak = |p: &MemoryPlan| p.live_peak(&dims).unwrap();
+            let total = |p: &MemoryPlan| p.layout(&dims).unwrap().total;
             if *entry == "adam_update" {
-                assert_eq!(half, full, "{spec}: Adam's plan is the f32 one");
+                assert_eq!(
+                    total(&mixed),
+                    total(&f32_plan),
+                    "{spec}: Adam's plan is the f32 one"
+                );
             } else {
                 assert!(
-                    half < full,
-                    "{spec} {entry}: mixed arena {half} B, f32 {full} B"
+                    peak(&mixed) < peak(&f32_plan),
+                    "{spec} {entry}: mixed live peak {} B, f32 {} B",
+                    peak(&mixed),
+                    peak(&f32_plan)
                 );
             }
             (format!("{spec} {entry}"), code.source())

@@ -28,6 +28,7 @@ pub mod plan;
 pub mod printer;
 pub mod reference;
 pub mod rng;
+pub mod schedule;
 pub mod shape;
 pub mod summary;
 pub mod tensor;

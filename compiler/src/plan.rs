@@ -173,7 +173,8 @@ pub fn direct_output(kg: &KernelGraph, name: &str) -> Option<(usize, usize)> {
     (kg.values[v].types.get(k)?.dtype == crate::ir::DType::F32).then_some((v, k))
 }
 
-fn estimate(d: &Dim) -> f64 {
+/// Elements of `d` with every dim at the cost model's estimate.
+pub(crate) fn estimate(d: &Dim) -> f64 {
     let mut b = BTreeMap::new();
     for s in d.symbols() {
         b.insert(s.to_string(), crate::optimize::extract::ESTIMATE_DIM);

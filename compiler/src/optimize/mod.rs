@@ -215,6 +215,7 @@ pub fn optimize(g: &Graph, opts: &Options) -> Result<(KernelGraph, Report), OptE
     }
     let t1 = Instant::now();
     let (after, cost_after) = extract_program(g, &eg, &class, &model, opts.target)?;
+    let after = crate::schedule::reorder(after);
     let extract_seconds = t1.elapsed().as_secs_f64();
     let report = Report {
         source_nodes: g.len(),
