@@ -254,20 +254,14 @@ fn concurrent_runs_of_one_program_agree_bit_for_bit() {
         .enumerate()
         .map(|(k, d)| random_feeds_with(&g, 40 + k as u64, d).expect("feeds"))
         .collect();
-    let bits = |out: &[(String, kiln_compiler::tensor::Tensor)]| -> Vec<u64> {
-        out.iter()
-            .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
-            .map(f64::to_bits)
-            .collect()
-    };
     let alone: Vec<Vec<u64>> = feeds
         .iter()
-        .map(|(i, p)| bits(&exec.run(i, p, &opts).expect("runs")))
+        .map(|(i, p)| output_bits(&exec.run(i, p, &opts).expect("runs")))
         .collect();
     let check = |n: usize| {
         let k = n % feeds.len();
         let (i, p) = &feeds[k];
-        let got = bits(&exec.run(i, p, &opts).expect("runs"));
+        let got = output_bits(&exec.run(i, p, &opts).expect("runs"));
         assert!(
             got == alone[k],
             "run {n} (dims {:?}) differs from a run alone",
@@ -294,13 +288,7 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
     let exec = Compiled::from_graph(g.clone()).expect("compiles");
     let dims = dim_sets(&g).pop().expect("a dim set");
     let (inputs, params) = random_feeds_with(&g, 7, &dims).expect("feeds");
-    let bits = |out: &[(String, kiln_compiler::tensor::Tensor)]| -> Vec<u64> {
-        out.iter()
-            .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
-            .map(f64::to_bits)
-            .collect()
-    };
-    let plain = bits(
+    let plain = output_bits(
         &exec
             .run(&inputs, &params, &RunOptions::default())
             .expect("runs"),
@@ -310,7 +298,7 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
         ..RunOptions::default()
     };
     for run in 0..3 {
-        let got = bits(&exec.run(&inputs, &params, &fixed).expect("runs"));
+        let got = output_bits(&exec.run(&inputs, &params, &fixed).expect("runs"));
         assert!(got == plain, "run {run} on a fixed version differs");
         // The first run of the version notes it; the second makes the copy.
         assert_eq!(
@@ -324,7 +312,7 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
         params_version: Some(kiln_runtime::exec::fresh_params_version()),
         ..RunOptions::default()
     };
-    assert!(bits(&exec.run(&inputs, &params, &next).expect("runs")) == plain);
+    assert!(output_bits(&exec.run(&inputs, &params, &next).expect("runs")) == plain);
     assert_eq!(exec.weight_copies(), 0);
 
     let g = entry_graph(&path, &["vocab=48"], "train_step").expect("the entry");
@@ -415,13 +403,7 @@ fn view_copies_are_freed_after_their_last_reader() {
         .map(|(k, n)| (k.to_string(), *n))
         .collect();
     let (inputs, params) = random_feeds_with(&g, 3, &dims).expect("feeds");
-    let bits = |out: &[(String, kiln_compiler::tensor::Tensor)]| -> Vec<u64> {
-        out.iter()
-            .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
-            .map(f64::to_bits)
-            .collect()
-    };
-    let first = bits(
+    let first = output_bits(
         &exec
             .run(&inputs, &params, &RunOptions::default())
             .expect("runs"),
@@ -435,7 +417,7 @@ fn view_copies_are_freed_after_their_last_reader() {
         "{held} bytes held for {copied} bytes of copies: every copy was kept"
     );
     for run in 0..2 {
-        let again = bits(
+        let again = output_bits(
             &exec
                 .run(&inputs, &params, &RunOptions::default())
                 .expect("runs"),
@@ -443,4 +425,12 @@ fn view_copies_are_freed_after_their_last_reader() {
         assert!(again == first, "run {run} reusing the buffers differs");
         assert_eq!(exec.scratch_bytes(), held, "the pool does not grow");
     }
+}
+
+/// Every output element's bits, outputs in order.
+fn output_bits(out: &[(String, kiln_compiler::tensor::Tensor)]) -> Vec<u64> {
+    out.iter()
+        .flat_map(|(_, t)| t.to_f64_vec().expect("numeric"))
+        .map(f64::to_bits)
+        .collect()
 }

@@ -220,16 +220,7 @@ impl MemoryPlan {
         }
         // Liveness: every read of a value (through views and projections) extends the
         // life of the buffer under it.
-        let root = |mut v: usize| -> Option<(usize, usize)> {
-            loop {
-                match &kg.values[v].def {
-                    Def::View(_, x) => v = *x,
-                    Def::Proj(t, k) => return Some((*t, *k as usize)),
-                    Def::Kernel { .. } => return Some((v, 0)),
-                    _ => return None,
-                }
-            }
-        };
+        let root = |v: usize| kg.result_of(v);
         for val in &kg.values {
             if let Def::Kernel {
                 index: s, inputs, ..

@@ -67,16 +67,7 @@ impl Schedule {
             }
         }
         // The kernel result a value reads, through views and projections.
-        let root = |mut v: usize| -> Option<(usize, usize)> {
-            loop {
-                match &kg.values[v].def {
-                    Def::View(_, x) => v = *x,
-                    Def::Proj(t, k) => return Some((*t, *k as usize)),
-                    Def::Kernel { .. } => return Some((v, 0)),
-                    _ => return None,
-                }
-            }
-        };
+        let root = |v: usize| kg.result_of(v);
         let mut reads = Vec::new();
         let mut deps = Vec::new();
         for &v in &kernels {

@@ -305,6 +305,19 @@ impl KernelGraph {
         })
     }
 
+    /// The kernel result (kernel value, output) that value `v` reads, through views and
+    /// projections; `None` for sources and views of them.
+    pub fn result_of(&self, mut v: usize) -> Option<(usize, usize)> {
+        loop {
+            match &self.values[v].def {
+                Def::View(_, x) => v = *x,
+                Def::Proj(t, k) => return Some((*t, *k as usize)),
+                Def::Kernel { .. } => return Some((v, 0)),
+                _ => return None,
+            }
+        }
+    }
+
     /// The kernels in launch order: (value number, kernel op, operands).
     pub fn kernels(&self) -> Vec<(usize, &KernelOp, &[usize])> {
         self.values
