@@ -434,3 +434,36 @@ fn output_bits(out: &[(String, kiln_compiler::tensor::Tensor)]) -> Vec<u64> {
         .map(f64::to_bits)
         .collect()
 }
+
+/// The trainer runs its training step, validation and decoder programs in one arena
+/// (`Compiled::share_arena_with`): a program run in another's arena gives the bits it
+/// gives in its own, the arena is the larger layout of the two (not their sum), and the
+/// first program is unaffected by what the second left there.
+#[test]
+fn programs_sharing_an_arena_give_the_bits_of_their_own() {
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let train = entry_graph(&path, &["vocab=48"], "train_step").expect("the entry");
+    let loss = entry_graph(&path, &["vocab=48"], "loss").expect("the entry");
+    let trainer = Compiled::from_graph(train.clone()).expect("compiles");
+    let alone = Compiled::from_graph(loss.clone()).expect("compiles");
+    let mut shared = Compiled::from_graph(loss.clone()).expect("compiles");
+    shared.share_arena_with(&trainer);
+    let dims: BTreeMap<String, i64> = [("batch", 3), ("src_len", 7), ("tgt_len", 5)]
+        .iter()
+        .map(|(k, n)| (k.to_string(), *n))
+        .collect();
+    let (ti, tp) = random_feeds_with(&train, 5, &dims).expect("feeds");
+    let (li, lp) = random_feeds_with(&loss, 6, &dims).expect("feeds");
+    let opts = RunOptions::default();
+    let first = output_bits(&trainer.run(&ti, &tp, &opts).expect("runs"));
+    let own = output_bits(&alone.run(&li, &lp, &opts).expect("runs"));
+    let in_shared = output_bits(&shared.run(&li, &lp, &opts).expect("runs"));
+    assert!(in_shared == own, "the loss differs in the shared arena");
+    assert!(alone.arena_bytes() < trainer.arena_bytes());
+    assert_eq!(shared.arena_bytes(), trainer.arena_bytes(), "one arena");
+    let again = output_bits(&trainer.run(&ti, &tp, &opts).expect("runs"));
+    assert!(
+        again == first,
+        "the training step differs after the loss ran"
+    );
+}

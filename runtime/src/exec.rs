@@ -48,6 +48,12 @@ pub trait Exec: Send + Sync {
         None
     }
 
+    /// The compiled CPU program behind this executor, if it is one (what lets the trainer
+    /// run its programs in one arena). The default: none.
+    fn as_compiled_mut(&mut self) -> Option<&mut crate::compiled::Compiled> {
+        None
+    }
+
     /// Runs and returns the outputs by name.
     fn run_map(
         &self,

@@ -644,7 +644,7 @@ impl Trainer {
                     )
                 })?,
         };
-        let train_exec = match (artifact, &cfg.train.devices) {
+        let mut train_exec = match (artifact, &cfg.train.devices) {
             (Some(art), Some(devices)) if cuda => {
                 let dp = DataParallel::new(
                     art,
@@ -675,12 +675,26 @@ impl Trainer {
             )),
             _ => TrainExec::Host(ex("train_step", &graphs.train_step)?),
         };
+        let mut loss_exec = ex("loss", &graphs.loss)?;
+        let mut encode_exec = ex("encode", &graphs.encode)?;
+        let mut step_exec = ex("decode_step", &graphs.decode_step)?;
+        // Training, validation and decoding never run at once: compiled CPU programs
+        // share the training step's arena.
+        if let TrainExec::Host(train) = &mut train_exec {
+            if let Some(shared) = train.as_compiled_mut() {
+                for e in [&mut loss_exec, &mut encode_exec, &mut step_exec] {
+                    if let Some(c) = e.as_compiled_mut() {
+                        c.share_arena_with(shared);
+                    }
+                }
+            }
+        }
         Ok(Trainer {
             train_exec,
             device: DeviceState::Off,
-            loss_exec: ex("loss", &graphs.loss)?,
-            encode_exec: ex("encode", &graphs.encode)?,
-            step_exec: ex("decode_step", &graphs.decode_step)?,
+            loss_exec,
+            encode_exec,
+            step_exec,
             graphs_json: graphs.to_json(),
             graphs,
             dir: cfg.checkpoint.dir.clone(),

@@ -74,7 +74,9 @@ pub struct Compiled {
     steps: Vec<launch::Step>,
     /// The generated strided-copy kernel.
     copy: kiln_compiler::codegen::jit::KernelFn,
-    arena: Mutex<Vec<f32>>,
+    /// The arena, possibly shared with programs that never run at the same time as this
+    /// one ([`Compiled::share_arena_with`]).
+    arena: Arc<Mutex<Vec<f32>>>,
     /// Buffers of earlier runs' [`Keep`]s.
     scratch: Mutex<Vec<Vec<u32>>>,
     /// The last run's view copies: how many, and their bytes in all.
@@ -425,7 +427,7 @@ impl Compiled {
             jit: Arc::new(jit),
             steps,
             copy,
-            arena: Mutex::new(Vec::new()),
+            arena: Arc::new(Mutex::new(Vec::new())),
             scratch: Mutex::new(Vec::new()),
             view_copies: Mutex::new((0, 0)),
             spare: Mutex::new(Vec::new()),
@@ -478,6 +480,14 @@ impl Compiled {
         let mut dump = Vec::new();
         on_worker(|| self.run_inner(inputs, params, opts, None, Some(&mut dump)))?;
         Ok(dump)
+    }
+
+    /// Runs this program in `other`'s arena from now on (the trainer's programs — the
+    /// training step, validation and the decoder — run one at a time, so one arena, as
+    /// large as the largest layout, serves them all instead of one each). A run that finds
+    /// the arena taken by another still runs, in an arena of its own.
+    pub fn share_arena_with(&mut self, other: &Compiled) {
+        self.arena = Arc::clone(&other.arena);
     }
 
     /// Bytes of the shared arena: the memory plan's layout at the largest dims run so far
@@ -1019,5 +1029,9 @@ impl crate::exec::Exec for Compiled {
 
     fn recycle(&self, tensors: Vec<Tensor>) {
         Compiled::recycle(self, tensors)
+    }
+
+    fn as_compiled_mut(&mut self) -> Option<&mut Compiled> {
+        Some(self)
     }
 }
