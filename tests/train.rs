@@ -93,15 +93,13 @@ fn resuming_under_an_edited_configuration() {
 fn a_run_killed_while_checkpointing_resumes_from_the_last_good_checkpoint() {
     let dir = workspace("killed", "");
     // Checkpoint at every step so that a kill likely lands during a write.
-    let cfg = std::fs::read_to_string(dir.join("cfg.yaml"))
-        .unwrap()
-        .replace(
-            "checkpoint: {dir: run, every: 10, keep: 3}",
-            "checkpoint: {dir: run, every: 1, keep: 2}",
-        )
-        .replace("max_steps: 20", "max_steps: 400")
-        .replace("valid: {every: 10", "valid: {every: 1000");
-    std::fs::write(dir.join("cfg.yaml"), cfg).unwrap();
+    edit_cfg(
+        &dir,
+        "checkpoint: {dir: run, every: 10, keep: 3}",
+        "checkpoint: {dir: run, every: 1, keep: 2}",
+    );
+    edit_cfg(&dir, "max_steps: 20", "max_steps: 400");
+    edit_cfg(&dir, "valid: {every: 10", "valid: {every: 1000");
     let root = dir.join("run/checkpoints");
     for (round, delay_ms) in [900u64, 1300, 1700].into_iter().enumerate() {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
@@ -419,17 +417,19 @@ fn checkpoints_translate_average_and_export() {
 #[test]
 fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
     let eager = workspace("from_artifact_eager", "");
-    let cfg = std::fs::read_to_string(eager.join("cfg.yaml")).unwrap();
-    let cfg = cfg.replace(
+    edit_cfg(
+        &eager,
         "max_steps: 20, executor: reference",
         "max_steps: 10, executor: eager",
     );
-    std::fs::write(eager.join("cfg.yaml"), &cfg).unwrap();
     ok(&eager, &["train", "--config", "cfg.yaml", "--quiet"]);
 
     let comp = workspace("from_artifact_compiled", "");
-    let cfg = cfg.replace("executor: eager", "executor: compiled");
-    std::fs::write(comp.join("cfg.yaml"), &cfg).unwrap();
+    edit_cfg(
+        &comp,
+        "max_steps: 20, executor: reference",
+        "max_steps: 10, executor: compiled",
+    );
     ok(&comp, &["compile", "--config", "cfg.yaml", "-o", "art"]);
     // The artifact holds what training needs, and compiling did not start a run.
     let inspect = ok(&comp, &["inspect", "art"]);
@@ -476,11 +476,7 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
     assert_eq!((se.epoch, se.batch_in_epoch), (sc.epoch, sc.batch_in_epoch));
     // The yardstick: the reference executor's run of the same configuration.
     let reference = workspace("from_artifact_reference", "");
-    std::fs::write(
-        reference.join("cfg.yaml"),
-        cfg.replace("executor: compiled", "executor: reference"),
-    )
-    .unwrap();
+    edit_cfg(&reference, "max_steps: 20", "max_steps: 10");
     ok(&reference, &["train", "--config", "cfg.yaml", "--quiet"]);
     let (pr, _) = final_state(&reference, 10);
     let d = relative_distance(&pe, &pc);

@@ -220,14 +220,13 @@ impl MemoryPlan {
         }
         // Liveness: every read of a value (through views and projections) extends the
         // life of the buffer under it.
-        let root = |v: usize| kg.result_of(v);
         for val in &kg.values {
             if let Def::Kernel {
                 index: s, inputs, ..
             } = &val.def
             {
                 for &x in inputs {
-                    if let Some(b) = root(x).and_then(|r| index.get(&r)) {
+                    if let Some(b) = kg.result_of(x).and_then(|r| index.get(&r)) {
                         let b = &mut buffers[*b];
                         b.dies = b.dies.max(*s);
                     }
@@ -235,7 +234,7 @@ impl MemoryPlan {
             }
         }
         for (_, v) in &kg.outputs {
-            if let Some(b) = root(*v).and_then(|r| index.get(&r)) {
+            if let Some(b) = kg.result_of(*v).and_then(|r| index.get(&r)) {
                 buffers[*b].dies = steps;
             }
         }

@@ -66,8 +66,6 @@ impl Schedule {
                 writes.push(w);
             }
         }
-        // The kernel result a value reads, through views and projections.
-        let root = |v: usize| kg.result_of(v);
         let mut reads = Vec::new();
         let mut deps = Vec::new();
         for &v in &kernels {
@@ -77,7 +75,7 @@ impl Schedule {
             let mut r: Vec<usize> = Vec::new();
             let mut d: Vec<usize> = Vec::new();
             for &x in inputs {
-                if let Some((kv, k)) = root(x) {
+                if let Some((kv, k)) = kg.result_of(x) {
                     r.push(buffer[&(kv, k)]);
                     d.push(kernel_of[&kv]);
                 }
@@ -91,7 +89,7 @@ impl Schedule {
         }
         let mut pinned = vec![false; size.len()];
         for (_, v) in &kg.outputs {
-            if let Some(r) = root(*v) {
+            if let Some(r) = kg.result_of(*v) {
                 pinned[buffer[&r]] = true;
             }
         }

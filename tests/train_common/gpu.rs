@@ -14,13 +14,11 @@ use super::*;
 #[test]
 fn training_on_the_gpu_follows_the_compiled_executor() {
     let gpu = workspace("gpu_cuda", "");
-    let cfg = std::fs::read_to_string(gpu.join("cfg.yaml"))
-        .unwrap()
-        .replace(
-            "max_steps: 20, executor: reference",
-            "max_steps: 10, executor: cuda",
-        );
-    std::fs::write(gpu.join("cfg.yaml"), &cfg).unwrap();
+    edit_cfg(
+        &gpu,
+        "max_steps: 20, executor: reference",
+        "max_steps: 10, executor: cuda",
+    );
     let out = compile_and_train(&gpu);
     if kiln_runtime::cuda::require_cuda_or_skip().is_none() {
         let reason = kiln_runtime::cuda::cuda_available().unwrap_err();
@@ -36,11 +34,11 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
     }
     assert!(out.status.success(), "{}", unwrapped(&out.stderr));
     let comp = workspace("gpu_compiled", "");
-    std::fs::write(
-        comp.join("cfg.yaml"),
-        cfg.replace("executor: cuda", "executor: compiled"),
-    )
-    .unwrap();
+    edit_cfg(
+        &comp,
+        "max_steps: 20, executor: reference",
+        "max_steps: 10, executor: compiled",
+    );
     ok(&comp, &["train", "--config", "cfg.yaml", "--quiet"]);
     same_losses(&comp, &gpu, "compiled", "GPU");
     let (pg, sg) = final_state(&gpu, 10);
