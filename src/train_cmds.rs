@@ -248,8 +248,9 @@ fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Translator, Err
                 executor(kind, g.manifest.graph.clone()).map_err(err("kiln::model"))
             }
         };
-        let encode = ex("encode")?;
-        let step = ex("decode_step")?;
+        let mut encode = ex("encode")?;
+        let mut step = ex("decode_step")?;
+        share_arena(&mut encode, &mut step);
         let params = art.weights().map_err(err("kiln::artifact"))?;
         let vocab = model::logits_width(step.graph()).unwrap_or(tokenizer.vocab_size());
         return Ok(Translator {
@@ -275,8 +276,9 @@ fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Translator, Err
         ));
     }
     let m = model::load(path).map_err(err("kiln::model"))?;
-    let encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
-    let step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
+    let mut encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
+    let mut step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
+    share_arena(&mut encode, &mut step);
     let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
     Ok(Translator {
         encode,
@@ -285,6 +287,14 @@ fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Translator, Err
         tokenizer: m.tokenizer,
         vocab,
     })
+}
+
+/// The encoder runs once per batch and the decoder step after it, never at once: compiled
+/// CPU programs share one arena, as large as the larger layout, as the trainer's do.
+fn share_arena(encode: &mut Box<dyn Exec>, step: &mut Box<dyn Exec>) {
+    if let (Some(e), Some(s)) = (encode.as_compiled_mut(), step.as_compiled_mut()) {
+        s.share_arena_with(e);
+    }
 }
 
 pub struct TranslateArgs {
