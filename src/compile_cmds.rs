@@ -184,6 +184,9 @@ pub fn compile_artifact(
     write_artifact_from(dir, target, src, check)
 }
 
+/// The entries `kiln compile SPEC -o DIR` compiles without `--entries`: every one that
+/// `kiln run`, `kiln bench`, `kiln train --artifact` and `kiln translate` use.
+pub const SPEC_ENTRIES: [&str; 5] = ["forward", "train_step", "loss", "encode", "decode_step"];
 /// The entries a trainer needs, which `--config` compiles by default.
 pub const TRAINING_ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
 /// The entries a decoder needs, which `--from-model` compiles by default.

@@ -82,9 +82,10 @@ enum Command {
         #[arg(long)]
         kernels: bool,
     },
-    /// Compile an entry point into its kernel graph (fused kernels, deterministic text),
-    /// or with `--entries` several entry points into an artifact directory (kernel
-    /// graphs, memory plans, CLIF code, weights) that runs without the spec. With
+    /// Compile a spec into an artifact directory (`-o DIR`: kernel graphs, memory plans,
+    /// CLIF code, weights) that runs without the spec — every entry point, or those of
+    /// `--entries` — or, with `--entry` (or without `-o`), one entry point into its kernel
+    /// graph (fused kernels, deterministic text). With
     /// `--config` the artifact is what `kiln train` needs (tokenizer included); with
     /// `--from-model` it is a trained model ready for `kiln translate`.
     Compile {
@@ -97,10 +98,11 @@ enum Command {
         /// Which model of the file, when it defines several.
         #[arg(long)]
         model: Option<String>,
-        /// The entry point of a kernel-graph compile (without `--entries`): forward, loss,
-        /// encode, decode_step, train_step, or adam_update.
-        #[arg(long, default_value = "forward", value_parser = kiln_runtime::COMPILED_ENTRIES)]
-        entry: String,
+        /// Compile this one entry point into its kernel graph (text, to `-o FILE` or
+        /// standard output; `forward` when neither `--entry` nor `-o` is given): forward,
+        /// loss, encode, decode_step, train_step, or adam_update.
+        #[arg(long, value_parser = kiln_runtime::COMPILED_ENTRIES, conflicts_with = "entries")]
+        entry: Option<String>,
         /// The target whose cost model drives extraction; with `-o DIR --entries …`,
         /// `cuda` also writes each entry's CUDA C (`kernels/<entry>.cu`) beside its CLIF.
         #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
@@ -120,12 +122,13 @@ enum Command {
         /// encode, decode_step).
         #[arg(long = "from-model", conflicts_with_all = ["spec", "set", "model"])]
         from_model: Option<PathBuf>,
-        /// Write an artifact directory (`-o DIR`) with these entry points, e.g.
-        /// `--entries train_step,encode,decode_step`.
+        /// The entry points of the artifact directory (`-o DIR`), e.g.
+        /// `--entries train_step,encode,decode_step` (default: all of forward, loss,
+        /// encode, decode_step and train_step).
         #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
         entries: Vec<String>,
-        /// Where to write the kernel graph (default: standard output), or the artifact
-        /// directory with `--entries`.
+        /// The artifact directory to write, or with `--entry` the kernel graph's file
+        /// (default: the kernel graph on standard output).
         #[arg(short = 'o', long = "output")]
         output: Option<PathBuf>,
         /// Run the program and the unoptimized graph on random inputs (reference
@@ -409,16 +412,27 @@ fn run(cli: Cli) -> Result<(), Error> {
                     Some("give a spec, `--config CONFIG.yaml` or `--from-model DIR`".to_string()),
                 ));
             };
+            // `-o DIR` alone writes an artifact, as a compiler's `-o` writes its program;
+            // `--entry` asks for one kernel graph's text.
+            let artifact = !entries.is_empty() || (output.is_some() && entry.is_none());
             let args = compile_cmds::OptArgs {
                 spec,
                 set,
                 model,
-                entry,
+                entry: entry.unwrap_or_else(|| "forward".to_string()),
                 target,
             };
-            if entries.is_empty() {
+            if !artifact {
                 compile_cmds::compile(&args, output.as_deref(), validate, seed)
             } else {
+                let entries = if entries.is_empty() {
+                    compile_cmds::SPEC_ENTRIES
+                        .iter()
+                        .map(|s| s.to_string())
+                        .collect()
+                } else {
+                    entries
+                };
                 compile_cmds::compile_artifact(
                     &args,
                     &entries,

@@ -329,6 +329,69 @@ fn the_same_spec_compiles_to_the_same_bytes() {
     assert!(a.join("kernels/encode.clif").is_file());
 }
 
+/// `kiln compile SPEC -o DIR` without `--entries` writes an artifact of every entry point,
+/// as a compiler's `-o` writes its program; `--entry NAME -o FILE` still writes one kernel
+/// graph's text, and `--entry` with `--entries` is a usage error.
+#[test]
+fn compile_to_a_directory_writes_every_entry() {
+    let base = tmp("default_entries");
+    let dir = base.join("all.art");
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "-o",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let art = Artifact::load(&dir).unwrap();
+    let names: Vec<&str> = art
+        .entries()
+        .iter()
+        .map(|e| e.manifest.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["forward", "train_step", "loss", "encode", "decode_step"]
+    );
+    assert!(stderr(&out).contains("5 entries"), "{}", stderr(&out));
+
+    let file = base.join("k.txt");
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--entry",
+        "encode",
+        "-o",
+        file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.starts_with("kernels transformer_tiny target=cpu\n"),
+        "{text}"
+    );
+    assert!(text.contains("\noutput memory = %"), "{text}");
+
+    let out = kiln(&[
+        "compile",
+        SPEC,
+        "--entry",
+        "encode",
+        "--entries",
+        "encode",
+        "-o",
+        base.join("x").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cannot be used with"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn a_corrupted_kernel_file_is_named() {
     let dir = tmp("corrupt").join("art");
