@@ -467,3 +467,81 @@ fn programs_sharing_an_arena_give_the_bits_of_their_own() {
         "the training step differs after the loss ran"
     );
 }
+
+/// The label-smoothed cross-entropy writes the logits' gradient over the logits, which it
+/// reads for the last time (`plan::in_place`): in `train_step` and in `loss` (where the
+/// gradient is not even read) the two share their bytes, and the arena is smaller by a
+/// logits-sized buffer than the same plan without it, with the outputs equal to the
+/// reference's (`every_spec_every_entry_matches` checks the values).
+#[test]
+fn the_logits_gradient_is_written_over_the_logits() {
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let dims: BTreeMap<String, i64> = [("batch", 3), ("src_len", 7), ("tgt_len", 5)]
+        .iter()
+        .map(|(k, n)| (k.to_string(), *n))
+        .collect();
+    for entry in ["train_step", "loss"] {
+        let g = entry_graph(&path, &["vocab=2000"], entry).expect("the entry");
+        let exec = Compiled::from_graph(g.clone()).expect("compiles");
+        let plan = exec.plan();
+        let over: Vec<_> = plan
+            .buffers
+            .iter()
+            .filter_map(|b| b.in_place_of.map(|a| (&plan.buffers[a], b)))
+            .collect();
+        assert_eq!(over.len(), 1, "{entry}: one result written in place");
+        let (logits, grad) = over[0];
+        let kind = exec
+            .kernel_graph()
+            .kernels()
+            .into_iter()
+            .find(|(v, ..)| *v == grad.value)
+            .map(|(_, op, _)| op.kind());
+        assert_eq!(kind.as_deref(), Some("xent_ls"), "{entry}");
+        assert_eq!(grad.output, 1, "{entry}: the gradient");
+        assert_eq!(logits.ty.shape.eval(&dims).unwrap(), [3, 5, 2000]);
+        let mut apart = plan.clone();
+        for b in &mut apart.buffers {
+            b.in_place_of = None;
+        }
+        // Slots as they were planned, the gradient in one of its own.
+        let i = apart
+            .buffers
+            .iter()
+            .position(|b| b.value == grad.value && b.output == 1)
+            .unwrap();
+        apart.buffers[i].slot = apart.slots;
+        apart.slots += 1;
+        let a = plan
+            .buffers
+            .iter()
+            .position(|b| std::ptr::eq(b, logits))
+            .unwrap();
+        let layout = plan.layout(&dims).unwrap();
+        assert_eq!(layout.offsets[a], layout.offsets[i], "{entry}: one offset");
+        plan.check(&dims).unwrap();
+        // Bytes live while the cross-entropy runs: one logits-sized buffer fewer.
+        let live_at = |p: &kiln_compiler::plan::MemoryPlan, s: usize| -> usize {
+            p.buffers
+                .iter()
+                .filter(|b| b.born + usize::from(b.in_place_of.is_some()) <= s && s <= b.dies)
+                .map(|b| b.bytes(&dims).unwrap())
+                .sum()
+        };
+        let (with, without) = (live_at(plan, grad.born), live_at(&apart, grad.born));
+        assert_eq!(
+            without - with,
+            3 * 5 * 2000 * 4,
+            "{entry}: {with} vs {without}"
+        );
+        assert!(plan.live_peak(&dims).unwrap() <= apart.live_peak(&dims).unwrap());
+        let (inputs, params) = random_feeds_with(&g, 9, &dims).expect("feeds");
+        exec.run(&inputs, &params, &RunOptions::default())
+            .expect("runs");
+        // The executor's layout: the graph's outputs are written outside the arena.
+        let external = plan.output_buffers(exec.kernel_graph());
+        let run = plan.layout_with(&dims, &external).unwrap();
+        assert_eq!(run.offsets[a], run.offsets[i], "{entry}: one offset");
+        assert_eq!(exec.arena_bytes(), run.total, "{entry}");
+    }
+}

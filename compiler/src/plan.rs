@@ -35,7 +35,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::ir::TensorType;
-use crate::optimize::kernels::{Def, KernelGraph};
+use crate::optimize::kernels::{Def, KernelGraph, KernelOp};
+use crate::optimize::templates::registry;
 use crate::reference::ExecError;
 use crate::shape::Dim;
 
@@ -60,6 +61,11 @@ pub struct Buffer {
     /// Bytes per element: [`ELEM_BYTES`] but in plans built with other sizes.
     #[serde(default = "elem_bytes", skip_serializing_if = "is_elem_bytes")]
     pub elem_bytes: usize,
+    /// Written in place of this earlier buffer (by plan index): an operand of the same
+    /// size that its kernel reads for the last time and may overwrite ([`in_place`]). The
+    /// two share their bytes; the operand's life ends, and this one's begins, at the step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_place_of: Option<usize>,
 }
 
 fn elem_bytes() -> usize {
@@ -182,6 +188,18 @@ pub(crate) fn estimate(d: &Dim) -> f64 {
     d.eval(&b).unwrap_or(0) as f64
 }
 
+/// The outputs a kernel may write over one of its operands, as (output, operand) pairs:
+/// the kernel reads each element of that operand before it writes the same element of the
+/// output, on every backend. `xent_ls` writes the logits' gradient over the logits (both
+/// `[rows, vocab]`, the largest tensors of a training step); its CPU and CUDA kernels
+/// read a row whole before they write it.
+pub fn in_place(op: &KernelOp) -> &'static [(usize, usize)] {
+    match op {
+        KernelOp::Template { id, .. } if registry()[*id as usize].name == "xent_ls" => &[(1, 0)],
+        _ => &[],
+    }
+}
+
 impl MemoryPlan {
     /// Plans `kg` with every buffer in 4-byte elements.
     pub fn build(kg: &KernelGraph) -> MemoryPlan {
@@ -215,6 +233,7 @@ impl MemoryPlan {
                     born: s,
                     dies: s,
                     elem_bytes: elem_bytes(v, k),
+                    in_place_of: None,
                 });
             }
         }
@@ -238,13 +257,58 @@ impl MemoryPlan {
                 buffers[*b].dies = steps;
             }
         }
+        let reuse = std::env::var_os("KILN_NO_REUSE").is_none();
+        // Results written over an operand that dies at their kernel ([`in_place`]):
+        // never a graph output nor over one (an executor may keep those elsewhere), never
+        // over an operand that another operand of the kernel also reads, and only of the
+        // same size.
+        let returned: Vec<(usize, usize)> = kg
+            .outputs
+            .iter()
+            .filter_map(|(_, v)| kg.result_of(*v))
+            .collect();
+        for (v, op, inputs) in kg.kernels() {
+            for &(k, j) in in_place(op).iter().filter(|_| reuse) {
+                let (Some(&out), Some(src)) = (
+                    index.get(&(v, k)),
+                    inputs.get(j).and_then(|&x| kg.result_of(x)),
+                ) else {
+                    continue;
+                };
+                let Some(&inp) = index.get(&src) else {
+                    continue;
+                };
+                let shared = inputs
+                    .iter()
+                    .enumerate()
+                    .any(|(i, &x)| i != j && kg.result_of(x) == Some(src));
+                let (a, b) = (&buffers[inp], &buffers[out]);
+                if a.dies == b.born
+                    && !shared
+                    && !returned.contains(&src)
+                    && !returned.contains(&(v, k))
+                    && a.elem_bytes == b.elem_bytes
+                    && a.ty.shape.numel() == b.ty.shape.numel()
+                    && !buffers.iter().any(|c| c.in_place_of == Some(inp))
+                {
+                    buffers[out].in_place_of = Some(inp);
+                }
+            }
+        }
         // Slot assignment in birth order. A slot is free for a buffer born at step s if
-        // its last buffer died before s.
+        // its last buffer died before s; a buffer written in place takes its operand's.
         // Last death per slot.
         let mut slot_free_after: Vec<usize> = Vec::new();
         // Largest buffer of each slot: symbolic elements, element size, estimated bytes.
         let mut slot_size: Vec<(Dim, usize, f64)> = Vec::new();
-        for b in buffers.iter_mut() {
+        for i in 0..buffers.len() {
+            if let Some(a) = buffers[i].in_place_of {
+                let slot = buffers[a].slot;
+                buffers[i].slot = slot;
+                slot_free_after[slot] = slot_free_after[slot].max(buffers[i].dies);
+                continue;
+            }
+            let b = &mut buffers[i];
             let need = b.ty.shape.numel();
             let need_est = estimate(&need) * b.elem_bytes as f64;
             let free: Vec<usize> = (0..slot_free_after.len())
@@ -263,7 +327,6 @@ impl MemoryPlan {
                 .iter()
                 .copied()
                 .max_by(|&a, &c| slot_size[a].2.total_cmp(&slot_size[c].2).then(c.cmp(&a)));
-            let reuse = std::env::var_os("KILN_NO_REUSE").is_none();
             let slot = match same.or(fit).or(largest).filter(|_| reuse) {
                 Some(s) => s,
                 None => {
@@ -319,7 +382,34 @@ impl MemoryPlan {
                 b.value, b.output, b.slot, self.slots, b.born, b.dies, self.steps
             ));
         }
+        for (i, b) in self.buffers.iter().enumerate() {
+            let Some(a) = b.in_place_of else { continue };
+            let ok = self.buffers.get(a).is_some_and(|o| {
+                a < i
+                    && o.dies == b.born
+                    && o.slot == b.slot
+                    && o.elem_bytes == b.elem_bytes
+                    && o.ty.shape.numel() == b.ty.shape.numel()
+            });
+            if !ok {
+                return Err(format!(
+                    "buffer %{}.{} is planned in place of buffer {a}, which is not an \
+                     operand of its size that dies where it is born; the plan is damaged \
+                     (recompile the artifact)",
+                    b.value, b.output
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The buffer whose bytes buffer `i` occupies: itself, or the first of its chain of
+    /// [`Buffer::in_place_of`].
+    pub fn home(&self, mut i: usize) -> usize {
+        while let Some(a) = self.buffers[i].in_place_of {
+            i = a;
+        }
+        i
     }
 
     /// Offsets for concrete dims: the buffers packed by lifetime at these sizes, or the
@@ -360,6 +450,12 @@ impl MemoryPlan {
             slot_off.push(slots_total);
             slots_total += s;
         }
+        // A buffer written in place takes no bytes of its own.
+        for (i, b) in self.buffers.iter().enumerate() {
+            if b.in_place_of.is_some() {
+                sizes[i] = 0;
+            }
+        }
         let mut layout = ArenaLayout {
             offsets: self.buffers.iter().map(|b| slot_off[b.slot]).collect(),
             slot_bytes,
@@ -388,7 +484,12 @@ impl MemoryPlan {
     /// reaches the live peak, where slots sized by their largest buffer take ~40% more.
     fn pack(&self, sizes: &[usize]) -> (Vec<usize>, usize) {
         let n = self.buffers.len();
-        let life: Vec<(usize, usize)> = self.buffers.iter().map(|b| (b.born, b.dies)).collect();
+        // A buffer written in place lives on in its home's bytes.
+        let mut life: Vec<(usize, usize)> = self.buffers.iter().map(|b| (b.born, b.dies)).collect();
+        for (i, b) in self.buffers.iter().enumerate() {
+            let h = self.home(i);
+            life[h].1 = life[h].1.max(b.dies);
+        }
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_unstable_by(|&a, &c| {
             sizes[c]
@@ -427,6 +528,9 @@ impl MemoryPlan {
             let k = placed.partition_point(|p| *p < entry);
             placed.insert(k, entry);
         }
+        for i in 0..n {
+            offsets[i] = offsets[self.home(i)];
+        }
         (offsets, total)
     }
 
@@ -437,7 +541,7 @@ impl MemoryPlan {
     pub fn check(&self, dims: &BTreeMap<String, i64>) -> Result<(), String> {
         let layout = self.layout(dims)?;
         let mut by_slot: Vec<Vec<&Buffer>> = vec![Vec::new(); self.slots];
-        for b in &self.buffers {
+        for b in self.buffers.iter().filter(|b| b.in_place_of.is_none()) {
             let bytes = b.bytes(dims)?;
             if bytes > layout.slot_bytes[b.slot] {
                 return Err(format!(
@@ -475,6 +579,7 @@ impl MemoryPlan {
         dims: &BTreeMap<String, i64>,
         layout: &ArenaLayout,
     ) -> Result<(), String> {
+        self.sound()?;
         let mut spans = Vec::with_capacity(self.buffers.len());
         for (i, (b, &at)) in self.buffers.iter().zip(&layout.offsets).enumerate() {
             if layout.external.get(i).copied().unwrap_or(false) {
@@ -487,10 +592,14 @@ impl MemoryPlan {
                     b.value, b.output, layout.total
                 ));
             }
-            spans.push((b, at, end));
+            spans.push((self.home(i), b, at, end));
         }
-        for (i, &(a, a0, a1)) in spans.iter().enumerate() {
-            for &(c, c0, c1) in &spans[i + 1..] {
+        for (i, &(ha, a, a0, a1)) in spans.iter().enumerate() {
+            for &(hc, c, c0, c1) in &spans[i + 1..] {
+                // One written in place of the other: the same bytes by design.
+                if ha == hc {
+                    continue;
+                }
                 let live = a.born <= c.dies && c.born <= a.dies;
                 if live && a0 < c1 && c0 < a1 && a0 < a1 && c0 < c1 {
                     return Err(format!(
@@ -511,7 +620,9 @@ impl MemoryPlan {
         let mut delta = vec![0i64; self.steps + 2];
         for b in &self.buffers {
             let bytes = b.bytes(dims)? as i64;
-            delta[b.born] += bytes;
+            // Written in place: its bytes are its operand's until the operand dies.
+            let from = b.born + usize::from(b.in_place_of.is_some());
+            delta[from] += bytes;
             delta[b.dies + 1] -= bytes;
         }
         let mut cur = 0i64;
@@ -551,7 +662,17 @@ impl MemoryPlan {
                     } else {
                         format!(" ({} B each)", b.elem_bytes)
                     };
-                    format!("{name} {}{elem} [k{}..k{}]", b.ty, b.born, b.dies)
+                    let over = match b.in_place_of.and_then(|a| self.buffers.get(a)) {
+                        Some(o) => {
+                            if kg.values[o.value].types.len() > 1 {
+                                format!(" (in place of %{}.{})", o.value, o.output)
+                            } else {
+                                format!(" (in place of %{})", o.value)
+                            }
+                        }
+                        None => String::new(),
+                    };
+                    format!("{name} {}{elem} [k{}..k{}]{over}", b.ty, b.born, b.dies)
                 })
                 .collect();
             let size = match &layout {
@@ -610,6 +731,7 @@ mod tests {
             born,
             dies,
             elem_bytes,
+            in_place_of: None,
         }
     }
 
@@ -789,6 +911,39 @@ mod tests {
             assert!(l.total <= l.slots_total);
             assert!(l.total >= plan.live_peak(&dims()).unwrap());
         }
+    }
+
+    /// A buffer written in place of its kernel's operand shares the operand's bytes: one
+    /// offset, no bytes of its own in the arena or the live peak; a plan that says so of an
+    /// operand living on past the step is damaged.
+    #[test]
+    fn a_buffer_written_in_place_shares_its_operands_bytes() {
+        // %1 k0..k1; %2 written by k1 over %1, read until k3; %3 k1..k3 beside them.
+        let mut over = buffer(2, 0, 1, 3, 4);
+        over.in_place_of = Some(0);
+        let mut plan = MemoryPlan {
+            buffers: vec![buffer(1, 0, 0, 1, 4), over, buffer(3, 1, 1, 3, 4)],
+            slots: 2,
+            steps: 4,
+        };
+        plan.check(&dims()).unwrap();
+        let l = plan.layout(&dims()).unwrap();
+        assert_eq!(l.offsets[0], l.offsets[1]);
+        assert_ne!(l.offsets[0], l.offsets[2]);
+        assert_eq!(l.total, 2 * 4032);
+        assert_eq!(plan.live_peak(&dims()).unwrap(), 8000);
+        assert_eq!(plan.home(1), 0);
+        // Without it, three buffers are live at k1.
+        let mut apart = plan.clone();
+        apart.buffers[1].in_place_of = None;
+        apart.buffers[1].slot = 2;
+        apart.slots = 3;
+        assert_eq!(apart.live_peak(&dims()).unwrap(), 12000);
+        assert_eq!(apart.layout(&dims()).unwrap().total, 3 * 4032);
+        // The operand read again at k2: not a kernel's last read.
+        plan.buffers[0].dies = 2;
+        let e = plan.layout(&dims()).unwrap_err();
+        assert!(e.contains("%2.0 is planned in place of buffer 0"), "{e}");
     }
 
     #[test]

@@ -260,8 +260,35 @@ pub(crate) fn run_step(
     ctx: &RunCtx<'_>,
     keep: &mut Keep,
 ) -> Result<(), String> {
+    let Some(fb) = &step.check else {
+        return run_exec(step, ins, outs, ctx, keep);
+    };
+    // The definition reads the operands after the kernel ran: keep a copy of each one
+    // the kernel may overwrite (an output planned in place of it).
+    let spans = |l: &Loc| (l.ptr as usize, l.ptr as usize + 4 * l.extent());
+    let saved: Vec<Loc> = ins
+        .iter()
+        .map(|&l| {
+            let (a0, a1) = spans(l);
+            let hit = outs.iter().any(|o| {
+                let (o0, o1) = spans(o);
+                a0 < o1 && o0 < a1
+            });
+            if !hit {
+                return l.clone();
+            }
+            let p = keep.alloc(l.numel());
+            copy_to_contiguous(l, p);
+            Loc {
+                ptr: p,
+                layout: Layout::contiguous(l.shape()),
+                dtype: l.dtype,
+            }
+        })
+        .collect();
     run_exec(step, ins, outs, ctx, keep)?;
-    if let Some(fb) = &step.check {
+    let ins: Vec<&Loc> = saved.iter().collect();
+    {
         let tmp: Vec<Loc> = outs
             .iter()
             .map(|o| Loc {
@@ -270,7 +297,7 @@ pub(crate) fn run_step(
                 dtype: o.dtype,
             })
             .collect();
-        fallback::run(fb, ins, &tmp, ctx)?;
+        fallback::run(fb, &ins, &tmp, ctx)?;
         for (k, (o, t)) in outs.iter().zip(&tmp).enumerate() {
             let (a, b) = (gather_words(o), gather_words(t));
             let (mut diff, mut max) = (0f32, 0f32);
