@@ -233,6 +233,8 @@ pub struct CudaExecutor {
     graph: Graph,
     kg: KernelGraph,
     plan: MemoryPlan,
+    /// The plan's buffer of each kernel result (value, output), looked up at every bind.
+    buffer_at: std::collections::HashMap<(usize, usize), usize>,
     /// The plan's layouts by dims.
     layouts: LayoutCache,
     steps: Vec<Step>,
@@ -546,10 +548,18 @@ impl CudaExecutor {
         graph
             .verify()
             .map_err(|err| CudaExecError::Artifact(format!("entry `{entry}`: {err}")))?;
+        let plan = program.plan.unwrap_or_else(|| e.manifest.plan.clone());
+        let buffer_at = plan
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| ((b.value, b.output), i))
+            .collect();
         Ok(CudaExecutor {
             graph,
             kg,
-            plan: program.plan.unwrap_or_else(|| e.manifest.plan.clone()),
+            plan,
+            buffer_at,
             layouts: LayoutCache::default(),
             steps: program.steps,
             copy: program.copy,
@@ -920,7 +930,7 @@ impl CudaExecutor {
                 }
                 Def::Kernel { .. } => (0..val.types.len())
                     .map(|k| {
-                        let b = self.plan.buffer_of(v, k).ok_or_else(|| {
+                        let b = *self.buffer_at.get(&(v, k)).ok_or_else(|| {
                             node_err(v, "internal: no buffer in the memory plan".into())
                         })?;
                         Ok(DLoc {
