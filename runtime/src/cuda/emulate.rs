@@ -481,8 +481,13 @@ fn build(source: &str, functions: &[(String, Work, usize)]) -> Result<PathBuf, S
     let key = format!("{:016x}-{}", fnv1a64(text.as_bytes()), text.len());
     let lib = dir.join(format!("{key}.so"));
     if lib.exists() {
+        // Marks it used, so that pruning keeps it.
+        if let Ok(f) = std::fs::File::options().append(true).open(&lib) {
+            let _ = f.set_modified(std::time::SystemTime::now());
+        }
         return Ok(lib);
     }
+    prune(&dir, CACHE_DAYS);
     let unique = format!(
         "{key}.{}.{:?}",
         std::process::id(),
@@ -515,6 +520,36 @@ fn build(source: &str, functions: &[(String, Work, usize)]) -> Result<PathBuf, S
     Ok(lib)
 }
 
+/// Days a cached library unused (by modification time, which a cache hit renews) is
+/// kept: every change to the kernels' text makes a new one.
+const CACHE_DAYS: u64 = 14;
+
+/// Removes the libraries (and stray temporaries) of `dir` not used for `days` days. A
+/// process that has one loaded keeps its mapping.
+fn prune(dir: &Path, days: u64) {
+    let Some(cutoff) =
+        std::time::SystemTime::now().checked_sub(std::time::Duration::from_secs(days * 86_400))
+    else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let stale = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t < cutoff);
+        if stale
+            && e.path()
+                .extension()
+                .is_some_and(|x| x == "so" || x == "tmp" || x == "cpp")
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 fn rename_into(tmp: &Path, lib: &Path) -> Result<(), String> {
     std::fs::rename(tmp, lib).map_err(|e| {
         format!(
@@ -522,4 +557,38 @@ fn rename_into(tmp: &Path, lib: &Path) -> Result<(), String> {
             tmp.display()
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pruning removes the cache's libraries unused for longer than the limit and keeps
+    /// the rest and anything that is not the cache's.
+    #[test]
+    fn pruning_removes_only_stale_libraries() {
+        let dir = std::env::temp_dir().join(format!("kiln-emu-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(20 * 86_400);
+        for (name, stale) in [
+            ("a.so", true),
+            ("b.so", false),
+            ("c.so.tmp", true),
+            ("keep.txt", true),
+        ] {
+            let f = std::fs::File::create(dir.join(name)).unwrap();
+            if stale {
+                f.set_modified(old).unwrap();
+            }
+        }
+        prune(&dir, CACHE_DAYS);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["b.so", "keep.txt"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
