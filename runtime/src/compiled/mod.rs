@@ -432,7 +432,9 @@ impl Compiled {
             view_copies: Mutex::new((0, 0)),
             spare: Mutex::new(Vec::new()),
             checks: Mutex::new(BTreeMap::new()),
-            pool: Arc::new(Pool::default()),
+            pool: Arc::new(Pool::with_limit(
+                crate::eager::pool::COMPILED_POOL_MAX_BYTES,
+            )),
         })
     }
 

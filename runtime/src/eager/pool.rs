@@ -9,8 +9,9 @@
 //! Freshly allocated memory costs a page fault per 4 KiB page on first touch (the
 //! vocab-sized logits of the base model are 118 MB, 29k faults), and the allocator hands
 //! large blocks back to the OS on free, so without a pool every run pays that again. The
-//! pool keeps at most [`POOL_MAX_BYTES`]; it lives as long as the [`super::Eager`] that
-//! owns it and the values that point to it.
+//! eager executor's pool keeps at most [`POOL_MAX_BYTES`], a compiled program's (for its
+//! fallback kernels) [`COMPILED_POOL_MAX_BYTES`]; a pool lives as long as the executor
+//! that owns it and the values that point to it.
 
 use std::sync::Mutex;
 
@@ -19,12 +20,34 @@ pub(crate) const POOL_MIN: usize = 1 << 16;
 /// The most memory the pool holds on to.
 pub(crate) const POOL_MAX_BYTES: usize = 4 << 30;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Pool {
     free: Mutex<Vec<Vec<f32>>>,
+    /// The most bytes it holds on to.
+    max_bytes: usize,
 }
 
+impl Default for Pool {
+    /// The eager executor's pool: up to [`POOL_MAX_BYTES`].
+    fn default() -> Pool {
+        Pool::with_limit(POOL_MAX_BYTES)
+    }
+}
+
+/// What a compiled program's pool holds at most: only its fallback kernels (primitives
+/// without generated code) take from it, and their temporaries are small next to the
+/// eager executor's every value.
+pub(crate) const COMPILED_POOL_MAX_BYTES: usize = 256 << 20;
+
 impl Pool {
+    /// A pool that holds at most `max_bytes`.
+    pub(crate) fn with_limit(max_bytes: usize) -> Pool {
+        Pool {
+            free: Mutex::new(Vec::new()),
+            max_bytes,
+        }
+    }
+
     /// A buffer of `n` elements with unspecified (but initialized) contents.
     pub(crate) fn take(&self, n: usize) -> Vec<f32> {
         if n >= POOL_MIN {
@@ -58,7 +81,7 @@ impl Pool {
         }
         if let Ok(mut free) = self.free.lock() {
             let held: usize = free.iter().map(|b| b.capacity()).sum::<usize>() * 4;
-            if held + v.capacity() * 4 <= POOL_MAX_BYTES {
+            if held + v.capacity() * 4 <= self.max_bytes {
                 free.push(v);
             }
         }
@@ -96,6 +119,17 @@ mod tests {
         assert_eq!(pool.len(), 0);
         pool.give(b);
         pool.give(c);
+        assert_eq!(pool.len(), 2);
+    }
+
+    /// A pool keeps what fits under its limit and frees the rest.
+    #[test]
+    fn a_pool_holds_at_most_its_limit() {
+        let pool = Pool::with_limit(3 * POOL_MIN * 4);
+        pool.give(vec![0.0; 2 * POOL_MIN]);
+        pool.give(vec![0.0; 2 * POOL_MIN]);
+        assert_eq!(pool.len(), 1);
+        pool.give(vec![0.0; POOL_MIN]);
         assert_eq!(pool.len(), 2);
     }
 }
