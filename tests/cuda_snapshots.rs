@@ -595,8 +595,8 @@ fn every_distinct_spec_emits_a_mixed_precision_program() {
 /// The base model's `train_step` at the benchmark's batch (1,000 sentences of 25 source
 /// and 25 target tokens, vocabulary 37,000): the mixed-precision arena, with its bf16
 /// activations in 2-byte elements, is sound and at most 55% of the f32 one, and packing
-/// the buffers by lifetime brings both within 2% of their live peaks (measured: 7.8 and
-/// 15.6 GiB, exactly the live peaks, where the slots end to end take 11.1 and 22.1 GiB).
+/// the buffers by lifetime brings both within 2% of their live peaks (measured: 6.2 and
+/// 12.2 GiB, exactly the live peaks, where the slots end to end take 10.0 and 19.6 GiB).
 #[test]
 fn the_mixed_precision_arena_of_the_base_train_step_is_about_half_the_f32_one() {
     let path = root().join("models/transformer_base.kiln");
