@@ -577,6 +577,28 @@ fn compiles_as_cuda(tag: &str, sources: &[(String, String)]) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Each `(what, source)` compiled by NVRTC itself with the options an artifact records
+/// (`nvrtc_options("sm_90")`), which needs `libnvrtc` but no GPU: with the
+/// `nvidia-cuda-nvrtc` wheel, `LD_LIBRARY_PATH=…/site-packages/nvidia/cu13/lib`. Skipped
+/// with a printed reason where NVRTC does not load (CI).
+fn compiles_with_nvrtc(sources: &[(String, String)]) {
+    use rayon::prelude::*;
+    let version = match kiln_runtime::cuda::nvrtc_available() {
+        Ok(v) => v,
+        Err(reason) => {
+            println!("skipped: {reason}");
+            return;
+        }
+    };
+    let options = kiln_compiler::codegen::cuda::nvrtc_options("sm_90");
+    sources.par_iter().for_each(|(what, source)| {
+        if let Err(log) = kiln_runtime::cuda::nvrtc_compile(source, &options) {
+            panic!("{what}: NVRTC {version} rejects the CUDA C:\n{log}");
+        }
+    });
+    println!("NVRTC {version} compiled {} units for sm_90", sources.len());
+}
+
 #[test]
 fn every_program_compiles_as_cpp_under_the_host_shim() {
     let sources: Vec<(String, String)> = UNITS
@@ -585,6 +607,7 @@ fn every_program_compiles_as_cpp_under_the_host_shim() {
         .collect();
     compiles_as_cpp("syntax", &sources);
     compiles_as_cuda("syntax", &sources);
+    compiles_with_nvrtc(&sources);
 }
 
 /// Every distinct shipped spec (`common::DISTINCT_SPECS`: every kernel kind, mask and
@@ -680,6 +703,7 @@ fn every_distinct_spec_emits_a_mixed_precision_program() {
         .collect();
     compiles_as_cpp("bf16", &sources);
     compiles_as_cuda("bf16", &sources);
+    compiles_with_nvrtc(&sources);
 }
 
 /// The base model's `train_step` at the benchmark's batch (1,000 sentences of 25 source

@@ -161,7 +161,7 @@ fn nvrtc_error(e: cudarc::nvrtc::CompileError) -> String {
 }
 
 /// NVRTC's version, `major.minor` (`?` if it cannot say).
-fn nvrtc_version() -> String {
+pub(crate) fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: two valid out-pointers; only called after the CUDA guard found NVRTC.
     let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
@@ -185,17 +185,20 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Unit, String> 
         source,
         options,
         &nvrtc_version(),
-        || {
-            let opts = cudarc::nvrtc::CompileOptions {
-                options: options.to_vec(),
-                ..Default::default()
-            };
-            cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-                .map(|p| p.to_src())
-                .map_err(nvrtc_error)
-        },
+        || nvrtc_ptx(source, options),
     )?;
     Ok(Unit::Ptx(Ptx::from_src(ptx)))
+}
+
+/// NVRTC's PTX of `source` with `options` (NVRTC must be loadable: the caller checked).
+pub(crate) fn nvrtc_ptx(source: &str, options: &[String]) -> Result<String, String> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options.to_vec(),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map(|p| p.to_src())
+        .map_err(nvrtc_error)
 }
 
 /// Function `name` of `funcs` for a launch with `given` buffers (`params`: how many it

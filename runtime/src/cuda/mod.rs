@@ -215,6 +215,29 @@ pub fn skip_or_fail(
     }
 }
 
+/// Whether NVRTC itself loads here: it is a compiler library and needs no GPU or driver,
+/// so a machine with only `libnvrtc` (e.g. from the `nvidia-cuda-nvrtc` wheel, found
+/// through `LD_LIBRARY_PATH`) can check the generated CUDA C ([`nvrtc_compile`]).
+pub fn nvrtc_available() -> Result<String, String> {
+    // SAFETY: `is_culib_present` only tries to open the library with `dlopen` and drops it.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(
+            "NVRTC is not available: cannot load libnvrtc (searched the dynamic \
+                    loader's path, LD_LIBRARY_PATH included)"
+                .to_string(),
+        );
+    }
+    Ok(device::nvrtc_version())
+}
+
+/// Compiles one CUDA C unit with NVRTC and `options` (those an artifact records:
+/// [`kiln_compiler::codegen::cuda::nvrtc_options`]) into PTX, without a device and
+/// without the PTX cache: NVRTC's log on failure, or why NVRTC cannot be used.
+pub fn nvrtc_compile(source: &str, options: &[String]) -> Result<String, String> {
+    nvrtc_available()?;
+    device::nvrtc_ptx(source, options)
+}
+
 /// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
 /// calls), with the options of the environment ([`CudaOptions::from_env`]: TF32 GEMMs
 /// with `KILN_CUDA_TF32=1`, bf16 GEMM operands with `KILN_CUDA_BF16=1`); the error says why not (no GPU: the guard's reason and the
