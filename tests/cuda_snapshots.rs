@@ -578,9 +578,11 @@ fn compiles_as_cuda(tag: &str, sources: &[(String, String)]) {
 }
 
 /// Each `(what, source)` compiled by NVRTC itself with the options an artifact records
-/// (`nvrtc_options("sm_90")`), which needs `libnvrtc` but no GPU: with the
-/// `nvidia-cuda-nvrtc` wheel, `LD_LIBRARY_PATH=…/site-packages/nvidia/cu13/lib`. Skipped
-/// with a printed reason where NVRTC does not load (CI).
+/// (`nvrtc_options("sm_90")`, plus `--ptxas-options=-v` for the assembler's report),
+/// which needs `libnvrtc` but no GPU: with the `nvidia-cuda-nvrtc` wheel,
+/// `LD_LIBRARY_PATH=…/site-packages/nvidia/cu13/lib`. Every function must assemble for
+/// `sm_90` without spilling registers to local memory. Skipped with a printed reason
+/// where NVRTC does not load (CI).
 fn compiles_with_nvrtc(sources: &[(String, String)]) {
     use rayon::prelude::*;
     let version = match kiln_runtime::cuda::nvrtc_available() {
@@ -590,13 +592,94 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
             return;
         }
     };
-    let options = kiln_compiler::codegen::cuda::nvrtc_options("sm_90");
-    sources.par_iter().for_each(|(what, source)| {
-        if let Err(log) = kiln_runtime::cuda::nvrtc_compile(source, &options) {
-            panic!("{what}: NVRTC {version} rejects the CUDA C:\n{log}");
+    let mut options = kiln_compiler::codegen::cuda::nvrtc_options("sm_90");
+    options.push("--ptxas-options=-v".to_string());
+    let reports: Vec<Vec<Ptxas>> = sources
+        .par_iter()
+        .map(|(what, source)| {
+            let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(source, &options)
+                .unwrap_or_else(|log| panic!("{what}: NVRTC {version} rejects the CUDA C:\n{log}"));
+            let report = ptxas_report(&log);
+            assert!(!report.is_empty(), "{what}: no assembler report in\n{log}");
+            for f in &report {
+                assert!(
+                    f.spill_stores == 0 && f.spill_loads == 0,
+                    "{what}: `{}` spills registers for sm_90 ({} bytes stored, {} loaded; \
+                     {} registers)",
+                    f.name,
+                    f.spill_stores,
+                    f.spill_loads,
+                    f.registers
+                );
+            }
+            report
+        })
+        .collect();
+    let all: Vec<&Ptxas> = reports.iter().flatten().collect();
+    let most = all.iter().max_by_key(|f| f.registers).expect("functions");
+    println!(
+        "NVRTC {version} compiled {} units ({} functions) for sm_90: no spills; at most {} \
+         registers (`{}`)",
+        sources.len(),
+        all.len(),
+        most.registers,
+        most.name
+    );
+}
+
+/// One function of the assembler's `-v` report.
+struct Ptxas {
+    name: String,
+    registers: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+}
+
+/// The functions of a `--ptxas-options=-v` log: `Function properties for NAME`, then
+/// `… N bytes spill stores, M bytes spill loads` and `Used R registers, …`.
+fn ptxas_report(log: &str) -> Vec<Ptxas> {
+    let number_before = |line: &str, what: &str| -> Option<u32> {
+        let head = &line[..line.find(what)?];
+        head.split_whitespace().last()?.parse().ok()
+    };
+    let mut out: Vec<Ptxas> = Vec::new();
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            out.push(Ptxas {
+                name: name.trim().to_string(),
+                registers: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+            });
+        } else if let Some(f) = out.last_mut() {
+            if line.contains("spill stores") {
+                f.spill_stores = number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
+                f.spill_loads = number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
+            } else if line.contains("Used ") && line.contains(" registers") {
+                f.registers = number_before(line, "registers").unwrap_or(u32::MAX);
+            }
         }
-    });
-    println!("NVRTC {version} compiled {} units for sm_90", sources.len());
+    }
+    out
+}
+
+/// The report reader sees spills (so the no-spill check can fail), as NVRTC 13 prints them.
+#[test]
+fn the_assemblers_report_is_read() {
+    let log = "ptxas info    : Compiling entry function 'attention_1' for 'sm_90'
+ptxas info    : Function properties for attention_1
+ptxas         .     40 bytes stack frame, 36 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 9088 bytes smem
+ptxas info    : Function properties for relu_0
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 28 registers, used 0 barriers
+";
+    let r = ptxas_report(log);
+    let got: Vec<(&str, u32, u32, u32)> = r
+        .iter()
+        .map(|f| (f.name.as_str(), f.registers, f.spill_stores, f.spill_loads))
+        .collect();
+    assert_eq!(got, [("attention_1", 255, 36, 12), ("relu_0", 28, 0, 0)]);
 }
 
 #[test]

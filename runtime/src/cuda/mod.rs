@@ -234,8 +234,17 @@ pub fn nvrtc_available() -> Result<String, String> {
 /// [`kiln_compiler::codegen::cuda::nvrtc_options`]) into PTX, without a device and
 /// without the PTX cache: NVRTC's log on failure, or why NVRTC cannot be used.
 pub fn nvrtc_compile(source: &str, options: &[String]) -> Result<String, String> {
+    nvrtc_compile_with_log(source, options).map(|(ptx, _)| ptx)
+}
+
+/// [`nvrtc_compile`] and NVRTC's log of a successful compilation (with
+/// `--ptxas-options=-v`, the assembler's registers, stack and spills per function).
+pub fn nvrtc_compile_with_log(
+    source: &str,
+    options: &[String],
+) -> Result<(String, String), String> {
     nvrtc_available()?;
-    device::nvrtc_ptx(source, options)
+    device::nvrtc_ptx_and_log(source, options)
 }
 
 /// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
