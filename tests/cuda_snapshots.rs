@@ -698,7 +698,9 @@ fn every_program_compiles_as_cpp_under_the_host_shim() {
 /// types, parameters, gradients, the loss and Adam's state stay f32, and each program is
 /// valid C++ under the host shim where `g++` exists. Its memory plan (bf16 buffers in
 /// 2-byte elements) and the f32 one are sound — buffers sharing a slot are never live
-/// at once and fit it — and the mixed arena is the smaller.
+/// at once and fit it — and the mixed arena is the smaller. Both programs (bf16 and
+/// f32) compile under g++'s host shim, as CUDA under clang and with NVRTC, where each
+/// is present.
 #[test]
 fn every_distinct_spec_emits_a_mixed_precision_program() {
     use rayon::prelude::*;
@@ -781,8 +783,15 @@ fn every_distinct_spec_emits_a_mixed_precision_program() {
                     peak(&f32_plan)
                 );
             }
-            (format!("{spec} {entry}"), code.source())
+            let f32_code = emit(&kg).unwrap_or_else(|e| panic!("{spec} {entry}: {e}"));
+            [
+                (format!("{spec} {entry} bf16"), code.source()),
+                (format!("{spec} {entry} f32"), f32_code.source()),
+            ]
         })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .flatten()
         .collect();
     compiles_as_cpp("bf16", &sources);
     compiles_as_cuda("bf16", &sources);
