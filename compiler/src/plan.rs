@@ -450,9 +450,13 @@ impl MemoryPlan {
             slot_off.push(slots_total);
             slots_total += s;
         }
-        // A buffer written in place takes no bytes of its own.
-        for (i, b) in self.buffers.iter().enumerate() {
-            if b.in_place_of.is_some() {
+        // A buffer written in place takes no bytes of its own (unless it or its home is
+        // kept outside the arena, which a plan built here never asks for).
+        let shares: Vec<bool> = (0..self.buffers.len())
+            .map(|i| self.buffers[i].in_place_of.is_some() && !outside(i) && !outside(self.home(i)))
+            .collect();
+        for (i, &s) in shares.iter().enumerate() {
+            if s {
                 sizes[i] = 0;
             }
         }
@@ -466,7 +470,7 @@ impl MemoryPlan {
             external: (0..self.buffers.len()).map(outside).collect(),
         };
         if std::env::var_os("KILN_NO_REUSE").is_none() {
-            let (offsets, total) = self.pack(&sizes);
+            let (offsets, total) = self.pack(&sizes, &shares);
             if total <= slots_total {
                 layout.offsets = offsets;
                 layout.total = total;
@@ -482,11 +486,11 @@ impl MemoryPlan {
     /// placed that are live at the same time as it, else above them all. The greedy-by-size
     /// offset assignment of TensorFlow Lite's arena planner; on the shipped models it
     /// reaches the live peak, where slots sized by their largest buffer take ~40% more.
-    fn pack(&self, sizes: &[usize]) -> (Vec<usize>, usize) {
+    fn pack(&self, sizes: &[usize], shares: &[bool]) -> (Vec<usize>, usize) {
         let n = self.buffers.len();
-        // A buffer written in place lives on in its home's bytes.
+        // A buffer written in place (`shares`) lives on in its home's bytes.
         let mut life: Vec<(usize, usize)> = self.buffers.iter().map(|b| (b.born, b.dies)).collect();
-        for (i, b) in self.buffers.iter().enumerate() {
+        for (i, b) in self.buffers.iter().enumerate().filter(|&(i, _)| shares[i]) {
             let h = self.home(i);
             life[h].1 = life[h].1.max(b.dies);
         }
@@ -528,7 +532,7 @@ impl MemoryPlan {
             let k = placed.partition_point(|p| *p < entry);
             placed.insert(k, entry);
         }
-        for i in 0..n {
+        for i in (0..n).filter(|&i| shares[i]) {
             offsets[i] = offsets[self.home(i)];
         }
         (offsets, total)
@@ -540,8 +544,8 @@ impl MemoryPlan {
     /// first two buffers that overlap, or the buffer that does not fit.
     pub fn check(&self, dims: &BTreeMap<String, i64>) -> Result<(), String> {
         let layout = self.layout(dims)?;
-        let mut by_slot: Vec<Vec<&Buffer>> = vec![Vec::new(); self.slots];
-        for b in self.buffers.iter().filter(|b| b.in_place_of.is_none()) {
+        let mut by_slot: Vec<Vec<(usize, &Buffer)>> = vec![Vec::new(); self.slots];
+        for (i, b) in self.buffers.iter().enumerate() {
             let bytes = b.bytes(dims)?;
             if bytes > layout.slot_bytes[b.slot] {
                 return Err(format!(
@@ -549,12 +553,16 @@ impl MemoryPlan {
                     b.value, b.output, b.slot, layout.slot_bytes[b.slot]
                 ));
             }
-            by_slot[b.slot].push(b);
+            by_slot[b.slot].push((i, b));
         }
         for (slot, members) in by_slot.iter_mut().enumerate() {
-            members.sort_by_key(|b| (b.born, b.dies));
+            members.sort_by_key(|(i, b)| (b.born, b.dies, *i));
             for w in members.windows(2) {
-                if w[1].born <= w[0].dies {
+                let ((i0, a), (i1, c)) = (w[0], w[1]);
+                // Written in place of the other: it starts where the other ends.
+                let handed = c.born == a.dies && self.home(i0) == self.home(i1);
+                if c.born <= a.dies && !handed {
+                    let w = [a, c];
                     return Err(format!(
                         "slot {slot}: %{}.{} (k{}..k{}) and %{}.{} (k{}..k{}) are live at once",
                         w[0].value,
@@ -940,6 +948,16 @@ mod tests {
         apart.slots = 3;
         assert_eq!(apart.live_peak(&dims()).unwrap(), 12000);
         assert_eq!(apart.layout(&dims()).unwrap().total, 3 * 4032);
+        // Kept outside the arena, the operand cannot lend its bytes: each has its own.
+        let l = plan.layout_with(&dims(), &[true]).unwrap();
+        assert_ne!(l.offsets[1], l.offsets[2]);
+        assert_eq!(l.total, 2 * 4032);
+        plan.check_layout(&dims(), &l).unwrap();
+        // A buffer in the slot while the one written in place still lives: a clash.
+        let mut clash = plan.clone();
+        clash.buffers.push(buffer(4, 0, 2, 3, 4));
+        let e = clash.check(&dims()).unwrap_err();
+        assert!(e.contains("%2.0 (k1..k3) and %4.0 (k2..k3)"), "{e}");
         // The operand read again at k2: not a kernel's last read.
         plan.buffers[0].dies = 2;
         let e = plan.layout(&dims()).unwrap_err();
