@@ -453,10 +453,45 @@ fn what_runs_on_the_host_is_listed() {
     insta::assert_snapshot!("cuda_host_kinds", host.join("\n"));
 }
 
+/// Runs `compiler` on each `(what, source)` written to its own file (`prefix` + source,
+/// extension `ext`) in a fresh temporary directory, in parallel, with `args` before the
+/// file; fails with the compiler's messages and `complaint` if one does not compile.
+fn compile_each(
+    compiler: &str,
+    args: &[&str],
+    (ext, prefix): (&str, &str),
+    sources: &[(String, String)],
+    complaint: &str,
+) {
+    use rayon::prelude::*;
+    // Tests run at once in one process: a directory of each call's own.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("kiln-compile-each-{}-{call}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    sources
+        .par_iter()
+        .enumerate()
+        .for_each(|(k, (what, source))| {
+            let path = dir.join(format!("p{k}.{ext}"));
+            std::fs::write(&path, format!("{prefix}\n{source}")).expect("write");
+            let out = std::process::Command::new(compiler)
+                .args(args)
+                .arg(&path)
+                .output()
+                .expect("the compiler runs");
+            assert!(
+                out.status.success(),
+                "{what}: {complaint} ({compiler}):\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Each `(what, source)` compiled as C++20 under the host shim (`-fsyntax-only -Wall
 /// -Werror`), in parallel; skipped with a printed reason without `g++`.
-fn compiles_as_cpp(tag: &str, sources: &[(String, String)]) {
-    use rayon::prelude::*;
+fn compiles_as_cpp(sources: &[(String, String)]) {
     let ok = std::process::Command::new("g++")
         .arg("--version")
         .output()
@@ -466,27 +501,13 @@ fn compiles_as_cpp(tag: &str, sources: &[(String, String)]) {
         println!("skipped: no g++ on the path to compile the CUDA C on the host");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("kiln-cuda-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    sources
-        .par_iter()
-        .enumerate()
-        .for_each(|(k, (what, source))| {
-            let path = dir.join(format!("p{k}.cpp"));
-            let src = format!("{}\n{source}", kiln_compiler::codegen::cuda::host::SHIM);
-            std::fs::write(&path, &src).expect("write");
-            let out = std::process::Command::new("g++")
-                .args(["-std=c++20", "-fsyntax-only", "-Wall", "-Werror"])
-                .arg(&path)
-                .output()
-                .expect("g++ runs");
-            assert!(
-                out.status.success(),
-                "{what}: the CUDA C is not valid C++ under the shim:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        });
-    let _ = std::fs::remove_dir_all(&dir);
+    compile_each(
+        "g++",
+        &["-std=c++20", "-fsyntax-only", "-Wall", "-Werror"],
+        ("cpp", kiln_compiler::codegen::cuda::host::SHIM),
+        sources,
+        "the CUDA C is not valid C++ under the shim",
+    );
 }
 
 /// What NVRTC gives a unit without any `#include`, declared for clang's CUDA mode: the
@@ -535,46 +556,28 @@ fn clang() -> Option<String> {
 /// [`NVRTC_BUILTINS`]): what g++ under the host shim cannot see — a device function
 /// calling a host one, a missing `__device__`, a name NVRTC does not define. Skipped
 /// with a printed reason without clang (CI has none; the development machine does).
-fn compiles_as_cuda(tag: &str, sources: &[(String, String)]) {
-    use rayon::prelude::*;
+fn compiles_as_cuda(sources: &[(String, String)]) {
     let Some(clang) = clang() else {
         println!("skipped: no clang on the path (or $KILN_CLANG) to compile the CUDA C as CUDA");
         return;
     };
-    let dir = std::env::temp_dir().join(format!("kiln-clang-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let shim = dir.join("nvrtc_builtins.h");
-    std::fs::write(&shim, NVRTC_BUILTINS).expect("write");
-    sources
-        .par_iter()
-        .enumerate()
-        .for_each(|(k, (what, source))| {
-            let path = dir.join(format!("p{k}.cu"));
-            std::fs::write(&path, source).expect("write");
-            let out = std::process::Command::new(&clang)
-                .args([
-                    "-x",
-                    "cuda",
-                    "--cuda-device-only",
-                    "--cuda-gpu-arch=sm_80",
-                    "-nocudainc",
-                    "-nocudalib",
-                    "-fsyntax-only",
-                    "-Wall",
-                    "-Werror",
-                    "-include",
-                ])
-                .arg(&shim)
-                .arg(&path)
-                .output()
-                .expect("clang runs");
-            assert!(
-                out.status.success(),
-                "{what}: the CUDA C does not compile as CUDA ({clang}):\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        });
-    let _ = std::fs::remove_dir_all(&dir);
+    compile_each(
+        &clang,
+        &[
+            "-x",
+            "cuda",
+            "--cuda-device-only",
+            "--cuda-gpu-arch=sm_80",
+            "-nocudainc",
+            "-nocudalib",
+            "-fsyntax-only",
+            "-Wall",
+            "-Werror",
+        ],
+        ("cu", NVRTC_BUILTINS),
+        sources,
+        "the CUDA C does not compile as CUDA",
+    );
 }
 
 /// Each `(what, source)` compiled by NVRTC itself with the options an artifact records
@@ -688,8 +691,8 @@ fn every_program_compiles_as_cpp_under_the_host_shim() {
         .iter()
         .map(|u| (u.to_string(), code_of(u).source()))
         .collect();
-    compiles_as_cpp("syntax", &sources);
-    compiles_as_cuda("syntax", &sources);
+    compiles_as_cpp(&sources);
+    compiles_as_cuda(&sources);
     compiles_with_nvrtc(&sources);
 }
 
@@ -793,8 +796,8 @@ fn every_distinct_spec_emits_a_mixed_precision_program() {
         .into_iter()
         .flatten()
         .collect();
-    compiles_as_cpp("bf16", &sources);
-    compiles_as_cuda("bf16", &sources);
+    compiles_as_cpp(&sources);
+    compiles_as_cuda(&sources);
     compiles_with_nvrtc(&sources);
 }
 
