@@ -492,12 +492,7 @@ fn compile_each(
 /// Each `(what, source)` compiled as C++20 under the host shim (`-fsyntax-only -Wall
 /// -Werror`), in parallel; skipped with a printed reason without `g++`.
 fn compiles_as_cpp(sources: &[(String, String)]) {
-    let ok = std::process::Command::new("g++")
-        .arg("--version")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
+    if !answers("g++") {
         println!("skipped: no g++ on the path to compile the CUDA C on the host");
         return;
     }
@@ -542,13 +537,16 @@ fn clang() -> Option<String> {
         .chain(std::iter::once("clang".to_string()))
         .chain((14..=21).rev().map(|n| format!("clang-{n}")))
         .collect();
-    names.into_iter().find(|c| {
-        std::process::Command::new(c)
-            .arg("--version")
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false)
-    })
+    names.into_iter().find(|c| answers(c))
+}
+
+/// Whether `program --version` runs and succeeds.
+fn answers(program: &str) -> bool {
+    std::process::Command::new(program)
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
 }
 
 /// Each `(what, source)` compiled as CUDA device code by clang (`-x cuda
