@@ -577,10 +577,41 @@ pub fn run_artifact(
 }
 
 /// `kiln inspect`: what an artifact holds.
-pub fn inspect(dir: &Path, dims: &[(&str, i64)], plan_text: bool) -> Result<(), Error> {
+pub fn inspect(
+    dir: &Path,
+    dims: &[(&str, i64)],
+    plan_text: bool,
+    nvrtc: bool,
+) -> Result<(), Error> {
     use kiln_runtime::artifact::Artifact;
     let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
     let m = &art.manifest;
+    let nvrtc_version = if nvrtc {
+        if m.target != "cuda" {
+            return Err(plain(
+                "kiln::inspect",
+                format!(
+                    "`{}` is a `{}` artifact: it has no CUDA C for NVRTC",
+                    dir.display(),
+                    m.target
+                ),
+                Some("compile one with `kiln compile … --target cuda -o DIR`".to_string()),
+            ));
+        }
+        Some(kiln_runtime::cuda::nvrtc_available().map_err(|e| {
+            plain(
+                "kiln::inspect",
+                e,
+                Some(
+                    "NVRTC needs no GPU: `pip install nvidia-cuda-nvrtc`, then run with \
+                     `LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib`"
+                        .to_string(),
+                ),
+            )
+        })?)
+    } else {
+        None
+    };
     let weights = art
         .weights()
         .map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
@@ -653,6 +684,9 @@ pub fn inspect(dir: &Path, dims: &[(&str, i64)], plan_text: bool) -> Result<(), 
                 c.source,
                 c.arch
             );
+            if let Some(version) = &nvrtc_version {
+                let _ = writeln!(out, "{}", nvrtc_summary(version, src, c, &me.name)?);
+            }
         }
         let _ = writeln!(
             out,
@@ -729,6 +763,59 @@ pub fn inspect(dir: &Path, dims: &[(&str, i64)], plan_text: bool) -> Result<(), 
     }
     print!("{out}");
     Ok(())
+}
+
+/// `kiln inspect --nvrtc`: NVRTC compiles the entry's CUDA C with the options the artifact
+/// records plus the assembler's `-v`; the lines say how many functions, the most
+/// registers and shared memory, and every function that spills.
+fn nvrtc_summary(
+    version: &str,
+    src: &str,
+    c: &kiln_compiler::artifact::CudaManifest,
+    entry: &str,
+) -> Result<String, Error> {
+    let mut options = c.nvrtc_options.clone();
+    options.push("--ptxas-options=-v".to_string());
+    let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(src, &options).map_err(|log| {
+        plain(
+            "kiln::nvrtc",
+            format!(
+                "entry `{entry}`: NVRTC {version} rejects {}:\n{log}",
+                c.source
+            ),
+            Some("this is a code generator bug; please report it with the spec".to_string()),
+        )
+    })?;
+    let report = kiln_runtime::cuda::ptxas_report(&log);
+    let regs = report.iter().max_by_key(|f| f.registers);
+    let shared = report.iter().max_by_key(|f| f.shared);
+    let spills: Vec<String> = report
+        .iter()
+        .filter(|f| f.spill_stores > 0 || f.spill_loads > 0)
+        .map(|f| {
+            format!(
+                "{} ({} B stored, {} B loaded)",
+                f.name, f.spill_stores, f.spill_loads
+            )
+        })
+        .collect();
+    let mut s = format!(
+        "  nvrtc {version}: {} functions assembled for {}",
+        report.len(),
+        c.arch
+    );
+    if let (Some(r), Some(m)) = (regs, shared) {
+        s.push_str(&format!(
+            "; at most {} registers ({}), {} bytes of shared memory ({})",
+            r.registers, r.name, m.shared, m.name
+        ));
+    }
+    if spills.is_empty() {
+        s.push_str("; no spills");
+    } else {
+        s.push_str(&format!("; spilling: {}", spills.join(", ")));
+    }
+    Ok(s)
 }
 
 fn elem_bytes(dtype: &str) -> usize {

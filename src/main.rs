@@ -159,6 +159,11 @@ enum Command {
         /// Also print each memory plan (slots and their buffers).
         #[arg(long)]
         plan: bool,
+        /// Compile a `--target cuda` artifact's CUDA C with NVRTC here (it needs no GPU,
+        /// only libnvrtc) and print the assembler's registers, shared memory and spills;
+        /// fails if NVRTC rejects it.
+        #[arg(long)]
+        nvrtc: bool,
     },
     /// Time an entry point (median ms/step, tokens/s, peak RSS).
     Bench {
@@ -450,6 +455,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             tgt_len,
             past,
             plan,
+            nvrtc,
         } => compile_cmds::inspect(
             &dir,
             &[
@@ -459,6 +465,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 ("past", past),
             ],
             plan,
+            nvrtc,
         ),
         Command::Bench { args } => bench_cmd::bench(&args),
         Command::Graph { spec } => {

@@ -724,6 +724,62 @@ fn the_spec_hash_covers_imports() {
 /// emitter's text for the manifest's kernel graph, launch metadata in the manifest,
 /// summarized by `kiln inspect`; `kiln run` runs its CPU code; a corrupted `.cu` file or
 /// a manifest whose function list disagrees with the text is named.
+/// `kiln inspect DIR --nvrtc` compiles a CUDA artifact's C with NVRTC where libnvrtc
+/// loads (no GPU needed) and reports every entry's assembly; where it does not, or for
+/// a CPU artifact, it is an error that says why and what to do.
+#[test]
+fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
+    let dir = tmp("inspect_nvrtc");
+    let (cuda, cpu) = (dir.join("cuda"), dir.join("cpu"));
+    for (art, target) in [(&cuda, "cuda"), (&cpu, "cpu")] {
+        let out = kiln(&[
+            "compile",
+            SPEC,
+            "--set",
+            "vocab=48",
+            "--entries",
+            "train_step,decode_step",
+            "--target",
+            target,
+            "-o",
+            art.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let out = kiln(&["inspect", cpu.to_str().unwrap(), "--nvrtc"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("is a `cpu` artifact: it has no CUDA C"),
+        "{}",
+        stderr(&out)
+    );
+    let out = kiln(&["inspect", cuda.to_str().unwrap(), "--nvrtc"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    match kiln_runtime::cuda::nvrtc_available() {
+        Ok(version) => {
+            assert!(out.status.success(), "{}", stderr(&out));
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains("  nvrtc ")).collect();
+            assert_eq!(lines.len(), 2, "{text}");
+            for l in lines {
+                assert!(l.starts_with(&format!("  nvrtc {version}: ")), "{l}");
+                assert!(
+                    l.contains("assembled for sm_90") && l.ends_with("no spills"),
+                    "{l}"
+                );
+            }
+        }
+        Err(reason) => {
+            println!("NVRTC is not here ({reason}): only the error is checked");
+            assert_eq!(out.status.code(), Some(1));
+            let err = stderr(&out);
+            assert!(
+                err.contains("NVRTC is not available") && err.contains("pip install"),
+                "{err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
     let dir = tmp("cuda");

@@ -13,6 +13,7 @@ use kiln_compiler::codegen::cuda::text::Elem;
 use kiln_compiler::codegen::cuda::{emit, CudaCode, Library, Work};
 use kiln_compiler::optimize::optimize;
 use kiln_compiler::plan::MemoryPlan;
+use kiln_runtime::cuda::PtxasFunction;
 
 mod common;
 use common::root;
@@ -595,12 +596,12 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
     };
     let mut options = kiln_compiler::codegen::cuda::nvrtc_options("sm_90");
     options.push("--ptxas-options=-v".to_string());
-    let reports: Vec<Vec<Ptxas>> = sources
+    let reports: Vec<Vec<PtxasFunction>> = sources
         .par_iter()
         .map(|(what, source)| {
             let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(source, &options)
                 .unwrap_or_else(|log| panic!("{what}: NVRTC {version} rejects the CUDA C:\n{log}"));
-            let report = ptxas_report(&log);
+            let report = kiln_runtime::cuda::ptxas_report(&log);
             assert!(!report.is_empty(), "{what}: no assembler report in\n{log}");
             for f in &report {
                 assert!(
@@ -616,7 +617,7 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
             report
         })
         .collect();
-    let all: Vec<&Ptxas> = reports.iter().flatten().collect();
+    let all: Vec<&PtxasFunction> = reports.iter().flatten().collect();
     let most = all.iter().max_by_key(|f| f.registers).expect("functions");
     println!(
         "NVRTC {version} compiled {} units ({} functions) for sm_90: no spills; at most {} \
@@ -628,45 +629,9 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
     );
 }
 
-/// One function of the assembler's `-v` report.
-struct Ptxas {
-    name: String,
-    registers: u32,
-    spill_stores: u32,
-    spill_loads: u32,
-}
-
-/// The functions of a `--ptxas-options=-v` log: `Function properties for NAME`, then
-/// `… N bytes spill stores, M bytes spill loads` and `Used R registers, …`.
-fn ptxas_report(log: &str) -> Vec<Ptxas> {
-    let number_before = |line: &str, what: &str| -> Option<u32> {
-        let head = &line[..line.find(what)?];
-        head.split_whitespace().last()?.parse().ok()
-    };
-    let mut out: Vec<Ptxas> = Vec::new();
-    for line in log.lines() {
-        if let Some(name) = line.split("Function properties for ").nth(1) {
-            out.push(Ptxas {
-                name: name.trim().to_string(),
-                registers: 0,
-                spill_stores: 0,
-                spill_loads: 0,
-            });
-        } else if let Some(f) = out.last_mut() {
-            if line.contains("spill stores") {
-                f.spill_stores = number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
-                f.spill_loads = number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
-            } else if line.contains("Used ") && line.contains(" registers") {
-                f.registers = number_before(line, "registers").unwrap_or(u32::MAX);
-            }
-        }
-    }
-    out
-}
-
-/// The report reader sees spills (so the no-spill check can fail), as NVRTC 13 prints them.
 #[test]
 fn the_assemblers_report_is_read() {
+    use kiln_runtime::cuda::ptxas_report;
     let log = "ptxas info    : Compiling entry function 'attention_1' for 'sm_90'
 ptxas info    : Function properties for attention_1
 ptxas         .     40 bytes stack frame, 36 bytes spill stores, 12 bytes spill loads
@@ -676,11 +641,17 @@ ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loa
 ptxas info    : Used 28 registers, used 0 barriers
 ";
     let r = ptxas_report(log);
-    let got: Vec<(&str, u32, u32, u32)> = r
+    let got: Vec<(&str, u32, u32, u32, u32)> = r
         .iter()
-        .map(|f| (f.name.as_str(), f.registers, f.spill_stores, f.spill_loads))
+        .map(|f| {
+            let n = f.name.as_str();
+            (n, f.registers, f.spill_stores, f.spill_loads, f.shared)
+        })
         .collect();
-    assert_eq!(got, [("attention_1", 255, 36, 12), ("relu_0", 28, 0, 0)]);
+    assert_eq!(
+        got,
+        [("attention_1", 255, 36, 12, 9088), ("relu_0", 28, 0, 0, 0)]
+    );
 }
 
 #[test]

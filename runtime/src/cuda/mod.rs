@@ -247,6 +247,51 @@ pub fn nvrtc_compile_with_log(
     device::nvrtc_ptx_and_log(source, options)
 }
 
+/// One function of the assembler's report (`--ptxas-options=-v` in NVRTC's log).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PtxasFunction {
+    pub name: String,
+    pub registers: u32,
+    /// Bytes of registers spilled to local memory, stored and loaded.
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    /// Bytes of static shared memory.
+    pub shared: u32,
+}
+
+/// The functions of a `--ptxas-options=-v` log, as NVRTC 13 prints them: `Function
+/// properties for NAME`, then `… N bytes spill stores, M bytes spill loads` and `Used R
+/// registers, … S bytes smem`. A number that cannot be read is `u32::MAX` (never 0).
+pub fn ptxas_report(log: &str) -> Vec<PtxasFunction> {
+    let number_before = |line: &str, what: &str| -> Option<u32> {
+        let head = &line[..line.find(what)?];
+        head.split_whitespace().last()?.parse().ok()
+    };
+    let mut out: Vec<PtxasFunction> = Vec::new();
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            out.push(PtxasFunction {
+                name: name.trim().to_string(),
+                registers: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+                shared: 0,
+            });
+        } else if let Some(f) = out.last_mut() {
+            if line.contains("spill stores") {
+                f.spill_stores = number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
+                f.spill_loads = number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
+            } else if line.contains("Used ") && line.contains(" registers") {
+                f.registers = number_before(line, "registers").unwrap_or(u32::MAX);
+                if line.contains("bytes smem") {
+                    f.shared = number_before(line, "bytes smem").unwrap_or(u32::MAX);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
 /// calls), with the options of the environment ([`CudaOptions::from_env`]: TF32 GEMMs
 /// with `KILN_CUDA_TF32=1`, bf16 GEMM operands with `KILN_CUDA_BF16=1`); the error says why not (no GPU: the guard's reason and the
