@@ -54,6 +54,21 @@ fn compile(dir: &Path, entries: &str) {
     );
 }
 
+/// `kiln args`, which must succeed (its standard error otherwise).
+fn kiln_ok(args: &[&str]) -> std::process::Output {
+    let out = kiln(args);
+    assert!(out.status.success(), "kiln {args:?}: {}", stderr(&out));
+    out
+}
+
+/// The artifact's entry points, in manifest order.
+fn entry_names(art: &Artifact) -> Vec<&str> {
+    art.entries()
+        .iter()
+        .map(|e| e.manifest.name.as_str())
+        .collect()
+}
+
 /// Standard error with the diagnostic's line wrapping undone (`\n  │ ` → ` `): where a
 /// message wraps depends on the length of the paths in it.
 fn stderr(out: &std::process::Output) -> String {
@@ -204,18 +219,14 @@ fn artifact_round_trips_and_matches_the_reference() {
     let art = Artifact::load(&dir).unwrap();
     assert_eq!(art.model(), "transformer_tiny");
     assert!(art.hparams().iter().any(|(k, v)| k == "vocab" && v == "48"));
-    let names: Vec<&str> = art
-        .entries()
-        .iter()
-        .map(|e| e.manifest.name.as_str())
-        .collect();
+    let names = entry_names(&art);
     assert_eq!(names, ["forward", "encode", "decode_step", "train_step"]);
     let weights = art.weights().unwrap();
     assert_eq!(weights.len(), 85);
     // The weights are the spec's, initialized from the seed given to `kiln compile`.
     let init_dir = tmp("round_trip_init");
     let init = init_dir.join("w.safetensors");
-    let out = kiln(&[
+    kiln_ok(&[
         "init",
         SPEC,
         "--set",
@@ -225,7 +236,6 @@ fn artifact_round_trips_and_matches_the_reference() {
         "-o",
         init.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     let want = kiln_compiler::tensor::load_safetensors(&init).unwrap();
     assert_eq!(
         weights.keys().collect::<Vec<_>>(),
@@ -252,8 +262,7 @@ fn artifact_round_trips_and_matches_the_reference() {
     ));
 
     // `kiln inspect` reports real numbers.
-    let out = kiln(&["inspect", dir.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = kiln_ok(&["inspect", dir.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     for want in [
         "format: kiln-artifact v1",
@@ -299,8 +308,7 @@ fn artifact_round_trips_and_matches_the_reference() {
         "{text}"
     );
     // Other dims, and the plan text.
-    let out = kiln(&["inspect", dir.to_str().unwrap(), "--batch", "2", "--plan"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = kiln_ok(&["inspect", dir.to_str().unwrap(), "--batch", "2", "--plan"]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         text.contains("at batch=2 src_len=25 tgt_len=25: arena "),
@@ -336,7 +344,7 @@ fn the_same_spec_compiles_to_the_same_bytes() {
 fn compile_to_a_directory_writes_every_entry() {
     let base = tmp("default_entries");
     let dir = base.join("all.art");
-    let out = kiln(&[
+    let out = kiln_ok(&[
         "compile",
         SPEC,
         "--set",
@@ -344,13 +352,8 @@ fn compile_to_a_directory_writes_every_entry() {
         "-o",
         dir.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     let art = Artifact::load(&dir).unwrap();
-    let names: Vec<&str> = art
-        .entries()
-        .iter()
-        .map(|e| e.manifest.name.as_str())
-        .collect();
+    let names = entry_names(&art);
     assert_eq!(
         names,
         ["forward", "train_step", "loss", "encode", "decode_step"]
@@ -358,7 +361,7 @@ fn compile_to_a_directory_writes_every_entry() {
     assert!(stderr(&out).contains("5 entries"), "{}", stderr(&out));
 
     let file = base.join("k.txt");
-    let out = kiln(&[
+    kiln_ok(&[
         "compile",
         SPEC,
         "--entry",
@@ -366,7 +369,6 @@ fn compile_to_a_directory_writes_every_entry() {
         "-o",
         file.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(
         text.starts_with("kernels transformer_tiny target=cpu\n"),
@@ -539,8 +541,7 @@ fn cli_errors() {
         "keep me"
     );
     // Without `--entries`, `kiln compile` still prints the kernel graph.
-    let out = kiln(&["compile", SPEC, "--set", "vocab=48", "--entry", "encode"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = kiln_ok(&["compile", SPEC, "--set", "vocab=48", "--entry", "encode"]);
     assert!(!out.stdout.is_empty());
 }
 
@@ -732,7 +733,7 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
     let dir = tmp("inspect_nvrtc");
     let (cuda, cpu) = (dir.join("cuda"), dir.join("cpu"));
     for (art, target) in [(&cuda, "cuda"), (&cpu, "cpu")] {
-        let out = kiln(&[
+        kiln_ok(&[
             "compile",
             SPEC,
             "--set",
@@ -744,7 +745,6 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
             "-o",
             art.to_str().unwrap(),
         ]);
-        assert!(out.status.success(), "{}", stderr(&out));
     }
     let out = kiln(&["inspect", cpu.to_str().unwrap(), "--nvrtc"]);
     assert_eq!(out.status.code(), Some(1));
@@ -784,7 +784,7 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
 fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
     let dir = tmp("cuda");
     let art = dir.join("art");
-    let out = kiln(&[
+    kiln_ok(&[
         "compile",
         SPEC,
         "--set",
@@ -798,7 +798,6 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         "-o",
         art.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     let loaded = Artifact::load(&art).unwrap();
     assert_eq!(loaded.manifest.target, "cuda");
     for name in ["train_step", "encode", "decode_step"] {
@@ -819,7 +818,7 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
     }
     // The same spec gives the same bytes.
     let again = dir.join("again");
-    let out = kiln(&[
+    kiln_ok(&[
         "compile",
         SPEC,
         "--set",
@@ -833,11 +832,9 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         "-o",
         again.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(files(&art), files(&again));
     // `kiln inspect` summarizes the CUDA side.
-    let out = kiln(&["inspect", art.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = kiln_ok(&["inspect", art.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("target: cuda"), "{text}");
     assert!(
@@ -857,7 +854,7 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
     )
     .unwrap();
     let enc = dir.join("enc.safetensors");
-    let out = kiln(&[
+    let out = kiln_ok(&[
         "run",
         art.to_str().unwrap(),
         "--entry",
@@ -867,7 +864,6 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         "-o",
         enc.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         stderr(&out).contains("a `cuda` artifact, run with its CPU code"),
         "{}",

@@ -629,6 +629,29 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
     );
 }
 
+/// NVRTC's PTX is text for the asked architecture, and a unit it rejects comes back as
+/// its log, naming the line (where NVRTC loads; skipped otherwise).
+#[test]
+fn nvrtc_gives_ptx_or_its_log() {
+    if let Err(reason) = kiln_runtime::cuda::nvrtc_available() {
+        println!("skipped: {reason}");
+        return;
+    }
+    let options = kiln_compiler::codegen::cuda::nvrtc_options("sm_90");
+    let ptx = kiln_runtime::cuda::nvrtc_compile(&code_of("cast").source(), &options).unwrap();
+    assert!(ptx.contains(".target sm_90"), "{ptx}");
+    assert!(!ptx.contains('\0'));
+    let broken = "extern \"C\" __global__ void k(float* x) {\n    x[0] = undeclared;\n}\n";
+    let err = kiln_runtime::cuda::nvrtc_compile(broken, &options).unwrap_err();
+    assert!(
+        err.contains("NVRTC failed") && err.contains("undeclared"),
+        "{err}"
+    );
+    assert!(err.contains("(2):"), "the line is named: {err}");
+}
+
+/// The report reader sees spills (so the no-spill check can fail), as NVRTC 13 prints
+/// them, and the shared memory.
 #[test]
 fn the_assemblers_report_is_read() {
     use kiln_runtime::cuda::ptxas_report;

@@ -144,22 +144,6 @@ fn drv<E: std::fmt::Debug>(what: &str) -> impl Fn(E) -> String + '_ {
     move |e| format!("{what}: {e:?}")
 }
 
-/// NVRTC's answer as text: the log of a failed compilation, verbatim.
-fn nvrtc_error(e: cudarc::nvrtc::CompileError) -> String {
-    match e {
-        cudarc::nvrtc::CompileError::CompileError {
-            nvrtc,
-            options,
-            log,
-        } => format!(
-            "NVRTC failed ({nvrtc:?}) with options {}:\n{}",
-            options.join(" "),
-            log.to_string_lossy()
-        ),
-        other => format!("NVRTC failed: {other:?}"),
-    }
-}
-
 /// NVRTC's version, `major.minor` (`?` if it cannot say).
 pub(crate) fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
@@ -225,15 +209,10 @@ pub(crate) fn nvrtc_ptx_and_log(
     }
 }
 
-/// NVRTC's PTX of `source` with `options` (NVRTC must be loadable: the caller checked).
+/// NVRTC's PTX of `source` with `options` (NVRTC must be loadable: the caller checked);
+/// a failure is NVRTC's log, verbatim.
 pub(crate) fn nvrtc_ptx(source: &str, options: &[String]) -> Result<String, String> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: options.to_vec(),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-        .map(|p| p.to_src())
-        .map_err(nvrtc_error)
+    nvrtc_ptx_and_log(source, options).map(|(ptx, _)| ptx)
 }
 
 /// Function `name` of `funcs` for a launch with `given` buffers (`params`: how many it
