@@ -725,7 +725,8 @@ pub fn inspect(
                         .buffers
                         .iter()
                         .zip(&external)
-                        .filter(|(_, &x)| x)
+                        // A chain written in place holds one output's bytes.
+                        .filter(|(b, &x)| x && b.in_place_of.is_none())
                         .map(|(b, _)| b.bytes(&bound).unwrap_or(0))
                         .sum();
                     let outputs = if outside > 0 {

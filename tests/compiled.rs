@@ -468,6 +468,104 @@ fn programs_sharing_an_arena_give_the_bits_of_their_own() {
     );
 }
 
+/// A tied embedding's gradient: the output projection's weight gradient, written as the
+/// `[vocab, d]` product `dlogitsᵀ·x` (`permute-matmul`), then each embedding's rows added
+/// onto it in place (`scatter_add_into`), the last of them the returned gradient. The
+/// compiled executor keeps the whole chain in the returned tensor, outside the arena; each
+/// `scatter_add_into` equals its definition within 1e-5 on the same operands, and the
+/// gradient matches the reference's.
+#[test]
+fn the_tied_embeddings_gradient_is_summed_in_place_into_the_returned_tensor() {
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let dims: BTreeMap<String, i64> = [("batch", 3), ("src_len", 7), ("tgt_len", 5)]
+        .iter()
+        .map(|(k, n)| (k.to_string(), *n))
+        .collect();
+    let g = entry_graph(&path, &["vocab=2000"], "train_step").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let (plan, kg) = (exec.plan(), exec.kernel_graph());
+    let (_, out) = kg
+        .outputs
+        .iter()
+        .find(|(n, _)| n == "grad.emb.weight")
+        .expect("the embedding's gradient");
+    let last = plan
+        .buffer_of(kg.result_of(*out).unwrap().0, 0)
+        .expect("a buffer");
+    let chain = plan.chain(last);
+    let kinds: Vec<String> = chain
+        .iter()
+        .map(|&b| {
+            let v = plan.buffers[b].value;
+            kg.kernels()
+                .into_iter()
+                .find(|(k, ..)| *k == v)
+                .map(|(_, op, _)| op.kind())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["matmul", "scatter_add_into", "scatter_add_into"],
+        "the product, then the decoder's and the encoder's embedding rows"
+    );
+    for &b in &chain {
+        assert_eq!(plan.buffers[b].ty.shape.eval(&dims).unwrap(), [2000, 32]);
+    }
+    plan.check(&dims).unwrap();
+    // All three live in the returned tensor: none takes arena bytes.
+    let external = plan.output_buffers(kg);
+    assert!(chain.iter().all(|&b| external[b]));
+    let run = plan.layout_with(&dims, &external).unwrap();
+    plan.check_layout(&dims, &run).unwrap();
+    let mut apart = external.clone();
+    for &b in &chain[..2] {
+        apart[b] = false;
+    }
+    let inside = plan.layout_with(&dims, &apart).unwrap();
+    assert!(
+        inside.total >= run.total + 2000 * 32 * 4,
+        "{} vs {}",
+        inside.total,
+        run.total
+    );
+    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
+    let opts = RunOptions {
+        seed: 5,
+        step: 2,
+        ..RunOptions::default()
+    };
+    let got = exec.run(&inputs, &params, &opts).expect("runs");
+    assert_eq!(exec.arena_bytes(), run.total);
+    // Each of the two kernels against its definition on the same operands (copies of
+    // the base it overwrites), at the module's 1e-5.
+    let checked = Compiled::from_graph_checked(g.clone()).expect("compiles");
+    let again = checked.run(&inputs, &params, &opts).expect("runs");
+    let errors = checked.kernel_errors();
+    let (err, n, outside) = errors["scatter_add_into"];
+    assert_eq!((n, outside), (2, 0), "worst relative error {err:e}");
+    assert!(err <= REL, "{err:e}");
+    let pick = |v: &[(String, kiln_compiler::tensor::Tensor)]| {
+        v.iter()
+            .find(|(n, _)| n == "grad.emb.weight")
+            .and_then(|(_, t)| t.to_f64_vec())
+            .unwrap()
+    };
+    assert_eq!(pick(&got), pick(&again), "the same bits, checked or not");
+    // End to end against the reference, by the norm of the difference as every
+    // gradient (see the module documentation).
+    let want = reference::run(&g, &inputs, &params, &opts).expect("the reference");
+    let (got, want) = (pick(&got), pick(&want));
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let d = norm(&mut want.iter().zip(&got).map(|(a, b)| a - b));
+    let r = norm(&mut want.iter().copied());
+    assert!(r > 1e-3, "a gradient that is not zero: {r}");
+    assert!(
+        d <= GRAD_NORM_REL * r,
+        "grad.emb.weight: ‖got − want‖ {d:e}, ‖want‖ {r:e}"
+    );
+}
+
 /// The label-smoothed cross-entropy writes the logits' gradient over the logits, which it
 /// reads for the last time (`plan::in_place`): in `train_step` and in `loss` (where the
 /// gradient is not even read) the two share their bytes, and the arena is smaller by a
@@ -489,15 +587,20 @@ fn the_logits_gradient_is_written_over_the_logits() {
             .iter()
             .filter_map(|b| b.in_place_of.map(|a| (&plan.buffers[a], b)))
             .collect();
+        let kind_of = |v: usize| {
+            exec.kernel_graph()
+                .kernels()
+                .into_iter()
+                .find(|(k, ..)| *k == v)
+                .map(|(_, op, _)| op.kind())
+        };
+        // (The tied embedding's gradient is summed in place too: see the next test.)
+        let over: Vec<_> = over
+            .into_iter()
+            .filter(|(_, b)| kind_of(b.value).as_deref() == Some("xent_ls"))
+            .collect();
         assert_eq!(over.len(), 1, "{entry}: one result written in place");
         let (logits, grad) = over[0];
-        let kind = exec
-            .kernel_graph()
-            .kernels()
-            .into_iter()
-            .find(|(v, ..)| *v == grad.value)
-            .map(|(_, op, _)| op.kind());
-        assert_eq!(kind.as_deref(), Some("xent_ls"), "{entry}");
         assert_eq!(grad.output, 1, "{entry}: the gradient");
         assert_eq!(logits.ty.shape.eval(&dims).unwrap(), [3, 5, 2000]);
         let mut apart = plan.clone();

@@ -150,12 +150,13 @@ fn every_kernel_of_the_tiny_model_has_a_gpu_launch() {
     }
     // The tiny model exercises every device path: generated kernels, cuBLAS and flash
     // attention (its heads are small). Its training step never leaves the device: the
-    // embedding gradient (`scatter_add`) is a generated kernel too.
+    // tied embedding's gradient (its rows added onto the projection's, `scatter_add_into`)
+    // is a generated kernel too.
     let train = launch_plan(art, "train_step").unwrap();
     assert!(
         train
             .iter()
-            .any(|(k, how)| k == "scatter_add" && *how == "generated"),
+            .any(|(k, how)| k == "scatter_add_into" && *how == "generated"),
         "{train:?}"
     );
     assert!(train.iter().all(|(_, how)| *how != "host"), "{train:?}");

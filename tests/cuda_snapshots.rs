@@ -132,7 +132,7 @@ fn cuda_of_every_kernel_kind_is_pinned() {
         "softmax_bwd",
         "sum_rows",
         "sum_rows_finish",
-        "scatter_rows",
+        "scatter_rows_onto",
         "xent_ls",
         "xent_ls_count",
         "xent_ls_count_seeded",

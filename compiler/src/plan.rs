@@ -192,11 +192,31 @@ pub(crate) fn estimate(d: &Dim) -> f64 {
 /// the kernel reads each element of that operand before it writes the same element of the
 /// output, on every backend. `xent_ls` writes the logits' gradient over the logits (both
 /// `[rows, vocab]`, the largest tensors of a training step); its CPU and CUDA kernels
-/// read a row whole before they write it.
+/// read a row whole before they write it. `scatter_add_into` adds rows onto its base
+/// (operand 0), each element read before it is written.
 pub fn in_place(op: &KernelOp) -> &'static [(usize, usize)] {
     match op {
-        KernelOp::Template { id, .. } if registry()[*id as usize].name == "xent_ls" => &[(1, 0)],
+        KernelOp::Template { id, .. } => match registry()[*id as usize].name.as_str() {
+            "xent_ls" => &[(1, 0)],
+            "scatter_add_into" => &[(0, 0)],
+            _ => &[],
+        },
         _ => &[],
+    }
+}
+
+/// The kernel result that value `v` is with its elements in the same order: the result
+/// itself, a projection of it, or a reshape of one (a reshape of a contiguous buffer
+/// moves no element). `None` for a source, or through a permute or broadcast: a kernel
+/// writing over such an operand would meet its elements in another order.
+fn same_order_result(kg: &KernelGraph, mut v: usize) -> Option<(usize, usize)> {
+    loop {
+        match &kg.values[v].def {
+            Def::View(crate::ir::Op::Reshape { .. }, x) => v = *x,
+            Def::Proj(t, k) => return Some((*t, *k as usize)),
+            Def::Kernel { .. } => return Some((v, 0)),
+            _ => return None,
+        }
     }
 }
 
@@ -259,9 +279,11 @@ impl MemoryPlan {
         }
         let reuse = std::env::var_os("KILN_NO_REUSE").is_none();
         // Results written over an operand that dies at their kernel ([`in_place`]):
-        // never a graph output nor over one (an executor may keep those elsewhere), never
-        // over an operand that another operand of the kernel also reads, and only of the
-        // same size.
+        // never over a graph output (it lives to the end), never over an operand that
+        // another operand of the kernel also reads or that it reads through a permute or
+        // broadcast, and only of the same size. A graph output may be written in place:
+        // an executor that keeps the output outside the arena keeps the buffers it is
+        // written over there too ([`MemoryPlan::output_buffers`]).
         let returned: Vec<(usize, usize)> = kg
             .outputs
             .iter()
@@ -271,7 +293,7 @@ impl MemoryPlan {
             for &(k, j) in in_place(op).iter().filter(|_| reuse) {
                 let (Some(&out), Some(src)) = (
                     index.get(&(v, k)),
-                    inputs.get(j).and_then(|&x| kg.result_of(x)),
+                    inputs.get(j).and_then(|&x| same_order_result(kg, x)),
                 ) else {
                     continue;
                 };
@@ -286,7 +308,6 @@ impl MemoryPlan {
                 if a.dies == b.born
                     && !shared
                     && !returned.contains(&src)
-                    && !returned.contains(&(v, k))
                     && a.elem_bytes == b.elem_bytes
                     && a.ty.shape.numel() == b.ty.shape.numel()
                     && !buffers.iter().any(|c| c.in_place_of == Some(inp))
@@ -350,15 +371,41 @@ impl MemoryPlan {
 
     /// The buffers of the graph's outputs that a CPU executor keeps out of the arena
     /// (one flag per buffer): it writes each whole f32 kernel result the graph returns
-    /// straight into the returned tensor ([`direct_output`]).
+    /// straight into the returned tensor ([`direct_output`]), and with it every buffer
+    /// that result is written in place of ([`MemoryPlan::chain`]) when all of them are
+    /// f32 — the chain's first kernel writes into the returned tensor, and the rest
+    /// update it there. Where some buffer of the chain is not f32, the output alone is
+    /// flagged and gets bytes of its own.
     pub fn output_buffers(&self, kg: &KernelGraph) -> Vec<bool> {
         let mut flags = vec![false; self.buffers.len()];
         for (name, _) in &kg.outputs {
             if let Some(b) = direct_output(kg, name).and_then(|(v, k)| self.buffer_of(v, k)) {
-                flags[b] = true;
+                let chain = self.chain(b);
+                if chain
+                    .iter()
+                    .all(|&c| self.buffers[c].ty.dtype == crate::ir::DType::F32)
+                {
+                    for c in chain {
+                        flags[c] = true;
+                    }
+                } else {
+                    flags[b] = true;
+                }
             }
         }
         flags
+    }
+
+    /// Buffer `i` and the buffers it is written in place of, from its home
+    /// ([`MemoryPlan::home`]) to `i`.
+    pub fn chain(&self, mut i: usize) -> Vec<usize> {
+        let mut out = vec![i];
+        while let Some(a) = self.buffers[i].in_place_of {
+            out.push(a);
+            i = a;
+        }
+        out.reverse();
+        out
     }
 
     /// The buffer holding output `output` of kernel value `value`.
@@ -450,8 +497,9 @@ impl MemoryPlan {
             slot_off.push(slots_total);
             slots_total += s;
         }
-        // A buffer written in place takes no bytes of its own (unless it or its home is
-        // kept outside the arena, which a plan built here never asks for).
+        // A buffer written in place takes no bytes of its own, unless it or its home is
+        // kept outside the arena (a graph output whose chain is not all f32 is, alone:
+        // [`MemoryPlan::output_buffers`]).
         let shares: Vec<bool> = (0..self.buffers.len())
             .map(|i| self.buffers[i].in_place_of.is_some() && !outside(i) && !outside(self.home(i)))
             .collect();
@@ -962,6 +1010,32 @@ mod tests {
         plan.buffers[0].dies = 2;
         let e = plan.layout(&dims()).unwrap_err();
         assert!(e.contains("%2.0 is planned in place of buffer 0"), "{e}");
+    }
+
+    #[test]
+    fn a_chain_written_in_place_is_kept_outside_the_arena_whole() {
+        // %1 k0..k1, %2 over it k1..k2, %3 over that k2..k3 (a graph output); %4 beside.
+        let mut b2 = buffer(2, 0, 1, 2, 4);
+        b2.in_place_of = Some(0);
+        let mut b3 = buffer(3, 0, 2, 3, 4);
+        b3.in_place_of = Some(1);
+        let plan = MemoryPlan {
+            buffers: vec![buffer(1, 0, 0, 1, 4), b2, b3, buffer(4, 1, 0, 3, 4)],
+            slots: 2,
+            steps: 3,
+        };
+        plan.check(&dims()).unwrap();
+        assert_eq!(plan.chain(2), [0, 1, 2]);
+        assert_eq!(plan.chain(0), [0]);
+        assert_eq!(plan.home(2), 0);
+        // In the arena the chain takes one buffer's bytes; outside, none.
+        assert_eq!(plan.layout(&dims()).unwrap().total, 2 * 4032);
+        let l = plan
+            .layout_with(&dims(), &[true, true, true, false])
+            .unwrap();
+        assert_eq!(l.total, 4032);
+        plan.check_layout(&dims(), &l).unwrap();
+        assert_eq!(plan.live_peak(&dims()).unwrap(), 8000);
     }
 
     #[test]

@@ -1035,6 +1035,49 @@ fn scatter_rows_sums_each_row_in_position_order() {
     assert_eq!(cuda::index::scatter_index(&[-1], rows), Err((0, -1)));
 }
 
+/// `scatter_add_into` as `scatter_index` + `scatter_rows_onto_as`: a row some id names is
+/// its base plus its source rows summed in position order from 0.0 (the CPU fallback's
+/// values, bit for bit), every other row its base unchanged (the output is poisoned
+/// first; a `-0.0` stays `-0.0`).
+#[test]
+fn scatter_rows_onto_adds_each_rows_sum_to_its_base() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(37);
+    let (rows, width) = (11usize, 7usize);
+    let ids: Vec<i32> = vec![3, 0, 10, 3, 3, 7, 0, 10, 5, 3, 9, 1, 3];
+    let src = rng.floats(ids.len() * width, -1.0, 1.0);
+    let mut base = as_f32(&rng.floats(rows * width, -2.0, 2.0));
+    base[2 * width] = -0.0;
+    let (xs, bs) = (as_f32(&src), base.clone());
+    let (start, order) = cuda::index::scatter_index(&ids, rows).unwrap();
+    let (dims, items) = cuda::index::scatter_rows_dims(rows, width);
+    let f = cuda::index::scatter_rows_onto_as("scatter_rows_onto", Elem::F32, Elem::F32, Elem::F32);
+    let mut g = vec![
+        i32s(&start),
+        i32s(&order),
+        f32s(&base),
+        src.clone(),
+        f32s(&vec![f32::NAN; rows * width]),
+    ];
+    run(cxx, &f, &mut g, &dims, items as u64);
+    let mut want = bs.clone();
+    for r in 0..rows {
+        let at: Vec<usize> = (0..ids.len()).filter(|&p| ids[p] as usize == r).collect();
+        if at.is_empty() {
+            continue;
+        }
+        for j in 0..width {
+            let mut s = 0f32;
+            for &p in &at {
+                s += xs[p * width + j];
+            }
+            want[r * width + j] = bs[r * width + j] + s;
+        }
+    }
+    exact("scatter_rows_onto", &g[4], &f32s(&want));
+    assert_eq!(as_f32(&g[4])[2 * width].to_bits(), (-0.0f32).to_bits());
+}
+
 // ---------------------------------------------------------------------------------------
 // Flash attention against plain loops.
 

@@ -264,6 +264,9 @@ fn kernel_functions(
                         Ok(misc::adam_update(n))
                     })?,
                 ),
+                // Runs in Rust (the runtime's fallback): it touches only the rows the
+                // ids name.
+                "scatter_add_into" => {}
                 other => return Err(format!("no CPU code for template `{other}`")),
             }
         }

@@ -2,9 +2,10 @@
 //!
 //! In: the e-graph of a graph. Out: the same e-graph with more equalities: identities
 //! (`x·1`, `x+0`, `−(−x)`, a reshape/broadcast/permute that changes nothing),
-//! `permute∘permute` and `reshape∘reshape` and `broadcast∘broadcast` collapsed, and
-//! constant scales folded (`(x·a)·b = x·(ab)`, and a scale applied to a matmul operand
-//! moved onto its result, where a GEMM applies it as `alpha`).
+//! `permute∘permute` and `reshape∘reshape` and `broadcast∘broadcast` collapsed, a
+//! transposed matrix product `(a·b)ᵀ` also written `bᵀ·aᵀ`, and constant scales folded
+//! (`(x·a)·b = x·(ab)`, and a scale applied to a matmul operand moved onto its result,
+//! where a GEMM applies it as `alpha`).
 //!
 //! No blanket associativity or commutativity: those make the e-graph grow without
 //! bound and no template needs them. Every rule is checked against the analysis' types:
@@ -130,6 +131,27 @@ pub fn rules() -> Vec<Rewrite<KNode, Types>> {
                     .enumerate()
                     .all(|(i, &a)| i == a)
                     .then(|| get(s, "?x"))
+            }),
+        ),
+        // (a·b)ᵀ = bᵀ·aᵀ for matrices: the product of the transposed operands writes the
+        // transposed result contiguous (a tied embedding's gradient `[vocab, d]` from the
+        // output projection's `[d, vocab]` product), and a kernel reading it needs no
+        // strided view.
+        rule(
+            "permute-matmul",
+            "(permute (matmul ?a ?b) ?p)",
+            Box::new(|eg, _, s| {
+                if attr_perm(eg, get(s, "?p"))? != [1, 0] {
+                    return None;
+                }
+                let (a, b) = (get(s, "?a"), get(s, "?b"));
+                if shape_of(eg, a)?.rank() != 2 || shape_of(eg, b)?.rank() != 2 {
+                    return None;
+                }
+                let t = Op::Permute { perm: vec![1, 0] };
+                let bt = add_op(eg, &t, &[b]);
+                let at = add_op(eg, &t, &[a]);
+                Some(add_op(eg, &Op::MatMul, &[bt, at]))
             }),
         ),
         rule(

@@ -731,6 +731,35 @@ fn build_registry() -> Vec<TemplateDef> {
             vec![y],
         ));
     }
+    // scatter_add_into: `base + scatter_add(ids, src)`, as autodiff accumulates the
+    // gradient of a table read by several gathers (a tied embedding: the projection's
+    // weight gradient, then one scatter per embedding). Its kernels add the rows onto the
+    // base (in place where the plan allows, `plan::in_place`) rather than make a
+    // vocabulary-sized zero tensor per scatter and sum them afterwards.
+    for rank in 1..=2 {
+        let mut t = TB::new("scatter_add_into");
+        let lead = lead_dims(rank);
+        let mut src_dims = lead.clone();
+        src_dims.push("d".into());
+        let base = t.input("base", DType::F32, &["v", "d"]);
+        let ids = t.input("ids", DType::I32, &strs(&lead));
+        let src = t.input("src", DType::F32, &strs(&src_dims));
+        let s = t.op(
+            Op::ScatterAdd {
+                rows: Dim::sym("v"),
+            },
+            &[ids, src],
+        );
+        let y = t.bin(BinaryOp::Add, base, s);
+        out.push(def(
+            "scatter_add_into",
+            format!("rank={rank}"),
+            t,
+            vec![base, ids, src],
+            vec![],
+            vec![y],
+        ));
+    }
     // adam_update: the whole optimizer step of one parameter (crate::adam's nodes).
     for rank in 0..=2 {
         let mut t = TB::new("adam_update");

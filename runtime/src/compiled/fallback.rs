@@ -27,6 +27,9 @@ use crate::eager::Eager;
 /// How a kernel without generated code runs.
 pub(crate) enum Fallback {
     Prim(Op),
+    /// `scatter_add_into(base, ids, src)`: the rows added onto the base, in place when
+    /// the plan put the result over it ([`crate::eager::index::scatter_add_onto`]).
+    ScatterAddInto,
     Graph(Box<Eager>),
 }
 
@@ -39,6 +42,9 @@ pub(crate) fn build(
 ) -> Result<Fallback, String> {
     match op {
         KernelOp::Prim(p) => Ok(Fallback::Prim(p.clone())),
+        KernelOp::Template { id, .. } if registry()[*id as usize].name == "scatter_add_into" => {
+            Ok(Fallback::ScatterAddInto)
+        }
         _ => build_expanded(kg, v, op, inputs),
     }
 }
@@ -223,6 +229,39 @@ pub(crate) fn run_host(
                     .ok_or("internal: scatter_add ids are not i32")?,
                 src.view::<f32>()
                     .ok_or("internal: scatter_add values are not f32")?,
+                row,
+                dst,
+            )
+        }
+        Fallback::ScatterAddInto => {
+            let out = &outs[0];
+            if out.dtype != DType::F32 || !out.is_contiguous() || ins.len() != 3 {
+                return Err("internal: scatter_add_into needs a contiguous f32 result".into());
+            }
+            let row: usize = out.shape().iter().skip(1).product();
+            // SAFETY: a contiguous f32 location of `numel` elements that this kernel alone
+            // writes (its base, when planned in place, is read here first).
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(out.base() as *mut f32, out.numel()) };
+            let base = ins[0];
+            let in_place = base.dtype == DType::F32
+                && base.is_contiguous()
+                && base.base() == out.base()
+                && base.numel() == out.numel();
+            if !in_place {
+                let b = value(base);
+                let b = b
+                    .view::<f32>()
+                    .ok_or("internal: scatter_add_into base is not f32")?;
+                dst.copy_from_slice(&crate::eager::index::contiguous(b));
+            }
+            crate::eager::index::scatter_add_onto(
+                value(ins[1])
+                    .view::<i32>()
+                    .ok_or("internal: scatter_add_into ids are not i32")?,
+                value(ins[2])
+                    .view::<f32>()
+                    .ok_or("internal: scatter_add_into values are not f32")?,
                 row,
                 dst,
             )

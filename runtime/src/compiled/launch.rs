@@ -108,9 +108,11 @@ pub(crate) enum Exec {
 }
 
 impl Exec {
-    /// Whether this kernel runs generated code or GEMM (not a fallback).
+    /// Whether this kernel runs code of its own — generated, GEMM, or a kernel written
+    /// for it in Rust (`scatter_add_into`) — rather than the eager executor's kernel of a
+    /// primitive or its definition expanded (which a check would compare with itself).
     pub fn is_native(&self) -> bool {
-        !matches!(self, Exec::Fallback(_))
+        !matches!(self, Exec::Fallback(f) if !matches!(f, Fallback::ScatterAddInto))
     }
 }
 

@@ -405,6 +405,14 @@ impl Compiled {
         for (i, d) in direct.iter().enumerate() {
             if let Some(vk) = d {
                 home.insert(*vk, Home::Output(i));
+                // The buffers the output is written in place of live in its storage too
+                // (when the layout keeps them out of the arena).
+                if let Some(b) = plan.buffer_of(vk.0, vk.1) {
+                    for c in plan.chain(b).into_iter().filter(|&c| external[c]) {
+                        let buf = &plan.buffers[c];
+                        home.insert((buf.value, buf.output), Home::Output(i));
+                    }
+                }
             }
         }
         // Inference only: a training step reads every weight transposed in its backward
@@ -749,13 +757,18 @@ impl Compiled {
                 Def::Kernel { .. } => (0..val.types.len())
                     .map(|k| {
                         let ptr = match self.home.get(&(v, k)) {
-                            Some(Home::Output(i)) => {
-                                let n: usize = shapes[k].iter().product();
-                                let mut store = take_spare(&mut spare, n);
-                                let ptr = store.as_mut_ptr() as *mut u8;
-                                direct[*i] = Some(store);
-                                ptr
-                            }
+                            // The first result of an in-place chain places the storage;
+                            // the later ones write over it.
+                            Some(Home::Output(i)) => match &mut direct[*i] {
+                                Some(store) => store.as_mut_ptr() as *mut u8,
+                                slot => {
+                                    let n: usize = shapes[k].iter().product();
+                                    let mut store = take_spare(&mut spare, n);
+                                    let ptr = store.as_mut_ptr() as *mut u8;
+                                    *slot = Some(store);
+                                    ptr
+                                }
+                            },
                             Some(Home::Arena(b)) => base.wrapping_add(layout.offsets[*b]),
                             None => {
                                 return Err(node_err(

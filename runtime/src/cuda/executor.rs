@@ -1833,6 +1833,45 @@ impl Run<'_> {
     }
 
     /// `l` as a contiguous location (copied if it is not).
+    /// The row index of a scatter of `src` by `ids` into `out`'s rows, on the device:
+    /// `(start, order, src, launch)` for `index::scatter_rows` and its `onto` form. Ids are
+    /// checked on the host, as on the CPU (the kernels do not).
+    fn scatter_index(
+        &mut self,
+        ids: &DLoc,
+        src: &DLoc,
+        out: &DLoc,
+    ) -> Result<(u64, u64, u64, Launch), String> {
+        let rows = out.shape().first().copied().unwrap_or(1);
+        let width: usize = out.shape().iter().skip(1).product();
+        let ids: Vec<i32> = self.words(ids)?.iter().map(|&w| w as i32).collect();
+        let src = self.contig(src)?;
+        if src.numel() != ids.len() * width {
+            return Err(format!(
+                "scatter_add of {} ids with {} values into rows of {width}",
+                ids.len(),
+                src.numel()
+            ));
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            kiln_compiler::bind::check_id(id, rows, i, &format!("the result has {rows} rows"))?;
+        }
+        let (start, order) = index::scatter_index(&ids, rows)
+            .map_err(|(p, id)| format!("internal: id {id} at {p} passed the check"))?;
+        let start = self.upload(&start.iter().map(|&x| x as u32).collect::<Vec<_>>())?;
+        let mut order: Vec<u32> = order.iter().map(|&x| x as u32).collect();
+        if order.is_empty() {
+            order.push(0);
+        }
+        let order = self.upload(&order)?;
+        Ok((
+            start,
+            order,
+            src.base(),
+            Launch::same(index::scatter_rows_dims(rows, width)),
+        ))
+    }
+
     fn contig(&mut self, l: &DLoc) -> Result<DLoc, String> {
         if l.layout.is_contiguous() {
             return Ok(l.clone());
@@ -2439,36 +2478,23 @@ impl Run<'_> {
             }
             StepExec::ScatterAdd(f) => {
                 let out = &outs[0];
-                let rows = out.shape().first().copied().unwrap_or(1);
-                let width: usize = out.shape().iter().skip(1).product();
-                let ids: Vec<i32> = self.words(ins[0])?.iter().map(|&w| w as i32).collect();
-                let src = self.contig(ins[1])?;
-                if src.numel() != ids.len() * width {
+                let (start, order, src, l) = self.scatter_index(ins[0], ins[1], out)?;
+                self.launch(f, &[start, order, src, out.base()], l)
+            }
+            StepExec::ScatterAddInto(f) => {
+                let out = &outs[0];
+                // A strided base is read through a contiguous copy; one planned in place
+                // is `out` itself.
+                let base = self.contig(ins[0])?;
+                if base.numel() != out.numel() {
                     return Err(format!(
-                        "scatter_add of {} ids with {} values into rows of {width}",
-                        ids.len(),
-                        src.numel()
+                        "scatter_add_into onto {} elements into {}",
+                        base.numel(),
+                        out.numel()
                     ));
                 }
-                // Ids are checked on the host, as on the CPU (the kernel does not).
-                for (i, &id) in ids.iter().enumerate() {
-                    kiln_compiler::bind::check_id(
-                        id,
-                        rows,
-                        i,
-                        &format!("the result has {rows} rows"),
-                    )?;
-                }
-                let (start, order) = index::scatter_index(&ids, rows)
-                    .map_err(|(p, id)| format!("internal: id {id} at {p} passed the check"))?;
-                let start = self.upload(&start.iter().map(|&x| x as u32).collect::<Vec<_>>())?;
-                let mut order: Vec<u32> = order.iter().map(|&x| x as u32).collect();
-                if order.is_empty() {
-                    order.push(0);
-                }
-                let order = self.upload(&order)?;
-                let l = Launch::same(index::scatter_rows_dims(rows, width));
-                self.launch(f, &[start, order, src.base(), out.base()], l)
+                let (start, order, src, l) = self.scatter_index(ins[1], ins[2], out)?;
+                self.launch(f, &[start, order, base.base(), src, out.base()], l)
             }
             StepExec::Host(fb) => self.host(fb, ins, outs),
         }

@@ -89,6 +89,10 @@ pub(crate) enum Exec {
     /// `scatter_add` of f32 rows: the ids indexed on the host, then
     /// `kiln_compiler::codegen::cuda::index::scatter_rows`.
     ScatterAdd(String),
+    /// `scatter_add_into(base, ids, src)`: the same host-built index, then
+    /// `kiln_compiler::codegen::cuda::index::scatter_rows_onto_as` (in place when planned
+    /// so).
+    ScatterAddInto(String),
     Arange(String, Dim),
     Concat(String, usize),
     /// `Library::Host`: operands copied to the host, the CPU executor's fallback, results
@@ -249,6 +253,7 @@ pub(crate) fn prepare(
                         finish: role("finish")?,
                     },
                     "adam_update" => Exec::Adam(role("main")?),
+                    "scatter_add_into" => Exec::ScatterAddInto(role("main")?),
                     other => {
                         return Err(format!(
                             "kernel %{v}: the CUDA executor has no launch for template `{other}` \

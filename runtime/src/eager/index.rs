@@ -108,21 +108,7 @@ pub(crate) fn scatter_add_into(
     if row == 0 || targets.is_empty() {
         return Ok(());
     }
-    // The positions that land on each result row, in increasing order (a counting
-    // sort), so every row can be summed independently in the reference's order.
-    let mut start = vec![0usize; rows + 1];
-    for &r in &targets {
-        start[r + 1] += 1;
-    }
-    for r in 0..rows {
-        start[r + 1] += start[r];
-    }
-    let mut fill = start.clone();
-    let mut order = vec![0usize; targets.len()];
-    for (p, &r) in targets.iter().enumerate() {
-        order[fill[r]] = p;
-        fill[r] += 1;
-    }
+    let (start, order) = by_row(&targets, rows);
     let body = |(r, dst): (usize, &mut [f32])| {
         for &p in &order[start[r]..start[r + 1]] {
             for (d, &s) in dst.iter_mut().zip(&src[p * row..(p + 1) * row]) {
@@ -219,4 +205,81 @@ pub(crate) fn generate<E: Elem>(
         }
     });
     out
+}
+
+/// The positions that land on each result row, in increasing order (a counting sort), so
+/// every row can be summed independently in the reference's order: row `r`'s positions
+/// are `order[start[r]..start[r + 1]]`.
+fn by_row(targets: &[usize], rows: usize) -> (Vec<usize>, Vec<usize>) {
+    let mut start = vec![0usize; rows + 1];
+    for &r in targets {
+        start[r + 1] += 1;
+    }
+    for r in 0..rows {
+        start[r + 1] += start[r];
+    }
+    let mut fill = start.clone();
+    let mut order = vec![0usize; targets.len()];
+    for (p, &r) in targets.iter().enumerate() {
+        order[fill[r]] = p;
+        fill[r] += 1;
+    }
+    (start, order)
+}
+
+/// `out += scatter_add(ids, src)` (`out`: `rows · row` elements, holding the base): each
+/// row an id names gets the sum of its positions' rows, summed from `0.0` in increasing
+/// position order as [`scatter_add`] sums them, added once — the reference's
+/// `base + scatter_add(ids, src)` element for element. Rows no id names are left as they
+/// are (the reference adds `0.0` to them: the same value, though a `-0.0` stays `-0.0`).
+/// Only the named rows are touched, so a vocabulary-sized gradient costs a few hundred
+/// rows, not a pass over the table.
+pub(crate) fn scatter_add_onto(
+    ids: View<'_, i32>,
+    src: View<'_, f32>,
+    row: usize,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let rows = out.len().checked_div(row).unwrap_or(0);
+    let ids = contiguous(ids);
+    let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
+    if src.shape().iter().product::<usize>() != targets.len() * row {
+        return Err(format!(
+            "internal: {} values do not fit {} ids of rows of {row}",
+            src.shape().iter().product::<usize>(),
+            targets.len()
+        ));
+    }
+    let src = contiguous(src);
+    if row == 0 || targets.is_empty() {
+        return Ok(());
+    }
+    let (start, order) = by_row(&targets, rows);
+    let body = |acc: &mut Vec<f32>, (r, dst): (usize, &mut [f32])| {
+        let at = &order[start[r]..start[r + 1]];
+        if at.is_empty() {
+            return;
+        }
+        acc.clear();
+        acc.resize(row, 0.0);
+        for &p in at {
+            for (a, &s) in acc.iter_mut().zip(&src[p * row..(p + 1) * row]) {
+                *a += s;
+            }
+        }
+        for (d, &a) in dst.iter_mut().zip(acc.iter()) {
+            *d += a;
+        }
+    };
+    if targets.len() * row >= PAR_MIN {
+        out.par_chunks_mut(row)
+            .enumerate()
+            .for_each_init(Vec::new, body);
+    } else {
+        let mut acc = Vec::new();
+        out.chunks_mut(row)
+            .enumerate()
+            .for_each(|x| body(&mut acc, x));
+    }
+    Ok(())
 }

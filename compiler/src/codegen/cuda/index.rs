@@ -22,7 +22,8 @@
 //! `order[n]` — the positions landing on row `r` are `order[start[r]..start[r + 1]]`, in
 //! increasing order — and each thread sums one output element over its row's positions
 //! from `0.0` in that order: the CPU fallback's order, so bit-identical, and every output
-//! element written (rows no id names are 0).
+//! element written (rows no id names are 0). `scatter_add_into(base, ids, src)` is
+//! [`scatter_rows_onto_as`] over the same index: the sums added onto the base, in place.
 
 use crate::codegen::cuda::misc::words;
 use crate::codegen::cuda::text::{Elem, W};
@@ -202,6 +203,45 @@ pub fn scatter_rows_as(name: &str, src: Elem, out: Elem) -> CudaFunction {
     ));
     w.close();
     w.l(format!("out[i] = {};", oe.store("s")));
+    w.close();
+    w.close();
+    threads(name, params, w)
+}
+
+/// `out[r, j] = base[r, j] + Σ_{k ∈ start[r]..start[r+1]} src[order[k], j]` for a row some
+/// id names (the sum in that order from `0.0`, then added once: the reference's `base +
+/// scatter_add(ids, src)`), `out[r, j] = base[r, j]` for the others — the CPU fallback's
+/// values. Each thread reads its base element before it writes the same element of
+/// `out`, so `out` may be `base` (`plan::in_place`). Buffers `[start, order, base, src,
+/// out]`, dims `[rows, w]` ([`scatter_rows_dims`]), items `rows · w`.
+pub fn scatter_rows_onto_as(name: &str, base: Elem, src: Elem, out: Elem) -> CudaFunction {
+    let params = vec![
+        param("start", "const int*"),
+        param("order", "const int*"),
+        // Not `const … __restrict__`: it may be `out` itself.
+        param("base", &base.ptr(false)),
+        param("src", &src.ptr(true)),
+        param("out", &out.ptr(false)),
+    ];
+    let mut w = W::new();
+    signature(&mut w, name, &params);
+    w.l("const long long width = dims.d[1];");
+    w.open(FOR_THREADS);
+    w.l("const long long r = i / width;");
+    w.l("const long long j = i - r * width;");
+    w.l(format!("const float b = {};", base.load("base[i]")));
+    w.open("if (start[r] == start[r + 1])");
+    w.l(format!("out[i] = {};", out.store("b")));
+    w.l("continue;");
+    w.close();
+    w.l("float s = 0.0f;");
+    w.open("for (int k = start[r]; k < start[r + 1]; ++k)");
+    w.l(format!(
+        "s = s + {};",
+        src.load("src[(long long)order[k] * width + j]")
+    ));
+    w.close();
+    w.l(format!("out[i] = {};", out.store("b + s")));
     w.close();
     w.close();
     threads(name, params, w)

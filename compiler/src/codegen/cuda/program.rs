@@ -285,6 +285,14 @@ fn launch(
                         em.plain("adam_update", |n| misc::adam_update(n, Elem::F32)),
                     );
                 }
+                "scatter_add_into" => {
+                    let (base, src, out) = (at.of(inputs[0]), at.of(inputs[2]), at.of(v));
+                    let key = format!("scatter_rows_onto base={base:?} src={src:?} out={out:?}");
+                    let name = em.get("scatter_rows_onto", key, |n| {
+                        Ok(index::scatter_rows_onto_as(n, base, src, out))
+                    })?;
+                    f.insert("main".into(), name);
+                }
                 other => return Err(format!("no CUDA code for template `{other}`")),
             }
         }

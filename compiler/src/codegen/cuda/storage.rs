@@ -31,7 +31,9 @@
 //!    would round (it holds integers exactly only up to 256).
 //!
 //! Regions, `embed_pe`, `sum_rows`, reductions, `concat`, `scatter_add`, GEMMs and
-//! copies take any element type per operand, so they impose nothing. Two requirements
+//! copies take any element type per operand, so they impose nothing
+//! (`scatter_add_into` only on its rows: its base and result are a weight gradient, in
+//! `float`). Two requirements
 //! on one buffer (a parameter read as an activation, a value one kernel reads as bf16
 //! and another as `float`) are an error naming both kernels.
 //!
@@ -68,7 +70,10 @@ pub enum Class {
 pub fn operand_class(template: &str, input: &str) -> Class {
     match (template, input) {
         ("adam_update", _) => Class::Full,
-        ("linear" | "linear_relu", "x" | "w") | ("sum_rows", _) | ("embed_pe", "pe") => Class::Free,
+        ("linear" | "linear_relu", "x" | "w")
+        | ("sum_rows", _)
+        | ("embed_pe", "pe")
+        | ("scatter_add_into", "src") => Class::Free,
         (_, "x" | "y" | "q" | "k" | "v" | "g" | "logits") => Class::Act,
         _ => Class::Full,
     }
@@ -79,7 +84,7 @@ pub fn output_class(template: &str, i: usize) -> Class {
     match (template, i) {
         ("adam_update", _) => Class::Full,
         ("sum_rows" | "embed_pe", _) => Class::Free,
-        ("add_layer_norm_bwd", 1..) | ("xent_ls", 0) => Class::Full,
+        ("add_layer_norm_bwd", 1..) | ("xent_ls", 0) | ("scatter_add_into", _) => Class::Full,
         _ => Class::Act,
     }
 }
