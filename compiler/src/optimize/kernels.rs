@@ -215,6 +215,19 @@ impl KernelGraph {
                         .ok_or_else(|| format!("operand e-class {o} comes later"))
                 };
                 let args: Vec<usize> = operands.iter().map(arg).collect::<Result<_, _>>()?;
+                // A node only a rewrite made (no source node in its e-class) takes the
+                // scope of its first operand that has one.
+                let scope = scopes
+                    .get(&id)
+                    .filter(|s| !s.is_empty())
+                    .cloned()
+                    .or_else(|| {
+                        args.iter()
+                            .map(|&a| &values[a].scope)
+                            .find(|s| !s.is_empty())
+                            .cloned()
+                    })
+                    .unwrap_or_default();
                 let types = match &eg[id].data {
                     Info::Tensor { ty, .. } => vec![ty.clone()],
                     Info::Tuple(t) => t.clone(),
@@ -282,11 +295,7 @@ impl KernelGraph {
                     }
                 };
                 number.insert(id, values.len());
-                values.push(Value {
-                    def,
-                    types,
-                    scope: scopes.get(&id).cloned().unwrap_or_default(),
-                });
+                values.push(Value { def, types, scope });
             }
         }
         let outputs = roots

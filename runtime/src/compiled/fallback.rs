@@ -253,7 +253,15 @@ pub(crate) fn run_host(
                 let b = b
                     .view::<f32>()
                     .ok_or("internal: scatter_add_into base is not f32")?;
-                dst.copy_from_slice(&crate::eager::index::contiguous(b));
+                let b = crate::eager::index::contiguous(b);
+                if b.len() != dst.len() {
+                    return Err(format!(
+                        "internal: scatter_add_into onto {} elements into {}",
+                        b.len(),
+                        dst.len()
+                    ));
+                }
+                dst.copy_from_slice(&b);
             }
             crate::eager::index::scatter_add_onto(
                 value(ins[1])
