@@ -763,7 +763,7 @@ impl Compiled {
                                 Some(store) => store.as_mut_ptr() as *mut u8,
                                 slot => {
                                     let n: usize = shapes[k].iter().product();
-                                    let mut store = take_spare(&mut spare, n);
+                                    let mut store = take_storage(&mut spare, n);
                                     let ptr = store.as_mut_ptr() as *mut u8;
                                     *slot = Some(store);
                                     ptr
@@ -842,8 +842,16 @@ impl Compiled {
         }
         let mut out = Vec::with_capacity(self.graph.outputs.len());
         for (i, o) in self.graph.outputs.iter().enumerate() {
-            if let (Some(store), Some((v, k))) = (direct[i].take(), self.direct[i]) {
+            if let (Some(mut store), Some((v, k))) = (direct[i].take(), self.direct[i]) {
                 let shape = locs[v][k].layout.shape.clone();
+                let n: usize = shape.iter().product();
+                if store.len() < n {
+                    assert!(store.capacity() >= n, "output storage of {n} elements");
+                    // SAFETY: the storage holds `n` elements (the capacity was asked for
+                    // them), and the kernel this output is the result of has written
+                    // every one: a `direct_output` is a whole kernel result.
+                    unsafe { store.set_len(n) };
+                }
                 out.push((
                     o.name.clone(),
                     Tensor {
@@ -901,34 +909,52 @@ fn take_spare(spare: &mut Vec<Vec<f32>>, n: usize) -> Vec<f32> {
     reused.unwrap_or_else(|| zeroed(n))
 }
 
+/// Storage for an output a kernel writes whole: a recycled vector of exactly `n`
+/// elements, else an empty one with room for `n` — its elements are written by the run
+/// and its length set after ([`Compiled::run`]), so it is never zeroed first (the
+/// decoder's caches are fresh every step, and zeroing them was 3 % of a translation).
+/// Large ones ask for transparent huge pages, as [`zeroed`].
+fn take_storage(spare: &mut Vec<Vec<f32>>, n: usize) -> Vec<f32> {
+    if n >= RECYCLE_MIN {
+        if let Some(i) = spare.iter().position(|v| v.len() == n) {
+            return spare.swap_remove(i);
+        }
+    }
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    advise_huge_pages(v.as_mut_ptr(), n * 4);
+    v
+}
+
 /// A zeroed vector of `n` f32. Large ones ask for transparent huge pages before the
 /// first touch (Linux `madvise(MADV_HUGEPAGE)`, which the default `madvise` THP mode
 /// honours): a fresh 118 MB of logits is otherwise page-faulted in 4 KiB at a time by
 /// the kernel writing it — 29,000 faults, a quarter of the output projection's time.
 pub(crate) fn zeroed(n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
-    advise_huge_pages(&mut v);
+    advise_huge_pages(v.as_mut_ptr(), n * 4);
     v
 }
 
+/// Asks for transparent huge pages under the `bytes` bytes at `ptr` (an allocation of
+/// the caller's).
 #[cfg(target_os = "linux")]
-fn advise_huge_pages(v: &mut [f32]) {
+fn advise_huge_pages(ptr: *mut f32, bytes: usize) {
     const HUGE: usize = 2 << 20;
-    let (start, bytes) = (v.as_mut_ptr() as usize, std::mem::size_of_val(v));
+    let start = ptr as usize;
     if bytes < 2 * HUGE {
         return;
     }
     let (from, to) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
     if to > from {
-        // SAFETY: the range lies inside `v`'s allocation, which this function borrows
-        // mutably; the advice changes how its pages are backed, never their contents.
+        // SAFETY: the range lies inside the caller's allocation; the advice changes how
+        // its pages are backed, never their contents.
         // Failure (no THP in this kernel) leaves ordinary pages.
         unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_: &mut [f32]) {}
+fn advise_huge_pages(_: *mut f32, _: usize) {}
 
 /// A bound source as a location: f32 and i32 read in place, others converted.
 fn source_loc(src: Source<'_>, shape: &[usize], keep: &mut Keep) -> Loc {
