@@ -648,3 +648,79 @@ fn the_logits_gradient_is_written_over_the_logits() {
         assert_eq!(exec.arena_bytes(), run.total, "{entry}");
     }
 }
+
+/// A decoding step reading its caches with their rows gathered (`Compiled::run_gathered`,
+/// what beam search does when the beams move) gives the bits of the same step run on
+/// caches copied with `take_rows` first — rows repeated, dropped and reordered, from a
+/// state with more rows than the step — and only the caches can be read that way. A row
+/// outside the tensor or another input is a clear error.
+#[test]
+fn a_decoding_step_reads_its_caches_with_gathered_rows() {
+    use kiln_runtime::decode::take_rows;
+    use std::collections::BTreeSet;
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let g = entry_graph(&path, &[], "decode_step").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    // The state of 5 rows; the step runs on 4 of them: [3, 0, 3, 1].
+    let (old, rows) = (5usize, [3usize, 0, 3, 1]);
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .map(|d| {
+            let n = match d.as_str() {
+                "batch" => old as i64,
+                "past" => 3,
+                "tgt_len" => 1,
+                _ => 6,
+            };
+            (d.clone(), n)
+        })
+        .collect();
+    let (state, params) = random_feeds_with(&g, 11, &dims).expect("feeds");
+    let caches: BTreeSet<String> = state
+        .keys()
+        .filter(|k| k.starts_with(kiln_compiler::ir::CACHE_PREFIX))
+        .cloned()
+        .collect();
+    assert!(caches.len() >= 4, "{caches:?}");
+    for k in state.keys() {
+        assert_eq!(exec.folds_row_gather(k), caches.contains(k), "{k}");
+    }
+    // Every input at 4 rows: the caches gathered by `take_rows`, the rest as it would be.
+    let copied: BTreeMap<String, kiln_compiler::tensor::Tensor> = state
+        .iter()
+        .map(|(k, t)| (k.clone(), take_rows(t, &rows)))
+        .collect();
+    let mut folded = copied.clone();
+    for k in &caches {
+        folded.insert(k.clone(), state[k].clone());
+    }
+    let opts = RunOptions::default();
+    let want = exec.run(&copied, &params, &opts).expect("runs");
+    let got = exec
+        .run_gathered(&folded, &caches, &rows, &params, &opts)
+        .expect("runs gathered");
+    assert_eq!(want.len(), got.len());
+    for ((n, a), (m, b)) in want.iter().zip(&got) {
+        assert_eq!(n, m);
+        assert_eq!(a.shape, b.shape, "{n}");
+        assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "{n}: the same bits");
+    }
+    let e = exec
+        .run_gathered(&folded, &caches, &[0, 5, 1, 2], &params, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("row 5 is gathered") && e.contains("5 rows"),
+        "{e}"
+    );
+    let other: BTreeSet<String> = ["tgt_in".to_string()].into();
+    let e = exec
+        .run_gathered(&folded, &other, &rows, &params, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`tgt_in` cannot be read with its rows gathered"),
+        "{e}"
+    );
+}

@@ -80,7 +80,8 @@ impl<'g, 't> Binder<'g, 't> {
 
     /// [`Binder::new`] where some inputs are not host tensors but values an executor
     /// already holds (a decoder's state on a device), given by shape and dtype: they bind
-    /// dims like the others; [`Binder::input`] does not hand them out.
+    /// dims like the others (in place of a host tensor of the same name, if there is
+    /// one); [`Binder::input`] does not hand them out.
     pub fn with_resident(
         graph: &'g Graph,
         inputs: &'t BTreeMap<String, Tensor>,
@@ -167,12 +168,14 @@ impl<'g, 't> Binder<'g, 't> {
                 name: name.to_string(),
                 message,
             };
+            // A resident entry wins over a host tensor of the same name: an executor that
+            // reads a tensor in its own way (rows gathered) gives its shape as read.
             let shape: &[usize] = match (self.inputs.get(name), self.resident.get(name)) {
-                (Some(t), _) => {
+                (Some(t), None) => {
                     self.check_source_tensor(ty, t).map_err(err)?;
                     &t.shape
                 }
-                (None, Some((shape, dtype))) => {
+                (_, Some((shape, dtype))) => {
                     if *dtype != ty.dtype {
                         return Err(err(format!(
                             "is held as {dtype}, but the graph declares {ty}"

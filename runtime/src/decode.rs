@@ -554,10 +554,19 @@ impl<'a> CachedStep<'a> {
             .map_err(|e| DecodeError::Model(e.to_string()))?;
         let sentences = layout.sentences.clone();
         let keep = |k: &str, t: &Tensor| layout.stays(k, t.shape.first(), rows);
+        // What must be reordered: the step reads some of it with its rows gathered (the
+        // caches, which only its concatenations read), the rest is copied here.
+        let step = self.step;
+        let folded: std::collections::BTreeSet<String> = self
+            .state
+            .iter()
+            .filter(|(k, t)| !keep(k, t) && step.folds_row_gather(k))
+            .map(|(k, _)| k.clone())
+            .collect();
         let mut inputs: BTreeMap<String, Tensor> = std::mem::take(&mut self.state)
             .into_par_iter()
             .map(|(k, t)| {
-                if keep(&k, &t) {
+                if keep(&k, &t) || folded.contains(&k) {
                     (k, t)
                 } else {
                     (k, take_rows(&t, parents))
@@ -565,12 +574,19 @@ impl<'a> CachedStep<'a> {
             })
             .collect();
         inputs.insert("tgt_in".to_string(), tgt_in);
-        let out = self.step.run_map(&inputs, self.params, &self.opts);
+        let out = self
+            .step
+            .run_map_gathered(&inputs, &folded, parents, self.params, &self.opts);
         inputs.remove("tgt_in");
         let mut out = match out {
             Ok(out) => out,
             Err(e) => {
                 // The state as this step read it: the decoder stays usable.
+                for k in &folded {
+                    if let Some(t) = inputs.get_mut(k) {
+                        *t = take_rows(t, parents);
+                    }
+                }
                 self.state = inputs;
                 self.sentences = sentences;
                 return Err(e.into());

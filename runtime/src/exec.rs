@@ -54,6 +54,34 @@ pub trait Exec: Send + Sync {
         None
     }
 
+    /// Whether [`Exec::run_map_gathered`] reads input `name` with its rows gathered
+    /// without a copy first. The default: no input.
+    fn folds_row_gather(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
+    /// [`Exec::run_map`] with each input named in `gathered` read as if it were
+    /// `decode::take_rows(t, rows)`: a decoder's caches reordered to the surviving beams,
+    /// without the copy. Every name must be one [`Exec::folds_row_gather`] accepts; the
+    /// default accepts none, so it runs only with `gathered` empty.
+    fn run_map_gathered(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        gathered: &std::collections::BTreeSet<String>,
+        rows: &[usize],
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<BTreeMap<String, Tensor>, ExecError> {
+        let _ = rows;
+        if let Some(name) = gathered.iter().next() {
+            return Err(ExecError::Unsupported(format!(
+                "this executor reads no input with gathered rows (`{name}`)"
+            )));
+        }
+        self.run_map(inputs, params, opts)
+    }
+
     /// Runs and returns the outputs by name.
     fn run_map(
         &self,

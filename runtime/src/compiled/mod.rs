@@ -35,7 +35,7 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::jit::JitModule;
 use kiln_compiler::codegen::program::CpuCode;
 use kiln_compiler::ir::{DType, Graph, Op};
-use kiln_compiler::optimize::kernels::{Def, KernelGraph};
+use kiln_compiler::optimize::kernels::{Def, KernelGraph, KernelOp};
 use kiln_compiler::plan::{direct_output, LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
@@ -96,6 +96,9 @@ pub struct Compiled {
     transposed: Mutex<std::collections::HashMap<usize, Transposed>>,
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
+    /// The f32 inputs that only concatenations along a later axis read, directly: a run
+    /// can read them with their rows gathered ([`Compiled::run_gathered`]).
+    gatherable: std::collections::BTreeSet<String>,
     pool: Arc<Pool>,
 }
 
@@ -423,7 +426,9 @@ impl Compiled {
             .filter(|_| !training)
             .map(|v| (v, Transposed::default()))
             .collect();
+        let gatherable = gatherable_inputs(&kg);
         Ok(Compiled {
+            gatherable,
             graph,
             kg,
             plan,
@@ -476,7 +481,31 @@ impl Compiled {
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        on_worker(|| self.run_inner(inputs, params, opts, None, None))
+        on_worker(|| self.run_inner(inputs, params, opts, None, None, None))
+    }
+
+    /// Whether [`Compiled::run_gathered`] can read input `name` with its rows gathered:
+    /// an f32 input that only concatenations along a later axis read (a decoder's
+    /// key/value caches).
+    pub fn folds_row_gather(&self, name: &str) -> bool {
+        self.gatherable.contains(name)
+    }
+
+    /// [`Compiled::run`] with each input named in `gathered` read as if it were
+    /// `decode::take_rows(t, rows)` — its rows along axis 0 in the order `rows` — without
+    /// that copy: the concatenations reading it copy each row from its source row. Every
+    /// name must be one [`Compiled::folds_row_gather`] accepts, and every row index must
+    /// be inside its tensor.
+    pub fn run_gathered(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        gathered: &std::collections::BTreeSet<String>,
+        rows: &[usize],
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        let gather = (!gathered.is_empty()).then_some((gathered, rows));
+        on_worker(|| self.run_inner(inputs, params, opts, None, None, gather))
     }
 
     /// Runs the program and returns every value of the kernel graph (a debugging aid:
@@ -488,7 +517,7 @@ impl Compiled {
         opts: &RunOptions,
     ) -> Result<Vec<Vec<Tensor>>, ExecError> {
         let mut dump = Vec::new();
-        on_worker(|| self.run_inner(inputs, params, opts, None, Some(&mut dump)))?;
+        on_worker(|| self.run_inner(inputs, params, opts, None, Some(&mut dump), None))?;
         Ok(dump)
     }
 
@@ -560,7 +589,7 @@ impl Compiled {
         opts: &RunOptions,
         profile: &mut (dyn FnMut(&str, f64) + Send),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        on_worker(|| self.run_inner(inputs, params, opts, Some(profile), None))
+        on_worker(|| self.run_inner(inputs, params, opts, Some(profile), None, None))
     }
 
     /// A contiguous copy of the transposed weight view `v` (at `loc`), when this run
@@ -598,6 +627,7 @@ impl Compiled {
         opts: &RunOptions,
         mut profile: Option<Profile<'_>>,
         dump: Option<&mut Vec<Vec<Tensor>>>,
+        gather: Option<Gather<'_>>,
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         if opts.precision != Precision::F32 {
             return Err(ExecError::Unsupported(format!(
@@ -606,7 +636,48 @@ impl Compiled {
                 opts.precision
             )));
         }
-        let bind = Binder::new(&self.graph, inputs, params, EXECUTOR)?;
+        // Inputs read with their rows gathered bind their dims at the shape they are
+        // read with.
+        let mut as_read: BTreeMap<String, (Vec<usize>, DType)> = BTreeMap::new();
+        if let Some((names, rows)) = gather {
+            for name in names {
+                let err = |message: String| ExecError::Input {
+                    name: name.clone(),
+                    message,
+                };
+                if !self.gatherable.contains(name) {
+                    return Err(ExecError::Unsupported(format!(
+                        "input `{name}` cannot be read with its rows gathered: a kernel other \
+                         than a concatenation reads it"
+                    )));
+                }
+                let t = inputs.get(name).ok_or_else(|| ExecError::MissingInput {
+                    name: name.clone(),
+                    expected: format!("`{name}` (to gather its rows)"),
+                })?;
+                if !matches!(t.data, TensorData::F32(_)) || t.shape.is_empty() {
+                    return Err(err(format!(
+                        "has rows gathered, so it must be f32 of rank ≥ 1, got shape {:?}",
+                        t.shape
+                    )));
+                }
+                if let Some(&r) = rows.iter().find(|&&r| r >= t.shape[0]) {
+                    return Err(err(format!(
+                        "row {r} is gathered, but the tensor has {} rows",
+                        t.shape[0]
+                    )));
+                }
+                let mut shape = t.shape.clone();
+                shape[0] = rows.len();
+                as_read.insert(name.clone(), (shape, DType::F32));
+            }
+        }
+        if gather.is_some() && dump.is_some() {
+            return Err(ExecError::Unsupported(
+                "a run that dumps every value reads no gathered rows".into(),
+            ));
+        }
+        let bind = Binder::with_resident(&self.graph, inputs, &as_read, params, EXECUTOR)?;
         let dims = bind.dims.clone();
         let layout = self.layouts.get(&self.plan, &dims)?;
         // The shared arena, or one of this run's own while another run holds it. Never
@@ -659,6 +730,19 @@ impl Compiled {
                 .collect::<Result<_, _>>()
                 .map_err(|m| node_err(v, m))?;
             let loc = match &val.def {
+                // Read with rows gathered: the tensor as it is (its own shape), the rows
+                // given to the concatenations that read it.
+                Def::Input(name) if as_read.contains_key(name) => {
+                    let t = &inputs[name];
+                    let TensorData::F32(data) = &t.data else {
+                        return Err(node_err(v, "internal: a gathered input not f32".into()));
+                    };
+                    vec![Loc {
+                        ptr: data.as_ptr() as *mut u8,
+                        layout: Layout::contiguous(&t.shape),
+                        dtype: DType::F32,
+                    }]
+                }
                 Def::Input(name) => {
                     let id = self
                         .graph
@@ -820,8 +904,20 @@ impl Compiled {
             let ins: Vec<&Loc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
             let outs = &locs[step.value];
             let mark = keep.mark();
-            launch::run_step(step, &ins, outs, &ctx, &mut keep)
-                .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            let gathered: Vec<Option<&[usize]>> = step
+                .inputs
+                .iter()
+                .map(|&x| match (&self.kg.values[x].def, gather) {
+                    (Def::Input(n), Some((_, rows))) if as_read.contains_key(n) => Some(rows),
+                    _ => None,
+                })
+                .collect();
+            if gathered.iter().any(Option::is_some) {
+                fallback::concat_gathered(&step.exec, &ins, &gathered, outs)
+            } else {
+                launch::run_step(step, &ins, outs, &ctx, &mut keep)
+            }
+            .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
             // The kernel's scratch and the copies no later kernel reads.
             keep.release_since(mark);
             for &c in &freed[s] {
@@ -1054,6 +1150,36 @@ pub(crate) fn to_tensor_into(loc: &Loc, spare: &mut Vec<Vec<f32>>) -> Tensor {
     Tensor { shape, data }
 }
 
+/// Inputs read with their rows gathered, and the rows ([`Compiled::run_gathered`]).
+type Gather<'a> = (&'a std::collections::BTreeSet<String>, &'a [usize]);
+
+/// The f32 inputs of `kg` that only concatenations along an axis after the first read,
+/// each as a direct operand (not through a view), and that no output returns.
+fn gatherable_inputs(kg: &KernelGraph) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    'inputs: for (v, val) in kg.values.iter().enumerate() {
+        let Def::Input(name) = &val.def else { continue };
+        if val.types[0].dtype != DType::F32 || kg.outputs.iter().any(|(_, o)| *o == v) {
+            continue;
+        }
+        let mut read = false;
+        for other in &kg.values {
+            match &other.def {
+                Def::View(_, x) | Def::Proj(x, _) if *x == v => continue 'inputs,
+                Def::Kernel { op, inputs, .. } if inputs.contains(&v) => match op {
+                    KernelOp::Prim(Op::Concat { axis }) if *axis >= 1 => read = true,
+                    _ => continue 'inputs,
+                },
+                _ => {}
+            }
+        }
+        if read {
+            out.insert(name.clone());
+        }
+    }
+    out
+}
+
 impl crate::exec::Exec for Compiled {
     fn graph(&self) -> &Graph {
         &self.graph
@@ -1070,6 +1196,25 @@ impl crate::exec::Exec for Compiled {
 
     fn recycle(&self, tensors: Vec<Tensor>) {
         Compiled::recycle(self, tensors)
+    }
+
+    fn folds_row_gather(&self, name: &str) -> bool {
+        Compiled::folds_row_gather(self, name)
+    }
+
+    fn run_map_gathered(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        gathered: &std::collections::BTreeSet<String>,
+        rows: &[usize],
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+    ) -> Result<BTreeMap<String, Tensor>, ExecError> {
+        Ok(
+            Compiled::run_gathered(self, inputs, gathered, rows, params, opts)?
+                .into_iter()
+                .collect(),
+        )
     }
 
     fn as_compiled_mut(&mut self) -> Option<&mut Compiled> {
