@@ -224,3 +224,63 @@ fn beam_one_is_at_least_as_good_as_greedy_and_beam_four_at_least_as_beam_one() {
         );
     }
 }
+
+/// The compiled step as an executor that reads no input with gathered rows: the decoder
+/// copies the caches with `take_rows` before every step, as it does for the other
+/// executors.
+struct CopyFirst<'a>(&'a kiln_runtime::compiled::Compiled);
+
+impl Exec for CopyFirst<'_> {
+    fn graph(&self) -> &Graph {
+        self.0.graph()
+    }
+    fn run(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &kiln_compiler::reference::RunOptions,
+    ) -> Result<Vec<(String, Tensor)>, kiln_compiler::reference::ExecError> {
+        self.0.run(inputs, params, opts)
+    }
+}
+
+/// Beam search through the compiled step, whose concatenations read the caches with the
+/// beams' rows gathered (`Exec::run_map_gathered`), gives the tokens and scores of the
+/// same step fed caches that `take_rows` copied, to the bit — beams reordered, repeated
+/// and finished sentences dropped along the way.
+#[test]
+fn beam_search_reading_gathered_caches_equals_copying_them() {
+    use kiln_runtime::compiled::Compiled;
+    let s = setup(5);
+    let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
+    let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    let caches: Vec<String> = step
+        .graph()
+        .inputs
+        .iter()
+        .filter_map(|&i| step.graph().source_name(i))
+        .filter(|n| n.starts_with(kiln_compiler::ir::CACHE_PREFIX))
+        .map(str::to_string)
+        .collect();
+    assert!(!caches.is_empty() && caches.iter().all(|c| step.folds_row_gather(c)));
+    assert!(!step.folds_row_gather("tgt_in"));
+    let opts = DecodeOptions {
+        max_len_b: 8,
+        ..beam_four()
+    };
+    let copy_first = CopyFirst(&step);
+    let a = decode(
+        &mut CachedStep::new(&encode, &step, &s.params, 64),
+        &src(),
+        &opts,
+    )
+    .unwrap();
+    let b = decode(
+        &mut CachedStep::new(&encode, &copy_first, &s.params, 64),
+        &src(),
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(a, b);
+    assert!(a.iter().any(|h| h.tokens.len() > 2), "{a:?}");
+}

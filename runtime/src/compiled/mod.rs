@@ -904,14 +904,18 @@ impl Compiled {
             let ins: Vec<&Loc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
             let outs = &locs[step.value];
             let mark = keep.mark();
-            let gathered: Vec<Option<&[usize]>> = step
-                .inputs
-                .iter()
-                .map(|&x| match (&self.kg.values[x].def, gather) {
-                    (Def::Input(n), Some((_, rows))) if as_read.contains_key(n) => Some(rows),
-                    _ => None,
-                })
-                .collect();
+            // The operands read with their rows gathered (a concatenation's).
+            let gathered: Vec<Option<&[usize]>> = match gather {
+                Some((_, rows)) => step
+                    .inputs
+                    .iter()
+                    .map(|&x| match &self.kg.values[x].def {
+                        Def::Input(n) if as_read.contains_key(n) => Some(rows),
+                        _ => None,
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
             if gathered.iter().any(Option::is_some) {
                 fallback::concat_gathered(&step.exec, &ins, &gathered, outs)
             } else {
