@@ -96,9 +96,7 @@ pub(crate) fn scatter_add_into(
     row: usize,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let rows = out.len().checked_div(row).unwrap_or(0);
-    let ids = contiguous(ids);
-    let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
+    let (rows, targets) = scatter_targets(ids, row, out.len())?;
     let src = contiguous(src);
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(PAR_MIN).for_each(|c| c.fill(0.0));
@@ -207,6 +205,19 @@ pub(crate) fn generate<E: Elem>(
     out
 }
 
+/// The result rows of a scatter into `len` elements in rows of `row`, and each id as a
+/// row index (or the error for the first id outside them).
+fn scatter_targets(
+    ids: View<'_, i32>,
+    row: usize,
+    len: usize,
+) -> Result<(usize, Vec<usize>), String> {
+    let rows = len.checked_div(row).unwrap_or(0);
+    let ids = contiguous(ids);
+    let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
+    Ok((rows, targets))
+}
+
 /// The positions that land on each result row, in increasing order (a counting sort), so
 /// every row can be summed independently in the reference's order: row `r`'s positions
 /// are `order[start[r]..start[r + 1]]`.
@@ -240,9 +251,7 @@ pub(crate) fn scatter_add_onto(
     row: usize,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let rows = out.len().checked_div(row).unwrap_or(0);
-    let ids = contiguous(ids);
-    let targets = check_ids(&ids, rows, &format!("the result has {rows} rows"))?;
+    let (rows, targets) = scatter_targets(ids, row, out.len())?;
     if src.shape().iter().product::<usize>() != targets.len() * row {
         return Err(format!(
             "internal: {} values do not fit {} ids of rows of {row}",

@@ -182,30 +182,7 @@ pub fn scatter_rows(name: &str) -> CudaFunction {
 
 /// [`scatter_rows`] with `src` stored as `src` and `out` as `out` (the sums are `float`).
 pub fn scatter_rows_as(name: &str, src: Elem, out: Elem) -> CudaFunction {
-    let (se, oe) = (src, out);
-    let params = vec![
-        param("start", "const int*"),
-        param("order", "const int*"),
-        param("src", &se.ptr(true)),
-        param("out", &oe.ptr(false)),
-    ];
-    let mut w = W::new();
-    signature(&mut w, name, &params);
-    w.l("const long long width = dims.d[1];");
-    w.open(FOR_THREADS);
-    w.l("const long long r = i / width;");
-    w.l("const long long j = i - r * width;");
-    w.l("float s = 0.0f;");
-    w.open("for (int k = start[r]; k < start[r + 1]; ++k)");
-    w.l(format!(
-        "s = s + {};",
-        se.load("src[(long long)order[k] * width + j]")
-    ));
-    w.close();
-    w.l(format!("out[i] = {};", oe.store("s")));
-    w.close();
-    w.close();
-    threads(name, params, w)
+    scatter_rows_with(name, None, src, out)
 }
 
 /// `out[r, j] = base[r, j] + Σ_{k ∈ start[r]..start[r+1]} src[order[k], j]` for a row some
@@ -215,25 +192,31 @@ pub fn scatter_rows_as(name: &str, src: Elem, out: Elem) -> CudaFunction {
 /// `out`, so `out` may be `base` (`plan::in_place`). Buffers `[start, order, base, src,
 /// out]`, dims `[rows, w]` ([`scatter_rows_dims`]), items `rows · w`.
 pub fn scatter_rows_onto_as(name: &str, base: Elem, src: Elem, out: Elem) -> CudaFunction {
-    let params = vec![
-        param("start", "const int*"),
-        param("order", "const int*"),
+    scatter_rows_with(name, Some(base), src, out)
+}
+
+/// [`scatter_rows_as`], or with a `base` [`scatter_rows_onto_as`].
+fn scatter_rows_with(name: &str, base: Option<Elem>, src: Elem, out: Elem) -> CudaFunction {
+    let mut params = vec![param("start", "const int*"), param("order", "const int*")];
+    if let Some(b) = base {
         // Not `const … __restrict__`: it may be `out` itself.
-        param("base", &base.ptr(false)),
-        param("src", &src.ptr(true)),
-        param("out", &out.ptr(false)),
-    ];
+        params.push(param("base", &b.ptr(false)));
+    }
+    params.push(param("src", &src.ptr(true)));
+    params.push(param("out", &out.ptr(false)));
     let mut w = W::new();
     signature(&mut w, name, &params);
     w.l("const long long width = dims.d[1];");
     w.open(FOR_THREADS);
     w.l("const long long r = i / width;");
     w.l("const long long j = i - r * width;");
-    w.l(format!("const float b = {};", base.load("base[i]")));
-    w.open("if (start[r] == start[r + 1])");
-    w.l(format!("out[i] = {};", out.store("b")));
-    w.l("continue;");
-    w.close();
+    if let Some(b) = base {
+        w.l(format!("const float b = {};", b.load("base[i]")));
+        w.open("if (start[r] == start[r + 1])");
+        w.l(format!("out[i] = {};", out.store("b")));
+        w.l("continue;");
+        w.close();
+    }
     w.l("float s = 0.0f;");
     w.open("for (int k = start[r]; k < start[r + 1]; ++k)");
     w.l(format!(
@@ -241,7 +224,8 @@ pub fn scatter_rows_onto_as(name: &str, base: Elem, src: Elem, out: Elem) -> Cud
         src.load("src[(long long)order[k] * width + j]")
     ));
     w.close();
-    w.l(format!("out[i] = {};", out.store("b + s")));
+    let sum = if base.is_some() { "b + s" } else { "s" };
+    w.l(format!("out[i] = {};", out.store(sum)));
     w.close();
     w.close();
     threads(name, params, w)
