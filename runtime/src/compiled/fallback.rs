@@ -430,18 +430,17 @@ pub(crate) fn concat_gathered(
             ));
         }
         sum += ps[axis];
-        let v = value(p);
-        let data = match r {
-            // SAFETY: a contiguous f32 tensor of `numel` elements, borrowed for the call.
-            Some(_) => std::borrow::Cow::Borrowed(unsafe {
+        // Contiguous operands (every gathered one) are read in place, strided ones
+        // through a row-major copy.
+        let data = if p.is_contiguous() {
+            // SAFETY: a contiguous f32 location of `numel` elements, borrowed for the call.
+            std::borrow::Cow::Borrowed(unsafe {
                 std::slice::from_raw_parts(p.base() as *const f32, p.numel())
-            }),
-            None => std::borrow::Cow::Owned(
-                crate::eager::index::contiguous(
-                    v.view::<f32>().ok_or("internal: concat of non-f32 parts")?,
-                )
-                .into_owned(),
-            ),
+            })
+        } else {
+            let v = value(p);
+            let view = v.view::<f32>().ok_or("internal: concat of non-f32 parts")?;
+            std::borrow::Cow::Owned(crate::eager::index::contiguous(view).into_owned())
         };
         parts.push((data, ps[axis] * inner, *r));
     }

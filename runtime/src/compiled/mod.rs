@@ -946,7 +946,13 @@ impl Compiled {
                 let shape = locs[v][k].layout.shape.clone();
                 let n: usize = shape.iter().product();
                 if store.len() < n {
-                    assert!(store.capacity() >= n, "output storage of {n} elements");
+                    if store.capacity() < n {
+                        return Err(ExecError::Unsupported(format!(
+                            "internal: output `{}` has storage for {} of its {n} elements",
+                            o.name,
+                            store.capacity()
+                        )));
+                    }
                     // SAFETY: the storage holds `n` elements (the capacity was asked for
                     // them), and the kernel this output is the result of has written
                     // every one: a `direct_output` is a whole kernel result.
