@@ -1832,7 +1832,6 @@ impl Run<'_> {
         self.launch(f, &[src.base(), dst], Launch::copy(src.shape(), &strides))
     }
 
-    /// `l` as a contiguous location (copied if it is not).
     /// The row index of a scatter of `src` by `ids` into `out`'s rows, on the device:
     /// `(start, order, src, launch)` for `index::scatter_rows` and its `onto` form. Ids are
     /// checked on the host, as on the CPU (the kernels do not).
@@ -1872,6 +1871,7 @@ impl Run<'_> {
         ))
     }
 
+    /// `l` as a contiguous location (copied if it is not).
     fn contig(&mut self, l: &DLoc) -> Result<DLoc, String> {
         if l.layout.is_contiguous() {
             return Ok(l.clone());
