@@ -311,9 +311,10 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         }
         _ => None,
     };
+    // The newest tokens, all a resident step uploads (no copy otherwise).
     let step_inputs: BTreeMap<String, Tensor> = inputs
         .iter()
-        .filter(|(n, _)| n.as_str() == "tgt_in")
+        .filter(|(n, _)| resident.is_some() && n.as_str() == "tgt_in")
         .map(|(n, t)| (n.clone(), t.clone()))
         .collect();
     if let Some(dp) = &parallel {

@@ -402,6 +402,55 @@ fn run_rejects_bad_tensor_files_and_keeps_existing_outputs() {
     );
 }
 
+/// A model or a batch too large for the machine is a clear error before anything is
+/// allocated (`kiln_compiler::memory`), not an abort ("memory allocation of N bytes
+/// failed") or a kill; a file already at the output path is kept.
+#[test]
+fn a_model_or_batch_larger_than_the_machine_is_an_error_not_an_abort() {
+    let out = tmp("too_large.safetensors");
+    std::fs::write(&out, b"precious").unwrap();
+    let err = fails(&[
+        "init",
+        "models/transformer_base.kiln",
+        "--set",
+        "vocab=3000000000",
+        "-o",
+        s(&out),
+    ]);
+    // The diagnostic as one line (miette wraps it).
+    let flat = |e: &str| {
+        e.split_whitespace()
+            .filter(|w| *w != "│" && *w != "×")
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert!(
+        flat(&err).contains(
+            "initializing 253 parameters would allocate 5.6 TiB, but the available memory"
+        ) && flat(&err).contains("; make the model smaller (its vocabulary, width or layers)"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+
+    let err = fails(&[
+        "bench",
+        "models/transformer_tiny.kiln",
+        "--entry",
+        "forward",
+        "--batch",
+        "10000000000",
+        "--runs",
+        "1",
+    ]);
+    assert!(
+        flat(&err).contains(
+            "the random inputs at batch=10000000000, src_len=25, tgt_len=25 would allocate \
+             1.8 TiB, but"
+        ) && flat(&err).contains("; use a smaller batch or shorter lengths"),
+        "{err}"
+    );
+}
+
 #[test]
 fn init_to_an_unwritable_place_fails_cleanly() {
     let err = fails(&[

@@ -724,3 +724,78 @@ fn a_decoding_step_reads_its_caches_with_gathered_rows() {
         "{e}"
     );
 }
+
+/// A run whose values would not fit the machine is an error before anything is
+/// allocated (`kiln_compiler::memory`), not an abort: here an outer product of two
+/// 4 MiB vectors into a 4 TiB matrix.
+#[test]
+fn a_run_larger_than_the_machine_is_an_error_that_names_its_bytes() {
+    use kiln_compiler::ir::{DType, Op, TensorType};
+    use kiln_compiler::reference::ExecError;
+    use kiln_compiler::shape::{Dim, Shape};
+    use kiln_compiler::tensor::Tensor;
+    let mut g = Graph::new("outer");
+    g.add_dim("n");
+    let n = Dim::sym("n");
+    let a = g
+        .add_input(
+            "a",
+            TensorType::new(DType::F32, Shape(vec![n.clone(), Dim::c(1)])),
+        )
+        .unwrap();
+    let b = g
+        .add_input("b", TensorType::new(DType::F32, Shape(vec![Dim::c(1), n])))
+        .unwrap();
+    let c = g.add(Op::MatMul, &[a, b], "").unwrap();
+    g.add_output("c", c).unwrap();
+    g.verify().unwrap();
+    let exec = Compiled::from_graph(g).expect("compiles");
+    let len = 1usize << 20;
+    let inputs: Feeds = [
+        (
+            "a".to_string(),
+            Tensor::f32(vec![len, 1], vec![1.0; len]).unwrap(),
+        ),
+        (
+            "b".to_string(),
+            Tensor::f32(vec![1, len], vec![2.0; len]).unwrap(),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let err = exec
+        .run(&inputs, &BTreeMap::new(), &RunOptions::default())
+        .unwrap_err();
+    let ExecError::Memory(oom) = &err else {
+        panic!("expected a memory error, got {err}");
+    };
+    assert!(oom.need >= 4 << 40, "{err}");
+    assert!(oom.need > oom.headroom.bytes, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("running `outer` at n=1048576 (arena ")
+            && text.contains("outputs 4.0 TiB) would allocate ")
+            && text.contains("run smaller batches"),
+        "{text}"
+    );
+    // The same program still runs at a size that fits.
+    let small: Feeds = [
+        (
+            "a".to_string(),
+            Tensor::f32(vec![3, 1], vec![1.0, 2.0, 3.0]).unwrap(),
+        ),
+        (
+            "b".to_string(),
+            Tensor::f32(vec![1, 3], vec![10.0, 20.0, 30.0]).unwrap(),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let out = exec
+        .run(&small, &BTreeMap::new(), &RunOptions::default())
+        .unwrap();
+    assert_eq!(
+        out[0].1.as_f32().unwrap(),
+        &[10.0, 20.0, 30.0, 20.0, 40.0, 60.0, 30.0, 60.0, 90.0]
+    );
+}

@@ -41,6 +41,8 @@ pub enum InitError {
     BadRule { name: String, message: String },
     #[error("malformed graph: {node} is listed as a parameter but is {what}")]
     NotAParam { node: String, what: String },
+    #[error(transparent)]
+    Memory(#[from] crate::memory::OutOfMemory),
 }
 
 /// The 64-bit FNV-1a hash of a parameter name: its random stream.
@@ -150,6 +152,20 @@ pub fn init_param(name: &str, ty: &TensorType, init: Init, seed: u64) -> Result<
 
 /// The starting values of every parameter of `graph`, in the graph's parameter order.
 pub fn init_params(graph: &Graph, seed: u64) -> Result<Vec<(String, Tensor)>, InitError> {
+    // The parameters' bytes in all, checked against what the machine has before any is
+    // made (a vocabulary or a width too large for it is an error, not an abort).
+    let bytes = graph
+        .params
+        .iter()
+        .filter_map(|p| graph.nodes.get(p.index()))
+        .filter_map(|n| n.ty.shape.as_consts())
+        .map(|s| crate::tensor::shape_numel(&s).map_or(u64::MAX, |n| n as u64))
+        .fold(0u64, |a, n| a.saturating_add(n.saturating_mul(4)));
+    crate::memory::ensure(
+        bytes,
+        || format!("initializing {} parameters", graph.params.len()),
+        || "make the model smaller (its vocabulary, width or layers)".to_string(),
+    )?;
     let mut out = Vec::with_capacity(graph.params.len());
     for &p in &graph.params {
         let node = graph.nodes.get(p.index());

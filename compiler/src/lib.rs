@@ -23,6 +23,7 @@ pub mod hoist;
 pub mod infer;
 pub mod init;
 pub mod ir;
+pub mod memory;
 pub mod optimize;
 pub mod plan;
 pub mod printer;

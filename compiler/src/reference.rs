@@ -114,6 +114,9 @@ pub enum ExecError {
     /// An executor cannot honour a run option (the eager executor runs in f32 only).
     #[error("{0}")]
     Unsupported(String),
+    /// A run needs more memory than the machine leaves it ([`crate::memory::ensure`]).
+    #[error(transparent)]
+    Memory(#[from] crate::memory::OutOfMemory),
 }
 
 /// Runs `graph` and returns every output in `graph.outputs` order, with its name.

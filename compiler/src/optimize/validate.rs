@@ -97,6 +97,29 @@ pub fn random_feeds_with(
 ) -> Result<(Feeds, Feeds), String> {
     let dims = dims.clone();
     let vocab = g.hparam("vocab").and_then(|v| v.parse::<i64>().ok());
+    // Every input's bytes, checked against what the machine has before any is made.
+    let mut bytes = 0u64;
+    for &id in &g.inputs {
+        let node = g.node(id);
+        let n = node
+            .ty
+            .shape
+            .eval(&dims)?
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+            .unwrap_or(u64::MAX);
+        let width = if node.ty.dtype == DType::Bool { 1 } else { 4 };
+        bytes = bytes.saturating_add(n.saturating_mul(width));
+    }
+    crate::memory::ensure(
+        bytes,
+        || {
+            let at: Vec<String> = dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("the random inputs at {}", at.join(", "))
+        },
+        || "use a smaller batch or shorter lengths".to_string(),
+    )
+    .map_err(|e| e.to_string())?;
     let mut inputs = BTreeMap::new();
     for (k, &id) in g.inputs.iter().enumerate() {
         let node = g.node(id);

@@ -548,6 +548,56 @@ impl Compiled {
             .sum()
     }
 
+    /// Checks what a run at `dims` is about to allocate — the arena's growth from
+    /// `held` to `arena` bytes, and its outputs less the recycled storage there is —
+    /// against what the machine leaves this process ([`kiln_compiler::memory`]): a batch
+    /// too large for the machine is an error that says so, not an abort or a kill.
+    fn ensure_memory(
+        &self,
+        dims: &BTreeMap<String, i64>,
+        arena: usize,
+        held: usize,
+    ) -> Result<(), ExecError> {
+        let outputs: u64 = self
+            .graph
+            .outputs
+            .iter()
+            .filter_map(|o| self.graph.node(o.node).ty.shape.eval(dims).ok())
+            .map(|s| {
+                s.iter()
+                    .try_fold(4u64, |a, &d| a.checked_mul(d as u64))
+                    .unwrap_or(u64::MAX)
+            })
+            .fold(0u64, u64::saturating_add);
+        let recycled: u64 = self
+            .spare
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|v| v.len() as u64 * 4)
+            .sum();
+        let need =
+            (arena.saturating_sub(held) as u64).saturating_add(outputs.saturating_sub(recycled));
+        kiln_compiler::memory::ensure(
+            need,
+            || {
+                let at: Vec<String> = dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                format!(
+                    "running `{}` at {} (arena {}, outputs {})",
+                    self.kg.name,
+                    at.join(", "),
+                    kiln_compiler::memory::size(arena as u64),
+                    kiln_compiler::memory::size(outputs)
+                )
+            },
+            || {
+                "run smaller batches (fewer sentences or tokens per batch) or shorter sequences"
+                    .into()
+            },
+        )?;
+        Ok(())
+    }
+
     /// The last run's copies of non-contiguous views that a reshape reads (which the
     /// memory plan does not place): how many, and their bytes in all.
     pub fn view_copies(&self) -> (usize, usize) {
@@ -695,6 +745,7 @@ impl Compiled {
             None => &mut own,
         };
         let words = layout.total / 4;
+        self.ensure_memory(&dims, layout.total, arena.len() * 4)?;
         if arena.len() < words {
             // The old arena goes before the new one comes: never both at once.
             *arena = Vec::new();
