@@ -799,3 +799,47 @@ fn a_run_larger_than_the_machine_is_an_error_that_names_its_bytes() {
         &[10.0, 20.0, 30.0, 20.0, 40.0, 60.0, 30.0, 60.0, 90.0]
     );
 }
+
+/// A target outside the vocabulary is an error naming it, as in the reference executor
+/// (whose `one_hot` rejects it), for every entry with a loss; the padding id is not a
+/// class and passes.
+#[test]
+fn a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss() {
+    fn set_target(inputs: &mut Feeds, i: usize, id: i32) {
+        match &mut inputs.get_mut("tgt_out").unwrap().data {
+            kiln_compiler::tensor::TensorData::I32(v) => v[i] = id,
+            _ => panic!("tgt_out is i32"),
+        }
+    }
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_tiny.kiln");
+    for entry in ["loss", "train_step"] {
+        let g = entry_graph(&spec, &[], entry).unwrap();
+        let exec = Compiled::from_graph(g.clone()).expect("compiles");
+        let dims: BTreeMap<String, i64> = g.dims.iter().map(|d| (d.clone(), 3)).collect();
+        let (mut inputs, params) = random_feeds_with(&g, 7, &dims).unwrap();
+        let opts = RunOptions::default();
+        // The padding id (0) anywhere is fine.
+        set_target(&mut inputs, 0, 0);
+        exec.run(&inputs, &params, &opts).unwrap();
+        reference::run(&g, &inputs, &params, &opts).unwrap();
+        set_target(&mut inputs, 4, 64);
+        let e = exec.run(&inputs, &params, &opts).unwrap_err().to_string();
+        assert!(
+            e.contains("xent_ls: id 64 (at flat position 4) is out of range: valid ids are 0..64"),
+            "{entry}: {e}"
+        );
+        let r = reference::run(&g, &inputs, &params, &opts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            r.contains("id 64 (at flat position 4) is out of range"),
+            "{entry}: {r}"
+        );
+        set_target(&mut inputs, 4, -2);
+        let e = exec.run(&inputs, &params, &opts).unwrap_err().to_string();
+        assert!(
+            e.contains("xent_ls: id -2 (at flat position 4)"),
+            "{entry}: {e}"
+        );
+    }
+}

@@ -426,6 +426,34 @@ fn gpu_train_steps_match_the_cpu_executor() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// A target outside the vocabulary (other than the padding id) is an error on the GPU as
+/// on the CPU, not a loss computed as if the row had no target.
+#[test]
+fn gpu_rejects_a_target_outside_the_vocabulary() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
+    let cpu = art.executor("train_step").unwrap();
+    let (mut inputs, params) = feeds(cpu.graph(), art, 5);
+    let t = inputs.get_mut("tgt_out").unwrap();
+    let TensorData::I32(ids) = &mut t.data else {
+        panic!("tgt_out is i32")
+    };
+    ids[1] = 48;
+    let opts = RunOptions::default();
+    for e in [
+        cpu.run(&inputs, &params, &opts).unwrap_err().to_string(),
+        gpu.run(&inputs, &params, &opts).unwrap_err().to_string(),
+    ] {
+        assert!(
+            e.contains("xent_ls: id 48 (at flat position 1) is out of range: valid ids are 0..48"),
+            "{e}"
+        );
+    }
+}
+
 /// A `train_step` with `options` against the CPU executor on the same random feeds:
 /// every output within `rel` in relative L2 norm (`‖gpu − cpu‖₂ ≤ rel·‖cpu‖₂ +
 /// abs·√n`), the loss within `loss_rel·|loss|`. The L2 norm, not the largest element:

@@ -41,6 +41,20 @@ pub fn check_id(id: i32, len: usize, position: usize, what: &str) -> Result<usiz
     }
 }
 
+/// The targets of a cross-entropy over `v` classes (`i32` ids as words): every one but
+/// `pad` must be in `0..v`, as `one_hot` requires of them in the definition. The
+/// generated kernels read an out-of-range target as no class at all, so without this
+/// check such a target would give a wrong loss without a word.
+pub fn check_targets(targets: &[u32], v: usize, pad: i64) -> Result<(), String> {
+    for (i, &w) in targets.iter().enumerate() {
+        let t = w as i32;
+        if i64::from(t) != pad {
+            check_id(t, v, i, &format!("the target of a loss over {v} classes"))?;
+        }
+    }
+    Ok(())
+}
+
 /// The elements of a bound input or parameter, borrowed from the caller's tensor unless a
 /// conversion was needed (`I64` ids become `i32`).
 #[derive(Clone, Debug)]

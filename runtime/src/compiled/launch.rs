@@ -504,6 +504,7 @@ fn run_exec(
             let v = last(&logits);
             let rows_n = logits.numel() / v.max(1);
             let t = gather_words(&target);
+            kiln_compiler::bind::check_targets(&t, v, *pad)?;
             let den = t.iter().filter(|&&w| w as i32 as i64 != *pad).count() as f32;
             // The gradient's weight per non-pad row: `1/den`, times the seed in the
             // `seeded` form (a loss-scaled train_step), as `native::xent_ls`.

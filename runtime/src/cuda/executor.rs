@@ -2342,6 +2342,9 @@ impl Run<'_> {
                 let target = self.contig(ins[1])?;
                 let v = logits.last();
                 let rows_n = logits.numel() / v.max(1);
+                // Targets are checked on the host, as on the CPU (the kernels read one out
+                // of range as no class).
+                kiln_compiler::bind::check_targets(&self.words(&target)?, v, *pad)?;
                 let stats = self.alloc(2)?;
                 let row_loss = self.alloc(rows_n)?;
                 // The `seeded` form (a loss-scaled train_step) has the seed as operand 5.
