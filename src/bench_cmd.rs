@@ -81,6 +81,11 @@ pub struct BenchArgs {
     /// (`--profile` times the host-state step, kernel by kernel.)
     #[arg(long)]
     pub host_state: bool,
+    /// With `--executor cuda`, `forward`: copy the outputs (the logits) to the host after
+    /// every run, instead of leaving them on the GPU for a caller that reads them there,
+    /// as PyTorch's forward does and the decoder's top-k selection does.
+    #[arg(long)]
+    pub host_outputs: bool,
 }
 
 fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
@@ -311,6 +316,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         }
         _ => None,
     };
+    // The forward on the GPU leaves its outputs there (timed as PyTorch's is).
+    let outputs_on_device = match &cuda {
+        Some(c) if entry == "forward" && !a.host_outputs && !a.profile => Some(c),
+        _ => None,
+    };
     // The newest tokens, all a resident step uploads (no copy otherwise).
     let step_inputs: BTreeMap<String, Tensor> = inputs
         .iter()
@@ -413,6 +423,20 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             if run >= a.warmup {
                 times.push(fwd + upd);
                 adam_times.push(upd);
+            }
+            continue;
+        }
+        if let Some(c) = outputs_on_device {
+            // Every output stays on the device (copied out of the arena there); the run
+            // ends with the device synchronized.
+            let (_, kept) = c
+                .run_resident(&inputs, &BTreeMap::new(), &params, &opts, &|_| true)
+                .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
+            let fwd = started.elapsed().as_secs_f64();
+            drop(kept);
+            if run >= a.warmup {
+                times.push(fwd);
+                adam_times.push(0.0);
             }
             continue;
         }
@@ -540,6 +564,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     };
     if resident.is_some() {
         executor_name.push_str(" (state on the GPU)");
+    }
+    if outputs_on_device.is_some() {
+        executor_name.push_str(" (outputs left on the GPU)");
     }
     if let Some(dp) = &parallel {
         executor_name = format!(

@@ -875,7 +875,7 @@ fn kiln_run_with_the_cuda_executor() {
 #[test]
 fn kiln_bench_with_the_cuda_executor() {
     // `train_step` on the GPU keeps parameters, gradients and moments on the device;
-    // `decode` the decoder's state.
+    // `decode` the decoder's state; `forward` leaves its logits there.
     for entry in ["forward", "train_step", "decode"] {
         let out = kiln(&[
             "bench",
@@ -924,8 +924,41 @@ fn kiln_bench_with_the_cuda_executor() {
                     entry == "decode",
                     "{text}"
                 );
+                assert_eq!(
+                    text.contains("(outputs left on the GPU)"),
+                    entry == "forward",
+                    "{text}"
+                );
             }
         }
+    }
+    // `--host-outputs`: the forward's logits come back to the host, as before.
+    if cuda_available().is_ok() {
+        let out = kiln(&[
+            "bench",
+            SPEC,
+            "--set",
+            "vocab=48",
+            "--entry",
+            "forward",
+            "--batch",
+            "2",
+            "--runs",
+            "1",
+            "--executor",
+            "cuda",
+            "--host-outputs",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains("ms/step") && !text.contains("(outputs left on the GPU)"),
+            "{text}"
+        );
     }
 }
 
