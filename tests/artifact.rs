@@ -442,6 +442,83 @@ fn a_truncated_weights_file_is_named() {
     );
 }
 
+/// A manifest changed after `kiln compile` wrote it — a memory plan whose buffers die
+/// early or share one slot, a buffer smaller than its kernel writes — is refused at load
+/// by its own hash, before any executor trusts it (such plans gave wrong outputs, or a
+/// heap overrun); a manifest only reformatted still loads.
+#[test]
+fn a_manifest_changed_after_it_was_written_is_refused() {
+    let dir = tmp("manifest_hash").join("art");
+    compile(&dir, "forward");
+    let mpath = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&mpath).unwrap();
+    let original: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(original["manifest_hash"]
+        .as_str()
+        .is_some_and(|h| h.len() == 16));
+    // Reformatted (compact JSON, same contents): still the same manifest.
+    std::fs::write(&mpath, serde_json::to_vec(&original).unwrap()).unwrap();
+    Artifact::load(&dir).unwrap().executor("forward").unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, Edit); 3] = [
+        ("buffers dying early", |m| {
+            for b in m["entries"][0]["plan"]["buffers"].as_array_mut().unwrap() {
+                b["dies"] = b["born"].clone();
+            }
+        }),
+        ("every buffer in one slot", |m| {
+            for b in m["entries"][0]["plan"]["buffers"].as_array_mut().unwrap() {
+                b["slot"] = 0.into();
+            }
+        }),
+        ("a buffer shape shrunk", |m| {
+            let b = &mut m["entries"][0]["plan"]["buffers"][3];
+            b["ty"]["shape"] = serde_json::json!([{"terms": [[[], 1]]}]);
+        }),
+    ];
+    for (what, edit) in edits {
+        let mut m = original.clone();
+        edit(&mut m);
+        std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let err = Artifact::load(&dir).unwrap_err();
+        assert!(
+            matches!(err, ArtifactError::BadManifest { .. }),
+            "{what}: {err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("manifest.json")
+                && msg.contains("modified or damaged after `kiln compile` wrote it")
+                && msg.contains("recompile"),
+            "{what}: {msg}"
+        );
+        let out = kiln(&["inspect", dir.to_str().unwrap()]);
+        assert!(!out.status.success(), "{what}");
+        assert!(
+            stderr(&out).contains("modified or damaged"),
+            "{what}: {}",
+            stderr(&out)
+        );
+    }
+    // A manifest without the hash (written before it existed) is read as before, and its
+    // memory plan is still checked against its kernel graph.
+    let mut m = original.clone();
+    m.as_object_mut().unwrap().remove("manifest_hash");
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    Artifact::load(&dir).unwrap().executor("forward").unwrap();
+    for (what, edit) in edits {
+        let mut m = original.clone();
+        m.as_object_mut().unwrap().remove("manifest_hash");
+        edit(&mut m);
+        std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let msg = Artifact::load(&dir).unwrap_err().to_string();
+        assert!(
+            msg.contains("entry `forward`: the memory plan is not the one its kernel graph gives"),
+            "{what}: {msg}"
+        );
+    }
+}
+
 #[test]
 fn a_newer_artifact_version_says_to_recompile() {
     let dir = tmp("version").join("art");
@@ -882,14 +959,22 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         err.contains("encode.cu") && err.contains("corrupt"),
         "{err}"
     );
-    // A manifest that lists other functions than the text defines (hashes updated, as a
-    // hand edit would need) is refused by the function check.
+    // A manifest that lists other functions than the text defines is refused by its own
+    // hash; with the hash updated, as a hand edit would need, by the function check.
     let good = again;
     let mpath = good.join("manifest.json");
     let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
     let funcs = m["entries"][1]["cuda"]["functions"].as_array_mut().unwrap();
     let removed = funcs.pop().unwrap();
     std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let err = Artifact::load(&good).unwrap_err().to_string();
+    assert!(
+        err.contains("manifest.json") && err.contains("modified or damaged"),
+        "{err}"
+    );
+    let mut edited: kiln_compiler::artifact::Manifest = serde_json::from_value(m).unwrap();
+    edited.manifest_hash = Some(edited.digest().unwrap());
+    std::fs::write(&mpath, serde_json::to_vec(&edited).unwrap()).unwrap();
     let err = Artifact::load(&good).unwrap_err().to_string();
     assert!(
         err.contains("encode.cu")

@@ -206,7 +206,27 @@ pub struct Manifest {
     pub hparams: Vec<(String, String)>,
     /// Every file besides the manifest, by relative path.
     pub files: BTreeMap<String, FileRecord>,
+    /// The manifest's own hash ([`Manifest::digest`]): a manifest changed or damaged
+    /// after it was written — its graphs, kernels or memory plans, which the runtime
+    /// trusts — is refused at load. Absent in manifests of kilns before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_hash: Option<String>,
     pub entries: Vec<ManifestEntry>,
+}
+
+impl Manifest {
+    /// The hash of everything in the manifest but [`Manifest::manifest_hash`]: FNV-1a 64
+    /// over its compact JSON with that field left out.
+    pub fn digest(&self) -> Result<String, ArtifactError> {
+        let mut value = serde_json::to_value(self)
+            .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
+        if let Some(map) = value.as_object_mut() {
+            map.remove("manifest_hash");
+        }
+        let bytes = serde_json::to_vec(&value)
+            .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
+        Ok(hash_hex(&bytes))
+    }
 }
 
 /// One entry point to write.
@@ -545,7 +565,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
             write_synced(&tmp.join(name), bytes)?;
             files.insert(name.clone(), FileRecord::of(bytes));
         }
-        let manifest = Manifest {
+        let mut manifest = Manifest {
             format: ARTIFACT_FORMAT.to_string(),
             version: ARTIFACT_VERSION,
             target: art.target.clone(),
@@ -555,6 +575,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
             seed: art.seed,
             hparams: art.hparams.clone(),
             files,
+            manifest_hash: None,
             entries: art
                 .entries
                 .iter()
@@ -587,6 +608,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
                 })
                 .collect(),
         };
+        manifest.manifest_hash = Some(manifest.digest()?);
         let mut json = serde_json::to_vec_pretty(&manifest)
             .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
         json.push(b'\n');

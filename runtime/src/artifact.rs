@@ -6,10 +6,11 @@
 //!
 //! [`Artifact::load`] checks, in order: the directory and `manifest.json` exist; the
 //! manifest is JSON with `format` = `kiln-artifact` and the `version` this kiln reads;
-//! every file the manifest lists is present with its recorded size and FNV-1a hash (so a
+//! the manifest hashes to the `manifest_hash` it records (where it records one); every
+//! file the manifest lists is present with its recorded size and FNV-1a hash (so a
 //! truncated or edited file is named, not run); each entry's CLIF text splits back into
-//! the functions the manifest lists; each graph verifies. The CLIF itself is parsed and
-//! compiled by [`Artifact::executor`].
+//! the functions the manifest lists; each graph verifies; each memory plan is the one its
+//! kernel graph gives. The CLIF itself is parsed and compiled by [`Artifact::executor`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -175,6 +176,23 @@ impl Artifact {
                 path: mpath.clone(),
                 message: e.to_string(),
             })?;
+        // The manifest itself: its graphs, kernels and memory plans are trusted by the
+        // executors (a damaged plan would place buffers over each other).
+        if let Some(recorded) = &manifest.manifest_hash {
+            let found = manifest.digest().map_err(|e| ArtifactError::BadManifest {
+                path: mpath.clone(),
+                message: e.to_string(),
+            })?;
+            if &found != recorded {
+                return Err(ArtifactError::BadManifest {
+                    path: mpath.clone(),
+                    message: format!(
+                        "its contents hash to {found}, not to the {recorded} recorded in it: \
+                         it was modified or damaged after `kiln compile` wrote it"
+                    ),
+                });
+            }
+        }
 
         // Every listed file: present, same size, same hash.
         let mut contents: BTreeMap<String, Vec<u8>> = BTreeMap::new();
@@ -259,6 +277,19 @@ impl Artifact {
                 path: mpath.clone(),
                 message: format!("entry `{}`: the graph is corrupt: {err}", e.name),
             })?;
+            // The memory plan is a function of the kernel graph; the executors place every
+            // buffer by it, so one that differs (a manifest without its hash, edited) is
+            // refused rather than trusted.
+            if e.plan != kiln_compiler::plan::MemoryPlan::build(&e.kernel_graph) {
+                return Err(ArtifactError::BadManifest {
+                    path: mpath.clone(),
+                    message: format!(
+                        "entry `{}`: the memory plan is not the one its kernel graph gives; \
+                         it was modified or damaged",
+                        e.name
+                    ),
+                });
+            }
             let code = CpuCode {
                 functions,
                 kernels: e.roles.clone(),
