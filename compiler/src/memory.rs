@@ -137,46 +137,75 @@ pub fn address_space_headroom(limits: &str, status: &str) -> Option<Headroom> {
     })
 }
 
-/// The cgroup's memory limit less its usage, v2 then v1; `None` without a limit.
+/// The tightest memory limit of this process's cgroups (v2, or v1's memory controller),
+/// less what the cgroup uses; `None` without a limit. Every ancestor up to the mounted
+/// root is read, since a parent's limit holds for its children too. Page cache counts
+/// as free (the kernel reclaims it before it refuses memory).
 fn cgroup_headroom(read: &dyn Fn(&str) -> Option<String>) -> Option<Headroom> {
     let cgroups = read("/proc/self/cgroup")?;
+    let mut best: Option<Headroom> = None;
     for line in cgroups.lines() {
-        // v2: `0::/path`; v1 memory controller: `N:memory:/path` (or `N:...,memory,...:`).
+        // v2: `0::/path`; v1 memory controller: `N:memory:/path` (or `N:…,memory,…:/path`).
         let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let (max_file, current_file) = if controllers.is_empty() {
-            (
-                format!("/sys/fs/cgroup{path}/memory.max"),
-                format!("/sys/fs/cgroup{path}/memory.current"),
-            )
-        } else if controllers.split(',').any(|c| c == "memory") {
-            (
-                "/sys/fs/cgroup/memory/memory.limit_in_bytes".to_string(),
-                "/sys/fs/cgroup/memory/memory.usage_in_bytes".to_string(),
-            )
-        } else {
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
             continue;
         };
-        let (Some(max), Some(current)) = (read(&max_file), read(&current_file)) else {
-            continue;
-        };
-        if let Some(h) = cgroup_limit(&max, &current) {
-            return Some(h);
+        let (root, max_file, current_file, cache_keys): (&str, &str, &str, &[&str]) =
+            if controllers.is_empty() {
+                ("/sys/fs/cgroup", "memory.max", "memory.current", &["file"])
+            } else if controllers.split(',').any(|c| c == "memory") {
+                (
+                    "/sys/fs/cgroup/memory",
+                    "memory.limit_in_bytes",
+                    "memory.usage_in_bytes",
+                    &["total_cache", "cache"],
+                )
+            } else {
+                continue;
+            };
+        // The cgroup and each ancestor. In a cgroup namespace the process's own cgroup is
+        // the mount's root, and the deeper paths simply do not exist.
+        let mut p = path.trim_end_matches('/');
+        loop {
+            let dir = format!("{root}{p}");
+            let file = |name: &str| read(&format!("{dir}/{name}"));
+            if let (Some(max), Some(current)) = (file(max_file), file(current_file)) {
+                let cache = file("memory.stat")
+                    .and_then(|stat| {
+                        cache_keys.iter().find_map(|k| {
+                            stat.lines().find_map(|l| {
+                                let (key, v) = l.split_once(' ')?;
+                                (key == *k).then(|| v.trim().parse::<u64>().ok()).flatten()
+                            })
+                        })
+                    })
+                    .unwrap_or(0);
+                if let Some(h) = cgroup_limit(&max, &current, cache) {
+                    if best.as_ref().is_none_or(|b| h.bytes < b.bytes) {
+                        best = Some(h);
+                    }
+                }
+            }
+            match p.rfind('/') {
+                Some(i) => p = &p[..i],
+                None => break,
+            }
         }
     }
-    None
+    best
 }
 
 /// A cgroup's limit (`max` or a byte count; v1's "no limit" is a huge count) less its
-/// usage.
-pub fn cgroup_limit(max: &str, current: &str) -> Option<Headroom> {
+/// usage, not counting `cache` bytes of page cache in it.
+pub fn cgroup_limit(max: &str, current: &str, cache: u64) -> Option<Headroom> {
     let max: u64 = max.trim().parse().ok()?;
     if max >= 1 << 62 {
         return None;
     }
     let current: u64 = current.trim().parse().ok()?;
     Some(Headroom {
-        bytes: max.saturating_sub(current),
+        bytes: max.saturating_sub(current.saturating_sub(cache)),
         limit: format!("the cgroup's memory limit ({})", size(max)),
     })
 }
@@ -237,12 +266,72 @@ mod tests {
     }
 
     #[test]
-    fn a_cgroup_limit_less_its_usage() {
-        let h = cgroup_limit("4294967296\n", "1073741824\n").unwrap();
+    fn a_cgroup_limit_less_its_usage_but_not_its_page_cache() {
+        let h = cgroup_limit("4294967296\n", "1073741824\n", 0).unwrap();
         assert_eq!(h.bytes, 3 << 30);
         assert_eq!(h.limit, "the cgroup's memory limit (4.0 GiB)");
-        assert_eq!(cgroup_limit("max\n", "1000\n"), None);
-        assert_eq!(cgroup_limit("9223372036854771712\n", "1000\n"), None);
+        let h = cgroup_limit("4294967296\n", "4000000000\n", 3_000_000_000).unwrap();
+        assert_eq!(h.bytes, 4_294_967_296 - 1_000_000_000);
+        assert_eq!(cgroup_limit("max\n", "1000\n", 0), None);
+        assert_eq!(cgroup_limit("9223372036854771712\n", "1000\n", 0), None);
+    }
+
+    #[test]
+    fn the_tightest_cgroup_on_the_path_to_the_root_wins() {
+        let files: std::collections::BTreeMap<&str, &str> = [
+            ("/proc/self/cgroup", "0::/a/b\n"),
+            ("/sys/fs/cgroup/a/b/memory.max", "max\n"),
+            ("/sys/fs/cgroup/a/b/memory.current", "100\n"),
+            ("/sys/fs/cgroup/a/memory.max", "8589934592\n"),
+            ("/sys/fs/cgroup/a/memory.current", "5368709120\n"),
+            (
+                "/sys/fs/cgroup/a/memory.stat",
+                "anon 1073741824\nfile 4294967296\n",
+            ),
+            ("/sys/fs/cgroup/memory.max", "17179869184\n"),
+            ("/sys/fs/cgroup/memory.current", "1073741824\n"),
+        ]
+        .into_iter()
+        .collect();
+        let read = |p: &str| files.get(p).map(|s| s.to_string());
+        let h = cgroup_headroom(&read).unwrap();
+        // `a`: 8 GiB less (5 GiB used − 4 GiB of page cache).
+        assert_eq!(h.bytes, 7 << 30);
+        assert_eq!(h.limit, "the cgroup's memory limit (8.0 GiB)");
+        // v1: the memory controller's hierarchy, its cache not counted.
+        let v1: std::collections::BTreeMap<&str, &str> = [
+            ("/proc/self/cgroup", "5:cpu:/x\n4:memory:/job/7\n"),
+            (
+                "/sys/fs/cgroup/memory/job/7/memory.limit_in_bytes",
+                "2147483648\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/job/7/memory.usage_in_bytes",
+                "2000000000\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/job/7/memory.stat",
+                "cache 1500000000\nrss 5\ntotal_cache 1500000000\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                "9223372036854771712\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                "3000000000\n",
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let read = |p: &str| v1.get(p).map(|s| s.to_string());
+        assert_eq!(
+            cgroup_headroom(&read).unwrap().bytes,
+            2_147_483_648 - 500_000_000
+        );
+        // No limit anywhere.
+        let none = |p: &str| (p == "/proc/self/cgroup").then(|| "0::/\n".to_string());
+        assert_eq!(cgroup_headroom(&none), None);
     }
 
     #[test]
