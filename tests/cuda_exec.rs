@@ -962,6 +962,43 @@ fn kiln_bench_with_the_cuda_executor() {
     }
 }
 
+/// A batch whose device arena does not fit is an error that names the arena, its size
+/// and the fix, not an abort. On the emulated device (whose memory is the host's) the
+/// host's limits are checked before the allocation, here `ulimit -v`; on a GPU a failed
+/// allocation gets the same context and the GPU's free memory (not exercised here: a GPU
+/// would hold this 41.9 GiB arena).
+#[test]
+fn a_device_arena_too_large_for_the_emulated_device_is_an_error() {
+    if !kiln_runtime::cuda::emulate::emulated() {
+        println!("skipped: the emulated device's check (a GPU would hold this arena)");
+        return;
+    }
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 8000000 && exec {} bench {SPEC} --set vocab=48 --entry forward \
+             --batch 2000000 --runs 1 --executor cuda",
+            env!("CARGO_BIN_EXE_kiln")
+        ))
+        .current_dir(common::root())
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    let err: String = String::from_utf8_lossy(&out.stderr)
+        .split_whitespace()
+        .filter(|w| *w != "│")
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "the device arena of `transformer_tiny` at batch=2000000, src_len=25, tgt_len=25 \
+             would allocate 41.9 GiB, but the address-space limit (ulimit -v"
+        ) && err.contains("run smaller batches"),
+        "{err}"
+    );
+}
+
 /// `kiln bench --devices`: data-parallel training steps. Refused, with the fix, for
 /// anything but the GPU's `train_step` and for a GPU listed twice; without the `nccl`
 /// feature or without a GPU, the reason; with both (and one GPU), a step over `--devices

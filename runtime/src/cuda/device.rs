@@ -750,6 +750,18 @@ impl Device {
         }
     }
 
+    /// Free and total bytes of the device's memory (the GPU's, bound to this thread), or
+    /// `None` for the emulated device, whose memory is the host's.
+    pub fn memory_info(&self) -> Option<(usize, usize)> {
+        match self {
+            Device::Gpu(g) => {
+                g.bind().ok()?;
+                cudarc::driver::result::mem_get_info().ok()
+            }
+            Device::Host(_) => None,
+        }
+    }
+
     /// `words` zeroed 4-byte words (at least one).
     pub fn alloc(&self, words: usize) -> Result<Buf, String> {
         match self {

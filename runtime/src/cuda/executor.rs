@@ -697,7 +697,35 @@ impl CudaExecutor {
         let words = layout.total / 4;
         if guard.arena.as_ref().is_none_or(|a| a.words < words) {
             guard.arena = None;
-            let a = guard.device.alloc(words).map_err(dev_err)?;
+            let what = || {
+                let at: Vec<String> = dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                format!(
+                    "the device arena of `{}` at {}",
+                    self.kg.name,
+                    at.join(", ")
+                )
+            };
+            let fix = "run smaller batches (fewer sentences or tokens per batch) or shorter \
+                       sequences";
+            // The emulated device's memory is the host's: checked as the CPU's arena is.
+            if guard.device.memory_info().is_none() {
+                kiln_compiler::memory::ensure(layout.total as u64, what, || fix.to_string())?;
+            }
+            let a = guard.device.alloc(words).map_err(|e| {
+                let free = match guard.device.memory_info() {
+                    Some((free, total)) => format!(
+                        " (the GPU has {} free of {})",
+                        kiln_compiler::memory::size(free as u64),
+                        kiln_compiler::memory::size(total as u64)
+                    ),
+                    None => String::new(),
+                };
+                dev_err(format!(
+                    "{} needs {}{free}: {e}; {fix}",
+                    what(),
+                    kiln_compiler::memory::size(layout.total as u64)
+                ))
+            })?;
             guard.arena = Some(a);
         }
         // The parameters' device copies are kept for runs of the same version (taken out
