@@ -12,7 +12,7 @@ use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
 use kiln_dsl::Options;
 
 mod common;
-use common::{kiln, root};
+use common::{flat, kiln, root};
 
 fn ok(args: &[&str]) -> String {
     let out = kiln(args);
@@ -417,13 +417,6 @@ fn a_model_or_batch_larger_than_the_machine_is_an_error_not_an_abort() {
         "-o",
         s(&out),
     ]);
-    // The diagnostic as one line (miette wraps it).
-    let flat = |e: &str| {
-        e.split_whitespace()
-            .filter(|w| *w != "│" && *w != "×")
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     assert!(
         flat(&err).contains(
             "initializing 253 parameters would allocate 5.6 TiB, but the available memory"

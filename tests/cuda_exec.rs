@@ -839,13 +839,7 @@ fn kiln_run_with_the_cuda_executor() {
     };
     let out = run(art.dir.to_str().unwrap());
     // Miette wraps lines (where depends on the paths): compare with whitespace collapsed.
-    let flat = |o: &std::process::Output| {
-        String::from_utf8_lossy(&o.stderr)
-            .split_whitespace()
-            .filter(|w| *w != "│")
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let flat = |o: &std::process::Output| common::flat(&String::from_utf8_lossy(&o.stderr));
     let err = flat(&out);
     match cuda_available() {
         Err(reason) => {
@@ -895,11 +889,7 @@ fn kiln_bench_with_the_cuda_executor() {
             "--executor",
             "cuda",
         ]);
-        let err: String = String::from_utf8_lossy(&out.stderr)
-            .split_whitespace()
-            .filter(|w| *w != "│")
-            .collect::<Vec<_>>()
-            .join(" ");
+        let err = common::flat(&String::from_utf8_lossy(&out.stderr));
         match cuda_available() {
             Err(reason) => {
                 assert!(!out.status.success());
@@ -984,11 +974,7 @@ fn a_device_arena_too_large_for_the_emulated_device_is_an_error() {
         .env("NO_COLOR", "1")
         .output()
         .unwrap();
-    let err: String = String::from_utf8_lossy(&out.stderr)
-        .split_whitespace()
-        .filter(|w| *w != "│")
-        .collect::<Vec<_>>()
-        .join(" ");
+    let err = common::flat(&String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains(
@@ -1022,11 +1008,7 @@ fn kiln_bench_data_parallel() {
         ];
         args.extend_from_slice(extra);
         let out = kiln(&args);
-        let err: String = String::from_utf8_lossy(&out.stderr)
-            .split_whitespace()
-            .filter(|w| *w != "│")
-            .collect::<Vec<_>>()
-            .join(" ");
+        let err = common::flat(&String::from_utf8_lossy(&out.stderr));
         (out, err)
     };
     let (out, err) = bench(&["--executor", "compiled", "--devices", "0"]);

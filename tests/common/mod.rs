@@ -91,3 +91,13 @@ pub fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<kiln_compil
     }
     compiled_entry_graph(&g, entry).map_err(|e| e.message)
 }
+
+/// A miette diagnostic as one line: whitespace collapsed and the frame's `│` dropped
+/// (miette wraps lines where the paths in them decide), for `contains` checks.
+#[allow(dead_code)]
+pub fn flat(text: &str) -> String {
+    text.split_whitespace()
+        .filter(|w| *w != "│")
+        .collect::<Vec<_>>()
+        .join(" ")
+}
