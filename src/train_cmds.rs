@@ -465,8 +465,9 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         model::save_dir(output, &avg, &graphs, &tok).map_err(err("kiln::average"))?;
     }
     println!(
-        "averaged {} checkpoints into {}",
+        "averaged {} checkpoint{} into {}",
         inputs.len(),
+        if inputs.len() == 1 { "" } else { "s" },
         output.display()
     );
     Ok(())
