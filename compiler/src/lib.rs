@@ -9,7 +9,7 @@
 //! - [`tensor`] — host tensors and their safetensors form;
 //! - [`bind`] — checking inputs and parameters against a graph and binding its dims,
 //!   shared by every executor;
-//! - [`reference`] — the reference executor, the oracle every later path is tested against;
+//! - [`reference`](mod@reference) — the reference executor, the oracle every later path is tested against;
 //! - [`autodiff`] — reverse-mode gradients as a graph-to-graph pass, and `train_step`.
 //! - [`adam`] — the Adam optimizer update as an `adam_update` graph of primitives.
 

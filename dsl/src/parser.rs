@@ -1,6 +1,6 @@
 //! Parsing: text → AST.
 //!
-//! In: one source file of the [`SourceMap`]. Out: an [`ast::File`], or a [`Diag`] that
+//! In: one source file of the [`SourceMap`](crate::source::SourceMap). Out: an [`ast::File`](crate::ast::File), or a [`Diag`] that
 //! points at the first problem. The grammar lives in `grammar.pest`; operator precedence
 //! is resolved by pest's Pratt parser. Parse errors are rewritten for people: unbalanced
 //! brackets are reported at the bracket that was never closed, pest's rule names become

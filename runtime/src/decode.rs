@@ -330,7 +330,7 @@ fn log_softmax_rows(logits: &[f32], v: usize) -> Vec<f64> {
     out
 }
 
-/// [`row_top`] of every row of [`log_softmax_rows`]`(logits, v)`, bit for bit, without
+/// [`row_top`] of every row of `log_softmax_rows(logits, v)`, bit for bit, without
 /// the log-probabilities of the whole vocabulary in memory: per row its log-sum-exp, then
 /// one pass that keeps the best `spec.k` in order. The rows run in parallel.
 pub fn rows_top(logits: &[f32], v: usize, spec: &TopSpec<'_>) -> Vec<RowTop> {

@@ -1,6 +1,6 @@
 //! The e-graph language: the IR's primitives, fused kernels, elementwise regions.
 //!
-//! In: a [`Graph`]. Out: an [`EGraph`] holding one e-node per IR node ([`to_egraph`]),
+//! In: a [`Graph`]. Out: an [`egg::EGraph`] holding one e-node per IR node ([`to_egraph`]),
 //! the e-class of every IR node, and the way back from an e-node to an IR [`Op`]
 //! ([`node_op`]).
 //!

@@ -7,7 +7,7 @@
 //! work items of each GPU function where it differs from the CPU kernel's ([`Launch`]
 //! constructors; see `codegen::cuda::misc`, `region` and `rows`), the grid ([`grid`]), and
 //! the arguments of a row-major GEMM as a column-major cuBLAS `sgemm` ([`sgemm_args`],
-//! [`plan_matmul`]).
+//! `plan_matmul`).
 
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
 use kiln_compiler::codegen::cuda::text::MAX_DIMS;

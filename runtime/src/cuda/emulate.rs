@@ -3,7 +3,7 @@
 //! the resident decoder) run on a machine without a GPU, for tests.
 //!
 //! In: `KILN_CUDA_EMULATE=1` in the environment (read once per process), then what
-//! [`super::device::Device`] is asked for. Out: [`HostDevice`] — the same operations on
+//! `device::Device` is asked for. Out: `HostDevice` — the same operations on
 //! host memory:
 //! - **memory**: every buffer is host memory at its real address, registered with its
 //!   length; every copy, GEMM operand and launch pointer is checked to lie inside one

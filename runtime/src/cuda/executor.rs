@@ -7,7 +7,7 @@
 //! Building one:
 //! 1. the guard [`cuda_available`]: without CUDA, an error naming the reason and pointing
 //!    at the CPU executor (never a panic: no CUDA call is made before it);
-//! 2. the steps: what each kernel launches ([`super::steps`], from the manifest);
+//! 2. the steps: what each kernel launches (`cuda::steps`, from the manifest);
 //! 3. NVRTC compiles the entry's `.cu` unit with the manifest's options (a failure
 //!    reports NVRTC's log); the module and every listed function are loaded; cuBLAS is
 //!    set up on the same stream.
@@ -24,7 +24,7 @@
 //! 4. gives every value a location: a device address and a strided layout (views
 //!    re-describe their source; a reshape of a non-contiguous view is copied by the
 //!    generated `copy_strided` when first read);
-//! 5. launches the kernels in order on one stream (see [`Run::exec`]);
+//! 5. launches the kernels in order on one stream (see `Run::exec`);
 //! 6. copies the outputs back.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -21,7 +21,7 @@
 //!
 //! NCCL is a cargo feature (`--features nccl`): without it [`DataParallel::new`] says how
 //! to rebuild. Like the rest of CUDA, `libnccl` is opened at run time
-//! ([`super::nccl_available`]), so the feature builds on a machine without it.
+//! (`cuda::nccl_available`), so the feature builds on a machine without it.
 
 use std::collections::BTreeMap;
 

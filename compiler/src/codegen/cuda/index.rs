@@ -7,7 +7,7 @@
 //! … give them). Every element is 4 bytes (`int`, bools as 0/1); items are output
 //! elements, one thread each. Semantics are the reference executor's:
 //!
-//! | kind          | buffers               | dims                              | out[e]                         |
+//! | kind          | buffers               | dims                              | `out[e]`                       |
 //! |---------------|-----------------------|-----------------------------------|--------------------------------|
 //! | `causal_mask` | out `[q, k]`          | `[q, k]`                          | `j ≤ i + (k − q)`              |
 //! | `pad_mask`    | ids, out (same shape) | `[n, pad]`                        | `ids[e] ≠ pad`                 |
