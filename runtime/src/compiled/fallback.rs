@@ -335,26 +335,8 @@ pub(crate) fn run_host(
 /// parts in place and writing the result where it lives.
 fn concat_into(parts: &[&Loc], out: &Loc, axis: usize) -> Result<(), String> {
     let shape = out.shape();
-    let mut sum = 0;
-    for p in parts {
-        let ps = p.shape();
-        if p.dtype != out.dtype
-            || ps.len() != shape.len()
-            || ps[..axis] != shape[..axis]
-            || ps[axis + 1..] != shape[axis + 1..]
-        {
-            return Err(format!(
-                "internal: concat of {ps:?} into {shape:?} along axis {axis}"
-            ));
-        }
-        sum += ps[axis];
-    }
-    if sum != shape[axis] {
-        return Err(format!(
-            "internal: concat parts sum to {sum} along axis {axis}, the result has {}",
-            shape[axis]
-        ));
-    }
+    let logical: Vec<(&[usize], DType)> = parts.iter().map(|p| (p.shape(), p.dtype)).collect();
+    check_concat(&logical, shape, out.dtype, axis)?;
     let values: Vec<Value<'_>> = parts.iter().map(|l| value(l)).collect();
     fn views<'a, E: crate::eager::value::Elem>(
         values: &'a [Value<'_>],
@@ -377,6 +359,37 @@ fn concat_into(parts: &[&Loc], out: &Loc, axis: usize) -> Result<(), String> {
             crate::eager::index::concat_into(&parts, axis, shape, dst);
         }
         other => return Err(format!("internal: a direct concat of {other:?}")),
+    }
+    Ok(())
+}
+
+/// Whether parts of these shapes (as read) and dtypes concatenate along `axis` into
+/// `shape` of `dtype`: the same dtype and rank, equal on every other axis, their sizes
+/// along `axis` summing to the result's.
+fn check_concat(
+    parts: &[(&[usize], DType)],
+    shape: &[usize],
+    dtype: DType,
+    axis: usize,
+) -> Result<(), String> {
+    let mut sum = 0;
+    for &(ps, d) in parts {
+        if d != dtype
+            || ps.len() != shape.len()
+            || ps[..axis] != shape[..axis]
+            || ps[axis + 1..] != shape[axis + 1..]
+        {
+            return Err(format!(
+                "internal: concat of {ps:?} into {shape:?} along axis {axis}"
+            ));
+        }
+        sum += ps[axis];
+    }
+    if sum != shape[axis] {
+        return Err(format!(
+            "internal: concat parts sum to {sum} along axis {axis}, the result has {}",
+            shape[axis]
+        ));
     }
     Ok(())
 }
@@ -410,26 +423,22 @@ pub(crate) fn concat_gathered(
     // Each operand's elements, its chunk of a result block, and its gathered rows.
     type Part<'a> = (std::borrow::Cow<'a, [f32]>, usize, Option<&'a [usize]>);
     let mut parts: Vec<Part<'_>> = Vec::new();
-    let mut sum = 0;
+    let mut logical: Vec<(Vec<usize>, DType)> = Vec::new();
     for (p, r) in ins.iter().zip(rows) {
         let ps = p.shape();
-        let mut logical = ps.to_vec();
+        let mut shape_read = ps.to_vec();
         if let Some(r) = r {
             if !p.is_contiguous() || ps.is_empty() || r.iter().any(|&i| i >= ps[0]) {
                 return Err(format!("internal: rows {r:?} gathered from {ps:?}"));
             }
-            logical[0] = r.len();
+            shape_read[0] = r.len();
         }
-        if p.dtype != DType::F32
-            || logical.len() != shape.len()
-            || logical[..axis] != shape[..axis]
-            || logical[axis + 1..] != shape[axis + 1..]
-        {
-            return Err(format!(
-                "internal: concat of {logical:?} into {shape:?} along axis {axis}"
-            ));
-        }
-        sum += ps[axis];
+        logical.push((shape_read, p.dtype));
+    }
+    let read: Vec<(&[usize], DType)> = logical.iter().map(|(s, d)| (&s[..], *d)).collect();
+    check_concat(&read, &shape, DType::F32, axis)?;
+    for (p, r) in ins.iter().zip(rows) {
+        let ps = p.shape();
         // Contiguous operands (every gathered one) are read in place, strided ones
         // through a row-major copy.
         let data = if p.is_contiguous() {
@@ -443,12 +452,6 @@ pub(crate) fn concat_gathered(
             std::borrow::Cow::Owned(crate::eager::index::contiguous(view).into_owned())
         };
         parts.push((data, ps[axis] * inner, *r));
-    }
-    if sum != shape[axis] {
-        return Err(format!(
-            "internal: concat parts sum to {sum} along axis {axis}, the result has {}",
-            shape[axis]
-        ));
     }
     let total = shape[axis] * inner;
     if total == 0 || outer == 0 {
