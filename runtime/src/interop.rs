@@ -27,7 +27,9 @@
 //! `custom_encoder=nn.TransformerEncoder(layer, n, norm=None)` (and the decoder alike), or
 //! set `model.encoder.norm = nn.Identity()` before `load_state_dict`. The embedding's
 //! `sqrt(d)` scale, the sinusoidal positions and the tied output projection live outside
-//! `nn.Transformer` and must be written there by hand.
+//! `nn.Transformer` and must be written there by hand; `examples/pytorch_interop.py` is
+//! that model written out (`tests/pytorch_interop.rs` compares its logits, loss and
+//! gradients with kiln's).
 //!
 //! Not expressible, and refused with the reason: attention with `h·d_k ≠ d_model` or
 //! `h·d_v ≠ d_model` (`in_proj_weight` is square per block), layers with different
