@@ -1482,3 +1482,55 @@ fn a_large_gemm_does_not_depend_on_the_number_of_threads() {
     assert_eq!(bits(&one), bits(&run_with(2)), "1 vs 2 threads");
     assert_eq!(bits(&one), bits(&run_with(4)), "1 vs 4 threads");
 }
+
+/// A result larger than the machine's memory is an error that names the op, its shape,
+/// the dims and the bytes, before anything is allocated (not "memory allocation of N
+/// bytes failed" and an abort); the same graph runs at a size that fits.
+#[test]
+fn a_result_larger_than_the_machine_is_an_error_not_an_abort() {
+    let mut g = Graph::new("outer");
+    g.add_dim("n");
+    let a = g
+        .add_input("a", TensorType::new(DType::F32, shape(&["n", "1"])))
+        .unwrap();
+    let b = g
+        .add_input("b", TensorType::new(DType::F32, shape(&["1", "n"])))
+        .unwrap();
+    let c = g.add(Op::MatMul, &[a, b], "outer").unwrap();
+    let d = g.add(Op::Unary(UnaryOp::Exp), &[c], "outer").unwrap();
+    g.add_output("d", d).unwrap();
+    let eager = Eager::new(g).unwrap();
+    let feeds = |n: usize| -> BTreeMap<String, Tensor> {
+        [
+            (
+                "a".to_string(),
+                Tensor::f32(vec![n, 1], vec![0.5; n]).unwrap(),
+            ),
+            (
+                "b".to_string(),
+                Tensor::f32(vec![1, n], vec![0.25; n]).unwrap(),
+            ),
+        ]
+        .into_iter()
+        .collect()
+    };
+    let err = eager
+        .run(&feeds(1 << 20), &BTreeMap::new(), &RunOptions::default())
+        .unwrap_err();
+    let ExecError::Memory(oom) = &err else {
+        panic!("expected a memory error, got {err}");
+    };
+    assert_eq!(oom.need, 4 << 40, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.starts_with(
+            "the eager executor's `matmul` in `outer` (f32 [1048576, 1048576]) at n=1048576 \
+             would allocate 4.0 TiB, but "
+        ) && text.contains("run smaller batches"),
+        "{text}"
+    );
+    let out = eager
+        .run(&feeds(3), &BTreeMap::new(), &RunOptions::default())
+        .unwrap();
+    assert_eq!(out[0].1.as_f32().unwrap(), &[0.125f32.exp(); 9]);
+}

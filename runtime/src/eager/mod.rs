@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kiln_compiler::bind::{liveness, Binder, Source};
-use kiln_compiler::ir::{Graph, NodeId, Op};
+use kiln_compiler::ir::{DType, Graph, NodeId, Op};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
@@ -212,6 +212,67 @@ impl Eager {
         Ok(())
     }
 
+    /// Checks that the machine has room for node `id`'s result before it is computed
+    /// ([`kiln_compiler::memory::ensure`]): a value larger than the memory left would
+    /// otherwise abort the process ("memory allocation of N bytes failed") or get it
+    /// killed. Views allocate nothing; a result that a pooled buffer or a dying operand's
+    /// buffer can hold allocates nothing new either.
+    fn ensure_memory(
+        &self,
+        id: NodeId,
+        shape: &[usize],
+        args: &[Value<'_>],
+        dims: &BTreeMap<String, i64>,
+    ) -> Result<(), ExecError> {
+        let node = self.graph.node(id);
+        if matches!(
+            node.op,
+            Op::Input { .. }
+                | Op::Param { .. }
+                | Op::Reshape { .. }
+                | Op::Permute { .. }
+                | Op::Broadcast { .. }
+                | Op::Slice { .. }
+        ) {
+            return Ok(());
+        }
+        let elem: u64 = if node.ty.dtype == DType::Bool { 1 } else { 4 };
+        let n = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+            .unwrap_or(u64::MAX);
+        let bytes = n.saturating_mul(elem);
+        if bytes < kiln_compiler::memory::CHECK_MIN {
+            return Ok(());
+        }
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        if elem == 4 && (self.pool.has_fit(n) || args.iter().any(|a| a.owns_f32_buffer_of(n))) {
+            return Ok(());
+        }
+        kiln_compiler::memory::ensure(
+            bytes,
+            || {
+                let at: Vec<String> = dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                let scope = if node.scope.is_empty() {
+                    String::new()
+                } else {
+                    format!(" in `{}`", node.scope)
+                };
+                format!(
+                    "{EXECUTOR}'s `{}`{scope} ({} {shape:?}) at {}",
+                    node.op.name(),
+                    node.ty.dtype,
+                    at.join(", ")
+                )
+            },
+            || {
+                "run smaller batches (fewer sentences or tokens per batch) or shorter sequences"
+                    .into()
+            },
+        )?;
+        Ok(())
+    }
+
     fn execute<'t>(
         &self,
         plan: &Plan,
@@ -250,6 +311,7 @@ impl Eager {
                     bind.node_err(id, format!("internal: operand {inp} was not computed"))
                 })?);
             }
+            self.ensure_memory(id, &shape, &args, &bind.dims)?;
             let started = profile.as_ref().map(|_| Instant::now());
             let v = match &node.op {
                 Op::Input { name } => source_value(bind.input(id, name)?, &shape),

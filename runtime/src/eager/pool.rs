@@ -74,6 +74,15 @@ impl Pool {
         vec![0.0; n]
     }
 
+    /// Whether [`Pool::take`] of `n` elements would reuse a pooled buffer.
+    pub(crate) fn has_fit(&self, n: usize) -> bool {
+        n >= POOL_MIN
+            && self.free.lock().is_ok_and(|free| {
+                free.iter()
+                    .any(|v| v.capacity() >= n && v.capacity() <= 2 * n)
+            })
+    }
+
     /// Keeps `v` for reuse if it is large and the pool has room; frees it otherwise.
     pub(crate) fn give(&self, v: Vec<f32>) {
         if v.capacity() < POOL_MIN {

@@ -321,6 +321,12 @@ impl<'t> Value<'t> {
         })
     }
 
+    /// Whether this value alone owns an f32 buffer of at least `n` elements (one a
+    /// kernel may write its result into, or that goes back to the pool as it dies).
+    pub(crate) fn owns_f32_buffer_of(&self, n: usize) -> bool {
+        matches!(&self.data, Data::F(Store::Owned(a)) if Arc::strong_count(a) == 1 && a.v.len() >= n)
+    }
+
     /// The row-major buffer itself, when this value is its only owner and covers it
     /// exactly — so a kernel may overwrite it in place. Otherwise the value comes back.
     pub(crate) fn into_unique<E: Elem>(self) -> Result<Vec<E>, Value<'t>> {
