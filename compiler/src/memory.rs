@@ -47,6 +47,44 @@ pub struct OutOfMemory {
     pub fix: String,
 }
 
+/// The fix an executor's message gives for a run too large for the machine.
+pub const SMALLER_RUN: &str =
+    "run smaller batches (fewer sentences or tokens per batch) or shorter sequences";
+
+/// [`ensure`] for the result of one graph node, computed by `executor` ("the eager
+/// executor"): the message names the op, the layer it came from, its dtype, shape and
+/// the dims of the run.
+pub fn ensure_node(
+    need: u64,
+    executor: &str,
+    node: &crate::ir::Node,
+    shape: &[usize],
+    dims: &std::collections::BTreeMap<String, i64>,
+) -> Result<(), OutOfMemory> {
+    ensure(
+        need,
+        || {
+            let at: Vec<String> = dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let scope = if node.scope.is_empty() {
+                String::new()
+            } else {
+                format!(" in `{}`", node.scope)
+            };
+            let at = if at.is_empty() {
+                String::new()
+            } else {
+                format!(" at {}", at.join(", "))
+            };
+            format!(
+                "{executor}'s `{}`{scope} ({} {shape:?}){at}",
+                node.op.name(),
+                node.ty.dtype,
+            )
+        },
+        || SMALLER_RUN.into(),
+    )
+}
+
 /// `Err` when `need` bytes (about to be allocated for `what`) exceed what the system
 /// leaves this process. `what` and `fix` are only built when the check fails.
 pub fn ensure(

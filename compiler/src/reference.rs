@@ -398,6 +398,23 @@ impl<'a, T: Real> Executor<'a, T> {
             })?;
             args.push(v);
         }
+        if !matches!(node.op, Op::Input { .. } | Op::Param { .. }) {
+            // Every node gets a buffer of its own here (views included), of T per element
+            // at most.
+            let bytes = shape
+                .iter()
+                .try_fold(std::mem::size_of::<T>() as u64, |a, &d| {
+                    a.checked_mul(d as u64)
+                })
+                .unwrap_or(u64::MAX);
+            crate::memory::ensure_node(
+                bytes,
+                "the reference executor",
+                node,
+                &shape,
+                &self.bind.dims,
+            )?;
+        }
         let data = match &node.op {
             Op::Input { name } => source_data(self.bind.input(id, name)?),
             Op::Param { name, .. } => source_data(self.bind.param(id, name, &shape)?),

@@ -1529,8 +1529,26 @@ fn a_result_larger_than_the_machine_is_an_error_not_an_abort() {
         ) && text.contains("run smaller batches"),
         "{text}"
     );
+    // The reference executor checks the same way (in f64, twice the bytes).
+    let graph = eager.graph().clone();
+    let f64_opts = RunOptions {
+        precision: Precision::F64,
+        ..RunOptions::default()
+    };
+    let err = reference::run(&graph, &feeds(1 << 20), &BTreeMap::new(), &f64_opts).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, ExecError::Memory(_))
+            && text.starts_with(
+                "the reference executor's `matmul` in `outer` (f32 [1048576, 1048576]) at \
+                 n=1048576 would allocate 8.0 TiB, but "
+            ),
+        "{text}"
+    );
     let out = eager
         .run(&feeds(3), &BTreeMap::new(), &RunOptions::default())
         .unwrap();
     assert_eq!(out[0].1.as_f32().unwrap(), &[0.125f32.exp(); 9]);
+    let want = reference::run(&graph, &feeds(3), &BTreeMap::new(), &RunOptions::default());
+    assert_eq!(want.unwrap(), out);
 }

@@ -249,27 +249,7 @@ impl Eager {
         if elem == 4 && (self.pool.has_fit(n) || args.iter().any(|a| a.owns_f32_buffer_of(n))) {
             return Ok(());
         }
-        kiln_compiler::memory::ensure(
-            bytes,
-            || {
-                let at: Vec<String> = dims.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                let scope = if node.scope.is_empty() {
-                    String::new()
-                } else {
-                    format!(" in `{}`", node.scope)
-                };
-                format!(
-                    "{EXECUTOR}'s `{}`{scope} ({} {shape:?}) at {}",
-                    node.op.name(),
-                    node.ty.dtype,
-                    at.join(", ")
-                )
-            },
-            || {
-                "run smaller batches (fewer sentences or tokens per batch) or shorter sequences"
-                    .into()
-            },
-        )?;
+        kiln_compiler::memory::ensure_node(bytes, EXECUTOR, node, shape, dims)?;
         Ok(())
     }
 
