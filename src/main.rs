@@ -295,6 +295,13 @@ enum Command {
         /// Greedy decoding instead of beam search.
         #[arg(long)]
         greedy: bool,
+        /// Print each sentence's N best hypotheses (N ≤ beam), best first, in the Moses
+        /// n-best format that Marian writes: `LINE ||| TEXT ||| log_prob= LP ||| SCORE`,
+        /// LINE counting input lines from 0, LP the sum of the token log-probabilities
+        /// (`<eos>` included) and SCORE that divided by the length penalty.
+        #[arg(long, value_name = "N",
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        nbest: Option<usize>,
         /// Sentences decoded together (sorted by length first), each with `beam` rows.
         /// 32 is fastest on 2 CPU cores; a GPU wants more.
         #[arg(long, default_value_t = kiln_runtime::train::TRANSLATE_BATCH,
@@ -674,6 +681,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             max_len_a,
             max_len_b,
             greedy,
+            nbest,
             batch,
             executor,
             threads,
@@ -688,6 +696,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 max_len_a,
                 max_len_b,
                 greedy,
+                nbest,
                 batch,
                 executor,
             })

@@ -11,10 +11,10 @@ use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::artifact::{is_artifact_dir, Artifact};
 use kiln_runtime::config::Config;
 use kiln_runtime::data::Tokenizer;
-use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
+use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
-use kiln_runtime::train::{prepare_tokenizer, translate_ids, ModelGraphs, Progress, Trainer};
+use kiln_runtime::train::{prepare_tokenizer, translate_nbest_ids, ModelGraphs, Progress, Trainer};
 
 use crate::plain;
 
@@ -306,6 +306,8 @@ pub struct TranslateArgs {
     pub max_len_a: f64,
     pub max_len_b: usize,
     pub greedy: bool,
+    /// Print the N best hypotheses of each sentence in the Moses n-best format.
+    pub nbest: Option<usize>,
     /// Sentences decoded together.
     pub batch: usize,
     pub executor: String,
@@ -332,6 +334,27 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         max_len_b: a.max_len_b,
         ..DecodeOptions::default()
     };
+    if let Some(n) = a.nbest {
+        let keep = if opts.greedy { 1 } else { opts.beam };
+        if n > keep {
+            return Err(plain(
+                "kiln::translate",
+                format!(
+                    "--nbest {n} asks for more hypotheses than the search keeps ({keep}, {})",
+                    if opts.greedy {
+                        "greedy".to_string()
+                    } else {
+                        format!("--beam {}", opts.beam)
+                    }
+                ),
+                Some(if opts.greedy {
+                    "drop --greedy, or ask for --nbest 1".to_string()
+                } else {
+                    format!("use --beam {n} or more, or --nbest {keep} or fewer")
+                }),
+            ));
+        }
+    }
     let lines: Vec<String> = match &a.input {
         Some(p) => std::fs::read_to_string(p)
             .map_err(|e| {
@@ -377,7 +400,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         );
         b
     });
-    let hyps = translate_ids(
+    let hyps = translate_nbest_ids(
         &*m.encode,
         &*m.step,
         &m.params,
@@ -385,6 +408,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         &opts,
         m.vocab,
         a.batch,
+        a.nbest.unwrap_or(1),
         &mut |n| {
             if let Some(b) = &bar {
                 b.set_position(n as u64);
@@ -396,15 +420,44 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         b.finish_and_clear();
     }
     let secs = started.elapsed().as_secs_f64();
-    let tokens: usize = hyps.iter().map(|h| h.len()).sum();
-    let mut out = vec![String::new(); lines.len()];
+    let tokens: usize = hyps
+        .iter()
+        .map(|h| h.first().map_or(0, |h| h.tokens.len()))
+        .sum();
+    // Per input line: its hypotheses (none for an empty line).
+    let mut out: Vec<Vec<Hypothesis>> = vec![Vec::new(); lines.len()];
     for (i, h) in which.into_iter().zip(hyps) {
-        out[i] = m.tokenizer.decode(&h);
+        out[i] = h;
     }
     let stdout = std::io::stdout();
     let mut w = std::io::BufWriter::new(stdout.lock());
-    for l in out {
-        writeln!(w, "{l}").map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
+    let write_err = |e: std::io::Error| plain("kiln::io", format!("cannot write: {e}"), None);
+    for (i, hyps) in out.iter().enumerate() {
+        match a.nbest {
+            None => {
+                let text = hyps
+                    .first()
+                    .map(|h| m.tokenizer.decode(&h.tokens))
+                    .unwrap_or_default();
+                writeln!(w, "{text}").map_err(write_err)?;
+            }
+            // An empty input line has the empty translation, with probability 1.
+            Some(_) if hyps.is_empty() => {
+                writeln!(w, "{i} |||  ||| log_prob= 0 ||| 0").map_err(write_err)?
+            }
+            Some(_) => {
+                for h in hyps {
+                    writeln!(
+                        w,
+                        "{i} ||| {} ||| log_prob= {} ||| {}",
+                        m.tokenizer.decode(&h.tokens),
+                        h.log_prob as f32,
+                        h.score as f32
+                    )
+                    .map_err(write_err)?;
+                }
+            }
+        }
     }
     w.flush()
         .map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;

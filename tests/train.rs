@@ -336,6 +336,39 @@ fn checkpoints_translate_average_and_export() {
     assert_eq!(String::from_utf8(one.stdout).unwrap(), out);
     let zero = kiln(&dir, &["translate", "--checkpoint", "run", "--batch", "0"]);
     assert_eq!(zero.status.code(), Some(2), "clap's usage error");
+    // The n best, Moses style: `LINE ||| TEXT ||| log_prob= LP ||| SCORE`, best first,
+    // the first being the 1-best translation, each score its log-probability over the
+    // GNMT penalty (at least 1 and at most that of the longest output, src + 4 tokens).
+    let nbest = translate(&["--nbest", "3"]);
+    assert!(nbest.status.success());
+    let text = String::from_utf8(nbest.stdout).unwrap();
+    let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split(" ||| ").collect()).collect();
+    assert_eq!(rows.len(), 3 + 1 + 3, "{text}");
+    assert_eq!(rows[3], ["1", "", "log_prob= 0", "0"], "the empty line");
+    for (line, first) in [(0usize, 0usize), (2, 4)] {
+        let mut last = f64::INFINITY;
+        for (k, row) in rows[first..first + 3].iter().enumerate() {
+            assert_eq!(row.len(), 4, "{text}");
+            assert_eq!(row[0], line.to_string());
+            if k == 0 {
+                assert_eq!(row[1], lines[line], "the best is the 1-best translation");
+            }
+            let lp: f64 = row[2].strip_prefix("log_prob= ").unwrap().parse().unwrap();
+            let score: f64 = row[3].parse().unwrap();
+            assert!(lp < 0.0 && score <= last, "{text}");
+            let max_div = ((5.0 + 3.0 + 4.0) / 6.0f64).powf(0.6);
+            assert!(score >= lp && score <= lp / max_div + 1e-4, "{text}");
+            last = score;
+        }
+    }
+    let wide = translate(&["--nbest", "5"]);
+    assert_eq!(wide.status.code(), Some(1));
+    let err = String::from_utf8(wide.stderr).unwrap();
+    assert!(
+        err.contains("--nbest 5 asks for more hypotheses than the search keeps (4, --beam 4)")
+            && err.contains("use --beam 5 or more, or --nbest 4 or fewer"),
+        "{err}"
+    );
     // Averaging two checkpoints gives their mean, as a model directory translate accepts.
     ok(
         &dir,

@@ -896,16 +896,55 @@ struct Live {
     row: usize,
 }
 
-/// Decodes every sentence of `src` (`[B, S]`, right-padded).
+/// Decodes every sentence of `src` (`[B, S]`, right-padded): each one's best hypothesis
+/// (an empty one scored −∞ if none finished).
 pub fn decode(
     model: &mut dyn StepModel,
     src: &Tensor,
     opts: &DecodeOptions,
 ) -> Result<Vec<Hypothesis>, DecodeError> {
+    Ok(decode_nbest(model, src, opts, 1)?
+        .into_iter()
+        .map(|f| {
+            f.into_iter().next().unwrap_or(Hypothesis {
+                tokens: vec![],
+                score: f64::NEG_INFINITY,
+                log_prob: f64::NEG_INFINITY,
+            })
+        })
+        .collect())
+}
+
+/// [`decode`], keeping each sentence's `n` best finished hypotheses, best first (as
+/// fairseq's and Marian's `--nbest`). The beam holds at most `beam` finished hypotheses
+/// (1 when greedy), so `n` must not exceed that; a sentence may end with fewer.
+pub fn decode_nbest(
+    model: &mut dyn StepModel,
+    src: &Tensor,
+    opts: &DecodeOptions,
+    n: usize,
+) -> Result<Vec<Vec<Hypothesis>>, DecodeError> {
     if opts.beam == 0 {
         return Err(DecodeError::Model(
             "the beam size must be at least 1".to_string(),
         ));
+    }
+    let keep = if opts.greedy { 1 } else { opts.beam };
+    if n == 0 || n > keep {
+        return Err(DecodeError::Model(format!(
+            "cannot keep the {n} best hypotheses of a {}: it finds at most {keep}; \
+             ask for 1 to {keep}{}",
+            if opts.greedy {
+                "greedy search".to_string()
+            } else {
+                format!("beam of {}", opts.beam)
+            },
+            if opts.greedy {
+                ""
+            } else {
+                ", or widen the beam"
+            }
+        )));
     }
     let lens = source_lengths(src, opts.pad)?;
     let b = lens.len();
@@ -1050,11 +1089,8 @@ pub fn decode(
         .into_iter()
         .map(|mut f| {
             f.sort_by(|a, b| b.score.total_cmp(&a.score));
-            f.into_iter().next().unwrap_or(Hypothesis {
-                tokens: vec![],
-                score: f64::NEG_INFINITY,
-                log_prob: f64::NEG_INFINITY,
-            })
+            f.truncate(n);
+            f
         })
         .collect())
 }
@@ -1126,6 +1162,75 @@ mod tests {
         // Beam 2: "b eos" = 0.4 * 0.9 = 0.36 beats "a eos" = 0.18 and every longer path.
         assert_eq!(r[0].tokens, vec![4]);
         assert!((r[0].log_prob - (0.36f64).ln()).abs() < 1e-12);
+    }
+
+    /// The n best of a beam, worked out by hand on the table of
+    /// `beam_finds_a_better_path_than_greedy`: with beam 2, "b eos" (0.4 · 0.9 = 0.36)
+    /// finishes at step 2 and "a b eos" (0.6 · 0.35 · 0.9 = 0.189) at step 3, when no
+    /// live hypothesis (at most 0.6 · 0.35 · 0.35 = 0.0735) can beat either.
+    #[test]
+    fn nbest_keeps_the_finished_hypotheses_best_first() {
+        let mut table = BTreeMap::new();
+        table.insert(1, probs([0.0, 0.0, 0.0, 0.6, 0.4]));
+        table.insert(3, probs([0.0, 0.0, 0.3, 0.35, 0.35]));
+        table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
+        let mut m = Table {
+            rows: vec![],
+            table,
+        };
+        let src = Tensor::i32(vec![2, 3], vec![5, 6, 7, 5, 0, 0]).unwrap();
+        let beam = DecodeOptions {
+            beam: 2,
+            penalty: LengthPenalty::None,
+            ..DecodeOptions::default()
+        };
+        let all = decode_nbest(&mut m, &src, &beam, 2).unwrap();
+        assert_eq!(all.len(), 2);
+        for hyps in &all {
+            let got: Vec<(Vec<i32>, f64)> = hyps
+                .iter()
+                .map(|h| (h.tokens.clone(), h.log_prob))
+                .collect();
+            assert_eq!(got.len(), 2);
+            assert_eq!(got[0].0, vec![4]);
+            assert!((got[0].1 - 0.36f64.ln()).abs() < 1e-12);
+            assert_eq!(got[1].0, vec![3, 4]);
+            assert!((got[1].1 - 0.189f64.ln()).abs() < 1e-12);
+        }
+        // The first of the n best is decode's hypothesis, score and all.
+        let one = decode(&mut m, &src, &beam).unwrap();
+        assert_eq!(one[0], all[0][0]);
+        let first = decode_nbest(&mut m, &src, &beam, 1).unwrap();
+        assert_eq!(first[1], vec![all[1][0].clone()]);
+        // With the GNMT penalty each score is its log-probability divided by
+        // ((5 + len) / 6)^0.6, len counting <eos>, and the list is sorted by score.
+        let gnmt = DecodeOptions {
+            beam: 2,
+            ..DecodeOptions::default()
+        };
+        let g = decode_nbest(&mut m, &src, &gnmt, 2).unwrap();
+        let div = |len: f64| ((5.0 + len) / 6.0f64).powf(0.6);
+        assert!(g[0][0].score >= g[0][1].score);
+        for h in &g[0] {
+            let len = h.tokens.len() as f64 + 1.0;
+            assert!((h.score - h.log_prob / div(len)).abs() < 1e-12);
+        }
+
+        for (opts, n, want) in [
+            (&beam, 3, "cannot keep the 3 best hypotheses of a beam of 2: it finds at most 2; ask for 1 to 2, or widen the beam"),
+            (&beam, 0, "cannot keep the 0 best hypotheses of a beam of 2"),
+            (
+                &DecodeOptions {
+                    greedy: true,
+                    ..DecodeOptions::default()
+                },
+                2,
+                "cannot keep the 2 best hypotheses of a greedy search: it finds at most 1; ask for 1 to 1",
+            ),
+        ] {
+            let err = decode_nbest(&mut m, &src, opts, n).unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+        }
     }
 
     #[test]

@@ -38,7 +38,7 @@ use crate::cuda::parallel::{micro_counter, DataParallel, RankJob};
 use crate::data::{
     load_parallel, BatchConfig, BatchPlan, Dataset, Example, ParallelCorpus, Tokenizer,
 };
-use crate::decode::{decode, DecodeOptions, LengthPenalty};
+use crate::decode::{decode_nbest, DecodeOptions, Hypothesis, LengthPenalty};
 use crate::entry::{entry_graph, Entry};
 use crate::exec::{executor, Exec, ExecutorKind};
 use crate::metrics::{read_metrics, truncate_after, Kind, MetricsWriter, Record};
@@ -1415,6 +1415,32 @@ pub fn translate_ids(
     batch: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<i32>>, TrainError> {
+    let best = translate_nbest_ids(encode, step, params, srcs, opts, vocab, batch, 1, done)?;
+    Ok(best
+        .into_iter()
+        .map(|hyps| {
+            hyps.into_iter()
+                .next()
+                .map(|h| h.tokens)
+                .unwrap_or_default()
+        })
+        .collect())
+}
+
+/// [`translate_ids`], keeping each sentence's `n` best hypotheses with their scores
+/// ([`crate::decode::decode_nbest`]), best first.
+#[allow(clippy::too_many_arguments)]
+pub fn translate_nbest_ids(
+    encode: &dyn Exec,
+    step: &dyn Exec,
+    params: &BTreeMap<String, Tensor>,
+    srcs: &[Vec<i32>],
+    opts: &DecodeOptions,
+    vocab: usize,
+    batch: usize,
+    n: usize,
+    done: &mut dyn FnMut(usize),
+) -> Result<Vec<Vec<Hypothesis>>, TrainError> {
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
     let mut out = vec![Vec::new(); srcs.len()];
@@ -1436,9 +1462,9 @@ pub fn translate_ids(
         }
         let src = Tensor::i32(vec![chunk.len(), width], ids)
             .map_err(|e| TrainError::Setup(e.to_string()))?;
-        let hyps = decode(model.as_mut(), &src, opts)?;
+        let hyps = decode_nbest(model.as_mut(), &src, opts, n)?;
         for (&i, h) in chunk.iter().zip(hyps) {
-            out[i] = h.tokens;
+            out[i] = h;
         }
         finished += chunk.len();
         done(finished);
