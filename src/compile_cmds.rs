@@ -583,8 +583,32 @@ pub fn inspect(
     plan_text: bool,
     nvrtc: bool,
 ) -> Result<(), Error> {
-    use kiln_runtime::artifact::Artifact;
-    let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
+    use kiln_runtime::artifact::{is_artifact_dir, Artifact};
+    if !is_artifact_dir(dir) && model::resolve(dir).is_ok() {
+        if plan_text || nvrtc {
+            return Err(plain(
+                "kiln::inspect",
+                format!(
+                    "`{}` is a model directory: it has graphs and weights, but no memory \
+                     plans or generated code for --plan or --nvrtc",
+                    dir.display()
+                ),
+                Some(format!(
+                    "compile it first: `kiln compile --from-model {} -o DIR`, then inspect DIR",
+                    dir.display()
+                )),
+            ));
+        }
+        return inspect_model(dir);
+    }
+    let art = Artifact::load(dir).map_err(|e| {
+        let help = (!is_artifact_dir(dir)).then(|| {
+            "`kiln inspect` also reads model directories: a checkpoint (`<run>/checkpoints/\
+             step_N`), a run directory or the output of `kiln average`"
+                .to_string()
+        });
+        plain("kiln::artifact", e.to_string(), help)
+    })?;
     let m = &art.manifest;
     let nvrtc_version = if nvrtc {
         if m.target != "cuda" {
@@ -825,4 +849,140 @@ fn elem_bytes(dtype: &str) -> usize {
         "bool" => 1,
         _ => 4,
     }
+}
+
+/// `kiln inspect` of a model directory: what the model is, its size, the training state
+/// of a checkpoint, and the run's last logged losses.
+fn inspect_model(path: &Path) -> Result<(), Error> {
+    let s = model::summarize(path).map_err(|e| plain("kiln::model", e.to_string(), None))?;
+    let what = match (&s.run_steps, &s.state) {
+        (Some(steps), _) if steps.len() == 1 => {
+            format!("the only checkpoint of run `{}`", path.display())
+        }
+        (Some(steps), _) => format!(
+            "the newest of the {} checkpoints of run `{}` (steps {})",
+            steps.len(),
+            path.display(),
+            steps
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        (None, Some(st)) => format!("a checkpoint (step {})", st.step),
+        (None, None) => "a model directory without training state (from `kiln average`)".into(),
+    };
+    println!("model directory {} — {what}", s.dir.display());
+    match &s.spec {
+        Some((spec, set)) => {
+            let set: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!(
+                "  model `{}` of {}{}",
+                s.model,
+                spec.display(),
+                if set.is_empty() {
+                    String::new()
+                } else {
+                    format!(" with {}", set.join(", "))
+                }
+            );
+        }
+        None => println!("  model `{}`", s.model),
+    }
+    println!(
+        "  parameters {} in {} tensors ({})",
+        thousands(s.parameters),
+        s.tensors,
+        kiln_compiler::memory::size(s.bytes)
+    );
+    println!(
+        "  vocabulary {} (tokenizer.json){}",
+        s.tokenizer_vocab,
+        match s.vocab {
+            Some(v) if v != s.tokenizer_vocab => format!("; the logits have {v} columns"),
+            _ => String::new(),
+        }
+    );
+    let graphs: Vec<String> = s
+        .graphs
+        .iter()
+        .map(|(name, nodes)| format!("{name} ({nodes} nodes)"))
+        .collect();
+    println!("  graphs {}", graphs.join(", "));
+    if let Some(st) = &s.state {
+        println!(
+            "  training step {}, epoch {} ({} batches into it), seed {}; {} source and {} \
+             target tokens seen; last learning rate {:.4e}",
+            st.step,
+            st.epoch + 1,
+            st.batch_in_epoch,
+            st.seed,
+            thousands(st.src_tokens_seen),
+            thousands(st.tgt_tokens_seen),
+            st.lr
+        );
+        let best = |v: Option<f64>, digits: usize| {
+            v.map_or("none yet".to_string(), |v| format!("{v:.digits$}"))
+        };
+        println!(
+            "  best validation loss {}, best BLEU {}{}",
+            best(st.best_val_loss, 4),
+            best(st.best_bleu, 2),
+            match (st.loss_scale, st.overflows) {
+                (Some(scale), n) => format!("; loss scale {scale}, {n} overflowing steps skipped"),
+                (None, _) => String::new(),
+            }
+        );
+        println!("  Adam moments for every parameter (optimizer.safetensors)");
+        if !s.extra_files.is_empty() {
+            println!("  extra files {}", s.extra_files.join(", "));
+        }
+    }
+    // The run's log: `<run>/metrics.jsonl`, beside `checkpoints/`.
+    let run = s
+        .dir
+        .parent()
+        .filter(|p| p.file_name().is_some_and(|n| n == "checkpoints"))
+        .and_then(Path::parent);
+    if let Some(log) = run.map(|r| r.join("metrics.jsonl")).filter(|p| p.is_file()) {
+        if let Ok(records) = kiln_runtime::metrics::read_metrics(&log) {
+            use kiln_runtime::metrics::Kind;
+            let last = |kind: Kind| records.iter().rev().find(|r| r.kind == kind);
+            let mut parts = Vec::new();
+            if let Some(r) = last(Kind::Train) {
+                if let Some(l) = r.loss {
+                    parts.push(format!("training loss {l:.4} at step {}", r.step));
+                }
+            }
+            if let Some(r) = last(Kind::Valid) {
+                let mut v = Vec::new();
+                if let Some(l) = r.loss {
+                    v.push(format!("loss {l:.4}"));
+                }
+                if let Some(b) = r.bleu {
+                    v.push(format!("BLEU {b:.2}"));
+                }
+                if !v.is_empty() {
+                    parts.push(format!("validation {} at step {}", v.join(", "), r.step));
+                }
+            }
+            if !parts.is_empty() {
+                println!("  last logged ({}): {}", log.display(), parts.join("; "));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `1234567` as `1,234,567`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }

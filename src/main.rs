@@ -139,10 +139,13 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Describe a compiled artifact: format, model, kernels, code size, memory plan and
-    /// arena bytes at given dims.
+    /// Describe a compiled artifact (format, model, kernels, code size, memory plan and
+    /// arena bytes at given dims) or a model directory (a checkpoint, a run's newest
+    /// checkpoint or `kiln average`'s output: model, parameters, vocabulary, training
+    /// state, the run's last logged losses), after checking it.
     Inspect {
-        /// The artifact directory (`kiln compile --entries … -o DIR`).
+        /// The artifact directory (`kiln compile --entries … -o DIR`), or a checkpoint,
+        /// run or averaged model directory.
         dir: PathBuf,
         /// Batch size for the arena sizes.
         #[arg(long, default_value_t = 32)]

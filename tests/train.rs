@@ -437,6 +437,56 @@ fn checkpoints_translate_average_and_export() {
     );
     let back = load_safetensors(&dir.join("back.safetensors")).unwrap();
     assert_eq!(back, m);
+
+    // `kiln inspect` reads model directories as well as artifacts: a run (its newest
+    // checkpoint, with the run's last logged losses), one checkpoint, an averaged model.
+    let params: u64 = m.values().map(|t| t.numel() as u64).sum();
+    let digits = params.to_string();
+    let params: String = digits
+        .chars()
+        .enumerate()
+        .flat_map(|(i, c)| {
+            let comma = i > 0 && (digits.len() - i).is_multiple_of(3);
+            comma.then_some(',').into_iter().chain([c])
+        })
+        .collect();
+    let run = ok(&dir, &["inspect", "run"]);
+    for want in [
+        "— the newest of the 2 checkpoints of run `run` (steps 10, 20)".to_string(),
+        format!("  parameters {params} in {} tensors (", m.len()),
+        "  graphs train_step (".to_string(),
+        "  training step 20, epoch ".to_string(),
+        "  Adam moments for every parameter".to_string(),
+        "  last logged (run/metrics.jsonl): training loss ".to_string(),
+    ] {
+        assert!(run.contains(&want), "{want:?} in\n{run}");
+    }
+    let one = ok(&dir, &["inspect", "run/checkpoints/step_00000010"]);
+    assert!(
+        one.contains("— a checkpoint (step 10)") && one.contains("  training step 10, "),
+        "{one}"
+    );
+    let avg = ok(&dir, &["inspect", "avg"]);
+    assert!(
+        avg.contains("— a model directory without training state (from `kiln average`)")
+            && !avg.contains("training step"),
+        "{avg}"
+    );
+    let plan = kiln(&dir, &["inspect", "avg", "--plan"]);
+    assert_eq!(plan.status.code(), Some(1));
+    let err = unwrapped(&plan.stderr);
+    assert!(
+        err.contains("is a model directory: it has graphs and weights, but no memory plans")
+            && err.contains("`kiln compile --from-model avg -o DIR`, then inspect DIR"),
+        "{err}"
+    );
+    let neither = kiln(&dir, &["inspect", "."]);
+    assert_eq!(neither.status.code(), Some(1));
+    let err = unwrapped(&neither.stderr);
+    assert!(
+        err.contains("is not a kiln artifact") && err.contains("also reads model directories"),
+        "{err}"
+    );
 }
 
 /// Training from a compiled artifact (`kiln compile --config`, `kiln train --artifact`,

@@ -159,6 +159,113 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     })
 }
 
+/// What `kiln inspect` says of a model directory (a checkpoint, a run's newest
+/// checkpoint, or the output of `kiln average`), after loading and checking it as
+/// `kiln translate` does.
+#[derive(Clone, Debug)]
+pub struct ModelSummary {
+    /// The model directory read.
+    pub dir: PathBuf,
+    /// When a run directory was given: its checkpoints' steps, oldest first.
+    pub run_steps: Option<Vec<u64>>,
+    /// The model's name in the spec.
+    pub model: String,
+    /// `config.yaml`'s `model.spec` and `model.set`, when the directory has one.
+    pub spec: Option<(PathBuf, BTreeMap<String, String>)>,
+    /// Parameter tensors, their elements and bytes.
+    pub tensors: usize,
+    pub parameters: u64,
+    pub bytes: u64,
+    /// The tokenizer's vocabulary and the logits' width.
+    pub tokenizer_vocab: usize,
+    pub vocab: Option<usize>,
+    /// Nodes of each entry point's graph.
+    pub graphs: Vec<(&'static str, usize)>,
+    /// The training state of a checkpoint (`None` for an averaged model).
+    pub state: Option<checkpoint::TrainState>,
+    /// Extra files saved in the checkpoint.
+    pub extra_files: Vec<String>,
+}
+
+/// Loads and checks the model directory `path` names (see [`resolve`]) and summarizes
+/// it. A checkpoint's optimizer state is loaded and checked too.
+pub fn summarize(path: &Path) -> Result<ModelSummary, ModelError> {
+    let dir = resolve(path)?;
+    let run_steps = if dir != path {
+        let root = if path.join("checkpoints").is_dir() {
+            path.join("checkpoints")
+        } else {
+            path.to_path_buf()
+        };
+        Some(checkpoint::list(&root)?.iter().map(|c| c.step).collect())
+    } else {
+        None
+    };
+    let m = load(&dir)?;
+    let (state, extra_files) = if dir.join(checkpoint::STATE_FILE).is_file() {
+        let c = checkpoint::load(&dir)?;
+        let extra = c
+            .extra_files
+            .into_iter()
+            .filter(|f| ![GRAPHS_FILE, TOKENIZER_FILE, CONFIG_FILE].contains(&f.as_str()))
+            .collect();
+        (Some(c.state), extra)
+    } else {
+        (None, Vec::new())
+    };
+    let spec = match std::fs::read_to_string(dir.join(CONFIG_FILE)) {
+        Ok(text) => {
+            let cfg: crate::config::Config =
+                serde_yaml::from_str(&text).map_err(|e| ModelError::Invalid {
+                    path: dir.join(CONFIG_FILE),
+                    message: format!("not a kiln training configuration ({e})"),
+                })?;
+            let set = cfg
+                .model
+                .set
+                .iter()
+                .map(|(k, v)| {
+                    let v = serde_yaml::to_string(v).unwrap_or_default();
+                    (k.clone(), v.trim().to_string())
+                })
+                .collect();
+            Some((cfg.model.spec, set))
+        }
+        Err(_) => None,
+    };
+    let g = &m.graphs;
+    Ok(ModelSummary {
+        run_steps,
+        model: g.model.clone(),
+        spec,
+        tensors: m.params.len(),
+        parameters: m.params.values().map(|t| t.numel() as u64).sum(),
+        bytes: m
+            .params
+            .values()
+            .map(|t| {
+                let width = match t.dtype_name() {
+                    "f64" | "i64" => 8,
+                    "bool" => 1,
+                    _ => 4,
+                };
+                (t.numel() * width) as u64
+            })
+            .sum(),
+        tokenizer_vocab: m.tokenizer.vocab_size(),
+        vocab: g.vocab(),
+        graphs: vec![
+            ("train_step", g.train_step.len()),
+            ("loss", g.loss.len()),
+            ("encode", g.encode.len()),
+            ("decode_step", g.decode_step.len()),
+        ],
+        state,
+        extra_files,
+        dir,
+    })
+}
+
 /// Writes a model directory: weights, graphs, tokenizer (atomically, file by file).
 pub fn save_dir(
     dir: &Path,
