@@ -318,6 +318,36 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
     },
+    /// Score reference translations with a trained model (teacher forcing, as fairseq's
+    /// --score-reference and marian-scorer): each pair's log-probability, one per line,
+    /// and the corpus cross-entropy and perplexity.
+    Score {
+        /// A checkpoint directory, a run directory (its newest checkpoint), the output of
+        /// `kiln average`, or a compiled artifact (`kiln compile --from-model`).
+        #[arg(long, visible_alias = "model")]
+        checkpoint: PathBuf,
+        /// Source sentences, one per line.
+        #[arg(long)]
+        src: PathBuf,
+        /// Their translations, one per line, as many lines as --src.
+        #[arg(long = "ref")]
+        reference: PathBuf,
+        /// Print each log-probability divided by the translation's length in tokens
+        /// (`<eos>` included) instead of the sum.
+        #[arg(long)]
+        normalize: bool,
+        /// Sentence pairs scored together (sorted by length first).
+        #[arg(long, default_value_t = kiln_runtime::train::TRANSLATE_BATCH,
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        batch: usize,
+        /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
+        /// cuda` artifact's kernels on the GPU).
+        #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference", "cuda"])]
+        executor: String,
+        /// Worker threads (default: one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
     /// Average the weights of checkpoints (the paper averages the last 5 or 20).
     Average {
         /// Checkpoint directories or safetensors weight files.
@@ -700,6 +730,25 @@ fn run(cli: Cli) -> Result<(), Error> {
                 max_len_b,
                 greedy,
                 nbest,
+                batch,
+                executor,
+            })
+        }
+        Command::Score {
+            checkpoint,
+            src,
+            reference,
+            normalize,
+            batch,
+            executor,
+            threads,
+        } => {
+            set_threads(threads)?;
+            train_cmds::score(train_cmds::ScoreArgs {
+                checkpoint,
+                src,
+                reference,
+                normalize,
                 batch,
                 executor,
             })

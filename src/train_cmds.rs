@@ -14,7 +14,9 @@ use kiln_runtime::data::Tokenizer;
 use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
-use kiln_runtime::train::{prepare_tokenizer, translate_nbest_ids, ModelGraphs, Progress, Trainer};
+use kiln_runtime::train::{
+    prepare_tokenizer, score_ids, translate_nbest_ids, ModelGraphs, Progress, Trainer,
+};
 
 use crate::plain;
 
@@ -313,6 +315,147 @@ pub struct TranslateArgs {
     pub executor: String,
 }
 
+/// The lines of a text file (standard input for `None`), without `\r` line ends.
+fn read_text_lines(path: Option<&Path>) -> Result<Vec<String>, Error> {
+    match path {
+        Some(p) => Ok(std::fs::read_to_string(p)
+            .map_err(|e| {
+                plain(
+                    "kiln::io",
+                    format!("cannot read `{}`: {e}", p.display()),
+                    None,
+                )
+            })?
+            .lines()
+            .map(|l| l.trim_end_matches('\r').to_string())
+            .collect()),
+        None => std::io::stdin()
+            .lock()
+            .lines()
+            .map(|l| l.map(|l| l.trim_end_matches('\r').to_string()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| plain("kiln::io", format!("cannot read standard input: {e}"), None)),
+    }
+}
+
+pub struct ScoreArgs {
+    pub checkpoint: PathBuf,
+    pub src: PathBuf,
+    pub reference: PathBuf,
+    pub normalize: bool,
+    pub batch: usize,
+    pub executor: String,
+}
+
+/// `kiln score`: the log-probability of each reference under teacher forcing.
+pub fn score(a: ScoreArgs) -> Result<(), Error> {
+    let kind = match a.executor.as_str() {
+        "cuda" => None,
+        e => Some(ExecutorKind::parse(e).unwrap_or(ExecutorKind::Compiled)),
+    };
+    let srcs_text = read_text_lines(Some(&a.src))?;
+    let refs_text = read_text_lines(Some(&a.reference))?;
+    if srcs_text.len() != refs_text.len() {
+        return Err(plain(
+            "kiln::score",
+            format!(
+                "`{}` has {} lines but `{}` has {}",
+                a.src.display(),
+                srcs_text.len(),
+                a.reference.display(),
+                refs_text.len()
+            ),
+            Some("give one translation per source line, in the same order".to_string()),
+        ));
+    }
+    let m = translator(&a.checkpoint, kind)?;
+    let opts = DecodeOptions::default();
+    let encode = |file: &Path, i: usize, line: &str| {
+        m.tokenizer.encode(line).map_err(|e| {
+            plain(
+                "kiln::score",
+                format!("{} line {}: {e}", file.display(), i + 1),
+                None,
+            )
+        })
+    };
+    // Pairs with an empty source are not scored (a model has no source to attend to):
+    // their output line stays empty.
+    let (mut srcs, mut refs, mut which) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (s, r)) in srcs_text.iter().zip(&refs_text).enumerate() {
+        if s.trim().is_empty() {
+            continue;
+        }
+        srcs.push(encode(&a.src, i, s)?);
+        refs.push(encode(&a.reference, i, r)?);
+        which.push(i);
+    }
+    let started = std::time::Instant::now();
+    let bar = (std::io::stderr().is_terminal() && srcs.len() > a.batch).then(|| {
+        let b = indicatif::ProgressBar::new(srcs.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:30}] {pos}/{len} sentence pairs",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        b
+    });
+    let scores = score_ids(
+        &*m.encode,
+        &*m.step,
+        &m.params,
+        &srcs,
+        &refs,
+        &opts,
+        m.vocab,
+        a.batch,
+        &mut |n| {
+            if let Some(b) = &bar {
+                b.set_position(n as u64);
+            }
+        },
+    )
+    .map_err(err("kiln::score"))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let mut out = vec![String::new(); srcs_text.len()];
+    let (mut total, mut tokens) = (0.0f64, 0usize);
+    for ((&i, r), s) in which.iter().zip(&refs).zip(&scores) {
+        let len = r.len() + 1;
+        total += s;
+        tokens += len;
+        let v = if a.normalize { s / len as f64 } else { *s };
+        out[i] = format!("{}", v as f32);
+    }
+    let stdout = std::io::stdout();
+    let mut w = std::io::BufWriter::new(stdout.lock());
+    let write_err = |e: std::io::Error| plain("kiln::io", format!("cannot write: {e}"), None);
+    for l in out {
+        writeln!(w, "{l}").map_err(write_err)?;
+    }
+    w.flush().map_err(write_err)?;
+    let skipped = srcs_text.len() - which.len();
+    let xent = -total / tokens.max(1) as f64;
+    eprintln!(
+        "scored {} sentence pair{} ({tokens} target tokens with <eos>{}) in {secs:.1} s: \
+         cross-entropy {xent:.4} nats/token, perplexity {:.2} ({})",
+        which.len(),
+        if which.len() == 1 { "" } else { "s" },
+        if skipped > 0 {
+            format!("; {skipped} with an empty source left blank")
+        } else {
+            String::new()
+        },
+        xent.exp(),
+        a.executor,
+    );
+    Ok(())
+}
+
 pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     let kind = match a.executor.as_str() {
         "cuda" => None,
@@ -355,25 +498,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             ));
         }
     }
-    let lines: Vec<String> = match &a.input {
-        Some(p) => std::fs::read_to_string(p)
-            .map_err(|e| {
-                plain(
-                    "kiln::io",
-                    format!("cannot read `{}`: {e}", p.display()),
-                    None,
-                )
-            })?
-            .lines()
-            .map(|l| l.trim_end_matches('\r').to_string())
-            .collect(),
-        None => std::io::stdin()
-            .lock()
-            .lines()
-            .map(|l| l.map(|l| l.trim_end_matches('\r').to_string()))
-            .collect::<Result<_, _>>()
-            .map_err(|e| plain("kiln::io", format!("cannot read standard input: {e}"), None))?,
-    };
+    let lines = read_text_lines(a.input.as_deref())?;
     let mut srcs = Vec::new();
     let mut which = Vec::new();
     for (i, l) in lines.iter().enumerate() {

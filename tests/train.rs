@@ -361,6 +361,64 @@ fn checkpoints_translate_average_and_export() {
             last = score;
         }
     }
+    // `kiln score` of the translations gives back the log-probabilities the search
+    // reported; the empty line stays empty.
+    std::fs::write(dir.join("hyp.txt"), &out).unwrap();
+    let scored = kiln(
+        &dir,
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "in.txt",
+            "--ref",
+            "hyp.txt",
+            "--executor",
+            "reference",
+        ],
+    );
+    assert!(scored.status.success(), "{}", unwrapped(&scored.stderr));
+    let text_scores = String::from_utf8(scored.stdout).unwrap();
+    let scores: Vec<&str> = text_scores.lines().collect();
+    assert_eq!(scores.len(), 3, "{text_scores}");
+    assert_eq!(scores[1], "");
+    for (line, first) in [(0usize, 0usize), (2, 4)] {
+        let want: f64 = rows[first][2]
+            .strip_prefix("log_prob= ")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let got: f64 = scores[line].parse().unwrap();
+        assert!((got - want).abs() <= 1e-5 * want.abs(), "{got} vs {want}");
+    }
+    let err = String::from_utf8(scored.stderr).unwrap();
+    assert!(
+        err.starts_with("scored 2 sentence pairs (")
+            && err.contains("; 1 with an empty source left blank) in ")
+            && err.contains(" nats/token, perplexity "),
+        "{err}"
+    );
+    std::fs::write(dir.join("short.txt"), "only one line\n").unwrap();
+    let mismatch = kiln(
+        &dir,
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "in.txt",
+            "--ref",
+            "short.txt",
+        ],
+    );
+    assert_eq!(mismatch.status.code(), Some(1));
+    let err = unwrapped(&mismatch.stderr);
+    assert!(
+        err.contains("`in.txt` has 3 lines but `short.txt` has 1")
+            && err.contains("give one translation per source line"),
+        "{err}"
+    );
     let wide = translate(&["--nbest", "5"]);
     assert_eq!(wide.status.code(), Some(1));
     let err = String::from_utf8(wide.stderr).unwrap();

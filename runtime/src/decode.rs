@@ -889,6 +889,67 @@ fn source_lengths(src: &Tensor, pad: i32) -> Result<Vec<usize>, DecodeError> {
         .collect())
 }
 
+/// The log-probability the model gives each reference translation under teacher
+/// forcing: Σₜ log p(refₜ | ref₍<ₜ₎, src) over the reference's tokens and the final
+/// `<eos>`, what fairseq's `--score-reference` and `marian-scorer` compute. `refs[i]`
+/// (token ids, without `<bos>` and `<eos>`) is the reference of row `i` of `src`
+/// (`[B, S]`, right-padded). The rows are fed through the same cached steps as beam
+/// search, so a hypothesis that search found scores its reported log-probability.
+pub fn score(
+    model: &mut dyn StepModel,
+    src: &Tensor,
+    refs: &[Vec<i32>],
+    opts: &DecodeOptions,
+) -> Result<Vec<f64>, DecodeError> {
+    let b = source_lengths(src, opts.pad)?.len();
+    if refs.len() != b {
+        return Err(DecodeError::Model(format!(
+            "{} references for {b} source sentences",
+            refs.len()
+        )));
+    }
+    model.start(src)?;
+    let v = model.vocab();
+    let mut total = vec![0.0f64; b];
+    // The sentence each row scores; at the first step a row continues its sentence.
+    let mut rows: Vec<usize> = (0..b).collect();
+    let mut parents: Vec<usize> = (0..b).collect();
+    let mut t = 0usize;
+    while !rows.is_empty() {
+        let tokens: Vec<i32> = rows
+            .iter()
+            .map(|&s| if t == 0 { opts.bos } else { refs[s][t - 1] })
+            .collect();
+        let logp = model.step(&tokens, &parents)?;
+        if logp.len() != rows.len() * v {
+            return Err(DecodeError::Model(format!(
+                "the step model returned {} scores for {} rows of vocabulary {v}",
+                logp.len(),
+                rows.len()
+            )));
+        }
+        let (mut next_rows, mut next_parents) = (Vec::new(), Vec::new());
+        for (r, &s) in rows.iter().enumerate() {
+            let target = refs[s].get(t).copied().unwrap_or(opts.eos);
+            let Some(col) = usize::try_from(target).ok().filter(|&c| c < v) else {
+                return Err(DecodeError::Model(format!(
+                    "reference {s} has token id {target} at position {t}, outside the \
+                     vocabulary of {v}"
+                )));
+            };
+            total[s] += logp[r * v + col];
+            if t < refs[s].len() {
+                next_rows.push(s);
+                next_parents.push(r);
+            }
+        }
+        rows = next_rows;
+        parents = next_parents;
+        t += 1;
+    }
+    Ok(total)
+}
+
 #[derive(Clone, Debug)]
 struct Live {
     tokens: Vec<i32>,
@@ -1231,6 +1292,61 @@ mod tests {
             let err = decode_nbest(&mut m, &src, opts, n).unwrap_err().to_string();
             assert!(err.contains(want), "{err}");
         }
+    }
+
+    /// Teacher-forced scores, by hand on the table of
+    /// `beam_finds_a_better_path_than_greedy`; a hypothesis of beam search scores the
+    /// log-probability the search reported.
+    #[test]
+    fn score_sums_the_log_probabilities_of_the_reference_and_eos() {
+        let mut table = BTreeMap::new();
+        table.insert(1, probs([0.0, 0.0, 0.0, 0.6, 0.4]));
+        table.insert(3, probs([0.0, 0.0, 0.3, 0.35, 0.35]));
+        table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
+        let mut m = Table {
+            rows: vec![],
+            table,
+        };
+        let src = Tensor::i32(vec![3, 2], vec![5, 6, 5, 0, 7, 8]).unwrap();
+        let opts = DecodeOptions::default();
+        let refs = vec![vec![3, 3, 4], vec![], vec![4]];
+        let got = score(&mut m, &src, &refs, &opts).unwrap();
+        assert!(
+            (got[0] - (0.6f64 * 0.35 * 0.35 * 0.9).ln()).abs() < 1e-12,
+            "{got:?}"
+        );
+        // <eos> straight after <bos> has probability 0 in the table (log -1e9).
+        assert_eq!(got[1], -1e9);
+        assert!((got[2] - (0.4f64 * 0.9).ln()).abs() < 1e-12, "{got:?}");
+        let beam = DecodeOptions {
+            beam: 2,
+            ..DecodeOptions::default()
+        };
+        let best = decode_nbest(&mut m, &src, &beam, 2).unwrap();
+        for (i, hyps) in best.iter().enumerate() {
+            for h in hyps {
+                let mut one = src.clone();
+                one.shape = vec![1, 2];
+                let row = match &src.data {
+                    TensorData::I32(v) => v[2 * i..2 * i + 2].to_vec(),
+                    _ => unreachable!(),
+                };
+                one.data = TensorData::I32(row);
+                let s = score(&mut m, &one, std::slice::from_ref(&h.tokens), &opts).unwrap();
+                assert!((s[0] - h.log_prob).abs() < 1e-12);
+            }
+        }
+        let err = score(&mut m, &src, &refs[..2], &opts).unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("2 references for 3 source sentences"));
+        let bad = vec![vec![3], vec![9], vec![]];
+        let err = score(&mut m, &src, &bad, &opts).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("reference 1 has token id 9 at position 0, outside the vocabulary of 5"),
+            "{err}"
+        );
     }
 
     #[test]

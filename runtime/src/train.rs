@@ -1472,6 +1472,58 @@ pub fn translate_nbest_ids(
     Ok(out)
 }
 
+/// Scores reference translations ([`crate::decode::score`]) in batches of `batch`
+/// sentence pairs of similar source length; log-probabilities in input order. `done(n)`
+/// is called after each batch with the number of pairs scored so far.
+#[allow(clippy::too_many_arguments)]
+pub fn score_ids(
+    encode: &dyn Exec,
+    step: &dyn Exec,
+    params: &BTreeMap<String, Tensor>,
+    srcs: &[Vec<i32>],
+    refs: &[Vec<i32>],
+    opts: &DecodeOptions,
+    vocab: usize,
+    batch: usize,
+    done: &mut dyn FnMut(usize),
+) -> Result<Vec<f64>, TrainError> {
+    if srcs.len() != refs.len() {
+        return Err(TrainError::Setup(format!(
+            "{} source sentences but {} references",
+            srcs.len(),
+            refs.len()
+        )));
+    }
+    let mut order: Vec<usize> = (0..srcs.len()).collect();
+    order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
+    let mut out = vec![0.0; srcs.len()];
+    let mut model = crate::decode::cached_step(encode, step, params, vocab);
+    let mut finished = 0;
+    for chunk in order.chunks(batch.max(1)) {
+        let width = chunk
+            .iter()
+            .map(|&i| srcs[i].len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut ids = Vec::with_capacity(chunk.len() * width);
+        for &i in chunk {
+            ids.extend(&srcs[i]);
+            ids.extend(std::iter::repeat_n(opts.pad, width - srcs[i].len()));
+        }
+        let src = Tensor::i32(vec![chunk.len(), width], ids)
+            .map_err(|e| TrainError::Setup(e.to_string()))?;
+        let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();
+        let scores = crate::decode::score(model.as_mut(), &src, &chunk_refs, opts)?;
+        for (&i, s) in chunk.iter().zip(scores) {
+            out[i] = s;
+        }
+        finished += chunk.len();
+        done(finished);
+    }
+    Ok(out)
+}
+
 /// Elements per parallel task of the gradient passes.
 const ACC_CHUNK: usize = 1 << 16;
 
