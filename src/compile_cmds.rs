@@ -870,7 +870,10 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
                 .join(", ")
         ),
         (None, Some(st)) => format!("a checkpoint (step {})", st.step),
-        (None, None) => "a model directory without training state (from `kiln average`)".into(),
+        (None, None) => {
+            "a model directory without training state (`kiln average`'s output, or a run's best/)"
+                .into()
+        }
     };
     println!("model directory {} — {what}", s.dir.display());
     match &s.spec {

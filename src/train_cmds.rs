@@ -161,6 +161,13 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
         if let Some(c) = s.checkpoint {
             println!("checkpoint: {}", c.display());
         }
+        if let Some(b) = s.best {
+            println!("best model so far: {}", b.display());
+        }
+    }
+    // Said even with --quiet: the run ended before max_steps.
+    if let Some(why) = s.early_stop {
+        eprintln!("{why}");
     }
     Ok(())
 }

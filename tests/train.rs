@@ -526,7 +526,7 @@ fn checkpoints_translate_average_and_export() {
     );
     let avg = ok(&dir, &["inspect", "avg"]);
     assert!(
-        avg.contains("— a model directory without training state (from `kiln average`)")
+        avg.contains("— a model directory without training state (`kiln average`'s output, or a run's best/)")
             && !avg.contains("training step"),
         "{avg}"
     );
@@ -701,4 +701,134 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
     // One without the training entries is refused, naming them.
     let err = refused("tart", "run3");
     assert!(err.contains("train_step, loss"), "{err}");
+}
+
+/// `valid.patience` stops a run after that many validations in a row without a better
+/// `valid.metric`, with a checkpoint where it stopped; a resumed run stays stopped until
+/// the patience is raised. `checkpoint.best` keeps the best validation's model in
+/// `<run>/best/`, which translates like any model directory.
+#[test]
+fn patience_stops_a_run_and_the_best_model_is_kept() {
+    // A learning rate of about 1e-30 leaves every f32 weight as it was, so the
+    // validation loss never improves after the first validation.
+    let dir = workspace("patience", "");
+    edit_cfg(&dir, "factor: 1.0", "factor: 1.0e-30");
+    edit_cfg(
+        &dir,
+        "valid: {every: 10,",
+        "valid: {every: 2, bleu: false, patience: 2,",
+    );
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert!(out.status.success(), "{}", unwrapped(&out.stderr));
+    let err = unwrapped(&out.stderr);
+    assert!(
+        err.contains("stopped early at step 6: 2 validations in a row without a better loss than ")
+            && err.contains("(step 2); valid.patience is 2"),
+        "{err}"
+    );
+    let steps: Vec<u64> = checkpoint::list(&dir.join("run/checkpoints"))
+        .unwrap()
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, [6], "a checkpoint where the run stopped");
+    let state =
+        std::fs::read_to_string(dir.join("run/checkpoints/step_00000006/state.yaml")).unwrap();
+    assert!(
+        state.contains("best_step: 2") && state.contains("bad_validations: 2"),
+        "{state}"
+    );
+    let losses = logged_losses(&dir);
+    let valid: Vec<f64> = losses
+        .iter()
+        .filter(|(k, _)| k.ends_with("valid"))
+        .map(|(_, l)| *l)
+        .collect();
+    assert_eq!(valid.len(), 3, "{losses:?}");
+    assert!(valid.iter().all(|&l| l == valid[0]), "{valid:?}");
+    assert!(dir.join("run/best/model.safetensors").is_file());
+
+    // Resumed, it stays stopped; with more patience it trains to the next validation.
+    let again = kiln(&dir, &["train", "--resume", "run", "--quiet"]);
+    assert!(again.status.success());
+    let err = unwrapped(&again.stderr);
+    assert!(
+        err.contains("stopped early at step 6") && err.contains("raise valid.patience"),
+        "{err}"
+    );
+    let cfg = dir.join("run/config.yaml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(text.contains("patience: 2"), "{text}");
+    std::fs::write(&cfg, text.replace("patience: 2", "patience: 3")).unwrap();
+    let more = kiln(&dir, &["train", "--resume", "run", "--quiet"]);
+    assert!(more.status.success(), "{}", unwrapped(&more.stderr));
+    assert!(
+        unwrapped(&more.stderr).contains("stopped early at step 8: 3 validations in a row"),
+        "{}",
+        unwrapped(&more.stderr)
+    );
+
+    // An ordinary run: the best model is that of the best validation, and translates.
+    let dir = workspace("best_model", "");
+    edit_cfg(
+        &dir,
+        "valid: {every: 10,",
+        "valid: {every: 10, bleu: false,",
+    );
+    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let state =
+        std::fs::read_to_string(dir.join("run/checkpoints/step_00000020/state.yaml")).unwrap();
+    let best_step: u64 = state
+        .lines()
+        .find_map(|l| l.strip_prefix("best_step: "))
+        .expect("best_step in state.yaml")
+        .parse()
+        .unwrap();
+    let valid: Vec<(String, f64)> = logged_losses(&dir)
+        .into_iter()
+        .filter(|(k, _)| k.ends_with("valid"))
+        .collect();
+    let (best_key, _) = valid
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap()
+        .clone();
+    assert_eq!(best_key, format!("{best_step} valid"), "{valid:?}");
+    let best = load_safetensors(&dir.join("run/best/model.safetensors")).unwrap();
+    let at_best = load_safetensors(&dir.join(format!(
+        "run/checkpoints/step_{best_step:08}/model.safetensors"
+    )))
+    .unwrap();
+    assert_eq!(best, at_best);
+    std::fs::write(dir.join("in.txt"), "s1 s2 s3\n").unwrap();
+    let t = ok(
+        &dir,
+        &[
+            "translate",
+            "--checkpoint",
+            "run/best",
+            "--input",
+            "in.txt",
+            "--executor",
+            "reference",
+            "--max-len-b",
+            "4",
+        ],
+    );
+    assert_eq!(t.lines().count(), 1);
+
+    // `metric: bleu` needs BLEU computed.
+    let dir = workspace("metric_bleu", "");
+    edit_cfg(
+        &dir,
+        "valid: {every: 10,",
+        "valid: {every: 10, bleu: false, metric: bleu,",
+    );
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = unwrapped(&out.stderr);
+    assert!(
+        err.contains("valid.metric is `bleu` but valid.bleu is false"),
+        "{err}"
+    );
 }

@@ -64,6 +64,12 @@ pub struct TrainState {
     pub best_val_loss: Option<f64>,
     /// The best validation BLEU so far.
     pub best_bleu: Option<f64>,
+    /// The step of the best validation so far (by `valid.metric`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub best_step: Option<u64>,
+    /// Validations in a row since the last better one (`valid.patience` stops the run).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub bad_validations: u64,
     /// A digest of the training configuration, to refuse resuming under another one.
     pub config_digest: String,
     /// Dynamic loss scaling (`train.loss_scale`): the scale of the next step.

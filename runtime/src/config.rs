@@ -224,6 +224,9 @@ pub struct CheckpointConfig {
     pub every: u64,
     /// How many checkpoints to keep (the paper averages the last 5 or 20).
     pub keep: usize,
+    /// Keep the model of the best validation (`valid.metric`) in `<run>/best/`, a model
+    /// directory that `kiln translate` reads (fairseq's `checkpoint_best.pt`).
+    pub best: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -232,6 +235,7 @@ impl Default for CheckpointConfig {
             dir: PathBuf::from("runs/run"),
             every: 1000,
             keep: 5,
+            best: true,
         }
     }
 }
@@ -250,6 +254,12 @@ pub struct ValidConfig {
     pub max_len_b: usize,
     /// Validate on the first this many validation pairs (0: all of them).
     pub max_sentences: usize,
+    /// What "best" means for `checkpoint.best` and `patience`: `loss` (the validation
+    /// loss, lower is better) or `bleu` (higher is better; needs `bleu: true`).
+    pub metric: String,
+    /// Stop training after this many validations in a row without a better `metric`
+    /// (fairseq's `--patience`, Marian's `--early-stopping`); 0 never stops early.
+    pub patience: u64,
 }
 
 impl Default for ValidConfig {
@@ -263,6 +273,8 @@ impl Default for ValidConfig {
             max_len_a: 1.0,
             max_len_b: 50,
             max_sentences: 0,
+            metric: "loss".to_string(),
+            patience: 0,
         }
     }
 }
@@ -356,6 +368,16 @@ impl Config {
                 "valid.length_penalty is `{}`; use gnmt, len_pow or none",
                 self.valid.length_penalty
             ));
+        }
+        match self.valid.metric.as_str() {
+            "loss" => {}
+            "bleu" if self.valid.bleu => {}
+            "bleu" => bad.push(
+                "valid.metric is `bleu` but valid.bleu is false: set `bleu: true` to \
+                 compute it, or use `metric: loss`"
+                    .to_string(),
+            ),
+            other => bad.push(format!("valid.metric is `{other}`; use loss or bleu")),
         }
         if !["eager", "reference", "compiled", "cuda"].contains(&self.train.executor.as_str()) {
             bad.push(format!(

@@ -152,6 +152,10 @@ pub struct Summary {
     pub overflows: u64,
     /// The loss scale at the end (loss scaling).
     pub loss_scale: Option<f64>,
+    /// Why the run stopped before `train.max_steps` for `valid.patience`.
+    pub early_stop: Option<String>,
+    /// `<run>/best/` when this run wrote it.
+    pub best: Option<PathBuf>,
 }
 
 /// `train.loss_scale` needs a `train_step` seeded by the `loss_scale` input.
@@ -1095,7 +1099,56 @@ impl Trainer {
         Ok(ck.dir)
     }
 
-    /// Trains until `train.max_steps` (or `train.max_seconds`).
+    /// Writes the current parameters as the model directory `<run>/best/`.
+    fn save_best(&self) -> Result<PathBuf, TrainError> {
+        let dir = self.dir.join("best");
+        let tok = self.tokenizer.to_json()?;
+        crate::model::save_dir(&dir, &self.params, &self.graphs_json, tok.as_bytes()).map_err(
+            |e| TrainError::Write {
+                path: dir.clone(),
+                message: e.to_string(),
+            },
+        )?;
+        let cfg_yaml = serde_yaml::to_string(&self.cfg).expect("config serializes");
+        write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| {
+            TrainError::Write {
+                path: dir.join(CONFIG_FILE),
+                message: e.to_string(),
+            }
+        })?;
+        Ok(dir)
+    }
+
+    /// What `valid.patience` says of the validations so far: `Some(why)` once that many
+    /// in a row were no better than the best.
+    fn patience_spent(&self) -> Option<String> {
+        let patience = self.cfg.valid.patience;
+        if patience == 0 || self.state.bad_validations < patience {
+            return None;
+        }
+        let (name, best) = if self.cfg.valid.metric == "bleu" {
+            ("BLEU", self.state.best_bleu.map(|b| format!("{b:.2}")))
+        } else {
+            ("loss", self.state.best_val_loss.map(|l| format!("{l:.4}")))
+        };
+        Some(format!(
+            "stopped early at step {}: {} validation{} in a row without a better {name} than \
+             {} (step {}); valid.patience is {patience}",
+            self.state.step,
+            self.state.bad_validations,
+            if self.state.bad_validations == 1 {
+                ""
+            } else {
+                "s"
+            },
+            best.unwrap_or_else(|| "none".into()),
+            self.state
+                .best_step
+                .map_or_else(|| "?".to_string(), |s| s.to_string()),
+        ))
+    }
+
+    /// Trains until `train.max_steps` (or `train.max_seconds`, or `valid.patience`).
     pub fn run(&mut self) -> Result<Summary, TrainError> {
         let total = self.cfg.train.max_steps;
         let started = Instant::now();
@@ -1129,6 +1182,15 @@ impl Trainer {
         let (mut interval_loss, mut interval_tokens, mut interval_steps) = (0.0f64, 0usize, 0u64);
         let mut interval_start = Instant::now();
         let (mut all_tokens, mut train_time) = (0usize, 0.0f64);
+        // A resumed run whose patience was already spent stays stopped.
+        if let Some(why) = self.patience_spent() {
+            summary.steps = self.state.step;
+            summary.early_stop = Some(format!(
+                "{why}; raise valid.patience to train on from this checkpoint"
+            ));
+            return Ok(summary);
+        }
+        let mut stop_early = false;
         while self.state.step < total {
             if self.cfg.train.max_seconds > 0
                 && started.elapsed().as_secs() >= self.cfg.train.max_seconds
@@ -1205,6 +1267,17 @@ impl Trainer {
                 let (vl, vb) = self.validate()?;
                 summary.valid_loss = Some(vl);
                 summary.valid_bleu = vb;
+                let improved = if self.cfg.valid.metric == "bleu" {
+                    vb.is_some_and(|b| self.state.best_bleu.is_none_or(|x| b > x))
+                } else {
+                    self.state.best_val_loss.is_none_or(|x| vl < x)
+                };
+                if improved {
+                    self.state.best_step = Some(step);
+                    self.state.bad_validations = 0;
+                } else {
+                    self.state.bad_validations += 1;
+                }
                 self.state.best_val_loss = Some(self.state.best_val_loss.map_or(vl, |b| b.min(vl)));
                 if let Some(b) = vb {
                     self.state.best_bleu = Some(self.state.best_bleu.map_or(b, |x| x.max(b)));
@@ -1232,15 +1305,25 @@ impl Trainer {
                     None => {}
                 }
                 self.plot()?;
+                if improved && self.cfg.checkpoint.best {
+                    summary.best = Some(self.save_best()?);
+                }
+                if let Some(why) = self.patience_spent() {
+                    summary.early_stop = Some(why);
+                    stop_early = true;
+                }
             }
             if step.is_multiple_of(self.cfg.checkpoint.every) || last {
                 self.sync_device()?;
                 summary.checkpoint = Some(self.save_checkpoint()?);
             }
+            if stop_early {
+                break;
+            }
         }
         // The host's parameters and moments are the run's from here on.
         self.sync_device()?;
-        // Stopped by the time limit: keep what was done.
+        // Stopped by the time limit or for patience: keep what was done.
         if self.state.step < total
             && summary
                 .checkpoint
