@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The PyTorch model that `kiln export --format torch` weights load into, and back.
+r"""The PyTorch model that `kiln export --format torch` weights load into, and back.
 
 kiln's Transformer (models/transformer_base.kiln) is, in PyTorch terms: an nn.Embedding
 shared three ways (source, target, pre-softmax projection) scaled by sqrt(d_model),
@@ -12,8 +12,13 @@ model; its state dict has exactly the names `kiln export` writes and `kiln impor
 
     # kiln -> PyTorch: logits and loss of kiln's weights, on kiln's inputs
     kiln export --format torch runs/multi30k_small/average -o torch.safetensors
-    python3 examples/pytorch_interop.py forward --weights torch.safetensors --heads 8 \
+    python3 examples/pytorch_interop.py forward --weights torch.safetensors --heads 4 \
         --inputs batch.safetensors -o torch_out.safetensors
+
+    # The paper's recipe (Adam 0.9/0.98/1e-9, warmup schedule, label smoothing) for a
+    # few steps on one batch, from the same first weights as a kiln run
+    python3 examples/pytorch_interop.py train --weights first.safetensors --heads 8 \
+        --inputs batch.safetensors --steps 10 --warmup 4000 -o trained.safetensors
 
     # PyTorch -> kiln: a model with every weight random, then the same in kiln
     python3 examples/pytorch_interop.py random --vocab 64 --d-model 32 --d-ff 64 \
@@ -228,6 +233,38 @@ def cmd_forward(args):
     print(f"logits {list(logits.shape)}" + (f", loss {out['loss'].item():.6f}" if "loss" in out else ""))
 
 
+def noam(step, d_model, warmup, factor):
+    """The paper's learning rate (§5.3), as kiln's `schedule`: step counts from 1."""
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def cmd_train(args):
+    torch.set_num_threads(max(1, args.threads))
+    state = load_safetensors(args.weights)
+    dims = shape_of(state, args.heads)
+    model = KilnTransformer(**dims, pad=args.pad, eps_ls=args.eps_ls)
+    model.load_state_dict(state, strict=True)
+    model.train()  # no dropout layers fire: dropout is 0
+    batch = load_safetensors(args.inputs)
+    src, tgt_in, tgt_out = batch["src"].long(), batch["tgt_in"].long(), batch["tgt_out"]
+    opt = torch.optim.Adam(
+        model.parameters(), lr=0.0, betas=(args.beta1, args.beta2), eps=args.eps
+    )
+    losses = []
+    for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = noam(step, dims["d_model"], args.warmup, args.factor)
+        opt.zero_grad()
+        loss = model.loss(model(src, tgt_in), tgt_out)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    out = dict(model.state_dict())
+    out["losses"] = torch.tensor(losses, dtype=torch.float64)
+    save_safetensors(args.output, out)
+    print("losses " + " ".join(f"{l:.6f}" for l in losses))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -248,8 +285,25 @@ def main():
     f.add_argument("--grads", action="store_true", help="also write every weight's gradient")
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("-o", "--output", required=True)
+    t = sub.add_parser(
+        "train",
+        help="Adam steps with the paper's warmup schedule on one batch (no dropout)",
+    )
+    t.add_argument("--weights", required=True, help="first weights, PyTorch names")
+    t.add_argument("--heads", type=int, required=True)
+    t.add_argument("--inputs", required=True, help="src, tgt_in, tgt_out ids")
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--warmup", type=int, default=4000)
+    t.add_argument("--factor", type=float, default=1.0)
+    t.add_argument("--beta1", type=float, default=0.9)
+    t.add_argument("--beta2", type=float, default=0.98)
+    t.add_argument("--eps", type=float, default=1e-9)
+    t.add_argument("--pad", type=int, default=0)
+    t.add_argument("--eps-ls", type=float, default=0.1)
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("-o", "--output", required=True, help="the weights after the last step, and `losses`")
     args = p.parse_args()
-    {"random": cmd_random, "forward": cmd_forward}[args.cmd](args)
+    {"random": cmd_random, "forward": cmd_forward, "train": cmd_train}[args.cmd](args)
 
 
 if __name__ == "__main__":
