@@ -350,9 +350,14 @@ enum Command {
     },
     /// Average the weights of checkpoints (the paper averages the last 5 or 20).
     Average {
-        /// Checkpoint directories or safetensors weight files.
+        /// Checkpoint directories or safetensors weight files; with `--last`, one run
+        /// directory.
         #[arg(required = true)]
         inputs: Vec<PathBuf>,
+        /// Average the run's last N checkpoints (fairseq's --num-update-checkpoints).
+        #[arg(long, value_name = "N",
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        last: Option<usize>,
         /// A directory (a model directory for `kiln translate`) or a `.safetensors` file.
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
@@ -753,7 +758,17 @@ fn run(cli: Cli) -> Result<(), Error> {
                 executor,
             })
         }
-        Command::Average { inputs, output } => train_cmds::average(&inputs, &output),
+        Command::Average {
+            inputs,
+            last,
+            output,
+        } => {
+            let inputs = match last {
+                Some(n) => train_cmds::last_checkpoints(&inputs, n)?,
+                None => inputs,
+            };
+            train_cmds::average(&inputs, &output)
+        }
         Command::Export {
             format,
             input,

@@ -611,6 +611,52 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// `kiln average --last N RUN`: the run's newest `n` checkpoints, oldest first.
+pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Error> {
+    let [run] = inputs else {
+        return Err(plain(
+            "kiln::average",
+            format!(
+                "--last takes one run directory, but {} inputs were given",
+                inputs.len()
+            ),
+            Some("give the run directory (`checkpoint.dir`) alone".to_string()),
+        ));
+    };
+    let root = if run.join("checkpoints").is_dir() {
+        run.join("checkpoints")
+    } else {
+        run.clone()
+    };
+    let all = kiln_runtime::checkpoint::list(&root).map_err(err("kiln::average"))?;
+    if all.len() < n {
+        return Err(plain(
+            "kiln::average",
+            format!(
+                "--last {n} asks for {n} checkpoints, but `{}` has {}{}",
+                root.display(),
+                all.len(),
+                if all.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (steps {})",
+                        all.iter()
+                            .map(|c| c.step.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            ),
+            Some(format!(
+                "average fewer (--last {}), or keep more with checkpoint.keep",
+                all.len().max(1)
+            )),
+        ));
+    }
+    Ok(all[all.len() - n..].iter().map(|c| c.dir.clone()).collect())
+}
+
 pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
     let dirs: Vec<PathBuf> = inputs
         .iter()
@@ -649,10 +695,21 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         let tok = read(model::TOKENIZER_FILE)?;
         model::save_dir(output, &avg, &graphs, &tok).map_err(err("kiln::average"))?;
     }
+    let steps: Vec<String> = dirs
+        .iter()
+        .filter_map(|d| d.file_name()?.to_str())
+        .filter_map(kiln_runtime::checkpoint::parse_dir_name)
+        .map(|s| s.to_string())
+        .collect();
     println!(
-        "averaged {} checkpoint{} into {}",
+        "averaged {} checkpoint{}{} into {}",
         inputs.len(),
         if inputs.len() == 1 { "" } else { "s" },
+        if steps.len() == dirs.len() {
+            format!(" (steps {})", steps.join(", "))
+        } else {
+            String::new()
+        },
         output.display()
     );
     Ok(())

@@ -438,6 +438,25 @@ fn checkpoints_translate_average_and_export() {
             "avg",
         ],
     );
+    // `--last N` takes a run's newest N checkpoints: the same average.
+    let last = ok(&dir, &["average", "--last", "2", "run", "-o", "avg_last"]);
+    assert!(
+        last.starts_with("averaged 2 checkpoints (steps 10, 20) into avg_last"),
+        "{last}"
+    );
+    assert_eq!(
+        load_safetensors(&dir.join("avg_last/model.safetensors")).unwrap(),
+        load_safetensors(&dir.join("avg/model.safetensors")).unwrap()
+    );
+    let too_many = kiln(&dir, &["average", "--last", "3", "run", "-o", "x"]);
+    assert_eq!(too_many.status.code(), Some(1));
+    let err = unwrapped(&too_many.stderr);
+    assert!(
+        err.contains("--last 3 asks for 3 checkpoints, but `run/checkpoints` has 2 (steps 10, 20)")
+            && err.contains("average fewer (--last 2), or keep more with checkpoint.keep"),
+        "{err}"
+    );
+    assert!(!dir.join("x").exists());
     let a = load_safetensors(&dir.join("run/checkpoints/step_00000010/model.safetensors")).unwrap();
     let b = load_safetensors(&dir.join("run/checkpoints/step_00000020/model.safetensors")).unwrap();
     let m = load_safetensors(&dir.join("avg/model.safetensors")).unwrap();
