@@ -1092,6 +1092,34 @@ fn gpu_resident_decoding_matches_the_host_state() {
             "{c:?} vs {g:?}"
         );
     }
+    // The n best on the device are the CPU's, and teacher-forced scoring on the device
+    // (`kiln score`, full log-probability rows) gives each its reported log-probability.
+    let nbest = |m: &mut dyn kiln_runtime::decode::StepModel| {
+        kiln_runtime::decode::decode_nbest(m, &src, &opts, 4).unwrap()
+    };
+    let gpu_nbest = nbest(cached_step(&enc, &step, &params, 48).as_mut());
+    let cpu_nbest = nbest(&mut CachedStep::new(&cenc, &cstep, &params, 48));
+    for (c, g) in cpu_nbest.iter().zip(&gpu_nbest) {
+        assert_eq!(
+            c.iter().map(|h| &h.tokens).collect::<Vec<_>>(),
+            g.iter().map(|h| &h.tokens).collect::<Vec<_>>()
+        );
+    }
+    let refs: Vec<Vec<i32>> = gpu_nbest.iter().map(|h| h[0].tokens.clone()).collect();
+    let scores = kiln_runtime::decode::score(
+        cached_step(&enc, &step, &params, 48).as_mut(),
+        &src,
+        &refs,
+        &opts,
+    )
+    .unwrap();
+    for (s, h) in scores.iter().zip(&gpu_nbest) {
+        assert!(
+            (s - h[0].log_prob).abs() <= 1e-4 * s.abs().max(1.0),
+            "{s} vs {:?}",
+            h[0]
+        );
+    }
     // Rows are gathered exactly, repeats included.
     let t = Tensor::f32(
         vec![3, 2],
