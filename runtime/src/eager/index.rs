@@ -158,7 +158,7 @@ pub(crate) fn concat<E: Elem>(
     out
 }
 
-/// [`concat`] into `out`, a row-major buffer of `shape` (the compiled executor's arena or
+/// [`concat()`] into `out`, a row-major buffer of `shape` (the compiled executor's arena or
 /// output): each part's block of every index of the axes before `axis`, those indices in
 /// parallel when large. The caller checks that the parts fit `shape`.
 pub(crate) fn concat_into<E: Elem>(
