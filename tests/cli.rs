@@ -521,3 +521,196 @@ fn demo_refuses_an_empty_budget() {
         assert!(err.contains("0 is not in 1.."), "{err}");
     }
 }
+
+/// `kiln bleu` against the `sacrebleu` command itself (2.x; `pip install sacrebleu`) on
+/// generated text that exercises the 13a tokenizer (punctuation, quotes, numbers, dashes,
+/// entities, mixed case), empty hypotheses and two references, under every smoothing,
+/// lowercasing and tokenizer option both share: the same score to the 6 decimals
+/// sacreBLEU prints. Skips, printing why, without `sacrebleu` on the PATH.
+#[test]
+fn bleu_equals_the_sacrebleu_command_when_installed() {
+    let probe = Command::new("sacrebleu").arg("--version").output();
+    match probe {
+        Ok(o) if o.status.success() => {}
+        _ => {
+            eprintln!(
+                "skipping bleu_equals_the_sacrebleu_command_when_installed: no `sacrebleu` \
+                 on the PATH (`pip install sacrebleu` runs it)"
+            );
+            return;
+        }
+    }
+    let words = [
+        "A",
+        "man",
+        "in",
+        "a",
+        "blue",
+        "shirt",
+        "is",
+        "riding",
+        "bike",
+        "down",
+        "the",
+        "street.",
+        "Two",
+        "dogs,",
+        "\"play\"",
+        "in",
+        "snow",
+        "(happily)",
+        "it's",
+        "U.S.",
+        "3.14",
+        "1,000",
+        "e-mail",
+        "50%",
+        "&amp;",
+        "--",
+        "x-ray",
+        "Hello!",
+        "why?",
+        "'s",
+        "<b>",
+        "naïve",
+        "Straße",
+        "$5.00",
+        "end.",
+        "don't",
+        "...",
+        ";",
+        "Mr.",
+        "und",
+    ];
+    let mut state = 0x2545f4914f6cdd1du64;
+    let mut next = move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    // Two corpora: 300 long segments (every n-gram order has matches), and 12 short
+    // ones without 3- or 4-gram matches, where the smoothings differ.
+    let mut corpus = |lines: usize, short: bool| {
+        let (mut refs, mut refs2, mut hyps) = (String::new(), String::new(), String::new());
+        for line in 0..lines {
+            let len = if short { 4 + next(3) } else { 1 + next(14) };
+            // Short segments use plain words: a word 13a splits (`(happily)`) would
+            // bring its own 3-grams.
+            let pool: &[&str] = if short { &words[1..11] } else { &words };
+            let r: Vec<&str> = (0..len).map(|_| pool[next(pool.len())]).collect();
+            // The hypothesis: the reference with words dropped, swapped or replaced; in
+            // the short corpus every third word replaced by an unknown one (so no 3- or
+            // 4-gram matches).
+            let mut h: Vec<&str> = Vec::new();
+            for (i, w) in r.iter().enumerate() {
+                if short {
+                    h.push(if i % 3 == 2 { "zzz" } else { w });
+                    continue;
+                }
+                match next(10) {
+                    0 => {}
+                    1 => h.push(words[next(words.len())]),
+                    2 if !h.is_empty() => {
+                        let at = h.len() - 1;
+                        h.insert(at, *w)
+                    }
+                    _ => h.push(*w),
+                }
+            }
+            let h = if line % 37 == 5 {
+                String::new()
+            } else {
+                h.join(" ")
+            };
+            let r2: Vec<&str> = r.iter().rev().copied().collect();
+            refs.push_str(&format!("{}\n", r.join(" ")));
+            refs2.push_str(&format!("{}\n", r2.join(" ")));
+            hyps.push_str(&format!("{h}\n"));
+        }
+        let tag = if short { "short" } else { "long" };
+        let (rf, rf2, hf) = (
+            tmp(&format!("sb_{tag}.ref")),
+            tmp(&format!("sb_{tag}.ref2")),
+            tmp(&format!("sb_{tag}.hyp")),
+        );
+        std::fs::write(&rf, refs).unwrap();
+        std::fs::write(&rf2, refs2).unwrap();
+        std::fs::write(&hf, hyps).unwrap();
+        (rf, rf2, hf)
+    };
+    let corpora = [corpus(300, false), corpus(12, true)];
+    let cases: [(&[&str], &[&str]); 8] = [
+        (&[], &["--smooth-method", "none"]),
+        (&["--smooth", "exp"], &["--smooth-method", "exp"]),
+        (&["--smooth", "floor"], &["--smooth-method", "floor"]),
+        (
+            &["--smooth", "floor", "--smooth-value", "0.3"],
+            &["--smooth-method", "floor", "--smooth-value", "0.3"],
+        ),
+        (&["--smooth", "add-k"], &["--smooth-method", "add-k"]),
+        (&["--lowercase"], &["-lc", "--smooth-method", "none"]),
+        (
+            &["--tokenize", "none"],
+            &["--tokenize", "none", "--smooth-method", "none"],
+        ),
+        (
+            &["--smooth", "exp", "--lowercase"],
+            &["-lc", "--smooth-method", "exp"],
+        ),
+    ];
+    let mut scores = Vec::new();
+    for ((rf, rf2, hf), two_refs) in corpora
+        .iter()
+        .flat_map(|c| [(c, false), (c, true)])
+        .map(|(c, t)| (c.clone(), t))
+    {
+        for (ours, theirs) in cases {
+            let mut args = vec!["bleu", "--ref", s(&rf)];
+            if two_refs {
+                args.extend(["--ref", s(&rf2)]);
+            }
+            args.extend(ours);
+            args.extend(["--json", s(&hf)]);
+            let json = ok(&args);
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            let kiln_score = v["score"].as_f64().unwrap();
+            let mut sb = Command::new("sacrebleu");
+            sb.arg(&rf);
+            if two_refs {
+                sb.arg(&rf2);
+            }
+            let out = sb
+                .args(["-i", s(&hf), "-m", "bleu", "-b", "-w", "6"])
+                .args(theirs)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let theirs_score: f64 = String::from_utf8(out.stdout)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            assert!(
+                (kiln_score - theirs_score).abs() <= 1e-6,
+                "{ours:?} (two references: {two_refs}): kiln {kiln_score}, sacreBLEU {theirs_score}"
+            );
+            scores.push(kiln_score);
+        }
+    }
+    // The options and corpora do give different scores (the comparison has teeth):
+    // on the short corpus the four smoothings all differ.
+    let short_one_ref = &scores[16..21];
+    for i in 0..short_one_ref.len() {
+        for j in i + 1..short_one_ref.len() {
+            assert!(
+                (short_one_ref[i] - short_one_ref[j]).abs() > 1e-3,
+                "{short_one_ref:?}"
+            );
+        }
+    }
+}
