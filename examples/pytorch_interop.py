@@ -207,11 +207,16 @@ def cmd_random(args):
 
 def cmd_forward(args):
     torch.set_num_threads(max(1, args.threads))
+    if args.device.startswith("cuda"):
+        # fp32 products, as kiln's GPU executor computes them without KILN_CUDA_TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     state = load_safetensors(args.weights)
     dims = shape_of(state, args.heads)
     model = KilnTransformer(**dims, pad=args.pad, eps_ls=args.eps_ls)
     model.load_state_dict(state, strict=True)
-    batch = load_safetensors(args.inputs)
+    model.to(args.device)
+    batch = {k: v.to(args.device) for k, v in load_safetensors(args.inputs).items()}
     src, tgt_in = batch["src"].long(), batch["tgt_in"].long()
     out = {}
     if args.grads:
@@ -231,6 +236,42 @@ def cmd_forward(args):
                 out[name] = p.grad
     save_safetensors(args.output, out)
     print(f"logits {list(logits.shape)}" + (f", loss {out['loss'].item():.6f}" if "loss" in out else ""))
+
+
+def cmd_batch(args):
+    """Random ids in 3..vocab, each row right-padded with 0 to a random length."""
+    g = torch.Generator().manual_seed(args.seed)
+    out = {}
+    lens = {}
+    for name, width in [("src", args.src_len), ("tgt", args.tgt_len)]:
+        ids = torch.randint(3, args.vocab, (args.rows, width), generator=g, dtype=torch.int32)
+        n = torch.randint(1, width + 1, (args.rows,), generator=g)
+        n[0] = width  # one full row
+        for r in range(args.rows):
+            ids[r, n[r] :] = 0
+        out[name] = ids
+        lens[name] = n
+    tgt = out.pop("tgt")
+    out["tgt_in"] = torch.cat([torch.ones(args.rows, 1, dtype=torch.int32), tgt[:, :-1]], 1)
+    for r in range(args.rows):
+        out["tgt_in"][r, lens["tgt"][r] :] = 0
+    out["tgt_out"] = tgt
+    save_safetensors(args.output, out)
+    print(f"wrote {args.rows} rows of {args.src_len} source and {args.tgt_len} target ids")
+
+
+def cmd_compare(args):
+    a, b = load_safetensors(args.a), load_safetensors(args.b)
+    worst = 0.0
+    for name in args.names:
+        x, y = a[name].double(), b[name].double()
+        if x.shape != y.shape:
+            sys.exit(f"`{name}`: shapes {list(x.shape)} and {list(y.shape)} differ")
+        rel = ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+        worst = max(worst, rel)
+        print(f"{name}: max |a - b| / max |b| = {rel:.3e}")
+    if worst > args.tol:
+        sys.exit(f"above the tolerance {args.tol:g}")
 
 
 def noam(step, d_model, warmup, factor):
@@ -284,7 +325,20 @@ def main():
     f.add_argument("--eps-ls", type=float, default=0.1)
     f.add_argument("--grads", action="store_true", help="also write every weight's gradient")
     f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--device", default="cpu", help="cpu or cuda (fp32, TF32 off)")
     f.add_argument("-o", "--output", required=True)
+    b = sub.add_parser("batch", help="a random padded batch of ids (src, tgt_in, tgt_out)")
+    b.add_argument("--vocab", type=int, required=True)
+    b.add_argument("--rows", type=int, required=True)
+    b.add_argument("--src-len", type=int, required=True)
+    b.add_argument("--tgt-len", type=int, required=True)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("-o", "--output", required=True)
+    c = sub.add_parser("compare", help="max relative difference of tensors of two files")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--names", nargs="+", default=["logits"])
+    c.add_argument("--tol", type=float, default=1e-5)
     t = sub.add_parser(
         "train",
         help="Adam steps with the paper's warmup schedule on one batch (no dropout)",
@@ -303,7 +357,14 @@ def main():
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("-o", "--output", required=True, help="the weights after the last step, and `losses`")
     args = p.parse_args()
-    {"random": cmd_random, "forward": cmd_forward, "train": cmd_train}[args.cmd](args)
+    commands = {
+        "random": cmd_random,
+        "forward": cmd_forward,
+        "train": cmd_train,
+        "batch": cmd_batch,
+        "compare": cmd_compare,
+    }
+    commands[args.cmd](args)
 
 
 if __name__ == "__main__":
