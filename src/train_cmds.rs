@@ -137,7 +137,9 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
         }
     }
     let s = trainer.run().map_err(err("kiln::train"))?;
-    if !a.quiet {
+    // A resumed run whose patience was spent takes no step: only the reason is said.
+    let idle = s.steps_taken == 0 && s.early_stop.is_some();
+    if !a.quiet && !idle {
         println!(
             "trained {} steps in {:.1}s ({:.0} tokens/s); last training loss {:.4}{}{}",
             s.steps,

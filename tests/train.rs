@@ -768,8 +768,13 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
     assert!(dir.join("run/best/model.safetensors").is_file());
 
     // Resumed, it stays stopped; with more patience it trains to the next validation.
-    let again = kiln(&dir, &["train", "--resume", "run", "--quiet"]);
+    let again = kiln(&dir, &["train", "--resume", "run"]);
     assert!(again.status.success());
+    let out = String::from_utf8_lossy(&again.stdout);
+    assert!(
+        !out.contains("trained"),
+        "no step taken, none reported: {out}"
+    );
     let err = unwrapped(&again.stderr);
     assert!(
         err.contains("stopped early at step 6") && err.contains("raise valid.patience"),

@@ -154,6 +154,8 @@ pub struct Summary {
     pub loss_scale: Option<f64>,
     /// Why the run stopped before `train.max_steps` for `valid.patience`.
     pub early_stop: Option<String>,
+    /// Optimizer steps this call took (`steps` counts from the run's start).
+    pub steps_taken: u64,
     /// `<run>/best/` when this run wrote it.
     pub best: Option<PathBuf>,
 }
@@ -1182,6 +1184,7 @@ impl Trainer {
         let (mut interval_loss, mut interval_tokens, mut interval_steps) = (0.0f64, 0usize, 0u64);
         let mut interval_start = Instant::now();
         let (mut all_tokens, mut train_time) = (0usize, 0.0f64);
+        let first_step = self.state.step;
         // A resumed run whose patience was already spent stays stopped.
         if let Some(why) = self.patience_spent() {
             summary.steps = self.state.step;
@@ -1338,6 +1341,7 @@ impl Trainer {
             b.finish_and_clear();
         }
         summary.steps = self.state.step;
+        summary.steps_taken = self.state.step - first_step;
         summary.loss_scale = self.state.loss_scale;
         summary.seconds = started.elapsed().as_secs_f64();
         summary.tokens_per_second = all_tokens as f64 / train_time.max(1e-9);
