@@ -894,7 +894,7 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
     }
     println!(
         "  parameters {} in {} tensors ({})",
-        thousands(s.parameters),
+        kiln_compiler::summary::group_digits(s.parameters),
         s.tensors,
         kiln_compiler::memory::size(s.bytes)
     );
@@ -920,8 +920,8 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
             st.epoch + 1,
             st.batch_in_epoch,
             st.seed,
-            thousands(st.src_tokens_seen),
-            thousands(st.tgt_tokens_seen),
+            kiln_compiler::summary::group_digits(st.src_tokens_seen),
+            kiln_compiler::summary::group_digits(st.tgt_tokens_seen),
             st.lr
         );
         let best = |v: Option<f64>, digits: usize| {
@@ -975,17 +975,4 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
         }
     }
     Ok(())
-}
-
-/// `1234567` as `1,234,567`.
-fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }

@@ -347,6 +347,21 @@ fn read_text_lines(path: Option<&Path>) -> Result<Vec<String>, Error> {
     }
 }
 
+/// A progress bar over `n` items on a terminal, when they take more than one batch.
+fn progress_bar(n: usize, batch: usize, unit: &str) -> Option<indicatif::ProgressBar> {
+    (std::io::stderr().is_terminal() && n > batch).then(|| {
+        let b = indicatif::ProgressBar::new(n as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(&format!(
+                "{{elapsed_precise}} [{{bar:30}}] {{pos}}/{{len}} {unit}"
+            ))
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        b
+    })
+}
+
 pub struct ScoreArgs {
     pub checkpoint: PathBuf,
     pub src: PathBuf,
@@ -400,17 +415,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
         which.push(i);
     }
     let started = std::time::Instant::now();
-    let bar = (std::io::stderr().is_terminal() && srcs.len() > a.batch).then(|| {
-        let b = indicatif::ProgressBar::new(srcs.len() as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{elapsed_precise} [{bar:30}] {pos}/{len} sentence pairs",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        b
-    });
+    let bar = progress_bar(srcs.len(), a.batch, "sentence pairs");
     let scores = score_ids(
         &*m.encode,
         &*m.step,
@@ -523,17 +528,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     // A progress bar on a terminal; a summary line on standard error in any case, as
     // fairseq and Marian print one.
     let started = std::time::Instant::now();
-    let bar = (std::io::stderr().is_terminal() && srcs.len() > a.batch).then(|| {
-        let b = indicatif::ProgressBar::new(srcs.len() as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{elapsed_precise} [{bar:30}] {pos}/{len} sentences",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        b
-    });
+    let bar = progress_bar(srcs.len(), a.batch, "sentences");
     let hyps = translate_nbest_ids(
         &*m.encode,
         &*m.step,

@@ -1190,18 +1190,22 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn beam_finds_a_better_path_than_greedy() {
-        // Tokens: 0 pad, 1 bos, 2 eos, 3 "a", 4 "b".
-        // After bos: a 0.6, b 0.4. After a: eos 0.3, a 0.35, b 0.35. After b: eos 0.9, a 0.05, b 0.05.
+    /// Tokens: 0 pad, 1 bos, 2 eos, 3 "a", 4 "b". After bos: a 0.6, b 0.4. After a: eos
+    /// 0.3, a 0.35, b 0.35. After b: eos 0.9, a 0.05, b 0.05.
+    fn two_paths() -> Table {
         let mut table = BTreeMap::new();
         table.insert(1, probs([0.0, 0.0, 0.0, 0.6, 0.4]));
         table.insert(3, probs([0.0, 0.0, 0.3, 0.35, 0.35]));
         table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
-        let mut m = Table {
+        Table {
             rows: vec![],
             table,
-        };
+        }
+    }
+
+    #[test]
+    fn beam_finds_a_better_path_than_greedy() {
+        let mut m = two_paths();
         let src = Tensor::i32(vec![1, 3], vec![5, 6, 7]).unwrap();
         let greedy = DecodeOptions {
             greedy: true,
@@ -1225,20 +1229,13 @@ mod tests {
         assert!((r[0].log_prob - (0.36f64).ln()).abs() < 1e-12);
     }
 
-    /// The n best of a beam, worked out by hand on the table of
-    /// `beam_finds_a_better_path_than_greedy`: with beam 2, "b eos" (0.4 · 0.9 = 0.36)
-    /// finishes at step 2 and "a b eos" (0.6 · 0.35 · 0.9 = 0.189) at step 3, when no
-    /// live hypothesis (at most 0.6 · 0.35 · 0.35 = 0.0735) can beat either.
+    /// The n best of a beam, worked out by hand on the table of [`two_paths`]: with beam
+    /// 2, "b eos" (0.4 · 0.9 = 0.36) finishes at step 2 and "a b eos" (0.6 · 0.35 · 0.9
+    /// = 0.189) at step 3, when no live hypothesis (at most 0.6 · 0.35 · 0.35 = 0.0735)
+    /// can beat either.
     #[test]
     fn nbest_keeps_the_finished_hypotheses_best_first() {
-        let mut table = BTreeMap::new();
-        table.insert(1, probs([0.0, 0.0, 0.0, 0.6, 0.4]));
-        table.insert(3, probs([0.0, 0.0, 0.3, 0.35, 0.35]));
-        table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
-        let mut m = Table {
-            rows: vec![],
-            table,
-        };
+        let mut m = two_paths();
         let src = Tensor::i32(vec![2, 3], vec![5, 6, 7, 5, 0, 0]).unwrap();
         let beam = DecodeOptions {
             beam: 2,
@@ -1294,19 +1291,11 @@ mod tests {
         }
     }
 
-    /// Teacher-forced scores, by hand on the table of
-    /// `beam_finds_a_better_path_than_greedy`; a hypothesis of beam search scores the
+    /// Teacher-forced scores, by hand on the table of [`two_paths`]; a hypothesis of beam search scores the
     /// log-probability the search reported.
     #[test]
     fn score_sums_the_log_probabilities_of_the_reference_and_eos() {
-        let mut table = BTreeMap::new();
-        table.insert(1, probs([0.0, 0.0, 0.0, 0.6, 0.4]));
-        table.insert(3, probs([0.0, 0.0, 0.3, 0.35, 0.35]));
-        table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
-        let mut m = Table {
-            rows: vec![],
-            table,
-        };
+        let mut m = two_paths();
         let src = Tensor::i32(vec![3, 2], vec![5, 6, 5, 0, 7, 8]).unwrap();
         let opts = DecodeOptions::default();
         let refs = vec![vec![3, 3, 4], vec![], vec![4]];

@@ -1514,6 +1514,23 @@ pub fn translate_ids(
         .collect())
 }
 
+/// Rows `rows` of `srcs` as one `[rows, width]` batch, right-padded with `pad` to the
+/// longest (at least 1 wide).
+fn padded_rows(srcs: &[Vec<i32>], rows: &[usize], pad: i32) -> Result<Tensor, TrainError> {
+    let width = rows
+        .iter()
+        .map(|&i| srcs[i].len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut ids = Vec::with_capacity(rows.len() * width);
+    for &i in rows {
+        ids.extend(&srcs[i]);
+        ids.extend(std::iter::repeat_n(pad, width - srcs[i].len()));
+    }
+    Tensor::i32(vec![rows.len(), width], ids).map_err(|e| TrainError::Setup(e.to_string()))
+}
+
 /// [`translate_ids`], keeping each sentence's `n` best hypotheses with their scores
 /// ([`crate::decode::decode_nbest`]), best first.
 #[allow(clippy::too_many_arguments)]
@@ -1536,19 +1553,7 @@ pub fn translate_nbest_ids(
     let mut model = crate::decode::cached_step(encode, step, params, vocab);
     let mut finished = 0;
     for chunk in order.chunks(batch.max(1)) {
-        let width = chunk
-            .iter()
-            .map(|&i| srcs[i].len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut ids = Vec::with_capacity(chunk.len() * width);
-        for &i in chunk {
-            ids.extend(&srcs[i]);
-            ids.extend(std::iter::repeat_n(opts.pad, width - srcs[i].len()));
-        }
-        let src = Tensor::i32(vec![chunk.len(), width], ids)
-            .map_err(|e| TrainError::Setup(e.to_string()))?;
+        let src = padded_rows(srcs, chunk, opts.pad)?;
         let hyps = decode_nbest(model.as_mut(), &src, opts, n)?;
         for (&i, h) in chunk.iter().zip(hyps) {
             out[i] = h;
@@ -1587,19 +1592,7 @@ pub fn score_ids(
     let mut model = crate::decode::cached_step(encode, step, params, vocab);
     let mut finished = 0;
     for chunk in order.chunks(batch.max(1)) {
-        let width = chunk
-            .iter()
-            .map(|&i| srcs[i].len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut ids = Vec::with_capacity(chunk.len() * width);
-        for &i in chunk {
-            ids.extend(&srcs[i]);
-            ids.extend(std::iter::repeat_n(opts.pad, width - srcs[i].len()));
-        }
-        let src = Tensor::i32(vec![chunk.len(), width], ids)
-            .map_err(|e| TrainError::Setup(e.to_string()))?;
+        let src = padded_rows(srcs, chunk, opts.pad)?;
         let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();
         let scores = crate::decode::score(model.as_mut(), &src, &chunk_refs, opts)?;
         for (&i, s) in chunk.iter().zip(scores) {
