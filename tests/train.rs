@@ -399,6 +399,36 @@ fn checkpoints_translate_average_and_export() {
             && err.contains(" nats/token, perplexity "),
         "{err}"
     );
+    // `--normalize`: per token, so each sum is its per-token value times a whole number
+    // of tokens (the reference's, plus <eos>).
+    let normalized = ok(
+        &dir,
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "in.txt",
+            "--ref",
+            "hyp.txt",
+            "--executor",
+            "reference",
+            "--normalize",
+        ],
+    );
+    let per_token: Vec<&str> = normalized.lines().collect();
+    assert_eq!(per_token[1], "");
+    for line in [0, 2] {
+        let (sum, per): (f64, f64) = (
+            scores[line].parse().unwrap(),
+            per_token[line].parse().unwrap(),
+        );
+        let tokens = sum / per;
+        assert!(
+            tokens >= 1.0 && (tokens - tokens.round()).abs() < 1e-4,
+            "{sum} / {per} = {tokens} tokens"
+        );
+    }
     std::fs::write(dir.join("short.txt"), "only one line\n").unwrap();
     let mismatch = kiln(
         &dir,
