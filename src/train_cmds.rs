@@ -703,7 +703,8 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         inputs.len(),
         if inputs.len() == 1 { "" } else { "s" },
         if steps.len() == dirs.len() {
-            format!(" (steps {})", steps.join(", "))
+            let word = if steps.len() == 1 { "step" } else { "steps" };
+            format!(" ({word} {})", steps.join(", "))
         } else {
             String::new()
         },
