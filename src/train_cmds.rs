@@ -626,28 +626,27 @@ pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Er
         run.clone()
     };
     let all = kiln_runtime::checkpoint::list(&root).map_err(err("kiln::average"))?;
+    if all.is_empty() {
+        return Err(plain(
+            "kiln::average",
+            format!("`{}` holds no checkpoints", root.display()),
+            Some("give the directory of a run (`checkpoint.dir`) that has saved some".into()),
+        ));
+    }
     if all.len() < n {
+        let steps: Vec<String> = all.iter().map(|c| c.step.to_string()).collect();
         return Err(plain(
             "kiln::average",
             format!(
-                "--last {n} asks for {n} checkpoints, but `{}` has {}{}",
+                "--last {n} asks for {n} checkpoints, but `{}` has {} ({} {})",
                 root.display(),
                 all.len(),
-                if all.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        " (steps {})",
-                        all.iter()
-                            .map(|c| c.step.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )
-                }
+                if all.len() == 1 { "step" } else { "steps" },
+                steps.join(", ")
             ),
             Some(format!(
                 "average fewer (--last {}), or keep more with checkpoint.keep",
-                all.len().max(1)
+                all.len()
             )),
         ));
     }
