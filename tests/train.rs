@@ -487,6 +487,11 @@ fn checkpoints_translate_average_and_export() {
         "{err}"
     );
     assert!(!dir.join("x").exists());
+    std::fs::create_dir_all(dir.join("empty_run")).unwrap();
+    let none = kiln(&dir, &["average", "--last", "1", "empty_run", "-o", "x"]);
+    assert_eq!(none.status.code(), Some(1));
+    let err = unwrapped(&none.stderr);
+    assert!(err.contains("`empty_run` holds no checkpoints"), "{err}");
     let a = load_safetensors(&dir.join("run/checkpoints/step_00000010/model.safetensors")).unwrap();
     let b = load_safetensors(&dir.join("run/checkpoints/step_00000020/model.safetensors")).unwrap();
     let m = load_safetensors(&dir.join("avg/model.safetensors")).unwrap();
