@@ -327,17 +327,8 @@ pub struct TranslateArgs {
 /// The lines of a text file (standard input for `None`), without `\r` line ends.
 fn read_text_lines(path: Option<&Path>) -> Result<Vec<String>, Error> {
     match path {
-        Some(p) => Ok(std::fs::read_to_string(p)
-            .map_err(|e| {
-                plain(
-                    "kiln::io",
-                    format!("cannot read `{}`: {e}", p.display()),
-                    None,
-                )
-            })?
-            .lines()
-            .map(|l| l.trim_end_matches('\r').to_string())
-            .collect()),
+        // The corpus reader: CRLF, a byte-order mark, and invalid UTF-8 named by line.
+        Some(p) => kiln_runtime::data::read_lines(p).map_err(err("kiln::io")),
         None => std::io::stdin()
             .lock()
             .lines()

@@ -429,6 +429,27 @@ fn checkpoints_translate_average_and_export() {
             "{sum} / {per} = {tokens} tokens"
         );
     }
+    // Files are read as corpora are: a byte-order mark is dropped, invalid UTF-8 is an
+    // error naming the line.
+    std::fs::write(dir.join("latin1.txt"), b"\xEF\xBB\xBFs1 s2\nbad \xff\n").unwrap();
+    let bad = kiln(
+        &dir,
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "latin1.txt",
+            "--ref",
+            "in.txt",
+        ],
+    );
+    assert_eq!(bad.status.code(), Some(1));
+    let err = unwrapped(&bad.stderr);
+    assert!(
+        err.contains("`latin1.txt` line 2 is not valid UTF-8"),
+        "{err}"
+    );
     std::fs::write(dir.join("short.txt"), "only one line\n").unwrap();
     let mismatch = kiln(
         &dir,
