@@ -103,7 +103,7 @@ fn cuda_of_every_kernel_kind_is_pinned() {
             first
                 .entry(kind_of(&f.name))
                 .or_insert_with(|| f.text.clone());
-            if f.text.contains("kiln_keep(") && f.name.starts_with("region_") {
+            if f.text.contains("kiln_keep_word(") && f.name.starts_with("region_") {
                 first
                     .entry("region_dropout".into())
                     .or_insert_with(|| f.text.clone());
@@ -351,8 +351,10 @@ fn every_source_is_plausible_cuda() {
             let shared = f.text.contains("__shared__");
             let uses_block = f.text.contains("kiln_block_");
             let flash = f.name.starts_with("attention");
-            // `sum_rows` adds its warps' column sums through shared memory.
-            let column_sums = f.name.starts_with("sum_rows_") && !f.name.contains("finish");
+            // `sum_rows` and the finish of the layer norm's backward add their warps'
+            // column sums through shared memory.
+            let column_sums =
+                f.name.starts_with("sum_rows_") || f.name.starts_with("add_layer_norm_bwd_finish");
             // The decoder's top-k reduces (max, f64 sum, arg-max) in trees of its own.
             let top_k = f.name.starts_with("kiln_row_top_k");
             assert_eq!(
@@ -529,6 +531,7 @@ __device__ double log(double);
 __device__ float __int_as_float(int);
 __device__ int __float_as_int(float);
 __device__ unsigned __umulhi(unsigned, unsigned);
+__device__ float __shfl_xor_sync(unsigned, float, int, int = 32);
 "#;
 
 /// A clang that compiles CUDA (`$KILN_CLANG`, else `clang` or `clang-N` on the path).

@@ -360,6 +360,76 @@ fn dropout_masks_match_the_cpu_kernel_and_philox_bit_for_bit() {
     }
 }
 
+/// A rank-4 region (four elements per thread: the column steps and carries into three
+/// leading indices) over a contiguous input, a transposed one and one broadcast along two
+/// axes and its columns, with a dropout: bit-identical to the CPU kernel for shapes whose
+/// rows are not a multiple of four, on several grids.
+#[test]
+fn rank_four_regions_carry_their_indices_as_the_cpu_does() {
+    use kiln_compiler::ir::BinaryOp;
+    let Some(cxx) = gxx() else { return };
+    for (shape, grid) in [
+        ([2usize, 3, 5, 7], (3u32, 4u32)),
+        ([1, 1, 3, 1], (1, 2)),
+        ([3, 2, 1, 6], (2, 8)),
+    ] {
+        let [a, b, c, d] = shape;
+        let n = a * b * c * d;
+        let expr = Expr {
+            out: TensorType::new(
+                DType::F32,
+                Shape::consts(&[a as i64, b as i64, c as i64, d as i64]),
+            ),
+            inputs: 3,
+            insts: vec![
+                Inst::In(0),
+                Inst::In(1),
+                Inst::Bin(BinaryOp::Mul, 0, 1),
+                Inst::In(2),
+                Inst::Bin(BinaryOp::Add, 2, 3),
+                Inst::Dropout(Float::new(0.4), 3, 4),
+            ],
+        };
+        // in0 contiguous; in1 stored [c, b, a, d] (leading axes permuted); in2 [b]
+        // broadcast over a, c and the columns.
+        let strides = vec![
+            vec![(b * c * d) as isize, (c * d) as isize, d as isize, 1],
+            vec![d as isize, (a * d) as isize, (a * b * d) as isize, 1],
+            vec![0, 1, 0, 0],
+        ];
+        let inner = [true, true, false];
+        let dtypes = [DType::F32; 3];
+        let f = cuda::region::region("region_0", &expr, &inner, &dtypes).expect("emits");
+        assert_eq!(f.work, cuda::Work::Quads);
+        let cpu = region::region("region_0", &expr, &inner).expect("CPU region");
+        let (dims, rows_n) = region::region_dims(&expr, &shape, &strides, 0xfeed, 5);
+        let mut rng = Rng(n as u64);
+        let bufs = vec![
+            rng.floats(n, -1.0, 1.0),
+            rng.floats(n, -1.0, 1.0),
+            rng.floats(b, -1.0, 1.0),
+            f32s(&vec![f32::NAN; n]),
+        ];
+        let mut g = bufs.clone();
+        run_with(cxx, &f, &mut g, &dims, n as u64, grid);
+        let mut h = bufs.clone();
+        run_cpu(&cpu, "region_0", &mut h, &dims, rows_n);
+        exact(&format!("region {shape:?}"), &g[3], &h[3]);
+        // And by the definition.
+        let (x, y, z) = (as_f32(&bufs[0]), as_f32(&bufs[1]), as_f32(&bufs[2]));
+        let th = kiln_compiler::rng::dropout_threshold(0.4);
+        let scale = (1.0 / (1.0 - 0.4f64)) as f32;
+        let got = as_f32(&g[3]);
+        for i in 0..n {
+            let (i0, i1, i2, i3) = (i / (b * c * d), i / (c * d) % b, i / d % c, i % d);
+            let v = x[i] * y[((i2 * b + i1) * a + i0) * d + i3] + z[i1];
+            let keep = kiln_compiler::rng::dropout_keep(0xfeed, 5, 3, i as u64, th);
+            let want = if keep { v * scale } else { 0.0 };
+            assert_eq!(got[i].to_bits(), want.to_bits(), "{shape:?} element {i}");
+        }
+    }
+}
+
 #[test]
 fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
     let Some(cxx) = gxx() else { return };
@@ -679,12 +749,13 @@ fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
             (3, block),
         );
         let mut y = vec![g[1].clone(), f32s(&vec![f32::NAN; n])];
-        run(
+        run_with(
             cxx,
             &cuda::misc::sum_rows_finish("sum_rows_finish_0", lead).unwrap(),
             &mut y,
             &dims,
-            n as u64,
+            cuda::misc::sum_rows_finish_items(n) as u64,
+            (2, block.next_power_of_two().min(128)),
         );
         let got = as_f32(&y[1]);
         let scale = xs.iter().fold(0f64, |a, v| a + v.abs() as f64) / n as f64;
@@ -842,14 +913,95 @@ fn row_kernels_match_the_cpu_within_rounding() {
     close("add_layer_norm_bwd dx", &g[6], &h[6]);
     close("add_layer_norm_bwd partials", &g[7], &h[7]);
     let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
-    let mut g = vec![g[7].clone(), zeros(d), zeros(d)];
-    let f = cuda::rows::add_layer_norm_bwd_finish("add_layer_norm_bwd_finish_0");
-    run(cxx, &f, &mut g, &dims, d as u64);
     let mut h = vec![h[7].clone(), zeros(d), zeros(d)];
     let cpu = rows::add_layer_norm_bwd_finish("add_layer_norm_bwd_finish_0");
     run_cpu(&cpu, "add_layer_norm_bwd_finish_0", &mut h, &dims, items);
-    close("dgamma", &g[1], &h[1]);
-    close("dbeta", &g[2], &h[2]);
+    let f = cuda::rows::add_layer_norm_bwd_finish("add_layer_norm_bwd_finish_0");
+    let tiles = cuda::rows::add_layer_norm_bwd_finish_items(d) as u64;
+    // One warp's lanes looping over a tile, two warps, a grid smaller than the tiles.
+    for launch in [(GRID, BLOCK), (1, 64)] {
+        let mut g = vec![g[7].clone(), zeros(d), zeros(d)];
+        run_with(cxx, &f, &mut g, &dims, tiles, launch);
+        close("dgamma", &g[1], &h[1]);
+        close("dbeta", &g[2], &h[2]);
+    }
+}
+
+/// The row kernels' block reductions (warp shuffles, then the warps in order) with
+/// blocks of one, two and four warps, against the CPU kernels: softmax, layer norm and
+/// its backward (four sums in one reduction) over rows longer than the block.
+#[test]
+fn block_reductions_over_several_warps_match_the_cpu() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(31);
+    let (rows_n, d) = (5usize, 300usize);
+    let x = rng.floats(rows_n * d, -3.0, 3.0);
+    let (dims, items) = rows::softmax_dims(rows_n, d);
+    let mut h = vec![x.clone(), zeros(rows_n * d)];
+    run_cpu(
+        &rows::softmax("softmax_0"),
+        "softmax_0",
+        &mut h,
+        &dims,
+        items,
+    );
+    let ln = vec![
+        rng.floats(rows_n * d, -2.0, 2.0),
+        rng.floats(rows_n * d, -2.0, 2.0),
+        rng.floats(d, 0.5, 1.5),
+        rng.floats(d, -0.5, 0.5),
+        rng.floats(rows_n * d, -1.0, 1.0),
+    ];
+    let bwd = vec![
+        ln[0].clone(),
+        ln[1].clone(),
+        ln[2].clone(),
+        ln[4].clone(),
+        one(1.0 / d as f32),
+        one(1e-6),
+        zeros(rows_n * d),
+        zeros(rows::add_layer_norm_bwd_scratch(rows_n, d)),
+    ];
+    let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
+    let mut hb = bwd.clone();
+    run_cpu(
+        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0"),
+        "add_layer_norm_bwd_0",
+        &mut hb,
+        &bdims,
+        bitems,
+    );
+    for block in [32u32, 64, 128] {
+        let mut g = vec![x.clone(), zeros(rows_n * d)];
+        run_with(
+            cxx,
+            &cuda::rows::softmax("softmax_0", Elem::F32),
+            &mut g,
+            &dims,
+            rows_n as u64,
+            (2, block),
+        );
+        close(&format!("softmax, block {block}"), &g[1], &h[1]);
+        let mut g = bwd.clone();
+        run_with(
+            cxx,
+            &cuda::rows::add_layer_norm_bwd("add_layer_norm_bwd_0", Elem::F32),
+            &mut g,
+            &bdims,
+            bitems as u64,
+            (2, block),
+        );
+        close(
+            &format!("add_layer_norm_bwd dx, block {block}"),
+            &g[6],
+            &hb[6],
+        );
+        close(
+            &format!("add_layer_norm_bwd partials, block {block}"),
+            &g[7],
+            &hb[7],
+        );
+    }
 }
 
 #[test]
@@ -1889,7 +2041,7 @@ fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
             &[rng.floats(chunks * n, -9.0, 9.0), zeros(n)],
             &[f, Some(y)],
             &[1],
-            (&dims, n as u64),
+            (&dims, cuda::misc::sum_rows_finish_items(n) as u64),
         );
     }
 

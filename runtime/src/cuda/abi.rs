@@ -10,10 +10,11 @@
 //! `plan_matmul`).
 
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
+use kiln_compiler::codegen::cuda::rows as cuda_rows;
 use kiln_compiler::codegen::cuda::text::MAX_DIMS;
 use kiln_compiler::codegen::cuda::Work;
 use kiln_compiler::codegen::misc::{self, ReduceLayout};
-use kiln_compiler::codegen::region;
+use kiln_compiler::codegen::{region, rows};
 use kiln_compiler::optimize::regions::Expr;
 
 use crate::compiled::gemm::{batch_offsets, merged_stride};
@@ -84,7 +85,7 @@ impl Launch {
     }
 
     /// `sum_rows` of `x[…, n]`: the partial sums (items row chunks × column tiles), then
-    /// their sum (items columns `n`).
+    /// their sum (items column tiles).
     pub fn sum_rows(shape: &[usize]) -> (Launch, Launch) {
         let dims = misc::sum_rows_dims(shape).0;
         let n = shape.last().copied().unwrap_or(1);
@@ -94,8 +95,20 @@ impl Launch {
                 dims: dims.clone(),
                 items: cuda_misc::sum_rows_items(rows, n),
             },
-            Launch { dims, items: n },
+            Launch {
+                dims,
+                items: cuda_misc::sum_rows_finish_items(n),
+            },
         )
+    }
+
+    /// `add_layer_norm_bwd_finish` over rows of `d`: the CPU's dims, items column tiles
+    /// of `dγ` then `dβ`.
+    pub fn ln_bwd_finish(rows: usize, d: usize) -> Launch {
+        Launch {
+            dims: rows::add_layer_norm_bwd_finish_dims(rows, d).0,
+            items: cuda_rows::add_layer_norm_bwd_finish_items(d),
+        }
     }
 
     /// A reduction of `[outer, len, inner]` over `len`: items rows `outer` (one block
@@ -380,6 +393,9 @@ mod tests {
         assert_eq!(grid(Work::Threads, 256), Some((1, 256)));
         assert_eq!(grid(Work::Threads, 257), Some((2, 256)));
         assert_eq!(grid(Work::Blocks, 5), Some((5, 256)));
+        assert_eq!(grid(Work::Quads, 1), Some((1, 256)));
+        assert_eq!(grid(Work::Quads, 1024), Some((1, 256)));
+        assert_eq!(grid(Work::Quads, 1025), Some((2, 256)));
         let huge = (MAX_GRID as usize) * 1000;
         assert_eq!(grid(Work::Blocks, huge), Some((MAX_GRID as u32, 256)));
         assert_eq!(grid(Work::Threads, huge), Some((MAX_GRID as u32, 256)));
@@ -405,8 +421,13 @@ mod tests {
             (s.dims.clone(), s.items),
             (misc::sum_rows_dims(&[2, 300, 9]).0, 5)
         );
-        assert_eq!((f.dims, f.items), (s.dims, 9));
+        assert_eq!((f.dims, f.items), (s.dims, 1));
         assert_eq!(Launch::sum_rows(&[0, 40]).0.items, 2);
+        assert_eq!(Launch::sum_rows(&[7, 65]).1.items, 3);
+        // add_layer_norm_bwd_finish: CPU items columns, GPU tiles of dγ then dβ.
+        let l = Launch::ln_bwd_finish(40, 70);
+        assert_eq!(l.dims, rows::add_layer_norm_bwd_finish_dims(40, 70).0);
+        assert_eq!(l.items, 6);
         assert_eq!(
             Launch::reduce(ReduceLayout::Across, 2, 3, 7),
             Launch {

@@ -2357,7 +2357,7 @@ impl Run<'_> {
                 self.launch(
                     finish,
                     &[scratch, outs[1].base(), outs[2].base()],
-                    Launch::same(rows::add_layer_norm_bwd_finish_dims(rows_n, d)),
+                    Launch::ln_bwd_finish(rows_n, d),
                 )
             }
             StepExec::XentLs {

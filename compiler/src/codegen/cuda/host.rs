@@ -3,7 +3,8 @@
 //! In: nothing. Out: [`SHIM`], C++20 text to put before [`super::text::prelude`] and the
 //! kernels: `__global__`/`__device__` vanish, `__shared__` is a function static,
 //! `threadIdx` is thread-local and the other launch coordinates are globals,
-//! `__syncthreads()` waits on the `std::barrier` that `kiln_bar` points at, `__umulhi`,
+//! `__syncthreads()` waits on the `std::barrier` that `kiln_bar` points at,
+//! `__shfl_xor_sync` goes through a shared slot between two barriers, `__umulhi`,
 //! `__int_as_float` and `__float_as_int` are plain C++ and the math functions are libm's.
 //! `kiln_launch(grid, block, f)` runs each block as `blockDim.x` threads sharing a
 //! barrier, blocks one after another (the kernels' grid-stride loops make any grid
@@ -40,12 +41,31 @@ static inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); retur
     };
 }
 
+/// A warp shuffle on the host: every lane publishes its value, a barrier, each reads its
+/// partner's, a barrier. Needs `__syncthreads`, so it holds for the kernels' uses: every
+/// thread of the block calls it (the block reductions of the prelude).
+macro_rules! shuffle {
+    () => {
+        r#"static float kiln_shfl_slot[1024];
+static inline float __shfl_xor_sync(unsigned, float v, int m) {
+    kiln_shfl_slot[threadIdx.x] = v;
+    __syncthreads();
+    const float r = kiln_shfl_slot[threadIdx.x ^ (unsigned)m];
+    __syncthreads();
+    return r;
+}
+"#
+    };
+}
+
 /// The shim (see the module documentation).
 pub const SHIM: &str = concat!(
     common!(),
     r#"static std::barrier<>* kiln_bar;
 static inline void __syncthreads() { kiln_bar->arrive_and_wait(); }
-// Runs f() as a grid of `grid` blocks of `block` threads, one block after another.
+"#,
+    shuffle!(),
+    r#"// Runs f() as a grid of `grid` blocks of `block` threads, one block after another.
 template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
     gridDim = {grid, 1, 1};
     blockDim = {block, 1, 1};
@@ -83,7 +103,9 @@ static kiln_fibers* kiln_fib = new kiln_fibers;
 static inline void __syncthreads() {
     swapcontext(&kiln_fib->ctx[kiln_fib->cur], &kiln_fib->sched);
 }
-static void kiln_fiber_main() {
+"#,
+    shuffle!(),
+    r#"static void kiln_fiber_main() {
     (*kiln_fib->job)();
     kiln_fib->done[kiln_fib->cur] = 1;
 }

@@ -8,7 +8,7 @@
 //! | kind            | items (GPU)                         | CPU items                |
 //! |-----------------|-------------------------------------|--------------------------|
 //! | `adam_update`   | elements `n`                        | `⌈n / BLOCK⌉`            |
-//! | `sum_rows`      | row chunks × column tiles, then `n` | `⌈n / GROUP⌉`            |
+//! | `sum_rows`      | chunks × column tiles, then tiles   | `⌈n / GROUP⌉`            |
 //! | `reduce` rows   | rows `outer` (one block each)       | `outer`                  |
 //! | `reduce` across | outputs `outer · inner`             | `outer · ⌈inner / GROUP⌉`|
 //! | `fill_rows`     | elements `R · n`                    | `R`                      |
@@ -27,6 +27,7 @@
 //! two passes for parallelism: partial sums of row chunks, then the chunks in order.
 
 use crate::codegen::clif::Reduce;
+use crate::codegen::cuda::rows::{column_tiles, COL_TILE};
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{
     for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS, FOR_THREADS,
@@ -214,31 +215,45 @@ pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, Str
     ))
 }
 
-/// The second `sum_rows` kernel: `y[j] = Σ_chunk part[chunk, j]`, chunks in order.
-/// Buffers `[part, y]`, dims those of [`sum_rows`], items columns `n`.
+/// The second `sum_rows` kernel: `y[j] = Σ_chunk part[chunk, j]`, one block per tile of
+/// 32 columns (items [`sum_rows_finish_items`]), the chunks summed as
+/// [`crate::codegen::cuda::rows::add_layer_norm_bwd_finish`] sums its partial blocks.
+/// Buffers `[part, y]`, dims those of [`sum_rows`].
 pub fn sum_rows_finish(name: &str, lead: usize) -> Result<CudaFunction, String> {
     sum_rows_finish_as(name, lead, Elem::F32)
+}
+
+/// Work items of [`sum_rows_finish`]: tiles of 32 of the `n` columns.
+pub fn sum_rows_finish_items(n: usize) -> usize {
+    n.div_ceil(COL_TILE)
 }
 
 /// [`sum_rows_finish`] writing `y` stored as `y`.
 pub fn sum_rows_finish_as(name: &str, lead: usize, y: Elem) -> Result<CudaFunction, String> {
     let ye = y;
     let params = vec![param("part", "const float*"), param("y", &ye.ptr(false))];
-    let mut w = open_sum_rows(name, lead, &params, false)?;
+    let mut w = open_sum_rows(name, lead, &params, true)?;
     w.l(format!(
-        "const long long chunks = rows > 0 ? (rows + {SUM_ROWS_CHUNK} - 1) / {SUM_ROWS_CHUNK} : 1;"
+        "const long long chunks = rows > 0 ? (rows + {SUM_ROWS_CHUNK} - 1) / {SUM_ROWS_CHUNK} : 0;"
     ));
-    w.open(FOR_THREADS);
-    w.l("float s = 0.0f;");
-    w.open("if (rows > 0)");
-    w.open("for (long long k = 0; k < chunks; ++k)");
-    w.l("s = s + part[k * n + i];");
+    w.l("const long long d = n;");
+    w.open(FOR_BLOCKS);
+    w.l(format!("const long long col0 = r * {COL_TILE};"));
+    column_tiles(
+        &mut w,
+        "chunks",
+        "part[k * n + col]",
+        &format!("y[col] = {};", ye.store("t")),
+    );
     w.close();
     w.close();
-    w.l(format!("y[i] = {};", ye.store("s")));
-    w.close();
-    w.close();
-    Ok(function(name, params, Work::Threads, "columns n", w))
+    Ok(function(
+        name,
+        params,
+        Work::Blocks,
+        "column tiles ceil(n / 32)",
+        w,
+    ))
 }
 
 /// The reduction of `x` viewed as `[outer, len, inner]` over `len`, into `y[outer, inner]`.

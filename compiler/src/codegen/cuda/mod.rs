@@ -105,6 +105,10 @@ pub enum Work {
     Threads,
     /// One block of [`text::THREADS`] threads per item.
     Blocks,
+    /// One thread per four consecutive items (`4g` to `4g + 3`, [`FOR_QUADS`]): what
+    /// they share — a row's index arithmetic, a Philox block of four dropout words — is
+    /// computed once.
+    Quads,
 }
 
 impl Work {
@@ -114,6 +118,7 @@ impl Work {
         let g = match self {
             Work::Threads => items.div_ceil(t),
             Work::Blocks => items,
+            Work::Quads => items.div_ceil(4).div_ceil(t),
         };
         (g.clamp(1, MAX_GRID) as u32, text::THREADS)
     }
@@ -239,6 +244,9 @@ pub(crate) fn param(name: &str, c_type: &str) -> Param {
 
 /// The grid-stride loop heads.
 pub(crate) const FOR_THREADS: &str = "for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (long long)gridDim.x * blockDim.x)";
+/// The grid-stride loop over groups `g` of four items (`Work::Quads`), the first item
+/// `i0 = 4g`; the body runs `u` over the group's items below `items`.
+pub(crate) const FOR_QUADS: &str = "for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < ((items + 3) >> 2); g += (long long)gridDim.x * blockDim.x)";
 pub(crate) const FOR_BLOCKS: &str = "for (long long r = blockIdx.x; r < items; r += gridDim.x)";
 /// The loop over a row's elements owned by this thread.
 pub(crate) fn for_cols(n: &str) -> String {

@@ -11,8 +11,11 @@
 //! `kiln_bf16`, widened on load and rounded on store. `dims`: exactly [`crate::codegen::region::region_dims`]'s array —
 //! `C`, the `L` leading output dims, each input's `L` element strides over them, then
 //! `seed` and `step` when the program has a dropout. Items: **elements**, `R·C` (the CPU
-//! kernel's items are rows); one thread per element. Element `i` is row `i / C`, column
-//! `i % C`; input `k` is read at `Σ_l j_l·s_k,l (+ c if its innermost stride is 1)`.
+//! kernel's items are rows); four consecutive elements per thread ([`Work::Quads`]):
+//! the first one's row and column are the group's only divisions (the others step the
+//! column and carry into the leading indices), and each dropout draws one Philox block
+//! for the four. Element `i` is row `i / C`, column `i % C`; input `k` is read at
+//! `Σ_l j_l·s_k,l (+ c if its innermost stride is 1)`.
 //!
 //! Semantics are the reference executor's, as in the CPU kernel: NaN-propagating `max`
 //! and `relu`, wrapping `i32` arithmetic, saturating `f32 → i32` casts (NaN → 0),
@@ -26,11 +29,12 @@
 //! `out[b, t, :] = table[ids[b, t], :] · scale + pe[t, :]` (a product, then a sum), then
 //! optionally dropout keyed by the flat output index. Buffers `[table, ids, pe, scale,
 //! out]` and `dims` as [`crate::codegen::region::embed_pe_dims`] (`[d, t]`, with dropout
-//! `[d, t, seed, step, stream, threshold, keep-scale bits]`). Items: elements `b·t·d`.
+//! `[d, t, seed, step, stream, threshold, keep-scale bits]`). Items: elements `b·t·d`,
+//! four per thread as in the regions.
 //! Ids must be in range (the caller checks them, as on the CPU).
 
 use crate::codegen::cuda::text::{f32_lit, i32_lit, Elem, W};
-use crate::codegen::cuda::{param, signature, CudaFunction, Param, Work, FOR_THREADS};
+use crate::codegen::cuda::{param, signature, CudaFunction, Param, Work, FOR_QUADS};
 use crate::ir::{BinaryOp, CmpOp, DType, UnaryOp};
 use crate::optimize::regions::{Expr, Inst};
 use crate::rng;
@@ -266,22 +270,56 @@ pub fn region_as(
             dropout_base + 1
         ));
     }
-    // The column, unless no input reads along it (every one broadcast over it).
+    // The column, unless no input reads along it (every one broadcast over it); rows
+    // are tracked through it all the same when there are leading axes.
     let column = (0..n_in).any(|i| used[i] && inner[i]);
-    w.open(FOR_THREADS);
-    if lead > 0 {
-        w.l("const long long row = i / C;");
-        if column {
-            w.l("const long long c = i - row * C;");
+    let track_c = column || lead > 0;
+    w.open(FOR_QUADS);
+    w.l("const long long i0 = g << 2;");
+    // One Philox block per dropout step: the words of the group's four elements.
+    for (k, inst) in expr.insts.iter().enumerate() {
+        if let Inst::Dropout(_, stream, _) = *inst {
+            w.l(format!(
+                "const kiln_words4 dw{k} = kiln_dropout_block(seed, step, {stream}u, (unsigned long long)g);"
+            ));
         }
+    }
+    // The first element's row and column (the only divisions of the group).
+    if lead > 0 {
+        w.l("const long long row = i0 / C;");
+        w.l("long long c = i0 - row * C;");
         w.l("long long rest = row;");
         for k in (1..lead).rev() {
-            w.l(format!("const long long j{k} = rest % dims.d[{}];", 1 + k));
-            w.l(format!("rest = rest / dims.d[{}];", 1 + k));
+            w.l(format!("const long long q{k} = rest / dims.d[{}];", 1 + k));
+            w.l(format!("long long j{k} = rest - q{k} * dims.d[{}];", 1 + k));
+            w.l(format!("rest = q{k};"));
         }
-        w.l("const long long j0 = rest;");
-    } else if column {
-        w.l("const long long c = i;");
+        w.l("long long j0 = rest;");
+    } else if track_c {
+        w.l("long long c = i0;");
+    }
+    w.open("for (int u = 0; u < 4; ++u)");
+    w.l("const long long i = i0 + u;");
+    w.l("if (i >= items) break;");
+    if track_c {
+        // The next element: the column, then the leading indices, carried.
+        w.open("if (u > 0)");
+        if lead > 0 {
+            w.open("if (++c == C)");
+            w.l("c = 0;");
+            for k in (1..lead).rev() {
+                w.open(format!("if (++j{k} == dims.d[{}])", 1 + k));
+                w.l(format!("j{k} = 0;"));
+            }
+            w.l("++j0;");
+            for _ in 1..lead {
+                w.close();
+            }
+            w.close();
+        } else {
+            w.l("++c;");
+        }
+        w.close();
     }
     for i in 0..n_in {
         if !used[i] {
@@ -310,12 +348,12 @@ pub fn region_as(
             Inst::Cmp(c, a, b) => compare(c, &v(a), &v(b)),
             Inst::Where(c, a, b) => format!("v{c} ? v{a} : v{b}"),
             Inst::Cast(d, a) => cast(types[a], d, &v(a)),
-            Inst::Dropout(p, stream, a) => {
+            Inst::Dropout(p, _, a) => {
                 let p = p.get();
                 let threshold = rng::dropout_threshold(p);
                 let scale = (1.0 / (1.0 - p)) as f32;
                 format!(
-                    "kiln_keep(seed, step, {stream}u, (unsigned long long)i, {threshold}u) ? v{a} * {} : 0.0f",
+                    "kiln_keep_word(kiln_word_of(dw{k}, (unsigned)u), {threshold}u) ? v{a} * {} : 0.0f",
                     f32_lit(scale)
                 )
             }
@@ -331,11 +369,12 @@ pub fn region_as(
     w.l(format!("out[i] = {value};"));
     w.close();
     w.close();
+    w.close();
     Ok(CudaFunction {
         name: name.to_string(),
         params,
-        work: Work::Threads,
-        items_rule: "elements R·C of the output".into(),
+        work: Work::Quads,
+        items_rule: "elements R·C of the output, four per thread".into(),
         text: w.finish(),
     })
 }
@@ -366,24 +405,41 @@ pub fn embed_pe_as(name: &str, dropout: bool, pe: Elem, out: Elem) -> CudaFuncti
         w.l("const unsigned threshold = (unsigned)dims.d[5];");
         w.l("const float keep_scale = __int_as_float((int)dims.d[6]);");
     }
-    w.open(FOR_THREADS);
-    w.l("const long long row = i / d;");
-    w.l("const long long c = i - row * d;");
-    w.l("const long long pos = row % t;");
+    w.open(FOR_QUADS);
+    w.l("const long long i0 = g << 2;");
+    if dropout {
+        w.l(
+            "const kiln_words4 dw = kiln_dropout_block(seed, step, stream, (unsigned long long)g);",
+        );
+    }
+    w.l("long long row = i0 / d;");
+    w.l("long long c = i0 - row * d;");
+    w.l("long long pos = row % t;");
+    w.open("for (int u = 0; u < 4; ++u)");
+    w.l("const long long i = i0 + u;");
+    w.l("if (i >= items) break;");
+    w.open("if (u > 0 && ++c == d)");
+    w.l("c = 0;");
+    w.l("++row;");
+    w.l("if (++pos == t) pos = 0;");
+    w.close();
     w.l("const long long id = ids[row];");
     w.l("const float x = table[id * d + c] * s;");
     w.l(format!("float y = x + {};", pe.load("pe[pos * d + c]")));
     if dropout {
-        w.l("y = kiln_keep(seed, step, stream, (unsigned long long)i, threshold) ? y * keep_scale : 0.0f;");
+        w.l(
+            "y = kiln_keep_word(kiln_word_of(dw, (unsigned)u), threshold) ? y * keep_scale : 0.0f;",
+        );
     }
     w.l(format!("out[i] = {};", out.store("y")));
+    w.close();
     w.close();
     w.close();
     CudaFunction {
         name: name.to_string(),
         params,
-        work: Work::Threads,
-        items_rule: "elements b·t·d of the output".into(),
+        work: Work::Quads,
+        items_rule: "elements b·t·d of the output, four per thread".into(),
         text: w.finish(),
     }
 }

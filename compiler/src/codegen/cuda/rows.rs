@@ -10,8 +10,9 @@
 //! be the input where the CPU kernel allows it: every thread reads an element before it
 //! writes it, and a block barrier separates a pass that reads other threads' elements
 //! from the writes). Items are the CPU kernels' items too (rows, or blocks of
-//! [`LN_BWD_BLOCK`] rows), except for `add_layer_norm_bwd_finish` (columns, as on the
-//! CPU) and the `xent_ls` helpers documented below.
+//! [`LN_BWD_BLOCK`] rows), except for `add_layer_norm_bwd_finish` (tiles of 32 columns,
+//! [`add_layer_norm_bwd_finish_items`]; the CPU's are columns) and the `xent_ls` helpers
+//! documented below.
 //!
 //! The formulas are the CPU kernels', step for step; only the order of the row sums
 //! differs (a block tree instead of four vector lanes).
@@ -288,10 +289,12 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     w.l("sa = sa + a;");
     w.l("saxc = saxc + a * xc;");
     w.close();
-    w.l("ssq = kiln_block_sum(ssq, sh);");
-    w.l("sxc = kiln_block_sum(sxc, sh);");
-    w.l("sa = kiln_block_sum(sa, sh);");
-    w.l("saxc = kiln_block_sum(saxc, sh);");
+    w.l("float sums[4] = {ssq, sxc, sa, saxc};");
+    w.l("kiln_block_sum4(sums, sh);");
+    w.l("ssq = sums[0];");
+    w.l("sxc = sums[1];");
+    w.l("sa = sums[2];");
+    w.l("saxc = sums[3];");
     w.l("const float var = ssq * c;");
     w.l("const float rstd = 1.0f / sqrtf(var + ep);");
     w.l("// dx_j = rstd·(a_j − c·Σa) − k·(xc_j − c·Σxc), k = c·rstd³·Σa·xc.");
@@ -321,8 +324,12 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     function(name, params, Work::Blocks, "row blocks ceil(rows / 16)", w)
 }
 
-/// `dgamma[j] = Σ_k scratch[k, j]`, `dbeta[j] = Σ_k scratch[k, d + j]` in block order.
-/// Buffers `[scratch, dgamma, dbeta]`, dims `[blocks, d]`, items columns `d`.
+/// `dgamma[j] = Σ_k scratch[k, j]`, `dbeta[j] = Σ_k scratch[k, d + j]`: one block per
+/// tile of [`COL_TILE`] columns of `dgamma`, then of `dbeta` (items
+/// [`add_layer_norm_bwd_finish_items`]); a warp's lanes are the tile's columns, warp `w`
+/// sums the partial blocks `k ≡ w` (mod warps) in order, then the warps' sums are added
+/// in warp order (fixed for a block size; the CPU adds the blocks in order: the two agree
+/// within rounding). Buffers `[scratch, dgamma, dbeta]`, dims `[blocks, d]`.
 pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
     let params = vec![
         param("scratch", "const float*"),
@@ -331,22 +338,84 @@ pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
     ];
     let mut w = W::new();
     signature(&mut w, name, &params);
+    w.l("__shared__ float sh[KILN_THREADS];");
     w.l("const long long blocks = dims.d[0];");
     w.l("const long long d = dims.d[1];");
-    w.open(crate::codegen::cuda::FOR_THREADS);
-    w.l("float sg = 0.0f;");
-    w.l("float sb = 0.0f;");
-    w.open("for (long long k = 0; k < blocks; ++k)");
-    w.l("sg = sg + scratch[k * 2 * d + i];");
+    w.l(format!(
+        "const long long tiles = (d + {COL_TILE} - 1) / {COL_TILE};"
+    ));
+    w.open(FOR_BLOCKS);
+    w.l("const bool beta = r >= tiles;");
+    w.l(format!(
+        "const long long col0 = (beta ? r - tiles : r) * {COL_TILE};"
+    ));
+    w.l("const float* src = scratch + (beta ? d : 0);");
+    w.l("float* dst = beta ? dbeta : dgamma;");
+    column_tiles(&mut w, "blocks", "src[k * 2 * d + col]", "dst[col] = t;");
     w.close();
-    w.open("for (long long k = 0; k < blocks; ++k)");
-    w.l("sb = sb + scratch[k * 2 * d + d + i];");
     w.close();
-    w.l("dgamma[i] = sg;");
-    w.l("dbeta[i] = sb;");
+    function(
+        name,
+        params,
+        Work::Blocks,
+        "column tiles of dgamma then dbeta, 2·ceil(d / 32)",
+        w,
+    )
+}
+
+/// Columns of one block of the column-sum kernels ([`add_layer_norm_bwd_finish`],
+/// [`crate::codegen::cuda::misc::sum_rows_finish`]): a warp's lanes.
+pub const COL_TILE: usize = 32;
+
+/// Work items of [`add_layer_norm_bwd_finish`] for rows of `d`.
+pub fn add_layer_norm_bwd_finish_items(d: usize) -> usize {
+    2 * d.div_ceil(COL_TILE)
+}
+
+/// Inside a block loop with `col0` and `d` (the column count) defined: sums `k` from 0
+/// to `count` of `load` (an expression of `k` and `col`) for the [`COL_TILE`] columns
+/// from `col0` — warp `w` the `k ≡ w` (mod warps), then the warps in order — and runs
+/// `store` (a statement of `col` and the sum `t`) once per column. Uses `sh`
+/// (`KILN_THREADS` floats) and two barriers; a block of fewer than 32 threads is one
+/// warp whose lanes loop over the tile.
+pub(crate) fn column_tiles(w: &mut W, count: &str, load: &str, store: &str) {
+    w.l(format!(
+        "const int width = blockDim.x < {COL_TILE} ? blockDim.x : {COL_TILE};"
+    ));
+    w.l(format!(
+        "const int warps = blockDim.x < {COL_TILE} ? 1 : blockDim.x / {COL_TILE};"
+    ));
+    w.l("const int wi = threadIdx.x / width;");
+    w.open("if (wi < warps)");
+    w.open(format!(
+        "for (int c = threadIdx.x % width; c < {COL_TILE}; c += width)"
+    ));
+    w.l("const long long col = col0 + c;");
+    w.l("float s = 0.0f;");
+    w.open("if (col < d)");
+    w.open(format!("for (long long k = wi; k < {count}; k += warps)"));
+    w.l(format!("s = s + {load};"));
     w.close();
     w.close();
-    function(name, params, Work::Threads, "columns d", w)
+    w.l(format!("sh[wi * {COL_TILE} + c] = s;"));
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+    w.open("if (wi == 0)");
+    w.open(format!(
+        "for (int c = threadIdx.x % width; c < {COL_TILE}; c += width)"
+    ));
+    w.l("const long long col = col0 + c;");
+    w.open("if (col < d)");
+    w.l("float t = sh[c];");
+    w.l(format!(
+        "for (int l = 1; l < warps; ++l) t = t + sh[l * {COL_TILE} + c];"
+    ));
+    w.l(store);
+    w.close();
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
 }
 
 /// The count of non-pad targets: `stats[0] = den`, `stats[1] = 1/den` (`inf` and `NaN`

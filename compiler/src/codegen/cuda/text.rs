@@ -189,28 +189,61 @@ pub fn prelude() -> String {
         w.close();
     }
     w.l("");
-    w.l("// Block reductions over KILN_THREADS partials (blockDim.x, a power of two): a fixed");
-    w.l("// tree, so the result does not depend on scheduling. Every thread gets the result.");
-    for (name, init, combine) in [
-        ("sum", "", "sh[t] + sh[t + s]"),
-        ("max", "", "kiln_max_ref(sh[t], sh[t + s])"),
-    ] {
-        let _ = init;
+    w.l("// Block reductions over blockDim.x partials (a power of two, at most KILN_THREADS),");
+    w.l("// called by every thread of the block: a butterfly of shuffles in each warp, whose");
+    w.l("// lane 0 holds the warp's tree (lane l with lane l + s at each step), then the warps'");
+    w.l("// results in warp order. The order is fixed for a block size, so the result does");
+    w.l("// not depend on scheduling. Every thread gets the result; `sh` holds 4 floats a warp.");
+    w.open("__device__ __forceinline__ unsigned kiln_lanes()");
+    w.l("return blockDim.x >= 32u ? 0xffffffffu : ((1u << blockDim.x) - 1u);");
+    w.close();
+    w.open("__device__ __forceinline__ unsigned kiln_width()");
+    w.l("return blockDim.x >= 32u ? 32u : blockDim.x;");
+    w.close();
+    for (name, combine) in [("sum", "a + b"), ("max", "kiln_max_ref(a, b)")] {
+        w.open(format!(
+            "__device__ __forceinline__ float kiln_combine_{name}(float a, float b)"
+        ));
+        w.l(format!("return {combine};"));
+        w.close();
+        w.open(format!("__device__ float kiln_warp_{name}(float v)"));
+        w.open("for (unsigned s = kiln_width() >> 1; s > 0; s >>= 1)");
+        w.l(format!(
+            "v = kiln_combine_{name}(v, __shfl_xor_sync(kiln_lanes(), v, (int)s));"
+        ));
+        w.close();
+        w.l("return v;");
+        w.close();
         w.open(format!(
             "__device__ float kiln_block_{name}(float v, float* sh)"
         ));
         w.l("const unsigned t = threadIdx.x;");
-        w.l("sh[t] = v;");
+        w.l(format!("v = kiln_warp_{name}(v);"));
+        w.l("if ((t & 31u) == 0) sh[t >> 5] = v;");
         w.l("__syncthreads();");
-        w.open("for (unsigned s = blockDim.x >> 1; s > 0; s >>= 1)");
-        w.l(format!("if (t < s) sh[t] = {combine};"));
-        w.l("__syncthreads();");
-        w.close();
-        w.l("const float r = sh[0];");
+        w.l("float r = sh[0];");
+        w.l(format!(
+            "for (unsigned k = 1; k < ((blockDim.x + 31u) >> 5); ++k) r = kiln_combine_{name}(r, sh[k]);"
+        ));
         w.l("__syncthreads();");
         w.l("return r;");
         w.close();
     }
+    w.l("// Four sums at once (one pair of barriers): v[0..4] replaced by their block sums.");
+    w.open("__device__ void kiln_block_sum4(float* v, float* sh)");
+    w.l("const unsigned t = threadIdx.x;");
+    w.open("for (int q = 0; q < 4; ++q)");
+    w.l("const float s = kiln_warp_sum(v[q]);");
+    w.l("if ((t & 31u) == 0) sh[(t >> 5) * 4 + q] = s;");
+    w.close();
+    w.l("__syncthreads();");
+    w.open("for (int q = 0; q < 4; ++q)");
+    w.l("float r = sh[q];");
+    w.l("for (unsigned k = 1; k < ((blockDim.x + 31u) >> 5); ++k) r = r + sh[k * 4 + q];");
+    w.l("v[q] = r;");
+    w.close();
+    w.l("__syncthreads();");
+    w.close();
     w.l("");
     philox::write(&mut w);
     w.finish()
