@@ -206,7 +206,16 @@ fn every_kernel_of_the_tiny_model_has_a_mixed_precision_launch() {
 // GPU tests (skipped without CUDA)
 
 fn feeds(g: &kiln_compiler::Graph, art: &Artifact, seed: u64) -> (Feeds, Feeds) {
-    let sizes = [2i64, 5, 3, 2];
+    feeds_sized(g, art, seed, &[2, 5, 3, 2])
+}
+
+/// [`feeds`] with the graph's dims taking `sizes` in turn.
+fn feeds_sized(
+    g: &kiln_compiler::Graph,
+    art: &Artifact,
+    seed: u64,
+    sizes: &[i64],
+) -> (Feeds, Feeds) {
     let dims: BTreeMap<String, i64> = g
         .dims
         .iter()
@@ -364,6 +373,39 @@ fn spec_vs_cpu(name: &str) -> Vec<String> {
         }
     }
     bad
+}
+
+/// Sentences longer than the one-block attention backward's tile (32 rows) take the
+/// two-kernel flash backward (`flash_q`, then `flash_kv` over a statistics scratch); the
+/// short ones of the other tests take the one-block kernel. Both match the CPU.
+#[test]
+fn gpu_long_sentences_match_the_cpu_executor() {
+    use kiln_compiler::codegen::cuda::attention::fits_short;
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let entry = "train_step";
+    let gpu = CudaExecutor::from_artifact_entry(art, entry).unwrap();
+    let cpu = art.executor(entry).unwrap();
+    let g = cpu.graph();
+    let sizes = [2i64, 37, 34, 2];
+    let lens: Vec<i64> = (0..g.dims.len()).map(|i| sizes[i % sizes.len()]).collect();
+    assert_eq!(g.dims[..3], ["batch", "src_len", "tgt_len"], "{:?}", g.dims);
+    assert!(
+        !fits_short(37, 37, 8, 8) && !fits_short(34, 37, 8, 8),
+        "{lens:?}"
+    );
+    let (inputs, params) = feeds_sized(g, art, 17, &sizes);
+    let opts = RunOptions {
+        seed: 17,
+        step: 2,
+        ..RunOptions::default()
+    };
+    let want = cpu.run(&inputs, &params, &opts).unwrap();
+    let got = Exec::run(&gpu, &inputs, &params, &opts).unwrap();
+    let bad = mismatches("train_step at lengths 37 and 34", &want, &got);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
 #[test]

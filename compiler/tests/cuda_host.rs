@@ -599,6 +599,49 @@ fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
     );
     exact("copy_strided", &g[1], &h[1]);
     assert_eq!(as_f32(&g[1])[1], as_f32(&src)[6]);
+    // Rank 5 (four elements a thread carrying through every axis, an axis of 1): the
+    // view [2, 3, 1, 5, 3] of a buffer stored as [3, 5, 2, 3] (axes 1, 3, 0, 4).
+    let shape = [2usize, 3, 1, 5, 3];
+    let strides = [3i64, 30, 90, 6, 1];
+    let n: usize = shape.iter().product();
+    let src = rng.floats(n, -1.0, 1.0);
+    let (dims, items) = misc::copy_strided_dims(&shape, &strides);
+    for launch in [(GRID, BLOCK), (1, 1), (2, 32)] {
+        let mut g = vec![src.clone(), zeros(n)];
+        run_with(
+            cxx,
+            &cuda::misc::copy_strided("copy_strided_0"),
+            &mut g,
+            &dims,
+            n as u64,
+            launch,
+        );
+        let mut h = vec![src.clone(), zeros(n)];
+        run_cpu(
+            &misc::copy_strided("copy_strided_0", false),
+            "copy_strided_0",
+            &mut h,
+            &dims,
+            items,
+        );
+        exact("copy_strided rank 5", &g[1], &h[1]);
+        let (got, x) = (as_f32(&g[1]), as_f32(&src));
+        let mut i = 0;
+        for a in 0..2 {
+            for b in 0..3 {
+                for d in 0..5 {
+                    for e in 0..3 {
+                        let at = a as i64 * strides[0]
+                            + b as i64 * strides[1]
+                            + d as i64 * strides[3]
+                            + e as i64 * strides[4];
+                        assert_eq!(got[i], x[at as usize], "element {i}");
+                        i += 1;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// `sum_rows` in two kernels (partial sums of 128-row chunks by 32-column blocks, then
@@ -1466,6 +1509,28 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
     let n = bufs.len();
     check(&format!("dk {what}"), &bufs[n - 2], &dkk);
     check(&format!("dv {what}"), &bufs[n - 1], &dvv);
+
+    // The whole backward in one block per head, where the head fits its tile.
+    if attention::fits_short(tq, tk, dk, dv) {
+        let f = attention::backward_short("flash_short", a.mask, dk, dv, elem);
+        let t = attention::tile(Part::Short, dk, dv).unwrap();
+        let mut bufs = head(
+            vec![zeros_e(dq.len()), zeros_e(dkk.len()), zeros_e(dvv.len())],
+            true,
+        );
+        run_with(
+            cxx,
+            &f,
+            &mut bufs,
+            &bdims,
+            attention::items(Part::Short, t, b, h, tq, tk) as u64,
+            launch,
+        );
+        let n = bufs.len();
+        check(&format!("short dq {what}"), &bufs[n - 3], &dq);
+        check(&format!("short dk {what}"), &bufs[n - 2], &dkk);
+        check(&format!("short dv {what}"), &bufs[n - 1], &dvv);
+    }
 }
 
 #[test]
@@ -1534,6 +1599,34 @@ fn flash_attention_matches_the_definition_with_a_causal_mask() {
         fill: -1e9,
     };
     check_flash(cxx, &a, 43, 64);
+}
+
+/// The one-block backward at its tile's edge (32 rows; `check_flash` runs it wherever the
+/// head fits), with every mask, in f32 and bf16.
+#[test]
+fn flash_backward_in_one_block_per_head_at_the_tile_edge() {
+    use kiln_compiler::codegen::cuda::attention::{fits_short, tile, Part};
+    let Some(cxx) = gxx() else { return };
+    assert_eq!(tile(Part::Short, 8, 8), Some(32));
+    assert!(fits_short(32, 32, 8, 8) && !fits_short(32, 33, 8, 8));
+    for (mask, elem, block) in [
+        (MaskKind::Causal, Elem::F32, 32),
+        (MaskKind::Key, Elem::Bf16, 64),
+        (MaskKind::None, Elem::F32, 4),
+    ] {
+        let a = Attn {
+            b: 3,
+            h: 2,
+            tq: 32,
+            tk: if mask == MaskKind::Causal { 32 } else { 29 },
+            dk: 8,
+            dv: 8,
+            mask,
+            scale: 0.4,
+            fill: -1e9,
+        };
+        check_flash_as(cxx, &a, 61, block, elem);
+    }
 }
 
 #[test]

@@ -2305,8 +2305,9 @@ impl Run<'_> {
             StepExec::AttentionBwd {
                 flash: Some((fq, fkv)),
                 mask,
+                short,
                 ..
-            } => self.flash_backward(ins, outs, fq, fkv, *mask),
+            } => self.flash_backward(ins, outs, (fq, fkv, short.as_deref()), *mask),
             StepExec::AttentionBwd {
                 softmax,
                 softmax_bwd,
@@ -2608,14 +2609,15 @@ impl Run<'_> {
         self.launch(f, &ptrs, Launch { dims, items })
     }
 
-    /// Flash attention backward: [`attention::backward_q`] (`dq` and the row statistics
-    /// into scratch), then [`attention::backward_kv`] (`dk`, `dv`).
+    /// Flash attention backward: [`attention::backward_short`] (one block per head) when
+    /// the module has it and both lengths fit its tile, else [`attention::backward_q`]
+    /// (`dq` and the row statistics into scratch), then [`attention::backward_kv`] (`dk`,
+    /// `dv`).
     fn flash_backward(
         &mut self,
         ins: &[&DLoc],
         outs: &[DLoc],
-        fq: &str,
-        fkv: &str,
+        (fq, fkv, short): (&str, &str, Option<&str>),
         mask: MaskKind,
     ) -> Result<(), String> {
         let (q, k, v) = (ins[0], ins[1], ins[2]);
@@ -2629,7 +2631,6 @@ impl Run<'_> {
             ptrs.extend([m.base(), ins[4].base(), ins[5].base(), ins[6].base()]);
             ins[4]
         };
-        let stats = self.alloc(b * h * tq * 3)?;
         let dims = attention::dims(
             b,
             h,
@@ -2637,6 +2638,12 @@ impl Run<'_> {
             tk,
             &[strides4(q)?, strides4(k)?, strides4(v)?, strides4(g)?],
         );
+        if let Some(fs) = short.filter(|_| attention::fits_short(tq, tk, dk, dv)) {
+            ptrs.extend([outs[0].base(), outs[1].base(), outs[2].base()]);
+            let items = attention::items(Part::Short, 0, b, h, tq, tk);
+            return self.launch(fs, &ptrs, Launch { dims, items });
+        }
+        let stats = self.alloc(b * h * tq * 3)?;
         let tile = |p| attention::tile(p, dk, dv).ok_or("internal: no flash tile");
         let mut pq = ptrs.clone();
         pq.extend([outs[0].base(), stats]);

@@ -52,12 +52,14 @@ pub(crate) enum Exec {
         flash: Option<String>,
     },
     /// Backward: the flash kernels (`flash_q`, then `flash_kv`) when present, else the
-    /// batched-GEMM path.
+    /// batched-GEMM path; `short` (`flash_short`, absent from older artifacts) instead
+    /// of the pair when both lengths fit its tile.
     AttentionBwd {
         softmax: String,
         softmax_bwd: String,
         mask: MaskKind,
         flash: Option<(String, String)>,
+        short: Option<String>,
     },
     AddLayerNorm(String),
     AddLayerNormBwd {
@@ -201,6 +203,11 @@ pub(crate) fn prepare(
                         mask,
                         flash: if has("flash_q") || has("flash_kv") {
                             Some((role("flash_q")?, role("flash_kv")?))
+                        } else {
+                            None
+                        },
+                        short: if has("flash_short") {
+                            Some(role("flash_short")?)
                         } else {
                             None
                         },

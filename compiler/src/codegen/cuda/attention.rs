@@ -14,6 +14,13 @@
 //!   `p = exp(s − m)/l`, `dp = g·vᵀ`, `ds = p·(dp − D)·scale` (0 where masked).
 //! - [`backward_kv`] — one block per tile of `T` keys: streams the query tiles (with their
 //!   `stats`) for `dv = Σ_i p_ij·g_i` and `dk = Σ_i ds_ij·q_i`.
+//! - [`backward_short`] — the two above in one kernel when every query and key row of a
+//!   head fits one tile ([`fits_short`]; the Transformer's sentences mostly do): one block
+//!   per head holds `q`, `k`, `v`, `g`, the probabilities and the score gradients in
+//!   shared memory and computes `s`, `dp = g·vᵀ`, the softmax, `D = Σ_j p·dp` (the CPU
+//!   `softmax_bwd`'s), `ds`, then `dq`, `dk`, `dv` — five products of the head's size
+//!   instead of nine across the pair (which recompute the forward twice), one launch and
+//!   no statistics scratch.
 //!
 //! Every output element is summed by one thread in a fixed order: no atomics, the same
 //! bits on every run. The formulas are the CPU attention's (`s = q·kᵀ`, the masked scaled
@@ -28,14 +35,15 @@
 //!
 //! - forward: `q, k, v, [mask], scale, [fill], out`;
 //! - backward_q: `q, k, v, [mask], g, scale, [fill], dq, stats`;
-//! - backward_kv: `q, k, v, [mask], g, scale, [fill], stats, dk, dv`.
+//! - backward_kv: `q, k, v, [mask], g, scale, [fill], stats, dk, dv`;
+//! - backward_short: `q, k, v, [mask], g, scale, [fill], dq, dk, dv`.
 //!
 //! `q [b, h, tq, dk]`, `k [b, h, tk, dk]`, `v [b, h, tk, dv]` and `g [b, h, tq, dv]` are
 //! read through their strides (views of the projections need no copy); `out`, `dq`, `dk`,
 //! `dv` are contiguous. The mask is `int` 0/1, `[b, tk]` (key padding) or `[tq, tk]`
 //! (causal). dims ([`dims`]): `[b, h, tq, tk]`, then the four element strides of `q`, `k`,
 //! `v` and (backward) `g`. Items: tiles, `b·h·⌈tq/T⌉` (forward, backward_q) or
-//! `b·h·⌈tk/T⌉` (backward_kv), with `T` from [`tile`].
+//! `b·h·⌈tk/T⌉` (backward_kv), `b·h` (backward_short), with `T` from [`tile`].
 
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{param, signature, CudaFunction, Param, Work, FOR_BLOCKS};
@@ -53,6 +61,9 @@ pub enum Part {
     Forward,
     BackwardQ,
     BackwardKv,
+    /// The whole backward of one head in one block ([`backward_short`]), when `tq` and
+    /// `tk` both fit one tile.
+    Short,
 }
 
 /// Shared memory of `part` with tiles of `t` rows, in bytes.
@@ -68,6 +79,8 @@ pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
         Part::BackwardKv => {
             2 * t * (dk + 1) + 2 * t * (dv + 1) + 2 * t * (t + 1) + t * dk + t * dv + 3 * t
         }
+        // qs, ks, vs, gs, ps, dss, D
+        Part::Short => 2 * t * (dk + 1) + 2 * t * (dv + 1) + 2 * t * (t + 1) + t,
     };
     4 * floats
 }
@@ -93,10 +106,20 @@ pub fn dims(b: usize, h: usize, tq: usize, tk: usize, strides: &[[usize; 4]]) ->
     d
 }
 
-/// Work items of `part` (tiles): `b·h·⌈tq/T⌉` or, for `BackwardKv`, `b·h·⌈tk/T⌉`.
+/// Work items of `part` (tiles): `b·h·⌈tq/T⌉`, for `BackwardKv` `b·h·⌈tk/T⌉`, for
+/// `Short` the heads `b·h`.
 pub fn items(part: Part, t: usize, b: usize, h: usize, tq: usize, tk: usize) -> usize {
-    let rows = if part == Part::BackwardKv { tk } else { tq };
-    b * h * rows.div_ceil(t)
+    match part {
+        Part::Short => b * h,
+        Part::BackwardKv => b * h * tk.div_ceil(t),
+        _ => b * h * tq.div_ceil(t),
+    }
+}
+
+/// Whether [`backward_short`] takes `tq` query and `tk` key rows with heads `dk`, `dv`:
+/// both fit its tile.
+pub fn fits_short(tq: usize, tk: usize, dk: usize, dv: usize) -> bool {
+    tile(Part::Short, dk, dv).is_some_and(|t| tq <= t && tk <= t)
 }
 
 /// The buffer parameters of `part`.
@@ -122,6 +145,11 @@ fn params(part: Part, mask: MaskKind, e: Elem) -> Vec<Param> {
         Part::BackwardQ => {
             p.push(param("dq", &e.ptr(false)));
             p.push(param("stats", "float*"));
+        }
+        Part::Short => {
+            p.push(param("dq", &e.ptr(false)));
+            p.push(param("dk", &e.ptr(false)));
+            p.push(param("dv", &e.ptr(false)));
         }
         Part::BackwardKv => {
             p.push(param("stats", "const float*"));
@@ -553,13 +581,143 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)
 }
 
+/// The whole backward of one head in one block (see the module documentation); the
+/// caller checks [`fits_short`].
+pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::Short, dk, dv).expect("head sizes checked by the caller");
+    let (pk, pv) = (dk + 1, dv + 1);
+    let ps = params(Part::Short, mask, e);
+    let mut w = W::new();
+    let what = format!("backward in one block per head, heads dk = {dk}, dv = {dv}");
+    open_kernel(
+        &mut w,
+        name,
+        &ps,
+        &what,
+        t,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("ps", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("ds", "T".into()),
+        ],
+    );
+    head(&mut w, Part::Short, mask);
+    w.l("const int nq = (int)tq, nk = (int)tk;");
+    w.l("const long long q0 = 0, k0 = 0;");
+    w.open(FOR_BLOCKS);
+    let c = e.c_type();
+    lines(
+        &mut w,
+        &format!(
+            "const long long bh = r, bi = bh / H, hi = bh % H;
+(void)bi;
+const {c}* qh = q + bi * qsb + hi * qsh;
+const {c}* kh = k + bi * ksb + hi * ksh;
+const {c}* vh = v + bi * vsb + hi * vsh;
+const {c}* gh = g + bi * gsb + hi * gsh;"
+        ),
+    );
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
+    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
+    w.l("__syncthreads();");
+    w.l("// The scores and dp = g·vᵀ of every pair.");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float x = 0.0f, dp = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    score(&mut w, mask, dk, false);
+    w.l(format!(
+        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
+    ));
+    w.close();
+    w.l("ps[i * (T + 1) + j] = x;");
+    w.l("dss[i * (T + 1) + j] = dp;");
+    w.close();
+    w.l("__syncthreads();");
+    lines(
+        &mut w,
+        &format!(
+            "// Each row's softmax and D = Σ_j p·dp, one thread per row.
+for (int i = tid; i < nq; i += nt) {{
+    float* pr = ps + i * (T + 1);
+    const float* dpr = dss + i * (T + 1);
+    float mx = {ninf};
+    for (int j = 0; j < nk; ++j) mx = kiln_max_ref(mx, pr[j]);
+    float z = 0.0f;
+    for (int j = 0; j < nk; ++j) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    float d = 0.0f;
+    for (int j = 0; j < nk; ++j) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
+    ds[i] = d;
+}}
+__syncthreads();",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+    w.l("// ds = p·(dp − D)·scale, 0 where masked and outside the head.");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l("const float p = ps[i * (T + 1) + j];");
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dss[i * (T + 1) + j] - ds[i]) * sc;",
+        masked_out(mask)
+    ));
+    w.close();
+    w.l("dss[i * (T + 1) + j] = dsv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.l("// dq = ds·k, dk = dsᵀ·q, dv = pᵀ·g.");
+    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
+    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
+    w.l("float acc = 0.0f;");
+    w.l(format!(
+        "for (int j = 0; j < nk; ++j) acc = acc + dss[i * (T + 1) + j] * ks[j * {pk} + c];"
+    ));
+    w.l(format!("dq[bh * tq * {dk} + e] = {};", e.store("acc")));
+    w.close();
+    w.open(format!("for (int e = tid; e < nk * {dk}; e += nt)"));
+    w.l(format!("const int j = e / {dk}, c = e % {dk};"));
+    w.l("float acc = 0.0f;");
+    w.l(format!(
+        "for (int i = 0; i < nq; ++i) acc = acc + dss[i * (T + 1) + j] * qs[i * {pk} + c];"
+    ));
+    w.l(format!("dk[bh * tk * {dk} + e] = {};", e.store("acc")));
+    w.close();
+    w.open(format!("for (int e = tid; e < nk * {dv}; e += nt)"));
+    w.l(format!("const int j = e / {dv}, c = e % {dv};"));
+    w.l("float acc = 0.0f;");
+    w.l(format!(
+        "for (int i = 0; i < nq; ++i) acc = acc + ps[i * (T + 1) + j] * gs[i * {pv} + c];"
+    ));
+    w.l(format!("dv[bh * tk * {dv} + e] = {};", e.store("acc")));
+    w.close();
+    w.close();
+    w.close();
+    function(name, ps, "heads b·h", w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn tiles_fit_shared_memory() {
-        for part in [Part::Forward, Part::BackwardQ, Part::BackwardKv] {
+        for part in [
+            Part::Forward,
+            Part::BackwardQ,
+            Part::BackwardKv,
+            Part::Short,
+        ] {
             for d in [1, 8, 64, 100, 128] {
                 let t = tile(part, d, d).expect("a tile");
                 assert!(shared_bytes(part, t, d, d) <= SHARED_BYTES);
@@ -574,5 +732,11 @@ mod tests {
         assert_eq!(tile(Part::BackwardKv, 64, 64), Some(16));
         assert_eq!(items(Part::Forward, 32, 2, 8, 25, 40), 16);
         assert_eq!(items(Part::BackwardKv, 16, 2, 8, 25, 40), 48);
+        assert_eq!(items(Part::Short, 32, 2, 8, 25, 25), 16);
+        // The base Transformer's heads fit 32 rows in one block's shared memory.
+        assert_eq!(tile(Part::Short, 64, 64), Some(32));
+        assert!(fits_short(25, 32, 64, 64));
+        assert!(!fits_short(33, 25, 64, 64));
+        assert!(fits_short(16, 16, 128, 128) && !fits_short(17, 16, 128, 128));
     }
 }

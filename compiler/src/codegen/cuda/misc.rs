@@ -13,7 +13,7 @@
 //! | `reduce` across | outputs `outer · inner`             | `outer · ⌈inner / GROUP⌉`|
 //! | `fill_rows`     | elements `R · n`                    | `R`                      |
 //! | `relu`          | elements `n`                        | `⌈n / BLOCK⌉`            |
-//! | `copy_strided`  | elements `s0 · … · s4`              | `s0 · s1 · s2 · s3`      |
+//! | `copy_strided`  | elements `s0 · … · s4`, four a thread | `s0 · s1 · s2 · s3`    |
 //!
 //! The `_as` forms take the element type of each activation buffer (a mixed-precision
 //! program's, [`crate::codegen::cuda::storage`]): loads widen bf16 to `float`, stores
@@ -30,7 +30,7 @@ use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::rows::{column_tiles, COL_TILE};
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{
-    for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS, FOR_THREADS,
+    for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS, FOR_QUADS, FOR_THREADS,
 };
 use crate::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 
@@ -378,19 +378,42 @@ pub fn copy_strided_as(name: &str, e: Elem) -> CudaFunction {
     let r = MAX_COPY_RANK;
     let mut w = W::new();
     signature(&mut w, name, &params);
-    w.open(FOR_THREADS);
-    w.l("long long rest = i;");
-    w.l("long long off = 0;");
+    // Four elements a thread: the first one's index by division, then the innermost
+    // index steps and carries.
+    w.open(FOR_QUADS);
+    w.l("const long long i0 = g << 2;");
+    w.l("long long rest = i0;");
     for k in (1..r).rev() {
-        w.l(format!(
-            "off = off + (rest % dims.d[{k}]) * dims.d[{}];",
-            r + k
-        ));
-        w.l(format!("rest = rest / dims.d[{k}];"));
+        w.l(format!("const long long q{k} = rest / dims.d[{k}];"));
+        w.l(format!("long long j{k} = rest - q{k} * dims.d[{k}];"));
+        w.l(format!("rest = q{k};"));
     }
-    w.l(format!("off = off + rest * dims.d[{r}];"));
-    w.l("out[i] = src[off];");
+    w.l("long long j0 = rest;");
+    w.open("for (int u = 0; u < 4; ++u)");
+    w.l("const long long i = i0 + u;");
+    w.l("if (i >= items) break;");
+    w.open("if (u > 0)");
+    for k in (1..r).rev() {
+        w.open(format!("if (++j{k} == dims.d[{k}])"));
+        w.l(format!("j{k} = 0;"));
+    }
+    w.l("++j0;");
+    for _ in 1..r {
+        w.close();
+    }
+    w.close();
+    let off: Vec<String> = (0..r)
+        .map(|k| format!("j{k} * dims.d[{}]", r + k))
+        .collect();
+    w.l(format!("out[i] = src[{}];", off.join(" + ")));
     w.close();
     w.close();
-    function(name, params, Work::Threads, "elements s0·…·s4", w)
+    w.close();
+    function(
+        name,
+        params,
+        Work::Quads,
+        "elements s0·…·s4, four per thread",
+        w,
+    )
 }

@@ -161,7 +161,8 @@ pub enum Library {
     },
     /// Attention. With heads of at most [`attention::MAX_HEAD`] the flash kernels
     /// ([`attention`]): role `flash` forward, `flash_q` and `flash_kv` backward (with a
-    /// `f32[b·h·tq, 3]` statistics scratch between them). Always also the batched-GEMM
+    /// `f32[b·h·tq, 3]` statistics scratch between them), and `flash_short`, the whole
+    /// backward in one block per head for lengths that fit its tile. Always also the batched-GEMM
     /// path the CPU executor runs: GEMMs and the generated masked softmax (role
     /// `softmax`) and, backward, its gradient (role `softmax_bwd`).
     Attention { mask: String, backward: bool },

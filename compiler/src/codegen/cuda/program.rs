@@ -5,7 +5,7 @@
 //! [`crate::codegen::program`]), and per kernel (by launch index) its functions by role
 //! and the library routine it stands for. The roles are the CPU backend's (`main`,
 //! `bias`, `epilogue`, `softmax`, `softmax_bwd`, `finish`, `copy`), plus `count` for
-//! `xent_ls` (see [`super::rows`]), `flash`, `flash_q`, `flash_kv` for attention (see
+//! `xent_ls` (see [`super::rows`]), `flash`, `flash_q`, `flash_kv`, `flash_short` for attention (see
 //! [`super::attention`]) and, in a mixed-precision program ([`emit_with`]), `copy16`
 //! (strided views of bf16 buffers). The text is deterministic: the same kernel graph
 //! gives the same bytes.
@@ -217,6 +217,14 @@ fn launch(
                                         Ok(attention::backward_kv(n, m, dk, dv, e))
                                     })?;
                                 f.insert("flash_kv".into(), n);
+                                if attention::tile(attention::Part::Short, dk, dv).is_some() {
+                                    let n = em.get(
+                                        "attention_bwd_short",
+                                        key("attention_bwd_short"),
+                                        |n| Ok(attention::backward_short(n, m, dk, dv, e)),
+                                    )?;
+                                    f.insert("flash_short".into(), n);
+                                }
                             }
                         }
                         library = Some(Library::Attention {
