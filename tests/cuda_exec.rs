@@ -618,6 +618,16 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
         ..CudaOptions::default()
     };
     let (gpu, inputs, params, opts) = close_train_step("mixed", mixed, 13, (0.3, 1e-3, 2e-2));
+    // The biased products write bf16 through cuBLASLt's epilogue (a bf16 bias); the
+    // separate path (bias fill, GEMM, ReLU) is as close.
+    let (fused, _) = gpu.epilogue_counts();
+    assert!(fused > 0, "no bf16 bias epilogue fused");
+    let separate = CudaOptions {
+        separate_epilogues: true,
+        ..mixed
+    };
+    let (sep, ..) = close_train_step("mixed, separate", separate, 13, (0.3, 1e-3, 2e-2));
+    assert_eq!(sep.epilogue_counts().0, 0);
     let art = cuda_artifact();
     for entry in ["encode", "decode_step"] {
         let g = CudaExecutor::with_options(art, entry, mixed).unwrap();

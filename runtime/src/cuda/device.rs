@@ -622,14 +622,15 @@ impl Gpu {
     }
 
     /// Row-major `c = a·b + bias` (then `max(·, 0)` with `relu`) in one cuBLASLt call
-    /// with a bias epilogue (`g` as for [`Device::sgemm`], `bias` one f32 per output
-    /// column). `Ok(false)` when cuBLASLt has no algorithm for it: nothing was launched,
-    /// and the caller runs the bias, the GEMM and the ReLU separately.
+    /// with a bias epilogue (`g` as for [`Device::sgemm`], `c` of element type `out`,
+    /// `bias` one element of `out`'s type per output column). `Ok(false)` when cuBLASLt
+    /// has no algorithm for it: nothing was launched, and the caller runs the bias, the
+    /// GEMM and the ReLU separately.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_bias(
         &self,
         g: &Sgemm,
-        elem: GemmElem,
+        (elem, out): (GemmElem, GemmElem),
         a: u64,
         b: u64,
         c: u64,
@@ -640,9 +641,16 @@ impl Gpu {
         if lt.is_none() {
             *lt = Some(super::lt::Lt::new(&self.stream, self.math)?);
         }
-        lt.as_mut()
-            .expect("made above")
-            .gemm_bias(&self.stream, g, elem, a, b, c, bias, relu)
+        lt.as_mut().expect("made above").gemm_bias(
+            &self.stream,
+            g,
+            (elem, out),
+            a,
+            b,
+            c,
+            bias,
+            relu,
+        )
     }
 
     /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] at `a`, `b`, `c`; with `batch =
@@ -883,16 +891,19 @@ impl Device {
     pub fn gemm_bias(
         &self,
         g: &Sgemm,
-        elem: GemmElem,
+        (elem, out): (GemmElem, GemmElem),
         a: u64,
         b: u64,
         c: u64,
         bias: u64,
         relu: bool,
     ) -> Result<bool, String> {
+        if elem == GemmElem::F32 && out != GemmElem::F32 {
+            return Err("internal: an f32 GEMM into a bf16 result".to_string());
+        }
         match self {
-            Device::Gpu(d) => d.gemm_bias(g, elem, a, b, c, bias, relu),
-            Device::Host(h) => h.gemm_bias(g, elem, a, b, c, bias, relu),
+            Device::Gpu(d) => d.gemm_bias(g, (elem, out), a, b, c, bias, relu),
+            Device::Host(h) => h.gemm_bias(g, (elem, out), a, b, c, bias, relu),
         }
     }
 

@@ -18,7 +18,8 @@
 //!   threads cost more than they show: 64 doubles the time of a training run);
 //! - **cuBLAS / cuBLASLt**: column-major `C = op(A)·op(B) + β·C` (batched with element
 //!   strides; bias along `m` and ReLU for the cuBLASLt epilogue), f64 accumulation,
-//!   bf16 operands and results rounded as the kernels' `kiln_f32_to_bf16`, TF32 math
+//!   bf16 operands and results rounded as the kernels' `kiln_f32_to_bf16` (the bias of the
+//!   epilogue in the result's type), TF32 math
 //!   rounding the f32 operands to 10 mantissa bits; the leading dimensions are checked
 //!   as cuBLAS checks them.
 //!
@@ -293,21 +294,14 @@ impl HostDevice {
     pub fn gemm_bias(
         &self,
         g: &Sgemm,
-        elem: GemmElem,
+        (elem, out): (GemmElem, GemmElem),
         a: u64,
         b: u64,
         c: u64,
         bias: u64,
         relu: bool,
     ) -> Result<bool, String> {
-        self.one_gemm(
-            g,
-            (b, elem),
-            (a, elem),
-            (c, GemmElem::F32),
-            0.0,
-            Some((bias, relu)),
-        )?;
+        self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, Some((bias, relu)))?;
         Ok(true)
     }
 
@@ -338,8 +332,10 @@ impl HostDevice {
                 self.registry.check(p, extent * size(el) as usize, what)?;
             }
         }
+        // The bias has the result's element type (cuBLASLt's default).
         if let Some((bias, _)) = epilogue {
-            self.registry.check(bias, 4 * m, "the GEMM's bias")?;
+            self.registry
+                .check(bias, size(ce) as usize * m, "the GEMM's bias")?;
         }
         let tf32 = self.math == GemmMath::Tf32;
         let load = |p: u64, el: GemmElem, idx: usize| -> f64 {
@@ -386,8 +382,8 @@ impl HostDevice {
                     v += beta * unsafe { read_elem(c, ce, at) };
                 }
                 if let Some((bias, relu)) = epilogue {
-                    // SAFETY: `m` f32s checked above.
-                    v += unsafe { *(bias as *const f32).add(i) };
+                    // SAFETY: `m` elements checked above.
+                    v += unsafe { read_elem(bias, ce, i) };
                     if relu {
                         v = v.max(0.0);
                     }

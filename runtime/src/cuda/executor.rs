@@ -2083,17 +2083,29 @@ impl Run<'_> {
             return Ok(());
         }
         let ops = self.matmul_ops(&a, &b, plan)?;
-        // cuBLASLt's epilogue writes f32 results here; a bf16 result (mixed precision)
-        // takes the separate path.
-        if self.fused_epilogues && one_gemm && bias.dtype == DType::F32 && !out.is_bf16() {
+        // cuBLASLt's epilogue writes the result in its element type and reads the bias in
+        // the same: a bf16 result (mixed precision, bf16 operands) takes the f32 bias
+        // rounded to bf16, as the separate path's bias fill rounds it.
+        let out_elem = if out.is_bf16() {
+            device::GemmElem::Bf16
+        } else {
+            device::GemmElem::F32
+        };
+        let fusable = out_elem == device::GemmElem::F32 || ops.elem == device::GemmElem::Bf16;
+        if self.fused_epilogues && one_gemm && bias.dtype == DType::F32 && fusable {
+            let bias_ptr = if out_elem == device::GemmElem::Bf16 {
+                self.rounded_to_bf16(&bias)?.base()
+            } else {
+                bias.base()
+            };
             let p = &ops.plan;
             let fused = self.dev.gemm_bias(
                 &p.gemm,
-                ops.elem,
+                (ops.elem, out_elem),
                 ops.a.at(p.a_offsets[0]),
                 ops.b.at(p.b_offsets[0]),
                 out.base(),
-                bias.base(),
+                bias_ptr,
                 relu.is_some(),
             )?;
             if fused {

@@ -15,7 +15,9 @@
 //!
 //! Precision follows the executor's GEMM mode: fp32 computes in fp32 (`COMPUTE_32F`, no
 //! TF32), TF32 in `COMPUTE_32F_FAST_TF32`, bf16 operands with fp32 accumulation and an
-//! fp32 result and bias. Only built behind [`super::cuda_available`].
+//! fp32 result and bias — or, in a mixed-precision program, a bf16 result and bias (the
+//! bias rounded to bf16 as the separate path's bias fill rounds it; the epilogue adds it
+//! in fp32 and rounds the sum once). Only built behind [`super::cuda_available`].
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -68,6 +70,8 @@ pub(crate) fn layouts(g: &Sgemm) -> [(u64, u64, i64); 3] {
 struct Key {
     g: Sgemm,
     bf16: bool,
+    /// A bf16 result and bias (only with bf16 operands).
+    out_bf16: bool,
     relu: bool,
     /// Alignments of the first operand, the second and the output (which is also `C`).
     align: [u32; 3],
@@ -198,17 +202,19 @@ impl Lt {
         };
         use sys::cublasLtMatmulDescAttributes_t as D;
         // SAFETY: a live descriptor; TRANSA/TRANSB are `int32_t` (`cublasOperation_t`),
-        // EPILOGUE a `uint32_t` enum. The bias has D's type (f32), the default.
+        // EPILOGUE a `uint32_t` enum. The bias has D's type, the default.
         unsafe {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.transa))?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.transb))?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))?;
         }
         let [a, b, d] = layouts(&g);
-        for (slot, (ty, (r, c, ld))) in [(elem, a), (elem, b), (T::CUDA_R_32F, d)]
-            .into_iter()
-            .enumerate()
-        {
+        let out = if key.out_bf16 {
+            T::CUDA_R_16BF
+        } else {
+            T::CUDA_R_32F
+        };
+        for (slot, (ty, (r, c, ld))) in [(elem, a), (elem, b), (out, d)].into_iter().enumerate() {
             plan.layouts[slot] =
                 lt::create_matrix_layout(ty, r, c, ld).map_err(err("matrix layout"))?;
         }
@@ -254,27 +260,28 @@ impl Lt {
     }
 
     /// Row-major `c = a·b + bias` (`relu`: then `max(·, 0)`), with `g` as for
-    /// `cublasSgemm` (cuBLAS's first operand at `b`, its second at `a`) and `bias` one
-    /// f32 per output column. `Ok(false)`: cuBLASLt cannot run this problem (nothing was
-    /// launched).
+    /// `cublasSgemm` (cuBLAS's first operand at `b`, its second at `a`), operands of
+    /// `elem`, the result `c` of `out` and `bias` one element of `out` per output column.
+    /// `Ok(false)`: cuBLASLt cannot run this problem (nothing was launched).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_bias(
         &mut self,
         stream: &CudaStream,
         g: &Sgemm,
-        elem: GemmElem,
+        (elem, out): (GemmElem, GemmElem),
         a: u64,
         b: u64,
         c: u64,
         bias: u64,
         relu: bool,
     ) -> Result<bool, String> {
-        if !bias_fits(bias) {
+        if !bias_fits(bias) || (elem == GemmElem::F32 && out == GemmElem::Bf16) {
             return Ok(false);
         }
         let key = Key {
             g: *g,
             bf16: elem == GemmElem::Bf16,
+            out_bf16: out == GemmElem::Bf16,
             relu,
             align: [alignment(b), alignment(a), alignment(c)],
         };
@@ -286,7 +293,7 @@ impl Lt {
         let [la, lb, lc] = plan.layouts;
         // SAFETY: the plan describes the operands at these addresses (sizes and leading
         // dimensions from `sgemm_args`, alignments checked by its key); the bias holds
-        // `m` f32s; the workspace is the handle's, on this device; the call is enqueued
+        // `m` elements of the result's type; the workspace is the handle's, on this device; the call is enqueued
         // on the executor's stream and reads alpha and beta before returning.
         unsafe {
             set_desc(
