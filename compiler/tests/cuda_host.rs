@@ -1104,6 +1104,45 @@ fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
     );
     close("xent_ls row losses", &g[6], &h[6]);
     close("xent_ls dlogits", &g[7], &h[7]);
+    // The online max and sum over two warps, with −inf logits (a first element among
+    // them, where nothing is summed yet) and a row whose maximum comes last.
+    let mut xs = as_f32(&logits);
+    for j in [0usize, 3, 17] {
+        xs[v + j] = f32::NEG_INFINITY;
+    }
+    for j in 0..v {
+        xs[2 * v + j] = j as f32 * 0.25;
+    }
+    let mut bufs2 = bufs.clone();
+    bufs2[0] = f32s(&xs);
+    let mut h2 = bufs2.clone();
+    run_cpu(
+        &rows::xent_ls("xent_ls_0"),
+        "xent_ls_0",
+        &mut h2,
+        &dims,
+        items,
+    );
+    for launch in [(2, 64), (1, 32)] {
+        let mut g2 = bufs2.clone();
+        run_with(
+            cxx,
+            &cuda::rows::xent_ls("xent_ls_0", Elem::F32),
+            &mut g2,
+            &dims,
+            rows_n as u64,
+            launch,
+        );
+        // Row 1's smoothing term sums the −inf logits: an infinite loss on both.
+        let (gl, hl) = (as_f32(&g2[6]), as_f32(&h2[6]));
+        assert!(
+            gl[1] == f32::INFINITY && hl[1] == f32::INFINITY,
+            "{gl:?} {hl:?}"
+        );
+        let finite = |l: &[f32]| f32s(&[&l[..1], &l[2..]].concat());
+        close("xent_ls row losses (−inf)", &finite(&gl), &finite(&hl));
+        close("xent_ls dlogits (−inf)", &g2[7], &h2[7]);
+    }
     let mut fin = vec![g[6].clone(), stats[1].clone(), zeros(1)];
     run(
         cxx,

@@ -493,24 +493,33 @@ pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
     w.l("const float keep = t != pad ? 1.0f : 0.0f;");
     w.l("const bool in_range = (unsigned long long)t < (unsigned long long)v;");
     w.l("const long long ti = in_range ? t : 0;");
-    w.l("// Read before any write (dlogits may be logits): the block max below is a barrier.");
+    w.l("// Read before any write (dlogits may be logits): the block reduction below is a");
+    w.l("// barrier.");
     w.l(format!("const float xt = {};", e.load("xr[ti]")));
+    w.l("// Pass 1, online: each thread's max m, Σexp(x − m) rescaled as m grows, and Σx.");
     w.l(format!("float m = {};", f32_lit(f32::NEG_INFINITY)));
+    w.l("float z = 0.0f, sx = 0.0f;");
     w.open(for_cols("v"));
-    w.l(format!("m = kiln_max_ref(m, {});", e.load("xr[j]")));
+    w.l(format!("const float x = {};", e.load("xr[j]")));
+    w.l("sx = sx + x;");
+    w.l("const float mn = kiln_max_ref(m, x);");
+    w.open("if (mn != m)");
+    w.l("z = kiln_scaled(z, m, mn) + expf(x - mn);");
+    w.l("m = mn;");
     w.close();
-    w.l("m = kiln_block_max(m, sh);");
-    w.l("// Pass 2: e = exp(x − m) into dlogits; Σe and Σ(x − m).");
-    w.l("float z = 0.0f, sxm = 0.0f;");
-    w.open(for_cols("v"));
-    w.l(format!("const float xm = {} - m;", e.load("xr[j]")));
-    w.l("const float ex = expf(xm);");
-    w.l(format!("dr[j] = {};", e.store("ex")));
-    w.l("z = z + ex;");
-    w.l("sxm = sxm + xm;");
+    w.open(format!("else if (m != {})", f32_lit(f32::NEG_INFINITY)));
+    w.l("z = z + expf(x - m);");
     w.close();
-    w.l("z = kiln_block_sum(z, sh);");
-    w.l("sxm = kiln_block_sum(sxm, sh);");
+    w.close();
+    w.l("kiln_block_max_sum(&m, &z, sh);");
+    w.l("sx = kiln_block_sum(sx, sh);");
+    w.l("// A row of −inf (or NaN) has no finite sum: NaN, as the two-pass CPU kernel gives.");
+    w.l(format!(
+        "if (m == {}) z = __int_as_float(0x7fc00000);",
+        f32_lit(f32::NEG_INFINITY)
+    ));
+    w.l("// Σ(x − m), the smoothing term's sum.");
+    w.l("const float sxm = sx - vf * m;");
     w.l("const float lse = logf(z);");
     w.l("// −lp_t = m + lse − x_t; −Σlp = v·lse − Σ(x − m).");
     w.l("const float nll = in_range ? (m + lse) - xt : 0.0f;");
@@ -524,8 +533,12 @@ pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
     w.l("const float cp = (wk * (cn + csi * vf)) / z;");
     w.l("const float c0 = wk * csi;");
     w.l("const float wn = in_range ? wk * cn : 0.0f;");
+    w.l("// Pass 2: the gradient, exp(x − m) computed again (x is read, never a rounded e).");
     w.open(for_cols("v"));
-    w.l(format!("float gv = {} * cp - c0;", e.load("dr[j]")));
+    w.l(format!(
+        "float gv = expf({} - m) * cp - c0;",
+        e.load("xr[j]")
+    ));
     w.l("if (j == ti) gv = gv - wn;");
     w.l(format!("dr[j] = {};", e.store("gv")));
     w.close();

@@ -229,6 +229,42 @@ pub fn prelude() -> String {
         w.l("return r;");
         w.close();
     }
+    w.l("// z·exp(m − mn): a running sum of exp(x − m) moved to the larger max mn (0 while m");
+    w.l("// is −inf: nothing summed yet).");
+    w.open("__device__ __forceinline__ float kiln_scaled(float z, float m, float mn)");
+    w.l(format!(
+        "return m == {} ? 0.0f : z * expf(m - mn);",
+        f32_lit(f32::NEG_INFINITY)
+    ));
+    w.close();
+    w.l("// The block's (max, Σexp(x − max)) from each thread's pair (an online softmax's");
+    w.l("// partials), combined as the sums above: every thread gets both.");
+    w.open("__device__ void kiln_block_max_sum(float* m, float* z, float* sh)");
+    w.l("const unsigned t = threadIdx.x;");
+    w.l("float a = *m, b = *z;");
+    w.open("for (unsigned s = kiln_width() >> 1; s > 0; s >>= 1)");
+    w.l("const float a2 = __shfl_xor_sync(kiln_lanes(), a, (int)s);");
+    w.l("const float b2 = __shfl_xor_sync(kiln_lanes(), b, (int)s);");
+    w.l("const float mn = kiln_max_ref(a, a2);");
+    w.l("b = kiln_scaled(b, a, mn) + kiln_scaled(b2, a2, mn);");
+    w.l("a = mn;");
+    w.close();
+    w.open("if ((t & 31u) == 0)");
+    w.l("sh[(t >> 5) * 2] = a;");
+    w.l("sh[(t >> 5) * 2 + 1] = b;");
+    w.close();
+    w.l("__syncthreads();");
+    w.l("a = sh[0];");
+    w.l("b = sh[1];");
+    w.open("for (unsigned k = 1; k < ((blockDim.x + 31u) >> 5); ++k)");
+    w.l("const float mn = kiln_max_ref(a, sh[2 * k]);");
+    w.l("b = kiln_scaled(b, a, mn) + kiln_scaled(sh[2 * k + 1], sh[2 * k], mn);");
+    w.l("a = mn;");
+    w.close();
+    w.l("__syncthreads();");
+    w.l("*m = a;");
+    w.l("*z = b;");
+    w.close();
     w.l("// Four sums at once (one pair of barriers): v[0..4] replaced by their block sums.");
     w.open("__device__ void kiln_block_sum4(float* v, float* sh)");
     w.l("const unsigned t = threadIdx.x;");
