@@ -18,8 +18,10 @@
 //! differs (a block tree instead of four vector lanes).
 //!
 //! `xent_ls` runs as three kernels so that no value crosses to the host: [`xent_ls_count`]
-//! (`den` = the non-pad targets, and `1/den`), [`xent_ls`] (the CPU kernel: per-row loss
-//! and the logits' gradient, reading `inv_den` from the count's buffer), and
+//! (`den` = the non-pad targets, and `1/den`), [`xent_ls`] (the CPU kernel's per-row loss
+//! and logits' gradient, reading `inv_den` from the count's buffer; in two passes over
+//! the logits where the CPU takes three: an online max and sum of exponentials, then the
+//! gradient, the exponentials computed again; `Σ(x − m)` as `Σx − v·m`), and
 //! [`xent_ls_finish`] (`Σ row_loss / den` into the scalar loss).
 
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
