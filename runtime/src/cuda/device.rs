@@ -287,6 +287,11 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).map_err(drv(&format!(
             "cannot create a CUDA context on device {ordinal}"
         )))?;
+        // SAFETY: every buffer of this context is used on its default stream (the legacy
+        // stream, which orders work across the executors of a device), so cudarc's
+        // per-buffer events have no cross-stream order to keep; without them an
+        // allocation (scratch, bf16 copies of weights) creates and destroys no events.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let mut funcs = BTreeMap::new();
         let module = load(&ctx, ptx, functions, &mut funcs)?;
