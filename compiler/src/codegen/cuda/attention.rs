@@ -22,8 +22,11 @@
 //!   instead of nine across the pair (which recompute the forward twice), one launch and
 //!   no statistics scratch.
 //!
-//! Every output element is summed by one thread in a fixed order: no atomics, the same
-//! bits on every run. The formulas are the CPU attention's (`s = q·kᵀ`, the masked scaled
+//! The products over the shared tiles in the forward and in [`backward_short`] run with
+//! 2×2 register tiles (each thread four outputs, four loads from shared memory for four
+//! multiply-adds); each output's sum is still one thread's, in key order. Every output
+//! element is summed by one thread in a fixed order: no atomics, the same bits on every
+//! run. The formulas are the CPU attention's (`s = q·kᵀ`, the masked scaled
 //! softmax, `softmax_bwd`, the zeroed masked gradient); only the rounding of the online
 //! softmax differs from the CPU's two-pass one.
 //!
@@ -160,6 +163,84 @@ fn params(part: Part, mask: MaskKind, e: Elem) -> Vec<Param> {
     p
 }
 
+/// The products of the tiles with 2×2 register tiles: over the `rows × cols` outputs
+/// `acc(i, c) = init(i, c) + Σ_{j < k} a(i, j)·b(j, c)` (`j` in order, each term added as
+/// the plain loops add it: the same bits), each thread item takes rows `i0`, `i0 + ⌈rows/2⌉`
+/// and columns `c0`, `c0 + ⌈cols/2⌉`, so four loads from shared memory feed four
+/// multiply-adds instead of eight. `a`, `b` and `init` give C expressions of their index
+/// variables; `store(i, c, acc)` a statement (run once per output inside the bounds).
+struct Product<'a> {
+    rows: &'a str,
+    cols: &'a str,
+    k: &'a str,
+    a: &'a dyn Fn(&str, &str) -> String,
+    b: &'a dyn Fn(&str, &str) -> String,
+    init: Option<&'a dyn Fn(&str, &str) -> String>,
+    store: &'a dyn Fn(&str, &str, &str) -> String,
+}
+
+fn product(w: &mut W, p: &Product<'_>) {
+    w.open("");
+    w.l(format!(
+        "const int r2 = (int)(({} + 1) / 2), c2 = (int)(({} + 1) / 2);",
+        p.rows, p.cols
+    ));
+    w.open("for (int e = tid; e < r2 * c2; e += nt)");
+    w.l("const int i0 = e / c2, c0 = e % c2;");
+    w.l("const int i1 = i0 + r2, c1 = c0 + c2;");
+    w.l(format!(
+        "const bool ri = i1 < {}, rc = c1 < {};",
+        p.rows, p.cols
+    ));
+    match p.init {
+        Some(init) => {
+            w.l(format!("float s00 = {};", init("i0", "c0")));
+            w.l(format!("float s01 = rc ? {} : 0.0f;", init("i0", "c1")));
+            w.l(format!("float s10 = ri ? {} : 0.0f;", init("i1", "c0")));
+            w.l(format!(
+                "float s11 = ri && rc ? {} : 0.0f;",
+                init("i1", "c1")
+            ));
+        }
+        None => w.l("float s00 = 0.0f, s01 = 0.0f, s10 = 0.0f, s11 = 0.0f;"),
+    }
+    w.open(format!("for (int j = 0; j < {}; ++j)", p.k));
+    w.l(format!("const float a0 = {};", (p.a)("i0", "j")));
+    w.l(format!(
+        "const float a1 = ri ? {} : 0.0f;",
+        (p.a)("i1", "j")
+    ));
+    w.l(format!("const float b0 = {};", (p.b)("j", "c0")));
+    w.l(format!(
+        "const float b1 = rc ? {} : 0.0f;",
+        (p.b)("j", "c1")
+    ));
+    w.l("s00 = s00 + a0 * b0;");
+    w.l("s01 = s01 + a0 * b1;");
+    w.l("s10 = s10 + a1 * b0;");
+    w.l("s11 = s11 + a1 * b1;");
+    w.close();
+    w.l((p.store)("i0", "c0", "s00"));
+    w.l(format!("if (rc) {}", (p.store)("i0", "c1", "s01")));
+    w.open("if (ri)");
+    w.l((p.store)("i1", "c0", "s10"));
+    w.l(format!("if (rc) {}", (p.store)("i1", "c1", "s11")));
+    w.close();
+    w.close();
+    w.close();
+}
+
+/// A store of [`product`] for a score tile: `x` is the masked scaled score of `acc` (the
+/// dot product) inside the head, 0 outside, written to `dst[i·(T+1) + j]`.
+fn score_store(mask: MaskKind, dst: &str) -> impl Fn(&str, &str, &str) -> String + '_ {
+    move |i, j, acc| {
+        format!(
+            "{{ const int i = {i}, j = {j}; float x = 0.0f; if (i < nq && j < nk) {{ const long long qrow = q0 + i, krow = k0 + j; (void)qrow; (void)krow; const float d = {acc}; x = {}; }} {dst}[i * (T + 1) + j] = x; }}",
+            masked_score(mask)
+        )
+    }
+}
+
 /// Writes `text` line by line at the writer's depth (`text` indents itself further).
 fn lines(w: &mut W, text: &str) {
     for line in text.lines() {
@@ -289,14 +370,19 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
     load_tile(w, e, "ks", "kh", dk, "k0", "nk");
     load_tile(w, e, "vs", "vh", dv, "k0", "nk");
     w.l("__syncthreads();");
-    w.open("for (int e = tid; e < T * T; e += nt)");
-    w.l("const int i = e / T, j = e % T;");
-    w.l("float x = 0.0f;");
-    w.open("if (i < nq && j < nk)");
-    score(w, mask, dk, false);
-    w.close();
-    w.l("ss[i * (T + 1) + j] = x;");
-    w.close();
+    let pk = dk + 1;
+    product(
+        w,
+        &Product {
+            rows: "T",
+            cols: "T",
+            k: &dk.to_string(),
+            a: &|i, c| format!("qs[{i} * {pk} + {c}]"),
+            b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
+            init: None,
+            store: &score_store(mask, "ss"),
+        },
+    );
     w.l("__syncthreads();");
     lines(
         w,
@@ -313,15 +399,18 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
 }
 __syncthreads();",
     );
-    w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
-    w.l(format!("const int i = e / {dv}, c = e % {dv};"));
-    w.l("const float* sr = ss + i * (T + 1);");
-    w.l("float acc = os[e] * as_[i];");
-    w.l(format!(
-        "for (int j = 0; j < nk; ++j) acc = acc + sr[j] * vs[j * {pv} + c];"
-    ));
-    w.l("os[e] = acc;");
-    w.close();
+    product(
+        w,
+        &Product {
+            rows: "nq",
+            cols: &dv.to_string(),
+            k: "nk",
+            a: &|i, j| format!("ss[{i} * (T + 1) + {j}]"),
+            b: &|j, c| format!("vs[{j} * {pv} + {c}]"),
+            init: Some(&|i, c| format!("os[{i} * {dv} + {c}] * as_[{i}]")),
+            store: &|i, c, acc| format!("os[{i} * {dv} + {c}] = {acc};"),
+        },
+    );
     w.close();
     w.l("__syncthreads();");
 }
@@ -627,19 +716,33 @@ const {c}* gh = g + bi * gsb + hi * gsh;"
     load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
     load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
     w.l("__syncthreads();");
-    w.l("// The scores and dp = g·vᵀ of every pair.");
-    w.open("for (int e = tid; e < T * T; e += nt)");
-    w.l("const int i = e / T, j = e % T;");
-    w.l("float x = 0.0f, dp = 0.0f;");
-    w.open("if (i < nq && j < nk)");
-    score(&mut w, mask, dk, false);
-    w.l(format!(
-        "for (int c = 0; c < {dv}; ++c) dp = dp + gs[i * {pv} + c] * vs[j * {pv} + c];"
-    ));
-    w.close();
-    w.l("ps[i * (T + 1) + j] = x;");
-    w.l("dss[i * (T + 1) + j] = dp;");
-    w.close();
+    w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head).");
+    product(
+        &mut w,
+        &Product {
+            rows: "T",
+            cols: "T",
+            k: &dk.to_string(),
+            a: &|i, c| format!("qs[{i} * {pk} + {c}]"),
+            b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
+            init: None,
+            store: &score_store(mask, "ps"),
+        },
+    );
+    product(
+        &mut w,
+        &Product {
+            rows: "T",
+            cols: "T",
+            k: &dv.to_string(),
+            a: &|i, c| format!("gs[{i} * {pv} + {c}]"),
+            b: &|c, j| format!("vs[{j} * {pv} + {c}]"),
+            init: None,
+            store: &|i, j, acc| {
+                format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
+            },
+        },
+    );
     w.l("__syncthreads();");
     lines(
         &mut w,
@@ -677,30 +780,47 @@ __syncthreads();",
     w.close();
     w.l("__syncthreads();");
     w.l("// dq = ds·k, dk = dsᵀ·q, dv = pᵀ·g.");
-    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
-    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
-    w.l("float acc = 0.0f;");
-    w.l(format!(
-        "for (int j = 0; j < nk; ++j) acc = acc + dss[i * (T + 1) + j] * ks[j * {pk} + c];"
-    ));
-    w.l(format!("dq[bh * tq * {dk} + e] = {};", e.store("acc")));
-    w.close();
-    w.open(format!("for (int e = tid; e < nk * {dk}; e += nt)"));
-    w.l(format!("const int j = e / {dk}, c = e % {dk};"));
-    w.l("float acc = 0.0f;");
-    w.l(format!(
-        "for (int i = 0; i < nq; ++i) acc = acc + dss[i * (T + 1) + j] * qs[i * {pk} + c];"
-    ));
-    w.l(format!("dk[bh * tk * {dk} + e] = {};", e.store("acc")));
-    w.close();
-    w.open(format!("for (int e = tid; e < nk * {dv}; e += nt)"));
-    w.l(format!("const int j = e / {dv}, c = e % {dv};"));
-    w.l("float acc = 0.0f;");
-    w.l(format!(
-        "for (int i = 0; i < nq; ++i) acc = acc + ps[i * (T + 1) + j] * gs[i * {pv} + c];"
-    ));
-    w.l(format!("dv[bh * tk * {dv} + e] = {};", e.store("acc")));
-    w.close();
+    let st = |out: &'static str, len: &'static str, d: usize| {
+        move |i: &str, c: &str, acc: &str| {
+            format!("{out}[(bh * {len} + {i}) * {d} + {c}] = {};", e.store(acc))
+        }
+    };
+    product(
+        &mut w,
+        &Product {
+            rows: "nq",
+            cols: &dk.to_string(),
+            k: "nk",
+            a: &|i, j| format!("dss[{i} * (T + 1) + {j}]"),
+            b: &|j, c| format!("ks[{j} * {pk} + {c}]"),
+            init: None,
+            store: &st("dq", "tq", dk),
+        },
+    );
+    product(
+        &mut w,
+        &Product {
+            rows: "nk",
+            cols: &dk.to_string(),
+            k: "nq",
+            a: &|j, i| format!("dss[{i} * (T + 1) + {j}]"),
+            b: &|i, c| format!("qs[{i} * {pk} + {c}]"),
+            init: None,
+            store: &st("dk", "tk", dk),
+        },
+    );
+    product(
+        &mut w,
+        &Product {
+            rows: "nk",
+            cols: &dv.to_string(),
+            k: "nq",
+            a: &|j, i| format!("ps[{i} * (T + 1) + {j}]"),
+            b: &|i, c| format!("gs[{i} * {pv} + {c}]"),
+            init: None,
+            store: &st("dv", "tk", dv),
+        },
+    );
     w.close();
     w.close();
     function(name, ps, "heads b·h", w)
