@@ -173,11 +173,14 @@ struct Product<'a> {
     rows: &'a str,
     cols: &'a str,
     k: &'a str,
-    a: &'a dyn Fn(&str, &str) -> String,
-    b: &'a dyn Fn(&str, &str) -> String,
-    init: Option<&'a dyn Fn(&str, &str) -> String>,
+    a: &'a Index2<'a>,
+    b: &'a Index2<'a>,
+    init: Option<&'a Index2<'a>>,
     store: &'a dyn Fn(&str, &str, &str) -> String,
 }
+
+/// A C expression of two index variables.
+type Index2<'a> = dyn Fn(&str, &str) -> String + 'a;
 
 fn product(w: &mut W, p: &Product<'_>) {
     w.open("");
