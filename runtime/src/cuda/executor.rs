@@ -27,7 +27,7 @@
 //! 5. launches the kernels in order on one stream (see `Run::exec`);
 //! 6. copies the outputs back.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use kiln_compiler::bind::{Binder, Source};
@@ -778,6 +778,7 @@ impl CudaExecutor {
             bf16: self.bf16,
             fused_epilogues: !self.separate_epilogues,
             epilogues: (0, 0),
+            mirror: HashMap::new(),
         };
         let node_err = |v: usize, m: String| ExecError::Node {
             node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
@@ -1595,6 +1596,36 @@ impl DLoc {
     }
 }
 
+/// The elements of `layout` (row-major) from `host`, the words of its whole buffer; an
+/// element outside the buffer is an internal error.
+fn gather_words(host: &[u32], layout: &Layout) -> Result<Vec<u32>, String> {
+    let n = layout.numel();
+    let mut out = Vec::with_capacity(n);
+    let mut idx = vec![0usize; layout.shape.len()];
+    for _ in 0..n {
+        let at = layout.offset
+            + idx
+                .iter()
+                .zip(&layout.strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>();
+        out.push(*host.get(at).ok_or_else(|| {
+            format!(
+                "internal: a view reads element {at} of an input of {}",
+                host.len()
+            )
+        })?);
+        for k in (0..idx.len()).rev() {
+            idx[k] += 1;
+            if idx[k] < layout.shape[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+    Ok(out)
+}
+
 /// Bytes per element of a device buffer of `dtype`: 2 for bf16 (a mixed-precision
 /// program's activations), else 4 (f32, i32, bools as 0/1).
 fn elem_bytes(dtype: DType) -> u64 {
@@ -1746,6 +1777,11 @@ struct Run<'a> {
     fused_epilogues: bool,
     /// `linear` kernels with a bias so far: (fused by cuBLASLt, run separately).
     epilogues: (usize, usize),
+    /// The host words of each integer input this run uploaded, by device buffer: inputs
+    /// are only read on the device, so [`Run::words`] of an i32 view of one (ids checked
+    /// against the vocabulary, targets, the embedding gradient's row index) gathers them
+    /// here instead of synchronizing the stream mid-step for a download.
+    mirror: HashMap<u64, Vec<u32>>,
 }
 
 /// A planned GEMM: the plan and where its operands are (f32 in place, or bf16 copies).
@@ -1807,8 +1843,12 @@ impl Run<'_> {
                 dtype: DType::BF16,
             });
         }
+        let ptr = self.upload(&words)?;
+        if dtype == DType::I32 {
+            self.mirror.insert(ptr, words.into_owned());
+        }
         Ok(DLoc {
-            ptr: self.upload(&words)?,
+            ptr,
             layout: Layout::contiguous(shape),
             dtype,
         })
@@ -1916,6 +1956,9 @@ impl Run<'_> {
     /// `l`'s elements in row-major order, on the host (bf16 elements two to a word, as
     /// [`pack_bf16`] lays them out).
     fn words(&mut self, l: &DLoc) -> Result<Vec<u32>, String> {
+        if let Some(host) = self.mirror.get(&l.ptr).filter(|_| l.dtype == DType::I32) {
+            return gather_words(host, &l.layout);
+        }
         let c = self.contig(l)?;
         self.dev.read(c.base(), words_of(c.dtype, c.numel()))
     }
@@ -2791,6 +2834,40 @@ fn strides4(l: &DLoc) -> Result<[usize; 4], String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An integer input's views read from its host words as the device would give them:
+    /// the targets (a column slice), a transposed view, a broadcast; past the buffer is
+    /// an error, not a panic.
+    #[test]
+    fn views_of_an_input_gather_from_its_host_words() {
+        // [3, 4] ids: 0..12.
+        let host: Vec<u32> = (0..12).collect();
+        let full = Layout::contiguous(&[3, 4]);
+        assert_eq!(gather_words(&host, &full).unwrap(), host);
+        let cols = full.slice(1, 1, 3);
+        assert_eq!(
+            gather_words(&host, &cols).unwrap(),
+            [1, 2, 3, 5, 6, 7, 9, 10, 11]
+        );
+        let t = full.permute(&[1, 0]);
+        assert_eq!(
+            gather_words(&host, &t).unwrap(),
+            [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
+        );
+        let row = Layout::contiguous(&[4]).broadcast(&[2, 4]);
+        assert_eq!(gather_words(&host, &row).unwrap(), [0, 1, 2, 3, 0, 1, 2, 3]);
+        let past = Layout {
+            shape: vec![2],
+            strides: vec![12],
+            offset: 0,
+        };
+        assert!(gather_words(&host, &past)
+            .unwrap_err()
+            .contains("element 12"));
+        assert!(gather_words(&host, &Layout::contiguous(&[0, 3]))
+            .unwrap()
+            .is_empty());
+    }
 
     /// bf16 buffers hold two values per word, the first in the low half, rounded to
     /// nearest even as the device's `kiln_f32_to_bf16` and the `half` crate round; an odd
