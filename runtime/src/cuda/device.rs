@@ -405,6 +405,24 @@ impl Gpu {
         self.sync()
     }
 
+    /// Copies `words` to `dst` in stream order without waiting for the stream: a copy of
+    /// fewer than `STAGE_MIN` words from pageable memory, which the driver stages before
+    /// the call returns (CUDA's API synchronization rules: no device synchronization);
+    /// larger copies wait as [`Gpu::write`] does.
+    pub fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        if words.is_empty() {
+            return Ok(());
+        }
+        if words.len() >= STAGE_MIN {
+            return self.write(dst, words);
+        }
+        // SAFETY: `dst` addresses at least `words.len()` words of a live buffer, used in
+        // stream order after the copy; `words` is pageable memory, copied to the driver's
+        // staging buffer before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, words, self.stream.cu_stream()) }
+            .map_err(drv("host-to-device copy"))
+    }
+
     /// `n` words at `src`, after everything queued before.
     pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
         let mut out = vec![0u32; n];
@@ -801,6 +819,14 @@ impl Device {
     pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.write(dst, words),
+            Device::Host(h) => h.write(dst, words),
+        }
+    }
+
+    /// See [`Gpu::write_enqueued`] (the emulation copies at once).
+    pub fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        match self {
+            Device::Gpu(g) => g.write_enqueued(dst, words),
             Device::Host(h) => h.write(dst, words),
         }
     }

@@ -1831,6 +1831,16 @@ impl Run<'_> {
         Ok(p)
     }
 
+    /// [`Run::upload`] in stream order, without waiting for the stream where the copy is
+    /// small ([`device::Device::write_enqueued`]): for data made mid-step.
+    fn upload_enqueued(&mut self, words: &[u32]) -> Result<u64, String> {
+        let b = self.dev.alloc(words.len())?;
+        self.dev.write_enqueued(b.ptr, words)?;
+        let p = b.ptr;
+        self.keep.push(b);
+        Ok(p)
+    }
+
     /// A bound input or parameter on the device (`bf16`: a float input the program keeps
     /// in bf16, rounded on the host).
     fn source(&mut self, src: Source<'_>, shape: &[usize], bf16: bool) -> Result<DLoc, String> {
@@ -1925,12 +1935,12 @@ impl Run<'_> {
         }
         let (start, order) = index::scatter_index(&ids, rows)
             .map_err(|(p, id)| format!("internal: id {id} at {p} passed the check"))?;
-        let start = self.upload(&start.iter().map(|&x| x as u32).collect::<Vec<_>>())?;
+        let start = self.upload_enqueued(&start.iter().map(|&x| x as u32).collect::<Vec<_>>())?;
         let mut order: Vec<u32> = order.iter().map(|&x| x as u32).collect();
         if order.is_empty() {
             order.push(0);
         }
-        let order = self.upload(&order)?;
+        let order = self.upload_enqueued(&order)?;
         Ok((
             start,
             order,
