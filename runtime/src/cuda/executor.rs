@@ -1845,15 +1845,17 @@ impl Run<'_> {
     /// in bf16, rounded on the host).
     fn source(&mut self, src: Source<'_>, shape: &[usize], bf16: bool) -> Result<DLoc, String> {
         let (words, dtype, _) = source_words(&src);
+        // Inputs are uploaded as the launch order reaches them (just before their first
+        // reader, possibly mid-step): small ones in stream order without a wait.
         if bf16 && dtype == DType::F32 {
             let packed = pack_bf16(words.iter().map(|&w| f32::from_bits(w)));
             return Ok(DLoc {
-                ptr: self.upload(&packed)?,
+                ptr: self.upload_enqueued(&packed)?,
                 layout: Layout::contiguous(shape),
                 dtype: DType::BF16,
             });
         }
-        let ptr = self.upload(&words)?;
+        let ptr = self.upload_enqueued(&words)?;
         if dtype == DType::I32 {
             self.mirror.insert(ptr, words.into_owned());
         }
