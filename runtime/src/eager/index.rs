@@ -90,6 +90,17 @@ pub(crate) fn scatter_add(
 
 /// [`scatter_add`] into `out` (`rows · row` elements, overwritten): the same sums in the
 /// same order, so the compiled executor can write straight into its arena.
+/// That `src` holds one row of `row` values per id (`n` ids): the scatters index it so.
+fn check_src(src: &View<'_, f32>, n: usize, row: usize) -> Result<(), String> {
+    let have = src.shape().iter().product::<usize>();
+    if have != n * row {
+        return Err(format!(
+            "internal: {have} values do not fit {n} ids of rows of {row}"
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn scatter_add_into(
     ids: View<'_, i32>,
     src: View<'_, f32>,
@@ -97,6 +108,7 @@ pub(crate) fn scatter_add_into(
     out: &mut [f32],
 ) -> Result<(), String> {
     let (rows, targets) = scatter_targets(ids, row, out.len())?;
+    check_src(&src, targets.len(), row)?;
     let src = contiguous(src);
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(PAR_MIN).for_each(|c| c.fill(0.0));
@@ -252,13 +264,7 @@ pub(crate) fn scatter_add_onto(
     out: &mut [f32],
 ) -> Result<(), String> {
     let (rows, targets) = scatter_targets(ids, row, out.len())?;
-    if src.shape().iter().product::<usize>() != targets.len() * row {
-        return Err(format!(
-            "internal: {} values do not fit {} ids of rows of {row}",
-            src.shape().iter().product::<usize>(),
-            targets.len()
-        ));
-    }
+    check_src(&src, targets.len(), row)?;
     let src = contiguous(src);
     if row == 0 || targets.is_empty() {
         return Ok(());
@@ -291,4 +297,45 @@ pub(crate) fn scatter_add_onto(
             .for_each(|x| body(&mut acc, x));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eager::value::Layout;
+
+    /// Both scatters sum each id's row of `src` into its row of `out`, and refuse a
+    /// `src` that does not hold one row per id (an internal error, not a panic or a read
+    /// past the rows).
+    #[test]
+    fn scatters_sum_rows_and_check_the_source_size() {
+        let ids = [2i32, 0, 2];
+        let il = Layout::contiguous(&[3]);
+        let src: Vec<f32> = (1..=6).map(|x| x as f32).collect();
+        let sl = Layout::contiguous(&[3, 2]);
+        let iv = View {
+            data: &ids[..],
+            layout: &il,
+        };
+        fn view<'a>(data: &'a [f32], layout: &'a Layout) -> View<'a, f32> {
+            View { data, layout }
+        }
+        let mut out = vec![9.0f32; 6];
+        scatter_add_into(iv, view(&src[..], &sl), 2, &mut out).unwrap();
+        assert_eq!(out, [3.0, 4.0, 0.0, 0.0, 6.0, 8.0]);
+        let mut onto = vec![1.0f32; 6];
+        scatter_add_onto(iv, view(&src[..], &sl), 2, &mut onto).unwrap();
+        assert_eq!(onto, [4.0, 5.0, 1.0, 1.0, 7.0, 9.0]);
+        let short = Layout::contiguous(&[2, 2]);
+        for into in [true, false] {
+            let mut out = vec![0.0f32; 6];
+            let e = if into {
+                scatter_add_into(iv, view(&src[..4], &short), 2, &mut out)
+            } else {
+                scatter_add_onto(iv, view(&src[..4], &short), 2, &mut out)
+            }
+            .unwrap_err();
+            assert!(e.contains("4 values do not fit 3 ids of rows of 2"), "{e}");
+        }
+    }
 }
