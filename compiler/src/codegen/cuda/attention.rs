@@ -783,47 +783,35 @@ __syncthreads();",
     w.close();
     w.l("__syncthreads();");
     w.l("// dq = ds·k, dk = dsᵀ·q, dv = pᵀ·g.");
-    let st = |out: &'static str, len: &'static str, d: usize| {
-        move |i: &str, c: &str, acc: &str| {
+    let ds_ij = |i: &str, j: &str| format!("dss[{i} * (T + 1) + {j}]");
+    let ds_ji = |j: &str, i: &str| format!("dss[{i} * (T + 1) + {j}]");
+    let p_ji = |j: &str, i: &str| format!("ps[{i} * (T + 1) + {j}]");
+    let k_jc = |j: &str, c: &str| format!("ks[{j} * {pk} + {c}]");
+    let q_ic = |i: &str, c: &str| format!("qs[{i} * {pk} + {c}]");
+    let g_ic = |i: &str, c: &str| format!("gs[{i} * {pv} + {c}]");
+    let outputs: [(&str, &str, &str, usize, &Index2, &Index2); 3] = [
+        ("dq", "tq", "nk", dk, &ds_ij, &k_jc),
+        ("dk", "tk", "nq", dk, &ds_ji, &q_ic),
+        ("dv", "tk", "nq", dv, &p_ji, &g_ic),
+    ];
+    for (out, len, k, d, a, b) in outputs {
+        let rows = if len == "tq" { "nq" } else { "nk" };
+        let store = |i: &str, c: &str, acc: &str| {
             format!("{out}[(bh * {len} + {i}) * {d} + {c}] = {};", e.store(acc))
-        }
-    };
-    product(
-        &mut w,
-        &Product {
-            rows: "nq",
-            cols: &dk.to_string(),
-            k: "nk",
-            a: &|i, j| format!("dss[{i} * (T + 1) + {j}]"),
-            b: &|j, c| format!("ks[{j} * {pk} + {c}]"),
-            init: None,
-            store: &st("dq", "tq", dk),
-        },
-    );
-    product(
-        &mut w,
-        &Product {
-            rows: "nk",
-            cols: &dk.to_string(),
-            k: "nq",
-            a: &|j, i| format!("dss[{i} * (T + 1) + {j}]"),
-            b: &|i, c| format!("qs[{i} * {pk} + {c}]"),
-            init: None,
-            store: &st("dk", "tk", dk),
-        },
-    );
-    product(
-        &mut w,
-        &Product {
-            rows: "nk",
-            cols: &dv.to_string(),
-            k: "nq",
-            a: &|j, i| format!("ps[{i} * (T + 1) + {j}]"),
-            b: &|i, c| format!("gs[{i} * {pv} + {c}]"),
-            init: None,
-            store: &st("dv", "tk", dv),
-        },
-    );
+        };
+        product(
+            &mut w,
+            &Product {
+                rows,
+                cols: &d.to_string(),
+                k,
+                a,
+                b,
+                init: None,
+                store: &store,
+            },
+        );
+    }
     w.close();
     w.close();
     function(name, ps, "heads b·h", w)
