@@ -4,7 +4,7 @@
 //! kernels: `__global__`/`__device__` vanish, `__shared__` is a function static,
 //! `threadIdx` is thread-local and the other launch coordinates are globals,
 //! `__syncthreads()` waits on the `std::barrier` that `kiln_bar` points at,
-//! `__shfl_xor_sync` goes through a shared slot between two barriers, `__umulhi`,
+//! `__shfl_xor_sync` goes through shared slots and a barrier, `__umulhi`,
 //! `__int_as_float` and `__float_as_int` are plain C++ and the math functions are libm's.
 //! `kiln_launch(grid, block, f)` runs each block as `blockDim.x` threads sharing a
 //! barrier, blocks one after another (the kernels' grid-stride loops make any grid
@@ -41,18 +41,21 @@ static inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); retur
     };
 }
 
-/// A warp shuffle on the host: every lane publishes its value, a barrier, each reads its
-/// partner's, a barrier. Needs `__syncthreads`, so it holds for the kernels' uses: every
-/// thread of the block calls it (the block reductions of the prelude).
+/// A warp shuffle on the host: every lane publishes its value in the slots of this call's
+/// parity, a barrier, each reads its partner's. One barrier a call: a thread cannot write
+/// the same parity again (two calls later) before every thread has passed the next call's
+/// barrier, so after it has read. Each thread counts its calls (reset when a block
+/// starts). Needs `__syncthreads`, so it holds for the kernels' uses: every thread of the
+/// block makes the same calls (the prelude's reductions, the attention's row loops).
 macro_rules! shuffle {
     () => {
-        r#"static float kiln_shfl_slot[1024];
+        r#"static float kiln_shfl_slot[2][1024];
+static unsigned kiln_shfl_calls[1024];
 static inline float __shfl_xor_sync(unsigned, float v, int m) {
-    kiln_shfl_slot[threadIdx.x] = v;
+    const unsigned par = kiln_shfl_calls[threadIdx.x]++ & 1u;
+    kiln_shfl_slot[par][threadIdx.x] = v;
     __syncthreads();
-    const float r = kiln_shfl_slot[threadIdx.x ^ (unsigned)m];
-    __syncthreads();
-    return r;
+    return kiln_shfl_slot[par][threadIdx.x ^ (unsigned)m];
 }
 "#
     };
@@ -71,6 +74,7 @@ template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
     blockDim = {block, 1, 1};
     for (unsigned g = 0; g < grid; ++g) {
         blockIdx = {g, 0, 0};
+        std::memset(kiln_shfl_calls, 0, sizeof kiln_shfl_calls);
         std::barrier<> bar(block);
         kiln_bar = &bar;
         std::vector<std::thread> ts;
@@ -125,6 +129,7 @@ template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
     }
     for (unsigned g = 0; g < grid; ++g) {
         blockIdx = {g, 0, 0};
+        std::memset(kiln_shfl_calls, 0, sizeof kiln_shfl_calls);
         for (unsigned t = 0; t < block; ++t) {
             if (k.stacks[t].size() < stack) k.stacks[t].resize(stack);
             getcontext(&k.ctx[t]);
