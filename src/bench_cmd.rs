@@ -34,9 +34,10 @@ pub struct BenchArgs {
     /// Which model of the file, when it defines several.
     #[arg(long)]
     pub model: Option<String>,
-    /// What to time: `forward`, `train_step` (forward, backward and Adam) or `decode`
-    /// (one decoder step with `tgt-len` cached positions).
-    #[arg(long, default_value = "train_step", value_parser = ["forward", "train_step", "decode"])]
+    /// What to time: `forward`, `loss` (the forward and the label-smoothed loss, as
+    /// validation and `kiln score` run it), `train_step` (forward, backward and Adam) or
+    /// `decode` (one decoder step with `tgt-len` cached positions).
+    #[arg(long, default_value = "train_step", value_parser = ["forward", "loss", "train_step", "decode"])]
     pub entry: String,
     #[arg(long, default_value_t = 32)]
     pub batch: i64,

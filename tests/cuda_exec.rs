@@ -27,7 +27,7 @@ use kiln_runtime::cuda::{
 use kiln_runtime::exec::Exec;
 
 const SPEC: &str = "models/transformer_tiny.kiln";
-const ENTRIES: [&str; 3] = ["train_step", "encode", "decode_step"];
+const ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
 
 fn tmp(name: &str) -> PathBuf {
     // The emulated device's runs (`cuda_emulated.rs`) apart from the plain ones, which

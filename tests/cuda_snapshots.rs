@@ -50,17 +50,19 @@ fn code_of(entry: &str) -> CudaCode {
     emit(&kernel_graph(entry)).expect("emits")
 }
 
-const ENTRIES: [&str; 5] = [
+const ENTRIES: [&str; 6] = [
     "train_step",
     "forward",
+    "loss",
     "adam_update",
     "decode_step",
     "train_step_scaled",
 ];
 /// The entries' mixed-precision programs (`program::emit_with(…, Elem::Bf16)`).
-const BF16: [&str; 5] = [
+const BF16: [&str; 6] = [
     "train_step@bf16",
     "forward@bf16",
+    "loss@bf16",
     "adam_update@bf16",
     "decode_step@bf16",
     "train_step_scaled@bf16",
@@ -68,10 +70,11 @@ const BF16: [&str; 5] = [
 /// Every CUDA unit: the entries' programs in f32 and in bf16, the device optimizer's
 /// (`codegen::cuda::optim`), the bf16 conversion's (`codegen::cuda::cast`) and the
 /// resident decoder's (`codegen::cuda::resident`).
-const UNITS: [&str; 13] = [
+const UNITS: [&str; 15] = [
     "train_step",
     "train_step_scaled",
     "forward",
+    "loss",
     "adam_update",
     "decode_step",
     "optimizer",
@@ -80,6 +83,7 @@ const UNITS: [&str; 13] = [
     "train_step@bf16",
     "train_step_scaled@bf16",
     "forward@bf16",
+    "loss@bf16",
     "adam_update@bf16",
     "decode_step@bf16",
 ];
@@ -134,6 +138,7 @@ fn cuda_of_every_kernel_kind_is_pinned() {
         "sum_rows_finish",
         "scatter_rows_onto",
         "xent_ls",
+        "xent_ls_loss",
         "xent_ls_count",
         "xent_ls_count_seeded",
         "xent_ls_finish",
@@ -221,6 +226,7 @@ fn bf16_programs_are_pinned() {
         "relu",
         "sum_rows",
         "xent_ls",
+        "xent_ls_loss",
     ] {
         assert!(
             kinds.contains(&want),
@@ -433,6 +439,12 @@ fn every_source_is_plausible_cuda() {
                     panic!("{entry} kernel {i} ({}): library {l:?}", k.kind)
                 }
                 (_, Some(Library::Host)) => assert!(!generated, "{}", k.kind),
+                // The `loss` entry's cross-entropy writes no gradient: role `loss`.
+                ("xent_ls", None) if entry.starts_with("loss") => {
+                    assert!(k.functions.contains_key("loss"));
+                    assert!(!k.functions.contains_key("main"));
+                    assert_eq!(kind_of(&k.functions["loss"]), "xent_ls_loss");
+                }
                 (_, None) => assert!(k.functions.contains_key("main"), "{}", k.kind),
                 (kind, l) => panic!("{entry} kernel {i} ({kind}): library {l:?}"),
             }

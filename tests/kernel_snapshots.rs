@@ -22,7 +22,13 @@ fn code_of(entry: &str) -> kiln_compiler::codegen::program::CpuCode {
 #[test]
 fn clif_of_every_kernel_kind_is_pinned() {
     let mut first: BTreeMap<String, String> = BTreeMap::new();
-    for entry in ["train_step", "forward", "adam_update", "decode_step"] {
+    for entry in [
+        "train_step",
+        "forward",
+        "loss",
+        "adam_update",
+        "decode_step",
+    ] {
         let code = code_of(entry);
         assert_eq!(code, code_of(entry), "{entry}: the code is deterministic");
         for (name, text) in &code.functions {
@@ -49,6 +55,7 @@ fn clif_of_every_kernel_kind_is_pinned() {
         "softmax_bwd",
         "sum_rows",
         "xent_ls",
+        "xent_ls_loss",
     ] {
         assert!(kinds.contains(&want), "no `{want}` kernel among {kinds:?}");
     }

@@ -505,6 +505,7 @@ fn add_layer_norm_bwd_matches_its_definition_and_is_split_independent() {
 #[test]
 fn xent_ls_matches_its_definition() {
     let k = jit_of(&rows::xent_ls("xent"));
+    let loss_only = jit_of(&rows::xent_ls_loss("xent_loss"));
     let def = template("xent_ls", "rank=3");
     let (c_nll, c_smooth) = (0.9f32, 0.1f32);
     for (s, &(b, t, v, pad)) in [
@@ -579,6 +580,26 @@ fn xent_ls_matches_its_definition() {
         launch(&k, &args(xp, pw(&mut rl2), xp), &dims, items, 1);
         assert_eq!(x2, dl, "{what}: dlogits in place");
         assert_eq!(rl2, row_loss, "{what}: row losses in place");
+        // Without the gradient (the `loss` entry): the same row losses, bit for bit, and
+        // the logits untouched.
+        let mut rl3 = vec![f32::NAN; nrows];
+        let before = logits.clone();
+        launch(
+            &loss_only,
+            &[p(&logits), p(&target), p(&cn), p(&cs), p(&iv), pw(&mut rl3)],
+            &dims,
+            items,
+            2,
+        );
+        assert_eq!(
+            rl3.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            row_loss.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{what}: the loss-only kernel's row losses"
+        );
+        assert_eq!(
+            logits, before,
+            "{what}: the loss-only kernel writes no logits"
+        );
     }
 }
 

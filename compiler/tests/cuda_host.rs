@@ -1104,6 +1104,31 @@ fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
     );
     close("xent_ls row losses", &g[6], &h[6]);
     close("xent_ls dlogits", &g[7], &h[7]);
+    // Without the gradient (the `loss` entry): the same row losses, bit for bit, as the
+    // full kernel on the GPU side, and the logits as they were.
+    for launch in [(GRID, BLOCK), (2, 64)] {
+        let mut l = vec![
+            logits.clone(),
+            i32s(&target),
+            one(c_nll),
+            one(c_smooth),
+            one(inv_v),
+            zeros(rows_n),
+        ];
+        run_with(
+            cxx,
+            &cuda::rows::xent_ls_loss("xent_ls_loss_0", Elem::F32),
+            &mut l,
+            &dims,
+            rows_n as u64,
+            launch,
+        );
+        if launch == (GRID, BLOCK) {
+            assert_eq!(l[5], g[6], "the loss-only kernel's row losses");
+        }
+        close("xent_ls_loss row losses", &l[5], &h[6]);
+        assert_eq!(l[0], logits, "the loss-only kernel writes no logits");
+    }
     // The online max and sum over two warps, with −inf logits (a first element among
     // them, where nothing is summed yet) and a row whose maximum comes last.
     let mut xs = as_f32(&logits);

@@ -236,6 +236,14 @@ fn kernel_functions(
                         )?,
                     );
                 }
+                // Where nothing reads the gradient (the `loss` entry), the kernel computes
+                // only the loss: role `loss` instead of `main`.
+                "xent_ls" if !kg.output_is_read(v, 1) => put(
+                    "loss",
+                    em.get("xent_ls_loss", "xent_ls_loss".into(), |n| {
+                        Ok(rows::xent_ls_loss(n))
+                    })?,
+                ),
                 "xent_ls" => put(
                     "main",
                     em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?,

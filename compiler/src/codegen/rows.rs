@@ -565,22 +565,38 @@ pub fn add_layer_norm_bwd_finish_dims(rows: usize, d: usize) -> (Vec<i64>, usize
 /// - dims: `[v, pad]` (see [`xent_ls_dims`]);
 /// - items: rows.
 pub fn xent_ls(name: &str) -> Function {
+    xent_rows(name, true)
+}
+
+/// [`xent_ls`] without the gradient, for a program that reads only the loss (the `loss`
+/// entry): two reads of each row and no writes but `row_loss`.
+///
+/// - args: `[logits, target, c_nll, c_smooth, inv_v, row_loss]`, as [`xent_ls`]'s;
+/// - dims and items: as [`xent_ls`]'s.
+pub fn xent_ls_loss(name: &str) -> Function {
+    xent_rows(name, false)
+}
+
+/// [`xent_ls`] (`grad`) or [`xent_ls_loss`].
+fn xent_rows(name: &str, grad: bool) -> Function {
     build_kernel(name, |kb| {
         let logits = kb.ptr(0);
         let target = kb.ptr(1);
         let c_nll = Sc::arg(kb, 2);
         let c_smooth = Sc::arg(kb, 3);
         let inv_v = Sc::arg(kb, 4);
-        let inv_den = Sc::arg(kb, 5);
-        let row_loss = kb.ptr(6);
-        let dlogits = kb.ptr(7);
+        let (inv_den, row_loss, dlogits) = if grad {
+            (Some(Sc::arg(kb, 5)), kb.ptr(6), Some(kb.ptr(7)))
+        } else {
+            (None, kb.ptr(5), None)
+        };
         let v = kb.dim(0);
         let pad = kb.dim(1);
         let vf = kb.b.ins().fcvt_from_sint(types::F32, v);
         let (begin, end) = (kb.begin, kb.end);
         for_rows(kb, begin, end, |kb, r| {
             let xr = row_ptr(kb, logits, r, v);
-            let dr = row_ptr(kb, dlogits, r, v);
+            let dr = dlogits.map(|d| row_ptr(kb, d, r, v));
             let t = kb.load(types::I32, target, r);
             let t = kb.b.ins().sextend(types::I64, t);
             let keep = kb.b.ins().icmp(IntCC::NotEqual, t, pad);
@@ -598,12 +614,14 @@ pub fn xent_ls(name: &str) -> Function {
                 kb.load(ty, xr, j)
             });
             let mv = Sc::new(kb, m);
-            // Pass 2: e = exp(x − m) into dlogits; Σe and Σ(x − m).
+            // Pass 2: e = exp(x − m) (into dlogits for the gradient); Σe and Σ(x − m).
             let s = sums(kb, zero, v, 2, 2, |kb, j, ty| {
                 let x = kb.load(ty, xr, j);
                 let xm = kb.b.ins().fsub(x, mv.get(ty));
                 let e = kb.exp(xm);
-                kb.store(e, dr, j);
+                if let Some(dr) = dr {
+                    kb.store(e, dr, j);
+                }
                 vec![e, xm]
             });
             let (z, sxm) = (s[0], s[1]);
@@ -620,6 +638,9 @@ pub fn xent_ls(name: &str) -> Function {
             let loss = kb.b.ins().fadd(a, b);
             let loss = kb.b.ins().fmul(loss, keep);
             kb.store(loss, row_loss, r);
+            let (Some(inv_den), Some(dr)) = (&inv_den, dr) else {
+                return;
+            };
 
             // dlogits = e·(w·(c_nll + c_smooth·inv_v·v)/z) − w·c_smooth·inv_v, minus
             // w·c_nll at the target; w = keep·inv_den.
@@ -681,6 +702,7 @@ mod tests {
             add_layer_norm_bwd("ln_bwd"),
             add_layer_norm_bwd_finish("ln_bwd_finish"),
             xent_ls("xent"),
+            xent_ls_loss("xent_loss"),
         ];
         for f in &funcs {
             cranelift_codegen::verify_function(f, isa.as_ref())

@@ -327,6 +327,14 @@ impl KernelGraph {
         }
     }
 
+    /// Whether anything reads output `i` of the multi-output kernel value `k`: a
+    /// projection of it exists only when an operand or a named output needs it.
+    pub fn output_is_read(&self, k: usize, i: usize) -> bool {
+        self.values
+            .iter()
+            .any(|x| matches!(x.def, Def::Proj(t, j) if t == k && usize::from(j) == i))
+    }
+
     /// The kernels in launch order: (value number, kernel op, operands).
     pub fn kernels(&self) -> Vec<(usize, &KernelOp, &[usize])> {
         self.values

@@ -54,6 +54,9 @@ pub(crate) struct Step {
     /// With `KILN_CHECK_KERNELS=1`: the kernel's definition, run after it on the same
     /// operands and compared (a debugging aid; see `check`).
     pub check: Option<Fallback>,
+    /// The outputs the check compares: those something reads (a kernel need not write
+    /// an output nothing reads, as the `loss` entry's cross-entropy writes no gradient).
+    pub read: Vec<bool>,
 }
 
 /// How a kernel runs.
@@ -91,6 +94,9 @@ pub(crate) enum Exec {
     XentLs {
         f: KernelFn,
         pad: i64,
+        /// Whether the function writes the logits' gradient (role `main`), or only the
+        /// loss (role `loss`: nothing reads the gradient).
+        grad: bool,
     },
     EmbedPe {
         f: KernelFn,
@@ -197,9 +203,15 @@ pub(crate) fn prepare(
                         main: f("main")?,
                         finish: f("finish")?,
                     },
+                    // Role `loss`: nothing reads the gradient; the function writes none.
                     "xent_ls" => Exec::XentLs {
-                        f: f("main")?,
+                        f: f(if roles.contains_key("loss") {
+                            "loss"
+                        } else {
+                            "main"
+                        })?,
                         pad: xent_pad(v, attrs)?,
+                        grad: !roles.contains_key("loss"),
                     },
                     "embed_pe" => Exec::EmbedPe {
                         f: f("main")?,
@@ -218,12 +230,17 @@ pub(crate) fn prepare(
             } else {
                 None
             };
+        let outputs = kg.values[v].types.len();
+        let read = (0..outputs)
+            .map(|k| outputs == 1 || kg.output_is_read(v, k))
+            .collect();
         steps.push(Step {
             value: v,
             kind,
             inputs: inputs.to_vec(),
             exec,
             check,
+            read,
         });
     }
     let copy = match copy {
@@ -301,6 +318,9 @@ pub(crate) fn run_step(
             .collect();
         fallback::run(fb, &ins, &tmp, ctx)?;
         for (k, (o, t)) in outs.iter().zip(&tmp).enumerate() {
+            if !step.read[k] {
+                continue;
+            }
             let (a, b) = (gather_words(o), gather_words(t));
             let (mut diff, mut max) = (0f32, 0f32);
             for (x, y) in a.iter().zip(&b) {
@@ -498,7 +518,7 @@ fn run_exec(
             );
             Ok(())
         }
-        Exec::XentLs { f, pad } => {
+        Exec::XentLs { f, pad, grad } => {
             let logits = contig(ins[0], keep)?;
             let target = contig(ins[1], keep)?;
             let v = last(&logits);
@@ -520,9 +540,8 @@ fn run_exec(
             unsafe { *(inv as *mut f32) = w };
             let row_loss = keep.alloc(rows_n);
             let (dims, items) = rows::xent_ls_dims(rows_n, v, *pad);
-            call(
-                *f,
-                &[
+            let args = if *grad {
+                vec![
                     logits.base(),
                     target.base(),
                     ins[2].base(),
@@ -531,11 +550,18 @@ fn run_exec(
                     inv,
                     row_loss,
                     outs[1].base(),
-                ],
-                &dims,
-                items,
-                grain(v),
-            );
+                ]
+            } else {
+                vec![
+                    logits.base(),
+                    target.base(),
+                    ins[2].base(),
+                    ins[3].base(),
+                    ins[4].base(),
+                    row_loss,
+                ]
+            };
+            call(*f, &args, &dims, items, grain(v));
             // SAFETY: `row_loss` holds `rows_n` elements the kernel wrote.
             let rl = unsafe { std::slice::from_raw_parts(row_loss as *const f32, rows_n) };
             let mean = rows::xent_ls_finish(rl, den);

@@ -244,6 +244,34 @@ fn blas_op(transposed: bool) -> cublasOperation_t {
     }
 }
 
+/// Keeps freed memory in the device's stream-ordered pool across synchronizations.
+///
+/// cudarc allocates with `cuMemAllocAsync` from the device's current pool, whose
+/// release threshold is 0 by default: every synchronization (one per step) returns
+/// the freed scratch — bf16 copies of the weights, contiguous copies, row indexes — to
+/// the driver, and the next step maps it again. With the threshold at its maximum the
+/// pool keeps it, as PyTorch's caching allocator does. No pool (no async allocation):
+/// nothing to set.
+fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    use cudarc::driver::sys::CUmemPool_attribute;
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    // SAFETY: the context is current (made so by `CudaContext::new`) and its device
+    // supports memory pools; the release threshold is a `u64` attribute.
+    unsafe {
+        let pool = cudarc::driver::result::device::get_mem_pool(ctx.cu_device())
+            .map_err(drv("cannot find the device's memory pool"))?;
+        let mut threshold: u64 = u64::MAX;
+        cudarc::driver::result::mem_pool::set_attribute(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast::<c_void>(),
+        )
+        .map_err(drv("cannot set the memory pool's release threshold"))
+    }
+}
+
 /// Loads `ptx` into `ctx` and its `functions` into `funcs`.
 fn load(
     ctx: &Arc<CudaContext>,
@@ -292,6 +320,7 @@ impl Gpu {
         // per-buffer events have no cross-stream order to keep; without them an
         // allocation (scratch, bf16 copies of weights) creates and destroys no events.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         let stream = ctx.default_stream();
         let mut funcs = BTreeMap::new();
         let module = load(&ctx, ptx, functions, &mut funcs)?;

@@ -2433,6 +2433,7 @@ impl Run<'_> {
                 main,
                 finish,
                 pad,
+                grad,
             } => {
                 let logits = self.contig(ins[0])?;
                 let target = self.contig(ins[1])?;
@@ -2449,16 +2450,27 @@ impl Run<'_> {
                     None => vec![target.base(), stats],
                 };
                 self.launch(count, &count_bufs, Launch::xent_count(rows_n, *pad))?;
-                let ptrs = [
-                    logits.base(),
-                    target.base(),
-                    ins[2].base(),
-                    ins[3].base(),
-                    ins[4].base(),
-                    stats + 4,
-                    row_loss,
-                    outs[1].base(),
-                ];
+                let ptrs = if *grad {
+                    vec![
+                        logits.base(),
+                        target.base(),
+                        ins[2].base(),
+                        ins[3].base(),
+                        ins[4].base(),
+                        stats + 4,
+                        row_loss,
+                        outs[1].base(),
+                    ]
+                } else {
+                    vec![
+                        logits.base(),
+                        target.base(),
+                        ins[2].base(),
+                        ins[3].base(),
+                        ins[4].base(),
+                        row_loss,
+                    ]
+                };
                 self.launch(
                     main,
                     &ptrs,

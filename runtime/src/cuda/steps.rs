@@ -68,9 +68,12 @@ pub(crate) enum Exec {
     },
     XentLs {
         count: String,
+        /// The rows' function: role `main` (loss and gradient) or, where nothing reads
+        /// the gradient, role `loss` (`grad` false).
         main: String,
         finish: String,
         pad: i64,
+        grad: bool,
     },
     EmbedPe {
         f: String,
@@ -245,12 +248,16 @@ pub(crate) fn prepare(
                         main: role("main")?,
                         finish: role("finish")?,
                     },
-                    "xent_ls" => Exec::XentLs {
-                        count: role("count")?,
-                        main: role("main")?,
-                        finish: role("finish")?,
-                        pad: xent_pad(v, attrs)?,
-                    },
+                    "xent_ls" => {
+                        let grad = !l.functions.contains_key("loss");
+                        Exec::XentLs {
+                            count: role("count")?,
+                            main: role(if grad { "main" } else { "loss" })?,
+                            finish: role("finish")?,
+                            pad: xent_pad(v, attrs)?,
+                            grad,
+                        }
+                    }
                     "embed_pe" => Exec::EmbedPe {
                         f: role("main")?,
                         dropout: embed_pe_dropout(v, attrs)?,

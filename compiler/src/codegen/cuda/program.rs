@@ -256,7 +256,16 @@ fn launch(
                         em.plain("xent_ls_count", rows::xent_ls_count)
                     };
                     f.insert("count".into(), count);
-                    f.insert("main".into(), em.plain("xent_ls", |n| rows::xent_ls(n, e)));
+                    // Where nothing reads the gradient (the `loss` entry), the kernel
+                    // computes only the loss: role `loss` instead of `main`.
+                    if kg.output_is_read(v, 1) {
+                        f.insert("main".into(), em.plain("xent_ls", |n| rows::xent_ls(n, e)));
+                    } else {
+                        f.insert(
+                            "loss".into(),
+                            em.plain("xent_ls_loss", |n| rows::xent_ls_loss(n, e)),
+                        );
+                    }
                     f.insert(
                         "finish".into(),
                         em.plain("xent_ls_finish", rows::xent_ls_finish),

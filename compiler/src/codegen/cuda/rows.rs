@@ -469,16 +469,32 @@ fn count_kernel(name: &str, seeded: bool) -> CudaFunction {
 /// (`inv_den` is `stats + 1` of [`xent_ls_count`]; `dlogits` may be `logits`), dims
 /// `[v, pad]`, items rows.
 pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
-    let params = vec![
+    xent_rows(name, e, true)
+}
+
+/// [`xent_ls`] without the gradient, for a program that reads only the loss (the `loss`
+/// entry): one read of each row. Buffers `[logits, target, c_nll, c_smooth, inv_v,
+/// row_loss]`, dims and items as [`xent_ls`]'s.
+pub fn xent_ls_loss(name: &str, e: Elem) -> CudaFunction {
+    xent_rows(name, e, false)
+}
+
+/// [`xent_ls`] (`grad`) or [`xent_ls_loss`].
+fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
+    let mut params = vec![
         param("logits", &e.ptr(true)),
         param("target", "const int*"),
         param("c_nll", "const float*"),
         param("c_smooth", "const float*"),
         param("inv_v", "const float*"),
-        param("inv_den", "const float*"),
-        param("row_loss", "float*"),
-        param("dlogits", &e.ptr(false)),
     ];
+    if grad {
+        params.push(param("inv_den", "const float*"));
+    }
+    params.push(param("row_loss", "float*"));
+    if grad {
+        params.push(param("dlogits", &e.ptr(false)));
+    }
     let mut w = W::new();
     open_rows(&mut w, name, &params);
     w.l("const long long v = dims.d[0];");
@@ -487,16 +503,22 @@ pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
     w.l("const float cn = c_nll[0];");
     w.l("const float cs = c_smooth[0];");
     w.l("const float iv = inv_v[0];");
-    w.l("const float id = inv_den[0];");
+    if grad {
+        w.l("const float id = inv_den[0];");
+    }
     w.open(FOR_BLOCKS);
     w.l(format!("const {}* xr = logits + r * v;", e.c_type()));
-    w.l(format!("{}* dr = dlogits + r * v;", e.c_type()));
+    if grad {
+        w.l(format!("{}* dr = dlogits + r * v;", e.c_type()));
+    }
     w.l("const long long t = target[r];");
     w.l("const float keep = t != pad ? 1.0f : 0.0f;");
     w.l("const bool in_range = (unsigned long long)t < (unsigned long long)v;");
     w.l("const long long ti = in_range ? t : 0;");
-    w.l("// Read before any write (dlogits may be logits): the block reduction below is a");
-    w.l("// barrier.");
+    if grad {
+        w.l("// Read before any write (dlogits may be logits): the block reduction below is a");
+        w.l("// barrier.");
+    }
     w.l(format!("const float xt = {};", e.load("xr[ti]")));
     w.l("// Pass 1, online: each thread's max m, Σexp(x − m) rescaled as m grows, and Σx.");
     w.l(format!("float m = {};", f32_lit(f32::NEG_INFINITY)));
@@ -528,6 +550,11 @@ pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
     w.l("const float smooth = (vf * lse - sxm) * iv;");
     w.l("const float loss = (nll * cn + smooth * cs) * keep;");
     w.l("if (threadIdx.x == 0) row_loss[r] = loss;");
+    if !grad {
+        w.close();
+        w.close();
+        return function(name, params, Work::Blocks, "rows", w);
+    }
     w.l("// dlogits = e·(w·(c_nll + c_smooth·inv_v·v)/z) − w·c_smooth·inv_v, minus w·c_nll");
     w.l("// at the target; w = keep·inv_den.");
     w.l("const float wk = keep * id;");
