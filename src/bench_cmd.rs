@@ -58,7 +58,10 @@ pub struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Print the time per kernel kind of the last run.
+    /// Print the time per kernel kind of the last run. With `--executor cuda`, the GPU's
+    /// time per kind from events around each kernel (the run is not synchronized in
+    /// between), the time the GPU sat idle waiting for the host's launches, and the
+    /// host's time issuing them.
     #[arg(long)]
     pub profile: bool,
     /// Run the optimizer step as the compiled `adam_update` program (fed by copies of
@@ -666,8 +669,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let mut p: Vec<(String, (f64, usize))> = profile.into_iter().collect();
             p.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
             println!("  time per kernel kind (last run):");
-            for (k, (s, n)) in p {
+            // Whole-run figures (the CUDA executor's idle and issue times) come last.
+            let (runs, kinds): (Vec<_>, Vec<_>) =
+                p.into_iter().partition(|(k, _)| k.starts_with('['));
+            for (k, (s, n)) in kinds {
                 println!("    {k:<22} {:>9.1} ms  {n:>5} kernels", s * 1e3);
+            }
+            for (k, (s, _)) in runs {
+                println!("    {k:<22} {:>9.1} ms", s * 1e3);
             }
         }
     }

@@ -922,7 +922,7 @@ fn kiln_run_with_the_cuda_executor() {
 fn kiln_bench_with_the_cuda_executor() {
     // `train_step` on the GPU keeps parameters, gradients and moments on the device;
     // `decode` the decoder's state; `forward` leaves its logits there.
-    for entry in ["forward", "train_step", "decode"] {
+    for entry in ["forward", "loss", "train_step", "decode"] {
         let out = kiln(&[
             "bench",
             SPEC,
@@ -973,6 +973,60 @@ fn kiln_bench_with_the_cuda_executor() {
                 );
             }
         }
+    }
+    // `--profile`: the GPU's time per kernel kind from events around each kernel, the
+    // time it waited for the host, and the host's time issuing the launches.
+    if cuda_available().is_ok() {
+        let out = kiln(&[
+            "bench",
+            SPEC,
+            "--set",
+            "vocab=48",
+            "--entry",
+            "train_step",
+            "--batch",
+            "2",
+            "--runs",
+            "1",
+            "--executor",
+            "cuda",
+            "--profile",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ms = |label: &str| -> f64 {
+            let line = text
+                .lines()
+                .find(|l| l.trim_start().starts_with(label))
+                .unwrap_or_else(|| panic!("no `{label}` line in {text}"));
+            line[line.find(label).unwrap() + label.len()..]
+                .split_whitespace()
+                .next()
+                .and_then(|x| x.parse().ok())
+                .unwrap_or_else(|| panic!("no time on `{line}`"))
+        };
+        for label in [
+            "upload",
+            "download",
+            "matmul (gemm)",
+            "add_layer_norm_bwd (generated)",
+            "xent_ls (generated)",
+        ] {
+            assert!(ms(label) >= 0.0, "{text}");
+        }
+        let idle = ms(kiln_runtime::cuda::GPU_IDLE);
+        let issue = ms(kiln_runtime::cuda::HOST_ISSUE);
+        assert!(idle >= 0.0 && issue > 0.0, "{text}");
+        // The whole-run figures come after the kernel kinds.
+        let at = |l: &str| text.find(l).unwrap();
+        assert!(
+            at(kiln_runtime::cuda::GPU_IDLE) > at("matmul (gemm)"),
+            "{text}"
+        );
     }
     // `--host-outputs`: the forward's logits come back to the host, as before.
     if cuda_available().is_ok() {

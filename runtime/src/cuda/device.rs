@@ -244,6 +244,30 @@ fn blas_op(transposed: bool) -> cublasOperation_t {
     }
 }
 
+/// A point in a device's stream ([`Device::mark`]).
+pub enum Mark {
+    Gpu(cudarc::driver::CudaEvent),
+    Host(std::time::Instant),
+}
+
+impl Mark {
+    /// Seconds from `self` to `later`, once the device has reached both (after a
+    /// [`Device::sync`]); negative if `later` was reached first.
+    pub fn seconds_to(&self, later: &Mark) -> Result<f64, String> {
+        match (self, later) {
+            (Mark::Gpu(a), Mark::Gpu(b)) => a
+                .elapsed_ms(b)
+                .map(|ms| f64::from(ms) / 1e3)
+                .map_err(drv("cannot time two CUDA events")),
+            (Mark::Host(a), Mark::Host(b)) => Ok(match b.checked_duration_since(*a) {
+                Some(d) => d.as_secs_f64(),
+                None => -a.duration_since(*b).as_secs_f64(),
+            }),
+            _ => Err("internal: marks of two kinds of device".to_string()),
+        }
+    }
+}
+
 /// Keeps freed memory in the device's stream-ordered pool across synchronizations.
 ///
 /// cudarc allocates with `cuMemAllocAsync` from the device's current pool, whose
@@ -546,6 +570,14 @@ impl Gpu {
         self.stream
             .synchronize()
             .map_err(drv("the CUDA stream failed"))
+    }
+
+    /// A timed event recorded in the stream (see [`Device::mark`]).
+    fn mark(&self) -> Result<Mark, String> {
+        self.stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map(Mark::Gpu)
+            .map_err(drv("cannot record a CUDA event"))
     }
 
     /// Launches generated function `name` on `ptrs` (its buffers, in order), `dims` and
@@ -907,6 +939,16 @@ impl Device {
         match self {
             Device::Gpu(g) => g.sync(),
             Device::Host(_) => Ok(()),
+        }
+    }
+
+    /// A point in the device's stream, for profiles, taken without waiting: a timed
+    /// CUDA event the GPU reaches when the work queued before it is done, or on the
+    /// emulated device (which runs each call as it is made) the host's clock.
+    pub fn mark(&self) -> Result<Mark, String> {
+        match self {
+            Device::Gpu(g) => g.mark(),
+            Device::Host(_) => Ok(Mark::Host(std::time::Instant::now())),
         }
     }
 

@@ -425,6 +425,71 @@ fn dev_err(message: String) -> ExecError {
 /// What a profiled run calls per timed part: `(what, seconds)`.
 type Recorder<'a> = &'a mut dyn FnMut(&str, f64);
 
+/// The phases of a profiled run — the upload, each kernel (with the copies it reads),
+/// the download — between marks in the stream ([`device::Mark`]), recorded without
+/// waiting for the device so the run is timed as it runs unprofiled.
+struct Phases {
+    on: bool,
+    /// `(what, begin, end)`, in issue order.
+    done: Vec<(String, device::Mark, device::Mark)>,
+    open: Option<device::Mark>,
+    /// When the host began issuing each phase's work, and how long that took in all.
+    issue: (std::time::Instant, f64),
+}
+
+/// [`Phases::report`]'s name for the time the GPU spent between phases: waiting for
+/// the host to issue the next launch.
+pub const GPU_IDLE: &str = "[gpu idle, waiting for the host]";
+/// [`Phases::report`]'s name for the host's time issuing the phases (it overlaps the
+/// GPU's work, except where the host waits for the device).
+pub const HOST_ISSUE: &str = "[host issuing the launches]";
+
+impl Phases {
+    fn new(on: bool) -> Phases {
+        Phases {
+            on,
+            done: Vec::new(),
+            open: None,
+            issue: (std::time::Instant::now(), 0.0),
+        }
+    }
+
+    fn begin(&mut self, dev: &device::Device) -> Result<(), String> {
+        if self.on {
+            self.issue.0 = std::time::Instant::now();
+            self.open = Some(dev.mark()?);
+        }
+        Ok(())
+    }
+
+    fn end(&mut self, dev: &device::Device, what: &str) -> Result<(), String> {
+        if let Some(begin) = self.open.take() {
+            let end = dev.mark()?;
+            self.issue.1 += self.issue.0.elapsed().as_secs_f64();
+            self.done.push((what.to_string(), begin, end));
+        }
+        Ok(())
+    }
+
+    /// After the device has reached every mark: `rec(what, seconds)` per phase (the
+    /// device's time from its begin to its end mark), then [`GPU_IDLE`] (the sum of the
+    /// gaps between one phase's end and the next one's begin) and [`HOST_ISSUE`].
+    fn report(&self, rec: &mut dyn FnMut(&str, f64)) -> Result<(), String> {
+        let mut idle = 0.0;
+        for (i, (what, begin, end)) in self.done.iter().enumerate() {
+            rec(what, begin.seconds_to(end)?.max(0.0));
+            if let Some((_, _, before)) = i.checked_sub(1).map(|j| &self.done[j]) {
+                idle += before.seconds_to(begin)?.max(0.0);
+            }
+        }
+        if !self.done.is_empty() {
+            rec(GPU_IDLE, idle);
+            rec(HOST_ISSUE, self.issue.1);
+        }
+        Ok(())
+    }
+}
+
 /// How the CUDA executor computes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
@@ -636,10 +701,12 @@ impl CudaExecutor {
             .outputs)
     }
 
-    /// [`CudaExecutor::run`], synchronizing the stream after every phase to time it:
-    /// `rec(what, seconds)` for the uploads (`upload`), each kernel (`kind (how)`, see
-    /// [`CudaExecutor::launches`]) and the downloads (`download`). Slower than `run`
-    /// (one synchronization per kernel); for `kiln bench --profile`.
+    /// [`CudaExecutor::run`] with every phase timed on the device by events around it,
+    /// without waiting between phases: `rec(what, seconds)` for the uploads (`upload`),
+    /// each kernel (`kind (how)`, see [`CudaExecutor::launches`]) and the downloads
+    /// (`download`), then [`GPU_IDLE`], the time the GPU sat between phases waiting for
+    /// the host's next launch, and [`HOST_ISSUE`], the host's time issuing them. For
+    /// `kiln bench --profile`.
     pub fn run_profiled(
         &self,
         inputs: &BTreeMap<String, Tensor>,
@@ -663,7 +730,6 @@ impl CudaExecutor {
         micro: Option<Micro>,
         resident: Option<&Resident<'_>>,
     ) -> Result<RunOut, ExecError> {
-        let mut clock = std::time::Instant::now();
         let profiling = rec.is_some();
         if opts.precision != Precision::F32 {
             return Err(ExecError::Unsupported(format!(
@@ -756,15 +822,9 @@ impl CudaExecutor {
                 Some(t)
             }
         };
-        // Synchronizes and records the time since the last mark (profiled runs only).
-        let mut mark = |what: &str| -> Result<(), ExecError> {
-            if let Some(rec) = rec.as_mut() {
-                st.device.sync().map_err(dev_err)?;
-                rec(what, clock.elapsed().as_secs_f64());
-                clock = std::time::Instant::now();
-            }
-            Ok(())
-        };
+        // Profiled runs: marks in the stream around each phase, read at the end.
+        let mut phases = Phases::new(profiling);
+        phases.begin(&st.device).map_err(dev_err)?;
         let base = st.arena.as_ref().expect("allocated").ptr;
         let mut r = Run {
             dev: &st.device,
@@ -977,7 +1037,7 @@ impl CudaExecutor {
             origin.push(from);
             locs.push(loc);
         }
-        mark("upload")?;
+        phases.end(&st.device, "upload").map_err(dev_err)?;
         let freed = crate::exec::copies_freed_after(
             copies.len(),
             &needs,
@@ -985,6 +1045,7 @@ impl CudaExecutor {
             self.kg.outputs.iter().map(|(_, v)| *v),
         );
         for (s, step) in self.steps.iter().enumerate() {
+            phases.begin(&st.device).map_err(dev_err)?;
             for &x in &step.inputs {
                 r.materialize(&needs[x], &mut copies, &mut locs)
                     .map_err(|m| node_err(step.value, m))?;
@@ -1001,9 +1062,11 @@ impl CudaExecutor {
                 copies[c].buf = None;
             }
             if profiling {
-                mark(&format!("{} ({})", step.kind, step.exec.how()))?;
+                let what = format!("{} ({})", step.kind, step.exec.how());
+                phases.end(&st.device, &what).map_err(dev_err)?;
             }
         }
+        phases.begin(&st.device).map_err(dev_err)?;
         let mut out = Vec::with_capacity(self.graph.outputs.len());
         let mut kept = BTreeMap::new();
         // Device training: each parameter's gradient, contiguous, as accumulated.
@@ -1084,8 +1147,11 @@ impl CudaExecutor {
                 non_finite = Some((name.clone(), x));
             }
         }
+        phases.end(&st.device, "download").map_err(dev_err)?;
         st.device.sync().map_err(dev_err)?;
-        mark("download")?;
+        if let Some(rec) = rec.as_mut() {
+            phases.report(&mut **rec).map_err(dev_err)?;
+        }
         let (fused, separate) = r.epilogues;
         drop(r);
         guard.epilogues.0 += fused;

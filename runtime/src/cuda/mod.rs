@@ -41,7 +41,8 @@ use std::sync::OnceLock;
 
 pub use executor::{
     launch_plan, launch_plan_with, memory_plan_with, CudaExecError, CudaExecutor, CudaOptions,
-    DeviceTensor, MicroOut, RowsTopK, BF16_ENV, MIXED_ENV, SEPARATE_EPILOGUES_ENV, TF32_ENV,
+    DeviceTensor, MicroOut, RowsTopK, BF16_ENV, GPU_IDLE, HOST_ISSUE, MIXED_ENV,
+    SEPARATE_EPILOGUES_ENV, TF32_ENV,
 };
 
 /// The environment variable that turns a skipped GPU test into a failure.
