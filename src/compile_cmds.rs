@@ -840,6 +840,53 @@ fn nvrtc_summary(
     } else {
         s.push_str(&format!("; spilling: {}", spills.join(", ")));
     }
+    // Occupancy on an sm_90 SM at the launch's block size, per function kind (the name
+    // without its number): the kinds with a function below full occupancy.
+    let threads = kiln_compiler::codegen::cuda::text::THREADS;
+    let mut kinds: BTreeMap<&str, Vec<(u32, &'static str, u32, u32)>> = BTreeMap::new();
+    for f in &report {
+        let (blocks, limit) = f.occupancy(threads);
+        let kind = f.name.rsplit_once('_').map_or(f.name.as_str(), |(k, _)| k);
+        kinds
+            .entry(kind)
+            .or_default()
+            .push((blocks, limit.name(), f.registers, f.shared));
+    }
+    let full = report
+        .iter()
+        .filter(|f| f.occupancy(threads).0 * threads >= 2048)
+        .count();
+    s.push_str(&format!(
+        "\n  occupancy (an sm_90 SM, the CUDA calculator's rules, blocks of {threads}): \
+         {full} of {} functions fill its 2,048 threads",
+        report.len()
+    ));
+    let range = |v: Vec<u32>| {
+        let (lo, hi) = (v.iter().min().copied(), v.iter().max().copied());
+        match (lo, hi) {
+            (Some(a), Some(b)) if a == b => a.to_string(),
+            (Some(a), Some(b)) => format!("{a}-{b}"),
+            _ => String::new(),
+        }
+    };
+    for (kind, fs) in kinds {
+        if fs.iter().all(|f| f.0 * threads >= 2048) {
+            continue;
+        }
+        let mut limits: Vec<&str> = fs.iter().map(|f| f.1).collect();
+        limits.sort();
+        limits.dedup();
+        s.push_str(&format!(
+            "\n    {kind} ({} function{}): {} blocks an SM ({} registers, {} B shared; \
+             limited by {})",
+            fs.len(),
+            if fs.len() == 1 { "" } else { "s" },
+            range(fs.iter().map(|f| f.0).collect()),
+            range(fs.iter().map(|f| f.2).collect()),
+            range(fs.iter().map(|f| f.3).collect()),
+            limits.join(", ")
+        ));
+    }
     Ok(s)
 }
 

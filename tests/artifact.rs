@@ -844,6 +844,26 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
                     "{l}"
                 );
             }
+            // Each entry's occupancy: how many functions fill an SM, then each kind with
+            // a function that does not (the flash attention kernels' shared tiles and
+            // registers keep them below).
+            let occ: Vec<&str> = text
+                .lines()
+                .filter(|l| l.starts_with("  occupancy (an sm_90 SM"))
+                .collect();
+            assert_eq!(occ.len(), 2, "{text}");
+            assert!(
+                occ[0].contains("blocks of 256): ")
+                    && occ[0].contains(" functions fill its 2,048 threads"),
+                "{text}"
+            );
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with("    attention_bwd_short (")
+                        && l.contains(" blocks an SM (")
+                        && l.contains("limited by registers")),
+                "{text}"
+            );
         }
         Err(reason) => {
             println!("NVRTC is not here ({reason}): only the error is checked");

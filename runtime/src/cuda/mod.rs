@@ -260,6 +260,53 @@ pub struct PtxasFunction {
     pub shared: u32,
 }
 
+/// What bounds how many blocks of a function an SM holds at once ([`PtxasFunction::occupancy`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OccupancyLimit {
+    /// 2,048 threads an SM (full occupancy for blocks of 256).
+    Threads,
+    Registers,
+    SharedMemory,
+    /// 32 blocks an SM.
+    Blocks,
+}
+
+impl OccupancyLimit {
+    pub fn name(self) -> &'static str {
+        match self {
+            OccupancyLimit::Threads => "threads",
+            OccupancyLimit::Registers => "registers",
+            OccupancyLimit::SharedMemory => "shared memory",
+            OccupancyLimit::Blocks => "blocks",
+        }
+    }
+}
+
+impl PtxasFunction {
+    /// Blocks of `threads` threads one SM of compute capability 9.0 (H100, H200) holds
+    /// at once, and what limits it, from the assembler's registers and static shared
+    /// memory, by the CUDA occupancy calculator's rules for sm_90: 65,536 registers
+    /// allocated per warp in units of 256, 233,472 bytes of shared memory with 1,024
+    /// reserved per block and 128-byte granularity, 2,048 threads and 32 blocks.
+    pub fn occupancy(&self, threads: u32) -> (u32, OccupancyLimit) {
+        let warps = threads.div_ceil(32).max(1);
+        let by_threads = 2048 / (warps * 32);
+        let regs_per_warp = (self.registers.max(1) * 32).div_ceil(256) * 256;
+        let by_regs = (65_536 / regs_per_warp) / warps;
+        let smem = (self.shared.saturating_add(1024)).div_ceil(128) * 128;
+        let by_smem = 233_472 / smem;
+        [
+            (by_threads, OccupancyLimit::Threads),
+            (by_regs, OccupancyLimit::Registers),
+            (by_smem, OccupancyLimit::SharedMemory),
+            (32, OccupancyLimit::Blocks),
+        ]
+        .into_iter()
+        .min_by_key(|(n, _)| *n)
+        .expect("four limits")
+    }
+}
+
 /// The functions of a `--ptxas-options=-v` log, as NVRTC 13 prints them: `Function
 /// properties for NAME`, then `… N bytes spill stores, M bytes spill loads` and `Used R
 /// registers, … S bytes smem`. A number that cannot be read is `u32::MAX` (never 0).
@@ -309,6 +356,30 @@ pub fn executor_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn occupancy_follows_the_sm_90_calculator() {
+        let f = |registers, shared| PtxasFunction {
+            name: "f".into(),
+            registers,
+            spill_stores: 0,
+            spill_loads: 0,
+            shared,
+        };
+        // 32 registers, no shared memory: 8 blocks of 256 fill the SM's 2,048 threads.
+        assert_eq!(f(32, 0).occupancy(256), (8, OccupancyLimit::Threads));
+        // 128 registers: 4,096 a warp, 16 warps an SM, two blocks of 8 warps.
+        assert_eq!(f(128, 0).occupancy(256), (2, OccupancyLimit::Registers));
+        // 72 registers round up to 2,304 a warp (9 units of 256): 28 warps, 3 blocks.
+        assert_eq!(f(72, 0).occupancy(256), (3, OccupancyLimit::Registers));
+        // 46,208 bytes of shared memory + 1,024 reserved: 47,232 a block, 4 fit in 228 KiB.
+        assert_eq!(
+            f(32, 46_208).occupancy(256),
+            (4, OccupancyLimit::SharedMemory)
+        );
+        // Small blocks: the 32-block limit.
+        assert_eq!(f(16, 0).occupancy(32), (32, OccupancyLimit::Blocks));
+    }
 
     fn all_present(devices: Option<Result<(i32, i32), String>>) -> Probe {
         Probe {
