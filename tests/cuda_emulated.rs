@@ -62,3 +62,51 @@ fn every_gpu_test_passes_on_the_emulated_device() {
         .count();
     assert!(passed >= 20, "only {passed} GPU tests ran:\n{text}");
 }
+
+/// The dry emulation (`KILN_CUDA_EMULATE=dry`) times the CUDA executor's own host work:
+/// every call checked, no kernel, GEMM or device copy run, no C++ compiler needed (here
+/// `$CXX` names none). `kiln bench --profile` then shows the kernels' issue and the
+/// host's total; the GPU is never idle for long, since nothing runs.
+#[test]
+fn the_dry_emulation_times_the_executors_host_work() {
+    if std::env::var_os(EMULATE_ENV).is_some() {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "bench",
+            "models/transformer_tiny.kiln",
+            "--set",
+            "vocab=48",
+            "--executor",
+            "cuda",
+            "--entry",
+            "train_step",
+            "--batch",
+            "3",
+            "--runs",
+            "2",
+            "--profile",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env(EMULATE_ENV, "dry")
+        .env("CXX", "/nonexistent/c++")
+        .env_remove("KILN_REQUIRE_CUDA")
+        .output()
+        .expect("kiln runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("ms/step"), "{text}");
+    for label in [
+        "matmul (gemm)",
+        "xent_ls (generated)",
+        kiln_runtime::cuda::HOST_ISSUE,
+        kiln_runtime::cuda::GPU_IDLE,
+    ] {
+        assert!(text.contains(label), "no `{label}` in {text}");
+    }
+}

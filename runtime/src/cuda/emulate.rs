@@ -4,7 +4,8 @@
 //!
 //! In: `KILN_CUDA_EMULATE=1` in the environment (read once per process), then what
 //! `device::Device` is asked for. Out: `HostDevice` — the same operations on
-//! host memory:
+//! host memory (with `KILN_CUDA_EMULATE=dry`, only checked, see [`dry`]: what is
+//! left to time is the executor's own host work):
 //! - **memory**: every buffer is host memory at its real address, registered with its
 //!   length; every copy, GEMM operand and launch pointer is checked to lie inside one
 //!   live buffer (an error naming the call, not a corrupted heap);
@@ -48,10 +49,31 @@ pub const EMULATE_ENV: &str = "KILN_CUDA_EMULATE";
 const EMU_GRID: u32 = 2;
 const EMU_BLOCK: u32 = 32;
 
-/// Whether this process emulates the CUDA device (`KILN_CUDA_EMULATE=1`, read once).
+/// Whether this process emulates the CUDA device (`KILN_CUDA_EMULATE=1`, or `dry`;
+/// read once).
 pub fn emulated() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var(EMULATE_ENV).is_ok_and(|v| v.trim() == "1"))
+    matches!(mode(), Some(_))
+}
+
+/// Whether the emulation is *dry* (`KILN_CUDA_EMULATE=dry`): every call is checked as
+/// in the full emulation (buffers, launch parameters, leading dimensions) and host
+/// copies are made, but no kernel, GEMM, memset or device-to-device copy runs. What
+/// remains is the CUDA executor's own host work per step — binding, planning views,
+/// issuing launches — which `kiln bench --executor cuda` then times at full size (the
+/// device's memory is allocated lazily and never touched by the skipped work). The
+/// results are not the computation's.
+pub fn dry() -> bool {
+    mode() == Some(true)
+}
+
+/// `Some(dry)` when emulating.
+fn mode() -> Option<bool> {
+    static ON: OnceLock<Option<bool>> = OnceLock::new();
+    *ON.get_or_init(|| match std::env::var(EMULATE_ENV).ok()?.trim() {
+        "1" => Some(false),
+        "dry" => Some(true),
+        _ => None,
+    })
 }
 
 /// Live host buffers: start address → length in bytes.
@@ -79,20 +101,83 @@ impl Registry {
 
 /// A buffer's host memory; unregistered when dropped.
 pub(crate) struct HostMem {
-    data: Box<[u32]>,
+    data: Storage,
     registry: Arc<Registry>,
+}
+
+/// Zeroed words: on the heap, or in the dry emulation ([`dry`]) an anonymous mapping,
+/// whose pages the kernel supplies only when first written (the work that would write
+/// them is skipped, so a step's scratch costs the host what a device allocation does,
+/// not a memset of it).
+enum Storage {
+    Heap(Box<[u32]>),
+    Map {
+        ptr: *mut libc::c_void,
+        bytes: usize,
+    },
+}
+
+// SAFETY: the mapping is owned by its `HostMem` alone, as the boxed slice is.
+unsafe impl Send for Storage {}
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    fn zeroed(words: usize) -> Storage {
+        let words = words.max(1);
+        if dry() {
+            let bytes = 4 * words;
+            // SAFETY: a fresh private anonymous mapping (no file, no fixed address).
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if ptr != libc::MAP_FAILED {
+                return Storage::Map { ptr, bytes };
+            }
+        }
+        Storage::Heap(vec![0u32; words].into_boxed_slice())
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Storage::Heap(b) => b.as_ptr() as u64,
+            Storage::Map { ptr, .. } => *ptr as u64,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Storage::Heap(b) => 4 * b.len(),
+            Storage::Map { bytes, .. } => *bytes,
+        }
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Storage::Map { ptr, bytes } = *self {
+            // SAFETY: the mapping `zeroed` made, unmapped once.
+            unsafe { libc::munmap(ptr, bytes) };
+        }
+    }
 }
 
 impl HostMem {
     pub(crate) fn ptr(&self) -> u64 {
-        self.data.as_ptr() as u64
+        self.data.addr()
     }
 }
 
 impl Drop for HostMem {
     fn drop(&mut self) {
         let mut map = self.registry.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.remove(&(self.data.as_ptr() as u64));
+        map.remove(&self.data.addr());
     }
 }
 
@@ -100,7 +185,8 @@ impl Drop for HostMem {
 type Trampoline = unsafe extern "C" fn(*const u64, *const KilnDims, i64, u32, u32);
 
 struct HostFunc {
-    call: Trampoline,
+    /// `None` in the dry emulation ([`dry`]), which builds no library.
+    call: Option<Trampoline>,
     work: Work,
     params: usize,
 }
@@ -141,6 +227,18 @@ impl HostDevice {
         if let Some((name, _, _)) = functions.iter().find(|f| self.funcs.contains_key(&f.0)) {
             return Err(format!("a function `{name}` is loaded already"));
         }
+        if dry() {
+            // Nothing runs: the functions' launch parameters are all a launch checks.
+            for (name, work, params) in functions {
+                let f = HostFunc {
+                    call: None,
+                    work: *work,
+                    params: *params,
+                };
+                self.funcs.insert(name.clone(), f);
+            }
+            return Ok(());
+        }
         let path = build(source, functions)?;
         let c_path = CString::new(path.to_string_lossy().as_bytes())
             .map_err(|_| format!("a library path with a NUL: {}", path.display()))?;
@@ -169,7 +267,7 @@ impl HostDevice {
                 HostFunc {
                     // SAFETY: the symbol is a trampoline generated by `build` with this
                     // signature.
-                    call: unsafe { std::mem::transmute::<*mut c_void, Trampoline>(f) },
+                    call: Some(unsafe { std::mem::transmute::<*mut c_void, Trampoline>(f) }),
                     work: *work,
                     params: *params,
                 },
@@ -183,9 +281,9 @@ impl HostDevice {
     }
 
     pub fn alloc(&self, words: usize) -> HostMem {
-        let data = vec![0u32; words.max(1)].into_boxed_slice();
+        let data = Storage::zeroed(words);
         let mut map = self.registry.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.insert(data.as_ptr() as u64, 4 * data.len());
+        map.insert(data.addr(), data.bytes());
         drop(map);
         HostMem {
             data,
@@ -212,6 +310,9 @@ impl HostDevice {
 
     pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
         self.registry.check(dst, 4 * words, "a memset")?;
+        if dry() {
+            return Ok(());
+        }
         // SAFETY: checked to lie inside a live buffer.
         unsafe { std::ptr::write_bytes(dst as *mut u32, 0, words) };
         Ok(())
@@ -222,6 +323,9 @@ impl HostDevice {
             .check(dst, bytes, "a device-to-device copy's destination")?;
         self.registry
             .check(src, bytes, "a device-to-device copy's source")?;
+        if dry() {
+            return Ok(());
+        }
         // SAFETY: both checked to lie inside live buffers; `copy` allows overlap, as
         // `cuMemcpyDtoD` does not promise to.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
@@ -244,12 +348,15 @@ impl HostDevice {
                 .check(p, 0, &format!("buffer {k} of a launch of `{name}`"))?;
         }
         let packed = pack_dims(dims).map_err(|e| format!("`{name}`: {e}"))?;
+        let Some(call) = func.call.filter(|_| !dry()) else {
+            return Ok(());
+        };
         let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the trampoline casts each pointer to its parameter's type and runs
         // the kernel over host memory the pointers address (checked above to start
         // inside live buffers; the kernels' own bounds are the launch ABI's).
         unsafe {
-            (func.call)(
+            call(
                 ptrs.as_ptr(),
                 &packed,
                 items as i64,
@@ -336,6 +443,9 @@ impl HostDevice {
         if let Some((bias, _)) = epilogue {
             self.registry
                 .check(bias, size(ce) as usize * m, "the GEMM's bias")?;
+        }
+        if dry() {
+            return Ok(());
         }
         let tf32 = self.math == GemmMath::Tf32;
         let load = |p: u64, el: GemmElem, idx: usize| -> f64 {
