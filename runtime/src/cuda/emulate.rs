@@ -52,7 +52,7 @@ const EMU_BLOCK: u32 = 32;
 /// Whether this process emulates the CUDA device (`KILN_CUDA_EMULATE=1`, or `dry`;
 /// read once).
 pub fn emulated() -> bool {
-    matches!(mode(), Some(_))
+    mode().is_some()
 }
 
 /// Whether the emulation is *dry* (`KILN_CUDA_EMULATE=dry`): every call is checked as
