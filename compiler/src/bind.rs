@@ -31,7 +31,12 @@ pub fn fmt_dims(dims: &[usize]) -> String {
 
 /// An id as an index into `0..len`, or an error naming it. `what` says where the range
 /// comes from (`the table has 4 rows`); `position` is the id's flat position.
-pub fn check_id(id: i32, len: usize, position: usize, what: &str) -> Result<usize, String> {
+pub fn check_id(
+    id: i32,
+    len: usize,
+    position: usize,
+    what: impl std::fmt::Display,
+) -> Result<usize, String> {
     match usize::try_from(id) {
         Ok(r) if r < len => Ok(r),
         _ => Err(format!(
@@ -49,7 +54,12 @@ pub fn check_targets(targets: &[u32], v: usize, pad: i64) -> Result<(), String> 
     for (i, &w) in targets.iter().enumerate() {
         let t = w as i32;
         if i64::from(t) != pad {
-            check_id(t, v, i, &format!("the target of a loss over {v} classes"))?;
+            check_id(
+                t,
+                v,
+                i,
+                format_args!("the target of a loss over {v} classes"),
+            )?;
         }
     }
     Ok(())

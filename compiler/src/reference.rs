@@ -609,7 +609,7 @@ impl<'a, T: Real> Executor<'a, T> {
                 let row = product(rest);
                 let mut idx = Vec::with_capacity(ids.len() * row);
                 for (p, &id) in ids.iter().enumerate() {
-                    let r = check_id(id, v, p, &format!("the table has {v} rows"))?;
+                    let r = check_id(id, v, p, format_args!("the table has {v} rows"))?;
                     idx.extend(r * row..(r + 1) * row);
                 }
                 table.data.select(&idx)
@@ -638,7 +638,7 @@ impl<'a, T: Real> Executor<'a, T> {
                 }
                 let mut out = vec![T::ZERO; numel];
                 for (p, &id) in id_vals.iter().enumerate() {
-                    let r = check_id(id, rows, p, &format!("the result has {rows} rows"))?;
+                    let r = check_id(id, rows, p, format_args!("the result has {rows} rows"))?;
                     for d in 0..row {
                         out[r * row + d] = out[r * row + d] + src_vals[p * row + d];
                     }
@@ -709,7 +709,7 @@ impl<'a, T: Real> Executor<'a, T> {
                 }
                 let mut out = vec![T::ZERO; numel];
                 for (p, &id) in ids.iter().enumerate() {
-                    let c = check_id(id, depth, p, &format!("the depth is {depth}"))?;
+                    let c = check_id(id, depth, p, format_args!("the depth is {depth}"))?;
                     out[p * depth + c] = T::ONE;
                 }
                 Data::F(out)

@@ -578,7 +578,7 @@ fn run_exec(
                     *w as i32,
                     vocab,
                     i,
-                    &format!("the embedding table has {vocab} rows"),
+                    format_args!("the embedding table has {vocab} rows"),
                 )?;
             }
             let s = outs[0].shape().to_vec();

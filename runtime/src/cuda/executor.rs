@@ -1999,7 +1999,7 @@ impl Run<'_> {
             ));
         }
         for (i, &id) in ids.iter().enumerate() {
-            kiln_compiler::bind::check_id(id, rows, i, &format!("the result has {rows} rows"))?;
+            kiln_compiler::bind::check_id(id, rows, i, format_args!("the result has {rows} rows"))?;
         }
         let (start, order) = index::scatter_index(&ids, rows)
             .map_err(|(p, id)| format!("internal: id {id} at {p} passed the check"))?;
@@ -2559,7 +2559,7 @@ impl Run<'_> {
                         *w as i32,
                         vocab,
                         i,
-                        &format!("the embedding table has {vocab} rows"),
+                        format_args!("the embedding table has {vocab} rows"),
                     )?;
                 }
                 let s = outs[0].shape().to_vec();
