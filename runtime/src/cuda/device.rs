@@ -274,8 +274,9 @@ impl Mark {
 /// release threshold is 0 by default: every synchronization (one per step) returns
 /// the freed scratch — bf16 copies of the weights, contiguous copies, row indexes — to
 /// the driver, and the next step maps it again. With the threshold at its maximum the
-/// pool keeps it, as PyTorch's caching allocator does. No pool (no async allocation):
-/// nothing to set.
+/// pool keeps it, as PyTorch's caching allocator does, and gives it back when an
+/// allocation would fail ([`Gpu::alloc`]). No pool (no async allocation): nothing to
+/// set.
 fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), String> {
     use cudarc::driver::sys::CUmemPool_attribute;
     if !ctx.has_async_alloc() {
@@ -398,12 +399,18 @@ impl Gpu {
             .map_err(drv("cannot bind the CUDA context"))
     }
 
-    /// `words` zeroed 4-byte words (at least one).
+    /// `words` zeroed 4-byte words (at least one). When the device is out of memory, the
+    /// pool's cached memory ([`keep_pool_memory`]) goes back to the driver and the
+    /// allocation is tried once more: memory freed by a smaller arena, or by the scratch
+    /// of earlier steps, is then available to a larger one.
     pub fn alloc(&self, words: usize) -> Result<Buf, String> {
-        let slice = self
-            .stream
-            .alloc_zeros::<u32>(words.max(1))
-            .map_err(drv(&format!("cannot allocate {} bytes", 4 * words)))?;
+        let n = words.max(1);
+        let slice = match self.stream.alloc_zeros::<u32>(n) {
+            Ok(s) => Ok(s),
+            Err(_) if self.release_cached().is_ok() => self.stream.alloc_zeros::<u32>(n),
+            Err(e) => Err(e),
+        }
+        .map_err(drv(&format!("cannot allocate {} bytes", 4 * words)))?;
         let ptr = slice.device_ptr(&self.stream).0;
         Ok(Buf {
             owner: Owner::Gpu(slice),
@@ -570,6 +577,22 @@ impl Gpu {
         self.stream
             .synchronize()
             .map_err(drv("the CUDA stream failed"))
+    }
+
+    /// Waits for the stream, then returns the memory the pool holds unused to the driver.
+    fn release_cached(&self) -> Result<(), String> {
+        if !self.ctx.has_async_alloc() {
+            return Err("no memory pool".to_string());
+        }
+        self.sync()?;
+        // SAFETY: the context is bound (every caller of `alloc` binds it) and supports
+        // memory pools; trimming releases only memory no allocation holds.
+        unsafe {
+            let pool = cudarc::driver::result::device::get_mem_pool(self.ctx.cu_device())
+                .map_err(drv("cannot find the device's memory pool"))?;
+            cudarc::driver::result::mem_pool::trim_to(pool, 0)
+                .map_err(drv("cannot trim the device's memory pool"))
+        }
     }
 
     /// A timed event recorded in the stream (see [`Device::mark`]).
