@@ -918,29 +918,33 @@ fn kiln_run_with_the_cuda_executor() {
 
 /// `kiln bench SPEC --executor cuda`: without CUDA a non-zero exit with the guard's reason
 /// before anything is compiled; with it, a timing line.
+/// `kiln bench` of the tiny model on the CUDA executor: `entry`, a batch of 2, one timed
+/// run, then `extra`.
+fn bench_tiny(entry: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "bench",
+        SPEC,
+        "--set",
+        "vocab=48",
+        "--entry",
+        entry,
+        "--batch",
+        "2",
+        "--runs",
+        "1",
+        "--executor",
+        "cuda",
+    ];
+    args.extend_from_slice(extra);
+    kiln(&args)
+}
+
 #[test]
 fn kiln_bench_with_the_cuda_executor() {
     // `train_step` on the GPU keeps parameters, gradients and moments on the device;
     // `decode` the decoder's state; `forward` leaves its logits there.
     for entry in ["forward", "loss", "train_step", "decode"] {
-        let out = kiln(&[
-            "bench",
-            SPEC,
-            "--set",
-            "vocab=48",
-            "--entry",
-            entry,
-            "--batch",
-            "2",
-            "--src-len",
-            "5",
-            "--tgt-len",
-            "4",
-            "--runs",
-            "1",
-            "--executor",
-            "cuda",
-        ]);
+        let out = bench_tiny(entry, &["--src-len", "5", "--tgt-len", "4"]);
         let err = common::flat(&String::from_utf8_lossy(&out.stderr));
         match cuda_available() {
             Err(reason) => {
@@ -977,21 +981,7 @@ fn kiln_bench_with_the_cuda_executor() {
     // `--profile`: the GPU's time per kernel kind from events around each kernel, the
     // time it waited for the host, and the host's time issuing the launches.
     if cuda_available().is_ok() {
-        let out = kiln(&[
-            "bench",
-            SPEC,
-            "--set",
-            "vocab=48",
-            "--entry",
-            "train_step",
-            "--batch",
-            "2",
-            "--runs",
-            "1",
-            "--executor",
-            "cuda",
-            "--profile",
-        ]);
+        let out = bench_tiny("train_step", &["--profile"]);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -1030,21 +1020,7 @@ fn kiln_bench_with_the_cuda_executor() {
     }
     // `--host-outputs`: the forward's logits come back to the host, as before.
     if cuda_available().is_ok() {
-        let out = kiln(&[
-            "bench",
-            SPEC,
-            "--set",
-            "vocab=48",
-            "--entry",
-            "forward",
-            "--batch",
-            "2",
-            "--runs",
-            "1",
-            "--executor",
-            "cuda",
-            "--host-outputs",
-        ]);
+        let out = bench_tiny("forward", &["--host-outputs"]);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),

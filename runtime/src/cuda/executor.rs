@@ -2516,27 +2516,19 @@ impl Run<'_> {
                     None => vec![target.base(), stats],
                 };
                 self.launch(count, &count_bufs, Launch::xent_count(rows_n, *pad))?;
-                let ptrs = if *grad {
-                    vec![
-                        logits.base(),
-                        target.base(),
-                        ins[2].base(),
-                        ins[3].base(),
-                        ins[4].base(),
-                        stats + 4,
-                        row_loss,
-                        outs[1].base(),
-                    ]
+                // The gradient's form takes the weight and writes the gradient too.
+                let mut ptrs = vec![
+                    logits.base(),
+                    target.base(),
+                    ins[2].base(),
+                    ins[3].base(),
+                    ins[4].base(),
+                ];
+                if *grad {
+                    ptrs.extend([stats + 4, row_loss, outs[1].base()]);
                 } else {
-                    vec![
-                        logits.base(),
-                        target.base(),
-                        ins[2].base(),
-                        ins[3].base(),
-                        ins[4].base(),
-                        row_loss,
-                    ]
-                };
+                    ptrs.push(row_loss);
+                }
                 self.launch(
                     main,
                     &ptrs,
