@@ -651,6 +651,63 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
     two_device_steps(&gpu, &inputs, &params, &opts);
 }
 
+/// With bf16 GEMMs, each span of a parameter a product reads is cast to bf16 once a run
+/// and kept for the next run of the same parameters version: that run gives the same
+/// bits without casting again. A new version with other values casts again, and gives
+/// what a fresh executor gives.
+#[test]
+fn gpu_parameter_casts_are_kept_for_a_version() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let bits = |outs: &[(String, Tensor)]| -> Vec<u64> {
+        outs.iter()
+            .flat_map(|(_, t)| as_f64(t))
+            .map(f64::to_bits)
+            .collect()
+    };
+    let version = |v| RunOptions {
+        params_version: Some(v),
+        ..RunOptions::default()
+    };
+    let art = cuda_artifact();
+    for options in [
+        CudaOptions {
+            mixed: true,
+            ..CudaOptions::default()
+        },
+        CudaOptions {
+            bf16: true,
+            ..CudaOptions::default()
+        },
+    ] {
+        let what = options.gemm_name();
+        let g = CudaExecutor::with_options(art, "encode", options).unwrap();
+        let cpu = art.executor("encode").unwrap();
+        let (inputs, params) = feeds(cpu.graph(), art, 21);
+        let v1 = kiln_runtime::exec::fresh_params_version();
+        let first = bits(&Exec::run(&g, &inputs, &params, &version(v1)).unwrap());
+        let kept = g.parameter_casts();
+        assert!(kept > 0, "{what}: no parameter cast kept");
+        let again = bits(&Exec::run(&g, &inputs, &params, &version(v1)).unwrap());
+        assert!(again == first, "{what}: the kept casts change the result");
+        assert_eq!(g.parameter_casts(), kept, "{what}: cast again");
+        // Other values under a new version: cast again, as a fresh executor does.
+        let mut halved = params.clone();
+        for t in halved.values_mut() {
+            if let TensorData::F32(v) = &mut t.data {
+                v.iter_mut().for_each(|x| *x *= 0.5);
+            }
+        }
+        let v2 = kiln_runtime::exec::fresh_params_version();
+        let new = bits(&Exec::run(&g, &inputs, &halved, &version(v2)).unwrap());
+        let fresh = CudaExecutor::with_options(art, "encode", options).unwrap();
+        let want = bits(&Exec::run(&fresh, &inputs, &halved, &RunOptions::default()).unwrap());
+        assert!(new == want, "{what}: a new version reads stale casts");
+        assert!(new != first, "{what}: the halved parameters change nothing");
+    }
+}
+
 /// Mixed-precision decoding with the state on the GPU equals the same executor with the
 /// state on the host: the caches are bf16 on the device, and the host path widens them
 /// to f32 and rounds them back exactly; bf16 rows gather as words; the top-k reads bf16

@@ -404,10 +404,28 @@ impl Gpu {
     /// allocation is tried once more: memory freed by a smaller arena, or by the scratch
     /// of earlier steps, is then available to a larger one.
     pub fn alloc(&self, words: usize) -> Result<Buf, String> {
+        self.alloc_with(words, true)
+    }
+
+    /// [`Gpu::alloc`] without zeroing (no memset in the stream): for a buffer the next
+    /// launch writes whole.
+    pub fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
+        self.alloc_with(words, false)
+    }
+
+    fn alloc_with(&self, words: usize, zero: bool) -> Result<Buf, String> {
         let n = words.max(1);
-        let slice = match self.stream.alloc_zeros::<u32>(n) {
+        let get = || {
+            if zero {
+                self.stream.alloc_zeros::<u32>(n)
+            } else {
+                // SAFETY: the caller writes the buffer before anything reads it.
+                unsafe { self.stream.alloc::<u32>(n) }
+            }
+        };
+        let slice = match get() {
             Ok(s) => Ok(s),
-            Err(_) if self.release_cached().is_ok() => self.stream.alloc_zeros::<u32>(n),
+            Err(_) if self.release_cached().is_ok() => get(),
             Err(e) => Err(e),
         }
         .map_err(drv(&format!("cannot allocate {} bytes", 4 * words)))?;
@@ -874,6 +892,15 @@ impl Device {
                 cudarc::driver::result::mem_get_info().ok()
             }
             Device::Host(_) => None,
+        }
+    }
+
+    /// `words` 4-byte words (at least one) that the next launch writes whole: not
+    /// zeroed on a GPU (no memset), zeroed memory on the emulated device.
+    pub fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
+        match self {
+            Device::Gpu(g) => g.alloc_uninit(words),
+            Device::Host(_) => self.alloc(words),
         }
     }
 

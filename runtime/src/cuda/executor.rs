@@ -181,7 +181,13 @@ struct RunOut {
 struct ParamCache {
     version: u64,
     bufs: BTreeMap<String, ((usize, usize), DType, Buf)>,
+    /// bf16 copies of spans of these parameters (see [`Run::casts`]), kept for the next
+    /// run of the version while no parameter is uploaded again.
+    casts: HashMap<CastKey, Buf>,
 }
+
+/// A span of an f32 buffer cast to bf16: (buffer, first element, elements).
+type CastKey = (u64, usize, usize);
 
 /// A bound input or parameter as 4-byte words (f32 and i32 reinterpreted in place;
 /// f64 narrowed, bools as 0/1), its dtype, and the host slice it came from.
@@ -689,6 +695,13 @@ impl CudaExecutor {
         guard.arena.as_ref().map_or(0, |a| a.words * 4)
     }
 
+    /// How many bf16 casts of parameter spans the executor keeps for the next run of
+    /// the last parameters version (mixed precision or bf16 GEMMs; see `Run::casts`).
+    pub fn parameter_casts(&self) -> usize {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.params.as_ref().map_or(0, |c| c.casts.len())
+    }
+
     /// Runs the entry; outputs in `graph.outputs` order.
     pub fn run(
         &self,
@@ -801,6 +814,7 @@ impl CudaExecutor {
             (Some(v), _) => Some(ParamCache {
                 version: v,
                 bufs: BTreeMap::new(),
+                casts: HashMap::new(),
             }),
             (None, _) => None,
         };
@@ -839,7 +853,11 @@ impl CudaExecutor {
             fused_epilogues: !self.separate_epilogues,
             epilogues: (0, 0),
             mirror: HashMap::new(),
+            params: std::collections::HashSet::new(),
+            casts: HashMap::new(),
         };
+        // Whether a parameter was uploaded in this run (kept bf16 casts are then stale).
+        let mut param_uploaded = false;
         let node_err = |v: usize, m: String| ExecError::Node {
             node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
             message: m,
@@ -929,6 +947,7 @@ impl CudaExecutor {
                                 ),
                             ));
                         }
+                        r.params.insert(tp.p.ptr);
                         locs.push(vec![DLoc {
                             ptr: tp.p.ptr,
                             layout: Layout::contiguous(&shapes[0]),
@@ -938,25 +957,28 @@ impl CudaExecutor {
                         origin.push(None);
                         continue;
                     }
-                    match cache.as_mut() {
-                        None => vec![r
+                    let loc = match cache.as_mut() {
+                        None => r
                             .source(src, &shapes[0], false)
-                            .map_err(|m| node_err(v, m))?],
+                            .map_err(|m| node_err(v, m))?,
                         Some(c) => {
                             let (words, dtype, key) = source_words(&src);
                             let hit = c.bufs.get(name).is_some_and(|(k, _, _)| *k == key);
                             if !hit {
                                 let b = st.device.upload(&words).map_err(|m| node_err(v, m))?;
                                 c.bufs.insert(name.to_string(), (key, dtype, b));
+                                param_uploaded = true;
                             }
                             let (_, dtype, b) = &c.bufs[name];
-                            vec![DLoc {
+                            DLoc {
                                 ptr: b.ptr,
                                 layout: Layout::contiguous(&shapes[0]),
                                 dtype: *dtype,
-                            }]
+                            }
                         }
-                    }
+                    };
+                    r.params.insert(loc.ptr);
+                    vec![loc]
                 }
                 Def::Const(c, dtype) => {
                     let bits = match dtype {
@@ -1038,6 +1060,14 @@ impl CudaExecutor {
             locs.push(loc);
         }
         phases.end(&st.device, "upload").map_err(dev_err)?;
+        // The casts kept from the last run of this version, unless a parameter changed
+        // buffers (a freed buffer's address may come back with other contents).
+        if let Some(c) = cache.as_mut() {
+            let kept = std::mem::take(&mut c.casts);
+            if !param_uploaded && training.is_none() {
+                r.casts = kept;
+            }
+        }
         let freed = crate::exec::copies_freed_after(
             copies.len(),
             &needs,
@@ -1153,6 +1183,11 @@ impl CudaExecutor {
             phases.report(&mut **rec).map_err(dev_err)?;
         }
         let (fused, separate) = r.epilogues;
+        // Casts of parameters kept on the device outlive the run; a trained parameter
+        // changes with the step, so its casts do not.
+        if let Some(c) = cache.as_mut().filter(|_| training.is_none()) {
+            c.casts = std::mem::take(&mut r.casts);
+        }
         drop(r);
         guard.epilogues.0 += fused;
         guard.epilogues.1 += separate;
@@ -1848,6 +1883,12 @@ struct Run<'a> {
     /// against the vocabulary, targets, the embedding gradient's row index) gathers them
     /// here instead of synchronizing the stream mid-step for a download.
     mirror: HashMap<u64, Vec<u32>>,
+    /// The device buffers of this run's parameters: f32 data no kernel of the run writes.
+    params: std::collections::HashSet<u64>,
+    /// bf16 GEMM operands cast from spans of those parameters, made once a run (a weight
+    /// is read by its forward and its backward products) or, for a decoder's or a
+    /// validation's parameters kept on the device, once a parameters version.
+    casts: HashMap<CastKey, Buf>,
 }
 
 /// A planned GEMM: the plan and where its operands are (f32 in place, or bf16 copies).
@@ -2215,7 +2256,9 @@ impl Run<'_> {
         let fusable = out_elem == device::GemmElem::F32 || ops.elem == device::GemmElem::Bf16;
         if self.fused_epilogues && one_gemm && bias.dtype == DType::F32 && fusable {
             let bias_ptr = if out_elem == device::GemmElem::Bf16 {
-                self.rounded_to_bf16(&bias)?.base()
+                // Contiguous: its first element is at the span's start (a parameter's
+                // cast is made once a run, or once a parameters version).
+                self.bf16_span(&bias)?.0
             } else {
                 bias.base()
             };
@@ -2265,9 +2308,20 @@ impl Run<'_> {
                 .sum::<usize>()
             + 1;
         let n = hi - lo;
-        let dst = self.alloc(n.div_ceil(2))?;
+        let key = (l.ptr, lo, n);
+        if let Some(b) = self.casts.get(&key) {
+            return Ok((b.ptr, lo));
+        }
+        // Every element of the copy is written: no need to zero it.
+        let buf = self.dev.alloc_uninit(n.div_ceil(2))?;
+        let dst = buf.ptr;
         self.dev
             .launch(cast::TO_BF16, &[l.at(lo), dst], &[n as i64], n)?;
+        if self.params.contains(&l.ptr) {
+            self.casts.insert(key, buf);
+        } else {
+            self.keep.push(buf);
+        }
         Ok((dst, lo))
     }
 
