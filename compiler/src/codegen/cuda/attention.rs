@@ -235,6 +235,24 @@ fn product(w: &mut W, p: &Product<'_>) {
 
 /// A store of [`product`] for a score tile: `x` is the masked scaled score of `acc` (the
 /// dot product) inside the head, 0 outside, written to `dst[i·(T+1) + j]`.
+/// The masked, scaled scores `q·kᵀ` of the tiles `qs` and `ks` (rows of `dk + 1`) into
+/// `dst` (rows of `T + 1`), 0 outside the head.
+fn scores(w: &mut W, dk: usize, mask: MaskKind, dst: &str) {
+    let pk = dk + 1;
+    product(
+        w,
+        &Product {
+            rows: "T",
+            cols: "T",
+            k: &dk.to_string(),
+            a: &|i, c| format!("qs[{i} * {pk} + {c}]"),
+            b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
+            init: None,
+            store: &score_store(mask, dst),
+        },
+    );
+}
+
 fn score_store(mask: MaskKind, dst: &str) -> impl Fn(&str, &str, &str) -> String + '_ {
     move |i, j, acc| {
         format!(
@@ -373,19 +391,7 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
     load_tile(w, e, "ks", "kh", dk, "k0", "nk");
     load_tile(w, e, "vs", "vh", dv, "k0", "nk");
     w.l("__syncthreads();");
-    let pk = dk + 1;
-    product(
-        w,
-        &Product {
-            rows: "T",
-            cols: "T",
-            k: &dk.to_string(),
-            a: &|i, c| format!("qs[{i} * {pk} + {c}]"),
-            b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
-            init: None,
-            store: &score_store(mask, "ss"),
-        },
-    );
+    scores(w, dk, mask, "ss");
     w.l("__syncthreads();");
     lines(
         w,
@@ -720,18 +726,7 @@ const {c}* gh = g + bi * gsb + hi * gsh;"
     load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
     w.l("__syncthreads();");
     w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head).");
-    product(
-        &mut w,
-        &Product {
-            rows: "T",
-            cols: "T",
-            k: &dk.to_string(),
-            a: &|i, c| format!("qs[{i} * {pk} + {c}]"),
-            b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
-            init: None,
-            store: &score_store(mask, "ps"),
-        },
-    );
+    scores(&mut w, dk, mask, "ps");
     product(
         &mut w,
         &Product {
