@@ -607,6 +607,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let (fused, separate) = c.epilogue_counts();
             obj["bias_epilogues"] = serde_json::json!({"fused": fused, "separate": separate});
             obj["arena_bytes"] = serde_json::json!(c.arena_bytes());
+            let (n, bytes) = c.view_copies();
+            obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
         }
         println!("{obj}");
     } else {
@@ -664,6 +666,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                     a.warmup + a.runs
                 );
             }
+            let (n, bytes) = c.view_copies();
+            println!(
+                "  view copies: {n} of {:.1} MiB in all (outside the arena)",
+                bytes as f64 / 1048576.0
+            );
         }
         if !profile.is_empty() {
             let mut p: Vec<(String, (f64, usize))> = profile.into_iter().collect();

@@ -1457,16 +1457,43 @@ fn attention_reference(
 }
 
 /// Runs the three flash kernels on the host for `a` and checks them against the
-/// reference (within `1e-5·max|ref| + 1e-6`), with `block` threads per block.
-fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32) {
-    check_flash_as(cxx, a, seed, block, Elem::F32)
+/// reference (within `1e-5·max|ref| + 1e-6`), with `block` threads per block; the results
+/// stored `[b, h, t, d]` or, `merged`, with the heads merged (`[b, t, h, d]`, as the
+/// executors store attention results the output projection reads as rows).
+fn check_flash(cxx: &str, a: &Attn, seed: u64, block: u32, merged: bool) {
+    check_flash_as(cxx, a, seed, block, Elem::F32, merged)
+}
+
+/// The element strides of a `[b, h, t, d]` result, stored `[b, t, h, d]` when `merged`.
+fn result_strides((h, t, d): (usize, usize, usize), merged: bool) -> [usize; 4] {
+    if merged {
+        [t * h * d, d, h * d, 1]
+    } else {
+        [h * t * d, t * d, d, 1]
+    }
+}
+
+/// A `[b, h, t, d]` result of `size`-byte elements stored with its heads merged, in the
+/// `[b, h, t, d]` order.
+fn unmerge(bytes: &[u8], (b, h, t, d): (usize, usize, usize, usize), size: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bytes.len()];
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..t {
+                let from = ((bi * t + i) * h + hi) * d * size;
+                let to = ((bi * h + hi) * t + i) * d * size;
+                out[to..to + d * size].copy_from_slice(&bytes[from..from + d * size]);
+            }
+        }
+    }
+    out
 }
 
 /// [`check_flash`] with the activations (`q`, `k`, `v`, `g` and the results) stored as
 /// `elem`: bf16 operands are rounded first and the reference takes the rounded values;
 /// bf16 results are compared within `2⁻⁷·max|ref|` (their own rounding and that of the
 /// values the kernels store between passes).
-fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
+fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem, merged: bool) {
     use kiln_compiler::codegen::cuda::attention::{self, Part};
     let mut rng = Rng(seed);
     let (b, h, tq, tk, dk, dv) = (a.b, a.h, a.tq, a.tk, a.dk, a.dv);
@@ -1487,9 +1514,17 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
         Elem::Bf16 => bf16s(x),
     };
     let zeros_e = |n: usize| vec![0u8; n * elem.bytes()];
-    let check = |what: &str, got: &[u8], want: &[f32]| match elem {
-        Elem::F32 => close(what, got, &f32s(want)),
-        Elem::Bf16 => close_bf16(what, got, want),
+    // `t`: the result's rows (tq or tk), `d` its head size.
+    let check = |what: &str, got: &[u8], want: &[f32], (t, d): (usize, usize)| {
+        let got = if merged {
+            unmerge(got, (b, h, t, d), elem.bytes())
+        } else {
+            got.to_vec()
+        };
+        match elem {
+            Elem::F32 => close(what, &got, &f32s(want)),
+            Elem::Bf16 => close_bf16(what, &got, want),
+        }
     };
     let mask: Vec<i32> = match a.mask {
         MaskKind::None => vec![],
@@ -1508,7 +1543,7 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
     let (out, dq, dkk, dvv) = attention_reference(a, &q, &k, &v, &g, &mask);
     let masked = a.mask != MaskKind::None;
     let what = format!(
-        "{:?} b={b} h={h} tq={tq} tk={tk} dk={dk} dv={dv} block={block} {elem:?}",
+        "{:?} b={b} h={h} tq={tq} tk={tk} dk={dk} dv={dv} block={block} {elem:?} merged={merged}",
         a.mask
     );
 
@@ -1527,8 +1562,15 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
         all.append(&mut bufs);
         all
     };
-    let fdims = attention::dims(b, h, tq, tk, &[q.1, k.1, v.1]);
-    let bdims = attention::dims(b, h, tq, tk, &[q.1, k.1, v.1, g.1]);
+    let rs = |t, d| result_strides((h, t, d), merged);
+    let fdims = attention::dims(b, h, tq, tk, &[q.1, k.1, v.1, rs(tq, dv)]);
+    let bdims = attention::dims(
+        b,
+        h,
+        tq,
+        tk,
+        &[q.1, k.1, v.1, g.1, rs(tq, dk), rs(tk, dk), rs(tk, dv)],
+    );
     let launch = (GRID, block);
 
     let f = attention::forward("flash_fwd", a.mask, dk, dv, elem);
@@ -1542,7 +1584,12 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
         attention::items(Part::Forward, t, b, h, tq, tk) as u64,
         launch,
     );
-    check(&format!("forward {what}"), bufs.last().unwrap(), &out);
+    check(
+        &format!("forward {what}"),
+        bufs.last().unwrap(),
+        &out,
+        (tq, dv),
+    );
 
     let f = attention::backward_q("flash_q", a.mask, dk, dv, elem);
     let t = attention::tile(Part::BackwardQ, dk, dv).unwrap();
@@ -1556,7 +1603,7 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
         launch,
     );
     let n = bufs.len();
-    check(&format!("dq {what}"), &bufs[n - 2], &dq);
+    check(&format!("dq {what}"), &bufs[n - 2], &dq, (tq, dk));
     let stats = bufs[n - 1].clone();
 
     let f = attention::backward_kv("flash_kv", a.mask, dk, dv, elem);
@@ -1571,8 +1618,8 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
         launch,
     );
     let n = bufs.len();
-    check(&format!("dk {what}"), &bufs[n - 2], &dkk);
-    check(&format!("dv {what}"), &bufs[n - 1], &dvv);
+    check(&format!("dk {what}"), &bufs[n - 2], &dkk, (tk, dk));
+    check(&format!("dv {what}"), &bufs[n - 1], &dvv, (tk, dv));
 
     // The whole backward in one block per head, where the head fits its tile.
     if attention::fits_short(tq, tk, dk, dv) {
@@ -1591,16 +1638,16 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem) {
             launch,
         );
         let n = bufs.len();
-        check(&format!("short dq {what}"), &bufs[n - 3], &dq);
-        check(&format!("short dk {what}"), &bufs[n - 2], &dkk);
-        check(&format!("short dv {what}"), &bufs[n - 1], &dvv);
+        check(&format!("short dq {what}"), &bufs[n - 3], &dq, (tq, dk));
+        check(&format!("short dk {what}"), &bufs[n - 2], &dkk, (tk, dk));
+        check(&format!("short dv {what}"), &bufs[n - 1], &dvv, (tk, dv));
     }
 }
 
 #[test]
 fn flash_attention_matches_the_definition_without_a_mask() {
     let Some(cxx) = gxx() else { return };
-    for (tq, tk, block) in [(1, 1, 4), (5, 7, 4), (37, 45, 32)] {
+    for (tq, tk, block, merged) in [(1, 1, 4, false), (5, 7, 4, true), (37, 45, 32, true)] {
         let a = Attn {
             b: 2,
             h: 3,
@@ -1612,14 +1659,14 @@ fn flash_attention_matches_the_definition_without_a_mask() {
             scale: 0.35,
             fill: 0.0,
         };
-        check_flash(cxx, &a, 21 + tq as u64, block);
+        check_flash(cxx, &a, 21 + tq as u64, block, merged);
     }
 }
 
 #[test]
 fn flash_attention_matches_the_definition_with_key_padding() {
     let Some(cxx) = gxx() else { return };
-    for (tq, tk, block) in [(6, 9, 4), (33, 40, 32)] {
+    for (tq, tk, block, merged) in [(6, 9, 4, false), (33, 40, 32, true)] {
         let a = Attn {
             b: 3,
             h: 2,
@@ -1631,7 +1678,7 @@ fn flash_attention_matches_the_definition_with_key_padding() {
             scale: 0.3,
             fill: -1e9,
         };
-        check_flash(cxx, &a, 31 + tq as u64, block);
+        check_flash(cxx, &a, 31 + tq as u64, block, merged);
     }
 }
 
@@ -1649,7 +1696,7 @@ fn flash_attention_matches_the_definition_with_a_causal_mask() {
         scale: 0.5,
         fill: -1e9,
     };
-    check_flash(cxx, &a, 41, 32);
+    check_flash(cxx, &a, 41, 32, false);
     // The Transformer's heads (64): 32-row tiles forward, 16-row tiles on the key side.
     let a = Attn {
         b: 1,
@@ -1662,7 +1709,7 @@ fn flash_attention_matches_the_definition_with_a_causal_mask() {
         scale: 0.125,
         fill: -1e9,
     };
-    check_flash(cxx, &a, 43, 64);
+    check_flash(cxx, &a, 43, 64, true);
 }
 
 /// The one-block backward at its tile's edge (32 rows; `check_flash` runs it wherever the
@@ -1673,10 +1720,10 @@ fn flash_backward_in_one_block_per_head_at_the_tile_edge() {
     let Some(cxx) = gxx() else { return };
     assert_eq!(tile(Part::Short, 8, 8), Some(32));
     assert!(fits_short(32, 32, 8, 8) && !fits_short(32, 33, 8, 8));
-    for (mask, elem, block) in [
-        (MaskKind::Causal, Elem::F32, 32),
-        (MaskKind::Key, Elem::Bf16, 64),
-        (MaskKind::None, Elem::F32, 4),
+    for (mask, elem, block, merged) in [
+        (MaskKind::Causal, Elem::F32, 32, true),
+        (MaskKind::Key, Elem::Bf16, 64, true),
+        (MaskKind::None, Elem::F32, 4, false),
     ] {
         let a = Attn {
             b: 3,
@@ -1689,7 +1736,7 @@ fn flash_backward_in_one_block_per_head_at_the_tile_edge() {
             scale: 0.4,
             fill: -1e9,
         };
-        check_flash_as(cxx, &a, 61, block, elem);
+        check_flash_as(cxx, &a, 61, block, elem, merged);
     }
 }
 
@@ -1707,7 +1754,7 @@ fn flash_attention_in_bf16_matches_the_definition_within_bf16_rounding() {
         scale: 0.25,
         fill: -1e9,
     };
-    check_flash_as(cxx, &a, 51, 32, Elem::Bf16);
+    check_flash_as(cxx, &a, 51, 32, Elem::Bf16, true);
     let a = Attn {
         b: 1,
         h: 2,
@@ -1719,7 +1766,7 @@ fn flash_attention_in_bf16_matches_the_definition_within_bf16_rounding() {
         scale: 0.35,
         fill: -1e9,
     };
-    check_flash_as(cxx, &a, 52, 16, Elem::Bf16);
+    check_flash_as(cxx, &a, 52, 16, Elem::Bf16, false);
 }
 
 // ---------------------------------------------------------------------------------------

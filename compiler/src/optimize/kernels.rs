@@ -335,6 +335,70 @@ impl KernelGraph {
             .any(|x| matches!(x.def, Def::Proj(t, j) if t == k && usize::from(j) == i))
     }
 
+    /// The attention results to store with their heads merged, as (kernel value, output):
+    /// each `[b, h, t, d]` result of an `attention` or `attention_bwd` kernel that is read
+    /// only through the view `permute([0, 2, 1, 3])` and is not a named output. Every
+    /// Transformer attention result is: the output projection (forward) and the
+    /// projections' gradients (backward) read it as `[b·t, h·d]` rows. Stored in the
+    /// `[b, t, h, d]` order (strides `[t·h·d, d, h·d, 1]`), that view is contiguous and its
+    /// reshape to rows is a view too; stored `[b, h, t, d]`, each reader copies it first.
+    /// The kernels write through their result's strides either way.
+    pub fn heads_merged(&self) -> Vec<(usize, usize)> {
+        let mut readers: Vec<Vec<&Def>> = vec![Vec::new(); self.values.len()];
+        let mut named = vec![false; self.values.len()];
+        for val in &self.values {
+            match &val.def {
+                Def::View(_, x) | Def::Proj(x, _) => readers[*x].push(&val.def),
+                Def::Kernel { inputs, .. } => {
+                    for &x in inputs {
+                        readers[x].push(&val.def);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for (_, v) in &self.outputs {
+            named[*v] = true;
+        }
+        // Whether value `x` is read, and only through the head-merging permute.
+        let merged_view = |x: usize| {
+            !named[x]
+                && !readers[x].is_empty()
+                && readers[x].iter().all(|d| {
+                    matches!(d, Def::View(Op::Permute { perm }, _) if perm.as_slice() == [0, 2, 1, 3])
+                })
+        };
+        let mut out = Vec::new();
+        for (v, op, _) in self.kernels() {
+            let kind = op.kind();
+            if kind != "attention" && kind != "attention_bwd" {
+                continue;
+            }
+            let types = &self.values[v].types;
+            if types.len() == 1 {
+                if types[0].shape.rank() == 4 && merged_view(v) {
+                    out.push((v, 0));
+                }
+                continue;
+            }
+            for (k, ty) in types.iter().enumerate() {
+                // A multi-output kernel's results are read through its projections.
+                let projs: Vec<usize> = (0..self.values.len())
+                    .filter(|&p| {
+                        matches!(self.values[p].def, Def::Proj(t, j) if t == v && usize::from(j) == k)
+                    })
+                    .collect();
+                if ty.shape.rank() == 4
+                    && !projs.is_empty()
+                    && projs.iter().all(|&p| merged_view(p))
+                {
+                    out.push((v, k));
+                }
+            }
+        }
+        out
+    }
+
     /// The kernels in launch order: (value number, kernel op, operands).
     pub fn kernels(&self) -> Vec<(usize, &KernelOp, &[usize])> {
         self.values

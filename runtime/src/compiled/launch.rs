@@ -312,7 +312,9 @@ pub(crate) fn run_step(
             .iter()
             .map(|o| Loc {
                 ptr: keep.alloc(o.numel()),
-                layout: o.layout.clone(),
+                // The definition writes row-major (a result may be stored otherwise,
+                // attention's with its heads merged).
+                layout: Layout::contiguous(o.shape()),
                 dtype: o.dtype,
             })
             .collect();
@@ -732,13 +734,13 @@ fn attention(
         P(scale.base()),
         P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
     );
-    let o = P(out.base());
+    let o = HeadsOut::of(out)?;
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     (0..b * h).into_par_iter().for_each_init(
         || vec![0f32; tq * tk],
         |s, bh| {
             let (bi, hi) = (bh / h, bh % h);
-            let (sp, fp, o) = (sp, fp, o);
+            let (sp, fp, o) = (sp, fp, &o);
             let qm = head(q, bi, hi, 2, 3);
             let kt = head(k, bi, hi, 3, 2);
             // SAFETY: each task writes its own scratch and its own head of `out`.
@@ -765,11 +767,10 @@ fn attention(
                     cs: 1,
                 };
                 let vm = head(v, bi, hi, 2, 3);
-                let dst = (o.0 as *mut f32).add(bh * tq * dv);
                 gemm::gemm_one(
                     (tq, tk, dv),
-                    dst,
-                    dv as isize,
+                    o.at(bi, hi),
+                    o.rs,
                     pm,
                     vm,
                     false,
@@ -780,6 +781,41 @@ fn attention(
     );
     let _ = dk;
     Ok(())
+}
+
+/// Where an attention kernel writes head (bi, hi) of a `[b, h, t, d]` result: contiguous,
+/// or with the heads merged (`[b, t, h, d]` storage, [`Layout::heads_merged`]); rows of
+/// `d` contiguous elements either way.
+#[derive(Clone, Copy)]
+struct HeadsOut {
+    ptr: P,
+    sb: usize,
+    sh: usize,
+    /// The row stride.
+    rs: isize,
+}
+
+impl HeadsOut {
+    fn of(l: &Loc) -> Result<HeadsOut, String> {
+        let st = &l.layout.strides;
+        if st.len() != 4 || (st[3] != 1 && l.layout.shape[3] > 1) {
+            return Err(format!(
+                "internal: an attention result of layout {:?} (rows of contiguous elements expected)",
+                l.layout
+            ));
+        }
+        Ok(HeadsOut {
+            ptr: P(l.base()),
+            sb: st[0],
+            sh: st[1],
+            rs: st[2] as isize,
+        })
+    }
+
+    /// The first element of head (bi, hi).
+    fn at(&self, bi: usize, hi: usize) -> *mut f32 {
+        (self.ptr.0 as *mut f32).wrapping_add(bi * self.sb + hi * self.sh)
+    }
 }
 
 /// The `[rows, cols]` matrix of head (bi, hi) of a `[b, h, t, d]` location, with rows
@@ -820,7 +856,11 @@ fn attention_bwd(
         P(scale.base()),
         P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
     );
-    let (dq, dkk, dvv) = (P(outs[0].base()), P(outs[1].base()), P(outs[2].base()));
+    let (dq, dkk, dvv) = (
+        HeadsOut::of(&outs[0])?,
+        HeadsOut::of(&outs[1])?,
+        HeadsOut::of(&outs[2])?,
+    );
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     let (bdims, _) = rows::softmax_bwd_dims(tq, tk);
     let mloc = m.as_ref();
@@ -828,7 +868,7 @@ fn attention_bwd(
         || (vec![0f32; tq * tk], vec![0f32; tq * tk]),
         |(s, dp), bh| {
             let (bi, hi) = (bh / h, bh % h);
-            let (sp, fp, dq, dkk, dvv) = (sp, fp, dq, dkk, dvv);
+            let (sp, fp, dq, dkk, dvv) = (sp, fp, &dq, &dkk, &dvv);
             let mp = mask_at(mloc, mask, bi, tk);
             // SAFETY: each task writes its own scratch and its own heads of the results.
             unsafe {
@@ -862,8 +902,8 @@ fn attention_bwd(
                 // dv = pᵀ·g
                 gemm::gemm_one(
                     (tk, tq, dv),
-                    (dvv.0 as *mut f32).add(bh * tk * dv),
-                    dv as isize,
+                    dvv.at(bi, hi),
+                    dvv.rs,
                     pt,
                     gm,
                     false,
@@ -906,8 +946,8 @@ fn attention_bwd(
                 };
                 gemm::gemm_one(
                     (tq, tk, dk),
-                    (dq.0 as *mut f32).add(bh * tq * dk),
-                    dk as isize,
+                    dq.at(bi, hi),
+                    dq.rs,
                     ds,
                     head(k, bi, hi, 2, 3),
                     false,
@@ -915,8 +955,8 @@ fn attention_bwd(
                 );
                 gemm::gemm_one(
                     (tk, tq, dk),
-                    (dkk.0 as *mut f32).add(bh * tk * dk),
-                    dk as isize,
+                    dkk.at(bi, hi),
+                    dkk.rs,
                     dst,
                     head(q, bi, hi, 2, 3),
                     false,

@@ -90,6 +90,9 @@ pub struct Compiled {
     /// Where each kernel result lives: the graph output it is written into, or its
     /// buffer in the plan.
     home: std::collections::HashMap<(usize, usize), Home>,
+    /// The attention results stored with their heads merged, `[b, t, h, d]`
+    /// ([`KernelGraph::heads_merged`]): the output projection reads them without a copy.
+    merged: std::collections::HashSet<(usize, usize)>,
     /// Views of a parameter that a matrix product reads as its right operand (the tied
     /// output projection reads the embedding `[vocab, d]` transposed), and their
     /// contiguous copies (see [`Transposed`]).
@@ -427,8 +430,14 @@ impl Compiled {
             .map(|v| (v, Transposed::default()))
             .collect();
         let gatherable = gatherable_inputs(&kg);
+        let merged = kg
+            .heads_merged()
+            .into_iter()
+            .filter(|vk| matches!(home.get(vk), Some(Home::Arena(_))))
+            .collect();
         Ok(Compiled {
             gatherable,
+            merged,
             graph,
             kg,
             plan,
@@ -912,9 +921,14 @@ impl Compiled {
                                 ))
                             }
                         };
+                        let layout = if self.merged.contains(&(v, k)) {
+                            Layout::heads_merged(&shapes[k])
+                        } else {
+                            Layout::contiguous(&shapes[k])
+                        };
                         Ok(Loc {
                             ptr,
-                            layout: Layout::contiguous(&shapes[k]),
+                            layout,
                             dtype: val.types[k].dtype,
                         })
                     })

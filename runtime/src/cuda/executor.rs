@@ -94,6 +94,8 @@ struct State {
     training: Option<Training>,
     /// `linear` kernels with a bias run so far: (in one cuBLASLt call, separately).
     epilogues: (usize, usize),
+    /// The last run's view copies: how many, and their bytes in all.
+    view_copies: (usize, usize),
 }
 
 /// Parameters, gradient accumulators and Adam's moments on the device, by parameter
@@ -241,6 +243,10 @@ pub struct CudaExecutor {
     plan: MemoryPlan,
     /// The plan's buffer of each kernel result (value, output), looked up at every bind.
     buffer_at: std::collections::HashMap<(usize, usize), usize>,
+    /// The attention results stored with their heads merged, `[b, t, h, d]`
+    /// ([`KernelGraph::heads_merged`], where a flash kernel that writes through its
+    /// results' strides makes them): the output projection reads them without a copy.
+    merged: std::collections::HashSet<(usize, usize)>,
     /// The plan's layouts by dims.
     layouts: LayoutCache,
     steps: Vec<Step>,
@@ -626,11 +632,13 @@ impl CudaExecutor {
             .enumerate()
             .map(|(i, b)| ((b.value, b.output), i))
             .collect();
+        let merged = heads_merged(&kg, &program.steps);
         Ok(CudaExecutor {
             graph,
             kg,
             plan,
             buffer_at,
+            merged,
             layouts: LayoutCache::default(),
             steps: program.steps,
             copy: program.copy,
@@ -642,6 +650,7 @@ impl CudaExecutor {
                 params: None,
                 training: None,
                 epilogues: (0, 0),
+                view_copies: (0, 0),
             }),
             pool: Arc::new(Pool::default()),
             bf16: options.bf16 || options.mixed,
@@ -686,6 +695,14 @@ impl CudaExecutor {
     pub fn epilogue_counts(&self) -> (usize, usize) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.epilogues
+    }
+
+    /// The last run's view copies (reshapes of non-contiguous views, copied before their
+    /// first reader): how many, and their bytes in all. Attention's results are stored
+    /// with their heads merged, so a Transformer's program makes none.
+    pub fn view_copies(&self) -> (usize, usize) {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.view_copies
     }
 
     /// Bytes of the device arena allocated so far (the memory plan's layout for the
@@ -1046,7 +1063,11 @@ impl CudaExecutor {
                         })?;
                         Ok(DLoc {
                             ptr: base + layout.offsets[b] as u64,
-                            layout: Layout::contiguous(&shapes[k]),
+                            layout: if self.merged.contains(&(v, k)) {
+                                Layout::heads_merged(&shapes[k])
+                            } else {
+                                Layout::contiguous(&shapes[k])
+                            },
                             dtype: self.stored(v, k),
                         })
                     })
@@ -1191,6 +1212,7 @@ impl CudaExecutor {
         drop(r);
         guard.epilogues.0 += fused;
         guard.epilogues.1 += separate;
+        guard.view_copies = (copies.len(), copies.iter().map(|c| c.words * 4).sum());
         guard.params = cache;
         Ok(RunOut {
             outputs: out,
@@ -2795,7 +2817,13 @@ impl Run<'_> {
         }
         ptrs.push(out.base());
         let t = attention::tile(Part::Forward, dk, dv).ok_or("internal: no flash tile")?;
-        let dims = attention::dims(b, h, tq, tk, &[strides4(q)?, strides4(k)?, strides4(v)?]);
+        let dims = attention::dims(
+            b,
+            h,
+            tq,
+            tk,
+            &[strides4(q)?, strides4(k)?, strides4(v)?, strides4(out)?],
+        );
         let items = attention::items(Part::Forward, t, b, h, tq, tk);
         self.launch(f, &ptrs, Launch { dims, items })
     }
@@ -2827,7 +2855,15 @@ impl Run<'_> {
             h,
             tq,
             tk,
-            &[strides4(q)?, strides4(k)?, strides4(v)?, strides4(g)?],
+            &[
+                strides4(q)?,
+                strides4(k)?,
+                strides4(v)?,
+                strides4(g)?,
+                strides4(&outs[0])?,
+                strides4(&outs[1])?,
+                strides4(&outs[2])?,
+            ],
         );
         if let Some(fs) = short.filter(|_| attention::fits_short(tq, tk, dk, dv)) {
             ptrs.extend([outs[0].base(), outs[1].base(), outs[2].base()]);
@@ -2862,6 +2898,7 @@ impl Run<'_> {
         softmax: &str,
         mask: MaskKind,
     ) -> Result<(), String> {
+        results_contiguous(std::slice::from_ref(out))?;
         let q = self.blas_ready(ins[0])?;
         let k = self.blas_ready(ins[1])?;
         let v = self.blas_ready(ins[2])?;
@@ -2910,6 +2947,7 @@ impl Run<'_> {
         softmax_bwd: &str,
         mask: MaskKind,
     ) -> Result<(), String> {
+        results_contiguous(outs)?;
         let q = self.blas_ready(ins[0])?;
         let k = self.blas_ready(ins[1])?;
         let v = self.blas_ready(ins[2])?;
@@ -2959,6 +2997,45 @@ fn attention_sizes(
         ));
     }
     Ok((qs[0], qs[1], qs[2], ks[2], qs[3], vs[3]))
+}
+
+/// The attention results the batched-GEMM path writes must be contiguous (it writes
+/// each head's matrix whole; only the flash kernels take merged heads).
+fn results_contiguous(outs: &[DLoc]) -> Result<(), String> {
+    match outs.iter().find(|o| !o.layout.is_contiguous()) {
+        Some(o) => Err(format!(
+            "internal: the batched-GEMM attention writes contiguous results, not {:?}",
+            o.layout
+        )),
+        None => Ok(()),
+    }
+}
+
+/// [`KernelGraph::heads_merged`] where the kernel runs as flash kernels that write
+/// through their results' strides.
+fn heads_merged(kg: &KernelGraph, steps: &[Step]) -> std::collections::HashSet<(usize, usize)> {
+    let strided: BTreeSet<usize> = steps
+        .iter()
+        .filter(|s| {
+            matches!(
+                s.exec,
+                StepExec::Attention {
+                    flash: Some(_),
+                    strided: true,
+                    ..
+                } | StepExec::AttentionBwd {
+                    flash: Some(_),
+                    strided: true,
+                    ..
+                }
+            )
+        })
+        .map(|s| s.value)
+        .collect();
+    kg.heads_merged()
+        .into_iter()
+        .filter(|(v, _)| strided.contains(v))
+        .collect()
 }
 
 /// The element strides of a rank-4 location.

@@ -50,6 +50,9 @@ pub(crate) enum Exec {
         softmax: String,
         mask: MaskKind,
         flash: Option<String>,
+        /// The flash kernel writes its result through its strides
+        /// (`Library::Attention::strided_results`).
+        strided: bool,
     },
     /// Backward: the flash kernels (`flash_q`, then `flash_kv`) when present, else the
     /// batched-GEMM path; `short` (`flash_short`, absent from older artifacts) instead
@@ -60,6 +63,8 @@ pub(crate) enum Exec {
         mask: MaskKind,
         flash: Option<(String, String)>,
         short: Option<String>,
+        /// As `Attention`'s.
+        strided: bool,
     },
     AddLayerNorm(String),
     AddLayerNormBwd {
@@ -196,7 +201,14 @@ pub(crate) fn prepare(
                     }
                 }
             }
-            (Some(Library::Attention { mask, backward }), _) => {
+            (
+                Some(Library::Attention {
+                    mask,
+                    backward,
+                    strided_results,
+                }),
+                _,
+            ) => {
                 let mask = mask_of(mask).map_err(|e| format!("kernel %{v}: {e}"))?;
                 let has = |r: &str| l.functions.contains_key(r);
                 if *backward {
@@ -214,6 +226,7 @@ pub(crate) fn prepare(
                         } else {
                             None
                         },
+                        strided: *strided_results,
                     }
                 } else {
                     Exec::Attention {
@@ -224,6 +237,7 @@ pub(crate) fn prepare(
                         } else {
                             None
                         },
+                        strided: *strided_results,
                     }
                 }
             }

@@ -206,6 +206,13 @@ impl Layout {
         true
     }
 
+    /// A `[b, h, t, d]` shape stored in the `[b, t, h, d]` order: an attention result
+    /// with its heads merged ([`kiln_compiler::optimize::kernels::KernelGraph::heads_merged`]).
+    pub(crate) fn heads_merged(shape: &[usize]) -> Layout {
+        debug_assert_eq!(shape.len(), 4);
+        Layout::contiguous(&[shape[0], shape[2], shape[1], shape[3]]).permute(&[0, 2, 1, 3])
+    }
+
     /// Output axis `i` is axis `perm[i]`.
     pub(crate) fn permute(&self, perm: &[usize]) -> Layout {
         Layout {

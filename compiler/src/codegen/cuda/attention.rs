@@ -42,10 +42,12 @@
 //! - backward_short: `q, k, v, [mask], g, scale, [fill], dq, dk, dv`.
 //!
 //! `q [b, h, tq, dk]`, `k [b, h, tk, dk]`, `v [b, h, tk, dv]` and `g [b, h, tq, dv]` are
-//! read through their strides (views of the projections need no copy); `out`, `dq`, `dk`,
-//! `dv` are contiguous. The mask is `int` 0/1, `[b, tk]` (key padding) or `[tq, tk]`
-//! (causal). dims ([`dims`]): `[b, h, tq, tk]`, then the four element strides of `q`, `k`,
-//! `v` and (backward) `g`. Items: tiles, `b·h·⌈tq/T⌉` (forward, backward_q) or
+//! read through their strides (views of the projections need no copy), and `out`, `dq`,
+//! `dk`, `dv` written through theirs (stored with the heads merged, `[b, t, h, d]`, the
+//! output projection reads them as rows without a copy). The mask is `int` 0/1, `[b, tk]`
+//! (key padding) or `[tq, tk]` (causal). dims ([`dims`]): `[b, h, tq, tk]`, then the four
+//! element strides of `q`, `k`, `v`, then forward `out`'s, backward `g`'s, `dq`'s, `dk`'s
+//! and `dv`'s. Items: tiles, `b·h·⌈tq/T⌉` (forward, backward_q) or
 //! `b·h·⌈tk/T⌉` (backward_kv), `b·h` (backward_short), with `T` from [`tile`].
 
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
@@ -100,7 +102,8 @@ pub fn tile(part: Part, dk: usize, dv: usize) -> Option<usize> {
 }
 
 /// dims of every flash kernel: `[b, h, tq, tk]` and the `[b, h, t, d]` element strides of
-/// each operand in `strides` (`q, k, v` forward; `q, k, v, g` backward).
+/// each operand and result in `strides` (`q, k, v, out` forward; `q, k, v, g, dq, dk, dv`
+/// backward).
 pub fn dims(b: usize, h: usize, tq: usize, tk: usize, strides: &[[usize; 4]]) -> Vec<i64> {
     let mut d = vec![b as i64, h as i64, tq as i64, tk as i64];
     for s in strides {
@@ -281,8 +284,24 @@ const long long qsb = dims.d[4], qsh = dims.d[5], qst = dims.d[6], qsd = dims.d[
 const long long ksb = dims.d[8], ksh = dims.d[9], kst = dims.d[10], ksd = dims.d[11];
 const long long vsb = dims.d[12], vsh = dims.d[13], vst = dims.d[14], vsd = dims.d[15];",
     );
+    // The results' strides: `out` forward, `dq`, `dk`, `dv` backward (each kernel
+    // declares those it writes).
+    let results: &[(&str, usize)] = match part {
+        Part::Forward => &[("out", 16)],
+        Part::BackwardQ => &[("dq", 20)],
+        Part::BackwardKv => &[("dk", 24), ("dv", 28)],
+        Part::Short => &[("dq", 20), ("dk", 24), ("dv", 28)],
+    };
     if part != Part::Forward {
         w.l("const long long gsb = dims.d[16], gsh = dims.d[17], gst = dims.d[18], gsd = dims.d[19];");
+    }
+    for (r, at) in results {
+        w.l(format!(
+            "const long long {r}_sb = dims.d[{at}], {r}_sh = dims.d[{}], {r}_st = dims.d[{}], {r}_sd = dims.d[{}];",
+            at + 1,
+            at + 2,
+            at + 3
+        ));
     }
     w.l("const float sc = scale[0];");
     if mask != MaskKind::None {
@@ -447,6 +466,11 @@ const {c}* vh = v + bi * vsb + hi * vsh;"
     }
 }
 
+/// Element (`bi`, `hi`, `row`, `c`) of the result `r`, through its strides (C expressions).
+fn at(r: &str, bi: &str, hi: &str, row: &str, c: &str) -> String {
+    format!("{r}[{bi} * {r}_sb + {hi} * {r}_sh + ({row}) * {r}_st + ({c}) * {r}_sd]")
+}
+
 fn function(name: &str, params: Vec<Param>, items: &str, w: W) -> CudaFunction {
     CudaFunction {
         name: name.to_string(),
@@ -488,9 +512,10 @@ pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> Cud
     load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
     forward_sweep(&mut w, e, mask, dk, dv);
     w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
-    w.l(format!("const int i = e / {dv};"));
+    w.l(format!("const int i = e / {dv}, c = e % {dv};"));
     w.l(format!(
-        "out[(bh * tq + q0) * {dv} + e] = {};",
+        "{} = {};",
+        at("out", "bi", "hi", "q0 + i", "c"),
         e.store("os[e] / ls[i]")
     ));
     w.close();
@@ -577,8 +602,10 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
     w.close();
     w.l("__syncthreads();");
     w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
+    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
     w.l(format!(
-        "dq[(bh * tq + q0) * {dk} + e] = {};",
+        "{} = {};",
+        at("dq", "bi", "hi", "q0 + i", "c"),
         e.store("os[e]")
     ));
     w.close();
@@ -666,14 +693,16 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     w.close();
     w.close();
     w.l("__syncthreads();");
-    w.l(format!(
-        "for (int e = tid; e < nk * {dk}; e += nt) dk[(bh * tk + k0) * {dk} + e] = {};",
-        e.store("dks[e]")
-    ));
-    w.l(format!(
-        "for (int e = tid; e < nk * {dv}; e += nt) dv[(bh * tk + k0) * {dv} + e] = {};",
-        e.store("dvs[e]")
-    ));
+    for (out, d, src) in [("dk", dk, "dks[e]"), ("dv", dv, "dvs[e]")] {
+        w.open(format!("for (int e = tid; e < nk * {d}; e += nt)"));
+        w.l(format!("const int j = e / {d}, c = e % {d};"));
+        w.l(format!(
+            "{} = {};",
+            at(out, "bi", "hi", "k0 + j", "c"),
+            e.store(src)
+        ));
+        w.close();
+    }
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)
@@ -792,7 +821,7 @@ __syncthreads();",
     for (out, len, k, d, a, b) in outputs {
         let rows = if len == "tq" { "nq" } else { "nk" };
         let store = |i: &str, c: &str, acc: &str| {
-            format!("{out}[(bh * {len} + {i}) * {d} + {c}] = {};", e.store(acc))
+            format!("{} = {};", at(out, "bi", "hi", i, c), e.store(acc))
         };
         product(
             &mut w,

@@ -165,7 +165,16 @@ pub enum Library {
     /// backward in one block per head for lengths that fit its tile. Always also the batched-GEMM
     /// path the CPU executor runs: GEMMs and the generated masked softmax (role
     /// `softmax`) and, backward, its gradient (role `softmax_bwd`).
-    Attention { mask: String, backward: bool },
+    Attention {
+        mask: String,
+        backward: bool,
+        /// The flash kernels write their results through the strides their dims give
+        /// (every artifact since heads were stored merged, `[b, t, h, d]`); an older
+        /// artifact's write them contiguous, and its results are stored so. (Left out
+        /// when false, so that an older manifest still hashes to what it records.)
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        strided_results: bool,
+    },
     /// No CUDA code yet: the kind runs on the host (`gather`, `scatter_add`, `slice`,
     /// `one_hot`, integer reductions, …, as the CPU backend's fallback kernels).
     Host,

@@ -230,6 +230,7 @@ fn launch(
                         library = Some(Library::Attention {
                             mask: mask_name(m).to_string(),
                             backward: def.name == "attention_bwd",
+                            strided_results: true,
                         });
                     }
                 }
