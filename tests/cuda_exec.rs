@@ -468,6 +468,88 @@ fn gpu_train_steps_match_the_cpu_executor() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// Attention's results are stored with their heads merged (`[b, t, h, d]`), so the output
+/// projection and the projections' gradients read them without a copy. An artifact
+/// written before the flash kernels took their results' strides (no `strided_results` in
+/// its manifest) keeps them row-major and copies each before its readers: the same bits.
+#[test]
+fn gpu_attention_results_with_heads_merged_give_the_older_artifacts_bits() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    // The same artifact as an older kiln wrote it: every attention kernel's flag cleared,
+    // the manifest's hash recomputed (the files it lists are unchanged).
+    let old_dir = tmp("older_attention");
+    for f in walk(&art.dir) {
+        let to = old_dir.join(f.strip_prefix(&art.dir).unwrap());
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(&f, &to).unwrap();
+    }
+    let mut m: kiln_compiler::artifact::Manifest =
+        serde_json::from_slice(&std::fs::read(art.dir.join("manifest.json")).unwrap()).unwrap();
+    // The training step's attention kernels (forward ones; as many backward).
+    let mut attentions = 0;
+    for e in &mut m.entries {
+        for k in &mut e.cuda.as_mut().unwrap().kernels {
+            if let Some(Library::Attention {
+                strided_results,
+                backward,
+                ..
+            }) = &mut k.library
+            {
+                assert!(
+                    *strided_results,
+                    "a new artifact's flash kernels take strides"
+                );
+                *strided_results = false;
+                attentions += usize::from(e.name == "train_step" && !*backward);
+            }
+        }
+    }
+    assert_eq!(attentions, 6);
+    m.manifest_hash = Some(m.digest().unwrap());
+    std::fs::write(
+        old_dir.join("manifest.json"),
+        serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let old = Artifact::load(&old_dir).unwrap();
+    let text = std::fs::read_to_string(old_dir.join("manifest.json")).unwrap();
+    assert!(!text.contains("strided_results"), "left out when false");
+    let new_gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
+    let old_gpu = CudaExecutor::from_artifact_entry(&old, "train_step").unwrap();
+    let (inputs, params) = feeds(new_gpu.graph(), art, 9);
+    let opts = RunOptions {
+        seed: 3,
+        step: 2,
+        ..RunOptions::default()
+    };
+    let a = new_gpu.run(&inputs, &params, &opts).unwrap();
+    let b = old_gpu.run(&inputs, &params, &opts).unwrap();
+    assert_eq!(new_gpu.view_copies(), (0, 0));
+    let (n, bytes) = old_gpu.view_copies();
+    // At least each attention's output and each backward's dq, dk and dv.
+    assert!(n >= 4 * attentions, "{n} copies of {bytes} bytes");
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x.data == y.data, "{name} differs");
+    }
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
 /// A target outside the vocabulary (other than the padding id) is an error on the GPU as
 /// on the CPU, not a loss computed as if the row had no target.
 #[test]
