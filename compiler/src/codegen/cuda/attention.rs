@@ -308,6 +308,9 @@ const long long vsb = dims.d[12], vsh = dims.d[13], vst = dims.d[14], vsd = dims
         w.l("const float fl = fill[0];");
     }
     w.l("const int tid = (int)threadIdx.x, nt = (int)blockDim.x;");
+    // Warps of `wd` lanes (the block, when smaller than a warp), for the row softmaxes.
+    w.l("const int lane = tid & 31, warp = tid >> 5, nw = (nt + 31) >> 5, wd = (int)kiln_width();");
+    w.l("(void)lane; (void)warp; (void)nw; (void)wd;");
 }
 
 /// The score of query row `qrow` (global) against key row `krow` (global) given the
@@ -414,16 +417,22 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
     w.l("__syncthreads();");
     lines(
         w,
-        "for (int i = tid; i < nq; i += nt) {
+        "// The online softmax's update, a warp per row, its lanes over the keys.
+for (int i = warp; i < nq; i += nw) {
     float* sr = ss + i * (T + 1);
-    float mx = ms[i];
-    for (int j = 0; j < nk; ++j) mx = kiln_max_ref(mx, sr[j]);
-    const float al = ms[i] == mx ? 1.0f : expf(ms[i] - mx);
+    const float m0 = ms[i];
+    float mx = m0;
+    for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, sr[j]);
+    mx = kiln_warp_max(mx);
     float z = 0.0f;
-    for (int j = 0; j < nk; ++j) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
-    ls[i] = ls[i] * al + z;
-    ms[i] = mx;
-    as_[i] = al;
+    for (int j = lane; j < nk; j += wd) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
+    z = kiln_warp_sum(z);
+    if (lane == 0) {
+        const float al = m0 == mx ? 1.0f : expf(m0 - mx);
+        ls[i] = ls[i] * al + z;
+        ms[i] = mx;
+        as_[i] = al;
+    }
 }
 __syncthreads();",
     );
@@ -774,17 +783,20 @@ const {c}* gh = g + bi * gsb + hi * gsh;"
     lines(
         &mut w,
         &format!(
-            "// Each row's softmax and D = Σ_j p·dp, one thread per row.
-for (int i = tid; i < nq; i += nt) {{
+            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys.
+for (int i = warp; i < nq; i += nw) {{
     float* pr = ps + i * (T + 1);
     const float* dpr = dss + i * (T + 1);
     float mx = {ninf};
-    for (int j = 0; j < nk; ++j) mx = kiln_max_ref(mx, pr[j]);
+    for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, pr[j]);
+    mx = kiln_warp_max(mx);
     float z = 0.0f;
-    for (int j = 0; j < nk; ++j) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    for (int j = lane; j < nk; j += wd) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    z = kiln_warp_sum(z);
     float d = 0.0f;
-    for (int j = 0; j < nk; ++j) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
-    ds[i] = d;
+    for (int j = lane; j < nk; j += wd) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
+    d = kiln_warp_sum(d);
+    if (lane == 0) ds[i] = d;
 }}
 __syncthreads();",
             ninf = f32_lit(f32::NEG_INFINITY)
