@@ -25,7 +25,7 @@ use std::time::Instant;
 use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::reference::{self, RunOptions};
 use kiln_compiler::Graph;
-use kiln_runtime::compiled::Compiled;
+use kiln_runtime::compiled::{Compiled, KernelErrors, RELATIVE_FROM};
 use kiln_runtime::Eager;
 use kiln_runtime::COMPILED_ENTRIES;
 use rayon::prelude::*;
@@ -157,7 +157,7 @@ fn every_spec_every_entry_matches() {
         .iter()
         .flat_map(|p| COMPILED_ENTRIES.iter().map(move |&e| (p.as_path(), e)))
         .collect();
-    let kinds: Mutex<BTreeMap<String, (f64, usize, usize)>> = Mutex::new(BTreeMap::new());
+    let kinds: Mutex<BTreeMap<String, KernelErrors>> = Mutex::new(BTreeMap::new());
     let failures: Vec<String> = pairs
         .par_iter()
         .enumerate()
@@ -193,15 +193,19 @@ fn every_spec_every_entry_matches() {
             }
             let mut bad = Vec::new();
             let mut all = kinds.lock().unwrap();
-            for (kind, (err, n, outside)) in exec.kernel_errors() {
-                let e = all.entry(kind.clone()).or_insert((0.0, 0, 0));
-                e.0 = e.0.max(err);
-                e.1 += n;
-                e.2 += outside;
-                if outside > 0 || err.is_nan() {
+            for (kind, k) in exec.kernel_errors() {
+                let e = all.entry(kind.clone()).or_default();
+                let worst = |w: f64, x: f64| if x.is_nan() { x } else { w.max(x) };
+                e.relative = worst(e.relative, k.relative);
+                e.absolute_small = worst(e.absolute_small, k.absolute_small);
+                e.checked += k.checked;
+                e.outside += k.outside;
+                if k.outside > 0 || k.relative.is_nan() || k.absolute_small.is_nan() {
                     bad.push(format!(
-                        "  kernel kind {kind}: {outside} of {n} kernels outside 1e-5 of their \
-                         definition (worst relative error {err:.3e})"
+                        "  kernel kind {kind}: {} of {} outputs outside 1e-5 of their \
+                         definition (worst relative error {:.3e}, worst absolute error of \
+                         outputs under 0.1 {:.3e})",
+                        k.outside, k.checked, k.relative, k.absolute_small
                     ));
                 }
             }
@@ -216,9 +220,16 @@ fn every_spec_every_entry_matches() {
             None
         })
         .collect();
-    eprintln!("worst relative error per kernel kind, against its definition:");
-    for (kind, (err, n, _)) in kinds.lock().unwrap().iter() {
-        eprintln!("  {kind:<22} {err:.2e}  ({n} kernel runs)");
+    eprintln!(
+        "per kernel kind, against its definition: the worst relative error of outputs of \
+         magnitude ≥ {RELATIVE_FROM}, the worst absolute error of smaller ones:"
+    );
+    for (kind, e) in kinds.lock().unwrap().iter() {
+        eprintln!(
+            "  {kind:<22} {:.2e}  {:.2e}  ({} outputs checked)",
+            e.relative, e.absolute_small, e.checked
+        );
+        assert!(e.relative < 1e-5, "{kind}: relative error {:e}", e.relative);
     }
     eprintln!(
         "{} (spec, entry) pairs in {:.1} s",
@@ -634,9 +645,9 @@ fn the_tied_embeddings_gradient_is_summed_in_place_into_the_returned_tensor() {
     let checked = Compiled::from_graph_checked(g.clone()).expect("compiles");
     let again = checked.run(&inputs, &params, &opts).expect("runs");
     let errors = checked.kernel_errors();
-    let (err, n, outside) = errors["scatter_add_into"];
-    assert_eq!((n, outside), (2, 0), "worst relative error {err:e}");
-    assert!(err <= REL, "{err:e}");
+    let e = errors["scatter_add_into"];
+    assert_eq!((e.checked, e.outside), (2, 0), "{e:?}");
+    assert!(e.relative <= REL && e.absolute_small <= 1e-6, "{e:?}");
     let pick = |v: &[(String, kiln_compiler::tensor::Tensor)]| {
         v.iter()
             .find(|(n, _)| n == "grad.emb.weight")

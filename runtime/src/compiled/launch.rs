@@ -26,17 +26,33 @@ use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
 use ::gemm::Parallelism;
 
-/// Per kernel kind: worst relative error against the definition, kernels checked, kernels
-/// outside the tolerance.
-pub type CheckLog = BTreeMap<String, (f64, usize, usize)>;
+/// Per kernel kind: how its kernels compared with their definitions.
+pub type CheckLog = BTreeMap<String, KernelErrors>;
+
+/// An output is held to `1e-5·max|definition| + 1e-6`: relative where `max|definition|`
+/// is at least this (where the two terms are equal), absolute below it.
+pub const RELATIVE_FROM: f32 = 0.1;
+
+/// How one kernel kind's kernels compared with their definitions (`max|kernel −
+/// definition|` per output): the worst relative error among outputs of magnitude at
+/// least [`RELATIVE_FROM`], the worst absolute error among smaller ones (gradients that
+/// are zero up to rounding, say, where a relative error says nothing), how many kernel
+/// outputs were checked and how many were outside the tolerance. NaN where a comparison
+/// was.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KernelErrors {
+    pub relative: f64,
+    pub absolute_small: f64,
+    pub checked: usize,
+    pub outside: usize,
+}
 
 /// What a run needs besides locations.
 pub(crate) struct RunCtx<'a> {
     pub dims: &'a BTreeMap<String, i64>,
     /// The generated strided-copy kernel.
     pub copy: KernelFn,
-    /// Per kernel kind: worst relative error against the kernel's definition, how many
-    /// kernels were checked, and how many were outside `1e-5·max|def| + 1e-6`.
+    /// Per kernel kind: how its kernels compared with their definitions.
     pub checks: Option<&'a std::sync::Mutex<CheckLog>>,
     pub seed: u64,
     pub step: u32,
@@ -332,16 +348,22 @@ pub(crate) fn run_step(
             }
             let within = diff <= 1e-5 * max + 1e-6;
             if let Some(log) = ctx.checks {
-                let rel = if diff == 0.0 {
-                    0.0
-                } else {
-                    (diff / max.max(1e-30)) as f64
-                };
                 let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
-                let e = log.entry(step.kind.clone()).or_insert((0.0, 0, 0));
-                e.0 = if rel.is_nan() { f64::NAN } else { e.0.max(rel) };
-                e.1 += 1;
-                e.2 += usize::from(!within);
+                let e = log.entry(step.kind.clone()).or_default();
+                let worst = |w: f64, x: f64| {
+                    if x.is_nan() || w.is_nan() {
+                        f64::NAN
+                    } else {
+                        w.max(x)
+                    }
+                };
+                if max >= RELATIVE_FROM || max.is_nan() {
+                    e.relative = worst(e.relative, f64::from(diff / max));
+                } else {
+                    e.absolute_small = worst(e.absolute_small, f64::from(diff));
+                }
+                e.checked += 1;
+                e.outside += usize::from(!within);
             }
             if diff > 1e-5 * max + 1e-6 || diff.is_nan() {
                 eprintln!(

@@ -28,6 +28,8 @@ pub(crate) mod fallback;
 pub(crate) mod gemm;
 pub(crate) mod launch;
 
+pub use launch::{KernelErrors, RELATIVE_FROM};
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -352,10 +354,11 @@ impl Compiled {
         Compiled::build(graph, kg, plan, code, true)
     }
 
-    /// Per kernel kind: the worst relative error against the definition seen so far
-    /// (`max|kernel − definition| / max|definition|`), how many kernels were checked, and
-    /// how many were outside `1e-5·max|definition| + 1e-6`.
-    pub fn kernel_errors(&self) -> BTreeMap<String, (f64, usize, usize)> {
+    /// Per kernel kind, how its kernels compared with their definitions so far
+    /// ([`KernelErrors`]: the worst relative error of outputs of magnitude at
+    /// least 0.1, the worst absolute error of smaller ones, how many outputs were
+    /// checked, how many were outside `1e-5·max|definition| + 1e-6`).
+    pub fn kernel_errors(&self) -> BTreeMap<String, KernelErrors> {
         self.checks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
