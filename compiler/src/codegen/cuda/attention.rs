@@ -179,8 +179,11 @@ struct Product<'a> {
     a: &'a Index2<'a>,
     b: &'a Index2<'a>,
     init: Option<&'a Index2<'a>>,
-    store: &'a dyn Fn(&str, &str, &str) -> String,
+    store: &'a Store<'a>,
 }
+
+/// A C statement storing the accumulator `acc` at two index variables.
+type Store<'a> = dyn Fn(&str, &str, &str) -> String + 'a;
 
 /// A C expression of two index variables.
 type Index2<'a> = dyn Fn(&str, &str) -> String + 'a;
@@ -252,6 +255,26 @@ fn scores(w: &mut W, dk: usize, mask: MaskKind, dst: &str) {
             b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
             init: None,
             store: &score_store(mask, dst),
+        },
+    );
+}
+
+/// `dss[i][j] = Σ_c g[i, c]·v[j, c]` (`dp`) for every pair of the shared tiles `gs` and
+/// `vs`, 0 outside the head.
+fn dp_product(w: &mut W, dv: usize) {
+    let pv = dv + 1;
+    product(
+        w,
+        &Product {
+            rows: "T",
+            cols: "T",
+            k: &dv.to_string(),
+            a: &|i, c| format!("gs[{i} * {pv} + {c}]"),
+            b: &|c, j| format!("vs[{j} * {pv} + {c}]"),
+            init: None,
+            store: &|i, j, acc| {
+                format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
+            },
         },
     );
 }
@@ -668,38 +691,55 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
     w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
     w.l("__syncthreads();");
+    w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head), in register tiles.");
+    scores(&mut w, dk, mask, "ps");
+    dp_product(&mut w, dv);
+    w.l("__syncthreads();");
+    w.l("// p = exp(s − m)/l and ds = p·(dp − D)·scale (0 where masked and outside the head).");
     w.open("for (int e = tid; e < T * T; e += nt)");
     w.l("const int i = e / T, j = e % T;");
     w.l("float p = 0.0f, dsv = 0.0f;");
     w.open("if (i < nq && j < nk)");
-    pair_gradient(
-        &mut w,
-        mask,
-        dk,
-        dv,
-        ("st[i * 3]", "st[i * 3 + 1]", "st[i * 3 + 2]"),
-    );
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l("p = expf(ps[i * (T + 1) + j] - st[i * 3]) / st[i * 3 + 1];");
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dss[i * (T + 1) + j] - st[i * 3 + 2]) * sc;",
+        masked_out(mask)
+    ));
     w.close();
     w.l("ps[i * (T + 1) + j] = p;");
     w.l("dss[i * (T + 1) + j] = dsv;");
     w.close();
     w.l("__syncthreads();");
-    w.open(format!("for (int e = tid; e < nk * {dv}; e += nt)"));
-    w.l(format!("const int j = e / {dv}, c = e % {dv};"));
-    w.l("float acc = dvs[e];");
-    w.l(format!(
-        "for (int i = 0; i < nq; ++i) acc = acc + ps[i * (T + 1) + j] * gs[i * {pv} + c];"
-    ));
-    w.l("dvs[e] = acc;");
-    w.close();
-    w.open(format!("for (int e = tid; e < nk * {dk}; e += nt)"));
-    w.l(format!("const int j = e / {dk}, c = e % {dk};"));
-    w.l("float acc = dks[e];");
-    w.l(format!(
-        "for (int i = 0; i < nq; ++i) acc = acc + dss[i * (T + 1) + j] * qs[i * {pk} + c];"
-    ));
-    w.l("dks[e] = acc;");
-    w.close();
+    w.l("// dv += pᵀ·g, dk += dsᵀ·q.");
+    let p_ji = |j: &str, i: &str| format!("ps[{i} * (T + 1) + {j}]");
+    let ds_ji = |j: &str, i: &str| format!("dss[{i} * (T + 1) + {j}]");
+    let g_ic = |i: &str, c: &str| format!("gs[{i} * {pv} + {c}]");
+    let q_ic = |i: &str, c: &str| format!("qs[{i} * {pk} + {c}]");
+    let dv_init = |j: &str, c: &str| format!("dvs[{j} * {dv} + {c}]");
+    let dk_init = |j: &str, c: &str| format!("dks[{j} * {dk} + {c}]");
+    let dv_store = |j: &str, c: &str, acc: &str| format!("dvs[{j} * {dv} + {c}] = {acc};");
+    let dk_store = |j: &str, c: &str, acc: &str| format!("dks[{j} * {dk} + {c}] = {acc};");
+    let (dv_s, dk_s) = (dv.to_string(), dk.to_string());
+    let sums: [(&str, &Index2, &Index2, &Index2, &Store); 2] = [
+        (&dv_s, &p_ji, &g_ic, &dv_init, &dv_store),
+        (&dk_s, &ds_ji, &q_ic, &dk_init, &dk_store),
+    ];
+    for (cols, a, b, init, store) in sums {
+        product(
+            &mut w,
+            &Product {
+                rows: "nk",
+                cols,
+                k: "nq",
+                a,
+                b,
+                init: Some(init),
+                store,
+            },
+        );
+    }
     w.close();
     w.l("__syncthreads();");
     for (out, d, src) in [("dk", dk, "dks[e]"), ("dv", dv, "dvs[e]")] {
@@ -765,20 +805,7 @@ const {c}* gh = g + bi * gsb + hi * gsh;"
     w.l("__syncthreads();");
     w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head).");
     scores(&mut w, dk, mask, "ps");
-    product(
-        &mut w,
-        &Product {
-            rows: "T",
-            cols: "T",
-            k: &dv.to_string(),
-            a: &|i, c| format!("gs[{i} * {pv} + {c}]"),
-            b: &|c, j| format!("vs[{j} * {pv} + {c}]"),
-            init: None,
-            store: &|i, j, acc| {
-                format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
-            },
-        },
-    );
+    dp_product(&mut w, dv);
     w.l("__syncthreads();");
     lines(
         &mut w,
