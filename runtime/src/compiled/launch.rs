@@ -37,8 +37,8 @@ pub const RELATIVE_FROM: f32 = 0.1;
 /// definition|` per output): the worst relative error among outputs of magnitude at
 /// least [`RELATIVE_FROM`], the worst absolute error among smaller ones (gradients that
 /// are zero up to rounding, say, where a relative error says nothing), how many kernel
-/// outputs were checked and how many were outside the tolerance. NaN where a comparison
-/// was.
+/// outputs were checked and how many were outside the tolerance. A comparison that met a
+/// NaN makes its figure NaN.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct KernelErrors {
     pub relative: f64,
