@@ -239,46 +239,40 @@ fn product(w: &mut W, p: &Product<'_>) {
     w.close();
 }
 
-/// A store of [`product`] for a score tile: `x` is the masked scaled score of `acc` (the
-/// dot product) inside the head, 0 outside, written to `dst[i·(T+1) + j]`.
-/// The masked, scaled scores `q·kᵀ` of the tiles `qs` and `ks` (rows of `dk + 1`) into
-/// `dst` (rows of `T + 1`), 0 outside the head.
-fn scores(w: &mut W, dk: usize, mask: MaskKind, dst: &str) {
-    let pk = dk + 1;
+/// `Σ_c a[i, c]·b[j, c]` for every pair (i, j) of the shared tiles `a` and `b` (rows of
+/// `d + 1` floats), each stored by `store`.
+fn pair_dots(w: &mut W, d: usize, (a, b): (&str, &str), store: &Store<'_>) {
+    let p = d + 1;
     product(
         w,
         &Product {
             rows: "T",
             cols: "T",
-            k: &dk.to_string(),
-            a: &|i, c| format!("qs[{i} * {pk} + {c}]"),
-            b: &|c, j| format!("ks[{j} * {pk} + {c}]"),
+            k: &d.to_string(),
+            a: &|i, c| format!("{a}[{i} * {p} + {c}]"),
+            b: &|c, j| format!("{b}[{j} * {p} + {c}]"),
             init: None,
-            store: &score_store(mask, dst),
+            store,
         },
     );
+}
+
+/// The masked, scaled scores `q·kᵀ` of the tiles `qs` and `ks` into `dst` (rows of
+/// `T + 1`), 0 outside the head.
+fn scores(w: &mut W, dk: usize, mask: MaskKind, dst: &str) {
+    pair_dots(w, dk, ("qs", "ks"), &score_store(mask, dst));
 }
 
 /// `dss[i][j] = Σ_c g[i, c]·v[j, c]` (`dp`) for every pair of the shared tiles `gs` and
 /// `vs`, 0 outside the head.
 fn dp_product(w: &mut W, dv: usize) {
-    let pv = dv + 1;
-    product(
-        w,
-        &Product {
-            rows: "T",
-            cols: "T",
-            k: &dv.to_string(),
-            a: &|i, c| format!("gs[{i} * {pv} + {c}]"),
-            b: &|c, j| format!("vs[{j} * {pv} + {c}]"),
-            init: None,
-            store: &|i, j, acc| {
-                format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
-            },
-        },
-    );
+    pair_dots(w, dv, ("gs", "vs"), &|i, j, acc| {
+        format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
+    });
 }
 
+/// A store of [`product`] for a score tile: `x` is the masked scaled score of `acc` (the
+/// dot product) inside the head, 0 outside, written to `dst[i·(T+1) + j]`.
 fn score_store(mask: MaskKind, dst: &str) -> impl Fn(&str, &str, &str) -> String + '_ {
     move |i, j, acc| {
         format!(
