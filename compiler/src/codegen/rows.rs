@@ -669,6 +669,19 @@ fn xent_rows(name: &str, grad: bool) -> Function {
     })
 }
 
+/// The buffers of an `xent_ls` launch, on either backend: the kernel's five operands
+/// (logits, targets, then the three scalars), then — the gradient's form — the loss
+/// weight, the row losses and the gradient, or — the loss-only form ([`xent_ls_loss`])
+/// — the row losses alone.
+pub fn xent_ls_buffers<T: Copy>(operands: [T; 5], row_loss: T, grad: Option<(T, T)>) -> Vec<T> {
+    let mut b = operands.to_vec();
+    match grad {
+        Some((weight, gradient)) => b.extend([weight, row_loss, gradient]),
+        None => b.push(row_loss),
+    }
+    b
+}
+
 /// Dims and items of [`xent_ls`] over `rows` rows of `v` logits with pad id `pad`.
 pub fn xent_ls_dims(rows: usize, v: usize, pad: i64) -> (Vec<i64>, usize) {
     (vec![v as i64, pad], rows)

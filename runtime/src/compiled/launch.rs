@@ -564,19 +564,17 @@ fn run_exec(
             unsafe { *(inv as *mut f32) = w };
             let row_loss = keep.alloc(rows_n);
             let (dims, items) = rows::xent_ls_dims(rows_n, v, *pad);
-            // The gradient's form takes the weight and writes the gradient too.
-            let mut args = vec![
-                logits.base(),
-                target.base(),
-                ins[2].base(),
-                ins[3].base(),
-                ins[4].base(),
-            ];
-            if *grad {
-                args.extend([inv, row_loss, outs[1].base()]);
-            } else {
-                args.push(row_loss);
-            }
+            let args = rows::xent_ls_buffers(
+                [
+                    logits.base(),
+                    target.base(),
+                    ins[2].base(),
+                    ins[3].base(),
+                    ins[4].base(),
+                ],
+                row_loss,
+                grad.then(|| (inv, outs[1].base())),
+            );
             call(*f, &args, &dims, items, grain(v));
             // SAFETY: `row_loss` holds `rows_n` elements the kernel wrote.
             let rl = unsafe { std::slice::from_raw_parts(row_loss as *const f32, rows_n) };

@@ -2592,19 +2592,17 @@ impl Run<'_> {
                     None => vec![target.base(), stats],
                 };
                 self.launch(count, &count_bufs, Launch::xent_count(rows_n, *pad))?;
-                // The gradient's form takes the weight and writes the gradient too.
-                let mut ptrs = vec![
-                    logits.base(),
-                    target.base(),
-                    ins[2].base(),
-                    ins[3].base(),
-                    ins[4].base(),
-                ];
-                if *grad {
-                    ptrs.extend([stats + 4, row_loss, outs[1].base()]);
-                } else {
-                    ptrs.push(row_loss);
-                }
+                let ptrs = rows::xent_ls_buffers(
+                    [
+                        logits.base(),
+                        target.base(),
+                        ins[2].base(),
+                        ins[3].base(),
+                        ins[4].base(),
+                    ],
+                    row_loss,
+                    grad.then(|| (stats + 4, outs[1].base())),
+                );
                 self.launch(
                     main,
                     &ptrs,
