@@ -39,11 +39,12 @@ pub struct BenchArgs {
     /// `decode` (one decoder step with `tgt-len` cached positions).
     #[arg(long, default_value = "train_step", value_parser = ["forward", "loss", "train_step", "decode"])]
     pub entry: String,
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(i64).range(1..))]
     pub batch: i64,
-    #[arg(long = "src-len", default_value_t = 25)]
+    #[arg(long = "src-len", default_value_t = 25, value_parser = clap::value_parser!(i64).range(1..))]
     pub src_len: i64,
-    #[arg(long = "tgt-len", default_value_t = 25)]
+    /// Target tokens (`decode`: cached positions, which may be 0 for a first step).
+    #[arg(long = "tgt-len", default_value_t = 25, value_parser = clap::value_parser!(i64).range(0..))]
     pub tgt_len: i64,
     /// `compiled` (generated kernels), `eager` (one primitive at a time) or `cuda` (the
     /// entry compiled with `--target cuda` and run by the CUDA executor on the GPU).
@@ -53,7 +54,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
     /// Timed runs.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub runs: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -203,6 +205,13 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         "decode" => "decode_step",
         e => e,
     };
+    if a.tgt_len == 0 && entry != "decode_step" {
+        return Err(plain(
+            "kiln::bench",
+            format!("--tgt-len 0 leaves `{}` no target tokens to time", a.entry),
+            Some("give --tgt-len 1 or more (0 cached positions is for `--entry decode`)".into()),
+        ));
+    }
     let t0 = Instant::now();
     let g = entry_graph_of(&a.spec, &a.set, &a.model, entry)?;
     let mut dims = BTreeMap::new();

@@ -282,16 +282,17 @@ enum Command {
         /// Read sentences from this file instead of standard input.
         #[arg(long)]
         input: Option<PathBuf>,
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4,
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         beam: usize,
         /// Length penalty exponent.
-        #[arg(long, default_value_t = 0.6)]
+        #[arg(long, default_value_t = 0.6, value_parser = finite_f64)]
         alpha: f64,
         /// `gnmt` ((5+len)/6)^α, `len_pow` len^α, or `none`.
         #[arg(long, default_value = "gnmt", value_parser = ["gnmt", "len_pow", "none"])]
         length_penalty: String,
         /// Maximum output length = a · source length + b.
-        #[arg(long, default_value_t = 1.0)]
+        #[arg(long, default_value_t = 1.0, value_parser = non_negative_f64)]
         max_len_a: f64,
         #[arg(long, default_value_t = 50)]
         max_len_b: usize,
@@ -829,6 +830,24 @@ pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
 }
 
 /// Lines of a text file, without line terminators (a final newline ends the last line).
+/// A `--flag` value that must be a finite number.
+fn finite_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err(format!("`{s}` is not a finite number")),
+        Err(e) => Err(format!("`{s}`: {e}")),
+    }
+}
+
+/// A `--flag` value that must be a finite number, 0 or more.
+fn non_negative_f64(s: &str) -> Result<f64, String> {
+    let v = finite_f64(s)?;
+    if v < 0.0 {
+        return Err(format!("`{s}` is negative; give 0 or more"));
+    }
+    Ok(v)
+}
+
 fn lines(text: &str) -> Vec<String> {
     text.lines()
         .map(|l| l.trim_end_matches('\r').to_string())

@@ -475,7 +475,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         )
     })?;
     let opts = DecodeOptions {
-        beam: a.beam.max(1),
+        beam: a.beam,
         greedy: a.greedy,
         penalty,
         max_len_a: a.max_len_a,

@@ -402,6 +402,53 @@ fn run_rejects_bad_tensor_files_and_keeps_existing_outputs() {
     );
 }
 
+/// Counts and settings that mean nothing are refused when the arguments are read (clap's
+/// usage error, status 2), with the flag named, before any model is loaded.
+#[test]
+fn meaningless_counts_and_settings_are_refused() {
+    let usage_error = |args: &[&str]| {
+        let out = kiln(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "kiln {args:?} should be a usage error"
+        );
+        String::from_utf8(out.stderr).unwrap()
+    };
+    let spec = root().join("models/transformer_tiny.kiln");
+    let spec = s(&spec);
+    for (flag, value, says) in [
+        ("--runs", "0", "0 is not in 1.."),
+        ("--batch", "0", "0 is not in 1.."),
+        ("--src-len", "0", "0 is not in 1.."),
+    ] {
+        let err = usage_error(&["bench", spec, flag, value]);
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{flag} {value}: {err}"
+        );
+    }
+    let err = fails(&["bench", spec, "--tgt-len", "0", "--entry", "forward"]);
+    assert!(
+        err.contains("--tgt-len 0 leaves `forward` no target tokens to time"),
+        "{err}"
+    );
+    let missing = tmp("no-such-model");
+    let missing = s(&missing);
+    for (flag, value, says) in [
+        ("--beam", "0", "0 is not in 1.."),
+        ("--alpha", "nan", "`nan` is not a finite number"),
+        ("--max-len-a", "-3", "`-3` is negative; give 0 or more"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let err = usage_error(&["translate", "--checkpoint", missing, &arg]);
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{flag} {value}: {err}"
+        );
+    }
+}
+
 /// A model or a batch too large for the machine is a clear error before anything is
 /// allocated (`kiln_compiler::memory`), not an abort ("memory allocation of N bytes
 /// failed") or a kill; a file already at the output path is kept.

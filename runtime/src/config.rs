@@ -363,6 +363,18 @@ impl Config {
         if self.valid.beam == 0 {
             bad.push("valid.beam must be at least 1".to_string());
         }
+        if !self.valid.alpha.is_finite() {
+            bad.push(format!(
+                "valid.alpha is {}; give a finite number",
+                self.valid.alpha
+            ));
+        }
+        if !(self.valid.max_len_a.is_finite() && self.valid.max_len_a >= 0.0) {
+            bad.push(format!(
+                "valid.max_len_a is {}; give a finite number, 0 or more",
+                self.valid.max_len_a
+            ));
+        }
         if !["gnmt", "len_pow", "none"].contains(&self.valid.length_penalty.as_str()) {
             bad.push(format!(
                 "valid.length_penalty is `{}`; use gnmt, len_pow or none",
@@ -513,6 +525,18 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.contains("update_freq"), "{e}");
+        let e = Config::parse(&format!(
+            "{MINIMAL}valid:\n  alpha: .nan\n  max_len_a: -1\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("valid.alpha is NaN; give a finite number"),
+            "{e}"
+        );
+        assert!(
+            e.contains("valid.max_len_a is -1; give a finite number, 0 or more"),
+            "{e}"
+        );
     }
 
     #[test]
