@@ -19,7 +19,7 @@ use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::Error;
 use kiln_runtime::compiled::Compiled;
-use kiln_runtime::exec::Exec;
+use kiln_runtime::exec::{Exec, Product, Timing};
 
 use crate::compile_cmds::entry_graph_of;
 use crate::plain;
@@ -200,6 +200,44 @@ pub fn peak_rss() -> u64 {
         .unwrap_or(0)
 }
 
+/// What `--profile` gathered from the last run: seconds and count per kernel kind, and
+/// per matrix product shape (under its kernel's kind).
+#[derive(Default)]
+struct Profile {
+    kinds: BTreeMap<String, (f64, usize)>,
+    products: BTreeMap<(String, Product), (f64, usize)>,
+}
+
+impl Profile {
+    fn note(&mut self, t: &Timing<'_>) {
+        let e = self.kinds.entry(t.what.to_string()).or_insert((0.0, 0));
+        e.0 += t.seconds;
+        e.1 += 1;
+        if let Some(p) = t.product {
+            let e = self
+                .products
+                .entry((t.what.to_string(), p))
+                .or_insert((0.0, 0));
+            e.0 += t.seconds;
+            e.1 += 1;
+        }
+    }
+
+    /// The product shapes, most time first: `(kind, shape, seconds, count)`.
+    fn products_by_time(&self) -> Vec<(&str, Product, f64, usize)> {
+        let mut p: Vec<_> = self
+            .products
+            .iter()
+            .map(|((k, p), (s, n))| (k.as_str(), *p, *s, *n))
+            .collect();
+        p.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.1.cmp(&b.1)));
+        p
+    }
+}
+
+/// How many product shapes the text profile lists (the JSON lists them all).
+const PRODUCT_ROWS: usize = 12;
+
 pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     let entry = match a.entry.as_str() {
         "decode" => "decode_step",
@@ -353,7 +391,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     let mut params = params;
     let mut times = Vec::new();
     let mut adam_times = Vec::new();
-    let mut profile: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    let mut profile = Profile::default();
     // Without an optimizer step the parameters never change: an executor may keep them
     // on its device between runs (the decoder's promise). A training step's optimizer
     // changes them: every run is a new version.
@@ -415,11 +453,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             continue;
         }
         if let Some(c) = device_training {
-            let mut rec = |k: &str, s: f64| {
-                let e = profile.entry(k.to_string()).or_insert((0.0, 0));
-                e.0 += s;
-                e.1 += 1;
-            };
+            let mut rec = |t: &Timing<'_>| profile.note(t);
             let last = a.profile && run + 1 == a.warmup + a.runs;
             let out = c
                 .train_micro(
@@ -455,11 +489,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         }
         let outs = if a.profile && run + 1 == a.warmup + a.runs && a.executor == "compiled" {
             let c = compiled.as_ref().expect("compiled");
-            let mut rec = |k: &str, s: f64| {
-                let e = profile.entry(k.to_string()).or_insert((0.0, 0));
-                e.0 += s;
-                e.1 += 1;
-            };
+            let mut rec = |t: &Timing<'_>| profile.note(t);
             c.run_profiled(&inputs, &params, &opts, &mut rec)
         } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == "eager" {
             let e = kiln_runtime::Eager::new(g.clone())
@@ -468,15 +498,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 .run_profiled(&inputs, &params, &opts)
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
             for t in times {
-                profile.insert(t.op.to_string(), (t.seconds, t.nodes));
+                profile.kinds.insert(t.op.to_string(), (t.seconds, t.nodes));
             }
             Ok(outs)
         } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == "cuda" {
-            let mut rec = |k: &str, s: f64| {
-                let e = profile.entry(k.to_string()).or_insert((0.0, 0));
-                e.0 += s;
-                e.1 += 1;
-            };
+            let mut rec = |t: &Timing<'_>| profile.note(t);
             exec.run_profiled(&inputs, &params, &opts, &mut rec)
         } else if let Some(c) = &compiled {
             c.run(&inputs, &params, &opts)
@@ -612,6 +638,26 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let (n, bytes) = c.view_copies();
             obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
         }
+        if !profile.kinds.is_empty() {
+            let kinds: serde_json::Map<String, serde_json::Value> = profile
+                .kinds
+                .iter()
+                .map(|(k, (s, n))| (k.clone(), serde_json::json!({"ms": s * 1e3, "kernels": n})))
+                .collect();
+            let products: Vec<serde_json::Value> = profile
+                .products_by_time()
+                .into_iter()
+                .map(|(k, p, s, n)| {
+                    serde_json::json!({
+                        "kind": k, "batch": p.batch, "m": p.m, "k": p.k, "n": p.n,
+                        "a_transposed": p.a_transposed, "b_transposed": p.b_transposed,
+                        "count": n, "ms": s * 1e3,
+                        "gflop_per_s": (s > 0.0).then(|| n as f64 * p.flops() / s / 1e9),
+                    })
+                })
+                .collect();
+            obj["profile"] = serde_json::json!({"kinds": kinds, "products": products});
+        }
         if let Some(c) = &cuda {
             let (fused, separate) = c.epilogue_counts();
             obj["bias_epilogues"] = serde_json::json!({"fused": fused, "separate": separate});
@@ -681,8 +727,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 bytes as f64 / 1048576.0
             );
         }
-        if !profile.is_empty() {
-            let mut p: Vec<(String, (f64, usize))> = profile.into_iter().collect();
+        if !profile.kinds.is_empty() {
+            let mut p: Vec<(String, (f64, usize))> = profile.kinds.clone().into_iter().collect();
             p.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
             println!("  time per kernel kind (last run):");
             // Whole-run figures (the CUDA executor's idle and issue times) come last.
@@ -693,6 +739,42 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             }
             for (k, (s, _)) in runs {
                 println!("    {k:<22} {:>9.1} ms", s * 1e3);
+            }
+        }
+        let products = profile.products_by_time();
+        if !products.is_empty() {
+            // GFLOP/s on the CPU, TFLOP/s on a GPU.
+            let (unit, scale) = if a.executor == "cuda" {
+                ("TFLOP/s", 1e12)
+            } else {
+                ("GFLOP/s", 1e9)
+            };
+            let (secs, flops) = products.iter().fold((0.0, 0.0), |(s, f), (_, p, t, n)| {
+                (s + t, f + *n as f64 * p.flops())
+            });
+            println!(
+                "  matrix products by shape (last run; m×k·k×n, ᵀ an operand stored \
+                 transposed): {} kernels, {:.1} ms, {:.1} {unit}",
+                products.iter().map(|p| p.3).sum::<usize>(),
+                secs * 1e3,
+                flops / secs / scale
+            );
+            let shown = &products[..products.len().min(PRODUCT_ROWS)];
+            let width = shown.iter().map(|p| p.0.chars().count()).max().unwrap_or(0);
+            for (k, p, s, n) in shown {
+                println!(
+                    "    {:<28} {k:<width$} {n:>4} × {:>8.3} ms = {:>8.1} ms  {:>7.1} {unit}",
+                    p.to_string(),
+                    s * 1e3 / *n as f64,
+                    s * 1e3,
+                    *n as f64 * p.flops() / s / scale
+                );
+            }
+            if products.len() > PRODUCT_ROWS {
+                println!(
+                    "    … {} more shapes (`--json` lists them all)",
+                    products.len() - PRODUCT_ROWS
+                );
             }
         }
     }

@@ -399,6 +399,74 @@ fn kiln_bench_reports_the_compiled_run_and_its_arena() {
     assert_eq!(v["arena_bytes"].as_u64(), Some(want as u64), "{v}");
 }
 
+/// `kiln bench --profile --json` times every kernel of the last run by kind, and every
+/// matrix product by shape: the products' counts add up to the product kernels', each
+/// shape's rate is its floating-point operations over its time, and the tied output
+/// projection is there with the shape the step runs it at (15 target rows, d_model 32,
+/// the vocabulary of 48, the embedding read transposed), with its two gradients.
+#[test]
+fn kiln_bench_profiles_kernel_kinds_and_matrix_products() {
+    let out = common::kiln(&[
+        "bench",
+        "models/transformer_tiny.kiln",
+        "--set",
+        "vocab=48",
+        "--entry",
+        "train_step",
+        "--batch",
+        "3",
+        "--src-len",
+        "7",
+        "--tgt-len",
+        "5",
+        "--runs",
+        "1",
+        "--profile",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+    let kinds = v["profile"]["kinds"].as_object().expect("kinds");
+    let kernels = |k: &str| kinds.get(k).map_or(0, |x| x["kernels"].as_u64().unwrap());
+    let products = v["profile"]["products"].as_array().expect("products");
+    let counted: u64 = products.iter().map(|p| p["count"].as_u64().unwrap()).sum();
+    assert_eq!(
+        counted,
+        kernels("matmul") + kernels("linear") + kernels("linear_relu"),
+        "{v}"
+    );
+    assert!(counted > 20, "{v}");
+    for p in products.iter().filter(|p| p["ms"].as_f64() > Some(0.0)) {
+        let n = |k: &str| p[k].as_f64().unwrap();
+        let flops = 2.0 * n("batch") * n("m") * n("k") * n("n") * n("count");
+        let rate = flops / (n("ms") / 1e3) / 1e9;
+        assert!((rate / n("gflop_per_s") - 1.0).abs() < 1e-9, "{p}");
+    }
+    let find = |m: u64, k: u64, n: u64, at: bool, bt: bool| {
+        products.iter().find(|p| {
+            (p["m"].as_u64(), p["k"].as_u64(), p["n"].as_u64()) == (Some(m), Some(k), Some(n))
+                && p["a_transposed"] == at
+                && p["b_transposed"] == bt
+                && p["batch"] == 1
+        })
+    };
+    // logits = h·Eᵀ, dh = dlogits·E, dE = dlogitsᵀ·h.
+    for (m, k, n, at, bt) in [
+        (15, 32, 48, false, true),
+        (15, 48, 32, false, false),
+        (48, 15, 32, true, false),
+    ] {
+        let p = find(m, k, n, at, bt).unwrap_or_else(|| panic!("no {m}×{k}·{k}×{n} in {v}"));
+        assert_eq!(p["kind"], "matmul", "{p}");
+        assert!(p["count"].as_u64().unwrap() >= 1, "{p}");
+    }
+}
+
 /// Attention's results are stored with their heads merged (`[b, t, h, d]`): the output
 /// projection and the projections' gradients read them as rows without a copy. Before,
 /// each reader copied its `[b, h, t, d]` result (144 copies, 225 MiB, in a base step).

@@ -1162,6 +1162,17 @@ fn kiln_bench_with_the_cuda_executor() {
             at(kiln_runtime::cuda::GPU_IDLE) > at("matmul (gemm)"),
             "{text}"
         );
+        // Then the products by shape: the tied output projection (2 × 25 target rows,
+        // d_model 32, the embedding read transposed) among them.
+        assert!(
+            at("matrix products by shape") > at(kiln_runtime::cuda::HOST_ISSUE),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.trim_start().starts_with("50×32·32×48ᵀ") && l.contains("matmul (")),
+            "{text}"
+        );
     }
     // `--host-outputs`: the forward's logits come back to the host, as before.
     if cuda_available().is_ok() {

@@ -12,6 +12,87 @@ use kiln_compiler::ir::Graph;
 use kiln_compiler::reference::{self, ExecError, RunOptions};
 use kiln_compiler::tensor::Tensor;
 
+/// One timed part of a profiled run: a kernel (named by its kind; the CUDA executor adds
+/// how it ran), an upload or download, or a whole-run figure in `[brackets]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing<'a> {
+    pub what: &'a str,
+    pub seconds: f64,
+    /// For a matrix product (`matmul`, `linear`, `linear_relu`), its shape.
+    pub product: Option<Product>,
+}
+
+/// The shape of a matrix product as a kernel ran it: `batch` products of an `[m, k]`
+/// operand by a `[k, n]` one, each stored transposed (read down its columns) or not.
+/// A product whose right operand is shared by the batch counts the batch's rows in `m`
+/// (one GEMM, as both executors run it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Product {
+    pub batch: usize,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub a_transposed: bool,
+    pub b_transposed: bool,
+}
+
+impl Product {
+    /// The product of operands laid out as `a` (`[..., m, k]`) and `b` (`[..., k, n]`, or a
+    /// shared `[k, n]`); `None` for anything else.
+    pub(crate) fn of(
+        a: &crate::eager::value::Layout,
+        b: &crate::eager::value::Layout,
+    ) -> Option<Product> {
+        let (ar, br) = (a.shape.len(), b.shape.len());
+        if ar < 2 || br < 2 || a.shape[ar - 1] != b.shape[br - 2] {
+            return None;
+        }
+        let transposed = |l: &crate::eager::value::Layout| {
+            let r = l.shape.len();
+            l.strides[r - 1] != 1 && l.shape[r - 1] > 1
+        };
+        let lead: usize = a.shape[..ar - 2].iter().product();
+        let (batch, m) = if br == 2 {
+            (1, lead * a.shape[ar - 2])
+        } else {
+            (lead, a.shape[ar - 2])
+        };
+        Some(Product {
+            batch,
+            m,
+            k: a.shape[ar - 1],
+            n: b.shape[br - 1],
+            a_transposed: transposed(a),
+            b_transposed: transposed(b),
+        })
+    }
+
+    /// Floating-point operations: a multiply and an add per term.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.batch as f64 * self.m as f64 * self.k as f64 * self.n as f64
+    }
+}
+
+impl std::fmt::Display for Product {
+    /// `800×512·512×37000ᵀ`, with `32× ` in front of a batch.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = |x: bool| if x { "ᵀ" } else { "" };
+        if self.batch > 1 {
+            write!(f, "{}× ", self.batch)?;
+        }
+        write!(
+            f,
+            "{}×{}{}·{}×{}{}",
+            self.m,
+            self.k,
+            t(self.a_transposed),
+            self.k,
+            self.n,
+            t(self.b_transposed)
+        )
+    }
+}
+
 /// Something that runs one graph.
 pub trait Exec: Send + Sync {
     fn graph(&self) -> &Graph;
@@ -28,15 +109,15 @@ pub trait Exec: Send + Sync {
         drop(tensors);
     }
 
-    /// [`Exec::run`], calling `rec(what, seconds)` for the parts of the run an executor
-    /// times (the CUDA executor: uploads, each kernel, downloads). The default times
-    /// nothing and just runs.
+    /// [`Exec::run`], calling `rec` with a [`Timing`] for each part of the run an
+    /// executor times (the CUDA executor: uploads, each kernel, downloads). The default
+    /// times nothing and just runs.
     fn run_profiled(
         &self,
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
-        rec: &mut dyn FnMut(&str, f64),
+        rec: &mut dyn FnMut(&Timing<'_>),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         let _ = rec;
         self.run(inputs, params, opts)
@@ -211,7 +292,31 @@ pub(crate) fn copies_freed_after<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::copies_freed_after;
+    use super::{copies_freed_after, Product};
+    use crate::eager::value::Layout;
+
+    #[test]
+    fn products_are_named_as_they_run() {
+        let rows = Layout::contiguous;
+        // A shared right operand: the batch's rows are one GEMM's.
+        let p = Product::of(&rows(&[32, 25, 512]), &rows(&[512, 2048])).unwrap();
+        assert_eq!((p.batch, p.m, p.k, p.n), (1, 800, 512, 2048));
+        assert_eq!(p.to_string(), "800×512·512×2048");
+        assert_eq!(p.flops(), 2.0 * 800.0 * 512.0 * 2048.0);
+        // A batched product, its right operand read transposed (keys of attention).
+        let keys = rows(&[2, 3, 5, 4]).permute(&[0, 1, 3, 2]);
+        let p = Product::of(&rows(&[2, 3, 7, 4]), &keys).unwrap();
+        assert_eq!((p.batch, p.m, p.k, p.n), (6, 7, 4, 5));
+        assert!(!p.a_transposed && p.b_transposed);
+        assert_eq!(p.to_string(), "6× 7×4·4×5ᵀ");
+        // A transposed left operand (a weight gradient's `xᵀ·dy`).
+        let x = rows(&[800, 512]).permute(&[1, 0]);
+        let p = Product::of(&x, &rows(&[800, 512])).unwrap();
+        assert_eq!(p.to_string(), "512×800ᵀ·800×512");
+        // Operands that do not chain are no product.
+        assert_eq!(Product::of(&rows(&[3, 4]), &rows(&[5, 6])), None);
+        assert_eq!(Product::of(&rows(&[4]), &rows(&[4, 6])), None);
+    }
 
     #[test]
     fn a_copy_is_freed_after_its_last_reader_unless_an_output_reads_it() {

@@ -44,11 +44,12 @@ use kiln_compiler::tensor::{Tensor, TensorData};
 
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
+use crate::exec::{Product, Timing};
 
 const EXECUTOR: &str = "the compiled executor";
 
 /// Receives each kernel's kind and seconds.
-type Profile<'a> = &'a mut (dyn FnMut(&str, f64) + Send);
+type Profile<'a> = &'a mut (dyn FnMut(&Timing<'_>) + Send);
 
 /// Runs `f` on one of rayon's worker threads (in place when already on one). A run
 /// launches hundreds of kernels, each split over the pool: from a worker, the split goes
@@ -643,13 +644,14 @@ impl Compiled {
         }
     }
 
-    /// [`Compiled::run`], reporting each kernel's kind and seconds to `profile`.
+    /// [`Compiled::run`], reporting each kernel's kind, seconds and (for a matrix
+    /// product) shape to `profile`.
     pub fn run_profiled(
         &self,
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
-        profile: &mut (dyn FnMut(&str, f64) + Send),
+        profile: &mut (dyn FnMut(&Timing<'_>) + Send),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         on_worker(|| self.run_inner(inputs, params, opts, Some(profile), None, None))
     }
@@ -970,6 +972,12 @@ impl Compiled {
             }
             let started = profile.as_ref().map(|_| std::time::Instant::now());
             let ins: Vec<&Loc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
+            let product = match step.exec {
+                launch::Exec::Matmul | launch::Exec::Linear { .. } if profile.is_some() => {
+                    Product::of(&ins[0].layout, &ins[1].layout)
+                }
+                _ => None,
+            };
             let outs = &locs[step.value];
             let mark = keep.mark();
             // The operands read with their rows gathered (a concatenation's).
@@ -998,7 +1006,11 @@ impl Compiled {
                 }
             }
             if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
-                p(&step.kind, t0.elapsed().as_secs_f64());
+                p(&Timing {
+                    what: &step.kind,
+                    seconds: t0.elapsed().as_secs_f64(),
+                    product,
+                });
             }
         }
         if let Some(dump) = dump {

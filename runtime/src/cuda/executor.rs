@@ -57,7 +57,7 @@ use crate::compiled::launch::region_operand;
 use crate::compiled::Loc;
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
-use crate::exec::Exec;
+use crate::exec::{Exec, Product, Timing};
 
 const EXECUTOR: &str = "the CUDA executor";
 
@@ -434,16 +434,16 @@ fn dev_err(message: String) -> ExecError {
     }
 }
 
-/// What a profiled run calls per timed part: `(what, seconds)`.
-type Recorder<'a> = &'a mut dyn FnMut(&str, f64);
+/// What a profiled run calls per timed part.
+type Recorder<'a> = &'a mut dyn FnMut(&Timing<'_>);
 
 /// The phases of a profiled run — the upload, each kernel (with the copies it reads),
 /// the download — between marks in the stream ([`device::Mark`]), recorded without
 /// waiting for the device so the run is timed as it runs unprofiled.
 struct Phases {
     on: bool,
-    /// `(what, begin, end)`, in issue order.
-    done: Vec<(String, device::Mark, device::Mark)>,
+    /// `(what, begin, end, product)`, in issue order.
+    done: Vec<(String, device::Mark, device::Mark, Option<Product>)>,
     open: Option<device::Mark>,
     /// When the host began issuing each phase's work, and how long that took in all.
     issue: (std::time::Instant, f64),
@@ -475,28 +475,47 @@ impl Phases {
     }
 
     fn end(&mut self, dev: &device::Device, what: &str) -> Result<(), String> {
+        self.end_product(dev, what, None)
+    }
+
+    /// [`Phases::end`] of a kernel that ran a matrix product of this shape.
+    fn end_product(
+        &mut self,
+        dev: &device::Device,
+        what: &str,
+        product: Option<Product>,
+    ) -> Result<(), String> {
         if let Some(begin) = self.open.take() {
             let end = dev.mark()?;
             self.issue.1 += self.issue.0.elapsed().as_secs_f64();
-            self.done.push((what.to_string(), begin, end));
+            self.done.push((what.to_string(), begin, end, product));
         }
         Ok(())
     }
 
-    /// After the device has reached every mark: `rec(what, seconds)` per phase (the
-    /// device's time from its begin to its end mark), then [`GPU_IDLE`] (the sum of the
-    /// gaps between one phase's end and the next one's begin) and [`HOST_ISSUE`].
-    fn report(&self, rec: &mut dyn FnMut(&str, f64)) -> Result<(), String> {
+    /// After the device has reached every mark: a [`Timing`] per phase (the device's
+    /// time from its begin to its end mark), then [`GPU_IDLE`] (the sum of the gaps
+    /// between one phase's end and the next one's begin) and [`HOST_ISSUE`].
+    fn report(&self, rec: &mut dyn FnMut(&Timing<'_>)) -> Result<(), String> {
         let mut idle = 0.0;
-        for (i, (what, begin, end)) in self.done.iter().enumerate() {
-            rec(what, begin.seconds_to(end)?.max(0.0));
-            if let Some((_, _, before)) = i.checked_sub(1).map(|j| &self.done[j]) {
+        for (i, (what, begin, end, product)) in self.done.iter().enumerate() {
+            rec(&Timing {
+                what,
+                seconds: begin.seconds_to(end)?.max(0.0),
+                product: *product,
+            });
+            if let Some((_, _, before, _)) = i.checked_sub(1).map(|j| &self.done[j]) {
                 idle += before.seconds_to(begin)?.max(0.0);
             }
         }
         if !self.done.is_empty() {
-            rec(GPU_IDLE, idle);
-            rec(HOST_ISSUE, self.issue.1);
+            for (what, seconds) in [(GPU_IDLE, idle), (HOST_ISSUE, self.issue.1)] {
+                rec(&Timing {
+                    what,
+                    seconds,
+                    product: None,
+                });
+            }
         }
         Ok(())
     }
@@ -742,7 +761,7 @@ impl CudaExecutor {
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
-        rec: &mut dyn FnMut(&str, f64),
+        rec: &mut dyn FnMut(&Timing<'_>),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         Ok(self
             .run_with(inputs, params, opts, Some(rec), None, None)?
@@ -1114,7 +1133,15 @@ impl CudaExecutor {
             }
             if profiling {
                 let what = format!("{} ({})", step.kind, step.exec.how());
-                phases.end(&st.device, &what).map_err(dev_err)?;
+                let product = match step.kind.as_str() {
+                    "matmul" | "linear" | "linear_relu" if ins.len() >= 2 => {
+                        Product::of(&ins[0].layout, &ins[1].layout)
+                    }
+                    _ => None,
+                };
+                phases
+                    .end_product(&st.device, &what, product)
+                    .map_err(dev_err)?;
             }
         }
         phases.begin(&st.device).map_err(dev_err)?;
@@ -1673,7 +1700,7 @@ impl Exec for CudaExecutor {
         inputs: &BTreeMap<String, Tensor>,
         params: &BTreeMap<String, Tensor>,
         opts: &RunOptions,
-        rec: &mut dyn FnMut(&str, f64),
+        rec: &mut dyn FnMut(&Timing<'_>),
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         CudaExecutor::run_profiled(self, inputs, params, opts, rec)
     }
