@@ -335,12 +335,10 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
     assert_eq!(exec.weight_copies(), 0, "a training step copies no weight");
 }
 
-/// `kiln bench --json` with the compiled executor reports what it measured: the runs it
-/// was asked for, `min ≤ median ≤ max`, tokens per second from the median and the batch's
-/// target tokens, and the arena of the memory plan at the bench's dims.
-#[test]
-fn kiln_bench_reports_the_compiled_run_and_its_arena() {
-    let out = common::kiln(&[
+/// `kiln bench --json` of the tiny model's `train_step` (vocabulary 48, 3 sentences of 7
+/// source and 5 target tokens) with `extra` arguments, parsed.
+fn bench_tiny_step_json(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
         "bench",
         "models/transformer_tiny.kiln",
         "--set",
@@ -353,17 +351,25 @@ fn kiln_bench_reports_the_compiled_run_and_its_arena() {
         "7",
         "--tgt-len",
         "5",
-        "--runs",
-        "3",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let out = common::kiln(&args);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+    serde_json::from_str(text.trim()).expect("one JSON object")
+}
+
+/// `kiln bench --json` with the compiled executor reports what it measured: the runs it
+/// was asked for, `min ≤ median ≤ max`, tokens per second from the median and the batch's
+/// target tokens, and the arena of the memory plan at the bench's dims.
+#[test]
+fn kiln_bench_reports_the_compiled_run_and_its_arena() {
+    let v = bench_tiny_step_json(&["--runs", "3"]);
     assert_eq!(v["executor"], "compiled");
     assert_eq!(
         (v["runs"].as_u64(), v["warmup"].as_u64()),
@@ -406,31 +412,7 @@ fn kiln_bench_reports_the_compiled_run_and_its_arena() {
 /// the vocabulary of 48, the embedding read transposed), with its two gradients.
 #[test]
 fn kiln_bench_profiles_kernel_kinds_and_matrix_products() {
-    let out = common::kiln(&[
-        "bench",
-        "models/transformer_tiny.kiln",
-        "--set",
-        "vocab=48",
-        "--entry",
-        "train_step",
-        "--batch",
-        "3",
-        "--src-len",
-        "7",
-        "--tgt-len",
-        "5",
-        "--runs",
-        "1",
-        "--profile",
-        "--json",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+    let v = bench_tiny_step_json(&["--runs", "1", "--profile"]);
     let kinds = v["profile"]["kinds"].as_object().expect("kinds");
     let kernels = |k: &str| kinds.get(k).map_or(0, |x| x["kernels"].as_u64().unwrap());
     let products = v["profile"]["products"].as_array().expect("products");
