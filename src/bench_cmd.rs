@@ -734,11 +734,18 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             // Whole-run figures (the CUDA executor's idle and issue times) come last.
             let (runs, kinds): (Vec<_>, Vec<_>) =
                 p.into_iter().partition(|(k, _)| k.starts_with('['));
+            let width = kinds
+                .iter()
+                .chain(&runs)
+                .map(|(k, _)| k.chars().count())
+                .max()
+                .unwrap_or(0)
+                .max(22);
             for (k, (s, n)) in kinds {
-                println!("    {k:<22} {:>9.1} ms  {n:>5} kernels", s * 1e3);
+                println!("    {k:<width$} {:>9.1} ms  {n:>5} kernels", s * 1e3);
             }
             for (k, (s, _)) in runs {
-                println!("    {k:<22} {:>9.1} ms", s * 1e3);
+                println!("    {k:<width$} {:>9.1} ms", s * 1e3);
             }
         }
         let products = profile.products_by_time();
