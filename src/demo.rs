@@ -134,6 +134,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             &opts,
             vocab,
             kiln_runtime::train::TRANSLATE_BATCH,
+            kiln_runtime::train::decode_workers(&*step),
             &mut |_| {},
         )
         .map_err(err("kiln::demo"))?;

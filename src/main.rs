@@ -318,6 +318,11 @@ enum Command {
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
+        /// Batches decoded at once, each by one worker on one thread (default: one per
+        /// thread on the CPU, as Marian's --cpu-threads; 1 on the GPU). 1 decodes the
+        /// batches one after another, each on every thread. The output is the same.
+        #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        workers: Option<usize>,
     },
     /// Score reference translations with a trained model (teacher forcing, as fairseq's
     /// --score-reference and marian-scorer): each pair's log-probability, one per line,
@@ -348,6 +353,11 @@ enum Command {
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
+        /// Batches decoded at once, each by one worker on one thread (default: one per
+        /// thread on the CPU, as Marian's --cpu-threads; 1 on the GPU). 1 decodes the
+        /// batches one after another, each on every thread. The output is the same.
+        #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        workers: Option<usize>,
     },
     /// Average the weights of checkpoints (the paper averages the last 5 or 20).
     Average {
@@ -724,6 +734,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             batch,
             executor,
             threads,
+            workers,
         } => {
             set_threads(threads)?;
             train_cmds::translate(train_cmds::TranslateArgs {
@@ -738,6 +749,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 nbest,
                 batch,
                 executor,
+                workers,
             })
         }
         Command::Score {
@@ -748,6 +760,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             batch,
             executor,
             threads,
+            workers,
         } => {
             set_threads(threads)?;
             train_cmds::score(train_cmds::ScoreArgs {
@@ -757,6 +770,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 normalize,
                 batch,
                 executor,
+                workers,
             })
         }
         Command::Average {

@@ -15,7 +15,8 @@ use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
 use kiln_runtime::train::{
-    prepare_tokenizer, score_ids, translate_nbest_ids, ModelGraphs, Progress, Trainer,
+    decode_workers, prepare_tokenizer, score_ids, translate_nbest_ids, ModelGraphs, Progress,
+    Trainer,
 };
 
 use crate::plain;
@@ -322,6 +323,8 @@ pub struct TranslateArgs {
     /// Sentences decoded together.
     pub batch: usize,
     pub executor: String,
+    /// Batches decoded at once (`None`: `decode_workers`).
+    pub workers: Option<usize>,
 }
 
 /// The lines of a text file (standard input for `None`), without `\r` line ends.
@@ -360,6 +363,8 @@ pub struct ScoreArgs {
     pub normalize: bool,
     pub batch: usize,
     pub executor: String,
+    /// Pair batches scored at once (`None`: `decode_workers`).
+    pub workers: Option<usize>,
 }
 
 /// `kiln score`: the log-probability of each reference under teacher forcing.
@@ -416,6 +421,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
         &opts,
         m.vocab,
         a.batch,
+        a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
         &mut |n| {
             if let Some(b) = &bar {
                 b.set_position(n as u64);
@@ -529,6 +535,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         m.vocab,
         a.batch,
         a.nbest.unwrap_or(1),
+        a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
         &mut |n| {
             if let Some(b) = &bar {
                 b.set_position(n as u64);

@@ -284,3 +284,197 @@ fn beam_search_reading_gathered_caches_equals_copying_them() {
     assert_eq!(a, b);
     assert!(a.iter().any(|h| h.tokens.len() > 2), "{a:?}");
 }
+
+/// Sentences of lengths 1 to 9 made of ids 4..63 (a deterministic mix), some repeated.
+fn sentences(n: usize) -> Vec<Vec<i32>> {
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7) % 9;
+            (0..len)
+                .map(|j| 4 + ((i * 31 + j * 17) % 60) as i32)
+                .collect()
+        })
+        .collect()
+}
+
+/// `translate_nbest_ids` and `score_ids` give the same bits whether their batches run one
+/// after another (each on every thread) or on 2 or 3 workers at once (each on one
+/// thread), with more batches than workers, and in input order either way.
+#[test]
+fn decoding_workers_give_the_bits_of_one_worker() {
+    use kiln_runtime::compiled::Compiled;
+    use kiln_runtime::train::{score_ids, translate_nbest_ids};
+    let s = setup(7);
+    let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
+    let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    let srcs = sentences(23);
+    let refs: Vec<Vec<i32>> = srcs.iter().rev().cloned().collect();
+    let opts = beam_four();
+    let (mut calls, mut last) = (0, 0);
+    let one = translate_nbest_ids(
+        &encode,
+        &step,
+        &s.params,
+        &srcs,
+        &opts,
+        64,
+        4,
+        2,
+        1,
+        &mut |n| {
+            calls += 1;
+            last = n;
+        },
+    )
+    .unwrap();
+    assert_eq!((calls, last), (6, 23), "a progress call per batch of 4");
+    assert!(one.iter().all(|h| h.len() == 2));
+    assert!(one.iter().any(|h| h[0].tokens.len() > 1), "{one:?}");
+    let scores_one = score_ids(
+        &encode,
+        &step,
+        &s.params,
+        &srcs,
+        &refs,
+        &opts,
+        64,
+        4,
+        1,
+        &mut |_| {},
+    )
+    .unwrap();
+    for workers in [2, 3] {
+        let (mut calls, mut last) = (0, 0);
+        let many = translate_nbest_ids(
+            &encode,
+            &step,
+            &s.params,
+            &srcs,
+            &opts,
+            64,
+            4,
+            2,
+            workers,
+            &mut |n| {
+                calls += 1;
+                last = n;
+            },
+        )
+        .unwrap();
+        assert_eq!((calls, last), (6, 23), "{workers} workers");
+        for (a, b) in one.iter().zip(&many) {
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x.tokens, y.tokens, "{workers} workers");
+                assert_eq!(x.score.to_bits(), y.score.to_bits(), "{workers} workers");
+                assert_eq!(
+                    x.log_prob.to_bits(),
+                    y.log_prob.to_bits(),
+                    "{workers} workers"
+                );
+            }
+        }
+        let scores = score_ids(
+            &encode,
+            &step,
+            &s.params,
+            &srcs,
+            &refs,
+            &opts,
+            64,
+            4,
+            workers,
+            &mut |_| {},
+        )
+        .unwrap();
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&scores), bits(&scores_one), "{workers} workers");
+    }
+    // Against the reference executor, one sentence at a time: the same tokens.
+    let reference = translate_nbest_ids(
+        &s.encode,
+        &s.step,
+        &s.params,
+        &srcs,
+        &opts,
+        64,
+        1,
+        1,
+        2,
+        &mut |_| {},
+    )
+    .unwrap();
+    for (a, b) in one.iter().zip(&reference) {
+        assert_eq!(a[0].tokens, b[0].tokens);
+    }
+}
+
+/// A batch that fails on a worker (an id outside the vocabulary) stops the decoding with
+/// that error, not a hang or a panic, and later calls still decode.
+#[test]
+fn a_failing_batch_on_a_worker_is_an_error() {
+    use kiln_runtime::compiled::Compiled;
+    use kiln_runtime::train::translate_ids;
+    let s = setup(7);
+    let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
+    let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    let mut srcs = sentences(12);
+    srcs[9] = vec![5, 900, 6];
+    let err = translate_ids(
+        &encode,
+        &step,
+        &s.params,
+        &srcs,
+        &beam_four(),
+        64,
+        2,
+        2,
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("900"), "{err}");
+    srcs[9] = vec![5, 6];
+    let ok = translate_ids(
+        &encode,
+        &step,
+        &s.params,
+        &srcs,
+        &beam_four(),
+        64,
+        2,
+        2,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(ok.len(), 12);
+}
+
+/// A decoder gives the same bits for a batch whether it is its first or a later one, and
+/// so does a second decoder: every step reads the same transposed copy of the tied
+/// embedding (before, a decoder's first step read the view in place, which the GEMM
+/// crate rounds differently).
+#[test]
+fn a_decoders_first_batch_gives_the_bits_of_its_later_ones() {
+    use kiln_runtime::compiled::Compiled;
+    use kiln_runtime::decode::{decode_nbest, Hypothesis};
+    let s = setup(7);
+    let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
+    let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    let bits = |h: &[Vec<Hypothesis>]| -> Vec<(Vec<i32>, u64, u64)> {
+        h.iter()
+            .flatten()
+            .map(|x| (x.tokens.clone(), x.score.to_bits(), x.log_prob.to_bits()))
+            .collect()
+    };
+    let mut m = CachedStep::new(&encode, &step, &s.params, 64);
+    let first = bits(&decode_nbest(&mut m, &src(), &beam_four(), 2).unwrap());
+    let again = bits(&decode_nbest(&mut m, &src(), &beam_four(), 2).unwrap());
+    assert_eq!(first, again);
+    assert_eq!(step.weight_copies(), 1, "the tied embedding, copied once");
+    let mut other = CachedStep::new(&encode, &step, &s.params, 64);
+    assert_eq!(
+        first,
+        bits(&decode_nbest(&mut other, &src(), &beam_four(), 2).unwrap())
+    );
+}

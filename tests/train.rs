@@ -330,10 +330,15 @@ fn checkpoints_translate_average_and_export() {
             && err.trim_end().ends_with("(beam 4, reference)"),
         "{err}"
     );
-    // One sentence a batch translates the same.
+    // One sentence a batch translates the same, on one worker or on two at once.
     let one = translate(&["--batch", "1"]);
     assert!(one.status.success());
     assert_eq!(String::from_utf8(one.stdout).unwrap(), out);
+    for workers in ["1", "2"] {
+        let w = translate(&["--batch", "1", "--workers", workers]);
+        assert!(w.status.success(), "{}", String::from_utf8_lossy(&w.stderr));
+        assert_eq!(String::from_utf8(w.stdout).unwrap(), out, "--workers {workers}");
+    }
     let zero = kiln(&dir, &["translate", "--checkpoint", "run", "--batch", "0"]);
     assert_eq!(zero.status.code(), Some(2), "clap's usage error");
     // The n best, Moses style: `LINE ||| TEXT ||| log_prob= LP ||| SCORE`, best first,

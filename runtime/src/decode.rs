@@ -785,9 +785,32 @@ pub fn cached_step<'a>(
     params: &'a BTreeMap<String, Tensor>,
     vocab: usize,
 ) -> Box<dyn StepModel + 'a> {
+    cached_step_with_version(
+        encode,
+        step,
+        params,
+        vocab,
+        crate::exec::fresh_params_version(),
+    )
+}
+
+/// [`cached_step`] for decoders that run at once on the same `params` (decoding
+/// workers): they promise the same parameters `version`, so the programs' copies derived
+/// from the parameters are made once and serve them all.
+pub fn cached_step_with_version<'a>(
+    encode: &'a dyn Exec,
+    step: &'a dyn Exec,
+    params: &'a BTreeMap<String, Tensor>,
+    vocab: usize,
+    version: u64,
+) -> Box<dyn StepModel + 'a> {
     match step.as_cuda() {
         Some(cuda) => Box::new(DeviceCachedStep::new(encode, cuda, params, vocab)),
-        None => Box::new(CachedStep::new(encode, step, params, vocab)),
+        None => {
+            let mut m = CachedStep::new(encode, step, params, vocab);
+            m.opts.params_version = Some(version);
+            Box::new(m)
+        }
     }
 }
 

@@ -1054,6 +1054,7 @@ impl Trainer {
             &opts,
             self.vocab(),
             TRANSLATE_BATCH,
+            decode_workers(&*self.step_exec),
             &mut |_| {},
         )?;
         let hyps: Vec<String> = hyps.iter().map(|h| self.tokenizer.decode(h)).collect();
@@ -1488,9 +1489,10 @@ fn digest_changes(saved: &str, now: &str) -> Vec<String> {
 /// s, with RSS growing with the batch).
 pub const TRANSLATE_BATCH: usize = 32;
 
-/// Beam-decodes token-id sentences in batches of `batch` sentences of similar length;
-/// results in input order. `done(n)` is called after each batch with the number of
-/// sentences decoded so far (for a progress bar).
+/// Beam-decodes token-id sentences in batches of `batch` sentences of similar length, the
+/// batches shared out among `workers` (see [`decode_workers`]); results in input order,
+/// the same for any number of workers. `done(n)` is called after each batch with the
+/// number of sentences decoded so far (for a progress bar).
 #[allow(clippy::too_many_arguments)]
 pub fn translate_ids(
     encode: &dyn Exec,
@@ -1500,9 +1502,12 @@ pub fn translate_ids(
     opts: &DecodeOptions,
     vocab: usize,
     batch: usize,
+    workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<i32>>, TrainError> {
-    let best = translate_nbest_ids(encode, step, params, srcs, opts, vocab, batch, 1, done)?;
+    let best = translate_nbest_ids(
+        encode, step, params, srcs, opts, vocab, batch, 1, workers, done,
+    )?;
     Ok(best
         .into_iter()
         .map(|hyps| {
@@ -1543,25 +1548,141 @@ pub fn translate_nbest_ids(
     vocab: usize,
     batch: usize,
     n: usize,
+    workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<Hypothesis>>, TrainError> {
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
+    let chunks: Vec<&[usize]> = order.chunks(batch.max(1)).collect();
+    let per_batch = over_batches(
+        (encode, step, params, vocab),
+        &chunks,
+        workers,
+        &|model, chunk| {
+            let src = padded_rows(srcs, chunk, opts.pad)?;
+            Ok(decode_nbest(model, &src, opts, n)?)
+        },
+        done,
+    )?;
     let mut out = vec![Vec::new(); srcs.len()];
-    // One decoder for every batch: the parameters stay the same, so its programs keep
-    // what they derive from them (the transposed weight copies) from batch to batch.
-    let mut model = crate::decode::cached_step(encode, step, params, vocab);
-    let mut finished = 0;
-    for chunk in order.chunks(batch.max(1)) {
-        let src = padded_rows(srcs, chunk, opts.pad)?;
-        let hyps = decode_nbest(model.as_mut(), &src, opts, n)?;
+    for (chunk, hyps) in chunks.iter().zip(per_batch) {
         for (&i, h) in chunk.iter().zip(hyps) {
             out[i] = h;
         }
-        finished += chunk.len();
-        done(finished);
     }
     Ok(out)
+}
+
+/// How many workers [`translate_ids`], [`translate_nbest_ids`] and [`score_ids`] share
+/// the batches out among by default: on the CPU one per thread of the current rayon pool,
+/// each running its batches single-threaded (as Marian's `--cpu-threads` and
+/// CTranslate2's `inter_threads` do: a decoder step's products are too small to split
+/// well, and a batch's beam bookkeeping is serial); one on the GPU.
+pub fn decode_workers(step: &dyn Exec) -> usize {
+    if step.as_cuda().is_some() {
+        1
+    } else {
+        rayon::current_num_threads().max(1)
+    }
+}
+
+/// The models [`over_batches`] decodes with: the `encode` and `decode_step` programs,
+/// the parameters and the vocabulary size.
+type StepModels<'a> = (
+    &'a dyn Exec,
+    &'a dyn Exec,
+    &'a BTreeMap<String, Tensor>,
+    usize,
+);
+
+/// What [`over_batches`] runs on each batch: the decoder and the batch's sentences.
+type BatchJob<'a, T> =
+    dyn Fn(&mut dyn crate::decode::StepModel, &[usize]) -> Result<T, TrainError> + Sync + 'a;
+
+/// `job` over every batch of `chunks`, in order of the results. With one worker (or one
+/// batch, or a GPU decoder) the batches run one after another here, with one decoder;
+/// otherwise `workers` threads take the next batch as they finish one, each with its own
+/// decoder on a one-thread rayon pool, so every kernel of a batch runs single-threaded
+/// and a batch's results do not depend on which worker ran it. `done(n)` is called here
+/// after each batch, with the sentences finished so far. The first error stops the
+/// workers and is returned.
+fn over_batches<T: Send>(
+    (encode, step, params, vocab): StepModels<'_>,
+    chunks: &[&[usize]],
+    workers: usize,
+    job: &BatchJob<'_, T>,
+    done: &mut dyn FnMut(usize),
+) -> Result<Vec<T>, TrainError> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let workers = workers.clamp(1, chunks.len().max(1));
+    let mut finished = 0;
+    if workers == 1 || step.as_cuda().is_some() {
+        // One decoder for every batch: the parameters stay the same, so its programs keep
+        // what they derive from them (the transposed weight copies) from batch to batch.
+        let mut model = crate::decode::cached_step(encode, step, params, vocab);
+        let mut out = Vec::with_capacity(chunks.len());
+        for chunk in chunks {
+            out.push(job(model.as_mut(), chunk)?);
+            finished += chunk.len();
+            done(finished);
+        }
+        return Ok(out);
+    }
+    // One parameters version for every worker's decoder: one set of weight copies.
+    let version = crate::exec::fresh_params_version();
+    let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<T, TrainError>)>();
+    let mut out: Vec<Option<T>> = (0..chunks.len()).map(|_| None).collect();
+    let mut failed = None;
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let (tx, next, stop) = (tx.clone(), &next, &stop);
+            scope.spawn(move || {
+                let pool = match rayon::ThreadPoolBuilder::new().num_threads(1).build() {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let why = format!("cannot start a decoding worker: {e}");
+                        let _ = tx.send((0, Err(TrainError::Setup(why))));
+                        return;
+                    }
+                };
+                pool.install(|| {
+                    let mut model = crate::decode::cached_step_with_version(
+                        encode, step, params, vocab, version,
+                    );
+                    while !stop.load(Relaxed) {
+                        let c = next.fetch_add(1, Relaxed);
+                        let Some(chunk) = chunks.get(c) else { break };
+                        let r = job(model.as_mut(), chunk);
+                        let bad = r.is_err();
+                        if tx.send((c, r)).is_err() || bad {
+                            break;
+                        }
+                    }
+                });
+            });
+        }
+        drop(tx);
+        for (c, r) in rx {
+            match r {
+                Ok(t) => {
+                    out[c] = Some(t);
+                    finished += chunks[c].len();
+                    done(finished);
+                }
+                Err(e) => {
+                    stop.store(true, Relaxed);
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    out.into_iter()
+        .map(|t| t.ok_or_else(|| TrainError::Setup("internal: a batch was not decoded".into())))
+        .collect()
 }
 
 /// Scores reference translations ([`crate::decode::score`]) in batches of `batch`
@@ -1577,6 +1698,7 @@ pub fn score_ids(
     opts: &DecodeOptions,
     vocab: usize,
     batch: usize,
+    workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<f64>, TrainError> {
     if srcs.len() != refs.len() {
@@ -1588,18 +1710,23 @@ pub fn score_ids(
     }
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
+    let chunks: Vec<&[usize]> = order.chunks(batch.max(1)).collect();
+    let per_batch = over_batches(
+        (encode, step, params, vocab),
+        &chunks,
+        workers,
+        &|model, chunk| {
+            let src = padded_rows(srcs, chunk, opts.pad)?;
+            let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();
+            Ok(crate::decode::score(model, &src, &chunk_refs, opts)?)
+        },
+        done,
+    )?;
     let mut out = vec![0.0; srcs.len()];
-    let mut model = crate::decode::cached_step(encode, step, params, vocab);
-    let mut finished = 0;
-    for chunk in order.chunks(batch.max(1)) {
-        let src = padded_rows(srcs, chunk, opts.pad)?;
-        let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();
-        let scores = crate::decode::score(model.as_mut(), &src, &chunk_refs, opts)?;
+    for (chunk, scores) in chunks.iter().zip(per_batch) {
         for (&i, s) in chunk.iter().zip(scores) {
             out[i] = s;
         }
-        finished += chunk.len();
-        done(finished);
     }
     Ok(out)
 }

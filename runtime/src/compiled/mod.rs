@@ -80,6 +80,9 @@ pub struct Compiled {
     /// The arena, possibly shared with programs that never run at the same time as this
     /// one ([`Compiled::share_arena_with`]).
     arena: Arc<Mutex<Vec<f32>>>,
+    /// Arenas of runs that found `arena` taken by a concurrent run (decoding workers),
+    /// kept for the next such run instead of allocated again every run.
+    idle_arenas: Mutex<Vec<Vec<f32>>>,
     /// Buffers of earlier runs' [`Keep`]s.
     scratch: Mutex<Vec<Vec<u32>>>,
     /// The last run's view copies: how many, and their bytes in all.
@@ -125,7 +128,7 @@ impl std::fmt::Debug for Compiled {
 struct Transposed {
     /// The `params_version` of the last run that read the view.
     version: Option<u64>,
-    /// The copy, made by the second run of that version.
+    /// The copy, made by the first run of that version.
     copy: Option<Arc<Vec<f32>>>,
 }
 
@@ -454,6 +457,7 @@ impl Compiled {
             steps,
             copy,
             arena: Arc::new(Mutex::new(Vec::new())),
+            idle_arenas: Mutex::new(Vec::new()),
             scratch: Mutex::new(Vec::new()),
             view_copies: Mutex::new((0, 0)),
             spare: Mutex::new(Vec::new()),
@@ -618,7 +622,7 @@ impl Compiled {
     }
 
     /// How many transposed weight copies the program holds (see `Compiled::weight_copy`:
-    /// an inference program run twice on one `params_version` makes them).
+    /// an inference program run on a `params_version` makes them).
     pub fn weight_copies(&self) -> usize {
         self.transposed
             .lock()
@@ -657,11 +661,14 @@ impl Compiled {
     }
 
     /// A contiguous copy of the transposed weight view `v` (at `loc`), when this run
-    /// promises unchanged parameters (`params_version`) and an earlier run made the same
-    /// promise: products read it row by row instead of with a stride of the model width.
-    /// The first run of a version reads the view in place and only notes the version, so
-    /// a training step (a new version every step) never pays for a copy; a decoder or a
-    /// validation pass (one version for many runs) pays for one.
+    /// promises unchanged parameters (`params_version`): products read it row by row
+    /// instead of with a stride of the model width. The copy is made by the first run of
+    /// a version and kept for the version's later runs, so every run of a version — a
+    /// decoder's steps, whichever batch or worker they decode, a validation pass — reads
+    /// the same operand and gives the same bits (the `gemm` crate picks other kernels for
+    /// a strided right operand, rounding differently). Only inference programs have such
+    /// views (a training step reads every weight transposed; copying them all each step
+    /// would cost what it saves).
     fn weight_copy(&self, v: usize, loc: &Loc, version: Option<u64>) -> Option<Arc<Vec<f32>>> {
         let version = version?;
         if loc.is_contiguous() || loc.dtype != DType::F32 || loc.shape().len() != 2 {
@@ -674,7 +681,6 @@ impl Compiled {
                 version: Some(version),
                 copy: None,
             };
-            return None;
         }
         if t.copy.is_none() {
             let mut c = zeroed(loc.numel());
@@ -744,15 +750,24 @@ impl Compiled {
         let bind = Binder::with_resident(&self.graph, inputs, &as_read, params, EXECUTOR)?;
         let dims = bind.dims.clone();
         let layout = self.layouts.get(&self.plan, &dims)?;
-        // The shared arena, or one of this run's own while another run holds it. Never
-        // wait for it: runs go on rayon's workers, and a worker waiting for its kernels
-        // may take up a second run of this program (rayon steals whole jobs), which would
-        // then wait on the worker itself.
-        let mut own = Vec::new();
+        // The shared arena, or one of this run's own while another run holds it (an idle
+        // one of an earlier such run if there is one). Never wait for it: runs go on
+        // rayon's workers, and a worker waiting for its kernels may take up a second run
+        // of this program (rayon steals whole jobs), which would then wait on the worker
+        // itself.
         let mut shared = match self.arena.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let mut own = match shared {
+            Some(_) => Vec::new(),
+            None => self
+                .idle_arenas
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop()
+                .unwrap_or_default(),
         };
         let arena: &mut Vec<f32> = match shared.as_deref_mut() {
             Some(a) => a,
@@ -1066,6 +1081,12 @@ impl Compiled {
             }
         }
         *self.scratch.lock().unwrap_or_else(|p| p.into_inner()) = keep.into_pool();
+        drop(shared);
+        if !own.is_empty() {
+            let mut idle = self.idle_arenas.lock().unwrap_or_else(|p| p.into_inner());
+            // As many as runs have overlapped; none is kept past that.
+            idle.push(own);
+        }
         Ok(out)
     }
 }
