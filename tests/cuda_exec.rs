@@ -1162,16 +1162,26 @@ fn kiln_bench_with_the_cuda_executor() {
             at(kiln_runtime::cuda::GPU_IDLE) > at("matmul (gemm)"),
             "{text}"
         );
-        // Then the products by shape: the tied output projection (2 × 25 target rows,
-        // d_model 32, the embedding read transposed) among them.
+        // Then the products by shape (the slowest; `--json` lists them all, the tied
+        // output projection among them: 2 × 25 target rows, d_model 32, the embedding
+        // read transposed).
         assert!(
             at("matrix products by shape") > at(kiln_runtime::cuda::HOST_ISSUE),
             "{text}"
         );
+        let out = bench_tiny("train_step", &["--profile", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let products = v["profile"]["products"].as_array().expect("products");
         assert!(
-            text.lines()
-                .any(|l| l.trim_start().starts_with("50×32·32×48ᵀ") && l.contains("matmul (")),
-            "{text}"
+            products.iter().any(|p| {
+                (p["m"].as_u64(), p["k"].as_u64(), p["n"].as_u64())
+                    == (Some(50), Some(32), Some(48))
+                    && p["b_transposed"] == true
+                    && p["kind"]
+                        .as_str()
+                        .is_some_and(|k| k.starts_with("matmul ("))
+            }),
+            "{v}"
         );
     }
     // `--host-outputs`: the forward's logits come back to the host, as before.

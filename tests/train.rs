@@ -337,7 +337,11 @@ fn checkpoints_translate_average_and_export() {
     for workers in ["1", "2"] {
         let w = translate(&["--batch", "1", "--workers", workers]);
         assert!(w.status.success(), "{}", String::from_utf8_lossy(&w.stderr));
-        assert_eq!(String::from_utf8(w.stdout).unwrap(), out, "--workers {workers}");
+        assert_eq!(
+            String::from_utf8(w.stdout).unwrap(),
+            out,
+            "--workers {workers}"
+        );
     }
     let zero = kiln(&dir, &["translate", "--checkpoint", "run", "--batch", "0"]);
     assert_eq!(zero.status.code(), Some(2), "clap's usage error");
