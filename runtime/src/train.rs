@@ -1599,13 +1599,13 @@ type StepModels<'a> = (
 type BatchJob<'a, T> =
     dyn Fn(&mut dyn crate::decode::StepModel, &[usize]) -> Result<T, TrainError> + Sync + 'a;
 
-/// `job` over every batch of `chunks`, in order of the results. With one worker (or one
-/// batch, or a GPU decoder) the batches run one after another here, with one decoder;
-/// otherwise `workers` threads take the next batch as they finish one, each with its own
-/// decoder on a one-thread rayon pool, so every kernel of a batch runs single-threaded
-/// and a batch's results do not depend on which worker ran it. `done(n)` is called here
-/// after each batch, with the sentences finished so far. The first error stops the
-/// workers and is returned.
+/// `job` over every batch of `chunks`, its results in the order of `chunks`. With one
+/// worker (or one batch, or a GPU decoder) the batches run one after another here, with
+/// one decoder; otherwise `workers` threads take the next batch as they finish one, each
+/// with its own decoder on a one-thread rayon pool, so every kernel of a batch runs
+/// single-threaded and a batch's results do not depend on which worker ran it. `done(n)`
+/// is called here after each batch, with the sentences finished so far. The first error
+/// stops the workers and is returned.
 fn over_batches<T: Send>(
     (encode, step, params, vocab): StepModels<'_>,
     chunks: &[&[usize]],
