@@ -310,42 +310,11 @@ fn decoding_workers_give_the_bits_of_one_worker() {
     let srcs = sentences(23);
     let refs: Vec<Vec<i32>> = srcs.iter().rev().cloned().collect();
     let opts = beam_four();
-    let (mut calls, mut last) = (0, 0);
-    let one = translate_nbest_ids(
-        &encode,
-        &step,
-        &s.params,
-        &srcs,
-        &opts,
-        64,
-        4,
-        2,
-        1,
-        &mut |n| {
-            calls += 1;
-            last = n;
-        },
-    )
-    .unwrap();
-    assert_eq!((calls, last), (6, 23), "a progress call per batch of 4");
-    assert!(one.iter().all(|h| h.len() == 2));
-    assert!(one.iter().any(|h| h[0].tokens.len() > 1), "{one:?}");
-    let scores_one = score_ids(
-        &encode,
-        &step,
-        &s.params,
-        &srcs,
-        &refs,
-        &opts,
-        64,
-        4,
-        1,
-        &mut |_| {},
-    )
-    .unwrap();
-    for workers in [2, 3] {
+    // The 2 best of each sentence, in batches of 4, and the progress calls: how many and
+    // the last count.
+    let nbest = |workers: usize| {
         let (mut calls, mut last) = (0, 0);
-        let many = translate_nbest_ids(
+        let hyps = translate_nbest_ids(
             &encode,
             &step,
             &s.params,
@@ -361,6 +330,30 @@ fn decoding_workers_give_the_bits_of_one_worker() {
             },
         )
         .unwrap();
+        (hyps, calls, last)
+    };
+    let scores = |workers: usize| {
+        score_ids(
+            &encode,
+            &step,
+            &s.params,
+            &srcs,
+            &refs,
+            &opts,
+            64,
+            4,
+            workers,
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    let (one, calls, last) = nbest(1);
+    assert_eq!((calls, last), (6, 23), "a progress call per batch of 4");
+    assert!(one.iter().all(|h| h.len() == 2));
+    assert!(one.iter().any(|h| h[0].tokens.len() > 1), "{one:?}");
+    let scores_one = scores(1);
+    for workers in [2, 3] {
+        let (many, calls, last) = nbest(workers);
         assert_eq!((calls, last), (6, 23), "{workers} workers");
         for (a, b) in one.iter().zip(&many) {
             assert_eq!(a.len(), b.len());
@@ -374,21 +367,9 @@ fn decoding_workers_give_the_bits_of_one_worker() {
                 );
             }
         }
-        let scores = score_ids(
-            &encode,
-            &step,
-            &s.params,
-            &srcs,
-            &refs,
-            &opts,
-            64,
-            4,
-            workers,
-            &mut |_| {},
-        )
-        .unwrap();
+        let got = scores(workers);
         let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&scores), bits(&scores_one), "{workers} workers");
+        assert_eq!(bits(&got), bits(&scores_one), "{workers} workers");
     }
     // Against the reference executor, one sentence at a time: the same tokens.
     let reference = translate_nbest_ids(
@@ -418,35 +399,26 @@ fn a_failing_batch_on_a_worker_is_an_error() {
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    let translate = |srcs: &[Vec<i32>]| {
+        translate_ids(
+            &encode,
+            &step,
+            &s.params,
+            srcs,
+            &beam_four(),
+            64,
+            2,
+            2,
+            &mut |_| {},
+        )
+        .map_err(|e| e.to_string())
+    };
     let mut srcs = sentences(12);
     srcs[9] = vec![5, 900, 6];
-    let err = translate_ids(
-        &encode,
-        &step,
-        &s.params,
-        &srcs,
-        &beam_four(),
-        64,
-        2,
-        2,
-        &mut |_| {},
-    )
-    .unwrap_err()
-    .to_string();
+    let err = translate(&srcs).unwrap_err();
     assert!(err.contains("900"), "{err}");
     srcs[9] = vec![5, 6];
-    let ok = translate_ids(
-        &encode,
-        &step,
-        &s.params,
-        &srcs,
-        &beam_four(),
-        64,
-        2,
-        2,
-        &mut |_| {},
-    )
-    .unwrap();
+    let ok = translate(&srcs).unwrap();
     assert_eq!(ok.len(), 12);
 }
 

@@ -1553,24 +1553,17 @@ pub fn translate_nbest_ids(
 ) -> Result<Vec<Vec<Hypothesis>>, TrainError> {
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
-    let chunks: Vec<&[usize]> = order.chunks(batch.max(1)).collect();
-    let per_batch = over_batches(
-        (encode, step, params, vocab),
-        &chunks,
+    let models = (encode, step, params, vocab);
+    per_sentence(
+        models,
+        srcs,
+        opts.pad,
+        &order,
+        batch,
         workers,
-        &|model, chunk| {
-            let src = padded_rows(srcs, chunk, opts.pad)?;
-            Ok(decode_nbest(model, &src, opts, n)?)
-        },
         done,
-    )?;
-    let mut out = vec![Vec::new(); srcs.len()];
-    for (chunk, hyps) in chunks.iter().zip(per_batch) {
-        for (&i, h) in chunk.iter().zip(hyps) {
-            out[i] = h;
-        }
-    }
-    Ok(out)
+        &|model, _, src| Ok(decode_nbest(model, src, opts, n)?),
+    )
 }
 
 /// How many workers [`translate_ids`], [`translate_nbest_ids`] and [`score_ids`] share
@@ -1595,9 +1588,47 @@ type StepModels<'a> = (
     usize,
 );
 
+/// What [`per_sentence`] runs on each batch: the decoder, the batch's sentences and the
+/// batch itself; one result per sentence.
+type SentenceJob<'a, R> = dyn Fn(&mut dyn crate::decode::StepModel, &[usize], &Tensor) -> Result<Vec<R>, TrainError>
+    + Sync
+    + 'a;
+
 /// What [`over_batches`] runs on each batch: the decoder and the batch's sentences.
 type BatchJob<'a, T> =
     dyn Fn(&mut dyn crate::decode::StepModel, &[usize]) -> Result<T, TrainError> + Sync + 'a;
+
+/// `job` over the sentences of `srcs` in the order `order` (a permutation of their
+/// indices), in batches of `batch` padded with `pad` ([`padded_rows`]), on `workers` (see
+/// [`over_batches`]); `job(decoder, sentences, batch)` gives one result per sentence of
+/// its batch, returned here at the sentence's index.
+#[allow(clippy::too_many_arguments)]
+fn per_sentence<R: Send + Default>(
+    models: StepModels<'_>,
+    srcs: &[Vec<i32>],
+    pad: i32,
+    order: &[usize],
+    batch: usize,
+    workers: usize,
+    done: &mut dyn FnMut(usize),
+    job: &SentenceJob<'_, R>,
+) -> Result<Vec<R>, TrainError> {
+    let chunks: Vec<&[usize]> = order.chunks(batch.max(1)).collect();
+    let per_batch = over_batches(
+        models,
+        &chunks,
+        workers,
+        &|model, chunk| job(model, chunk, &padded_rows(srcs, chunk, pad)?),
+        done,
+    )?;
+    let mut out: Vec<R> = (0..order.len()).map(|_| R::default()).collect();
+    for (chunk, results) in chunks.iter().zip(per_batch) {
+        for (&i, r) in chunk.iter().zip(results) {
+            out[i] = r;
+        }
+    }
+    Ok(out)
+}
 
 /// `job` over every batch of `chunks`, its results in the order of `chunks`. With one
 /// worker (or one batch, or a GPU decoder) the batches run one after another here, with
@@ -1710,25 +1741,20 @@ pub fn score_ids(
     }
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
-    let chunks: Vec<&[usize]> = order.chunks(batch.max(1)).collect();
-    let per_batch = over_batches(
-        (encode, step, params, vocab),
-        &chunks,
+    let models = (encode, step, params, vocab);
+    per_sentence(
+        models,
+        srcs,
+        opts.pad,
+        &order,
+        batch,
         workers,
-        &|model, chunk| {
-            let src = padded_rows(srcs, chunk, opts.pad)?;
-            let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();
-            Ok(crate::decode::score(model, &src, &chunk_refs, opts)?)
-        },
         done,
-    )?;
-    let mut out = vec![0.0; srcs.len()];
-    for (chunk, scores) in chunks.iter().zip(per_batch) {
-        for (&i, s) in chunk.iter().zip(scores) {
-            out[i] = s;
-        }
-    }
-    Ok(out)
+        &|model, chunk, src| {
+            let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();
+            Ok(crate::decode::score(model, src, &chunk_refs, opts)?)
+        },
+    )
 }
 
 /// Elements per parallel task of the gradient passes.
