@@ -31,11 +31,96 @@ pub struct DemoArgs {
     pub dir: Option<PathBuf>,
 }
 
+/// Everything the demo writes into its directory.
+const DEMO_ENTRIES: [&str; 10] = [
+    "demo.yaml",
+    "transformer_base.kiln",
+    "train.src",
+    "train.tgt",
+    "valid.src",
+    "valid.tgt",
+    "test.src",
+    "test.tgt",
+    "test.hyp",
+    "run",
+];
+
+/// Makes `dir` ready for a demo: a missing or empty directory is used as it is; one that an
+/// earlier demo wrote (it has `demo.yaml` and nothing but [`DEMO_ENTRIES`]) is cleared of
+/// those entries. Anything else is refused, so `--dir` never deletes a user's files.
+fn clear_demo_dir(dir: &Path) -> Result<(), Error> {
+    let fail = |message: String| {
+        plain(
+            "kiln::demo",
+            message,
+            Some(
+                "give `--dir` a new or empty directory (or one an earlier `kiln demo` wrote)"
+                    .to_string(),
+            ),
+        )
+    };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if dir.exists() && !dir.is_dir() => {
+            return Err(fail(format!(
+                "`{}` is not a directory ({e})",
+                dir.display()
+            )))
+        }
+        Err(e) => return Err(fail(format!("cannot read `{}`: {e}", dir.display()))),
+    };
+    let mut names = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| fail(format!("cannot read `{}`: {e}", dir.display())))?;
+        names.push(entry.file_name().to_string_lossy().into_owned());
+    }
+    names.sort();
+    if names.is_empty() {
+        return Ok(());
+    }
+    let foreign: Vec<&String> = names
+        .iter()
+        .filter(|n| !DEMO_ENTRIES.contains(&n.as_str()))
+        .collect();
+    if !foreign.is_empty() || !names.iter().any(|n| n == "demo.yaml") {
+        let shown: Vec<String> = foreign.iter().take(5).map(|n| format!("`{n}`")).collect();
+        let what = if foreign.is_empty() {
+            "no `demo.yaml`".to_string()
+        } else {
+            format!(
+                "files the demo does not write ({}{})",
+                shown.join(", "),
+                if foreign.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            )
+        };
+        return Err(fail(format!(
+            "`{}` is not empty and holds {what}: the demo replaces the contents of its \
+             directory, so it only reuses one that an earlier demo wrote",
+            dir.display()
+        )));
+    }
+    for name in &names {
+        let path = dir.join(name);
+        let removed = if path.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        removed.map_err(|e| fail(format!("cannot remove `{}`: {e}", path.display())))?;
+    }
+    Ok(())
+}
+
 pub fn demo(a: DemoArgs) -> Result<(), Error> {
     let dir = a
         .dir
         .unwrap_or_else(|| std::env::temp_dir().join(format!("kiln-demo-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&dir);
+    clear_demo_dir(&dir)?;
     std::fs::create_dir_all(&dir).map_err(|e| {
         plain(
             "kiln::io",
