@@ -102,18 +102,15 @@ pub fn compile(args: &OptArgs, output: Option<&Path>, check: bool, seed: u64) ->
     let text = kg.text();
     match output {
         Some(path) => {
-            let mut tmp = path.as_os_str().to_owned();
-            tmp.push(".tmp");
-            let tmp = PathBuf::from(tmp);
-            std::fs::write(&tmp, &text)
-                .and_then(|_| std::fs::rename(&tmp, path))
-                .map_err(|e| {
+            kiln_compiler::fsync::write_replacing(path, text.as_bytes()).map_err(
+                |(action, e)| {
                     plain(
                         "kiln::file",
-                        format!("cannot write {}: {e}", path.display()),
+                        format!("cannot {action} `{}`: {e}", path.display()),
                         None,
                     )
-                })?;
+                },
+            )?;
             let total: usize = report.kernels_after.values().sum();
             eprintln!("wrote {} ({} kernels)", path.display(), total);
         }

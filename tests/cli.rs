@@ -502,6 +502,47 @@ fn init_to_an_unwritable_place_fails_cleanly() {
     assert!(err.contains("w.safetensors"), "{err}");
 }
 
+#[cfg(unix)]
+#[test]
+fn outputs_write_through_links_and_into_devices_and_name_a_missing_directory() {
+    use std::os::unix::fs::{symlink, FileTypeExt};
+    let dir = tmp("outputs_special");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // `-o latest`, a link to this run's weights: the weights are written, the link kept.
+    symlink("weights.safetensors", dir.join("latest")).unwrap();
+    let spec = "models/transformer_tiny.kiln";
+    ok(&["init", spec, "-o", s(&dir.join("latest"))]);
+    assert!(std::fs::symlink_metadata(dir.join("latest"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    let direct = dir.join("direct.safetensors");
+    ok(&["init", spec, "-o", s(&direct)]);
+    assert_eq!(
+        std::fs::read(dir.join("weights.safetensors")).unwrap(),
+        std::fs::read(&direct).unwrap(),
+        "the same spec and seed give the same bytes"
+    );
+    // A device is written into, never replaced by a regular file.
+    ok(&["init", spec, "-o", "/dev/null"]);
+    ok(&["compile", spec, "--entry", "forward", "-o", "/dev/null"]);
+    assert!(std::fs::metadata("/dev/null")
+        .unwrap()
+        .file_type()
+        .is_char_device());
+    let err = flat(&fails(&[
+        "init",
+        spec,
+        "-o",
+        s(&dir.join("nodir/w.safetensors")),
+    ]));
+    assert!(
+        err.contains("nodir` does not exist; create it first") && !err.contains(".tmp-"),
+        "{err}"
+    );
+}
+
 #[test]
 fn demo_runs_without_files_and_learns_the_task() {
     // A fixed step count makes the run deterministic (on this machine, compiled executor:
@@ -556,6 +597,39 @@ fn demo_runs_without_files_and_learns_the_task() {
     ] {
         assert!(dir.join("run").join(f).exists(), "{f} missing:\n{text}");
     }
+}
+
+#[test]
+fn demo_never_deletes_files_it_did_not_write() {
+    // A directory with a file of the user's, and one with only a `run/` (a real training
+    // run, say): both refused, both left as they were.
+    let dir = tmp("demo_foreign");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("run/checkpoints")).unwrap();
+    std::fs::write(dir.join("thesis.txt"), "precious").unwrap();
+    let err = flat(&fails(&["demo", "--steps", "1", "--dir", s(&dir)]));
+    assert!(
+        err.contains("holds files the demo does not write (`thesis.txt`)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("give `--dir` a new or empty directory"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("thesis.txt")).unwrap(),
+        "precious"
+    );
+    std::fs::remove_file(dir.join("thesis.txt")).unwrap();
+    let err = flat(&fails(&["demo", "--steps", "1", "--dir", s(&dir)]));
+    assert!(err.contains("holds no `demo.yaml`"), "{err}");
+    assert!(dir.join("run/checkpoints").is_dir());
+    // A file where the directory should be.
+    let file = tmp("demo_file");
+    std::fs::write(&file, "x").unwrap();
+    let err = flat(&fails(&["demo", "--steps", "1", "--dir", s(&file)]));
+    assert!(err.contains("is not a directory"), "{err}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Durable file writes shared by everything that writes a directory atomically (model
-//! checkpoints, compiled artifacts): write a file and fsync it, fsync a directory.
+//! checkpoints, compiled artifacts): write a file and fsync it, fsync a directory; and
+//! [`write_replacing`], for a file the user named.
 
-use std::io::Write;
-use std::path::Path;
+use std::io::{ErrorKind, Write};
+use std::path::{Path, PathBuf};
 
 /// Writes `bytes` to `path` and syncs it. Returns the failed action (`create`, `write`,
 /// `sync`) with the error, so callers can name it in their own error type.
@@ -20,4 +21,182 @@ pub fn sync_dir(dir: &Path) {
     }
     #[cfg(not(unix))]
     let _ = dir;
+}
+
+/// Writes a file the user named (`-o FILE`) whole, so that a failure leaves what was there.
+///
+/// A regular file (or a new one) gets `bytes` through a temporary sibling
+/// (`<file>.tmp-<pid>`), synced and renamed over it. A symbolic link is followed: the file it
+/// points to is replaced and the link is kept. A file that cannot be replaced — a device
+/// such as `/dev/null` or `/dev/stdout`, a FIFO — is written in place. Errors return the
+/// failed action with an error that never names the temporary file: a missing directory is
+/// reported as such.
+pub fn write_replacing(path: &Path, bytes: &[u8]) -> Result<(), (&'static str, std::io::Error)> {
+    let linked = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let target = match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => {
+            return Err((
+                "write",
+                std::io::Error::new(ErrorKind::IsADirectory, "it is a directory"),
+            ))
+        }
+        Ok(m) if !m.is_file() => {
+            // Nothing to replace: the kernel follows the path (even `/proc/self/fd/1`).
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(|e| ("open", e))?;
+            return f.write_all(bytes).map_err(|e| ("write", e));
+        }
+        Ok(_) if linked => std::fs::canonicalize(path).map_err(|e| ("resolve the link", e))?,
+        Ok(_) => path.to_path_buf(),
+        Err(e) if e.kind() == ErrorKind::NotFound && linked => {
+            dangling_target(path).map_err(|e| ("resolve the link", e))?
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => path.to_path_buf(),
+        Err(e) => return Err(("read", e)),
+    };
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        let why = if dir.exists() {
+            format!("`{}` is not a directory", dir.display())
+        } else {
+            format!(
+                "the directory `{}` does not exist; create it first",
+                dir.display()
+            )
+        };
+        return Err(("write", std::io::Error::new(ErrorKind::NotFound, why)));
+    }
+    let mut name = target.as_os_str().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(name);
+    let written = write_synced(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, &target).map_err(|e| ("replace", e)));
+    match written {
+        Ok(()) => {
+            sync_dir(dir);
+            Ok(())
+        }
+        Err(e) => {
+            // Best effort: the error that matters is the one in hand.
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Where a symbolic link whose target does not exist (yet) points, links followed.
+fn dangling_target(path: &Path) -> std::io::Result<PathBuf> {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let to = std::fs::read_link(&p)?;
+                p = match p.parent() {
+                    Some(dir) if to.is_relative() => dir.join(to),
+                    _ => to,
+                };
+            }
+            _ => return Ok(p),
+        }
+    }
+    Err(std::io::Error::other("too many levels of symbolic links"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kiln-fsync-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_file_is_replaced_whole_and_nothing_is_left_beside_it() {
+        let d = dir("plain");
+        let f = d.join("out.bin");
+        write_replacing(&f, b"one").unwrap();
+        write_replacing(&f, b"two").unwrap();
+        assert_eq!(std::fs::read(&f).unwrap(), b"two");
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1);
+        // A directory in the way: refused, untouched.
+        let sub = d.join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let (_, e) = write_replacing(&sub, b"x").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::IsADirectory);
+        assert!(sub.is_dir());
+        // A missing directory is named, not the temporary file.
+        let (action, e) = write_replacing(&d.join("nodir/out.bin"), b"x").unwrap_err();
+        assert_eq!(action, "write");
+        let text = e.to_string();
+        assert!(
+            text.contains("nodir` does not exist; create it first"),
+            "{text}"
+        );
+        assert!(!text.contains(".tmp-"), "{text}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn links_are_followed_and_special_files_written_in_place() {
+        use std::os::unix::fs::{symlink, FileTypeExt};
+        let d = dir("special");
+        // A link to a file: the file gets the bytes, the link stays a link.
+        std::fs::write(d.join("target.bin"), b"old").unwrap();
+        symlink("target.bin", d.join("latest")).unwrap();
+        write_replacing(&d.join("latest"), b"new").unwrap();
+        assert!(std::fs::symlink_metadata(d.join("latest"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(std::fs::read(d.join("target.bin")).unwrap(), b"new");
+        // A dangling link: its target is created.
+        symlink("made.bin", d.join("dangling")).unwrap();
+        write_replacing(&d.join("dangling"), b"made").unwrap();
+        assert_eq!(std::fs::read(d.join("made.bin")).unwrap(), b"made");
+        assert!(std::fs::symlink_metadata(d.join("dangling"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        // A device stays a device.
+        write_replacing(Path::new("/dev/null"), b"gone").unwrap();
+        assert!(std::fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device());
+        // A FIFO: its reader gets the bytes; it stays a FIFO.
+        let fifo = d.join("fifo");
+        if std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            let reader = {
+                let fifo = fifo.clone();
+                std::thread::spawn(move || std::fs::read(fifo).unwrap())
+            };
+            write_replacing(&fifo, b"piped").unwrap();
+            assert_eq!(reader.join().unwrap(), b"piped");
+            assert!(std::fs::symlink_metadata(&fifo)
+                .unwrap()
+                .file_type()
+                .is_fifo());
+        }
+        // A link to a device (as `/dev/stdout` is) is written through.
+        symlink("/dev/null", d.join("null")).unwrap();
+        write_replacing(&d.join("null"), b"gone").unwrap();
+        assert!(std::fs::symlink_metadata(d.join("null"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }

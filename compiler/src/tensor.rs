@@ -10,7 +10,6 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensorError, View};
@@ -279,18 +278,14 @@ fn to_bytes(t: &Tensor) -> Bytes {
     }
 }
 
-/// The temporary sibling `path` is written to before the rename: `<path>.tmp-<pid>`.
-fn temp_path(path: &Path) -> PathBuf {
-    let mut name = path.as_os_str().to_os_string();
-    name.push(format!(".tmp-{}", std::process::id()));
-    PathBuf::from(name)
-}
-
 /// Writes `tensors` (and optional string `metadata`) to `path` in safetensors format.
 ///
-/// The write is atomic: the bytes go to `<path>.tmp-<pid>` in the same directory, are
-/// flushed to disk, and the temporary file is renamed over `path`. If anything fails, the
-/// temporary file is removed and whatever was at `path` before is left untouched.
+/// The write is atomic ([`crate::fsync::write_replacing`]): the bytes go to
+/// `<path>.tmp-<pid>` in the same directory, are flushed to disk, and the temporary file is
+/// renamed over `path`. If anything fails, the temporary file is removed and whatever was at
+/// `path` before is left untouched. A symbolic link is written through (the link stays);
+/// a device or FIFO (`/dev/stdout`) is written in place. The same tensors and metadata
+/// give the same bytes.
 pub fn save_safetensors(
     path: &Path,
     tensors: &[(String, Tensor)],
@@ -325,49 +320,34 @@ pub fn save_safetensors(
         source,
     })?;
 
-    let tmp = temp_path(path);
-    let written = write_and_sync(&tmp, &bytes).and_then(|()| {
-        std::fs::rename(&tmp, path).map_err(|source| TensorFileError::Io {
-            action: "rename the temporary file over",
-            path: path.to_path_buf(),
-            source,
-        })
-    });
-    if let Err(e) = written {
-        // Best effort: the error that matters is the one already in hand.
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
+    let mut bytes = bytes;
+    if let Some(m) = metadata {
+        sort_metadata(&mut bytes, m);
     }
-    sync_parent_dir(path);
-    Ok(())
-}
-
-fn write_and_sync(tmp: &Path, bytes: &[u8]) -> Result<(), TensorFileError> {
-    let io = |source| TensorFileError::Io {
-        action: "write",
-        path: tmp.to_path_buf(),
+    crate::fsync::write_replacing(path, &bytes).map_err(|(action, source)| TensorFileError::Io {
+        action,
+        path: path.to_path_buf(),
         source,
-    };
-    let mut f = std::fs::File::create(tmp).map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    Ok(())
+    })
 }
 
-/// Makes the rename durable where the platform allows it (best effort).
-fn sync_parent_dir(path: &Path) {
-    #[cfg(unix)]
-    {
-        let dir = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+/// `safetensors::serialize` writes the header's `__metadata__` from a `HashMap`, in an order
+/// that changes from run to run. This rewrites it in key order — the same bytes reordered,
+/// so the header keeps its length — so that the same tensors and metadata give the same
+/// file. The header is left alone unless the object found is exactly `metadata`.
+fn sort_metadata(bytes: &mut [u8], metadata: &BTreeMap<String, String>) {
+    const KEY: &[u8] = b"{\"__metadata__\":";
+    let Ok(sorted) = serde_json::to_string(metadata) else {
+        return;
+    };
+    let (start, end) = (8 + KEY.len(), 8 + KEY.len() + sorted.len());
+    if bytes.len() < end || &bytes[8..start] != KEY {
+        return;
     }
-    #[cfg(not(unix))]
-    let _ = path;
+    match serde_json::from_slice::<BTreeMap<String, String>>(&bytes[start..end]) {
+        Ok(found) if &found == metadata => bytes[start..end].copy_from_slice(sorted.as_bytes()),
+        _ => {}
+    }
 }
 
 /// Reads every tensor of a safetensors file. F32, F64, I32, I64 and BOOL are supported;
@@ -547,6 +527,33 @@ mod tests {
         // Overwriting replaces the content.
         save_safetensors(&path, &tensors[..1], None).unwrap();
         assert_eq!(load_safetensors(&path).unwrap().len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_same_tensors_and_metadata_give_the_same_bytes() {
+        // The crate writes the metadata from a `HashMap`, whose order differs between maps
+        // (each has its own random hasher): eight keys give 8! orders.
+        let dir = scratch_dir("metadata_order");
+        let meta: BTreeMap<String, String> = (0..8)
+            .map(|i| (format!("kiln.key{i}"), format!("value \"{i}\" é")))
+            .collect();
+        let path = dir.join("a.safetensors");
+        save_safetensors(&path, &sample(), Some(&meta)).unwrap();
+        let first = std::fs::read(&path).unwrap();
+        for _ in 0..5 {
+            save_safetensors(&path, &sample(), Some(&meta)).unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), first);
+        }
+        let header_len = u64::from_le_bytes(first[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&first[8..8 + header_len]).unwrap();
+        let sorted = serde_json::to_string(&meta).unwrap();
+        assert!(
+            header.starts_with(&format!("{{\"__metadata__\":{sorted}")),
+            "{header}"
+        );
+        let st = safetensors::SafeTensors::deserialize(&first).unwrap();
+        assert_eq!(st.len(), sample().len());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
