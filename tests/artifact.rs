@@ -519,6 +519,80 @@ fn a_manifest_changed_after_it_was_written_is_refused() {
     }
 }
 
+/// A manifest without its hash (as older kilns wrote them) whose graphs point out of range
+/// — a kernel operand, a projection, a launch position, a parameter list entry — is a clear
+/// error at load, not a panic in the executor or the memory planner.
+#[test]
+fn a_manifest_without_its_hash_with_indices_out_of_range_is_refused() {
+    let dir = tmp("manifest_indices").join("art");
+    compile(&dir, "forward");
+    let mpath = dir.join("manifest.json");
+    let mut original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
+    original.as_object_mut().unwrap().remove("manifest_hash");
+    let first_kernel = |m: &mut serde_json::Value| -> usize {
+        m["entries"][0]["kernel_graph"]["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|v| {
+                v["def"]
+                    .get("Kernel")
+                    .is_some_and(|k| !k["inputs"].as_array().unwrap().is_empty())
+            })
+            .unwrap()
+    };
+    type Edit = fn(&mut serde_json::Value, usize);
+    let edits: [(&str, Edit, &str); 5] = [
+        (
+            "a kernel operand",
+            |m, k| {
+                m["entries"][0]["kernel_graph"]["values"][k]["def"]["Kernel"]["inputs"][0] =
+                    999_999.into()
+            },
+            "the kernel graph is corrupt: malformed graph: value %",
+        ),
+        (
+            "a launch position",
+            |m, k| {
+                m["entries"][0]["kernel_graph"]["values"][k]["def"]["Kernel"]["index"] =
+                    999_999.into()
+            },
+            "the kernel graph is corrupt: malformed graph: kernel %",
+        ),
+        (
+            "an output",
+            |m, _| m["entries"][0]["kernel_graph"]["outputs"][0][1] = 999_999.into(),
+            "the kernel graph is corrupt: malformed graph: output `",
+        ),
+        (
+            "a parameter list entry",
+            |m, _| m["entries"][0]["graph"]["params"][0] = 999_999.into(),
+            "the graph is corrupt: malformed graph: parameter list entry 0 is %999999, which \
+             points nowhere",
+        ),
+        (
+            "an input list entry naming a parameter",
+            |m, _| {
+                let p = m["entries"][0]["graph"]["params"][0].clone();
+                m["entries"][0]["graph"]["inputs"][0] = p;
+            },
+            "the graph is corrupt: malformed graph: input list entry 0 is %",
+        ),
+    ];
+    for (what, edit, want) in edits {
+        let mut m = original.clone();
+        let k = first_kernel(&mut m);
+        edit(&mut m, k);
+        std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let msg = Artifact::load(&dir).unwrap_err().to_string();
+        assert!(msg.contains(want), "{what}: {msg}");
+        let out = kiln(&["inspect", dir.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1), "{what}");
+        assert!(!stderr(&out).contains("panicked"), "{what}");
+    }
+}
+
 #[test]
 fn a_newer_artifact_version_says_to_recompile() {
     let dir = tmp("version").join("art");

@@ -863,6 +863,38 @@ impl Graph {
                 )));
             }
         }
+        // The signature's lists: each entry an input (a parameter) node, listed once.
+        for (list, a, ids) in [
+            ("input", "an", &self.inputs),
+            ("parameter", "a", &self.params),
+        ] {
+            let mut seen = std::collections::HashSet::new();
+            for (k, &id) in ids.iter().enumerate() {
+                let Some(node) = self.nodes.get(id.index()) else {
+                    return Err(IrError::Malformed(format!(
+                        "{list} list entry {k} is {id}, which points nowhere (the graph has {} \
+                         nodes)",
+                        self.nodes.len()
+                    )));
+                };
+                let kind_ok = match &node.op {
+                    Op::Input { .. } => list == "input",
+                    Op::Param { .. } => list == "parameter",
+                    _ => false,
+                };
+                if !kind_ok {
+                    return Err(IrError::Malformed(format!(
+                        "{list} list entry {k} is {id}, a `{}` node, not {a} {list}",
+                        node.op.name()
+                    )));
+                }
+                if !seen.insert(id) {
+                    return Err(IrError::Malformed(format!(
+                        "{id} is listed twice as {a} {list}"
+                    )));
+                }
+            }
+        }
         Ok(())
     }
 }

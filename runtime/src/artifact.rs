@@ -277,6 +277,12 @@ impl Artifact {
                 path: mpath.clone(),
                 message: format!("entry `{}`: the graph is corrupt: {err}", e.name),
             })?;
+            e.kernel_graph
+                .verify()
+                .map_err(|err| ArtifactError::BadManifest {
+                    path: mpath.clone(),
+                    message: format!("entry `{}`: the kernel graph is corrupt: {err}", e.name),
+                })?;
             // The memory plan is a function of the kernel graph; the executors place every
             // buffer by it, so one that differs (a manifest without its hash, edited) is
             // refused rather than trusted.

@@ -314,6 +314,75 @@ impl KernelGraph {
         })
     }
 
+    /// Checks the program's structure, as a loader must before trusting it: every value
+    /// has a type, reads only values before it, and projects an existing output of a
+    /// kernel; the kernels' launch positions are `0..n`, each after the kernels it reads;
+    /// the outputs name existing values. (A manifest's hash guards its contents; this
+    /// guards the executors from one without a hash.)
+    pub fn verify(&self) -> Result<(), IrError> {
+        let bad = |m: String| Err(IrError::Malformed(m));
+        let n = self.values.len();
+        let mut launch: Vec<Option<usize>> = vec![None; n];
+        let mut positions = std::collections::BTreeSet::new();
+        for (v, val) in self.values.iter().enumerate() {
+            if val.types.is_empty() {
+                return bad(format!("value %{v} has no type"));
+            }
+            let reads: Vec<usize> = match &val.def {
+                Def::Input(_) | Def::Param(_) | Def::Const(..) => vec![],
+                Def::View(_, x) => vec![*x],
+                Def::Proj(t, _) => vec![*t],
+                Def::Kernel { inputs, .. } => inputs.clone(),
+            };
+            if let Some(&x) = reads.iter().find(|&&x| x >= v) {
+                return bad(format!(
+                    "value %{v} reads %{x}, which does not come before it (the program has {n} \
+                     values)"
+                ));
+            }
+            match &val.def {
+                Def::Proj(t, k) => {
+                    let outputs = match &self.values[*t].def {
+                        Def::Kernel { .. } => self.values[*t].types.len(),
+                        _ => 0,
+                    };
+                    if usize::from(*k) >= outputs {
+                        return bad(format!(
+                            "value %{v} is output {k} of %{t}, which has {outputs} outputs"
+                        ));
+                    }
+                }
+                Def::Kernel { index, inputs, .. } => {
+                    if !positions.insert(*index) {
+                        return bad(format!("two kernels launch at position {index}"));
+                    }
+                    launch[v] = Some(*index);
+                    for &x in inputs {
+                        let read = self.result_of(x).and_then(|(k, _)| launch[k]);
+                        if let Some(at) = read.filter(|&at| at >= *index) {
+                            return bad(format!(
+                                "kernel %{v} launches at position {index} but reads %{x}, \
+                                 computed at position {at}"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some(last) = positions.last().filter(|&&p| p + 1 != positions.len()) {
+            return bad(format!(
+                "the launch positions of the {} kernels run to {last}; they must be 0..{}",
+                positions.len(),
+                positions.len()
+            ));
+        }
+        if let Some((name, v)) = self.outputs.iter().find(|(_, v)| *v >= n) {
+            return bad(format!("output `{name}` is %{v}, which does not exist"));
+        }
+        Ok(())
+    }
+
     /// The kernel result (kernel value, output) that value `v` reads, through views and
     /// projections; `None` for sources and views of them.
     pub fn result_of(&self, mut v: usize) -> Option<(usize, usize)> {
