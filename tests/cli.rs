@@ -492,6 +492,36 @@ fn a_model_or_batch_larger_than_the_machine_is_an_error_not_an_abort() {
 }
 
 #[test]
+fn a_sentence_too_long_for_the_attention_scores_is_an_error_not_an_abort() {
+    // The arena fits (a tiny model), but each thread's `[t, t]` score block would take
+    // terabytes: the allocation aborted the process (SIGABRT) before it was checked.
+    let err = flat(&fails(&[
+        "bench",
+        "models/transformer_tiny.kiln",
+        "--entry",
+        "forward",
+        "--batch",
+        "1",
+        "--src-len",
+        "1000000",
+        "--tgt-len",
+        "2",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+    ]));
+    assert!(
+        err.contains(
+            "(encoder.layers.0.self_attn): attention: the compiled executor's `attention` (1 \
+             f32 [1000000, 1000000] score block(s) for each of"
+        ) && err.contains("would allocate")
+            && err.contains("or shorter sequences (KILN_MEMORY_CHECK=0 skips this check)"),
+        "{err}"
+    );
+}
+
+#[test]
 fn init_to_an_unwritable_place_fails_cleanly() {
     let err = fails(&[
         "init",

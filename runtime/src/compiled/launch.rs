@@ -730,6 +730,29 @@ fn mask_at(mask: Option<&Loc>, kind: MaskKind, bi: usize, tk: usize) -> *mut u8 
     }
 }
 
+/// Checks that the attention kernels' score blocks fit in memory before they are
+/// allocated: `blocks` `[tq, tk]` f32 matrices per worker thread (a sentence of 100,000
+/// tokens asks 40 GB of each; the allocation would abort the process).
+fn scores_fit(kind: &str, blocks: usize, tq: usize, tk: usize) -> Result<(), String> {
+    let threads = rayon::current_num_threads().max(1) as u64;
+    let need = (blocks as u64)
+        .saturating_mul(threads)
+        .saturating_mul(tq as u64)
+        .saturating_mul(tk as u64)
+        .saturating_mul(4);
+    kiln_compiler::memory::ensure(
+        need,
+        || {
+            format!(
+                "the compiled executor's `{kind}` ({blocks} f32 [{tq}, {tk}] score block(s) \
+                 for each of {threads} threads)"
+            )
+        },
+        || kiln_compiler::memory::SMALLER_RUN.into(),
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// Attention forward: per (batch, head), `s = q·kᵀ` (GEMM), the masked scaled softmax
 /// in place (generated), `o = s·v` (GEMM). Heads run in parallel.
 fn attention(
@@ -755,6 +778,7 @@ fn attention(
         P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
     );
     let o = HeadsOut::of(out)?;
+    scores_fit("attention", 1, tq, tk)?;
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     (0..b * h).into_par_iter().for_each_init(
         || vec![0f32; tq * tk],
@@ -881,6 +905,7 @@ fn attention_bwd(
         HeadsOut::of(&outs[1])?,
         HeadsOut::of(&outs[2])?,
     );
+    scores_fit("attention_bwd", 2, tq, tk)?;
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     let (bdims, _) = rows::softmax_bwd_dims(tq, tk);
     let mloc = m.as_ref();
