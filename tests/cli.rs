@@ -47,6 +47,25 @@ fn s(p: &Path) -> &str {
 }
 
 #[test]
+fn check_says_when_the_parameter_count_does_not_fit_in_64_bits() {
+    // 2^33 · 2^33 weights: the count wrapped around to the bias's 2^33.
+    let spec = tmp("overflow.kiln");
+    std::fs::write(
+        &spec,
+        "model m(d: int = 8589934592) {\n  dims batch\n  input x: f32[batch, d]\n  \
+         l = linear(d_in = d, d_out = d)\n  output y = l(x)\n}\n",
+    )
+    .unwrap();
+    let text = ok(&["check", s(&spec)]);
+    assert!(
+        text.contains("parameters  at least 18,446,744,073,709,551,615 in 2 tensors"),
+        "{text}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&ok(&["check", s(&spec), "--json"])).unwrap();
+    assert_eq!(v["parameters"].as_u64(), Some(u64::MAX));
+}
+
+#[test]
 fn check_reports_the_papers_parameter_counts() {
     for (spec, want) in [
         ("models/transformer_base.kiln", 63_082_496u64),

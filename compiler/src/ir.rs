@@ -663,7 +663,8 @@ impl Graph {
         }
     }
 
-    /// Total number of parameter elements (parameter shapes are concrete).
+    /// Total number of parameter elements (parameter shapes are concrete); `u64::MAX`
+    /// where that does not fit in 64 bits.
     pub fn num_parameters(&self) -> u64 {
         self.params
             .iter()
@@ -671,10 +672,10 @@ impl Graph {
                 self.ty(p)
                     .shape
                     .as_consts()
-                    .map(|s| s.iter().product::<usize>() as u64)
+                    .map(|s| s.iter().fold(1u64, |n, &d| n.saturating_mul(d as u64)))
                     .unwrap_or(0)
             })
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// A model parameter's value as text, if the graph records it.

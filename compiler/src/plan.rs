@@ -79,8 +79,11 @@ fn is_elem_bytes(n: &usize) -> bool {
 impl Buffer {
     /// Its size in bytes for concrete dims (unaligned).
     pub fn bytes(&self, dims: &BTreeMap<String, i64>) -> Result<usize, String> {
-        let n: usize = self.ty.shape.eval(dims)?.iter().product();
-        Ok(n * self.elem_bytes)
+        let shape = self.ty.shape.eval(dims)?;
+        shape
+            .iter()
+            .try_fold(self.elem_bytes, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| format!("a buffer of shape {shape:?} has more bytes than 64 bits count"))
     }
 }
 
@@ -477,6 +480,7 @@ impl MemoryPlan {
         external: &[bool],
     ) -> Result<ArenaLayout, String> {
         self.sound()?;
+        let overflow = || "the arena has more bytes than 64 bits count".to_string();
         let outside = |i: usize| external.get(i).copied().unwrap_or(false);
         let mut slot_bytes = vec![0usize; self.slots];
         let mut sizes = Vec::with_capacity(self.buffers.len());
@@ -485,17 +489,19 @@ impl MemoryPlan {
             let bytes = if outside(i) {
                 0
             } else {
-                b.bytes(dims)?.div_ceil(ALIGN) * ALIGN
+                b.bytes(dims)?
+                    .checked_next_multiple_of(ALIGN)
+                    .ok_or_else(overflow)?
             };
             sizes.push(bytes);
-            unshared += bytes;
+            unshared = unshared.checked_add(bytes).ok_or_else(overflow)?;
             slot_bytes[b.slot] = slot_bytes[b.slot].max(bytes);
         }
         let mut slot_off = Vec::with_capacity(self.slots);
         let mut slots_total = 0usize;
         for &s in &slot_bytes {
             slot_off.push(slots_total);
-            slots_total += s;
+            slots_total = slots_total.checked_add(s).ok_or_else(overflow)?;
         }
         // A buffer written in place takes no bytes of its own, unless it or its home is
         // kept outside the arena (a graph output whose chain is not all f32 is, alone:
@@ -673,21 +679,22 @@ impl MemoryPlan {
     /// reaches it only when slot sizes fit perfectly).
     pub fn live_peak(&self, dims: &BTreeMap<String, i64>) -> Result<usize, String> {
         self.sound()?;
-        let mut delta = vec![0i64; self.steps + 2];
+        let overflow = || "the live buffers have more bytes than 64 bits count".to_string();
+        let mut delta = vec![0i128; self.steps + 2];
         for b in &self.buffers {
-            let bytes = b.bytes(dims)? as i64;
+            let bytes = b.bytes(dims)? as i128;
             // Written in place: its bytes are its operand's until the operand dies.
             let from = b.born + usize::from(b.in_place_of.is_some());
             delta[from] += bytes;
             delta[b.dies + 1] -= bytes;
         }
-        let mut cur = 0i64;
-        let mut peak = 0i64;
+        let mut cur = 0i128;
+        let mut peak = 0i128;
         for d in delta {
             cur += d;
             peak = peak.max(cur);
         }
-        Ok(peak as usize)
+        usize::try_from(peak).map_err(|_| overflow())
     }
 
     /// The plan as text: one line per slot (its buffers with their lifetimes), then the
@@ -822,6 +829,32 @@ mod tests {
         let e = plan.live_peak(&dims()).unwrap_err();
         assert!(e.contains("lifetime k3..k9 of 4 steps"), "{e}");
         assert_eq!(plan.layout(&dims()).unwrap_err(), e);
+    }
+
+    #[test]
+    fn sizes_that_overflow_64_bits_are_errors_not_wrapped_numbers() {
+        // Two buffers of 2^61 f32 each (2^63 bytes): each fits, the two together do not.
+        let huge = |value, slot| sized(value, slot, 0, 1, 4, 1 << 31);
+        let plan = MemoryPlan {
+            buffers: vec![huge(1, 0), huge(2, 1)],
+            slots: 2,
+            steps: 2,
+        };
+        let at: BTreeMap<String, i64> = [("batch".to_string(), 1i64 << 30)].into_iter().collect();
+        assert_eq!(plan.buffers[0].bytes(&at).unwrap(), 1usize << 63);
+        assert_eq!(
+            plan.layout(&at).unwrap_err(),
+            "the arena has more bytes than 64 bits count"
+        );
+        assert_eq!(
+            plan.live_peak(&at).unwrap_err(),
+            "the live buffers have more bytes than 64 bits count"
+        );
+        let at: BTreeMap<String, i64> = [("batch".to_string(), 1i64 << 31)].into_iter().collect();
+        assert_eq!(
+            plan.buffers[0].bytes(&at).unwrap_err(),
+            "a buffer of shape [2147483648, 2147483648] has more bytes than 64 bits count"
+        );
     }
 
     #[test]

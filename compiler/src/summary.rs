@@ -21,7 +21,7 @@ pub struct TensorSig {
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
     pub model: String,
-    /// Total number of trainable scalars.
+    /// Total number of trainable scalars (`u64::MAX`: that many or more).
     pub parameters: u64,
     /// Number of parameter tensors.
     pub parameter_tensors: usize,
@@ -80,7 +80,12 @@ impl Summary {
         writeln!(s, "model       {}", self.model).unwrap();
         writeln!(
             s,
-            "parameters  {} in {} tensors",
+            "parameters  {}{} in {} tensors",
+            if self.parameters == u64::MAX {
+                "at least "
+            } else {
+                ""
+            },
             group_digits(self.parameters),
             self.parameter_tensors
         )
