@@ -476,6 +476,11 @@ pub struct Graph {
     pub hparams: Vec<(String, String)>,
     #[serde(skip)]
     dedup: HashMap<(Op, Vec<NodeId>), NodeId>,
+    /// The names of `params`, for [`Graph::add_param`]'s duplicate check (a search of
+    /// `params` made elaborating `repeat(n, …)` quadratic in `n`); rebuilt from `params`
+    /// when they differ in number (a graph read back, or `params` set directly).
+    #[serde(skip)]
+    param_names: std::collections::HashSet<String>,
 }
 
 impl Graph {
@@ -548,7 +553,17 @@ impl Graph {
         init: Init,
         scope: &str,
     ) -> Result<NodeId, IrError> {
-        if self.param(name).is_some() {
+        if self.param_names.len() != self.params.len() {
+            self.param_names = self
+                .params
+                .iter()
+                .filter_map(|&p| match &self.nodes.get(p.index())?.op {
+                    Op::Param { name, .. } => Some(name.clone()),
+                    _ => None,
+                })
+                .collect();
+        }
+        if self.param_names.contains(name) {
             return Err(IrError::Duplicate {
                 kind: "parameter",
                 name: name.to_string(),
@@ -585,6 +600,7 @@ impl Graph {
             scope,
         );
         self.params.push(id);
+        self.param_names.insert(name.to_string());
         Ok(id)
     }
 

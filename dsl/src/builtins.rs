@@ -18,6 +18,9 @@ use crate::source::Span;
 use crate::values::{Partial, Value};
 
 /// The symbolic dim of positions already decoded (the key/value cache length).
+/// The most copies one `repeat` makes (each copy is a layer with its own weights).
+pub const MAX_REPEAT: i64 = 10_000;
+
 pub const PAST: &str = "past";
 
 /// Name and parameters (`?` marks optional ones).
@@ -685,6 +688,14 @@ pub(crate) fn call(
                     Diag::new("kiln::range", format!("`repeat` needs n >= 0, got {n}"))
                         .at(a.req("n").1, "negative"),
                 );
+            }
+            if n > MAX_REPEAT {
+                return Err(Diag::new(
+                    "kiln::range",
+                    format!("`repeat` makes at most {MAX_REPEAT} copies, got {n}"),
+                )
+                .at(a.req("n").1, "too many")
+                .help("the paper stacks 6 layers (base and big); check the value of n"));
             }
             match a.req("layer") {
                 (Value::Partial(p), _) if p.repeat.is_none() => Ok(Value::Partial(Rc::new(Partial {

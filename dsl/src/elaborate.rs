@@ -58,6 +58,8 @@ pub struct Override {
 
 /// How deep layer calls may nest.
 const MAX_DEPTH: usize = 64;
+/// The most IR nodes a spec may elaborate to (about 0.8 KB each while elaborating).
+const MAX_NODES: usize = 1_000_000;
 
 /// An evaluated call argument.
 pub(crate) struct EArg {
@@ -1052,6 +1054,14 @@ impl<'p> Elab<'p> {
         inputs: &[NodeId],
         span: Span,
     ) -> R<NodeId> {
+        if self.graph.len() >= MAX_NODES {
+            return Err(Diag::new(
+                "kiln::too-large",
+                format!("the model elaborates to more than {MAX_NODES} graph nodes"),
+            )
+            .at(span, "the limit was reached here")
+            .help("check the `repeat` counts and nested stacks (the paper's base model has a few thousand nodes)"));
+        }
         self.graph
             .add(op, inputs, &frame.inst.name)
             .map_err(|e| Diag::new("kiln::shape", e.to_string()).at(span, ""))
