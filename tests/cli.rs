@@ -47,6 +47,26 @@ fn s(p: &Path) -> &str {
 }
 
 #[test]
+fn a_spec_saved_with_a_byte_order_mark_is_read() {
+    // Some editors start UTF-8 files with U+FEFF; the spec and its imports read as without.
+    let dir = tmp("bom");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("layers.kiln"),
+        "\u{feff}layer twice(d)(x) {\n  linear(d_in = d, d_out = d)(x) * 2.0\n}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("m.kiln"),
+        "\u{feff}import \"layers.kiln\"\nmodel m(d: int = 4) {\n  dims batch\n  input x: \
+         f32[batch, d]\n  output y = twice(x, d = d)\n}\n",
+    )
+    .unwrap();
+    let text = ok(&["check", s(&dir.join("m.kiln"))]);
+    assert!(text.contains("parameters  20 in 2 tensors"), "{text}");
+}
+
+#[test]
 fn check_says_when_the_parameter_count_does_not_fit_in_64_bits() {
     // 2^33 · 2^33 weights: the count wrapped around to the bias's 2^33.
     let spec = tmp("overflow.kiln");

@@ -62,7 +62,7 @@ pub fn read_source(path: &Path) -> Result<String, Error> {
         )
     })?;
     match String::from_utf8(bytes) {
-        Ok(s) => Ok(s),
+        Ok(s) => Ok(without_bom(s)),
         Err(e) => {
             let at = e.utf8_error().valid_up_to();
             let lossy = String::from_utf8_lossy(e.as_bytes()).into_owned();
@@ -81,6 +81,15 @@ pub fn read_source(path: &Path) -> Result<String, Error> {
             .help("kiln specs are UTF-8 text; re-save the file as UTF-8")
             .finish(&sources))
         }
+    }
+}
+
+/// The text without a leading byte-order mark (U+FEFF), which some editors write at the
+/// start of UTF-8 files; rustc and Python ignore it too.
+fn without_bom(text: String) -> String {
+    match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
     }
 }
 
@@ -214,7 +223,7 @@ impl Loader {
         }
         let text = match std::fs::read(&full) {
             Ok(b) => match String::from_utf8(b) {
-                Ok(t) => t,
+                Ok(t) => without_bom(t),
                 Err(_) => {
                     return Err(Diag::new(
                         "kiln::encoding",
