@@ -649,14 +649,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             score_only,
             json,
         } => {
+            if smooth_value.is_some() && !matches!(smooth.as_str(), "floor" | "add-k") {
+                return Err(plain(
+                    "kiln::usage",
+                    format!("--smooth-value sets the value of `floor` or `add-k` smoothing, not of `{smooth}`"),
+                    Some("add `--smooth floor` or `--smooth add-k`, or drop --smooth-value".to_string()),
+                ));
+            }
             let read = |p: &PathBuf| -> Result<Vec<String>, Error> {
-                std::fs::read_to_string(p).map(|t| lines(&t)).map_err(|e| {
-                    plain(
-                        "kiln::io",
-                        format!("cannot read `{}`: {e}", p.display()),
-                        None,
-                    )
-                })
+                kiln_runtime::data::read_lines(p)
+                    .map_err(|e| plain("kiln::io", e.to_string(), None))
             };
             let hyps = match &hyp {
                 Some(p) => read(p)?,
@@ -683,13 +685,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                     _ => Smooth::None,
                 },
             };
-            let b = corpus_bleu(&hyps, &refs, &opts).map_err(|e| {
-                plain(
-                    "kiln::bleu",
-                    e.to_string(),
-                    Some("give one hypothesis line per reference line".to_string()),
-                )
-            })?;
+            let b = corpus_bleu(&hyps, &refs, &opts)
+                .map_err(|e| plain("kiln::bleu", e.to_string(), None))?;
             if json {
                 println!(
                     "{}",
@@ -843,7 +840,6 @@ pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
     Ok(())
 }
 
-/// Lines of a text file, without line terminators (a final newline ends the last line).
 /// A `--flag` value that must be a finite number.
 fn finite_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -862,6 +858,7 @@ fn non_negative_f64(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// Lines of a text, without line terminators (a final newline ends the last line).
 fn lines(text: &str) -> Vec<String> {
     text.lines()
         .map(|l| l.trim_end_matches('\r').to_string())

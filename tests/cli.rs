@@ -67,6 +67,63 @@ fn a_spec_saved_with_a_byte_order_mark_is_read() {
 }
 
 #[test]
+fn bleu_names_a_bad_line_and_a_misplaced_option() {
+    let dir = tmp("bleu_errors");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (hyp, refs) = (dir.join("hyp"), dir.join("ref"));
+    std::fs::write(&hyp, b"the cat sat on the mat\n\xffa dog ran in the park\n").unwrap();
+    std::fs::write(&refs, "the cat sat on the mat\na dog ran in the park\n").unwrap();
+    let err = flat(&fails(&["bleu", "--ref", s(&refs), s(&hyp)]));
+    assert!(
+        err.contains("hyp` line 2 is not valid UTF-8 (bad byte at column 1)"),
+        "{err}"
+    );
+    // A byte-order mark and CRLF line ends are not part of the text.
+    std::fs::write(
+        &hyp,
+        "\u{feff}the cat sat on the mat\r\na dog ran in the park\r\n",
+    )
+    .unwrap();
+    assert_eq!(
+        ok(&["bleu", "--ref", s(&refs), s(&hyp), "--score-only"]).trim(),
+        "100.00"
+    );
+    // A smoothing value without a smoothing that takes one was silently ignored.
+    let err = flat(&fails(&[
+        "bleu",
+        "--ref",
+        s(&refs),
+        s(&hyp),
+        "--smooth",
+        "exp",
+        "--smooth-value",
+        "0.5",
+    ]));
+    assert!(
+        err.contains("--smooth-value sets the value of `floor` or `add-k` smoothing, not of `exp`"),
+        "{err}"
+    );
+    let err = flat(&fails(&[
+        "bleu",
+        "--ref",
+        s(&refs),
+        s(&hyp),
+        "--smooth",
+        "floor",
+        "--smooth-value",
+        "nan",
+    ]));
+    assert!(
+        err.contains("needs a finite, non-negative value, got NaN"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("one hypothesis line per reference line"),
+        "{err}"
+    );
+}
+
+#[test]
 fn check_says_when_the_parameter_count_does_not_fit_in_64_bits() {
     // 2^33 · 2^33 weights: the count wrapped around to the bias's 2^33.
     let spec = tmp("overflow.kiln");
