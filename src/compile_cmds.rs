@@ -293,6 +293,23 @@ pub fn compile_artifact_from_model(
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
     let target = artifact_target(target, cuda_arch)?;
+    if model_dir
+        .join(kiln_compiler::artifact::MANIFEST_FILE)
+        .is_file()
+    {
+        return Err(plain(
+            "kiln::model",
+            format!(
+                "`{}` is a compiled artifact, not a model: it is compiled already",
+                model_dir.display()
+            ),
+            Some(format!(
+                "`kiln translate --model {}` runs it; `--from-model` takes a checkpoint, a run \
+                 directory or the output of `kiln average`",
+                model_dir.display()
+            )),
+        ));
+    }
     let m = model::load(model_dir).map_err(crate::train_cmds::err("kiln::model"))?;
     let origin = format!("the model `{}`", m.dir.display());
     let graphs = graphs_of(&m.graphs, entries, &DECODING_ENTRIES, &origin)?;
@@ -455,11 +472,9 @@ fn write_artifact_from(
         extras: src.extras,
     };
     kiln_compiler::artifact::write_artifact(dir, &art).map_err(|e| {
-        plain(
-            "kiln::artifact",
-            e.to_string(),
-            Some("check that the output directory is writable".to_string()),
-        )
+        let help = matches!(e, kiln_compiler::artifact::ArtifactError::Io { .. })
+            .then(|| "check that the output directory is writable".to_string());
+        plain("kiln::artifact", e.to_string(), help)
     })?;
     let kernels: usize = art
         .entries

@@ -15,7 +15,7 @@ use kiln_compiler::Graph;
 use kiln_runtime::artifact::{Artifact, ArtifactError};
 
 mod common;
-use common::kiln;
+use common::{flat, kiln};
 
 const REL: f64 = 1e-5;
 const ABS: f64 = 1e-6;
@@ -591,6 +591,50 @@ fn a_manifest_without_its_hash_with_indices_out_of_range_is_refused() {
         assert_eq!(out.status.code(), Some(1), "{what}");
         assert!(!stderr(&out).contains("panicked"), "{what}");
     }
+}
+
+/// Paths that are not artifacts, or artifacts where a model is wanted, are named as
+/// what they are.
+#[test]
+fn things_that_are_not_artifacts_say_what_they_are() {
+    let root = tmp("not_artifacts");
+    std::fs::create_dir_all(&root).unwrap();
+    let file = root.join("base.yaml");
+    std::fs::write(&file, "model: {}\n").unwrap();
+    let msg = Artifact::load(&file).unwrap_err().to_string();
+    assert!(
+        msg.contains("base.yaml` is a file, not an artifact"),
+        "{msg}"
+    );
+    // A manifest (without its hash) that lists no entry points.
+    let dir = root.join("art");
+    compile(&dir, "forward");
+    let mpath = dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
+    m.as_object_mut().unwrap().remove("manifest_hash");
+    m["entries"] = serde_json::json!([]);
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let msg = Artifact::load(&dir).unwrap_err().to_string();
+    assert!(msg.contains("(it lists no entry points)"), "{msg}");
+    // An artifact given where a model is wanted.
+    let art = root.join("art2");
+    compile(&art, "forward");
+    let out = kiln(&[
+        "compile",
+        "--from-model",
+        art.to_str().unwrap(),
+        "-o",
+        root.join("out").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = flat(&stderr(&out));
+    assert!(
+        err.contains("art2` is a compiled artifact, not a model")
+            && err.contains("runs it; `--from-model` takes a checkpoint"),
+        "{err}"
+    );
+    assert!(!root.join("out").exists());
 }
 
 #[test]

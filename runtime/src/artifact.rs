@@ -35,6 +35,11 @@ pub enum ArtifactError {
     )]
     NotFound { path: PathBuf },
     #[error(
+        "`{path}` is a file, not an artifact: an artifact is the directory that `kiln compile \
+         --entries … -o DIR` wrote"
+    )]
+    NotADirectory { path: PathBuf },
+    #[error(
         "`{dir}` is not a kiln artifact: it has no `{file}`; give the directory that \
          `kiln compile --entries … -o DIR` wrote, or recompile"
     )]
@@ -131,6 +136,11 @@ pub fn is_artifact_dir(dir: &Path) -> bool {
 impl Artifact {
     /// Loads and checks the artifact at `dir` (see the module documentation).
     pub fn load(dir: &Path) -> Result<Artifact, ArtifactError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(ArtifactError::NotADirectory {
+                path: dir.to_path_buf(),
+            });
+        }
         if !dir.is_dir() {
             return Err(ArtifactError::NotFound {
                 path: dir.to_path_buf(),
@@ -236,6 +246,12 @@ impl Artifact {
             return Err(ArtifactError::BadManifest {
                 path: mpath,
                 message: format!("`{WEIGHTS_FILE}` is not in the files table"),
+            });
+        }
+        if manifest.entries.is_empty() {
+            return Err(ArtifactError::BadManifest {
+                path: mpath,
+                message: "it lists no entry points".to_string(),
             });
         }
 
