@@ -568,7 +568,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 step,
                 ..RunOptions::default()
             };
-            if kiln_runtime::artifact::is_artifact_dir(&spec.spec) {
+            // A directory can only be an artifact: one without a manifest is named as such.
+            if spec.spec.is_dir() {
                 return compile_cmds::run_artifact(
                     &spec.spec,
                     entry.name(),

@@ -635,6 +635,25 @@ fn things_that_are_not_artifacts_say_what_they_are() {
         "{err}"
     );
     assert!(!root.join("out").exists());
+    // `kiln run` on a directory without a manifest: not "give a `.kiln` file".
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = kiln(&[
+        "run",
+        empty.to_str().unwrap(),
+        "--entry",
+        "forward",
+        "--inputs",
+        "in.safetensors",
+        "-o",
+        "out.safetensors",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = flat(&stderr(&out));
+    assert!(
+        err.contains("empty` is not a kiln artifact: it has no `manifest.json`"),
+        "{err}"
+    );
 }
 
 #[test]
