@@ -921,3 +921,45 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
         "{err}"
     );
 }
+
+/// Numbers that would make the learning rate NaN, infinite or zero are refused when the
+/// configuration is read, each named; a run that diverges anyway (a huge but finite
+/// factor) stops saying that it has no checkpoint yet, not that "the last one" is kept.
+#[test]
+fn degenerate_optimizer_and_schedule_numbers_are_refused() {
+    let dir = workspace("degenerate_numbers", "optimizer: {eps: .inf}\n");
+    edit_cfg(&dir, "factor: 1.0", "factor: .nan, d_model: 0");
+    edit_cfg(&dir, "max_steps: 20", "max_steps: 0");
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = unwrapped(&out.stderr);
+    for want in [
+        "schedule.factor is NaN; give a positive finite number",
+        "schedule.d_model is 0; give a positive finite number",
+        "optimizer.eps is inf; give a positive finite number",
+        "train.max_steps is 0, so the run would take no step",
+    ] {
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+    assert!(!dir.join("run").exists());
+
+    let dir = workspace("diverging", "");
+    edit_cfg(&dir, "factor: 1.0", "factor: 1.0e30");
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = unwrapped(&out.stderr);
+    assert!(
+        err.contains("is not finite")
+            && err.contains(
+                "stopping — the run has no checkpoint yet (none was due before this step)"
+            ),
+        "{err}"
+    );
+    assert!(
+        !err.contains("last good checkpoint") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(checkpoint::latest(&dir.join("run/checkpoints"))
+        .unwrap()
+        .is_none());
+}

@@ -338,13 +338,31 @@ impl Config {
                     .to_string(),
             );
         }
-        if !(0.0..1.0).contains(&self.optimizer.beta1)
-            || !(0.0..1.0).contains(&self.optimizer.beta2)
-        {
-            bad.push("optimizer.beta1 and beta2 must be in [0, 1)".to_string());
+        for (key, beta) in [
+            ("optimizer.beta1", self.optimizer.beta1),
+            ("optimizer.beta2", self.optimizer.beta2),
+        ] {
+            if !(0.0..1.0).contains(&beta) {
+                bad.push(format!("{key} is {beta}; give a number in [0, 1)"));
+            }
         }
-        if self.optimizer.eps <= 0.0 {
-            bad.push("optimizer.eps must be positive".to_string());
+        // NaN fails every comparison, so these are written to reject it as well.
+        let positive = |key: &str, value: f64, bad: &mut Vec<String>| {
+            if !(value.is_finite() && value > 0.0) {
+                bad.push(format!("{key} is {value}; give a positive finite number"));
+            }
+        };
+        positive("optimizer.eps", self.optimizer.eps, &mut bad);
+        positive("schedule.factor", self.schedule.factor, &mut bad);
+        if let Some(d) = self.schedule.d_model {
+            positive("schedule.d_model", d, &mut bad);
+        }
+        if self.train.max_steps == 0 {
+            bad.push(
+                "train.max_steps is 0, so the run would take no step and write no \
+                 checkpoint; give at least 1"
+                    .to_string(),
+            );
         }
         if self.batch.update_freq == 0 {
             bad.push("batch.update_freq must be at least 1".to_string());
@@ -399,9 +417,6 @@ impl Config {
         }
         if self.data.vocab_size < 8 {
             bad.push("data.vocab_size must be at least 8".to_string());
-        }
-        if self.schedule.factor <= 0.0 {
-            bad.push("schedule.factor must be positive".to_string());
         }
         if let Some(ls) = &self.train.loss_scale {
             let pow2 = ls.init.is_finite()
@@ -537,6 +552,37 @@ mod tests {
             e.contains("valid.max_len_a is -1; give a finite number, 0 or more"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn optimizer_and_schedule_numbers_are_finite_and_positive() {
+        let e = Config::parse(&format!(
+            "{MINIMAL}optimizer:\n  eps: .inf\n  beta1: .nan\nschedule:\n  factor: .nan\n  \
+             d_model: 0\ntrain:\n  max_steps: 0\n"
+        ))
+        .unwrap_err();
+        for want in [
+            "optimizer.beta1 is NaN; give a number in [0, 1)",
+            "optimizer.eps is inf; give a positive finite number",
+            "schedule.factor is NaN; give a positive finite number",
+            "schedule.d_model is 0; give a positive finite number",
+            "train.max_steps is 0, so the run would take no step",
+        ] {
+            assert!(e.contains(want), "{want:?} in {e}");
+        }
+        let e = Config::parse(&format!(
+            "{MINIMAL}optimizer:\n  eps: -1.0e-9\nschedule:\n  factor: -.inf\n  d_model: .nan\n"
+        ))
+        .unwrap_err();
+        for want in [
+            "optimizer.eps is -0.000000001; give a positive",
+            "schedule.factor is -inf; give a positive",
+            "schedule.d_model is NaN; give a positive",
+        ] {
+            assert!(e.contains(want), "{want:?} in {e}");
+        }
+        let c = Config::parse(&format!("{MINIMAL}schedule:\n  d_model: 512\n")).unwrap();
+        assert_eq!(c.schedule.d_model, Some(512.0));
     }
 
     #[test]

@@ -53,15 +53,18 @@ use kiln_compiler::autodiff::LOSS_SCALE;
 pub enum TrainError {
     #[error("{0}")]
     Setup(String),
-    #[error(
-        "step {step}: {what} is not finite ({value}); stopping — the last good checkpoint is kept"
-    )]
-    NonFinite { step: u64, what: String, value: f32 },
+    #[error("step {step}: {what} is not finite ({value}); stopping — {kept}")]
+    NonFinite {
+        step: u64,
+        what: String,
+        value: f32,
+        kept: Kept,
+    },
     #[error(
         "step {step}: {what} overflowed at every loss scale down to {}, below \
-         `train.loss_scale.min` ({min}); stopping — the last good checkpoint is kept. The \
-         gradients are not finite even unscaled: lower the learning rate, check the data, \
-         or lower `min` if a smaller scale is wanted",
+         `train.loss_scale.min` ({min}); stopping — {kept}. The gradients are not finite \
+         even unscaled: lower the learning rate, check the data, or lower `min` if a \
+         smaller scale is wanted",
         scale_text(*scale)
     )]
     LossScale {
@@ -69,6 +72,7 @@ pub enum TrainError {
         what: String,
         scale: f64,
         min: f64,
+        kept: Kept,
     },
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
@@ -87,6 +91,22 @@ pub enum TrainError {
     Config(#[from] crate::config::ConfigError),
     #[error("cannot write `{path}`: {message}")]
     Write { path: PathBuf, message: String },
+}
+
+/// What a run stopped by an error leaves behind: its newest checkpoint, if it has one.
+#[derive(Clone, Debug, Default)]
+pub struct Kept(pub Option<PathBuf>);
+
+impl std::fmt::Display for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(dir) => write!(f, "the last good checkpoint, `{}`, is kept", dir.display()),
+            None => write!(
+                f,
+                "the run has no checkpoint yet (none was due before this step)"
+            ),
+        }
+    }
 }
 
 /// The three graphs of a spec the trainer cuts its entry points from.
@@ -953,7 +973,12 @@ impl Trainer {
     ) -> Result<StepOutcome, TrainError> {
         let what = format!("the gradient of `{name}`");
         let (Some(ls), Some(from)) = (&self.cfg.train.loss_scale, self.state.loss_scale) else {
-            return Err(TrainError::NonFinite { step, what, value });
+            return Err(TrainError::NonFinite {
+                step,
+                what,
+                value,
+                kept: Kept::default(),
+            });
         };
         let to = from / 2.0;
         if to < ls.min {
@@ -962,6 +987,7 @@ impl Trainer {
                 what,
                 scale: from,
                 min: ls.min,
+                kept: Kept::default(),
             });
         }
         self.state.loss_scale = Some(to);
@@ -1202,7 +1228,11 @@ impl Trainer {
                 break;
             }
             let t0 = Instant::now();
-            let (loss, tokens, src_tokens) = match self.step(&mut grads)? {
+            let outcome = match self.step(&mut grads) {
+                Ok(o) => o,
+                Err(e) => return Err(self.naming_the_kept_checkpoint(e)),
+            };
+            let (loss, tokens, src_tokens) = match outcome {
                 StepOutcome::Update(loss, tokens, src_tokens) => (loss, tokens, src_tokens),
                 StepOutcome::Overflow { what, from, to } => {
                     summary.overflows += 1;
@@ -1349,6 +1379,15 @@ impl Trainer {
         Ok(summary)
     }
 
+    /// A training error that says what is kept: fills in the run's newest checkpoint.
+    fn naming_the_kept_checkpoint(&self, mut e: TrainError) -> TrainError {
+        if let TrainError::NonFinite { kept, .. } | TrainError::LossScale { kept, .. } = &mut e {
+            let newest = checkpoint::latest(&self.checkpoint_root()).ok().flatten();
+            *kept = Kept(newest.map(|c| c.dir));
+        }
+        e
+    }
+
     /// Redraws `training.png` from `metrics.jsonl`.
     pub fn plot(&self) -> Result<(), TrainError> {
         let path = self.dir.join(crate::metrics::FILE_NAME);
@@ -1390,6 +1429,7 @@ fn finite_loss(out: &BTreeMap<String, Tensor>, name: &str, step: u64) -> Result<
             step,
             what: "the loss".to_string(),
             value: loss,
+            kept: Kept::default(),
         });
     }
     Ok(loss)
