@@ -963,3 +963,53 @@ fn degenerate_optimizer_and_schedule_numbers_are_refused() {
         .unwrap()
         .is_none());
 }
+
+/// A workspace trained for 10 steps (one checkpoint, `run/checkpoints/step_00000010`).
+fn trained(name: &str) -> PathBuf {
+    let dir = workspace(name, "");
+    let args = [
+        "train",
+        "--config",
+        "cfg.yaml",
+        "--quiet",
+        "--max-steps",
+        "10",
+    ];
+    ok(&dir, &args);
+    dir
+}
+
+/// A `state.yaml` cut short, or empty, is refused by resume and inspect alike, as
+/// truncated, rather than resumed with zeros for the seed and the data position (or
+/// taken for a renamed checkpoint).
+#[test]
+fn a_truncated_train_state_is_refused() {
+    let dir = trained("truncated_state");
+    let state = dir.join("run/checkpoints/step_00000010/state.yaml");
+    let full = std::fs::read_to_string(&state).unwrap();
+    let first_line = full.lines().next().unwrap().to_string();
+    assert_eq!(first_line, "step: 10");
+    for (text, want) in [
+        (
+            format!("{first_line}\n"),
+            "state.yaml` is incomplete (truncated?): it has no `epoch`, `batch_in_epoch`, `seed`",
+        ),
+        (
+            String::new(),
+            "state.yaml` is empty (truncated?); restore it, or delete the checkpoint directory",
+        ),
+    ] {
+        std::fs::write(&state, &text).unwrap();
+        for args in [
+            &["train", "--resume", "run", "--quiet", "--max-steps", "12"][..],
+            &["inspect", "run"][..],
+        ] {
+            let out = kiln(&dir, args);
+            let err = unwrapped(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            assert!(err.contains(want), "{args:?}: {err}");
+            assert!(!err.contains("rename the directory"), "{err}");
+        }
+    }
+    assert!(!dir.join("run/checkpoints/step_00000012").exists());
+}

@@ -38,10 +38,13 @@ const RESERVED: [&str; 3] = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
 
 /// Where a run stands: everything besides tensors that an exact resume needs.
 ///
-/// Every field has a default, and unknown fields are ignored, so a `state.yaml` written
-/// by an older or newer kiln still loads; put new ad-hoc values in `extra`.
+/// The fields every kiln has written since checkpoints exist (step through
+/// `config_digest`, and `extra`: see [`STATE_FIELDS`]) are required, so a `state.yaml`
+/// cut short is refused instead of resuming with zeros; the fields added later
+/// (`best_step` and after) have defaults, so the state of an older kiln still loads.
+/// Unknown fields are ignored, so a newer kiln's state loads too; put new ad-hoc values
+/// in `extra`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
 pub struct TrainState {
     /// Optimizer updates done (also Adam's bias-correction step).
     pub step: u64,
@@ -64,26 +67,48 @@ pub struct TrainState {
     pub best_val_loss: Option<f64>,
     /// The best validation BLEU so far.
     pub best_bleu: Option<f64>,
-    /// The step of the best validation so far (by `valid.metric`).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The step of the best validation so far (by `valid.metric`). Added later: optional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_step: Option<u64>,
     /// Validations in a row since the last better one (`valid.patience` stops the run).
-    #[serde(skip_serializing_if = "is_zero")]
+    /// Added later: optional.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub bad_validations: u64,
     /// A digest of the training configuration, to refuse resuming under another one.
     pub config_digest: String,
-    /// Dynamic loss scaling (`train.loss_scale`): the scale of the next step.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Dynamic loss scaling (`train.loss_scale`): the scale of the next step. Added
+    /// later, and absent without loss scaling: optional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
     /// Good steps since the scale last changed (it doubles after `window` of them).
-    #[serde(skip_serializing_if = "is_zero")]
+    /// Added later: optional.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub loss_scale_good_steps: u64,
-    /// Steps skipped because their gradients overflowed.
-    #[serde(skip_serializing_if = "is_zero")]
+    /// Steps skipped because their gradients overflowed. Added later: optional.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub overflows: u64,
     /// Anything else.
     pub extra: BTreeMap<String, String>,
 }
+
+/// The fields of `state.yaml` that every kiln has written (the first checkpoints had
+/// them all): one missing means the file was cut short or edited. The `Option` ones
+/// (`best_val_loss`, `best_bleu`) are written as `null` when unset; serde alone would
+/// take their absence for `None`.
+pub const STATE_FIELDS: [&str; 12] = [
+    "step",
+    "epoch",
+    "batch_in_epoch",
+    "seed",
+    "src_tokens_seen",
+    "tgt_tokens_seen",
+    "lr",
+    "lr_schedule",
+    "best_val_loss",
+    "best_bleu",
+    "config_digest",
+    "extra",
+];
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
@@ -148,6 +173,16 @@ pub enum CheckpointError {
          checkpoint directory to fall back on an earlier one"
     )]
     BadState { path: PathBuf, message: String },
+    #[error(
+        "`{path}` is empty (truncated?); restore it, or delete the checkpoint directory to \
+         fall back on an earlier one"
+    )]
+    EmptyState { path: PathBuf },
+    #[error(
+        "`{path}` is incomplete (truncated?): it has no {missing}, which an exact resume \
+         needs; restore it, or delete the checkpoint directory to fall back on an earlier one"
+    )]
+    IncompleteState { path: PathBuf, missing: String },
     #[error(
         "`{path}` says step {state_step}, but its directory is for step {dir_step}; \
          the checkpoint was renamed or mixed up — rename the directory to step_{state_step:08}"
@@ -470,6 +505,41 @@ fn load_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>, CheckpointError
     })
 }
 
+/// A `state.yaml`: empty (or only comments) and incomplete files are told apart from
+/// malformed ones, since they are what a write cut short leaves.
+fn parse_state(text: &str, path: &Path) -> Result<TrainState, CheckpointError> {
+    let bad = |e: serde_yaml::Error| CheckpointError::BadState {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    match serde_yaml::from_str::<serde_yaml::Value>(text).map_err(bad)? {
+        serde_yaml::Value::Null => {
+            return Err(CheckpointError::EmptyState {
+                path: path.to_path_buf(),
+            })
+        }
+        serde_yaml::Value::Mapping(m) => {
+            let missing: Vec<&str> = STATE_FIELDS
+                .into_iter()
+                .filter(|f| !m.contains_key(*f))
+                .collect();
+            if !missing.is_empty() {
+                return Err(CheckpointError::IncompleteState {
+                    path: path.to_path_buf(),
+                    missing: missing
+                        .iter()
+                        .map(|f| format!("`{f}`"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+        }
+        // Not a mapping: serde says what it is, below.
+        _ => {}
+    }
+    serde_yaml::from_str(text).map_err(bad)
+}
+
 /// Reads and validates a checkpoint directory: all three files present and readable,
 /// the state's step equal to the directory's, one `m` and one `v` moment per parameter.
 pub fn load(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
@@ -483,10 +553,7 @@ pub fn load(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
     let state_path = require_file(dir, STATE_FILE)?;
 
     let text = std::fs::read_to_string(&state_path).map_err(io_err("read", &state_path))?;
-    let state: TrainState = serde_yaml::from_str(&text).map_err(|e| CheckpointError::BadState {
-        path: state_path.clone(),
-        message: e.to_string(),
-    })?;
+    let state = parse_state(&text, &state_path)?;
     if let Some(dir_step) = dir
         .file_name()
         .and_then(|n| n.to_str())
@@ -768,10 +835,65 @@ mod tests {
 
     #[test]
     fn state_yaml_is_extensible() {
-        let s: TrainState = serde_yaml::from_str("step: 5\nfuture_field: 1\n").unwrap();
-        assert_eq!(s.step, 5);
-        assert_eq!(s.best_bleu, None);
+        // The state of the first kilns: no best_step, loss scale, ...; and a field of
+        // a newer one.
+        let old = "step: 5\nepoch: 0\nbatch_in_epoch: 5\nseed: 1\nsrc_tokens_seen: 10\n\
+                   tgt_tokens_seen: 12\nlr: 0.001\nlr_schedule: {}\nbest_val_loss: null\n\
+                   best_bleu: null\nconfig_digest: abc\nextra: {}\nfuture_field: 1\n";
+        let s = parse_state(old, Path::new("state.yaml")).unwrap();
+        assert_eq!((s.step, s.batch_in_epoch, s.seed), (5, 5, 1));
+        assert_eq!((s.best_bleu, s.best_step, s.loss_scale), (None, None, None));
         assert!(s.extra.is_empty());
+        // What this kiln writes reads back.
+        let yaml = serde_yaml::to_string(&state(7)).unwrap();
+        assert_eq!(parse_state(&yaml, Path::new("s")).unwrap(), state(7));
+    }
+
+    #[test]
+    fn a_state_cut_short_is_refused() {
+        let root = scratch_dir("cut");
+        let dir = save_step(&root, 20, 1.0).dir;
+        let path = dir.join(STATE_FILE);
+        let full = std::fs::read_to_string(&path).unwrap();
+        for (text, want) in [
+            (
+                "",
+                "state.yaml` is empty (truncated?); restore it, or delete the checkpoint",
+            ),
+            ("# nothing\n", "state.yaml` is empty (truncated?)"),
+            (
+                "step: 20\n",
+                "state.yaml` is incomplete (truncated?): it has no `epoch`, \
+                 `batch_in_epoch`, `seed`, ",
+            ),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let msg = load(&dir).unwrap_err().to_string();
+            assert!(msg.contains(want), "{text:?}: {msg}");
+            assert!(!msg.contains("rename the directory"), "{msg}");
+        }
+        // Cut at any line before `extra` (the last field): refused as incomplete. Cut
+        // inside `extra`, only its free-form entries are lost.
+        let lines: Vec<&str> = full.lines().collect();
+        let extra = lines.iter().position(|l| l.starts_with("extra:")).unwrap();
+        for n in 1..lines.len() {
+            let cut = lines[..n].join("\n") + "\n";
+            std::fs::write(&path, &cut).unwrap();
+            match load(&dir) {
+                Err(CheckpointError::IncompleteState { missing, .. }) if n <= extra => {
+                    assert!(missing.ends_with("`extra`"), "{cut}: {missing}")
+                }
+                Ok(c) if n > extra => {
+                    let mut want = state(20);
+                    want.extra.clear();
+                    assert_eq!(c.state, want);
+                }
+                other => panic!("{cut}: {other:?}"),
+            }
+        }
+        std::fs::write(&path, &full).unwrap();
+        assert_eq!(load(&dir).unwrap().state, state(20));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
@@ -816,7 +938,11 @@ mod tests {
         std::fs::write(dir.join(STATE_FILE), "step: [1, 2]\n").unwrap();
         let msg = load(&dir).unwrap_err().to_string();
         assert!(msg.contains("state.yaml"), "{msg}");
-        std::fs::write(dir.join(STATE_FILE), "step: 7\n").unwrap();
+        std::fs::write(
+            dir.join(STATE_FILE),
+            serde_yaml::to_string(&state(7)).unwrap(),
+        )
+        .unwrap();
         let msg = load(&dir).unwrap_err().to_string();
         assert!(msg.contains("step 7") && msg.contains("step 100"), "{msg}");
 
