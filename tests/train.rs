@@ -1013,3 +1013,90 @@ fn a_truncated_train_state_is_refused() {
     }
     assert!(!dir.join("run/checkpoints/step_00000012").exists());
 }
+
+/// Rewrites the safetensors file `path` after `edit`.
+fn rewrite_tensors(
+    path: &Path,
+    edit: impl Fn(&mut std::collections::BTreeMap<String, kiln_compiler::tensor::Tensor>),
+) {
+    let mut t = load_safetensors(path).unwrap();
+    edit(&mut t);
+    let named: Vec<_> = t.into_iter().collect();
+    kiln_compiler::tensor::save_safetensors(path, &named, None).unwrap();
+}
+
+/// Damaged checkpoint tensors are reported against the file that is damaged: weights
+/// that lack a parameter are the weights' fault (not "the Adam moments do not match"),
+/// and f64 weights or moments are named with their file and the fix — by resume and by
+/// `kiln inspect` alike.
+#[test]
+fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
+    use kiln_compiler::tensor::{Tensor, TensorData};
+    let dir = trained("damaged_tensors");
+    let ck = dir.join("run/checkpoints/step_00000010");
+    let (model, optimizer) = (
+        ck.join("model.safetensors"),
+        ck.join("optimizer.safetensors"),
+    );
+    let (good_model, good_optimizer) = (
+        std::fs::read(&model).unwrap(),
+        std::fs::read(&optimizer).unwrap(),
+    );
+    let f64_of = |t: &Tensor| Tensor {
+        shape: t.shape.clone(),
+        data: TensorData::F64(t.to_f64_vec().unwrap()),
+    };
+    let refused = |commands: &[&[&str]], want: &[&str]| {
+        for args in commands {
+            let out = kiln(&dir, args);
+            let err = unwrapped(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            for w in want {
+                assert!(err.contains(w), "{w:?} from {args:?}: {err}");
+            }
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    };
+    let resume: &[&str] = &["train", "--resume", "run", "--quiet", "--max-steps", "12"];
+    let inspect: &[&str] = &["inspect", "run"];
+
+    rewrite_tensors(&model, |t| {
+        t.remove("emb.weight");
+    });
+    refused(
+        &[resume],
+        &[
+            "step_00000010/model.safetensors` lacks 1 of the",
+            "emb.weight",
+            "the checkpoint's files do not fit together",
+        ],
+    );
+    let err = unwrapped(&kiln(&dir, resume).stderr);
+    assert!(!err.contains("Adam moments"), "{err}");
+
+    std::fs::write(&model, &good_model).unwrap();
+    rewrite_tensors(&model, |t| {
+        let p = f64_of(&t["emb.weight"]);
+        t.insert("emb.weight".into(), p);
+    });
+    refused(
+        &[resume, inspect],
+        &["step_00000010/model.safetensors`: parameter `emb.weight` is f64, but a checkpoint's parameters are f32"],
+    );
+
+    std::fs::write(&model, &good_model).unwrap();
+    rewrite_tensors(&optimizer, |t| {
+        let m = f64_of(&t["m.emb.weight"]);
+        t.insert("m.emb.weight".into(), m);
+    });
+    refused(
+        &[resume, inspect],
+        &[
+            "step_00000010/optimizer.safetensors` does not fit the parameters in `",
+            "moment `m.emb.weight` is f64, but Adam moments are f32; restore it, or delete the checkpoint directory",
+        ],
+    );
+    std::fs::write(&optimizer, &good_optimizer).unwrap();
+    ok(&dir, resume);
+    assert!(dir.join("run/checkpoints/step_00000012").is_dir());
+}

@@ -194,6 +194,21 @@ pub enum CheckpointError {
     },
     #[error("{message}")]
     Moments { message: String },
+    #[error(
+        "{message}; the checkpoint's files do not fit together: restore them, or delete the \
+         checkpoint directory to fall back on an earlier one"
+    )]
+    Weights { message: String },
+    #[error(
+        "`{path}`: parameter `{name}` is {dtype}, but a checkpoint's parameters are f32 (as \
+         kiln writes them); restore the file, or delete the checkpoint directory to fall back \
+         on an earlier one"
+    )]
+    ParamDtype {
+        path: PathBuf,
+        name: String,
+        dtype: &'static str,
+    },
     #[error("cannot store an extra file named `{name}` in a checkpoint: {why}")]
     BadFileName { name: String, why: &'static str },
     #[error("`keep` must be at least 1 (keeping 0 checkpoints would delete the newest one)")]
@@ -304,13 +319,18 @@ fn check_extra_name(name: &str) -> Result<(), CheckpointError> {
     Ok(())
 }
 
-/// Checks that `moments` has an `m` and a `v` tensor for every parameter, of its shape,
-/// and nothing else.
+/// Checks that `moments` has an f32 `m` and `v` tensor for every parameter, of its
+/// shape, and nothing else. `origin` says whose moments (`… does not fit …`), `fix` what
+/// to do.
 fn check_moments(
     params: &BTreeMap<String, Tensor>,
     moments: &AdamMoments,
     origin: &str,
+    fix: &str,
 ) -> Result<(), CheckpointError> {
+    let bad = |what: String| CheckpointError::Moments {
+        message: format!("{origin}: {what}; {fix}"),
+    };
     for (kind, map) in [("m", &moments.m), ("v", &moments.v)] {
         let missing: Vec<&str> = params
             .keys()
@@ -322,27 +342,41 @@ fn check_moments(
             .filter(|k| !params.contains_key(*k))
             .map(String::as_str)
             .collect();
-        if !missing.is_empty() || !unknown.is_empty() {
-            return Err(CheckpointError::Moments {
-                message: format!(
-                    "{origin}: the Adam moments `{kind}` do not match the parameters \
-                     (missing: {}; not parameters: {}); the optimizer state must hold one \
-                     `{kind}` tensor per parameter",
-                    list_names(&missing),
-                    list_names(&unknown)
-                ),
-            });
+        let mut wrong = Vec::new();
+        if !missing.is_empty() {
+            wrong.push(format!(
+                "it has no moment `{kind}` of the parameter{} {}",
+                if missing.len() == 1 { "" } else { "s" },
+                list_names(&missing)
+            ));
+        }
+        if !unknown.is_empty() {
+            wrong.push(format!(
+                "it has moments `{kind}` of {}, which {}",
+                list_names(&unknown),
+                if unknown.len() == 1 {
+                    "is not a parameter"
+                } else {
+                    "are not parameters"
+                }
+            ));
+        }
+        if !wrong.is_empty() {
+            return Err(bad(wrong.join(", and ")));
         }
         for (name, p) in params {
             let t = &map[name];
             if t.shape != p.shape {
-                return Err(CheckpointError::Moments {
-                    message: format!(
-                        "{origin}: moment `{kind}.{name}` has shape {:?}, but the parameter \
-                         has {:?}",
-                        t.shape, p.shape
-                    ),
-                });
+                return Err(bad(format!(
+                    "moment `{kind}.{name}` has shape {:?}, but the parameter has {:?}",
+                    t.shape, p.shape
+                )));
+            }
+            if t.as_f32().is_none() {
+                return Err(bad(format!(
+                    "moment `{kind}.{name}` is {}, but Adam moments are f32",
+                    t.dtype_name()
+                )));
             }
         }
     }
@@ -412,7 +446,12 @@ pub fn save(
     moments: &AdamMoments,
     files: &[(&str, &[u8])],
 ) -> Result<Checkpoint, CheckpointError> {
-    check_moments(params, moments, "cannot save the checkpoint")?;
+    check_moments(
+        params,
+        moments,
+        "cannot save the checkpoint",
+        "the optimizer state must hold one f32 `m` and `v` tensor per parameter, of its shape",
+    )?;
     let mut seen = Vec::new();
     for (name, _) in files {
         check_extra_name(name)?;
@@ -541,8 +580,21 @@ fn parse_state(text: &str, path: &Path) -> Result<TrainState, CheckpointError> {
 }
 
 /// Reads and validates a checkpoint directory: all three files present and readable,
-/// the state's step equal to the directory's, one `m` and one `v` moment per parameter.
+/// the state's step equal to the directory's, f32 parameters, and one f32 `m` and `v`
+/// moment per parameter.
 pub fn load(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+    load_checked(dir, &|_, _| Ok(()))
+}
+
+/// What [`load_checked`] runs on a checkpoint's parameters: `check(file, params)`.
+pub type ParamsCheck<'a> = dyn Fn(&Path, &BTreeMap<String, Tensor>) -> Result<(), String> + 'a;
+
+/// [`load`], with `check(file, params)` run on the parameters as soon as they are read,
+/// before the moments are compared with them: a caller that knows the model (its graphs)
+/// checks the weights against it there, so that a damaged `model.safetensors` is named as
+/// such rather than as moments that do not fit it. An `Err(message)` of `check` becomes
+/// [`CheckpointError::Weights`].
+pub fn load_checked(dir: &Path, check: &ParamsCheck) -> Result<LoadedCheckpoint, CheckpointError> {
     if !dir.is_dir() {
         return Err(CheckpointError::NotACheckpoint {
             path: dir.to_path_buf(),
@@ -569,6 +621,14 @@ pub fn load(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
     }
 
     let params = load_tensors(&model)?;
+    check(&model, &params).map_err(|message| CheckpointError::Weights { message })?;
+    if let Some((name, t)) = params.iter().find(|(_, t)| t.as_f32().is_none()) {
+        return Err(CheckpointError::ParamDtype {
+            path: model,
+            name: name.clone(),
+            dtype: t.dtype_name(),
+        });
+    }
     let mut moments = AdamMoments::default();
     let mut stray = Vec::new();
     for (name, t) in load_tensors(&optimizer)? {
@@ -594,7 +654,12 @@ pub fn load(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
     check_moments(
         &params,
         &moments,
-        &format!("`{}` and `{}`", model.display(), optimizer.display()),
+        &format!(
+            "`{}` does not fit the parameters in `{}`",
+            optimizer.display(),
+            model.display()
+        ),
+        "restore it, or delete the checkpoint directory to fall back on an earlier one",
     )?;
 
     let mut extra_files = Vec::new();
@@ -951,6 +1016,78 @@ mod tests {
             load(&root.join("nothing-here")),
             Err(CheckpointError::NotACheckpoint { .. })
         ));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn weights_and_moments_of_another_dtype_or_name_are_named() {
+        let root = scratch_dir("dtype");
+        let dir = save_step(&root, 3, 1.0).dir;
+        let (model, optimizer) = (dir.join(MODEL_FILE), dir.join(OPTIMIZER_FILE));
+        let rewrite = |path: &Path, edit: &dyn Fn(&mut BTreeMap<String, Tensor>)| {
+            let mut t = load_safetensors(path).unwrap();
+            edit(&mut t);
+            let named: Vec<(String, Tensor)> = t.into_iter().collect();
+            save_safetensors(path, &named, None).unwrap();
+        };
+        let f64_of = |t: &Tensor| Tensor {
+            shape: t.shape.clone(),
+            data: TensorData::F64(t.to_f64_vec().unwrap()),
+        };
+        let (good_model, good_optimizer) = (
+            std::fs::read(&model).unwrap(),
+            std::fs::read(&optimizer).unwrap(),
+        );
+
+        rewrite(&optimizer, &|t| {
+            let m = f64_of(&t["m.emb.weight"]);
+            t.insert("m.emb.weight".into(), m);
+        });
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(
+            msg.contains("step_00000003/optimizer.safetensors` does not fit the parameters in `")
+                && msg
+                    .contains("moment `m.emb.weight` is f64, but Adam moments are f32; restore it"),
+            "{msg}"
+        );
+        std::fs::write(&optimizer, &good_optimizer).unwrap();
+
+        rewrite(&model, &|t| {
+            let p = f64_of(&t["emb.weight"]);
+            t.insert("emb.weight".into(), p);
+        });
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(
+            msg.contains("step_00000003/model.safetensors`: parameter `emb.weight` is f64, but a checkpoint's parameters are f32"),
+            "{msg}"
+        );
+        // A caller's check of the weights comes before the moments are compared.
+        std::fs::write(&model, &good_model).unwrap();
+        rewrite(&model, &|t| {
+            t.remove("emb.weight");
+        });
+        let msg = load_checked(&dir, &|file, p| {
+            assert_eq!(file, model.as_path());
+            match p.contains_key("emb.weight") {
+                true => Ok(()),
+                false => Err(format!("`{}` lacks `emb.weight`", file.display())),
+            }
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains(
+                "model.safetensors` lacks `emb.weight`; the checkpoint's files do not fit together"
+            ),
+            "{msg}"
+        );
+        // Without one, the moments are what does not fit, and the message says so.
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(
+            msg.contains("optimizer.safetensors` does not fit the parameters in `")
+                && msg.contains("it has moments `m` of `emb.weight`, which is not a parameter"),
+            "{msg}"
+        );
         std::fs::remove_dir_all(&root).unwrap();
     }
 

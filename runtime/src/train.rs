@@ -482,7 +482,14 @@ impl Trainer {
                 dir.display()
             )));
         };
-        let loaded = checkpoint::load(&ck.dir)?;
+        // The graphs first: the weights are checked against them before the optimizer
+        // state is compared with the weights, so each damaged file is named as such.
+        let graphs_bytes = checkpoint::read_extra(&ck.dir, GRAPHS_FILE)?;
+        let set = GraphSet::from_json(&graphs_bytes, &ck.dir.join(GRAPHS_FILE))?;
+        let loaded = checkpoint::load_checked(&ck.dir, &|file, params| {
+            crate::entry::check_weights(&set.loss, &file.display().to_string(), params)
+                .map_err(|e| e.message)
+        })?;
         let changed = digest_changes(&loaded.state.config_digest, &digest(&cfg));
         if !changed.is_empty() {
             return Err(TrainError::Setup(format!(
@@ -495,8 +502,6 @@ impl Trainer {
                 ck.dir.display()
             )));
         }
-        let graphs_bytes = checkpoint::read_extra(&ck.dir, GRAPHS_FILE)?;
-        let set = GraphSet::from_json(&graphs_bytes, &ck.dir.join(GRAPHS_FILE))?;
         // A run started from an artifact continues on its kernels, if it still matches.
         let artifact = match &cfg.model.artifact {
             Some(path) => {
