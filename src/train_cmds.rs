@@ -264,7 +264,9 @@ fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Translator, Err
         let mut step = ex("decode_step")?;
         share_arena(&mut encode, &mut step);
         let params = art.weights().map_err(err("kiln::artifact"))?;
-        let vocab = model::logits_width(step.graph()).unwrap_or(tokenizer.vocab_size());
+        let width = model::logits_width(step.graph());
+        model::check_vocab(&tokenizer, width, &origin).map_err(err("kiln::artifact"))?;
+        let vocab = width.unwrap_or(tokenizer.vocab_size());
         return Ok(Translator {
             encode,
             step,

@@ -1100,3 +1100,55 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
     ok(&dir, resume);
     assert!(dir.join("run/checkpoints/step_00000012").is_dir());
 }
+
+/// A checkpoint whose tokenizer.json has another size than the model's vocabulary (a
+/// tokenizer of another run copied in) is refused when it is loaded — by translate,
+/// score, inspect and resume — naming both sizes, instead of translating garbage (a
+/// smaller tokenizer) or failing deep in the model with an id out of range (a larger).
+#[test]
+fn a_tokenizer_of_another_size_is_refused() {
+    let big = trained("tokenizer_219");
+    let small = workspace("tokenizer_100", "");
+    edit_cfg(&small, "vocab_size: 220", "vocab_size: 100");
+    ok(
+        &small,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let ck = |dir: &Path, step: &str| {
+        dir.join("run/checkpoints")
+            .join(step)
+            .join("tokenizer.json")
+    };
+    let (big_tok, small_tok) = (ck(&big, "step_00000010"), ck(&small, "step_00000001"));
+    let (big_bytes, small_bytes) = (
+        std::fs::read(&big_tok).unwrap(),
+        std::fs::read(&small_tok).unwrap(),
+    );
+    std::fs::write(&big_tok, &small_bytes).unwrap();
+    std::fs::write(&small_tok, &big_bytes).unwrap();
+    for (dir, want) in [
+        (&big, "step_00000010/tokenizer.json` has 100 tokens but the model's embedding has 219 rows; this tokenizer belongs to another model"),
+        (&small, "step_00000001/tokenizer.json` has 219 tokens but the model's embedding has 100 rows; this tokenizer belongs to another model"),
+    ] {
+        std::fs::write(dir.join("in.txt"), "s1 s2 s3\n").unwrap();
+        for args in [
+            &["translate", "--checkpoint", "run", "--input", "in.txt"][..],
+            &["score", "--checkpoint", "run", "--src", "in.txt", "--ref", "in.txt"][..],
+            &["inspect", "run"][..],
+            &["train", "--resume", "run", "--quiet", "--max-steps", "12"][..],
+        ] {
+            let out = kiln(dir, args);
+            let err = unwrapped(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            assert!(err.contains(want), "{args:?}: {err}");
+            assert!(out.stdout.is_empty(), "{args:?}");
+        }
+    }
+}

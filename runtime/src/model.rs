@@ -80,6 +80,24 @@ pub fn logits_width(g: &Graph) -> Option<usize> {
     g.ty(id).shape.dims().last()?.as_const().map(|v| v as usize)
 }
 
+/// The tokenizer read from `path` must have one token per row of the model's embedding,
+/// `vocab` (the logits' width, [`GraphSet::vocab`]; `None`: nothing to compare): a smaller
+/// one gives garbage translations, a larger one ids out of range.
+pub fn check_vocab(
+    tokenizer: &Tokenizer,
+    vocab: Option<usize>,
+    path: &Path,
+) -> Result<(), ModelError> {
+    match vocab {
+        Some(rows) if rows != tokenizer.vocab_size() => Err(ModelError::VocabMismatch {
+            path: path.to_path_buf(),
+            tokens: tokenizer.vocab_size(),
+            rows,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Why a model directory could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -90,6 +108,16 @@ pub enum ModelError {
     Missing { path: PathBuf, file: &'static str },
     #[error("`{path}`: {message}")]
     Invalid { path: PathBuf, message: String },
+    #[error(
+        "`{path}` has {tokens} tokens but the model's embedding has {rows} rows; this \
+         tokenizer belongs to another model: use the tokenizer.json saved with these weights \
+         (every checkpoint holds its own)"
+    )]
+    VocabMismatch {
+        path: PathBuf,
+        tokens: usize,
+        rows: usize,
+    },
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
     #[error(transparent)]
@@ -142,6 +170,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
             message: "not UTF-8".to_string(),
         })?;
     let tokenizer = Tokenizer::from_json(&tok_json, &dir.join(TOKENIZER_FILE))?;
+    check_vocab(&tokenizer, graphs.vocab(), &dir.join(TOKENIZER_FILE))?;
     let params = load_safetensors(&dir.join(MODEL_FILE))?;
     // The loss graph has every parameter.
     let file = dir.join(MODEL_FILE);

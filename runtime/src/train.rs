@@ -531,6 +531,7 @@ impl Trainer {
             &String::from_utf8_lossy(&tok_bytes),
             &ck.dir.join(TOKENIZER_FILE),
         )?;
+        crate::model::check_vocab(&tokenizer, set.vocab(), &ck.dir.join(TOKENIZER_FILE))?;
         let mut adam = Adam::new(
             cfg.optimizer.beta1,
             cfg.optimizer.beta2,
