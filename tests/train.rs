@@ -1152,3 +1152,50 @@ fn a_tokenizer_of_another_size_is_refused() {
         }
     }
 }
+
+/// `training.png` is a picture of the metrics: a failure to draw it is a warning, and
+/// the run goes on to its checkpoints. A failure that does stop the run after a step
+/// (here `best/` cannot be written) writes that step's checkpoint first and says so.
+#[test]
+fn a_plot_or_best_model_failure_keeps_the_training() {
+    let dir = trained("plot_blocked");
+    std::fs::remove_file(dir.join("run/training.png")).unwrap();
+    std::fs::create_dir(dir.join("run/training.png")).unwrap();
+    let out = kiln(
+        &dir,
+        &["train", "--resume", "run", "--quiet", "--max-steps", "20"],
+    );
+    let err = unwrapped(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: cannot write `run/training.png`: cannot rename the temporary plot")
+            && err.contains("training goes on"),
+        "{err}"
+    );
+    assert!(dir.join("run/checkpoints/step_00000020").is_dir());
+
+    // Validation at step 5, checkpoints every 10: `best/` fails at step 5.
+    let dir = workspace("best_blocked", "");
+    edit_cfg(&dir, "valid: {every: 10", "valid: {every: 5");
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    std::fs::write(dir.join("run/best"), "a file where best/ goes").unwrap();
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot write `run/best`")
+            && err.contains(
+                "the training up to step 5 is kept in `run/checkpoints/step_00000005`: fix \
+                 that, then continue with `kiln train --resume run`"
+            ),
+        "{err}"
+    );
+    let ck = checkpoint::latest(&dir.join("run/checkpoints"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(ck.step, 5);
+    std::fs::remove_file(dir.join("run/best")).unwrap();
+    ok(&dir, &["train", "--resume", "run", "--quiet"]);
+    assert!(dir.join("run/best/model.safetensors").is_file());
+    assert!(dir.join("run/checkpoints/step_00000020").is_dir());
+}

@@ -1275,19 +1275,20 @@ impl Trainer {
                 let secs = interval_start.elapsed().as_secs_f64().max(1e-9);
                 let avg = interval_loss / interval_tokens.max(1) as f64;
                 let tps = interval_tokens as f64 / secs;
-                metrics
-                    .write(&Record {
-                        step,
-                        kind: Kind::Train,
-                        loss: Some(avg),
-                        lr: Some(self.state.lr),
-                        tokens_per_s: Some(tps),
-                        bleu: None,
-                    })
-                    .map_err(|e| TrainError::Write {
+                let logged = metrics.write(&Record {
+                    step,
+                    kind: Kind::Train,
+                    loss: Some(avg),
+                    lr: Some(self.state.lr),
+                    tokens_per_s: Some(tps),
+                    bleu: None,
+                });
+                if let Err(e) = logged {
+                    return Err(self.keeping_the_step(TrainError::Write {
                         path: metrics_path.clone(),
                         message: e.to_string(),
-                    })?;
+                    }));
+                }
                 if lines {
                     eprintln!(
                         "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
@@ -1302,9 +1303,14 @@ impl Trainer {
             }
             let _ = interval_steps;
             let last = step == total;
+            // Some(improved) when this step was validated.
+            let mut validated = None;
             if step.is_multiple_of(self.cfg.valid.every) || last {
                 self.sync_device()?;
-                let (vl, vb) = self.validate()?;
+                let (vl, vb) = match self.validate() {
+                    Ok(v) => v,
+                    Err(e) => return Err(self.keeping_the_step(e)),
+                };
                 summary.valid_loss = Some(vl);
                 summary.valid_bleu = vb;
                 let improved = if self.cfg.valid.metric == "bleu" {
@@ -1322,19 +1328,20 @@ impl Trainer {
                 if let Some(b) = vb {
                     self.state.best_bleu = Some(self.state.best_bleu.map_or(b, |x| x.max(b)));
                 }
-                metrics
-                    .write(&Record {
-                        step,
-                        kind: Kind::Valid,
-                        loss: Some(vl),
-                        lr: None,
-                        tokens_per_s: None,
-                        bleu: vb,
-                    })
-                    .map_err(|e| TrainError::Write {
+                let logged = metrics.write(&Record {
+                    step,
+                    kind: Kind::Valid,
+                    loss: Some(vl),
+                    lr: None,
+                    tokens_per_s: None,
+                    bleu: vb,
+                });
+                if let Err(e) = logged {
+                    return Err(self.keeping_the_step(TrainError::Write {
                         path: metrics_path.clone(),
                         message: e.to_string(),
-                    })?;
+                    }));
+                }
                 let msg = format!(
                     "step {step}: validation loss {vl:.4}{}",
                     vb.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
@@ -1344,18 +1351,36 @@ impl Trainer {
                     None if lines => eprintln!("{msg}"),
                     None => {}
                 }
-                self.plot()?;
+                validated = Some(improved);
+            }
+            if step.is_multiple_of(self.cfg.checkpoint.every) || last {
+                self.sync_device()?;
+                summary.checkpoint = Some(self.save_checkpoint()?);
+            }
+            // After the checkpoint, so that neither can cost the steps since the last one.
+            if let Some(improved) = validated {
+                // The plot is a picture of metrics.jsonl: a failure to draw it is said,
+                // even with --quiet, and training goes on.
+                if let Err(e) = self.plot() {
+                    let msg = format!(
+                        "warning: {e}; training goes on (the plot is drawn again at the next \
+                         validation)"
+                    );
+                    match &bar {
+                        Some(b) => b.println(msg),
+                        None => eprintln!("{msg}"),
+                    }
+                }
                 if improved && self.cfg.checkpoint.best {
-                    summary.best = Some(self.save_best()?);
+                    match self.save_best() {
+                        Ok(dir) => summary.best = Some(dir),
+                        Err(e) => return Err(self.keeping_the_step(e)),
+                    }
                 }
                 if let Some(why) = self.patience_spent() {
                     summary.early_stop = Some(why);
                     stop_early = true;
                 }
-            }
-            if step.is_multiple_of(self.cfg.checkpoint.every) || last {
-                self.sync_device()?;
-                summary.checkpoint = Some(self.save_checkpoint()?);
             }
             if stop_early {
                 break;
@@ -1383,6 +1408,30 @@ impl Trainer {
         summary.seconds = started.elapsed().as_secs_f64();
         summary.tokens_per_second = all_tokens as f64 / train_time.max(1e-9);
         Ok(summary)
+    }
+
+    /// An error after a step was taken (writing the metrics log or `best/`, validating):
+    /// the step's checkpoint is written first, unless it is on disk already, so that the
+    /// error costs no training; a write error then says where the training is kept.
+    fn keeping_the_step(&mut self, e: TrainError) -> TrainError {
+        let step = self.state.step;
+        let root = self.checkpoint_root();
+        let saved = match checkpoint::latest(&root) {
+            Ok(Some(c)) if c.step == step => Ok(c.dir),
+            _ => self.sync_device().and_then(|()| self.save_checkpoint()),
+        };
+        match (e, saved) {
+            (TrainError::Write { path, message }, Ok(dir)) => TrainError::Write {
+                path,
+                message: format!(
+                    "{message}; the training up to step {step} is kept in `{}`: fix that, then \
+                     continue with `kiln train --resume {}`",
+                    dir.display(),
+                    self.dir.display()
+                ),
+            },
+            (e, _) => e,
+        }
     }
 
     /// A training error that says what is kept: fills in the run's newest checkpoint.
