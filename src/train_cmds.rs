@@ -101,6 +101,8 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
             if let Some(art) = &a.artifact {
                 cfg.model.artifact = Some(std::path::absolute(art).unwrap_or(art.clone()));
             }
+            // Before the tokenizer is trained or written into the run directory.
+            kiln_runtime::train::check_new_run_dir(&cfg).map_err(err("kiln::train"))?;
             match cfg.model.artifact.clone() {
                 Some(dir) => {
                     let art = Artifact::load(&dir).map_err(err("kiln::artifact"))?;

@@ -1199,3 +1199,75 @@ fn a_plot_or_best_model_failure_keeps_the_training() {
     assert!(dir.join("run/best/model.safetensors").is_file());
     assert!(dir.join("run/checkpoints/step_00000020").is_dir());
 }
+
+/// A new run does not overwrite a run directory's `config.yaml` or `metrics.jsonl` unless
+/// they are those of an earlier start of the same configuration that left no checkpoint
+/// (then it starts over, as before): a hand-written `config.yaml` (say, the one given to
+/// `--config`), another run's, or a metrics log without a configuration are refused, and
+/// left as they were.
+#[test]
+fn a_new_run_keeps_files_that_are_not_its_own() {
+    let dir = workspace("foreign_files", "");
+    let cfg = std::fs::read_to_string(dir.join("cfg.yaml")).unwrap();
+    let refused = |want: &[&str]| {
+        let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+        let err = unwrapped(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        for w in want {
+            assert!(err.contains(w), "{w:?} in {err}");
+        }
+    };
+    let fix = "move it away (or delete it) to start a new run in this directory, or choose another `checkpoint.dir`";
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    let mine = format!("# my notes: tried lr x2\n{cfg}");
+    std::fs::write(dir.join("run/config.yaml"), &mine).unwrap();
+    refused(&[
+        "`run/config.yaml` would be overwritten by the new run's configuration, and it is not one kiln wrote",
+        fix,
+    ]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("run/config.yaml")).unwrap(),
+        mine
+    );
+    assert!(
+        !dir.join("run/tokenizer.json").exists(),
+        "refused before the tokenizer"
+    );
+    std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
+    let log = "{\"step\":5,\"kind\":\"train\",\"loss\":4.5}\n";
+    std::fs::write(dir.join("run/metrics.jsonl"), log).unwrap();
+    refused(&[
+        "`run/metrics.jsonl` is the metrics log of an earlier run (",
+        "no `config.yaml` and no checkpoints), which a new run would overwrite",
+        fix,
+    ]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap(),
+        log
+    );
+    std::fs::remove_file(dir.join("run/metrics.jsonl")).unwrap();
+
+    // A start of this configuration that left no checkpoint (here: deleted) starts over,
+    // for another number of steps too.
+    ok(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "10",
+        ],
+    );
+    std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
+    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert!(dir.join("run/checkpoints/step_00000020").is_dir());
+    // Another configuration's is refused.
+    std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
+    edit_cfg(&dir, "warmup: 50", "warmup: 60");
+    refused(&[
+        "`run/config.yaml` would be overwritten by the new run's configuration, and it is the configuration of another run (it differs in `schedule`)",
+        fix,
+    ]);
+}

@@ -284,6 +284,71 @@ fn t_size(path: &Path) -> Result<usize, TrainError> {
     Ok(Tokenizer::load(path)?.vocab_size())
 }
 
+/// The run directory's `config.yaml` of `cfg`.
+fn config_yaml(cfg: &Config) -> String {
+    serde_yaml::to_string(cfg).expect("config serializes")
+}
+
+/// Checks that a new run may start in `cfg.checkpoint.dir`: that nothing there would be
+/// lost. A directory with checkpoints is a run to resume. A `config.yaml` is overwritten
+/// only when kiln wrote it for a start of this same configuration that stopped before its
+/// first checkpoint (how long to train, logging, checkpoints and validation may differ),
+/// and so is that start's `metrics.jsonl`; without a `config.yaml`, a non-empty
+/// `metrics.jsonl` is the log of some earlier run. [`Trainer::new`] checks this; call it
+/// before preparing the tokenizer to fail early.
+pub fn check_new_run_dir(cfg: &Config) -> Result<(), TrainError> {
+    let dir = &cfg.checkpoint.dir;
+    let ckpts = dir.join("checkpoints");
+    if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
+        return Err(TrainError::Setup(format!(
+            "`{}` already holds checkpoints; continue it with `kiln train --resume {}`, or choose another `checkpoint.dir`",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    let fix = "move it away (or delete it) to start a new run in this directory, or choose \
+               another `checkpoint.dir`";
+    let path = dir.join(CONFIG_FILE);
+    let Ok(text) = std::fs::read(&path) else {
+        // No configuration (a directory named so is refused when it is written): a
+        // metrics log is some other run's.
+        let log = dir.join(crate::metrics::FILE_NAME);
+        return match std::fs::metadata(&log) {
+            Ok(meta) if !meta.is_file() || meta.len() > 0 => Err(TrainError::Setup(format!(
+                "`{}` is the metrics log of an earlier run ({} bytes; the directory has no \
+                 `{CONFIG_FILE}` and no checkpoints), which a new run would overwrite; {fix}",
+                log.display(),
+                meta.len()
+            ))),
+            _ => Ok(()),
+        };
+    };
+    if text == config_yaml(cfg).as_bytes() {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&text);
+    let why = match Config::parse(&text) {
+        Ok(old) if config_yaml(&old) == text => {
+            let changed = digest_changes(&digest(&old), &digest(cfg));
+            if changed.is_empty() {
+                return Ok(());
+            }
+            format!(
+                "it is the configuration of another run (it differs in {})",
+                changed.join(", ")
+            )
+        }
+        _ => "it is not one kiln wrote (if it is the configuration given to `--config`, \
+              keep that outside the run directory: the run writes its resolved \
+              configuration there)"
+            .to_string(),
+    };
+    Err(TrainError::Setup(format!(
+        "`{}` would be overwritten by the new run's configuration, and {why}; {fix}",
+        path.display()
+    )))
+}
+
 /// A training run in progress.
 pub struct Trainer {
     cfg: Config,
@@ -421,15 +486,8 @@ impl Trainer {
         progress: Progress,
     ) -> Result<Trainer, TrainError> {
         loss_scale_fits(&cfg, &set, artifact)?;
+        check_new_run_dir(&cfg)?;
         let dir = cfg.checkpoint.dir.clone();
-        let ckpts = dir.join("checkpoints");
-        if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
-            return Err(TrainError::Setup(format!(
-                "`{}` already holds checkpoints; continue it with `kiln train --resume {}`, or choose another `checkpoint.dir`",
-                dir.display(),
-                dir.display()
-            )));
-        }
         let adam = Adam::new(
             cfg.optimizer.beta1,
             cfg.optimizer.beta2,
@@ -446,7 +504,7 @@ impl Trainer {
             path: dir.clone(),
             message: e.to_string(),
         })?;
-        let cfg_yaml = serde_yaml::to_string(&cfg).expect("config serializes");
+        let cfg_yaml = config_yaml(&cfg);
         write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| {
             TrainError::Write {
                 path: dir.join(CONFIG_FILE),
