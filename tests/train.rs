@@ -1271,3 +1271,84 @@ fn a_new_run_keeps_files_that_are_not_its_own() {
         fix,
     ]);
 }
+
+/// A run directory's `tokenizer.json` is reused by a new run only when its record says
+/// it was trained on this configuration's data and `data.vocab_size`: the 4-token
+/// tokenizer a start on empty files left is refused (saying what changed), and so is one
+/// trained for another vocabulary size. A tokenizer without a record (an older kiln's,
+/// or put there by hand) is used as before.
+#[test]
+fn a_stale_run_tokenizer_is_not_reused() {
+    let dir = workspace("stale_tokenizer", "");
+    let good = std::fs::read_to_string(dir.join("cfg.yaml")).unwrap();
+    std::fs::write(dir.join("empty.txt"), "").unwrap();
+    edit_cfg(
+        &dir,
+        "train_src: train.src, train_tgt: train.tgt",
+        "train_src: empty.txt, train_tgt: empty.txt",
+    );
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(unwrapped(&out.stderr).contains("no training pairs left in `empty.txt`"));
+    assert!(
+        dir.join("run/tokenizer.json").is_file() && dir.join("run/tokenizer.source.yaml").is_file()
+    );
+    std::fs::write(dir.join("cfg.yaml"), &good).unwrap();
+    // (Its config.yaml is refused first, being another configuration's.)
+    std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let size = std::fs::metadata(dir.join("train.src")).unwrap().len();
+    for want in [
+        "`run/tokenizer.json` (4 tokens) was trained for other settings than this configuration's: ".to_string(),
+        format!("data.train_src was a file of 0 bytes, `train.src` has {size}; data.train_tgt was a file of 0 bytes"),
+        "delete `run/tokenizer.json` and `run/tokenizer.source.yaml` to train a tokenizer for this configuration, or delete `run/tokenizer.source.yaml` alone to use this tokenizer all the same".to_string(),
+    ] {
+        assert!(err.contains(&want), "{want:?} in {err}");
+    }
+    assert!(!dir.join("run/checkpoints").exists());
+
+    // Deleted as told: a new tokenizer, reused by the next start of this configuration.
+    std::fs::remove_file(dir.join("run/tokenizer.json")).unwrap();
+    ok(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "1",
+        ],
+    );
+    std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--max-steps", "1"]);
+    let err = unwrapped(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("loaded the BPE vocabulary run/tokenizer.json (219 tokens); it was trained on this configuration's data"),
+        "{err}"
+    );
+    // Another vocabulary size (the run's config.yaml and log moved away first).
+    std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
+    std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
+    std::fs::remove_file(dir.join("run/metrics.jsonl")).unwrap();
+    edit_cfg(&dir, "vocab_size: 220", "vocab_size: 100");
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("`run/tokenizer.json` (219 tokens) was trained for other settings than this configuration's: data.vocab_size was 220, it is 100 now;"),
+        "{err}"
+    );
+    // Without its record, it is used as it is (as kilns before records did).
+    std::fs::remove_file(dir.join("run/tokenizer.source.yaml")).unwrap();
+    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--max-steps", "1"]);
+    let err = unwrapped(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("(219 tokens); it has no record of what it was trained on (an older kiln's, or put there by hand), so it is used as it is"),
+        "{err}"
+    );
+}

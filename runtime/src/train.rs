@@ -7,6 +7,7 @@
 //! ```text
 //! <run>/config.yaml            the resolved configuration
 //! <run>/tokenizer.json         the shared BPE vocabulary
+//! <run>/tokenizer.source.yaml  what it was trained on (vocab_size, the data's digests)
 //! <run>/checkpoints/step_N/    model.safetensors, optimizer.safetensors, state.yaml,
 //!                              graphs.json, tokenizer.json, config.yaml
 //! <run>/metrics.jsonl          one record per log interval and per validation
@@ -228,7 +229,8 @@ enum StepOutcome {
 }
 
 /// The tokenizer of a run: trained on the training corpus (both sides), or loaded from
-/// `<run>/tokenizer.json` when the run already has one; a trained one is saved there.
+/// `<run>/tokenizer.json` when the run already has one; a trained one is saved there,
+/// with the record of what it was trained on (`tokenizer.source.yaml`).
 pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError> {
     let (tok, note, trained) = tokenizer_of(cfg)?;
     if trained {
@@ -237,27 +239,119 @@ pub fn prepare_tokenizer(cfg: &Config) -> Result<(Tokenizer, String), TrainError
             path: dir.clone(),
             message: e.to_string(),
         })?;
+        let json = tok.to_json()?;
+        let source = TokenizerSource::of(cfg, json.as_bytes())?;
+        // The record first: a tokenizer.json without one is taken as it is.
+        let record = dir.join(TOKENIZER_SOURCE_FILE);
+        let yaml = serde_yaml::to_string(&source).expect("the record serializes");
+        write_atomic(&record, yaml.as_bytes()).map_err(|e| TrainError::Write {
+            path: record.clone(),
+            message: e.to_string(),
+        })?;
         tok.save(&dir.join(TOKENIZER_FILE))?;
     }
     Ok((tok, note))
 }
 
+/// Beside `<run>/tokenizer.json`: what it was trained on.
+pub const TOKENIZER_SOURCE_FILE: &str = "tokenizer.source.yaml";
+
+/// What a run directory's `tokenizer.json` was trained on: `data.vocab_size` and the
+/// size and FNV-1a digest of each training file (not their paths: moving the data
+/// changes nothing). `tokenizer` is the digest of the `tokenizer.json` it describes, so
+/// that a tokenizer put there by hand (or from an artifact) is not judged by another's
+/// record.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizerSource {
+    tokenizer: String,
+    vocab_size: usize,
+    train_src: FileDigest,
+    train_tgt: FileDigest,
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDigest {
+    bytes: u64,
+    fnv1a: String,
+}
+
+impl TokenizerSource {
+    /// The record of `tokenizer_json` trained on `cfg`'s data now.
+    fn of(cfg: &Config, tokenizer_json: &[u8]) -> Result<TokenizerSource, TrainError> {
+        Ok(TokenizerSource {
+            tokenizer: fnv_bytes(tokenizer_json),
+            vocab_size: cfg.data.vocab_size,
+            train_src: FileDigest::of(&cfg.data.train_src)?,
+            train_tgt: FileDigest::of(&cfg.data.train_tgt)?,
+        })
+    }
+}
+
+impl FileDigest {
+    fn of(path: &Path) -> Result<FileDigest, TrainError> {
+        use std::io::Read;
+        let fail =
+            |e: std::io::Error| TrainError::Setup(format!("cannot read `{}`: {e}", path.display()));
+        let mut file = std::fs::File::open(path).map_err(fail)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut h, mut bytes) = (FNV_OFFSET, 0u64);
+        loop {
+            let n = file.read(&mut buf).map_err(fail)?;
+            if n == 0 {
+                break;
+            }
+            h = fnv_update(h, &buf[..n]);
+            bytes += n as u64;
+        }
+        Ok(FileDigest {
+            bytes,
+            fnv1a: format!("{h:016x}"),
+        })
+    }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv_update(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn fnv_bytes(bytes: &[u8]) -> String {
+    format!("{:016x}", fnv_update(FNV_OFFSET, bytes))
+}
+
 /// The tokenizer [`prepare_tokenizer`] would give, without writing anything; `true` when
 /// it was trained now (rather than loaded from the run directory).
+///
+/// A `<run>/tokenizer.json` is reused only for the settings it was trained for: when
+/// its record (`tokenizer.source.yaml`) gives another `data.vocab_size` or other
+/// training files, it is refused, saying so. One without a record (written by a kiln
+/// before records, or put there by hand) is used as it is.
 pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainError> {
     let dir = &cfg.checkpoint.dir;
     let path = dir.join(TOKENIZER_FILE);
     if path.is_file() {
-        let t = Tokenizer::load(&path)?;
-        return Ok((
-            t,
-            format!(
-                "loaded the BPE vocabulary {} ({} tokens)",
-                path.display(),
-                t_size(&path)?
-            ),
-            false,
-        ));
+        let bytes = std::fs::read(&path)
+            .map_err(|e| TrainError::Setup(format!("cannot read `{}`: {e}", path.display())))?;
+        let t = Tokenizer::from_json(&String::from_utf8_lossy(&bytes), &path)?;
+        let checked = if recorded_for(cfg, &bytes, t.vocab_size())? {
+            "; it was trained on this configuration's data"
+        } else {
+            "; it has no record of what it was trained on (an older kiln's, or put there by \
+             hand), so it is used as it is"
+        };
+        let note = format!(
+            "loaded the BPE vocabulary {} ({} tokens){checked}",
+            path.display(),
+            t.vocab_size()
+        );
+        return Ok((t, note, false));
     }
     let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
     let (tok, report) = Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size)?;
@@ -280,8 +374,77 @@ pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainErro
     ))
 }
 
-fn t_size(path: &Path) -> Result<usize, TrainError> {
-    Ok(Tokenizer::load(path)?.vocab_size())
+/// Whether the record beside the run directory's `tokenizer.json` (`bytes`, `tokens`
+/// tokens) says it was trained for `cfg`'s settings: `true` when so, `false` when there is
+/// no record (of it), an error saying what changed when it was trained for others.
+fn recorded_for(cfg: &Config, bytes: &[u8], tokens: usize) -> Result<bool, TrainError> {
+    let dir = &cfg.checkpoint.dir;
+    let record = dir.join(TOKENIZER_SOURCE_FILE);
+    let Ok(text) = std::fs::read_to_string(&record) else {
+        return Ok(false);
+    };
+    let delete = format!(
+        "delete `{}` and `{}` to train a tokenizer for this configuration, or delete `{}` \
+         alone to use this tokenizer all the same",
+        dir.join(TOKENIZER_FILE).display(),
+        record.display(),
+        record.display()
+    );
+    let then: TokenizerSource = serde_yaml::from_str(&text).map_err(|e| {
+        TrainError::Setup(format!(
+            "`{}` is not a record of what `{TOKENIZER_FILE}` was trained on ({e}); {delete}",
+            record.display()
+        ))
+    })?;
+    let now = TokenizerSource::of(cfg, bytes)?;
+    if then.tokenizer != now.tokenizer {
+        // The record is of another tokenizer.json: this one was put there otherwise.
+        return Ok(false);
+    }
+    let mut changed = Vec::new();
+    if then.vocab_size != now.vocab_size {
+        changed.push(format!(
+            "data.vocab_size was {}, it is {} now",
+            then.vocab_size, now.vocab_size
+        ));
+    }
+    for (key, path, a, b) in [
+        (
+            "data.train_src",
+            &cfg.data.train_src,
+            &then.train_src,
+            &now.train_src,
+        ),
+        (
+            "data.train_tgt",
+            &cfg.data.train_tgt,
+            &then.train_tgt,
+            &now.train_tgt,
+        ),
+    ] {
+        if a != b {
+            changed.push(format!(
+                "{key} was a file of {} bytes{}, `{}` has {}",
+                a.bytes,
+                if a.bytes == b.bytes {
+                    " with other contents"
+                } else {
+                    ""
+                },
+                path.display(),
+                b.bytes
+            ));
+        }
+    }
+    if changed.is_empty() {
+        return Ok(true);
+    }
+    Err(TrainError::Setup(format!(
+        "`{}` ({tokens} tokens) was trained for other settings than this configuration's: \
+         {}; {delete}",
+        dir.join(TOKENIZER_FILE).display(),
+        changed.join("; ")
+    )))
 }
 
 /// The run directory's `config.yaml` of `cfg`.
