@@ -21,6 +21,23 @@ use kiln_runtime::train::{
 
 use crate::plain;
 
+/// `println!` that does not panic when standard output is closed (`kiln train … | head`):
+/// the reports of these commands are not their product, and a finished run is not undone
+/// by a reader that went away. (`kiln translate` and `score` write their output with
+/// errors checked.)
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that does not panic when standard error is closed (see `say!`).
+macro_rules! tell {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 pub fn err<E: std::fmt::Display>(code: &'static str) -> impl Fn(E) -> Error {
     move |e| plain(code, e.to_string(), None)
 }
@@ -112,7 +129,7 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
                 None => {
                     let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
                     if !a.quiet {
-                        eprintln!("{note}");
+                        tell!("{note}");
                     }
                     let graphs = compile_graphs(&cfg, tok.vocab_size())?;
                     Trainer::new(cfg, tok, &graphs, progress).map_err(err("kiln::train"))?
@@ -136,14 +153,14 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
     };
     if !a.quiet {
         for n in trainer.notes() {
-            eprintln!("{n}");
+            tell!("{n}");
         }
     }
     let s = trainer.run().map_err(err("kiln::train"))?;
     // A resumed run whose patience was spent takes no step: only the reason is said.
     let idle = s.steps_taken == 0 && s.early_stop.is_some();
     if !a.quiet && !idle {
-        println!(
+        say!(
             "trained {} steps in {:.1}s ({:.0} tokens/s); last training loss {:.4}{}{}",
             s.steps,
             s.seconds,
@@ -157,22 +174,22 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
                 .unwrap_or_default()
         );
         if let Some(scale) = s.loss_scale {
-            println!(
+            say!(
                 "loss scale {}; {} step(s) skipped for overflowing gradients",
                 kiln_runtime::train::scale_text(scale),
                 s.overflows
             );
         }
         if let Some(c) = s.checkpoint {
-            println!("checkpoint: {}", c.display());
+            say!("checkpoint: {}", c.display());
         }
         if let Some(b) = s.best {
-            println!("best model so far: {}", b.display());
+            say!("best model so far: {}", b.display());
         }
     }
     // Said even with --quiet: the run ended before max_steps.
     if let Some(why) = s.early_stop {
-        eprintln!("{why}");
+        tell!("{why}");
     }
     Ok(())
 }
@@ -183,7 +200,7 @@ fn artifact_tokenizer(art: &Artifact, cfg: &Config, quiet: bool) -> Result<Token
     let Some(bytes) = art.tokenizer_json() else {
         let (tok, note) = prepare_tokenizer(cfg).map_err(err("kiln::train"))?;
         if !quiet {
-            eprintln!("{note} (the artifact carries no tokenizer)");
+            tell!("{note} (the artifact carries no tokenizer)");
         }
         return Ok(tok);
     };
@@ -207,7 +224,7 @@ fn artifact_tokenizer(art: &Artifact, cfg: &Config, quiet: bool) -> Result<Token
             )
         })?;
     if !quiet {
-        eprintln!(
+        tell!(
             "the artifact's BPE vocabulary ({} tokens)",
             tok.vocab_size()
         );
@@ -455,7 +472,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
     w.flush().map_err(write_err)?;
     let skipped = srcs_text.len() - which.len();
     let xent = -total / tokens.max(1) as f64;
-    eprintln!(
+    tell!(
         "scored {} sentence pair{} ({tokens} target tokens with <eos>{}) in {secs:.1} s: \
          cross-entropy {xent:.4} nats/token, perplexity {:.2} ({})",
         which.len(),
@@ -592,7 +609,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     }
     w.flush()
         .map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
-    eprintln!(
+    tell!(
         "translated {} sentence{} ({} source and {tokens} output tokens) in {secs:.1} s: \
          {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
         srcs.len(),
@@ -699,7 +716,7 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         .filter_map(kiln_runtime::checkpoint::parse_dir_name)
         .map(|s| s.to_string())
         .collect();
-    println!(
+    say!(
         "averaged {} checkpoint{}{} into {}",
         inputs.len(),
         if inputs.len() == 1 { "" } else { "s" },
@@ -732,7 +749,7 @@ pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     let t = kiln_runtime::interop::to_torch(&w).map_err(err("kiln::export"))?;
     let list: Vec<(String, Tensor)> = t.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::export"))?;
-    println!(
+    say!(
         "wrote {} tensors in nn.Transformer naming to {}",
         list.len(),
         output.display()
@@ -746,7 +763,7 @@ pub fn import(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     let k = kiln_runtime::interop::from_torch(&w).map_err(err("kiln::import"))?;
     let list: Vec<(String, Tensor)> = k.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::import"))?;
-    println!(
+    say!(
         "wrote {} tensors in kiln naming to {}",
         list.len(),
         output.display()

@@ -1352,3 +1352,47 @@ fn a_stale_run_tokenizer_is_not_reused() {
         "{err}"
     );
 }
+
+/// `kiln train` whose standard output and error are pipes nobody reads any more (`| head`
+/// that has exited) trains on to its checkpoints and exits 0: progress and summary lines
+/// that cannot be written are not a reason to lose the run. `kiln translate`, whose
+/// standard output is its product, still fails cleanly on a closed pipe.
+#[test]
+fn closed_output_pipes_do_not_stop_training() {
+    use std::process::Stdio;
+    let dir = workspace("closed_pipes", "");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", "--config", "cfg.yaml"])
+        .current_dir(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The readers go away before kiln writes its first line.
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let ck = checkpoint::latest(&dir.join("run/checkpoints"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(ck.step, 20);
+
+    std::fs::write(dir.join("in.txt"), "s1 s2 s3\n".repeat(50)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["translate", "--checkpoint", "run", "--input", "in.txt"])
+        .current_dir(&dir)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot write: Broken pipe") && !err.contains("panicked"),
+        "{err}"
+    );
+}

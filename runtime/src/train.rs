@@ -1469,10 +1469,8 @@ impl Trainer {
                         scale_text(from),
                         scale_text(to)
                     );
-                    match &bar {
-                        Some(b) => b.println(msg),
-                        None if lines => eprintln!("{msg}"),
-                        None => {}
+                    if bar.is_some() || lines {
+                        progress_line(&bar, &msg);
                     }
                     continue;
                 }
@@ -1511,12 +1509,15 @@ impl Trainer {
                     }));
                 }
                 if lines {
-                    eprintln!(
-                        "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
-                        self.state.lr,
-                        tps,
-                        self.state.epoch,
-                        started.elapsed().as_secs_f64()
+                    progress_line(
+                        &bar,
+                        &format!(
+                            "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
+                            self.state.lr,
+                            tps,
+                            self.state.epoch,
+                            started.elapsed().as_secs_f64()
+                        ),
                     );
                 }
                 (interval_loss, interval_tokens, interval_steps) = (0.0, 0, 0);
@@ -1567,10 +1568,8 @@ impl Trainer {
                     "step {step}: validation loss {vl:.4}{}",
                     vb.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
                 );
-                match &bar {
-                    Some(b) => b.println(msg),
-                    None if lines => eprintln!("{msg}"),
-                    None => {}
+                if bar.is_some() || lines {
+                    progress_line(&bar, &msg);
                 }
                 validated = Some(improved);
             }
@@ -1587,10 +1586,7 @@ impl Trainer {
                         "warning: {e}; training goes on (the plot is drawn again at the next \
                          validation)"
                     );
-                    match &bar {
-                        Some(b) => b.println(msg),
-                        None => eprintln!("{msg}"),
-                    }
+                    progress_line(&bar, &msg);
                 }
                 if improved && self.cfg.checkpoint.best {
                     match self.save_best() {
@@ -1692,6 +1688,19 @@ impl Trainer {
             path: png,
             message: e.to_string(),
         })
+    }
+}
+
+/// Prints a progress line: above the bar, or on standard error. A stream that cannot be
+/// written (a closed pipe: `kiln train … 2>&1 | head`) does not stop the run, which goes
+/// on to its checkpoints; `eprintln!` would panic.
+fn progress_line(bar: &Option<indicatif::ProgressBar>, msg: &str) {
+    use std::io::Write;
+    match bar {
+        Some(b) => b.println(msg),
+        None => {
+            let _ = writeln!(std::io::stderr().lock(), "{msg}");
+        }
     }
 }
 
