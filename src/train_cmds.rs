@@ -672,6 +672,107 @@ pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Er
     Ok(all[all.len() - n..].iter().map(|c| c.dir.clone()).collect())
 }
 
+/// `path` made absolute with its symbolic links resolved, as far as it exists: the
+/// canonical parent joined with the name when only the parent exists; `None` when that
+/// does not exist either (nothing there to overwrite).
+fn canonical(path: &Path) -> Option<PathBuf> {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        return Some(p);
+    }
+    let name = path.file_name()?;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    Some(std::fs::canonicalize(parent).ok()?.join(name))
+}
+
+/// Refuses an average of the same checkpoint twice, and an output that would overwrite an
+/// input, a checkpoint or a run directory (`inputs` as given, `dirs` the model directories
+/// they name).
+fn check_average_paths(inputs: &[PathBuf], dirs: &[PathBuf], output: &Path) -> Result<(), Error> {
+    let refuse =
+        |message: String, help: &str| Err(plain("kiln::average", message, Some(help.to_string())));
+    let mut seen: Vec<(PathBuf, &Path)> = Vec::new();
+    for (given, dir) in inputs.iter().zip(dirs) {
+        let Some(c) = canonical(dir) else { continue };
+        if let Some((_, first)) = seen.iter().find(|(s, _)| *s == c) {
+            let message = if *first == given.as_path() {
+                format!("`{}` is given twice", given.display())
+            } else {
+                format!(
+                    "`{}` and `{}` are the same checkpoint (`{}`)",
+                    first.display(),
+                    given.display(),
+                    dir.display()
+                )
+            };
+            return refuse(
+                message,
+                "average distinct checkpoints (each counts once in the mean)",
+            );
+        }
+        seen.push((c, given));
+    }
+    let fix = "choose another -o: averaging writes a new model directory (or a \
+               `.safetensors` file)";
+    let Some(out) = canonical(output) else {
+        return Ok(());
+    };
+    for (given, dir) in inputs.iter().zip(dirs) {
+        for input in [given, dir] {
+            let Some(c) = canonical(input) else { continue };
+            if out == c {
+                return refuse(
+                    format!(
+                        "`-o {}` is one of the inputs (`{}`), which the average would overwrite",
+                        output.display(),
+                        given.display()
+                    ),
+                    fix,
+                );
+            }
+            if out.parent() == Some(c.as_path()) {
+                return refuse(
+                    format!(
+                        "`-o {}` is inside the input `{}`, whose files the average could \
+                         overwrite",
+                        output.display(),
+                        given.display()
+                    ),
+                    fix,
+                );
+            }
+        }
+    }
+    let checkpoint_dir = |p: &Path| p.join(kiln_runtime::checkpoint::STATE_FILE).is_file();
+    if checkpoint_dir(&out) || out.parent().is_some_and(checkpoint_dir) {
+        return refuse(
+            format!(
+                "`-o {}` is {} checkpoint, whose files the average would overwrite",
+                output.display(),
+                if checkpoint_dir(&out) {
+                    "a"
+                } else {
+                    "inside a"
+                }
+            ),
+            fix,
+        );
+    }
+    if out.join("checkpoints").is_dir() || out.join(model::CONFIG_FILE).is_file() {
+        return refuse(
+            format!(
+                "`-o {}` is a run directory (or a run's best/), whose files the average \
+                 would overwrite",
+                output.display()
+            ),
+            fix,
+        );
+    }
+    Ok(())
+}
+
 pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
     let dirs: Vec<PathBuf> = inputs
         .iter()
@@ -683,32 +784,76 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
             }
         })
         .collect::<Result<_, _>>()?;
+    check_average_paths(inputs, &dirs, output)?;
+    // Checkpoint directories: their graphs and tokenizer checked as `kiln translate`
+    // would, and the same for all (one run's checkpoints).
+    let mut files: Option<(&Path, model::ModelFiles)> = None;
+    for dir in dirs.iter().filter(|d| d.is_dir()) {
+        let these = model::read_files(dir).map_err(err("kiln::average"))?;
+        let Some((first, reference)) = &files else {
+            files = Some((dir, these));
+            continue;
+        };
+        for (name, same) in [
+            (
+                model::GRAPHS_FILE,
+                these.graphs.to_json() == reference.graphs.to_json(),
+            ),
+            (
+                model::TOKENIZER_FILE,
+                these.tokenizer.to_json().ok() == reference.tokenizer.to_json().ok(),
+            ),
+        ] {
+            if !same {
+                return Err(plain(
+                    "kiln::average",
+                    format!(
+                        "`{}` differs from `{}`: these are checkpoints of different models \
+                         or runs ({})",
+                        dir.join(name).display(),
+                        first.join(name).display(),
+                        if name == model::GRAPHS_FILE {
+                            "another spec or other spec settings"
+                        } else {
+                            "another vocabulary: other training data or vocab_size"
+                        }
+                    ),
+                    Some("average checkpoints of one run only".to_string()),
+                ));
+            }
+        }
+    }
     let refs: Vec<&Path> = dirs.iter().map(|p| p.as_path()).collect();
     let avg = kiln_runtime::checkpoint::average(&refs).map_err(err("kiln::average"))?;
+    if let Some((first, f)) = &files {
+        let weights = first.join(kiln_runtime::checkpoint::MODEL_FILE);
+        kiln_runtime::entry::check_weights(&f.graphs.loss, &weights.display().to_string(), &avg)
+            .map_err(|e| {
+                plain(
+                    "kiln::average",
+                    e.message,
+                    Some(format!(
+                        "`{}` does not fit the checkpoint's `{}`: average intact checkpoints",
+                        weights.display(),
+                        model::GRAPHS_FILE
+                    )),
+                )
+            })?;
+    }
     if output.extension().and_then(|e| e.to_str()) == Some("safetensors") {
         let list: Vec<(String, Tensor)> = avg.into_iter().collect();
         save_safetensors(output, &list, None).map_err(err("kiln::average"))?;
     } else {
-        let first = dirs.first().expect("average checked for inputs");
-        if !first.is_dir() {
+        let first_is_dir = dirs.first().is_some_and(|d| d.is_dir());
+        let Some((_, f)) = files.filter(|_| first_is_dir) else {
             return Err(plain(
                 "kiln::average",
                 "averaging safetensors files gives weights only; name the output `*.safetensors`".to_string(),
                 Some("or average checkpoint directories to get a model directory for `kiln translate`".to_string()),
             ));
-        }
-        let read = |name: &str| {
-            std::fs::read(first.join(name)).map_err(|e| {
-                plain(
-                    "kiln::average",
-                    format!("cannot read `{}`: {e}", first.join(name).display()),
-                    None,
-                )
-            })
         };
-        let graphs = read(model::GRAPHS_FILE)?;
-        let tok = read(model::TOKENIZER_FILE)?;
-        model::save_dir(output, &avg, &graphs, &tok).map_err(err("kiln::average"))?;
+        model::save_dir(output, &avg, &f.graphs_json, &f.tokenizer_json)
+            .map_err(err("kiln::average"))?;
     }
     let steps: Vec<String> = dirs
         .iter()

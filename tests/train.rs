@@ -1396,3 +1396,154 @@ fn closed_output_pipes_do_not_stop_training() {
         "{err}"
     );
 }
+
+/// Copies the flat directory `from` (a checkpoint) to `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// `kiln average` refuses an output that is one of its inputs, lies inside one, or is a
+/// checkpoint or run directory (it would overwrite trained weights), and the same
+/// checkpoint given twice.
+#[test]
+fn average_does_not_overwrite_its_inputs() {
+    let dir = workspace("average_outputs", "");
+    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let weights = dir.join("run/checkpoints/step_00000020/model.safetensors");
+    let before = std::fs::read(&weights).unwrap();
+    let (a, b) = (
+        "run/checkpoints/step_00000010",
+        "run/checkpoints/step_00000020",
+    );
+    let (fa, fb) = (
+        "run/checkpoints/step_00000010/model.safetensors",
+        "run/checkpoints/step_00000020/model.safetensors",
+    );
+    let help =
+        "choose another -o: averaging writes a new model directory (or a `.safetensors` file)";
+    for (args, want) in [
+        (
+            vec![a, b, "-o", b],
+            format!("`-o {b}` is one of the inputs (`{b}`), which the average would overwrite"),
+        ),
+        (
+            vec![fa, fb, "-o", fb],
+            format!("`-o {fb}` is one of the inputs (`{fb}`)"),
+        ),
+        (
+            vec![a, b, "-o", fb],
+            format!("`-o {fb}` is inside the input `{b}`"),
+        ),
+        (
+            vec![a, "-o", "run"],
+            "`-o run` is a run directory (or a run's best/)".to_string(),
+        ),
+        (
+            vec![a, "-o", "run/best"],
+            "`-o run/best` is a run directory (or a run's best/)".to_string(),
+        ),
+        (
+            vec!["--last", "1", "run", "-o", a],
+            format!("`-o {a}` is a checkpoint, whose files the average would overwrite"),
+        ),
+        (vec![a, a, "-o", "x"], format!("`{a}` is given twice")),
+        (
+            vec!["run", b, "-o", "x"],
+            format!("`run` and `{b}` are the same checkpoint"),
+        ),
+    ] {
+        let out = kiln(&dir, &[&["average"][..], &args].concat());
+        // (Long paths are wrapped after a `/`.)
+        let err = unwrapped(&out.stderr).replace("/ ", "/");
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(&want), "{args:?}: {want:?} in {err}");
+        let help = if want.contains("twice") || want.contains("same checkpoint") {
+            "average distinct checkpoints"
+        } else {
+            help
+        };
+        assert!(err.contains(help), "{args:?}: {err}");
+    }
+    assert_eq!(
+        std::fs::read(&weights).unwrap(),
+        before,
+        "step 20's weights"
+    );
+    assert!(!dir.join("x").exists());
+    ok(&dir, &["average", a, b, "-o", "avg"]);
+    // An earlier average's output may be replaced.
+    ok(&dir, &["average", a, b, "-o", "avg"]);
+}
+
+/// `kiln average` checks the graphs and tokenizer it copies from the first checkpoint
+/// as `kiln translate` would, and refuses checkpoints whose graphs or tokenizer differ
+/// from the first's (other runs), naming both files.
+#[test]
+fn average_checks_the_files_it_copies_and_refuses_other_runs() {
+    let dir = workspace("average_files", "");
+    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let ck = |step: u64| dir.join("run/checkpoints").join(checkpoint::dir_name(step));
+    let refused = |inputs: &[&str], want: &[&str]| {
+        let out = kiln(&dir, &[&["average"][..], inputs, &["-o", "avg"]].concat());
+        let err = unwrapped(&out.stderr).replace("/ ", "/");
+        assert_eq!(out.status.code(), Some(1), "{inputs:?}: {err}");
+        for w in want {
+            assert!(err.contains(w), "{inputs:?}: {w:?} in {err}");
+        }
+        assert!(!dir.join("avg").exists());
+    };
+    let ten = "run/checkpoints/step_00000010";
+    for (file, bytes, want) in [
+        (
+            "graphs.json",
+            &b""[..],
+            "`bad/graphs.json`: not a kiln graph set",
+        ),
+        ("tokenizer.json", &b"{\"truncated"[..], "bad/tokenizer.json"),
+    ] {
+        let _ = std::fs::remove_dir_all(dir.join("bad"));
+        copy_dir(&ck(20), &dir.join("bad"));
+        std::fs::write(dir.join("bad").join(file), bytes).unwrap();
+        refused(&["bad", ten], &[want]);
+        refused(&[ten, "bad"], &[want]);
+    }
+    std::fs::remove_file(dir.join("bad/tokenizer.json")).unwrap();
+    refused(
+        &["bad", ten],
+        &["`bad` is not a kiln model: it has no `tokenizer.json`"],
+    );
+
+    // Another run's checkpoint: the same shapes, but another tokenizer (two tokens
+    // swapped) or other graphs.
+    let _ = std::fs::remove_dir_all(dir.join("other"));
+    copy_dir(&ck(20), &dir.join("other"));
+    let tok_path = dir.join("other/tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    let (x, y) = (vocab["1"].clone(), vocab["2"].clone());
+    vocab.insert("1".into(), y);
+    vocab.insert("2".into(), x);
+    std::fs::write(&tok_path, serde_json::to_string(&tok).unwrap()).unwrap();
+    refused(
+        &[ten, "other"],
+        &[
+            "`other/tokenizer.json` differs from `run/checkpoints/step_00000010/tokenizer.json`: these are checkpoints of different models or runs (another vocabulary",
+            "average checkpoints of one run only",
+        ],
+    );
+    copy_dir(&ck(20), &dir.join("other"));
+    let graphs_path = dir.join("other/graphs.json");
+    let mut graphs: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&graphs_path).unwrap()).unwrap();
+    graphs["model"] = "renamed".into();
+    std::fs::write(&graphs_path, serde_json::to_vec(&graphs).unwrap()).unwrap();
+    refused(
+        &[ten, "other"],
+        &["`other/graphs.json` differs from `run/checkpoints/step_00000010/graphs.json`"],
+    );
+}

@@ -160,17 +160,41 @@ fn read(dir: &Path, file: &'static str) -> Result<Vec<u8>, ModelError> {
     })
 }
 
+/// The graphs and tokenizer of a model directory, read and checked (as [`load`] does),
+/// with the bytes of their files.
+pub struct ModelFiles {
+    pub graphs: GraphSet,
+    pub tokenizer: Tokenizer,
+    pub graphs_json: Vec<u8>,
+    pub tokenizer_json: Vec<u8>,
+}
+
+/// Reads and checks `graphs.json` and `tokenizer.json` of the model directory `dir`
+/// (not a run directory: see [`resolve`]), the tokenizer against the graphs' vocabulary.
+pub fn read_files(dir: &Path) -> Result<ModelFiles, ModelError> {
+    let graphs_json = read(dir, GRAPHS_FILE)?;
+    let graphs = GraphSet::from_json(&graphs_json, &dir.join(GRAPHS_FILE))?;
+    let tokenizer_json = read(dir, TOKENIZER_FILE)?;
+    let tok_text = std::str::from_utf8(&tokenizer_json).map_err(|_| ModelError::Invalid {
+        path: dir.join(TOKENIZER_FILE),
+        message: "not UTF-8".to_string(),
+    })?;
+    let tokenizer = Tokenizer::from_json(tok_text, &dir.join(TOKENIZER_FILE))?;
+    check_vocab(&tokenizer, graphs.vocab(), &dir.join(TOKENIZER_FILE))?;
+    Ok(ModelFiles {
+        graphs,
+        tokenizer,
+        graphs_json,
+        tokenizer_json,
+    })
+}
+
 /// Loads a model directory (or the newest checkpoint of a run directory).
 pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     let dir = resolve(path)?;
-    let graphs = GraphSet::from_json(&read(&dir, GRAPHS_FILE)?, &dir.join(GRAPHS_FILE))?;
-    let tok_json =
-        String::from_utf8(read(&dir, TOKENIZER_FILE)?).map_err(|_| ModelError::Invalid {
-            path: dir.join(TOKENIZER_FILE),
-            message: "not UTF-8".to_string(),
-        })?;
-    let tokenizer = Tokenizer::from_json(&tok_json, &dir.join(TOKENIZER_FILE))?;
-    check_vocab(&tokenizer, graphs.vocab(), &dir.join(TOKENIZER_FILE))?;
+    let ModelFiles {
+        graphs, tokenizer, ..
+    } = read_files(&dir)?;
     let params = load_safetensors(&dir.join(MODEL_FILE))?;
     // The loss graph has every parameter.
     let file = dir.join(MODEL_FILE);
