@@ -92,6 +92,13 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
             .filter(|&n| n > 0)
     });
     crate::set_threads(threads)?;
+    if a.max_steps == Some(0) {
+        return Err(plain(
+            "kiln::train",
+            "--max-steps 0 asks for no step at all".to_string(),
+            Some("give at least 1 (when resuming, more than the run's step)".to_string()),
+        ));
+    }
     let progress = if a.quiet {
         Progress::Quiet
     } else {
@@ -159,7 +166,14 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
     let s = trainer.run().map_err(err("kiln::train"))?;
     // A resumed run whose patience was spent takes no step: only the reason is said.
     let idle = s.steps_taken == 0 && s.early_stop.is_some();
-    if !a.quiet && !idle {
+    if !a.quiet && s.steps_taken == 0 && !idle {
+        // Resumed at its max_steps: no step, no loss, no speed to report.
+        say!(
+            "nothing to train: the run is at step {}, its train.max_steps; give a larger \
+             --max-steps to train on",
+            s.steps
+        );
+    } else if !a.quiet && !idle {
         say!(
             "trained {} steps in {:.1}s ({:.0} tokens/s); last training loss {:.4}{}{}",
             s.steps,

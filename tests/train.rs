@@ -1547,3 +1547,57 @@ fn average_checks_the_files_it_copies_and_refuses_other_runs() {
         &["`other/graphs.json` differs from `run/checkpoints/step_00000010/graphs.json`"],
     );
 }
+
+/// Resuming a run for fewer steps than it has taken is refused (a run does not go back);
+/// for exactly as many, nothing is trained and the summary says so, instead of "trained
+/// 10 steps in 0.0s … loss 0.0000"; `--max-steps 0` is refused.
+#[test]
+fn resuming_below_or_at_the_current_step() {
+    let dir = trained("resume_below");
+    let out = kiln(&dir, &["train", "--resume", "run", "--max-steps", "5"]);
+    let err = unwrapped(&out.stderr).replace("/ ", "/");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "train.max_steps is 5 (`--max-steps`, or the run's config.yaml), but the run is at \
+             step 10 already (`run/checkpoints/step_00000010`): there is nothing to train, and \
+             a run does not go back; give a --max-steps above 10 to train on"
+        ),
+        "{err}"
+    );
+    let out = kiln(&dir, &["train", "--resume", "run", "--max-steps", "10"]);
+    assert!(out.status.success(), "{}", unwrapped(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text,
+        "nothing to train: the run is at step 10, its train.max_steps; give a larger \
+         --max-steps to train on\n"
+    );
+    let steps: Vec<u64> = checkpoint::list(&dir.join("run/checkpoints"))
+        .unwrap()
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, [10]);
+    for args in [
+        &["train", "--resume", "run", "--max-steps", "0"][..],
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--dir",
+            "run0",
+            "--max-steps",
+            "0",
+        ][..],
+    ] {
+        let out = kiln(&dir, args);
+        let err = unwrapped(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("--max-steps 0 asks for no step at all"),
+            "{err}"
+        );
+    }
+    assert!(!dir.join("run0").exists());
+}

@@ -1407,6 +1407,18 @@ impl Trainer {
     /// Trains until `train.max_steps` (or `train.max_seconds`, or `valid.patience`).
     pub fn run(&mut self) -> Result<Summary, TrainError> {
         let total = self.cfg.train.max_steps;
+        if self.state.step > total {
+            return Err(TrainError::Setup(format!(
+                "train.max_steps is {total} (`--max-steps`, or the run's {CONFIG_FILE}), but \
+                 the run is at step {} already (`{}`): there is nothing to train, and a run \
+                 does not go back; give a --max-steps above {} to train on",
+                self.state.step,
+                self.checkpoint_root()
+                    .join(checkpoint::dir_name(self.state.step))
+                    .display(),
+                self.state.step
+            )));
+        }
         let started = Instant::now();
         let mut grads: BTreeMap<String, Vec<f32>> = self
             .params
