@@ -665,9 +665,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let (n, bytes) = c.view_copies();
             obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
         }
-        println!("{obj}");
+        outln!("{obj}");
     } else {
-        println!(
+        outln!(
             "bench {} entry={} executor={} batch={} src_len={} tgt_len={} threads={threads}",
             a.spec.display(),
             a.entry,
@@ -676,7 +676,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             a.src_len,
             a.tgt_len
         );
-        println!(
+        outln!(
             "  median {:.1} ms/step (min {:.1}, max {:.1}; {} runs after {} warm-up){}",
             med * 1e3,
             min * 1e3,
@@ -689,19 +689,19 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 String::new()
             }
         );
-        println!("  {:.0} target tokens/s", tokens / med);
-        println!(
+        outln!("  {:.0} target tokens/s", tokens / med);
+        outln!(
             "  peak RSS {:.1} MiB; setup (compile, init) {:.2} s",
             rss as f64 / 1048576.0,
             setup
         );
         if let Some(c) = &compiled {
-            println!(
+            outln!(
                 "  arena {:.1} MiB (the memory plan at these dims)",
                 c.arena_bytes() as f64 / 1048576.0
             );
             let (n, bytes) = c.view_copies();
-            println!(
+            outln!(
                 "  outside the arena: {:.1} MiB live at once for inputs, view copies and kernel \
                  scratch ({n} view copies of {:.1} MiB in all)",
                 c.scratch_bytes() as f64 / 1048576.0,
@@ -709,20 +709,20 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             );
         }
         if let Some(c) = &cuda {
-            println!(
+            outln!(
                 "  device arena {:.1} MiB (the memory plan at these dims)",
                 c.arena_bytes() as f64 / 1048576.0
             );
             let (fused, separate) = c.epilogue_counts();
             if fused + separate > 0 {
-                println!(
+                outln!(
                     "  linear kernels with a bias: {fused} in one cuBLASLt call (bias epilogue), \
                      {separate} as bias + GEMM (+ ReLU) ({} runs)",
                     a.warmup + a.runs
                 );
             }
             let (n, bytes) = c.view_copies();
-            println!(
+            outln!(
                 "  view copies: {n} of {:.1} MiB in all (outside the arena)",
                 bytes as f64 / 1048576.0
             );
@@ -730,7 +730,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         if !profile.kinds.is_empty() {
             let mut p: Vec<(String, (f64, usize))> = profile.kinds.clone().into_iter().collect();
             p.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-            println!("  time per kernel kind (last run):");
+            outln!("  time per kernel kind (last run):");
             // Whole-run figures (the CUDA executor's idle and issue times) come last.
             let (runs, kinds): (Vec<_>, Vec<_>) =
                 p.into_iter().partition(|(k, _)| k.starts_with('['));
@@ -742,10 +742,10 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 .unwrap_or(0)
                 .max(22);
             for (k, (s, n)) in kinds {
-                println!("    {k:<width$} {:>9.1} ms  {n:>5} kernels", s * 1e3);
+                outln!("    {k:<width$} {:>9.1} ms  {n:>5} kernels", s * 1e3);
             }
             for (k, (s, _)) in runs {
-                println!("    {k:<width$} {:>9.1} ms", s * 1e3);
+                outln!("    {k:<width$} {:>9.1} ms", s * 1e3);
             }
         }
         let products = profile.products_by_time();
@@ -759,7 +759,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let (secs, flops) = products.iter().fold((0.0, 0.0), |(s, f), (_, p, t, n)| {
                 (s + t, f + *n as f64 * p.flops())
             });
-            println!(
+            outln!(
                 "  matrix products by shape (last run; m×k·k×n, ᵀ an operand stored \
                  transposed): {} kernels, {:.1} ms, {:.1} {unit}",
                 products.iter().map(|p| p.3).sum::<usize>(),
@@ -769,7 +769,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let shown = &products[..products.len().min(PRODUCT_ROWS)];
             let width = shown.iter().map(|p| p.0.chars().count()).max().unwrap_or(0);
             for (k, p, s, n) in shown {
-                println!(
+                outln!(
                     "    {:<28} {k:<width$} {n:>4} × {:>8.3} ms = {:>8.1} ms  {:>7.1} {unit}",
                     p.to_string(),
                     s * 1e3 / *n as f64,
@@ -778,7 +778,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 );
             }
             if products.len() > PRODUCT_ROWS {
-                println!(
+                outln!(
                     "    … {} more shapes (`--json` lists them all)",
                     products.len() - PRODUCT_ROWS
                 );

@@ -71,15 +71,15 @@ fn run_optimizer(args: &OptArgs) -> Result<(Graph, KernelGraph, Report), Error> 
 /// `kiln explain`.
 pub fn explain(args: &OptArgs, kernels: bool) -> Result<(), Error> {
     let (_, kg, report) = run_optimizer(args)?;
-    println!(
+    outln!(
         "explain {} entry={} target={}",
         args.spec.display(),
         args.entry,
         args.target
     );
-    print!("{}", report.text(true));
+    out!("{}", report.text(true));
     if kernels {
-        print!("{}", kg.text());
+        out!("{}", kg.text());
     }
     Ok(())
 }
@@ -114,7 +114,7 @@ pub fn compile(args: &OptArgs, output: Option<&Path>, check: bool, seed: u64) ->
             let total: usize = report.kernels_after.values().sum();
             eprintln!("wrote {} ({} kernels)", path.display(), total);
         }
-        None => print!("{text}"),
+        None => out!("{text}"),
     }
     Ok(())
 }
@@ -798,7 +798,7 @@ pub fn inspect(
             }
         }
     }
-    print!("{out}");
+    out!("{out}");
     Ok(())
 }
 
@@ -934,11 +934,11 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
                 .into()
         }
     };
-    println!("model directory {} — {what}", s.dir.display());
+    outln!("model directory {} — {what}", s.dir.display());
     match &s.spec {
         Some((spec, set)) => {
             let set: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            println!(
+            outln!(
                 "  model `{}` of {}{}",
                 s.model,
                 spec.display(),
@@ -949,15 +949,15 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
                 }
             );
         }
-        None => println!("  model `{}`", s.model),
+        None => outln!("  model `{}`", s.model),
     }
-    println!(
+    outln!(
         "  parameters {} in {} tensors ({})",
         kiln_compiler::summary::group_digits(s.parameters),
         s.tensors,
         kiln_compiler::memory::size(s.bytes)
     );
-    println!(
+    outln!(
         "  vocabulary {} (tokenizer.json){}",
         s.tokenizer_vocab,
         match s.vocab {
@@ -970,9 +970,9 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
         .iter()
         .map(|(name, nodes)| format!("{name} ({nodes} nodes)"))
         .collect();
-    println!("  graphs {}", graphs.join(", "));
+    outln!("  graphs {}", graphs.join(", "));
     if let Some(st) = &s.state {
-        println!(
+        outln!(
             "  training step {}, epoch {} ({} batches into it), seed {}; {} source and {} \
              target tokens seen; last learning rate {:.4e}",
             st.step,
@@ -986,7 +986,7 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
         let best = |v: Option<f64>, digits: usize| {
             v.map_or("none yet".to_string(), |v| format!("{v:.digits$}"))
         };
-        println!(
+        outln!(
             "  best validation loss {}, best BLEU {}{}",
             best(st.best_val_loss, 4),
             best(st.best_bleu, 2),
@@ -995,9 +995,9 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
                 (None, _) => String::new(),
             }
         );
-        println!("  Adam moments for every parameter (optimizer.safetensors)");
+        outln!("  Adam moments for every parameter (optimizer.safetensors)");
         if !s.extra_files.is_empty() {
-            println!("  extra files {}", s.extra_files.join(", "));
+            outln!("  extra files {}", s.extra_files.join(", "));
         }
     }
     // The run's log: `<run>/metrics.jsonl`, beside `checkpoints/`.
@@ -1029,7 +1029,7 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
                 }
             }
             if !parts.is_empty() {
-                println!("  last logged ({}): {}", log.display(), parts.join("; "));
+                outln!("  last logged ({}): {}", log.display(), parts.join("; "));
             }
         }
     }

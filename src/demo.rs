@@ -167,27 +167,30 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             }
         ),
     )?;
-    println!("kiln demo — the paper's Transformer, small, on a generated translation task");
-    println!("  task: reverse a sentence of 3-8 words and translate every word (100-word lexicon)");
-    println!("  e.g. {:?} → {:?}", train[0].0, train[0].1);
-    println!("  working directory: {}", dir.display());
+    outln!("kiln demo — the paper's Transformer, small, on a generated translation task");
+    outln!("  task: reverse a sentence of 3-8 words and translate every word (100-word lexicon)");
+    outln!("  e.g. {:?} → {:?}", train[0].0, train[0].1);
+    outln!("  working directory: {}", dir.display());
     let cfg = Config::load(&dir.join("demo.yaml")).map_err(err("kiln::config"))?;
     let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
-    println!("  {note}");
+    outln!("  {note}");
     let graphs = compile_graphs(&cfg, tok.vocab_size())?;
     let mut trainer =
         Trainer::new(cfg, tok.clone(), &graphs, Progress::Auto).map_err(err("kiln::train"))?;
     for n in trainer.notes() {
-        println!("  {n}");
+        outln!("  {n}");
     }
     match a.steps {
-        Some(n) => println!("  training for {n} steps ..."),
-        None => println!("  training for about {} seconds ...", a.seconds),
+        Some(n) => outln!("  training for {n} steps ..."),
+        None => outln!("  training for about {} seconds ...", a.seconds),
     }
     let s = trainer.run().map_err(err("kiln::train"))?;
-    println!(
+    outln!(
         "  trained {} steps in {:.0}s ({:.0} tokens/s); training loss {:.3}",
-        s.steps, s.seconds, s.tokens_per_second, s.last_loss
+        s.steps,
+        s.seconds,
+        s.tokens_per_second,
+        s.last_loss
     );
     // Held-out test set, beam 4 with the paper's length penalty: the last weights, then
     // the average of the last five checkpoints (the paper averages the last 5 or 20).
@@ -254,14 +257,14 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     } else {
         None
     };
-    println!(
+    outln!(
         "  beam search (beam 4, α 0.6) on {} held-out sentences, {:.1}s:",
         test.len(),
         last.seconds
     );
     let best = averaged.as_ref().unwrap_or(&last);
     for i in 0..3.min(test.len()) {
-        println!(
+        outln!(
             "    {}  →  {}{}",
             test[i].0,
             best.hyps[i],
@@ -272,7 +275,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             }
         );
     }
-    println!("  last weights (step {}):      {}", s.steps, last.line);
+    outln!("  last weights (step {}):      {}", s.steps, last.line);
     if let Some(a) = &averaged {
         let steps: Vec<String> = ckpts
             .iter()
@@ -281,22 +284,22 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             .rev()
             .map(|c| c.step.to_string())
             .collect();
-        println!(
+        outln!(
             "  average of {} checkpoints (steps {}):  {}",
             recent.len(),
             steps.join(", "),
             a.line
         );
     }
-    println!("  result: {}", best.line);
+    outln!("  result: {}", best.line);
     write("test.src", &join(test.iter().map(|p| &p.0)))?;
     write("test.tgt", &join(refs.iter()))?;
     write("test.hyp", &join(best.hyps.iter()))?;
-    println!(
+    outln!(
         "  run directory (checkpoints, metrics.jsonl, training.png): {}",
         Path::new(&dir).join("run").display()
     );
-    println!(
+    outln!(
         "  test set and beam output: {}/test.{{src,tgt,hyp}}",
         dir.display()
     );

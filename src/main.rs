@@ -1,6 +1,6 @@
 //! The `kiln` command line: parses arguments and calls the crates. No algorithms here.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -15,6 +15,41 @@ use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFi
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 use kiln_runtime::{check_inputs, check_weights, Entry, GraphKind, RuntimeError};
+
+/// `println!` for a command's output (a graph, a summary, a report): a reader that went
+/// away (`kiln graph … | head`) ends the command quietly, as `grep` would end, instead of a
+/// panic; any other write error is an error exit.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            $crate::stdout_failed(e)
+        }
+    }};
+}
+
+/// `print!` with [`outln!`]'s handling of a closed standard output.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = write!(std::io::stdout().lock(), $($arg)*) {
+            $crate::stdout_failed(e)
+        }
+    }};
+}
+
+/// Ends the process after a failed write to standard output: quietly (status 0) when the
+/// reader closed the pipe, else with the error (status 1).
+fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "kiln: cannot write to standard output: {e}"
+    );
+    std::process::exit(1);
+}
 
 mod bench_cmd;
 mod compile_cmds;
@@ -410,7 +445,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-            eprint!("{}", e.render(color));
+            // Not `eprint!`: a closed standard error must not turn the failure into a panic.
+            let _ = write!(std::io::stderr(), "{}", e.render(color));
             ExitCode::FAILURE
         }
     }
@@ -422,12 +458,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
             let s = Summary::of(&g);
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&s).expect("summary serializes")
                 );
             } else {
-                print!("{}", s.to_text());
+                out!("{}", s.to_text());
             }
             Ok(())
         }
@@ -526,7 +562,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Bench { args } => bench_cmd::bench(&args),
         Command::Graph { spec } => {
             let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
-            print!("{}", print_graph(&g));
+            out!("{}", print_graph(&g));
             Ok(())
         }
         Command::Init { spec, seed, output } => {
@@ -537,7 +573,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             meta.insert("kiln.model".to_string(), g.name.clone());
             meta.insert("kiln.seed".to_string(), seed.to_string());
             save_safetensors(&output, &weights, Some(&meta)).map_err(file_error)?;
-            println!(
+            outln!(
                 "wrote {} parameters in {} tensors of model `{}` to {}",
                 group_digits(g.num_parameters()),
                 weights.len(),
@@ -689,14 +725,14 @@ fn run(cli: Cli) -> Result<(), Error> {
             let b = corpus_bleu(&hyps, &refs, &opts)
                 .map_err(|e| plain("kiln::bleu", e.to_string(), None))?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&b).expect("BLEU serializes")
                 );
             } else if score_only {
-                println!("{:.2}", b.score);
+                outln!("{:.2}", b.score);
             } else {
-                println!("{b}");
+                outln!("{b}");
             }
             Ok(())
         }
@@ -818,9 +854,9 @@ pub(crate) fn write_outputs(
             (true, Some(v)) => format!(" = {}", v[0]),
             _ => String::new(),
         };
-        println!("{name}: {} {:?}{value}", t.dtype_name(), t.shape);
+        outln!("{name}: {} {:?}{value}", t.dtype_name(), t.shape);
     }
-    println!("wrote {} output(s) to {}", outs.len(), output.display());
+    outln!("wrote {} output(s) to {}", outs.len(), output.display());
     Ok(())
 }
 

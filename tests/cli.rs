@@ -47,6 +47,28 @@ fn s(p: &Path) -> &str {
 }
 
 #[test]
+fn a_reader_that_goes_away_ends_the_output_quietly() {
+    // `kiln graph … | head -1`: the rest of the graph meets a closed pipe.
+    use std::io::Read;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["graph", "models/transformer_base.kiln"])
+        .current_dir(root())
+        .env_remove("RUST_BACKTRACE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // The read end is closed here, with most of the graph (about 140 KB) unwritten.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(&first[..11], b"graph trans");
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(err.is_empty(), "{err}");
+}
+
+#[test]
 fn a_spec_saved_with_a_byte_order_mark_is_read() {
     // Some editors start UTF-8 files with U+FEFF; the spec and its imports read as without.
     let dir = tmp("bom");
