@@ -485,7 +485,19 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
     }
     w.flush().map_err(write_err)?;
     let skipped = srcs_text.len() - which.len();
-    let xent = -total / tokens.max(1) as f64;
+    if tokens == 0 {
+        // No pair to score: no cross-entropy (it is not 0, nor the perplexity 1).
+        tell!(
+            "scored no sentence pairs: {}",
+            if skipped > 0 {
+                format!("all {skipped} sources are empty (their lines are left blank)")
+            } else {
+                "the input is empty".to_string()
+            }
+        );
+        return Ok(());
+    }
+    let xent = -total / tokens as f64;
     tell!(
         "scored {} sentence pair{} ({tokens} target tokens with <eos>{}) in {secs:.1} s: \
          cross-entropy {xent:.4} nats/token, perplexity {:.2} ({})",

@@ -459,6 +459,27 @@ fn checkpoints_translate_average_and_export() {
         err.contains("`latin1.txt` line 2 is not valid UTF-8"),
         "{err}"
     );
+    // Nothing to score: said so, with no cross-entropy of 0 and perplexity of 1.
+    std::fs::write(dir.join("empty.txt"), "").unwrap();
+    let none = kiln(
+        &dir,
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "empty.txt",
+            "--ref",
+            "empty.txt",
+        ],
+    );
+    assert!(none.status.success());
+    assert!(none.stdout.is_empty());
+    let err = unwrapped(&none.stderr);
+    assert!(
+        err.contains("scored no sentence pairs: the input is empty") && !err.contains("perplexity"),
+        "{err}"
+    );
     std::fs::write(dir.join("short.txt"), "only one line\n").unwrap();
     let mismatch = kiln(
         &dir,
