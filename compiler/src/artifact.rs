@@ -50,13 +50,20 @@ pub const KERNELS_DIR: &str = "kernels";
 /// The shared BPE vocabulary (the `tokenizers` JSON), when the artifact carries one.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The 64-bit FNV-1a hash of nothing: where [`fnv1a64_update`] starts.
+pub const FNV1A64_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
 /// The 64-bit FNV-1a hash of `bytes`.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    fnv1a64_update(FNV1A64_OFFSET, bytes)
+}
+
+/// The hash `h` of some bytes, continued over `bytes` (a file hashed chunk by chunk).
+pub fn fnv1a64_update(h: u64, bytes: &[u8]) -> u64 {
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     bytes
         .iter()
-        .fold(OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
 }
 
 /// The hash as it appears in a manifest: 16 lowercase hex digits.

@@ -281,7 +281,7 @@ impl TokenizerSource {
     /// The record of `tokenizer_json` trained on `cfg`'s data now.
     fn of(cfg: &Config, tokenizer_json: &[u8]) -> Result<TokenizerSource, TrainError> {
         Ok(TokenizerSource {
-            tokenizer: fnv_bytes(tokenizer_json),
+            tokenizer: kiln_compiler::artifact::hash_hex(tokenizer_json),
             vocab_size: cfg.data.vocab_size,
             train_src: FileDigest::of(&cfg.data.train_src)?,
             train_tgt: FileDigest::of(&cfg.data.train_tgt)?,
@@ -296,13 +296,13 @@ impl FileDigest {
             |e: std::io::Error| TrainError::Setup(format!("cannot read `{}`: {e}", path.display()));
         let mut file = std::fs::File::open(path).map_err(fail)?;
         let mut buf = vec![0u8; 1 << 20];
-        let (mut h, mut bytes) = (FNV_OFFSET, 0u64);
+        let (mut h, mut bytes) = (kiln_compiler::artifact::FNV1A64_OFFSET, 0u64);
         loop {
             let n = file.read(&mut buf).map_err(fail)?;
             if n == 0 {
                 break;
             }
-            h = fnv_update(h, &buf[..n]);
+            h = kiln_compiler::artifact::fnv1a64_update(h, &buf[..n]);
             bytes += n as u64;
         }
         Ok(FileDigest {
@@ -310,20 +310,6 @@ impl FileDigest {
             fnv1a: format!("{h:016x}"),
         })
     }
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-fn fnv_update(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
-fn fnv_bytes(bytes: &[u8]) -> String {
-    format!("{:016x}", fnv_update(FNV_OFFSET, bytes))
 }
 
 /// The tokenizer [`prepare_tokenizer`] would give, without writing anything; `true` when
@@ -1741,16 +1727,10 @@ fn scalar(out: &BTreeMap<String, Tensor>, name: &str) -> Option<f32> {
     }
 }
 
-/// A digest of the configuration that matters for exact resumption.
 /// FNV-1a of a value's YAML text.
 fn fnv(value: &impl serde::Serialize) -> String {
     let text = serde_yaml::to_string(value).unwrap_or_default();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    kiln_compiler::artifact::hash_hex(text.as_bytes())
 }
 
 /// A digest of each part of the configuration that decides the training trajectory
