@@ -110,31 +110,25 @@ fn bleu_names_a_bad_line_and_a_misplaced_option() {
         ok(&["bleu", "--ref", s(&refs), s(&hyp), "--score-only"]).trim(),
         "100.00"
     );
+    let smoothed = |method: &str, value: &str| {
+        flat(&fails(&[
+            "bleu",
+            "--ref",
+            s(&refs),
+            s(&hyp),
+            "--smooth",
+            method,
+            "--smooth-value",
+            value,
+        ]))
+    };
     // A smoothing value without a smoothing that takes one was silently ignored.
-    let err = flat(&fails(&[
-        "bleu",
-        "--ref",
-        s(&refs),
-        s(&hyp),
-        "--smooth",
-        "exp",
-        "--smooth-value",
-        "0.5",
-    ]));
+    let err = smoothed("exp", "0.5");
     assert!(
         err.contains("--smooth-value sets the value of `floor` or `add-k` smoothing, not of `exp`"),
         "{err}"
     );
-    let err = flat(&fails(&[
-        "bleu",
-        "--ref",
-        s(&refs),
-        s(&hyp),
-        "--smooth",
-        "floor",
-        "--smooth-value",
-        "nan",
-    ]));
+    let err = smoothed("floor", "nan");
     assert!(
         err.contains("needs a finite, non-negative value, got NaN"),
         "{err}"

@@ -241,9 +241,7 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
         "overflow_min",
         &format!("init: {SCALE_MAX}, window: 1000, min: {SCALE_MAX}"),
     );
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = unwrapped(&out.stderr);
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(err.contains("step 1: the gradient of `"), "{err}");
     assert!(
         err.contains("every loss scale down to 2^127, below `train.loss_scale.min`"),
@@ -259,9 +257,7 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
 fn loss_scaling_settings_are_checked() {
     let dir = workspace("loss_scale_bad", "");
     set_train(&dir, "max_steps: 2, loss_scale: {init: 1000, window: 0}");
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = unwrapped(&out.stderr);
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(
         err.contains("train.loss_scale.init is 1000; use a power of two"),
         "{err}"
@@ -529,9 +525,7 @@ fn checkpoints_translate_average_and_export() {
         load_safetensors(&dir.join("avg_last/model.safetensors")).unwrap(),
         load_safetensors(&dir.join("avg/model.safetensors")).unwrap()
     );
-    let too_many = kiln(&dir, &["average", "--last", "3", "run", "-o", "x"]);
-    assert_eq!(too_many.status.code(), Some(1));
-    let err = unwrapped(&too_many.stderr);
+    let err = fails(&dir, &["average", "--last", "3", "run", "-o", "x"]);
     assert!(
         err.contains("--last 3 asks for 3 checkpoints, but `run/checkpoints` has 2 (steps 10, 20)")
             && err.contains("average fewer (--last 2), or keep more with checkpoint.keep"),
@@ -539,9 +533,7 @@ fn checkpoints_translate_average_and_export() {
     );
     assert!(!dir.join("x").exists());
     std::fs::create_dir_all(dir.join("empty_run")).unwrap();
-    let none = kiln(&dir, &["average", "--last", "1", "empty_run", "-o", "x"]);
-    assert_eq!(none.status.code(), Some(1));
-    let err = unwrapped(&none.stderr);
+    let err = fails(&dir, &["average", "--last", "1", "empty_run", "-o", "x"]);
     assert!(err.contains("`empty_run` holds no checkpoints"), "{err}");
     let a = load_safetensors(&dir.join("run/checkpoints/step_00000010/model.safetensors")).unwrap();
     let b = load_safetensors(&dir.join("run/checkpoints/step_00000020/model.safetensors")).unwrap();
@@ -635,17 +627,13 @@ fn checkpoints_translate_average_and_export() {
             && !avg.contains("training step"),
         "{avg}"
     );
-    let plan = kiln(&dir, &["inspect", "avg", "--plan"]);
-    assert_eq!(plan.status.code(), Some(1));
-    let err = unwrapped(&plan.stderr);
+    let err = fails(&dir, &["inspect", "avg", "--plan"]);
     assert!(
         err.contains("is a model directory: it has graphs and weights, but no memory plans")
             && err.contains("`kiln compile --from-model avg -o DIR`, then inspect DIR"),
         "{err}"
     );
-    let neither = kiln(&dir, &["inspect", "."]);
-    assert_eq!(neither.status.code(), Some(1));
-    let err = unwrapped(&neither.stderr);
+    let err = fails(&dir, &["inspect", "."]);
     assert!(
         err.contains("is not a kiln artifact") && err.contains("also reads model directories"),
         "{err}"
@@ -934,9 +922,7 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
         "valid: {every: 10,",
         "valid: {every: 10, bleu: false, metric: bleu,",
     );
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = unwrapped(&out.stderr);
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(
         err.contains("valid.metric is `bleu` but valid.bleu is false"),
         "{err}"
@@ -951,9 +937,7 @@ fn degenerate_optimizer_and_schedule_numbers_are_refused() {
     let dir = workspace("degenerate_numbers", "optimizer: {eps: .inf}\n");
     edit_cfg(&dir, "factor: 1.0", "factor: .nan, d_model: 0");
     edit_cfg(&dir, "max_steps: 20", "max_steps: 0");
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = unwrapped(&out.stderr);
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     for want in [
         "schedule.factor is NaN; give a positive finite number",
         "schedule.d_model is 0; give a positive finite number",
@@ -966,9 +950,7 @@ fn degenerate_optimizer_and_schedule_numbers_are_refused() {
 
     let dir = workspace("diverging", "");
     edit_cfg(&dir, "factor: 1.0", "factor: 1.0e30");
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = unwrapped(&out.stderr);
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(
         err.contains("is not finite")
             && err.contains(
@@ -1200,9 +1182,7 @@ fn a_plot_or_best_model_failure_keeps_the_training() {
     edit_cfg(&dir, "valid: {every: 10", "valid: {every: 5");
     std::fs::create_dir_all(dir.join("run")).unwrap();
     std::fs::write(dir.join("run/best"), "a file where best/ goes").unwrap();
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    let err = unwrapped(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(
         err.contains("cannot write `run/best`")
             && err.contains(
@@ -1231,9 +1211,7 @@ fn a_new_run_keeps_files_that_are_not_its_own() {
     let dir = workspace("foreign_files", "");
     let cfg = std::fs::read_to_string(dir.join("cfg.yaml")).unwrap();
     let refused = |want: &[&str]| {
-        let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-        let err = unwrapped(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
+        let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
         for w in want {
             assert!(err.contains(w), "{w:?} in {err}");
         }
@@ -1317,9 +1295,7 @@ fn a_stale_run_tokenizer_is_not_reused() {
     std::fs::write(dir.join("cfg.yaml"), &good).unwrap();
     // (Its config.yaml is refused first, being another configuration's.)
     std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    let err = unwrapped(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     let size = std::fs::metadata(dir.join("train.src")).unwrap().len();
     for want in [
         "`run/tokenizer.json` (4 tokens) was trained for other settings than this configuration's: ".to_string(),
@@ -1356,9 +1332,7 @@ fn a_stale_run_tokenizer_is_not_reused() {
     std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
     std::fs::remove_file(dir.join("run/metrics.jsonl")).unwrap();
     edit_cfg(&dir, "vocab_size: 220", "vocab_size: 100");
-    let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
-    let err = unwrapped(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(
         err.contains("`run/tokenizer.json` (219 tokens) was trained for other settings than this configuration's: data.vocab_size was 220, it is 100 now;"),
         "{err}"

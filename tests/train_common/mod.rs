@@ -120,6 +120,16 @@ pub fn unwrapped(stderr: &[u8]) -> String {
         .join(" ")
 }
 
+/// Runs `kiln` in `dir`, which must fail with status 1 (an error, not a panic); its
+/// stderr as [`unwrapped`] gives it.
+pub fn fails(dir: &Path, args: &[&str]) -> String {
+    let out = kiln(dir, args);
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: {err}");
+    assert!(!err.contains("panicked"), "kiln {args:?}: {err}");
+    err
+}
+
 /// The trainer's metrics log: ("step kind", loss) of every training and validation
 /// record.
 pub fn logged_losses(dir: &Path) -> Vec<(String, f64)> {
