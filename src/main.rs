@@ -326,7 +326,8 @@ enum Command {
         /// `gnmt` ((5+len)/6)^α, `len_pow` len^α, or `none`.
         #[arg(long, default_value = "gnmt", value_parser = ["gnmt", "len_pow", "none"])]
         length_penalty: String,
-        /// Maximum output length = a · source length + b.
+        /// Maximum output length = a · source length + b (`<eos>` included), capped by the
+        /// positions the model takes (its `max_len`).
         #[arg(long, default_value_t = 1.0, value_parser = non_negative_f64)]
         max_len_a: f64,
         #[arg(long, default_value_t = 50)]

@@ -15,8 +15,8 @@ use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
 use kiln_runtime::train::{
-    decode_workers, prepare_tokenizer, score_ids, translate_nbest_ids, ModelGraphs, Progress,
-    Trainer,
+    check_positions, decode_workers, prepare_tokenizer, score_ids, translate_nbest_ids,
+    ModelGraphs, Progress, Trainer,
 };
 
 use crate::plain;
@@ -445,6 +445,32 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
         refs.push(encode(&a.reference, i, r)?);
         which.push(i);
     }
+    // Named by line here; `score_ids` would name them by their place among the scored.
+    check_positions(
+        m.encode.graph(),
+        "src_len",
+        srcs.len(),
+        &|i| srcs[i].len(),
+        &|i| format!("`{}` line {}", a.src.display(), which[i] + 1),
+        "shorten it",
+    )
+    .and_then(|()| {
+        check_positions(
+            m.step.graph(),
+            "tgt_len",
+            refs.len(),
+            &|i| refs[i].len() + 1,
+            &|i| {
+                format!(
+                    "`{}` line {} (<bos> and its tokens)",
+                    a.reference.display(),
+                    which[i] + 1
+                )
+            },
+            "shorten it",
+        )
+    })
+    .map_err(|e| plain("kiln::score", e, None))?;
     let started = std::time::Instant::now();
     let bar = progress_bar(srcs.len(), a.batch, "sentence pairs");
     let scores = score_ids(
@@ -569,6 +595,15 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             which.push(i);
         }
     }
+    check_positions(
+        m.encode.graph(),
+        "src_len",
+        srcs.len(),
+        &|i| srcs[i].len(),
+        &|i| format!("line {}", which[i] + 1),
+        "shorten it",
+    )
+    .map_err(|e| plain("kiln::translate", e, None))?;
     // A progress bar on a terminal; a summary line on standard error in any case, as
     // fairseq and Marian print one.
     let started = std::time::Instant::now();

@@ -1596,3 +1596,102 @@ fn resuming_below_or_at_the_current_step() {
     }
     assert!(!dir.join("run0").exists());
 }
+
+/// A learned positional table (Table 3 (E)) covers `max_len` positions. Validation and
+/// `kiln translate` decode within it however far `max_len_a` would let an output grow
+/// (validation read position 33 of a 33-row table and stopped the run), and
+/// a training pair, a line to translate or a reference to score that does not fit is
+/// refused by name before anything runs.
+#[test]
+fn learned_positions_bound_decoding_and_are_checked() {
+    let dir = workspace("learned_positions", "");
+    edit_cfg(
+        &dir,
+        "p_drop: 0.1}",
+        "p_drop: 0.1, learned_pos: true, max_len: 33}",
+    );
+    edit_cfg(&dir, "valid: {every: 10,", "valid: {every: 1,");
+    edit_cfg(&dir, "max_len_b: 5", "max_len_b: 60");
+    // After one step the model is all but its random start: <eos> is rarely likely,
+    // so outputs run to their length limit.
+    ok(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let valid = std::fs::read_to_string(dir.join("valid.src")).unwrap();
+    let first: String = valid.lines().take(3).map(|l| format!("{l}\n")).collect();
+    std::fs::write(dir.join("three.src"), &first).unwrap();
+    let out = kiln(
+        &dir,
+        &[
+            "translate",
+            "--checkpoint",
+            "run",
+            "--input",
+            "three.src",
+            "--max-len-a",
+            "1e9",
+            "--greedy",
+        ],
+    );
+    assert!(out.status.success(), "{}", unwrapped(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let tokens: usize = err
+        .split(" output tokens")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no output token count in: {err}"));
+    // Each output takes at most 33 positions, <eos> among them.
+    assert!(tokens <= 3 * 32, "{tokens} output tokens: {err}");
+
+    let long = vec!["s1"; 40].join(" ");
+    std::fs::write(dir.join("long.src"), format!("{first}{long}\n")).unwrap();
+    let err = fails(
+        &dir,
+        &["translate", "--checkpoint", "run", "--input", "long.src"],
+    );
+    assert!(
+        err.contains("line 4 takes 40 positions, but the model's table `src_pos.table` covers only 33: shorten it, or train a model with `max_len` 40 or more"),
+        "{err}"
+    );
+    std::fs::write(dir.join("one.src"), valid.lines().next().unwrap()).unwrap();
+    std::fs::write(dir.join("one.tgt"), format!("{long}\n")).unwrap();
+    let err = fails(
+        &dir,
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "one.src",
+            "--ref",
+            "one.tgt",
+        ],
+    );
+    assert!(
+        err.contains("`one.tgt` line 1 (<bos> and its tokens) takes 41 positions, but the model's table `tgt_pos.table` covers only 33"),
+        "{err}"
+    );
+
+    // Training pairs of up to 32 positions against a table of 6.
+    let dir = workspace("learned_positions_short", "");
+    edit_cfg(
+        &dir,
+        "p_drop: 0.1}",
+        "p_drop: 0.1, learned_pos: true, max_len: 6}",
+    );
+    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    assert!(
+        err.contains("`train.tgt` line 8 (its tokens and <bos> or <eos>) takes 7 positions, but the model's table `tgt_pos.table` covers only 6: set `data.max_len` to that or less (longer pairs are left out), or train a model with `max_len` 7 or more"),
+        "{err}"
+    );
+    assert!(!dir.join("run").join("checkpoints").exists());
+}

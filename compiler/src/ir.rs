@@ -440,6 +440,15 @@ pub enum IrError {
     Malformed(String),
 }
 
+/// A parameter table read at positions along a dim ([`Graph::position_table`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PositionTable {
+    /// The parameter's name (`tgt_pos.table`).
+    pub param: String,
+    /// Its rows: positions `0 .. rows` can be read.
+    pub rows: usize,
+}
+
 /// Inputs and outputs named `cache.<scope>.<name>` carry a decoder's key/value cache:
 /// the input holds the previous positions, the output of the same name all of them.
 pub const CACHE_PREFIX: &str = "cache.";
@@ -700,6 +709,34 @@ impl Graph {
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
+    }
+
+    /// The smallest parameter table the graph reads at the positions of `dim`: a `gather`
+    /// of a `[rows, …]` parameter at `arange(start, len = dim)`, as a learned positional
+    /// embedding is read. Positions `start .. start + dim` must stay below its `rows`.
+    /// `None` when no parameter is indexed by positions along `dim` (a sinusoidal
+    /// encoding computes its values and has no such limit).
+    pub fn position_table(&self, dim: &str) -> Option<PositionTable> {
+        self.nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Gather) && n.inputs.len() == 2)
+            .filter_map(|n| {
+                let Op::Param { name, .. } = &self.node(n.inputs[0]).op else {
+                    return None;
+                };
+                let Op::Arange { len, .. } = &self.node(n.inputs[1]).op else {
+                    return None;
+                };
+                if len.as_sym() != Some(dim) {
+                    return None;
+                }
+                let rows = self.ty(n.inputs[0]).shape.dims().first()?.as_const()?;
+                Some(PositionTable {
+                    param: name.clone(),
+                    rows: usize::try_from(rows).ok()?,
+                })
+            })
+            .min_by(|a, b| a.rows.cmp(&b.rows).then_with(|| a.param.cmp(&b.param)))
     }
 
     /// Names of the model's own outputs: not the objective, not a stage, not a cache.

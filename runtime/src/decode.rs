@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 
+use kiln_compiler::ir::Graph;
 use kiln_compiler::reference::{ExecError, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
@@ -76,6 +77,11 @@ pub struct DecodeOptions {
     /// Maximum output length `a · src_len + b` (tokens, `<eos>` included).
     pub max_len_a: f64,
     pub max_len_b: usize,
+    /// The most target positions the model takes (`<bos>` is position 0), if it has a
+    /// limit ([`max_target_positions`]): the output length (`<eos>` included) is capped
+    /// there, as fairseq caps it by the decoder's maximum positions. Without a cap a huge
+    /// `max_len_a` would never let beam search prove it is done.
+    pub max_positions: Option<usize>,
     pub bos: i32,
     pub eos: i32,
     pub pad: i32,
@@ -90,10 +96,24 @@ impl Default for DecodeOptions {
             penalty: LengthPenalty::Gnmt(0.6),
             max_len_a: 1.0,
             max_len_b: 50,
+            max_positions: None,
             bos: 1,
             eos: 2,
             pad: 0,
         }
+    }
+}
+
+/// The most target positions a decoder step graph takes (`<bos>` is position 0): the
+/// rows of a table it reads at target positions (a learned positional embedding,
+/// [`Graph::position_table`]) and the spec's `max_len` parameter (the transformer specs'
+/// maximum positions, as fairseq's `max_target_positions`), whichever is smaller.
+pub fn max_target_positions(step: &Graph) -> Option<usize> {
+    let table = step.position_table("tgt_len").map(|t| t.rows);
+    let declared = step.hparam("max_len").and_then(|v| v.parse::<usize>().ok());
+    match (table, declared) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -1034,7 +1054,14 @@ pub fn decode_nbest(
     let b = lens.len();
     let max_len: Vec<usize> = lens
         .iter()
-        .map(|&l| ((opts.max_len_a * l as f64).floor() as usize + opts.max_len_b).max(1))
+        .map(|&l| {
+            // `as` saturates: a huge `max_len_a` gives usize::MAX, then the cap.
+            let len = ((opts.max_len_a * l as f64).floor() as usize).saturating_add(opts.max_len_b);
+            // Step `i` (1-based) reads position `i − 1`; `<eos>` is forced at step
+            // `max_len`, so positions 0 .. max_len − 1 are read.
+            let cap = opts.max_positions.unwrap_or(usize::MAX);
+            len.max(1).min(cap)
+        })
         .collect();
     model.start(src)?;
     let k = if opts.greedy { 1 } else { opts.beam };
@@ -1250,6 +1277,53 @@ mod tests {
         // Beam 2: "b eos" = 0.4 * 0.9 = 0.36 beats "a eos" = 0.18 and every longer path.
         assert_eq!(r[0].tokens, vec![4]);
         assert!((r[0].log_prob - (0.36f64).ln()).abs() < 1e-12);
+    }
+
+    /// A model's maximum positions cap the output, even when `max_len_a` is so large
+    /// that the search could never prove it is done: the step at position
+    /// `max_positions − 1` forces `<eos>`, and no later position is read.
+    #[test]
+    fn max_positions_cap_the_output_length() {
+        struct Counting(Table, usize);
+        impl StepModel for Counting {
+            fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
+                self.1 = 0;
+                self.0.start(src)
+            }
+            fn step(&mut self, tokens: &[i32], parents: &[usize]) -> Result<Vec<f64>, DecodeError> {
+                self.1 += 1;
+                self.0.step(tokens, parents)
+            }
+            fn vocab(&self) -> usize {
+                self.0.vocab()
+            }
+        }
+        let src = Tensor::i32(vec![1, 3], vec![5, 6, 7]).unwrap();
+        for (greedy, beam) in [(true, 1), (false, 2)] {
+            let mut m = Counting(two_paths(), 0);
+            let opts = DecodeOptions {
+                greedy,
+                beam,
+                // Greedy follows "a" (0.35 against <eos>'s 0.3) to the cap. The beam
+                // with a strong length penalty keeps looking for longer paths.
+                penalty: if greedy {
+                    LengthPenalty::None
+                } else {
+                    LengthPenalty::Gnmt(5.0)
+                },
+                max_len_a: 1e300,
+                max_positions: Some(6),
+                ..DecodeOptions::default()
+            };
+            let r = decode(&mut m, &src, &opts).unwrap();
+            // Positions 0 (<bos>) to 5 were read: six steps, at most five tokens.
+            assert!(m.1 <= 6, "greedy {greedy}: {} steps", m.1);
+            assert!(r[0].tokens.len() <= 5, "greedy {greedy}: {:?}", r[0].tokens);
+            if greedy {
+                assert_eq!(r[0].tokens, vec![3; 5]);
+                assert_eq!(m.1, 6);
+            }
+        }
     }
 
     /// The n best of a beam, worked out by hand on the table of [`two_paths`]: with beam

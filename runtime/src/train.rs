@@ -829,6 +829,50 @@ impl Trainer {
             valid.examples.truncate(cfg.valid.max_sentences);
             valid.lines.truncate(cfg.valid.max_sentences);
         }
+        // A learned positional table covers `max_len` positions of the model; a pair
+        // beyond it would stop the run at its first batch or validation.
+        for (ds, src_path, tgt_path, fix) in [
+            (
+                &train,
+                &cfg.data.train_src,
+                &cfg.data.train_tgt,
+                "set `data.max_len` to that or less (longer pairs are left out)",
+            ),
+            (
+                &valid,
+                &cfg.data.valid_src,
+                &cfg.data.valid_tgt,
+                "remove the pair from the validation set",
+            ),
+        ] {
+            let ex = &ds.examples;
+            let line = |i: usize| ds.lines[i] + 1;
+            check_positions(
+                &graphs.loss,
+                "src_len",
+                ex.len(),
+                &|i| ex[i].src_positions(),
+                &|i| format!("`{}` line {}", src_path.display(), line(i)),
+                fix,
+            )
+            .and_then(|()| {
+                check_positions(
+                    &graphs.loss,
+                    "tgt_len",
+                    ex.len(),
+                    &|i| ex[i].tgt_positions(),
+                    &|i| {
+                        format!(
+                            "`{}` line {} (its tokens and <bos> or <eos>)",
+                            tgt_path.display(),
+                            line(i)
+                        )
+                    },
+                    fix,
+                )
+            })
+            .map_err(TrainError::Setup)?;
+        }
         let valid_plan = BatchPlan::new(&valid.examples, bcfg)?;
         notes.push(format!(
             "{} batches per epoch; {} validation pairs",
@@ -1868,6 +1912,20 @@ pub fn translate_nbest_ids(
     workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<Hypothesis>>, TrainError> {
+    check_positions(
+        encode.graph(),
+        "src_len",
+        srcs.len(),
+        &|i| srcs[i].len(),
+        &|i| format!("source sentence {}", i + 1),
+        "shorten it",
+    )
+    .map_err(TrainError::Setup)?;
+    let mut opts = opts.clone();
+    if let Some(p) = crate::decode::max_target_positions(step.graph()) {
+        opts.max_positions = Some(opts.max_positions.map_or(p, |q| q.min(p)));
+    }
+    let opts = &opts;
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
     let models = (encode, step, params, vocab);
@@ -1881,6 +1939,35 @@ pub fn translate_nbest_ids(
         done,
         &|model, _, src| Ok(decode_nbest(model, src, opts, n)?),
     )
+}
+
+/// Checks that each of `n` sentences fits the positions `g` reads from a table along
+/// `dim` ([`Graph::position_table`], a learned positional embedding): sentence `i`
+/// takes `positions(i)` of them. The error names the sentence (`what(i)`), the table and
+/// `fix`; graphs without such a table take any length.
+pub fn check_positions(
+    g: &Graph,
+    dim: &str,
+    n: usize,
+    positions: &dyn Fn(usize) -> usize,
+    what: &dyn Fn(usize) -> String,
+    fix: &str,
+) -> Result<(), String> {
+    let Some(t) = g.position_table(dim) else {
+        return Ok(());
+    };
+    match (0..n).find(|&i| positions(i) > t.rows) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{} takes {} positions, but the model's table `{}` covers only {}: \
+             {fix}, or train a model with `max_len` {} or more",
+            what(i),
+            positions(i),
+            t.param,
+            t.rows,
+            positions(i)
+        )),
+    }
 }
 
 /// How many workers [`translate_ids`], [`translate_nbest_ids`] and [`score_ids`] share
@@ -2056,6 +2143,25 @@ pub fn score_ids(
             refs.len()
         )));
     }
+    check_positions(
+        encode.graph(),
+        "src_len",
+        srcs.len(),
+        &|i| srcs[i].len(),
+        &|i| format!("source sentence {}", i + 1),
+        "shorten it",
+    )
+    .and_then(|()| {
+        check_positions(
+            step.graph(),
+            "tgt_len",
+            refs.len(),
+            &|i| refs[i].len() + 1,
+            &|i| format!("reference {} (<bos> and its tokens)", i + 1),
+            "shorten it",
+        )
+    })
+    .map_err(TrainError::Setup)?;
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
     let models = (encode, step, params, vocab);
