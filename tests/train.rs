@@ -1100,6 +1100,51 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
         ],
     );
     std::fs::write(&optimizer, &good_optimizer).unwrap();
+
+    // Weights or moments that are not finite (a damaged file, or a run that diverged)
+    // are refused by every reader, not translated into empty lines, averaged into
+    // another model or trained on.
+    rewrite_tensors(&model, |t| {
+        let mut p = t["decoder.layers.0.ffn.linear1.w"].clone();
+        if let TensorData::F32(v) = &mut p.data {
+            v[3] = f32::NAN;
+            v[7] = f32::INFINITY;
+        }
+        t.insert("decoder.layers.0.ffn.linear1.w".into(), p);
+    });
+    std::fs::write(dir.join("one.src"), "s1 s2\n").unwrap();
+    let ckpt = "run/checkpoints/step_00000010";
+    refused(
+        &[
+            resume,
+            inspect,
+            &["translate", "--checkpoint", "run", "--input", "one.src"],
+            &["average", "run/best", ckpt, "-o", "avg"],
+        ],
+        &[
+            "parameter `decoder.layers.0.ffn.linear1.w` in `run/checkpoints/step_00000010/",
+            "model.safetensors` has 2 of its 512 values not finite (NaN or infinite; the first at flat index 3)",
+            "a run diverged before they were saved: use an earlier checkpoint",
+        ],
+    );
+    assert!(!dir.join("avg").exists());
+    std::fs::write(&model, &good_model).unwrap();
+    rewrite_tensors(&optimizer, |t| {
+        let mut v = t["v.emb.weight"].clone();
+        if let TensorData::F32(x) = &mut v.data {
+            x[0] = f32::NEG_INFINITY;
+        }
+        t.insert("v.emb.weight".into(), v);
+    });
+    refused(
+        &[resume, inspect],
+        &[
+            "moment `v.emb.weight` in `",
+            "has 1 of its",
+            "values not finite",
+        ],
+    );
+    std::fs::write(&optimizer, &good_optimizer).unwrap();
     ok(&dir, resume);
     assert!(dir.join("run/checkpoints/step_00000012").is_dir());
 }

@@ -199,6 +199,9 @@ pub enum CheckpointError {
          checkpoint directory to fall back on an earlier one"
     )]
     Weights { message: String },
+    /// A parameter or moment with NaN or infinite values.
+    #[error("{message}")]
+    NonFinite { message: String },
     #[error(
         "`{path}`: parameter `{name}` is {dtype}, but a checkpoint's parameters are f32 (as \
          kiln writes them); restore the file, or delete the checkpoint directory to fall back \
@@ -661,6 +664,17 @@ pub fn load_checked(dir: &Path, check: &ParamsCheck) -> Result<LoadedCheckpoint,
         ),
         "restore it, or delete the checkpoint directory to fall back on an earlier one",
     )?;
+    let finite =
+        |file: &Path, tensors: &BTreeMap<String, Tensor>, label: &dyn Fn(&str) -> String| {
+            crate::entry::check_finite_named(&file.display().to_string(), tensors, label).map_err(
+                |e| CheckpointError::NonFinite {
+                    message: format!("{}: {}", e.message, e.help),
+                },
+            )
+        };
+    finite(&model, &params, &|n| format!("parameter `{n}`"))?;
+    finite(&optimizer, &moments.m, &|n| format!("moment `m.{n}`"))?;
+    finite(&optimizer, &moments.v, &|n| format!("moment `v.{n}`"))?;
 
     let mut extra_files = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io_err("list", dir))? {
@@ -728,8 +742,18 @@ pub fn average(paths: &[&Path]) -> Result<BTreeMap<String, Tensor>, CheckpointEr
             Ok(p.to_path_buf())
         }
     };
+    // Each input's floats must be finite: a NaN would make every average it enters NaN,
+    // and the average's check could not say which input brought it.
+    let finite = |file: &Path, tensors: &BTreeMap<String, Tensor>| {
+        crate::entry::check_finite(&file.display().to_string(), tensors).map_err(|e| {
+            CheckpointError::NonFinite {
+                message: format!("{}: {}", e.message, e.help),
+            }
+        })
+    };
     let ref_path = file_of(first)?;
     let reference = load_tensors(&ref_path)?;
+    finite(&ref_path, &reference)?;
     let mut sums: BTreeMap<String, (Vec<usize>, Vec<f64>)> = BTreeMap::new();
     for (name, t) in &reference {
         sums.insert(name.clone(), (t.shape.clone(), floats(&ref_path, name, t)?));
@@ -737,6 +761,7 @@ pub fn average(paths: &[&Path]) -> Result<BTreeMap<String, Tensor>, CheckpointEr
     for p in rest {
         let path = file_of(p)?;
         let tensors = load_tensors(&path)?;
+        finite(&path, &tensors)?;
         let mismatch = |message: String| CheckpointError::AverageMismatch {
             reference: ref_path.clone(),
             odd: path.clone(),

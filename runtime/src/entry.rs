@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 
 use kiln_compiler::ir::{Graph, Op};
-use kiln_compiler::tensor::Tensor;
+use kiln_compiler::tensor::{Tensor, TensorData};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Entry {
@@ -296,9 +296,65 @@ pub fn check_inputs(
     Ok(())
 }
 
+/// The first index where `finite` is false, and how many are.
+fn non_finite(finite: impl Iterator<Item = bool>) -> (Option<usize>, usize) {
+    finite
+        .enumerate()
+        .filter(|(_, ok)| !ok)
+        .fold((None, 0), |(first, n), (i, _)| (first.or(Some(i)), n + 1))
+}
+
+/// Checks that every float of a weights file is finite: NaN or infinite weights (a
+/// damaged file, or a run that diverged) would translate into nothing and average into
+/// another broken model.
+pub fn check_finite(file: &str, weights: &BTreeMap<String, Tensor>) -> Result<(), RuntimeError> {
+    check_finite_named(file, weights, &|name| format!("parameter `{name}`"))
+}
+
+/// [`check_finite`], each tensor named in the message by `label(name)`.
+pub fn check_finite_named(
+    file: &str,
+    tensors: &BTreeMap<String, Tensor>,
+    label: &dyn Fn(&str) -> String,
+) -> Result<(), RuntimeError> {
+    for (name, t) in tensors {
+        let (first, count) = match &t.data {
+            TensorData::F32(v) => non_finite(v.iter().map(|x| x.is_finite())),
+            TensorData::F64(v) => non_finite(v.iter().map(|x| x.is_finite())),
+            _ => (None, 0),
+        };
+        if let Some(first) = first {
+            return Err(RuntimeError::new(
+                format!(
+                    "{} in `{file}` has {count} of its {} values not finite \
+                 (NaN or infinite; the first at flat index {first})",
+                    label(name),
+                    t.numel()
+                ),
+                "the weights are damaged, or a run diverged before they were saved: use an \
+             earlier checkpoint (`kiln inspect RUN_DIR` lists a run's checkpoints)",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Checks a weights file against the model: every tensor must be a parameter of the
-/// model with exactly its shape; parameters the file lacks are reported all at once.
+/// model with exactly its shape ([`check_weights_fit`]) and finite values
+/// ([`check_finite`]).
 pub fn check_weights(
+    model: &Graph,
+    file: &str,
+    weights: &BTreeMap<String, Tensor>,
+) -> Result<(), RuntimeError> {
+    check_weights_fit(model, file, weights)?;
+    check_finite(file, weights)
+}
+
+/// Checks that a weights file fits the model: every tensor must be a parameter of the
+/// model with exactly its shape and a float type; parameters the file lacks are reported
+/// all at once.
+pub fn check_weights_fit(
     model: &Graph,
     file: &str,
     weights: &BTreeMap<String, Tensor>,

@@ -694,7 +694,7 @@ impl Trainer {
         let graphs_bytes = checkpoint::read_extra(&ck.dir, GRAPHS_FILE)?;
         let set = GraphSet::from_json(&graphs_bytes, &ck.dir.join(GRAPHS_FILE))?;
         let loaded = checkpoint::load_checked(&ck.dir, &|file, params| {
-            crate::entry::check_weights(&set.loss, &file.display().to_string(), params)
+            crate::entry::check_weights_fit(&set.loss, &file.display().to_string(), params)
                 .map_err(|e| e.message)
         })?;
         let changed = digest_changes(&loaded.state.config_digest, &digest(&cfg));
