@@ -938,15 +938,36 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
 }
 
 /// Weights from a model directory or a safetensors file.
+/// The weights of a model directory (loaded and checked against its graphs, as `kiln
+/// translate` loads them) or of a plain safetensors file ([`plain_weights`]).
 fn weights_of(input: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
-    let file = if input.is_dir() {
-        model::resolve(input)
-            .map_err(err("kiln::model"))?
-            .join(kiln_runtime::checkpoint::MODEL_FILE)
-    } else {
-        input.to_path_buf()
-    };
-    load_safetensors(&file).map_err(err("kiln::file"))
+    if input.is_dir() {
+        return Ok(model::load(input).map_err(err("kiln::model"))?.params);
+    }
+    plain_weights(input)
+}
+
+/// A safetensors file of weights with no model beside it: its tensors must be floats,
+/// and finite.
+fn plain_weights(file: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
+    let w = load_safetensors(file).map_err(err("kiln::file"))?;
+    if let Some((name, t)) = w
+        .iter()
+        .find(|(_, t)| !matches!(t.dtype_name(), "f32" | "f64"))
+    {
+        return Err(plain(
+            "kiln::file",
+            format!(
+                "tensor `{name}` in `{}` is {}, but weights are floats",
+                file.display(),
+                t.dtype_name()
+            ),
+            Some("give a file of model weights (F32)".to_string()),
+        ));
+    }
+    kiln_runtime::entry::check_finite(&file.display().to_string(), &w)
+        .map_err(crate::runtime_error)?;
+    Ok(w)
 }
 
 pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
@@ -965,7 +986,7 @@ pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
 
 pub fn import(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     check_format(format)?;
-    let w = load_safetensors(input).map_err(err("kiln::file"))?;
+    let w = plain_weights(input)?;
     let k = kiln_runtime::interop::from_torch(&w).map_err(err("kiln::import"))?;
     let list: Vec<(String, Tensor)> = k.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::import"))?;

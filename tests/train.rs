@@ -1120,6 +1120,8 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
             inspect,
             &["translate", "--checkpoint", "run", "--input", "one.src"],
             &["average", "run/best", ckpt, "-o", "avg"],
+            &["export", "run", "-o", "torch.safetensors"],
+            &["export", &format!("{ckpt}/model.safetensors"), "-o", "torch.safetensors"],
         ],
         &[
             "parameter `decoder.layers.0.ffn.linear1.w` in `run/checkpoints/step_00000010/",
@@ -1127,8 +1129,19 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
             "a run diverged before they were saved: use an earlier checkpoint",
         ],
     );
-    assert!(!dir.join("avg").exists());
+    assert!(!dir.join("avg").exists() && !dir.join("torch.safetensors").exists());
     std::fs::write(&model, &good_model).unwrap();
+    // A plain weights file of integers is not a model's weights, either way.
+    let ints = dir.join("ints.safetensors");
+    let t = Tensor::i32(vec![2, 2], vec![1, 2, 3, 4]).unwrap();
+    kiln_compiler::tensor::save_safetensors(&ints, &[("emb.weight".to_string(), t)], None).unwrap();
+    refused(
+        &[
+            &["export", "ints.safetensors", "-o", "torch.safetensors"],
+            &["import", "ints.safetensors", "-o", "kiln.safetensors"],
+        ],
+        &["tensor `emb.weight` in `ints.safetensors` is i32, but weights are floats"],
+    );
     rewrite_tensors(&optimizer, |t| {
         let mut v = t["v.emb.weight"].clone();
         if let TensorData::F32(x) = &mut v.data {
