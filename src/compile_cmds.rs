@@ -957,14 +957,8 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
         s.tensors,
         kiln_compiler::memory::size(s.bytes)
     );
-    outln!(
-        "  vocabulary {} (tokenizer.json){}",
-        s.tokenizer_vocab,
-        match s.vocab {
-            Some(v) if v != s.tokenizer_vocab => format!("; the logits have {v} columns"),
-            _ => String::new(),
-        }
-    );
+    // Loading checked that the logits have one column per token.
+    outln!("  vocabulary {} (tokenizer.json)", s.tokenizer_vocab);
     let graphs: Vec<String> = s
         .graphs
         .iter()
