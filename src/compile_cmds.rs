@@ -959,6 +959,17 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
     );
     // Loading checked that the logits have one column per token.
     outln!("  vocabulary {} (tokenizer.json)", s.tokenizer_vocab);
+    outln!(
+        "  positions: sources {}; outputs {}",
+        match s.source_positions {
+            Some(n) => format!("up to {n} tokens (a learned table)"),
+            None => "of any length".to_string(),
+        },
+        match s.output_positions {
+            Some(n) => format!("up to {n} tokens, <eos> included"),
+            None => "as long as --max-len-a and --max-len-b allow".to_string(),
+        }
+    );
     let graphs: Vec<String> = s
         .graphs
         .iter()

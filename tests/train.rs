@@ -610,6 +610,9 @@ fn checkpoints_translate_average_and_export() {
         "— the newest of the 2 checkpoints of run `run` (steps 10, 20)".to_string(),
         format!("  parameters {params} in {} tensors (", m.len()),
         "  graphs train_step (".to_string(),
+        // Sinusoidal positions; the spec's max_len caps the outputs.
+        "  positions: sources of any length; outputs up to 1024 tokens, <eos> included\n"
+            .to_string(),
         "  training step 20, epoch ".to_string(),
         "  Adam moments for every parameter".to_string(),
         "  last logged (run/metrics.jsonl): training loss ".to_string(),
@@ -1682,6 +1685,11 @@ fn learned_positions_bound_decoding_and_are_checked() {
             "--max-steps",
             "1",
         ],
+    );
+    let info = ok(&dir, &["inspect", "run"]);
+    assert!(
+        info.contains("  positions: sources up to 33 tokens (a learned table); outputs up to 33 tokens, <eos> included\n"),
+        "{info}"
     );
     let valid = std::fs::read_to_string(dir.join("valid.src")).unwrap();
     let first: String = valid.lines().take(3).map(|l| format!("{l}\n")).collect();

@@ -232,6 +232,12 @@ pub struct ModelSummary {
     /// The tokenizer's vocabulary and the logits' width.
     pub tokenizer_vocab: usize,
     pub vocab: Option<usize>,
+    /// The positions the model takes: a learned table's rows on the source side (`None`:
+    /// computed positions, any length), and the longest output decoding writes
+    /// ([`crate::decode::max_target_positions`]; `None`: no cap but `max_len_a`,
+    /// `max_len_b`).
+    pub source_positions: Option<usize>,
+    pub output_positions: Option<usize>,
     /// Nodes of each entry point's graph.
     pub graphs: Vec<(&'static str, usize)>,
     /// The training state of a checkpoint (`None` for an averaged model).
@@ -307,6 +313,8 @@ pub fn summarize(path: &Path) -> Result<ModelSummary, ModelError> {
             .sum(),
         tokenizer_vocab: m.tokenizer.vocab_size(),
         vocab: g.vocab(),
+        source_positions: g.encode.position_table("src_len").map(|t| t.rows),
+        output_positions: crate::decode::max_target_positions(&g.decode_step),
         graphs: vec![
             ("train_step", g.train_step.len()),
             ("loss", g.loss.len()),
