@@ -162,3 +162,50 @@ fn table3_parameter_counts() {
         assert_eq!(g.num_parameters(), want, "{rel}");
     }
 }
+
+/// A learned positional table is found by its structure (a parameter gathered at an
+/// `arange` along the dim): its rows bound the positions of sources and targets, in the
+/// full graph and in the decoder's step (whose positions start at `past`). Sinusoidal
+/// positions are computed and leave no such limit.
+#[test]
+fn position_tables_are_found_by_structure() {
+    use kiln_compiler::ir::PositionTable;
+    let base = "models/transformer_base.kiln";
+    let sets = ["n=1", "vocab=50", "learned_pos=true", "max_len=40"];
+    let table = |param: &str| {
+        Some(PositionTable {
+            param: param.to_string(),
+            rows: 40,
+        })
+    };
+    for mode in [Mode::Eval, Mode::Train] {
+        let g = compile(base, &sets, mode);
+        assert_eq!(
+            g.position_table("src_len"),
+            table("src_pos.table"),
+            "{mode:?}"
+        );
+        assert_eq!(
+            g.position_table("tgt_len"),
+            table("tgt_pos.table"),
+            "{mode:?}"
+        );
+        assert_eq!(g.position_table("batch"), None);
+    }
+    let step = compile(base, &sets, Mode::Decode);
+    assert_eq!(step.position_table("tgt_len"), table("tgt_pos.table"));
+    assert_eq!(
+        kiln_runtime::decode::max_target_positions(&step),
+        Some(40),
+        "the table's rows"
+    );
+    let sinusoidal = compile(base, &["n=1", "vocab=50", "max_len=300"], Mode::Decode);
+    assert_eq!(sinusoidal.position_table("tgt_len"), None);
+    assert_eq!(
+        kiln_runtime::decode::max_target_positions(&sinusoidal),
+        Some(300),
+        "the spec's max_len"
+    );
+    let tiny = compile("models/transformer_tiny.kiln", &[], Mode::Eval);
+    assert_eq!(tiny.position_table("src_len"), None);
+}
