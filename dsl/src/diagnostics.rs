@@ -294,7 +294,9 @@ impl Error {
     }
 
     /// Renders the diagnostic as text: unicode frame, fixed width, no terminal links;
-    /// colors only when asked. Deterministic for a given input.
+    /// colors only when asked. Deterministic for a given input. Lines are never broken
+    /// at a hyphen: `--from-model` or `transformer-base.kiln` split over two lines
+    /// could not be copied back whole.
     pub fn render(&self, color: bool) -> String {
         let theme = if color {
             GraphicalTheme::unicode()
@@ -303,6 +305,7 @@ impl Error {
         };
         let handler = GraphicalReportHandler::new_themed(theme)
             .with_width(100)
+            .with_word_splitter(textwrap::WordSplitter::NoHyphenation)
             .with_links(false)
             .with_context_lines(1);
         let mut out = String::new();
