@@ -294,9 +294,10 @@ impl Error {
     }
 
     /// Renders the diagnostic as text: unicode frame, fixed width, no terminal links;
-    /// colors only when asked. Deterministic for a given input. Lines are never broken
-    /// at a hyphen: `--from-model` or `transformer-base.kiln` split over two lines
-    /// could not be copied back whole.
+    /// colors only when asked. Deterministic for a given input. Lines break at spaces
+    /// only — not at a hyphen or after a `/`, and a word longer than a line is left
+    /// whole — so a flag (`--from-model`) or a path is never split over two lines and
+    /// can be copied back.
     pub fn render(&self, color: bool) -> String {
         let theme = if color {
             GraphicalTheme::unicode()
@@ -305,7 +306,9 @@ impl Error {
         };
         let handler = GraphicalReportHandler::new_themed(theme)
             .with_width(100)
+            .with_word_separator(textwrap::WordSeparator::AsciiSpace)
             .with_word_splitter(textwrap::WordSplitter::NoHyphenation)
+            .with_break_words(false)
             .with_links(false)
             .with_context_lines(1);
         let mut out = String::new();
