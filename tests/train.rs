@@ -241,7 +241,7 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
         "overflow_min",
         &format!("init: {SCALE_MAX}, window: 1000, min: {SCALE_MAX}"),
     );
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     assert!(err.contains("step 1: the gradient of `"), "{err}");
     assert!(
         err.contains("every loss scale down to 2^127, below `train.loss_scale.min`"),
@@ -257,7 +257,7 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
 fn loss_scaling_settings_are_checked() {
     let dir = workspace("loss_scale_bad", "");
     set_train(&dir, "max_steps: 2, loss_scale: {init: 1000, window: 0}");
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     assert!(
         err.contains("train.loss_scale.init is 1000; use a power of two"),
         "{err}"
@@ -807,12 +807,15 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
 fn patience_stops_a_run_and_the_best_model_is_kept() {
     // A learning rate of about 1e-30 leaves every f32 weight as it was, so the
     // validation loss never improves after the first validation.
-    let dir = workspace("patience", "");
-    edit_cfg(&dir, "factor: 1.0", "factor: 1.0e-30");
-    edit_cfg(
-        &dir,
-        "valid: {every: 10,",
-        "valid: {every: 2, bleu: false, patience: 2,",
+    let dir = workspace_edited(
+        "patience",
+        &[
+            ("factor: 1.0", "factor: 1.0e-30"),
+            (
+                "valid: {every: 10,",
+                "valid: {every: 2, bleu: false, patience: 2,",
+            ),
+        ],
     );
     let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert!(out.status.success(), "{}", unwrapped(&out.stderr));
@@ -870,11 +873,9 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
     );
 
     // An ordinary run: the best model is that of the best validation, and translates.
-    let dir = workspace("best_model", "");
-    edit_cfg(
-        &dir,
-        "valid: {every: 10,",
-        "valid: {every: 10, bleu: false,",
+    let dir = workspace_edited(
+        "best_model",
+        &[("valid: {every: 10,", "valid: {every: 10, bleu: false,")],
     );
     ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     let state =
@@ -919,13 +920,14 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
     assert_eq!(t.lines().count(), 1);
 
     // `metric: bleu` needs BLEU computed.
-    let dir = workspace("metric_bleu", "");
-    edit_cfg(
-        &dir,
-        "valid: {every: 10,",
-        "valid: {every: 10, bleu: false, metric: bleu,",
+    let dir = workspace_edited(
+        "metric_bleu",
+        &[(
+            "valid: {every: 10,",
+            "valid: {every: 10, bleu: false, metric: bleu,",
+        )],
     );
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     assert!(
         err.contains("valid.metric is `bleu` but valid.bleu is false"),
         "{err}"
@@ -940,7 +942,7 @@ fn degenerate_optimizer_and_schedule_numbers_are_refused() {
     let dir = workspace("degenerate_numbers", "optimizer: {eps: .inf}\n");
     edit_cfg(&dir, "factor: 1.0", "factor: .nan, d_model: 0");
     edit_cfg(&dir, "max_steps: 20", "max_steps: 0");
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     for want in [
         "schedule.factor is NaN; give a positive finite number",
         "schedule.d_model is 0; give a positive finite number",
@@ -951,9 +953,8 @@ fn degenerate_optimizer_and_schedule_numbers_are_refused() {
     }
     assert!(!dir.join("run").exists());
 
-    let dir = workspace("diverging", "");
-    edit_cfg(&dir, "factor: 1.0", "factor: 1.0e30");
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let dir = workspace_edited("diverging", &[("factor: 1.0", "factor: 1.0e30")]);
+    let err = train_fails(&dir);
     assert!(
         err.contains("is not finite")
             && err.contains(
@@ -1239,11 +1240,10 @@ fn a_plot_or_best_model_failure_keeps_the_training() {
     assert!(dir.join("run/checkpoints/step_00000020").is_dir());
 
     // Validation at step 5, checkpoints every 10: `best/` fails at step 5.
-    let dir = workspace("best_blocked", "");
-    edit_cfg(&dir, "valid: {every: 10", "valid: {every: 5");
+    let dir = workspace_edited("best_blocked", &[("valid: {every: 10", "valid: {every: 5")]);
     std::fs::create_dir_all(dir.join("run")).unwrap();
     std::fs::write(dir.join("run/best"), "a file where best/ goes").unwrap();
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     assert!(
         err.contains("cannot write `run/best`")
             && err.contains(
@@ -1272,7 +1272,7 @@ fn a_new_run_keeps_files_that_are_not_its_own() {
     let dir = workspace("foreign_files", "");
     let cfg = std::fs::read_to_string(dir.join("cfg.yaml")).unwrap();
     let refused = |want: &[&str]| {
-        let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+        let err = train_fails(&dir);
         for w in want {
             assert!(err.contains(w), "{w:?} in {err}");
         }
@@ -1356,7 +1356,7 @@ fn a_stale_run_tokenizer_is_not_reused() {
     std::fs::write(dir.join("cfg.yaml"), &good).unwrap();
     // (Its config.yaml is refused first, being another configuration's.)
     std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     let size = std::fs::metadata(dir.join("train.src")).unwrap().len();
     for want in [
         "`run/tokenizer.json` (4 tokens) was trained for other settings than this configuration's: ".to_string(),
@@ -1393,7 +1393,7 @@ fn a_stale_run_tokenizer_is_not_reused() {
     std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
     std::fs::remove_file(dir.join("run/metrics.jsonl")).unwrap();
     edit_cfg(&dir, "vocab_size: 220", "vocab_size: 100");
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     assert!(
         err.contains("`run/tokenizer.json` (219 tokens) was trained for other settings than this configuration's: data.vocab_size was 220, it is 100 now;"),
         "{err}"
@@ -1665,14 +1665,17 @@ fn resuming_below_or_at_the_current_step() {
 /// refused by name before anything runs.
 #[test]
 fn learned_positions_bound_decoding_and_are_checked() {
-    let dir = workspace("learned_positions", "");
-    edit_cfg(
-        &dir,
-        "p_drop: 0.1}",
-        "p_drop: 0.1, learned_pos: true, max_len: 33}",
+    let dir = workspace_edited(
+        "learned_positions",
+        &[
+            (
+                "p_drop: 0.1}",
+                "p_drop: 0.1, learned_pos: true, max_len: 33}",
+            ),
+            ("valid: {every: 10,", "valid: {every: 1,"),
+            ("max_len_b: 5", "max_len_b: 60"),
+        ],
     );
-    edit_cfg(&dir, "valid: {every: 10,", "valid: {every: 1,");
-    edit_cfg(&dir, "max_len_b: 5", "max_len_b: 60");
     // After one step the model is all but its random start: <eos> is rarely likely,
     // so outputs run to their length limit.
     ok(
@@ -1748,13 +1751,14 @@ fn learned_positions_bound_decoding_and_are_checked() {
     );
 
     // Training pairs of up to 32 positions against a table of 6.
-    let dir = workspace("learned_positions_short", "");
-    edit_cfg(
-        &dir,
-        "p_drop: 0.1}",
-        "p_drop: 0.1, learned_pos: true, max_len: 6}",
+    let dir = workspace_edited(
+        "learned_positions_short",
+        &[(
+            "p_drop: 0.1}",
+            "p_drop: 0.1, learned_pos: true, max_len: 6}",
+        )],
     );
-    let err = fails(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    let err = train_fails(&dir);
     assert!(
         err.contains("`train.tgt` line 8 (its tokens and <bos> or <eos>) takes 7 positions, but the model's table `tgt_pos.table` covers only 6: set `data.max_len` to that or less (longer pairs are left out), or train a model with `max_len` 7 or more"),
         "{err}"

@@ -1912,15 +1912,7 @@ pub fn translate_nbest_ids(
     workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<Hypothesis>>, TrainError> {
-    check_positions(
-        encode.graph(),
-        "src_len",
-        srcs.len(),
-        &|i| srcs[i].len(),
-        &|i| format!("source sentence {}", i + 1),
-        "shorten it",
-    )
-    .map_err(TrainError::Setup)?;
+    check_sources(encode, srcs).map_err(TrainError::Setup)?;
     let mut opts = opts.clone();
     if let Some(p) = crate::decode::max_target_positions(step.graph()) {
         opts.max_positions = Some(opts.max_positions.map_or(p, |q| q.min(p)));
@@ -1938,6 +1930,18 @@ pub fn translate_nbest_ids(
         workers,
         done,
         &|model, _, src| Ok(decode_nbest(model, src, opts, n)?),
+    )
+}
+
+/// [`check_positions`] of token-id sources against the encoder, named by their place.
+fn check_sources(encode: &dyn Exec, srcs: &[Vec<i32>]) -> Result<(), String> {
+    check_positions(
+        encode.graph(),
+        "src_len",
+        srcs.len(),
+        &|i| srcs[i].len(),
+        &|i| format!("source sentence {}", i + 1),
+        "shorten it",
     )
 }
 
@@ -2143,25 +2147,18 @@ pub fn score_ids(
             refs.len()
         )));
     }
-    check_positions(
-        encode.graph(),
-        "src_len",
-        srcs.len(),
-        &|i| srcs[i].len(),
-        &|i| format!("source sentence {}", i + 1),
-        "shorten it",
-    )
-    .and_then(|()| {
-        check_positions(
-            step.graph(),
-            "tgt_len",
-            refs.len(),
-            &|i| refs[i].len() + 1,
-            &|i| format!("reference {} (<bos> and its tokens)", i + 1),
-            "shorten it",
-        )
-    })
-    .map_err(TrainError::Setup)?;
+    check_sources(encode, srcs)
+        .and_then(|()| {
+            check_positions(
+                step.graph(),
+                "tgt_len",
+                refs.len(),
+                &|i| refs[i].len() + 1,
+                &|i| format!("reference {} (<bos> and its tokens)", i + 1),
+                "shorten it",
+            )
+        })
+        .map_err(TrainError::Setup)?;
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
     let models = (encode, step, params, vocab);

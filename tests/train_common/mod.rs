@@ -130,6 +130,21 @@ pub fn fails(dir: &Path, args: &[&str]) -> String {
     err
 }
 
+/// `kiln train --config cfg.yaml --quiet` in `dir`, which must fail ([`fails`]).
+pub fn train_fails(dir: &Path) -> String {
+    fails(dir, &["train", "--config", "cfg.yaml", "--quiet"])
+}
+
+/// A [`workspace`] with each `(from, to)` of `edits` made to its configuration
+/// ([`edit_cfg`]).
+pub fn workspace_edited(name: &str, edits: &[(&str, &str)]) -> PathBuf {
+    let dir = workspace(name, "");
+    for (from, to) in edits {
+        edit_cfg(&dir, from, to);
+    }
+    dir
+}
+
 /// The trainer's metrics log: ("step kind", loss) of every training and validation
 /// record.
 pub fn logged_losses(dir: &Path) -> Vec<(String, f64)> {
