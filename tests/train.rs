@@ -59,17 +59,7 @@ fn resuming_gives_bit_identical_parameters() {
 #[test]
 fn resuming_under_an_edited_configuration() {
     let dir = workspace("edited", "");
-    ok(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "4",
-        ],
-    );
+    train_ok(&dir, &["--max-steps", "4"]);
     let cfg_path = dir.join("run/config.yaml");
     let original = std::fs::read_to_string(&cfg_path).unwrap();
     assert!(original.contains("max_src_tokens: 120"), "{original}");
@@ -289,7 +279,7 @@ fn loss_scaling_settings_are_checked() {
 #[test]
 fn checkpoints_translate_average_and_export() {
     let dir = workspace("tools", "");
-    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&dir, &[]);
     // A new run into the same directory is refused rather than overwriting it.
     let again = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert_eq!(again.status.code(), Some(1));
@@ -877,7 +867,7 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
         "best_model",
         &[("valid: {every: 10,", "valid: {every: 10, bleu: false,")],
     );
-    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&dir, &[]);
     let state =
         std::fs::read_to_string(dir.join("run/checkpoints/step_00000020/state.yaml")).unwrap();
     let best_step: u64 = state
@@ -1309,19 +1299,9 @@ fn a_new_run_keeps_files_that_are_not_its_own() {
 
     // A start of this configuration that left no checkpoint (here: deleted) starts over,
     // for another number of steps too.
-    ok(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "10",
-        ],
-    );
+    train_ok(&dir, &["--max-steps", "10"]);
     std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
-    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&dir, &[]);
     assert!(dir.join("run/checkpoints/step_00000020").is_dir());
     // Another configuration's is refused.
     std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
@@ -1369,17 +1349,7 @@ fn a_stale_run_tokenizer_is_not_reused() {
 
     // Deleted as told: a new tokenizer, reused by the next start of this configuration.
     std::fs::remove_file(dir.join("run/tokenizer.json")).unwrap();
-    ok(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "1",
-        ],
-    );
+    train_ok(&dir, &["--max-steps", "1"]);
     std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
     let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--max-steps", "1"]);
     let err = unwrapped(&out.stderr);
@@ -1468,7 +1438,7 @@ fn copy_dir(from: &Path, to: &Path) {
 #[test]
 fn average_does_not_overwrite_its_inputs() {
     let dir = workspace("average_outputs", "");
-    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&dir, &[]);
     let weights = dir.join("run/checkpoints/step_00000020/model.safetensors");
     let before = std::fs::read(&weights).unwrap();
     let (a, b) = (
@@ -1541,7 +1511,7 @@ fn average_does_not_overwrite_its_inputs() {
 #[test]
 fn average_checks_the_files_it_copies_and_refuses_other_runs() {
     let dir = workspace("average_files", "");
-    ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&dir, &[]);
     let ck = |step: u64| dir.join("run/checkpoints").join(checkpoint::dir_name(step));
     let refused = |inputs: &[&str], want: &[&str]| {
         let out = kiln(&dir, &[&["average"][..], inputs, &["-o", "avg"]].concat());
@@ -1678,17 +1648,7 @@ fn learned_positions_bound_decoding_and_are_checked() {
     );
     // After one step the model is all but its random start: <eos> is rarely likely,
     // so outputs run to their length limit.
-    ok(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "1",
-        ],
-    );
+    train_ok(&dir, &["--max-steps", "1"]);
     let info = ok(&dir, &["inspect", "run"]);
     assert!(
         info.contains("  positions: sources up to 33 tokens (a learned table); outputs up to 33 tokens, <eos> included\n"),

@@ -130,6 +130,14 @@ pub fn fails(dir: &Path, args: &[&str]) -> String {
     err
 }
 
+/// `kiln train --config cfg.yaml --quiet` and `extra` in `dir`, which must succeed
+/// ([`ok`]).
+pub fn train_ok(dir: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["train", "--config", "cfg.yaml", "--quiet"];
+    args.extend_from_slice(extra);
+    ok(dir, &args)
+}
+
 /// `kiln train --config cfg.yaml --quiet` in `dir`, which must fail ([`fails`]).
 pub fn train_fails(dir: &Path) -> String {
     fails(dir, &["train", "--config", "cfg.yaml", "--quiet"])
