@@ -209,3 +209,42 @@ fn position_tables_are_found_by_structure() {
     let tiny = compile("models/transformer_tiny.kiln", &[], Mode::Eval);
     assert_eq!(tiny.position_table("src_len"), None);
 }
+
+/// A spec of its own, whose table is not sized by a `max_len` parameter: the positions
+/// check names the table and its rows, and asks for a larger table, not for `max_len`.
+#[test]
+fn a_position_table_without_max_len_is_named_by_its_rows() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("graph_positions");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("pos.kiln");
+    std::fs::write(
+        &file,
+        "model positions(rows: int = 8, d: int = 4) {\n  dims batch, len\n  \
+         input x: f32[batch, len, d]\n  pos = learned(max_len = rows, d = d)\n  \
+         output y = pos(x)\n}\n",
+    )
+    .unwrap();
+    let g = kiln_dsl::compile_file(&file, &Options::default())
+        .unwrap_or_else(|e| panic!("{}", e.render(false)));
+    let table = g.position_table("len").expect("the learned table");
+    assert_eq!((table.param.as_str(), table.rows), ("pos.table", 8));
+    let lens = [3usize, 8, 9];
+    let err = kiln_runtime::train::check_positions(
+        &g,
+        "len",
+        lens.len(),
+        &|i| lens[i],
+        &|i| format!("row {}", i + 1),
+        "shorten it",
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        "row 3 takes 9 positions, but the model's table `pos.table` covers only 8: shorten \
+         it, or train a model whose `pos.table` has 9 rows or more"
+    );
+    assert_eq!(
+        kiln_runtime::train::check_positions(&g, "len", 2, &|i| lens[i], &|_| String::new(), ""),
+        Ok(())
+    );
+}

@@ -1960,18 +1960,23 @@ pub fn check_positions(
     let Some(t) = g.position_table(dim) else {
         return Ok(());
     };
-    match (0..n).find(|&i| positions(i) > t.rows) {
-        None => Ok(()),
-        Some(i) => Err(format!(
-            "{} takes {} positions, but the model's table `{}` covers only {}: \
-             {fix}, or train a model with `max_len` {} or more",
-            what(i),
-            positions(i),
-            t.param,
-            t.rows,
-            positions(i)
-        )),
-    }
+    let Some(i) = (0..n).find(|&i| positions(i) > t.rows) else {
+        return Ok(());
+    };
+    let p = positions(i);
+    // The transformer specs size their tables by `max_len`; another spec, its own way.
+    let larger = if g.hparam("max_len").is_some() {
+        format!("a model with `max_len` {p} or more")
+    } else {
+        format!("a model whose `{}` has {p} rows or more", t.param)
+    };
+    Err(format!(
+        "{} takes {p} positions, but the model's table `{}` covers only {}: {fix}, or train \
+         {larger}",
+        what(i),
+        t.param,
+        t.rows,
+    ))
 }
 
 /// How many workers [`translate_ids`], [`translate_nbest_ids`] and [`score_ids`] share
