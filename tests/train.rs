@@ -62,7 +62,7 @@ fn resuming_under_an_edited_configuration() {
     train_ok(&dir, &["--max-steps", "4"]);
     let cfg_path = dir.join("run/config.yaml");
     let original = std::fs::read_to_string(&cfg_path).unwrap();
-    assert!(original.contains("max_src_tokens: 120"), "{original}");
+    says(&original, "max_src_tokens: 120");
     let edited = original
         .replace("max_src_tokens: 120", "max_src_tokens: 100")
         .replace("warmup: 50", "warmup: 60");
@@ -70,8 +70,8 @@ fn resuming_under_an_edited_configuration() {
     let out = kiln(&dir, &["train", "--resume", "run", "--quiet"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("differs in `batch`, `schedule`"), "{err}");
-    assert!(err.contains("step_00000004"), "{err}");
+    says(&err, "differs in `batch`, `schedule`");
+    says(&err, "step_00000004");
     assert!(!err.contains("panicked"), "{err}");
     // How long to train is not part of the trajectory.
     std::fs::write(&cfg_path, original.replace("max_steps: 4", "max_steps: 6")).unwrap();
@@ -136,7 +136,7 @@ fn unknown_configuration_keys_are_refused_by_name() {
     let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("unknown field `optimiser`"), "{err}");
+    says(&err, "unknown field `optimiser`");
     let out = kiln(&dir, &["train", "--resume", "nowhere", "--quiet"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
@@ -172,9 +172,9 @@ fn loss_scaling_by_powers_of_two_changes_no_bit_and_resumes() {
     );
     let args = ["train", "--config", "cfg.yaml", "--max-steps", "6"];
     let out = ok(&scaled, &args);
-    assert!(out.contains("loss scale 2^12; 0 step(s) skipped"), "{out}");
+    says(&out, "loss scale 2^12; 0 step(s) skipped");
     let out = ok(&scaled, &["train", "--resume", "run", "--max-steps", "10"]);
-    assert!(out.contains("loss scale 2^13; 0 step(s) skipped"), "{out}");
+    says(&out, "loss scale 2^13; 0 step(s) skipped");
     let (pa, sa) = final_state(&plain, 10);
     let (pb, sb) = final_state(&scaled, 10);
     same_bits(&pa, &pb, "with loss scaling");
@@ -218,7 +218,7 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
         "one line per skipped step: {stderr}"
     );
     let last = format!("loss scale 2^{}; {k} step(s) skipped", 127 - k);
-    assert!(stdout.contains(&last), "{stdout}");
+    says(&stdout, &last);
     for (name, _, bits) in &params {
         assert!(
             bits.iter().all(|b| f32::from_bits(*b).is_finite()),
@@ -232,10 +232,10 @@ fn an_overflowing_loss_scale_skips_the_step_and_halves() {
         &format!("init: {SCALE_MAX}, window: 1000, min: {SCALE_MAX}"),
     );
     let err = train_fails(&dir);
-    assert!(err.contains("step 1: the gradient of `"), "{err}");
-    assert!(
-        err.contains("every loss scale down to 2^127, below `train.loss_scale.min`"),
-        "{err}"
+    says(&err, "step 1: the gradient of `");
+    says(
+        &err,
+        "every loss scale down to 2^127, below `train.loss_scale.min`",
     );
     assert!(!err.contains("panicked"), "{err}");
     assert!(checkpoint::latest(&dir.join("run/checkpoints"))
@@ -248,14 +248,8 @@ fn loss_scaling_settings_are_checked() {
     let dir = workspace("loss_scale_bad", "");
     set_train(&dir, "max_steps: 2, loss_scale: {init: 1000, window: 0}");
     let err = train_fails(&dir);
-    assert!(
-        err.contains("train.loss_scale.init is 1000; use a power of two"),
-        "{err}"
-    );
-    assert!(
-        err.contains("train.loss_scale.window must be at least 1"),
-        "{err}"
-    );
+    says(&err, "train.loss_scale.init is 1000; use a power of two");
+    says(&err, "train.loss_scale.window must be at least 1");
     // An artifact compiled without loss scaling cannot train with it.
     let dir = workspace("loss_scale_artifact", "");
     set_train(&dir, "max_steps: 2, executor: compiled");
@@ -268,11 +262,8 @@ fn loss_scaling_settings_are_checked() {
     let out = train_from_artifact(&dir);
     assert_eq!(out.status.code(), Some(1));
     let err = unwrapped(&out.stderr);
-    assert!(
-        err.contains("needs a train_step whose backward pass is seeded"),
-        "{err}"
-    );
-    assert!(err.contains("was compiled without it"), "{err}");
+    says(&err, "needs a train_step whose backward pass is seeded");
+    says(&err, "was compiled without it");
     assert!(!dir.join("run/config.yaml").exists());
 }
 
@@ -441,10 +432,7 @@ fn checkpoints_translate_average_and_export() {
     );
     assert_eq!(bad.status.code(), Some(1));
     let err = unwrapped(&bad.stderr);
-    assert!(
-        err.contains("`latin1.txt` line 2 is not valid UTF-8"),
-        "{err}"
-    );
+    says(&err, "`latin1.txt` line 2 is not valid UTF-8");
     // Nothing to score: said so, with no cross-entropy of 0 and perplexity of 1.
     std::fs::write(dir.join("empty.txt"), "").unwrap();
     let none = kiln(
@@ -524,7 +512,7 @@ fn checkpoints_translate_average_and_export() {
     assert!(!dir.join("x").exists());
     std::fs::create_dir_all(dir.join("empty_run")).unwrap();
     let err = fails(&dir, &["average", "--last", "1", "empty_run", "-o", "x"]);
-    assert!(err.contains("`empty_run` holds no checkpoints"), "{err}");
+    says(&err, "`empty_run` holds no checkpoints");
     let a = load_safetensors(&dir.join("run/checkpoints/step_00000010/model.safetensors")).unwrap();
     let b = load_safetensors(&dir.join("run/checkpoints/step_00000020/model.safetensors")).unwrap();
     let m = load_safetensors(&dir.join("avg/model.safetensors")).unwrap();
@@ -786,7 +774,7 @@ fn training_and_translation_from_an_artifact_follow_the_eager_executor() {
     );
     // One without the training entries is refused, naming them.
     let err = refused("tart", "run3");
-    assert!(err.contains("train_step, loss"), "{err}");
+    says(&err, "train_step, loss");
 }
 
 /// `valid.patience` stops a run after that many validations in a row without a better
@@ -852,7 +840,7 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
     );
     let cfg = dir.join("run/config.yaml");
     let text = std::fs::read_to_string(&cfg).unwrap();
-    assert!(text.contains("patience: 2"), "{text}");
+    says(&text, "patience: 2");
     std::fs::write(&cfg, text.replace("patience: 2", "patience: 3")).unwrap();
     let more = kiln(&dir, &["train", "--resume", "run", "--quiet"]);
     assert!(more.status.success(), "{}", unwrapped(&more.stderr));
@@ -918,10 +906,7 @@ fn patience_stops_a_run_and_the_best_model_is_kept() {
         )],
     );
     let err = train_fails(&dir);
-    assert!(
-        err.contains("valid.metric is `bleu` but valid.bleu is false"),
-        "{err}"
-    );
+    says(&err, "valid.metric is `bleu` but valid.bleu is false");
 }
 
 /// Numbers that would make the learning rate NaN, infinite or zero are refused when the
@@ -1354,29 +1339,20 @@ fn a_stale_run_tokenizer_is_not_reused() {
     let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--max-steps", "1"]);
     let err = unwrapped(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(
-        err.contains("loaded the BPE vocabulary run/tokenizer.json (219 tokens); it was trained on this configuration's data"),
-        "{err}"
-    );
+    says(&err, "loaded the BPE vocabulary run/tokenizer.json (219 tokens); it was trained on this configuration's data");
     // Another vocabulary size (the run's config.yaml and log moved away first).
     std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
     std::fs::remove_file(dir.join("run/config.yaml")).unwrap();
     std::fs::remove_file(dir.join("run/metrics.jsonl")).unwrap();
     edit_cfg(&dir, "vocab_size: 220", "vocab_size: 100");
     let err = train_fails(&dir);
-    assert!(
-        err.contains("`run/tokenizer.json` (219 tokens) was trained for other settings than this configuration's: data.vocab_size was 220, it is 100 now;"),
-        "{err}"
-    );
+    says(&err, "`run/tokenizer.json` (219 tokens) was trained for other settings than this configuration's: data.vocab_size was 220, it is 100 now;");
     // Without its record, it is used as it is (as kilns before records did).
     std::fs::remove_file(dir.join("run/tokenizer.source.yaml")).unwrap();
     let out = kiln(&dir, &["train", "--config", "cfg.yaml", "--max-steps", "1"]);
     let err = unwrapped(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(
-        err.contains("(219 tokens); it has no record of what it was trained on (an older kiln's, or put there by hand), so it is used as it is"),
-        "{err}"
-    );
+    says(&err, "(219 tokens); it has no record of what it was trained on (an older kiln's, or put there by hand), so it is used as it is");
 }
 
 /// `kiln train` whose standard output and error are pipes nobody reads any more (`| head`
@@ -1620,10 +1596,7 @@ fn resuming_below_or_at_the_current_step() {
         let out = kiln(&dir, args);
         let err = unwrapped(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(
-            err.contains("--max-steps 0 asks for no step at all"),
-            "{err}"
-        );
+        says(&err, "--max-steps 0 asks for no step at all");
     }
     assert!(!dir.join("run0").exists());
 }
@@ -1650,10 +1623,7 @@ fn learned_positions_bound_decoding_and_are_checked() {
     // so outputs run to their length limit.
     train_ok(&dir, &["--max-steps", "1"]);
     let info = ok(&dir, &["inspect", "run"]);
-    assert!(
-        info.contains("  positions: sources up to 33 tokens (a learned table); outputs up to 33 tokens, <eos> included\n"),
-        "{info}"
-    );
+    says(&info, "  positions: sources up to 33 tokens (a learned table); outputs up to 33 tokens, <eos> included\n");
     let valid = std::fs::read_to_string(dir.join("valid.src")).unwrap();
     let first: String = valid.lines().take(3).map(|l| format!("{l}\n")).collect();
     std::fs::write(dir.join("three.src"), &first).unwrap();
@@ -1687,10 +1657,7 @@ fn learned_positions_bound_decoding_and_are_checked() {
         &dir,
         &["translate", "--checkpoint", "run", "--input", "long.src"],
     );
-    assert!(
-        err.contains("line 4 takes 40 positions, but the model's table `src_pos.table` covers only 33: shorten it, or train a model with `max_len` 40 or more"),
-        "{err}"
-    );
+    says(&err, "line 4 takes 40 positions, but the model's table `src_pos.table` covers only 33: shorten it, or train a model with `max_len` 40 or more");
     std::fs::write(dir.join("one.src"), valid.lines().next().unwrap()).unwrap();
     std::fs::write(dir.join("one.tgt"), format!("{long}\n")).unwrap();
     let err = fails(
@@ -1705,10 +1672,7 @@ fn learned_positions_bound_decoding_and_are_checked() {
             "one.tgt",
         ],
     );
-    assert!(
-        err.contains("`one.tgt` line 1 (<bos> and its tokens) takes 41 positions, but the model's table `tgt_pos.table` covers only 33"),
-        "{err}"
-    );
+    says(&err, "`one.tgt` line 1 (<bos> and its tokens) takes 41 positions, but the model's table `tgt_pos.table` covers only 33");
 
     // Training pairs of up to 32 positions against a table of 6.
     let dir = workspace_edited(
@@ -1719,9 +1683,6 @@ fn learned_positions_bound_decoding_and_are_checked() {
         )],
     );
     let err = train_fails(&dir);
-    assert!(
-        err.contains("`train.tgt` line 8 (its tokens and <bos> or <eos>) takes 7 positions, but the model's table `tgt_pos.table` covers only 6: set `data.max_len` to that or less (longer pairs are left out), or train a model with `max_len` 7 or more"),
-        "{err}"
-    );
+    says(&err, "`train.tgt` line 8 (its tokens and <bos> or <eos>) takes 7 positions, but the model's table `tgt_pos.table` covers only 6: set `data.max_len` to that or less (longer pairs are left out), or train a model with `max_len` 7 or more");
     assert!(!dir.join("run").join("checkpoints").exists());
 }

@@ -120,6 +120,12 @@ pub fn unwrapped(stderr: &[u8]) -> String {
         .join(" ")
 }
 
+/// Asserts that `text` (a command's output or [`unwrapped`] message) contains `want`.
+#[track_caller]
+pub fn says(text: &str, want: &str) {
+    assert!(text.contains(want), "{want:?} not in:\n{text}");
+}
+
 /// Runs `kiln` in `dir`, which must fail with status 1 (an error, not a panic); its
 /// stderr as [`unwrapped`] gives it.
 pub fn fails(dir: &Path, args: &[&str]) -> String {
