@@ -773,6 +773,9 @@ fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
         (vec![3, 100, 37], 64),
         (vec![2, 129, 9], 256),
         (vec![7, 64], 64),
+        // Several chunks and column tiles, the last of each partial.
+        (vec![150, 300], 256),
+        (vec![2, 70, 130], 32),
     ] {
         let n = *shape.last().unwrap();
         let rows: usize = shape[..shape.len() - 1].iter().product();
@@ -1014,6 +1017,38 @@ fn block_reductions_over_several_warps_match_the_cpu() {
         &bdims,
         bitems,
     );
+    // The forward layer norm, one warp a row: 5 rows over blocks of one to four warps
+    // (a block's last warps without a row).
+    let fwd = vec![
+        ln[0].clone(),
+        ln[1].clone(),
+        ln[2].clone(),
+        ln[3].clone(),
+        one(1.0 / d as f32),
+        one(1e-6),
+        zeros(rows_n * d),
+    ];
+    let (fdims, fitems) = rows::add_layer_norm_dims(rows_n, d);
+    let mut hf = fwd.clone();
+    run_cpu(
+        &rows::add_layer_norm("add_layer_norm_0"),
+        "add_layer_norm_0",
+        &mut hf,
+        &fdims,
+        fitems,
+    );
+    for block in [32u32, 64, 128] {
+        let mut g = fwd.clone();
+        run_with(
+            cxx,
+            &cuda::rows::add_layer_norm("add_layer_norm_0", Elem::F32),
+            &mut g,
+            &fdims,
+            rows_n as u64,
+            (1, block),
+        );
+        close(&format!("add_layer_norm, block {block}"), &g[6], &hf[6]);
+    }
     for block in [32u32, 64, 128] {
         let mut g = vec![x.clone(), zeros(rows_n * d)];
         run_with(
@@ -1167,6 +1202,55 @@ fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
         let finite = |l: &[f32]| f32s(&[&l[..1], &l[2..]].concat());
         close("xent_ls row losses (−inf)", &finite(&gl), &finite(&hl));
         close("xent_ls dlogits (−inf)", &g2[7], &h2[7]);
+    }
+    // Rows of 40 go as groups of 8 (16-byte vectors); rows of 37 one element at a time,
+    // with rows starting anywhere. Either way the bf16 kernel is the f32 kernel with
+    // rounded loads and stores, bit for bit (the same groups, the same order).
+    for vv in [40usize, 37] {
+        let t: Vec<i32> = (0..rows_n).map(|i| (i * 5 % vv) as i32).collect();
+        let bufs = vec![
+            rng.floats(rows_n * vv, -4.0, 4.0),
+            i32s(&t),
+            one(c_nll),
+            one(c_smooth),
+            one(1.0 / vv as f32),
+            one(0.125),
+            zeros(rows_n),
+            zeros(rows_n * vv),
+        ];
+        let (dims, items) = rows::xent_ls_dims(rows_n, vv, pad);
+        let mut h = bufs.clone();
+        run_cpu(
+            &rows::xent_ls("xent_ls_0"),
+            "xent_ls_0",
+            &mut h,
+            &dims,
+            items,
+        );
+        for launch in [(GRID, BLOCK), (2, 64)] {
+            let mut g = bufs.clone();
+            run_with(
+                cxx,
+                &cuda::rows::xent_ls("xent_ls_0", Elem::F32),
+                &mut g,
+                &dims,
+                rows_n as u64,
+                launch,
+            );
+            close(&format!("xent_ls row losses, v {vv}"), &g[6], &h[6]);
+            close(&format!("xent_ls dlogits, v {vv}"), &g[7], &h[7]);
+        }
+        let (b16, f) = (Some(Elem::Bf16), Some(Elem::F32));
+        same_as_f32(
+            cxx,
+            &format!("xent_ls, v {vv}"),
+            &cuda::rows::xent_ls("xent_ls_0", Elem::Bf16),
+            &cuda::rows::xent_ls("xent_ls_0", Elem::F32),
+            &bufs,
+            &[b16, None, None, None, None, None, f, b16],
+            &[6, 7],
+            (&dims, rows_n as u64),
+        );
     }
     let mut fin = vec![g[6].clone(), stats[1].clone(), zeros(1)];
     run(

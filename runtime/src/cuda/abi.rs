@@ -396,6 +396,8 @@ mod tests {
         assert_eq!(grid(Work::Quads, 1), Some((1, 256)));
         assert_eq!(grid(Work::Quads, 1024), Some((1, 256)));
         assert_eq!(grid(Work::Quads, 1025), Some((2, 256)));
+        assert_eq!(grid(Work::Warps, 8), Some((1, 256)));
+        assert_eq!(grid(Work::Warps, 9), Some((2, 256)));
         let huge = (MAX_GRID as usize) * 1000;
         assert_eq!(grid(Work::Blocks, huge), Some((MAX_GRID as u32, 256)));
         assert_eq!(grid(Work::Threads, huge), Some((MAX_GRID as u32, 256)));

@@ -103,10 +103,15 @@ pub(crate) fn adam_math(w: &mut W) {
     w.l("const float p2 = pi - (k_step_size * m2) / denom;");
 }
 
-/// Rows of one `sum_rows` partial sum (one block sums this many rows of 32 columns).
-pub const SUM_ROWS_CHUNK: usize = 128;
-/// Columns of one `sum_rows` block (a warp reads 32 consecutive floats of a row).
-pub const SUM_ROWS_COLS: usize = 32;
+/// Rows of one `sum_rows` partial sum (one block sums this many rows of
+/// [`SUM_ROWS_COLS`] columns).
+pub const SUM_ROWS_CHUNK: usize = 64;
+/// Columns of one `sum_rows` block: each lane of a warp [`SUM_ROWS_PER_LANE`] of them, 32
+/// apart, so that a warp reads 32 consecutive values of a row with each of its loads and
+/// has that many loads in flight.
+pub const SUM_ROWS_COLS: usize = 128;
+/// Columns of one lane of `sum_rows` (a warp of 32).
+pub const SUM_ROWS_PER_LANE: usize = SUM_ROWS_COLS / 32;
 
 /// The number of partial sums per column: `⌈rows / SUM_ROWS_CHUNK⌉`, at least 1.
 pub fn sum_rows_chunks(rows: usize) -> usize {
@@ -138,8 +143,9 @@ fn open_sum_rows(name: &str, lead: usize, params: &[Param], shared: bool) -> Res
 
 /// The first of the two kernels summing the `lead` leading axes of `x[A0, …, A(L−1), n]`
 /// (read as `rows × n`, `rows = A0·…·A(L−1)`): block `(chunk, tile)` sums rows
-/// `[chunk·CHUNK, (chunk+1)·CHUNK)` of 32 columns — each of the block's `blockDim / 32`
-/// warps every `blockDim / 32`-th row, then the warps' sums in warp order — into
+/// `[chunk·CHUNK, (chunk+1)·CHUNK)` of [`SUM_ROWS_COLS`] columns — each of the block's
+/// `blockDim / 32` warps every `blockDim / 32`-th row, a lane its columns `c`, `c + 32`,
+/// `c + 64`, `c + 96` of the tile in registers, then the warps' sums in warp order — into
 /// `part[chunk, n]`. [`sum_rows_finish`] adds the chunks in order. The order is fixed
 /// for a block size (the executor's is always `THREADS`) but not the CPU kernel's
 /// sequential one: the two agree within float rounding. Buffers `[x, part]`, dims
@@ -152,18 +158,19 @@ pub fn sum_rows(name: &str, lead: usize) -> Result<CudaFunction, String> {
 pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, String> {
     let xe = x;
     let params = vec![param("x", &xe.ptr(true)), param("part", "float*")];
-    let mut w = open_sum_rows(name, lead, &params, true)?;
+    let mut w = open_sum_rows(name, lead, &params, false)?;
+    // The warps' column sums: warps × SUM_ROWS_COLS floats (at most KILN_THREADS / 32 ×
+    // 128, or one warp's 128 in a block of fewer than 32 threads).
+    w.l(format!(
+        "__shared__ float sh[KILN_THREADS / 32 * {SUM_ROWS_COLS} > {SUM_ROWS_COLS} ? KILN_THREADS / 32 * {SUM_ROWS_COLS} : {SUM_ROWS_COLS}];"
+    ));
     w.l(format!(
         "const long long tiles = (n + {SUM_ROWS_COLS} - 1) / {SUM_ROWS_COLS};"
     ));
     // Warps of 32 threads, each summing every `lanes`-th row of the chunk; a block of
-    // fewer than 32 threads is one lane looping over the 32 columns.
-    w.l(format!(
-        "const int width = blockDim.x < {SUM_ROWS_COLS} ? blockDim.x : {SUM_ROWS_COLS};"
-    ));
-    w.l(format!(
-        "const int lanes = blockDim.x < {SUM_ROWS_COLS} ? 1 : blockDim.x / {SUM_ROWS_COLS};"
-    ));
+    // fewer than 32 threads is one warp of `width` lanes, looping over the tile.
+    w.l("const int width = blockDim.x < 32 ? blockDim.x : 32;");
+    w.l("const int lanes = blockDim.x < 32 ? 1 : blockDim.x / 32;");
     w.l("const int lane = threadIdx.x / width;");
     w.open(FOR_BLOCKS);
     w.l("const long long chunk = r / tiles;");
@@ -174,18 +181,27 @@ pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, Str
     w.l(format!(
         "const long long r1 = r0 + {SUM_ROWS_CHUNK} < rows ? r0 + {SUM_ROWS_CHUNK} : rows;"
     ));
+    let per = SUM_ROWS_PER_LANE;
     w.open("if (lane < lanes)");
     w.open(format!(
-        "for (int c = threadIdx.x % width; c < {SUM_ROWS_COLS}; c += width)"
+        "for (int cb = threadIdx.x % width; cb < {SUM_ROWS_COLS}; cb += width * {per})"
     ));
-    w.l("const long long col = col0 + c;");
-    w.l("float s = 0.0f;");
-    w.open("if (col < n)");
+    w.l(format!("float s[{per}];"));
+    w.l(format!("for (int u = 0; u < {per}; ++u) s[u] = 0.0f;"));
     w.open("for (long long k = r0 + lane; k < r1; k += lanes)");
-    w.l(format!("s = s + {};", xe.load("x[k * n + col]")));
+    w.l(format!(
+        "const {}* xk = x + k * n + col0 + cb;",
+        xe.c_type()
+    ));
+    w.open(format!("for (int u = 0; u < {per}; ++u)"));
+    w.open("if (col0 + cb + u * width < n)");
+    w.l(format!("s[u] = s[u] + {};", xe.load("xk[u * width]")));
     w.close();
     w.close();
-    w.l(format!("sh[lane * {SUM_ROWS_COLS} + c] = s;"));
+    w.close();
+    w.l(format!(
+        "for (int u = 0; u < {per}; ++u) sh[lane * {SUM_ROWS_COLS} + cb + u * width] = s[u];"
+    ));
     w.close();
     w.close();
     w.l("__syncthreads();");

@@ -109,6 +109,9 @@ pub enum Work {
     /// they share — a row's index arithmetic, a Philox block of four dropout words — is
     /// computed once.
     Quads,
+    /// One warp per item ([`FOR_WARPS`]): `THREADS / 32` items a block, a row's sums by
+    /// shuffles without a barrier.
+    Warps,
 }
 
 impl Work {
@@ -119,6 +122,7 @@ impl Work {
             Work::Threads => items.div_ceil(t),
             Work::Blocks => items,
             Work::Quads => items.div_ceil(4).div_ceil(t),
+            Work::Warps => items.div_ceil(t / 32),
         };
         (g.clamp(1, MAX_GRID) as u32, text::THREADS)
     }
@@ -257,6 +261,16 @@ pub(crate) const FOR_THREADS: &str = "for (long long i = (long long)blockIdx.x *
 /// The grid-stride loop over groups `g` of four items (`Work::Quads`), the first item
 /// `i0 = 4g`; the body runs `u` over the group's items below `items`.
 pub(crate) const FOR_QUADS: &str = "for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < ((items + 3) >> 2); g += (long long)gridDim.x * blockDim.x)";
+/// The warps' loop (`Work::Warps`): warp `wi` of a block takes item `r = r0 + wi`, `live`
+/// when that is an item. Every thread of the block runs the same iterations (a warp past
+/// the end makes the same shuffle calls with nothing to sum), as the host shim's
+/// shuffles need. Declares `width` (lanes a warp), `warps`, `wi` and `lane` first; a block
+/// of fewer than 32 threads is one warp of `blockDim.x` lanes.
+pub(crate) const WARPS_HEAD: &str = "const unsigned width = kiln_width();
+const unsigned warps = blockDim.x < 32u ? 1u : blockDim.x / 32u;
+const unsigned wi = threadIdx.x / width;
+const unsigned lane = threadIdx.x % width;";
+pub(crate) const FOR_WARPS: &str = "for (long long r0 = (long long)blockIdx.x * warps; r0 < items; r0 += (long long)gridDim.x * warps)";
 pub(crate) const FOR_BLOCKS: &str = "for (long long r = blockIdx.x; r < items; r += gridDim.x)";
 /// The loop over a row's elements owned by this thread.
 pub(crate) fn for_cols(n: &str) -> String {

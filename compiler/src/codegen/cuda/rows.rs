@@ -24,8 +24,10 @@
 //! gradient, the exponentials computed again; `Σ(x − m)` as `Σx − v·m`), and
 //! [`xent_ls_finish`] (`Σ row_loss / den` into the scalar loss).
 
-use crate::codegen::cuda::text::{f32_lit, Elem, W};
-use crate::codegen::cuda::{for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS};
+use crate::codegen::cuda::text::{f32_lit, Elem, GROUP, W};
+use crate::codegen::cuda::{
+    for_cols, param, signature, CudaFunction, Param, Work, FOR_BLOCKS, FOR_WARPS, WARPS_HEAD,
+};
 use crate::codegen::rows::{MaskKind, LN_BWD_BLOCK};
 
 fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
@@ -174,7 +176,8 @@ pub fn softmax_bwd(name: &str, e: Elem) -> CudaFunction {
 }
 
 /// `out = normalize(x + y)·γ + β` per row of `d`. Buffers `[x, y, gamma, beta, inv_d,
-/// eps, out]` (`out` may be `x` or `y`), dims `[d]`, items rows.
+/// eps, out]` (`out` may be `x` or `y`), dims `[d]`, items rows, one warp a row
+/// ([`Work::Warps`]): its lanes over the columns, the sums by shuffles.
 pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
@@ -186,17 +189,24 @@ pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
         param("out", &e.ptr(false)),
     ];
     let mut w = W::new();
-    open_rows(&mut w, name, &params);
+    signature(&mut w, name, &params);
     w.l("const long long d = dims.d[0];");
     w.l("const float c = inv_d[0];");
     w.l("const float ep = eps[0];");
-    w.open(FOR_BLOCKS);
+    for l in WARPS_HEAD.lines() {
+        w.l(l);
+    }
+    let lanes = "for (long long j = lane; j < d; j += width)";
+    w.open(FOR_WARPS);
+    w.l("const long long r = r0 + wi;");
+    w.l("const bool live = wi < warps && r < items;");
     w.l(format!("const {}* xr = x + r * d;", e.c_type()));
     w.l(format!("const {}* yr = y + r * d;", e.c_type()));
     w.l(format!("{}* outr = out + r * d;", e.c_type()));
     w.l("// Pass 1: s = x + y into out, and its sum.");
     w.l("float sum = 0.0f;");
-    w.open(for_cols("d"));
+    w.open("if (live)");
+    w.open(lanes);
     w.l(format!(
         "const float s = {} + {};",
         e.load("xr[j]"),
@@ -205,19 +215,23 @@ pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
     w.l(format!("outr[j] = {};", e.store("s")));
     w.l("sum = sum + s;");
     w.close();
-    w.l("sum = kiln_block_sum(sum, sh);");
+    w.close();
+    w.l("sum = kiln_warp_sum(sum);");
     w.l("const float mean = sum * c;");
     w.l("// Pass 2: the sum of squared deviations.");
     w.l("float ssq = 0.0f;");
-    w.open(for_cols("d"));
+    w.open("if (live)");
+    w.open(lanes);
     w.l(format!("const float xc = {} - mean;", e.load("outr[j]")));
     w.l("ssq = ssq + xc * xc;");
     w.close();
-    w.l("ssq = kiln_block_sum(ssq, sh);");
+    w.close();
+    w.l("ssq = kiln_warp_sum(ssq);");
     w.l("const float var = ssq * c;");
     w.l("const float rstd = 1.0f / sqrtf(var + ep);");
     w.l("// Pass 3: out = (s - mean)·rstd·γ + β.");
-    w.open(for_cols("d"));
+    w.open("if (live)");
+    w.open(lanes);
     w.l(format!("const float xc = {} - mean;", e.load("outr[j]")));
     w.l("const float xh = xc * rstd;");
     w.l("const float v = xh * gamma[j];");
@@ -225,14 +239,25 @@ pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
     w.close();
     w.close();
     w.close();
-    function(name, params, Work::Blocks, "rows", w)
+    w.close();
+    function(name, params, Work::Warps, "rows", w)
 }
 
 /// The backward of [`add_layer_norm`] (the CPU kernel's formulas): `dx` per row and per
 /// block of [`LN_BWD_BLOCK`] rows the partial `dγ`, `dβ` sums into `scratch[blk, 0..2d]`.
 /// Buffers `[x, y, gamma, g, inv_d, eps, dx, scratch]` (`dx` may be `x`, `y` or `g`),
-/// dims `[rows, d]`, items row blocks `ceil(rows / 16)`. Each thread owns its columns of
-/// the block's partials, summed over the block's rows in order (as on the CPU).
+/// dims `[rows, d]`, items row blocks `ceil(rows / 16)`.
+///
+/// Two phases per row block, one barrier between them:
+/// 1. the rows' statistics, one warp per row (warp `w` the rows `w`, `w + warps`, …, its
+///    lanes over the columns, sums by shuffles, no barrier): the mean, `rstd` and the
+///    three constants of `dx`, into shared memory;
+/// 2. each thread its columns `j ≡ threadIdx.x (mod blockDim.x)` down the block's rows in
+///    order: `dx`, and the partials `dγ`, `dβ` summed in registers in row order (as on
+///    the CPU), stored once.
+///
+/// Every thread makes the same shuffle calls (a warp without a row sums zeros), as the
+/// host shim needs. A block of fewer than 32 threads is one warp of `blockDim.x` lanes.
 pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
@@ -245,82 +270,103 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
         param("scratch", "float*"),
     ];
     let mut w = W::new();
-    open_rows(&mut w, name, &params);
+    signature(&mut w, name, &params);
+    w.l(format!("__shared__ float st[{LN_BWD_BLOCK} * 5];"));
     w.l("const long long rows = dims.d[0];");
     w.l("const long long d = dims.d[1];");
     w.l("const float c = inv_d[0];");
     w.l("const float ep = eps[0];");
+    w.l("const unsigned width = kiln_width();");
+    w.l("const unsigned warps = blockDim.x < 32u ? 1u : blockDim.x / 32u;");
+    w.l("const unsigned wi = threadIdx.x / width;");
+    w.l("const unsigned lane = threadIdx.x % width;");
     w.open(FOR_BLOCKS);
-    w.l("float* dg = scratch + r * 2 * d;");
-    w.l("float* db = dg + d;");
-    w.open(for_cols("d"));
-    w.l("dg[j] = 0.0f;");
-    w.l("db[j] = 0.0f;");
-    w.close();
     w.l(format!("const long long lo = r * {LN_BWD_BLOCK};"));
     w.l(format!(
         "const long long hi = lo + {LN_BWD_BLOCK} < rows ? lo + {LN_BWD_BLOCK} : rows;"
     ));
-    w.open("for (long long q = lo; q < hi; ++q)");
-    w.l(format!("const {}* xr = x + q * d;", e.c_type()));
-    w.l(format!("const {}* yr = y + q * d;", e.c_type()));
-    w.l(format!("const {}* gr = g + q * d;", e.c_type()));
-    w.l(format!("{}* dxr = dx + q * d;", e.c_type()));
-    w.l("// Pass 1: the sum of s = x + y.");
+    w.l("// Phase 1: row i of the block is warp (i mod warps)'s.");
+    w.open(format!(
+        "for (unsigned i0 = 0; i0 < {LN_BWD_BLOCK}u; i0 += warps)"
+    ));
+    w.l("const unsigned i = i0 + wi;");
+    w.l("const bool live = wi < warps && lo + i < hi;");
+    w.l("const long long q = lo + i;");
     w.l("float sum = 0.0f;");
-    w.open(for_cols("d"));
+    w.open("if (live)");
+    w.open("for (long long j = lane; j < d; j += width)");
     w.l(format!(
         "sum = sum + ({} + {});",
-        e.load("xr[j]"),
-        e.load("yr[j]")
+        e.load("x[q * d + j]"),
+        e.load("y[q * d + j]")
     ));
     w.close();
-    w.l("sum = kiln_block_sum(sum, sh);");
+    w.close();
+    w.l("sum = kiln_warp_sum(sum);");
     w.l("const float mean = sum * c;");
-    w.l("// Pass 2: Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
+    w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
     w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
-    w.open(for_cols("d"));
+    w.open("if (live)");
+    w.open("for (long long j = lane; j < d; j += width)");
     w.l(format!(
         "const float xc = ({} + {}) - mean;",
-        e.load("xr[j]"),
-        e.load("yr[j]")
+        e.load("x[q * d + j]"),
+        e.load("y[q * d + j]")
     ));
-    w.l(format!("const float a = {} * gamma[j];", e.load("gr[j]")));
+    w.l(format!(
+        "const float a = {} * gamma[j];",
+        e.load("g[q * d + j]")
+    ));
     w.l("ssq = ssq + xc * xc;");
     w.l("sxc = sxc + xc;");
     w.l("sa = sa + a;");
     w.l("saxc = saxc + a * xc;");
     w.close();
-    w.l("float sums[4] = {ssq, sxc, sa, saxc};");
-    w.l("kiln_block_sum4(sums, sh);");
-    w.l("ssq = sums[0];");
-    w.l("sxc = sums[1];");
-    w.l("sa = sums[2];");
-    w.l("saxc = sums[3];");
+    w.close();
+    w.l("ssq = kiln_warp_sum(ssq);");
+    w.l("sxc = kiln_warp_sum(sxc);");
+    w.l("sa = kiln_warp_sum(sa);");
+    w.l("saxc = kiln_warp_sum(saxc);");
+    w.open("if (live && lane == 0)");
     w.l("const float var = ssq * c;");
     w.l("const float rstd = 1.0f / sqrtf(var + ep);");
     w.l("// dx_j = rstd·(a_j − c·Σa) − k·(xc_j − c·Σxc), k = c·rstd³·Σa·xc.");
-    w.l("const float ca = c * sa;");
     w.l("const float r3 = (rstd * rstd) * rstd;");
-    w.l("const float k = (c * r3) * saxc;");
-    w.l("const float cx = c * sxc;");
-    w.l("// Pass 3: dx, and this block's dγ, dβ partials.");
-    w.open(for_cols("d"));
-    w.l(format!(
-        "const float xc = ({} + {}) - mean;",
-        e.load("xr[j]"),
-        e.load("yr[j]")
-    ));
-    w.l(format!("const float gv = {};", e.load("gr[j]")));
-    w.l("const float a = gv * gamma[j];");
-    w.l("const float t1 = rstd * (a - ca);");
-    w.l("const float t2 = k * (xc - cx);");
-    w.l(format!("dxr[j] = {};", e.store("t1 - t2")));
-    w.l("dg[j] = dg[j] + (gv * xc) * rstd;");
-    w.l("db[j] = db[j] + gv;");
+    w.l("st[i * 5] = mean;");
+    w.l("st[i * 5 + 1] = rstd;");
+    w.l("st[i * 5 + 2] = c * sa;");
+    w.l("st[i * 5 + 3] = (c * r3) * saxc;");
+    w.l("st[i * 5 + 4] = c * sxc;");
+    w.close();
     w.close();
     w.l("__syncthreads();");
+    w.l("// Phase 2: dx, and this block's dγ, dβ partials.");
+    w.l("float* dg = scratch + r * 2 * d;");
+    w.l("float* db = dg + d;");
+    w.open(for_cols("d"));
+    w.l("const float gm = gamma[j];");
+    w.l("float pg = 0.0f, pb = 0.0f;");
+    w.open("for (long long q = lo; q < hi; ++q)");
+    w.l("const float* sq = st + (q - lo) * 5;");
+    w.l("const float mean = sq[0];");
+    w.l("const float rstd = sq[1];");
+    w.l(format!(
+        "const float xc = ({} + {}) - mean;",
+        e.load("x[q * d + j]"),
+        e.load("y[q * d + j]")
+    ));
+    w.l(format!("const float gv = {};", e.load("g[q * d + j]")));
+    w.l("const float a = gv * gm;");
+    w.l("const float t1 = rstd * (a - sq[2]);");
+    w.l("const float t2 = sq[3] * (xc - sq[4]);");
+    w.l(format!("dx[q * d + j] = {};", e.store("t1 - t2")));
+    w.l("pg = pg + (gv * xc) * rstd;");
+    w.l("pb = pb + gv;");
     w.close();
+    w.l("dg[j] = pg;");
+    w.l("db[j] = pb;");
+    w.close();
+    w.l("__syncthreads();");
     w.close();
     w.close();
     function(name, params, Work::Blocks, "row blocks ceil(rows / 16)", w)
@@ -506,6 +552,20 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     if grad {
         w.l("const float id = inv_den[0];");
     }
+    let aligned = |b: &str| format!("((unsigned long long){b} & 15ull) == 0");
+    w.l(format!(
+        "// Rows in groups of {GROUP} (16-byte vectors) where every row starts on a vector."
+    ));
+    w.l(format!(
+        "const bool vec = v % {GROUP} == 0 && {}{};",
+        aligned("logits"),
+        if grad {
+            format!(" && {}", aligned("dlogits"))
+        } else {
+            String::new()
+        }
+    ));
+    w.l(format!("const long long nv = vec ? v / {GROUP} : 0;"));
     w.open(FOR_BLOCKS);
     w.l(format!("const {}* xr = logits + r * v;", e.c_type()));
     if grad {
@@ -520,10 +580,42 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
         w.l("// barrier.");
     }
     w.l(format!("const float xt = {};", e.load("xr[ti]")));
-    w.l("// Pass 1, online: each thread's max m, Σexp(x − m) rescaled as m grows, and Σx.");
-    w.l(format!("float m = {};", f32_lit(f32::NEG_INFINITY)));
+    let ninf = f32_lit(f32::NEG_INFINITY);
+    let (vw, vn) = (GROUP, e.v16_per_group());
+    w.l("// Pass 1, online: each thread's max m, Σexp(x − m) rescaled as m grows, and Σx;");
+    w.l("// whole groups of 16-byte vectors first (one rescale a group), then the rest one by");
+    w.l("// one.");
+    w.l(format!("float m = {ninf};"));
     w.l("float z = 0.0f, sx = 0.0f;");
-    w.open(for_cols("v"));
+    w.open("for (long long k = threadIdx.x; k < nv; k += blockDim.x)");
+    w.l(format!("kiln_v16 q[{vn}];"));
+    w.l(format!(
+        "for (int s = 0; s < {vn}; ++s) q[s] = ((const kiln_v16*)xr)[k * {vn} + s];"
+    ));
+    w.l(format!("float xs[{vw}];"));
+    w.l(format!(
+        "for (int u = 0; u < {vw}; ++u) xs[u] = {};",
+        e.group_load("q", "u")
+    ));
+    w.l("float gm = xs[0];");
+    w.l(format!(
+        "for (int u = 1; u < {vw}; ++u) gm = kiln_max_ref(gm, xs[u]);"
+    ));
+    w.l(format!("for (int u = 0; u < {vw}; ++u) sx = sx + xs[u];"));
+    w.l("const float mn = kiln_max_ref(m, gm);");
+    w.open("if (mn != m)");
+    w.l("z = kiln_scaled(z, m, mn);");
+    w.l("m = mn;");
+    w.close();
+    w.open(format!("if (m != {ninf})"));
+    w.l(format!(
+        "for (int u = 0; u < {vw}; ++u) z = z + expf(xs[u] - m);"
+    ));
+    w.close();
+    w.close();
+    w.open(format!(
+        "for (long long j = nv * {vw} + threadIdx.x; j < v; j += blockDim.x)"
+    ));
     w.l(format!("const float x = {};", e.load("xr[j]")));
     w.l("sx = sx + x;");
     w.l("const float mn = kiln_max_ref(m, x);");
@@ -562,8 +654,28 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     w.l("const float cp = (wk * (cn + csi * vf)) / z;");
     w.l("const float c0 = wk * csi;");
     w.l("const float wn = in_range ? wk * cn : 0.0f;");
-    w.l("// Pass 2: the gradient, exp(x − m) computed again (x is read, never a rounded e).");
-    w.open(for_cols("v"));
+    w.l("// Pass 2: the gradient, exp(x − m) computed again (x is read, never a rounded e);");
+    w.l("// the vectors of pass 1, then the rest.");
+    w.open("for (long long k = threadIdx.x; k < nv; k += blockDim.x)");
+    w.l(format!("kiln_v16 q[{vn}], o[{vn}];"));
+    w.l(format!(
+        "for (int s = 0; s < {vn}; ++s) q[s] = ((const kiln_v16*)xr)[k * {vn} + s];"
+    ));
+    w.open(format!("for (int u = 0; u < {vw}; ++u)"));
+    w.l(format!(
+        "float gv = expf({} - m) * cp - c0;",
+        e.group_load("q", "u")
+    ));
+    w.l(format!("if (k * {vw} + u == ti) gv = gv - wn;"));
+    w.l(e.group_store("o", "u", "gv"));
+    w.close();
+    w.l(format!(
+        "for (int s = 0; s < {vn}; ++s) ((kiln_v16*)dr)[k * {vn} + s] = o[s];"
+    ));
+    w.close();
+    w.open(format!(
+        "for (long long j = nv * {vw} + threadIdx.x; j < v; j += blockDim.x)"
+    ));
     w.l(format!(
         "float gv = expf({} - m) * cp - c0;",
         e.load("xr[j]")

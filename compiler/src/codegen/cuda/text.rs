@@ -77,6 +77,10 @@ pub fn i32_lit(v: i32) -> String {
     }
 }
 
+/// Elements a kernel moves as one group of 16-byte vectors (`kiln_v16`): 32 bytes of f32,
+/// 16 of bf16.
+pub const GROUP: usize = 8;
+
 /// The element type a kernel loads and stores its float activations as (parameters,
 /// scalars and statistics stay `float`). Arithmetic is always in `float`: a load widens,
 /// a store rounds.
@@ -120,6 +124,36 @@ impl Elem {
         match self {
             Elem::F32 => expr.to_string(),
             Elem::Bf16 => format!("kiln_bf16_to_f32({expr})"),
+        }
+    }
+
+    /// `kiln_v16` vectors in a group of [`GROUP`] elements (f32 2, bf16 1): kernels that
+    /// move whole groups do the same arithmetic in the same order for both types.
+    pub fn v16_per_group(self) -> usize {
+        GROUP * self.bytes() / 16
+    }
+
+    /// Element `u` (a C expression below [`GROUP`]) of the group held in `q` (an array of
+    /// [`Elem::v16_per_group`] `kiln_v16`), as a `float`.
+    pub fn group_load(self, q: &str, u: &str) -> String {
+        match self {
+            Elem::F32 => format!("__int_as_float((int){q}[({u}) >> 2].w[({u}) & 3])"),
+            Elem::Bf16 => format!(
+                "kiln_bf16_to_f32((kiln_bf16)((({u}) & 1) ? ({q}[0].w[({u}) >> 1] >> 16) : ({q}[0].w[({u}) >> 1] & 0xffffu)))"
+            ),
+        }
+    }
+
+    /// A statement putting the `float` `value` as element `u` of the group `o` (for bf16 an
+    /// even `u` sets its word, so the elements must go in order).
+    pub fn group_store(self, o: &str, u: &str, value: &str) -> String {
+        match self {
+            Elem::F32 => {
+                format!("{o}[({u}) >> 2].w[({u}) & 3] = (unsigned)__float_as_int({value});")
+            }
+            Elem::Bf16 => format!(
+                "{{ const unsigned hb = (unsigned)kiln_f32_to_bf16({value}); if (({u}) & 1) {o}[0].w[({u}) >> 1] |= hb << 16; else {o}[0].w[({u}) >> 1] = hb; }}"
+            ),
         }
     }
 
@@ -180,6 +214,9 @@ pub fn prelude() -> String {
     w.l("if ((x & 0x7fffffffu) > 0x7f800000u) return (kiln_bf16)((x >> 16) | 0x40u);");
     w.l("return (kiln_bf16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);");
     w.close();
+    w.l("// Sixteen bytes as one load or store: four words, eight bf16 (element 2k the low half");
+    w.l("// of word k) or four floats.");
+    w.l("struct alignas(16) kiln_v16 { unsigned w[4]; };");
     w.l("// Wrapping i32 arithmetic.");
     for (name, op) in [("add", "+"), ("sub", "-"), ("mul", "*")] {
         w.open(format!(
