@@ -776,6 +776,8 @@ fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
         // Several chunks and column tiles, the last of each partial.
         (vec![150, 300], 256),
         (vec![2, 70, 130], 32),
+        // 22 chunks: the finish's running sums over two warps.
+        (vec![2, 700, 20], 64),
     ] {
         let n = *shape.last().unwrap();
         let rows: usize = shape[..shape.len() - 1].iter().product();
@@ -970,6 +972,22 @@ fn row_kernels_match_the_cpu_within_rounding() {
         run_with(cxx, &f, &mut g, &dims, tiles, launch);
         close("dgamma", &g[1], &h[1]);
         close("dbeta", &g[2], &h[2]);
+    }
+    // Enough partial blocks (100 of 1,600 rows) for each warp's eight running sums, over
+    // one to four warps, against the CPU's sums in order.
+    let (rows_n, d) = (1600usize, 45usize);
+    let blocks = rows::add_layer_norm_bwd_scratch(rows_n, d) / (2 * d);
+    assert_eq!(blocks, 100);
+    let part = rng.floats(blocks * 2 * d, -1.0, 1.0);
+    let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
+    let mut h = vec![part.clone(), zeros(d), zeros(d)];
+    run_cpu(&cpu, "add_layer_norm_bwd_finish_0", &mut h, &dims, items);
+    let tiles = cuda::rows::add_layer_norm_bwd_finish_items(d) as u64;
+    for launch in [(GRID, BLOCK), (2, 32), (1, 128)] {
+        let mut g = vec![part.clone(), zeros(d), zeros(d)];
+        run_with(cxx, &f, &mut g, &dims, tiles, launch);
+        close(&format!("dgamma of 100 blocks, {launch:?}"), &g[1], &h[1]);
+        close(&format!("dbeta of 100 blocks, {launch:?}"), &g[2], &h[2]);
     }
 }
 

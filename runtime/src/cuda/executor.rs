@@ -108,6 +108,9 @@ struct Training {
     bad: Buf,
     /// Word 0: the micro-batch weight; words 1–8: `optim::ADAM_CONSTANTS`.
     scalars: Buf,
+    /// `optim::ADAM_STEP_MANY`'s table: each parameter's `p`, `acc`, `m`, `v` and length,
+    /// in name order (the buffers are fixed from `train_begin` on).
+    adam_table: Buf,
 }
 
 struct TrainParam {
@@ -1149,6 +1152,9 @@ impl CudaExecutor {
         let mut kept = BTreeMap::new();
         // Device training: each parameter's gradient, contiguous, as accumulated.
         let mut grads: BTreeMap<&str, DLoc> = BTreeMap::new();
+        // ... by one launch over a table of the gradients (optim::GRAD_ENTRY a row).
+        let mut grad_table: Vec<u64> = Vec::new();
+        let (mut grad_largest, mut first_micro) = (0usize, true);
         for o in &self.graph.outputs {
             let (_, v) = self
                 .kg
@@ -1174,20 +1180,10 @@ impl CudaExecutor {
                         tp.shape
                     )));
                 }
-                let f = if mb.first {
-                    optim::GRAD_ASSIGN
-                } else {
-                    optim::GRAD_ACCUMULATE
-                };
                 let flag = t.bad.ptr + 4 * tp.index as u64;
-                st.device
-                    .launch(
-                        f,
-                        &[g.base(), t.scalars.ptr, tp.acc.ptr, flag],
-                        &[n as i64],
-                        n,
-                    )
-                    .map_err(dev_err)?;
+                grad_table.extend([g.base(), tp.acc.ptr, flag, n as u64]);
+                grad_largest = grad_largest.max(n);
+                first_micro = mb.first;
                 grads.insert(name, g);
                 continue;
             }
@@ -1205,6 +1201,25 @@ impl CudaExecutor {
             }
             let t = r.download(&locs[*v][0]).map_err(dev_err)?;
             out.push((o.name.clone(), t));
+        }
+        if let (Some(t), false) = (training, grad_table.is_empty()) {
+            let f = if first_micro {
+                optim::GRAD_ASSIGN_MANY
+            } else {
+                optim::GRAD_ACCUMULATE_MANY
+            };
+            let tab = r
+                .upload_enqueued(&optim::table_words(&grad_table))
+                .map_err(dev_err)?;
+            let count = grad_table.len() / optim::GRAD_ENTRY;
+            st.device
+                .launch(
+                    f,
+                    &[tab, t.scalars.ptr],
+                    &[count as i64],
+                    optim::many_items(grad_largest),
+                )
+                .map_err(dev_err)?;
         }
         let mut non_finite = None;
         if let Some(t) = training {
@@ -1302,6 +1317,19 @@ impl CudaExecutor {
             );
         }
         let bad = dev.alloc(tps.len()).map_err(dev_err)?;
+        let rows: Vec<u64> = tps
+            .values()
+            .flat_map(|tp| {
+                [
+                    tp.p.ptr,
+                    tp.acc.ptr,
+                    tp.m.ptr,
+                    tp.v.ptr,
+                    tp.acc.words as u64,
+                ]
+            })
+            .collect();
+        let adam_table = dev.upload(&optim::table_words(&rows)).map_err(dev_err)?;
         let scalars = dev
             .alloc(1 + optim::ADAM_CONSTANTS.len())
             .map_err(dev_err)?;
@@ -1310,6 +1338,7 @@ impl CudaExecutor {
             params: tps,
             bad,
             scalars,
+            adam_table,
         });
         Ok(())
     }
@@ -1356,16 +1385,16 @@ impl CudaExecutor {
         k.push(scale.to_bits());
         let dev = &guard.device;
         dev.write(t.scalars.ptr + 4, &k).map_err(dev_err)?;
-        for tp in t.params.values() {
-            let n = tp.acc.words;
-            dev.launch(
-                optim::ADAM_STEP,
-                &[tp.p.ptr, tp.acc.ptr, tp.m.ptr, tp.v.ptr, t.scalars.ptr + 4],
-                &[n as i64],
-                n,
-            )
-            .map_err(dev_err)?;
-        }
+        // One launch over the table of every parameter's buffers (train_begin's).
+        let count = t.params.len();
+        let largest = t.params.values().map(|tp| tp.acc.words).max().unwrap_or(0);
+        dev.launch(
+            optim::ADAM_STEP_MANY,
+            &[t.adam_table.ptr, t.scalars.ptr + 4],
+            &[count as i64],
+            optim::many_items(largest),
+        )
+        .map_err(dev_err)?;
         dev.sync().map_err(dev_err)
     }
 

@@ -258,7 +258,7 @@ pub fn sum_rows_finish_as(name: &str, lead: usize, y: Elem) -> Result<CudaFuncti
     column_tiles(
         &mut w,
         "chunks",
-        "part[k * n + col]",
+        &|k| format!("part[{k} * n + col]"),
         &format!("y[col] = {};", ye.store("t")),
     );
     w.close();

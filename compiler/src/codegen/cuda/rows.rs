@@ -340,28 +340,46 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     w.close();
     w.close();
     w.l("__syncthreads();");
-    w.l("// Phase 2: dx, and this block's dγ, dβ partials.");
+    w.l(format!(
+        "// Phase 2: dx, and this block's dγ, dβ partials, {LN_BWD_LOADS} rows at a time: a thread's"
+    ));
+    w.l("// loads of them come before its first store (dx may be x, y or g: the compiler");
+    w.l("// could not move a later row's loads above an earlier row's store).");
     w.l("float* dg = scratch + r * 2 * d;");
     w.l("float* db = dg + d;");
     w.open(for_cols("d"));
     w.l("const float gm = gamma[j];");
     w.l("float pg = 0.0f, pb = 0.0f;");
-    w.open("for (long long q = lo; q < hi; ++q)");
-    w.l("const float* sq = st + (q - lo) * 5;");
-    w.l("const float mean = sq[0];");
-    w.l("const float rstd = sq[1];");
+    w.open(format!(
+        "for (int h = 0; h < {LN_BWD_BLOCK}; h += {LN_BWD_LOADS})"
+    ));
+    w.l(format!("float sv[{LN_BWD_LOADS}], gw[{LN_BWD_LOADS}];"));
+    w.open(format!("for (int u = 0; u < {LN_BWD_LOADS}; ++u)"));
+    w.l("const long long q = lo + h + u;");
+    w.open("if (q < hi)");
     w.l(format!(
-        "const float xc = ({} + {}) - mean;",
+        "sv[u] = {} + {};",
         e.load("x[q * d + j]"),
         e.load("y[q * d + j]")
     ));
-    w.l(format!("const float gv = {};", e.load("g[q * d + j]")));
+    w.l(format!("gw[u] = {};", e.load("g[q * d + j]")));
+    w.close();
+    w.close();
+    w.open(format!("for (int u = 0; u < {LN_BWD_LOADS}; ++u)"));
+    w.l("const long long q = lo + h + u;");
+    w.l("if (q >= hi) break;");
+    w.l("const float* sq = st + (h + u) * 5;");
+    w.l("const float mean = sq[0];");
+    w.l("const float rstd = sq[1];");
+    w.l("const float xc = sv[u] - mean;");
+    w.l("const float gv = gw[u];");
     w.l("const float a = gv * gm;");
     w.l("const float t1 = rstd * (a - sq[2]);");
     w.l("const float t2 = sq[3] * (xc - sq[4]);");
     w.l(format!("dx[q * d + j] = {};", e.store("t1 - t2")));
     w.l("pg = pg + (gv * xc) * rstd;");
     w.l("pb = pb + gv;");
+    w.close();
     w.close();
     w.l("dg[j] = pg;");
     w.l("db[j] = pb;");
@@ -371,6 +389,10 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     w.close();
     function(name, params, Work::Blocks, "row blocks ceil(rows / 16)", w)
 }
+
+/// Rows whose loads [`add_layer_norm_bwd`]'s second phase issues together (registers
+/// for `2 ·` this many floats a thread).
+const LN_BWD_LOADS: usize = 8;
 
 /// `dgamma[j] = Σ_k scratch[k, j]`, `dbeta[j] = Σ_k scratch[k, d + j]`: one block per
 /// tile of [`COL_TILE`] columns of `dgamma`, then of `dbeta` (items
@@ -399,7 +421,12 @@ pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
     ));
     w.l("const float* src = scratch + (beta ? d : 0);");
     w.l("float* dst = beta ? dbeta : dgamma;");
-    column_tiles(&mut w, "blocks", "src[k * 2 * d + col]", "dst[col] = t;");
+    column_tiles(
+        &mut w,
+        "blocks",
+        &|k| format!("src[{k} * 2 * d + col]"),
+        "dst[col] = t;",
+    );
     w.close();
     w.close();
     function(
@@ -415,18 +442,23 @@ pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
 /// [`crate::codegen::cuda::misc::sum_rows_finish`]): a warp's lanes.
 pub const COL_TILE: usize = 32;
 
+/// Running sums a lane of [`column_tiles`] keeps in flight (its loads are independent).
+const COLUMN_SUMS: usize = 8;
+
 /// Work items of [`add_layer_norm_bwd_finish`] for rows of `d`.
 pub fn add_layer_norm_bwd_finish_items(d: usize) -> usize {
     2 * d.div_ceil(COL_TILE)
 }
 
 /// Inside a block loop with `col0` and `d` (the column count) defined: sums `k` from 0
-/// to `count` of `load` (an expression of `k` and `col`) for the [`COL_TILE`] columns
-/// from `col0` — warp `w` the `k ≡ w` (mod warps), then the warps in order — and runs
+/// to `count` of `load(k)` (an expression of the index it is given and `col`) for the
+/// [`COL_TILE`] columns from `col0` — warp `w` the `k ≡ w` (mod warps), in
+/// [`COLUMN_SUMS`] running sums (`k` in steps of `warps · COLUMN_SUMS`, the last few into
+/// the first) added in a fixed tree, then the warps in order — and runs
 /// `store` (a statement of `col` and the sum `t`) once per column. Uses `sh`
 /// (`KILN_THREADS` floats) and two barriers; a block of fewer than 32 threads is one
 /// warp whose lanes loop over the tile.
-pub(crate) fn column_tiles(w: &mut W, count: &str, load: &str, store: &str) {
+pub(crate) fn column_tiles(w: &mut W, count: &str, load: &dyn Fn(&str) -> String, store: &str) {
     w.l(format!(
         "const int width = blockDim.x < {COL_TILE} ? blockDim.x : {COL_TILE};"
     ));
@@ -441,9 +473,28 @@ pub(crate) fn column_tiles(w: &mut W, count: &str, load: &str, store: &str) {
     w.l("const long long col = col0 + c;");
     w.l("float s = 0.0f;");
     w.open("if (col < d)");
-    w.open(format!("for (long long k = wi; k < {count}; k += warps)"));
-    w.l(format!("s = s + {load};"));
+    w.l(format!(
+        "// {COLUMN_SUMS} running sums in flight (k, k + warps, …), then the rest into the first;"
+    ));
+    w.l("// the sums are added in a fixed tree.");
+    w.l(format!("float a[{COLUMN_SUMS}];"));
+    w.l(format!(
+        "for (int u = 0; u < {COLUMN_SUMS}; ++u) a[u] = 0.0f;"
+    ));
+    w.l("long long k = wi;");
+    w.open(format!(
+        "for (; k + {} * (long long)warps < {count}; k += {COLUMN_SUMS} * (long long)warps)",
+        COLUMN_SUMS - 1
+    ));
+    w.open(format!("for (int u = 0; u < {COLUMN_SUMS}; ++u)"));
+    w.l("const long long kk = k + u * (long long)warps;");
+    w.l(format!("a[u] = a[u] + {};", load("kk")));
     w.close();
+    w.close();
+    w.open(format!("for (; k < {count}; k += warps)"));
+    w.l(format!("a[0] = a[0] + {};", load("k")));
+    w.close();
+    w.l("s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));");
     w.close();
     w.l(format!("sh[wi * {COL_TILE} + c] = s;"));
     w.close();
