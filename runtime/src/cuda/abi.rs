@@ -418,13 +418,15 @@ mod tests {
         assert_eq!(Launch::relu(1000).dims, misc::relu_dims(1000).0);
         assert_eq!(Launch::adam(77).items, 77);
         assert_eq!(Launch::adam(77).dims, misc::adam_update_dims(77).0);
+        // sum_rows: CPU items column groups, GPU chunks of 64 rows × tiles of 128 columns.
         let (s, f) = Launch::sum_rows(&[2, 300, 9]);
         assert_eq!(
             (s.dims.clone(), s.items),
-            (misc::sum_rows_dims(&[2, 300, 9]).0, 5)
+            (misc::sum_rows_dims(&[2, 300, 9]).0, 10)
         );
         assert_eq!((f.dims, f.items), (s.dims, 1));
-        assert_eq!(Launch::sum_rows(&[0, 40]).0.items, 2);
+        assert_eq!(Launch::sum_rows(&[0, 40]).0.items, 1);
+        assert_eq!(Launch::sum_rows(&[7, 300]).0.items, 3);
         assert_eq!(Launch::sum_rows(&[7, 65]).1.items, 3);
         // add_layer_norm_bwd_finish: CPU items columns, GPU tiles of dγ then dβ.
         let l = Launch::ln_bwd_finish(40, 70);
