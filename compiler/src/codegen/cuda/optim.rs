@@ -113,6 +113,30 @@ fn function(name: &str, params: Vec<Param>, w: W) -> CudaFunction {
     }
 }
 
+/// The gradient's element `i` into its accumulator (`acc`, weight `k_w`), flagging `bad`.
+fn grad_element(w: &mut W, first: bool) {
+    w.l("const float gi = g[i];");
+    w.l("// Not finite: all exponent bits set (inf or NaN). Every writer stores 1.");
+    w.l("if ((__float_as_int(gi) & 0x7f800000) == 0x7f800000) bad[0] = 1u;");
+    if first {
+        w.l("acc[i] = k_w * gi;");
+    } else {
+        w.l("acc[i] = acc[i] + k_w * gi;");
+    }
+}
+
+/// Adam's update of element `i` of `p`, `m`, `v` from `acc[i]·k_scale`.
+fn adam_element(w: &mut W) {
+    w.l("const float gi = acc[i] * k_scale;");
+    w.l("const float pi = p[i];");
+    w.l("const float mi = m[i];");
+    w.l("const float vi = v[i];");
+    adam_math(w);
+    w.l("p[i] = p2;");
+    w.l("m[i] = m2;");
+    w.l("v[i] = v2;");
+}
+
 /// [`GRAD_ASSIGN`] (`first`) or [`GRAD_ACCUMULATE`].
 pub fn grad_accumulate(first: bool) -> CudaFunction {
     let name = if first { GRAD_ASSIGN } else { GRAD_ACCUMULATE };
@@ -126,14 +150,7 @@ pub fn grad_accumulate(first: bool) -> CudaFunction {
     signature(&mut w, name, &params);
     w.l("const float k_w = w[0];");
     w.open(FOR_THREADS);
-    w.l("const float gi = g[i];");
-    w.l("// Not finite: all exponent bits set (inf or NaN). Every writer stores 1.");
-    w.l("if ((__float_as_int(gi) & 0x7f800000) == 0x7f800000) bad[0] = 1u;");
-    if first {
-        w.l("acc[i] = k_w * gi;");
-    } else {
-        w.l("acc[i] = acc[i] + k_w * gi;");
-    }
+    grad_element(&mut w, first);
     w.close();
     w.close();
     function(name, params, w)
@@ -161,13 +178,7 @@ pub fn grad_accumulate_many(first: bool) -> CudaFunction {
             ("unsigned*", "bad"),
         ],
     );
-    w.l("const float gi = g[i];");
-    w.l("if ((__float_as_int(gi) & 0x7f800000) == 0x7f800000) bad[0] = 1u;");
-    if first {
-        w.l("acc[i] = k_w * gi;");
-    } else {
-        w.l("acc[i] = acc[i] + k_w * gi;");
-    }
+    grad_element(&mut w, first);
     w.close();
     w.close();
     w.close();
@@ -196,14 +207,7 @@ pub fn adam_step_many() -> CudaFunction {
             ("float*", "v"),
         ],
     );
-    w.l("const float gi = acc[i] * k_scale;");
-    w.l("const float pi = p[i];");
-    w.l("const float mi = m[i];");
-    w.l("const float vi = v[i];");
-    adam_math(&mut w);
-    w.l("p[i] = p2;");
-    w.l("m[i] = m2;");
-    w.l("v[i] = v2;");
+    adam_element(&mut w);
     w.close();
     w.close();
     w.close();
@@ -228,14 +232,7 @@ pub fn adam_step() -> CudaFunction {
         w.l(format!("const float k_{c} = k[{j}];"));
     }
     w.open(FOR_THREADS);
-    w.l("const float gi = acc[i] * k_scale;");
-    w.l("const float pi = p[i];");
-    w.l("const float mi = m[i];");
-    w.l("const float vi = v[i];");
-    adam_math(&mut w);
-    w.l("p[i] = p2;");
-    w.l("m[i] = m2;");
-    w.l("v[i] = v2;");
+    adam_element(&mut w);
     w.close();
     w.close();
     function(ADAM_STEP, params, w)
