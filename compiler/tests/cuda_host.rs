@@ -1037,15 +1037,11 @@ fn block_reductions_over_several_warps_match_the_cpu() {
     );
     // The forward layer norm, one warp a row: 5 rows over blocks of one to four warps
     // (a block's last warps without a row).
-    let fwd = vec![
-        ln[0].clone(),
-        ln[1].clone(),
-        ln[2].clone(),
-        ln[3].clone(),
-        one(1.0 / d as f32),
-        one(1e-6),
-        zeros(rows_n * d),
-    ];
+    let fwd: Vec<Vec<u8>> = ln[..4]
+        .iter()
+        .cloned()
+        .chain([one(1.0 / d as f32), one(1e-6), zeros(rows_n * d)])
+        .collect();
     let (fdims, fitems) = rows::add_layer_norm_dims(rows_n, d);
     let mut hf = fwd.clone();
     run_cpu(
