@@ -445,6 +445,16 @@ pub const COL_TILE: usize = 32;
 /// Running sums a lane of [`column_tiles`] keeps in flight (its loads are independent).
 const COLUMN_SUMS: usize = 8;
 
+/// C: the sum of `a[lo..hi]` as a balanced tree of pairs (`((a[0] + a[1]) + …)`).
+fn pairwise(a: &str, lo: usize, hi: usize) -> String {
+    if hi - lo == 1 {
+        format!("{a}[{lo}]")
+    } else {
+        let mid = lo + (hi - lo).div_ceil(2);
+        format!("({} + {})", pairwise(a, lo, mid), pairwise(a, mid, hi))
+    }
+}
+
 /// Work items of [`add_layer_norm_bwd_finish`] for rows of `d`.
 pub fn add_layer_norm_bwd_finish_items(d: usize) -> usize {
     2 * d.div_ceil(COL_TILE)
@@ -494,7 +504,7 @@ pub(crate) fn column_tiles(w: &mut W, count: &str, load: &dyn Fn(&str) -> String
     w.open(format!("for (; k < {count}; k += warps)"));
     w.l(format!("a[0] = a[0] + {};", load("k")));
     w.close();
-    w.l("s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));");
+    w.l(format!("s = {};", pairwise("a", 0, COLUMN_SUMS)));
     w.close();
     w.l(format!("sh[wi * {COL_TILE} + c] = s;"));
     w.close();
@@ -577,6 +587,16 @@ pub fn xent_ls_loss(name: &str, e: Elem) -> CudaFunction {
 }
 
 /// [`xent_ls`] (`grad`) or [`xent_ls_loss`].
+/// Declares `q` (`kiln_v16[·]`) holding group `k` of the row at `row` (elements
+/// `GROUP·k` to `GROUP·k + GROUP − 1`, stored as `e`).
+fn load_group(w: &mut W, e: Elem, q: &str, row: &str) {
+    let vn = e.v16_per_group();
+    w.l(format!("kiln_v16 {q}[{vn}];"));
+    w.l(format!(
+        "for (int s = 0; s < {vn}; ++s) {q}[s] = ((const kiln_v16*){row})[k * {vn} + s];"
+    ));
+}
+
 fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     let mut params = vec![
         param("logits", &e.ptr(true)),
@@ -639,10 +659,7 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     w.l(format!("float m = {ninf};"));
     w.l("float z = 0.0f, sx = 0.0f;");
     w.open("for (long long k = threadIdx.x; k < nv; k += blockDim.x)");
-    w.l(format!("kiln_v16 q[{vn}];"));
-    w.l(format!(
-        "for (int s = 0; s < {vn}; ++s) q[s] = ((const kiln_v16*)xr)[k * {vn} + s];"
-    ));
+    load_group(&mut w, e, "q", "xr");
     w.l(format!("float xs[{vw}];"));
     w.l(format!(
         "for (int u = 0; u < {vw}; ++u) xs[u] = {};",
@@ -708,10 +725,8 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     w.l("// Pass 2: the gradient, exp(x − m) computed again (x is read, never a rounded e);");
     w.l("// the vectors of pass 1, then the rest.");
     w.open("for (long long k = threadIdx.x; k < nv; k += blockDim.x)");
-    w.l(format!("kiln_v16 q[{vn}], o[{vn}];"));
-    w.l(format!(
-        "for (int s = 0; s < {vn}; ++s) q[s] = ((const kiln_v16*)xr)[k * {vn} + s];"
-    ));
+    load_group(&mut w, e, "q", "xr");
+    w.l(format!("kiln_v16 o[{vn}];"));
     w.open(format!("for (int u = 0; u < {vw}; ++u)"));
     w.l(format!(
         "float gv = expf({} - m) * cp - c0;",
