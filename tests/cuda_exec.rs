@@ -589,9 +589,19 @@ fn close_train_step(
     what: &str,
     options: CudaOptions,
     seed: u64,
+    bounds: (f64, f64, f64),
+) -> (CudaExecutor, Feeds, Feeds, RunOptions) {
+    close_train_step_of(cuda_artifact(), what, options, seed, bounds)
+}
+
+/// [`close_train_step`] for the artifact `art`.
+fn close_train_step_of(
+    art: &Artifact,
+    what: &str,
+    options: CudaOptions,
+    seed: u64,
     (rel, abs, loss_rel): (f64, f64, f64),
 ) -> (CudaExecutor, Feeds, Feeds, RunOptions) {
-    let art = cuda_artifact();
     let gpu = CudaExecutor::with_options(art, "train_step", options).unwrap();
     let cpu = art.executor("train_step").unwrap();
     let (inputs, params) = feeds(cpu.graph(), art, seed);
@@ -730,6 +740,34 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
             );
         }
     }
+    two_device_steps(&gpu, &inputs, &params, &opts);
+}
+
+/// Heads of 16 (the tiny model at `d_model = 64`): the mixed-precision program's attention
+/// runs on tensor cores (`codegen::cuda::tensor`, forward and the one-block backward),
+/// within the bounds of the CUDA-core kernels above, and device training takes two
+/// steps with it.
+#[test]
+fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
+    use kiln_compiler::codegen::cuda::attention::{fits_short, Part};
+    use kiln_compiler::codegen::cuda::tensor;
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    assert!(tensor::fits(Part::Forward, 16, 16) && tensor::fits(Part::Short, 16, 16));
+    assert!(fits_short(5, 7, 16, 16));
+    let art = compile_spec(
+        &tmp("cuda_heads16"),
+        SPEC,
+        &["vocab=48", "d_model=64"],
+        "cuda",
+    );
+    let mixed = CudaOptions {
+        mixed: true,
+        ..CudaOptions::default()
+    };
+    let (gpu, inputs, params, opts) =
+        close_train_step_of(&art, "mixed, heads of 16", mixed, 23, (0.3, 1e-3, 2e-2));
     two_device_steps(&gpu, &inputs, &params, &opts);
 }
 

@@ -293,6 +293,23 @@ fn without_comments(text: &str) -> String {
         .join("\n")
 }
 
+/// `text` with the contents of its string literals blanked (the quotes kept).
+fn without_strings(text: &str) -> String {
+    let mut inside = false;
+    text.chars()
+        .map(|c| {
+            if c == '"' {
+                inside = !inside;
+                c
+            } else if inside {
+                ' '
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
 /// The identifier-like words of `text`.
 fn words(text: &str) -> impl Iterator<Item = &str> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
@@ -313,7 +330,9 @@ fn every_source_is_plausible_cuda() {
                 "{entry}: `{w}` in the text: constants must be exact bit patterns"
             );
         }
-        // Float literals are small integers (`2.0f`); anything else is a bit pattern.
+        // Float literals are small integers (`2.0f`); anything else is a bit pattern
+        // (string literals, the tensor-core tile's `asm` text, aside).
+        let code_text = without_strings(&code_text);
         let b = code_text.as_bytes();
         for i in 1..b.len().saturating_sub(2) {
             if b[i] == b'.' && b[i - 1].is_ascii_digit() {
@@ -643,6 +662,13 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
         most.registers,
         most.name
     );
+    let tc = all.iter().filter(|f| f.name.contains("_tc_"));
+    if let Some(f) = tc.max_by_key(|f| f.registers) {
+        println!(
+            "tensor-core attention: at most {} registers (`{}`)",
+            f.registers, f.name
+        );
+    }
 }
 
 /// NVRTC's PTX is text for the asked architecture, and a unit it rejects comes back as
@@ -873,4 +899,51 @@ fn the_mixed_precision_arena_of_the_base_train_step_is_about_half_the_f32_one() 
         let e = code.storage[b.value][b.output];
         assert_eq!(b.elem_bytes, e.bytes(), "%{}.{}", b.value, b.output);
     }
+}
+
+/// The base Transformer's mixed-precision `train_step` runs every attention on tensor
+/// cores (heads of 64: `codegen::cuda::tensor`), forward and, for sentences that fit a
+/// 32-row tile, backward; its f32 program on the CUDA cores. The two kernels' text is
+/// pinned (key padding, the encoder's self-attention).
+#[test]
+fn the_base_models_bf16_attention_runs_on_tensor_cores() {
+    let path = root().join("models/transformer_base.kiln");
+    let g = common::entry_graph(&path, &["vocab=37000"], "train_step").expect("the entry");
+    let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
+    let mixed = emit_with(&kg, Elem::Bf16).expect("a bf16 program");
+    let fp32 = emit_with(&kg, Elem::F32).expect("an f32 program");
+    let roles = |code: &CudaCode, role: &str| -> Vec<String> {
+        code.kernels
+            .iter()
+            .filter_map(|k| k.functions.get(role).cloned())
+            .collect()
+    };
+    // Encoder self, decoder self and cross attention in each of 6 layers.
+    for (role, n) in [("flash", 18), ("flash_short", 18)] {
+        let names = roles(&mixed, role);
+        assert_eq!(names.len(), n, "{role}");
+        assert!(
+            names.iter().all(|f| f.contains("_tc_")),
+            "{role}: {names:?}"
+        );
+        let names = roles(&fp32, role);
+        assert_eq!(names.len(), n, "{role}");
+        assert!(
+            names.iter().all(|f| !f.contains("_tc")),
+            "{role}: {names:?}"
+        );
+    }
+    let key = kiln_compiler::codegen::rows::MaskKind::Key;
+    let tensor = kiln_compiler::codegen::cuda::tensor::forward("attention_tc_key", key, 64, 64);
+    insta::assert_snapshot!("cuda_tensor_core_attention", tensor.text);
+    let back = kiln_compiler::codegen::cuda::tensor::backward_short(
+        "attention_bwd_short_tc_key",
+        key,
+        64,
+        64,
+    );
+    insta::assert_snapshot!("cuda_tensor_core_attention_bwd_short", back.text);
+    let text = |name: &str| mixed.function(name).map(|f| f.text.clone());
+    let first = roles(&mixed, "flash");
+    assert!(text(&first[0]).is_some_and(|t| t.contains("kiln_mma(")));
 }

@@ -83,8 +83,9 @@ fn work_dir() -> PathBuf {
     d
 }
 
-/// Compiles `f` (with the prelude and the driver) into an executable.
-fn build(cxx: &str, dir: &Path, f: &CudaFunction) -> PathBuf {
+/// Compiles `f` (with the prelude and the driver, and `pre`, C++ lines between the shim
+/// and the prelude) into an executable.
+fn build_with(cxx: &str, dir: &Path, f: &CudaFunction, pre: &str) -> PathBuf {
     let args: Vec<String> = f
         .params
         .iter()
@@ -93,7 +94,7 @@ fn build(cxx: &str, dir: &Path, f: &CudaFunction) -> PathBuf {
         .collect();
     let call = format!("{}({}, dims, items)", f.name, args.join(", "));
     let src = format!(
-        "{SHIM}\n{}\n{}\n#define KILN_CALL {call}\n{DRIVER}",
+        "{SHIM}\n{pre}\n{}\n{}\n#define KILN_CALL {call}\n{DRIVER}",
         prelude(),
         f.text
     );
@@ -135,7 +136,20 @@ fn run_with(
     bufs: &mut [Vec<u8>],
     dims: &[i64],
     items: u64,
+    launch: (u32, u32),
+) {
+    run_pre(cxx, f, bufs, dims, items, launch, "")
+}
+
+/// [`run_with`], compiled with `pre` between the shim and the prelude ([`build_with`]).
+fn run_pre(
+    cxx: &str,
+    f: &CudaFunction,
+    bufs: &mut [Vec<u8>],
+    dims: &[i64],
+    items: u64,
     (grid, block): (u32, u32),
+    pre: &str,
 ) {
     assert_eq!(
         bufs.len(),
@@ -144,7 +158,7 @@ fn run_with(
         f.name
     );
     let dir = work_dir();
-    let exe = build(cxx, &dir, f);
+    let exe = build_with(cxx, &dir, f, pre);
     let mut input = Vec::new();
     input.extend((bufs.len() as u32).to_le_bytes());
     for b in bufs.iter() {
@@ -1593,6 +1607,7 @@ fn unmerge(bytes: &[u8], (b, h, t, d): (usize, usize, usize, usize), size: usize
 /// values the kernels store between passes).
 fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem, merged: bool) {
     use kiln_compiler::codegen::cuda::attention::{self, Part};
+    use kiln_compiler::codegen::cuda::tensor;
     let mut rng = Rng(seed);
     let (b, h, tq, tk, dk, dv) = (a.b, a.h, a.tq, a.tk, a.dk, a.dv);
     let round = |mut x: (Vec<f32>, [usize; 4])| {
@@ -1718,6 +1733,64 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem, merged
     let n = bufs.len();
     check(&format!("dk {what}"), &bufs[n - 2], &dkk, (tk, dk));
     check(&format!("dv {what}"), &bufs[n - 1], &dvv, (tk, dv));
+
+    // bf16 heads of multiples of 16 on tensor cores (whole warps only): the same
+    // buffers, dims, tiles and items.
+    let tc = |p| elem == Elem::Bf16 && block % 32 == 0 && tensor::fits(p, dk, dv);
+    if tc(Part::Forward) {
+        let f = tensor::forward("flash_fwd_tc", a.mask, dk, dv);
+        let t = attention::tile(Part::Forward, dk, dv).unwrap();
+        let mut bufs = head(vec![zeros_e(out.len())], false);
+        run_with(
+            cxx,
+            &f,
+            &mut bufs,
+            &fdims,
+            attention::items(Part::Forward, t, b, h, tq, tk) as u64,
+            launch,
+        );
+        check(
+            &format!("tensor-core forward {what}"),
+            bufs.last().unwrap(),
+            &out,
+            (tq, dv),
+        );
+    }
+    if tc(Part::Short) && attention::fits_short(tq, tk, dk, dv) {
+        let f = tensor::backward_short("flash_short_tc", a.mask, dk, dv);
+        let t = attention::tile(Part::Short, dk, dv).unwrap();
+        let mut bufs = head(
+            vec![zeros_e(dq.len()), zeros_e(dkk.len()), zeros_e(dvv.len())],
+            true,
+        );
+        run_with(
+            cxx,
+            &f,
+            &mut bufs,
+            &bdims,
+            attention::items(Part::Short, t, b, h, tq, tk) as u64,
+            launch,
+        );
+        let n = bufs.len();
+        check(
+            &format!("tensor-core dq {what}"),
+            &bufs[n - 3],
+            &dq,
+            (tq, dk),
+        );
+        check(
+            &format!("tensor-core dk {what}"),
+            &bufs[n - 2],
+            &dkk,
+            (tk, dk),
+        );
+        check(
+            &format!("tensor-core dv {what}"),
+            &bufs[n - 1],
+            &dvv,
+            (tk, dv),
+        );
+    }
 
     // The whole backward in one block per head, where the head fits its tile.
     if attention::fits_short(tq, tk, dk, dv) {
@@ -1865,6 +1938,117 @@ fn flash_attention_in_bf16_matches_the_definition_within_bf16_rounding() {
         fill: -1e9,
     };
     check_flash_as(cxx, &a, 52, 16, Elem::Bf16, false);
+}
+
+/// The tensor-core kernels (`codegen::cuda::tensor`) where `check_flash_as` runs them:
+/// bf16, heads of multiples of 16, whole warps. Every mask; several key tiles forward
+/// (`tk` past 32), lengths not a multiple of 16 or 8, one-row heads, blocks of one, two
+/// and eight warps, results with the heads merged or not.
+#[test]
+fn flash_attention_on_tensor_cores_matches_the_definition_within_bf16_rounding() {
+    let Some(cxx) = gxx() else { return };
+    let cases = [
+        (MaskKind::None, 1, 1, 16, 16, 32, false),
+        (MaskKind::Key, 25, 25, 64, 64, 256, true),
+        (MaskKind::Causal, 32, 32, 32, 16, 64, true),
+        (MaskKind::Key, 21, 70, 16, 32, 64, false),
+        (MaskKind::Causal, 45, 45, 64, 64, 32, true),
+        (MaskKind::None, 7, 30, 48, 16, 256, true),
+    ];
+    for (k, (mask, tq, tk, dk, dv, block, merged)) in cases.into_iter().enumerate() {
+        let a = Attn {
+            b: 2,
+            h: 2,
+            tq,
+            tk,
+            dk,
+            dv,
+            mask,
+            scale: 1.0 / (dk as f32).sqrt(),
+            fill: -1e9,
+        };
+        check_flash_as(cxx, &a, 70 + k as u64, block, Elem::Bf16, merged);
+    }
+}
+
+/// A test kernel: every warp computes `c + a·b` for one m16n8k16 tile with the prelude's
+/// `kiln_mma`, its fragments gathered from row-major `a` (16×16) and `b` (16×8) by PTX's
+/// layout, into its own copy of the 16×8 result.
+fn mma_tile_kernel() -> CudaFunction {
+    let text = "extern \"C\" __global__ void mma_tile(const kiln_bf16* a, const kiln_bf16* b, const float* c, float* d, const kiln_dims dims, long long items) {
+    (void)dims; (void)items;
+    const int lane = (int)(threadIdx.x & 31u), g = lane >> 2, t = lane & 3, wp = (int)(threadIdx.x >> 5);
+    float acc[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t], c[(g + 8) * 8 + 2 * t + 1]};
+    const unsigned a0 = (unsigned)a[g * 16 + 2 * t] | ((unsigned)a[g * 16 + 2 * t + 1] << 16);
+    const unsigned a1 = (unsigned)a[(g + 8) * 16 + 2 * t] | ((unsigned)a[(g + 8) * 16 + 2 * t + 1] << 16);
+    const unsigned a2 = (unsigned)a[g * 16 + 2 * t + 8] | ((unsigned)a[g * 16 + 2 * t + 9] << 16);
+    const unsigned a3 = (unsigned)a[(g + 8) * 16 + 2 * t + 8] | ((unsigned)a[(g + 8) * 16 + 2 * t + 9] << 16);
+    const unsigned b0 = (unsigned)b[(2 * t) * 8 + g] | ((unsigned)b[(2 * t + 1) * 8 + g] << 16);
+    const unsigned b1 = (unsigned)b[(2 * t + 8) * 8 + g] | ((unsigned)b[(2 * t + 9) * 8 + g] << 16);
+    kiln_mma(acc, a0, a1, a2, a3, b0, b1);
+    float* o = d + wp * 128;
+    o[g * 8 + 2 * t] = acc[0];
+    o[g * 8 + 2 * t + 1] = acc[1];
+    o[(g + 8) * 8 + 2 * t] = acc[2];
+    o[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+";
+    CudaFunction {
+        name: "mma_tile".into(),
+        params: vec![
+            cuda_param("a", "const kiln_bf16*"),
+            cuda_param("b", "const kiln_bf16*"),
+            cuda_param("c", "const float*"),
+            cuda_param("d", "float*"),
+        ],
+        work: kiln_compiler::codegen::cuda::Work::Blocks,
+        items_rule: "one tile".into(),
+        text: text.into(),
+    }
+}
+
+/// `kiln_mma` gives `c + a·b` with the operands in PTX's `mma.m16n8k16` fragment layout:
+/// under the shim's exchange and through the shuffles of GPUs before sm_80 alike (each
+/// product of bf16 values is exact; only the order of the f32 sums may differ).
+#[test]
+fn tensor_core_tile_follows_the_ptx_fragment_layout() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(91);
+    let a: Vec<f32> = as_f32(&rng.floats(256, -2.0, 2.0))
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect();
+    let b: Vec<f32> = as_f32(&rng.floats(128, -2.0, 2.0))
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect();
+    let c = as_f32(&rng.floats(128, -1.0, 1.0));
+    let want: Vec<f32> = (0..16)
+        .flat_map(|i| (0..8).map(move |j| (i, j)))
+        .map(|(i, j)| {
+            let s: f64 = (0..16)
+                .map(|k| a[i * 16 + k] as f64 * b[k * 8 + j] as f64)
+                .sum();
+            (c[i * 8 + j] as f64 + s) as f32
+        })
+        .collect();
+    let f = mma_tile_kernel();
+    for pre in ["", "#undef KILN_HOST_MMA"] {
+        let warps = 2;
+        let mut bufs = vec![bf16s(&a), bf16s(&b), f32s(&c), zeros(128 * warps)];
+        run_pre(cxx, &f, &mut bufs, &[], 1, (1, 32 * warps as u32), pre);
+        let got = as_f32(&bufs[3]);
+        for w in 0..warps {
+            for (k, (x, y)) in got[w * 128..(w + 1) * 128].iter().zip(&want).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+                    "{pre:?} warp {w}: element ({}, {}): {x}, want {y}",
+                    k / 8,
+                    k % 8
+                );
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

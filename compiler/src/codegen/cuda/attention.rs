@@ -129,7 +129,7 @@ pub fn fits_short(tq: usize, tk: usize, dk: usize, dv: usize) -> bool {
 }
 
 /// The buffer parameters of `part`.
-fn params(part: Part, mask: MaskKind, e: Elem) -> Vec<Param> {
+pub(super) fn params(part: Part, mask: MaskKind, e: Elem) -> Vec<Param> {
     let masked = mask != MaskKind::None;
     let mut p = vec![
         param("q", &e.ptr(true)),
@@ -183,10 +183,10 @@ struct Product<'a> {
 }
 
 /// A C statement storing the accumulator `acc` at two index variables.
-type Store<'a> = dyn Fn(&str, &str, &str) -> String + 'a;
+pub(super) type Store<'a> = dyn Fn(&str, &str, &str) -> String + 'a;
 
 /// A C expression of two index variables.
-type Index2<'a> = dyn Fn(&str, &str) -> String + 'a;
+pub(super) type Index2<'a> = dyn Fn(&str, &str) -> String + 'a;
 
 fn product(w: &mut W, p: &Product<'_>) {
     w.open("");
@@ -273,7 +273,7 @@ fn dp_product(w: &mut W, dv: usize) {
 
 /// A store of [`product`] for a score tile: `x` is the masked scaled score of `acc` (the
 /// dot product) inside the head, 0 outside, written to `dst[i·(T+1) + j]`.
-fn score_store(mask: MaskKind, dst: &str) -> impl Fn(&str, &str, &str) -> String + '_ {
+pub(super) fn score_store(mask: MaskKind, dst: &str) -> impl Fn(&str, &str, &str) -> String + '_ {
     move |i, j, acc| {
         format!(
             "{{ const int i = {i}, j = {j}; float x = 0.0f; if (i < nq && j < nk) {{ const long long qrow = q0 + i, krow = k0 + j; (void)qrow; (void)krow; const float d = {acc}; x = {}; }} {dst}[i * (T + 1) + j] = x; }}",
@@ -283,7 +283,7 @@ fn score_store(mask: MaskKind, dst: &str) -> impl Fn(&str, &str, &str) -> String
 }
 
 /// Writes `text` line by line at the writer's depth (`text` indents itself further).
-fn lines(w: &mut W, text: &str) {
+pub(super) fn lines(w: &mut W, text: &str) {
     for line in text.lines() {
         if line.trim().is_empty() {
             continue;
@@ -293,7 +293,7 @@ fn lines(w: &mut W, text: &str) {
 }
 
 /// The common head of every flash kernel: sizes, strides, scalars.
-fn head(w: &mut W, part: Part, mask: MaskKind) {
+pub(super) fn head(w: &mut W, part: Part, mask: MaskKind) {
     lines(
         w,
         "const long long H = dims.d[1], tq = dims.d[2], tk = dims.d[3];
@@ -332,7 +332,7 @@ const long long vsb = dims.d[12], vsh = dims.d[13], vst = dims.d[14], vsd = dims
 
 /// The score of query row `qrow` (global) against key row `krow` (global) given the
 /// dot product `d`: `d·scale`, or `fill` where the mask is 0.
-fn masked_score(mask: MaskKind) -> &'static str {
+pub(super) fn masked_score(mask: MaskKind) -> &'static str {
     match mask {
         MaskKind::None => "d * sc",
         MaskKind::Key => "(mask[bi * tk + krow] != 0 ? d * sc : fl)",
@@ -341,7 +341,7 @@ fn masked_score(mask: MaskKind) -> &'static str {
 }
 
 /// Whether the pair is masked out (its gradient is zero).
-fn masked_out(mask: MaskKind) -> &'static str {
+pub(super) fn masked_out(mask: MaskKind) -> &'static str {
     match mask {
         MaskKind::None => "false",
         MaskKind::Key => "(mask[bi * tk + krow] == 0)",
@@ -434,17 +434,20 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
     w.l("__syncthreads();");
     lines(
         w,
-        "// The online softmax's update, a warp per row, its lanes over the keys.
-for (int i = warp; i < nq; i += nw) {
-    float* sr = ss + i * (T + 1);
-    const float m0 = ms[i];
+        "// The online softmax's update, a warp per row, its lanes over the keys (every warp
+// runs the same rows loop, as the host shim's shuffles need).
+for (int i0 = 0; i0 < T; i0 += nw) {
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* sr = ss + (live ? i : 0) * (T + 1);
+    const float m0 = live ? ms[i] : 0.0f;
     float mx = m0;
-    for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, sr[j]);
+    if (live) for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, sr[j]);
     mx = kiln_warp_max(mx);
     float z = 0.0f;
-    for (int j = lane; j < nk; j += wd) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
+    if (live) for (int j = lane; j < nk; j += wd) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
     z = kiln_warp_sum(z);
-    if (lane == 0) {
+    if (live && lane == 0) {
         const float al = m0 == mx ? 1.0f : expf(m0 - mx);
         ls[i] = ls[i] * al + z;
         ms[i] = mx;
@@ -471,7 +474,7 @@ __syncthreads();",
 
 /// Opens the tile loop: `bh`, `bi`, `hi`, the tile's first row `r0` and row count `n0`
 /// (over `rows`, `tq` or `tk`), and the operand heads `qh`, `kh`, `vh` (and `gh`).
-fn open_tiles(w: &mut W, e: Elem, part: Part, rows: &str) {
+pub(super) fn open_tiles(w: &mut W, e: Elem, part: Part, rows: &str) {
     let c = e.c_type();
     w.l(format!("const long long ntile = ({rows} + T - 1) / T;"));
     w.open(FOR_BLOCKS);
@@ -493,11 +496,11 @@ const {c}* vh = v + bi * vsb + hi * vsh;"
 }
 
 /// Element (`bi`, `hi`, `row`, `c`) of the result `r`, through its strides (C expressions).
-fn at(r: &str, bi: &str, hi: &str, row: &str, c: &str) -> String {
+pub(super) fn at(r: &str, bi: &str, hi: &str, row: &str, c: &str) -> String {
     format!("{r}[{bi} * {r}_sb + {hi} * {r}_sh + ({row}) * {r}_st + ({c}) * {r}_sd]")
 }
 
-fn function(name: &str, params: Vec<Param>, items: &str, w: W) -> CudaFunction {
+pub(super) fn function(name: &str, params: Vec<Param>, items: &str, w: W) -> CudaFunction {
     CudaFunction {
         name: name.to_string(),
         params,
@@ -804,20 +807,23 @@ const {c}* gh = g + bi * gsb + hi * gsh;"
     lines(
         &mut w,
         &format!(
-            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys.
-for (int i = warp; i < nq; i += nw) {{
-    float* pr = ps + i * (T + 1);
-    const float* dpr = dss + i * (T + 1);
+            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys
+// (every warp runs the same rows loop).
+for (int i0 = 0; i0 < T; i0 += nw) {{
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* pr = ps + (live ? i : 0) * (T + 1);
+    const float* dpr = dss + (live ? i : 0) * (T + 1);
     float mx = {ninf};
-    for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, pr[j]);
+    if (live) for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, pr[j]);
     mx = kiln_warp_max(mx);
     float z = 0.0f;
-    for (int j = lane; j < nk; j += wd) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    if (live) for (int j = lane; j < nk; j += wd) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
     z = kiln_warp_sum(z);
     float d = 0.0f;
-    for (int j = lane; j < nk; j += wd) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
+    if (live) for (int j = lane; j < nk; j += wd) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
     d = kiln_warp_sum(d);
-    if (lane == 0) ds[i] = d;
+    if (live && lane == 0) ds[i] = d;
 }}
 __syncthreads();",
             ninf = f32_lit(f32::NEG_INFINITY)

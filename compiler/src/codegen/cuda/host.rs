@@ -49,13 +49,48 @@ static inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); retur
 /// block makes the same calls (the prelude's reductions, the attention's row loops).
 macro_rules! shuffle {
     () => {
-        r#"static float kiln_shfl_slot[2][1024];
+        r#"static unsigned kiln_shfl_slot[2][1024];
 static unsigned kiln_shfl_calls[1024];
-static inline float __shfl_xor_sync(unsigned, float v, int m) {
+// Lane `src` of this thread's warp (`src` below 32), the word `v` there.
+static inline unsigned kiln_shfl_word(unsigned v, unsigned src) {
     const unsigned par = kiln_shfl_calls[threadIdx.x]++ & 1u;
     kiln_shfl_slot[par][threadIdx.x] = v;
     __syncthreads();
-    return kiln_shfl_slot[par][threadIdx.x ^ (unsigned)m];
+    return kiln_shfl_slot[par][(threadIdx.x & ~31u) | src];
+}
+static inline float __shfl_xor_sync(unsigned, float v, int m) {
+    const unsigned x = kiln_shfl_word((unsigned)__float_as_int(v), (threadIdx.x & 31u) ^ (unsigned)m);
+    return __int_as_float((int)x);
+}
+static inline unsigned __shfl_sync(unsigned, unsigned v, int src) {
+    return kiln_shfl_word(v, (unsigned)src & 31u);
+}
+// The prelude's `kiln_mma` on the host: each lane publishes its six words, one barrier
+// (the same call count and parity as a shuffle), then each sums its four outputs from
+// its warp's words in k order.
+#define KILN_HOST_MMA 1
+static unsigned kiln_mma_slot[2][1024][6];
+static inline float kiln_host_bf16(unsigned w, int k) {
+    return __int_as_float((int)((k & 1) ? (w & 0xffff0000u) : (w << 16)));
+}
+static inline void kiln_host_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    const unsigned par = kiln_shfl_calls[threadIdx.x]++ & 1u;
+    unsigned* mine = kiln_mma_slot[par][threadIdx.x];
+    mine[0] = a0; mine[1] = a1; mine[2] = a2; mine[3] = a3; mine[4] = b0; mine[5] = b1;
+    __syncthreads();
+    const unsigned base = threadIdx.x & ~31u, lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    for (int q = 0; q < 4; ++q) {
+        const unsigned row = g + 8u * (unsigned)(q >> 1), col = 2u * t + (unsigned)(q & 1);
+        float acc = c[q];
+        for (int k = 0; k < 16; ++k) {
+            const unsigned* a = kiln_mma_slot[par][base + 4u * g + (unsigned)((k & 7) >> 1)];
+            const unsigned* b = kiln_mma_slot[par][base + 4u * col + (unsigned)((k & 7) >> 1)];
+            const float x = kiln_host_bf16(a[(row >= 8u ? 1 : 0) + (k >= 8 ? 2 : 0)], k);
+            const float y = kiln_host_bf16(b[4 + (k >= 8 ? 1 : 0)], k);
+            acc = acc + x * y;
+        }
+        c[q] = acc;
+    }
 }
 "#
     };

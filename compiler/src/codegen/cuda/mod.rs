@@ -13,6 +13,7 @@
 //! - [`region`] — elementwise regions and `embed_pe`;
 //! - [`rows`] — softmaxes, layer norm and its backward, the label-smoothed cross-entropy;
 //! - [`attention`] — flash-style attention, forward and backward (tiled, online softmax);
+//! - [`tensor`] — the same on tensor cores (`mma.m16n8k16`) for bf16 programs;
 //! - [`misc`] — Adam, bias sums, reductions, bias fill, relu, strided copy;
 //! - [`storage`] — mixed precision: which buffers a bf16 program keeps in bf16;
 //! - [`cast`] — f32 → bf16 for the GEMM operands of bf16 GEMMs;
@@ -73,6 +74,7 @@ pub mod region;
 pub mod resident;
 pub mod rows;
 pub mod storage;
+pub mod tensor;
 pub mod text;
 
 use std::collections::BTreeMap;

@@ -15,7 +15,8 @@ use std::collections::BTreeMap;
 use crate::codegen::clif::Reduce;
 use crate::codegen::cuda::text::{prelude, Elem};
 use crate::codegen::cuda::{
-    attention, index, misc, region, rows, storage, CudaCode, CudaFunction, KernelLaunch, Library,
+    attention, index, misc, region, rows, storage, tensor, CudaCode, CudaFunction, KernelLaunch,
+    Library,
 };
 use crate::codegen::misc::ReduceLayout;
 use crate::codegen::program::{mask_kind, static_inner, Names};
@@ -202,10 +203,19 @@ fn launch(
                         if let Some((dk, dv)) = flash_heads(kg, inputs) {
                             // Keys name the function kind: one key space for all.
                             let key = |kind: &str| format!("{kind} {m:?} dk={dk} dv={dv}");
+                            // A bf16 program's heads of multiples of 16 run on tensor
+                            // cores (same ABI, tiles and work items).
+                            let tc = |p| e == Elem::Bf16 && tensor::fits(p, dk, dv);
                             if def.name == "attention" {
-                                let n = em.get("attention", key("attention"), |n| {
-                                    Ok(attention::forward(n, m, dk, dv, e))
-                                })?;
+                                let n = if tc(attention::Part::Forward) {
+                                    em.get("attention_tc", key("attention_tc"), |n| {
+                                        Ok(tensor::forward(n, m, dk, dv))
+                                    })?
+                                } else {
+                                    em.get("attention", key("attention"), |n| {
+                                        Ok(attention::forward(n, m, dk, dv, e))
+                                    })?
+                                };
                                 f.insert("flash".into(), n);
                             } else {
                                 let n = em.get("attention_bwd_q", key("attention_bwd_q"), |n| {
@@ -217,7 +227,15 @@ fn launch(
                                         Ok(attention::backward_kv(n, m, dk, dv, e))
                                     })?;
                                 f.insert("flash_kv".into(), n);
-                                if attention::tile(attention::Part::Short, dk, dv).is_some() {
+                                if tc(attention::Part::Short) {
+                                    let n = em.get(
+                                        "attention_bwd_short_tc",
+                                        key("attention_bwd_short_tc"),
+                                        |n| Ok(tensor::backward_short(n, m, dk, dv)),
+                                    )?;
+                                    f.insert("flash_short".into(), n);
+                                } else if attention::tile(attention::Part::Short, dk, dv).is_some()
+                                {
                                     let n = em.get(
                                         "attention_bwd_short",
                                         key("attention_bwd_short"),

@@ -318,8 +318,60 @@ pub fn prelude() -> String {
     w.l("__syncthreads();");
     w.close();
     w.l("");
+    mma(&mut w);
+    w.l("");
     philox::write(&mut w);
     w.finish()
+}
+
+/// `kiln_mma`: one tensor-core tile, `c += a·b` with `a` 16×16 and `b` 16×8 in bf16 and
+/// `c` 16×8 in f32, each operand spread over the 32 lanes of a warp as PTX's
+/// `mma.m16n8k16` spreads it (every lane of the warp calls it, with `blockDim.x` a
+/// multiple of 32). On sm_80 and later it is that instruction; under the host shim
+/// (`KILN_HOST_MMA`) the shim's exchange through shared slots; on older GPUs the same
+/// sums through warp shuffles.
+fn mma(w: &mut W) {
+    w.l("// Tensor cores: c += a·b for one m16n8k16 tile (bf16 operands, f32 accumulators),");
+    w.l("// in the fragment layout of PTX's mma.m16n8k16. Lane 4g + t holds, two bf16 a word");
+    w.l("// with the lower index in the low half:");
+    w.l("//   a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9];");
+    w.l("//   b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g];");
+    w.l("//   c[0] = C[g][2t], c[1] = C[g][2t+1], c[2] = C[g+8][2t], c[3] = C[g+8][2t+1].");
+    w.l("// Every lane of the warp calls it.");
+    w.open("__device__ __forceinline__ float kiln_bf16_lo(unsigned x)");
+    w.l("return __int_as_float((int)(x << 16));");
+    w.close();
+    w.open("__device__ __forceinline__ float kiln_bf16_hi(unsigned x)");
+    w.l("return __int_as_float((int)(x & 0xffff0000u));");
+    w.close();
+    w.l("// Two bf16 of one column of a matrix stored as rows of bf16 pairs: element `hi` of the");
+    w.l("// pair `x` (row k) in the low half, the same of `y` (row k + 1) in the high half.");
+    w.open("__device__ __forceinline__ unsigned kiln_pair_col(unsigned x, unsigned y, int hi)");
+    w.l("return hi ? ((x >> 16) | (y & 0xffff0000u)) : ((x & 0xffffu) | (y << 16));");
+    w.close();
+    w.open("__device__ __forceinline__ void kiln_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1)");
+    w.l("#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800");
+    w.l("asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\"");
+    w.l("    : \"+f\"(c[0]), \"+f\"(c[1]), \"+f\"(c[2]), \"+f\"(c[3])");
+    w.l("    : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"r\"(b0), \"r\"(b1));");
+    w.l("#elif defined(KILN_HOST_MMA)");
+    w.l("kiln_host_mma(c, a0, a1, a2, a3, b0, b1);");
+    w.l("#else");
+    w.l("// Lane 4g + t gathers row g's (and g + 8's) words of a from lanes 4g + u and");
+    w.l("// columns 2t's and 2t + 1's words of b from lanes 8t + u and 8t + 4 + u.");
+    w.l("const int lane = (int)(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;");
+    w.open("for (int u = 0; u < 4; ++u)");
+    w.l("const unsigned x0 = __shfl_sync(0xffffffffu, a0, 4 * g + u), x1 = __shfl_sync(0xffffffffu, a1, 4 * g + u);");
+    w.l("const unsigned x2 = __shfl_sync(0xffffffffu, a2, 4 * g + u), x3 = __shfl_sync(0xffffffffu, a3, 4 * g + u);");
+    w.l("const unsigned y0 = __shfl_sync(0xffffffffu, b0, 8 * t + u), y1 = __shfl_sync(0xffffffffu, b1, 8 * t + u);");
+    w.l("const unsigned z0 = __shfl_sync(0xffffffffu, b0, 8 * t + 4 + u), z1 = __shfl_sync(0xffffffffu, b1, 8 * t + 4 + u);");
+    w.l("c[0] = c[0] + kiln_bf16_lo(x0) * kiln_bf16_lo(y0) + kiln_bf16_hi(x0) * kiln_bf16_hi(y0) + kiln_bf16_lo(x2) * kiln_bf16_lo(y1) + kiln_bf16_hi(x2) * kiln_bf16_hi(y1);");
+    w.l("c[1] = c[1] + kiln_bf16_lo(x0) * kiln_bf16_lo(z0) + kiln_bf16_hi(x0) * kiln_bf16_hi(z0) + kiln_bf16_lo(x2) * kiln_bf16_lo(z1) + kiln_bf16_hi(x2) * kiln_bf16_hi(z1);");
+    w.l("c[2] = c[2] + kiln_bf16_lo(x1) * kiln_bf16_lo(y0) + kiln_bf16_hi(x1) * kiln_bf16_hi(y0) + kiln_bf16_lo(x3) * kiln_bf16_lo(y1) + kiln_bf16_hi(x3) * kiln_bf16_hi(y1);");
+    w.l("c[3] = c[3] + kiln_bf16_lo(x1) * kiln_bf16_lo(z0) + kiln_bf16_hi(x1) * kiln_bf16_hi(z0) + kiln_bf16_lo(x3) * kiln_bf16_lo(z1) + kiln_bf16_hi(x3) * kiln_bf16_hi(z1);");
+    w.close();
+    w.l("#endif");
+    w.close();
 }
 
 #[cfg(test)]

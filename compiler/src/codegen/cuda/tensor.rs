@@ -1,0 +1,505 @@
+//! Flash attention on tensor cores: the bf16 kernels of a mixed-precision program.
+//!
+//! In: the mask kind and the head sizes `dk`, `dv` (multiples of 16, see [`fits`]). Out:
+//! [`forward`] and [`backward_short`], drop-in replacements of the CUDA-core kernels of
+//! [`super::attention`] with the same parameters, dims, tiles `T` and work items, for
+//! buffers stored as bf16. The structure is theirs — a block per tile of `T` query rows
+//! (forward) or per head (backward), key tiles streamed through shared memory, the
+//! online softmax a warp per row — with every product over the tiles done by the
+//! prelude's `kiln_mma` (PTX `mma.m16n8k16`, bf16 operands, f32 accumulators).
+//!
+//! Operand tiles live in shared memory as rows of bf16 pairs (`unsigned` words, a row of
+//! `d` elements padded to `d/2 + 4` words, so that the eight rows a fragment load touches
+//! fall in distinct banks). A fragment's word is one load when the product's `k` runs
+//! along the stored rows, else two loads whose halves `kiln_pair_col` joins. Each warp
+//! takes output tiles of 16×8 in turn; every warp of the block runs the same number of
+//! iterations (an idle one multiplies tile 0 and stores nothing), as the host shim's
+//! exchanges need.
+//!
+//! Numerics: products of bf16 values are exact and accumulate in f32, as on the CUDA
+//! cores, in the tensor cores' order. What changes is what the second products read:
+//! the probabilities (forward: `p·v`; backward: `pᵀ·g`) and the score gradients (`ds·k`,
+//! `dsᵀ·q`) are rounded to bf16 first, as FlashAttention-2 does (relative error 2⁻⁹
+//! a term); the row sums `l` and `D` are of the f32 values.
+//!
+//! The work items and launch follow `Work::Blocks`, and the block must be whole warps
+//! (`blockDim.x` a multiple of 32; the executors launch [`super::text::THREADS`]).
+
+use crate::codegen::cuda::attention::{
+    at, function, head, lines, masked_out, open_tiles, params, score_store, tile, Index2, Part,
+    Store,
+};
+use crate::codegen::cuda::text::{f32_lit, Elem, W};
+use crate::codegen::cuda::{signature, CudaFunction, FOR_BLOCKS};
+use crate::codegen::rows::MaskKind;
+
+/// Whether the tensor-core kernels take heads `dk`, `dv`: both multiples of 16, and the
+/// CUDA-core kernels' tile for `part` a multiple of 16 rows (the tiles are the same).
+pub fn fits(part: Part, dk: usize, dv: usize) -> bool {
+    dk.is_multiple_of(16)
+        && dv.is_multiple_of(16)
+        && tile(part, dk, dv).is_some_and(|t| t.is_multiple_of(16))
+}
+
+/// Words a row of `d` bf16 takes in shared memory: `d/2` pairs and 4 of padding.
+fn pitch(d: usize) -> usize {
+    d / 2 + 4
+}
+
+/// Shared memory of the tensor-core kernel for `part` (`Forward` or `Short`), in bytes.
+pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
+    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    let words = match part {
+        // qs, ks, vs, ps; ss, os, m/l/alpha
+        Part::Forward => 2 * t * pk + t * pv + t * pp + t * (t + 1) + t * dv + 3 * t,
+        // qs, ks, vs, gs, pw, dw; ps, dss, D
+        Part::Short => 2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t,
+        _ => 0,
+    };
+    4 * words
+}
+
+/// A C expression of the bf16 pair `(M[row][k], M[row][k + 1])` (`k` even) of a matrix
+/// stored as rows of pairs: one word.
+fn along(s: &str, pitch: usize) -> impl Fn(&str, &str) -> String + '_ {
+    move |row, k| format!("{s}[({row}) * {pitch} + (({k}) >> 1)]")
+}
+
+/// A C expression of the pair `(M[k][n], M[k + 1][n])` (`k` even) of a matrix stored as
+/// rows of pairs: a column's two elements from two rows.
+fn across(s: &str, pitch: usize) -> impl Fn(&str, &str) -> String + '_ {
+    move |k, n| {
+        format!(
+            "kiln_pair_col({s}[({k}) * {pitch} + (({n}) >> 1)], {s}[(({k}) + 1) * {pitch} + (({n}) >> 1)], ({n}) & 1)"
+        )
+    }
+}
+
+/// A product over shared tiles on tensor cores: `acc(i, c) = init(i, c) + Σ_k A[i][k]·B[k][c]`
+/// for `i < 16·m`, `c < 8·n`, `k < 16·steps` (the tiles zero past their rows). `a(i, k)`
+/// gives A's pair at `(i, k)`, `k + 1`; `b(k, c)` B's at `(k, c)`, `(k + 1, c)`;
+/// `store(i, c, acc)` a statement, run for every output (the caller bounds it).
+struct Tc<'a> {
+    m: usize,
+    n: usize,
+    steps: usize,
+    a: &'a Index2<'a>,
+    b: &'a Index2<'a>,
+    init: Option<&'a Index2<'a>>,
+    store: &'a Store<'a>,
+}
+
+fn tc_product(w: &mut W, p: &Tc<'_>) {
+    let tiles = p.m * p.n;
+    w.open("");
+    w.open(format!(
+        "for (int it = 0; it < ({tiles} + nw - 1) / nw; ++it)"
+    ));
+    w.l("const int tl = warp + it * nw;");
+    w.l(format!("const bool on = tl < {tiles};"));
+    w.l(format!(
+        "const int mt = on ? tl / {n} : 0, nn = on ? tl % {n} : 0;",
+        n = p.n
+    ));
+    w.l("const int ra = mt * 16 + fg, rb = ra + 8, ca = nn * 8 + 2 * ft, cb = ca + 1, nb = nn * 8 + fg;");
+    w.l("(void)rb; (void)cb;");
+    match p.init {
+        Some(init) => w.l(format!(
+            "float c[4] = {{{}, {}, {}, {}}};",
+            init("ra", "ca"),
+            init("ra", "cb"),
+            init("rb", "ca"),
+            init("rb", "cb")
+        )),
+        None => w.l("float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};"),
+    }
+    w.open(format!("for (int s = 0; s < {}; ++s)", p.steps));
+    w.l("const int kk0 = s * 16 + 2 * ft, kk1 = kk0 + 8;");
+    w.l(format!(
+        "kiln_mma(c, {}, {}, {}, {}, {}, {});",
+        (p.a)("ra", "kk0"),
+        (p.a)("rb", "kk0"),
+        (p.a)("ra", "kk1"),
+        (p.a)("rb", "kk1"),
+        (p.b)("kk0", "nb"),
+        (p.b)("kk1", "nb")
+    ));
+    w.close();
+    w.open("if (on)");
+    for (i, col, q) in [
+        ("ra", "ca", 0),
+        ("ra", "cb", 1),
+        ("rb", "ca", 2),
+        ("rb", "cb", 3),
+    ] {
+        w.l((p.store)(i, col, &format!("c[{q}]")));
+    }
+    w.close();
+    w.close();
+    w.close();
+}
+
+/// Copies `n` rows (the rest of the tile zero) of the `[.., t, d]` operand `x` (head
+/// pointer `xh`, strides `xst`, `xsd`, pair loads when `xw`) into the shared words `dst`.
+fn stage(w: &mut W, dst: &str, x: &str, d: usize, row0: &str, n: &str) {
+    let (half, pw) = (d / 2, pitch(d));
+    w.open(format!("for (int e = tid; e < T * {half}; e += nt)"));
+    w.l(format!(
+        "const int i = e / {half}, cw = e % {half}, c = 2 * cw;"
+    ));
+    w.l("unsigned x = 0u;");
+    w.open(format!("if (i < {n})"));
+    w.l(format!("const long long o = ({row0} + i) * {x}st;"));
+    w.l(format!(
+        "x = {x}w ? *(const unsigned*)({x}h + o + c) : ((unsigned){x}h[o + c * {x}sd] | ((unsigned){x}h[o + (c + 1) * {x}sd] << 16));"
+    ));
+    w.close();
+    w.l(format!("{dst}[i * {pw} + cw] = x;"));
+    w.close();
+}
+
+/// The common head after [`head`]: the lane's fragment coordinates and whether each
+/// operand's pairs are aligned words (unit element stride, even strides, aligned base).
+fn tc_head(w: &mut W, operands: &[&str]) {
+    w.l("const int fg = lane >> 2, ft = lane & 3;");
+    for x in operands {
+        w.l(format!(
+            "const bool {x}w = {x}sd == 1 && (({x}sb | {x}sh | {x}st) & 1) == 0 && ((unsigned long long){x} & 3ull) == 0;"
+        ));
+    }
+}
+
+/// Declares `T` and the shared arrays (`unsigned` words, then `float`s).
+fn arrays(w: &mut W, t: usize, words: &[(&str, String)], floats: &[(&str, String)]) {
+    w.l(format!("enum {{ T = {t} }};"));
+    for (n, size) in words {
+        w.l(format!("__shared__ unsigned {n}[{size}];"));
+    }
+    for (n, size) in floats {
+        w.l(format!("__shared__ float {n}[{size}];"));
+    }
+}
+
+/// The tensor-core forward (see the module documentation); the caller checks [`fits`].
+pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
+    let t = tile(Part::Forward, dk, dv).expect("head sizes checked by the caller");
+    assert!(fits(Part::Forward, dk, dv), "tensor-core heads");
+    let e = Elem::Bf16;
+    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    let ps = params(Part::Forward, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention forward on tensor cores, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
+    ));
+    arrays(
+        &mut w,
+        t,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("ps", format!("T * {pp}")),
+        ],
+        &[
+            ("ss", "T * (T + 1)".into()),
+            ("os", format!("T * {dv}")),
+            ("ms", "T".into()),
+            ("ls", "T".into()),
+            ("as_", "T".into()),
+        ],
+    );
+    head(&mut w, Part::Forward, mask);
+    tc_head(&mut w, &["q", "k", "v"]);
+    open_tiles(&mut w, e, Part::Forward, "tq");
+    w.l("const long long q0 = r0;");
+    w.l("const int nq = n0;");
+    w.l("__syncthreads();");
+    stage(&mut w, "qs", "q", dk, "q0", "nq");
+    lines(
+        &mut w,
+        &format!(
+            "for (int e = tid; e < T * {dv}; e += nt) os[e] = 0.0f;
+for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f; }}",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
+    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
+    w.l("__syncthreads();");
+    stage(&mut w, "ks", "k", dk, "k0", "nk");
+    stage(&mut w, "vs", "v", dv, "k0", "nk");
+    w.l("__syncthreads();");
+    w.l("// s = q·kᵀ, masked and scaled (0 outside the head).");
+    let store = score_store(mask, "ss");
+    tc_product(
+        &mut w,
+        &Tc {
+            m: t / 16,
+            n: t / 8,
+            steps: dk / 16,
+            a: &along("qs", pk),
+            b: &|k, j| along("ks", pk)(j, k),
+            init: None,
+            store: &store,
+        },
+    );
+    w.l("__syncthreads();");
+    lines(
+        &mut w,
+        "// The online softmax's update, a warp per row, its lanes over the keys (every warp
+// runs the same rows loop).
+for (int i0 = 0; i0 < T; i0 += nw) {
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* sr = ss + (live ? i : 0) * (T + 1);
+    const float m0 = live ? ms[i] : 0.0f;
+    float mx = m0;
+    if (live) for (int j = lane; j < nk; j += 32) mx = kiln_max_ref(mx, sr[j]);
+    mx = kiln_warp_max(mx);
+    float z = 0.0f;
+    if (live) for (int j = lane; j < nk; j += 32) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
+    z = kiln_warp_sum(z);
+    if (live && lane == 0) {
+        const float al = m0 == mx ? 1.0f : expf(m0 - mx);
+        ls[i] = ls[i] * al + z;
+        ms[i] = mx;
+        as_[i] = al;
+    }
+}
+__syncthreads();",
+    );
+    w.l("// The probabilities as bf16 pairs (0 outside the head).");
+    w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
+    w.l(format!(
+        "const int i = e / {h}, jw = e % {h}, j = 2 * jw;",
+        h = t / 2
+    ));
+    w.l("const unsigned lo = i < nq && j < nk ? (unsigned)kiln_f32_to_bf16(ss[i * (T + 1) + j]) : 0u;");
+    w.l("const unsigned hi = i < nq && j + 1 < nk ? (unsigned)kiln_f32_to_bf16(ss[i * (T + 1) + j + 1]) : 0u;");
+    w.l(format!("ps[i * {pp} + jw] = lo | (hi << 16);"));
+    w.close();
+    w.l("__syncthreads();");
+    w.l("// o = o·alpha + p·v.");
+    tc_product(
+        &mut w,
+        &Tc {
+            m: t / 16,
+            n: dv / 8,
+            steps: t / 16,
+            a: &along("ps", pp),
+            b: &across("vs", pv),
+            init: Some(&|i, c| format!("os[{i} * {dv} + {c}] * as_[{i}]")),
+            store: &|i, c, acc| format!("os[{i} * {dv} + {c}] = {acc};"),
+        },
+    );
+    w.close();
+    w.l("__syncthreads();");
+    w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
+    w.l(format!("const int i = e / {dv}, c = e % {dv};"));
+    w.l(format!(
+        "{} = {};",
+        at("out", "bi", "hi", "q0 + i", "c"),
+        e.store("os[e] / ls[i]")
+    ));
+    w.close();
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉ (tensor cores)"), w)
+}
+
+/// The tensor-core backward of one head in one block (see the module documentation); the
+/// caller checks [`fits`] for `Part::Short` and that the lengths fit the tile.
+pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
+    let t = tile(Part::Short, dk, dv).expect("head sizes checked by the caller");
+    assert!(fits(Part::Short, dk, dv), "tensor-core heads");
+    let e = Elem::Bf16;
+    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    let ps = params(Part::Short, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention backward on tensor cores, one block per head, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
+    ));
+    arrays(
+        &mut w,
+        t,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("pw", format!("T * {pp}")),
+            ("dw", format!("T * {pp}")),
+        ],
+        &[
+            ("ps", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("ds", "T".into()),
+        ],
+    );
+    head(&mut w, Part::Short, mask);
+    tc_head(&mut w, &["q", "k", "v", "g"]);
+    w.l("const int nq = (int)tq, nk = (int)tk;");
+    w.l("const long long q0 = 0, k0 = 0;");
+    w.open(FOR_BLOCKS);
+    lines(
+        &mut w,
+        "const long long bh = r, bi = bh / H, hi = bh % H;
+(void)bi;
+const kiln_bf16* qh = q + bi * qsb + hi * qsh;
+const kiln_bf16* kh = k + bi * ksb + hi * ksh;
+const kiln_bf16* vh = v + bi * vsb + hi * vsh;
+const kiln_bf16* gh = g + bi * gsb + hi * gsh;",
+    );
+    w.l("__syncthreads();");
+    stage(&mut w, "qs", "q", dk, "q0", "nq");
+    stage(&mut w, "ks", "k", dk, "k0", "nk");
+    stage(&mut w, "vs", "v", dv, "k0", "nk");
+    stage(&mut w, "gs", "g", dv, "q0", "nq");
+    w.l("__syncthreads();");
+    w.l("// s = q·kᵀ (masked, scaled) and dp = g·vᵀ, 0 outside the head.");
+    let store = score_store(mask, "ps");
+    tc_product(
+        &mut w,
+        &Tc {
+            m: t / 16,
+            n: t / 8,
+            steps: dk / 16,
+            a: &along("qs", pk),
+            b: &|k, j| along("ks", pk)(j, k),
+            init: None,
+            store: &store,
+        },
+    );
+    tc_product(
+        &mut w,
+        &Tc {
+            m: t / 16,
+            n: t / 8,
+            steps: dv / 16,
+            a: &along("gs", pv),
+            b: &|k, j| along("vs", pv)(j, k),
+            init: None,
+            store: &|i, j, acc| {
+                format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
+            },
+        },
+    );
+    w.l("__syncthreads();");
+    lines(
+        &mut w,
+        &format!(
+            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys
+// (every warp runs the same rows loop).
+for (int i0 = 0; i0 < T; i0 += nw) {{
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* pr = ps + (live ? i : 0) * (T + 1);
+    const float* dpr = dss + (live ? i : 0) * (T + 1);
+    float mx = {ninf};
+    if (live) for (int j = lane; j < nk; j += 32) mx = kiln_max_ref(mx, pr[j]);
+    mx = kiln_warp_max(mx);
+    float z = 0.0f;
+    if (live) for (int j = lane; j < nk; j += 32) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    z = kiln_warp_sum(z);
+    float d = 0.0f;
+    if (live) for (int j = lane; j < nk; j += 32) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
+    d = kiln_warp_sum(d);
+    if (live && lane == 0) ds[i] = d;
+}}
+__syncthreads();",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+    w.l("// p and ds = p·(dp − D)·scale as bf16 pairs, 0 where masked and outside the head.");
+    w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
+    w.l(format!("const int i = e / {h}, jw = e % {h};", h = t / 2));
+    w.l("unsigned pv2 = 0u, dv2 = 0u;");
+    w.open("for (int u = 0; u < 2; ++u)");
+    w.l("const int j = 2 * jw + u;");
+    w.l("float p = 0.0f, dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l("p = ps[i * (T + 1) + j];");
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dss[i * (T + 1) + j] - ds[i]) * sc;",
+        masked_out(mask)
+    ));
+    w.close();
+    w.l("pv2 |= (unsigned)kiln_f32_to_bf16(p) << (16 * u);");
+    w.l("dv2 |= (unsigned)kiln_f32_to_bf16(dsv) << (16 * u);");
+    w.close();
+    w.l(format!("pw[i * {pp} + jw] = pv2;"));
+    w.l(format!("dw[i * {pp} + jw] = dv2;"));
+    w.close();
+    w.l("__syncthreads();");
+    w.l("// dq = ds·k, dk = dsᵀ·q, dv = pᵀ·g.");
+    let store_to = |out: &'static str, bound: &'static str| {
+        move |i: &str, c: &str, acc: &str| {
+            format!(
+                "if ({i} < {bound}) {} = {};",
+                at(out, "bi", "hi", i, c),
+                e.store(acc)
+            )
+        }
+    };
+    let (sq, sk, sv) = (
+        store_to("dq", "nq"),
+        store_to("dk", "nk"),
+        store_to("dv", "nk"),
+    );
+    let ds_t = |j: &str, i: &str| across("dw", pp)(i, j);
+    let p_t = |j: &str, i: &str| across("pw", pp)(i, j);
+    let products: [(usize, &Index2, &Index2, &Store); 3] = [
+        (dk, &along("dw", pp), &across("ks", pk), &sq),
+        (dk, &ds_t, &across("qs", pk), &sk),
+        (dv, &p_t, &across("gs", pv), &sv),
+    ];
+    for (d, a, b, store) in products {
+        tc_product(
+            &mut w,
+            &Tc {
+                m: t / 16,
+                n: d / 8,
+                steps: t / 16,
+                a,
+                b,
+                init: None,
+                store,
+            },
+        );
+    }
+    w.close();
+    w.close();
+    function(name, ps, "heads b·h (tensor cores)", w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codegen::cuda::attention::SHARED_BYTES;
+
+    #[test]
+    fn tensor_core_tiles_fit_and_are_the_cuda_core_tiles() {
+        for d in [16, 32, 48, 64, 96, 128] {
+            for part in [Part::Forward, Part::Short] {
+                let t = tile(part, d, d).expect("a tile");
+                assert!(fits(part, d, d), "{part:?} d={d}");
+                assert!(
+                    shared_bytes(part, t, d, d) <= SHARED_BYTES,
+                    "{part:?} d={d}"
+                );
+            }
+        }
+        assert!(!fits(Part::Forward, 8, 16) && !fits(Part::Forward, 64, 40));
+        // The Transformer's heads: 32-row tiles.
+        assert_eq!(tile(Part::Forward, 64, 64), Some(32));
+        assert_eq!(tile(Part::Short, 64, 64), Some(32));
+        // Fragment rows land in distinct banks: pitches are 4 mod 8 words.
+        for d in [16, 32, 64, 128] {
+            assert_eq!(pitch(d) % 8, 4);
+        }
+    }
+}
