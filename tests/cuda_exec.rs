@@ -591,20 +591,21 @@ fn close_train_step(
     seed: u64,
     bounds: (f64, f64, f64),
 ) -> (CudaExecutor, Feeds, Feeds, RunOptions) {
-    close_train_step_of(cuda_artifact(), what, options, seed, bounds)
+    close_train_step_of(cuda_artifact(), what, options, seed, bounds, &[2, 5, 3, 2])
 }
 
-/// [`close_train_step`] for the artifact `art`.
+/// [`close_train_step`] for the artifact `art`, the dims taking `sizes` in turn.
 fn close_train_step_of(
     art: &Artifact,
     what: &str,
     options: CudaOptions,
     seed: u64,
     (rel, abs, loss_rel): (f64, f64, f64),
+    sizes: &[i64],
 ) -> (CudaExecutor, Feeds, Feeds, RunOptions) {
     let gpu = CudaExecutor::with_options(art, "train_step", options).unwrap();
     let cpu = art.executor("train_step").unwrap();
-    let (inputs, params) = feeds(cpu.graph(), art, seed);
+    let (inputs, params) = feeds_sized(cpu.graph(), art, seed, sizes);
     let opts = RunOptions {
         seed,
         step: 2,
@@ -744,9 +745,10 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
 }
 
 /// Heads of 16 (the tiny model at `d_model = 64`): the mixed-precision program's attention
-/// runs on tensor cores (`codegen::cuda::tensor`, forward and the one-block backward),
-/// within the bounds of the CUDA-core kernels above, and device training takes two
-/// steps with it.
+/// runs on tensor cores (`codegen::cuda::tensor`), within the bounds of the CUDA-core
+/// kernels above — short sentences (the one-block backward) and sentences of 37 and 34
+/// tokens (two key tiles forward, the query-side and key-side backward) — and device
+/// training takes two steps with it.
 #[test]
 fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
     use kiln_compiler::codegen::cuda::attention::{fits_short, Part};
@@ -766,9 +768,13 @@ fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
         mixed: true,
         ..CudaOptions::default()
     };
+    let bounds = (0.3, 1e-3, 2e-2);
     let (gpu, inputs, params, opts) =
-        close_train_step_of(&art, "mixed, heads of 16", mixed, 23, (0.3, 1e-3, 2e-2));
+        close_train_step_of(&art, "mixed, heads of 16", mixed, 23, bounds, &[2, 5, 3, 2]);
     two_device_steps(&gpu, &inputs, &params, &opts);
+    assert!(!fits_short(37, 37, 16, 16) && !fits_short(34, 37, 16, 16));
+    let long = "mixed, heads of 16, 37 and 34 tokens";
+    close_train_step_of(&art, long, mixed, 24, bounds, &[2, 37, 34, 2]);
 }
 
 /// With bf16 GEMMs, each span of a parameter a product reads is cast to bf16 once a run

@@ -902,8 +902,9 @@ fn the_mixed_precision_arena_of_the_base_train_step_is_about_half_the_f32_one() 
 }
 
 /// The base Transformer's mixed-precision `train_step` runs every attention on tensor
-/// cores (heads of 64: `codegen::cuda::tensor`), forward and, for sentences that fit a
-/// 32-row tile, backward; its f32 program on the CUDA cores. The two kernels' text is
+/// cores (heads of 64: `codegen::cuda::tensor`), forward and backward (one block per head
+/// for sentences that fit a 32-row tile, else the query-side and key-side kernels); its
+/// f32 program on the CUDA cores. The two kernels' text is
 /// pinned (key padding, the encoder's self-attention).
 #[test]
 fn the_base_models_bf16_attention_runs_on_tensor_cores() {
@@ -919,7 +920,12 @@ fn the_base_models_bf16_attention_runs_on_tensor_cores() {
             .collect()
     };
     // Encoder self, decoder self and cross attention in each of 6 layers.
-    for (role, n) in [("flash", 18), ("flash_short", 18)] {
+    for (role, n) in [
+        ("flash", 18),
+        ("flash_short", 18),
+        ("flash_q", 18),
+        ("flash_kv", 18),
+    ] {
         let names = roles(&mixed, role);
         assert_eq!(names.len(), n, "{role}");
         assert!(

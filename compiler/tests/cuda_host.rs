@@ -1756,6 +1756,51 @@ fn check_flash_as(cxx: &str, a: &Attn, seed: u64, block: u32, elem: Elem, merged
             (tq, dv),
         );
     }
+    if tc(Part::BackwardQ) && tc(Part::BackwardKv) {
+        let f = tensor::backward_q("flash_q_tc", a.mask, dk, dv);
+        let t = attention::tile(Part::BackwardQ, dk, dv).unwrap();
+        let mut bufs = head(vec![zeros_e(dq.len()), zeros(b * h * tq * 3)], true);
+        run_with(
+            cxx,
+            &f,
+            &mut bufs,
+            &bdims,
+            attention::items(Part::BackwardQ, t, b, h, tq, tk) as u64,
+            launch,
+        );
+        let n = bufs.len();
+        check(
+            &format!("tensor-core dq (two kernels) {what}"),
+            &bufs[n - 2],
+            &dq,
+            (tq, dk),
+        );
+        let stats = bufs[n - 1].clone();
+        let f = tensor::backward_kv("flash_kv_tc", a.mask, dk, dv);
+        let t = attention::tile(Part::BackwardKv, dk, dv).unwrap();
+        let mut bufs = head(vec![stats, zeros_e(dkk.len()), zeros_e(dvv.len())], true);
+        run_with(
+            cxx,
+            &f,
+            &mut bufs,
+            &bdims,
+            attention::items(Part::BackwardKv, t, b, h, tq, tk) as u64,
+            launch,
+        );
+        let n = bufs.len();
+        check(
+            &format!("tensor-core dk (two kernels) {what}"),
+            &bufs[n - 2],
+            &dkk,
+            (tk, dk),
+        );
+        check(
+            &format!("tensor-core dv (two kernels) {what}"),
+            &bufs[n - 1],
+            &dvv,
+            (tk, dv),
+        );
+    }
     if tc(Part::Short) && attention::fits_short(tq, tk, dk, dv) {
         let f = tensor::backward_short("flash_short_tc", a.mask, dk, dv);
         let t = attention::tile(Part::Short, dk, dv).unwrap();

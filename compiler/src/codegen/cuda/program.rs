@@ -218,15 +218,33 @@ fn launch(
                                 };
                                 f.insert("flash".into(), n);
                             } else {
-                                let n = em.get("attention_bwd_q", key("attention_bwd_q"), |n| {
-                                    Ok(attention::backward_q(n, m, dk, dv, e))
-                                })?;
-                                f.insert("flash_q".into(), n);
-                                let n =
-                                    em.get("attention_bwd_kv", key("attention_bwd_kv"), |n| {
-                                        Ok(attention::backward_kv(n, m, dk, dv, e))
-                                    })?;
-                                f.insert("flash_kv".into(), n);
+                                let (nq, nkv) = if tc(attention::Part::BackwardQ)
+                                    && tc(attention::Part::BackwardKv)
+                                {
+                                    (
+                                        em.get(
+                                            "attention_bwd_q_tc",
+                                            key("attention_bwd_q_tc"),
+                                            |n| Ok(tensor::backward_q(n, m, dk, dv)),
+                                        )?,
+                                        em.get(
+                                            "attention_bwd_kv_tc",
+                                            key("attention_bwd_kv_tc"),
+                                            |n| Ok(tensor::backward_kv(n, m, dk, dv)),
+                                        )?,
+                                    )
+                                } else {
+                                    (
+                                        em.get("attention_bwd_q", key("attention_bwd_q"), |n| {
+                                            Ok(attention::backward_q(n, m, dk, dv, e))
+                                        })?,
+                                        em.get("attention_bwd_kv", key("attention_bwd_kv"), |n| {
+                                            Ok(attention::backward_kv(n, m, dk, dv, e))
+                                        })?,
+                                    )
+                                };
+                                f.insert("flash_q".into(), nq);
+                                f.insert("flash_kv".into(), nkv);
                                 if tc(attention::Part::Short) {
                                     let n = em.get(
                                         "attention_bwd_short_tc",

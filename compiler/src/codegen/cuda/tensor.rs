@@ -1,12 +1,13 @@
 //! Flash attention on tensor cores: the bf16 kernels of a mixed-precision program.
 //!
 //! In: the mask kind and the head sizes `dk`, `dv` (multiples of 16, see [`fits`]). Out:
-//! [`forward`] and [`backward_short`], drop-in replacements of the CUDA-core kernels of
-//! [`super::attention`] with the same parameters, dims, tiles `T` and work items, for
-//! buffers stored as bf16. The structure is theirs — a block per tile of `T` query rows
-//! (forward) or per head (backward), key tiles streamed through shared memory, the
-//! online softmax a warp per row — with every product over the tiles done by the
-//! prelude's `kiln_mma` (PTX `mma.m16n8k16`, bf16 operands, f32 accumulators).
+//! [`forward`], [`backward_q`], [`backward_kv`] and [`backward_short`], drop-in
+//! replacements of the CUDA-core kernels of [`super::attention`] with the same
+//! parameters, dims, tiles `T`, work items and statistics scratch, for buffers stored as
+//! bf16. The structure is theirs — a block per tile of `T` query (or key) rows or per
+//! head, the other side's tiles streamed through shared memory, the online softmax a
+//! warp per row — with every product over the tiles done by the prelude's `kiln_mma`
+//! (PTX `mma.m16n8k16`, bf16 operands, f32 accumulators).
 //!
 //! Operand tiles live in shared memory as rows of bf16 pairs (`unsigned` words, a row of
 //! `d` elements padded to `d/2 + 4` words, so that the eight rows a fragment load touches
@@ -46,7 +47,7 @@ fn pitch(d: usize) -> usize {
     d / 2 + 4
 }
 
-/// Shared memory of the tensor-core kernel for `part` (`Forward` or `Short`), in bytes.
+/// Shared memory of the tensor-core kernel for `part`, in bytes.
 pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
     let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
     let words = match part {
@@ -54,7 +55,14 @@ pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
         Part::Forward => 2 * t * pk + t * pv + t * pp + t * (t + 1) + t * dv + 3 * t,
         // qs, ks, vs, gs, pw, dw; ps, dss, D
         Part::Short => 2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t,
-        _ => 0,
+        // qs, ks, vs, gs, ps, dw; ss, dss, os, m/l/alpha/D
+        Part::BackwardQ => {
+            2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t * dk.max(dv) + 4 * t
+        }
+        // ks, qs, vs, gs, pw, dw; ps, dss, dks, dvs, st
+        Part::BackwardKv => {
+            2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t * dk + t * dv + 3 * t
+        }
     };
     4 * words
 }
@@ -180,6 +188,92 @@ fn arrays(w: &mut W, t: usize, words: &[(&str, String)], floats: &[(&str, String
     }
 }
 
+/// The forward pass over all key tiles for the query tile at `q0` (`nq` rows, staged in
+/// `qs`): leaves the unnormalized output in `os` (`T × dv`), the running max in `ms` and
+/// sum in `ls` (`ks`, `vs`, `ss`, `ps`, `as_` its scratch).
+fn sweep(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize) {
+    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    lines(
+        w,
+        &format!(
+            "for (int e = tid; e < T * {dv}; e += nt) os[e] = 0.0f;
+for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f; }}",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
+    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
+    w.l("__syncthreads();");
+    stage(w, "ks", "k", dk, "k0", "nk");
+    stage(w, "vs", "v", dv, "k0", "nk");
+    w.l("__syncthreads();");
+    w.l("// s = q·kᵀ, masked and scaled (0 outside the head).");
+    let store = score_store(mask, "ss");
+    tc_product(
+        w,
+        &Tc {
+            m: t / 16,
+            n: t / 8,
+            steps: dk / 16,
+            a: &along("qs", pk),
+            b: &|k, j| along("ks", pk)(j, k),
+            init: None,
+            store: &store,
+        },
+    );
+    w.l("__syncthreads();");
+    lines(
+        w,
+        "// The online softmax's update, a warp per row, its lanes over the keys (every warp
+// runs the same rows loop).
+for (int i0 = 0; i0 < T; i0 += nw) {
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* sr = ss + (live ? i : 0) * (T + 1);
+    const float m0 = live ? ms[i] : 0.0f;
+    float mx = m0;
+    if (live) for (int j = lane; j < nk; j += 32) mx = kiln_max_ref(mx, sr[j]);
+    mx = kiln_warp_max(mx);
+    float z = 0.0f;
+    if (live) for (int j = lane; j < nk; j += 32) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
+    z = kiln_warp_sum(z);
+    if (live && lane == 0) {
+        const float al = m0 == mx ? 1.0f : expf(m0 - mx);
+        ls[i] = ls[i] * al + z;
+        ms[i] = mx;
+        as_[i] = al;
+    }
+}
+__syncthreads();",
+    );
+    w.l("// The probabilities as bf16 pairs (0 outside the head).");
+    w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
+    w.l(format!(
+        "const int i = e / {h}, jw = e % {h}, j = 2 * jw;",
+        h = t / 2
+    ));
+    w.l("const unsigned lo = i < nq && j < nk ? (unsigned)kiln_f32_to_bf16(ss[i * (T + 1) + j]) : 0u;");
+    w.l("const unsigned hi = i < nq && j + 1 < nk ? (unsigned)kiln_f32_to_bf16(ss[i * (T + 1) + j + 1]) : 0u;");
+    w.l(format!("ps[i * {pp} + jw] = lo | (hi << 16);"));
+    w.close();
+    w.l("__syncthreads();");
+    w.l("// o = o·alpha + p·v.");
+    tc_product(
+        w,
+        &Tc {
+            m: t / 16,
+            n: dv / 8,
+            steps: t / 16,
+            a: &along("ps", pp),
+            b: &across("vs", pv),
+            init: Some(&|i, c| format!("os[{i} * {dv} + {c}] * as_[{i}]")),
+            store: &|i, c, acc| format!("os[{i} * {dv} + {c}] = {acc};"),
+        },
+    );
+    w.close();
+    w.l("__syncthreads();");
+}
+
 /// The tensor-core forward (see the module documentation); the caller checks [`fits`].
 pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
     let t = tile(Part::Forward, dk, dv).expect("head sizes checked by the caller");
@@ -216,85 +310,7 @@ pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction
     w.l("const int nq = n0;");
     w.l("__syncthreads();");
     stage(&mut w, "qs", "q", dk, "q0", "nq");
-    lines(
-        &mut w,
-        &format!(
-            "for (int e = tid; e < T * {dv}; e += nt) os[e] = 0.0f;
-for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f; }}",
-            ninf = f32_lit(f32::NEG_INFINITY)
-        ),
-    );
-    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
-    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
-    w.l("__syncthreads();");
-    stage(&mut w, "ks", "k", dk, "k0", "nk");
-    stage(&mut w, "vs", "v", dv, "k0", "nk");
-    w.l("__syncthreads();");
-    w.l("// s = q·kᵀ, masked and scaled (0 outside the head).");
-    let store = score_store(mask, "ss");
-    tc_product(
-        &mut w,
-        &Tc {
-            m: t / 16,
-            n: t / 8,
-            steps: dk / 16,
-            a: &along("qs", pk),
-            b: &|k, j| along("ks", pk)(j, k),
-            init: None,
-            store: &store,
-        },
-    );
-    w.l("__syncthreads();");
-    lines(
-        &mut w,
-        "// The online softmax's update, a warp per row, its lanes over the keys (every warp
-// runs the same rows loop).
-for (int i0 = 0; i0 < T; i0 += nw) {
-    const int i = i0 + warp;
-    const bool live = i < nq;
-    float* sr = ss + (live ? i : 0) * (T + 1);
-    const float m0 = live ? ms[i] : 0.0f;
-    float mx = m0;
-    if (live) for (int j = lane; j < nk; j += 32) mx = kiln_max_ref(mx, sr[j]);
-    mx = kiln_warp_max(mx);
-    float z = 0.0f;
-    if (live) for (int j = lane; j < nk; j += 32) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
-    z = kiln_warp_sum(z);
-    if (live && lane == 0) {
-        const float al = m0 == mx ? 1.0f : expf(m0 - mx);
-        ls[i] = ls[i] * al + z;
-        ms[i] = mx;
-        as_[i] = al;
-    }
-}
-__syncthreads();",
-    );
-    w.l("// The probabilities as bf16 pairs (0 outside the head).");
-    w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
-    w.l(format!(
-        "const int i = e / {h}, jw = e % {h}, j = 2 * jw;",
-        h = t / 2
-    ));
-    w.l("const unsigned lo = i < nq && j < nk ? (unsigned)kiln_f32_to_bf16(ss[i * (T + 1) + j]) : 0u;");
-    w.l("const unsigned hi = i < nq && j + 1 < nk ? (unsigned)kiln_f32_to_bf16(ss[i * (T + 1) + j + 1]) : 0u;");
-    w.l(format!("ps[i * {pp} + jw] = lo | (hi << 16);"));
-    w.close();
-    w.l("__syncthreads();");
-    w.l("// o = o·alpha + p·v.");
-    tc_product(
-        &mut w,
-        &Tc {
-            m: t / 16,
-            n: dv / 8,
-            steps: t / 16,
-            a: &along("ps", pp),
-            b: &across("vs", pv),
-            init: Some(&|i, c| format!("os[{i} * {dv} + {c}] * as_[{i}]")),
-            store: &|i, c, acc| format!("os[{i} * {dv} + {c}] = {acc};"),
-        },
-    );
-    w.close();
-    w.l("__syncthreads();");
+    sweep(&mut w, mask, t, dk, dv);
     w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
     w.l(format!("const int i = e / {dv}, c = e % {dv};"));
     w.l(format!(
@@ -476,6 +492,292 @@ __syncthreads();",
     function(name, ps, "heads b·h (tensor cores)", w)
 }
 
+/// `p = exp(s − m)/l` and `ds = p·(dp − D)·scale` of the tile's pairs as bf16 pairs into
+/// `pw` (when given) and `dw`, 0 where masked and outside the head: the score and `dp` from
+/// the float tiles `s` and `dp`, the row's `m`, `l`, `D` as C expressions of `i`.
+fn pair_words(
+    w: &mut W,
+    mask: MaskKind,
+    t: usize,
+    (s, dp): (&str, &str),
+    (m, l, d): (&str, &str, &str),
+    pw: Option<&str>,
+) {
+    let pp = pitch(t);
+    w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
+    w.l(format!("const int i = e / {h}, jw = e % {h};", h = t / 2));
+    w.l("unsigned pv2 = 0u, dv2 = 0u;");
+    w.open("for (int u = 0; u < 2; ++u)");
+    w.l("const int j = 2 * jw + u;");
+    w.l("float p = 0.0f, dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l(format!("p = expf({s}[i * (T + 1) + j] - {m}) / {l};"));
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * ({dp}[i * (T + 1) + j] - {d}) * sc;",
+        masked_out(mask)
+    ));
+    w.close();
+    w.l("pv2 |= (unsigned)kiln_f32_to_bf16(p) << (16 * u);");
+    w.l("dv2 |= (unsigned)kiln_f32_to_bf16(dsv) << (16 * u);");
+    w.close();
+    if let Some(pw) = pw {
+        w.l(format!("{pw}[i * {pp} + jw] = pv2;"));
+    } else {
+        w.l("(void)pv2;");
+    }
+    w.l(format!("dw[i * {pp} + jw] = dv2;"));
+    w.close();
+}
+
+/// `s = q·kᵀ` (masked, scaled) into `s` and `dp = g·vᵀ` into `dp` over the staged tiles
+/// `qs`, `ks`, `gs`, `vs`, both 0 outside the head.
+fn scores_and_dp(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize, (s, dp): (&str, &str)) {
+    let (pk, pv) = (pitch(dk), pitch(dv));
+    let store = score_store(mask, s);
+    tc_product(
+        w,
+        &Tc {
+            m: t / 16,
+            n: t / 8,
+            steps: dk / 16,
+            a: &along("qs", pk),
+            b: &|k, j| along("ks", pk)(j, k),
+            init: None,
+            store: &store,
+        },
+    );
+    tc_product(
+        w,
+        &Tc {
+            m: t / 16,
+            n: t / 8,
+            steps: dv / 16,
+            a: &along("gs", pv),
+            b: &|k, j| along("vs", pv)(j, k),
+            init: None,
+            store: &|i, j, acc| {
+                format!("{dp}[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
+            },
+        },
+    );
+}
+
+/// The tensor-core query-side backward (`dq` and the row statistics, as
+/// [`super::attention::backward_q`]); the caller checks [`fits`].
+pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
+    let t = tile(Part::BackwardQ, dk, dv).expect("head sizes checked by the caller");
+    assert!(fits(Part::BackwardQ, dk, dv), "tensor-core heads");
+    let e = Elem::Bf16;
+    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    let ps = params(Part::BackwardQ, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention backward on tensor cores, query side, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
+    ));
+    arrays(
+        &mut w,
+        t,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("ps", format!("T * {pp}")),
+            ("dw", format!("T * {pp}")),
+        ],
+        &[
+            ("ss", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("os", format!("T * {}", dk.max(dv))),
+            ("ms", "T".into()),
+            ("ls", "T".into()),
+            ("as_", "T".into()),
+            ("ds", "T".into()),
+        ],
+    );
+    head(&mut w, Part::BackwardQ, mask);
+    tc_head(&mut w, &["q", "k", "v", "g"]);
+    open_tiles(&mut w, e, Part::BackwardQ, "tq");
+    w.l("const long long q0 = r0;");
+    w.l("const int nq = n0;");
+    w.l("__syncthreads();");
+    stage(&mut w, "qs", "q", dk, "q0", "nq");
+    stage(&mut w, "gs", "g", dv, "q0", "nq");
+    sweep(&mut w, mask, t, dk, dv);
+    w.l("// D = Σ_c g·o / l and the statistics, then dq from zero.");
+    w.open("for (int i = tid; i < nq; i += nt)");
+    w.l("float d = 0.0f;");
+    w.open(format!("for (int cw = 0; cw < {}; ++cw)", dv / 2));
+    w.l(format!("const unsigned x = gs[i * {pv} + cw];"));
+    w.l(format!("d = d + kiln_bf16_lo(x) * os[i * {dv} + 2 * cw];"));
+    w.l(format!(
+        "d = d + kiln_bf16_hi(x) * os[i * {dv} + 2 * cw + 1];"
+    ));
+    w.close();
+    w.l("ds[i] = d / ls[i];");
+    w.l("float* st = stats + (bh * tq + q0 + i) * 3;");
+    w.l("st[0] = ms[i];");
+    w.l("st[1] = ls[i];");
+    w.l("st[2] = ds[i];");
+    w.close();
+    w.l("__syncthreads();");
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) os[e] = 0.0f;"
+    ));
+    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
+    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
+    w.l("__syncthreads();");
+    stage(&mut w, "ks", "k", dk, "k0", "nk");
+    stage(&mut w, "vs", "v", dv, "k0", "nk");
+    w.l("__syncthreads();");
+    scores_and_dp(&mut w, mask, t, dk, dv, ("ss", "dss"));
+    w.l("__syncthreads();");
+    pair_words(
+        &mut w,
+        mask,
+        t,
+        ("ss", "dss"),
+        ("ms[i]", "ls[i]", "ds[i]"),
+        None,
+    );
+    w.l("__syncthreads();");
+    w.l("// dq += ds·k.");
+    tc_product(
+        &mut w,
+        &Tc {
+            m: t / 16,
+            n: dk / 8,
+            steps: t / 16,
+            a: &along("dw", pp),
+            b: &across("ks", pk),
+            init: Some(&|i, c| format!("os[{i} * {dk} + {c}]")),
+            store: &|i, c, acc| format!("os[{i} * {dk} + {c}] = {acc};"),
+        },
+    );
+    w.close();
+    w.l("__syncthreads();");
+    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
+    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
+    w.l(format!(
+        "{} = {};",
+        at("dq", "bi", "hi", "q0 + i", "c"),
+        e.store("os[e]")
+    ));
+    w.close();
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉ (tensor cores)"), w)
+}
+
+/// The tensor-core key-side backward (`dk`, `dv` from the row statistics, as
+/// [`super::attention::backward_kv`]); the caller checks [`fits`].
+pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
+    let t = tile(Part::BackwardKv, dk, dv).expect("head sizes checked by the caller");
+    assert!(fits(Part::BackwardKv, dk, dv), "tensor-core heads");
+    let e = Elem::Bf16;
+    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    let ps = params(Part::BackwardKv, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention backward on tensor cores, key side, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
+    ));
+    arrays(
+        &mut w,
+        t,
+        &[
+            ("ks", format!("T * {pk}")),
+            ("qs", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("pw", format!("T * {pp}")),
+            ("dw", format!("T * {pp}")),
+        ],
+        &[
+            ("ps", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("dks", format!("T * {dk}")),
+            ("dvs", format!("T * {dv}")),
+            ("st", "T * 3".into()),
+        ],
+    );
+    head(&mut w, Part::BackwardKv, mask);
+    tc_head(&mut w, &["q", "k", "v", "g"]);
+    open_tiles(&mut w, e, Part::BackwardKv, "tk");
+    w.l("const long long k0 = r0;");
+    w.l("const int nk = n0;");
+    w.l("__syncthreads();");
+    stage(&mut w, "ks", "k", dk, "k0", "nk");
+    stage(&mut w, "vs", "v", dv, "k0", "nk");
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) dks[e] = 0.0f;"
+    ));
+    w.l(format!(
+        "for (int e = tid; e < T * {dv}; e += nt) dvs[e] = 0.0f;"
+    ));
+    w.open("for (long long q0 = 0; q0 < tq; q0 += T)");
+    w.l("const int nq = (int)(tq - q0 < T ? tq - q0 : T);");
+    w.l("__syncthreads();");
+    stage(&mut w, "qs", "q", dk, "q0", "nq");
+    stage(&mut w, "gs", "g", dv, "q0", "nq");
+    w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
+    w.l("__syncthreads();");
+    scores_and_dp(&mut w, mask, t, dk, dv, ("ps", "dss"));
+    w.l("__syncthreads();");
+    pair_words(
+        &mut w,
+        mask,
+        t,
+        ("ps", "dss"),
+        ("st[i * 3]", "st[i * 3 + 1]", "st[i * 3 + 2]"),
+        Some("pw"),
+    );
+    w.l("__syncthreads();");
+    w.l("// dv += pᵀ·g, dk += dsᵀ·q.");
+    let p_t = |j: &str, i: &str| across("pw", pp)(i, j);
+    let ds_t = |j: &str, i: &str| across("dw", pp)(i, j);
+    let dv_init = |j: &str, c: &str| format!("dvs[{j} * {dv} + {c}]");
+    let dk_init = |j: &str, c: &str| format!("dks[{j} * {dk} + {c}]");
+    let dv_store = |j: &str, c: &str, acc: &str| format!("dvs[{j} * {dv} + {c}] = {acc};");
+    let dk_store = |j: &str, c: &str, acc: &str| format!("dks[{j} * {dk} + {c}] = {acc};");
+    let sums: [(usize, &Index2, &Index2, &Index2, &Store); 2] = [
+        (dv, &p_t, &across("gs", pv), &dv_init, &dv_store),
+        (dk, &ds_t, &across("qs", pk), &dk_init, &dk_store),
+    ];
+    for (d, a, b, init, store) in sums {
+        tc_product(
+            &mut w,
+            &Tc {
+                m: t / 16,
+                n: d / 8,
+                steps: t / 16,
+                a,
+                b,
+                init: Some(init),
+                store,
+            },
+        );
+    }
+    w.close();
+    w.l("__syncthreads();");
+    for (out, d, src) in [("dk", dk, "dks[e]"), ("dv", dv, "dvs[e]")] {
+        w.open(format!("for (int e = tid; e < nk * {d}; e += nt)"));
+        w.l(format!("const int j = e / {d}, c = e % {d};"));
+        w.l(format!(
+            "{} = {};",
+            at(out, "bi", "hi", "k0 + j", "c"),
+            e.store(src)
+        ));
+        w.close();
+    }
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉ (tensor cores)"), w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -484,7 +786,12 @@ mod tests {
     #[test]
     fn tensor_core_tiles_fit_and_are_the_cuda_core_tiles() {
         for d in [16, 32, 48, 64, 96, 128] {
-            for part in [Part::Forward, Part::Short] {
+            for part in [
+                Part::Forward,
+                Part::BackwardQ,
+                Part::BackwardKv,
+                Part::Short,
+            ] {
                 let t = tile(part, d, d).expect("a tile");
                 assert!(fits(part, d, d), "{part:?} d={d}");
                 assert!(
