@@ -748,7 +748,8 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
 /// runs on tensor cores (`codegen::cuda::tensor`), within the bounds of the CUDA-core
 /// kernels above — short sentences (the one-block backward) and sentences of 37 and 34
 /// tokens (two key tiles forward, the query-side and key-side backward) — and device
-/// training takes two steps with it.
+/// training takes two steps with it; `cuda_core_attention` runs the same program's
+/// attention on the CUDA cores, as close.
 #[test]
 fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
     use kiln_compiler::codegen::cuda::attention::{fits_short, Part};
@@ -775,6 +776,13 @@ fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
     assert!(!fits_short(37, 37, 16, 16) && !fits_short(34, 37, 16, 16));
     let long = "mixed, heads of 16, 37 and 34 tokens";
     close_train_step_of(&art, long, mixed, 24, bounds, &[2, 37, 34, 2]);
+    // KILN_CUDA_CORE_ATTENTION=1: the same program with its attention on the CUDA cores.
+    let cores = CudaOptions {
+        cuda_core_attention: true,
+        ..mixed
+    };
+    let what = "mixed, heads of 16, CUDA-core attention";
+    close_train_step_of(&art, what, cores, 23, bounds, &[2, 5, 3, 2]);
 }
 
 /// With bf16 GEMMs, each span of a parameter a product reads is cast to bf16 once a run

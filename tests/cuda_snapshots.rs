@@ -913,6 +913,10 @@ fn the_base_models_bf16_attention_runs_on_tensor_cores() {
     let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
     let mixed = emit_with(&kg, Elem::Bf16).expect("a bf16 program");
     let fp32 = emit_with(&kg, Elem::F32).expect("an f32 program");
+    // `KILN_CUDA_CORE_ATTENTION=1`: the bf16 program with its attention on the CUDA cores.
+    let cores = kiln_compiler::codegen::cuda::program::emit_attention_on(&kg, Elem::Bf16, false)
+        .expect("a bf16 program");
+    assert_eq!(cores.storage, mixed.storage);
     let roles = |code: &CudaCode, role: &str| -> Vec<String> {
         code.kernels
             .iter()
@@ -932,12 +936,14 @@ fn the_base_models_bf16_attention_runs_on_tensor_cores() {
             names.iter().all(|f| f.contains("_tc_")),
             "{role}: {names:?}"
         );
-        let names = roles(&fp32, role);
-        assert_eq!(names.len(), n, "{role}");
-        assert!(
-            names.iter().all(|f| !f.contains("_tc")),
-            "{role}: {names:?}"
-        );
+        for code in [&fp32, &cores] {
+            let names = roles(code, role);
+            assert_eq!(names.len(), n, "{role}");
+            assert!(
+                names.iter().all(|f| !f.contains("_tc")),
+                "{role}: {names:?}"
+            );
+        }
     }
     let key = kiln_compiler::codegen::rows::MaskKind::Key;
     let tensor = kiln_compiler::codegen::cuda::tensor::forward("attention_tc_key", key, 64, 64);

@@ -34,7 +34,7 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
-use kiln_compiler::codegen::cuda::program::emit_with;
+use kiln_compiler::codegen::cuda::program::emit_attention_on;
 use kiln_compiler::codegen::cuda::resident as gather;
 use kiln_compiler::codegen::cuda::storage::{self, Storage};
 use kiln_compiler::codegen::cuda::text::Elem;
@@ -324,7 +324,12 @@ struct EntryProgram {
 
 /// The program of entry `entry` (no CUDA call): the artifact's f32 CUDA code, or with
 /// `mixed` the bf16 program generated from its kernel graph.
-fn entry_program(art: &Artifact, entry: &str, mixed: bool) -> Result<EntryProgram, CudaExecError> {
+fn entry_program(
+    art: &Artifact,
+    entry: &str,
+    options: &CudaOptions,
+) -> Result<EntryProgram, CudaExecError> {
+    let mixed = options.mixed;
     let (e, m, src) = cuda_parts(art, entry)?;
     let unsupported = |message: String| CudaExecError::Unsupported {
         entry: entry.to_string(),
@@ -349,7 +354,7 @@ fn entry_program(art: &Artifact, entry: &str, mixed: bool) -> Result<EntryProgra
             plan: None,
         });
     }
-    let code = emit_with(kg, Elem::Bf16)
+    let code = emit_attention_on(kg, Elem::Bf16, !options.cuda_core_attention)
         .map_err(|m| unsupported(format!("no mixed-precision program: {m}")))?;
     let names: BTreeSet<String> = code.functions.iter().map(|f| f.name.clone()).collect();
     let (steps, copy) = steps::prepare(kg, &code.kernels, &names).map_err(unsupported)?;
@@ -407,7 +412,7 @@ pub fn launch_plan_with(
     entry: &str,
     options: &CudaOptions,
 ) -> Result<Vec<(String, &'static str)>, CudaExecError> {
-    Ok(entry_program(art, entry, options.mixed)?
+    Ok(entry_program(art, entry, options)?
         .steps
         .iter()
         .map(|s| (s.kind.clone(), s.exec.how()))
@@ -422,7 +427,7 @@ pub fn memory_plan_with(
     entry: &str,
     options: &CudaOptions,
 ) -> Result<MemoryPlan, CudaExecError> {
-    let program = entry_program(art, entry, options.mixed)?;
+    let program = entry_program(art, entry, options)?;
     match program.plan {
         Some(p) => Ok(p),
         None => Ok(cuda_parts(art, entry)?.0.manifest.plan.clone()),
@@ -550,6 +555,10 @@ pub struct CudaOptions {
     /// instead of one cuBLASLt GEMM with a bias (+ ReLU) epilogue (the default, where
     /// cuBLASLt has an algorithm for the problem). For comparisons.
     pub separate_epilogues: bool,
+    /// With `mixed`: attention on the CUDA cores, as in an f32 program, instead of the
+    /// tensor cores (`codegen::cuda::tensor`, for heads of multiples of 16). For
+    /// comparisons.
+    pub cuda_core_attention: bool,
 }
 
 /// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
@@ -560,6 +569,8 @@ pub const BF16_ENV: &str = "KILN_CUDA_BF16";
 pub const MIXED_ENV: &str = "KILN_CUDA_MIXED";
 /// The variable that turns on [`CudaOptions::separate_epilogues`] (`=1`).
 pub const SEPARATE_EPILOGUES_ENV: &str = "KILN_CUDA_SEPARATE_EPILOGUES";
+/// The variable that turns on [`CudaOptions::cuda_core_attention`] (`=1`).
+pub const CUDA_CORE_ATTENTION_ENV: &str = "KILN_CUDA_CORE_ATTENTION";
 
 impl CudaOptions {
     /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`,
@@ -572,6 +583,7 @@ impl CudaOptions {
             mixed: on(MIXED_ENV),
             device: 0,
             separate_epilogues: on(SEPARATE_EPILOGUES_ENV),
+            cuda_core_attention: on(CUDA_CORE_ATTENTION_ENV),
         }
     }
 
@@ -618,7 +630,7 @@ impl CudaExecutor {
             });
         }
         let kg = e.manifest.kernel_graph.clone();
-        let program = entry_program(art, entry, options.mixed)?;
+        let program = entry_program(art, entry, &options)?;
         let ptx = device::compile(&program.source, &m.nvrtc_options).map_err(|log| {
             CudaExecError::Nvrtc {
                 file: program.file.clone(),

@@ -29,6 +29,8 @@ use crate::optimize::templates::registry;
 struct Emitter {
     functions: Vec<CudaFunction>,
     names: Names,
+    /// A bf16 program's attention on tensor cores where the heads allow.
+    tensor_cores: bool,
 }
 
 impl Emitter {
@@ -68,10 +70,22 @@ pub fn emit(kg: &KernelGraph) -> Result<CudaCode, String> {
 /// are the executor's: operands and results as stored, fp32 accumulation. A program
 /// where one buffer would need two types is an error naming both kernels.
 pub fn emit_with(kg: &KernelGraph, elem: Elem) -> Result<CudaCode, String> {
+    emit_attention_on(kg, elem, true)
+}
+
+/// [`emit_with`], with a bf16 program's attention on tensor cores ([`tensor`]) where its
+/// heads allow (`tensor_cores`, the default) or on the CUDA cores ([`attention`]) as an
+/// f32 program's: for comparisons.
+pub fn emit_attention_on(
+    kg: &KernelGraph,
+    elem: Elem,
+    tensor_cores: bool,
+) -> Result<CudaCode, String> {
     let plan = storage::plan(kg, elem)?;
     let mut em = Emitter {
         functions: Vec::new(),
         names: Names::default(),
+        tensor_cores,
     };
     let mut kernels = Vec::new();
     let at = Stored { kg, plan: &plan };
@@ -205,7 +219,8 @@ fn launch(
                             let key = |kind: &str| format!("{kind} {m:?} dk={dk} dv={dv}");
                             // A bf16 program's heads of multiples of 16 run on tensor
                             // cores (same ABI, tiles and work items).
-                            let tc = |p| e == Elem::Bf16 && tensor::fits(p, dk, dv);
+                            let on = em.tensor_cores;
+                            let tc = |p| on && e == Elem::Bf16 && tensor::fits(p, dk, dv);
                             if def.name == "attention" {
                                 let n = if tc(attention::Part::Forward) {
                                     em.get("attention_tc", key("attention_tc"), |n| {
