@@ -500,6 +500,25 @@ pub(super) fn at(r: &str, bi: &str, hi: &str, row: &str, c: &str) -> String {
     format!("{r}[{bi} * {r}_sb + {hi} * {r}_sh + ({row}) * {r}_st + ({c}) * {r}_sd]")
 }
 
+/// Writes the tile's first `n` rows of a result: `r[bi, hi, row0 + i, c] = src` for
+/// `c < d` (`src` a C expression of `e = i·d + c` and `i`, stored as `e`'s type).
+pub(super) fn store_rows(
+    w: &mut W,
+    e: Elem,
+    (r, row0, n): (&str, &str, &str),
+    d: usize,
+    src: &str,
+) {
+    w.open(format!("for (int e = tid; e < {n} * {d}; e += nt)"));
+    w.l(format!("const int i = e / {d}, c = e % {d};"));
+    w.l(format!(
+        "{} = {};",
+        at(r, "bi", "hi", &format!("{row0} + i"), "c"),
+        e.store(src)
+    ));
+    w.close();
+}
+
 pub(super) fn function(name: &str, params: Vec<Param>, items: &str, w: W) -> CudaFunction {
     CudaFunction {
         name: name.to_string(),
@@ -540,14 +559,7 @@ pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> Cud
     w.l("__syncthreads();");
     load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
     forward_sweep(&mut w, e, mask, dk, dv);
-    w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
-    w.l(format!("const int i = e / {dv}, c = e % {dv};"));
-    w.l(format!(
-        "{} = {};",
-        at("out", "bi", "hi", "q0 + i", "c"),
-        e.store("os[e] / ls[i]")
-    ));
-    w.close();
+    store_rows(&mut w, e, ("out", "q0", "nq"), dv, "os[e] / ls[i]");
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉"), w)
@@ -630,14 +642,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
     w.close();
     w.close();
     w.l("__syncthreads();");
-    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
-    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
-    w.l(format!(
-        "{} = {};",
-        at("dq", "bi", "hi", "q0 + i", "c"),
-        e.store("os[e]")
-    ));
-    w.close();
+    store_rows(&mut w, e, ("dq", "q0", "nq"), dk, "os[e]");
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉"), w)
@@ -739,16 +744,8 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     }
     w.close();
     w.l("__syncthreads();");
-    for (out, d, src) in [("dk", dk, "dks[e]"), ("dv", dv, "dvs[e]")] {
-        w.open(format!("for (int e = tid; e < nk * {d}; e += nt)"));
-        w.l(format!("const int j = e / {d}, c = e % {d};"));
-        w.l(format!(
-            "{} = {};",
-            at(out, "bi", "hi", "k0 + j", "c"),
-            e.store(src)
-        ));
-        w.close();
-    }
+    store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
+    store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)

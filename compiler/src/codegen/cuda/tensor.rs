@@ -27,8 +27,8 @@
 //! (`blockDim.x` a multiple of 32; the executors launch [`super::text::THREADS`]).
 
 use crate::codegen::cuda::attention::{
-    at, function, head, lines, masked_out, open_tiles, params, score_store, tile, Index2, Part,
-    Store,
+    at, function, head, lines, masked_out, open_tiles, params, score_store, store_rows, tile,
+    Index2, Part, Store,
 };
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{signature, CudaFunction, FOR_BLOCKS};
@@ -311,14 +311,7 @@ pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction
     w.l("__syncthreads();");
     stage(&mut w, "qs", "q", dk, "q0", "nq");
     sweep(&mut w, mask, t, dk, dv);
-    w.open(format!("for (int e = tid; e < nq * {dv}; e += nt)"));
-    w.l(format!("const int i = e / {dv}, c = e % {dv};"));
-    w.l(format!(
-        "{} = {};",
-        at("out", "bi", "hi", "q0 + i", "c"),
-        e.store("os[e] / ls[i]")
-    ));
-    w.close();
+    store_rows(&mut w, e, ("out", "q0", "nq"), dv, "os[e] / ls[i]");
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉ (tensor cores)"), w)
@@ -375,33 +368,7 @@ const kiln_bf16* gh = g + bi * gsb + hi * gsh;",
     stage(&mut w, "gs", "g", dv, "q0", "nq");
     w.l("__syncthreads();");
     w.l("// s = q·kᵀ (masked, scaled) and dp = g·vᵀ, 0 outside the head.");
-    let store = score_store(mask, "ps");
-    tc_product(
-        &mut w,
-        &Tc {
-            m: t / 16,
-            n: t / 8,
-            steps: dk / 16,
-            a: &along("qs", pk),
-            b: &|k, j| along("ks", pk)(j, k),
-            init: None,
-            store: &store,
-        },
-    );
-    tc_product(
-        &mut w,
-        &Tc {
-            m: t / 16,
-            n: t / 8,
-            steps: dv / 16,
-            a: &along("gs", pv),
-            b: &|k, j| along("vs", pv)(j, k),
-            init: None,
-            store: &|i, j, acc| {
-                format!("dss[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
-            },
-        },
-    );
+    scores_and_dp(&mut w, mask, t, dk, dv, ("ps", "dss"));
     w.l("__syncthreads();");
     lines(
         &mut w,
@@ -429,27 +396,13 @@ __syncthreads();",
         ),
     );
     w.l("// p and ds = p·(dp − D)·scale as bf16 pairs, 0 where masked and outside the head.");
-    w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
-    w.l(format!("const int i = e / {h}, jw = e % {h};", h = t / 2));
-    w.l("unsigned pv2 = 0u, dv2 = 0u;");
-    w.open("for (int u = 0; u < 2; ++u)");
-    w.l("const int j = 2 * jw + u;");
-    w.l("float p = 0.0f, dsv = 0.0f;");
-    w.open("if (i < nq && j < nk)");
-    w.l("const long long qrow = q0 + i, krow = k0 + j;");
-    w.l("(void)qrow; (void)krow;");
-    w.l("p = ps[i * (T + 1) + j];");
-    w.l(format!(
-        "dsv = {} ? 0.0f : p * (dss[i * (T + 1) + j] - ds[i]) * sc;",
-        masked_out(mask)
-    ));
-    w.close();
-    w.l("pv2 |= (unsigned)kiln_f32_to_bf16(p) << (16 * u);");
-    w.l("dv2 |= (unsigned)kiln_f32_to_bf16(dsv) << (16 * u);");
-    w.close();
-    w.l(format!("pw[i * {pp} + jw] = pv2;"));
-    w.l(format!("dw[i * {pp} + jw] = dv2;"));
-    w.close();
+    pair_words(
+        &mut w,
+        mask,
+        t,
+        ("ps[i * (T + 1) + j]", "dss", "ds[i]"),
+        Some("pw"),
+    );
     w.l("__syncthreads();");
     w.l("// dq = ds·k, dk = dsᵀ·q, dv = pᵀ·g.");
     let store_to = |out: &'static str, bound: &'static str| {
@@ -492,15 +445,14 @@ __syncthreads();",
     function(name, ps, "heads b·h (tensor cores)", w)
 }
 
-/// `p = exp(s − m)/l` and `ds = p·(dp − D)·scale` of the tile's pairs as bf16 pairs into
-/// `pw` (when given) and `dw`, 0 where masked and outside the head: the score and `dp` from
-/// the float tiles `s` and `dp`, the row's `m`, `l`, `D` as C expressions of `i`.
+/// The probability `p` and `ds = p·(dp − D)·scale` of the tile's pairs as bf16 pairs into
+/// `pw` (when given) and `dw`, 0 where masked and outside the head: `p` and `D` are C
+/// expressions of `i` and `j`, `dp` the float tile of `g·vᵀ`.
 fn pair_words(
     w: &mut W,
     mask: MaskKind,
     t: usize,
-    (s, dp): (&str, &str),
-    (m, l, d): (&str, &str, &str),
+    (p, dp, d): (&str, &str, &str),
     pw: Option<&str>,
 ) {
     let pp = pitch(t);
@@ -513,7 +465,7 @@ fn pair_words(
     w.open("if (i < nq && j < nk)");
     w.l("const long long qrow = q0 + i, krow = k0 + j;");
     w.l("(void)qrow; (void)krow;");
-    w.l(format!("p = expf({s}[i * (T + 1) + j] - {m}) / {l};"));
+    w.l(format!("p = {p};"));
     w.l(format!(
         "dsv = {} ? 0.0f : p * ({dp}[i * (T + 1) + j] - {d}) * sc;",
         masked_out(mask)
@@ -635,14 +587,8 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
     w.l("__syncthreads();");
     scores_and_dp(&mut w, mask, t, dk, dv, ("ss", "dss"));
     w.l("__syncthreads();");
-    pair_words(
-        &mut w,
-        mask,
-        t,
-        ("ss", "dss"),
-        ("ms[i]", "ls[i]", "ds[i]"),
-        None,
-    );
+    let p = "expf(ss[i * (T + 1) + j] - ms[i]) / ls[i]";
+    pair_words(&mut w, mask, t, (p, "dss", "ds[i]"), None);
     w.l("__syncthreads();");
     w.l("// dq += ds·k.");
     tc_product(
@@ -659,14 +605,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
     );
     w.close();
     w.l("__syncthreads();");
-    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
-    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
-    w.l(format!(
-        "{} = {};",
-        at("dq", "bi", "hi", "q0 + i", "c"),
-        e.store("os[e]")
-    ));
-    w.close();
+    store_rows(&mut w, e, ("dq", "q0", "nq"), dk, "os[e]");
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉ (tensor cores)"), w)
@@ -727,14 +666,8 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
     w.l("__syncthreads();");
     scores_and_dp(&mut w, mask, t, dk, dv, ("ps", "dss"));
     w.l("__syncthreads();");
-    pair_words(
-        &mut w,
-        mask,
-        t,
-        ("ps", "dss"),
-        ("st[i * 3]", "st[i * 3 + 1]", "st[i * 3 + 2]"),
-        Some("pw"),
-    );
+    let p = "expf(ps[i * (T + 1) + j] - st[i * 3]) / st[i * 3 + 1]";
+    pair_words(&mut w, mask, t, (p, "dss", "st[i * 3 + 2]"), Some("pw"));
     w.l("__syncthreads();");
     w.l("// dv += pᵀ·g, dk += dsᵀ·q.");
     let p_t = |j: &str, i: &str| across("pw", pp)(i, j);
@@ -763,16 +696,8 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
     }
     w.close();
     w.l("__syncthreads();");
-    for (out, d, src) in [("dk", dk, "dks[e]"), ("dv", dv, "dvs[e]")] {
-        w.open(format!("for (int e = tid; e < nk * {d}; e += nt)"));
-        w.l(format!("const int j = e / {d}, c = e % {d};"));
-        w.l(format!(
-            "{} = {};",
-            at(out, "bi", "hi", "k0 + j", "c"),
-            e.store(src)
-        ));
-        w.close();
-    }
+    store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
+    store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
     w.close();
     w.close();
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉ (tensor cores)"), w)
@@ -793,7 +718,11 @@ mod tests {
                 Part::Short,
             ] {
                 let t = tile(part, d, d).expect("a tile");
-                assert!(fits(part, d, d), "{part:?} d={d}");
+                // The key side of heads of 128 gets 8-row tiles: the CUDA cores keep it
+                // (and, with it, the query side).
+                let wide_kv = part == Part::BackwardKv && d == 128;
+                assert_eq!(fits(part, d, d), !wide_kv, "{part:?} d={d}");
+                assert_eq!(t.is_multiple_of(16), !wide_kv, "{part:?} d={d}");
                 assert!(
                     shared_bytes(part, t, d, d) <= SHARED_BYTES,
                     "{part:?} d={d}"
