@@ -335,7 +335,14 @@ fn every_source_is_plausible_cuda() {
         let code_text = without_strings(&code_text);
         let b = code_text.as_bytes();
         for i in 1..b.len().saturating_sub(2) {
-            if b[i] == b'.' && b[i - 1].is_ascii_digit() {
+            // A number ends here: digits before the dot, begun by a digit (not a member
+            // access of a name ending in digits, `x0.w`).
+            let word = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+            let start = (0..i).rev().take_while(|&j| word(b[j])).last();
+            if b[i] == b'.'
+                && b[i - 1].is_ascii_digit()
+                && start.is_some_and(|j| b[j].is_ascii_digit())
+            {
                 assert_eq!(
                     &code_text[i..i + 3],
                     ".0f",

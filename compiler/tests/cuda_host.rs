@@ -412,7 +412,8 @@ fn dropout_masks_match_the_cpu_kernel_and_philox_bit_for_bit() {
 /// A rank-4 region (four elements per thread: the column steps and carries into three
 /// leading indices) over a contiguous input, a transposed one and one broadcast along two
 /// axes and its columns, with a dropout: bit-identical to the CPU kernel for shapes whose
-/// rows are not a multiple of four, on several grids.
+/// rows are not a multiple of four (one element at a time) and for shapes whose rows are
+/// (vector loads and stores), on several grids.
 #[test]
 fn rank_four_regions_carry_their_indices_as_the_cpu_does() {
     use kiln_compiler::ir::BinaryOp;
@@ -421,6 +422,10 @@ fn rank_four_regions_carry_their_indices_as_the_cpu_does() {
         ([2usize, 3, 5, 7], (3u32, 4u32)),
         ([1, 1, 3, 1], (1, 2)),
         ([3, 2, 1, 6], (2, 8)),
+        // Rows of 8 and 4: every group in one row, every stride a multiple of 4, so the
+        // groups take the vector loads.
+        ([2, 3, 5, 8], (3, 4)),
+        ([3, 2, 3, 4], (2, 32)),
     ] {
         let [a, b, c, d] = shape;
         let n = a * b * c * d;
@@ -2508,6 +2513,88 @@ fn same_as_f32(
     }
 }
 
+/// Integer and bool operands and an integer result through the regions' vector path
+/// (rows of 8 and 12: whole groups in a row) and a rank-1 region of 10 elements (two
+/// vector groups, then a group of two, one element at a time): bit-identical to the CPU
+/// kernel, and to the definition.
+#[test]
+fn integer_and_bool_regions_take_vector_loads_as_the_cpu_does() {
+    use kiln_compiler::ir::{BinaryOp, CmpOp};
+    let Some(cxx) = gxx() else { return };
+    for shape in [vec![3usize, 8], vec![2, 12], vec![10]] {
+        let n: usize = shape.iter().product();
+        let c = *shape.last().unwrap();
+        let dims_of: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let contiguous: Vec<isize> = if shape.len() == 2 {
+            vec![c as isize, 1]
+        } else {
+            vec![1]
+        };
+        // where(mask, x · f32(k), −x), then as i32 plus k (a float and an int result).
+        let float_out = Expr {
+            out: TensorType::new(DType::F32, Shape::consts(&dims_of)),
+            inputs: 3,
+            insts: vec![
+                Inst::In(0),
+                Inst::In(1),
+                Inst::In(2),
+                Inst::Cast(DType::F32, 2),
+                Inst::Bin(BinaryOp::Mul, 1, 3),
+                Inst::Un(kiln_compiler::ir::UnaryOp::Neg, 1),
+                Inst::Where(0, 4, 5),
+            ],
+        };
+        let int_out = Expr {
+            out: TensorType::new(DType::I32, Shape::consts(&dims_of)),
+            inputs: 3,
+            insts: vec![
+                Inst::In(1),
+                Inst::Cast(DType::I32, 0),
+                Inst::In(2),
+                Inst::Bin(BinaryOp::Add, 1, 2),
+                Inst::In(0),
+                Inst::Const(Float::new(0.0), DType::I32),
+                Inst::Where(4, 3, 5),
+                Inst::Const(Float::new(5.0), DType::I32),
+                Inst::Cmp(CmpOp::Lt, 6, 7),
+                Inst::Cast(DType::I32, 8),
+                Inst::Bin(BinaryOp::Mul, 6, 9),
+            ],
+        };
+        let dtypes = [DType::Bool, DType::F32, DType::I32];
+        let inner = [true, true, true];
+        let strides = vec![contiguous.clone(); 3];
+        let mut rng = Rng(n as u64 + 7);
+        let mask: Vec<i32> = (0..n).map(|i| ((i * 7 + 3) % 5 < 3) as i32).collect();
+        let ks: Vec<i32> = (0..n).map(|i| (i as i32 * 13) % 9 - 4).collect();
+        let xs = rng.floats(n, -8.0, 8.0);
+        for (what, expr) in [("float result", &float_out), ("int result", &int_out)] {
+            let f = cuda::region::region("region_0", expr, &inner, &dtypes).expect("emits");
+            let cpu = region::region_typed("region_0", expr, &inner, &dtypes).expect("CPU region");
+            let (dims, rows_n) = region::region_dims(expr, &shape, &strides, 1, 1);
+            let bufs = vec![i32s(&mask), xs.clone(), i32s(&ks), f32s(&vec![f32::NAN; n])];
+            let mut g = bufs.clone();
+            run_with(cxx, &f, &mut g, &dims, n as u64, (2, 32));
+            let mut h = bufs.clone();
+            run_cpu(&cpu, "region_0", &mut h, &dims, rows_n);
+            exact(&format!("{what} {shape:?}"), &g[3], &h[3]);
+            let x = as_f32(&xs);
+            for i in 0..n {
+                let got = &g[3][4 * i..4 * i + 4];
+                let m = mask[i] != 0;
+                if expr.out.dtype == DType::F32 {
+                    let want = if m { x[i] * ks[i] as f32 } else { -x[i] };
+                    assert_eq!(got, want.to_le_bytes(), "{what} {shape:?} element {i}");
+                } else {
+                    let v = if m { x[i] as i32 + ks[i] } else { 0 };
+                    let want = v * (v < 5) as i32;
+                    assert_eq!(got, want.to_le_bytes(), "{what} {shape:?} element {i}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
     let Some(cxx) = gxx() else { return };
@@ -2516,52 +2603,55 @@ fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
     let (b16, f) = (Some(Elem::Bf16), Some(Elem::F32));
     let mut rng = Rng(41);
 
-    // A region: bf16 activation · f32 row vector + dropout, max with a constant, into bf16.
-    let (r, c) = (6usize, 11usize);
-    let expr = Expr {
-        out: TensorType::new(DType::F32, Shape::consts(&[r as i64, c as i64])),
-        inputs: 2,
-        insts: vec![
-            Inst::In(0),
-            Inst::In(1),
-            Inst::Bin(BinaryOp::Mul, 0, 1),
-            Inst::Dropout(Float::new(0.2), 3, 2),
-            Inst::Const(Float::new(-0.5), DType::F32),
-            Inst::Bin(BinaryOp::Max, 3, 4),
-        ],
-    };
-    let inner = [true, true];
-    let dtypes = [DType::F32, DType::F32];
-    let strides = vec![vec![c as isize, 1], vec![0, 1]];
-    let (dims, _) = region::region_dims(&expr, &[r, c], &strides, 99, 4);
-    let mixed = cuda::region::region_as(
-        "region_0",
-        &expr,
-        &inner,
-        &dtypes,
-        &[Elem::Bf16, Elem::F32],
-        Elem::Bf16,
-    )
-    .unwrap();
-    assert!(
-        mixed.params[0].c_type == "const kiln_bf16*" && mixed.params[1].c_type == "const float*"
-    );
-    let plain = cuda::region::region("region_0", &expr, &inner, &dtypes).unwrap();
-    let bufs = vec![
-        rng.floats(r * c, -2.0, 2.0),
-        rng.floats(c, -1.0, 1.0),
-        zeros(r * c),
-    ];
-    same_as_f32(
-        cxx,
-        "region",
-        &mixed,
-        &plain,
-        &bufs,
-        &[b16, f, b16],
-        &[2],
-        (&dims, (r * c) as u64),
-    );
+    // A region: bf16 activation · f32 row vector + dropout, max with a constant, into bf16;
+    // rows of 11 (one element at a time) and of 12 (vector groups).
+    for (r, c) in [(6usize, 11usize), (5, 12)] {
+        let expr = Expr {
+            out: TensorType::new(DType::F32, Shape::consts(&[r as i64, c as i64])),
+            inputs: 2,
+            insts: vec![
+                Inst::In(0),
+                Inst::In(1),
+                Inst::Bin(BinaryOp::Mul, 0, 1),
+                Inst::Dropout(Float::new(0.2), 3, 2),
+                Inst::Const(Float::new(-0.5), DType::F32),
+                Inst::Bin(BinaryOp::Max, 3, 4),
+            ],
+        };
+        let inner = [true, true];
+        let dtypes = [DType::F32, DType::F32];
+        let strides = vec![vec![c as isize, 1], vec![0, 1]];
+        let (dims, _) = region::region_dims(&expr, &[r, c], &strides, 99, 4);
+        let mixed = cuda::region::region_as(
+            "region_0",
+            &expr,
+            &inner,
+            &dtypes,
+            &[Elem::Bf16, Elem::F32],
+            Elem::Bf16,
+        )
+        .unwrap();
+        assert!(
+            mixed.params[0].c_type == "const kiln_bf16*"
+                && mixed.params[1].c_type == "const float*"
+        );
+        let plain = cuda::region::region("region_0", &expr, &inner, &dtypes).unwrap();
+        let bufs = vec![
+            rng.floats(r * c, -2.0, 2.0),
+            rng.floats(c, -1.0, 1.0),
+            zeros(r * c),
+        ];
+        same_as_f32(
+            cxx,
+            "region",
+            &mixed,
+            &plain,
+            &bufs,
+            &[b16, f, b16],
+            &[2],
+            (&dims, (r * c) as u64),
+        );
+    }
     // A bf16 store of an integer region's output is refused.
     let ints = Expr {
         out: TensorType::new(DType::I32, Shape::consts(&[3])),

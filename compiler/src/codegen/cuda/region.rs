@@ -186,6 +186,79 @@ fn constant(d: DType, v: f64) -> String {
     }
 }
 
+/// `const T vk = …;` for every step of `expr`, input `i` read as `input(i)`.
+fn steps(w: &mut W, expr: &Expr, types: &[DType], input: impl Fn(usize) -> String) {
+    for (k, inst) in expr.insts.iter().enumerate() {
+        let v = |a: usize| format!("v{a}");
+        let rhs = match *inst {
+            Inst::In(i) => input(i),
+            Inst::Const(c, d) => constant(d, c.get()),
+            Inst::Un(u, a) => unary(u, types[a], &v(a)),
+            Inst::Bin(b, a, c) => binary(b, types[a], &v(a), &v(c)),
+            Inst::Cmp(c, a, b) => compare(c, &v(a), &v(b)),
+            Inst::Where(c, a, b) => format!("v{c} ? v{a} : v{b}"),
+            Inst::Cast(d, a) => cast(types[a], d, &v(a)),
+            Inst::Dropout(p, _, a) => {
+                let p = p.get();
+                let threshold = rng::dropout_threshold(p);
+                let scale = (1.0 / (1.0 - p)) as f32;
+                format!(
+                    "kiln_keep_word(kiln_word_of(dw{k}, (unsigned)u), {threshold}u) ? v{a} * {} : 0.0f",
+                    f32_lit(scale)
+                )
+            }
+        };
+        w.l(format!("const {} v{k} = {rhs};", reg(types[k])));
+    }
+}
+
+/// The vector of four stored elements: 16 bytes of words, or 8 of bf16.
+fn vector(e: Elem) -> &'static str {
+    match e {
+        Elem::F32 => "kiln_v16",
+        Elem::Bf16 => "kiln_v8",
+    }
+}
+
+/// Element `u` of the vector `q` of four stored elements of dtype `d`: a `float` or an
+/// `int` from a word, or a `kiln_bf16` (element 2k is the low half of word k).
+fn lane(e: Elem, d: DType, q: &str) -> String {
+    match e {
+        Elem::F32 if d == DType::F32 => format!("__int_as_float((int){q}.w[u])"),
+        Elem::F32 => format!("(int){q}.w[u]"),
+        Elem::Bf16 => format!("(kiln_bf16)({q}.w[u >> 1] >> (16 * (u & 1)))"),
+    }
+}
+
+/// `vec`: whether every group of four elements lies in one row (`C` a multiple of 4),
+/// every input read along the row starts each group on a vector boundary (its strides
+/// multiples of 4, its pointer aligned to four elements), the output is aligned too, and
+/// the row and leading indices fit in 32 bits. The same for every thread of a launch.
+fn vector_condition(
+    w: &mut W,
+    lead: usize,
+    n_in: usize,
+    used: &[bool],
+    inner: &[bool],
+    stored: &[Elem],
+    out: Elem,
+) {
+    let mut terms = vec!["items <= 2147483647LL".to_string()];
+    if lead > 0 {
+        terms.push("(C & 3) == 0".into());
+    }
+    let aligned =
+        |p: &str, e: Elem| format!("((unsigned long long){p} & {}u) == 0", 4 * e.bytes() - 1);
+    for i in (0..n_in).filter(|&i| used[i] && inner[i]) {
+        for k in 0..lead {
+            terms.push(format!("(dims.d[{}] & 3) == 0", 1 + lead + i * lead + k));
+        }
+        terms.push(aligned(&format!("in{i}"), stored[i]));
+    }
+    terms.push(aligned("out", out));
+    w.l(format!("const bool vec = {};", terms.join(" && ")));
+}
+
 /// The region kernel for `expr` with inputs of `in_dtypes`, innermost strides 1
 /// (`inner[k]`) or 0, every float buffer `float`.
 pub fn region(
@@ -274,6 +347,27 @@ pub fn region_as(
     // are tracked through it all the same when there are leading axes.
     let column = (0..n_in).any(|i| used[i] && inner[i]);
     let track_c = column || lead > 0;
+    // Input `i`'s value from its stored element `at`.
+    let read = |i: usize, at: &str| match in_dtypes[i] {
+        DType::Bool => format!("({at} != 0) ? 1 : 0"),
+        DType::F32 => in_elems[i].load(at),
+        _ => at.to_string(),
+    };
+    let out_store = if types[n - 1] == DType::F32 {
+        out_elem
+    } else {
+        Elem::F32
+    };
+    let stored: Vec<Elem> = (0..n_in)
+        .map(|i| {
+            if in_dtypes[i] == DType::F32 {
+                in_elems[i]
+            } else {
+                Elem::F32
+            }
+        })
+        .collect();
+    vector_condition(&mut w, lead, n_in, &used, inner, &stored, out_store);
     w.open(FOR_QUADS);
     w.l("const long long i0 = g << 2;");
     // One Philox block per dropout step: the words of the group's four elements.
@@ -284,6 +378,75 @@ pub fn region_as(
             ));
         }
     }
+    // A whole group in one row, every operand aligned: vector loads and one store.
+    w.open("if (vec && i0 + 3 < items)");
+    if lead > 0 && used.iter().any(|&u| u) {
+        w.l("const unsigned row = (unsigned)i0 / (unsigned)C;");
+        if column {
+            w.l("const unsigned c = (unsigned)i0 - row * (unsigned)C;");
+        }
+        w.l("unsigned rest = row;");
+        for k in (1..lead).rev() {
+            w.l(format!(
+                "const unsigned q{k} = rest / (unsigned)dims.d[{}];",
+                1 + k
+            ));
+            w.l(format!(
+                "const unsigned j{k} = rest - q{k} * (unsigned)dims.d[{}];",
+                1 + k
+            ));
+            w.l(format!("rest = q{k};"));
+        }
+        w.l("const unsigned j0 = rest;");
+    } else if lead == 0 && column {
+        w.l("const long long c = i0;");
+    }
+    for i in (0..n_in).filter(|&i| used[i]) {
+        let mut terms: Vec<String> = (0..lead)
+            .map(|k| format!("(long long)j{k} * dims.d[{}]", 1 + lead + i * lead + k))
+            .collect();
+        if inner[i] {
+            terms.push("c".into());
+        }
+        if terms.is_empty() {
+            terms.push("0".into());
+        }
+        w.l(format!("const long long o{i} = {};", terms.join(" + ")));
+        if inner[i] {
+            let v = vector(stored[i]);
+            w.l(format!("const {v} x{i} = *(const {v}*)(in{i} + o{i});"));
+        } else {
+            w.l(format!(
+                "const {} b{i} = {};",
+                reg(in_dtypes[i]),
+                read(i, &format!("in{i}[o{i}]"))
+            ));
+        }
+    }
+    let out_vec = vector(out_store);
+    w.l(format!("{out_vec} st = {{}};"));
+    w.open("for (int u = 0; u < 4; ++u)");
+    steps(&mut w, expr, &types, |i| {
+        if inner[i] {
+            read(i, &lane(stored[i], in_dtypes[i], &format!("x{i}")))
+        } else {
+            format!("b{i}")
+        }
+    });
+    let last = format!("v{}", n - 1);
+    let word = match (types[n - 1], out_store) {
+        (DType::F32, Elem::F32) => format!("(unsigned)__float_as_int({last})"),
+        (DType::F32, Elem::Bf16) => format!("(unsigned)kiln_f32_to_bf16({last})"),
+        _ => format!("(unsigned){last}"),
+    };
+    match out_store {
+        Elem::F32 => w.l(format!("st.w[u] = {word};")),
+        Elem::Bf16 => w.l(format!("st.w[u >> 1] |= {word} << (16 * (u & 1));")),
+    }
+    w.close();
+    w.l(format!("*({out_vec}*)(out + i0) = st;"));
+    w.l("continue;");
+    w.close();
     // The first element's row and column (the only divisions of the group).
     if lead > 0 {
         w.l("const long long row = i0 / C;");
@@ -336,30 +499,7 @@ pub fn region_as(
         }
         w.l(format!("const long long o{i} = {};", terms.join(" + ")));
     }
-    for (k, inst) in expr.insts.iter().enumerate() {
-        let v = |a: usize| format!("v{a}");
-        let rhs = match *inst {
-            Inst::In(i) if in_dtypes[i] == DType::Bool => format!("(in{i}[o{i}] != 0) ? 1 : 0"),
-            Inst::In(i) if in_dtypes[i] == DType::F32 => in_elems[i].load(&format!("in{i}[o{i}]")),
-            Inst::In(i) => format!("in{i}[o{i}]"),
-            Inst::Const(c, d) => constant(d, c.get()),
-            Inst::Un(u, a) => unary(u, types[a], &v(a)),
-            Inst::Bin(b, a, c) => binary(b, types[a], &v(a), &v(c)),
-            Inst::Cmp(c, a, b) => compare(c, &v(a), &v(b)),
-            Inst::Where(c, a, b) => format!("v{c} ? v{a} : v{b}"),
-            Inst::Cast(d, a) => cast(types[a], d, &v(a)),
-            Inst::Dropout(p, _, a) => {
-                let p = p.get();
-                let threshold = rng::dropout_threshold(p);
-                let scale = (1.0 / (1.0 - p)) as f32;
-                format!(
-                    "kiln_keep_word(kiln_word_of(dw{k}, (unsigned)u), {threshold}u) ? v{a} * {} : 0.0f",
-                    f32_lit(scale)
-                )
-            }
-        };
-        w.l(format!("const {} v{k} = {rhs};", reg(types[k])));
-    }
+    steps(&mut w, expr, &types, |i| read(i, &format!("in{i}[o{i}]")));
     let last = format!("v{}", n - 1);
     let value = if types[n - 1] == DType::F32 {
         out_elem.store(&last)

@@ -217,6 +217,8 @@ pub fn prelude() -> String {
     w.l("// Sixteen bytes as one load or store: four words, eight bf16 (element 2k the low half");
     w.l("// of word k) or four floats.");
     w.l("struct alignas(16) kiln_v16 { unsigned w[4]; };");
+    w.l("// Eight bytes: four bf16 (element 2k the low half of word k).");
+    w.l("struct alignas(8) kiln_v8 { unsigned w[2]; };");
     w.l("// Wrapping i32 arithmetic.");
     for (name, op) in [("add", "+"), ("sub", "-"), ("mul", "*")] {
         w.open(format!(
