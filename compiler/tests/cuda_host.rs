@@ -830,8 +830,10 @@ fn sum_rows_in_two_passes_matches_the_sum_and_the_cpu_kernel() {
         // Several chunks and column tiles, the last of each partial.
         (vec![150, 300], 256),
         (vec![2, 70, 130], 32),
-        // 22 chunks: the finish's running sums over two warps.
-        (vec![2, 700, 20], 64),
+        // 22 chunks: the finish's running sums over two warps (rows of 20: the vector
+        // loads, four rows at a time, then the rest).
+        (vec![2, 1400, 20], 64),
+        (vec![1, 301, 36], 256),
     ] {
         let n = *shape.last().unwrap();
         let rows: usize = shape[..shape.len() - 1].iter().product();
@@ -2687,21 +2689,25 @@ fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
         );
     }
 
-    // Bias gradients: bf16 rows summed into f32 (both passes).
-    let shape = [3usize, 50, 13];
+    // Bias gradients: bf16 rows summed into f32 (both passes); rows of 13 (a column at a
+    // time) and of 20 (vector loads).
     let (rows, n) = (150usize, 13usize);
-    let (dims, _) = misc::sum_rows_dims(&shape);
+    for n in [n, 20] {
+        let (dims, _) = misc::sum_rows_dims(&[3, 50, n]);
+        let chunks = cuda::misc::sum_rows_chunks(rows);
+        same_as_f32(
+            cxx,
+            &format!("sum_rows of rows of {n}"),
+            &cuda::misc::sum_rows_as("sum_rows_0", 2, Elem::Bf16).unwrap(),
+            &cuda::misc::sum_rows("sum_rows_0", 2).unwrap(),
+            &[rng.floats(rows * n, -1.0, 1.0), zeros(chunks * n)],
+            &[b16, f],
+            &[1],
+            (&dims, cuda::misc::sum_rows_items(rows, n) as u64),
+        );
+    }
+    let (dims, _) = misc::sum_rows_dims(&[3, 50, n]);
     let chunks = cuda::misc::sum_rows_chunks(rows);
-    same_as_f32(
-        cxx,
-        "sum_rows",
-        &cuda::misc::sum_rows_as("sum_rows_0", 2, Elem::Bf16).unwrap(),
-        &cuda::misc::sum_rows("sum_rows_0", 2).unwrap(),
-        &[rng.floats(rows * n, -1.0, 1.0), zeros(chunks * n)],
-        &[b16, f],
-        &[1],
-        (&dims, cuda::misc::sum_rows_items(rows, n) as u64),
-    );
     for y in [Elem::F32, Elem::Bf16] {
         same_as_f32(
             cxx,

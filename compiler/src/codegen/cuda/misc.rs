@@ -105,7 +105,7 @@ pub(crate) fn adam_math(w: &mut W) {
 
 /// Rows of one `sum_rows` partial sum (one block sums this many rows of
 /// [`SUM_ROWS_COLS`] columns).
-pub const SUM_ROWS_CHUNK: usize = 64;
+pub const SUM_ROWS_CHUNK: usize = 128;
 /// Columns of one `sum_rows` block: each lane of a warp [`SUM_ROWS_PER_LANE`] of them, 32
 /// apart, so that a warp reads 32 consecutive values of a row with each of its loads and
 /// has that many loads in flight.
@@ -144,9 +144,11 @@ fn open_sum_rows(name: &str, lead: usize, params: &[Param], shared: bool) -> Res
 /// The first of the two kernels summing the `lead` leading axes of `x[A0, …, A(L−1), n]`
 /// (read as `rows × n`, `rows = A0·…·A(L−1)`): block `(chunk, tile)` sums rows
 /// `[chunk·CHUNK, (chunk+1)·CHUNK)` of [`SUM_ROWS_COLS`] columns — each of the block's
-/// `blockDim / 32` warps every `blockDim / 32`-th row, a lane its columns `c`, `c + 32`,
-/// `c + 64`, `c + 96` of the tile in registers, then the warps' sums in warp order — into
-/// `part[chunk, n]`. [`sum_rows_finish`] adds the chunks in order. The order is fixed
+/// `blockDim / 32` warps every `blockDim / 32`-th row, a lane four columns of the tile in
+/// registers, then the warps' sums in warp order — into `part[chunk, n]`. The four are
+/// adjacent (one vector load a row, four rows at a time) where `n` is a multiple of 4
+/// and `x` aligned, else `c`, `c + 32`, `c + 64`, `c + 96`; each column's rows are added
+/// in the same order either way. [`sum_rows_finish`] adds the chunks in order. The order is fixed
 /// for a block size (the executor's is always `THREADS`) but not the CPU kernel's
 /// sequential one: the two agree within float rounding. Buffers `[x, part]`, dims
 /// `[A0, …, A(L−1), n]`, items [`sum_rows_items`].
@@ -172,6 +174,10 @@ pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, Str
     w.l("const int width = blockDim.x < 32 ? blockDim.x : 32;");
     w.l("const int lanes = blockDim.x < 32 ? 1 : blockDim.x / 32;");
     w.l("const int lane = threadIdx.x / width;");
+    w.l(format!(
+        "const bool vec = (n & 3) == 0 && ((unsigned long long)x & {}u) == 0;",
+        4 * xe.bytes() - 1
+    ));
     w.open(FOR_BLOCKS);
     w.l("const long long chunk = r / tiles;");
     w.l(format!(
@@ -182,7 +188,45 @@ pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, Str
         "const long long r1 = r0 + {SUM_ROWS_CHUNK} < rows ? r0 + {SUM_ROWS_CHUNK} : rows;"
     ));
     let per = SUM_ROWS_PER_LANE;
-    w.open("if (lane < lanes)");
+    w.open("if (lane < lanes && vec)");
+    // Rows of a multiple of 4 from an aligned start: a lane sums 4 adjacent columns,
+    // each row one vector load, four rows' loads at a time (the same rows in the same
+    // order as below).
+    let q = xe.quad();
+    w.open(format!(
+        "for (int cb = 4 * (threadIdx.x % width); cb < {SUM_ROWS_COLS}; cb += 4 * width)"
+    ));
+    w.l("float s[4];");
+    w.l("for (int u = 0; u < 4; ++u) s[u] = 0.0f;");
+    w.open("if (col0 + cb < n)");
+    w.l("const long long at = col0 + cb;");
+    w.l("long long k = r0 + lane;");
+    w.open("for (; k + 3 * (long long)lanes < r1; k += 4 * (long long)lanes)");
+    w.l(format!("{q} a[4];"));
+    w.l(format!(
+        "for (int h = 0; h < 4; ++h) a[h] = *(const {q}*)(x + (k + h * (long long)lanes) * n + at);"
+    ));
+    w.open("for (int h = 0; h < 4; ++h)");
+    w.l(format!(
+        "for (int u = 0; u < 4; ++u) s[u] = s[u] + {};",
+        xe.quad_lane("a[h]", "u")
+    ));
+    w.close();
+    w.close();
+    w.open("for (; k < r1; k += lanes)");
+    w.l(format!("const {q} a = *(const {q}*)(x + k * n + at);"));
+    w.l(format!(
+        "for (int u = 0; u < 4; ++u) s[u] = s[u] + {};",
+        xe.quad_lane("a", "u")
+    ));
+    w.close();
+    w.close();
+    w.l(format!(
+        "for (int u = 0; u < 4; ++u) sh[lane * {SUM_ROWS_COLS} + cb + u] = s[u];"
+    ));
+    w.close();
+    w.close();
+    w.open("else if (lane < lanes)");
     w.open(format!(
         "for (int cb = threadIdx.x % width; cb < {SUM_ROWS_COLS}; cb += width * {per})"
     ));

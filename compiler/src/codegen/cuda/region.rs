@@ -212,22 +212,29 @@ fn steps(w: &mut W, expr: &Expr, types: &[DType], input: impl Fn(usize) -> Strin
     }
 }
 
-/// The vector of four stored elements: 16 bytes of words, or 8 of bf16.
-fn vector(e: Elem) -> &'static str {
-    match e {
-        Elem::F32 => "kiln_v16",
-        Elem::Bf16 => "kiln_v8",
+/// Element `u` of the vector `q` of four stored elements of dtype `d`: a `float`, or an
+/// `int` from a word.
+fn lane(e: Elem, d: DType, q: &str) -> String {
+    if d == DType::F32 {
+        e.quad_lane(q, "u")
+    } else {
+        format!("(int){q}.w[u]")
     }
 }
 
-/// Element `u` of the vector `q` of four stored elements of dtype `d`: a `float` or an
-/// `int` from a word, or a `kiln_bf16` (element 2k is the low half of word k).
-fn lane(e: Elem, d: DType, q: &str) -> String {
-    match e {
-        Elem::F32 if d == DType::F32 => format!("__int_as_float((int){q}.w[u])"),
-        Elem::F32 => format!("(int){q}.w[u]"),
-        Elem::Bf16 => format!("(kiln_bf16)({q}.w[u >> 1] >> (16 * (u & 1)))"),
+/// `o{i}`, input `i`'s element offset: its strides times the leading indices `j0`, …
+/// (each cast by `cast`), plus the column `c` if it reads along the row.
+fn offset(lead: usize, i: usize, inner: bool, cast: &str) -> String {
+    let mut terms: Vec<String> = (0..lead)
+        .map(|k| format!("{cast}j{k} * dims.d[{}]", 1 + lead + i * lead + k))
+        .collect();
+    if inner {
+        terms.push("c".into());
     }
+    if terms.is_empty() {
+        terms.push("0".into());
+    }
+    format!("const long long o{i} = {};", terms.join(" + "))
 }
 
 /// `vec`: whether every group of four elements lies in one row (`C` a multiple of 4),
@@ -402,18 +409,9 @@ pub fn region_as(
         w.l("const long long c = i0;");
     }
     for i in (0..n_in).filter(|&i| used[i]) {
-        let mut terms: Vec<String> = (0..lead)
-            .map(|k| format!("(long long)j{k} * dims.d[{}]", 1 + lead + i * lead + k))
-            .collect();
+        w.l(offset(lead, i, inner[i], "(long long)"));
         if inner[i] {
-            terms.push("c".into());
-        }
-        if terms.is_empty() {
-            terms.push("0".into());
-        }
-        w.l(format!("const long long o{i} = {};", terms.join(" + ")));
-        if inner[i] {
-            let v = vector(stored[i]);
+            let v = stored[i].quad();
             w.l(format!("const {v} x{i} = *(const {v}*)(in{i} + o{i});"));
         } else {
             w.l(format!(
@@ -423,12 +421,17 @@ pub fn region_as(
             ));
         }
     }
-    let out_vec = vector(out_store);
+    let out_vec = out_store.quad();
     w.l(format!("{out_vec} st = {{}};"));
     w.open("for (int u = 0; u < 4; ++u)");
     steps(&mut w, expr, &types, |i| {
         if inner[i] {
-            read(i, &lane(stored[i], in_dtypes[i], &format!("x{i}")))
+            let x = lane(stored[i], in_dtypes[i], &format!("x{i}"));
+            if in_dtypes[i] == DType::Bool {
+                format!("({x} != 0) ? 1 : 0")
+            } else {
+                x
+            }
         } else {
             format!("b{i}")
         }
@@ -484,20 +487,8 @@ pub fn region_as(
         }
         w.close();
     }
-    for i in 0..n_in {
-        if !used[i] {
-            continue;
-        }
-        let mut terms: Vec<String> = (0..lead)
-            .map(|k| format!("j{k} * dims.d[{}]", 1 + lead + i * lead + k))
-            .collect();
-        if inner[i] {
-            terms.push("c".into());
-        }
-        if terms.is_empty() {
-            terms.push("0".into());
-        }
-        w.l(format!("const long long o{i} = {};", terms.join(" + ")));
+    for i in (0..n_in).filter(|&i| used[i]) {
+        w.l(offset(lead, i, inner[i], ""));
     }
     steps(&mut w, expr, &types, |i| read(i, &format!("in{i}[o{i}]")));
     let last = format!("v{}", n - 1);

@@ -111,6 +111,26 @@ impl Elem {
         }
     }
 
+    /// The vector type of four elements: `kiln_v16` (four words) or `kiln_v8` (four
+    /// bf16), each loaded or stored as one access.
+    pub fn quad(self) -> &'static str {
+        match self {
+            Elem::F32 => "kiln_v16",
+            Elem::Bf16 => "kiln_v8",
+        }
+    }
+
+    /// Element `u` of the [`Elem::quad`] vector `q`, as a `float` (a bf16 element 2k is
+    /// the low half of word k).
+    pub fn quad_lane(self, q: &str, u: &str) -> String {
+        match self {
+            Elem::F32 => format!("__int_as_float((int){q}.w[{u}])"),
+            Elem::Bf16 => {
+                format!("kiln_bf16_to_f32((kiln_bf16)({q}.w[{u} >> 1] >> (16 * ({u} & 1))))")
+            }
+        }
+    }
+
     /// Bytes per element.
     pub fn bytes(self) -> usize {
         match self {
