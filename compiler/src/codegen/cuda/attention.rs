@@ -605,19 +605,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
     w.l(format!(
         "for (int c = 0; c < {dv}; ++c) d = d + gs[i * {pv} + c] * os[i * {dv} + c];"
     ));
-    w.l("ds[i] = d / ls[i];");
-    w.l("float* st = stats + (bh * tq + q0 + i) * 3;");
-    w.l("st[0] = ms[i];");
-    w.l("st[1] = ls[i];");
-    w.l("st[2] = ds[i];");
-    w.close();
-    w.l("__syncthreads();");
-    w.l(format!(
-        "for (int e = tid; e < T * {dk}; e += nt) os[e] = 0.0f;"
-    ));
-    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
-    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
-    w.l("__syncthreads();");
+    stats_then_dq(&mut w, dk);
     load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
     load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
     w.l("__syncthreads();");
@@ -875,6 +863,25 @@ __syncthreads();",
     w.close();
     w.close();
     function(name, ps, "heads b·h", w)
+}
+
+/// Ends a row loop that summed `d` (row `i`'s Σ g·o): `D = d / l` into `ds`, the row's
+/// statistics `(m, l, D)` into `stats`, then zeroes the `dq` accumulators `os` and opens
+/// the loop over key tiles (`k0`, `nk` keys), past its first barrier.
+pub(super) fn stats_then_dq(w: &mut W, dk: usize) {
+    w.l("ds[i] = d / ls[i];");
+    w.l("float* st = stats + (bh * tq + q0 + i) * 3;");
+    w.l("st[0] = ms[i];");
+    w.l("st[1] = ls[i];");
+    w.l("st[2] = ds[i];");
+    w.close();
+    w.l("__syncthreads();");
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) os[e] = 0.0f;"
+    ));
+    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
+    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
+    w.l("__syncthreads();");
 }
 
 #[cfg(test)]

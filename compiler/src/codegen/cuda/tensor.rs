@@ -569,19 +569,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
         "d = d + kiln_bf16_hi(x) * os[i * {dv} + 2 * cw + 1];"
     ));
     w.close();
-    w.l("ds[i] = d / ls[i];");
-    w.l("float* st = stats + (bh * tq + q0 + i) * 3;");
-    w.l("st[0] = ms[i];");
-    w.l("st[1] = ls[i];");
-    w.l("st[2] = ds[i];");
-    w.close();
-    w.l("__syncthreads();");
-    w.l(format!(
-        "for (int e = tid; e < T * {dk}; e += nt) os[e] = 0.0f;"
-    ));
-    w.open("for (long long k0 = 0; k0 < tk; k0 += T)");
-    w.l("const int nk = (int)(tk - k0 < T ? tk - k0 : T);");
-    w.l("__syncthreads();");
+    super::attention::stats_then_dq(&mut w, dk);
     stage(&mut w, "ks", "k", dk, "k0", "nk");
     stage(&mut w, "vs", "v", dv, "k0", "nk");
     w.l("__syncthreads();");
