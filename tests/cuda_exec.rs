@@ -66,10 +66,36 @@ fn compile_spec(dir: &Path, spec: &str, sets: &[&str], target: &str) -> Artifact
     Artifact::load(&art).unwrap()
 }
 
-/// The tiny model's CUDA artifact, compiled once per test binary.
+/// The tiny model's CUDA artifact, compiled once per test process, in a directory of
+/// its own: a runner that starts a process per test (`cargo nextest`) would otherwise
+/// have one process clear the artifact another is reading. Those of processes a day
+/// old are removed.
 fn cuda_artifact() -> &'static Artifact {
     static ART: OnceLock<Artifact> = OnceLock::new();
-    ART.get_or_init(|| compile(&tmp("cuda"), "cuda"))
+    ART.get_or_init(|| {
+        let dir = tmp(&format!("cuda.{}", std::process::id()));
+        let day = std::time::Duration::from_secs(86_400);
+        let prefix = format!(
+            "{}.",
+            dir.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .split('.')
+                .next()
+                .unwrap()
+        );
+        for e in std::fs::read_dir(dir.parent().unwrap()).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|a| a > day));
+            if name.starts_with(&prefix) && old {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        compile(&dir, "cuda")
+    })
 }
 
 #[test]

@@ -418,11 +418,11 @@ mod tests {
         assert_eq!(Launch::relu(1000).dims, misc::relu_dims(1000).0);
         assert_eq!(Launch::adam(77).items, 77);
         assert_eq!(Launch::adam(77).dims, misc::adam_update_dims(77).0);
-        // sum_rows: CPU items column groups, GPU chunks of 64 rows × tiles of 128 columns.
+        // sum_rows: CPU items column groups, GPU chunks of 128 rows × tiles of 128 columns.
         let (s, f) = Launch::sum_rows(&[2, 300, 9]);
         assert_eq!(
             (s.dims.clone(), s.items),
-            (misc::sum_rows_dims(&[2, 300, 9]).0, 10)
+            (misc::sum_rows_dims(&[2, 300, 9]).0, 5)
         );
         assert_eq!((f.dims, f.items), (s.dims, 1));
         assert_eq!(Launch::sum_rows(&[0, 40]).0.items, 1);

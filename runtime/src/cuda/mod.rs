@@ -256,6 +256,9 @@ pub struct PtxasFunction {
     /// Bytes of registers spilled to local memory, stored and loaded.
     pub spill_stores: u32,
     pub spill_loads: u32,
+    /// Bytes of the stack frame (local memory: spills, and arrays indexed by values the
+    /// compiler could not resolve).
+    pub stack: u32,
     /// Bytes of static shared memory.
     pub shared: u32,
 }
@@ -323,10 +326,12 @@ pub fn ptxas_report(log: &str) -> Vec<PtxasFunction> {
                 registers: 0,
                 spill_stores: 0,
                 spill_loads: 0,
+                stack: 0,
                 shared: 0,
             });
         } else if let Some(f) = out.last_mut() {
             if line.contains("spill stores") {
+                f.stack = number_before(line, "bytes stack frame").unwrap_or(u32::MAX);
                 f.spill_stores = number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
                 f.spill_loads = number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
             } else if line.contains("Used ") && line.contains(" registers") {
@@ -364,6 +369,7 @@ mod tests {
             registers,
             spill_stores: 0,
             spill_loads: 0,
+            stack: 0,
             shared,
         };
         // 32 registers, no shared memory: 8 blocks of 256 fill the SM's 2,048 threads.

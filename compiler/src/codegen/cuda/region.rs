@@ -423,6 +423,7 @@ pub fn region_as(
     }
     let out_vec = out_store.quad();
     w.l(format!("{out_vec} st = {{}};"));
+    w.l("KILN_UNROLL");
     w.open("for (int u = 0; u < 4; ++u)");
     steps(&mut w, expr, &types, |i| {
         if inner[i] {

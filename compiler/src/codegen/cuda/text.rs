@@ -239,6 +239,14 @@ pub fn prelude() -> String {
     w.l("struct alignas(16) kiln_v16 { unsigned w[4]; };");
     w.l("// Eight bytes: four bf16 (element 2k the low half of word k).");
     w.l("struct alignas(8) kiln_v8 { unsigned w[2]; };");
+    w.l("// Before a loop over a vector's elements: unrolled on the device, so that the");
+    w.l("// vectors' words are registers (an index the compiler cannot resolve puts them in");
+    w.l("// local memory).");
+    w.l("#if defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__)");
+    w.l("#define KILN_UNROLL _Pragma(\"unroll\")");
+    w.l("#else");
+    w.l("#define KILN_UNROLL");
+    w.l("#endif");
     w.l("// Wrapping i32 arithmetic.");
     for (name, op) in [("add", "+"), ("sub", "-"), ("mul", "*")] {
         w.open(format!(
