@@ -75,22 +75,15 @@ fn cuda_artifact() -> &'static Artifact {
     ART.get_or_init(|| {
         let dir = tmp(&format!("cuda.{}", std::process::id()));
         let day = std::time::Duration::from_secs(86_400);
-        let prefix = format!(
-            "{}.",
-            dir.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .split('.')
-                .next()
-                .unwrap()
-        );
+        let own = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let prefix = &own[..=own.rfind('.').unwrap()];
         for e in std::fs::read_dir(dir.parent().unwrap()).unwrap().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let old = e
                 .metadata()
                 .and_then(|m| m.modified())
                 .is_ok_and(|t| t.elapsed().is_ok_and(|a| a > day));
-            if name.starts_with(&prefix) && old {
+            if name.starts_with(prefix) && old {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }

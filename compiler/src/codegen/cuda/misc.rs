@@ -106,9 +106,9 @@ pub(crate) fn adam_math(w: &mut W) {
 /// Rows of one `sum_rows` partial sum (one block sums this many rows of
 /// [`SUM_ROWS_COLS`] columns).
 pub const SUM_ROWS_CHUNK: usize = 128;
-/// Columns of one `sum_rows` block: each lane of a warp [`SUM_ROWS_PER_LANE`] of them, 32
-/// apart, so that a warp reads 32 consecutive values of a row with each of its loads and
-/// has that many loads in flight.
+/// Columns of one `sum_rows` block: each lane of a warp [`SUM_ROWS_PER_LANE`] of them,
+/// adjacent (one vector load a row) where the rows allow it, else 32 apart (a warp reads
+/// 32 consecutive values of a row with each of its loads, that many loads in flight).
 pub const SUM_ROWS_COLS: usize = 128;
 /// Columns of one lane of `sum_rows` (a warp of 32).
 pub const SUM_ROWS_PER_LANE: usize = SUM_ROWS_COLS / 32;

@@ -212,16 +212,6 @@ fn steps(w: &mut W, expr: &Expr, types: &[DType], input: impl Fn(usize) -> Strin
     }
 }
 
-/// Element `u` of the vector `q` of four stored elements of dtype `d`: a `float`, or an
-/// `int` from a word.
-fn lane(e: Elem, d: DType, q: &str) -> String {
-    if d == DType::F32 {
-        e.quad_lane(q, "u")
-    } else {
-        format!("(int){q}.w[u]")
-    }
-}
-
 /// `o{i}`, input `i`'s element offset: its strides times the leading indices `j0`, …
 /// (each cast by `cast`), plus the column `c` if it reads along the row.
 fn offset(lead: usize, i: usize, inner: bool, cast: &str) -> String {
@@ -360,21 +350,17 @@ pub fn region_as(
         DType::F32 => in_elems[i].load(at),
         _ => at.to_string(),
     };
-    let out_store = if types[n - 1] == DType::F32 {
-        out_elem
-    } else {
-        Elem::F32
+    // Element `u` of input `i`'s vector `x{i}` (a word, or half of one in bf16).
+    let read_lane = |i: usize| {
+        let x = format!("x{i}");
+        match in_dtypes[i] {
+            DType::Bool => format!("({x}.w[u] != 0) ? 1 : 0"),
+            DType::F32 => in_elems[i].quad_lane(&x, "u"),
+            _ => format!("(int){x}.w[u]"),
+        }
     };
-    let stored: Vec<Elem> = (0..n_in)
-        .map(|i| {
-            if in_dtypes[i] == DType::F32 {
-                in_elems[i]
-            } else {
-                Elem::F32
-            }
-        })
-        .collect();
-    vector_condition(&mut w, lead, n_in, &used, inner, &stored, out_store);
+    // (Integer and bool buffers are checked above to be `Elem::F32`: 4-byte words.)
+    vector_condition(&mut w, lead, n_in, &used, inner, in_elems, out_elem);
     w.open(FOR_QUADS);
     w.l("const long long i0 = g << 2;");
     // One Philox block per dropout step: the words of the group's four elements.
@@ -411,7 +397,7 @@ pub fn region_as(
     for i in (0..n_in).filter(|&i| used[i]) {
         w.l(offset(lead, i, inner[i], "(long long)"));
         if inner[i] {
-            let v = stored[i].quad();
+            let v = in_elems[i].quad();
             w.l(format!("const {v} x{i} = *(const {v}*)(in{i} + o{i});"));
         } else {
             w.l(format!(
@@ -421,29 +407,24 @@ pub fn region_as(
             ));
         }
     }
-    let out_vec = out_store.quad();
+    let out_vec = out_elem.quad();
     w.l(format!("{out_vec} st = {{}};"));
     w.l("KILN_UNROLL");
     w.open("for (int u = 0; u < 4; ++u)");
     steps(&mut w, expr, &types, |i| {
         if inner[i] {
-            let x = lane(stored[i], in_dtypes[i], &format!("x{i}"));
-            if in_dtypes[i] == DType::Bool {
-                format!("({x} != 0) ? 1 : 0")
-            } else {
-                x
-            }
+            read_lane(i)
         } else {
             format!("b{i}")
         }
     });
     let last = format!("v{}", n - 1);
-    let word = match (types[n - 1], out_store) {
+    let word = match (types[n - 1], out_elem) {
         (DType::F32, Elem::F32) => format!("(unsigned)__float_as_int({last})"),
         (DType::F32, Elem::Bf16) => format!("(unsigned)kiln_f32_to_bf16({last})"),
         _ => format!("(unsigned){last}"),
     };
-    match out_store {
+    match out_elem {
         Elem::F32 => w.l(format!("st.w[u] = {word};")),
         Elem::Bf16 => w.l(format!("st.w[u >> 1] |= {word} << (16 * (u & 1));")),
     }
