@@ -497,9 +497,32 @@ fn gpu_attention_results_with_heads_merged_give_the_older_artifacts_bits() {
         return;
     }
     let art = cuda_artifact();
-    // The same artifact as an older kiln wrote it: every attention kernel's flag cleared,
-    // the manifest's hash recomputed (the files it lists are unchanged).
-    let old_dir = tmp("older_attention");
+    let (old, attentions) = older_attention(art, "older_attention");
+    let new_gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
+    let old_gpu = CudaExecutor::from_artifact_entry(&old, "train_step").unwrap();
+    let (inputs, params) = feeds(new_gpu.graph(), art, 9);
+    let opts = RunOptions {
+        seed: 3,
+        step: 2,
+        ..RunOptions::default()
+    };
+    let a = new_gpu.run(&inputs, &params, &opts).unwrap();
+    let b = old_gpu.run(&inputs, &params, &opts).unwrap();
+    assert_eq!(new_gpu.view_copies(), (0, 0));
+    let (n, bytes) = old_gpu.view_copies();
+    // At least each attention's output and each backward's dq, dk and dv.
+    assert!(n >= 4 * attentions, "{n} copies of {bytes} bytes");
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x.data == y.data, "{name} differs");
+    }
+}
+
+/// `art` as an older kiln wrote it (into `tmp(name)`): every attention kernel's
+/// `strided_results` cleared, the manifest's hash recomputed (the files it lists are
+/// unchanged). Its programs copy each attention's result before its readers. Also the
+/// count of the training step's forward attention kernels.
+fn older_attention(art: &Artifact, name: &str) -> (Artifact, usize) {
+    let old_dir = tmp(name);
     for f in walk(&art.dir) {
         let to = old_dir.join(f.strip_prefix(&art.dir).unwrap());
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
@@ -536,22 +559,55 @@ fn gpu_attention_results_with_heads_merged_give_the_older_artifacts_bits() {
     let old = Artifact::load(&old_dir).unwrap();
     let text = std::fs::read_to_string(old_dir.join("manifest.json")).unwrap();
     assert!(!text.contains("strided_results"), "left out when false");
-    let new_gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
-    let old_gpu = CudaExecutor::from_artifact_entry(&old, "train_step").unwrap();
-    let (inputs, params) = feeds(new_gpu.graph(), art, 9);
-    let opts = RunOptions {
-        seed: 3,
-        step: 2,
-        ..RunOptions::default()
+    (old, attentions)
+}
+
+/// The views' and kernel results' locations are bound once per dims and kept. A run at
+/// dims met before, after a larger batch grew the arena and with new inputs, gives the
+/// bits of a fresh executor: with and without view copies (the older artifact's), in
+/// f32 and in mixed precision.
+#[test]
+fn gpu_bindings_kept_by_dims_give_a_fresh_executors_bits() {
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let (old, _) = older_attention(art, "older_bindings");
+    let mixed = CudaOptions {
+        mixed: true,
+        ..CudaOptions::default()
     };
-    let a = new_gpu.run(&inputs, &params, &opts).unwrap();
-    let b = old_gpu.run(&inputs, &params, &opts).unwrap();
-    assert_eq!(new_gpu.view_copies(), (0, 0));
-    let (n, bytes) = old_gpu.view_copies();
-    // At least each attention's output and each backward's dq, dk and dv.
-    assert!(n >= 4 * attentions, "{n} copies of {bytes} bytes");
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        assert!(x.data == y.data, "{name} differs");
+    for (label, art) in [("new", art), ("older", &old)] {
+        for options in [CudaOptions::default(), mixed] {
+            let what = format!("{label} artifact, mixed: {}", options.mixed);
+            let gpu = CudaExecutor::with_options(art, "train_step", options).unwrap();
+            let (first, params) = feeds(gpu.graph(), art, 9);
+            let (larger, _) = feeds_sized(gpu.graph(), art, 10, &[4, 11, 9, 4]);
+            let (again, _) = feeds(gpu.graph(), art, 11);
+            let opts = |seed| RunOptions {
+                seed,
+                step: 2,
+                ..RunOptions::default()
+            };
+            gpu.run(&first, &params, &opts(3)).unwrap();
+            let small = gpu.arena_bytes();
+            gpu.run(&larger, &params, &opts(4)).unwrap();
+            assert!(gpu.arena_bytes() > small, "{what}: the arena grew");
+            let got = gpu.run(&again, &params, &opts(5)).unwrap();
+            assert_eq!(
+                gpu.binding_counts(),
+                (2, 1),
+                "{what}: made twice, kept once"
+            );
+            let fresh = CudaExecutor::with_options(art, "train_step", options).unwrap();
+            let want = fresh.run(&again, &params, &opts(5)).unwrap();
+            assert_eq!(fresh.binding_counts(), (1, 0), "{what}");
+            assert_eq!(gpu.view_copies(), fresh.view_copies(), "{what}");
+            assert_eq!(got.len(), want.len());
+            for ((name, x), (_, y)) in want.iter().zip(&got) {
+                assert!(x.data == y.data, "{what}: {name} differs");
+            }
+        }
     }
 }
 

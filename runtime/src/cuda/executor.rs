@@ -41,7 +41,7 @@ use kiln_compiler::codegen::cuda::text::Elem;
 use kiln_compiler::codegen::cuda::{cast, optim, CudaCode, Work};
 use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
-use kiln_compiler::ir::{DType, Graph, Op};
+use kiln_compiler::ir::{DType, Graph, NodeId, Op};
 use kiln_compiler::optimize::kernels::{Def, KernelGraph};
 use kiln_compiler::plan::{LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
@@ -96,6 +96,12 @@ struct State {
     epilogues: (usize, usize),
     /// The last run's view copies: how many, and their bytes in all.
     view_copies: (usize, usize),
+    /// The views' and kernel results' locations by dims (at most [`Bound::KEPT`]; it
+    /// starts over when full).
+    bound: HashMap<BTreeMap<String, i64>, Arc<Bound>>,
+    /// Runs so far that bound their views and kernel results afresh, and that reused
+    /// those kept for their dims.
+    binds: (usize, usize),
 }
 
 /// Parameters, gradient accumulators and Adam's moments on the device, by parameter
@@ -252,6 +258,10 @@ pub struct CudaExecutor {
     merged: std::collections::HashSet<(usize, usize)>,
     /// The plan's layouts by dims.
     layouts: LayoutCache,
+    /// The inputs, parameters and constants of `kg`, in value order, with the graph's
+    /// node of each input and parameter (looked up once: by name, a parameter's lookup
+    /// scans the graph's ~250 parameters).
+    sources: Vec<(usize, Option<NodeId>)>,
     steps: Vec<Step>,
     copy: Option<String>,
     /// The 2-byte strided copy ([`CudaOptions::mixed`]).
@@ -667,6 +677,17 @@ impl CudaExecutor {
             .map(|(i, b)| ((b.value, b.output), i))
             .collect();
         let merged = heads_merged(&kg, &program.steps);
+        let sources = kg
+            .values
+            .iter()
+            .enumerate()
+            .filter_map(|(v, val)| match &val.def {
+                Def::Input(name) => Some((v, graph.input(name))),
+                Def::Param(name) => Some((v, graph.param(name))),
+                Def::Const(..) => Some((v, None)),
+                _ => None,
+            })
+            .collect();
         Ok(CudaExecutor {
             graph,
             kg,
@@ -674,6 +695,7 @@ impl CudaExecutor {
             buffer_at,
             merged,
             layouts: LayoutCache::default(),
+            sources,
             steps: program.steps,
             copy: program.copy,
             copy16: program.copy16,
@@ -685,6 +707,8 @@ impl CudaExecutor {
                 training: None,
                 epilogues: (0, 0),
                 view_copies: (0, 0),
+                bound: HashMap::new(),
+                binds: (0, 0),
             }),
             pool: Arc::new(Pool::default()),
             bf16: options.bf16 || options.mixed,
@@ -699,6 +723,131 @@ impl CudaExecutor {
 
     /// The device dtype of output `k` of kernel-graph value `v`: `BF16` where the
     /// mixed-precision plan keeps it in bf16 ([`CudaOptions::mixed`]), else its dtype.
+    /// Binds the views and kernel results (every value but the sources, whose locations
+    /// `locs` already holds) at dims `dims`, the arena at `base`.
+    fn bind_derived(
+        &self,
+        dims: &BTreeMap<String, i64>,
+        base: u64,
+        layout: &kiln_compiler::plan::ArenaLayout,
+        locs: &mut [Vec<DLoc>],
+    ) -> Result<Derived, ExecError> {
+        let node_err = |v: usize, m: String| ExecError::Node {
+            node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
+            message: m,
+        };
+        let n = self.kg.values.len();
+        let mut d = Derived {
+            needs: vec![Vec::new(); n],
+            copies: Vec::new(),
+            roots: vec![Root::Source; n],
+        };
+        // The copy whose buffer each value's location starts at.
+        let mut origin: Vec<Option<usize>> = vec![None; n];
+        for (v, val) in self.kg.values.iter().enumerate() {
+            if matches!(val.def, Def::Input(_) | Def::Param(_) | Def::Const(..)) {
+                continue;
+            }
+            let shapes: Vec<Vec<usize>> = val
+                .types
+                .iter()
+                .map(|t| t.shape.eval(dims))
+                .collect::<Result<_, _>>()
+                .map_err(|m| node_err(v, m))?;
+            let mut need = Vec::new();
+            let mut from: Option<usize> = None;
+            let (loc, root) = match &val.def {
+                Def::View(op, x) => {
+                    let src = locs[*x][0].clone();
+                    need = d.needs[*x].clone();
+                    from = origin[*x];
+                    let layout = match op {
+                        Op::Reshape { .. } => src.layout.reshape(&shapes[0]),
+                        Op::Permute { perm } => Some(src.layout.permute(perm)),
+                        Op::Broadcast { .. } => Some(src.layout.broadcast(&shapes[0])),
+                        other => {
+                            return Err(node_err(v, format!("`{}` is not a view", other.name())))
+                        }
+                    };
+                    // A view of a bf16 buffer is bf16.
+                    let dtype = if src.is_bf16() {
+                        DType::BF16
+                    } else {
+                        val.types[0].dtype
+                    };
+                    let root = match d.roots[*x] {
+                        Root::Source => Root::Of(*x),
+                        r => r,
+                    };
+                    match layout {
+                        Some(layout) => (
+                            vec![DLoc {
+                                ptr: src.ptr,
+                                layout,
+                                dtype,
+                            }],
+                            root,
+                        ),
+                        None => {
+                            // Placed when it is made.
+                            d.copies.push(CopyPlan {
+                                src: *x,
+                                words: words_of(dtype, src.numel()),
+                                users: Vec::new(),
+                            });
+                            from = Some(d.copies.len() - 1);
+                            need.push(d.copies.len() - 1);
+                            (
+                                vec![DLoc {
+                                    ptr: 0,
+                                    layout: Layout::contiguous(&shapes[0]),
+                                    dtype,
+                                }],
+                                root,
+                            )
+                        }
+                    }
+                }
+                Def::Proj(t, k) => {
+                    need = d.needs[*t].clone();
+                    let root = match d.roots[*t] {
+                        Root::Source => Root::Of(*t),
+                        r => r,
+                    };
+                    (vec![locs[*t][*k as usize].clone()], root)
+                }
+                Def::Kernel { .. } => (
+                    (0..val.types.len())
+                        .map(|k| {
+                            let b = *self.buffer_at.get(&(v, k)).ok_or_else(|| {
+                                node_err(v, "internal: no buffer in the memory plan".into())
+                            })?;
+                            Ok(DLoc {
+                                ptr: base + layout.offsets[b] as u64,
+                                layout: if self.merged.contains(&(v, k)) {
+                                    Layout::heads_merged(&shapes[k])
+                                } else {
+                                    Layout::contiguous(&shapes[k])
+                                },
+                                dtype: self.stored(v, k),
+                            })
+                        })
+                        .collect::<Result<_, ExecError>>()?,
+                    Root::Arena,
+                ),
+                Def::Input(_) | Def::Param(_) | Def::Const(..) => unreachable!("skipped above"),
+            };
+            if let Some(c) = from {
+                d.copies[c].users.push(v);
+            }
+            d.needs[v] = need;
+            d.roots[v] = if from.is_some() { Root::Copy } else { root };
+            origin[v] = from;
+            locs[v] = loc;
+        }
+        Ok(d)
+    }
+
     fn stored(&self, v: usize, k: usize) -> DType {
         let dtype = self.kg.values[v].types[k].dtype;
         let bf16 = self
@@ -729,6 +878,13 @@ impl CudaExecutor {
     pub fn epilogue_counts(&self) -> (usize, usize) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.epilogues
+    }
+
+    /// Runs so far that bound the views' and kernel results' locations afresh, and that
+    /// reused those kept from an earlier run at the same dims (see `Bound`).
+    pub fn binding_counts(&self) -> (usize, usize) {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.binds
     }
 
     /// The last run's view copies (reshapes of non-contiguous views, copied before their
@@ -913,45 +1069,38 @@ impl CudaExecutor {
             node: format!("kernel value %{v} ({})", self.kg.values[v].scope),
             message: m,
         };
-        let mut locs: Vec<Vec<DLoc>> = Vec::with_capacity(self.kg.values.len());
-        // Reshapes of non-contiguous views: copied when first read, freed after their last
-        // reader; `needs[v]` lists the copies value `v` reads through, `origin[v]` the copy
-        // whose buffer `v`'s location starts at.
-        let mut copies: Vec<DevCopy> = Vec::new();
-        let mut needs: Vec<Vec<usize>> = Vec::with_capacity(self.kg.values.len());
-        let mut origin: Vec<Option<usize>> = Vec::with_capacity(self.kg.values.len());
-        for (v, val) in self.kg.values.iter().enumerate() {
-            let shapes: Vec<Vec<usize>> = val
-                .types
-                .iter()
-                .map(|t| t.shape.eval(&dims))
-                .collect::<Result<_, _>>()
-                .map_err(|m| node_err(v, m))?;
-            let mut need = Vec::new();
-            let mut from: Option<usize> = None;
+        // Locations by value. The sources (inputs, parameters, constants) are bound at
+        // every run; the views and kernel results are made once per dims and sources'
+        // dtypes (`State::bound`) and placed at this run's addresses.
+        let mut locs: Vec<Vec<DLoc>> = vec![Vec::new(); self.kg.values.len()];
+        let kept = st.bound.get(&dims).cloned();
+        for &(v, node) in &self.sources {
+            let val = &self.kg.values[v];
+            let shape = match &kept {
+                Some(b) => b.locs[v][0].layout.shape.clone(),
+                None => val.types[0].shape.eval(&dims).map_err(|m| node_err(v, m))?,
+            };
             let loc = match &val.def {
                 Def::Input(name) => {
-                    let id = self
-                        .graph
-                        .input(name)
+                    let id = node
                         .ok_or_else(|| node_err(v, format!("the graph has no input `{name}`")))?;
                     if let Some(t) = resident.and_then(|r| r.inputs.get(name.as_str())) {
-                        if t.shape != shapes[0] {
+                        if t.shape != shape {
                             return Err(node_err(
                                 v,
                                 format!(
                                     "the device's `{name}` has shape {:?}, the entry needs {:?}",
-                                    t.shape, shapes[0]
+                                    t.shape, shape
                                 ),
                             ));
                         }
                         let held = DLoc {
                             ptr: t.buf.ptr,
-                            layout: Layout::contiguous(&shapes[0]),
+                            layout: Layout::contiguous(&shape),
                             dtype: t.dtype,
                         };
                         let want = self.stored(v, 0);
-                        let held = if want == DType::BF16 && held.dtype == DType::F32 {
+                        if want == DType::BF16 && held.dtype == DType::F32 {
                             // An f32 tensor (`to_device`) for a bf16 input: rounded here.
                             r.rounded_to_bf16(&held).map_err(|m| node_err(v, m))?
                         } else if held.dtype != want {
@@ -964,23 +1113,18 @@ impl CudaExecutor {
                             ));
                         } else {
                             held
-                        };
-                        locs.push(vec![held]);
-                        needs.push(need);
-                        origin.push(None);
-                        continue;
+                        }
+                    } else {
+                        let src = bind.input(id, name)?;
+                        let bf16 = self.stored(v, 0) == DType::BF16;
+                        r.source(src, &shape, bf16).map_err(|m| node_err(v, m))?
                     }
-                    let src = bind.input(id, name)?;
-                    let bf16 = self.stored(v, 0) == DType::BF16;
-                    vec![r
-                        .source(src, &shapes[0], bf16)
-                        .map_err(|m| node_err(v, m))?]
                 }
                 Def::Param(name) => {
-                    let id = self.graph.param(name).ok_or_else(|| {
+                    let id = node.ok_or_else(|| {
                         node_err(v, format!("the graph has no parameter `{name}`"))
                     })?;
-                    let src = bind.param(id, name, &shapes[0])?;
+                    let src = bind.param(id, name, &shape)?;
                     if let Some(t) = training {
                         let tp = t.params.get(name).ok_or_else(|| {
                             node_err(
@@ -988,48 +1132,44 @@ impl CudaExecutor {
                                 format!("parameter `{name}` is not among the trained ones"),
                             )
                         })?;
-                        if tp.shape != shapes[0] {
+                        if tp.shape != shape {
                             return Err(node_err(
                                 v,
                                 format!(
                                     "parameter `{name}` is trained with shape {:?}, the entry \
                                      needs {:?}",
-                                    tp.shape, shapes[0]
+                                    tp.shape, shape
                                 ),
                             ));
                         }
                         r.params.insert(tp.p.ptr);
-                        locs.push(vec![DLoc {
+                        DLoc {
                             ptr: tp.p.ptr,
-                            layout: Layout::contiguous(&shapes[0]),
+                            layout: Layout::contiguous(&shape),
                             dtype: DType::F32,
-                        }]);
-                        needs.push(need);
-                        origin.push(None);
-                        continue;
-                    }
-                    let loc = match cache.as_mut() {
-                        None => r
-                            .source(src, &shapes[0], false)
-                            .map_err(|m| node_err(v, m))?,
-                        Some(c) => {
-                            let (words, dtype, key) = source_words(&src);
-                            let hit = c.bufs.get(name).is_some_and(|(k, _, _)| *k == key);
-                            if !hit {
-                                let b = st.device.upload(&words).map_err(|m| node_err(v, m))?;
-                                c.bufs.insert(name.to_string(), (key, dtype, b));
-                                param_uploaded = true;
-                            }
-                            let (_, dtype, b) = &c.bufs[name];
-                            DLoc {
-                                ptr: b.ptr,
-                                layout: Layout::contiguous(&shapes[0]),
-                                dtype: *dtype,
-                            }
                         }
-                    };
-                    r.params.insert(loc.ptr);
-                    vec![loc]
+                    } else {
+                        let loc = match cache.as_mut() {
+                            None => r.source(src, &shape, false).map_err(|m| node_err(v, m))?,
+                            Some(c) => {
+                                let (words, dtype, key) = source_words(&src);
+                                let hit = c.bufs.get(name).is_some_and(|(k, _, _)| *k == key);
+                                if !hit {
+                                    let b = st.device.upload(&words).map_err(|m| node_err(v, m))?;
+                                    c.bufs.insert(name.to_string(), (key, dtype, b));
+                                    param_uploaded = true;
+                                }
+                                let (_, dtype, b) = &c.bufs[name];
+                                DLoc {
+                                    ptr: b.ptr,
+                                    layout: Layout::contiguous(&shape),
+                                    dtype: *dtype,
+                                }
+                            }
+                        };
+                        r.params.insert(loc.ptr);
+                        loc
+                    }
                 }
                 Def::Const(c, dtype) => {
                     let bits = match dtype {
@@ -1037,83 +1177,50 @@ impl CudaExecutor {
                         DType::Bool => (c.get() != 0.0) as u32,
                         _ => (c.get() as f32).to_bits(),
                     };
-                    let ptr = r.upload(&[bits]).map_err(|m| node_err(v, m))?;
-                    vec![DLoc {
+                    // In stream order, without a wait (four bytes, staged by the driver).
+                    let ptr = r.upload_enqueued(&[bits]).map_err(|m| node_err(v, m))?;
+                    DLoc {
                         ptr,
                         layout: Layout::contiguous(&[]),
                         dtype: *dtype,
-                    }]
-                }
-                Def::View(op, x) => {
-                    let src = locs[*x][0].clone();
-                    need = needs[*x].clone();
-                    from = origin[*x];
-                    let layout = match op {
-                        Op::Reshape { .. } => src.layout.reshape(&shapes[0]),
-                        Op::Permute { perm } => Some(src.layout.permute(perm)),
-                        Op::Broadcast { .. } => Some(src.layout.broadcast(&shapes[0])),
-                        other => {
-                            return Err(node_err(v, format!("`{}` is not a view", other.name())))
-                        }
-                    };
-                    // A view of a bf16 buffer is bf16.
-                    let dtype = if src.is_bf16() {
-                        DType::BF16
-                    } else {
-                        val.types[0].dtype
-                    };
-                    match layout {
-                        Some(layout) => vec![DLoc {
-                            ptr: src.ptr,
-                            layout,
-                            dtype,
-                        }],
-                        None => {
-                            // Placed when it is made.
-                            copies.push(DevCopy {
-                                src: *x,
-                                words: words_of(dtype, src.numel()),
-                                buf: None,
-                                users: Vec::new(),
-                            });
-                            from = Some(copies.len() - 1);
-                            need.push(copies.len() - 1);
-                            vec![DLoc {
-                                ptr: 0,
-                                layout: Layout::contiguous(&shapes[0]),
-                                dtype,
-                            }]
-                        }
                     }
                 }
-                Def::Proj(t, k) => {
-                    need = needs[*t].clone();
-                    vec![locs[*t][*k as usize].clone()]
+                _ => {
+                    return Err(node_err(
+                        v,
+                        "internal: not an input, parameter or constant".into(),
+                    ))
                 }
-                Def::Kernel { .. } => (0..val.types.len())
-                    .map(|k| {
-                        let b = *self.buffer_at.get(&(v, k)).ok_or_else(|| {
-                            node_err(v, "internal: no buffer in the memory plan".into())
-                        })?;
-                        Ok(DLoc {
-                            ptr: base + layout.offsets[b] as u64,
-                            layout: if self.merged.contains(&(v, k)) {
-                                Layout::heads_merged(&shapes[k])
-                            } else {
-                                Layout::contiguous(&shapes[k])
-                            },
-                            dtype: self.stored(v, k),
-                        })
-                    })
-                    .collect::<Result<_, ExecError>>()?,
             };
-            if let Some(c) = from {
-                copies[c].users.push(v);
-            }
-            needs.push(need);
-            origin.push(from);
-            locs.push(loc);
+            locs[v] = vec![loc];
         }
+        let dtypes: Vec<DType> = self
+            .sources
+            .iter()
+            .map(|&(v, _)| locs[v][0].dtype)
+            .collect();
+        // Reshapes of non-contiguous views: copied when first read, freed after their last
+        // reader; `needs[v]` lists the copies value `v` reads through.
+        let (needs, copies, made) = match kept.filter(|b| b.dtypes == dtypes) {
+            Some(b) => {
+                b.place(&mut locs, base);
+                (b.needs.clone(), b.copies.clone(), None)
+            }
+            None => {
+                let d = self.bind_derived(&dims, base, &layout, &mut locs)?;
+                let b = Bound::of(&d, &locs, base, dtypes);
+                (d.needs, d.copies, Some(b))
+            }
+        };
+        let mut copies: Vec<DevCopy> = copies
+            .into_iter()
+            .map(|c| DevCopy {
+                src: c.src,
+                words: c.words,
+                buf: None,
+                users: c.users,
+            })
+            .collect();
         phases.end(&st.device, "upload").map_err(dev_err)?;
         // The casts kept from the last run of this version, unless a parameter changed
         // buffers (a freed buffer's address may come back with other contents).
@@ -1268,6 +1375,16 @@ impl CudaExecutor {
         guard.epilogues.1 += separate;
         guard.view_copies = (copies.len(), copies.iter().map(|c| c.words * 4).sum());
         guard.params = cache;
+        if made.is_none() {
+            guard.binds.1 += 1;
+        }
+        if let Some(b) = made {
+            guard.binds.0 += 1;
+            if guard.bound.len() >= Bound::KEPT {
+                guard.bound.clear();
+            }
+            guard.bound.insert(dims.clone(), Arc::new(b));
+        }
         Ok(RunOut {
             outputs: out,
             non_finite,
@@ -1941,6 +2058,104 @@ fn signatures(code: &CudaCode) -> Vec<(String, Work, usize)> {
 
 /// A reshape of a non-contiguous view (see the CPU executor's `ViewCopy`): copied into a
 /// buffer of its own when a kernel first reads it, freed after the last one does.
+/// A strided view's contiguous copy, as binding plans it: the value copied, its size,
+/// and the values whose locations start at the copy (itself and views of it).
+#[derive(Clone, Debug)]
+struct CopyPlan {
+    src: usize,
+    words: usize,
+    users: Vec<usize>,
+}
+
+/// Where a bound location's address comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Root {
+    /// A source (input, parameter, constant), bound at every run.
+    Source,
+    /// The arena: the plan's offset from its start.
+    Arena,
+    /// A view of source value `.0`: its address.
+    Of(usize),
+    /// A view copy (or a view of one): set when the copy is made.
+    Copy,
+}
+
+/// [`CudaExecutor::bind_derived`]'s results besides the locations.
+struct Derived {
+    needs: Vec<Vec<usize>>,
+    copies: Vec<CopyPlan>,
+    roots: Vec<Root>,
+}
+
+/// The views' and kernel results' locations at one dims, kept for the next run at those
+/// dims: binding ~1,400 values (evaluating their shapes, building their layouts) took
+/// about 2 ms of host time before a base training step's first launch, while the GPU
+/// waited. Addresses are kept relative to their [`Root`].
+struct Bound {
+    /// The sources' dtypes (in [`CudaExecutor::sources`] order) it was made with: a run
+    /// whose sources differ (an f64 input, a bf16 device tensor) binds afresh.
+    dtypes: Vec<DType>,
+    locs: Vec<Vec<DLoc>>,
+    roots: Vec<Root>,
+    needs: Vec<Vec<usize>>,
+    copies: Vec<CopyPlan>,
+}
+
+impl Bound {
+    /// At most this many dims are kept (each about 0.2 MB for the base model).
+    const KEPT: usize = 64;
+
+    /// The bound locations `locs` (arena at `base`) with addresses made relative.
+    fn of(d: &Derived, locs: &[Vec<DLoc>], base: u64, dtypes: Vec<DType>) -> Bound {
+        let locs = locs
+            .iter()
+            .zip(&d.roots)
+            .map(|(ls, root)| {
+                let from = match *root {
+                    Root::Source | Root::Copy => None,
+                    Root::Arena => Some(base),
+                    Root::Of(s) => Some(locs[s][0].ptr),
+                };
+                ls.iter()
+                    .map(|l| DLoc {
+                        ptr: from.map_or(0, |f| l.ptr.wrapping_sub(f)),
+                        layout: l.layout.clone(),
+                        dtype: l.dtype,
+                    })
+                    .collect()
+            })
+            .collect();
+        Bound {
+            dtypes,
+            locs,
+            roots: d.roots.clone(),
+            needs: d.needs.clone(),
+            copies: d.copies.clone(),
+        }
+    }
+
+    /// Places the kept locations at this run's addresses: the arena at `base`, the
+    /// sources as `locs` holds them.
+    fn place(&self, locs: &mut [Vec<DLoc>], base: u64) {
+        for (v, (kept, root)) in self.locs.iter().zip(&self.roots).enumerate() {
+            let at = match *root {
+                Root::Source => continue,
+                Root::Arena => base,
+                Root::Of(s) => locs[s][0].ptr,
+                Root::Copy => 0,
+            };
+            locs[v] = kept
+                .iter()
+                .map(|l| DLoc {
+                    ptr: at.wrapping_add(l.ptr),
+                    layout: l.layout.clone(),
+                    dtype: l.dtype,
+                })
+                .collect();
+        }
+    }
+}
+
 struct DevCopy {
     /// The value copied (a strided view).
     src: usize,
@@ -2016,13 +2231,6 @@ impl Run<'_> {
     /// A fresh zeroed buffer of `words` words, alive until the run ends.
     fn alloc(&mut self, words: usize) -> Result<u64, String> {
         let b = self.dev.alloc(words)?;
-        let p = b.ptr;
-        self.keep.push(b);
-        Ok(p)
-    }
-
-    fn upload(&mut self, words: &[u32]) -> Result<u64, String> {
-        let b = self.dev.upload(words)?;
         let p = b.ptr;
         self.keep.push(b);
         Ok(p)
