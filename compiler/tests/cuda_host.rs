@@ -136,9 +136,21 @@ fn build_with(cxx: &str, dir: &Path, f: &CudaFunction, pre: &str) -> PathBuf {
         prelude(),
         f.text
     );
+    // A program already built in this process (the same function at other shapes or
+    // grids) is run again: its executable is kept in a directory of the process.
+    static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    static KEPT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some((_, exe)) = BUILT.lock().unwrap().iter().find(|(s, _)| *s == src) {
+        return exe.clone();
+    }
+    let kept = KEPT.get_or_init(work_dir);
     let path = dir.join(format!("{}.cpp", f.name));
     std::fs::write(&path, &src).expect("write source");
-    let exe = dir.join(&f.name);
+    let exe = kept.join(format!(
+        "{}-{}",
+        f.name,
+        dir.file_name().unwrap().to_string_lossy()
+    ));
     let mut cmd = Command::new(cxx);
     cmd.args(CXX_FLAGS);
     if let Some(pch) = precompiled_headers(cxx) {
@@ -156,6 +168,7 @@ fn build_with(cxx: &str, dir: &Path, f: &CudaFunction, pre: &str) -> PathBuf {
         f.name,
         String::from_utf8_lossy(&out.stderr)
     );
+    BUILT.lock().unwrap().push((src, exe.clone()));
     exe
 }
 
@@ -234,6 +247,35 @@ fn run_pre(
     }
     assert_eq!(at, out.stdout.len());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// [`run_with`] with buffer `out` the same memory as buffer `into` (a kernel's output
+/// written over one of its inputs): the function's parameter `out` becomes a local alias
+/// of `into`'s. Afterwards `bufs[out]` is a copy of `bufs[into]`.
+#[allow(clippy::too_many_arguments)]
+fn run_in_place(
+    cxx: &str,
+    f: &CudaFunction,
+    bufs: &mut Vec<Vec<u8>>,
+    dims: &[i64],
+    items: u64,
+    launch: (u32, u32),
+    out: usize,
+    into: usize,
+) {
+    let mut g = f.clone();
+    let p = g.params.remove(out);
+    let decl = format!("{} {}", p.c_type, p.name);
+    let sig = format!(", {decl}");
+    assert!(g.text.contains(&sig), "{}: no parameter `{decl}`", f.name);
+    g.text = g.text.replacen(&sig, "", 1);
+    let body = g.text.find("{\n").expect("a body") + 2;
+    let alias = format!("    {decl} = ({})({});\n", p.c_type, f.params[into].name);
+    g.text.insert_str(body, &alias);
+    let kept = bufs.remove(out);
+    run_with(cxx, &g, bufs, dims, items, launch);
+    bufs.insert(out, kept);
+    bufs[out] = bufs[into].clone();
 }
 
 /// Runs the CPU kernel built as `clif` over `items` in a few uneven calls.
@@ -1149,6 +1191,92 @@ fn block_reductions_over_several_warps_match_the_cpu() {
             &g[7],
             &hb[7],
         );
+    }
+}
+
+/// The layer norm's rows held in registers (warps of 32, `d ≤ 32 ·` the lane's
+/// elements) give the bits of the passes through memory that other rows take
+/// (`add_layer_norm_with(…, 0)`), forward and backward, in f32 and bf16, for rows shorter
+/// than a warp, of several elements a lane with a partial last one, and of 1,024 (the big
+/// model's, 32 a lane); with a program's lanes and with the most; also where `out` and
+/// `dx` are the input `x` (in place).
+#[test]
+fn layer_norm_rows_in_registers_give_the_bits_of_the_passes() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(53);
+    let lane = cuda::rows::LN_LANE;
+    for e in [Elem::F32, Elem::Bf16] {
+        let act = |b: Vec<u8>| match e {
+            Elem::F32 => b,
+            Elem::Bf16 => bf16s(&as_f32(&b)),
+        };
+        for (rows_n, d) in [(5usize, 24usize), (19, 300), (3, 1024)] {
+            let what = format!("{e:?}, {rows_n} rows of {d}");
+            let x = act(rng.floats(rows_n * d, -2.0, 2.0));
+            let y = act(rng.floats(rows_n * d, -2.0, 2.0));
+            let g = act(rng.floats(rows_n * d, -1.0, 1.0));
+            let gamma = rng.floats(d, 0.5, 1.5);
+            let beta = rng.floats(d, -0.5, 0.5);
+            let out = vec![0u8; x.len()];
+            let (inv_d, eps) = (one(1.0 / d as f32), one(1e-5));
+            let (dims, _) = rows::add_layer_norm_dims(rows_n, d);
+            let fwd = vec![
+                x.clone(),
+                y.clone(),
+                gamma.clone(),
+                beta,
+                inv_d.clone(),
+                eps.clone(),
+                out.clone(),
+            ];
+            let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
+            let bwd = vec![
+                x.clone(),
+                y,
+                gamma,
+                g,
+                inv_d,
+                eps,
+                out,
+                zeros(rows::add_layer_norm_bwd_scratch(rows_n, d)),
+            ];
+            for (launch, in_place) in [((2, 64), false), ((1, 32), true), ((3, 128), false)] {
+                let mut got = Vec::new();
+                // A program's lanes (⌈d / 32⌉), the most, none.
+                for regs in [cuda::rows::row_lane(Some(d)), lane, 0] {
+                    let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs);
+                    let mut a = fwd.clone();
+                    run_with(cxx, &f, &mut a, &dims, rows_n as u64, launch);
+                    let f = cuda::rows::add_layer_norm_bwd_with("add_layer_norm_bwd_0", e, regs);
+                    let mut b = bwd.clone();
+                    run_with(cxx, &f, &mut b, &bdims, bitems as u64, launch);
+                    if in_place {
+                        // out = x, then dx = x.
+                        let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs);
+                        let mut c = fwd.clone();
+                        run_in_place(cxx, &f, &mut c, &dims, rows_n as u64, launch, 6, 0);
+                        assert_eq!(c[0], a[6], "{what}: out in place");
+                        let f =
+                            cuda::rows::add_layer_norm_bwd_with("add_layer_norm_bwd_0", e, regs);
+                        let mut c = bwd.clone();
+                        run_in_place(cxx, &f, &mut c, &bdims, bitems as u64, launch, 6, 0);
+                        assert_eq!(c[0], b[6], "{what}: dx in place");
+                        assert_eq!(c[7], b[7], "{what}: partials in place");
+                    }
+                    got.push((a[6].clone(), b[6].clone(), b[7].clone()));
+                }
+                for other in &got[1..] {
+                    assert_eq!(got[0].0, other.0, "{what}, {launch:?}: out");
+                    assert_eq!(got[0].1, other.1, "{what}, {launch:?}: dx");
+                    assert_eq!(got[0].2, other.2, "{what}, {launch:?}: dγ, dβ partials");
+                }
+                let out = match e {
+                    Elem::F32 => as_f32(&got[0].0),
+                    Elem::Bf16 => from_bf16(&got[0].0),
+                };
+                assert!(out.iter().all(|v| v.is_finite() && *v != 0.0), "{what}");
+            }
+        }
     }
 }
 

@@ -115,6 +115,12 @@ impl Stored<'_> {
     }
 }
 
+/// The last dim of value `x` where it is a constant (a layer norm's `d_model`).
+fn static_last(kg: &KernelGraph, x: usize) -> Option<usize> {
+    let t = kg.values.get(x)?.types.first()?;
+    usize::try_from(t.shape.dims().last()?.as_const()?).ok()
+}
+
 /// The head sizes `(dk, dv)` of an attention kernel (inputs `q, k, v, …`) when they are
 /// constants the flash kernels take.
 fn flash_heads(kg: &KernelGraph, inputs: &[usize]) -> Option<(usize, usize)> {
@@ -286,16 +292,22 @@ fn launch(
                     }
                 }
                 "add_layer_norm" => {
-                    f.insert(
-                        "main".into(),
-                        em.plain("add_layer_norm", |n| rows::add_layer_norm(n, e)),
-                    );
+                    let lane = rows::row_lane(static_last(kg, inputs[0]));
+                    let name = em.get(
+                        "add_layer_norm",
+                        format!("add_layer_norm lane={lane}"),
+                        |n| Ok(rows::add_layer_norm_with(n, e, lane)),
+                    )?;
+                    f.insert("main".into(), name);
                 }
                 "add_layer_norm_bwd" => {
-                    f.insert(
-                        "main".into(),
-                        em.plain("add_layer_norm_bwd", |n| rows::add_layer_norm_bwd(n, e)),
-                    );
+                    let lane = rows::row_lane(static_last(kg, inputs[0]));
+                    let name = em.get(
+                        "add_layer_norm_bwd",
+                        format!("add_layer_norm_bwd lane={lane}"),
+                        |n| Ok(rows::add_layer_norm_bwd_with(n, e, lane)),
+                    )?;
+                    f.insert("main".into(), name);
                     f.insert(
                         "finish".into(),
                         em.plain("add_layer_norm_bwd_finish", rows::add_layer_norm_bwd_finish),

@@ -178,7 +178,37 @@ pub fn softmax_bwd(name: &str, e: Elem) -> CudaFunction {
 /// `out = normalize(x + y)·γ + β` per row of `d`. Buffers `[x, y, gamma, beta, inv_d,
 /// eps, out]` (`out` may be `x` or `y`), dims `[d]`, items rows, one warp a row
 /// ([`Work::Warps`]): its lanes over the columns, the sums by shuffles.
+///
+/// A row of at most [`LN_LANE`] elements a lane (`d ≤ 1024` with warps of 32) is held
+/// in registers: a lane issues all its loads before its first sum and writes `out` once.
+/// Longer rows go through `out` in three passes (`x + y` stored, then read back twice),
+/// where each pass's loads wait for the last pass's stores (`out` may be `x` or `y`).
+/// Both paths give the same bits: a lane owns the columns `j ≡ lane (mod width)` and
+/// sums them in order, and the variance and the result read `x + y` as stored.
 pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
+    add_layer_norm_with(name, e, LN_LANE)
+}
+
+/// Elements of a row a lane of [`add_layer_norm`] (and of the statistics of
+/// [`add_layer_norm_bwd`]) holds in registers at most: rows of up to 1,024 with warps of
+/// 32 (the big model's `d_model`).
+pub const LN_LANE: usize = 32;
+
+/// The elements a lane holds in registers for rows of `d` (a program's layer norms, whose
+/// `d_model` is a constant): `⌈d / 32⌉`, so that a warp's registers hold a row and no
+/// more (each element a lane holds takes registers for its value, its gain and its bias:
+/// 32 of them took 128 registers a thread, two blocks an SM). `0` (every row through
+/// memory) where `d` is not a constant or exceeds `32 ·` [`LN_LANE`].
+pub fn row_lane(d: Option<usize>) -> usize {
+    match d {
+        Some(d) if d > 0 && d <= 32 * LN_LANE => d.div_ceil(32),
+        _ => 0,
+    }
+}
+
+/// [`add_layer_norm`] with rows of up to `lane` elements a lane in registers (`0`: every
+/// row through `out`); for tests of the two paths.
+pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
         param("y", &e.ptr(true)),
@@ -197,12 +227,81 @@ pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
         w.l(l);
     }
     let lanes = "for (long long j = lane; j < d; j += width)";
-    w.open(FOR_WARPS);
-    w.l("const long long r = r0 + wi;");
-    w.l("const bool live = wi < warps && r < items;");
-    w.l(format!("const {}* xr = x + r * d;", e.c_type()));
-    w.l(format!("const {}* yr = y + r * d;", e.c_type()));
-    w.l(format!("{}* outr = out + r * d;", e.c_type()));
+    let row = |w: &mut W| {
+        w.open(FOR_WARPS);
+        w.l("const long long r = r0 + wi;");
+        w.l("const bool live = wi < warps && r < items;");
+        w.l(format!("const {}* xr = x + r * d;", e.c_type()));
+        w.l(format!("const {}* yr = y + r * d;", e.c_type()));
+        w.l(format!("{}* outr = out + r * d;", e.c_type()));
+    };
+    if lane > 0 {
+        // Chosen once a launch, each path with its own loop over the rows (one loop with
+        // both took 172 registers, each alone 40 and 56).
+        w.open(format!("if (width == 32u && d <= {})", lane * 32));
+        row(&mut w);
+        w.l("// The row in registers (warps of 32): element u of the lane is column lane + 32·u.");
+        w.l("const long long left = d - lane;");
+        w.l(format!("const {}* xl = xr + lane;", e.c_type()));
+        w.l(format!("const {}* yl = yr + lane;", e.c_type()));
+        w.l(format!("{}* ol = outr + lane;", e.c_type()));
+        w.l("const float* gl = gamma + lane;");
+        w.l("const float* bl = beta + lane;");
+        w.l(format!("float s[{lane}];"));
+        w.l("float sum = 0.0f;");
+        w.open("if (live)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.l(format!(
+            "s[u] = 32 * u < left ? {} + {} : 0.0f;",
+            e.load("xl[32 * u]"),
+            e.load("yl[32 * u]")
+        ));
+        w.close();
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.l("if (32 * u < left) sum = sum + s[u];");
+        w.close();
+        if e == Elem::Bf16 {
+            w.l("// x + y as the three-pass path stores and reads it back.");
+            w.l("KILN_UNROLL");
+            w.l(format!(
+                "for (int u = 0; u < {lane}; ++u) s[u] = {};",
+                e.load(&e.store("s[u]"))
+            ));
+        }
+        w.close();
+        w.l("sum = kiln_warp_sum(sum);");
+        w.l("const float mean = sum * c;");
+        w.l("float ssq = 0.0f;");
+        w.open("if (live)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.open("if (32 * u < left)");
+        w.l("const float xc = s[u] - mean;");
+        w.l("ssq = ssq + xc * xc;");
+        w.close();
+        w.close();
+        w.close();
+        w.l("ssq = kiln_warp_sum(ssq);");
+        w.l("const float var = ssq * c;");
+        w.l("const float rstd = 1.0f / sqrtf(var + ep);");
+        w.open("if (live)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.open("if (32 * u < left)");
+        w.l("const float xc = s[u] - mean;");
+        w.l("const float xh = xc * rstd;");
+        w.l("const float v = xh * gl[32 * u];");
+        w.l(format!("ol[32 * u] = {};", e.store("v + bl[32 * u]")));
+        w.close();
+        w.close();
+        w.close();
+        w.close();
+        w.l("return;");
+        w.close();
+    }
+    row(&mut w);
     w.l("// Pass 1: s = x + y into out, and its sum.");
     w.l("float sum = 0.0f;");
     w.open("if (live)");
@@ -259,6 +358,12 @@ pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
 /// Every thread makes the same shuffle calls (a warp without a row sums zeros), as the
 /// host shim needs. A block of fewer than 32 threads is one warp of `blockDim.x` lanes.
 pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
+    add_layer_norm_bwd_with(name, e, LN_LANE)
+}
+
+/// [`add_layer_norm_bwd`] with the statistics of rows of up to `lane` elements a lane
+/// taken from registers (`0`: from two passes over the rows); for tests of the two paths.
+pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
         param("y", &e.ptr(true)),
@@ -293,6 +398,56 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     w.l("const bool live = wi < warps && lo + i < hi;");
     w.l("const long long q = lo + i;");
     w.l("float sum = 0.0f;");
+    w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
+    w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
+    w.l("float mean = 0.0f;");
+    let sums = |w: &mut W| {
+        w.l("ssq = ssq + xc * xc;");
+        w.l("sxc = sxc + xc;");
+        w.l("sa = sa + a;");
+        w.l("saxc = saxc + a * xc;");
+    };
+    if lane > 0 {
+        w.open(format!("if (width == 32u && d <= {})", lane * 32));
+        w.l("// s = x + y in registers (column lane + 32·u), loaded before the first sum.");
+        w.l("const long long left = d - lane;");
+        w.l(format!("const {}* xl = x + q * d + lane;", e.c_type()));
+        w.l(format!("const {}* yl = y + q * d + lane;", e.c_type()));
+        w.l(format!("const {}* gq = g + q * d + lane;", e.c_type()));
+        w.l("const float* gl = gamma + lane;");
+        w.l(format!("float s[{lane}];"));
+        w.open("if (live)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.l(format!(
+            "s[u] = 32 * u < left ? {} + {} : 0.0f;",
+            e.load("xl[32 * u]"),
+            e.load("yl[32 * u]")
+        ));
+        w.close();
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.l("if (32 * u < left) sum = sum + s[u];");
+        w.close();
+        w.close();
+        w.l("sum = kiln_warp_sum(sum);");
+        w.l("mean = sum * c;");
+        w.open("if (live)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.open("if (32 * u < left)");
+        w.l("const float xc = s[u] - mean;");
+        w.l(format!(
+            "const float a = {} * gl[32 * u];",
+            e.load("gq[32 * u]")
+        ));
+        sums(&mut w);
+        w.close();
+        w.close();
+        w.close();
+        w.close();
+        w.open("else");
+    }
     w.open("if (live)");
     w.open("for (long long j = lane; j < d; j += width)");
     w.l(format!(
@@ -303,9 +458,7 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
     w.close();
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
-    w.l("const float mean = sum * c;");
-    w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
-    w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
+    w.l("mean = sum * c;");
     w.open("if (live)");
     w.open("for (long long j = lane; j < d; j += width)");
     w.l(format!(
@@ -317,12 +470,12 @@ pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
         "const float a = {} * gamma[j];",
         e.load("g[q * d + j]")
     ));
-    w.l("ssq = ssq + xc * xc;");
-    w.l("sxc = sxc + xc;");
-    w.l("sa = sa + a;");
-    w.l("saxc = saxc + a * xc;");
+    sums(&mut w);
     w.close();
     w.close();
+    if lane > 0 {
+        w.close();
+    }
     w.l("ssq = kiln_warp_sum(ssq);");
     w.l("sxc = kiln_warp_sum(sxc);");
     w.l("sa = kiln_warp_sum(sa);");
