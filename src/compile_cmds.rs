@@ -588,13 +588,23 @@ pub fn run_artifact(
     crate::write_outputs(art.model(), &outs, output)
 }
 
+/// Which CUDA C `kiln inspect --nvrtc` assembles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Nvrtc {
+    /// The artifact's (f32).
+    F32,
+    /// The mixed-precision program the executor generates (`--mixed`).
+    Mixed,
+}
+
 /// `kiln inspect`: what an artifact holds.
 pub fn inspect(
     dir: &Path,
     dims: &[(&str, i64)],
     plan_text: bool,
-    nvrtc: bool,
+    nvrtc_of: Option<Nvrtc>,
 ) -> Result<(), Error> {
+    let nvrtc = nvrtc_of.is_some();
     use kiln_runtime::artifact::{is_artifact_dir, Artifact};
     if !is_artifact_dir(dir) && model::resolve(dir).is_ok() {
         if plan_text || nvrtc {
@@ -721,7 +731,19 @@ pub fn inspect(
                 c.arch
             );
             if let Some(version) = &nvrtc_version {
-                let _ = writeln!(out, "{}", nvrtc_summary(version, src, c, &me.name)?);
+                let mixed;
+                let (src, what) = if nvrtc_of == Some(Nvrtc::Mixed) {
+                    let options = kiln_runtime::cuda::CudaOptions {
+                        mixed: true,
+                        ..Default::default()
+                    };
+                    mixed = kiln_runtime::cuda::program_source(&art, &me.name, &options)
+                        .map_err(|e| plain("kiln::inspect", e.to_string(), None))?;
+                    (mixed.as_str(), "the mixed-precision program")
+                } else {
+                    (src.as_str(), c.source.as_str())
+                };
+                let _ = writeln!(out, "{}", nvrtc_summary(version, src, what, c, &me.name)?);
             }
         }
         let _ = writeln!(
@@ -808,6 +830,7 @@ pub fn inspect(
 fn nvrtc_summary(
     version: &str,
     src: &str,
+    what: &str,
     c: &kiln_compiler::artifact::CudaManifest,
     entry: &str,
 ) -> Result<String, Error> {
@@ -816,10 +839,7 @@ fn nvrtc_summary(
     let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(src, &options).map_err(|log| {
         plain(
             "kiln::nvrtc",
-            format!(
-                "entry `{entry}`: NVRTC {version} rejects {}:\n{log}",
-                c.source
-            ),
+            format!("entry `{entry}`: NVRTC {version} rejects {what}:\n{log}"),
             Some("this is a code generator bug; please report it with the spec".to_string()),
         )
     })?;
@@ -836,8 +856,13 @@ fn nvrtc_summary(
             )
         })
         .collect();
+    let mixed = if what == c.source {
+        ""
+    } else {
+        " (mixed precision)"
+    };
     let mut s = format!(
-        "  nvrtc {version}: {} functions assembled for {}",
+        "  nvrtc {version}: {} functions{mixed} assembled for {}",
         report.len(),
         c.arch
     );

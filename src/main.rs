@@ -202,6 +202,11 @@ enum Command {
         /// fails if NVRTC rejects it.
         #[arg(long)]
         nvrtc: bool,
+        /// With --nvrtc: assemble the mixed-precision program (bf16 activations) that the
+        /// CUDA executor generates from each entry's kernel graph (`KILN_CUDA_MIXED=1`),
+        /// instead of the artifact's f32 CUDA C.
+        #[arg(long, requires = "nvrtc")]
+        mixed: bool,
     },
     /// Time an entry point (median ms/step, tokens/s, peak RSS).
     Bench {
@@ -549,6 +554,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             past,
             plan,
             nvrtc,
+            mixed,
         } => compile_cmds::inspect(
             &dir,
             &[
@@ -558,7 +564,11 @@ fn run(cli: Cli) -> Result<(), Error> {
                 ("past", past),
             ],
             plan,
-            nvrtc,
+            nvrtc.then_some(if mixed {
+                compile_cmds::Nvrtc::Mixed
+            } else {
+                compile_cmds::Nvrtc::F32
+            }),
         ),
         Command::Bench { args } => bench_cmd::bench(&args),
         Command::Graph { spec } => {

@@ -962,6 +962,10 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
     }
     let out = kiln(&["inspect", cpu.to_str().unwrap(), "--nvrtc"]);
     assert_eq!(out.status.code(), Some(1));
+    // `--mixed` chooses what `--nvrtc` assembles: alone it is a usage error.
+    let alone = kiln(&["inspect", cuda.to_str().unwrap(), "--mixed"]);
+    assert_eq!(alone.status.code(), Some(2));
+    assert!(stderr(&alone).contains("--nvrtc"), "{}", stderr(&alone));
     assert!(
         stderr(&out).contains("is a `cpu` artifact: it has no CUDA C"),
         "{}",
@@ -999,6 +1003,24 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
                     .any(|l| l.starts_with("    attention_bwd_short (")
                         && l.contains(" blocks an SM (")
                         && l.contains("limited by registers")),
+                "{text}"
+            );
+            // `--mixed`: the mixed-precision programs the executor generates, with their
+            // 2-byte strided copy.
+            let out = kiln(&["inspect", cuda.to_str().unwrap(), "--nvrtc", "--mixed"]);
+            assert!(out.status.success(), "{}", stderr(&out));
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains("  nvrtc ")).collect();
+            assert_eq!(lines.len(), 2, "{text}");
+            for l in lines {
+                assert!(
+                    l.contains(" functions (mixed precision) assembled for sm_90")
+                        && l.ends_with("no spills"),
+                    "{l}"
+                );
+            }
+            assert!(
+                text.lines().any(|l| l.starts_with("    copy_strided16 (")),
                 "{text}"
             );
         }

@@ -405,6 +405,17 @@ fn entry_program(
     })
 }
 
+/// The CUDA C the executor of entry `entry` with `options` compiles (no CUDA call): the
+/// artifact's f32 code, or with [`CudaOptions::mixed`] the mixed-precision program
+/// generated from its kernel graph (`kiln inspect --nvrtc --mixed` assembles it).
+pub fn program_source(
+    art: &Artifact,
+    entry: &str,
+    options: &CudaOptions,
+) -> Result<String, CudaExecError> {
+    Ok(entry_program(art, entry, options)?.source)
+}
+
 /// What every kernel of entry `entry` runs as on the GPU, in launch order: its kind and
 /// `generated`, `gemm` (cuBLAS), `attention` (batched cuBLAS + generated softmaxes) or
 /// `host` (the CPU fallback between copies). Needs no GPU.

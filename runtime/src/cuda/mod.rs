@@ -40,8 +40,8 @@ mod steps;
 use std::sync::OnceLock;
 
 pub use executor::{
-    launch_plan, launch_plan_with, memory_plan_with, CudaExecError, CudaExecutor, CudaOptions,
-    DeviceTensor, MicroOut, RowsTopK, BF16_ENV, GPU_IDLE, HOST_ISSUE, MIXED_ENV,
+    launch_plan, launch_plan_with, memory_plan_with, program_source, CudaExecError, CudaExecutor,
+    CudaOptions, DeviceTensor, MicroOut, RowsTopK, BF16_ENV, GPU_IDLE, HOST_ISSUE, MIXED_ENV,
     SEPARATE_EPILOGUES_ENV, TF32_ENV,
 };
 
