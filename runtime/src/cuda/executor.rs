@@ -1919,26 +1919,44 @@ impl DLoc {
 /// element outside the buffer is an internal error.
 fn gather_words(host: &[u32], layout: &Layout) -> Result<Vec<u32>, String> {
     let n = layout.numel();
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    // The farthest element read, checked once.
+    let far = layout.offset
+        + layout
+            .shape
+            .iter()
+            .zip(&layout.strides)
+            .map(|(d, s)| (d - 1) * s)
+            .sum::<usize>();
+    if far >= host.len() {
+        return Err(format!(
+            "internal: a view reads element {far} of an input of {}",
+            host.len()
+        ));
+    }
+    let Some((&inner, outer_shape)) = layout.shape.split_last() else {
+        return Ok(vec![host[layout.offset]]);
+    };
+    let step = layout.strides[outer_shape.len()];
     let mut out = Vec::with_capacity(n);
-    let mut idx = vec![0usize; layout.shape.len()];
-    for _ in 0..n {
-        let at = layout.offset
-            + idx
-                .iter()
-                .zip(&layout.strides)
-                .map(|(i, s)| i * s)
-                .sum::<usize>();
-        out.push(*host.get(at).ok_or_else(|| {
-            format!(
-                "internal: a view reads element {at} of an input of {}",
-                host.len()
-            )
-        })?);
+    // Row by row (the last dim), the rows' starts as an odometer over the others.
+    let mut idx = vec![0usize; outer_shape.len()];
+    let mut start = layout.offset;
+    for _ in 0..n / inner {
+        if step == 1 {
+            out.extend_from_slice(&host[start..start + inner]);
+        } else {
+            out.extend((0..inner).map(|i| host[start + i * step]));
+        }
         for k in (0..idx.len()).rev() {
             idx[k] += 1;
-            if idx[k] < layout.shape[k] {
+            start += layout.strides[k];
+            if idx[k] < outer_shape[k] {
                 break;
             }
+            start -= idx[k] * layout.strides[k];
             idx[k] = 0;
         }
     }
@@ -3365,6 +3383,32 @@ mod tests {
         assert!(gather_words(&host, &Layout::contiguous(&[0, 3]))
             .unwrap()
             .is_empty());
+        // Rank 0, and views of rank 3 against the element-by-element definition.
+        let one = Layout {
+            shape: vec![],
+            strides: vec![],
+            offset: 7,
+        };
+        assert_eq!(gather_words(&host, &one).unwrap(), [7]);
+        let host: Vec<u32> = (0..120).map(|i| i * 3 + 1).collect();
+        let cube = Layout::contiguous(&[4, 5, 6]);
+        for view in [
+            cube.clone(),
+            cube.permute(&[2, 0, 1]),
+            cube.slice(2, 1, 4).permute(&[1, 0, 2]),
+            Layout::contiguous(&[5, 1]).broadcast(&[3, 5, 4]),
+        ] {
+            let mut want = Vec::new();
+            let (sh, st) = (&view.shape, &view.strides);
+            for i in 0..sh[0] {
+                for j in 0..sh[1] {
+                    for k in 0..sh[2] {
+                        want.push(host[view.offset + i * st[0] + j * st[1] + k * st[2]]);
+                    }
+                }
+            }
+            assert_eq!(gather_words(&host, &view).unwrap(), want, "{view:?}");
+        }
     }
 
     /// bf16 buffers hold two values per word, the first in the low half, rounded to
