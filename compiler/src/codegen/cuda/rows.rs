@@ -250,18 +250,7 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
         w.l(format!("float s[{lane}];"));
         w.l("float sum = 0.0f;");
         w.open("if (live)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.l(format!(
-            "s[u] = 32 * u < left ? {} + {} : 0.0f;",
-            e.load("xl[32 * u]"),
-            e.load("yl[32 * u]")
-        ));
-        w.close();
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.l("if (32 * u < left) sum = sum + s[u];");
-        w.close();
+        sum_in_registers(&mut w, e, lane);
         if e == Elem::Bf16 {
             w.l("// x + y as the three-pass path stores and reads it back.");
             w.l("KILN_UNROLL");
@@ -342,6 +331,24 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
     function(name, params, Work::Warps, "rows", w)
 }
 
+/// A lane's `lane` elements `s[u] = x + y` of a row into registers (`xl`, `yl` its
+/// first columns, `left` the columns from its first on), all loaded before the first is
+/// added to `sum`, in column order.
+fn sum_in_registers(w: &mut W, e: Elem, lane: usize) {
+    w.l("KILN_UNROLL");
+    w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+    w.l(format!(
+        "s[u] = 32 * u < left ? {} + {} : 0.0f;",
+        e.load("xl[32 * u]"),
+        e.load("yl[32 * u]")
+    ));
+    w.close();
+    w.l("KILN_UNROLL");
+    w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+    w.l("if (32 * u < left) sum = sum + s[u];");
+    w.close();
+}
+
 /// The backward of [`add_layer_norm`] (the CPU kernel's formulas): `dx` per row and per
 /// block of [`LN_BWD_BLOCK`] rows the partial `dγ`, `dβ` sums into `scratch[blk, 0..2d]`.
 /// Buffers `[x, y, gamma, g, inv_d, eps, dx, scratch]` (`dx` may be `x`, `y` or `g`),
@@ -417,18 +424,7 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
         w.l("const float* gl = gamma + lane;");
         w.l(format!("float s[{lane}];"));
         w.open("if (live)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.l(format!(
-            "s[u] = 32 * u < left ? {} + {} : 0.0f;",
-            e.load("xl[32 * u]"),
-            e.load("yl[32 * u]")
-        ));
-        w.close();
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.l("if (32 * u < left) sum = sum + s[u];");
-        w.close();
+        sum_in_registers(&mut w, e, lane);
         w.close();
         w.l("sum = kiln_warp_sum(sum);");
         w.l("mean = sum * c;");
