@@ -731,19 +731,20 @@ pub fn inspect(
                 c.arch
             );
             if let Some(version) = &nvrtc_version {
-                let mixed;
-                let (src, what) = if nvrtc_of == Some(Nvrtc::Mixed) {
+                let mixed = nvrtc_of == Some(Nvrtc::Mixed);
+                let generated;
+                let src = if mixed {
                     let options = kiln_runtime::cuda::CudaOptions {
                         mixed: true,
                         ..Default::default()
                     };
-                    mixed = kiln_runtime::cuda::program_source(&art, &me.name, &options)
+                    generated = kiln_runtime::cuda::program_source(&art, &me.name, &options)
                         .map_err(|e| plain("kiln::inspect", e.to_string(), None))?;
-                    (mixed.as_str(), "the mixed-precision program")
+                    generated.as_str()
                 } else {
-                    (src.as_str(), c.source.as_str())
+                    src.as_str()
                 };
-                let _ = writeln!(out, "{}", nvrtc_summary(version, src, what, c, &me.name)?);
+                let _ = writeln!(out, "{}", nvrtc_summary(version, src, mixed, c, &me.name)?);
             }
         }
         let _ = writeln!(
@@ -824,16 +825,22 @@ pub fn inspect(
     Ok(())
 }
 
-/// `kiln inspect --nvrtc`: NVRTC compiles the entry's CUDA C with the options the artifact
-/// records plus the assembler's `-v`; the lines say how many functions, the most
-/// registers and shared memory, and every function that spills.
+/// `kiln inspect --nvrtc`: NVRTC compiles `src` (the entry's CUDA C, or with `mixed` its
+/// mixed-precision program) with the options the artifact records plus the assembler's
+/// `-v`; the lines say how many functions, the most registers and shared memory, and
+/// every function that spills.
 fn nvrtc_summary(
     version: &str,
     src: &str,
-    what: &str,
+    mixed: bool,
     c: &kiln_compiler::artifact::CudaManifest,
     entry: &str,
 ) -> Result<String, Error> {
+    let what = if mixed {
+        "the mixed-precision program"
+    } else {
+        c.source.as_str()
+    };
     let mut options = c.nvrtc_options.clone();
     options.push("--ptxas-options=-v".to_string());
     let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(src, &options).map_err(|log| {
@@ -856,11 +863,7 @@ fn nvrtc_summary(
             )
         })
         .collect();
-    let mixed = if what == c.source {
-        ""
-    } else {
-        " (mixed precision)"
-    };
+    let mixed = if mixed { " (mixed precision)" } else { "" };
     let mut s = format!(
         "  nvrtc {version}: {} functions{mixed} assembled for {}",
         report.len(),

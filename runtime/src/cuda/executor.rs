@@ -732,8 +732,6 @@ impl CudaExecutor {
         &self.graph
     }
 
-    /// The device dtype of output `k` of kernel-graph value `v`: `BF16` where the
-    /// mixed-precision plan keeps it in bf16 ([`CudaOptions::mixed`]), else its dtype.
     /// Binds the views and kernel results (every value but the sources, whose locations
     /// `locs` already holds) at dims `dims`, the arena at `base`.
     fn bind_derived(
@@ -859,6 +857,8 @@ impl CudaExecutor {
         Ok(d)
     }
 
+    /// The device dtype of output `k` of kernel-graph value `v`: `BF16` where the
+    /// mixed-precision plan keeps it in bf16 ([`CudaOptions::mixed`]), else its dtype.
     fn stored(&self, v: usize, k: usize) -> DType {
         let dtype = self.kg.values[v].types[k].dtype;
         let bf16 = self
@@ -1225,12 +1225,7 @@ impl CudaExecutor {
         };
         let mut copies: Vec<DevCopy> = copies
             .into_iter()
-            .map(|c| DevCopy {
-                src: c.src,
-                words: c.words,
-                buf: None,
-                users: c.users,
-            })
+            .map(|plan| DevCopy { plan, buf: None })
             .collect();
         phases.end(&st.device, "upload").map_err(dev_err)?;
         // The casts kept from the last run of this version, unless a parameter changed
@@ -1384,17 +1379,17 @@ impl CudaExecutor {
         drop(r);
         guard.epilogues.0 += fused;
         guard.epilogues.1 += separate;
-        guard.view_copies = (copies.len(), copies.iter().map(|c| c.words * 4).sum());
+        guard.view_copies = (copies.len(), copies.iter().map(|c| c.plan.words * 4).sum());
         guard.params = cache;
-        if made.is_none() {
-            guard.binds.1 += 1;
-        }
-        if let Some(b) = made {
-            guard.binds.0 += 1;
-            if guard.bound.len() >= Bound::KEPT {
-                guard.bound.clear();
+        match made {
+            None => guard.binds.1 += 1,
+            Some(b) => {
+                guard.binds.0 += 1;
+                if guard.bound.len() >= Bound::KEPT {
+                    guard.bound.clear();
+                }
+                guard.bound.insert(dims.clone(), Arc::new(b));
             }
-            guard.bound.insert(dims.clone(), Arc::new(b));
         }
         Ok(RunOut {
             outputs: out,
@@ -2085,10 +2080,9 @@ fn signatures(code: &CudaCode) -> Vec<(String, Work, usize)> {
         .collect()
 }
 
-/// A reshape of a non-contiguous view (see the CPU executor's `ViewCopy`): copied into a
-/// buffer of its own when a kernel first reads it, freed after the last one does.
-/// A strided view's contiguous copy, as binding plans it: the value copied, its size,
-/// and the values whose locations start at the copy (itself and views of it).
+/// A reshape of a non-contiguous view, as binding plans it (see the CPU executor's
+/// `ViewCopy`): the value copied, its size, and the values whose locations start at the
+/// copy (itself and views of it), which get its address when it is made.
 #[derive(Clone, Debug)]
 struct CopyPlan {
     src: usize,
@@ -2185,14 +2179,11 @@ impl Bound {
     }
 }
 
+/// A [`CopyPlan`] in a run: copied into a buffer of its own when a kernel first reads
+/// it, freed after the last one does.
 struct DevCopy {
-    /// The value copied (a strided view).
-    src: usize,
-    words: usize,
+    plan: CopyPlan,
     buf: Option<Buf>,
-    /// The values that start at the copy (itself and views of it): their locations get
-    /// its address when it is made.
-    users: Vec<usize>,
 }
 
 /// One run's device work: launches, GEMMs, copies, and the buffers they need.
@@ -2246,11 +2237,11 @@ impl Run<'_> {
             if copies[c].buf.is_some() {
                 continue;
             }
-            let b = self.dev.alloc(copies[c].words)?;
-            for &u in &copies[c].users {
+            let b = self.dev.alloc(copies[c].plan.words)?;
+            for &u in &copies[c].plan.users {
                 locs[u][0].ptr = b.ptr;
             }
-            let src = locs[copies[c].src][0].clone();
+            let src = locs[copies[c].plan.src][0].clone();
             self.copy_to(&src, b.ptr)?;
             copies[c].buf = Some(b);
         }

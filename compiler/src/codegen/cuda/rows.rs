@@ -196,9 +196,9 @@ pub const LN_LANE: usize = 32;
 
 /// The elements a lane holds in registers for rows of `d` (a program's layer norms, whose
 /// `d_model` is a constant): `⌈d / 32⌉`, so that a warp's registers hold a row and no
-/// more (each element a lane holds takes registers for its value, its gain and its bias:
-/// 32 of them took 128 registers a thread, two blocks an SM). `0` (every row through
-/// memory) where `d` is not a constant or exceeds `32 ·` [`LN_LANE`].
+/// more (a lane's array is sized when the kernel is compiled, whatever `d` a launch
+/// has). `0` (every row through memory) where `d` is not a constant or exceeds `32 ·`
+/// [`LN_LANE`].
 pub fn row_lane(d: Option<usize>) -> usize {
     match d {
         Some(d) if d > 0 && d <= 32 * LN_LANE => d.div_ceil(32),
