@@ -661,6 +661,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         if let Some(c) = &cuda {
             let (fused, separate) = c.epilogue_counts();
             obj["bias_epilogues"] = serde_json::json!({"fused": fused, "separate": separate});
+            let (fused, separate) = c.bias_grad_counts();
+            obj["bias_grads"] = serde_json::json!({"fused": fused, "separate": separate});
             obj["arena_bytes"] = serde_json::json!(c.arena_bytes());
             let (n, bytes) = c.view_copies();
             obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
@@ -718,6 +720,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 outln!(
                     "  linear kernels with a bias: {fused} in one cuBLASLt call (bias epilogue), \
                      {separate} as bias + GEMM (+ ReLU) ({} runs)",
+                    a.warmup + a.runs
+                );
+            }
+            let (fused, separate) = c.bias_grad_counts();
+            if fused + separate > 0 {
+                outln!(
+                    "  bias gradients: {fused} summed by their weight gradient's GEMM (cuBLASLt \
+                     BGRADA epilogue), {separate} by sum_rows ({} runs)",
                     a.warmup + a.runs
                 );
             }

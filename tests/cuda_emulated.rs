@@ -109,4 +109,55 @@ fn the_dry_emulation_times_the_executors_host_work() {
     ] {
         assert!(text.contains(label), "no `{label}` in {text}");
     }
+    // The tiny model's 32 bias gradients a step, in 3 runs (a warm-up and 2 timed), all
+    // summed by their weight gradients' GEMMs.
+    assert!(
+        text.contains("bias gradients: 96 summed by their weight gradient's GEMM"),
+        "{text}"
+    );
+}
+
+/// Where cuBLASLt has no bias-gradient epilogue for a weight-gradient GEMM (the emulated
+/// one told to refuse, `REFUSE_BIAS_GRAD_ENV`), every bias gradient runs as its own
+/// `sum_rows` — those deferred to their GEMM too — and every entry still matches the CPU
+/// executor (fp32, and the mixed-precision and training steps within their bounds).
+#[test]
+fn bias_gradients_without_a_cublaslt_algorithm_run_apart() {
+    if std::env::var_os(EMULATE_ENV).is_some() {
+        return;
+    }
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+    if !Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        println!("skipped: no `{cxx}` to compile the CUDA C for the emulated device");
+        return;
+    }
+    let me = std::env::current_exe().expect("the test binary's path");
+    let tests = [
+        "gpu::gpu_fused_and_separate_epilogues_match_the_cpu_executor",
+        "gpu::gpu_train_steps_match_the_cpu_executor",
+        "gpu::gpu_mixed_precision_is_close_to_the_cpu",
+    ];
+    let out = Command::new(me)
+        .args(tests)
+        .args(["--exact", "--nocapture", "--test-threads", "2"])
+        .env(EMULATE_ENV, "1")
+        .env(kiln_runtime::cuda::emulate::REFUSE_BIAS_GRAD_ENV, "1")
+        .env_remove("KILN_REQUIRE_CUDA")
+        .output()
+        .expect("the test binary runs again");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("test result: ok. 3 passed"), "{text}");
+    assert!(
+        text.contains("bias gradients (in the GEMM's epilogue, apart): default (0, 32)"),
+        "{text}"
+    );
 }

@@ -21,7 +21,7 @@ use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_runtime::artifact::Artifact;
 use kiln_runtime::cuda::{
-    cuda_available, executor_for, launch_plan, launch_plan_with, memory_plan_with,
+    cuda_available, emulate, executor_for, launch_plan, launch_plan_with, memory_plan_with,
     require_cuda_or_skip, CudaExecError, CudaExecutor, CudaOptions,
 };
 use kiln_runtime::exec::Exec;
@@ -297,12 +297,16 @@ fn mismatches(entry: &str, want: &[(String, Tensor)], got: &[(String, Tensor)]) 
     bad
 }
 
+/// How many kernels of a kind ran each way over the entries: `(fused, separate)`.
+type Counts = (usize, usize);
+
 /// Every entry on the GPU with `options` against the CPU executor on the same random
-/// feeds (`seed`, dropout step `step`): the mismatches, and the `linear` kernels with a
-/// bias that ran (fused, separate).
-fn entries_vs_cpu(options: CudaOptions, seed: u64, step: u32) -> (Vec<String>, (usize, usize)) {
+/// feeds (`seed`, dropout step `step`): the mismatches, the `linear` kernels with a bias
+/// that ran (fused, separate), and the bias gradients paired with a weight-gradient GEMM
+/// (summed in its epilogue, by their own kernel).
+fn entries_vs_cpu(options: CudaOptions, seed: u64, step: u32) -> (Vec<String>, Counts, Counts) {
     let art = cuda_artifact();
-    let (mut bad, mut counts) = (Vec::new(), (0, 0));
+    let (mut bad, mut counts, mut grads) = (Vec::new(), (0, 0), (0, 0));
     for entry in ENTRIES {
         let gpu = CudaExecutor::with_options(art, entry, options).unwrap_or_else(|e| panic!("{e}"));
         let cpu = art.executor(entry).unwrap();
@@ -323,8 +327,11 @@ fn entries_vs_cpu(options: CudaOptions, seed: u64, step: u32) -> (Vec<String>, (
         let (f, s) = gpu.epilogue_counts();
         counts.0 += f;
         counts.1 += s;
+        let (f, s) = gpu.bias_grad_counts();
+        grads.0 += f;
+        grads.1 += s;
     }
-    (bad, counts)
+    (bad, counts, grads)
 }
 
 /// Every spec whose kernels differ from the tiny model's (`common::DISTINCT_SPECS`: base,
@@ -432,34 +439,60 @@ fn gpu_every_entry_matches_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let (bad, _) = entries_vs_cpu(CudaOptions::default(), 11, 3);
+    let (bad, _, _) = entries_vs_cpu(CudaOptions::default(), 11, 3);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
 /// `linear` and `linear_relu` run by default as one cuBLASLt GEMM with a bias (+ ReLU)
 /// epilogue, and with `separate_epilogues` as a bias fill, a GEMM and a ReLU pass: both
 /// match the CPU executor on every entry (fp32, within 1e-5), the default fuses some, and
-/// the separate path fuses none.
+/// the separate path fuses none. The same for the bias gradients: by default the
+/// weight-gradient GEMM sums them in its epilogue where cuBLASLt has an algorithm (the
+/// emulated device always has one, unless told to refuse: then every one runs apart).
 #[test]
 fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let (mut bad, fused) = entries_vs_cpu(CudaOptions::default(), 17, 1);
+    let (mut bad, fused, grads) = entries_vs_cpu(CudaOptions::default(), 17, 1);
     let separate = CudaOptions {
         separate_epilogues: true,
         ..CudaOptions::default()
     };
-    let (bad_separate, apart) = entries_vs_cpu(separate, 17, 1);
+    let (bad_separate, apart, grads_apart) = entries_vs_cpu(separate, 17, 1);
     bad.extend(bad_separate);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
     println!("linear kernels with a bias (fused, separate): default {fused:?}, separate {apart:?}");
+    println!(
+        "bias gradients (in the GEMM's epilogue, apart): default {grads:?}, separate \
+         {grads_apart:?}"
+    );
     assert!(
         fused.0 > 0,
         "no linear kernel went through cuBLASLt: {fused:?}"
     );
     assert_eq!(apart.0, 0, "{apart:?}");
     assert_eq!(fused.0 + fused.1, apart.1, "{fused:?} {apart:?}");
+    // train_step pairs each bias's gradient with its weight's.
+    assert!(
+        grads_apart.1 > 0,
+        "no bias gradient was paired: {grads_apart:?}"
+    );
+    assert_eq!(grads_apart.0, 0, "{grads_apart:?}");
+    assert_eq!(
+        grads.0 + grads.1,
+        grads_apart.1,
+        "{grads:?} {grads_apart:?}"
+    );
+    if emulate::emulated() {
+        let refused = std::env::var_os(emulate::REFUSE_BIAS_GRAD_ENV).is_some();
+        let want = if refused {
+            (0, grads_apart.1)
+        } else {
+            (grads_apart.1, 0)
+        };
+        assert_eq!(grads, want, "refused: {refused}");
+    }
 }
 
 #[test]
@@ -490,7 +523,8 @@ fn gpu_train_steps_match_the_cpu_executor() {
 /// Attention's results are stored with their heads merged (`[b, t, h, d]`), so the output
 /// projection and the projections' gradients read them without a copy. An artifact
 /// written before the flash kernels took their results' strides (no `strided_results` in
-/// its manifest) keeps them row-major and copies each before its readers: the same bits.
+/// its manifest) keeps them row-major and copies each before its readers: the same bits
+/// (with the bias gradients by their own kernels on both sides).
 #[test]
 fn gpu_attention_results_with_heads_merged_give_the_older_artifacts_bits() {
     if require_cuda_or_skip().is_none() {
@@ -498,8 +532,14 @@ fn gpu_attention_results_with_heads_merged_give_the_older_artifacts_bits() {
     }
     let art = cuda_artifact();
     let (old, attentions) = older_attention(art, "older_attention");
-    let new_gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
-    let old_gpu = CudaExecutor::from_artifact_entry(&old, "train_step").unwrap();
+    // Bias gradients by `sum_rows` on both sides: the GEMM's epilogue sums them in
+    // another order, and takes only output gradients it reads in place (not copies).
+    let apart = CudaOptions {
+        separate_epilogues: true,
+        ..CudaOptions::default()
+    };
+    let new_gpu = CudaExecutor::with_options(art, "train_step", apart).unwrap();
+    let old_gpu = CudaExecutor::with_options(&old, "train_step", apart).unwrap();
     let (inputs, params) = feeds(new_gpu.graph(), art, 9);
     let opts = RunOptions {
         seed: 3,

@@ -21,6 +21,7 @@ use kiln_compiler::codegen::cuda::Work;
 
 use super::abi::{grid, pack_dims, Sgemm};
 use super::emulate::{HostDevice, HostMem};
+use super::lt::Epilogue;
 
 /// A device buffer of 4-byte words and its address.
 pub(crate) struct Buf {
@@ -746,13 +747,13 @@ impl Gpu {
         .map_err(drv("cuBLAS GemmEx (bf16)"))
     }
 
-    /// Row-major `c = a·b + bias` (then `max(·, 0)` with `relu`) in one cuBLASLt call
-    /// with a bias epilogue (`g` as for [`Device::sgemm`], `c` of element type `out`,
-    /// `bias` one element of `out`'s type per output column). `Ok(false)` when cuBLASLt
-    /// has no algorithm for it: nothing was launched, and the caller runs the bias, the
-    /// GEMM and the ReLU separately.
+    /// Row-major `c = a·b` in one cuBLASLt call with `epilogue` (`g` as for
+    /// [`Device::sgemm`], `c` of element type `out`, `bias` one element per output column:
+    /// a bias of `out`'s type, or the bias gradient it receives). `Ok(false)` when
+    /// cuBLASLt has no algorithm for it: nothing was launched, and the caller runs the
+    /// separate kernels.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bias(
+    pub fn gemm_epilogue(
         &self,
         g: &Sgemm,
         (elem, out): (GemmElem, GemmElem),
@@ -760,13 +761,13 @@ impl Gpu {
         b: u64,
         c: u64,
         bias: u64,
-        relu: bool,
+        epilogue: Epilogue,
     ) -> Result<bool, String> {
         let mut lt = self.lt.lock().unwrap_or_else(|p| p.into_inner());
         if lt.is_none() {
             *lt = Some(super::lt::Lt::new(&self.stream, self.math)?);
         }
-        lt.as_mut().expect("made above").gemm_bias(
+        lt.as_mut().expect("made above").gemm_epilogue(
             &self.stream,
             g,
             (elem, out),
@@ -774,7 +775,7 @@ impl Gpu {
             b,
             c,
             bias,
-            relu,
+            epilogue,
         )
     }
 
@@ -1053,9 +1054,39 @@ impl Device {
         if elem == GemmElem::F32 && out != GemmElem::F32 {
             return Err("internal: an f32 GEMM into a bf16 result".to_string());
         }
+        let epilogue = if relu {
+            Epilogue::ReluBias
+        } else {
+            Epilogue::Bias
+        };
         match self {
-            Device::Gpu(d) => d.gemm_bias(g, (elem, out), a, b, c, bias, relu),
-            Device::Host(h) => h.gemm_bias(g, (elem, out), a, b, c, bias, relu),
+            Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, bias, epilogue),
+            Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, bias, epilogue),
+        }
+    }
+
+    /// Row-major `c = a·b` whose cuBLAS first operand (`b`, `g.m × g.k` as read) is also
+    /// summed along `k` into `grad` (`g.m` elements, bf16 where `grad_bf16`, else f32):
+    /// the weight gradient and the bias gradient of a linear layer from one read of the
+    /// output gradient. `Ok(false)`: cuBLASLt has no algorithm for it (nothing launched).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bias_grad(
+        &self,
+        g: &Sgemm,
+        (elem, out): (GemmElem, GemmElem),
+        a: u64,
+        b: u64,
+        c: u64,
+        grad: u64,
+        grad_bf16: bool,
+    ) -> Result<bool, String> {
+        if elem == GemmElem::F32 && out != GemmElem::F32 {
+            return Err("internal: an f32 GEMM into a bf16 result".to_string());
+        }
+        let epilogue = Epilogue::BiasGradA { bf16: grad_bf16 };
+        match self {
+            Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, grad, epilogue),
+            Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, grad, epilogue),
         }
     }
 

@@ -18,7 +18,8 @@
 //!   barriers, block reductions, one warp's lanes and the grid strides all run (more
 //!   threads cost more than they show: 64 doubles the time of a training run);
 //! - **cuBLAS / cuBLASLt**: column-major `C = op(A)·op(B) + β·C` (batched with element
-//!   strides; bias along `m` and ReLU for the cuBLASLt epilogue), f64 accumulation,
+//!   strides; bias along `m` and ReLU for the cuBLASLt epilogue, or the bias gradient
+//!   `Σ_k op(A)` along `m`), f64 accumulation,
 //!   bf16 operands and results rounded as the kernels' `kiln_f32_to_bf16` (the bias of the
 //!   epilogue in the result's type), TF32 math
 //!   rounding the f32 operands to 10 mantissa bits; the leading dimensions are checked
@@ -41,9 +42,14 @@ use kiln_compiler::codegen::cuda::Work;
 
 use super::abi::{grid, pack_dims, KilnDims, Sgemm};
 use super::device::{GemmElem, GemmMath};
+use super::lt::Epilogue;
 
 /// The variable that turns the emulation on (`1`).
 pub const EMULATE_ENV: &str = "KILN_CUDA_EMULATE";
+
+/// With the emulation on, any value makes the emulated cuBLASLt refuse bias-gradient
+/// epilogues (no algorithm), so that the executor's fallback for a GPU without one runs.
+pub const REFUSE_BIAS_GRAD_ENV: &str = "KILN_CUDA_EMULATE_NO_BIAS_GRAD";
 
 /// Blocks and threads per block of an emulated launch, at most.
 const EMU_GRID: u32 = 2;
@@ -396,9 +402,12 @@ impl HostDevice {
         Ok(())
     }
 
-    /// cuBLASLt's `D = op(A)·op(B) + bias` (then ReLU), f32 result and bias.
+    /// cuBLASLt's `D = op(A)·op(B)` with `epilogue`: `+ bias` (then ReLU), the bias of
+    /// the result's type; or the bias gradient `Σ_k op(A)[i, k]` into `bias`, in f64 and
+    /// rounded once to its type. With [`REFUSE_BIAS_GRAD_ENV`] set, a bias gradient has no
+    /// algorithm (`Ok(false)`, nothing done), as on a GPU whose cuBLASLt lacks one.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bias(
+    pub(crate) fn gemm_epilogue(
         &self,
         g: &Sgemm,
         (elem, out): (GemmElem, GemmElem),
@@ -406,10 +415,56 @@ impl HostDevice {
         b: u64,
         c: u64,
         bias: u64,
-        relu: bool,
+        epilogue: Epilogue,
     ) -> Result<bool, String> {
-        self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, Some((bias, relu)))?;
+        if let Epilogue::BiasGradA { bf16 } = epilogue {
+            if std::env::var_os(REFUSE_BIAS_GRAD_ENV).is_some() {
+                return Ok(false);
+            }
+            let grad = if bf16 { GemmElem::Bf16 } else { GemmElem::F32 };
+            self.bias_grad(g, (b, elem), (bias, grad))?;
+            self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, None)?;
+        } else {
+            let relu = epilogue == Epilogue::ReluBias;
+            self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, Some((bias, relu)))?;
+        }
         Ok(true)
+    }
+
+    /// `grad[i] = Σ_p op(first)[i, p]` for the `m` rows of cuBLAS's first operand.
+    fn bias_grad(
+        &self,
+        g: &Sgemm,
+        (first, fe): (u64, GemmElem),
+        (grad, ge): (u64, GemmElem),
+    ) -> Result<(), String> {
+        let (m, k) = (g.m as usize, g.k as usize);
+        let [(rows, cols, ld), _, _] = super::lt::layouts(g);
+        if rows > 0 && cols > 0 {
+            let extent = (cols as usize - 1) * ld as usize + rows as usize;
+            self.registry.check(
+                first,
+                extent * size(fe) as usize,
+                "the GEMM's first operand",
+            )?;
+        }
+        self.registry
+            .check(grad, size(ge) as usize * m, "the GEMM's bias gradient")?;
+        if dry() {
+            return Ok(());
+        }
+        let lda = g.lda as usize;
+        for i in 0..m {
+            let mut acc = 0f64;
+            for p in 0..k {
+                let idx = if g.transa { p + i * lda } else { i + p * lda };
+                // SAFETY: inside the extent checked above.
+                acc += f64::from(unsafe { read_elem(first, fe, idx) });
+            }
+            // SAFETY: `m` elements checked above.
+            unsafe { write_elem(grad, ge, i, acc as f32) };
+        }
+        Ok(())
     }
 
     fn one_gemm(

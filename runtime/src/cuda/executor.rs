@@ -94,6 +94,9 @@ struct State {
     training: Option<Training>,
     /// `linear` kernels with a bias run so far: (in one cuBLASLt call, separately).
     epilogues: (usize, usize),
+    /// Bias gradients paired with a weight-gradient GEMM so far: (in its cuBLASLt
+    /// epilogue, as a separate `sum_rows`).
+    bias_grads: (usize, usize),
     /// The last run's view copies: how many, and their bytes in all.
     view_copies: (usize, usize),
     /// The views' and kernel results' locations by dims (at most [`Bound::KEPT`]; it
@@ -717,6 +720,7 @@ impl CudaExecutor {
                 params: None,
                 training: None,
                 epilogues: (0, 0),
+                bias_grads: (0, 0),
                 view_copies: (0, 0),
                 bound: HashMap::new(),
                 binds: (0, 0),
@@ -889,6 +893,15 @@ impl CudaExecutor {
     pub fn epilogue_counts(&self) -> (usize, usize) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.epilogues
+    }
+
+    /// How the bias gradients paired with their weight-gradient GEMM ran so far, over
+    /// every run: `(fused, separate)` — summed by the GEMM's cuBLASLt epilogue, or by
+    /// their own `sum_rows` kernel ([`CudaOptions::separate_epilogues`], no cuBLASLt
+    /// algorithm, or a GEMM that does not read the output gradient in place).
+    pub fn bias_grad_counts(&self) -> (usize, usize) {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.bias_grads
     }
 
     /// Runs so far that bound the views' and kernel results' locations afresh, and that
@@ -1070,6 +1083,9 @@ impl CudaExecutor {
             bf16: self.bf16,
             fused_epilogues: !self.separate_epilogues,
             epilogues: (0, 0),
+            bias_grads: (0, 0),
+            bias_deferred: HashMap::new(),
+            bias_ready: HashMap::new(),
             mirror: HashMap::new(),
             params: std::collections::HashSet::new(),
             casts: HashMap::new(),
@@ -1251,8 +1267,17 @@ impl CudaExecutor {
             let ins: Vec<&DLoc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
             let outs = &locs[step.value];
             let held = r.keep.len();
-            r.exec(step, &ins, outs)
-                .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            let paired = match step.bias_grad {
+                Some(other) if r.fused_epilogues => {
+                    r.bias_grad_pair(&self.steps, s, other, &ins, outs, &locs, &needs)
+                }
+                _ => Ok(false),
+            };
+            let done = paired.map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            if !done {
+                r.exec(step, &ins, outs)
+                    .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            }
             // The kernel's scratch and the copies no later kernel reads (freed in stream
             // order: the memory is reused by later launches only).
             r.keep.truncate(held);
@@ -1271,6 +1296,11 @@ impl CudaExecutor {
                     .end_product(&st.device, &what, product)
                     .map_err(dev_err)?;
             }
+        }
+        if let Some(g) = r.bias_deferred.keys().next() {
+            return Err(dev_err(format!(
+                "internal: a bias gradient was left for step {g}, which did not take it"
+            )));
         }
         phases.begin(&st.device).map_err(dev_err)?;
         let mut out = Vec::with_capacity(self.graph.outputs.len());
@@ -1371,6 +1401,7 @@ impl CudaExecutor {
             phases.report(&mut **rec).map_err(dev_err)?;
         }
         let (fused, separate) = r.epilogues;
+        let bias_grads = r.bias_grads;
         // Casts of parameters kept on the device outlive the run; a trained parameter
         // changes with the step, so its casts do not.
         if let Some(c) = cache.as_mut().filter(|_| training.is_none()) {
@@ -1379,6 +1410,8 @@ impl CudaExecutor {
         drop(r);
         guard.epilogues.0 += fused;
         guard.epilogues.1 += separate;
+        guard.bias_grads.0 += bias_grads.0;
+        guard.bias_grads.1 += bias_grads.1;
         guard.view_copies = (copies.len(), copies.iter().map(|c| c.plan.words * 4).sum());
         guard.params = cache;
         match made {
@@ -2203,6 +2236,15 @@ struct Run<'a> {
     fused_epilogues: bool,
     /// `linear` kernels with a bias so far: (fused by cuBLASLt, run separately).
     epilogues: (usize, usize),
+    /// Paired bias gradients so far ([`CudaExecutor::bias_grad_counts`]).
+    bias_grads: (usize, usize),
+    /// Bias gradients whose weight-gradient GEMM comes later, by the GEMM's step: the
+    /// `sum_rows` step, the rows it sums (`dy`) and its result. The GEMM writes the
+    /// result, or runs the `sum_rows` after itself where cuBLASLt cannot.
+    bias_deferred: HashMap<usize, (usize, DLoc, DLoc)>,
+    /// Bias gradients an earlier GEMM computed, by the `sum_rows` step: the buffer
+    /// holding them, copied into the step's result when it comes.
+    bias_ready: HashMap<usize, Buf>,
     /// The host words of each integer input this run uploaded, by device buffer: inputs
     /// are only read on the device, so [`Run::words`] of an i32 view of one (ids checked
     /// against the vocabulary, targets, the embedding gradient's row index) gathers them
@@ -2534,6 +2576,153 @@ impl Run<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// `out[j] = Σ_rows x[…, j]`: a chunk's partial sums, then their finish.
+    fn sum_rows(&mut self, main: &str, finish: &str, x: &DLoc, out: &DLoc) -> Result<(), String> {
+        let x = self.contig(x)?;
+        let n = x.last();
+        let rows = x.numel() / n.max(1);
+        let part = self.alloc(cuda_misc::sum_rows_chunks(rows) * n)?;
+        let (main_l, finish_l) = Launch::sum_rows(x.shape());
+        self.launch(main, &[x.base(), part], main_l)?;
+        self.launch(finish, &[part, out.base()], finish_l)
+    }
+
+    /// Step `s` of a bias-gradient pair (`steps::pair_bias_grads`; `other` is the other
+    /// step): `Ok(true)` when this did the step's work, `Ok(false)` to run it as usual.
+    /// - A `sum_rows` before its GEMM is deferred to it (unless its rows are a view copy,
+    ///   which may be freed by then); one after its GEMM copies what the GEMM computed.
+    /// - The GEMM computes the bias gradient in its epilogue ([`Run::gemm_bias_grad`]):
+    ///   into the `sum_rows`'s result when that came first — its slot is planned from the
+    ///   `sum_rows` on, and no kernel between reads it — or into a buffer of its own when
+    ///   the `sum_rows` comes later. Where it cannot, a deferred `sum_rows` runs after it.
+    #[allow(clippy::too_many_arguments)]
+    fn bias_grad_pair(
+        &mut self,
+        steps: &[Step],
+        s: usize,
+        other: usize,
+        ins: &[&DLoc],
+        outs: &[DLoc],
+        locs: &[Vec<DLoc>],
+        needs: &[Vec<usize>],
+    ) -> Result<bool, String> {
+        let step = &steps[s];
+        match &step.exec {
+            StepExec::SumRows { .. } if other > s => {
+                if !needs[step.inputs[0]].is_empty() {
+                    return Ok(false);
+                }
+                self.bias_deferred
+                    .insert(other, (s, ins[0].clone(), outs[0].clone()));
+                Ok(true)
+            }
+            StepExec::SumRows { .. } => {
+                let Some(buf) = self.bias_ready.remove(&s) else {
+                    return Ok(false);
+                };
+                let out = &outs[0];
+                let bytes = elem_bytes(out.dtype) as usize * out.numel();
+                self.dev.copy_bytes(out.base(), buf.ptr, bytes)?;
+                // Freed in stream order, as a kernel's scratch.
+                self.keep.push(buf);
+                Ok(true)
+            }
+            StepExec::Gemm { .. } if other < s => {
+                let Some((sum, dy, db)) = self.bias_deferred.remove(&s) else {
+                    return Ok(false);
+                };
+                if self.gemm_bias_grad(ins[0], ins[1], &outs[0], &dy, &db)? {
+                    self.bias_grads.0 += 1;
+                    return Ok(true);
+                }
+                self.exec(step, ins, outs)?;
+                let StepExec::SumRows { main, finish } = &steps[sum].exec else {
+                    return Err(format!("internal: step {sum} deferred as a bias gradient"));
+                };
+                self.bias_grads.1 += 1;
+                self.sum_rows(main, finish, &dy, &db)?;
+                Ok(true)
+            }
+            StepExec::Gemm { .. } => {
+                let sum = &steps[other];
+                if !needs[sum.inputs[0]].is_empty() {
+                    return Ok(false);
+                }
+                let (dy, db) = (&locs[sum.inputs[0]][0], &locs[sum.value][0]);
+                let buf = self.dev.alloc(words_of(db.dtype, db.numel()).max(1))?;
+                let to = DLoc {
+                    ptr: buf.ptr,
+                    layout: Layout::contiguous(db.shape()),
+                    dtype: db.dtype,
+                };
+                if self.gemm_bias_grad(ins[0], ins[1], &outs[0], dy, &to)? {
+                    self.bias_grads.0 += 1;
+                    self.bias_ready.insert(other, buf);
+                    return Ok(true);
+                }
+                Ok(false)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// `out = x·w` and `db[j] = Σ_rows dy[…, j]` in one cuBLASLt call, where the GEMM
+    /// reads `dy` in place as its right operand (`w` is `dy` as `[rows, n]`: cuBLAS's
+    /// first operand, summed along `k` by the `BGRADA` epilogue). `Ok(false)`, with
+    /// nothing launched, where it does not (a copy, a batched or empty product, a bf16
+    /// cast of an f32 `dy`) or cuBLASLt has no algorithm.
+    fn gemm_bias_grad(
+        &mut self,
+        x: &DLoc,
+        w: &DLoc,
+        out: &DLoc,
+        dy: &DLoc,
+        db: &DLoc,
+    ) -> Result<bool, String> {
+        let n = dy.last();
+        let rows = dy.numel() / n.max(1);
+        if out.numel() == 0
+            || rows == 0
+            || !dy.layout.is_contiguous()
+            || !db.layout.is_contiguous()
+            || db.numel() != n
+            || w.dtype != dy.dtype
+            || (self.bf16 && !w.is_bf16())
+        {
+            return Ok(false);
+        }
+        let (a, b, plan) = self.matmul_plan(x, w)?;
+        let g = plan.gemm;
+        let in_place = plan.a_offsets.len() == 1
+            && plan.strided.is_none()
+            && !plan.empty_k
+            && b.ptr == w.ptr
+            && b.at(plan.b_offsets[0]) == dy.base()
+            && !g.transa
+            && g.lda as usize == n
+            && g.m as usize == n
+            && g.k as usize == rows;
+        if !in_place {
+            return Ok(false);
+        }
+        let out_elem = if out.is_bf16() {
+            device::GemmElem::Bf16
+        } else {
+            device::GemmElem::F32
+        };
+        let ops = self.matmul_ops(&a, &b, plan)?;
+        let p = &ops.plan;
+        self.dev.gemm_bias_grad(
+            &p.gemm,
+            (ops.elem, out_elem),
+            ops.a.at(p.a_offsets[0]),
+            ops.b.at(p.b_offsets[0]),
+            out.base(),
+            db.base(),
+            db.is_bf16(),
+        )
     }
 
     /// A `linear` kernel: `out = x·w + bias` (`relu`: then `max(·, 0)`); `bias_fill`
@@ -2936,13 +3125,10 @@ impl Run<'_> {
                 self.launch(f, &ptrs, l)
             }
             StepExec::SumRows { main, finish } => {
-                let x = self.contig(ins[0])?;
-                let n = x.last();
-                let rows = x.numel() / n.max(1);
-                let part = self.alloc(cuda_misc::sum_rows_chunks(rows) * n)?;
-                let (main_l, finish_l) = Launch::sum_rows(x.shape());
-                self.launch(main, &[x.base(), part], main_l)?;
-                self.launch(finish, &[part, outs[0].base()], finish_l)
+                if step.bias_grad.is_some() {
+                    self.bias_grads.1 += 1;
+                }
+                self.sum_rows(main, finish, ins[0], &outs[0])
             }
             StepExec::Adam(f) => {
                 let mut ptrs = Vec::with_capacity(14);

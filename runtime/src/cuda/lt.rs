@@ -1,9 +1,11 @@
 //! GEMMs with the bias (and ReLU) fused into cuBLASLt's epilogue: `linear` and
-//! `linear_relu` in one library call instead of a bias fill, a GEMM and a ReLU pass.
+//! `linear_relu` in one library call instead of a bias fill, a GEMM and a ReLU pass; and
+//! weight-gradient GEMMs that also sum their output gradient's rows into the bias
+//! gradient (`Epilogue::BiasGradA`), instead of a separate `sum_rows`.
 //!
 //! In: a row-major GEMM as [`Sgemm`] describes it for cuBLAS (operands swapped, so that
 //! cuBLAS's `m` is the output's last axis and the bias runs along it), the operands'
-//! element type, the device addresses, and whether a ReLU follows. Out: the launch on the
+//! element type, the device addresses, and the [`Epilogue`]. Out: the launch on the
 //! device's stream, or `Ok(false)` when cuBLASLt has no algorithm for that problem (the
 //! caller then runs the separate kernels).
 //!
@@ -65,6 +67,20 @@ pub(crate) fn layouts(g: &Sgemm) -> [(u64, u64, i64); 3] {
     ]
 }
 
+/// What the epilogue does with the vector at the bias pointer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Epilogue {
+    /// `D = A·B + bias` (bias along `m`).
+    Bias,
+    /// `D = max(A·B + bias, 0)`.
+    ReluBias,
+    /// `D = A·B`, and the bias pointer receives `Σ_k op(A)[i, k]` for each of the `m`
+    /// rows (`CUBLASLT_EPILOGUE_BGRADA`): a bias gradient, when cuBLAS's first operand is
+    /// the output gradient of a weight-gradient GEMM. `bf16`: the sums are stored in bf16
+    /// (else f32), whatever the result's type.
+    BiasGradA { bf16: bool },
+}
+
 /// One GEMM problem: everything the plan depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
@@ -72,7 +88,7 @@ struct Key {
     bf16: bool,
     /// A bf16 result and bias (only with bf16 operands).
     out_bf16: bool,
-    relu: bool,
+    epilogue: Epilogue,
     /// Alignments of the first operand, the second and the output (which is also `C`).
     align: [u32; 3],
 }
@@ -195,18 +211,24 @@ impl Lt {
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
         let op = |t: bool| -> i32 { t as i32 };
-        let epilogue = if key.relu {
-            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS
-        } else {
-            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+        use sys::cublasLtEpilogue_t as E;
+        let epilogue = match key.epilogue {
+            Epilogue::Bias => E::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::ReluBias => E::CUBLASLT_EPILOGUE_RELU_BIAS,
+            Epilogue::BiasGradA { .. } => E::CUBLASLT_EPILOGUE_BGRADA,
         };
         use sys::cublasLtMatmulDescAttributes_t as D;
         // SAFETY: a live descriptor; TRANSA/TRANSB are `int32_t` (`cublasOperation_t`),
-        // EPILOGUE a `uint32_t` enum. The bias has D's type, the default.
+        // EPILOGUE a `uint32_t` enum, BIAS_DATA_TYPE an `int32_t` (`cudaDataType`). A
+        // bias has D's type, the default; a bias gradient's type is set.
         unsafe {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.transa))?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.transb))?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))?;
+            if let Epilogue::BiasGradA { bf16 } = key.epilogue {
+                let ty = if bf16 { T::CUDA_R_16BF } else { T::CUDA_R_32F };
+                set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &(ty as i32))?;
+            }
         }
         let [a, b, d] = layouts(&g);
         let out = if key.out_bf16 {
@@ -259,12 +281,13 @@ impl Lt {
         }))
     }
 
-    /// Row-major `c = a·b + bias` (`relu`: then `max(·, 0)`), with `g` as for
-    /// `cublasSgemm` (cuBLAS's first operand at `b`, its second at `a`), operands of
-    /// `elem`, the result `c` of `out` and `bias` one element of `out` per output column.
+    /// Row-major `c = a·b` with `g` as for `cublasSgemm` (cuBLAS's first operand at
+    /// `b`, its second at `a`), operands of `elem` and the result `c` of `out`, and the
+    /// epilogue's vector at `bias`: one element per output column (cuBLAS's `m`), of
+    /// `out`'s type for a bias, of the type the epilogue names for a bias gradient.
     /// `Ok(false)`: cuBLASLt cannot run this problem (nothing was launched).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bias(
+    pub fn gemm_epilogue(
         &mut self,
         stream: &CudaStream,
         g: &Sgemm,
@@ -273,7 +296,7 @@ impl Lt {
         b: u64,
         c: u64,
         bias: u64,
-        relu: bool,
+        epilogue: Epilogue,
     ) -> Result<bool, String> {
         if !bias_fits(bias) || (elem == GemmElem::F32 && out == GemmElem::Bf16) {
             return Ok(false);
@@ -282,7 +305,7 @@ impl Lt {
             g: *g,
             bf16: elem == GemmElem::Bf16,
             out_bf16: out == GemmElem::Bf16,
-            relu,
+            epilogue,
             align: [alignment(b), alignment(a), alignment(c)],
         };
         let (handle, ws) = (self.handle, self.workspace_ptr);
@@ -292,9 +315,10 @@ impl Lt {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let [la, lb, lc] = plan.layouts;
         // SAFETY: the plan describes the operands at these addresses (sizes and leading
-        // dimensions from `sgemm_args`, alignments checked by its key); the bias holds
-        // `m` elements of the result's type; the workspace is the handle's, on this device; the call is enqueued
-        // on the executor's stream and reads alpha and beta before returning.
+        // dimensions from `sgemm_args`, alignments checked by its key); the bias (or its
+        // gradient) holds `m` elements of the epilogue's type; the workspace is the
+        // handle's, on this device; the call is enqueued on the executor's stream and
+        // reads alpha and beta before returning.
         unsafe {
             set_desc(
                 plan.desc,

@@ -13,7 +13,7 @@ use kiln_compiler::codegen::misc::ReduceLayout;
 use kiln_compiler::codegen::program::mask_kind;
 use kiln_compiler::codegen::rows::MaskKind;
 use kiln_compiler::ir::{DType, Op};
-use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
+use kiln_compiler::optimize::kernels::{Def, KernelGraph, KernelOp};
 use kiln_compiler::optimize::regions::Expr;
 use kiln_compiler::optimize::templates::registry;
 use kiln_compiler::shape::Dim;
@@ -27,6 +27,10 @@ pub(crate) struct Step {
     pub kind: String,
     pub inputs: Vec<usize>,
     pub exec: Exec,
+    /// For a bias gradient (`sum_rows`) and the weight-gradient GEMM that reads the same
+    /// output gradient as its right operand: the other one's step index
+    /// ([`pair_bias_grads`]). The GEMM may then compute both in one cuBLASLt call.
+    pub bias_grad: Option<usize>,
 }
 
 /// How a kernel runs on the GPU (function names are the module's).
@@ -322,7 +326,66 @@ pub(crate) fn prepare(
             kind,
             inputs: inputs.to_vec(),
             exec,
+            bias_grad: None,
         });
     }
+    pair_bias_grads(kg, &mut steps);
     Ok((steps, copy))
+}
+
+/// The value `v` is a view of (itself when it is not a view).
+fn view_root(kg: &KernelGraph, mut v: usize) -> usize {
+    while let Def::View(_, x) = &kg.values[v].def {
+        v = *x;
+    }
+    v
+}
+
+/// Pairs each bias gradient — a `sum_rows` of an output gradient `dy` over its rows —
+/// with the weight-gradient GEMM of the same layer: a `matmul` without bias or ReLU
+/// whose right operand is a view of the same buffer as `dy` (`dW = xᵀ·dy`), the first
+/// such GEMM not paired yet. Where the `sum_rows` comes first, no kernel after it up to
+/// the GEMM may read its result: the executor then writes the bias gradient when the
+/// GEMM runs instead (the memory plan keeps its slot for it from the `sum_rows` on).
+/// Whether the GEMM really reads `dy` as the rows summed (same address and layout) is
+/// for the executor to check at run time; this only proposes the pairs.
+pub(crate) fn pair_bias_grads(kg: &KernelGraph, steps: &mut [Step]) {
+    let mut taken = vec![false; steps.len()];
+    for s in 0..steps.len() {
+        if !matches!(steps[s].exec, Exec::SumRows { .. }) {
+            continue;
+        }
+        let Some(&dy) = steps[s].inputs.first() else {
+            continue;
+        };
+        let root = view_root(kg, dy);
+        let gemm = (0..steps.len()).find(|&g| {
+            let st = &steps[g];
+            !taken[g]
+                && st.kind == "matmul"
+                && matches!(
+                    st.exec,
+                    Exec::Gemm {
+                        bias: None,
+                        relu: None
+                    }
+                )
+                && st.inputs.get(1).is_some_and(|&w| view_root(kg, w) == root)
+        });
+        let Some(g) = gemm else {
+            continue;
+        };
+        let db = steps[s].value;
+        if s < g {
+            let read_between = steps[s + 1..=g]
+                .iter()
+                .any(|t| t.inputs.iter().any(|&x| view_root(kg, x) == db));
+            if read_between {
+                continue;
+            }
+        }
+        taken[g] = true;
+        steps[s].bias_grad = Some(g);
+        steps[g].bias_grad = Some(s);
+    }
 }
