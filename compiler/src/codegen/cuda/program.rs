@@ -301,7 +301,7 @@ fn launch(
                     f.insert("main".into(), name);
                 }
                 "add_layer_norm_bwd" => {
-                    let lane = rows::row_lane(static_last(kg, inputs[0]));
+                    let lane = rows::bwd_row_lane(static_last(kg, inputs[0]));
                     let name = em.get(
                         "add_layer_norm_bwd",
                         format!("add_layer_norm_bwd lane={lane}"),

@@ -352,24 +352,44 @@ fn sum_in_registers(w: &mut W, e: Elem, lane: usize) {
 /// The backward of [`add_layer_norm`] (the CPU kernel's formulas): `dx` per row and per
 /// block of [`LN_BWD_BLOCK`] rows the partial `dγ`, `dβ` sums into `scratch[blk, 0..2d]`.
 /// Buffers `[x, y, gamma, g, inv_d, eps, dx, scratch]` (`dx` may be `x`, `y` or `g`),
-/// dims `[rows, d]`, items row blocks `ceil(rows / 16)`.
+/// dims `[rows, d]`, items row blocks `ceil(rows / 16)`, one warp per row block
+/// ([`Work::Warps`]).
 ///
-/// Two phases per row block, one barrier between them:
-/// 1. the rows' statistics, one warp per row (warp `w` the rows `w`, `w + warps`, …, its
-///    lanes over the columns, sums by shuffles, no barrier): the mean, `rstd` and the
-///    three constants of `dx`, into shared memory;
-/// 2. each thread its columns `j ≡ threadIdx.x (mod blockDim.x)` down the block's rows in
-///    order: `dx`, and the partials `dγ`, `dβ` summed in registers in row order (as on
-///    the CPU), stored once.
+/// Where a warp of 32 holds a row in registers (at most [`LN_BWD_LANE`] elements a
+/// lane), it takes its block's rows one after another in one pass over memory: a lane
+/// loads its `x + y` and `g` of the row (all its loads before its first sum), the row's
+/// statistics come from shuffles (every lane gets the same sums), then it writes its `dx`
+/// and adds to its columns' partial `dγ`, `dβ`, kept in registers for the block's rows
+/// and stored once. No barrier, and `x`, `y` and `g` are read once.
 ///
-/// Every thread makes the same shuffle calls (a warp without a row sums zeros), as the
-/// host shim needs. A block of fewer than 32 threads is one warp of `blockDim.x` lanes.
+/// Otherwise (longer rows, blocks narrower than a warp) in two phases with a barrier
+/// between them: the statistics of the warp's rows (two passes each) into its shared
+/// slots, then each lane its columns `j ≡ lane (mod width)` down the rows in order.
+///
+/// Both give the same bits: the sums of each row and the partials of each column are
+/// added in the same order with the same formulas. Every thread makes the same shuffle
+/// calls (a warp without a row sums zeros), as the host shim needs.
 pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
-    add_layer_norm_bwd_with(name, e, LN_LANE)
+    add_layer_norm_bwd_with(name, e, LN_BWD_LANE)
 }
 
-/// [`add_layer_norm_bwd`] with the statistics of rows of up to `lane` elements a lane
-/// taken from registers (`0`: from two passes over the rows); for tests of the two paths.
+/// Elements of a row a lane of [`add_layer_norm_bwd`] holds in registers at most: rows
+/// of up to 512 (the base model's `d_model`). A lane keeps four arrays of this many
+/// floats (`x + y`, `g` and the two partials); at 32 (the big model) they would take
+/// most of its registers, so longer rows take the two phases.
+pub const LN_BWD_LANE: usize = 16;
+
+/// The elements a lane of [`add_layer_norm_bwd`] holds in registers for rows of `d`:
+/// [`row_lane`], or `0` (the two phases) above [`LN_BWD_LANE`].
+pub fn bwd_row_lane(d: Option<usize>) -> usize {
+    match row_lane(d) {
+        l if l <= LN_BWD_LANE => l,
+        _ => 0,
+    }
+}
+
+/// [`add_layer_norm_bwd`] with rows of up to `lane` elements a lane in registers (`0`:
+/// always the two phases); for tests of the two paths.
 pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
@@ -383,68 +403,136 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
     ];
     let mut w = W::new();
     signature(&mut w, name, &params);
-    w.l(format!("__shared__ float st[{LN_BWD_BLOCK} * 5];"));
     w.l("const long long rows = dims.d[0];");
     w.l("const long long d = dims.d[1];");
     w.l("const float c = inv_d[0];");
     w.l("const float ep = eps[0];");
-    w.l("const unsigned width = kiln_width();");
-    w.l("const unsigned warps = blockDim.x < 32u ? 1u : blockDim.x / 32u;");
-    w.l("const unsigned wi = threadIdx.x / width;");
-    w.l("const unsigned lane = threadIdx.x % width;");
-    w.open(FOR_BLOCKS);
-    w.l(format!("const long long lo = r * {LN_BWD_BLOCK};"));
-    w.l(format!(
-        "const long long hi = lo + {LN_BWD_BLOCK} < rows ? lo + {LN_BWD_BLOCK} : rows;"
-    ));
-    w.l("// Phase 1: row i of the block is warp (i mod warps)'s.");
-    w.open(format!(
-        "for (unsigned i0 = 0; i0 < {LN_BWD_BLOCK}u; i0 += warps)"
-    ));
-    w.l("const unsigned i = i0 + wi;");
-    w.l("const bool live = wi < warps && lo + i < hi;");
-    w.l("const long long q = lo + i;");
-    w.l("float sum = 0.0f;");
-    w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
-    w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
-    w.l("float mean = 0.0f;");
+    for l in WARPS_HEAD.lines() {
+        w.l(l);
+    }
+    let block = |w: &mut W| {
+        w.open(FOR_WARPS);
+        w.l("const long long r = r0 + wi;");
+        w.l("const bool live = wi < warps && r < items;");
+        w.l(format!("const long long lo = r * {LN_BWD_BLOCK};"));
+        w.l(format!(
+            "const long long hi = lo + {LN_BWD_BLOCK} < rows ? lo + {LN_BWD_BLOCK} : rows;"
+        ));
+    };
     let sums = |w: &mut W| {
         w.l("ssq = ssq + xc * xc;");
         w.l("sxc = sxc + xc;");
         w.l("sa = sa + a;");
         w.l("saxc = saxc + a * xc;");
     };
+    let reduce = |w: &mut W| {
+        w.l("ssq = kiln_warp_sum(ssq);");
+        w.l("sxc = kiln_warp_sum(sxc);");
+        w.l("sa = kiln_warp_sum(sa);");
+        w.l("saxc = kiln_warp_sum(saxc);");
+        w.l("const float var = ssq * c;");
+        w.l("const float rstd = 1.0f / sqrtf(var + ep);");
+        w.l("// dx_j = rstd·(a_j − c·Σa) − k·(xc_j − c·Σxc), k = c·rstd³·Σa·xc.");
+        w.l("const float r3 = (rstd * rstd) * rstd;");
+        w.l("const float csa = c * sa;");
+        w.l("const float k3 = (c * r3) * saxc;");
+        w.l("const float csxc = c * sxc;");
+    };
     if lane > 0 {
+        // Chosen once a launch, each path with its own loop over the row blocks.
         w.open(format!("if (width == 32u && d <= {})", lane * 32));
-        w.l("// s = x + y in registers (column lane + 32·u), loaded before the first sum.");
+        block(&mut w);
+        w.l("// Element u of the lane is column lane + 32·u.");
         w.l("const long long left = d - lane;");
+        w.l("const float* gl = gamma + lane;");
+        w.l(format!("float pg[{lane}], pb[{lane}];"));
+        w.l("KILN_UNROLL");
+        w.l(format!(
+            "for (int u = 0; u < {lane}; ++u) {{ pg[u] = 0.0f; pb[u] = 0.0f; }}"
+        ));
+        w.open(format!("for (int i = 0; i < {LN_BWD_BLOCK}; ++i)"));
+        w.l("const long long q = lo + i;");
+        w.l("const bool on = live && q < hi;");
         w.l(format!("const {}* xl = x + q * d + lane;", e.c_type()));
         w.l(format!("const {}* yl = y + q * d + lane;", e.c_type()));
         w.l(format!("const {}* gq = g + q * d + lane;", e.c_type()));
-        w.l("const float* gl = gamma + lane;");
-        w.l(format!("float s[{lane}];"));
-        w.open("if (live)");
-        sum_in_registers(&mut w, e, lane);
+        w.l(format!("{}* dl = dx + q * d + lane;", e.c_type()));
+        w.l(format!("float s[{lane}], gv[{lane}];"));
+        w.l("float sum = 0.0f;");
+        w.open("if (on)");
+        w.l("// Every load of the row before the first sum.");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.l(format!(
+            "s[u] = 32 * u < left ? {} + {} : 0.0f;",
+            e.load("xl[32 * u]"),
+            e.load("yl[32 * u]")
+        ));
+        w.l(format!(
+            "gv[u] = 32 * u < left ? {} : 0.0f;",
+            e.load("gq[32 * u]")
+        ));
+        w.close();
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.l("if (32 * u < left) sum = sum + s[u];");
+        w.close();
         w.close();
         w.l("sum = kiln_warp_sum(sum);");
-        w.l("mean = sum * c;");
-        w.open("if (live)");
+        w.l("const float mean = sum * c;");
+        w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
+        w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
+        w.open("if (on)");
         w.l("KILN_UNROLL");
         w.open(format!("for (int u = 0; u < {lane}; ++u)"));
         w.open("if (32 * u < left)");
         w.l("const float xc = s[u] - mean;");
-        w.l(format!(
-            "const float a = {} * gl[32 * u];",
-            e.load("gq[32 * u]")
-        ));
+        w.l("const float a = gv[u] * gl[32 * u];");
         sums(&mut w);
         w.close();
         w.close();
         w.close();
+        reduce(&mut w);
+        w.open("if (on)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.open("if (32 * u < left)");
+        w.l("const float xc = s[u] - mean;");
+        w.l("const float a = gv[u] * gl[32 * u];");
+        w.l("const float t1 = rstd * (a - csa);");
+        w.l("const float t2 = k3 * (xc - csxc);");
+        w.l(format!("dl[32 * u] = {};", e.store("t1 - t2")));
+        w.l("pg[u] = pg[u] + (gv[u] * xc) * rstd;");
+        w.l("pb[u] = pb[u] + gv[u];");
         w.close();
-        w.open("else");
+        w.close();
+        w.close();
+        w.close();
+        w.open("if (live)");
+        w.l("float* dg = scratch + r * 2 * d + lane;");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+        w.open("if (32 * u < left)");
+        w.l("dg[32 * u] = pg[u];");
+        w.l("dg[d + 32 * u] = pb[u];");
+        w.close();
+        w.close();
+        w.close();
+        w.close();
+        w.l("return;");
+        w.close();
     }
-    w.open("if (live)");
+    w.l(format!(
+        "__shared__ float st[KILN_THREADS / 32 * {LN_BWD_BLOCK} * 5 + {LN_BWD_BLOCK} * 5];"
+    ));
+    w.l(format!("float* sw = st + wi * {LN_BWD_BLOCK} * 5;"));
+    block(&mut w);
+    w.l("// Phase 1: the statistics of the warp's rows, two passes each.");
+    w.open(format!("for (int i = 0; i < {LN_BWD_BLOCK}; ++i)"));
+    w.l("const long long q = lo + i;");
+    w.l("const bool on = live && q < hi;");
+    w.l("float sum = 0.0f;");
+    w.open("if (on)");
     w.open("for (long long j = lane; j < d; j += width)");
     w.l(format!(
         "sum = sum + ({} + {});",
@@ -454,8 +542,9 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
     w.close();
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
-    w.l("mean = sum * c;");
-    w.open("if (live)");
+    w.l("const float mean = sum * c;");
+    w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
+    w.open("if (on)");
     w.open("for (long long j = lane; j < d; j += width)");
     w.l(format!(
         "const float xc = ({} + {}) - mean;",
@@ -469,34 +558,25 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
     sums(&mut w);
     w.close();
     w.close();
-    if lane > 0 {
-        w.close();
-    }
-    w.l("ssq = kiln_warp_sum(ssq);");
-    w.l("sxc = kiln_warp_sum(sxc);");
-    w.l("sa = kiln_warp_sum(sa);");
-    w.l("saxc = kiln_warp_sum(saxc);");
-    w.open("if (live && lane == 0)");
-    w.l("const float var = ssq * c;");
-    w.l("const float rstd = 1.0f / sqrtf(var + ep);");
-    w.l("// dx_j = rstd·(a_j − c·Σa) − k·(xc_j − c·Σxc), k = c·rstd³·Σa·xc.");
-    w.l("const float r3 = (rstd * rstd) * rstd;");
-    w.l("st[i * 5] = mean;");
-    w.l("st[i * 5 + 1] = rstd;");
-    w.l("st[i * 5 + 2] = c * sa;");
-    w.l("st[i * 5 + 3] = (c * r3) * saxc;");
-    w.l("st[i * 5 + 4] = c * sxc;");
+    reduce(&mut w);
+    w.open("if (on && lane == 0)");
+    w.l("sw[i * 5] = mean;");
+    w.l("sw[i * 5 + 1] = rstd;");
+    w.l("sw[i * 5 + 2] = csa;");
+    w.l("sw[i * 5 + 3] = k3;");
+    w.l("sw[i * 5 + 4] = csxc;");
     w.close();
     w.close();
     w.l("__syncthreads();");
     w.l(format!(
-        "// Phase 2: dx, and this block's dγ, dβ partials, {LN_BWD_LOADS} rows at a time: a thread's"
+        "// Phase 2: dx, and the block's dγ, dβ partials, {LN_BWD_LOADS} rows at a time: a lane's"
     ));
     w.l("// loads of them come before its first store (dx may be x, y or g: the compiler");
     w.l("// could not move a later row's loads above an earlier row's store).");
+    w.open("if (live)");
     w.l("float* dg = scratch + r * 2 * d;");
     w.l("float* db = dg + d;");
-    w.open(for_cols("d"));
+    w.open("for (long long j = lane; j < d; j += width)");
     w.l("const float gm = gamma[j];");
     w.l("float pg = 0.0f, pb = 0.0f;");
     w.open(format!(
@@ -517,7 +597,7 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
     w.open(format!("for (int u = 0; u < {LN_BWD_LOADS}; ++u)"));
     w.l("const long long q = lo + h + u;");
     w.l("if (q >= hi) break;");
-    w.l("const float* sq = st + (h + u) * 5;");
+    w.l("const float* sq = sw + (h + u) * 5;");
     w.l("const float mean = sq[0];");
     w.l("const float rstd = sq[1];");
     w.l("const float xc = sv[u] - mean;");
@@ -533,10 +613,11 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
     w.l("dg[j] = pg;");
     w.l("db[j] = pb;");
     w.close();
+    w.close();
     w.l("__syncthreads();");
     w.close();
     w.close();
-    function(name, params, Work::Blocks, "row blocks ceil(rows / 16)", w)
+    function(name, params, Work::Warps, "row blocks ceil(rows / 16)", w)
 }
 
 /// Rows whose loads [`add_layer_norm_bwd`]'s second phase issues together (registers
