@@ -448,7 +448,8 @@ fn gpu_every_entry_matches_the_cpu_executor() {
 /// match the CPU executor on every entry (fp32, within 1e-5), the default fuses some, and
 /// the separate path fuses none. The same for the bias gradients: by default the
 /// weight-gradient GEMM sums them in its epilogue where cuBLASLt has an algorithm (the
-/// emulated device always has one, unless told to refuse: then every one runs apart).
+/// emulated device always has one, unless told to refuse: then every one runs apart), and
+/// `separate_bias_grads` runs them apart alone.
 #[test]
 fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {
@@ -484,6 +485,14 @@ fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
         grads_apart.1,
         "{grads:?} {grads_apart:?}"
     );
+    // Bias gradients apart, bias epilogues still fused.
+    let grads_only = CudaOptions {
+        separate_bias_grads: true,
+        ..CudaOptions::default()
+    };
+    let (bad, only, grads_only) = entries_vs_cpu(grads_only, 17, 1);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert_eq!((only, grads_only), (fused, (0, grads_apart.1)));
     if emulate::emulated() {
         let refused = std::env::var_os(emulate::REFUSE_BIAS_GRAD_ENV).is_some();
         let want = if refused {

@@ -277,6 +277,8 @@ pub struct CudaExecutor {
     bf16: bool,
     /// [`CudaOptions::separate_epilogues`].
     separate_epilogues: bool,
+    /// [`CudaOptions::separate_bias_grads`] or `separate_epilogues`.
+    separate_bias_grads: bool,
     /// The artifact's NVRTC options (for the optimizer's unit, compiled on first use).
     nvrtc_options: Vec<String>,
 }
@@ -583,6 +585,10 @@ pub struct CudaOptions {
     /// tensor cores (`codegen::cuda::tensor`, for heads of multiples of 16). For
     /// comparisons.
     pub cuda_core_attention: bool,
+    /// Sum each bias gradient by its own `sum_rows` kernel instead of in the epilogue of
+    /// its weight gradient's GEMM (the default where cuBLASLt has an algorithm; also off
+    /// with `separate_epilogues`). For comparisons.
+    pub separate_bias_grads: bool,
 }
 
 /// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
@@ -595,6 +601,8 @@ pub const MIXED_ENV: &str = "KILN_CUDA_MIXED";
 pub const SEPARATE_EPILOGUES_ENV: &str = "KILN_CUDA_SEPARATE_EPILOGUES";
 /// The variable that turns on [`CudaOptions::cuda_core_attention`] (`=1`).
 pub const CUDA_CORE_ATTENTION_ENV: &str = "KILN_CUDA_CORE_ATTENTION";
+/// The variable that turns on [`CudaOptions::separate_bias_grads`] (`=1`).
+pub const SEPARATE_BIAS_GRADS_ENV: &str = "KILN_CUDA_SEPARATE_BIAS_GRADS";
 
 impl CudaOptions {
     /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`,
@@ -608,6 +616,7 @@ impl CudaOptions {
             device: 0,
             separate_epilogues: on(SEPARATE_EPILOGUES_ENV),
             cuda_core_attention: on(CUDA_CORE_ATTENTION_ENV),
+            separate_bias_grads: on(SEPARATE_BIAS_GRADS_ENV),
         }
     }
 
@@ -728,6 +737,7 @@ impl CudaExecutor {
             pool: Arc::new(Pool::default()),
             bf16: options.bf16 || options.mixed,
             separate_epilogues: options.separate_epilogues,
+            separate_bias_grads: options.separate_bias_grads || options.separate_epilogues,
             nvrtc_options: m.nvrtc_options.clone(),
         })
     }
@@ -897,8 +907,9 @@ impl CudaExecutor {
 
     /// How the bias gradients paired with their weight-gradient GEMM ran so far, over
     /// every run: `(fused, separate)` — summed by the GEMM's cuBLASLt epilogue, or by
-    /// their own `sum_rows` kernel ([`CudaOptions::separate_epilogues`], no cuBLASLt
-    /// algorithm, or a GEMM that does not read the output gradient in place).
+    /// their own `sum_rows` kernel ([`CudaOptions::separate_bias_grads`] or
+    /// `separate_epilogues`, no cuBLASLt algorithm, a single row, or a GEMM that does not
+    /// read the output gradient in place).
     pub fn bias_grad_counts(&self) -> (usize, usize) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.bias_grads
@@ -1082,6 +1093,7 @@ impl CudaExecutor {
             pool: &self.pool,
             bf16: self.bf16,
             fused_epilogues: !self.separate_epilogues,
+            fused_bias_grads: !self.separate_bias_grads,
             epilogues: (0, 0),
             bias_grads: (0, 0),
             bias_deferred: HashMap::new(),
@@ -1268,7 +1280,7 @@ impl CudaExecutor {
             let outs = &locs[step.value];
             let held = r.keep.len();
             let paired = match step.bias_grad {
-                Some(other) if r.fused_epilogues => {
+                Some(other) if r.fused_bias_grads => {
                     r.bias_grad_pair(&self.steps, s, other, &ins, outs, &locs, &needs)
                 }
                 _ => Ok(false),
@@ -2234,6 +2246,8 @@ struct Run<'a> {
     bf16: bool,
     /// Bias (+ ReLU) of `linear` kernels in cuBLASLt's epilogue where it can.
     fused_epilogues: bool,
+    /// Bias gradients in their weight gradient's GEMM epilogue where it can.
+    fused_bias_grads: bool,
     /// `linear` kernels with a bias so far: (fused by cuBLASLt, run separately).
     epilogues: (usize, usize),
     /// Paired bias gradients so far ([`CudaExecutor::bias_grad_counts`]).
@@ -2675,7 +2689,7 @@ impl Run<'_> {
     /// reads `dy` in place as its right operand (`w` is `dy` as `[rows, n]`: cuBLAS's
     /// first operand, summed along `k` by the `BGRADA` epilogue). `Ok(false)`, with
     /// nothing launched, where it does not (a copy, a batched or empty product, a bf16
-    /// cast of an f32 `dy`) or cuBLASLt has no algorithm.
+    /// cast of an f32 `dy`), for a single row, or where cuBLASLt has no algorithm.
     fn gemm_bias_grad(
         &mut self,
         x: &DLoc,
@@ -2686,8 +2700,10 @@ impl Run<'_> {
     ) -> Result<bool, String> {
         let n = dy.last();
         let rows = dy.numel() / n.max(1);
+        // One row (`k = 1`) stays apart: OneFlow found cuBLASLt's bias gradient wrong there
+        // (its `cublas_fused_matmul_bias_add_grad.cu` copies the row instead).
         if out.numel() == 0
-            || rows == 0
+            || rows < 2
             || !dy.layout.is_contiguous()
             || !db.layout.is_contiguous()
             || db.numel() != n

@@ -42,7 +42,7 @@ use std::sync::OnceLock;
 pub use executor::{
     launch_plan, launch_plan_with, memory_plan_with, program_source, CudaExecError, CudaExecutor,
     CudaOptions, DeviceTensor, MicroOut, RowsTopK, BF16_ENV, GPU_IDLE, HOST_ISSUE, MIXED_ENV,
-    SEPARATE_EPILOGUES_ENV, TF32_ENV,
+    SEPARATE_BIAS_GRADS_ENV, SEPARATE_EPILOGUES_ENV, TF32_ENV,
 };
 
 /// The environment variable that turns a skipped GPU test into a failure.
