@@ -345,8 +345,9 @@ fn view_root(kg: &KernelGraph, mut v: usize) -> usize {
 /// with the weight-gradient GEMM of the same layer: a `matmul` without bias or ReLU
 /// whose right operand is a view of the same buffer as `dy` (`dW = xᵀ·dy`), the first
 /// such GEMM not paired yet. Where the `sum_rows` comes first, no kernel after it up to
-/// the GEMM may read its result: the executor then writes the bias gradient when the
-/// GEMM runs instead (the memory plan keeps its slot for it from the `sum_rows` on).
+/// the GEMM may read its result, and a kernel after the GEMM or the entry's outputs must:
+/// the executor then writes the bias gradient when the GEMM runs instead (the memory plan
+/// keeps its slot for it from the `sum_rows` to its last reader).
 /// Whether the GEMM really reads `dy` as the rows summed (same address and layout) is
 /// for the executor to check at run time; this only proposes the pairs.
 pub(crate) fn pair_bias_grads(kg: &KernelGraph, steps: &mut [Step]) {
@@ -377,10 +378,13 @@ pub(crate) fn pair_bias_grads(kg: &KernelGraph, steps: &mut [Step]) {
         };
         let db = steps[s].value;
         if s < g {
-            let read_between = steps[s + 1..=g]
-                .iter()
-                .any(|t| t.inputs.iter().any(|&x| view_root(kg, x) == db));
-            if read_between {
+            let reads = |t: &Step| t.inputs.iter().any(|&x| view_root(kg, x) == db);
+            // Read only after the GEMM, or an output: its slot stays its own up to the
+            // GEMM (a result no kernel or output reads may share its slot at once).
+            let read_between = steps[s + 1..=g].iter().any(reads);
+            let kept = kg.outputs.iter().any(|&(_, v)| view_root(kg, v) == db)
+                || steps[g + 1..].iter().any(reads);
+            if read_between || !kept {
                 continue;
             }
         }
