@@ -1071,7 +1071,7 @@ fn row_kernels_match_the_cpu_within_rounding() {
         close("dgamma", &g[1], &h[1]);
         close("dbeta", &g[2], &h[2]);
     }
-    // Enough partial blocks (100 of 1,600 rows) for each warp's eight running sums, over
+    // Enough partial blocks (100 of 1,600 rows) for each warp's sixteen running sums, over
     // one to four warps, against the CPU's sums in order.
     let (rows_n, d) = (1600usize, 45usize);
     let blocks = rows::add_layer_norm_bwd_scratch(rows_n, d) / (2 * d);

@@ -672,8 +672,10 @@ pub fn add_layer_norm_bwd_finish(name: &str) -> CudaFunction {
 /// [`crate::codegen::cuda::misc::sum_rows_finish`]): a warp's lanes.
 pub const COL_TILE: usize = 32;
 
-/// Running sums a lane of [`column_tiles`] keeps in flight (its loads are independent).
-const COLUMN_SUMS: usize = 8;
+/// Running sums a lane of [`column_tiles`] keeps in flight (its loads are independent):
+/// a finish runs on few blocks (two per 32 columns), so each lane's loads in flight set
+/// its speed.
+const COLUMN_SUMS: usize = 16;
 
 /// C: the sum of `a[lo..hi]` as a balanced tree of pairs (`((a[0] + a[1]) + …)`).
 fn pairwise(a: &str, lo: usize, hi: usize) -> String {
@@ -726,6 +728,7 @@ pub(crate) fn column_tiles(w: &mut W, count: &str, load: &dyn Fn(&str) -> String
         "for (; k + {} * (long long)warps < {count}; k += {COLUMN_SUMS} * (long long)warps)",
         COLUMN_SUMS - 1
     ));
+    w.l("KILN_UNROLL");
     w.open(format!("for (int u = 0; u < {COLUMN_SUMS}; ++u)"));
     w.l("const long long kk = k + u * (long long)warps;");
     w.l(format!("a[u] = a[u] + {};", load("kk")));
