@@ -358,8 +358,19 @@ fn every_source_is_plausible_cuda() {
         );
         for f in &code.functions {
             balanced(&f.text).unwrap_or_else(|e| panic!("{}: {e}", f.name));
+            // A kernel may bound its registers for two blocks an SM.
             let head = format!("extern \"C\" __global__ void {}(", f.name);
-            assert_eq!(f.text.matches(&head).count(), 1, "{}: {}", f.name, f.text);
+            let bounded = format!(
+                "extern \"C\" __global__ void __launch_bounds__(KILN_THREADS, 2) {}(",
+                f.name
+            );
+            assert_eq!(
+                f.text.matches(&head).count() + f.text.matches(&bounded).count(),
+                1,
+                "{}: {}",
+                f.name,
+                f.text
+            );
             assert_eq!(
                 f.text.matches("__global__").count(),
                 1,
@@ -374,8 +385,11 @@ fn every_source_is_plausible_cuda() {
                 .collect();
             sig.push("const kiln_dims dims".into());
             sig.push("long long items".into());
+            let sig = format!("{})", sig.join(", "));
             assert!(
-                f.text.contains(&format!("{head}{})", sig.join(", "))),
+                [&head, &bounded]
+                    .iter()
+                    .any(|h| f.text.contains(&format!("{h}{sig}"))),
                 "{}: the signature is the declared parameters:\n{}",
                 f.name,
                 f.text
@@ -630,8 +644,9 @@ fn compiles_as_cuda(sources: &[(String, String)]) {
 /// (`nvrtc_options("sm_90")`, plus `--ptxas-options=-v` for the assembler's report),
 /// which needs `libnvrtc` but no GPU: with the `nvidia-cuda-nvrtc` wheel,
 /// `LD_LIBRARY_PATH=…/site-packages/nvidia/cu13/lib`. Every function must assemble for
-/// `sm_90` without spilling registers to local memory, and the regions and bias
-/// gradients with no stack frame at all (their vectors of four in registers). Skipped with a printed reason
+/// `sm_90` without spilling registers to local memory, and the regions, bias gradients,
+/// layer norms and cross-entropies with no stack frame at all (their vectors of four,
+/// rows and held groups in registers). Skipped with a printed reason
 /// where NVRTC does not load (CI).
 fn compiles_with_nvrtc(sources: &[(String, String)]) {
     use rayon::prelude::*;
@@ -652,10 +667,13 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
             let report = kiln_runtime::cuda::ptxas_report(&log);
             assert!(!report.is_empty(), "{what}: no assembler report in\n{log}");
             for f in &report {
-                // The regions' and bias gradients' vector groups stay in registers (CUDA's
-                // `sinf` and `cosf` keep a local array for their slow argument reduction).
-                if f.name.starts_with("region_") || f.name.starts_with("sum_rows_") {
-                    let head = format!("void {}(", f.name);
+                // The regions' and bias gradients' vector groups, the layer norms' rows and
+                // the cross-entropy's held groups stay in registers (CUDA's `sinf` and `cosf`
+                // keep a local array for their slow argument reduction).
+                let held = ["region_", "sum_rows_", "add_layer_norm", "xent_ls"];
+                if held.iter().any(|p| f.name.starts_with(p)) {
+                    // After `void`, or after a `__launch_bounds__(…)` attribute.
+                    let head = format!(" {}(", f.name);
                     let body = source
                         .split(&head)
                         .nth(1)

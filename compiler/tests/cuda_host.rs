@@ -1280,6 +1280,72 @@ fn layer_norm_rows_in_registers_give_the_bits_of_the_passes() {
     }
 }
 
+/// `xent_ls` with a thread's groups of logits held in registers between its two passes
+/// (`xent_ls_with(…, keep)`) gives the bits of the kernel that reads them twice: rows
+/// that fit (a few groups a thread, some threads with fewer), rows with more groups than
+/// the threads keep (the two reads), rows that are not whole groups (one element at a
+/// time), in f32 and bf16, and with `dlogits` the logits (in place).
+#[test]
+fn xent_ls_groups_held_in_registers_give_the_bits_of_two_reads() {
+    let Some(cxx) = gxx() else { return };
+    let mut rng = Rng(61);
+    let (rows_n, pad) = (7usize, 2i64);
+    for e in [Elem::F32, Elem::Bf16] {
+        let act = |b: Vec<u8>| match e {
+            Elem::F32 => b,
+            Elem::Bf16 => bf16s(&as_f32(&b)),
+        };
+        // 520 = 65 groups: 3 a thread for blocks of 32 (some 2), 2 for 64; 1,040 = 130
+        // groups: more than 3 a thread of 32; 301 is not whole groups.
+        for v in [520usize, 1040, 301] {
+            let t: Vec<i32> = (0..rows_n).map(|i| (i * 37 % v) as i32).collect();
+            let bufs = vec![
+                act(rng.floats(rows_n * v, -6.0, 6.0)),
+                i32s(&t),
+                one(0.9),
+                one(0.1),
+                one(1.0 / v as f32),
+                one(0.2),
+                zeros(rows_n),
+                act(zeros(rows_n * v)),
+            ];
+            let (dims, _) = rows::xent_ls_dims(rows_n, v, pad);
+            for launch in [(2, 32), (3, 64)] {
+                let what = format!("{e:?}, rows of {v}, {launch:?}");
+                let twice = cuda::rows::xent_ls("xent_ls_0", e);
+                let mut want = bufs.clone();
+                run_with(cxx, &twice, &mut want, &dims, rows_n as u64, launch);
+                for keep in [3usize, 4] {
+                    let held = cuda::rows::xent_ls_with("xent_ls_0", e, keep);
+                    assert_ne!(held.text, twice.text);
+                    let mut got = bufs.clone();
+                    run_with(cxx, &held, &mut got, &dims, rows_n as u64, launch);
+                    assert_eq!(got[6], want[6], "{what}, keep {keep}: row losses");
+                    assert_eq!(got[7], want[7], "{what}, keep {keep}: dlogits");
+                    let mut inplace = bufs.clone();
+                    run_in_place(cxx, &held, &mut inplace, &dims, rows_n as u64, launch, 7, 0);
+                    assert_eq!(inplace[6], want[6], "{what}, keep {keep}: in place, losses");
+                    assert_eq!(
+                        inplace[0], want[7],
+                        "{what}, keep {keep}: in place, dlogits"
+                    );
+                }
+                let loss = as_f32(&want[6]);
+                assert!(
+                    loss.iter().all(|l| l.is_finite() && *l > 0.0),
+                    "{what}: {loss:?}"
+                );
+            }
+        }
+    }
+    // The program's choice: a bf16 vocabulary of whole groups that fits, else none.
+    assert_eq!(cuda::rows::xent_keep(Some(37000), Elem::Bf16), 19);
+    assert_eq!(cuda::rows::xent_keep(Some(37000), Elem::F32), 0);
+    assert_eq!(cuda::rows::xent_keep(Some(37001), Elem::Bf16), 0);
+    assert_eq!(cuda::rows::xent_keep(Some(8 * 256 * 25), Elem::Bf16), 0);
+    assert_eq!(cuda::rows::xent_keep(None, Elem::Bf16), 0);
+}
+
 #[test]
 fn xent_ls_matches_the_cpu_kernel_and_its_finish() {
     let Some(cxx) = gxx() else { return };

@@ -24,6 +24,7 @@ macro_rules! common {
 #include <math.h>
 #include <vector>
 #define __global__
+#define __launch_bounds__(...)
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static

@@ -323,7 +323,11 @@ fn launch(
                     // Where nothing reads the gradient (the `loss` entry), the kernel
                     // computes only the loss: role `loss` instead of `main`.
                     if kg.output_is_read(v, 1) {
-                        f.insert("main".into(), em.plain("xent_ls", |n| rows::xent_ls(n, e)));
+                        let keep = rows::xent_keep(static_last(kg, inputs[0]), e);
+                        let name = em.get("xent_ls", format!("xent_ls keep={keep}"), |n| {
+                            Ok(rows::xent_ls_with(n, e, keep))
+                        })?;
+                        f.insert("main".into(), name);
                     } else {
                         f.insert(
                             "loss".into(),

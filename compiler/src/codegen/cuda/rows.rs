@@ -809,14 +809,47 @@ fn count_kernel(name: &str, seeded: bool) -> CudaFunction {
 /// (`inv_den` is `stats + 1` of [`xent_ls_count`]; `dlogits` may be `logits`), dims
 /// `[v, pad]`, items rows.
 pub fn xent_ls(name: &str, e: Elem) -> CudaFunction {
-    xent_rows(name, e, true)
+    xent_rows(name, e, true, 0)
 }
+
+/// [`xent_ls`] with up to `keep` groups of [`GROUP`] logits a thread held in registers
+/// from the first pass to the second (`0`: none). Where a row's groups fit (`v` a
+/// multiple of the group, aligned rows, `v / GROUP ≤ keep · blockDim.x`), a thread
+/// issues the loads of all its groups before the first sum and the gradient reads them
+/// from registers: the logits are read once instead of twice. The same groups, in the
+/// same order, with the same arithmetic: the same bits as the two reads.
+pub fn xent_ls_with(name: &str, e: Elem, keep: usize) -> CudaFunction {
+    xent_rows(name, e, true, keep)
+}
+
+/// Groups a thread of [`xent_ls_with`] keeps for rows of `v` logits (a program's
+/// vocabulary, a constant) in blocks of [`THREADS`](crate::codegen::cuda::text::THREADS):
+/// in a bf16 program (a group is one 16-byte vector, four registers) up to
+/// [`XENT_KEEP`]; `0` otherwise (f32 groups take eight registers each).
+pub fn xent_keep(v: Option<usize>, e: Elem) -> usize {
+    let threads = crate::codegen::cuda::text::THREADS as usize;
+    match v {
+        Some(v) if e == Elem::Bf16 && v > 0 && v % GROUP == 0 => {
+            let k = (v / GROUP).div_ceil(threads);
+            if k <= XENT_KEEP {
+                k
+            } else {
+                0
+            }
+        }
+        _ => 0,
+    }
+}
+
+/// Groups of logits a thread of [`xent_ls_with`] holds at most (96 registers in bf16:
+/// rows of up to 24 · 8 · 256 = 49,152, the base model's 37,000 included).
+pub const XENT_KEEP: usize = 24;
 
 /// [`xent_ls`] without the gradient, for a program that reads only the loss (the `loss`
 /// entry): one read of each row. Buffers `[logits, target, c_nll, c_smooth, inv_v,
 /// row_loss]`, dims and items as [`xent_ls`]'s.
 pub fn xent_ls_loss(name: &str, e: Elem) -> CudaFunction {
-    xent_rows(name, e, false)
+    xent_rows(name, e, false, 0)
 }
 
 /// [`xent_ls`] (`grad`) or [`xent_ls_loss`].
@@ -830,7 +863,7 @@ fn load_group(w: &mut W, e: Elem, q: &str, row: &str) {
     ));
 }
 
-fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
+fn xent_rows(name: &str, e: Elem, grad: bool, keep: usize) -> CudaFunction {
     let mut params = vec![
         param("logits", &e.ptr(true)),
         param("target", "const int*"),
@@ -870,6 +903,13 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
         }
     ));
     w.l(format!("const long long nv = vec ? v / {GROUP} : 0;"));
+    let keep = if grad { keep } else { 0 };
+    if keep > 0 {
+        w.l("// A thread's groups in registers from one pass to the next where they fit.");
+        w.l(format!(
+            "const bool held = nv <= {keep}ll * (long long)blockDim.x;"
+        ));
+    }
     w.open(FOR_BLOCKS);
     w.l(format!("const {}* xr = logits + r * v;", e.c_type()));
     if grad {
@@ -891,29 +931,61 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     w.l("// one.");
     w.l(format!("float m = {ninf};"));
     w.l("float z = 0.0f, sx = 0.0f;");
+    // The first pass over one group `q` of index `k`.
+    let group = |w: &mut W| {
+        w.l(format!("float xs[{vw}];"));
+        w.l(format!(
+            "for (int u = 0; u < {vw}; ++u) xs[u] = {};",
+            e.group_load("q", "u")
+        ));
+        w.l("float gm = xs[0];");
+        w.l(format!(
+            "for (int u = 1; u < {vw}; ++u) gm = kiln_max_ref(gm, xs[u]);"
+        ));
+        w.l(format!("for (int u = 0; u < {vw}; ++u) sx = sx + xs[u];"));
+        w.l("const float mn = kiln_max_ref(m, gm);");
+        w.open("if (mn != m)");
+        w.l("z = kiln_scaled(z, m, mn);");
+        w.l("m = mn;");
+        w.close();
+        w.open(format!("if (m != {ninf})"));
+        w.l(format!(
+            "for (int u = 0; u < {vw}; ++u) z = z + expf(xs[u] - m);"
+        ));
+        w.close();
+    };
+    if keep > 0 {
+        w.l(format!(
+            "// The thread's groups k = threadIdx.x + i·blockDim.x (i < {keep}) in registers:"
+        ));
+        w.l("// all their loads first, the gradient reads them again from here.");
+        w.l(format!("kiln_v16 kq[{}];", keep * vn));
+        w.open("if (held)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int i = 0; i < {keep}; ++i)"));
+        w.l("const long long k = threadIdx.x + (long long)i * blockDim.x;");
+        w.l(format!(
+            "if (k < nv) for (int s = 0; s < {vn}; ++s) kq[i * {vn} + s] = ((const kiln_v16*)xr)[k * {vn} + s];"
+        ));
+        w.close();
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int i = 0; i < {keep}; ++i)"));
+        w.l("const long long k = threadIdx.x + (long long)i * blockDim.x;");
+        w.open("if (k < nv)");
+        w.l(format!("const kiln_v16* q = kq + i * {vn};"));
+        group(&mut w);
+        w.close();
+        w.close();
+        w.close();
+        w.open("else");
+    }
     w.open("for (long long k = threadIdx.x; k < nv; k += blockDim.x)");
     load_group(&mut w, e, "q", "xr");
-    w.l(format!("float xs[{vw}];"));
-    w.l(format!(
-        "for (int u = 0; u < {vw}; ++u) xs[u] = {};",
-        e.group_load("q", "u")
-    ));
-    w.l("float gm = xs[0];");
-    w.l(format!(
-        "for (int u = 1; u < {vw}; ++u) gm = kiln_max_ref(gm, xs[u]);"
-    ));
-    w.l(format!("for (int u = 0; u < {vw}; ++u) sx = sx + xs[u];"));
-    w.l("const float mn = kiln_max_ref(m, gm);");
-    w.open("if (mn != m)");
-    w.l("z = kiln_scaled(z, m, mn);");
-    w.l("m = mn;");
+    group(&mut w);
     w.close();
-    w.open(format!("if (m != {ninf})"));
-    w.l(format!(
-        "for (int u = 0; u < {vw}; ++u) z = z + expf(xs[u] - m);"
-    ));
-    w.close();
-    w.close();
+    if keep > 0 {
+        w.close();
+    }
     w.open(format!(
         "for (long long j = nv * {vw} + threadIdx.x; j < v; j += blockDim.x)"
     ));
@@ -957,21 +1029,41 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     w.l("const float wn = in_range ? wk * cn : 0.0f;");
     w.l("// Pass 2: the gradient, exp(x − m) computed again (x is read, never a rounded e);");
     w.l("// the vectors of pass 1, then the rest.");
+    // The second pass over one group `q` of index `k`.
+    let gradient = |w: &mut W| {
+        w.l(format!("kiln_v16 o[{vn}];"));
+        w.open(format!("for (int u = 0; u < {vw}; ++u)"));
+        w.l(format!(
+            "float gv = expf({} - m) * cp - c0;",
+            e.group_load("q", "u")
+        ));
+        w.l(format!("if (k * {vw} + u == ti) gv = gv - wn;"));
+        w.l(e.group_store("o", "u", "gv"));
+        w.close();
+        w.l(format!(
+            "for (int s = 0; s < {vn}; ++s) ((kiln_v16*)dr)[k * {vn} + s] = o[s];"
+        ));
+    };
+    if keep > 0 {
+        w.open("if (held)");
+        w.l("KILN_UNROLL");
+        w.open(format!("for (int i = 0; i < {keep}; ++i)"));
+        w.l("const long long k = threadIdx.x + (long long)i * blockDim.x;");
+        w.open("if (k < nv)");
+        w.l(format!("const kiln_v16* q = kq + i * {vn};"));
+        gradient(&mut w);
+        w.close();
+        w.close();
+        w.close();
+        w.open("else");
+    }
     w.open("for (long long k = threadIdx.x; k < nv; k += blockDim.x)");
     load_group(&mut w, e, "q", "xr");
-    w.l(format!("kiln_v16 o[{vn}];"));
-    w.open(format!("for (int u = 0; u < {vw}; ++u)"));
-    w.l(format!(
-        "float gv = expf({} - m) * cp - c0;",
-        e.group_load("q", "u")
-    ));
-    w.l(format!("if (k * {vw} + u == ti) gv = gv - wn;"));
-    w.l(e.group_store("o", "u", "gv"));
+    gradient(&mut w);
     w.close();
-    w.l(format!(
-        "for (int s = 0; s < {vn}; ++s) ((kiln_v16*)dr)[k * {vn} + s] = o[s];"
-    ));
-    w.close();
+    if keep > 0 {
+        w.close();
+    }
     w.open(format!(
         "for (long long j = nv * {vw} + threadIdx.x; j < v; j += blockDim.x)"
     ));
@@ -984,7 +1076,15 @@ fn xent_rows(name: &str, e: Elem, grad: bool) -> CudaFunction {
     w.close();
     w.close();
     w.close();
-    function(name, params, Work::Blocks, "rows", w)
+    let mut f = function(name, params, Work::Blocks, "rows", w);
+    if keep > 0 {
+        // At most 128 registers a thread, so that two blocks share an SM: one block's
+        // loads of a row then overlap the other's arithmetic.
+        let head = format!("__global__ void {name}(");
+        let bounded = format!("__global__ void __launch_bounds__(KILN_THREADS, 2) {name}(");
+        f.text = f.text.replacen(&head, &bounded, 1);
+    }
+    f
 }
 
 /// `loss = Σ row_loss / den` (`den = stats[0]` of [`xent_ls_count`]). Buffers
