@@ -28,32 +28,11 @@ fn every_gpu_test_passes_on_the_emulated_device() {
         // The child: its own tests are the `gpu::` ones.
         return;
     }
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
-    let have = Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        println!("skipped: no `{cxx}` to compile the CUDA C for the emulated device");
+    let Some((ok, text)) = emulated_child(&["gpu::", "--test-threads", "2"], &[]) else {
         return;
-    }
-    let me = std::env::current_exe().expect("the test binary's path");
-    let out = Command::new(me)
-        .args(["gpu::", "--test-threads", "2"])
-        .env(EMULATE_ENV, "1")
-        .env_remove("KILN_REQUIRE_CUDA")
-        .output()
-        .expect("the test binary runs again");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    };
     println!("{text}");
-    assert!(
-        out.status.success(),
-        "a GPU test fails on the emulated device"
-    );
+    assert!(ok, "a GPU test fails on the emulated device");
     // Every GPU test ran (none skipped for want of CUDA), and there were some.
     assert!(!text.contains("skipped: CUDA is not available"), "{text}");
     let passed = text
@@ -126,26 +105,45 @@ fn bias_gradients_without_a_cublaslt_algorithm_run_apart() {
     if std::env::var_os(EMULATE_ENV).is_some() {
         return;
     }
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
-    if !Command::new(&cxx)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        println!("skipped: no `{cxx}` to compile the CUDA C for the emulated device");
-        return;
-    }
-    let me = std::env::current_exe().expect("the test binary's path");
-    let tests = [
+    let args = [
         "gpu::gpu_fused_and_separate_epilogues_match_the_cpu_executor",
         "gpu::gpu_train_steps_match_the_cpu_executor",
         "gpu::gpu_mixed_precision_is_close_to_the_cpu",
+        "--exact",
+        "--nocapture",
+        "--test-threads",
+        "2",
     ];
+    let refuse = [(kiln_runtime::cuda::emulate::REFUSE_BIAS_GRAD_ENV, "1")];
+    let Some((ok, text)) = emulated_child(&args, &refuse) else {
+        return;
+    };
+    assert!(ok, "{text}");
+    assert!(text.contains("test result: ok. 3 passed"), "{text}");
+    assert!(
+        text.contains("bias gradients (in the GEMM's epilogue, apart): default (0, 32)"),
+        "{text}"
+    );
+}
+
+/// This test binary run again on the emulated device with `args` and the variables
+/// `env`: whether it passed, and its output. `None`, with the reason printed, without
+/// `g++` (or `$CXX`) to compile the CUDA C.
+fn emulated_child(args: &[&str], env: &[(&str, &str)]) -> Option<(bool, String)> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+    let have = Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        println!("skipped: no `{cxx}` to compile the CUDA C for the emulated device");
+        return None;
+    }
+    let me = std::env::current_exe().expect("the test binary's path");
     let out = Command::new(me)
-        .args(tests)
-        .args(["--exact", "--nocapture", "--test-threads", "2"])
+        .args(args)
+        .envs(env.iter().copied())
         .env(EMULATE_ENV, "1")
-        .env(kiln_runtime::cuda::emulate::REFUSE_BIAS_GRAD_ENV, "1")
         .env_remove("KILN_REQUIRE_CUDA")
         .output()
         .expect("the test binary runs again");
@@ -154,10 +152,5 @@ fn bias_gradients_without_a_cublaslt_algorithm_run_apart() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("test result: ok. 3 passed"), "{text}");
-    assert!(
-        text.contains("bias gradients (in the GEMM's epilogue, apart): default (0, 32)"),
-        "{text}"
-    );
+    Some((out.status.success(), text))
 }

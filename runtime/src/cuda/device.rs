@@ -1039,30 +1039,24 @@ impl Device {
         }
     }
 
-    /// See [`Gpu::gemm_bias`].
+    /// See [`Gpu::gemm_epilogue`]: a bias (then ReLU with `relu`) of `out`'s type.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_bias(
         &self,
         g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
+        elems: (GemmElem, GemmElem),
         a: u64,
         b: u64,
         c: u64,
         bias: u64,
         relu: bool,
     ) -> Result<bool, String> {
-        if elem == GemmElem::F32 && out != GemmElem::F32 {
-            return Err("internal: an f32 GEMM into a bf16 result".to_string());
-        }
         let epilogue = if relu {
             Epilogue::ReluBias
         } else {
             Epilogue::Bias
         };
-        match self {
-            Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, bias, epilogue),
-            Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, bias, epilogue),
-        }
+        self.gemm_epilogue(g, elems, a, b, c, bias, epilogue)
     }
 
     /// Row-major `c = a·b` whose cuBLAS first operand (`b`, `g.m × g.k` as read) is also
@@ -1073,20 +1067,34 @@ impl Device {
     pub fn gemm_bias_grad(
         &self,
         g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
+        elems: (GemmElem, GemmElem),
         a: u64,
         b: u64,
         c: u64,
         grad: u64,
         grad_bf16: bool,
     ) -> Result<bool, String> {
+        let epilogue = Epilogue::BiasGradA { bf16: grad_bf16 };
+        self.gemm_epilogue(g, elems, a, b, c, grad, epilogue)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_epilogue(
+        &self,
+        g: &Sgemm,
+        (elem, out): (GemmElem, GemmElem),
+        a: u64,
+        b: u64,
+        c: u64,
+        vector: u64,
+        epilogue: Epilogue,
+    ) -> Result<bool, String> {
         if elem == GemmElem::F32 && out != GemmElem::F32 {
             return Err("internal: an f32 GEMM into a bf16 result".to_string());
         }
-        let epilogue = Epilogue::BiasGradA { bf16: grad_bf16 };
         match self {
-            Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, grad, epilogue),
-            Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, grad, epilogue),
+            Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, vector, epilogue),
+            Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, vector, epilogue),
         }
     }
 

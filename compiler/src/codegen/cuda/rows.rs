@@ -863,6 +863,19 @@ fn load_group(w: &mut W, e: Elem, q: &str, row: &str) {
     ));
 }
 
+/// `body` (a pass over one group `q` of index `k`) for each of a thread's `keep` groups
+/// held in `kq` ([`xent_ls_with`]), in order, unrolled so that `kq` stays in registers.
+fn held_groups(w: &mut W, keep: usize, vn: usize, body: &dyn Fn(&mut W)) {
+    w.l("KILN_UNROLL");
+    w.open(format!("for (int i = 0; i < {keep}; ++i)"));
+    w.l("const long long k = threadIdx.x + (long long)i * blockDim.x;");
+    w.open("if (k < nv)");
+    w.l(format!("const kiln_v16* q = kq + i * {vn};"));
+    body(w);
+    w.close();
+    w.close();
+}
+
 fn xent_rows(name: &str, e: Elem, grad: bool, keep: usize) -> CudaFunction {
     let mut params = vec![
         param("logits", &e.ptr(true)),
@@ -968,14 +981,7 @@ fn xent_rows(name: &str, e: Elem, grad: bool, keep: usize) -> CudaFunction {
             "if (k < nv) for (int s = 0; s < {vn}; ++s) kq[i * {vn} + s] = ((const kiln_v16*)xr)[k * {vn} + s];"
         ));
         w.close();
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int i = 0; i < {keep}; ++i)"));
-        w.l("const long long k = threadIdx.x + (long long)i * blockDim.x;");
-        w.open("if (k < nv)");
-        w.l(format!("const kiln_v16* q = kq + i * {vn};"));
-        group(&mut w);
-        w.close();
-        w.close();
+        held_groups(&mut w, keep, vn, &group);
         w.close();
         w.open("else");
     }
@@ -1046,14 +1052,7 @@ fn xent_rows(name: &str, e: Elem, grad: bool, keep: usize) -> CudaFunction {
     };
     if keep > 0 {
         w.open("if (held)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int i = 0; i < {keep}; ++i)"));
-        w.l("const long long k = threadIdx.x + (long long)i * blockDim.x;");
-        w.open("if (k < nv)");
-        w.l(format!("const kiln_v16* q = kq + i * {vn};"));
-        gradient(&mut w);
-        w.close();
-        w.close();
+        held_groups(&mut w, keep, vn, &gradient);
         w.close();
         w.open("else");
     }
