@@ -250,7 +250,7 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
         w.l(format!("float s[{lane}];"));
         w.l("float sum = 0.0f;");
         w.open("if (live)");
-        sum_in_registers(&mut w, e, lane);
+        sum_in_registers(&mut w, e, lane, None);
         if e == Elem::Bf16 {
             w.l("// x + y as the three-pass path stores and reads it back.");
             w.l("KILN_UNROLL");
@@ -333,8 +333,8 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
 
 /// A lane's `lane` elements `s[u] = x + y` of a row into registers (`xl`, `yl` its
 /// first columns, `left` the columns from its first on), all loaded before the first is
-/// added to `sum`, in column order.
-fn sum_in_registers(w: &mut W, e: Elem, lane: usize) {
+/// added to `sum`, in column order; `also`, a statement of `u`, runs beside each load.
+fn sum_in_registers(w: &mut W, e: Elem, lane: usize, also: Option<&str>) {
     w.l("KILN_UNROLL");
     w.open(format!("for (int u = 0; u < {lane}; ++u)"));
     w.l(format!(
@@ -342,6 +342,9 @@ fn sum_in_registers(w: &mut W, e: Elem, lane: usize) {
         e.load("xl[32 * u]"),
         e.load("yl[32 * u]")
     ));
+    if let Some(also) = also {
+        w.l(also);
+    }
     w.close();
     w.l("KILN_UNROLL");
     w.open(format!("for (int u = 0; u < {lane}; ++u)"));
@@ -461,22 +464,8 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
         w.l("float sum = 0.0f;");
         w.open("if (on)");
         w.l("// Every load of the row before the first sum.");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.l(format!(
-            "s[u] = 32 * u < left ? {} + {} : 0.0f;",
-            e.load("xl[32 * u]"),
-            e.load("yl[32 * u]")
-        ));
-        w.l(format!(
-            "gv[u] = 32 * u < left ? {} : 0.0f;",
-            e.load("gq[32 * u]")
-        ));
-        w.close();
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.l("if (32 * u < left) sum = sum + s[u];");
-        w.close();
+        let g_load = format!("gv[u] = 32 * u < left ? {} : 0.0f;", e.load("gq[32 * u]"));
+        sum_in_registers(&mut w, e, lane, Some(&g_load));
         w.close();
         w.l("sum = kiln_warp_sum(sum);");
         w.l("const float mean = sum * c;");
