@@ -264,27 +264,21 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
         w.l("const float mean = sum * c;");
         w.l("float ssq = 0.0f;");
         w.open("if (live)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.open("if (32 * u < left)");
-        w.l("const float xc = s[u] - mean;");
-        w.l("ssq = ssq + xc * xc;");
-        w.close();
-        w.close();
+        each_lane_element(&mut w, lane, &|w: &mut W| {
+            w.l("const float xc = s[u] - mean;");
+            w.l("ssq = ssq + xc * xc;");
+        });
         w.close();
         w.l("ssq = kiln_warp_sum(ssq);");
         w.l("const float var = ssq * c;");
         w.l("const float rstd = 1.0f / sqrtf(var + ep);");
         w.open("if (live)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.open("if (32 * u < left)");
-        w.l("const float xc = s[u] - mean;");
-        w.l("const float xh = xc * rstd;");
-        w.l("const float v = xh * gl[32 * u];");
-        w.l(format!("ol[32 * u] = {};", e.store("v + bl[32 * u]")));
-        w.close();
-        w.close();
+        each_lane_element(&mut w, lane, &|w: &mut W| {
+            w.l("const float xc = s[u] - mean;");
+            w.l("const float xh = xc * rstd;");
+            w.l("const float v = xh * gl[32 * u];");
+            w.l(format!("ol[32 * u] = {};", e.store("v + bl[32 * u]")));
+        });
         w.close();
         w.close();
         w.l("return;");
@@ -329,6 +323,17 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
     w.close();
     w.close();
     function(name, params, Work::Warps, "rows", w)
+}
+
+/// `body` for each element `u` a lane holds of a row in registers (column `lane + 32·u`,
+/// those below `left`), unrolled so that the lane's arrays stay in registers.
+fn each_lane_element(w: &mut W, lane: usize, body: &dyn Fn(&mut W)) {
+    w.l("KILN_UNROLL");
+    w.open(format!("for (int u = 0; u < {lane}; ++u)"));
+    w.open("if (32 * u < left)");
+    body(w);
+    w.close();
+    w.close();
 }
 
 /// A lane's `lane` elements `s[u] = x + y` of a row into registers (`xl`, `yl` its
@@ -472,40 +477,31 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
         w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
         w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
         w.open("if (on)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.open("if (32 * u < left)");
-        w.l("const float xc = s[u] - mean;");
-        w.l("const float a = gv[u] * gl[32 * u];");
-        sums(&mut w);
-        w.close();
-        w.close();
+        each_lane_element(&mut w, lane, &|w: &mut W| {
+            w.l("const float xc = s[u] - mean;");
+            w.l("const float a = gv[u] * gl[32 * u];");
+            sums(w);
+        });
         w.close();
         reduce(&mut w);
         w.open("if (on)");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.open("if (32 * u < left)");
-        w.l("const float xc = s[u] - mean;");
-        w.l("const float a = gv[u] * gl[32 * u];");
-        w.l("const float t1 = rstd * (a - csa);");
-        w.l("const float t2 = k3 * (xc - csxc);");
-        w.l(format!("dl[32 * u] = {};", e.store("t1 - t2")));
-        w.l("pg[u] = pg[u] + (gv[u] * xc) * rstd;");
-        w.l("pb[u] = pb[u] + gv[u];");
-        w.close();
-        w.close();
+        each_lane_element(&mut w, lane, &|w: &mut W| {
+            w.l("const float xc = s[u] - mean;");
+            w.l("const float a = gv[u] * gl[32 * u];");
+            w.l("const float t1 = rstd * (a - csa);");
+            w.l("const float t2 = k3 * (xc - csxc);");
+            w.l(format!("dl[32 * u] = {};", e.store("t1 - t2")));
+            w.l("pg[u] = pg[u] + (gv[u] * xc) * rstd;");
+            w.l("pb[u] = pb[u] + gv[u];");
+        });
         w.close();
         w.close();
         w.open("if (live)");
         w.l("float* dg = scratch + r * 2 * d + lane;");
-        w.l("KILN_UNROLL");
-        w.open(format!("for (int u = 0; u < {lane}; ++u)"));
-        w.open("if (32 * u < left)");
-        w.l("dg[32 * u] = pg[u];");
-        w.l("dg[d + 32 * u] = pb[u];");
-        w.close();
-        w.close();
+        each_lane_element(&mut w, lane, &|w: &mut W| {
+            w.l("dg[32 * u] = pg[u];");
+            w.l("dg[d + 32 * u] = pb[u];");
+        });
         w.close();
         w.close();
         w.l("return;");
