@@ -598,6 +598,9 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             "fp32" => "cuda".to_string(),
             g => format!("cuda-{g}"),
         }
+    } else if compiled.as_ref().is_some_and(|c| c.bf16_products()) {
+        // KILN_CPU_BF16=1 on a CPU with AMX: the large products in bf16.
+        "compiled-bf16-products".to_string()
     } else {
         a.executor.clone()
     };

@@ -151,8 +151,41 @@ pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize>
     Some(inner.map(|(s, _)| s).unwrap_or(1))
 }
 
-/// `out = a·b` (or `out += a·b` when `read_dst`), batched; `out` contiguous.
-pub(crate) fn matmul(a: &Loc, b: &Loc, out: &Loc, read_dst: bool) -> Result<(), String> {
+/// Products with fewer multiply-adds than this stay f32 with `bf16` (packing and the
+/// tiles' setup would cost more than they save).
+const BF16_MIN: usize = 1 << 20;
+
+/// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with `bf16` and a large enough
+/// product, [`amx::gemm`] (operands rounded to bf16, sums in f32; `bf16` is only set
+/// where AMX is available).
+///
+/// # Safety
+/// As [`gemm_one`].
+unsafe fn product(
+    (m, k, n): (usize, usize, usize),
+    dst: *mut f32,
+    ld: isize,
+    (a, b): (Mat, Mat),
+    read_dst: bool,
+    bf16: bool,
+) {
+    if bf16 && m * k * n >= BF16_MIN {
+        // SAFETY: as the caller's; `bf16` is set only after `amx::available()`.
+        unsafe { super::amx::gemm((m, k, n), dst, ld, a, b, read_dst) }
+    } else {
+        unsafe { gemm_one((m, k, n), dst, ld, a, b, read_dst, parallelism(m * k * n)) }
+    }
+}
+
+/// `out = a·b` (or `out += a·b` when `read_dst`), batched; `out` contiguous. With `bf16`,
+/// the large products run in bf16 on AMX tiles ([`product`]).
+pub(crate) fn matmul(
+    a: &Loc,
+    b: &Loc,
+    out: &Loc,
+    read_dst: bool,
+    bf16: bool,
+) -> Result<(), String> {
     let (sa, sb) = (a.shape(), b.shape());
     let (ra, rb) = (sa.len(), sb.len());
     let fits =
@@ -183,14 +216,13 @@ pub(crate) fn matmul(a: &Loc, b: &Loc, out: &Loc, read_dst: bool) -> Result<(), 
             // SAFETY: the locations describe valid buffers of their shapes; `out` is a
             // fresh arena buffer that does not overlap the operands.
             unsafe {
-                gemm_one(
+                product(
                     (rows, k, n),
                     dst,
                     n as isize,
-                    lhs,
-                    mat(lb, b.ptr, lb.offset, rb),
+                    (lhs, mat(lb, b.ptr, lb.offset, rb)),
                     read_dst,
-                    parallelism(rows * k * n),
+                    bf16,
                 )
             };
             return Ok(());
@@ -226,6 +258,20 @@ pub(crate) fn matmul(a: &Loc, b: &Loc, out: &Loc, read_dst: bool) -> Result<(), 
         (0..batch)
             .into_par_iter()
             .for_each(|i| one(i, Parallelism::None));
+    } else if bf16 && per >= BF16_MIN {
+        for i in 0..batch {
+            // SAFETY: as `one`'s.
+            unsafe {
+                product(
+                    (m, k, n),
+                    d.0.add(i * m * n),
+                    n as isize,
+                    (mat(la, a.ptr, offs_a[i], ra), mat(lb, b.ptr, offs_b[i], rb)),
+                    read_dst,
+                    true,
+                )
+            }
+        }
     } else {
         for i in 0..batch {
             one(i, parallelism(per));

@@ -57,6 +57,8 @@ pub(crate) struct RunCtx<'a> {
     pub seed: u64,
     pub step: u32,
     pub pool: &'a Arc<Pool>,
+    /// Large matrix products in bf16 on AMX tiles (`Compiled::set_bf16_products`).
+    pub bf16: bool,
 }
 
 /// One kernel, ready to launch.
@@ -410,7 +412,7 @@ fn run_exec(
     };
     let last = |l: &Loc| l.shape().last().copied().unwrap_or(1);
     match &step.exec {
-        Exec::Matmul => gemm::matmul(ins[0], ins[1], &outs[0], false),
+        Exec::Matmul => gemm::matmul(ins[0], ins[1], &outs[0], false, ctx.bf16),
         Exec::Linear { bias, relu } => {
             let out = &outs[0];
             let n = last(out);
@@ -418,7 +420,7 @@ fn run_exec(
             let b = contig(ins[2], keep)?;
             let (dims, items) = misc::rows_dims(rows, n);
             call(*bias, &[b.base(), out.base()], &dims, items, grain(n));
-            gemm::matmul(ins[0], ins[1], out, true)?;
+            gemm::matmul(ins[0], ins[1], out, true, ctx.bf16)?;
             if let Some(relu) = relu {
                 let (dims, items) = misc::relu_dims(out.numel());
                 call(*relu, &[out.base()], &dims, items, 32);

@@ -24,6 +24,7 @@
 //! Determinism: every kernel splits work by output rows or fixed-size blocks, never by the
 //! thread count, so the bits do not depend on how many threads run.
 
+pub(crate) mod amx;
 pub(crate) mod fallback;
 pub(crate) mod gemm;
 pub(crate) mod launch;
@@ -61,6 +62,24 @@ fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         f()
     } else {
         rayon::scope(|_| f())
+    }
+}
+
+/// The environment's choice of bf16 products (`KILN_CPU_BF16=1`), where AMX is there;
+/// where it is not, a message says so once and the products stay f32.
+fn bf16_products_from_env() -> bool {
+    if std::env::var("KILN_CPU_BF16").as_deref() != Ok("1") {
+        return false;
+    }
+    match amx::available() {
+        Ok(()) => true,
+        Err(why) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!("KILN_CPU_BF16=1 is ignored: {why}; the matrix products run in f32")
+            });
+            false
+        }
     }
 }
 
@@ -109,6 +128,8 @@ pub struct Compiled {
     /// can read them with their rows gathered ([`Compiled::run_gathered`]).
     gatherable: std::collections::BTreeSet<String>,
     pool: Arc<Pool>,
+    /// Large matrix products in bf16 on AMX tiles, f32 sums ([`Compiled::set_bf16_products`]).
+    bf16_products: bool,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -465,7 +486,31 @@ impl Compiled {
             pool: Arc::new(Pool::with_limit(
                 crate::eager::pool::COMPILED_POOL_MAX_BYTES,
             )),
+            bf16_products: bf16_products_from_env(),
         })
+    }
+
+    /// Runs the large matrix products (`matmul`, `linear`; not attention's per-head
+    /// products) with their operands rounded to bf16 and their sums in f32, on the AMX
+    /// tiles of Intel Xeons of the 4th generation on (`KILN_CPU_BF16=1` sets it for every
+    /// executor a process builds). Mixed precision, as `KILN_CUDA_MIXED=1` on a GPU:
+    /// everything else stays f32. An error where the CPU or the system has no AMX.
+    pub fn set_bf16_products(&mut self, on: bool) -> Result<(), ExecError> {
+        if on {
+            amx::available().map_err(|why| {
+                ExecError::Unsupported(format!(
+                    "bf16 matrix products need AMX tiles: {why}; run the products in f32 \
+                     (leave KILN_CPU_BF16 unset)"
+                ))
+            })?;
+        }
+        self.bf16_products = on;
+        Ok(())
+    }
+
+    /// Whether the large matrix products run in bf16 ([`Compiled::set_bf16_products`]).
+    pub fn bf16_products(&self) -> bool {
+        self.bf16_products
     }
 
     /// Optimizes `graph` for the CPU, plans it, generates its code and builds the
@@ -980,6 +1025,7 @@ impl Compiled {
             seed: opts.seed,
             step: opts.step,
             pool: &self.pool,
+            bf16: self.bf16_products,
         };
         for (s, step) in self.steps.iter().enumerate() {
             for &x in &step.inputs {

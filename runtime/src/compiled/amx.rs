@@ -1,0 +1,537 @@
+//! Matrix products in bf16 on Intel AMX tiles, with f32 accumulation: the CPU's mixed
+//! precision (`KILN_CPU_BF16=1`), opt-in.
+//!
+//! In: the same strided f32 operands as [`super::gemm::gemm_one`]. Each operand is rounded
+//! to bf16 (to nearest, ties to even) as it is packed into the tiles' layouts; the
+//! products of pairs are summed in f32 by `TDPBF16PS` (16 × 16 results, 32 terms each,
+//! per instruction), so a result differs from the f32 product by about the inputs'
+//! rounding, 2⁻⁸ relative per term, as with PyTorch's bf16 autocast or cuBLAS in bf16.
+//!
+//! Every result element is summed over `k` in the same order whatever the threads, so a
+//! product gives the same bits on every run and with any number of threads.
+//!
+//! No well-kept crate offers these instructions on stable Rust (the `gemm` crate's
+//! kernels are f32/f64/f16-through-f32; the `x86_amx_intrinsics` are nightly-only), so
+//! the eight tile instructions used here are written as inline assembly.
+
+use std::arch::asm;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::gemm::Mat;
+
+/// Rows and columns of a result tile; the `k` of one tile product is 32 (bf16 pairs).
+const T: usize = 16;
+const TK: usize = 32;
+/// bf16 elements of one packed tile (16 rows of 64 bytes).
+const TILE: usize = T * TK;
+/// A task computes a block of up to this many rows × columns, 32 × 32 at a time (two
+/// tiles of `a` by two of `b`): its packed panels stay in the core's L2 cache.
+const BLOCK_ROWS: usize = 256;
+const BLOCK_COLS: usize = 256;
+
+/// Whether this CPU has AMX tiles with bf16 products and the kernel lets the process use
+/// them (Linux grants the tile data state on request: `arch_prctl(ARCH_REQ_XCOMP_PERM)`).
+/// `Err` says why not.
+pub(crate) fn available() -> Result<(), &'static str> {
+    static AVAILABLE: OnceLock<Result<(), &'static str>> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        // CPUID leaf 7, sub-leaf 0: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+        // SAFETY: CPUID is available on every x86-64 CPU.
+        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+        if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
+            return Err("this CPU has no AMX bf16 tiles (Intel Xeon 4th generation or later)");
+        }
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+            return Err("this CPU has AMX but no AVX-512 for packing the operands");
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a plain system call with integer arguments.
+        let r = unsafe {
+            libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+        };
+        if r != 0 {
+            return Err("the operating system did not grant the AMX tile state (Linux 5.16 or later grants it)");
+        }
+        Ok(())
+    })
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even; a NaN stays a NaN), as its bits.
+/// Without branches, so that the packing loops vectorize.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let nan = (b >> 16) | 0x40;
+    (if b & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
+}
+
+/// `x` rounded to bf16 and back: what a product on the tiles reads of an operand.
+#[cfg(test)]
+fn round_bf16(x: f32) -> f32 {
+    f32::from_bits((bf16_bits(x) as u32) << 16)
+}
+
+/// The 64-byte tile configuration (palette 1) that `LDTILECFG` loads: tiles 0–3 the
+/// 16 × 16 f32 results, 4–5 the left operand's 16 × 32 bf16, 6–7 the right operand's
+/// 16 pair rows × 16 columns.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: TileConfig = {
+    let mut c = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    let mut t = 0;
+    while t < 8 {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+        t += 1;
+    }
+    c
+};
+
+/// Packs rows `[i0, i0 + 16)` of `a` (`m × k`) as `kb` tiles of 16 rows × 32 bf16, zero
+/// past `m` and `k`.
+///
+/// # Safety
+/// `a` must address `m × k` valid elements; `out` holds `kb · TILE`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_a(a: Mat, m: usize, k: usize, i0: usize, out: &mut [u16]) {
+    let kb = out.len() / TILE;
+    if a.cs != 1 {
+        // Stored transposed (or strided): walk `k` outside, the tile's rows inside.
+        out.fill(0);
+        let rows = m.saturating_sub(i0).min(T);
+        for p in 0..k {
+            let (t, q) = (p / TK, p % TK);
+            let col = unsafe { a.ptr.offset(i0 as isize * a.rs + p as isize * a.cs) };
+            for r in 0..rows {
+                out[t * TILE + r * TK + q] = bf16_bits(unsafe { *col.offset(r as isize * a.rs) });
+            }
+        }
+        return;
+    }
+    for r in 0..T {
+        let i = i0 + r;
+        if i >= m {
+            for t in 0..kb {
+                out[t * TILE + r * TK..t * TILE + (r + 1) * TK].fill(0);
+            }
+            continue;
+        }
+        // SAFETY: row `i` of `a` holds `k` elements.
+        let row = unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), k) };
+        for t in 0..kb {
+            let dst = &mut out[t * TILE + r * TK..t * TILE + (r + 1) * TK];
+            let src = &row[(t * TK).min(k)..((t + 1) * TK).min(k)];
+            if src.len() == TK {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = bf16_bits(x);
+                }
+            } else {
+                dst.fill(0);
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = bf16_bits(x);
+                }
+            }
+        }
+    }
+}
+
+/// Packs columns `[j0, j0 + 16)` of `b` (`k × n`) as `kb` tiles of 16 pair rows: row `r`
+/// of tile `t` holds `b[32t + 2r, j], b[32t + 2r + 1, j]` for its 16 columns `j` (the
+/// pairs `TDPBF16PS` multiplies), zero past `k` and `n`.
+///
+/// # Safety
+/// `b` must address `k × n` valid elements; `out` holds `kb · TILE`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_b(b: Mat, k: usize, n: usize, j0: usize, out: &mut [u16]) {
+    let cols = n.saturating_sub(j0).min(T);
+    let at = |p: usize, j: usize| unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) };
+    if b.cs == 1 && cols == T {
+        // Row-major, a whole tile wide: two rows' 16 columns interleaved.
+        for (pair, dst) in out.chunks_exact_mut(2 * T).enumerate() {
+            let p = 2 * pair;
+            if p + 1 < k {
+                // SAFETY: rows `p`, `p + 1` hold columns `j0..j0 + 16`.
+                let (r0, r1) = unsafe {
+                    (
+                        std::slice::from_raw_parts(b.ptr.offset(p as isize * b.rs).add(j0), T),
+                        std::slice::from_raw_parts(
+                            b.ptr.offset((p + 1) as isize * b.rs).add(j0),
+                            T,
+                        ),
+                    )
+                };
+                for c in 0..T {
+                    dst[2 * c] = bf16_bits(r0[c]);
+                    dst[2 * c + 1] = bf16_bits(r1[c]);
+                }
+            } else {
+                for c in 0..T {
+                    dst[2 * c] = if p < k { bf16_bits(at(p, j0 + c)) } else { 0 };
+                    dst[2 * c + 1] = 0;
+                }
+            }
+        }
+        return;
+    }
+    if b.rs == 1 {
+        // Stored transposed: a column's `k` values are contiguous.
+        out.fill(0);
+        for c in 0..cols {
+            // SAFETY: column `j0 + c` holds `k` elements.
+            let col =
+                unsafe { std::slice::from_raw_parts(b.ptr.offset((j0 + c) as isize * b.cs), k) };
+            for (p, &x) in col.iter().enumerate() {
+                out[(p / TK) * TILE + ((p % TK) / 2) * TK + 2 * c + (p & 1)] = bf16_bits(x);
+            }
+        }
+        return;
+    }
+    out.fill(0);
+    for p in 0..k {
+        let base = (p / TK) * TILE + ((p % TK) / 2) * TK + (p & 1);
+        for c in 0..cols {
+            out[base + 2 * c] = bf16_bits(at(p, j0 + c));
+        }
+    }
+}
+
+/// One 32 × 32 result block over the whole `k`: `c` (row stride `ldc` floats) is loaded
+/// into tiles 0–3 if `load`, else they start at zero; `a0`, `a1` are the two row tiles'
+/// packed panels, `b0`, `b1` the two column tiles', each `kb` tiles long.
+///
+/// # Safety
+/// The tile configuration must be loaded; every pointer addresses what it says.
+#[inline(always)]
+unsafe fn block(
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    (a0, a1, b0, b1): (*const u16, *const u16, *const u16, *const u16),
+    kb: usize,
+) {
+    let cs = ldc * 4;
+    let c1 = unsafe { c.add(T) };
+    let c2 = unsafe { c.add(T * ldc) };
+    let c3 = unsafe { c.add(T * ldc + T) };
+    unsafe {
+        if load {
+            asm!(
+                "tileloadd tmm0, [{c0} + {s}*1]",
+                "tileloadd tmm1, [{c1} + {s}*1]",
+                "tileloadd tmm2, [{c2} + {s}*1]",
+                "tileloadd tmm3, [{c3} + {s}*1]",
+                c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                s = in(reg) cs, options(nostack, readonly),
+            );
+        } else {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+        }
+        for t in 0..kb {
+            let o = t * TILE;
+            asm!(
+                "tileloadd tmm4, [{a0} + {s}*1]",
+                "tileloadd tmm6, [{b0} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b1} + {s}*1]",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {s}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) a0.add(o), a1 = in(reg) a1.add(o),
+                b0 = in(reg) b0.add(o), b1 = in(reg) b1.add(o),
+                s = in(reg) 64usize, options(nostack, readonly),
+            );
+        }
+        asm!(
+            "tilestored [{c0} + {s}*1], tmm0",
+            "tilestored [{c1} + {s}*1], tmm1",
+            "tilestored [{c2} + {s}*1], tmm2",
+            "tilestored [{c3} + {s}*1], tmm3",
+            c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+            s = in(reg) cs, options(nostack),
+        );
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not its field).
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with the
+/// operands rounded to bf16 and the sums in f32, on AMX tiles, over rayon's threads.
+///
+/// # Safety
+/// [`available`] must have returned `Ok`; every element the matrices address must be
+/// valid; `dst` must not overlap `a`, `b`.
+pub(crate) unsafe fn gemm(
+    (m, k, n): (usize, usize, usize),
+    dst: *mut f32,
+    ld: isize,
+    a: Mat,
+    b: Mat,
+    read_dst: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let kb = k.div_ceil(TK).max(1);
+    let (mt, nt) = (m.div_ceil(T), n.div_ceil(T));
+    // Both operands packed once: `a` by 16-row tiles, `b` by 16-column tiles, each a
+    // panel of `kb` tiles (an odd count gets an all-zero tile beside it).
+    let panel = kb * TILE;
+    let (mut pa, mut pb) = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    // Every element is written by the packing below (zeros past the operands' edges).
+    pa.resize(mt.next_multiple_of(2) * panel, 0);
+    pb.resize(nt.next_multiple_of(2) * panel, 0);
+    pa.par_chunks_mut(panel).enumerate().for_each(|(i, out)| {
+        // SAFETY: `available` checked AVX-512; `a` addresses `m × k`.
+        unsafe { pack_a(a, m, k, i * T, out) }
+    });
+    pb.par_chunks_mut(panel).enumerate().for_each(|(j, out)| {
+        // SAFETY: as above, for `b`.
+        unsafe { pack_b(b, k, n, j * T, out) }
+    });
+    let (rows_b, cols_b) = (m.div_ceil(BLOCK_ROWS), n.div_ceil(BLOCK_COLS));
+    let out = Out(dst);
+    let (pa_ref, pb_ref) = (&pa, &pb);
+    (0..rows_b * cols_b).into_par_iter().for_each(|task| {
+        let (i0, j0) = ((task / cols_b) * BLOCK_ROWS, (task % cols_b) * BLOCK_COLS);
+        let (i1, j1) = ((i0 + BLOCK_ROWS).min(m), (j0 + BLOCK_COLS).min(n));
+        let mut edge = [0f32; 4 * T * T];
+        // SAFETY: the configuration is a valid palette-1 layout; each task writes its own
+        // block of `dst`; the panels hold every tile the loops address.
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+            for j in (j0..j1).step_by(2 * T) {
+                let (b0, b1) = (
+                    pb_ref.as_ptr().add((j / T) * panel),
+                    pb_ref.as_ptr().add((j / T + 1) * panel),
+                );
+                for i in (i0..i1).step_by(2 * T) {
+                    let ops = (
+                        pa_ref.as_ptr().add((i / T) * panel),
+                        pa_ref.as_ptr().add((i / T + 1) * panel),
+                        b0,
+                        b1,
+                    );
+                    let c = out.get().offset(i as isize * ld + j as isize);
+                    if i + 2 * T <= m && j + 2 * T <= n {
+                        block(c, ld as usize, read_dst, ops, kb);
+                    } else {
+                        // A block past the matrix's edge: through a 32 × 32 scratch.
+                        let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
+                        edge.fill(0.0);
+                        if read_dst {
+                            for r in 0..h {
+                                for q in 0..w {
+                                    edge[r * 2 * T + q] = *c.offset(r as isize * ld + q as isize);
+                                }
+                            }
+                        }
+                        block(edge.as_mut_ptr(), 2 * T, read_dst, ops, kb);
+                        for r in 0..h {
+                            for q in 0..w {
+                                *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
+                            }
+                        }
+                    }
+                }
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    });
+    PACKED.with(|p| *p.borrow_mut() = (pa, pb));
+}
+
+thread_local! {
+    /// The packed operands of the thread's last product, kept for its next.
+    static PACKED: std::cell::RefCell<(Vec<u16>, Vec<u16>)> = Default::default();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn rounding_to_bf16_is_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even 1.
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to the even upper one.
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(bf16_bits(1.0 + 1.5 / 256.0), 0x3f81);
+        assert_eq!(bf16_bits(-2.0), 0xc000);
+        assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
+        assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
+        assert_eq!(round_bf16(3.0e38), f32::from_bits(0x7f62 << 16));
+    }
+
+    /// The tiles' product against f64 sums of the bf16-rounded operands: only the f32
+    /// accumulation differs, so the results agree to a few f32 ulps of the sums'
+    /// magnitudes, at sizes that are and are not whole tiles, transposed operands and a
+    /// destination read first.
+    #[test]
+    fn amx_products_equal_the_sums_of_the_rounded_operands() {
+        if let Err(why) = available() {
+            println!("skipped: {why}");
+            return;
+        }
+        let mut seed = 7u64;
+        for &(m, k, n, ta, tb, read) in &[
+            (32, 32, 32, false, false, false),
+            (1, 1, 1, false, false, false),
+            (45, 70, 33, false, false, true),
+            (300, 512, 270, false, true, false),
+            (64, 800, 96, true, false, true),
+            (17, 2049, 5, true, true, false),
+        ] {
+            let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+            let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
+            let am = if ta {
+                Mat {
+                    ptr: a.as_ptr(),
+                    rs: 1,
+                    cs: m as isize,
+                }
+            } else {
+                Mat {
+                    ptr: a.as_ptr(),
+                    rs: k as isize,
+                    cs: 1,
+                }
+            };
+            let bm = if tb {
+                Mat {
+                    ptr: b.as_ptr(),
+                    rs: 1,
+                    cs: k as isize,
+                }
+            } else {
+                Mat {
+                    ptr: b.as_ptr(),
+                    rs: n as isize,
+                    cs: 1,
+                }
+            };
+            let at = |i: usize, p: usize| unsafe {
+                *am.ptr.offset(i as isize * am.rs + p as isize * am.cs)
+            };
+            let bt = |p: usize, j: usize| unsafe {
+                *bm.ptr.offset(p as isize * bm.rs + j as isize * bm.cs)
+            };
+            let mut c = c0.clone();
+            unsafe { gemm((m, k, n), c.as_mut_ptr(), n as isize, am, bm, read) };
+            // Against f64 sums of the rounded operands (`worst`) and of the operands as
+            // they are (`off`): the first differ only by the f32 accumulation; the second
+            // by the operands' rounding, about 2^-9 relative per term, so they must be
+            // clearly apart (the operands really are rounded).
+            let (mut worst, mut off) = (0f64, 0f64);
+            for i in 0..m {
+                for j in 0..n {
+                    let init = if read { c0[i * n + j] as f64 } else { 0.0 };
+                    let (mut s, mut x, mut mag) = (init, init, 0f64);
+                    for p in 0..k {
+                        let t = round_bf16(at(i, p)) as f64 * round_bf16(bt(p, j)) as f64;
+                        s += t;
+                        x += at(i, p) as f64 * bt(p, j) as f64;
+                        mag += t.abs();
+                    }
+                    let got = c[i * n + j] as f64;
+                    worst = worst.max((got - s).abs() / (mag + init.abs()));
+                    off = off.max((got - x).abs() / (mag + init.abs()));
+                }
+            }
+            let what = format!("{m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read})");
+            assert!(
+                worst < 1e-6,
+                "{what}: {worst:e} from the rounded operands' sums"
+            );
+            if m * n * k > 1 {
+                assert!(off > 1e-4, "{what}: only {off:e} from the exact sums");
+            }
+        }
+    }
+
+    /// The same operands give the same bits with one thread and with several.
+    #[test]
+    fn amx_products_give_the_same_bits_on_any_number_of_threads() {
+        if let Err(why) = available() {
+            println!("skipped: {why}");
+            return;
+        }
+        let (m, k, n) = (600, 300, 530);
+        let mut seed = 3u64;
+        let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+        let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+        let run = |threads: usize| {
+            let mut c = vec![0f32; m * n];
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| unsafe {
+                gemm(
+                    (m, k, n),
+                    c.as_mut_ptr(),
+                    n as isize,
+                    Mat {
+                        ptr: a.as_ptr(),
+                        rs: k as isize,
+                        cs: 1,
+                    },
+                    Mat {
+                        ptr: b.as_ptr(),
+                        rs: n as isize,
+                        cs: 1,
+                    },
+                    false,
+                )
+            });
+            c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(3));
+    }
+}
