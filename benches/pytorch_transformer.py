@@ -70,6 +70,11 @@ def main():
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = a.tf32
         torch.backends.cudnn.allow_tf32 = a.tf32
+    if a.bf16 and not gpu:
+        # The CPU's fused inference path (`_transformer_encoder_layer_fwd`) refuses bf16
+        # activations under autocast ("expected scalar type Float"): the layers run
+        # op by op, as in training.
+        torch.backends.mha.set_fastpath_enabled(False)
     m = Model().to(dev)
     opt = torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     src = torch.randint(1, 37000, (a.batch, a.len), device=dev)
