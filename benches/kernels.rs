@@ -1,5 +1,5 @@
 //! Kernel-level numbers of the CPU backend: GEMM GFLOP/s (the `gemm` crate as the
-//! compiled executor calls it) and GB/s of generated memory-bound kernels (softmax,
+//! compiled executor calls it, and bf16 on AMX tiles where the CPU has them) and GB/s of generated memory-bound kernels (softmax,
 //! add_layer_norm, Adam), each JIT-compiled from its CLIF text and launched over rayon
 //! exactly as the executor launches it. `cargo bench --bench kernels`.
 
@@ -66,6 +66,36 @@ fn main() {
             s * 1e3,
             2.0 * (n * n * n) as f64 / s / 1e9
         );
+    }
+    // The same products in bf16 on AMX tiles (`KILN_CPU_BF16=1`), with the operands'
+    // rounding and packing counted: 2048³, then the base step's widest shapes.
+    for (m, k, n) in [
+        (2048usize, 2048, 2048),
+        (800, 512, 512),
+        (800, 512, 2048),
+        (800, 2048, 512),
+        (800, 512, 37000),
+    ] {
+        let a = vec![0.5f32; m * k];
+        let b = vec![0.25f32; k * n];
+        let mut c = vec![0f32; m * n];
+        let mut why = None;
+        let s = time(9, || {
+            if let Err(e) = kiln_runtime::compiled::bf16_matmul((m, k, n), &a, &b, &mut c) {
+                why = Some(e);
+            }
+        });
+        match why {
+            Some(e) => {
+                println!("bf16 gemm: skipped ({e})");
+                break;
+            }
+            None => println!(
+                "bf16 gemm (AMX) {m}×{k}·{k}×{n}: {:.2} ms, {:.1} GFLOP/s",
+                s * 1e3,
+                2.0 * (m * k * n) as f64 / s / 1e9
+            ),
+        }
     }
     let funcs = [
         clif::text(&rows::softmax("softmax")),

@@ -1073,3 +1073,25 @@ fn bf16_products_on_amx_tiles_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
         }
     }
 }
+
+/// `bf16_matmul`, the public product: a slice of the wrong length is an error that names
+/// it (checked after the AMX check, so where AMX is missing that is the error); a product
+/// of 2 × 3 · 3 × 2 exact in bf16 gives exact sums.
+#[test]
+fn bf16_matmul_checks_its_slices() {
+    let (a, b) = (
+        [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0],
+        [1.0f32, 0.5, -1.0, 2.0, 0.25, 4.0],
+    );
+    let mut c = [0f32; 4];
+    match kiln_runtime::compiled::bf16_matmul((2, 3, 2), &a, &b, &mut c) {
+        Err(e) => {
+            assert!(e.contains("AMX"), "{e}");
+            println!("skipped: {e}");
+            return;
+        }
+        Ok(()) => assert_eq!(c, [-0.25, 16.5, 0.5, 36.0]),
+    }
+    let e = kiln_runtime::compiled::bf16_matmul((2, 3, 2), &a[..5], &b, &mut c).unwrap_err();
+    assert_eq!(e, "`a` holds 5 elements; a 2×3·3×2 product needs 6");
+}

@@ -65,6 +65,49 @@ fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// `c[m × n] = a[m × k]·b[k × n]` (row-major, contiguous) with the operands rounded to
+/// bf16 and the sums in f32, on AMX tiles: the products that `KILN_CPU_BF16=1` runs
+/// (see [`Compiled::set_bf16_products`]), for benchmarks and for users' own products.
+/// An error where the CPU or the system has no AMX, or where a slice's length is not its
+/// matrix's.
+pub fn bf16_matmul(
+    (m, k, n): (usize, usize, usize),
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) -> Result<(), String> {
+    amx::available().map_err(|why| format!("bf16 matrix products need AMX tiles: {why}"))?;
+    for (name, len, want) in [
+        ("a", a.len(), m * k),
+        ("b", b.len(), k * n),
+        ("c", c.len(), m * n),
+    ] {
+        if len != want {
+            return Err(format!(
+                "`{name}` holds {len} elements; a {m}×{k}·{k}×{n} product needs {want}"
+            ));
+        }
+    }
+    let mat = |p: &[f32], cols: usize| gemm::Mat {
+        ptr: p.as_ptr(),
+        rs: cols as isize,
+        cs: 1,
+    };
+    // SAFETY: AMX is available; the slices hold the matrices (checked above) and `c`, a
+    // unique borrow, overlaps neither operand.
+    unsafe {
+        amx::gemm(
+            (m, k, n),
+            c.as_mut_ptr(),
+            n as isize,
+            mat(a, k),
+            mat(b, n),
+            false,
+        )
+    };
+    Ok(())
+}
+
 /// The environment's choice of bf16 products (`KILN_CPU_BF16=1`), where AMX is there;
 /// where it is not, a message says so once and the products stay f32.
 fn bf16_products_from_env() -> bool {
