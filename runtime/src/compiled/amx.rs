@@ -26,10 +26,6 @@ const T: usize = 16;
 const TK: usize = 32;
 /// bf16 elements of one packed tile (16 rows of 64 bytes).
 const TILE: usize = T * TK;
-/// A task computes a block of up to this many rows × columns, 32 × 32 at a time (two
-/// tiles of `a` by two of `b`): its packed panels stay in the core's L2 cache.
-const BLOCK_ROWS: usize = 256;
-const BLOCK_COLS: usize = 256;
 
 /// Whether this CPU has AMX tiles with bf16 products and the kernel lets the process use
 /// them (Linux grants the tile data state on request: `arch_prctl(ARCH_REQ_XCOMP_PERM)`).
@@ -181,17 +177,26 @@ unsafe fn pack_a_columns(a: Mat, m: usize, k: usize, i0: usize, panel: usize, ou
 
 /// Packs columns `[j0, j0 + 16)` of `b` (`k × n`) as `kb` tiles of 16 pair rows: row `r`
 /// of tile `t` holds `b[32t + 2r, j], b[32t + 2r + 1, j]` for its 16 columns `j` (the
-/// pairs `TDPBF16PS` multiplies), zero past `k` and `n`.
+/// pairs `TDPBF16PS` multiplies), zero past `k` and `n`. A row-major `b` a whole tile
+/// wide packs only the tiles of `tiles` (see [`pack_b_group`]); otherwise all of them.
 ///
 /// # Safety
 /// `b` must address `k × n` valid elements; `out` holds `kb · TILE`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_b(b: Mat, k: usize, n: usize, j0: usize, out: &mut [u16]) {
+unsafe fn pack_b(
+    b: Mat,
+    k: usize,
+    n: usize,
+    j0: usize,
+    out: &mut [u16],
+    tiles: std::ops::Range<usize>,
+) {
     let cols = n.saturating_sub(j0).min(T);
     let at = |p: usize, j: usize| unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) };
     if b.cs == 1 && cols == T {
         // Row-major, a whole tile wide: two rows' 16 columns interleaved.
-        for (pair, dst) in out.chunks_exact_mut(2 * T).enumerate() {
+        for pair in tiles.start * T..tiles.end * T {
+            let dst = &mut out[pair * 2 * T..(pair + 1) * 2 * T];
             let p = 2 * pair;
             if p + 1 < k {
                 // SAFETY: rows `p`, `p + 1` hold columns `j0..j0 + 16`.
@@ -235,6 +240,34 @@ unsafe fn pack_b(b: Mat, k: usize, n: usize, j0: usize, out: &mut [u16]) {
         let base = (p / TK) * TILE + ((p % TK) / 2) * TK + (p & 1);
         for c in 0..cols {
             out[base + 2 * c] = bf16_bits(at(p, j0 + c));
+        }
+    }
+}
+
+/// Packs the column panels of `out` (whole panels of `panel` elements) from column `j0`
+/// on. A row-major `b` is packed one `k` tile of every panel at a time, so that each row
+/// is read the group's width at once (contiguous, which the prefetchers follow) where one
+/// panel at a time would read 64 bytes of each row (the vocabulary projection's rows are
+/// 148 KB apart).
+///
+/// # Safety
+/// As [`pack_b`].
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_b_group(b: Mat, k: usize, n: usize, j0: usize, panel: usize, out: &mut [u16]) {
+    let kb = panel / TILE;
+    let whole = |q: usize| b.cs == 1 && j0 + (q + 1) * T <= n;
+    for t in 0..kb {
+        for (q, o) in out.chunks_exact_mut(panel).enumerate() {
+            if whole(q) {
+                // SAFETY: as the caller's.
+                unsafe { pack_b(b, k, n, j0 + q * T, o, t..t + 1) }
+            }
+        }
+    }
+    for (q, o) in out.chunks_exact_mut(panel).enumerate() {
+        if !whole(q) {
+            // SAFETY: as the caller's.
+            unsafe { pack_b(b, k, n, j0 + q * T, o, 0..kb) }
         }
     }
 }
@@ -333,17 +366,16 @@ pub(crate) unsafe fn gemm(
         return;
     }
     let kb = k.div_ceil(TK).max(1);
-    let (mt, nt) = (m.div_ceil(T), n.div_ceil(T));
-    // Both operands packed once: `a` by 16-row tiles, `b` by 16-column tiles, each a
-    // panel of `kb` tiles (an odd count gets an all-zero tile beside it).
+    let mt = m.div_ceil(T);
+    // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
+    // all-zero panel beside it). `b` is packed by each task, its 256 columns (16 panels)
+    // into a buffer of its thread that stays in the core's cache: the packed copy of a
+    // wide `b` (the vocabulary projection's 38 MB) never goes to memory and back.
     let panel = kb * TILE;
-    let (mut lines_a, mut lines_b) = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    // Every element is written by the packing below (zeros past the operands' edges).
+    let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    // Every element is written by the packing below (zeros past the operand's edges).
     let pa = lines(&mut lines_a, mt.next_multiple_of(2) * panel);
-    let pb = lines(&mut lines_b, nt.next_multiple_of(2) * panel);
     if a.rs == 1 && a.cs != 1 {
-        // Transposed: groups of 16 panels (256 rows) a task.
-        const GROUP: usize = 16;
         pa.par_chunks_mut(GROUP * panel)
             .enumerate()
             .for_each(|(g, out)| {
@@ -356,32 +388,68 @@ pub(crate) unsafe fn gemm(
             unsafe { pack_a(a, m, k, i * T, out) }
         });
     }
-    pb.par_chunks_mut(panel).enumerate().for_each(|(j, out)| {
-        // SAFETY: as above, for `b`.
-        unsafe { pack_b(b, k, n, j * T, out) }
-    });
-    let (rows_b, cols_b) = (m.div_ceil(BLOCK_ROWS), n.div_ceil(BLOCK_COLS));
+    // Tasks: the column blocks, each split into row blocks (multiples of 32 rows) only
+    // as far as it takes to give every thread two tasks. Where there are fewer column
+    // blocks than that (a narrow `b`, which several tasks would pack again), `b` is
+    // packed once beforehand and shared.
+    let cols_b = n.div_ceil(GROUP * T);
+    let shared = cols_b < 2 * rayon::current_num_threads();
+    let mut lines_shared = Vec::new();
+    if shared {
+        lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
+        pb.par_chunks_mut(GROUP * panel)
+            .enumerate()
+            .for_each(|(g, out)| {
+                // SAFETY: `available` checked AVX-512; `b` addresses `k × n`.
+                unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
+            });
+    }
+    let pb_shared: &[u16] = if shared {
+        // SAFETY: as in `lines`: the vector's initialized elements as bf16.
+        unsafe {
+            std::slice::from_raw_parts(lines_shared.as_ptr() as *const u16, lines_shared.len() * TK)
+        }
+    } else {
+        &[]
+    };
+    let split = (2 * rayon::current_num_threads())
+        .div_ceil(cols_b)
+        .clamp(1, m.div_ceil(2 * T));
+    let rows_per = m.div_ceil(split).next_multiple_of(2 * T);
+    let rows_b = m.div_ceil(rows_per);
     let out = Out(dst);
-    let (pa_ref, pb_ref) = (&pa, &pb);
+    let pa_ref = &pa;
     (0..rows_b * cols_b).into_par_iter().for_each(|task| {
-        let (i0, j0) = ((task / cols_b) * BLOCK_ROWS, (task % cols_b) * BLOCK_COLS);
-        let (i1, j1) = ((i0 + BLOCK_ROWS).min(m), (j0 + BLOCK_COLS).min(n));
+        let (i0, j0) = ((task % rows_b) * rows_per, (task / rows_b) * GROUP * T);
+        let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(n));
+        let mut lines_b = Vec::new();
+        let pb: &[u16] = if shared {
+            &pb_shared[(j0 / T) * panel..]
+        } else {
+            lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
+            let pb = lines(&mut lines_b, (j1 - j0).div_ceil(T).next_multiple_of(2) * panel);
+            // SAFETY: `available` checked AVX-512; `b` addresses `k × n`.
+            unsafe { pack_b_group(b, k, n, j0, panel, pb) };
+            pb
+        };
         let mut edge = [0f32; 4 * T * T];
         // SAFETY: the configuration is a valid palette-1 layout; each task writes its own
         // block of `dst`; the panels hold every tile the loops address.
         unsafe {
             asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
-            for j in (j0..j1).step_by(2 * T) {
-                let (b0, b1) = (
-                    pb_ref.as_ptr().add((j / T) * panel),
-                    pb_ref.as_ptr().add((j / T + 1) * panel),
+            for i in (i0..i1).step_by(2 * T) {
+                let (a0, a1) = (
+                    pa_ref.as_ptr().add((i / T) * panel),
+                    pa_ref.as_ptr().add((i / T + 1) * panel),
                 );
-                for i in (i0..i1).step_by(2 * T) {
+                for j in (j0..j1).step_by(2 * T) {
+                    let q = (j - j0) / T;
                     let ops = (
-                        pa_ref.as_ptr().add((i / T) * panel),
-                        pa_ref.as_ptr().add((i / T + 1) * panel),
-                        b0,
-                        b1,
+                        a0,
+                        a1,
+                        pb.as_ptr().add(q * panel),
+                        pb.as_ptr().add((q + 1) * panel),
                     );
                     let c = out.get().offset(i as isize * ld + j as isize);
                     if i + 2 * T <= m && j + 2 * T <= n {
@@ -408,13 +476,24 @@ pub(crate) unsafe fn gemm(
             }
             asm!("tilerelease", options(nostack, nomem));
         }
+        if !shared {
+            PACKED_B.with(|p| *p.borrow_mut() = lines_b);
+        }
     });
-    PACKED.with(|p| *p.borrow_mut() = (lines_a, lines_b));
+    PACKED.with(|p| *p.borrow_mut() = lines_a);
+    if shared {
+        PACKED_B.with(|p| *p.borrow_mut() = lines_shared);
+    }
 }
 
+/// Panels a packing task or a product task takes: 16 (256 rows or columns).
+const GROUP: usize = 16;
+
 thread_local! {
-    /// The packed operands of the thread's last product, kept for its next.
-    static PACKED: std::cell::RefCell<(Vec<Line>, Vec<Line>)> = Default::default();
+    /// The packed left operand of the thread's last product, kept for its next.
+    static PACKED: std::cell::RefCell<Vec<Line>> = Default::default();
+    /// A task's packed columns of the right operand, kept for the thread's next task.
+    static PACKED_B: std::cell::RefCell<Vec<Line>> = Default::default();
 }
 
 /// 64 bytes on a 64-byte boundary: a tile's row. Tiles loaded from addresses that are
@@ -476,6 +555,8 @@ mod tests {
             (300, 512, 270, false, true, false),
             (64, 800, 96, true, false, true),
             (300, 70, 40, true, false, false),
+            (40, 100, 300, false, false, true),
+            (70, 64, 700, false, true, false),
             (17, 2049, 5, true, true, false),
         ] {
             let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
@@ -513,8 +594,26 @@ mod tests {
             let bt = |p: usize, j: usize| unsafe {
                 *bm.ptr.offset(p as isize * bm.rs + j as isize * bm.cs)
             };
-            let mut c = c0.clone();
-            unsafe { gemm((m, k, n), c.as_mut_ptr(), n as isize, am, bm, read) };
+            // On one thread, a `b` of two column blocks or more is packed by each task; on
+            // four, it is packed beforehand and shared: both must give the same bits.
+            let run = |threads: usize| {
+                let mut c = c0.clone();
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| unsafe {
+                    gemm((m, k, n), c.as_mut_ptr(), n as isize, am, bm, read)
+                });
+                c
+            };
+            let c = run(1);
+            assert!(
+                c.iter()
+                    .zip(run(4))
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{m}×{k}·{k}×{n}: one thread and four differ"
+            );
             // Against f64 sums of the rounded operands (`worst`) and of the operands as
             // they are (`off`): the first differ only by the f32 accumulation; the second
             // by the operands' rounding, about 2^-9 relative per term, so they must be
