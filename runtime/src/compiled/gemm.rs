@@ -152,8 +152,9 @@ pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize>
 }
 
 /// Products with fewer multiply-adds than this stay f32 with `bf16` (packing and the
-/// tiles' setup would cost more than they save).
-const BF16_MIN: usize = 1 << 20;
+/// tiles' setup would cost more than they save: the demo's model, `d_model` 48, trained
+/// 300 steps in 6.3 s with its 800 × 48 · 48 × 48 products on the tiles, 5.2 s without).
+const BF16_MIN: usize = 1 << 22;
 
 /// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with `bf16` and a large enough
 /// product, [`amx::gemm`] (operands rounded to bf16, sums in f32; `bf16` is only set
