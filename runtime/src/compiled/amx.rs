@@ -516,6 +516,16 @@ fn lines(buf: &mut Vec<Line>, len: usize) -> &mut [u16] {
 mod tests {
     use super::*;
 
+    /// A `rows × cols` matrix in `v`: row-major, or stored transposed (column-major).
+    fn stored(v: &[f32], rows: usize, cols: usize, transposed: bool) -> Mat {
+        let (rs, cs) = if transposed { (1, rows) } else { (cols, 1) };
+        Mat {
+            ptr: v.as_ptr(),
+            rs: rs as isize,
+            cs: cs as isize,
+        }
+    }
+
     fn rng(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
@@ -562,32 +572,7 @@ mod tests {
             let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
             let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
             let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
-            let am = if ta {
-                Mat {
-                    ptr: a.as_ptr(),
-                    rs: 1,
-                    cs: m as isize,
-                }
-            } else {
-                Mat {
-                    ptr: a.as_ptr(),
-                    rs: k as isize,
-                    cs: 1,
-                }
-            };
-            let bm = if tb {
-                Mat {
-                    ptr: b.as_ptr(),
-                    rs: 1,
-                    cs: k as isize,
-                }
-            } else {
-                Mat {
-                    ptr: b.as_ptr(),
-                    rs: n as isize,
-                    cs: 1,
-                }
-            };
+            let (am, bm) = (stored(&a, m, k, ta), stored(&b, k, n, tb));
             let at = |i: usize, p: usize| unsafe {
                 *am.ptr.offset(i as isize * am.rs + p as isize * am.cs)
             };
@@ -667,16 +652,8 @@ mod tests {
                     (m, k, n),
                     c.as_mut_ptr(),
                     n as isize,
-                    Mat {
-                        ptr: a.as_ptr(),
-                        rs: k as isize,
-                        cs: 1,
-                    },
-                    Mat {
-                        ptr: b.as_ptr(),
-                        rs: n as isize,
-                        cs: 1,
-                    },
+                    stored(&a, m, k, false),
+                    stored(&b, k, n, false),
                     false,
                 )
             });
