@@ -392,8 +392,10 @@ pub(crate) unsafe fn gemm(
     // as far as it takes to give every thread two tasks. Where there are fewer column
     // blocks than that (a narrow `b`, which several tasks would pack again), `b` is
     // packed once beforehand and shared.
+    // So is a `b` whose tasks would each stream a packed `a` too large for a core's
+    // cache (over 2 MB): then the tasks are blocks of at most 256 rows.
     let cols_b = n.div_ceil(GROUP * T);
-    let shared = cols_b < 2 * rayon::current_num_threads();
+    let shared = cols_b < 2 * rayon::current_num_threads() || pa.len() * 2 > 2 << 20;
     let mut lines_shared = Vec::new();
     if shared {
         lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
@@ -416,7 +418,10 @@ pub(crate) unsafe fn gemm(
     let split = (2 * rayon::current_num_threads())
         .div_ceil(cols_b)
         .clamp(1, m.div_ceil(2 * T));
-    let rows_per = m.div_ceil(split).next_multiple_of(2 * T);
+    let mut rows_per = m.div_ceil(split).next_multiple_of(2 * T);
+    if shared {
+        rows_per = rows_per.min(GROUP * T);
+    }
     let rows_b = m.div_ceil(rows_per);
     let out = Out(dst);
     let pa_ref = &pa;
