@@ -5,7 +5,8 @@
 //! to bf16 (to nearest, ties to even) as it is packed into the tiles' layouts; the
 //! products of pairs are summed in f32 by `TDPBF16PS` (16 × 16 results, 32 terms each,
 //! per instruction), so a result differs from the f32 product by about the inputs'
-//! rounding, 2⁻⁸ relative per term, as with PyTorch's bf16 autocast or cuBLAS in bf16.
+//! rounding, at most 2⁻⁹ relative per operand, as with PyTorch's bf16 autocast or cuBLAS
+//! in bf16. The tiles treat subnormal bf16 inputs as zero and flush subnormal results.
 //!
 //! Every result element is summed over `k` in the same order whatever the threads, so a
 //! product gives the same bits on every run and with any number of threads.
@@ -368,9 +369,10 @@ pub(crate) unsafe fn gemm(
     let kb = k.div_ceil(TK).max(1);
     let mt = m.div_ceil(T);
     // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
-    // all-zero panel beside it). `b` is packed by each task, its 256 columns (16 panels)
-    // into a buffer of its thread that stays in the core's cache: the packed copy of a
-    // wide `b` (the vocabulary projection's 38 MB) never goes to memory and back.
+    // all-zero panel beside it). A wide `b` is packed by each task, its 256 columns (16
+    // panels) into a buffer of its thread that stays in the core's cache: the packed copy
+    // of the vocabulary projection's `b` (38 MB) never goes to memory and back. Otherwise
+    // `b` is packed once and shared (below).
     let panel = kb * TILE;
     let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
     // Every element is written by the packing below (zeros past the operand's edges).
