@@ -24,7 +24,30 @@
 //! Determinism: every kernel splits work by output rows or fixed-size blocks, never by the
 //! thread count, so the bits do not depend on how many threads run.
 
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub(crate) mod amx;
+/// AMX tiles exist only on x86-64, and their state is requested from Linux: elsewhere
+/// the bf16 products are never available, and `gemm` is never reached.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+pub(crate) mod amx {
+    pub(crate) fn available() -> Result<(), &'static str> {
+        Err("AMX tiles exist only on x86-64 CPUs under Linux")
+    }
+
+    /// # Safety
+    /// Never called: [`available`] is an error.
+    pub(crate) unsafe fn gemm(
+        _: (usize, usize, usize),
+        _: *mut f32,
+        _: isize,
+        _: super::gemm::Mat,
+        _: super::gemm::Mat,
+        _: bool,
+    ) {
+        unreachable!("bf16 products are only set where AMX is available")
+    }
+}
+
 pub(crate) mod fallback;
 pub(crate) mod gemm;
 pub(crate) mod launch;
@@ -76,12 +99,15 @@ pub fn bf16_matmul(
     b: &[f32],
     c: &mut [f32],
 ) -> Result<(), String> {
-    amx::available().map_err(|why| format!("bf16 matrix products need AMX tiles: {why}"))?;
+    bf16_products_available()?;
     for (name, len, want) in [
-        ("a", a.len(), m * k),
-        ("b", b.len(), k * n),
-        ("c", c.len(), m * n),
+        ("a", a.len(), m.checked_mul(k)),
+        ("b", b.len(), k.checked_mul(n)),
+        ("c", c.len(), m.checked_mul(n)),
     ] {
+        let Some(want) = want else {
+            return Err(format!("a {m}×{k}·{k}×{n} product is too large to address"));
+        };
         if len != want {
             return Err(format!(
                 "`{name}` holds {len} elements; a {m}×{k}·{k}×{n} product needs {want}"
@@ -108,13 +134,18 @@ pub fn bf16_matmul(
     Ok(())
 }
 
+/// `Ok` where the bf16 products can run; else why not, as a sentence.
+fn bf16_products_available() -> Result<(), String> {
+    amx::available().map_err(|why| format!("bf16 matrix products need AMX tiles: {why}"))
+}
+
 /// The environment's choice of bf16 products (`KILN_CPU_BF16=1`), where AMX is there;
 /// where it is not, a message says so once and the products stay f32.
 fn bf16_products_from_env() -> bool {
     if std::env::var("KILN_CPU_BF16").as_deref() != Ok("1") {
         return false;
     }
-    match amx::available() {
+    match bf16_products_available() {
         Ok(()) => true,
         Err(why) => {
             static SAID: std::sync::Once = std::sync::Once::new();
@@ -540,10 +571,9 @@ impl Compiled {
     /// everything else stays f32. An error where the CPU or the system has no AMX.
     pub fn set_bf16_products(&mut self, on: bool) -> Result<(), ExecError> {
         if on {
-            amx::available().map_err(|why| {
+            bf16_products_available().map_err(|why| {
                 ExecError::Unsupported(format!(
-                    "bf16 matrix products need AMX tiles: {why}; run the products in f32 \
-                     (leave KILN_CPU_BF16 unset)"
+                    "{why}; run the products in f32 (leave KILN_CPU_BF16 unset)"
                 ))
             })?;
         }
