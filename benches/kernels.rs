@@ -67,8 +67,10 @@ fn main() {
             2.0 * (n * n * n) as f64 / s / 1e9
         );
     }
-    // The same products in bf16 on AMX tiles (`KILN_CPU_BF16=1`), with the operands'
-    // rounding and packing counted: 2048³, then the base step's widest shapes.
+    // The same products in bf16 (`KILN_CPU_BF16=1`: AMX tiles, else VDPBF16PS where it is
+    // fast; `KILN_CPU_BF16=dot` VDPBF16PS wherever it runs), with the operands' rounding
+    // and packing counted: 2048³, then the base step's widest shapes.
+    let kernel = kiln_runtime::compiled::Bf16Kernel::chosen();
     for (m, k, n) in [
         (2048usize, 2048, 2048),
         (800, 512, 512),
@@ -79,19 +81,25 @@ fn main() {
         let a = vec![0.5f32; m * k];
         let b = vec![0.25f32; k * n];
         let mut c = vec![0f32; m * n];
-        let mut why = None;
-        let s = time(9, || {
-            if let Err(e) = kiln_runtime::compiled::bf16_matmul((m, k, n), &a, &b, &mut c) {
-                why = Some(e);
-            }
-        });
+        let mut why = kernel.as_ref().err().cloned();
+        let s = match &kernel {
+            Ok(kernel) => time(9, || {
+                if let Err(e) =
+                    kiln_runtime::compiled::bf16_matmul(*kernel, (m, k, n), &a, &b, &mut c)
+                {
+                    why = Some(e);
+                }
+            }),
+            Err(_) => 0.0,
+        };
         match why {
             Some(e) => {
                 println!("bf16 gemm: skipped ({e})");
                 break;
             }
             None => println!(
-                "bf16 gemm (AMX) {m}×{k}·{k}×{n}: {:.2} ms, {:.1} GFLOP/s",
+                "bf16 gemm ({}) {m}×{k}·{k}×{n}: {:.2} ms, {:.1} GFLOP/s",
+                kernel.as_ref().map_or("", |k| k.name()),
                 s * 1e3,
                 2.0 * (m * k * n) as f64 / s / 1e9
             ),

@@ -598,9 +598,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             "fp32" => "cuda".to_string(),
             g => format!("cuda-{g}"),
         }
-    } else if compiled.as_ref().is_some_and(|c| c.bf16_products()) {
-        // KILN_CPU_BF16=1 on a CPU with AMX: the large products in bf16.
-        "compiled-bf16-products".to_string()
+    } else if let Some(kernel) = compiled.as_ref().and_then(|c| c.bf16_kernel()) {
+        // KILN_CPU_BF16 on a CPU with a bf16 kernel: the large products in bf16.
+        match kernel {
+            kiln_runtime::compiled::Bf16Kernel::Tiles => "compiled-bf16-products".to_string(),
+            kiln_runtime::compiled::Bf16Kernel::Dot => {
+                "compiled-bf16-products-vdpbf16ps".to_string()
+            }
+        }
     } else {
         a.executor.clone()
     };

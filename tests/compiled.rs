@@ -1002,28 +1002,34 @@ fn a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss() {
     }
 }
 
-/// `KILN_CPU_BF16=1` / `set_bf16_products`: the large matrix products in bf16 on AMX
-/// tiles. On base at small sizes (every `linear` over 36 rows of 512 is past the
+/// `KILN_CPU_BF16` / `set_bf16_kernel`: the large matrix products in bf16, on AMX tiles
+/// and with AVX-512's `VDPBF16PS`, each where the CPU has it. On base at small sizes (every `linear` over 36 rows of 512 is past the
 /// threshold) the forward's logits and `train_step`'s loss and gradients stay within
 /// bf16's rounding of the f32 program's — and are not its bits (the products really are
-/// bf16) — and a second run gives the same bits. Skipped where the CPU has no AMX.
+/// bf16) — and a second run gives the same bits. Each kernel is skipped where the CPU
+/// cannot run it.
 #[test]
-fn bf16_products_on_amx_tiles_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
+fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+        match kernel.available() {
+            Ok(()) => bf16_products_within_bf16_of_f32(kernel),
+            Err(why) => println!("skipped: {why}"),
+        }
+    }
+}
+
+fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) {
     let path = common::root().join("models/transformer_base.kiln");
     for entry in ["forward", "train_step"] {
         let g = entry_graph(&path, &["vocab=300"], entry).expect("the entry");
         let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
         let mut bf16_exec = Compiled::from_graph(g.clone()).expect("compiles");
-        if let Err(e) = bf16_exec.set_bf16_products(true) {
-            let msg = e.to_string();
-            assert!(
-                msg.contains("AMX") && msg.contains("KILN_CPU_BF16"),
-                "{msg}"
-            );
-            println!("skipped: {msg}");
-            return;
-        }
+        bf16_exec
+            .set_bf16_kernel(Some(kernel))
+            .expect("the kernel runs here");
         assert!(bf16_exec.bf16_products() && !f32_exec.bf16_products());
+        assert_eq!(bf16_exec.bf16_kernel(), Some(kernel));
         let dims: BTreeMap<String, i64> = g
             .dims
             .iter()
@@ -1057,7 +1063,7 @@ fn bf16_products_on_amx_tiles_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
             let (w, o) = (vals(w), vals(o));
             let diff = norm(&mut w.iter().zip(&o).map(|(a, b)| a - b));
             let rel = diff / norm(&mut w.iter().copied()).max(floor);
-            println!("{entry} {name}: ‖bf16 − f32‖ / ‖f32‖ = {rel:.2e}");
+            println!("{kernel:?} {entry} {name}: ‖bf16 − f32‖ / ‖f32‖ = {rel:.2e}");
             // bf16 keeps 8 bits: 2^-9 relative per operand; measured 8e-3 on the logits,
             // 2e-4 on the loss and 0.3–8 % on the gradients (the first layers' most).
             let tol = if name.starts_with("grad.") {
@@ -1065,33 +1071,43 @@ fn bf16_products_on_amx_tiles_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
             } else {
                 2e-2
             };
-            assert!(rel < tol, "{entry} {name}: {rel:e} from the f32 program");
+            assert!(
+                rel < tol,
+                "{kernel:?} {entry} {name}: {rel:e} from the f32 program"
+            );
             assert!(
                 diff > 1e-6 * norm(&mut w.iter().copied()),
-                "{entry} {name}: the products look f32"
+                "{kernel:?} {entry} {name}: the products look f32"
             );
         }
     }
 }
 
-/// `bf16_matmul`, the public product: a slice of the wrong length is an error that names
-/// it (checked after the AMX check, so where AMX is missing that is the error); a product
-/// of 2 × 3 · 3 × 2 exact in bf16 gives exact sums.
+/// `bf16_matmul`, the public product, with each kernel the CPU can run: a slice of the
+/// wrong length is an error that names it (checked after the kernel, so where the CPU
+/// cannot run it that is the error); a product of 2 × 3 · 3 × 2 exact in bf16 gives exact
+/// sums.
 #[test]
 fn bf16_matmul_checks_its_slices() {
+    use kiln_runtime::compiled::{bf16_matmul, Bf16Kernel};
     let (a, b) = (
         [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0],
         [1.0f32, 0.5, -1.0, 2.0, 0.25, 4.0],
     );
-    let mut c = [0f32; 4];
-    match kiln_runtime::compiled::bf16_matmul((2, 3, 2), &a, &b, &mut c) {
-        Err(e) => {
-            assert!(e.contains("AMX"), "{e}");
-            println!("skipped: {e}");
-            return;
+    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+        let mut c = [0f32; 4];
+        match bf16_matmul(kernel, (2, 3, 2), &a, &b, &mut c) {
+            Err(e) => {
+                assert!(
+                    e.starts_with(&format!("{} cannot run here: ", kernel.name())),
+                    "{e}"
+                );
+                println!("skipped: {e}");
+                continue;
+            }
+            Ok(()) => assert_eq!(c, [-0.25, 16.5, 0.5, 36.0], "{kernel:?}"),
         }
-        Ok(()) => assert_eq!(c, [-0.25, 16.5, 0.5, 36.0]),
+        let e = bf16_matmul(kernel, (2, 3, 2), &a[..5], &b, &mut c).unwrap_err();
+        assert_eq!(e, "`a` holds 5 elements; a 2×3·3×2 product needs 6");
     }
-    let e = kiln_runtime::compiled::bf16_matmul((2, 3, 2), &a[..5], &b, &mut c).unwrap_err();
-    assert_eq!(e, "`a` holds 5 elements; a 2×3·3×2 product needs 6");
 }

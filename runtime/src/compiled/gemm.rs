@@ -14,6 +14,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::bf16::Kernel;
 use super::Loc;
 
 /// Products with fewer multiply-adds than this run single-threaded.
@@ -156,9 +157,9 @@ pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize>
 /// 300 steps in 6.3 s with its 800 × 48 · 48 × 48 products on the tiles, 5.2 s without).
 const BF16_MIN: usize = 1 << 22;
 
-/// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with `bf16` and a large enough
-/// product, [`amx::gemm`] (operands rounded to bf16, sums in f32; `bf16` is only set
-/// where AMX is available).
+/// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large
+/// enough product, [`bf16::gemm`](super::bf16::gemm) (operands rounded to bf16, sums in
+/// f32; a kernel is only set where it is available).
 ///
 /// # Safety
 /// As [`gemm_one`].
@@ -168,24 +169,25 @@ unsafe fn product(
     ld: isize,
     (a, b): (Mat, Mat),
     read_dst: bool,
-    bf16: bool,
+    bf16: Option<Kernel>,
 ) {
-    if bf16 && m * k * n >= BF16_MIN {
-        // SAFETY: as the caller's; `bf16` is set only after `amx::available()`.
-        unsafe { super::amx::gemm((m, k, n), dst, ld, a, b, read_dst) }
-    } else {
-        unsafe { gemm_one((m, k, n), dst, ld, a, b, read_dst, parallelism(m * k * n)) }
+    match bf16 {
+        Some(kernel) if m * k * n >= BF16_MIN => {
+            // SAFETY: as the caller's; a kernel is set only after its check.
+            unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst) }
+        }
+        _ => unsafe { gemm_one((m, k, n), dst, ld, a, b, read_dst, parallelism(m * k * n)) },
     }
 }
 
-/// `out = a·b` (or `out += a·b` when `read_dst`), batched; `out` contiguous. With `bf16`,
-/// the large products run in bf16 on AMX tiles ([`product`]).
+/// `out = a·b` (or `out += a·b` when `read_dst`), batched; `out` contiguous. With a `bf16`
+/// kernel, the large products run in bf16 ([`product`]).
 pub(crate) fn matmul(
     a: &Loc,
     b: &Loc,
     out: &Loc,
     read_dst: bool,
-    bf16: bool,
+    bf16: Option<Kernel>,
 ) -> Result<(), String> {
     let (sa, sb) = (a.shape(), b.shape());
     let (ra, rb) = (sa.len(), sb.len());
@@ -259,7 +261,7 @@ pub(crate) fn matmul(
         (0..batch)
             .into_par_iter()
             .for_each(|i| one(i, Parallelism::None));
-    } else if bf16 && per >= BF16_MIN {
+    } else if bf16.is_some() && per >= BF16_MIN {
         for i in 0..batch {
             // SAFETY: as `one`'s.
             unsafe {
@@ -269,7 +271,7 @@ pub(crate) fn matmul(
                     n as isize,
                     (mat(la, a.ptr, offs_a[i], ra), mat(lb, b.ptr, offs_b[i], rb)),
                     read_dst,
-                    true,
+                    bf16,
                 )
             }
         }

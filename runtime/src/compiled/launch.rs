@@ -57,8 +57,9 @@ pub(crate) struct RunCtx<'a> {
     pub seed: u64,
     pub step: u32,
     pub pool: &'a Arc<Pool>,
-    /// Large matrix products in bf16 on AMX tiles (`Compiled::set_bf16_products`).
-    pub bf16: bool,
+    /// The kernel of the large matrix products in bf16, if they run so
+    /// (`Compiled::set_bf16_products`).
+    pub bf16: Option<super::bf16::Kernel>,
 }
 
 /// One kernel, ready to launch.

@@ -25,18 +25,32 @@
 //! thread count, so the bits do not depend on how many threads run.
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) mod amx;
-/// AMX tiles exist only on x86-64, and their state is requested from Linux: elsewhere
-/// the bf16 products are never available, and `gemm` is never reached.
+pub(crate) mod bf16;
+/// The bf16 kernels are written for x86-64 (AMX tiles, whose state is requested from
+/// Linux, and AVX-512's `VDPBF16PS`): elsewhere the bf16 products are never available,
+/// and `gemm` is never reached.
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-pub(crate) mod amx {
-    pub(crate) fn available() -> Result<(), &'static str> {
-        Err("AMX tiles exist only on x86-64 CPUs under Linux")
+pub(crate) mod bf16 {
+    pub(crate) use super::Bf16Kernel as Kernel;
+
+    const WHY: &str = "kiln's bf16 products run only on x86-64 CPUs under Linux";
+
+    pub(crate) fn kernel() -> Result<Kernel, String> {
+        Err(WHY.to_string())
+    }
+
+    pub(crate) fn tiles_available() -> Result<(), &'static str> {
+        Err(WHY)
+    }
+
+    pub(crate) fn dot_available() -> Result<(), &'static str> {
+        Err(WHY)
     }
 
     /// # Safety
-    /// Never called: [`available`] is an error.
+    /// Never called: no kernel is available.
     pub(crate) unsafe fn gemm(
+        _: Kernel,
         _: (usize, usize, usize),
         _: *mut f32,
         _: isize,
@@ -44,7 +58,7 @@ pub(crate) mod amx {
         _: super::gemm::Mat,
         _: bool,
     ) {
-        unreachable!("bf16 products are only set where AMX is available")
+        unreachable!("bf16 products are only set where a bf16 kernel is available")
     }
 }
 
@@ -88,18 +102,74 @@ fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// The instructions that multiply in bf16 (operands rounded to bf16, sums in f32) where
+/// the large matrix products run in bf16 (`KILN_CPU_BF16`,
+/// [`Compiled::set_bf16_products`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// Intel AMX tiles (`TDPBF16PS`): Xeons of the 4th generation on.
+    Tiles,
+    /// AVX-512's `VDPBF16PS`: fast on AMD Zen 4 and later.
+    Dot,
+}
+
+impl Bf16Kernel {
+    /// The instructions' name, for messages and benchmark labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Kernel::Tiles => "AMX tiles",
+            Bf16Kernel::Dot => "AVX-512 VDPBF16PS",
+        }
+    }
+
+    /// `Ok` where this CPU (and system) can run the kernel, fast or not; else why not.
+    pub fn available(self) -> Result<(), String> {
+        match self {
+            Bf16Kernel::Tiles => bf16::tiles_available(),
+            Bf16Kernel::Dot => bf16::dot_available(),
+        }
+        .map_err(|why| format!("{} cannot run here: {why}", self.name()))
+    }
+
+    /// The kernel this CPU runs best: the tiles where there are tiles, else `VDPBF16PS`
+    /// where it is faster than f32 products; else why there is none, as a sentence.
+    pub fn best() -> Result<Bf16Kernel, String> {
+        bf16::kernel().map_err(|why| {
+            format!("bf16 matrix products need AMX tiles or fast AVX-512 bf16 dot products: {why}")
+        })
+    }
+
+    /// The kernel `KILN_CPU_BF16` names: `amx` the tiles, `dot` `VDPBF16PS` (each where
+    /// the CPU has it, even where it is slower than f32: for measuring), anything else
+    /// the [best](Bf16Kernel::best).
+    pub fn chosen() -> Result<Bf16Kernel, String> {
+        let named = |kernel: Bf16Kernel| {
+            kernel
+                .available()
+                .map(|()| kernel)
+                .map_err(|why| format!("KILN_CPU_BF16 asks for {}, but {why}", kernel.name()))
+        };
+        match std::env::var("KILN_CPU_BF16").as_deref() {
+            Ok("amx") => named(Bf16Kernel::Tiles),
+            Ok("dot") => named(Bf16Kernel::Dot),
+            _ => Bf16Kernel::best(),
+        }
+    }
+}
+
 /// `c[m × n] = a[m × k]·b[k × n]` (row-major, contiguous) with the operands rounded to
-/// bf16 and the sums in f32, on AMX tiles: the products that `KILN_CPU_BF16=1` runs
-/// (see [`Compiled::set_bf16_products`]), for benchmarks and for users' own products.
-/// An error where the CPU or the system has no AMX, or where a slice's length is not its
-/// matrix's.
+/// bf16 and the sums in f32, with `kernel`'s instructions: the products that
+/// `KILN_CPU_BF16=1` runs (see [`Compiled::set_bf16_products`]), for benchmarks and for
+/// users' own products. An error where the CPU cannot run the kernel, or where a slice's
+/// length is not its matrix's.
 pub fn bf16_matmul(
+    kernel: Bf16Kernel,
     (m, k, n): (usize, usize, usize),
     a: &[f32],
     b: &[f32],
     c: &mut [f32],
 ) -> Result<(), String> {
-    bf16_products_available()?;
+    kernel.available()?;
     for (name, len, want) in [
         ("a", a.len(), m.checked_mul(k)),
         ("b", b.len(), k.checked_mul(n)),
@@ -119,10 +189,11 @@ pub fn bf16_matmul(
         rs: cols as isize,
         cs: 1,
     };
-    // SAFETY: AMX is available; the slices hold the matrices (checked above) and `c`, a
+    // SAFETY: the kernel can run; the slices hold the matrices (checked above) and `c`, a
     // unique borrow, overlaps neither operand.
     unsafe {
-        amx::gemm(
+        bf16::gemm(
+            kernel,
             (m, k, n),
             c.as_mut_ptr(),
             n as isize,
@@ -134,25 +205,25 @@ pub fn bf16_matmul(
     Ok(())
 }
 
-/// `Ok` where the bf16 products can run; else why not, as a sentence.
-fn bf16_products_available() -> Result<(), String> {
-    amx::available().map_err(|why| format!("bf16 matrix products need AMX tiles: {why}"))
-}
-
-/// The environment's choice of bf16 products (`KILN_CPU_BF16=1`), where AMX is there;
-/// where it is not, a message says so once and the products stay f32.
-fn bf16_products_from_env() -> bool {
-    if std::env::var("KILN_CPU_BF16").as_deref() != Ok("1") {
-        return false;
-    }
-    match bf16_products_available() {
-        Ok(()) => true,
+/// The environment's choice of bf16 products: `KILN_CPU_BF16=1` the best kernel this CPU
+/// has, `amx` or `dot` that one ([`Bf16Kernel::chosen`]). Where the CPU has none, a
+/// message says so once and the products stay f32.
+fn bf16_products_from_env() -> Option<Bf16Kernel> {
+    let chosen = match std::env::var("KILN_CPU_BF16").as_deref() {
+        Ok("1" | "amx" | "dot") => Bf16Kernel::chosen(),
+        Ok(v) if !v.is_empty() && v != "0" => Err(format!(
+            "it is {v:?}, where 1 (the best bf16 kernel), amx, dot or 0 (f32) are known"
+        )),
+        _ => return None,
+    };
+    match chosen {
+        Ok(kernel) => Some(kernel),
         Err(why) => {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
-                eprintln!("KILN_CPU_BF16=1 is ignored: {why}; the matrix products run in f32")
+                eprintln!("KILN_CPU_BF16 is ignored: {why}; the matrix products run in f32")
             });
-            false
+            None
         }
     }
 }
@@ -202,8 +273,9 @@ pub struct Compiled {
     /// can read them with their rows gathered ([`Compiled::run_gathered`]).
     gatherable: std::collections::BTreeSet<String>,
     pool: Arc<Pool>,
-    /// Large matrix products in bf16 on AMX tiles, f32 sums ([`Compiled::set_bf16_products`]).
-    bf16_products: bool,
+    /// The kernel of the large matrix products in bf16, f32 sums, if they run so
+    /// ([`Compiled::set_bf16_products`]).
+    bf16_products: Option<Bf16Kernel>,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -566,23 +638,45 @@ impl Compiled {
 
     /// Runs the large matrix products (`matmul`, `linear`; not attention's per-head
     /// products) with their operands rounded to bf16 and their sums in f32, on the AMX
-    /// tiles of Intel Xeons of the 4th generation on (`KILN_CPU_BF16=1` sets it for every
-    /// executor a process builds). Mixed precision, as `KILN_CUDA_MIXED=1` on a GPU:
-    /// everything else stays f32. An error where the CPU or the system has no AMX.
+    /// tiles of Intel Xeons of the 4th generation on, or with AVX-512's `VDPBF16PS` on AMD
+    /// Zen 4 and later (`KILN_CPU_BF16=1` sets it for every executor a process builds).
+    /// Mixed precision, as `KILN_CUDA_MIXED=1` on a GPU: everything else stays f32. An
+    /// error where the CPU has neither.
     pub fn set_bf16_products(&mut self, on: bool) -> Result<(), ExecError> {
         if on {
-            bf16_products_available().map_err(|why| {
+            let kernel = Bf16Kernel::chosen().map_err(|why| {
+                ExecError::Unsupported(format!(
+                    "{why}; run the products in f32 (leave KILN_CPU_BF16 unset)"
+                ))
+            })?;
+            self.set_bf16_kernel(Some(kernel))
+        } else {
+            self.set_bf16_kernel(None)
+        }
+    }
+
+    /// Runs the large matrix products in bf16 with `kernel`'s instructions (`None`: in
+    /// f32), as [`Compiled::set_bf16_products`] does with the kernel it chooses. An error
+    /// where the CPU cannot run the kernel.
+    pub fn set_bf16_kernel(&mut self, kernel: Option<Bf16Kernel>) -> Result<(), ExecError> {
+        if let Some(kernel) = kernel {
+            kernel.available().map_err(|why| {
                 ExecError::Unsupported(format!(
                     "{why}; run the products in f32 (leave KILN_CPU_BF16 unset)"
                 ))
             })?;
         }
-        self.bf16_products = on;
+        self.bf16_products = kernel;
         Ok(())
     }
 
     /// Whether the large matrix products run in bf16 ([`Compiled::set_bf16_products`]).
     pub fn bf16_products(&self) -> bool {
+        self.bf16_products.is_some()
+    }
+
+    /// The instructions of the bf16 products, where they run in bf16.
+    pub fn bf16_kernel(&self) -> Option<Bf16Kernel> {
         self.bf16_products
     }
 

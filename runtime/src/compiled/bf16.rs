@@ -1,21 +1,31 @@
-//! Matrix products in bf16 on Intel AMX tiles, with f32 accumulation: the CPU's mixed
-//! precision (`KILN_CPU_BF16=1`), opt-in.
+//! Matrix products in bf16 with f32 accumulation: the CPU's mixed precision
+//! (`KILN_CPU_BF16=1`), opt-in. Two kernels share the packing and the driver here:
+//!
+//! - [`Kernel::Tiles`]: Intel AMX tiles (`TDPBF16PS`, 16 × 16 results and 32 terms each
+//!   per instruction), on Xeons of the 4th generation on;
+//! - [`Kernel::Dot`]: AVX-512's `VDPBF16PS` (16 results, 2 terms each per instruction),
+//!   on AMD Zen 4 and later, where it multiplies-adds at twice the rate of f32 FMAs.
 //!
 //! In: the same strided f32 operands as [`super::gemm::gemm_one`]. Each operand is rounded
-//! to bf16 (to nearest, ties to even) as it is packed into the tiles' layouts; the
-//! products of pairs are summed in f32 by `TDPBF16PS` (16 × 16 results, 32 terms each,
-//! per instruction), so a result differs from the f32 product by about the inputs'
-//! rounding, at most 2⁻⁹ relative per operand, as with PyTorch's bf16 autocast or cuBLAS
-//! in bf16. The tiles treat subnormal bf16 inputs as zero and flush subnormal results.
+//! to bf16 (to nearest, ties to even) as it is packed; the products of pairs are summed in
+//! f32, so a result differs from the f32 product by about the inputs' rounding, at most
+//! 2⁻⁹ relative per operand, as with PyTorch's bf16 autocast or cuBLAS in bf16. Both
+//! instructions treat subnormal bf16 inputs as zero and flush subnormal results.
 //!
 //! Every result element is summed over `k` in the same order whatever the threads, so a
-//! product gives the same bits on every run and with any number of threads.
+//! product gives the same bits on every run and with any number of threads (the two
+//! kernels may differ from each other in the last bits).
 //!
-//! No well-kept crate offers these instructions on stable Rust (the `gemm` crate's
-//! kernels are f32/f64/f16-through-f32; the `x86_amx_intrinsics` are nightly-only), so
-//! the eight tile instructions used here are written as inline assembly.
+//! No well-kept crate offers these products on stable Rust (the `gemm` crate's kernels
+//! are f32/f64/f16-through-f32; the `x86_amx_intrinsics` are nightly-only), so the eight
+//! tile instructions used here are written as inline assembly; `VDPBF16PS` is a stable
+//! intrinsic.
 
 use std::arch::asm;
+use std::arch::x86_64::{
+    __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
+    _mm512_storeu_ps,
+};
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -28,10 +38,57 @@ const TK: usize = 32;
 /// bf16 elements of one packed tile (16 rows of 64 bytes).
 const TILE: usize = T * TK;
 
+pub(crate) use super::Bf16Kernel as Kernel;
+
+/// The kernel that `KILN_CPU_BF16=1` runs on this CPU: the tiles where there are tiles,
+/// else `VDPBF16PS` where it is faster than f32; `Err` says why neither.
+pub(crate) fn kernel() -> Result<Kernel, String> {
+    match (tiles_available(), dot_faster_than_f32()) {
+        (Ok(()), _) => Ok(Kernel::Tiles),
+        (Err(_), Ok(())) => Ok(Kernel::Dot),
+        (Err(tiles), Err(dot)) => Err(format!("{tiles}, and {dot}")),
+    }
+}
+
+/// Whether the CPU has `VDPBF16PS` (AVX512-BF16) and the AVX-512 that packs for it.
+pub(crate) fn dot_available() -> Result<(), &'static str> {
+    if !is_x86_feature_detected!("avx512bf16") {
+        return Err("it has no AVX-512 bf16 dot products (AVX512-BF16: AMD Zen 4 or later)");
+    }
+    if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+        return Err("it has AVX512-BF16 but no AVX-512BW for packing the operands");
+    }
+    Ok(())
+}
+
+/// Whether `VDPBF16PS` is there and multiplies-adds faster than f32 FMAs. AMD's cores
+/// (Zen 4, Zen 5) issue it at the rate of an f32 FMA, with twice the terms; Intel's
+/// without AMX are left out: on a Xeon VM that has AVX512-BF16 but no tiles it issued at
+/// a quarter of the FMA's rate, half its multiply-adds (measured 2026-11-27, see
+/// `docs/PERFORMANCE.md`), so bf16 products there would be slower than f32 ones.
+/// `KILN_CPU_BF16=dot` runs it all the same.
+fn dot_faster_than_f32() -> Result<(), String> {
+    dot_available().map_err(|why| why.to_string())?;
+    // CPUID leaf 0: the vendor string in EBX, EDX, ECX.
+    let leaf = std::arch::x86_64::__cpuid(0);
+    let vendor: Vec<u8> = [leaf.ebx, leaf.edx, leaf.ecx]
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .collect();
+    if vendor != b"AuthenticAMD" {
+        return Err(format!(
+            "its AVX-512 bf16 dot products are slower than f32 FMAs on {} CPUs without AMX \
+             (KILN_CPU_BF16=dot runs them all the same)",
+            String::from_utf8_lossy(&vendor)
+        ));
+    }
+    Ok(())
+}
+
 /// Whether this CPU has AMX tiles with bf16 products and the kernel lets the process use
 /// them (Linux grants the tile data state on request: `arch_prctl(ARCH_REQ_XCOMP_PERM)`).
 /// `Err` says why not.
-pub(crate) fn available() -> Result<(), &'static str> {
+pub(crate) fn tiles_available() -> Result<(), &'static str> {
     static AVAILABLE: OnceLock<Result<(), &'static str>> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
         // CPUID leaf 7, sub-leaf 0: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
@@ -337,6 +394,70 @@ unsafe fn block(
     }
 }
 
+/// One 32 × 32 result block over the whole `k` with `VDPBF16PS`, from the same packed
+/// panels as [`block`]: each 8 rows × 32 columns of the result are 16 vectors of 16 f32
+/// held in registers over the whole `k`; each step broadcasts a row's bf16 pair to every
+/// lane and multiplies it with a pair row of the two column tiles (16 columns × 2 terms,
+/// one 64-byte line of a packed tile).
+///
+/// # Safety
+/// [`dot_available`] must have returned `Ok`; every pointer addresses what it says.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn dot_block(
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    (a0, a1, b0, b1): (*const u16, *const u16, *const u16, *const u16),
+    kb: usize,
+) {
+    const R: usize = 8;
+    for (chunk, a) in [a0, a0, a1, a1].into_iter().enumerate() {
+        let (row0, in_tile) = (chunk * R, (chunk % 2) * R);
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: the block's rows hold 32 columns at `c`, `ldc` apart.
+            let row = unsafe { c.add((row0 + r) * ldc) };
+            if load {
+                *acc = unsafe { [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(T))] };
+            }
+        }
+        for t in 0..kb {
+            // SAFETY: each panel holds `kb` tiles.
+            let (at, bt0, bt1) = unsafe {
+                (
+                    a.add(t * TILE + in_tile * TK),
+                    b0.add(t * TILE),
+                    b1.add(t * TILE),
+                )
+            };
+            for p in 0..T {
+                // SAFETY: pair row `p` of a tile is one 64-byte line on a 64-byte boundary
+                // (`Line`); a row's pair `p` is 4 bytes at `2p` of its 32.
+                let (v0, v1) = unsafe {
+                    (
+                        (bt0.add(p * TK) as *const __m512bh).read(),
+                        (bt1.add(p * TK) as *const __m512bh).read(),
+                    )
+                };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let pair = unsafe { (at.add(r * TK + 2 * p) as *const i32).read() };
+                    // SAFETY: the same 512 bits seen as 32 bf16.
+                    let va: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
+                    acc[0] = _mm512_dpbf16_ps(acc[0], va, v0);
+                    acc[1] = _mm512_dpbf16_ps(acc[1], va, v1);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            unsafe {
+                let row = c.add((row0 + r) * ldc);
+                _mm512_storeu_ps(row, acc[0]);
+                _mm512_storeu_ps(row.add(T), acc[1]);
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
 unsafe impl Send for Out {}
@@ -350,12 +471,14 @@ impl Out {
 }
 
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with the
-/// operands rounded to bf16 and the sums in f32, on AMX tiles, over rayon's threads.
+/// operands rounded to bf16 and the sums in f32, with `kernel`'s instructions, over
+/// rayon's threads.
 ///
 /// # Safety
-/// [`available`] must have returned `Ok`; every element the matrices address must be
-/// valid; `dst` must not overlap `a`, `b`.
+/// The kernel's check ([`tiles_available`], [`dot_available`]) must have returned `Ok`;
+/// every element the matrices address must be valid; `dst` must not overlap `a`, `b`.
 pub(crate) unsafe fn gemm(
+    kernel: Kernel,
     (m, k, n): (usize, usize, usize),
     dst: *mut f32,
     ld: isize,
@@ -381,12 +504,12 @@ pub(crate) unsafe fn gemm(
         pa.par_chunks_mut(GROUP * panel)
             .enumerate()
             .for_each(|(g, out)| {
-                // SAFETY: `available` checked AVX-512; `a` addresses `m × k`, `rs == 1`.
+                // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `rs == 1`.
                 unsafe { pack_a_columns(a, m, k, g * GROUP * T, panel, out) }
             });
     } else {
         pa.par_chunks_mut(panel).enumerate().for_each(|(i, out)| {
-            // SAFETY: `available` checked AVX-512; `a` addresses `m × k`.
+            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`.
             unsafe { pack_a(a, m, k, i * T, out) }
         });
     }
@@ -405,7 +528,7 @@ pub(crate) unsafe fn gemm(
         pb.par_chunks_mut(GROUP * panel)
             .enumerate()
             .for_each(|(g, out)| {
-                // SAFETY: `available` checked AVX-512; `b` addresses `k × n`.
+                // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
                 unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
             });
     }
@@ -436,15 +559,25 @@ pub(crate) unsafe fn gemm(
         } else {
             lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let pb = lines(&mut lines_b, (j1 - j0).div_ceil(T).next_multiple_of(2) * panel);
-            // SAFETY: `available` checked AVX-512; `b` addresses `k × n`.
+            // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
             unsafe { pack_b_group(b, k, n, j0, panel, pb) };
             pb
         };
         let mut edge = [0f32; 4 * T * T];
+        let tiles = kernel == Kernel::Tiles;
+        let block = |c: *mut f32, ldc: usize, ops, kb: usize| unsafe {
+            if tiles {
+                block(c, ldc, read_dst, ops, kb)
+            } else {
+                dot_block(c, ldc, read_dst, ops, kb)
+            }
+        };
         // SAFETY: the configuration is a valid palette-1 layout; each task writes its own
         // block of `dst`; the panels hold every tile the loops address.
         unsafe {
-            asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+            if tiles {
+                asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+            }
             for i in (i0..i1).step_by(2 * T) {
                 let (a0, a1) = (
                     pa_ref.as_ptr().add((i / T) * panel),
@@ -460,7 +593,7 @@ pub(crate) unsafe fn gemm(
                     );
                     let c = out.get().offset(i as isize * ld + j as isize);
                     if i + 2 * T <= m && j + 2 * T <= n {
-                        block(c, ld as usize, read_dst, ops, kb);
+                        block(c, ld as usize, ops, kb);
                     } else {
                         // A block past the matrix's edge: through a 32 × 32 scratch.
                         let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
@@ -472,7 +605,7 @@ pub(crate) unsafe fn gemm(
                                 }
                             }
                         }
-                        block(edge.as_mut_ptr(), 2 * T, read_dst, ops, kb);
+                        block(edge.as_mut_ptr(), 2 * T, ops, kb);
                         for r in 0..h {
                             for q in 0..w {
                                 *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
@@ -481,7 +614,9 @@ pub(crate) unsafe fn gemm(
                     }
                 }
             }
-            asm!("tilerelease", options(nostack, nomem));
+            if tiles {
+                asm!("tilerelease", options(nostack, nomem));
+            }
         }
         if !shared {
             PACKED_B.with(|p| *p.borrow_mut() = lines_b);
@@ -558,12 +693,28 @@ mod tests {
     /// accumulation differs, so the results agree to a few f32 ulps of the sums'
     /// magnitudes, at sizes that are and are not whole tiles, transposed operands and a
     /// destination read first.
-    #[test]
-    fn amx_products_equal_the_sums_of_the_rounded_operands() {
-        if let Err(why) = available() {
-            println!("skipped: {why}");
-            return;
+    /// The kernels this CPU can run, each with its name; a line for each it cannot.
+    fn kernels() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        match tiles_available() {
+            Ok(()) => v.push(Kernel::Tiles),
+            Err(why) => println!("AMX tiles skipped: {why}"),
         }
+        match dot_available() {
+            Ok(()) => v.push(Kernel::Dot),
+            Err(why) => println!("VDPBF16PS skipped: {why}"),
+        }
+        v
+    }
+
+    #[test]
+    fn bf16_products_equal_the_sums_of_the_rounded_operands() {
+        for kernel in kernels() {
+            products_equal_the_sums_of_the_rounded_operands(kernel);
+        }
+    }
+
+    fn products_equal_the_sums_of_the_rounded_operands(kernel: Kernel) {
         let mut seed = 7u64;
         for &(m, k, n, ta, tb, read) in &[
             (32, 32, 32, false, false, false),
@@ -595,7 +746,7 @@ mod tests {
                     .build()
                     .unwrap();
                 pool.install(|| unsafe {
-                    gemm((m, k, n), c.as_mut_ptr(), n as isize, am, bm, read)
+                    gemm(kernel, (m, k, n), c.as_mut_ptr(), n as isize, am, bm, read)
                 });
                 c
             };
@@ -604,7 +755,7 @@ mod tests {
                 c.iter()
                     .zip(run(4))
                     .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{m}×{k}·{k}×{n}: one thread and four differ"
+                "{kernel:?}: {m}×{k}·{k}×{n}: one thread and four differ"
             );
             // Against f64 sums of the rounded operands (`worst`) and of the operands as
             // they are (`off`): the first differ only by the f32 accumulation; the second
@@ -626,7 +777,7 @@ mod tests {
                     off = off.max((got - x).abs() / (mag + init.abs()));
                 }
             }
-            let what = format!("{m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read})");
+            let what = format!("{kernel:?}: {m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read})");
             assert!(
                 worst < 1e-6,
                 "{what}: {worst:e} from the rounded operands' sums"
@@ -639,11 +790,13 @@ mod tests {
 
     /// The same operands give the same bits with one thread and with several.
     #[test]
-    fn amx_products_give_the_same_bits_on_any_number_of_threads() {
-        if let Err(why) = available() {
-            println!("skipped: {why}");
-            return;
+    fn bf16_products_give_the_same_bits_on_any_number_of_threads() {
+        for kernel in kernels() {
+            same_bits_on_any_number_of_threads(kernel);
         }
+    }
+
+    fn same_bits_on_any_number_of_threads(kernel: Kernel) {
         let (m, k, n) = (600, 300, 530);
         let mut seed = 3u64;
         let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
@@ -656,6 +809,7 @@ mod tests {
                 .unwrap();
             pool.install(|| unsafe {
                 gemm(
+                    kernel,
                     (m, k, n),
                     c.as_mut_ptr(),
                     n as isize,
