@@ -681,6 +681,14 @@ pub fn inspect(
     );
     let _ = writeln!(
         out,
+        "  bf16 products (KILN_CPU_BF16=1): {}",
+        match kiln_runtime::compiled::Bf16Kernel::best() {
+            Ok(kernel) => kernel.name().to_string(),
+            Err(why) => format!("none here ({why})"),
+        }
+    );
+    let _ = writeln!(
+        out,
         "  weights: {} tensors, {} parameters, {} bytes (file {} bytes, seed {})",
         weights.len(),
         params,

@@ -1083,6 +1083,89 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
     }
 }
 
+/// An inference program with bf16 products, run on unchanged parameters (one
+/// `params_version`), packs each weight once, at its first product, and reads the packed
+/// copy from then on: base's forward at 36 rows has 97 products, all past the bf16
+/// threshold, each with a weight of its own (the tied output projection reads the
+/// embedding transposed). The packed copies give the bits of packing for each product;
+/// a training step packs none. Each kernel is skipped where the CPU cannot run it.
+#[test]
+fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    let path = common::root().join("models/transformer_base.kiln");
+    let g = entry_graph(&path, &["vocab=300"], "forward").expect("the entry");
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .map(|d| (d.clone(), if d == "batch" { 4 } else { 9 }))
+        .collect();
+    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
+    // The weights' elements: 24 + 48 attention projections of 512 × 512 (encoder, and
+    // decoder self and cross), 12 + 12 of 512 × 2048 and 2048 × 512, the 300 × 512
+    // embedding.
+    let elements = 72 * 512 * 512 + 24 * 512 * 2048 + 300 * 512;
+    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+        if let Err(why) = kernel.available() {
+            println!("skipped: {why}");
+            continue;
+        }
+        let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+        exec.set_bf16_kernel(Some(kernel))
+            .expect("the kernel runs here");
+        let plain = output_bits(
+            &exec
+                .run(&inputs, &params, &RunOptions::default())
+                .expect("runs"),
+        );
+        assert_eq!(
+            exec.packed_weights(),
+            (0, 0),
+            "{kernel:?}: no version, no copies"
+        );
+        let fixed = RunOptions {
+            params_version: Some(kiln_runtime::exec::fresh_params_version()),
+            ..RunOptions::default()
+        };
+        for run in 0..2 {
+            let got = output_bits(&exec.run(&inputs, &params, &fixed).expect("runs"));
+            assert!(
+                got == plain,
+                "{kernel:?}: run {run} on a fixed version differs"
+            );
+            let (count, bytes) = exec.packed_weights();
+            assert_eq!(count, 97, "{kernel:?}: after run {run}");
+            // bf16 with the panels' padding (k to 32, n to 32 columns): at least two bytes
+            // an element, and little more.
+            assert!(
+                bytes >= 2 * elements && bytes < 2 * elements + 2 * elements / 10,
+                "{kernel:?}: {bytes} bytes packed for {elements} elements"
+            );
+        }
+    }
+
+    let Some(kernel) = [Bf16Kernel::Tiles, Bf16Kernel::Dot]
+        .into_iter()
+        .find(|k| k.available().is_ok())
+    else {
+        return;
+    };
+    let g = entry_graph(&path, &["vocab=300"], "train_step").expect("the entry");
+    let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+    exec.set_bf16_kernel(Some(kernel))
+        .expect("the kernel runs here");
+    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
+    let fixed = RunOptions {
+        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        ..RunOptions::default()
+    };
+    exec.run(&inputs, &params, &fixed).expect("runs");
+    assert_eq!(
+        exec.packed_weights(),
+        (0, 0),
+        "a training step packs no weight"
+    );
+}
+
 /// `bf16_matmul`, the public product, with each kernel the CPU can run: a slice of the
 /// wrong length is an error that names it (checked after the kernel, so where the CPU
 /// cannot run it that is the error); a product of 2 × 3 · 3 × 2 exact in bf16 gives exact

@@ -470,6 +470,56 @@ impl Out {
     }
 }
 
+/// A right operand `[k, n]` packed once (every column panel, as a shared right operand is
+/// packed in [`gemm`]), for the products that read it while it is unchanged: an inference
+/// program's weights (see `Compiled::packed_weight`). The same bf16 values as packing it
+/// for each product, so the same bits.
+pub(crate) struct PackedRhs {
+    k: usize,
+    n: usize,
+    lines: Vec<Line>,
+}
+
+impl PackedRhs {
+    /// Packs `b` (`k × n`) over rayon's threads.
+    ///
+    /// # Safety
+    /// A kernel's check must have returned `Ok` (they check AVX-512BW); `b` must address
+    /// `k × n` valid elements.
+    pub(crate) unsafe fn new((k, n): (usize, usize), b: Mat) -> PackedRhs {
+        let panel = k.div_ceil(TK).max(1) * TILE;
+        let mut buf = Vec::new();
+        let pb = lines(&mut buf, n.div_ceil(T).next_multiple_of(2) * panel);
+        pb.par_chunks_mut(GROUP * panel)
+            .enumerate()
+            .for_each(|(g, out)| {
+                // SAFETY: as the caller's.
+                unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
+            });
+        PackedRhs { k, n, lines: buf }
+    }
+
+    /// Its size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.lines.len() * std::mem::size_of::<Line>()
+    }
+
+    /// The packed panels.
+    fn panels(&self) -> &[u16] {
+        // SAFETY: as in `lines`: the vector's initialized elements as bf16.
+        unsafe {
+            std::slice::from_raw_parts(self.lines.as_ptr() as *const u16, self.lines.len() * TK)
+        }
+    }
+}
+
+/// The right operand of [`gemm`]: strided f32, or packed beforehand.
+#[derive(Clone, Copy)]
+pub(crate) enum Rhs<'a> {
+    Mat(Mat),
+    Packed(&'a PackedRhs),
+}
+
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with the
 /// operands rounded to bf16 and the sums in f32, with `kernel`'s instructions, over
 /// rayon's threads.
@@ -483,12 +533,24 @@ pub(crate) unsafe fn gemm(
     dst: *mut f32,
     ld: isize,
     a: Mat,
-    b: Mat,
+    b: Rhs<'_>,
     read_dst: bool,
 ) {
     if m == 0 || n == 0 {
         return;
     }
+    let (b, prepacked) = match b {
+        Rhs::Mat(b) => (Some(b), None),
+        Rhs::Packed(p) => {
+            assert!(
+                p.k == k && p.n == n,
+                "a packed {}×{} operand for a {m}×{k}·{k}×{n} product",
+                p.k,
+                p.n
+            );
+            (None, Some(p.panels()))
+        }
+    };
     let kb = k.div_ceil(TK).max(1);
     let mt = m.div_ceil(T);
     // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
@@ -520,26 +582,24 @@ pub(crate) unsafe fn gemm(
     // So is a `b` whose tasks would each stream a packed `a` too large for a core's
     // cache (over 2 MB): then the tasks are blocks of at most 256 rows.
     let cols_b = n.div_ceil(GROUP * T);
-    let shared = cols_b < 2 * rayon::current_num_threads() || pa.len() * 2 > 2 << 20;
     let mut lines_shared = Vec::new();
-    if shared {
-        lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
-        let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
-        pb.par_chunks_mut(GROUP * panel)
-            .enumerate()
-            .for_each(|(g, out)| {
-                // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
-                unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
-            });
-    }
-    let pb_shared: &[u16] = if shared {
-        // SAFETY: as in `lines`: the vector's initialized elements as bf16.
-        unsafe {
-            std::slice::from_raw_parts(lines_shared.as_ptr() as *const u16, lines_shared.len() * TK)
+    let pb_shared: &[u16] = match (b, prepacked) {
+        (_, Some(panels)) => panels,
+        (Some(b), None) if cols_b < 2 * rayon::current_num_threads() || pa.len() * 2 > 2 << 20 => {
+            lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
+            let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
+            pb.par_chunks_mut(GROUP * panel)
+                .enumerate()
+                .for_each(|(g, out)| {
+                    // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
+                    unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
+                });
+            pb
         }
-    } else {
-        &[]
+        _ => &[],
     };
+    // Whether every task reads `b` packed beforehand (here or by the caller).
+    let shared = !pb_shared.is_empty();
     let split = (2 * rayon::current_num_threads())
         .div_ceil(cols_b)
         .clamp(1, m.div_ceil(2 * T));
@@ -554,14 +614,14 @@ pub(crate) unsafe fn gemm(
         let (i0, j0) = ((task % rows_b) * rows_per, (task / rows_b) * GROUP * T);
         let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(n));
         let mut lines_b = Vec::new();
-        let pb: &[u16] = if shared {
-            &pb_shared[(j0 / T) * panel..]
-        } else {
+        let pb: &[u16] = if let (false, Some(b)) = (shared, b) {
             lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let pb = lines(&mut lines_b, (j1 - j0).div_ceil(T).next_multiple_of(2) * panel);
             // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
             unsafe { pack_b_group(b, k, n, j0, panel, pb) };
             pb
+        } else {
+            &pb_shared[(j0 / T) * panel..]
         };
         let mut edge = [0f32; 4 * T * T];
         let tiles = kernel == Kernel::Tiles;
@@ -623,7 +683,7 @@ pub(crate) unsafe fn gemm(
         }
     });
     PACKED.with(|p| *p.borrow_mut() = lines_a);
-    if shared {
+    if prepacked.is_none() && shared {
         PACKED_B.with(|p| *p.borrow_mut() = lines_shared);
     }
 }
@@ -746,7 +806,15 @@ mod tests {
                     .build()
                     .unwrap();
                 pool.install(|| unsafe {
-                    gemm(kernel, (m, k, n), c.as_mut_ptr(), n as isize, am, bm, read)
+                    gemm(
+                        kernel,
+                        (m, k, n),
+                        c.as_mut_ptr(),
+                        n as isize,
+                        am,
+                        Rhs::Mat(bm),
+                        read,
+                    )
                 });
                 c
             };
@@ -814,7 +882,7 @@ mod tests {
                     c.as_mut_ptr(),
                     n as isize,
                     stored(&a, m, k, false),
-                    stored(&b, k, n, false),
+                    Rhs::Mat(stored(&b, k, n, false)),
                     false,
                 )
             });

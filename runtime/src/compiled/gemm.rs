@@ -14,7 +14,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::bf16::Kernel;
+use super::bf16::{Kernel, PackedRhs, Rhs};
 use super::Loc;
 
 /// Products with fewer multiply-adds than this run single-threaded.
@@ -155,11 +155,12 @@ pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize>
 /// Products with fewer multiply-adds than this stay f32 with `bf16` (packing and the
 /// tiles' setup would cost more than they save: the demo's model, `d_model` 48, trained
 /// 300 steps in 6.3 s with its 800 × 48 · 48 × 48 products on the tiles, 5.2 s without).
-const BF16_MIN: usize = 1 << 22;
+pub(crate) const BF16_MIN: usize = 1 << 22;
 
 /// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large
 /// enough product, [`bf16::gemm`](super::bf16::gemm) (operands rounded to bf16, sums in
-/// f32; a kernel is only set where it is available).
+/// f32; a kernel is only set where it is available), reading `b` from `packed` where the
+/// caller packed it beforehand.
 ///
 /// # Safety
 /// As [`gemm_one`].
@@ -170,9 +171,11 @@ unsafe fn product(
     (a, b): (Mat, Mat),
     read_dst: bool,
     bf16: Option<Kernel>,
+    packed: Option<&PackedRhs>,
 ) {
     match bf16 {
         Some(kernel) if m * k * n >= BF16_MIN => {
+            let b = packed.map_or(Rhs::Mat(b), Rhs::Packed);
             // SAFETY: as the caller's; a kernel is set only after its check.
             unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst) }
         }
@@ -181,13 +184,15 @@ unsafe fn product(
 }
 
 /// `out = a·b` (or `out += a·b` when `read_dst`), batched; `out` contiguous. With a `bf16`
-/// kernel, the large products run in bf16 ([`product`]).
+/// kernel, the large products run in bf16 ([`product`]), a 2-D `b` read from `packed`
+/// where the caller packed it beforehand.
 pub(crate) fn matmul(
     a: &Loc,
     b: &Loc,
     out: &Loc,
     read_dst: bool,
     bf16: Option<Kernel>,
+    packed: Option<&PackedRhs>,
 ) -> Result<(), String> {
     let (sa, sb) = (a.shape(), b.shape());
     let (ra, rb) = (sa.len(), sb.len());
@@ -226,6 +231,7 @@ pub(crate) fn matmul(
                     (lhs, mat(lb, b.ptr, lb.offset, rb)),
                     read_dst,
                     bf16,
+                    packed,
                 )
             };
             return Ok(());
@@ -272,6 +278,7 @@ pub(crate) fn matmul(
                     (mat(la, a.ptr, offs_a[i], ra), mat(lb, b.ptr, offs_b[i], rb)),
                     read_dst,
                     bf16,
+                    None,
                 )
             }
         }

@@ -60,6 +60,33 @@ pub(crate) struct RunCtx<'a> {
     /// The kernel of the large matrix products in bf16, if they run so
     /// (`Compiled::set_bf16_products`).
     pub bf16: Option<super::bf16::Kernel>,
+    /// With `bf16`: a weight packed once for the products that read it while it is
+    /// unchanged, by its value and its location (`Compiled::packed_weight`); `None` where
+    /// it is not such a weight.
+    pub packed: Option<&'a PackedFn<'a>>,
+}
+
+/// See [`RunCtx::packed`].
+pub(crate) type PackedFn<'a> =
+    dyn Fn(usize, &Loc) -> Option<Arc<super::bf16::PackedRhs>> + Sync + 'a;
+
+impl RunCtx<'_> {
+    /// The right operand of `step`'s product (`ins[1]`) packed beforehand, where the
+    /// product runs in bf16 (`rows` rows) and the operand is a weight that can be.
+    fn packed_rhs(
+        &self,
+        step: &Step,
+        ins: &[&Loc],
+        rows: usize,
+    ) -> Option<Arc<super::bf16::PackedRhs>> {
+        let (pack, &v) = (self.packed?, step.inputs.get(1)?);
+        let b = ins.get(1)?;
+        let shape = b.shape();
+        if self.bf16.is_none() || shape.len() != 2 || rows * shape[0] * shape[1] < gemm::BF16_MIN {
+            return None;
+        }
+        pack(v, b)
+    }
 }
 
 /// One kernel, ready to launch.
@@ -413,7 +440,11 @@ fn run_exec(
     };
     let last = |l: &Loc| l.shape().last().copied().unwrap_or(1);
     match &step.exec {
-        Exec::Matmul => gemm::matmul(ins[0], ins[1], &outs[0], false, ctx.bf16),
+        Exec::Matmul => {
+            let rows = outs[0].numel() / last(&outs[0]).max(1);
+            let packed = ctx.packed_rhs(step, ins, rows);
+            gemm::matmul(ins[0], ins[1], &outs[0], false, ctx.bf16, packed.as_deref())
+        }
         Exec::Linear { bias, relu } => {
             let out = &outs[0];
             let n = last(out);
@@ -421,7 +452,8 @@ fn run_exec(
             let b = contig(ins[2], keep)?;
             let (dims, items) = misc::rows_dims(rows, n);
             call(*bias, &[b.base(), out.base()], &dims, items, grain(n));
-            gemm::matmul(ins[0], ins[1], out, true, ctx.bf16)?;
+            let packed = ctx.packed_rhs(step, ins, rows);
+            gemm::matmul(ins[0], ins[1], out, true, ctx.bf16, packed.as_deref())?;
             if let Some(relu) = relu {
                 let (dims, items) = misc::relu_dims(out.numel());
                 call(*relu, &[out.base()], &dims, items, 32);

@@ -47,6 +47,27 @@ pub(crate) mod bf16 {
         Err(WHY)
     }
 
+    /// Never made: no kernel is available.
+    pub(crate) struct PackedRhs;
+
+    impl PackedRhs {
+        /// # Safety
+        /// Never called: no kernel is available.
+        pub(crate) unsafe fn new(_: (usize, usize), _: super::gemm::Mat) -> PackedRhs {
+            unreachable!("bf16 products are only set where a bf16 kernel is available")
+        }
+
+        pub(crate) fn bytes(&self) -> usize {
+            0
+        }
+    }
+
+    #[derive(Clone, Copy)]
+    pub(crate) enum Rhs<'a> {
+        Mat(super::gemm::Mat),
+        Packed(&'a PackedRhs),
+    }
+
     /// # Safety
     /// Never called: no kernel is available.
     pub(crate) unsafe fn gemm(
@@ -55,7 +76,7 @@ pub(crate) mod bf16 {
         _: *mut f32,
         _: isize,
         _: super::gemm::Mat,
-        _: super::gemm::Mat,
+        _: Rhs<'_>,
         _: bool,
     ) {
         unreachable!("bf16 products are only set where a bf16 kernel is available")
@@ -198,7 +219,7 @@ pub fn bf16_matmul(
             c.as_mut_ptr(),
             n as isize,
             mat(a, k),
-            mat(b, n),
+            bf16::Rhs::Mat(mat(b, n)),
             false,
         )
     };
@@ -267,6 +288,10 @@ pub struct Compiled {
     /// output projection reads the embedding `[vocab, d]` transposed), and their
     /// contiguous copies (see [`Transposed`]).
     transposed: Mutex<std::collections::HashMap<usize, Transposed>>,
+    /// Parameters (or views of one) that a matrix product reads as its right operand, in
+    /// an inference program, and their copies packed for the bf16 products (see
+    /// [`Compiled::packed_weight`]).
+    packed: Mutex<std::collections::HashMap<usize, PackedWeight>>,
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
     /// The f32 inputs that only concatenations along a later axis read, directly: a run
@@ -297,6 +322,38 @@ struct Transposed {
     version: Option<u64>,
     /// The copy, made by the first run of that version.
     copy: Option<Arc<Vec<f32>>>,
+}
+
+/// A weight's copy packed for the bf16 products, for one parameters version.
+#[derive(Default)]
+struct PackedWeight {
+    /// The `params_version` of the last run that read the weight.
+    version: Option<u64>,
+    /// The packed copy, made by the first bf16 product of that version.
+    rhs: Option<Arc<bf16::PackedRhs>>,
+}
+
+/// The values that matrix products read as their right operand and that are a
+/// parameter or a view of one (`weight_views` and the parameters read as they are).
+fn weight_operands(kg: &KernelGraph, steps: &[launch::Step]) -> Vec<usize> {
+    let mut out: Vec<usize> = steps
+        .iter()
+        .filter(|s| matches!(s.exec, launch::Exec::Matmul | launch::Exec::Linear { .. }))
+        .filter_map(|s| s.inputs.get(1).copied())
+        .filter(|&w| {
+            let mut v = w;
+            loop {
+                match &kg.values[v].def {
+                    Def::View(Op::Permute { .. } | Op::Reshape { .. }, x) => v = *x,
+                    Def::Param(_) => return true,
+                    _ => return false,
+                }
+            }
+        })
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// The views that matrix products read as their right operand (`x·w`, `x·w + b`) and
@@ -603,6 +660,11 @@ impl Compiled {
             .filter(|_| !training)
             .map(|v| (v, Transposed::default()))
             .collect();
+        let packed = weight_operands(&kg, &steps)
+            .into_iter()
+            .filter(|_| !training)
+            .map(|v| (v, PackedWeight::default()))
+            .collect();
         let gatherable = gatherable_inputs(&kg);
         let merged = kg
             .heads_merged()
@@ -616,6 +678,7 @@ impl Compiled {
             kg,
             plan,
             transposed: Mutex::new(transposed),
+            packed: Mutex::new(packed),
             layouts: LayoutCache::with_external(external),
             direct,
             home,
@@ -844,6 +907,17 @@ impl Compiled {
             .count()
     }
 
+    /// The weights the program holds packed for its bf16 products (see
+    /// `Compiled::packed_weight`: an inference program run in bf16 on a `params_version`
+    /// packs them): how many, and their bytes in all.
+    pub fn packed_weights(&self) -> (usize, usize) {
+        let cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .values()
+            .filter_map(|w| w.rhs.as_ref())
+            .fold((0, 0), |(n, bytes), r| (n + 1, bytes + r.bytes()))
+    }
+
     /// Hands output tensors of an earlier run back: later runs store outputs of the same
     /// sizes in their storage instead of fresh allocations (for a training step's
     /// gradients, a fresh 250 MB is page-faulted in on every step otherwise). Tensors of
@@ -900,6 +974,47 @@ impl Compiled {
             t.copy = Some(Arc::new(c));
         }
         t.copy.clone()
+    }
+
+    /// Weight `v` (at `loc`, `[k, n]`) packed for the bf16 products, when this run
+    /// promises unchanged parameters (`params_version`), as [`Compiled::weight_copy`]
+    /// keeps a transposed copy: packed by the first bf16 product of a version and read by
+    /// every later one of that version, so a decoder's steps and a repeated forward pass
+    /// round and lay out each weight once, not once a product. The same bf16 values as
+    /// packing it for each product, so the same bits. Only inference programs (a training
+    /// step changes its weights every step).
+    fn packed_weight(
+        &self,
+        v: usize,
+        loc: &Loc,
+        version: Option<u64>,
+    ) -> Option<Arc<bf16::PackedRhs>> {
+        let version = version?;
+        let shape = loc.shape();
+        if loc.dtype != DType::F32 || shape.len() != 2 || self.bf16_products.is_none() {
+            return None;
+        }
+        let mut cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
+        let w = cache.get_mut(&v)?;
+        if w.version != Some(version) {
+            *w = PackedWeight {
+                version: Some(version),
+                rhs: None,
+            };
+        }
+        if w.rhs.is_none() {
+            let b = gemm::Mat {
+                ptr: (loc.ptr as *const f32).wrapping_add(loc.layout.offset),
+                rs: loc.layout.strides[0] as isize,
+                cs: loc.layout.strides[1] as isize,
+            };
+            // SAFETY: a kernel is set only after its check; `loc` addresses the weight's
+            // `k × n` elements, which stay unchanged while the version does.
+            w.rhs = Some(Arc::new(unsafe {
+                bf16::PackedRhs::new((shape[0], shape[1]), b)
+            }));
+        }
+        w.rhs.clone()
     }
 
     fn run_inner(
@@ -1185,6 +1300,7 @@ impl Compiled {
                 self.kg.outputs.iter().map(|(_, v)| *v),
             )
         };
+        let packer = |v: usize, loc: &Loc| self.packed_weight(v, loc, opts.params_version);
         let ctx = launch::RunCtx {
             dims: &dims,
             copy: self.copy,
@@ -1193,6 +1309,7 @@ impl Compiled {
             step: opts.step,
             pool: &self.pool,
             bf16: self.bf16_products,
+            packed: Some(&packer),
         };
         for (s, step) in self.steps.iter().enumerate() {
             for &x in &step.inputs {
