@@ -62,7 +62,8 @@ pub(crate) fn dot_available() -> Result<(), &'static str> {
 }
 
 /// Whether `VDPBF16PS` is there and multiplies-adds faster than f32 FMAs. AMD's cores
-/// (Zen 4, Zen 5) issue it at the rate of an f32 FMA, with twice the terms; Intel's
+/// (Zen 4, Zen 5) issue it at the rate of an f32 FMA, with twice the terms (by published
+/// instruction tables; not yet measured by kiln on one); Intel's
 /// without AMX are left out: on a Xeon VM that has AVX512-BF16 but no tiles it issued at
 /// a quarter of the FMA's rate, half its multiply-adds (measured 2026-11-27, see
 /// `docs/PERFORMANCE.md`), so bf16 products there would be slower than f32 ones.
@@ -92,7 +93,6 @@ pub(crate) fn tiles_available() -> Result<(), &'static str> {
     static AVAILABLE: OnceLock<Result<(), &'static str>> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
         // CPUID leaf 7, sub-leaf 0: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
-        // SAFETY: CPUID is available on every x86-64 CPU.
         let leaf = std::arch::x86_64::__cpuid_count(7, 0);
         if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
             return Err("this CPU has no AMX bf16 tiles (Intel Xeon 4th generation or later)");
@@ -580,7 +580,8 @@ pub(crate) unsafe fn gemm(
     // blocks than that (a narrow `b`, which several tasks would pack again), `b` is
     // packed once beforehand and shared.
     // So is a `b` whose tasks would each stream a packed `a` too large for a core's
-    // cache (over 2 MB): then the tasks are blocks of at most 256 rows.
+    // cache (over 2 MB): then the tasks are blocks of at most 256 rows. A `b` the caller
+    // packed beforehand (`Rhs::Packed`) is read as a shared one.
     let cols_b = n.div_ceil(GROUP * T);
     let mut lines_shared = Vec::new();
     let pb_shared: &[u16] = match (b, prepacked) {
@@ -853,6 +854,40 @@ mod tests {
             if m * n * k > 1 {
                 assert!(off > 1e-4, "{what}: only {off:e} from the exact sums");
             }
+        }
+    }
+
+    /// Subnormal bf16 operands count as zero (both instructions compute as if DAZ were
+    /// set, whatever MXCSR says), while the least normal operands multiply as they are
+    /// and a NaN operand gives a NaN.
+    #[test]
+    fn bf16_products_flush_subnormals_and_keep_nans() {
+        let tiny = f32::from_bits(0x0040_0000); // 2^-127: subnormal, exact in bf16
+        let least = f32::MIN_POSITIVE; // 2^-126: normal
+        for kernel in kernels() {
+            let run = |a: f32, b: f32| {
+                let (av, bv) = (vec![a; 32 * 64], vec![b; 64 * 32]);
+                let mut c = vec![0f32; 32 * 32];
+                unsafe {
+                    gemm(
+                        kernel,
+                        (32, 64, 32),
+                        c.as_mut_ptr(),
+                        32,
+                        stored(&av, 32, 64, false),
+                        Rhs::Mat(stored(&bv, 64, 32, false)),
+                        false,
+                    )
+                };
+                c
+            };
+            assert!(run(tiny, 1.0).iter().all(|&x| x == 0.0), "{kernel:?}: a subnormal operand");
+            // 2^-126 · 2 summed 64 times: 2^-119, exact.
+            assert!(
+                run(least, 2.0).iter().all(|&x| x == least * 128.0),
+                "{kernel:?}: the least normal operand"
+            );
+            assert!(run(f32::NAN, 1.0).iter().all(|x| x.is_nan()), "{kernel:?}: a NaN");
         }
     }
 
