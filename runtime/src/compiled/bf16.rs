@@ -754,6 +754,15 @@ mod tests {
     /// accumulation differs, so the results agree to a few f32 ulps of the sums'
     /// magnitudes, at sizes that are and are not whole tiles, transposed operands and a
     /// destination read first.
+    /// `f` on a pool of `threads` threads.
+    fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(f)
+    }
+
     /// The kernels this CPU can run, each with its name; a line for each it cannot.
     fn kernels() -> Vec<Kernel> {
         let mut v = Vec::new();
@@ -802,11 +811,7 @@ mod tests {
             // four, it is packed beforehand and shared: both must give the same bits.
             let run = |threads: usize| {
                 let mut c = c0.clone();
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
-                pool.install(|| unsafe {
+                on_threads(threads, || unsafe {
                     gemm(
                         kernel,
                         (m, k, n),
@@ -881,13 +886,19 @@ mod tests {
                 };
                 c
             };
-            assert!(run(tiny, 1.0).iter().all(|&x| x == 0.0), "{kernel:?}: a subnormal operand");
+            assert!(
+                run(tiny, 1.0).iter().all(|&x| x == 0.0),
+                "{kernel:?}: a subnormal operand"
+            );
             // 2^-126 · 2 summed 64 times: 2^-119, exact.
             assert!(
                 run(least, 2.0).iter().all(|&x| x == least * 128.0),
                 "{kernel:?}: the least normal operand"
             );
-            assert!(run(f32::NAN, 1.0).iter().all(|x| x.is_nan()), "{kernel:?}: a NaN");
+            assert!(
+                run(f32::NAN, 1.0).iter().all(|x| x.is_nan()),
+                "{kernel:?}: a NaN"
+            );
         }
     }
 
@@ -906,11 +917,7 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
         let run = |threads: usize| {
             let mut c = vec![0f32; m * n];
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| unsafe {
+            on_threads(threads, || unsafe {
                 gemm(
                     kernel,
                     (m, k, n),

@@ -315,23 +315,41 @@ impl std::fmt::Debug for Compiled {
     }
 }
 
-/// A transposed weight view's contiguous copy, for one parameters version.
-#[derive(Default)]
-struct Transposed {
-    /// The `params_version` of the last run that read the view.
-    version: Option<u64>,
-    /// The copy, made by the first run of that version.
-    copy: Option<Arc<Vec<f32>>>,
-}
-
-/// A weight's copy packed for the bf16 products, for one parameters version.
-#[derive(Default)]
-struct PackedWeight {
+/// A copy of a weight made for one parameters version (a transposed view's contiguous
+/// copy, a weight packed for the bf16 products), by the first run of the version that
+/// needs it, for the version's later runs.
+struct Versioned<T> {
     /// The `params_version` of the last run that read the weight.
     version: Option<u64>,
-    /// The packed copy, made by the first bf16 product of that version.
-    rhs: Option<Arc<bf16::PackedRhs>>,
+    /// The copy, made by the first run of that version that needed it.
+    copy: Option<Arc<T>>,
 }
+
+impl<T> Default for Versioned<T> {
+    fn default() -> Self {
+        Versioned {
+            version: None,
+            copy: None,
+        }
+    }
+}
+
+impl<T> Versioned<T> {
+    /// The copy for `version`: the one kept, or `make`'s (dropping an older version's).
+    fn get(&mut self, version: u64, make: impl FnOnce() -> T) -> Arc<T> {
+        if self.version != Some(version) {
+            self.version = Some(version);
+            self.copy = None;
+        }
+        self.copy.get_or_insert_with(|| Arc::new(make())).clone()
+    }
+}
+
+/// A transposed weight view's contiguous copy.
+type Transposed = Versioned<Vec<f32>>;
+
+/// A weight packed for the bf16 products.
+type PackedWeight = Versioned<bf16::PackedRhs>;
 
 /// The values that matrix products read as their right operand and that are a
 /// parameter or a view of one (`weight_views` and the parameters read as they are).
@@ -914,7 +932,7 @@ impl Compiled {
         let cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
         cache
             .values()
-            .filter_map(|w| w.rhs.as_ref())
+            .filter_map(|w| w.copy.as_ref())
             .fold((0, 0), |(n, bytes), r| (n + 1, bytes + r.bytes()))
     }
 
@@ -961,19 +979,11 @@ impl Compiled {
             return None;
         }
         let mut cache = self.transposed.lock().unwrap_or_else(|p| p.into_inner());
-        let t = cache.get_mut(&v)?;
-        if t.version != Some(version) {
-            *t = Transposed {
-                version: Some(version),
-                copy: None,
-            };
-        }
-        if t.copy.is_none() {
+        Some(cache.get_mut(&v)?.get(version, || {
             let mut c = zeroed(loc.numel());
             launch::copy_with(self.copy, loc, c.as_mut_ptr() as *mut u8);
-            t.copy = Some(Arc::new(c));
-        }
-        t.copy.clone()
+            c
+        }))
     }
 
     /// Weight `v` (at `loc`, `[k, n]`) packed for the bf16 products, when this run
@@ -995,14 +1005,7 @@ impl Compiled {
             return None;
         }
         let mut cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
-        let w = cache.get_mut(&v)?;
-        if w.version != Some(version) {
-            *w = PackedWeight {
-                version: Some(version),
-                rhs: None,
-            };
-        }
-        if w.rhs.is_none() {
+        Some(cache.get_mut(&v)?.get(version, || {
             let b = gemm::Mat {
                 ptr: (loc.ptr as *const f32).wrapping_add(loc.layout.offset),
                 rs: loc.layout.strides[0] as isize,
@@ -1010,11 +1013,8 @@ impl Compiled {
             };
             // SAFETY: a kernel is set only after its check; `loc` addresses the weight's
             // `k × n` elements, which stay unchanged while the version does.
-            w.rhs = Some(Arc::new(unsafe {
-                bf16::PackedRhs::new((shape[0], shape[1]), b)
-            }));
-        }
-        w.rhs.clone()
+            unsafe { bf16::PackedRhs::new((shape[0], shape[1]), b) }
+        }))
     }
 
     fn run_inner(
