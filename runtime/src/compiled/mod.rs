@@ -351,9 +351,11 @@ type Transposed = Versioned<Vec<f32>>;
 /// A weight packed for the bf16 products.
 type PackedWeight = Versioned<bf16::PackedRhs>;
 
-/// The values that matrix products read as their right operand and that are a
-/// parameter or a view of one (`weight_views` and the parameters read as they are).
-fn weight_operands(kg: &KernelGraph, steps: &[launch::Step]) -> Vec<usize> {
+/// The values that matrix products read as their right operand (`x·w`, `x·w + b`) and
+/// that are a parameter or a view of one: with `views_only`, only the views (those a
+/// transposed copy can serve, see `Compiled::weight_copy`); else the parameters read as
+/// they are too (those the bf16 products can pack once, see `Compiled::packed_weight`).
+fn weight_operands(kg: &KernelGraph, steps: &[launch::Step], views_only: bool) -> Vec<usize> {
     let mut out: Vec<usize> = steps
         .iter()
         .filter(|s| matches!(s.exec, launch::Exec::Matmul | launch::Exec::Linear { .. }))
@@ -363,31 +365,7 @@ fn weight_operands(kg: &KernelGraph, steps: &[launch::Step]) -> Vec<usize> {
             loop {
                 match &kg.values[v].def {
                     Def::View(Op::Permute { .. } | Op::Reshape { .. }, x) => v = *x,
-                    Def::Param(_) => return true,
-                    _ => return false,
-                }
-            }
-        })
-        .collect();
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
-/// The views that matrix products read as their right operand (`x·w`, `x·w + b`) and
-/// that are views of a parameter: those a transposed copy can serve (see
-/// `Compiled::weight_copy`).
-fn weight_views(kg: &KernelGraph, steps: &[launch::Step]) -> Vec<usize> {
-    let mut out: Vec<usize> = steps
-        .iter()
-        .filter(|s| matches!(s.exec, launch::Exec::Matmul | launch::Exec::Linear { .. }))
-        .filter_map(|s| s.inputs.get(1).copied())
-        .filter(|&w| {
-            let mut v = w;
-            loop {
-                match &kg.values[v].def {
-                    Def::View(Op::Permute { .. } | Op::Reshape { .. }, x) => v = *x,
-                    Def::Param(_) => return v != w,
+                    Def::Param(_) => return !views_only || v != w,
                     _ => return false,
                 }
             }
@@ -673,12 +651,12 @@ impl Compiled {
         // Inference only: a training step reads every weight transposed in its backward
         // pass, and copying them all would cost what it saves (and their size again).
         let training = graph.outputs.iter().any(|o| o.name.starts_with("grad."));
-        let transposed = weight_views(&kg, &steps)
+        let transposed = weight_operands(&kg, &steps, true)
             .into_iter()
             .filter(|_| !training)
             .map(|v| (v, Transposed::default()))
             .collect();
-        let packed = weight_operands(&kg, &steps)
+        let packed = weight_operands(&kg, &steps, false)
             .into_iter()
             .filter(|_| !training)
             .map(|v| (v, PackedWeight::default()))
