@@ -53,10 +53,10 @@ pub(crate) fn kernel() -> Result<Kernel, String> {
 /// Whether the CPU has `VDPBF16PS` (AVX512-BF16) and the AVX-512 that packs for it.
 pub(crate) fn dot_available() -> Result<(), &'static str> {
     if !is_x86_feature_detected!("avx512bf16") {
-        return Err("it has no AVX-512 bf16 dot products (AVX512-BF16: AMD Zen 4 or later)");
+        return Err("this CPU has no AVX-512 bf16 dot products (AVX512-BF16: AMD Zen 4 or later)");
     }
     if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
-        return Err("it has AVX512-BF16 but no AVX-512BW for packing the operands");
+        return Err("this CPU has AVX512-BF16 but no AVX-512BW for packing the operands");
     }
     Ok(())
 }
