@@ -499,6 +499,11 @@ impl PackedRhs {
         PackedRhs { k, n, lines: buf }
     }
 
+    /// Whether it is a packed `[k, n]` operand.
+    pub(crate) fn is(&self, (k, n): (usize, usize)) -> bool {
+        (self.k, self.n) == (k, n)
+    }
+
     /// Its size in bytes.
     pub(crate) fn bytes(&self) -> usize {
         self.lines.len() * std::mem::size_of::<Line>()
