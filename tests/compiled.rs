@@ -1004,10 +1004,10 @@ fn a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss() {
 
 /// `KILN_CPU_BF16` / `set_bf16_kernel`: the large matrix products in bf16, on AMX tiles
 /// and with AVX-512's `VDPBF16PS`, each where the CPU has it. On base at small sizes
-/// (every `linear` over 36 rows of 512 is past the threshold) the forward's logits and `train_step`'s loss and gradients stay within
-/// bf16's rounding of the f32 program's — and are not its bits (the products really are
-/// bf16) — and a second run gives the same bits. Each kernel is skipped where the CPU
-/// cannot run it.
+/// (every `linear` over 36 rows of 512 is past the threshold) the forward's logits and
+/// `train_step`'s loss and gradients stay within bf16's rounding of the f32 program's —
+/// and are not its bits (the products really are bf16) — and a second run gives the same
+/// bits. Each kernel is skipped where the CPU cannot run it.
 #[test]
 fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
     use kiln_runtime::compiled::Bf16Kernel;
