@@ -605,6 +605,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             kiln_runtime::compiled::Bf16Kernel::Dot => {
                 "compiled-bf16-products-vdpbf16ps".to_string()
             }
+            kiln_runtime::compiled::Bf16Kernel::Half => "compiled-fp16-products".to_string(),
         }
     } else {
         a.executor.clone()

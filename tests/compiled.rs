@@ -1003,7 +1003,8 @@ fn a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss() {
 }
 
 /// `KILN_CPU_BF16` / `set_bf16_kernel`: the large matrix products in bf16, on AMX tiles
-/// and with AVX-512's `VDPBF16PS`, each where the CPU has it. On base at small sizes
+/// and with AVX-512's `VDPBF16PS`, and in scaled fp16 with AVX512-FP16's `VFMADD231PH`,
+/// each where the CPU has it. On base at small sizes
 /// (every `linear` over 36 rows of 512 is past the threshold) the forward's logits and
 /// `train_step`'s loss and gradients stay within bf16's rounding of the f32 program's —
 /// and are not its bits (the products really are bf16) — and a second run gives the same
@@ -1011,7 +1012,7 @@ fn a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss() {
 #[test]
 fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
     use kiln_runtime::compiled::Bf16Kernel;
-    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+    for kernel in Bf16Kernel::ALL {
         match kernel.available() {
             Ok(()) => bf16_products_within_bf16_of_f32(kernel),
             Err(why) => println!("skipped: {why}"),
@@ -1104,7 +1105,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
     // decoder self and cross), 12 + 12 of 512 × 2048 and 2048 × 512, the 300 × 512
     // embedding.
     let elements = 72 * 512 * 512 + 24 * 512 * 2048 + 300 * 512;
-    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+    for kernel in Bf16Kernel::ALL {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1134,8 +1135,8 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
             );
             let (count, bytes) = exec.packed_weights();
             assert_eq!(count, 97, "{kernel:?}: after run {run}");
-            // bf16 with the panels' padding (k to 32, n to 32 columns): at least two bytes
-            // an element, and little more.
+            // 16 bits with the panels' padding (k to 32, n to 32 columns) and, in fp16,
+            // the columns' scales: at least two bytes an element, and little more.
             assert!(
                 bytes >= 2 * elements && bytes < 2 * elements + 2 * elements / 10,
                 "{kernel:?}: {bytes} bytes packed for {elements} elements"
@@ -1143,10 +1144,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
         }
     }
 
-    let Some(kernel) = [Bf16Kernel::Tiles, Bf16Kernel::Dot]
-        .into_iter()
-        .find(|k| k.available().is_ok())
-    else {
+    let Some(kernel) = Bf16Kernel::ALL.into_iter().find(|k| k.available().is_ok()) else {
         return;
     };
     let g = entry_graph(&path, &["vocab=300"], "train_step").expect("the entry");
@@ -1177,7 +1175,7 @@ fn bf16_matmul_checks_its_slices() {
         [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0],
         [1.0f32, 0.5, -1.0, 2.0, 0.25, 4.0],
     );
-    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+    for kernel in Bf16Kernel::ALL {
         let mut c = [0f32; 4];
         match bf16_matmul(kernel, (2, 3, 2), &a, &b, &mut c) {
             Err(e) => {

@@ -23,8 +23,12 @@
 
 use std::arch::asm;
 use std::arch::x86_64::{
-    __m512bh, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
-    _mm512_storeu_ps,
+    __m256i, __m512bh, __m512h, __m512i, _mm256_storeu_si256, _mm512_add_ps,
+    _mm512_castsi512_si256, _mm512_cvtph_ps, _mm512_cvtps_ph, _mm512_dpbf16_ps,
+    _mm512_extracti64x4_epi64, _mm512_fmadd_ph, _mm512_loadu_ps, _mm512_mul_ps,
+    _mm512_permutex2var_ps, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps, _MM_FROUND_NO_EXC,
+    _MM_FROUND_TO_NEAREST_INT,
 };
 use std::sync::OnceLock;
 
@@ -43,10 +47,11 @@ pub(crate) use super::Bf16Kernel as Kernel;
 /// The kernel that `KILN_CPU_BF16=1` runs on this CPU: the tiles where there are tiles,
 /// else `VDPBF16PS` where it is faster than f32; `Err` says why neither.
 pub(crate) fn kernel() -> Result<Kernel, String> {
-    match (tiles_available(), dot_faster_than_f32()) {
-        (Ok(()), _) => Ok(Kernel::Tiles),
-        (Err(_), Ok(())) => Ok(Kernel::Dot),
-        (Err(tiles), Err(dot)) => Err(format!("{tiles}, and {dot}")),
+    match (tiles_available(), dot_faster_than_f32(), half_available()) {
+        (Ok(()), _, _) => Ok(Kernel::Tiles),
+        (Err(_), Ok(()), _) => Ok(Kernel::Dot),
+        (Err(_), Err(_), Ok(())) => Ok(Kernel::Half),
+        (Err(tiles), Err(dot), Err(half)) => Err(format!("{tiles}, {dot}, and {half}")),
     }
 }
 
@@ -57,6 +62,21 @@ pub(crate) fn dot_available() -> Result<(), &'static str> {
     }
     if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
         return Err("this CPU has AVX512-BF16 but no AVX-512BW for packing the operands");
+    }
+    Ok(())
+}
+
+/// Whether the CPU has AVX512-FP16 (`VFMADD231PH`: Intel Xeons of the 4th generation
+/// on) and the AVX-512 that packs for it.
+pub(crate) fn half_available() -> Result<(), &'static str> {
+    if !is_x86_feature_detected!("avx512fp16") {
+        return Err("this CPU has no AVX-512 fp16 arithmetic (AVX512-FP16: Intel Xeon 4th generation or later)");
+    }
+    if !(is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl"))
+    {
+        return Err("this CPU has AVX512-FP16 but not the AVX-512 that packs the operands");
     }
     Ok(())
 }
@@ -133,6 +153,158 @@ fn round_bf16(x: f32) -> f32 {
     f32::from_bits((bf16_bits(x) as u32) << 16)
 }
 
+/// `x` rounded to fp16 (to nearest, ties to even; subnormals kept, past 65504 infinite),
+/// as its bits.
+#[inline(always)]
+fn f16_bits(x: f32) -> u16 {
+    half::f16::from_f32(x).to_bits()
+}
+
+/// The 16-bit value a kernel multiplies for the operand element `x`: `x` rounded to bf16,
+/// or (`HALF`) `x · s` rounded to fp16, `s` its row's or column's power-of-two scale.
+#[inline(always)]
+fn to16<const HALF: bool>(x: f32, s: f32) -> u16 {
+    if HALF {
+        f16_bits(x * s)
+    } else {
+        bf16_bits(x)
+    }
+}
+
+/// The fp16 scales of a contiguous run of elements: one for all, or each its own.
+#[derive(Clone, Copy)]
+enum Scale<'a> {
+    One(f32),
+    Each(&'a [f32]),
+}
+
+/// `dst[i] = to16::<HALF>(src[i], scale of i)` for the `src.len()` elements of a run.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `dst` and a `Scale::Each` hold `src.len()` elements.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn convert<const HALF: bool>(src: &[f32], scale: Scale<'_>, dst: &mut [u16]) {
+    let n = src.len();
+    assert!(dst.len() >= n);
+    if !HALF {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = bf16_bits(x);
+        }
+        return;
+    }
+    let at = |i: usize| match scale {
+        Scale::One(s) => s,
+        Scale::Each(v) => v[i],
+    };
+    if let Scale::Each(v) = scale {
+        assert!(v.len() >= n);
+    }
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: elements `i..i + 16` of `src`, `dst` and the scales exist (checked).
+        unsafe {
+            let s = match scale {
+                Scale::One(s) => _mm512_set1_ps(s),
+                Scale::Each(v) => _mm512_loadu_ps(v.as_ptr().add(i)),
+            };
+            let x = _mm512_mul_ps(_mm512_loadu_ps(src.as_ptr().add(i)), s);
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, h);
+        }
+        i += 16;
+    }
+    for i in i..n {
+        dst[i] = f16_bits(src[i] * at(i));
+    }
+}
+
+/// Terms each fp16 sum of [`half_block`] takes before it is added to its f32 sum: four
+/// packed tiles' 16 pair rows (each lane sums the even or the odd `k` of its column).
+const FLUSH_TILES: usize = 4;
+/// The operands' fp16 scales bring each row of `a`'s largest magnitude into
+/// `[2^(TOP_A - 1), 2^TOP_A)` and each column of `b`'s into `[2^(TOP_B - 1), 2^TOP_B)`,
+/// so that no term reaches `2^(TOP_A + TOP_B)` and no fp16 sum of `FLUSH_TILES · 16`
+/// terms reaches 2^15 (fp16 overflows past 65504).
+const TOP_A: i32 = 5;
+const TOP_B: i32 = 4;
+const _: () = assert!((FLUSH_TILES * T) << (TOP_A + TOP_B) <= 1 << 15);
+
+/// The largest magnitude of each row of `a` (`rows × cols`), as the bits of an f32 (the
+/// order of non-negative floats is their bits' order; a NaN is above infinity).
+fn row_max_bits(a: Mat, (rows, cols): (usize, usize)) -> Vec<u32> {
+    let bits = |x: f32| x.to_bits() & 0x7fff_ffff;
+    let mut max = vec![0u32; rows];
+    // Closures capture the `Sync` matrix, not its pointer field.
+    let a = &a;
+    if a.cs == 1 {
+        max.par_iter_mut()
+            .with_min_len(64)
+            .enumerate()
+            .for_each(|(i, m)| {
+                // SAFETY: the caller's `a` addresses `rows × cols` elements.
+                let row =
+                    unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), cols) };
+                *m = row.iter().fold(0, |m, &x| m.max(bits(x)));
+            });
+    } else if a.rs == 1 {
+        // Stored transposed: each column's `rows` values are contiguous.
+        max.par_chunks_mut(1024).enumerate().for_each(|(c, max)| {
+            for p in 0..cols {
+                // SAFETY: as above.
+                let col = unsafe {
+                    std::slice::from_raw_parts(
+                        a.ptr.offset(p as isize * a.cs).add(c * 1024),
+                        max.len(),
+                    )
+                };
+                for (m, &x) in max.iter_mut().zip(col) {
+                    *m = (*m).max(bits(x));
+                }
+            }
+        });
+    } else {
+        for (i, m) in max.iter_mut().enumerate() {
+            for p in 0..cols {
+                // SAFETY: as above.
+                let x = unsafe { *a.ptr.offset(i as isize * a.rs + p as isize * a.cs) };
+                *m = (*m).max(bits(x));
+            }
+        }
+    }
+    max
+}
+
+/// The largest magnitude of each column of `b` (`k × n`), as [`row_max_bits`].
+fn col_max_bits(b: Mat, (k, n): (usize, usize)) -> Vec<u32> {
+    let t = Mat {
+        ptr: b.ptr,
+        rs: b.cs,
+        cs: b.rs,
+    };
+    row_max_bits(t, (n, k))
+}
+
+/// The fp16 scales (powers of two: `s` and `1 / s`, both exact) of rows whose largest
+/// magnitudes are `max` (as [`row_max_bits`]), padded with ones to `len`: `s` brings the
+/// largest into `[2^(top - 1), 2^top)`. A row of zeros, or with an infinity or a NaN,
+/// keeps 1 (the infinity or NaN then reaches its results, as in f32).
+fn fp16_scales(max: &[u32], top: i32, len: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut scale = vec![1f32; len.max(max.len())];
+    let mut unscale = scale.clone();
+    for ((s, u), &m) in scale.iter_mut().zip(&mut unscale).zip(max) {
+        if m == 0 || m >= 0x7f80_0000 {
+            continue;
+        }
+        // `m` is in [2^e, 2^(e + 1)) (below for a subnormal, which is then brought into
+        // range from below); both scales stay normal floats.
+        let e = (m >> 23) as i32 - 127;
+        let shift = (top - 1 - e).clamp(-126, 126);
+        *s = f32::from_bits(((127 + shift) as u32) << 23);
+        *u = f32::from_bits(((127 - shift) as u32) << 23);
+    }
+    (scale, unscale)
+}
+
 /// The 64-byte tile configuration (palette 1) that `LDTILECFG` loads: tiles 0–3 the
 /// 16 × 16 f32 results, 4–5 the left operand's 16 × 32 bf16, 6–7 the right operand's
 /// 16 pair rows × 16 columns.
@@ -162,14 +334,22 @@ const CONFIG: TileConfig = {
     c
 };
 
-/// Packs rows `[i0, i0 + 16)` of `a` (`m × k`) as `kb` tiles of 16 rows × 32 bf16, zero
-/// past `m` and `k`.
+/// Packs rows `[i0, i0 + 16)` of `a` (`m × k`) as `kb` tiles of 16 rows × 32 16-bit
+/// values ([`to16`]; `scales` by row where `HALF`), zero past `m` and `k`.
 ///
 /// # Safety
-/// `a` must address `m × k` valid elements; `out` holds `kb · TILE`.
+/// `a` must address `m × k` valid elements; `out` holds `kb · TILE`; with `HALF`,
+/// `scales` holds every row's.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_a(a: Mat, m: usize, k: usize, i0: usize, out: &mut [u16]) {
+unsafe fn pack_a<const HALF: bool>(
+    a: Mat,
+    (m, k): (usize, usize),
+    i0: usize,
+    scales: &[f32],
+    out: &mut [u16],
+) {
     let kb = out.len() / TILE;
+    let s = |i: usize| if HALF { scales[i] } else { 1.0 };
     if a.cs != 1 {
         // Strided: element by element (a transposed `a` takes `pack_a_columns`).
         out.fill(0);
@@ -178,7 +358,8 @@ unsafe fn pack_a(a: Mat, m: usize, k: usize, i0: usize, out: &mut [u16]) {
             let (t, q) = (p / TK, p % TK);
             let col = unsafe { a.ptr.offset(i0 as isize * a.rs + p as isize * a.cs) };
             for r in 0..rows {
-                out[t * TILE + r * TK + q] = bf16_bits(unsafe { *col.offset(r as isize * a.rs) });
+                let x = unsafe { *col.offset(r as isize * a.rs) };
+                out[t * TILE + r * TK + q] = to16::<HALF>(x, s(i0 + r));
             }
         }
         return;
@@ -196,16 +377,10 @@ unsafe fn pack_a(a: Mat, m: usize, k: usize, i0: usize, out: &mut [u16]) {
         for t in 0..kb {
             let dst = &mut out[t * TILE + r * TK..t * TILE + (r + 1) * TK];
             let src = &row[(t * TK).min(k)..((t + 1) * TK).min(k)];
-            if src.len() == TK {
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = bf16_bits(x);
-                }
-            } else {
+            if src.len() < TK {
                 dst.fill(0);
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = bf16_bits(x);
-                }
             }
+            unsafe { convert::<HALF>(src, Scale::One(s(i)), dst) };
         }
     }
 }
@@ -219,40 +394,61 @@ unsafe fn pack_a(a: Mat, m: usize, k: usize, i0: usize, out: &mut [u16]) {
 /// # Safety
 /// `a` must address `m × k` valid elements with `a.rs == 1`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_a_columns(a: Mat, m: usize, k: usize, i0: usize, panel: usize, out: &mut [u16]) {
+unsafe fn pack_a_columns<const HALF: bool>(
+    a: Mat,
+    (m, k): (usize, usize),
+    i0: usize,
+    scales: &[f32],
+    (panel, out): (usize, &mut [u16]),
+) {
     out.fill(0);
     let rows = m.saturating_sub(i0).min(out.len() / panel * T);
+    let scale = if HALF {
+        Scale::Each(&scales[i0..])
+    } else {
+        Scale::One(1.0)
+    };
+    let mut run = [0u16; GROUP * T];
     for p in 0..k {
         let (t, q) = (p / TK, p % TK);
         // SAFETY: index `p` holds the `m` elements of its row.
         let src =
             unsafe { std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows) };
-        for (r, &x) in src.iter().enumerate() {
-            out[(r / T) * panel + t * TILE + (r % T) * TK + q] = bf16_bits(x);
+        unsafe { convert::<HALF>(src, scale, &mut run[..rows]) };
+        for (r, &h) in run[..rows].iter().enumerate() {
+            out[(r / T) * panel + t * TILE + (r % T) * TK + q] = h;
         }
     }
 }
 
 /// Packs columns `[j0, j0 + 16)` of `b` (`k × n`) as `kb` tiles of 16 pair rows: row `r`
 /// of tile `t` holds `b[32t + 2r, j], b[32t + 2r + 1, j]` for its 16 columns `j` (the
-/// pairs `TDPBF16PS` multiplies), zero past `k` and `n`. A row-major `b` a whole tile
-/// wide packs only the tiles of `tiles` (see [`pack_b_group`]); otherwise all of them.
+/// pairs `TDPBF16PS` multiplies), as 16-bit values ([`to16`]; `scales` by column where
+/// `HALF`), zero past `k` and `n`. A row-major `b` a whole tile wide packs only the tiles
+/// of `tiles` (see [`pack_b_group`]); otherwise all of them.
 ///
 /// # Safety
-/// `b` must address `k × n` valid elements; `out` holds `kb · TILE`.
+/// `b` must address `k × n` valid elements; `out` holds `kb · TILE`; with `HALF`,
+/// `scales` holds every column's.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_b(
+unsafe fn pack_b<const HALF: bool>(
     b: Mat,
-    k: usize,
-    n: usize,
+    (k, n): (usize, usize),
     j0: usize,
+    scales: &[f32],
     out: &mut [u16],
     tiles: std::ops::Range<usize>,
 ) {
     let cols = n.saturating_sub(j0).min(T);
     let at = |p: usize, j: usize| unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) };
+    let s = |j: usize| if HALF { scales[j] } else { 1.0 };
     if b.cs == 1 && cols == T {
         // Row-major, a whole tile wide: two rows' 16 columns interleaved.
+        let scale = if HALF {
+            Scale::Each(&scales[j0..j0 + T])
+        } else {
+            Scale::One(1.0)
+        };
         for pair in tiles.start * T..tiles.end * T {
             let dst = &mut out[pair * 2 * T..(pair + 1) * 2 * T];
             let p = 2 * pair;
@@ -267,13 +463,22 @@ unsafe fn pack_b(
                         ),
                     )
                 };
+                let (mut h0, mut h1) = ([0u16; T], [0u16; T]);
+                unsafe {
+                    convert::<HALF>(r0, scale, &mut h0);
+                    convert::<HALF>(r1, scale, &mut h1);
+                }
                 for c in 0..T {
-                    dst[2 * c] = bf16_bits(r0[c]);
-                    dst[2 * c + 1] = bf16_bits(r1[c]);
+                    dst[2 * c] = h0[c];
+                    dst[2 * c + 1] = h1[c];
                 }
             } else {
                 for c in 0..T {
-                    dst[2 * c] = if p < k { bf16_bits(at(p, j0 + c)) } else { 0 };
+                    dst[2 * c] = if p < k {
+                        to16::<HALF>(at(p, j0 + c), s(j0 + c))
+                    } else {
+                        0
+                    };
                     dst[2 * c + 1] = 0;
                 }
             }
@@ -283,12 +488,14 @@ unsafe fn pack_b(
     if b.rs == 1 {
         // Stored transposed: a column's `k` values are contiguous.
         out.fill(0);
+        let mut run = vec![0u16; k];
         for c in 0..cols {
             // SAFETY: column `j0 + c` holds `k` elements.
             let col =
                 unsafe { std::slice::from_raw_parts(b.ptr.offset((j0 + c) as isize * b.cs), k) };
-            for (p, &x) in col.iter().enumerate() {
-                out[(p / TK) * TILE + ((p % TK) / 2) * TK + 2 * c + (p & 1)] = bf16_bits(x);
+            unsafe { convert::<HALF>(col, Scale::One(s(j0 + c)), &mut run) };
+            for (p, &h) in run.iter().enumerate() {
+                out[(p / TK) * TILE + ((p % TK) / 2) * TK + 2 * c + (p & 1)] = h;
             }
         }
         return;
@@ -297,7 +504,7 @@ unsafe fn pack_b(
     for p in 0..k {
         let base = (p / TK) * TILE + ((p % TK) / 2) * TK + (p & 1);
         for c in 0..cols {
-            out[base + 2 * c] = bf16_bits(at(p, j0 + c));
+            out[base + 2 * c] = to16::<HALF>(at(p, j0 + c), s(j0 + c));
         }
     }
 }
@@ -311,21 +518,27 @@ unsafe fn pack_b(
 /// # Safety
 /// As [`pack_b`].
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_b_group(b: Mat, k: usize, n: usize, j0: usize, panel: usize, out: &mut [u16]) {
+unsafe fn pack_b_group<const HALF: bool>(
+    b: Mat,
+    (k, n): (usize, usize),
+    j0: usize,
+    scales: &[f32],
+    (panel, out): (usize, &mut [u16]),
+) {
     let kb = panel / TILE;
     let whole = |q: usize| b.cs == 1 && j0 + (q + 1) * T <= n;
     for t in 0..kb {
         for (q, o) in out.chunks_exact_mut(panel).enumerate() {
             if whole(q) {
                 // SAFETY: as the caller's.
-                unsafe { pack_b(b, k, n, j0 + q * T, o, t..t + 1) }
+                unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, scales, o, t..t + 1) }
             }
         }
     }
     for (q, o) in out.chunks_exact_mut(panel).enumerate() {
         if !whole(q) {
             // SAFETY: as the caller's.
-            unsafe { pack_b(b, k, n, j0 + q * T, o, 0..kb) }
+            unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, scales, o, 0..kb) }
         }
     }
 }
@@ -458,6 +671,107 @@ unsafe fn dot_block(
     }
 }
 
+/// One 32 × 32 result block over the whole `k` with AVX512-FP16's `VFMADD231PH`, from
+/// panels packed in fp16 with power-of-two scales by row of `a` and column of `b` (the
+/// packing of [`block`], the values of [`to16`]`::<true>`). Each 8 rows × 32 columns of
+/// the result are 16 vectors of 32 fp16 sums in registers: as in [`dot_block`], each
+/// step broadcasts a row's pair of `k` values to every lane pair and multiplies it with a
+/// pair row of the two column tiles, so that a column's even `k` sum in one lane and its
+/// odd `k` in the next. Every [`FLUSH_TILES`] tiles those sums are widened and added to
+/// f32 sums (in memory); at the end each column's two f32 sums are added, unscaled by
+/// `unscale` (`1 / s` of the block's 32 rows and 32 columns) and stored (added to `c`
+/// where `load`).
+///
+/// # Safety
+/// [`half_available`] must have returned `Ok`; every pointer addresses what it says.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512fp16")]
+unsafe fn half_block(
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    (a0, a1, b0, b1): (*const u16, *const u16, *const u16, *const u16),
+    kb: usize,
+    (row_unscale, col_unscale): (*const f32, *const f32),
+) {
+    const R: usize = 8;
+    // SAFETY (all transmutes): 512 bits seen as 32 fp16, 16 i32 or 8 i64.
+    let zero: __m512h = unsafe { std::mem::transmute(_mm512_setzero_si512()) };
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    // SAFETY: the block's 32 columns have their scales.
+    let cols = unsafe {
+        [
+            _mm512_loadu_ps(col_unscale),
+            _mm512_loadu_ps(col_unscale.add(T)),
+        ]
+    };
+    // Per row, per column tile: the f32 sums of columns 0–7 and 8–15, each column's
+    // even and odd `k` side by side.
+    let mut wide = [[_mm512_setzero_ps(); 4]; 4 * R];
+    // A step of `FLUSH_TILES` tiles of every strip of 8 rows at a time, so that the
+    // step's 4 KB of `b` stay in the core's first cache for the four strips.
+    for t0 in (0..kb).step_by(FLUSH_TILES) {
+        for (strip, a) in [a0, a0, a1, a1].into_iter().enumerate() {
+            let in_tile = (strip % 2) * R;
+            let mut acc = [[zero; 2]; R];
+            for t in t0..(t0 + FLUSH_TILES).min(kb) {
+                // SAFETY: each panel holds `kb` tiles.
+                let (at, bt0, bt1) = unsafe {
+                    (
+                        a.add(t * TILE + in_tile * TK),
+                        b0.add(t * TILE),
+                        b1.add(t * TILE),
+                    )
+                };
+                for p in 0..T {
+                    // SAFETY: as in `dot_block`: one 64-byte line of a tile, and a row's
+                    // pair `p`, 4 bytes at `2p` of its 32.
+                    let (v0, v1) = unsafe {
+                        (
+                            (bt0.add(p * TK) as *const __m512h).read(),
+                            (bt1.add(p * TK) as *const __m512h).read(),
+                        )
+                    };
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let pair = unsafe { (at.add(r * TK + 2 * p) as *const i32).read() };
+                        let va: __m512h = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
+                        acc[0] = _mm512_fmadd_ph(va, v0, acc[0]);
+                        acc[1] = _mm512_fmadd_ph(va, v1, acc[1]);
+                    }
+                }
+            }
+            for (wide, acc) in wide[strip * R..(strip + 1) * R].iter_mut().zip(&acc) {
+                for (q, &h) in acc.iter().enumerate() {
+                    let h: __m512i = unsafe { std::mem::transmute(h) };
+                    let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+                    let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
+                    wide[2 * q] = _mm512_add_ps(wide[2 * q], lo);
+                    wide[2 * q + 1] = _mm512_add_ps(wide[2 * q + 1], hi);
+                }
+            }
+        }
+    }
+    for (r, wide) in wide.iter().enumerate() {
+        // SAFETY: the block's rows have their scales and hold 32 columns at `c`.
+        unsafe {
+            let rows = _mm512_set1_ps(*row_unscale.add(r));
+            let row = c.add(r * ldc);
+            for q in 0..2 {
+                let (lo, hi) = (wide[2 * q], wide[2 * q + 1]);
+                let sum = _mm512_add_ps(
+                    _mm512_permutex2var_ps(lo, even, hi),
+                    _mm512_permutex2var_ps(lo, odd, hi),
+                );
+                let mut v = _mm512_mul_ps(_mm512_mul_ps(sum, rows), cols[q]);
+                if load {
+                    v = _mm512_add_ps(_mm512_loadu_ps(row.add(q * T)), v);
+                }
+                _mm512_storeu_ps(row.add(q * T), v);
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
 unsafe impl Send for Out {}
@@ -471,42 +785,49 @@ impl Out {
 }
 
 /// A right operand `[k, n]` packed once (every column panel, as a shared right operand is
-/// packed in [`gemm`]), for the products that read it while it is unchanged: an inference
-/// program's weights (see `Compiled::packed_weight`). The same bf16 values as packing it
-/// for each product, so the same bits.
+/// packed in [`gemm`]) for `kernel`'s products, for the products that read it while it
+/// is unchanged: an inference program's weights (see `Compiled::packed_weight`). The same
+/// 16-bit values as packing it for each product, so the same bits.
 pub(crate) struct PackedRhs {
     k: usize,
     n: usize,
+    /// Whether it is in fp16 ([`Kernel::Half`]), else in bf16.
+    half: bool,
+    /// With `half`, the columns' `1 / s` (see [`fp16_scales`]), padded to the panels.
+    unscale: Vec<f32>,
     lines: Vec<Line>,
 }
 
 impl PackedRhs {
-    /// Packs `b` (`k × n`) over rayon's threads.
+    /// Packs `b` (`k × n`) for `kernel` over rayon's threads.
     ///
     /// # Safety
-    /// A kernel's check must have returned `Ok` (they check AVX-512BW); `b` must address
-    /// `k × n` valid elements.
-    pub(crate) unsafe fn new((k, n): (usize, usize), b: Mat) -> PackedRhs {
+    /// The kernel's check must have returned `Ok` (they check AVX-512BW); `b` must
+    /// address `k × n` valid elements.
+    pub(crate) unsafe fn new(kernel: Kernel, (k, n): (usize, usize), b: Mat) -> PackedRhs {
+        let half = kernel == Kernel::Half;
         let panel = k.div_ceil(TK).max(1) * TILE;
         let mut buf = Vec::new();
         let pb = lines(&mut buf, n.div_ceil(T).next_multiple_of(2) * panel);
-        pb.par_chunks_mut(GROUP * panel)
-            .enumerate()
-            .for_each(|(g, out)| {
-                // SAFETY: as the caller's.
-                unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
-            });
-        PackedRhs { k, n, lines: buf }
+        // SAFETY: as the caller's.
+        let unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
+        PackedRhs {
+            k,
+            n,
+            half,
+            unscale,
+            lines: buf,
+        }
     }
 
-    /// Whether it is a packed `[k, n]` operand.
-    pub(crate) fn is(&self, (k, n): (usize, usize)) -> bool {
-        (self.k, self.n) == (k, n)
+    /// Whether it is a packed `[k, n]` operand for `kernel`.
+    pub(crate) fn is(&self, kernel: Kernel, (k, n): (usize, usize)) -> bool {
+        (self.k, self.n, self.half) == (k, n, kernel == Kernel::Half)
     }
 
     /// Its size in bytes.
     pub(crate) fn bytes(&self) -> usize {
-        self.lines.len() * std::mem::size_of::<Line>()
+        self.lines.len() * std::mem::size_of::<Line>() + self.unscale.len() * 4
     }
 
     /// The packed panels.
@@ -518,6 +839,40 @@ impl PackedRhs {
     }
 }
 
+/// Packs every column panel of `b` (`k × n`) into `pb` (panels of `panel` elements), in
+/// fp16 with the columns' scales where `half` (returning their `1 / s`, padded to the
+/// panels), else in bf16 (returning nothing).
+///
+/// # Safety
+/// As [`pack_b`]'s.
+unsafe fn pack_b_all(
+    half: bool,
+    b: Mat,
+    (k, n): (usize, usize),
+    panel: usize,
+    pb: &mut [u16],
+) -> Vec<f32> {
+    let (scale, unscale) = if half {
+        fp16_scales(&col_max_bits(b, (k, n)), TOP_B, pb.len() / panel * T)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    pb.par_chunks_mut(GROUP * panel)
+        .enumerate()
+        .for_each(|(g, out)| {
+            let (j0, o) = (g * GROUP * T, (panel, out));
+            // SAFETY: as the caller's.
+            unsafe {
+                if half {
+                    pack_b_group::<true>(b, (k, n), j0, &scale, o)
+                } else {
+                    pack_b_group::<false>(b, (k, n), j0, &[], o)
+                }
+            }
+        });
+    unscale
+}
+
 /// The right operand of [`gemm`]: strided f32, or packed beforehand.
 #[derive(Clone, Copy)]
 pub(crate) enum Rhs<'a> {
@@ -526,12 +881,15 @@ pub(crate) enum Rhs<'a> {
 }
 
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with the
-/// operands rounded to bf16 and the sums in f32, with `kernel`'s instructions, over
-/// rayon's threads.
+/// operands rounded to 16 bits and the sums in f32, with `kernel`'s instructions, over
+/// rayon's threads: bf16 for the tiles and `VDPBF16PS`; fp16 for `VFMADD231PH`, each row
+/// of `a` and column of `b` scaled by a power of two first ([`fp16_scales`]) and the
+/// sums of every [`FLUSH_TILES`] · 16 terms in fp16.
 ///
 /// # Safety
-/// The kernel's check ([`tiles_available`], [`dot_available`]) must have returned `Ok`;
-/// every element the matrices address must be valid; `dst` must not overlap `a`, `b`.
+/// The kernel's check ([`tiles_available`], [`dot_available`], [`half_available`]) must
+/// have returned `Ok`; every element the matrices address must be valid; `dst` must not
+/// overlap `a`, `b`.
 pub(crate) unsafe fn gemm(
     kernel: Kernel,
     (m, k, n): (usize, usize, usize),
@@ -544,20 +902,28 @@ pub(crate) unsafe fn gemm(
     if m == 0 || n == 0 {
         return;
     }
+    let half = kernel == Kernel::Half;
     let (b, prepacked) = match b {
         Rhs::Mat(b) => (Some(b), None),
         Rhs::Packed(p) => {
             assert!(
-                p.k == k && p.n == n,
-                "a packed {}×{} operand for a {m}×{k}·{k}×{n} product",
+                p.is(kernel, (k, n)),
+                "a packed {}×{} operand (fp16: {}) for a {m}×{k}·{k}×{n} product with {kernel:?}",
                 p.k,
-                p.n
+                p.n,
+                p.half
             );
-            (None, Some(p.panels()))
+            (None, Some(p))
         }
     };
     let kb = k.div_ceil(TK).max(1);
     let mt = m.div_ceil(T);
+    // In fp16, the scales of `a`'s rows (padded to its panels).
+    let (a_scale, a_unscale) = if half {
+        fp16_scales(&row_max_bits(a, (m, k)), TOP_A, mt.next_multiple_of(2) * T)
+    } else {
+        (Vec::new(), Vec::new())
+    };
     // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
     // all-zero panel beside it). A wide `b` is packed by each task, its 256 columns (16
     // panels) into a buffer of its thread that stays in the core's cache: the packed copy
@@ -571,13 +937,26 @@ pub(crate) unsafe fn gemm(
         pa.par_chunks_mut(GROUP * panel)
             .enumerate()
             .for_each(|(g, out)| {
+                let (i0, o) = (g * GROUP * T, (panel, out));
                 // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `rs == 1`.
-                unsafe { pack_a_columns(a, m, k, g * GROUP * T, panel, out) }
+                unsafe {
+                    if half {
+                        pack_a_columns::<true>(a, (m, k), i0, &a_scale, o)
+                    } else {
+                        pack_a_columns::<false>(a, (m, k), i0, &[], o)
+                    }
+                }
             });
     } else {
         pa.par_chunks_mut(panel).enumerate().for_each(|(i, out)| {
             // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`.
-            unsafe { pack_a(a, m, k, i * T, out) }
+            unsafe {
+                if half {
+                    pack_a::<true>(a, (m, k), i * T, &a_scale, out)
+                } else {
+                    pack_a::<false>(a, (m, k), i * T, &[], out)
+                }
+            }
         });
     }
     // Tasks: the column blocks, each split into row blocks (multiples of 32 rows) only
@@ -587,22 +966,34 @@ pub(crate) unsafe fn gemm(
     // So is a `b` whose tasks would each stream a packed `a` too large for a core's
     // cache (over 2 MB): then the tasks are blocks of at most 256 rows. A `b` the caller
     // packed beforehand (`Rhs::Packed`) is read as a shared one.
+    // In fp16, the scales of `b`'s columns are found first (they are needed by every
+    // task's packing).
     let cols_b = n.div_ceil(GROUP * T);
     let mut lines_shared = Vec::new();
+    let (mut b_scale, mut b_unscale) = (Vec::new(), Vec::new());
     let pb_shared: &[u16] = match (b, prepacked) {
-        (_, Some(panels)) => panels,
+        (_, Some(packed)) => {
+            b_unscale.clone_from(&packed.unscale);
+            packed.panels()
+        }
         (Some(b), None) if cols_b < 2 * rayon::current_num_threads() || pa.len() * 2 > 2 << 20 => {
             lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
-            pb.par_chunks_mut(GROUP * panel)
-                .enumerate()
-                .for_each(|(g, out)| {
-                    // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
-                    unsafe { pack_b_group(b, k, n, g * GROUP * T, panel, out) }
-                });
+            // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
+            b_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
             pb
         }
-        _ => &[],
+        (Some(b), None) => {
+            if half {
+                (b_scale, b_unscale) = fp16_scales(
+                    &col_max_bits(b, (k, n)),
+                    TOP_B,
+                    n.div_ceil(T).next_multiple_of(2) * T,
+                );
+            }
+            &[]
+        }
+        (None, None) => unreachable!("a right operand is a matrix or packed"),
     };
     // Whether every task reads `b` packed beforehand (here or by the caller).
     let shared = !pb_shared.is_empty();
@@ -616,6 +1007,7 @@ pub(crate) unsafe fn gemm(
     let rows_b = m.div_ceil(rows_per);
     let out = Out(dst);
     let pa_ref = &pa;
+    let (b_scale, a_unscale, b_unscale) = (&b_scale, &a_unscale, &b_unscale);
     (0..rows_b * cols_b).into_par_iter().for_each(|task| {
         let (i0, j0) = ((task % rows_b) * rows_per, (task / rows_b) * GROUP * T);
         let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(n));
@@ -624,22 +1016,33 @@ pub(crate) unsafe fn gemm(
             lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let pb = lines(&mut lines_b, (j1 - j0).div_ceil(T).next_multiple_of(2) * panel);
             // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
-            unsafe { pack_b_group(b, k, n, j0, panel, pb) };
+            unsafe {
+                if half {
+                    pack_b_group::<true>(b, (k, n), j0, b_scale, (panel, pb))
+                } else {
+                    pack_b_group::<false>(b, (k, n), j0, &[], (panel, pb))
+                }
+            };
             pb
         } else {
             &pb_shared[(j0 / T) * panel..]
         };
         let mut edge = [0f32; 4 * T * T];
-        let tiles = kernel == Kernel::Tiles;
-        let block = |c: *mut f32, ldc: usize, ops, kb: usize| unsafe {
-            if tiles {
-                block(c, ldc, read_dst, ops, kb)
-            } else {
-                dot_block(c, ldc, read_dst, ops, kb)
+        // One 32 × 32 block at rows `i`, columns `j` of the result.
+        let block = |c: *mut f32, ldc: usize, ops, (i, j): (usize, usize)| unsafe {
+            match kernel {
+                Kernel::Tiles => block(c, ldc, read_dst, ops, kb),
+                Kernel::Dot => dot_block(c, ldc, read_dst, ops, kb),
+                Kernel::Half => {
+                    let unscale = (a_unscale.as_ptr().add(i), b_unscale.as_ptr().add(j));
+                    half_block(c, ldc, read_dst, ops, kb, unscale)
+                }
             }
         };
+        let tiles = kernel == Kernel::Tiles;
         // SAFETY: the configuration is a valid palette-1 layout; each task writes its own
-        // block of `dst`; the panels hold every tile the loops address.
+        // block of `dst`; the panels hold every tile the loops address; the scales are
+        // padded to the panels.
         unsafe {
             if tiles {
                 asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
@@ -659,7 +1062,7 @@ pub(crate) unsafe fn gemm(
                     );
                     let c = out.get().offset(i as isize * ld + j as isize);
                     if i + 2 * T <= m && j + 2 * T <= n {
-                        block(c, ld as usize, ops, kb);
+                        block(c, ld as usize, ops, (i, j));
                     } else {
                         // A block past the matrix's edge: through a 32 × 32 scratch.
                         let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
@@ -671,7 +1074,7 @@ pub(crate) unsafe fn gemm(
                                 }
                             }
                         }
-                        block(edge.as_mut_ptr(), 2 * T, ops, kb);
+                        block(edge.as_mut_ptr(), 2 * T, ops, (i, j));
                         for r in 0..h {
                             for q in 0..w {
                                 *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
@@ -905,6 +1308,207 @@ mod tests {
                 "{kernel:?}: a NaN"
             );
         }
+    }
+
+    /// The fp16 kernel where this CPU has it; else a line saying why not.
+    fn half_kernel() -> Option<Kernel> {
+        half_available()
+            .map_err(|why| println!("VFMADD231PH skipped: {why}"))
+            .ok()
+            .map(|()| Kernel::Half)
+    }
+
+    /// `x` (a sum of a few fp16 values and products, exact in f64) rounded to fp16 once,
+    /// to nearest, ties to even (the `half` crate may round f64 through f32: twice).
+    fn round_f16(x: f64) -> f64 {
+        if x == 0.0 {
+            return x;
+        }
+        let e = ((x.abs().to_bits() >> 52) as i32) - 1023;
+        let ulp = 2f64.powi((e - 10).max(-24));
+        (x / ulp).round_ties_even() * ulp
+    }
+
+    /// What [`Kernel::Half`] computes, step by step in scalar arithmetic: the scaled
+    /// operands rounded to fp16, each column's even and odd `k` summed in fp16 (one
+    /// rounding a term, as an FMA), `FLUSH_TILES · 32` values of `k` at a time, those
+    /// sums added in f32, the two f32 sums added and unscaled.
+    #[allow(clippy::too_many_arguments)]
+    fn half_reference(
+        (m, k, n): (usize, usize, usize),
+        at: impl Fn(usize, usize) -> f32,
+        bt: impl Fn(usize, usize) -> f32,
+        c0: &[f32],
+        read: bool,
+    ) -> Vec<f32> {
+        let bits = |x: f32| x.to_bits() & 0x7fff_ffff;
+        let row_max: Vec<u32> = (0..m)
+            .map(|i| (0..k).map(|p| bits(at(i, p))).max().unwrap_or(0))
+            .collect();
+        let col_max: Vec<u32> = (0..n)
+            .map(|j| (0..k).map(|p| bits(bt(p, j))).max().unwrap_or(0))
+            .collect();
+        let (sa, ua) = fp16_scales(&row_max, TOP_A, m);
+        let (sb, ub) = fp16_scales(&col_max, TOP_B, n);
+        let h = |x: f32| half::f16::from_f32(x).to_f64();
+        let kp = k.div_ceil(TK).max(1) * TK;
+        let mut c = vec![0f32; m * n];
+        for i in 0..m {
+            let ar: Vec<f64> = (0..kp)
+                .map(|p| if p < k { h(at(i, p) * sa[i]) } else { 0.0 })
+                .collect();
+            for j in 0..n {
+                let mut wide = [0f32; 2];
+                for chunk in (0..kp).step_by(FLUSH_TILES * TK) {
+                    let mut acc = [half::f16::ZERO; 2];
+                    for p in chunk..(chunk + FLUSH_TILES * TK).min(kp) {
+                        let b = if p < k { h(bt(p, j) * sb[j]) } else { 0.0 };
+                        let sum = acc[p % 2].to_f64() + ar[p] * b;
+                        acc[p % 2] = half::f16::from_f64(round_f16(sum));
+                    }
+                    wide[0] += acc[0].to_f32();
+                    wide[1] += acc[1].to_f32();
+                }
+                let v = (wide[0] + wide[1]) * ua[i] * ub[j];
+                c[i * n + j] = if read { c0[i * n + j] + v } else { v };
+            }
+        }
+        c
+    }
+
+    /// The fp16 kernel gives the bits of [`half_reference`] at sizes that are and are not
+    /// whole tiles, transposed operands, a destination read first, and operands whose
+    /// magnitudes span 2^30 (small ones become fp16 subnormals after scaling); and it is
+    /// within the expected error of the exact sums (fp16 operands and sums: about 2⁻¹¹
+    /// relative), clearly closer than bf16 operands would be.
+    #[test]
+    fn fp16_products_equal_their_scalar_steps() {
+        let Some(kernel) = half_kernel() else { return };
+        let mut seed = 11u64;
+        for &(m, k, n, ta, tb, read, wide) in &[
+            (32, 32, 32, false, false, false, false),
+            (1, 1, 1, false, false, false, false),
+            (45, 70, 33, false, false, true, false),
+            (300, 512, 270, false, true, false, false),
+            (64, 800, 96, true, false, true, false),
+            (40, 100, 300, false, false, true, true),
+            (70, 64, 700, false, true, false, true),
+            (17, 2049, 5, true, true, false, true),
+        ] {
+            let mut x = || {
+                let v = rng(&mut seed);
+                if wide {
+                    v * (2f32).powi(-((rng(&mut seed).abs() * 30.0) as i32))
+                } else {
+                    v * 3.0e-3
+                }
+            };
+            let a: Vec<f32> = (0..m * k).map(|_| x()).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| x()).collect();
+            let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
+            let (am, bm) = (stored(&a, m, k, ta), stored(&b, k, n, tb));
+            let at = |i: usize, p: usize| unsafe {
+                *am.ptr.offset(i as isize * am.rs + p as isize * am.cs)
+            };
+            let bt = |p: usize, j: usize| unsafe {
+                *bm.ptr.offset(p as isize * bm.rs + j as isize * bm.cs)
+            };
+            let run = |threads: usize| {
+                let mut c = c0.clone();
+                on_threads(threads, || unsafe {
+                    gemm(
+                        kernel,
+                        (m, k, n),
+                        c.as_mut_ptr(),
+                        n as isize,
+                        am,
+                        Rhs::Mat(bm),
+                        read,
+                    )
+                });
+                c
+            };
+            let what = format!("{m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read}, wide {wide})");
+            let c = run(1);
+            let want = half_reference((m, k, n), at, bt, &c0, read);
+            for (q, (x, y)) in c.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    x.to_bits(),
+                    y.to_bits(),
+                    "{what}: element {q}: {x:e}, not {y:e}"
+                );
+            }
+            assert!(
+                c.iter()
+                    .zip(run(4))
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: one thread and four differ"
+            );
+            // Against the exact sums, relative to the terms' magnitudes.
+            let (mut off, mut off_bf16) = (0f64, 0f64);
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut s, mut s_bf16, mut mag) = (0f64, 0f64, 0f64);
+                    for p in 0..k {
+                        let t = at(i, p) as f64 * bt(p, j) as f64;
+                        s += t;
+                        s_bf16 += round_bf16(at(i, p)) as f64 * round_bf16(bt(p, j)) as f64;
+                        mag += t.abs();
+                    }
+                    let init = if read { c0[i * n + j] as f64 } else { 0.0 };
+                    let got = c[i * n + j] as f64 - init;
+                    off = off.max((got - s).abs() / (mag + init.abs() * 1e-7));
+                    off_bf16 = off_bf16.max((s_bf16 - s).abs() / mag);
+                }
+            }
+            // An fp16 sum rounds at most 32 times by 2⁻¹² of the terms' magnitudes at
+            // most, and much less on the whole (measured: 1.6e-4 to 2.3e-3, where bf16
+            // operands are 1.5e-4 to 6.2e-3 off).
+            assert!(off < 4e-3, "{what}: {off:e} from the exact sums");
+            if m * n * k > 1 {
+                assert!(
+                    off < off_bf16,
+                    "{what}: {off:e} from the exact sums, bf16 {off_bf16:e}"
+                );
+            }
+        }
+    }
+
+    /// An operand far past fp16's range (1e30, 1e-30) is scaled into it; an infinity or a
+    /// NaN reaches the results, as in f32.
+    #[test]
+    fn fp16_products_scale_any_magnitude_and_keep_infinities() {
+        let Some(kernel) = half_kernel() else { return };
+        let run = |a: f32, b: f32| {
+            let (av, bv) = (vec![a; 32 * 64], vec![b; 64 * 32]);
+            let mut c = vec![0f32; 32 * 32];
+            unsafe {
+                gemm(
+                    kernel,
+                    (32, 64, 32),
+                    c.as_mut_ptr(),
+                    32,
+                    stored(&av, 32, 64, false),
+                    Rhs::Mat(stored(&bv, 64, 32, false)),
+                    false,
+                )
+            };
+            c
+        };
+        // E.g. 1e30 · 3e-30 summed 64 times: 192, to fp16's precision of the operands
+        // (2⁻¹¹ relative each at most).
+        for (a, b) in [(1e30f32, 3e-30f32), (3e-30, 1e30), (1e-15, 3e-15)] {
+            let want = 64.0 * a as f64 * b as f64;
+            assert!(
+                run(a, b)
+                    .iter()
+                    .all(|&x| ((x as f64 - want) / want).abs() < 3e-3),
+                "{a:e}·{b:e}: {:e}, not {want:e}",
+                run(a, b)[0]
+            );
+        }
+        assert!(run(f32::INFINITY, 1.0).iter().all(|&x| x == f32::INFINITY));
+        assert!(run(f32::NAN, 1.0).iter().all(|x| x.is_nan()));
     }
 
     /// The same operands give the same bits with one thread and with several.

@@ -127,8 +127,8 @@ fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
-/// The instructions that multiply in bf16 (operands rounded to bf16, sums in f32) where
-/// the large matrix products run in bf16 (`KILN_CPU_BF16`,
+/// The instructions that multiply in 16 bits (operands rounded to bf16 or scaled into
+/// fp16) where the large matrix products run in 16 bits (`KILN_CPU_BF16`,
 /// [`Compiled::set_bf16_products`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Kernel {
@@ -136,14 +136,23 @@ pub enum Bf16Kernel {
     Tiles,
     /// AVX-512's `VDPBF16PS`: fast on AMD Zen 4 and later.
     Dot,
+    /// AVX512-FP16's `VFMADD231PH`: fp16 operands (each row of the left one and column
+    /// of the right one scaled by a power of two, so that no sum overflows) and sums of
+    /// 32 terms in fp16, added up in f32; Intel Xeons of the 4th generation on, where
+    /// it multiplies-adds at twice the rate of f32 FMAs (for VMs that hide their AMX).
+    Half,
 }
 
 impl Bf16Kernel {
+    /// Every kernel, available here or not.
+    pub const ALL: [Bf16Kernel; 3] = [Bf16Kernel::Tiles, Bf16Kernel::Dot, Bf16Kernel::Half];
+
     /// The instructions' name, for messages and benchmark labels.
     pub fn name(self) -> &'static str {
         match self {
             Bf16Kernel::Tiles => "AMX tiles",
             Bf16Kernel::Dot => "AVX-512 VDPBF16PS",
+            Bf16Kernel::Half => "AVX512-FP16 VFMADD231PH",
         }
     }
 
@@ -152,21 +161,26 @@ impl Bf16Kernel {
         match self {
             Bf16Kernel::Tiles => bf16::tiles_available(),
             Bf16Kernel::Dot => bf16::dot_available(),
+            Bf16Kernel::Half => bf16::half_available(),
         }
         .map_err(|why| format!("{} cannot run here: {why}", self.name()))
     }
 
     /// The kernel this CPU runs best: the tiles where there are tiles, else `VDPBF16PS`
-    /// where it is faster than f32 products; else why there is none, as a sentence.
+    /// where it is faster than f32 products, else `VFMADD231PH` where there is
+    /// AVX512-FP16; else why there is none, as a sentence.
     pub fn best() -> Result<Bf16Kernel, String> {
         bf16::kernel().map_err(|why| {
-            format!("bf16 matrix products need AMX tiles or fast AVX-512 bf16 dot products: {why}")
+            format!(
+                "16-bit matrix products need AMX tiles, fast AVX-512 bf16 dot products or \
+                 AVX512-FP16: {why}"
+            )
         })
     }
 
-    /// The kernel `KILN_CPU_BF16` names: `amx` the tiles, `dot` `VDPBF16PS` (each where
-    /// the CPU has it, even where it is slower than f32: for measuring), anything else
-    /// the [best](Bf16Kernel::best).
+    /// The kernel `KILN_CPU_BF16` names: `amx` the tiles, `dot` `VDPBF16PS`, `fp16`
+    /// `VFMADD231PH` (each where the CPU has it, even where it is slower than f32: for
+    /// measuring), anything else the [best](Bf16Kernel::best).
     pub fn chosen() -> Result<Bf16Kernel, String> {
         let named = |kernel: Bf16Kernel| {
             kernel
@@ -177,6 +191,7 @@ impl Bf16Kernel {
         match std::env::var("KILN_CPU_BF16").as_deref() {
             Ok("amx") => named(Bf16Kernel::Tiles),
             Ok("dot") => named(Bf16Kernel::Dot),
+            Ok("fp16") => named(Bf16Kernel::Half),
             _ => Bf16Kernel::best(),
         }
     }
@@ -235,9 +250,9 @@ pub fn bf16_matmul(
 /// message says so once and the products stay f32.
 fn bf16_products_from_env() -> Option<Bf16Kernel> {
     let chosen = match std::env::var("KILN_CPU_BF16").as_deref() {
-        Ok("1" | "amx" | "dot") => Bf16Kernel::chosen(),
+        Ok("1" | "amx" | "dot" | "fp16") => Bf16Kernel::chosen(),
         Ok(v) if !v.is_empty() && v != "0" => Err(format!(
-            "it is {v:?}, where 1 (the best bf16 kernel), amx, dot or 0 (f32) are known"
+            "it is {v:?}, where 1 (the best 16-bit kernel), amx, dot, fp16 or 0 (f32) are known"
         )),
         _ => return None,
     };
@@ -700,11 +715,13 @@ impl Compiled {
     }
 
     /// Runs the large matrix products (`matmul`, `linear`; not attention's per-head
-    /// products) with their operands rounded to bf16 and their sums in f32, on the AMX
+    /// products) with 16-bit operands: rounded to bf16 with their sums in f32, on the AMX
     /// tiles of Intel Xeons of the 4th generation on, or with AVX-512's `VDPBF16PS` on AMD
-    /// Zen 4 and later (`KILN_CPU_BF16=1` sets it for every executor a process builds).
-    /// Mixed precision, as `KILN_CUDA_MIXED=1` on a GPU: everything else stays f32. An
-    /// error where the CPU has neither.
+    /// Zen 4 and later; else, where the CPU has AVX512-FP16 (Intel Xeons whose VM hides
+    /// AMX), scaled into fp16 with sums of 64 terms in fp16 added up in f32 ([`Bf16Kernel::Half`]).
+    /// `KILN_CPU_BF16=1` sets it for every executor a process builds. Mixed precision, as
+    /// `KILN_CUDA_MIXED=1` on a GPU: everything else stays f32. An error where the CPU has
+    /// none of them.
     pub fn set_bf16_products(&mut self, on: bool) -> Result<(), ExecError> {
         if on {
             let kernel = Bf16Kernel::chosen().map_err(|why| {
@@ -983,7 +1000,8 @@ impl Compiled {
     ) -> Option<Arc<bf16::PackedRhs>> {
         let version = version?;
         let shape = loc.shape();
-        if loc.dtype != DType::F32 || shape.len() != 2 || self.bf16_products.is_none() {
+        let kernel = self.bf16_products?;
+        if loc.dtype != DType::F32 || shape.len() != 2 {
             return None;
         }
         let mut cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
@@ -995,11 +1013,12 @@ impl Compiled {
             };
             // SAFETY: a kernel is set only after its check; `loc` addresses the weight's
             // `k × n` elements, which stay unchanged while the version does.
-            unsafe { bf16::PackedRhs::new((shape[0], shape[1]), b) }
+            unsafe { bf16::PackedRhs::new(kernel, (shape[0], shape[1]), b) }
         });
         // Parameters of another shape under the same version (a caller breaking the
-        // version's promise) are read as they are, not through a copy of the wrong size.
-        packed.is((shape[0], shape[1])).then_some(packed)
+        // version's promise), or a copy packed for another kernel, are read as they are,
+        // not through a copy of the wrong size or values.
+        packed.is(kernel, (shape[0], shape[1])).then_some(packed)
     }
 
     fn run_inner(
