@@ -22,14 +22,7 @@
 //! intrinsic.
 
 use std::arch::asm;
-use std::arch::x86_64::{
-    __m256i, __m512bh, __m512h, __m512i, _mm256_storeu_si256, _mm512_add_ps,
-    _mm512_castsi512_si256, _mm512_cvtph_ps, _mm512_cvtps_ph, _mm512_dpbf16_ps,
-    _mm512_extracti64x4_epi64, _mm512_fmadd_ph, _mm512_loadu_ps, _mm512_mul_ps,
-    _mm512_permutex2var_ps, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setr_epi32,
-    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps, _MM_FROUND_NO_EXC,
-    _MM_FROUND_TO_NEAREST_INT,
-};
+use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -178,43 +171,114 @@ enum Scale<'a> {
     Each(&'a [f32]),
 }
 
+/// The 16-bit values ([`to16`]) of 16 elements `x` with their scales `s` (read only
+/// where `HALF`), each in the low half of a 32-bit lane (the high half zero).
+///
+/// # Safety
+/// The CPU must have AVX-512F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn to16x16<const HALF: bool>(x: __m512, s: __m512) -> __m512i {
+    if HALF {
+        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, s),
+        );
+        _mm512_cvtepu16_epi32(h)
+    } else {
+        // As `bf16_bits`, in each lane.
+        let b = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+        let nan = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+        let is_nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)),
+            _mm512_set1_epi32(0x7f80_0000),
+        );
+        _mm512_mask_blend_epi32(is_nan, rounded, nan)
+    }
+}
+
+/// The 16 × 16 32-bit elements of `z` transposed: lane `j` of row `r` of the result is
+/// lane `r` of `z[j]`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose16(z: &[__m512i; 16]) -> [__m512i; 16] {
+    // Pairs of rows interleaved by 32 bits, then by 64: `u[4i + c]`, in its 128-bit lane
+    // `l`, holds lane `4l + c` of `z[4i..4i + 4]`.
+    let t: [__m512i; 16] = std::array::from_fn(|q| {
+        let (a, b) = (z[q & !1], z[q | 1]);
+        if q % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    let u: [__m512i; 16] = std::array::from_fn(|q| {
+        let (i, c) = (q / 4, q % 4);
+        let (a, b) = (t[4 * i + c / 2], t[4 * i + 2 + c / 2]);
+        if c % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    // Then 128-bit lanes: row `4l + c` gathers lane `l` of `u[c]`, `u[4 + c]`, `u[8 + c]`,
+    // `u[12 + c]`.
+    let mut out = [_mm512_setzero_si512(); 16];
+    for c in 0..4 {
+        let (a, b, cc, d) = (u[c], u[4 + c], u[8 + c], u[12 + c]);
+        let (p0, p1) = (
+            _mm512_shuffle_i32x4::<0x44>(a, b),
+            _mm512_shuffle_i32x4::<0xee>(a, b),
+        );
+        let (q0, q1) = (
+            _mm512_shuffle_i32x4::<0x44>(cc, d),
+            _mm512_shuffle_i32x4::<0xee>(cc, d),
+        );
+        out[c] = _mm512_shuffle_i32x4::<0x88>(p0, q0);
+        out[4 + c] = _mm512_shuffle_i32x4::<0xdd>(p0, q0);
+        out[8 + c] = _mm512_shuffle_i32x4::<0x88>(p1, q1);
+        out[12 + c] = _mm512_shuffle_i32x4::<0xdd>(p1, q1);
+    }
+    out
+}
+
 /// `dst[i] = to16::<HALF>(src[i], scale of i)` for the `src.len()` elements of a run.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `dst` and a `Scale::Each` hold `src.len()` elements.
+/// The CPU must have AVX-512F and BW; `dst` and a `Scale::Each` hold `src.len()`
+/// elements.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn convert<const HALF: bool>(src: &[f32], scale: Scale<'_>, dst: &mut [u16]) {
     let n = src.len();
     assert!(dst.len() >= n);
-    if !HALF {
-        for (d, &x) in dst.iter_mut().zip(src) {
-            *d = bf16_bits(x);
-        }
-        return;
+    if let Scale::Each(v) = scale {
+        assert!(!HALF || v.len() >= n);
     }
     let at = |i: usize| match scale {
         Scale::One(s) => s,
         Scale::Each(v) => v[i],
     };
-    if let Scale::Each(v) = scale {
-        assert!(v.len() >= n);
-    }
     let mut i = 0;
     while i + 16 <= n {
         // SAFETY: elements `i..i + 16` of `src`, `dst` and the scales exist (checked).
         unsafe {
             let s = match scale {
+                Scale::Each(v) if HALF => _mm512_loadu_ps(v.as_ptr().add(i)),
+                Scale::Each(_) => _mm512_setzero_ps(),
                 Scale::One(s) => _mm512_set1_ps(s),
-                Scale::Each(v) => _mm512_loadu_ps(v.as_ptr().add(i)),
             };
-            let x = _mm512_mul_ps(_mm512_loadu_ps(src.as_ptr().add(i)), s);
-            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
-            _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, h);
+            let h = to16x16::<HALF>(_mm512_loadu_ps(src.as_ptr().add(i)), s);
+            _mm256_storeu_si256(
+                dst.as_mut_ptr().add(i) as *mut __m256i,
+                _mm512_cvtepi32_epi16(h),
+            );
         }
         i += 16;
     }
     for i in i..n {
-        dst[i] = f16_bits(src[i] * at(i));
+        dst[i] = to16::<HALF>(src[i], if HALF { at(i) } else { 1.0 });
     }
 }
 
@@ -401,23 +465,48 @@ unsafe fn pack_a_columns<const HALF: bool>(
     scales: &[f32],
     (panel, out): (usize, &mut [u16]),
 ) {
-    out.fill(0);
     let rows = m.saturating_sub(i0).min(out.len() / panel * T);
-    let scale = if HALF {
-        Scale::Each(&scales[i0..])
-    } else {
-        Scale::One(1.0)
-    };
-    let mut run = [0u16; GROUP * T];
-    for p in 0..k {
-        let (t, q) = (p / TK, p % TK);
-        // SAFETY: index `p` holds the `m` elements of its row.
-        let src =
-            unsafe { std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows) };
-        unsafe { convert::<HALF>(src, scale, &mut run[..rows]) };
-        for (r, &h) in run[..rows].iter().enumerate() {
-            out[(r / T) * panel + t * TILE + (r % T) * TK + q] = h;
+    let kb = panel / TILE;
+    // By 32 `k` indices (a tile's) and 16 rows: the rows' 16 values at each index, as
+    // 16-bit, paired by index (even in the low half), transposed into the tile's 16 rows
+    // of 16 pairs.
+    for t in 0..kb {
+        for r0 in (0..rows.next_multiple_of(T)).step_by(T) {
+            let mask: u16 = if rows - r0 >= T {
+                !0
+            } else {
+                (1 << (rows - r0)) - 1
+            };
+            // SAFETY: the scales are padded to whole row tiles.
+            let s = if HALF {
+                unsafe { _mm512_loadu_ps(scales.as_ptr().add(i0 + r0)) }
+            } else {
+                _mm512_setzero_ps()
+            };
+            let value = |q: usize| {
+                let p = t * TK + q;
+                if p >= k {
+                    return _mm512_setzero_si512();
+                }
+                // SAFETY: index `p` holds rows `i0 + r0..` up to `rows` (masked).
+                let x = unsafe {
+                    _mm512_maskz_loadu_ps(mask, a.ptr.offset(p as isize * a.cs).add(i0 + r0))
+                };
+                to16x16::<HALF>(x, s)
+            };
+            let z: [__m512i; 16] = std::array::from_fn(|j| {
+                _mm512_or_si512(value(2 * j), _mm512_slli_epi32::<16>(value(2 * j + 1)))
+            });
+            let tile = &mut out[(r0 / T) * panel + t * TILE..][..TILE];
+            for (r, row) in transpose16(&z).iter().enumerate() {
+                // SAFETY: row `r` of the tile is 16 pairs, 64 bytes.
+                unsafe { _mm512_storeu_si512(tile.as_mut_ptr().add(r * TK) as *mut _, *row) };
+            }
         }
+    }
+    // Row tiles past `m` (the group's last panels) are zero.
+    for r0 in (rows.next_multiple_of(T)..out.len() / panel * T).step_by(T) {
+        out[(r0 / T) * panel..(r0 / T + 1) * panel].fill(0);
     }
 }
 
@@ -463,14 +552,16 @@ unsafe fn pack_b<const HALF: bool>(
                         ),
                     )
                 };
-                let (mut h0, mut h1) = ([0u16; T], [0u16; T]);
+                // SAFETY: the rows hold 16 columns; the pair row is 16 pairs, 64 bytes.
                 unsafe {
-                    convert::<HALF>(r0, scale, &mut h0);
-                    convert::<HALF>(r1, scale, &mut h1);
-                }
-                for c in 0..T {
-                    dst[2 * c] = h0[c];
-                    dst[2 * c + 1] = h1[c];
+                    let s = match scale {
+                        Scale::Each(v) if HALF => _mm512_loadu_ps(v.as_ptr()),
+                        _ => _mm512_setzero_ps(),
+                    };
+                    let h0 = to16x16::<HALF>(_mm512_loadu_ps(r0.as_ptr()), s);
+                    let h1 = to16x16::<HALF>(_mm512_loadu_ps(r1.as_ptr()), s);
+                    let pairs = _mm512_or_si512(h0, _mm512_slli_epi32::<16>(h1));
+                    _mm512_storeu_si512(dst.as_mut_ptr() as *mut _, pairs);
                 }
             } else {
                 for c in 0..T {
@@ -486,16 +577,32 @@ unsafe fn pack_b<const HALF: bool>(
         return;
     }
     if b.rs == 1 {
-        // Stored transposed: a column's `k` values are contiguous.
-        out.fill(0);
-        let mut run = vec![0u16; k];
-        for c in 0..cols {
-            // SAFETY: column `j0 + c` holds `k` elements.
-            let col =
-                unsafe { std::slice::from_raw_parts(b.ptr.offset((j0 + c) as isize * b.cs), k) };
-            unsafe { convert::<HALF>(col, Scale::One(s(j0 + c)), &mut run) };
-            for (p, &h) in run.iter().enumerate() {
-                out[(p / TK) * TILE + ((p % TK) / 2) * TK + 2 * c + (p & 1)] = h;
+        // Stored transposed: a column's `k` values are contiguous. By tile: each column's
+        // 32 values, as 16-bit, are 16 pairs; transposed, the tile's 16 pair rows.
+        let kb = out.len() / TILE;
+        for t in 0..kb {
+            let z: [__m512i; 16] = std::array::from_fn(|c| {
+                if c >= cols {
+                    return _mm512_setzero_si512();
+                }
+                let s = _mm512_set1_ps(s(j0 + c));
+                let half = |h: usize| {
+                    let p = t * TK + h * T;
+                    let left = k.saturating_sub(p).min(T);
+                    let mask: u16 = if left == T { !0 } else { (1 << left) - 1 };
+                    // SAFETY: column `j0 + c` holds `k` elements (masked past them).
+                    let x = unsafe {
+                        _mm512_maskz_loadu_ps(mask, b.ptr.offset((j0 + c) as isize * b.cs).add(p))
+                    };
+                    _mm512_cvtepi32_epi16(to16x16::<HALF>(x, s))
+                };
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(half(0)), half(1))
+            });
+            for (j, row) in transpose16(&z).iter().enumerate() {
+                // SAFETY: pair row `j` of tile `t` is 64 bytes of `out`.
+                unsafe {
+                    _mm512_storeu_si512(out.as_mut_ptr().add(t * TILE + j * TK) as *mut _, *row)
+                };
             }
         }
         return;
@@ -1029,13 +1136,15 @@ pub(crate) unsafe fn gemm(
         };
         let mut edge = [0f32; 4 * T * T];
         // One 32 × 32 block at rows `i`, columns `j` of the result.
-        let block = |c: *mut f32, ldc: usize, ops, (i, j): (usize, usize)| unsafe {
+        // One 32 × 32 block at rows `i`, columns `j` of the result, over `kc` tiles of `k`,
+        // added to the result where `load`.
+        let block = |c: *mut f32, ldc: usize, ops, (i, j), (kc, load): (usize, bool)| unsafe {
             match kernel {
-                Kernel::Tiles => block(c, ldc, read_dst, ops, kb),
-                Kernel::Dot => dot_block(c, ldc, read_dst, ops, kb),
+                Kernel::Tiles => block(c, ldc, load, ops, kc),
+                Kernel::Dot => dot_block(c, ldc, load, ops, kc),
                 Kernel::Half => {
                     let unscale = (a_unscale.as_ptr().add(i), b_unscale.as_ptr().add(j));
-                    half_block(c, ldc, read_dst, ops, kb, unscale)
+                    half_block(c, ldc, load, ops, kc, unscale)
                 }
             }
         };
@@ -1047,37 +1156,44 @@ pub(crate) unsafe fn gemm(
             if tiles {
                 asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
             }
-            for i in (i0..i1).step_by(2 * T) {
-                let (a0, a1) = (
-                    pa_ref.as_ptr().add((i / T) * panel),
-                    pa_ref.as_ptr().add((i / T + 1) * panel),
-                );
-                for j in (j0..j1).step_by(2 * T) {
-                    let q = (j - j0) / T;
-                    let ops = (
-                        a0,
-                        a1,
-                        pb.as_ptr().add(q * panel),
-                        pb.as_ptr().add((q + 1) * panel),
+            // A long `k` by `K_TILES` tiles, every block of the task for each, so that the
+            // task's rows and columns of that part stay in the core's cache.
+            for t0 in (0..kb).step_by(K_TILES) {
+                let kc = (kb - t0).min(K_TILES);
+                let load = read_dst || t0 > 0;
+                for i in (i0..i1).step_by(2 * T) {
+                    let (a0, a1) = (
+                        pa_ref.as_ptr().add((i / T) * panel + t0 * TILE),
+                        pa_ref.as_ptr().add((i / T + 1) * panel + t0 * TILE),
                     );
-                    let c = out.get().offset(i as isize * ld + j as isize);
-                    if i + 2 * T <= m && j + 2 * T <= n {
-                        block(c, ld as usize, ops, (i, j));
-                    } else {
-                        // A block past the matrix's edge: through a 32 × 32 scratch.
-                        let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
-                        edge.fill(0.0);
-                        if read_dst {
-                            for r in 0..h {
-                                for q in 0..w {
-                                    edge[r * 2 * T + q] = *c.offset(r as isize * ld + q as isize);
+                    for j in (j0..j1).step_by(2 * T) {
+                        let q = (j - j0) / T;
+                        let ops = (
+                            a0,
+                            a1,
+                            pb.as_ptr().add(q * panel + t0 * TILE),
+                            pb.as_ptr().add((q + 1) * panel + t0 * TILE),
+                        );
+                        let c = out.get().offset(i as isize * ld + j as isize);
+                        if i + 2 * T <= m && j + 2 * T <= n {
+                            block(c, ld as usize, ops, (i, j), (kc, load));
+                        } else {
+                            // A block past the matrix's edge: through a 32 × 32 scratch.
+                            let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
+                            edge.fill(0.0);
+                            if load {
+                                for r in 0..h {
+                                    for q in 0..w {
+                                        edge[r * 2 * T + q] =
+                                            *c.offset(r as isize * ld + q as isize);
+                                    }
                                 }
                             }
-                        }
-                        block(edge.as_mut_ptr(), 2 * T, ops, (i, j));
-                        for r in 0..h {
-                            for q in 0..w {
-                                *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
+                            block(edge.as_mut_ptr(), 2 * T, ops, (i, j), (kc, load));
+                            for r in 0..h {
+                                for q in 0..w {
+                                    *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
+                                }
                             }
                         }
                     }
@@ -1099,6 +1215,12 @@ pub(crate) unsafe fn gemm(
 
 /// Panels a packing task or a product task takes: 16 (256 rows or columns).
 const GROUP: usize = 16;
+
+/// Tiles of `k` (32 each) a product task runs all its blocks over at a time: 2048 values
+/// of `k`, so that a task's 256 rows and 256 columns of them (2 MB in all) stay in the
+/// core's second-level cache. Only a longer `k` is split (the vocabulary projection's
+/// gradient, `k` 37000).
+const K_TILES: usize = 32;
 
 thread_local! {
     /// The packed left operand of the thread's last product, kept for its next.
@@ -1332,7 +1454,8 @@ mod tests {
     /// What [`Kernel::Half`] computes, step by step in scalar arithmetic: the scaled
     /// operands rounded to fp16, each column's even and odd `k` summed in fp16 (one
     /// rounding a term, as an FMA), `FLUSH_TILES · 32` values of `k` at a time, those
-    /// sums added in f32, the two f32 sums added and unscaled.
+    /// sums added in f32, the two f32 sums added and unscaled, by parts of `K_TILES · 32`
+    /// values of `k`.
     #[allow(clippy::too_many_arguments)]
     fn half_reference(
         (m, k, n): (usize, usize, usize),
@@ -1358,19 +1481,26 @@ mod tests {
                 .map(|p| if p < k { h(at(i, p) * sa[i]) } else { 0.0 })
                 .collect();
             for j in 0..n {
-                let mut wide = [0f32; 2];
-                for chunk in (0..kp).step_by(FLUSH_TILES * TK) {
-                    let mut acc = [half::f16::ZERO; 2];
-                    for p in chunk..(chunk + FLUSH_TILES * TK).min(kp) {
-                        let b = if p < k { h(bt(p, j) * sb[j]) } else { 0.0 };
-                        let sum = acc[p % 2].to_f64() + ar[p] * b;
-                        acc[p % 2] = half::f16::from_f64(round_f16(sum));
+                let mut out = if read { c0[i * n + j] } else { 0.0 };
+                // The driver's parts of `k` (`K_TILES` tiles), each added to the result
+                // (stored, where it is the first and the result is not read).
+                for (part, k0) in (0..kp).step_by(K_TILES * TK).enumerate() {
+                    let k1 = (k0 + K_TILES * TK).min(kp);
+                    let mut wide = [0f32; 2];
+                    for chunk in (k0..k1).step_by(FLUSH_TILES * TK) {
+                        let mut acc = [half::f16::ZERO; 2];
+                        for p in chunk..(chunk + FLUSH_TILES * TK).min(k1) {
+                            let b = if p < k { h(bt(p, j) * sb[j]) } else { 0.0 };
+                            let sum = acc[p % 2].to_f64() + ar[p] * b;
+                            acc[p % 2] = half::f16::from_f64(round_f16(sum));
+                        }
+                        wide[0] += acc[0].to_f32();
+                        wide[1] += acc[1].to_f32();
                     }
-                    wide[0] += acc[0].to_f32();
-                    wide[1] += acc[1].to_f32();
+                    let v = (wide[0] + wide[1]) * ua[i] * ub[j];
+                    out = if part == 0 && !read { v } else { out + v };
                 }
-                let v = (wide[0] + wide[1]) * ua[i] * ub[j];
-                c[i * n + j] = if read { c0[i * n + j] + v } else { v };
+                c[i * n + j] = out;
             }
         }
         c
