@@ -293,80 +293,37 @@ const TOP_A: i32 = 5;
 const TOP_B: i32 = 4;
 const _: () = assert!((FLUSH_TILES * T) << (TOP_A + TOP_B) <= 1 << 15);
 
-/// The largest magnitude of each row of `a` (`rows × cols`), as the bits of an f32 (the
-/// order of non-negative floats is their bits' order; a NaN is above infinity).
-fn row_max_bits(a: Mat, (rows, cols): (usize, usize)) -> Vec<u32> {
-    let bits = |x: f32| x.to_bits() & 0x7fff_ffff;
-    let mut max = vec![0u32; rows];
-    // Closures capture the `Sync` matrix, not its pointer field.
-    let a = &a;
-    if a.cs == 1 {
-        max.par_iter_mut()
-            .with_min_len(64)
-            .enumerate()
-            .for_each(|(i, m)| {
-                // SAFETY: the caller's `a` addresses `rows × cols` elements.
-                let row =
-                    unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), cols) };
-                *m = row.iter().fold(0, |m, &x| m.max(bits(x)));
-            });
-    } else if a.rs == 1 {
-        // Stored transposed: each column's `rows` values are contiguous.
-        max.par_chunks_mut(1024).enumerate().for_each(|(c, max)| {
-            for p in 0..cols {
-                // SAFETY: as above.
-                let col = unsafe {
-                    std::slice::from_raw_parts(
-                        a.ptr.offset(p as isize * a.cs).add(c * 1024),
-                        max.len(),
-                    )
-                };
-                for (m, &x) in max.iter_mut().zip(col) {
-                    *m = (*m).max(bits(x));
-                }
-            }
-        });
-    } else {
-        for (i, m) in max.iter_mut().enumerate() {
-            for p in 0..cols {
-                // SAFETY: as above.
-                let x = unsafe { *a.ptr.offset(i as isize * a.rs + p as isize * a.cs) };
-                *m = (*m).max(bits(x));
-            }
-        }
-    }
-    max
+/// The bits of the largest magnitude in `x`: the order of non-negative floats is their
+/// bits' order (a NaN is above infinity).
+#[target_feature(enable = "avx512f")]
+fn max_bits(x: &[f32]) -> u32 {
+    x.iter().fold(0, |m, &v| m.max(v.to_bits() & 0x7fff_ffff))
 }
 
-/// The largest magnitude of each column of `b` (`k × n`), as [`row_max_bits`].
-fn col_max_bits(b: Mat, (k, n): (usize, usize)) -> Vec<u32> {
-    let t = Mat {
-        ptr: b.ptr,
-        rs: b.cs,
-        cs: b.rs,
-    };
-    row_max_bits(t, (n, k))
+/// `max[i]` raised to the bits of `|x[i]|` where those are larger.
+#[target_feature(enable = "avx512f")]
+fn max_bits_into(max: &mut [u32], x: &[f32]) {
+    for (m, &v) in max.iter_mut().zip(x) {
+        *m = (*m).max(v.to_bits() & 0x7fff_ffff);
+    }
 }
 
-/// The fp16 scales (powers of two: `s` and `1 / s`, both exact) of rows whose largest
-/// magnitudes are `max` (as [`row_max_bits`]), padded with ones to `len`: `s` brings the
-/// largest into `[2^(top - 1), 2^top)`. A row of zeros, or with an infinity or a NaN,
-/// keeps 1 (the infinity or NaN then reaches its results, as in f32).
-fn fp16_scales(max: &[u32], top: i32, len: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut scale = vec![1f32; len.max(max.len())];
-    let mut unscale = scale.clone();
-    for ((s, u), &m) in scale.iter_mut().zip(&mut unscale).zip(max) {
-        if m == 0 || m >= 0x7f80_0000 {
-            continue;
-        }
-        // `m` is in [2^e, 2^(e + 1)) (below for a subnormal, which is then brought into
-        // range from below); both scales stay normal floats.
-        let e = (m >> 23) as i32 - 127;
-        let shift = (top - 1 - e).clamp(-126, 126);
-        *s = f32::from_bits(((127 + shift) as u32) << 23);
-        *u = f32::from_bits(((127 - shift) as u32) << 23);
+/// The fp16 scale (a power of two: `s` and `1 / s`, both exact) of a row or column
+/// whose largest magnitude has the bits `max` ([`max_bits`]): `s` brings the largest
+/// into `[2^(top - 1), 2^top)`. A row of zeros, or with an infinity or a NaN, keeps 1
+/// (the infinity or NaN then reaches its results, as in f32).
+fn fp16_scale(max: u32, top: i32) -> (f32, f32) {
+    if max == 0 || max >= 0x7f80_0000 {
+        return (1.0, 1.0);
     }
-    (scale, unscale)
+    // `max` is in [2^e, 2^(e + 1)) (below for a subnormal, which is then brought into
+    // range from below); both scales stay normal floats.
+    let e = (max >> 23) as i32 - 127;
+    let shift = (top - 1 - e).clamp(-126, 126);
+    (
+        f32::from_bits(((127 + shift) as u32) << 23),
+        f32::from_bits(((127 - shift) as u32) << 23),
+    )
 }
 
 /// The 64-byte tile configuration (palette 1) that `LDTILECFG` loads: tiles 0–3 the
@@ -399,52 +356,80 @@ const CONFIG: TileConfig = {
 };
 
 /// Packs rows `[i0, i0 + 16)` of `a` (`m × k`) as `kb` tiles of 16 rows × 32 16-bit
-/// values ([`to16`]; `scales` by row where `HALF`), zero past `m` and `k`.
+/// values ([`to16`]), zero past `m` and `k`. Where `HALF`, each row is scaled by its
+/// [`fp16_scale`] (`TOP_A`), whose `1 / s` goes to `unscale` (one a row, 1 past `m`).
 ///
 /// # Safety
-/// `a` must address `m × k` valid elements; `out` holds `kb · TILE`; with `HALF`,
-/// `scales` holds every row's.
+/// The CPU must have AVX-512F and BW; `a` must address `m × k` valid elements; `out`
+/// holds `kb · TILE`; with `HALF`, `unscale` holds 16.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_a<const HALF: bool>(
     a: Mat,
     (m, k): (usize, usize),
     i0: usize,
-    scales: &[f32],
+    unscale: &mut [f32],
     out: &mut [u16],
 ) {
     let kb = out.len() / TILE;
-    let s = |i: usize| if HALF { scales[i] } else { 1.0 };
+    let rows = m.saturating_sub(i0).min(T);
+    let mut scale = [1f32; T];
+    if HALF {
+        unscale[..T].fill(1.0);
+        for (r, (s, u)) in scale
+            .iter_mut()
+            .zip(unscale.iter_mut())
+            .take(rows)
+            .enumerate()
+        {
+            let max = if a.cs == 1 {
+                // SAFETY: row `i0 + r` of `a` holds `k` elements.
+                let row = unsafe {
+                    std::slice::from_raw_parts(a.ptr.offset((i0 + r) as isize * a.rs), k)
+                };
+                max_bits(row)
+            } else {
+                (0..k)
+                    .map(|p| {
+                        let x =
+                            unsafe { *a.ptr.offset((i0 + r) as isize * a.rs + p as isize * a.cs) };
+                        x.to_bits() & 0x7fff_ffff
+                    })
+                    .max()
+                    .unwrap_or(0)
+            };
+            (*s, *u) = fp16_scale(max, TOP_A);
+        }
+    }
     if a.cs != 1 {
         // Strided: element by element (a transposed `a` takes `pack_a_columns`).
         out.fill(0);
-        let rows = m.saturating_sub(i0).min(T);
         for p in 0..k {
             let (t, q) = (p / TK, p % TK);
             let col = unsafe { a.ptr.offset(i0 as isize * a.rs + p as isize * a.cs) };
-            for r in 0..rows {
+            for (r, &s) in scale.iter().enumerate().take(rows) {
                 let x = unsafe { *col.offset(r as isize * a.rs) };
-                out[t * TILE + r * TK + q] = to16::<HALF>(x, s(i0 + r));
+                out[t * TILE + r * TK + q] = to16::<HALF>(x, s);
             }
         }
         return;
     }
-    for r in 0..T {
-        let i = i0 + r;
-        if i >= m {
+    for (r, &s) in scale.iter().enumerate() {
+        if r >= rows {
             for t in 0..kb {
                 out[t * TILE + r * TK..t * TILE + (r + 1) * TK].fill(0);
             }
             continue;
         }
-        // SAFETY: row `i` of `a` holds `k` elements.
-        let row = unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), k) };
+        // SAFETY: row `i0 + r` of `a` holds `k` elements (and is in the first-level cache
+        // after its scan, where `HALF`).
+        let row = unsafe { std::slice::from_raw_parts(a.ptr.offset((i0 + r) as isize * a.rs), k) };
         for t in 0..kb {
             let dst = &mut out[t * TILE + r * TK..t * TILE + (r + 1) * TK];
             let src = &row[(t * TK).min(k)..((t + 1) * TK).min(k)];
             if src.len() < TK {
                 dst.fill(0);
             }
-            unsafe { convert::<HALF>(src, Scale::One(s(i)), dst) };
+            unsafe { convert::<HALF>(src, Scale::One(s), dst) };
         }
     }
 }
@@ -455,18 +440,38 @@ unsafe fn pack_a<const HALF: bool>(
 /// those rows a whole group of panels wide (contiguous, which the prefetchers follow),
 /// where [`pack_a`] would read 64 bytes of each row per panel.
 ///
+/// Where `HALF`, each row is scaled by its [`fp16_scale`] (`TOP_A`), found from a first
+/// pass over the group's rows (which leaves them in the core's cache for the second),
+/// and its `1 / s` goes to `unscale` (one a row of the group, 1 past `m`).
+///
 /// # Safety
-/// `a` must address `m × k` valid elements with `a.rs == 1`.
+/// The CPU must have AVX-512F and BW; `a` must address `m × k` valid elements with
+/// `a.rs == 1`; with `HALF`, `unscale` holds a value for each row of `out`'s panels.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_a_columns<const HALF: bool>(
     a: Mat,
     (m, k): (usize, usize),
     i0: usize,
-    scales: &[f32],
+    unscale: &mut [f32],
     (panel, out): (usize, &mut [u16]),
 ) {
     let rows = m.saturating_sub(i0).min(out.len() / panel * T);
     let kb = panel / TILE;
+    // SAFETY (the slices of `a` below): index `p` holds the `m` elements of its row.
+    let src = |p: usize| unsafe {
+        std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows)
+    };
+    let mut scale = [1f32; GROUP * T];
+    if HALF {
+        let mut max = [0u32; GROUP * T];
+        for p in 0..k {
+            max_bits_into(&mut max[..rows], src(p));
+        }
+        unscale.fill(1.0);
+        for ((s, u), &max) in scale.iter_mut().zip(unscale.iter_mut()).zip(&max[..rows]) {
+            (*s, *u) = fp16_scale(max, TOP_A);
+        }
+    }
     // By 32 `k` indices (a tile's) and 16 rows: the rows' 16 values at each index, as
     // 16-bit, paired by index (even in the low half), transposed into the tile's 16 rows
     // of 16 pairs.
@@ -477,21 +482,15 @@ unsafe fn pack_a_columns<const HALF: bool>(
             } else {
                 (1 << (rows - r0)) - 1
             };
-            // SAFETY: the scales are padded to whole row tiles.
-            let s = if HALF {
-                unsafe { _mm512_loadu_ps(scales.as_ptr().add(i0 + r0)) }
-            } else {
-                _mm512_setzero_ps()
-            };
+            // SAFETY: `scale` holds the group's 256 rows.
+            let s = unsafe { _mm512_loadu_ps(scale.as_ptr().add(r0)) };
             let value = |q: usize| {
                 let p = t * TK + q;
                 if p >= k {
                     return _mm512_setzero_si512();
                 }
                 // SAFETY: index `p` holds rows `i0 + r0..` up to `rows` (masked).
-                let x = unsafe {
-                    _mm512_maskz_loadu_ps(mask, a.ptr.offset(p as isize * a.cs).add(i0 + r0))
-                };
+                let x = unsafe { _mm512_maskz_loadu_ps(mask, src(p).as_ptr().add(r0)) };
                 to16x16::<HALF>(x, s)
             };
             let z: [__m512i; 16] = std::array::from_fn(|j| {
@@ -512,13 +511,13 @@ unsafe fn pack_a_columns<const HALF: bool>(
 
 /// Packs columns `[j0, j0 + 16)` of `b` (`k × n`) as `kb` tiles of 16 pair rows: row `r`
 /// of tile `t` holds `b[32t + 2r, j], b[32t + 2r + 1, j]` for its 16 columns `j` (the
-/// pairs `TDPBF16PS` multiplies), as 16-bit values ([`to16`]; `scales` by column where
-/// `HALF`), zero past `k` and `n`. A row-major `b` a whole tile wide packs only the tiles
+/// pairs `TDPBF16PS` multiplies), as 16-bit values ([`to16`]; where `HALF`, each column
+/// scaled by its `scales[c]`, `c` from 0 at `j0`), zero past `k` and `n`. A row-major `b` a whole tile wide packs only the tiles
 /// of `tiles` (see [`pack_b_group`]); otherwise all of them.
 ///
 /// # Safety
-/// `b` must address `k × n` valid elements; `out` holds `kb · TILE`; with `HALF`,
-/// `scales` holds every column's.
+/// The CPU must have AVX-512F and BW; `b` must address `k × n` valid elements; `out`
+/// holds `kb · TILE`; with `HALF`, `scales` holds 16.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_b<const HALF: bool>(
     b: Mat,
@@ -530,11 +529,11 @@ unsafe fn pack_b<const HALF: bool>(
 ) {
     let cols = n.saturating_sub(j0).min(T);
     let at = |p: usize, j: usize| unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) };
-    let s = |j: usize| if HALF { scales[j] } else { 1.0 };
+    let s = |j: usize| if HALF { scales[j - j0] } else { 1.0 };
     if b.cs == 1 && cols == T {
         // Row-major, a whole tile wide: two rows' 16 columns interleaved.
         let scale = if HALF {
-            Scale::Each(&scales[j0..j0 + T])
+            Scale::Each(&scales[..T])
         } else {
             Scale::One(1.0)
         };
@@ -622,30 +621,69 @@ unsafe fn pack_b<const HALF: bool>(
 /// panel at a time would read 64 bytes of each row (the vocabulary projection's rows are
 /// 148 KB apart).
 ///
+/// Where `HALF`, each column is scaled by its [`fp16_scale`] (`TOP_B`), found from a
+/// first pass over the group's columns, and its `1 / s` goes to `unscale` (one a column
+/// of the group, 1 past `n`).
+///
 /// # Safety
-/// As [`pack_b`].
+/// As [`pack_b`]; with `HALF`, `unscale` holds a value for each column of `out`'s panels.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_b_group<const HALF: bool>(
     b: Mat,
     (k, n): (usize, usize),
     j0: usize,
-    scales: &[f32],
+    unscale: &mut [f32],
     (panel, out): (usize, &mut [u16]),
 ) {
     let kb = panel / TILE;
+    let mut scale = [1f32; GROUP * T];
+    if HALF {
+        let cols = n.saturating_sub(j0).min(out.len() / panel * T);
+        let mut max = [0u32; GROUP * T];
+        if b.cs == 1 {
+            for p in 0..k {
+                // SAFETY: row `p` holds columns `j0..j0 + cols`.
+                let row = unsafe {
+                    std::slice::from_raw_parts(b.ptr.offset(p as isize * b.rs).add(j0), cols)
+                };
+                max_bits_into(&mut max[..cols], row);
+            }
+        } else {
+            for (c, max) in max.iter_mut().enumerate().take(cols) {
+                let at = |p: usize| unsafe {
+                    *b.ptr.offset(p as isize * b.rs + (j0 + c) as isize * b.cs)
+                };
+                *max = if b.rs == 1 {
+                    // SAFETY: column `j0 + c` holds `k` contiguous elements.
+                    max_bits(unsafe {
+                        std::slice::from_raw_parts(b.ptr.offset((j0 + c) as isize * b.cs), k)
+                    })
+                } else {
+                    (0..k)
+                        .map(|p| at(p).to_bits() & 0x7fff_ffff)
+                        .max()
+                        .unwrap_or(0)
+                };
+            }
+        }
+        unscale.fill(1.0);
+        for ((s, u), &max) in scale.iter_mut().zip(unscale.iter_mut()).zip(&max[..cols]) {
+            (*s, *u) = fp16_scale(max, TOP_B);
+        }
+    }
     let whole = |q: usize| b.cs == 1 && j0 + (q + 1) * T <= n;
     for t in 0..kb {
         for (q, o) in out.chunks_exact_mut(panel).enumerate() {
             if whole(q) {
                 // SAFETY: as the caller's.
-                unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, scales, o, t..t + 1) }
+                unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, &scale[q * T..], o, t..t + 1) }
             }
         }
     }
     for (q, o) in out.chunks_exact_mut(panel).enumerate() {
         if !whole(q) {
             // SAFETY: as the caller's.
-            unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, scales, o, 0..kb) }
+            unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, &scale[q * T..], o, 0..kb) }
         }
     }
 }
@@ -900,7 +938,7 @@ pub(crate) struct PackedRhs {
     n: usize,
     /// Whether it is in fp16 ([`Kernel::Half`]), else in bf16.
     half: bool,
-    /// With `half`, the columns' `1 / s` (see [`fp16_scales`]), padded to the panels.
+    /// With `half`, the columns' `1 / s` (see [`fp16_scale`]), padded to the panels.
     unscale: Vec<f32>,
     lines: Vec<Line>,
 }
@@ -959,23 +997,22 @@ unsafe fn pack_b_all(
     panel: usize,
     pb: &mut [u16],
 ) -> Vec<f32> {
-    let (scale, unscale) = if half {
-        fp16_scales(&col_max_bits(b, (k, n)), TOP_B, pb.len() / panel * T)
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    if !half {
+        pb.par_chunks_mut(GROUP * panel)
+            .enumerate()
+            .for_each(|(g, out)| {
+                // SAFETY: as the caller's.
+                unsafe { pack_b_group::<false>(b, (k, n), g * GROUP * T, &mut [], (panel, out)) }
+            });
+        return Vec::new();
+    }
+    let mut unscale = vec![1f32; pb.len() / panel * T];
     pb.par_chunks_mut(GROUP * panel)
+        .zip(unscale.par_chunks_mut(GROUP * T))
         .enumerate()
-        .for_each(|(g, out)| {
-            let (j0, o) = (g * GROUP * T, (panel, out));
+        .for_each(|(g, (out, u))| {
             // SAFETY: as the caller's.
-            unsafe {
-                if half {
-                    pack_b_group::<true>(b, (k, n), j0, &scale, o)
-                } else {
-                    pack_b_group::<false>(b, (k, n), j0, &[], o)
-                }
-            }
+            unsafe { pack_b_group::<true>(b, (k, n), g * GROUP * T, u, (panel, out)) }
         });
     unscale
 }
@@ -990,7 +1027,7 @@ pub(crate) enum Rhs<'a> {
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with the
 /// operands rounded to 16 bits and the sums in f32, with `kernel`'s instructions, over
 /// rayon's threads: bf16 for the tiles and `VDPBF16PS`; fp16 for `VFMADD231PH`, each row
-/// of `a` and column of `b` scaled by a power of two first ([`fp16_scales`]) and the
+/// of `a` and column of `b` scaled by a power of two first ([`fp16_scale`]) and the
 /// sums of every [`FLUSH_TILES`] · 16 terms in fp16.
 ///
 /// # Safety
@@ -1025,46 +1062,64 @@ pub(crate) unsafe fn gemm(
     };
     let kb = k.div_ceil(TK).max(1);
     let mt = m.div_ceil(T);
-    // In fp16, the scales of `a`'s rows (padded to its panels).
-    let (a_scale, a_unscale) = if half {
-        fp16_scales(&row_max_bits(a, (m, k)), TOP_A, mt.next_multiple_of(2) * T)
-    } else {
-        (Vec::new(), Vec::new())
-    };
     // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
     // all-zero panel beside it). A wide `b` is packed by each task, its 256 columns (16
     // panels) into a buffer of its thread that stays in the core's cache: the packed copy
     // of the vocabulary projection's `b` (38 MB) never goes to memory and back. Otherwise
-    // `b` is packed once and shared (below).
+    // `b` is packed once and shared (below). In fp16 each row's `1 / s` goes to
+    // `a_unscale`.
     let panel = kb * TILE;
     let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
     // Every element is written by the packing below (zeros past the operand's edges).
     let pa = lines(&mut lines_a, mt.next_multiple_of(2) * panel);
-    if a.rs == 1 && a.cs != 1 {
-        pa.par_chunks_mut(GROUP * panel)
-            .enumerate()
-            .for_each(|(g, out)| {
-                let (i0, o) = (g * GROUP * T, (panel, out));
-                // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `rs == 1`.
-                unsafe {
-                    if half {
-                        pack_a_columns::<true>(a, (m, k), i0, &a_scale, o)
-                    } else {
-                        pack_a_columns::<false>(a, (m, k), i0, &[], o)
-                    }
-                }
-            });
+    let mut a_unscale = if half {
+        vec![1f32; mt.next_multiple_of(2) * T]
     } else {
-        pa.par_chunks_mut(panel).enumerate().for_each(|(i, out)| {
+        Vec::new()
+    };
+    if a.rs == 1 && a.cs != 1 {
+        let pack = |g: usize, out: &mut [u16], u: &mut [f32]| {
+            let (i0, o) = (g * GROUP * T, (panel, out));
+            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `rs == 1`.
+            unsafe {
+                if half {
+                    pack_a_columns::<true>(a, (m, k), i0, u, o)
+                } else {
+                    pack_a_columns::<false>(a, (m, k), i0, u, o)
+                }
+            }
+        };
+        if half {
+            pa.par_chunks_mut(GROUP * panel)
+                .zip(a_unscale.par_chunks_mut(GROUP * T))
+                .enumerate()
+                .for_each(|(g, (out, u))| pack(g, out, u));
+        } else {
+            pa.par_chunks_mut(GROUP * panel)
+                .enumerate()
+                .for_each(|(g, out)| pack(g, out, &mut []));
+        }
+    } else {
+        let pack = |i: usize, out: &mut [u16], u: &mut [f32]| {
             // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`.
             unsafe {
                 if half {
-                    pack_a::<true>(a, (m, k), i * T, &a_scale, out)
+                    pack_a::<true>(a, (m, k), i * T, u, out)
                 } else {
-                    pack_a::<false>(a, (m, k), i * T, &[], out)
+                    pack_a::<false>(a, (m, k), i * T, u, out)
                 }
             }
-        });
+        };
+        if half {
+            pa.par_chunks_mut(panel)
+                .zip(a_unscale.par_chunks_mut(T))
+                .enumerate()
+                .for_each(|(i, (out, u))| pack(i, out, u));
+        } else {
+            pa.par_chunks_mut(panel)
+                .enumerate()
+                .for_each(|(i, out)| pack(i, out, &mut []));
+        }
     }
     // Tasks: the column blocks, each split into row blocks (multiples of 32 rows) only
     // as far as it takes to give every thread two tasks. Where there are fewer column
@@ -1072,12 +1127,11 @@ pub(crate) unsafe fn gemm(
     // packed once beforehand and shared.
     // So is a `b` whose tasks would each stream a packed `a` too large for a core's
     // cache (over 2 MB): then the tasks are blocks of at most 256 rows. A `b` the caller
-    // packed beforehand (`Rhs::Packed`) is read as a shared one.
-    // In fp16, the scales of `b`'s columns are found first (they are needed by every
-    // task's packing).
+    // packed beforehand (`Rhs::Packed`) is read as a shared one. In fp16 the columns'
+    // `1 / s` are in `b_unscale` for a shared `b`, else in each task's own.
     let cols_b = n.div_ceil(GROUP * T);
     let mut lines_shared = Vec::new();
-    let (mut b_scale, mut b_unscale) = (Vec::new(), Vec::new());
+    let mut b_unscale = Vec::new();
     let pb_shared: &[u16] = match (b, prepacked) {
         (_, Some(packed)) => {
             b_unscale.clone_from(&packed.unscale);
@@ -1090,16 +1144,7 @@ pub(crate) unsafe fn gemm(
             b_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
             pb
         }
-        (Some(b), None) => {
-            if half {
-                (b_scale, b_unscale) = fp16_scales(
-                    &col_max_bits(b, (k, n)),
-                    TOP_B,
-                    n.div_ceil(T).next_multiple_of(2) * T,
-                );
-            }
-            &[]
-        }
+        (Some(_), None) => &[],
         (None, None) => unreachable!("a right operand is a matrix or packed"),
     };
     // Whether every task reads `b` packed beforehand (here or by the caller).
@@ -1114,28 +1159,31 @@ pub(crate) unsafe fn gemm(
     let rows_b = m.div_ceil(rows_per);
     let out = Out(dst);
     let pa_ref = &pa;
-    let (b_scale, a_unscale, b_unscale) = (&b_scale, &a_unscale, &b_unscale);
+    let (a_unscale, b_unscale) = (&a_unscale, &b_unscale);
     (0..rows_b * cols_b).into_par_iter().for_each(|task| {
         let (i0, j0) = ((task % rows_b) * rows_per, (task / rows_b) * GROUP * T);
         let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(n));
         let mut lines_b = Vec::new();
-        let pb: &[u16] = if let (false, Some(b)) = (shared, b) {
+        // The columns' `1 / s` in fp16, from column `j0` on.
+        let mut own_unscale = [1f32; GROUP * T];
+        let (pb, b_unscale): (&[u16], &[f32]) = if let (false, Some(b)) = (shared, b) {
             lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
-            let pb = lines(&mut lines_b, (j1 - j0).div_ceil(T).next_multiple_of(2) * panel);
+            let panels = (j1 - j0).div_ceil(T).next_multiple_of(2);
+            let pb = lines(&mut lines_b, panels * panel);
+            let u = &mut own_unscale[..panels * T];
             // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
             unsafe {
                 if half {
-                    pack_b_group::<true>(b, (k, n), j0, b_scale, (panel, pb))
+                    pack_b_group::<true>(b, (k, n), j0, u, (panel, pb))
                 } else {
-                    pack_b_group::<false>(b, (k, n), j0, &[], (panel, pb))
+                    pack_b_group::<false>(b, (k, n), j0, u, (panel, pb))
                 }
             };
-            pb
+            (pb, &own_unscale)
         } else {
-            &pb_shared[(j0 / T) * panel..]
+            (&pb_shared[(j0 / T) * panel..], &b_unscale[j0.min(b_unscale.len())..])
         };
         let mut edge = [0f32; 4 * T * T];
-        // One 32 × 32 block at rows `i`, columns `j` of the result.
         // One 32 × 32 block at rows `i`, columns `j` of the result, over `kc` tiles of `k`,
         // added to the result where `load`.
         let block = |c: *mut f32, ldc: usize, ops, (i, j), (kc, load): (usize, bool)| unsafe {
@@ -1143,7 +1191,7 @@ pub(crate) unsafe fn gemm(
                 Kernel::Tiles => block(c, ldc, load, ops, kc),
                 Kernel::Dot => dot_block(c, ldc, load, ops, kc),
                 Kernel::Half => {
-                    let unscale = (a_unscale.as_ptr().add(i), b_unscale.as_ptr().add(j));
+                    let unscale = (a_unscale.as_ptr().add(i), b_unscale.as_ptr().add(j - j0));
                     half_block(c, ldc, load, ops, kc, unscale)
                 }
             }
@@ -1471,8 +1519,8 @@ mod tests {
         let col_max: Vec<u32> = (0..n)
             .map(|j| (0..k).map(|p| bits(bt(p, j))).max().unwrap_or(0))
             .collect();
-        let (sa, ua) = fp16_scales(&row_max, TOP_A, m);
-        let (sb, ub) = fp16_scales(&col_max, TOP_B, n);
+        let (sa, ua): (Vec<f32>, Vec<f32>) = row_max.iter().map(|&x| fp16_scale(x, TOP_A)).unzip();
+        let (sb, ub): (Vec<f32>, Vec<f32>) = col_max.iter().map(|&x| fp16_scale(x, TOP_B)).unzip();
         let h = |x: f32| half::f16::from_f32(x).to_f64();
         let kp = k.div_ceil(TK).max(1) * TK;
         let mut c = vec![0f32; m * n];
