@@ -67,9 +67,10 @@ fn main() {
             2.0 * (n * n * n) as f64 / s / 1e9
         );
     }
-    // The same products in bf16 (`KILN_CPU_BF16=1`: AMX tiles, else VDPBF16PS where it is
-    // fast; `KILN_CPU_BF16=dot` VDPBF16PS wherever it runs), with the operands' rounding
-    // and packing counted: 2048³, then the base step's widest shapes.
+    // The same products with 16-bit operands (`KILN_CPU_BF16=1`: AMX tiles, else VDPBF16PS
+    // where it is fast, else scaled fp16 with AVX512-FP16; `KILN_CPU_BF16=amx|dot|fp16`
+    // names one wherever it runs), with the operands' rounding and packing counted: 2048³,
+    // then the base step's widest shapes.
     let kernel = kiln_runtime::compiled::Bf16Kernel::chosen();
     for (m, k, n) in [
         (2048usize, 2048, 2048),
@@ -94,11 +95,11 @@ fn main() {
         };
         match why {
             Some(e) => {
-                println!("bf16 gemm: skipped ({e})");
+                println!("16-bit gemm: skipped ({e})");
                 break;
             }
             None => println!(
-                "bf16 gemm ({}) {m}×{k}·{k}×{n}: {:.2} ms, {:.1} GFLOP/s",
+                "16-bit gemm ({}) {m}×{k}·{k}×{n}: {:.2} ms, {:.1} GFLOP/s",
                 kernel.as_ref().map_or("", |k| k.name()),
                 s * 1e3,
                 2.0 * (m * k * n) as f64 / s / 1e9

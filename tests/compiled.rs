@@ -369,6 +369,72 @@ fn bench_tiny_step_json(extra: &[&str]) -> serde_json::Value {
     serde_json::from_str(text.trim()).expect("one JSON object")
 }
 
+/// `KILN_CPU_BF16` names a 16-bit kernel for `kiln bench` (and every executor of the
+/// process): where this CPU can run it, the bench's executor says which; where it cannot,
+/// the variable is reported once, naming the kernel and why, and the products stay f32;
+/// an unknown value is reported and ignored. The run succeeds in every case.
+#[test]
+fn kiln_cpu_bf16_names_the_kernel_or_says_why_not() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    let bench = |value: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args([
+                "bench",
+                "models/transformer_tiny.kiln",
+                "--set",
+                "vocab=48",
+                "--entry",
+                "forward",
+                "--batch",
+                "3",
+                "--src-len",
+                "7",
+                "--tgt-len",
+                "5",
+                "--runs",
+                "1",
+                "--json",
+            ])
+            .current_dir(common::root())
+            .env("NO_COLOR", "1")
+            .env("KILN_CPU_BF16", value)
+            .output()
+            .expect("kiln runs");
+        let (text, err) = (
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        );
+        assert!(out.status.success(), "KILN_CPU_BF16={value}: {text}{err}");
+        let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+        (v["executor"].as_str().unwrap_or_default().to_string(), err)
+    };
+    for (value, kernel, label) in [
+        ("amx", Bf16Kernel::Tiles, "compiled-bf16-products"),
+        ("dot", Bf16Kernel::Dot, "compiled-bf16-products-vdpbf16ps"),
+        ("fp16", Bf16Kernel::Half, "compiled-fp16-products"),
+    ] {
+        let (executor, err) = bench(value);
+        match kernel.available() {
+            Ok(()) => assert_eq!(executor, label, "KILN_CPU_BF16={value}: {err}"),
+            Err(why) => {
+                assert_eq!(executor, "compiled", "KILN_CPU_BF16={value}");
+                let want = format!(
+                    "KILN_CPU_BF16 is ignored: KILN_CPU_BF16 asks for {}, but {why}; the \
+                     matrix products run in f32",
+                    kernel.name()
+                );
+                assert!(err.contains(&want), "KILN_CPU_BF16={value}: {err}");
+            }
+        }
+    }
+    let (executor, err) = bench("fp17");
+    assert_eq!(executor, "compiled");
+    assert!(
+        err.contains("KILN_CPU_BF16 is ignored: it is \"fp17\", where 1 (the best 16-bit kernel), amx, dot, fp16 or 0 (f32) are known"),
+        "{err}"
+    );
+}
+
 /// `kiln bench --json` with the compiled executor reports what it measured: the runs it
 /// was asked for, `min ≤ median ≤ max`, tokens per second from the median and the batch's
 /// target tokens, and the arena of the memory plan at the bench's dims.

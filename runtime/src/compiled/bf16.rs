@@ -1,25 +1,32 @@
-//! Matrix products in bf16 with f32 accumulation: the CPU's mixed precision
-//! (`KILN_CPU_BF16=1`), opt-in. Two kernels share the packing and the driver here:
+//! Matrix products with 16-bit operands and f32 accumulation: the CPU's mixed precision
+//! (`KILN_CPU_BF16=1`), opt-in. Three kernels share the packing and the driver here:
 //!
 //! - [`Kernel::Tiles`]: Intel AMX tiles (`TDPBF16PS`, 16 × 16 results and 32 terms each
 //!   per instruction), on Xeons of the 4th generation on;
 //! - [`Kernel::Dot`]: AVX-512's `VDPBF16PS` (16 results, 2 terms each per instruction),
-//!   on AMD Zen 4 and later, where it multiplies-adds at twice the rate of f32 FMAs.
+//!   on AMD Zen 4 and later, where it multiplies-adds at twice the rate of f32 FMAs;
+//! - [`Kernel::Half`]: AVX512-FP16's `VFMADD231PH` (32 fp16 multiply-adds per
+//!   instruction, twice an f32 FMA's), on Intel Xeons of the 4th generation on whose VM
+//!   hides their AMX.
 //!
-//! In: the same strided f32 operands as [`super::gemm::gemm_one`]. Each operand is rounded
-//! to bf16 (to nearest, ties to even) as it is packed; the products of pairs are summed in
-//! f32, so a result differs from the f32 product by about the inputs' rounding, at most
-//! 2⁻⁹ relative per operand, as with PyTorch's bf16 autocast or cuBLAS in bf16. Both
-//! instructions treat subnormal bf16 inputs as zero and flush subnormal results.
+//! In: the same strided f32 operands as [`super::gemm::gemm_one`]. For the first two,
+//! each operand is rounded to bf16 (to nearest, ties to even) as it is packed; the
+//! products of pairs are summed in f32, so a result differs from the f32 product by about
+//! the inputs' rounding, at most 2⁻⁹ relative per operand, as with PyTorch's bf16
+//! autocast or cuBLAS in bf16. Both instructions treat subnormal bf16 inputs as zero and
+//! flush subnormal results. For fp16, each row of `a` and column of `b` is first scaled
+//! by a power of two so that no fp16 sum can overflow ([`fp16_scale`]), then rounded to
+//! fp16 (2⁻¹¹ relative); sums of 64 terms are kept in fp16 and added up in f32, and the
+//! scales are undone exactly at the end (see [`half_block`]).
 //!
 //! Every result element is summed over `k` in the same order whatever the threads, so a
-//! product gives the same bits on every run and with any number of threads (the two
+//! product gives the same bits on every run and with any number of threads (the
 //! kernels may differ from each other in the last bits).
 //!
 //! No well-kept crate offers these products on stable Rust (the `gemm` crate's kernels
 //! are f32/f64/f16-through-f32; the `x86_amx_intrinsics` are nightly-only), so the eight
-//! tile instructions used here are written as inline assembly; `VDPBF16PS` is a stable
-//! intrinsic.
+//! tile instructions used here are written as inline assembly; `VDPBF16PS` and
+//! `VFMADD231PH` are stable intrinsics.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -38,7 +45,8 @@ const TILE: usize = T * TK;
 pub(crate) use super::Bf16Kernel as Kernel;
 
 /// The kernel that `KILN_CPU_BF16=1` runs on this CPU: the tiles where there are tiles,
-/// else `VDPBF16PS` where it is faster than f32; `Err` says why neither.
+/// else `VDPBF16PS` where it is faster than f32, else `VFMADD231PH` where there is
+/// AVX512-FP16; `Err` says why none.
 pub(crate) fn kernel() -> Result<Kernel, String> {
     match (tiles_available(), dot_faster_than_f32(), half_available()) {
         (Ok(()), _, _) => Ok(Kernel::Tiles),
@@ -172,10 +180,8 @@ enum Scale<'a> {
 }
 
 /// The 16-bit values ([`to16`]) of 16 elements `x` with their scales `s` (read only
-/// where `HALF`), each in the low half of a 32-bit lane (the high half zero).
-///
-/// # Safety
-/// The CPU must have AVX-512F and BW.
+/// where `HALF`), each in the low half of a 32-bit lane (the high half zero). For
+/// callers with AVX-512F and BW.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 fn to16x16<const HALF: bool>(x: __m512, s: __m512) -> __m512i {
