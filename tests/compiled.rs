@@ -343,13 +343,24 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
 /// `kiln bench --json` of the tiny model's `train_step` (vocabulary 48, 3 sentences of 7
 /// source and 5 target tokens) with `extra` arguments, parsed.
 fn bench_tiny_step_json(extra: &[&str]) -> serde_json::Value {
+    bench_tiny_json("train_step", extra, &[]).0
+}
+
+/// `kiln bench --json` of the tiny model's `entry` (vocabulary 48, 3 sentences of 7 source
+/// and 5 target tokens) with `extra` arguments and `env` variables, parsed, and what it
+/// wrote to stderr.
+fn bench_tiny_json(
+    entry: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (serde_json::Value, String) {
     let mut args = vec![
         "bench",
         "models/transformer_tiny.kiln",
         "--set",
         "vocab=48",
         "--entry",
-        "train_step",
+        entry,
         "--batch",
         "3",
         "--src-len",
@@ -359,14 +370,20 @@ fn bench_tiny_step_json(extra: &[&str]) -> serde_json::Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = common::kiln(&args);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(&args)
+        .current_dir(common::root())
+        .env("NO_COLOR", "1")
+        .envs(env.iter().copied())
+        .output()
+        .expect("kiln runs");
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
     );
-    serde_json::from_str(text.trim()).expect("one JSON object")
+    assert!(out.status.success(), "{env:?}: {text}{err}");
+    let v = serde_json::from_str(text.trim()).expect("one JSON object");
+    (v, err)
 }
 
 /// `KILN_CPU_BF16` names a 16-bit kernel for `kiln bench` (and every executor of the
@@ -377,35 +394,7 @@ fn bench_tiny_step_json(extra: &[&str]) -> serde_json::Value {
 fn kiln_cpu_bf16_names_the_kernel_or_says_why_not() {
     use kiln_runtime::compiled::Bf16Kernel;
     let bench = |value: &str| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args([
-                "bench",
-                "models/transformer_tiny.kiln",
-                "--set",
-                "vocab=48",
-                "--entry",
-                "forward",
-                "--batch",
-                "3",
-                "--src-len",
-                "7",
-                "--tgt-len",
-                "5",
-                "--runs",
-                "1",
-                "--json",
-            ])
-            .current_dir(common::root())
-            .env("NO_COLOR", "1")
-            .env("KILN_CPU_BF16", value)
-            .output()
-            .expect("kiln runs");
-        let (text, err) = (
-            String::from_utf8_lossy(&out.stdout).to_string(),
-            String::from_utf8_lossy(&out.stderr).to_string(),
-        );
-        assert!(out.status.success(), "KILN_CPU_BF16={value}: {text}{err}");
-        let v: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON object");
+        let (v, err) = bench_tiny_json("forward", &["--runs", "1"], &[("KILN_CPU_BF16", value)]);
         (v["executor"].as_str().unwrap_or_default().to_string(), err)
     };
     for (value, kernel, label) in [

@@ -758,6 +758,52 @@ unsafe fn block(
     }
 }
 
+/// The multiply-adds of one strip of 8 result rows × 32 columns over the packed `tiles`
+/// of `a` (its 8 rows from row `in_tile` of each tile) and of the two column tiles `b0`,
+/// `b1`: each pair row `p` of a tile is one 64-byte line of each column tile (16 columns
+/// × 2 values of `k`), and each row's pair `p` (4 bytes at `2p` of its 32) is broadcast
+/// to every lane pair (`broadcast`) and multiplied with them (`fma(acc, a, b)`). Shared
+/// by [`dot_block`] and [`half_block`], inlined into each with its instructions.
+///
+/// # Safety
+/// Every panel holds the tiles; `V` is a 64-byte vector (the lines are 64-byte aligned,
+/// `Line`).
+#[inline(always)]
+unsafe fn strip_steps<A: Copy, V: Copy>(
+    acc: &mut [[A; 2]; 8],
+    (a, b0, b1): (*const u16, *const u16, *const u16),
+    in_tile: usize,
+    tiles: std::ops::Range<usize>,
+    broadcast: impl Fn(i32) -> V,
+    fma: impl Fn(A, V, V) -> A,
+) {
+    for t in tiles {
+        // SAFETY: each panel holds the tiles.
+        let (at, bt0, bt1) = unsafe {
+            (
+                a.add(t * TILE + in_tile * TK),
+                b0.add(t * TILE),
+                b1.add(t * TILE),
+            )
+        };
+        for p in 0..T {
+            // SAFETY: pair row `p` of a tile is one 64-byte line on a 64-byte boundary.
+            let (v0, v1) = unsafe {
+                (
+                    (bt0.add(p * TK) as *const V).read(),
+                    (bt1.add(p * TK) as *const V).read(),
+                )
+            };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row `r`'s pair `p` is 4 bytes at `2p` of its 32.
+                let va = broadcast(unsafe { (at.add(r * TK + 2 * p) as *const i32).read() });
+                acc[0] = fma(acc[0], va, v0);
+                acc[1] = fma(acc[1], va, v1);
+            }
+        }
+    }
+}
+
 /// One 32 × 32 result block over the whole `k` with `VDPBF16PS`, from the same packed
 /// panels as [`block`]: each 8 rows × 32 columns of the result are 16 vectors of 16 f32
 /// held in registers over the whole `k`; each step broadcasts a row's bf16 pair to every
@@ -785,33 +831,17 @@ unsafe fn dot_block(
                 *acc = unsafe { [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(T))] };
             }
         }
-        for t in 0..kb {
-            // SAFETY: each panel holds `kb` tiles.
-            let (at, bt0, bt1) = unsafe {
-                (
-                    a.add(t * TILE + in_tile * TK),
-                    b0.add(t * TILE),
-                    b1.add(t * TILE),
-                )
-            };
-            for p in 0..T {
-                // SAFETY: pair row `p` of a tile is one 64-byte line on a 64-byte boundary
-                // (`Line`); a row's pair `p` is 4 bytes at `2p` of its 32.
-                let (v0, v1) = unsafe {
-                    (
-                        (bt0.add(p * TK) as *const __m512bh).read(),
-                        (bt1.add(p * TK) as *const __m512bh).read(),
-                    )
-                };
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let pair = unsafe { (at.add(r * TK + 2 * p) as *const i32).read() };
-                    // SAFETY: the same 512 bits seen as 32 bf16.
-                    let va: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
-                    acc[0] = _mm512_dpbf16_ps(acc[0], va, v0);
-                    acc[1] = _mm512_dpbf16_ps(acc[1], va, v1);
-                }
-            }
-        }
+        // SAFETY: as the caller's; the same 512 bits seen as 32 bf16.
+        unsafe {
+            strip_steps(
+                &mut acc,
+                (a, b0, b1),
+                in_tile,
+                0..kb,
+                |pair| std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair)),
+                |acc, a, b| _mm512_dpbf16_ps(acc, a, b),
+            )
+        };
         for (r, acc) in acc.iter().enumerate() {
             unsafe {
                 let row = c.add((row0 + r) * ldc);
@@ -865,32 +895,17 @@ unsafe fn half_block(
         for (strip, a) in [a0, a0, a1, a1].into_iter().enumerate() {
             let in_tile = (strip % 2) * R;
             let mut acc = [[zero; 2]; R];
-            for t in t0..(t0 + FLUSH_TILES).min(kb) {
-                // SAFETY: each panel holds `kb` tiles.
-                let (at, bt0, bt1) = unsafe {
-                    (
-                        a.add(t * TILE + in_tile * TK),
-                        b0.add(t * TILE),
-                        b1.add(t * TILE),
-                    )
-                };
-                for p in 0..T {
-                    // SAFETY: as in `dot_block`: one 64-byte line of a tile, and a row's
-                    // pair `p`, 4 bytes at `2p` of its 32.
-                    let (v0, v1) = unsafe {
-                        (
-                            (bt0.add(p * TK) as *const __m512h).read(),
-                            (bt1.add(p * TK) as *const __m512h).read(),
-                        )
-                    };
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let pair = unsafe { (at.add(r * TK + 2 * p) as *const i32).read() };
-                        let va: __m512h = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
-                        acc[0] = _mm512_fmadd_ph(va, v0, acc[0]);
-                        acc[1] = _mm512_fmadd_ph(va, v1, acc[1]);
-                    }
-                }
-            }
+            // SAFETY: as the caller's; the same 512 bits seen as 32 fp16.
+            unsafe {
+                strip_steps(
+                    &mut acc,
+                    (a, b0, b1),
+                    in_tile,
+                    t0..(t0 + FLUSH_TILES).min(kb),
+                    |pair| std::mem::transmute::<__m512i, __m512h>(_mm512_set1_epi32(pair)),
+                    |acc, a, b| _mm512_fmadd_ph(a, b, acc),
+                )
+            };
             for (wide, acc) in wide[strip * R..(strip + 1) * R].iter_mut().zip(&acc) {
                 for (q, &h) in acc.iter().enumerate() {
                     let h: __m512i = unsafe { std::mem::transmute(h) };
@@ -1313,6 +1328,37 @@ mod tests {
         }
     }
 
+    /// Element `(i, j)` of a matrix of the tests.
+    fn elem(m: Mat, i: usize, j: usize) -> f32 {
+        // SAFETY: the tests' matrices address every element they index.
+        unsafe { *m.ptr.offset(i as isize * m.rs + j as isize * m.cs) }
+    }
+
+    /// `kernel`'s product `a·b` (`m × k · k × n`) on `threads` threads, into a copy of
+    /// `c0` (added to it where `read`).
+    fn product(
+        kernel: Kernel,
+        (m, k, n): (usize, usize, usize),
+        (a, b): (Mat, Mat),
+        (c0, read): (&[f32], bool),
+        threads: usize,
+    ) -> Vec<f32> {
+        let mut c = c0.to_vec();
+        // SAFETY: the kernel runs here (the tests ask first); `c` holds `m × n`.
+        on_threads(threads, || unsafe {
+            gemm(
+                kernel,
+                (m, k, n),
+                c.as_mut_ptr(),
+                n as isize,
+                a,
+                Rhs::Mat(b),
+                read,
+            )
+        });
+        c
+    }
+
     fn rng(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
@@ -1385,29 +1431,10 @@ mod tests {
             let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
             let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
             let (am, bm) = (stored(&a, m, k, ta), stored(&b, k, n, tb));
-            let at = |i: usize, p: usize| unsafe {
-                *am.ptr.offset(i as isize * am.rs + p as isize * am.cs)
-            };
-            let bt = |p: usize, j: usize| unsafe {
-                *bm.ptr.offset(p as isize * bm.rs + j as isize * bm.cs)
-            };
+            let (at, bt) = (|i, p| elem(am, i, p), |p, j| elem(bm, p, j));
             // On one thread, a `b` of two column blocks or more is packed by each task; on
             // four, it is packed beforehand and shared: both must give the same bits.
-            let run = |threads: usize| {
-                let mut c = c0.clone();
-                on_threads(threads, || unsafe {
-                    gemm(
-                        kernel,
-                        (m, k, n),
-                        c.as_mut_ptr(),
-                        n as isize,
-                        am,
-                        Rhs::Mat(bm),
-                        read,
-                    )
-                });
-                c
-            };
+            let run = |threads| product(kernel, (m, k, n), (am, bm), (&c0, read), threads);
             let c = run(1);
             assert!(
                 c.iter()
@@ -1591,27 +1618,8 @@ mod tests {
             let b: Vec<f32> = (0..k * n).map(|_| x()).collect();
             let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
             let (am, bm) = (stored(&a, m, k, ta), stored(&b, k, n, tb));
-            let at = |i: usize, p: usize| unsafe {
-                *am.ptr.offset(i as isize * am.rs + p as isize * am.cs)
-            };
-            let bt = |p: usize, j: usize| unsafe {
-                *bm.ptr.offset(p as isize * bm.rs + j as isize * bm.cs)
-            };
-            let run = |threads: usize| {
-                let mut c = c0.clone();
-                on_threads(threads, || unsafe {
-                    gemm(
-                        kernel,
-                        (m, k, n),
-                        c.as_mut_ptr(),
-                        n as isize,
-                        am,
-                        Rhs::Mat(bm),
-                        read,
-                    )
-                });
-                c
-            };
+            let (at, bt) = (|i, p| elem(am, i, p), |p, j| elem(bm, p, j));
+            let run = |threads| product(kernel, (m, k, n), (am, bm), (&c0, read), threads);
             let what = format!("{m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read}, wide {wide})");
             let c = run(1);
             let want = half_reference((m, k, n), at, bt, &c0, read);
