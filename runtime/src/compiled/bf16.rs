@@ -1359,6 +1359,13 @@ mod tests {
         c
     }
 
+    /// `kernel`'s product of a 32 × 64 matrix of `a`s and a 64 × 32 matrix of `b`s.
+    fn constant_product(kernel: Kernel, a: f32, b: f32) -> Vec<f32> {
+        let (av, bv) = (vec![a; 32 * 64], vec![b; 64 * 32]);
+        let (am, bm) = (stored(&av, 32, 64, false), stored(&bv, 64, 32, false));
+        product(kernel, (32, 64, 32), (am, bm), (&[0.0; 32 * 32], false), 1)
+    }
+
     fn rng(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
@@ -1481,22 +1488,7 @@ mod tests {
         let tiny = f32::from_bits(0x0040_0000); // 2^-127: subnormal, exact in bf16
         let least = f32::MIN_POSITIVE; // 2^-126: normal
         for kernel in kernels() {
-            let run = |a: f32, b: f32| {
-                let (av, bv) = (vec![a; 32 * 64], vec![b; 64 * 32]);
-                let mut c = vec![0f32; 32 * 32];
-                unsafe {
-                    gemm(
-                        kernel,
-                        (32, 64, 32),
-                        c.as_mut_ptr(),
-                        32,
-                        stored(&av, 32, 64, false),
-                        Rhs::Mat(stored(&bv, 64, 32, false)),
-                        false,
-                    )
-                };
-                c
-            };
+            let run = |a, b| constant_product(kernel, a, b);
             assert!(
                 run(tiny, 1.0).iter().all(|&x| x == 0.0),
                 "{kernel:?}: a subnormal operand"
@@ -1671,22 +1663,7 @@ mod tests {
     #[test]
     fn fp16_products_scale_any_magnitude_and_keep_infinities() {
         let Some(kernel) = half_kernel() else { return };
-        let run = |a: f32, b: f32| {
-            let (av, bv) = (vec![a; 32 * 64], vec![b; 64 * 32]);
-            let mut c = vec![0f32; 32 * 32];
-            unsafe {
-                gemm(
-                    kernel,
-                    (32, 64, 32),
-                    c.as_mut_ptr(),
-                    32,
-                    stored(&av, 32, 64, false),
-                    Rhs::Mat(stored(&bv, 64, 32, false)),
-                    false,
-                )
-            };
-            c
-        };
+        let run = |a, b| constant_product(kernel, a, b);
         // E.g. 1e30 · 3e-30 summed 64 times: 192, to fp16's precision of the operands
         // (2⁻¹¹ relative each at most).
         for (a, b) in [(1e30f32, 3e-30f32), (3e-30, 1e30), (1e-15, 3e-15)] {
