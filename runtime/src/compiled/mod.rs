@@ -138,7 +138,7 @@ pub enum Bf16Kernel {
     Dot,
     /// AVX512-FP16's `VFMADD231PH`: fp16 operands (each row of the left one and column
     /// of the right one scaled by a power of two, so that no sum overflows) and sums of
-    /// 32 terms in fp16, added up in f32; Intel Xeons of the 4th generation on, where
+    /// 64 terms in fp16, added up in f32; Intel Xeons of the 4th generation on, where
     /// it multiplies-adds at twice the rate of f32 FMAs (for VMs that hide their AMX).
     Half,
 }
