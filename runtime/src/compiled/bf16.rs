@@ -518,8 +518,9 @@ unsafe fn pack_a_columns<const HALF: bool>(
 /// Packs columns `[j0, j0 + 16)` of `b` (`k × n`) as `kb` tiles of 16 pair rows: row `r`
 /// of tile `t` holds `b[32t + 2r, j], b[32t + 2r + 1, j]` for its 16 columns `j` (the
 /// pairs `TDPBF16PS` multiplies), as 16-bit values ([`to16`]; where `HALF`, each column
-/// scaled by its `scales[c]`, `c` from 0 at `j0`), zero past `k` and `n`. A row-major `b` a whole tile wide packs only the tiles
-/// of `tiles` (see [`pack_b_group`]); otherwise all of them.
+/// scaled by its `scales[c]`, `c` from 0 at `j0`), zero past `k` and `n`. A row-major `b`
+/// a whole tile wide packs only the tiles of `tiles` (see [`pack_b_group`]); otherwise
+/// all of them.
 ///
 /// # Safety
 /// The CPU must have AVX-512F and BW; `b` must address `k × n` valid elements; `out`
@@ -656,17 +657,13 @@ unsafe fn pack_b_group<const HALF: bool>(
             }
         } else {
             for (c, max) in max.iter_mut().enumerate().take(cols) {
-                let at = |p: usize| unsafe {
-                    *b.ptr.offset(p as isize * b.rs + (j0 + c) as isize * b.cs)
-                };
+                // SAFETY: column `j0 + c` holds `k` elements (contiguous where `rs == 1`).
+                let col = b.ptr.wrapping_offset((j0 + c) as isize * b.cs);
                 *max = if b.rs == 1 {
-                    // SAFETY: column `j0 + c` holds `k` contiguous elements.
-                    max_bits(unsafe {
-                        std::slice::from_raw_parts(b.ptr.offset((j0 + c) as isize * b.cs), k)
-                    })
+                    max_bits(unsafe { std::slice::from_raw_parts(col, k) })
                 } else {
                     (0..k)
-                        .map(|p| at(p).to_bits() & 0x7fff_ffff)
+                        .map(|p| unsafe { *col.offset(p as isize * b.rs) }.to_bits() & 0x7fff_ffff)
                         .max()
                         .unwrap_or(0)
                 };
@@ -857,11 +854,11 @@ unsafe fn dot_block(
 /// packing of [`block`], the values of [`to16`]`::<true>`). Each 8 rows × 32 columns of
 /// the result are 16 vectors of 32 fp16 sums in registers: as in [`dot_block`], each
 /// step broadcasts a row's pair of `k` values to every lane pair and multiplies it with a
-/// pair row of the two column tiles, so that a column's even `k` sum in one lane and its
-/// odd `k` in the next. Every [`FLUSH_TILES`] tiles those sums are widened and added to
-/// f32 sums (in memory); at the end each column's two f32 sums are added, unscaled by
-/// `unscale` (`1 / s` of the block's 32 rows and 32 columns) and stored (added to `c`
-/// where `load`).
+/// pair row of the two column tiles, so that a column's even `k` are summed in one lane
+/// and its odd `k` in the next. Every [`FLUSH_TILES`] tiles those sums are widened and
+/// added to f32 sums (in memory); at the end each column's two f32 sums are added,
+/// unscaled by `unscale` (`1 / s` of the block's 32 rows and 32 columns) and stored
+/// (added to `c` where `load`).
 ///
 /// # Safety
 /// [`half_available`] must have returned `Ok`; every pointer addresses what it says.
@@ -1068,19 +1065,15 @@ pub(crate) unsafe fn gemm(
         return;
     }
     let half = kernel == Kernel::Half;
-    let (b, prepacked) = match b {
-        Rhs::Mat(b) => (Some(b), None),
-        Rhs::Packed(p) => {
-            assert!(
-                p.is(kernel, (k, n)),
-                "a packed {}×{} operand (fp16: {}) for a {m}×{k}·{k}×{n} product with {kernel:?}",
-                p.k,
-                p.n,
-                p.half
-            );
-            (None, Some(p))
-        }
-    };
+    if let Rhs::Packed(p) = b {
+        assert!(
+            p.is(kernel, (k, n)),
+            "a packed {}×{} operand (fp16: {}) for a {m}×{k}·{k}×{n} product with {kernel:?}",
+            p.k,
+            p.n,
+            p.half
+        );
+    }
     let kb = k.div_ceil(TK).max(1);
     let mt = m.div_ceil(T);
     // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
@@ -1152,21 +1145,17 @@ pub(crate) unsafe fn gemm(
     // `1 / s` are in `b_unscale` for a shared `b`, else in each task's own.
     let cols_b = n.div_ceil(GROUP * T);
     let mut lines_shared = Vec::new();
-    let mut b_unscale = Vec::new();
-    let pb_shared: &[u16] = match (b, prepacked) {
-        (_, Some(packed)) => {
-            b_unscale.clone_from(&packed.unscale);
-            packed.panels()
-        }
-        (Some(b), None) if cols_b < 2 * rayon::current_num_threads() || pa.len() * 2 > 2 << 20 => {
+    let shared_unscale: Vec<f32>;
+    let (pb_shared, b_unscale): (&[u16], &[f32]) = match b {
+        Rhs::Packed(packed) => (packed.panels(), &packed.unscale),
+        Rhs::Mat(b) if cols_b < 2 * rayon::current_num_threads() || pa.len() * 2 > 2 << 20 => {
             lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
             // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
-            b_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
-            pb
+            shared_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
+            (pb, &shared_unscale)
         }
-        (Some(_), None) => &[],
-        (None, None) => unreachable!("a right operand is a matrix or packed"),
+        Rhs::Mat(_) => (&[], &[]),
     };
     // Whether every task reads `b` packed beforehand (here or by the caller).
     let shared = !pb_shared.is_empty();
@@ -1180,14 +1169,14 @@ pub(crate) unsafe fn gemm(
     let rows_b = m.div_ceil(rows_per);
     let out = Out(dst);
     let pa_ref = &pa;
-    let (a_unscale, b_unscale) = (&a_unscale, &b_unscale);
+    let a_unscale = &a_unscale;
     (0..rows_b * cols_b).into_par_iter().for_each(|task| {
         let (i0, j0) = ((task % rows_b) * rows_per, (task / rows_b) * GROUP * T);
         let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(n));
         let mut lines_b = Vec::new();
         // The columns' `1 / s` in fp16, from column `j0` on.
         let mut own_unscale = [1f32; GROUP * T];
-        let (pb, b_unscale): (&[u16], &[f32]) = if let (false, Some(b)) = (shared, b) {
+        let (pb, b_unscale): (&[u16], &[f32]) = if let (false, Rhs::Mat(b)) = (shared, b) {
             lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let panels = (j1 - j0).div_ceil(T).next_multiple_of(2);
             let pb = lines(&mut lines_b, panels * panel);
@@ -1277,7 +1266,7 @@ pub(crate) unsafe fn gemm(
         }
     });
     PACKED.with(|p| *p.borrow_mut() = lines_a);
-    if prepacked.is_none() && shared {
+    if !lines_shared.is_empty() {
         PACKED_B.with(|p| *p.borrow_mut() = lines_shared);
     }
 }
@@ -1366,6 +1355,20 @@ mod tests {
         product(kernel, (32, 64, 32), (am, bm), (&[0.0; 32 * 32], false), 1)
     }
 
+    /// Asserts that `got` and `want` hold the same bits, naming the first element that
+    /// differs.
+    fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        if let Some((q, (x, y))) = got
+            .iter()
+            .zip(want)
+            .enumerate()
+            .find(|(_, (x, y))| x.to_bits() != y.to_bits())
+        {
+            panic!("{what}: element {q} is {x:e}, not {y:e}");
+        }
+    }
+
     fn rng(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
@@ -1443,12 +1446,8 @@ mod tests {
             // four, it is packed beforehand and shared: both must give the same bits.
             let run = |threads| product(kernel, (m, k, n), (am, bm), (&c0, read), threads);
             let c = run(1);
-            assert!(
-                c.iter()
-                    .zip(run(4))
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{kernel:?}: {m}×{k}·{k}×{n}: one thread and four differ"
-            );
+            let what = format!("{kernel:?}: {m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read})");
+            assert_same_bits(&c, &run(4), &format!("{what}: one thread and four"));
             // Against f64 sums of the rounded operands (`worst`) and of the operands as
             // they are (`off`): the first differ only by the f32 accumulation; the second
             // by the operands' rounding, about 2^-9 relative per term, so they must be
@@ -1469,7 +1468,6 @@ mod tests {
                     off = off.max((got - x).abs() / (mag + init.abs()));
                 }
             }
-            let what = format!("{kernel:?}: {m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read})");
             assert!(
                 worst < 1e-6,
                 "{what}: {worst:e} from the rounded operands' sums"
@@ -1615,19 +1613,8 @@ mod tests {
             let what = format!("{m}×{k}·{k}×{n} (ta {ta}, tb {tb}, read {read}, wide {wide})");
             let c = run(1);
             let want = half_reference((m, k, n), at, bt, &c0, read);
-            for (q, (x, y)) in c.iter().zip(&want).enumerate() {
-                assert_eq!(
-                    x.to_bits(),
-                    y.to_bits(),
-                    "{what}: element {q}: {x:e}, not {y:e}"
-                );
-            }
-            assert!(
-                c.iter()
-                    .zip(run(4))
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{what}: one thread and four differ"
-            );
+            assert_same_bits(&c, &want, &format!("{what}: against the scalar steps"));
+            assert_same_bits(&c, &run(4), &format!("{what}: one thread and four"));
             // Against the exact sums, relative to the terms' magnitudes.
             let (mut off, mut off_bf16) = (0f64, 0f64);
             for i in 0..m {
