@@ -158,9 +158,9 @@ pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize>
 pub(crate) const BF16_MIN: usize = 1 << 22;
 
 /// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large
-/// enough product, [`bf16::gemm`](super::bf16::gemm) (operands rounded to bf16, sums in
-/// f32; a kernel is only set where it is available), reading `b` from `packed` where the
-/// caller packed it beforehand.
+/// enough product, [`bf16::gemm`](super::bf16::gemm) (16-bit operands, bf16 or scaled
+/// fp16 by the kernel, sums in f32; a kernel is only set where it is available), reading
+/// `b` from `packed` where the caller packed it beforehand.
 ///
 /// # Safety
 /// As [`gemm_one`].
