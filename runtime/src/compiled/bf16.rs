@@ -1035,6 +1035,60 @@ unsafe fn pack_b_all(
     unscale
 }
 
+/// What [`gemm`] does to each result block after its last sums, while the block is in
+/// the core's first-level cache: add a bias (one value a column, `bias[j]` for column
+/// `j`), then apply a ReLU (`x` where `x > 0` or NaN, else `+0.0`, as the `relu` kernel).
+/// A `linear` kernel's bias and activation this way cost no pass of their own over the
+/// result (DESIGN §5: activations as a fused epilogue).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Epilogue {
+    pub bias: Option<*const f32>,
+    pub relu: bool,
+}
+
+unsafe impl Send for Epilogue {}
+unsafe impl Sync for Epilogue {}
+
+impl Epilogue {
+    fn is_some(&self) -> bool {
+        self.bias.is_some() || self.relu
+    }
+}
+
+/// [`Epilogue`] on the `h × w` block at `c` (row stride `ld`), whose first column is
+/// column `j` of the result.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `c` must address the block; a bias must hold columns
+/// `j..j + w`.
+#[target_feature(enable = "avx512f")]
+unsafe fn finish_block(c: *mut f32, ld: isize, (h, w): (usize, usize), j: usize, e: Epilogue) {
+    let zero = _mm512_setzero_ps();
+    for q in (0..w).step_by(T) {
+        let mask: u16 = if w - q >= T { !0 } else { (1 << (w - q)) - 1 };
+        // SAFETY: the bias holds columns `j + q..` up to `j + w` (masked).
+        let bias = e
+            .bias
+            .map(|b| unsafe { _mm512_maskz_loadu_ps(mask, b.add(j + q)) });
+        for r in 0..h {
+            // SAFETY: row `r` of the block holds `w` columns (masked past them).
+            unsafe {
+                let at = c.offset(r as isize * ld).add(q);
+                let mut v = _mm512_maskz_loadu_ps(mask, at);
+                if let Some(b) = bias {
+                    v = _mm512_add_ps(v, b);
+                }
+                if e.relu {
+                    // Kept where `v > 0` or `v` is NaN ("not less or equal", unordered).
+                    let keep = _mm512_cmp_ps_mask::<_CMP_NLE_UQ>(v, zero);
+                    v = _mm512_maskz_mov_ps(keep, v);
+                }
+                _mm512_mask_storeu_ps(at, mask, v);
+            }
+        }
+    }
+}
+
 /// The right operand of [`gemm`]: strided f32, or packed beforehand.
 #[derive(Clone, Copy)]
 pub(crate) enum Rhs<'a> {
@@ -1042,7 +1096,8 @@ pub(crate) enum Rhs<'a> {
     Packed(&'a PackedRhs),
 }
 
-/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with the
+/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, then the
+/// [`Epilogue`] on each block (its bias added to the whole sum), with the
 /// operands rounded to 16 bits and the sums in f32, with `kernel`'s instructions, over
 /// rayon's threads: bf16 for the tiles and `VDPBF16PS`; fp16 for `VFMADD231PH`, each row
 /// of `a` and column of `b` scaled by a power of two first ([`fp16_scale`]) and the
@@ -1051,7 +1106,8 @@ pub(crate) enum Rhs<'a> {
 /// # Safety
 /// The kernel's check ([`tiles_available`], [`dot_available`], [`half_available`]) must
 /// have returned `Ok`; every element the matrices address must be valid; `dst` must not
-/// overlap `a`, `b`.
+/// overlap `a`, `b`; a bias must hold `n` values.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
     kernel: Kernel,
     (m, k, n): (usize, usize, usize),
@@ -1060,6 +1116,7 @@ pub(crate) unsafe fn gemm(
     a: Mat,
     b: Rhs<'_>,
     read_dst: bool,
+    epilogue: Epilogue,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -1219,6 +1276,7 @@ pub(crate) unsafe fn gemm(
             for t0 in (0..kb).step_by(K_TILES) {
                 let kc = (kb - t0).min(K_TILES);
                 let load = read_dst || t0 > 0;
+                let last = t0 + kc == kb;
                 for i in (i0..i1).step_by(2 * T) {
                     let (a0, a1) = (
                         pa_ref.as_ptr().add((i / T) * panel + t0 * TILE),
@@ -1233,11 +1291,11 @@ pub(crate) unsafe fn gemm(
                             pb.as_ptr().add((q + 1) * panel + t0 * TILE),
                         );
                         let c = out.get().offset(i as isize * ld + j as isize);
-                        if i + 2 * T <= m && j + 2 * T <= n {
+                        let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
+                        if h == 2 * T && w == 2 * T {
                             block(c, ld as usize, ops, (i, j), (kc, load));
                         } else {
                             // A block past the matrix's edge: through a 32 × 32 scratch.
-                            let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
                             edge.fill(0.0);
                             if load {
                                 for r in 0..h {
@@ -1253,6 +1311,9 @@ pub(crate) unsafe fn gemm(
                                     *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
                                 }
                             }
+                        }
+                        if last && epilogue.is_some() {
+                            finish_block(c, ld, (h, w), j, epilogue);
                         }
                     }
                 }
@@ -1362,6 +1423,7 @@ mod tests {
                 a,
                 Rhs::Mat(b),
                 read,
+                Epilogue::default(),
             )
         };
         c
@@ -1724,6 +1786,95 @@ mod tests {
         }
     }
 
+    /// A product with an [`Epilogue`] gives the bits of the product without one, its
+    /// bias then added and its ReLU applied element by element: on every kernel, at sizes
+    /// with partial blocks and with `k` in three parts (2100), on 1 and 3 threads, with a
+    /// row of NaNs (kept by the ReLU).
+    #[test]
+    fn products_add_the_bias_and_apply_the_relu_as_a_pass_after_them_would() {
+        let all: Vec<Kernel> = kernels().into_iter().chain(half_kernel()).collect();
+        for kernel in all {
+            for (m, k, n) in [(45, 37, 51), (64, 2100, 70)] {
+                let mut seed = 5u64;
+                let mut a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+                a[3 * k] = f32::NAN;
+                let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+                let bias: Vec<f32> = (0..n).map(|_| rng(&mut seed) * 4.0).collect();
+                let ops = (stored(&a, m, k, false), stored(&b, k, n, false));
+                let zero = vec![0.0; m * n];
+                for relu in [false, true] {
+                    for threads in [1, 3] {
+                        let plain = product(kernel, (m, k, n), ops, (&zero, false), threads);
+                        let want: Vec<f32> = plain
+                            .iter()
+                            .enumerate()
+                            .map(|(q, &x)| {
+                                let v = x + bias[q % n];
+                                if relu && !(v > 0.0 || v.is_nan()) {
+                                    0.0
+                                } else {
+                                    v
+                                }
+                            })
+                            .collect();
+                        let mut got = zero.clone();
+                        let e = Epilogue {
+                            bias: Some(bias.as_ptr()),
+                            relu,
+                        };
+                        // SAFETY: the kernel runs here; `got` holds `m × n`, the bias `n`.
+                        on_threads(threads, || unsafe {
+                            gemm(
+                                kernel,
+                                (m, k, n),
+                                got.as_mut_ptr(),
+                                n as isize,
+                                ops.0,
+                                Rhs::Mat(ops.1),
+                                false,
+                                e,
+                            )
+                        });
+                        assert!(got[3 * n..4 * n].iter().all(|x| x.is_nan()));
+                        let what = format!("{kernel:?} {m}×{k}·{k}×{n} relu {relu}");
+                        assert_same_bits(&got, &want, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The epilogue's ReLU is the `relu` kernel's: `+0.0` for `-0.0` and negatives, a NaN
+    /// kept; a bias only where given; nothing past the block's width.
+    #[test]
+    fn the_epilogue_relu_keeps_nans_and_gives_positive_zero() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            println!("skipped: no AVX-512F");
+            return;
+        }
+        let mut c = [-0.0f32, f32::NAN, -3.0, 2.5, 7.0, -1.0];
+        let e = Epilogue {
+            bias: None,
+            relu: true,
+        };
+        // SAFETY: AVX-512F is here; the block is 2 rows of 2 columns, row stride 3.
+        unsafe { finish_block(c.as_mut_ptr(), 3, (2, 2), 0, e) };
+        let bits: Vec<u32> = c.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits[0], 0.0f32.to_bits());
+        assert!(c[1].is_nan());
+        // Column 2 is past the block's width: untouched.
+        assert_eq!((c[2], c[3], c[4], c[5]), (-3.0, 2.5, 7.0, -1.0));
+        let bias = [1.0f32, -10.0, 100.0];
+        let e = Epilogue {
+            bias: Some(bias.as_ptr()),
+            relu: false,
+        };
+        let mut c = [1.0f32, 2.0, 3.0];
+        // SAFETY: as above; the block's column 0 is column 1 of the bias.
+        unsafe { finish_block(c.as_mut_ptr(), 3, (1, 2), 1, e) };
+        assert_eq!(c, [-9.0, 102.0, 3.0]);
+    }
+
     /// The same operands give the same bits with one thread and with several.
     #[test]
     fn bf16_products_give_the_same_bits_on_any_number_of_threads() {
@@ -1748,6 +1899,7 @@ mod tests {
                     stored(&a, m, k, false),
                     Rhs::Mat(stored(&b, k, n, false)),
                     false,
+                    Epilogue::default(),
                 )
             });
             c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()

@@ -14,6 +14,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+pub(crate) use super::bf16::Epilogue;
 use super::bf16::{Kernel, PackedRhs, Rhs};
 use super::Loc;
 
@@ -176,11 +177,80 @@ unsafe fn product(
     match bf16 {
         Some(kernel) if m * k * n >= BF16_MIN => {
             let b = packed.map_or(Rhs::Mat(b), Rhs::Packed);
+            let e = Epilogue::default();
             // SAFETY: as the caller's; a kernel is set only after its check.
-            unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst) }
+            unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst, e) }
         }
         _ => unsafe { gemm_one((m, k, n), dst, ld, a, b, read_dst, parallelism(m * k * n)) },
     }
+}
+
+/// The one 16-bit product (kernel and left operand) that [`matmul`] would run for
+/// `a·b`, where it runs one: a 2-D `b`, `a`'s batch and row axes merged into rows, and
+/// enough multiply-adds for [`BF16_MIN`]. Only such a product takes an [`Epilogue`]
+/// ([`matmul_epilogue`]).
+fn one_16bit_product(a: &Loc, b: &Loc, bf16: Option<Kernel>) -> Option<(Kernel, Mat)> {
+    let kernel = bf16?;
+    let (sa, sb) = (a.shape(), b.shape());
+    let ra = sa.len();
+    if ra < 2 || sb.len() != 2 || sa[ra - 1] != sb[0] {
+        return None;
+    }
+    let la = &a.layout;
+    let rs = merged_stride(&sa[..ra - 1], &la.strides[..ra - 1])?;
+    let rows: usize = sa[..ra - 1].iter().product();
+    (rows * sa[ra - 1] * sb[1] >= BF16_MIN).then(|| {
+        let lhs = Mat {
+            ptr: (a.ptr as *const f32).wrapping_add(la.offset),
+            rs: rs as isize,
+            cs: la.strides[ra - 1] as isize,
+        };
+        (kernel, lhs)
+    })
+}
+
+/// `out = epilogue(a·b)` (its bias added, its ReLU applied) as one 16-bit product, where
+/// [`matmul`] would run one ([`one_16bit_product`]); `None` otherwise, with nothing
+/// written (the caller then adds the bias and applies the ReLU itself). A bias must
+/// hold `n` values.
+pub(crate) fn matmul_epilogue(
+    a: &Loc,
+    b: &Loc,
+    out: &Loc,
+    bf16: Option<Kernel>,
+    packed: Option<&PackedRhs>,
+    epilogue: Epilogue,
+) -> Option<()> {
+    let (kernel, lhs) = one_16bit_product(a, b, bf16)?;
+    if !out.is_contiguous() {
+        return None;
+    }
+    let (sa, sb) = (a.shape(), b.shape());
+    let (rows, k, n) = (a.numel() / sa[sa.len() - 1].max(1), sb[0], sb[1]);
+    let lb = &b.layout;
+    let rhs = Mat {
+        ptr: (b.ptr as *const f32).wrapping_add(lb.offset),
+        rs: lb.strides[0] as isize,
+        cs: lb.strides[1] as isize,
+    };
+    let rhs = packed.map_or(Rhs::Mat(rhs), Rhs::Packed);
+    let dst = out.base() as *mut f32;
+    // SAFETY: the locations describe valid buffers of their shapes; `out` is a fresh
+    // arena buffer that does not overlap the operands; a kernel is set only after its
+    // check; the caller's bias holds `n` values.
+    unsafe {
+        super::bf16::gemm(
+            kernel,
+            (rows, k, n),
+            dst,
+            n as isize,
+            lhs,
+            rhs,
+            false,
+            epilogue,
+        )
+    };
+    Some(())
 }
 
 /// `out = a·b` (or `out += a·b` when `read_dst`), batched; `out` contiguous. With a `bf16`

@@ -450,9 +450,20 @@ fn run_exec(
             let n = last(out);
             let rows = out.numel() / n.max(1);
             let b = contig(ins[2], keep)?;
+            let packed = ctx.packed_rhs(step, ins, rows);
+            // A 16-bit product adds the bias and applies the ReLU to each block of its
+            // result while the block is in cache.
+            let epilogue = gemm::Epilogue {
+                bias: Some(b.base() as *const f32),
+                relu: relu.is_some(),
+            };
+            let fused =
+                gemm::matmul_epilogue(ins[0], ins[1], out, ctx.bf16, packed.as_deref(), epilogue);
+            if fused.is_some() {
+                return Ok(());
+            }
             let (dims, items) = misc::rows_dims(rows, n);
             call(*bias, &[b.base(), out.base()], &dims, items, grain(n));
-            let packed = ctx.packed_rhs(step, ins, rows);
             gemm::matmul(ins[0], ins[1], out, true, ctx.bf16, packed.as_deref())?;
             if let Some(relu) = relu {
                 let (dims, items) = misc::relu_dims(out.numel());

@@ -240,6 +240,7 @@ pub fn bf16_matmul(
             mat(a, k),
             bf16::Rhs::Mat(mat(b, n)),
             false,
+            bf16::Epilogue::default(),
         )
     };
     Ok(())
