@@ -209,7 +209,7 @@ fn to16x16<const HALF: bool>(x: __m512, s: __m512) -> __m512i {
 /// lane `r` of `z[j]`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn transpose16(z: &[__m512i; 16]) -> [__m512i; 16] {
+pub(crate) fn transpose16(z: &[__m512i; 16]) -> [__m512i; 16] {
     // Pairs of rows interleaved by 32 bits, then by 64: `u[4i + c]`, in its 128-bit lane
     // `l`, holds lane `4l + c` of `z[4i..4i + 4]`.
     let t: [__m512i; 16] = std::array::from_fn(|q| {
@@ -858,7 +858,8 @@ unsafe fn dot_block(
 /// and its odd `k` in the next. Every [`FLUSH_TILES`] tiles those sums are widened and
 /// added to f32 sums (in memory); at the end each column's two f32 sums are added,
 /// unscaled by `unscale` (`1 / s` of the block's 32 rows and 32 columns) and stored
-/// (added to `c` where `load`).
+/// (added to `c` where `load`), with the block's 32 values of a bias added where `bias`
+/// is not null and a ReLU applied where `relu` (an [`Epilogue`] in registers).
 ///
 /// # Safety
 /// [`half_available`] must have returned `Ok`; every pointer addresses what it says.
@@ -870,6 +871,7 @@ unsafe fn half_block(
     (a0, a1, b0, b1): (*const u16, *const u16, *const u16, *const u16),
     kb: usize,
     (row_unscale, col_unscale): (*const f32, *const f32),
+    (bias, relu): (*const f32, bool),
 ) {
     const R: usize = 8;
     // SAFETY (all transmutes): 512 bits seen as 32 fp16, 16 i32 or 8 i64.
@@ -928,6 +930,14 @@ unsafe fn half_block(
                 let mut v = _mm512_mul_ps(_mm512_mul_ps(sum, rows), cols[q]);
                 if load {
                     v = _mm512_add_ps(_mm512_loadu_ps(row.add(q * T)), v);
+                }
+                // The epilogue (see `Epilogue`), as `finish_block` would apply it.
+                if !bias.is_null() {
+                    v = _mm512_add_ps(v, _mm512_loadu_ps(bias.add(q * T)));
+                }
+                if relu {
+                    let keep = _mm512_cmp_ps_mask::<_CMP_NLE_UQ>(v, _mm512_setzero_ps());
+                    v = _mm512_maskz_mov_ps(keep, v);
                 }
                 _mm512_storeu_ps(row.add(q * T), v);
             }
@@ -1224,6 +1234,18 @@ pub(crate) unsafe fn gemm(
         rows_per = rows_per.min(GROUP * T);
     }
     let rows_b = m.div_ceil(rows_per);
+    // The fp16 kernel adds a bias in its registers, 32 columns at a time: a copy padded
+    // to the blocks' columns.
+    let bias_pad: Vec<f32> = match epilogue.bias {
+        // SAFETY: the caller's bias holds `n` values.
+        Some(b) if half => {
+            let mut v = unsafe { std::slice::from_raw_parts(b, n) }.to_vec();
+            v.resize(n.next_multiple_of(2 * T), 0.0);
+            v
+        }
+        _ => Vec::new(),
+    };
+    let bias_pad = &bias_pad;
     let out = Out(dst);
     let pa_ref = &pa;
     let a_unscale = &a_unscale;
@@ -1253,13 +1275,17 @@ pub(crate) unsafe fn gemm(
         let mut edge = [0f32; 4 * T * T];
         // One 32 × 32 block at rows `i`, columns `j` of the result, over `kc` tiles of `k`,
         // added to the result where `load`.
-        let block = |c: *mut f32, ldc: usize, ops, (i, j), (kc, load): (usize, bool)| unsafe {
+        let block = |c: *mut f32, ldc: usize, ops, (i, j), (kc, load, last): (usize, bool, bool)| unsafe {
             match kernel {
                 Kernel::Tiles => block(c, ldc, load, ops, kc),
                 Kernel::Dot => dot_block(c, ldc, load, ops, kc),
                 Kernel::Half => {
                     let unscale = (a_unscale.as_ptr().add(i), b_unscale.as_ptr().add(j - j0));
-                    half_block(c, ldc, load, ops, kc, unscale)
+                    let epi = match (last, epilogue.bias) {
+                        (true, Some(_)) => (bias_pad.as_ptr().add(j), epilogue.relu),
+                        (last, _) => (std::ptr::null(), last && epilogue.relu),
+                    };
+                    half_block(c, ldc, load, ops, kc, unscale, epi)
                 }
             }
         };
@@ -1293,7 +1319,7 @@ pub(crate) unsafe fn gemm(
                         let c = out.get().offset(i as isize * ld + j as isize);
                         let (h, w) = ((m - i).min(2 * T), (n - j).min(2 * T));
                         if h == 2 * T && w == 2 * T {
-                            block(c, ld as usize, ops, (i, j), (kc, load));
+                            block(c, ld as usize, ops, (i, j), (kc, load, last));
                         } else {
                             // A block past the matrix's edge: through a 32 × 32 scratch.
                             edge.fill(0.0);
@@ -1305,14 +1331,14 @@ pub(crate) unsafe fn gemm(
                                     }
                                 }
                             }
-                            block(edge.as_mut_ptr(), 2 * T, ops, (i, j), (kc, load));
+                            block(edge.as_mut_ptr(), 2 * T, ops, (i, j), (kc, load, last));
                             for r in 0..h {
                                 for q in 0..w {
                                     *c.offset(r as isize * ld + q as isize) = edge[r * 2 * T + q];
                                 }
                             }
                         }
-                        if last && epilogue.is_some() {
+                        if last && epilogue.is_some() && !half {
                             finish_block(c, ld, (h, w), j, epilogue);
                         }
                     }

@@ -58,6 +58,14 @@ pub(crate) unsafe fn gemm_one(
         }
         return;
     }
+    // A small single-threaded product (attention's of each head): AVX-512F registers
+    // over the whole `k`, without the crate's packing and dispatch.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    if matches!(par, Parallelism::None) && super::small::takes(k, n) {
+        // SAFETY: as the caller's; `takes` checked the CPU and the sizes.
+        unsafe { super::small::gemm((m, k, n), dst, ld, a, b, read_dst) };
+        return;
+    }
     // A right operand stored transposed (`b[p, j]` at `p + j·cs`): the crate would pack it
     // with a scalar gather of stride `cs` for every row block, which runs the product
     // 15–30 % slower than on a row-major operand. Where the product is large enough to

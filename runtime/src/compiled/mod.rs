@@ -72,8 +72,16 @@ pub(crate) mod bf16 {
         Packed(&'a PackedRhs),
     }
 
+    /// Never applied: no kernel is available.
+    #[derive(Clone, Copy, Debug, Default)]
+    pub(crate) struct Epilogue {
+        pub bias: Option<*const f32>,
+        pub relu: bool,
+    }
+
     /// # Safety
     /// Never called: no kernel is available.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm(
         _: Kernel,
         _: (usize, usize, usize),
@@ -82,6 +90,7 @@ pub(crate) mod bf16 {
         _: super::gemm::Mat,
         _: Rhs<'_>,
         _: bool,
+        _: Epilogue,
     ) {
         unreachable!("bf16 products are only set where a bf16 kernel is available")
     }
@@ -90,6 +99,8 @@ pub(crate) mod bf16 {
 pub(crate) mod fallback;
 pub(crate) mod gemm;
 pub(crate) mod launch;
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub(crate) mod small;
 
 pub use launch::{KernelErrors, RELATIVE_FROM};
 

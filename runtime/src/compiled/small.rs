@@ -1,0 +1,322 @@
+//! Small matrix products with AVX-512F: attention's products of each head (`t × d_k ·
+//! d_k × t`, `t × t · t × d_v`, and their gradients' transposed forms) and the other
+//! single-threaded products of at most 128 columns.
+//!
+//! In: `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, both
+//! operands strided (either may be stored transposed). Out: the result, each element the
+//! f32 sum of its `k` products in order `p = 0, 1, …` with one fused multiply-add each
+//! (`f32::mul_add` from 0), then added to `dst` where `read_dst`.
+//!
+//! `b` is first copied into a thread's scratch as `k` rows of `n` columns padded to a
+//! multiple of 16 (a transposed `b` through 16 × 16 register transposes); then each
+//! block of rows of `a` keeps its results in registers over the whole `k`, broadcasting
+//! one element of `a` to multiply a row of `b`. For these sizes the `gemm` crate's
+//! packing and dispatch cost more than the multiply-adds (attention's `q·kᵀ` at 25
+//! tokens took 1.85 µs a head there).
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::bf16::transpose16;
+use super::gemm::Mat;
+
+/// The widest `b` taken: 8 vectors of 16 columns.
+const MAX_N: usize = 128;
+/// The longest `k` taken (the scratch then holds at most 256 KB).
+const MAX_K: usize = 512;
+
+thread_local! {
+    /// The padded copy of `b`, kept between products.
+    static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether [`gemm`] takes an `m × k · k × n` product: AVX-512F, `n ≤ 128`, `k ≤ 512`.
+pub(crate) fn takes(k: usize, n: usize) -> bool {
+    n <= MAX_N && k <= MAX_K && std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` (see the module).
+///
+/// # Safety
+/// [`takes`] must have returned `true`; every element the matrices address must be
+/// valid; `dst` must not overlap `a`, `b`.
+pub(crate) unsafe fn gemm(
+    (m, k, n): (usize, usize, usize),
+    dst: *mut f32,
+    ld: isize,
+    a: Mat,
+    b: Mat,
+    read_dst: bool,
+) {
+    debug_assert!(n <= MAX_N && k <= MAX_K);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let nv = n.div_ceil(16);
+    let np = nv * 16;
+    let mut pb = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if pb.len() < k * np {
+        pb.resize(k * np, 0.0);
+    }
+    let op = Op {
+        m,
+        k,
+        n,
+        dst,
+        ld,
+        a,
+        read_dst,
+    };
+    // SAFETY: the caller's check found AVX-512F; `b` addresses `k × n`; `pb` holds
+    // `k · np`.
+    unsafe {
+        pack(b, (k, n), np, &mut pb);
+        match nv {
+            1 => rows::<1, 8>(&op, &pb),
+            2 => rows::<2, 8>(&op, &pb),
+            3 => rows::<3, 6>(&op, &pb),
+            4 => rows::<4, 4>(&op, &pb),
+            5 => rows::<5, 4>(&op, &pb),
+            6 => rows::<6, 3>(&op, &pb),
+            7 => rows::<7, 2>(&op, &pb),
+            _ => rows::<8, 2>(&op, &pb),
+        }
+    }
+    PACKED.with(|p| *p.borrow_mut() = pb);
+}
+
+/// A product's operands but `b` (read from its padded copy).
+struct Op {
+    m: usize,
+    k: usize,
+    n: usize,
+    dst: *mut f32,
+    ld: isize,
+    a: Mat,
+    read_dst: bool,
+}
+
+/// Copies `b` (`k × n`) into `out` as `k` rows of `np` columns (zeros past `n`).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `b` must address `k × n` valid elements; `out` holds
+/// `k · np`, `np` a multiple of 16 at least `n`.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack(b: Mat, (k, n): (usize, usize), np: usize, out: &mut [f32]) {
+    let mask = |left: usize| -> u16 {
+        if left >= 16 {
+            !0
+        } else {
+            (1u16 << left) - 1
+        }
+    };
+    if b.cs == 1 {
+        for p in 0..k {
+            for j0 in (0..np).step_by(16) {
+                let m = mask(n.saturating_sub(j0));
+                // SAFETY: row `p` holds `n` columns (masked past them); `out` holds the row.
+                unsafe {
+                    let x = _mm512_maskz_loadu_ps(m, b.ptr.offset(p as isize * b.rs).add(j0));
+                    _mm512_storeu_ps(out.as_mut_ptr().add(p * np + j0), x);
+                }
+            }
+        }
+    } else if b.rs == 1 {
+        // Stored transposed: column `j`'s `k` values are contiguous. By 16 × 16 blocks:
+        // 16 columns' 16 values, transposed into 16 rows of the copy.
+        for j0 in (0..np).step_by(16) {
+            for p0 in (0..k).step_by(16) {
+                let mp = mask(k - p0);
+                let z: [__m512i; 16] = std::array::from_fn(|c| {
+                    if j0 + c >= n {
+                        return _mm512_setzero_si512();
+                    }
+                    // SAFETY: column `j0 + c` holds `k` values (masked past them).
+                    unsafe {
+                        let col = b.ptr.offset((j0 + c) as isize * b.cs).add(p0);
+                        _mm512_castps_si512(_mm512_maskz_loadu_ps(mp, col))
+                    }
+                });
+                let t = transpose16(&z);
+                for (q, row) in t.iter().enumerate().take((k - p0).min(16)) {
+                    // SAFETY: row `p0 + q` of the copy holds columns `j0..j0 + 16`.
+                    unsafe {
+                        _mm512_storeu_si512(
+                            out.as_mut_ptr().add((p0 + q) * np + j0) as *mut _,
+                            *row,
+                        )
+                    };
+                }
+            }
+        }
+    } else {
+        for p in 0..k {
+            for j in 0..np {
+                out[p * np + j] = if j < n {
+                    // SAFETY: `b` addresses element `(p, j)`.
+                    unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) }
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+/// Every row of the result, `R` rows at a time (then one at a time), each row's `NV`
+/// vectors of 16 sums in registers over the whole `k`.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `pb` is `b`'s copy ([`pack`], `16 · NV` columns a row);
+/// `op`'s pointers address what they say.
+#[target_feature(enable = "avx512f")]
+unsafe fn rows<const NV: usize, const R: usize>(op: &Op, pb: &[f32]) {
+    let mut i = 0;
+    while i + R <= op.m {
+        // SAFETY: as the caller's; rows `i..i + R` exist.
+        unsafe { block::<NV, R>(op, pb, i) };
+        i += R;
+    }
+    while i < op.m {
+        // SAFETY: as above, row `i`.
+        unsafe { block::<NV, 1>(op, pb, i) };
+        i += 1;
+    }
+}
+
+/// Rows `i0..i0 + R` of the result.
+///
+/// # Safety
+/// As [`rows`]; the rows exist.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block<const NV: usize, const R: usize>(op: &Op, pb: &[f32], i0: usize) {
+    let np = NV * 16;
+    let a = op.a;
+    let mut acc = [[_mm512_setzero_ps(); NV]; R];
+    for p in 0..op.k {
+        // SAFETY: row `p` of the copy holds `np` values; `a` addresses `(i0 + r, p)`.
+        unsafe {
+            let bp = pb.as_ptr().add(p * np);
+            let bv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(bp.add(16 * v)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = *a.ptr.offset((i0 + r) as isize * a.rs + p as isize * a.cs);
+                let x = _mm512_set1_ps(x);
+                for (acc, &b) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(x, b, *acc);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (v, &sum) in acc.iter().enumerate() {
+            let j0 = 16 * v;
+            let left = op.n - j0.min(op.n);
+            let mask: u16 = if left >= 16 { !0 } else { (1u16 << left) - 1 };
+            // SAFETY: row `i0 + r` of `dst` holds `n` columns (masked past them).
+            unsafe {
+                let at = op.dst.offset((i0 + r) as isize * op.ld).add(j0);
+                let v = if op.read_dst {
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(mask, at), sum)
+                } else {
+                    sum
+                };
+                _mm512_mask_storeu_ps(at, mask, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// The products equal, bit for bit, the scalar sums in order with one fused
+    /// multiply-add each (then added to `dst` where read), for operands stored row-major,
+    /// transposed and with other strides, at widths around the 16-column vectors, the
+    /// widest and longest taken, and one to five rows (the row blocks' remainders).
+    #[test]
+    fn small_products_are_the_fused_sums_in_order() {
+        if !takes(1, 1) {
+            println!("skipped: no AVX-512F");
+            return;
+        }
+        let mut seed = 9u64;
+        for (m, k, n) in [
+            (25, 64, 25),
+            (25, 25, 64),
+            (1, 1, 1),
+            (5, 7, 15),
+            (9, 17, 16),
+            (3, 33, 17),
+            (4, 100, 100),
+            (13, 512, 128),
+            (2, 3, 113),
+        ] {
+            // Each operand stored row-major (0), transposed (1) or with a gap between its
+            // rows and columns (2: strides `2·cols + 1` and 2).
+            for (la, lb) in [(0, 0), (1, 0), (0, 1), (1, 1), (2, 2), (0, 2)] {
+                let store = |rows: usize, cols: usize, l: usize, seed: &mut u64| {
+                    let (rs, cs, len) = match l {
+                        0 => (cols, 1, rows * cols),
+                        1 => (1, rows, rows * cols),
+                        _ => (2 * cols + 1, 2, rows * (2 * cols + 1)),
+                    };
+                    let v: Vec<f32> = (0..len).map(|_| rng(seed)).collect();
+                    (v, rs as isize, cs as isize)
+                };
+                let (av, ars, acs) = store(m, k, la, &mut seed);
+                let (bv, brs, bcs) = store(k, n, lb, &mut seed);
+                let a = Mat {
+                    ptr: av.as_ptr(),
+                    rs: ars,
+                    cs: acs,
+                };
+                let b = Mat {
+                    ptr: bv.as_ptr(),
+                    rs: brs,
+                    cs: bcs,
+                };
+                let ld = n + 3;
+                let c0: Vec<f32> = (0..m * ld).map(|_| rng(&mut seed)).collect();
+                for read in [false, true] {
+                    let mut c = c0.clone();
+                    // SAFETY: AVX-512F is here; the operands address their elements and
+                    // `c` holds `m` rows of `ld`.
+                    unsafe { gemm((m, k, n), c.as_mut_ptr(), ld as isize, a, b, read) };
+                    for i in 0..m {
+                        for j in 0..ld {
+                            let want = if j >= n {
+                                c0[i * ld + j]
+                            } else {
+                                let mut s = 0f32;
+                                for p in 0..k {
+                                    let x = av[(i as isize * ars + p as isize * acs) as usize];
+                                    let y = bv[(p as isize * brs + j as isize * bcs) as usize];
+                                    s = x.mul_add(y, s);
+                                }
+                                if read {
+                                    c0[i * ld + j] + s
+                                } else {
+                                    s
+                                }
+                            };
+                            assert_eq!(
+                                c[i * ld + j].to_bits(),
+                                want.to_bits(),
+                                "{m}×{k}·{k}×{n} layouts {la} {lb} read {read}: ({i}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
