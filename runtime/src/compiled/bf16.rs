@@ -1426,17 +1426,20 @@ mod tests {
         (c0, read): (&[f32], bool),
         threads: usize,
     ) -> Vec<f32> {
+        let e = Epilogue::default();
         on_threads(threads, || {
-            product_here(kernel, (m, k, n), (a, b), (c0, read))
+            product_here(kernel, (m, k, n), (a, b), (c0, read), e)
         })
     }
 
-    /// [`product`] on the current threads (the caller's pool).
+    /// [`product`] on the current threads (the caller's pool), with `epilogue` (whose
+    /// bias holds `n` values).
     fn product_here(
         kernel: Kernel,
         (m, k, n): (usize, usize, usize),
         (a, b): (Mat, Mat),
         (c0, read): (&[f32], bool),
+        epilogue: Epilogue,
     ) -> Vec<f32> {
         let mut c = c0.to_vec();
         // SAFETY: the kernel runs here (the tests ask first); `c` holds `m × n`.
@@ -1449,7 +1452,7 @@ mod tests {
                 a,
                 Rhs::Mat(b),
                 read,
-                Epilogue::default(),
+                epilogue,
             )
         };
         c
@@ -1801,9 +1804,11 @@ mod tests {
                             (bm, bk, bn),
                             (stored(&na, bm, bk, ta), stored(&nb, bk, bn, tb)),
                             (&vec![0.0; bm * bn], false),
+                            Epilogue::default(),
                         );
                         assert!(big.iter().all(|x| x.is_nan()));
-                        product_here(kernel, (m, k, n), ops, (&[0.0; 45 * 51], false))
+                        let e = Epilogue::default();
+                        product_here(kernel, (m, k, n), ops, (&[0.0; 45 * 51], false), e)
                     });
                     assert!(fresh.iter().all(|x| x.is_finite()));
                     assert_same_bits(&after, &fresh, &format!("{kernel:?} {ta} {tb} {threads}"));
@@ -1843,23 +1848,12 @@ mod tests {
                                 }
                             })
                             .collect();
-                        let mut got = zero.clone();
                         let e = Epilogue {
                             bias: Some(bias.as_ptr()),
                             relu,
                         };
-                        // SAFETY: the kernel runs here; `got` holds `m × n`, the bias `n`.
-                        on_threads(threads, || unsafe {
-                            gemm(
-                                kernel,
-                                (m, k, n),
-                                got.as_mut_ptr(),
-                                n as isize,
-                                ops.0,
-                                Rhs::Mat(ops.1),
-                                false,
-                                e,
-                            )
+                        let got = on_threads(threads, || {
+                            product_here(kernel, (m, k, n), ops, (&zero, false), e)
                         });
                         assert!(got[3 * n..4 * n].iter().all(|x| x.is_nan()));
                         let what = format!("{kernel:?} {m}×{k}·{k}×{n} relu {relu}");
@@ -1914,20 +1908,9 @@ mod tests {
         let mut seed = 3u64;
         let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
         let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+        let ops = (stored(&a, m, k, false), stored(&b, k, n, false));
         let run = |threads: usize| {
-            let mut c = vec![0f32; m * n];
-            on_threads(threads, || unsafe {
-                gemm(
-                    kernel,
-                    (m, k, n),
-                    c.as_mut_ptr(),
-                    n as isize,
-                    stored(&a, m, k, false),
-                    Rhs::Mat(stored(&b, k, n, false)),
-                    false,
-                    Epilogue::default(),
-                )
-            });
+            let c = product(kernel, (m, k, n), ops, (&vec![0f32; m * n], false), threads);
             c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(3));
