@@ -1382,11 +1382,11 @@ thread_local! {
 struct Line([u16; TK]);
 
 /// The first `len` 16-bit values (a multiple of 32) of `buf`, grown where it is shorter,
-/// as a slice on a 64-byte boundary. It is never shortened: a buffer a larger product
-/// left is not zeroed again for the next one (the vocabulary projection's 59 MB were
-/// 7 ms of a training step, as were the products that followed a smaller one), since
-/// every packing writes each element of its panels, padding included; a test runs a
-/// small product after a large one of NaNs.
+/// as a slice on a 64-byte boundary. It is never shortened, so a buffer a larger product
+/// left is not zeroed again for the next one: re-zeroing cost a base training step
+/// 16 ms (7 of them the vocabulary gradient's 59 MB). Every packing writes each element
+/// of its panels, padding included; a test runs a small product after a large one of
+/// NaNs.
 fn lines(buf: &mut Vec<Line>, len: usize) -> &mut [u16] {
     debug_assert_eq!(len % TK, 0);
     if buf.len() < len / TK {
