@@ -193,27 +193,37 @@ unsafe fn product(
     }
 }
 
-/// The one 16-bit product (kernel and left operand) that [`matmul`] would run for
-/// `a·b`, where it runs one: a 2-D `b`, `a`'s batch and row axes merged into rows, and
-/// enough multiply-adds for [`BF16_MIN`]. Only such a product takes an [`Epilogue`]
+/// The one 16-bit product that [`matmul`] would run for `a·b` into `out`, where it runs
+/// one: a 2-D `b`, `a`'s batch and row axes merged into rows, a contiguous `out` of those
+/// rows and `b`'s columns, and enough multiply-adds for [`BF16_MIN`]. Its kernel, left
+/// operand and `(rows, k, n)`. Only such a product takes an [`Epilogue`]
 /// ([`matmul_epilogue`]).
-fn one_16bit_product(a: &Loc, b: &Loc, bf16: Option<Kernel>) -> Option<(Kernel, Mat)> {
+fn one_16bit_product(
+    a: &Loc,
+    b: &Loc,
+    out: &Loc,
+    bf16: Option<Kernel>,
+) -> Option<(Kernel, Mat, (usize, usize, usize))> {
     let kernel = bf16?;
     let (sa, sb) = (a.shape(), b.shape());
     let ra = sa.len();
     if ra < 2 || sb.len() != 2 || sa[ra - 1] != sb[0] {
         return None;
     }
+    let (rows, k, n) = (sa[..ra - 1].iter().product::<usize>(), sb[0], sb[1]);
+    let so = out.shape();
+    if !out.is_contiguous() || so.last() != Some(&n) || out.numel() != rows * n {
+        return None;
+    }
     let la = &a.layout;
     let rs = merged_stride(&sa[..ra - 1], &la.strides[..ra - 1])?;
-    let rows: usize = sa[..ra - 1].iter().product();
-    (rows * sa[ra - 1] * sb[1] >= BF16_MIN).then(|| {
+    (rows * k * n >= BF16_MIN).then(|| {
         let lhs = Mat {
             ptr: (a.ptr as *const f32).wrapping_add(la.offset),
             rs: rs as isize,
             cs: la.strides[ra - 1] as isize,
         };
-        (kernel, lhs)
+        (kernel, lhs, (rows, k, n))
     })
 }
 
@@ -229,12 +239,7 @@ pub(crate) fn matmul_epilogue(
     packed: Option<&PackedRhs>,
     epilogue: Epilogue,
 ) -> Option<()> {
-    let (kernel, lhs) = one_16bit_product(a, b, bf16)?;
-    if !out.is_contiguous() {
-        return None;
-    }
-    let (sa, sb) = (a.shape(), b.shape());
-    let (rows, k, n) = (a.numel() / sa[sa.len() - 1].max(1), sb[0], sb[1]);
+    let (kernel, lhs, (rows, k, n)) = one_16bit_product(a, b, out, bf16)?;
     let lb = &b.layout;
     let rhs = Mat {
         ptr: (b.ptr as *const f32).wrapping_add(lb.offset),

@@ -450,6 +450,12 @@ fn run_exec(
             let n = last(out);
             let rows = out.numel() / n.max(1);
             let b = contig(ins[2], keep)?;
+            if b.numel() != n {
+                return Err(format!(
+                    "a bias of shape {:?} for a result of {n} columns (one value a column)",
+                    b.shape()
+                ));
+            }
             let packed = ctx.packed_rhs(step, ins, rows);
             // A 16-bit product adds the bias and applies the ReLU to each block of its
             // result while the block is in cache.
