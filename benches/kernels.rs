@@ -257,7 +257,8 @@ fn sum_rows() {
 }
 
 /// A dropout region over `[32, 25, 512]` (a residual branch of the base model's
-/// training step): bound by drawing the Philox mask, not by memory.
+/// training step): mostly drawing the Philox masks (`kiln_dropout_masks`, AVX-512 where
+/// the CPU has it).
 fn dropout_region() {
     let shape = [32usize, 25, 512];
     let expr = Expr {

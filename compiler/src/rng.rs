@@ -36,11 +36,11 @@
 //!   element uses its own two words; the sine half of the pair is not used.
 
 /// Philox multipliers (Salmon et al., table 2).
-const PHILOX_M0: u32 = 0xD251_1F53;
-const PHILOX_M1: u32 = 0xCD9E_8D57;
+pub(crate) const PHILOX_M0: u32 = 0xD251_1F53;
+pub(crate) const PHILOX_M1: u32 = 0xCD9E_8D57;
 /// Weyl sequence increments for the key schedule (golden ratio, sqrt(3) - 1).
-const PHILOX_W0: u32 = 0x9E37_79B9;
-const PHILOX_W1: u32 = 0xBB67_AE85;
+pub(crate) const PHILOX_W0: u32 = 0x9E37_79B9;
+pub(crate) const PHILOX_W1: u32 = 0xBB67_AE85;
 
 /// The high and low 32-bit halves of the 64-bit product `a * b`.
 fn mulhilo(a: u32, b: u32) -> (u32, u32) {

@@ -11,10 +11,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use cranelift_codegen::ir::{ExternalName, UserExternalName};
 use cranelift_codegen::isa::TargetIsa;
 use cranelift_codegen::settings::{self, Configurable};
 use cranelift_jit::{JITBuilder, JITModule};
 use cranelift_module::{default_libcall_names, Linkage, Module};
+
+use crate::codegen::masks;
 
 /// The machine code of one kernel function: see [`crate::codegen::clif`] for the ABI.
 pub type KernelFn = unsafe extern "C" fn(*const *mut u8, *const i64, i64, i64);
@@ -102,12 +105,47 @@ pub fn compile(text: &str) -> Result<JitModule, String> {
         .map_err(|e| format!("the kernel text does not parse as CLIF: {e}"))?;
     let isa = host_isa()?;
     let call_conv = isa.default_call_conv();
-    let mut module = JITModule::new(JITBuilder::with_isa(isa.clone(), default_libcall_names()));
+    let mut builder = JITBuilder::with_isa(isa.clone(), default_libcall_names());
+    // The one function a kernel may call: region kernels draw dropout masks with it.
+    builder.symbol(masks::SYMBOL, masks::kiln_dropout_masks as *const u8);
+    let mut module = JITModule::new(builder);
     let mut ids = Vec::with_capacity(funcs.len());
     let mut ctx = module.make_context();
+    let mut draw_masks = None;
     for mut func in funcs {
         let name = func.name.to_string().trim_start_matches('%').to_string();
         func.signature.call_conv = call_conv;
+        // Calls: only `%kiln_dropout_masks`, with its signature, bound to the module's
+        // import of it; every signature a kernel calls through uses the host's C ABI.
+        for sig in func.dfg.signatures.values_mut() {
+            sig.call_conv = call_conv;
+        }
+        let calls: Vec<_> = func.dfg.ext_funcs.keys().collect();
+        for f in calls {
+            let data = &func.dfg.ext_funcs[f];
+            let callee = data.name.display(None).to_string();
+            let sig = func.dfg.signatures[data.signature].clone();
+            if callee.trim_start_matches('%') != masks::SYMBOL || sig != masks::signature(call_conv)
+            {
+                return Err(format!(
+                    "kernel `{name}` calls `{callee}` ({sig}); kernels may only call `%{}` {}",
+                    masks::SYMBOL,
+                    masks::signature(call_conv)
+                ));
+            }
+            let id = match draw_masks {
+                Some(id) => id,
+                None => {
+                    let id = module
+                        .declare_function(masks::SYMBOL, Linkage::Import, &sig)
+                        .map_err(|e| format!("kernel `{name}`: {e}"))?;
+                    draw_masks = Some(id);
+                    id
+                }
+            };
+            let user = func.declare_imported_user_function(UserExternalName::new(0, id.as_u32()));
+            func.dfg.ext_funcs[f].name = ExternalName::User(user);
+        }
         if func.signature != {
             let mut s = crate::codegen::clif::kernel_signature();
             s.call_conv = call_conv;
@@ -179,4 +217,32 @@ pub unsafe fn launch(f: KernelFn, ptrs: &[*mut u8], dims: &[i64], items: usize, 
             });
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel whose body only calls `callee` with signature `sig`.
+    fn calling(callee: &str, sig: &str) -> String {
+        format!(
+            "function %k(i64, i64, i64, i64) system_v {{\n    sig0 = {sig} system_v\n    \
+             fn0 = %{callee} sig0\n\nblock0(v0: i64, v1: i64, v2: i64, v3: i64):\n    \
+             v4 = iconst.i32 0\n    call fn0(v0, v4, v4, v4, v1, v2, v3)\n    return\n}}\n"
+        )
+    }
+
+    #[test]
+    fn kernels_may_call_only_the_dropout_masks() {
+        let sig = "(i64, i32, i32, i32, i64, i64, i64)";
+        compile(&calling("kiln_dropout_masks", sig)).expect("the masks' call links");
+        let err = compile(&calling("system", sig)).unwrap_err();
+        assert!(
+            err.contains("kernel `k` calls `%system`") && err.contains("%kiln_dropout_masks"),
+            "{err}"
+        );
+        let other = "(i64, i32, i32, i32, i64, i64, i32)";
+        let err = compile(&calling("kiln_dropout_masks", other)).unwrap_err();
+        assert!(err.contains("calls `%kiln_dropout_masks`"), "{err}");
+    }
 }

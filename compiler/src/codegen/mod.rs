@@ -13,6 +13,7 @@
 pub mod clif;
 pub mod cuda;
 pub mod jit;
+pub mod masks;
 pub mod math;
 pub mod misc;
 pub mod philox;

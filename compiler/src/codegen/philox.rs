@@ -1,4 +1,6 @@
 //! Philox4x32-10 in CLIF: the dropout mask of [`crate::rng`], bit for bit, in kernels.
+//! The `embed_pe` kernel draws its masks with it; region kernels call
+//! [`super::masks`] instead (AVX-512, a quarter of the time).
 //!
 //! In: CLIF values for the run's seed (`i64`), the training step and the dropout node's
 //! stream and threshold (`i32`), and element flat indices (`i64`). Out: whether each

@@ -1,0 +1,258 @@
+//! The dropout masks of a run of elements, drawn for the CPU kernels by a function they
+//! call (`kiln_dropout_masks`) instead of by CLIF of their own.
+//!
+//! In: a dropout node's seed, step, stream and threshold, the flat index of the first
+//! element and a count. Out: one `i32` lane mask per element (all ones where kept, zero
+//! where dropped), the same bits as [`crate::rng::dropout_keep`].
+//!
+//! Why a call: Cranelift's vectors are 128 bits wide, so a region kernel drawing its own
+//! masks (see [`super::philox`]) spends about nine cycles an element on Philox's
+//! 32×32→64-bit products, four lanes at a time. With AVX-512F this function draws
+//! sixteen counter blocks (64 elements) per pass with 512-bit `vpmuludq`, several times
+//! fewer instructions an element. A region kernel calls it once per
+//! [`MASK_CHUNK`] elements of a row, into a buffer on its stack, and reads the masks
+//! back as vectors. Without AVX-512F (or for the elements before the first whole counter
+//! block and after the last group of sixteen) it draws with [`crate::rng::dropout_words`].
+
+use cranelift_codegen::ir::{types, AbiParam, Signature};
+use cranelift_codegen::isa::CallConv;
+
+use crate::rng::{dropout_words, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1};
+
+/// The symbol a region kernel's CLIF calls (`fn0 = %kiln_dropout_masks`); the JIT binds
+/// it to [`kiln_dropout_masks`].
+pub const SYMBOL: &str = "kiln_dropout_masks";
+
+/// Elements a region kernel draws masks for per call: 4 KB of masks on its stack.
+pub const MASK_CHUNK: i64 = 1024;
+
+/// The signature kernels call [`kiln_dropout_masks`] with, in `call_conv` (the host's C
+/// ABI: the text says System V, the JIT sets the host's): `(seed i64, step i32, stream
+/// i32, threshold i32, index i64, count i64, out i64)`.
+pub fn signature(call_conv: CallConv) -> Signature {
+    let mut sig = Signature::new(call_conv);
+    for t in [
+        types::I64,
+        types::I32,
+        types::I32,
+        types::I32,
+        types::I64,
+        types::I64,
+        types::I64,
+    ] {
+        sig.params.push(AbiParam::new(t));
+    }
+    sig
+}
+
+/// Writes the keep masks of elements `index .. index + count` of the dropout node with
+/// `stream` at `step` (threshold as [`crate::rng::dropout_threshold`]) to `out`: `-1`
+/// (all bits set) where the element is kept, `0` where it is dropped.
+///
+/// # Safety
+/// `out` must be valid for `count` `i32` writes. (The kernels that call it pass a buffer
+/// of [`MASK_CHUNK`] and a count of at most that.)
+pub unsafe extern "C" fn kiln_dropout_masks(
+    seed: u64,
+    step: u32,
+    stream: u32,
+    threshold: u32,
+    index: u64,
+    count: u64,
+    out: *mut i32,
+) {
+    // SAFETY: the caller's: `out` holds `count` elements.
+    let out = unsafe { std::slice::from_raw_parts_mut(out, count as usize) };
+    masks(seed, step, stream, threshold, index, out);
+}
+
+/// [`kiln_dropout_masks`] into a slice (element `index + j` into `out[j]`).
+pub fn masks(seed: u64, step: u32, stream: u32, threshold: u32, index: u64, out: &mut [i32]) {
+    let mut i = index;
+    let mut rest = &mut out[..];
+    #[cfg(target_arch = "x86_64")]
+    let simd = std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    while !rest.is_empty() {
+        if simd && i.is_multiple_of(4) && rest.len() >= 64 {
+            let (now, later) = rest.split_at_mut(64);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F was detected; `now` holds 64 elements.
+            unsafe {
+                avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, now)
+            };
+            rest = later;
+            i += 64;
+            continue;
+        }
+        let words = dropout_words(seed, step, stream, i / 4);
+        let take = ((4 - i % 4) as usize).min(rest.len());
+        let (now, later) = rest.split_at_mut(take);
+        for (j, m) in now.iter_mut().enumerate() {
+            let w = words[(i % 4) as usize + j];
+            *m = if (w >> 8) >= threshold { -1 } else { 0 };
+        }
+        rest = later;
+        i += take as u64;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// The high and low words of `m · c` in each `u32` lane.
+    #[inline(always)]
+    unsafe fn mulhilo(m: __m512i, c: __m512i) -> (__m512i, __m512i) {
+        let even = _mm512_mul_epu32(c, m);
+        let odd = _mm512_mul_epu32(_mm512_srli_epi64::<32>(c), m);
+        // Lane 2j: the even product's low word; lane 2j + 1: the odd product's low word
+        // (moved up), and the other way round for the high words.
+        let lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64::<32>(odd));
+        let hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(even), odd);
+        (hi, lo)
+    }
+
+    /// The masks of the 64 elements of counter blocks `block .. block + 16` into `out`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `out` holds 64 elements.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn sixteen_blocks(
+        seed: u64,
+        step: u32,
+        stream: u32,
+        threshold: u32,
+        block: u64,
+        out: &mut [i32],
+    ) {
+        assert!(out.len() >= 64);
+        let lo = block as u32;
+        let c0 = _mm512_add_epi32(
+            _mm512_set1_epi32(lo as i32),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        );
+        // A lane whose low word wrapped past 2^32 carries into the high word.
+        let wrapped = _mm512_cmplt_epu32_mask(c0, _mm512_set1_epi32(lo as i32));
+        let hi = _mm512_set1_epi32((block >> 32) as u32 as i32);
+        let c1 = _mm512_mask_add_epi32(hi, wrapped, hi, _mm512_set1_epi32(1));
+        let mut c = [
+            c0,
+            c1,
+            _mm512_set1_epi32(stream as i32),
+            _mm512_set1_epi32(step as i32),
+        ];
+        let (m0, m1) = (
+            _mm512_set1_epi32(PHILOX_M0 as i32),
+            _mm512_set1_epi32(PHILOX_M1 as i32),
+        );
+        let mut key = [seed as u32, (seed >> 32) as u32];
+        for r in 0..10 {
+            if r > 0 {
+                key = [
+                    key[0].wrapping_add(PHILOX_W0),
+                    key[1].wrapping_add(PHILOX_W1),
+                ];
+            }
+            let (hi0, lo0) = mulhilo(m0, c[0]);
+            let (hi1, lo1) = mulhilo(m1, c[2]);
+            let (k0, k1) = (
+                _mm512_set1_epi32(key[0] as i32),
+                _mm512_set1_epi32(key[1] as i32),
+            );
+            // 0x96: the exclusive or of the three operands.
+            c = [
+                _mm512_ternarylogic_epi32::<0x96>(hi1, c[1], k0),
+                lo1,
+                _mm512_ternarylogic_epi32::<0x96>(hi0, c[3], k1),
+                lo0,
+            ];
+        }
+        // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
+        // 4 × 16 transpose (within 128-bit lanes, then of the lanes).
+        let t0 = _mm512_unpacklo_epi32(c[0], c[1]);
+        let t1 = _mm512_unpackhi_epi32(c[0], c[1]);
+        let t2 = _mm512_unpacklo_epi32(c[2], c[3]);
+        let t3 = _mm512_unpackhi_epi32(c[2], c[3]);
+        // `u[q]`'s 128-bit lane g holds the four words of block 4g + q.
+        let u = [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ];
+        let v0 = _mm512_shuffle_i32x4::<0b0100_0100>(u[0], u[1]);
+        let v1 = _mm512_shuffle_i32x4::<0b0100_0100>(u[2], u[3]);
+        let v2 = _mm512_shuffle_i32x4::<0b1110_1110>(u[0], u[1]);
+        let v3 = _mm512_shuffle_i32x4::<0b1110_1110>(u[2], u[3]);
+        let words = [
+            _mm512_shuffle_i32x4::<0b1000_1000>(v0, v1),
+            _mm512_shuffle_i32x4::<0b1101_1101>(v0, v1),
+            _mm512_shuffle_i32x4::<0b1000_1000>(v2, v3),
+            _mm512_shuffle_i32x4::<0b1101_1101>(v2, v3),
+        ];
+        let t = _mm512_set1_epi32(threshold as i32);
+        for (g, w) in words.into_iter().enumerate() {
+            let keep = _mm512_cmpge_epu32_mask(_mm512_srli_epi32::<8>(w), t);
+            let m = _mm512_maskz_mov_epi32(keep, _mm512_set1_epi32(-1));
+            // SAFETY: `out` holds 64 elements; 16 at `16g`.
+            unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(16 * g) as *mut _, m) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::{dropout_keep, dropout_threshold};
+
+    fn want(seed: u64, step: u32, stream: u32, t: u32, index: u64, n: usize) -> Vec<i32> {
+        (0..n as u64)
+            .map(|j| -i32::from(dropout_keep(seed, step, stream, index + j, t)))
+            .collect()
+    }
+
+    #[test]
+    fn masks_are_the_dropout_keep_decisions() {
+        let t = dropout_threshold(0.1);
+        // Aligned and unaligned starts, runs shorter and longer than a group of 64, and a
+        // group whose blocks carry from the low counter word into the high one.
+        for &(seed, step, stream, index, n) in &[
+            (1u64, 0u32, 0u32, 0u64, 64usize),
+            (0x0123_4567_89ab_cdef, 7, 5, 0, 1000),
+            (42, 3, 9, 1, 300),
+            (42, 3, 9, 6, 131),
+            (42, 3, 9, 800 * 512, 512),
+            (9, 1, 2, (1u64 << 34) - 40, 200),
+            (u64::MAX, u32::MAX, u32::MAX, 13, 77),
+        ] {
+            let mut got = vec![7i32; n];
+            masks(seed, step, stream, t, index, &mut got);
+            assert_eq!(
+                got,
+                want(seed, step, stream, t, index, n),
+                "seed {seed} step {step} stream {stream} from {index}"
+            );
+        }
+        // A threshold equal to an element's top 24 bits keeps it (`>=`), inside a group
+        // of sixteen blocks.
+        let w = dropout_words(11, 2, 3, 21)[1] >> 8;
+        let mut got = vec![0i32; 128];
+        masks(11, 2, 3, w, 0, &mut got);
+        assert_eq!(got[4 * 21 + 1], -1, "the element at the threshold is kept");
+        assert_eq!(got, want(11, 2, 3, w, 0, 128));
+        // A dropout probability of zero keeps all; of 0.5 drops about half.
+        let mut got = vec![0i32; 4096];
+        masks(3, 1, 2, 0, 0, &mut got);
+        assert!(got.iter().all(|&m| m == -1));
+        masks(3, 1, 2, dropout_threshold(0.5), 0, &mut got);
+        let kept = got.iter().filter(|&&m| m == -1).count();
+        assert!(
+            (1900..2200).contains(&kept),
+            "{kept} of 4096 kept at p = 0.5"
+        );
+        assert_eq!(got, want(3, 1, 2, dropout_threshold(0.5), 0, 4096));
+    }
+}
