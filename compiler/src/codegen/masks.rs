@@ -11,8 +11,9 @@
 //! sixteen counter blocks (64 elements) per pass with 512-bit `vpmuludq`, several times
 //! fewer instructions an element. A region kernel calls it once per
 //! [`MASK_CHUNK`] elements of a row, into a buffer on its stack, and reads the masks
-//! back as vectors. Without AVX-512F (or for the elements before the first whole counter
-//! block and after the last group of sixteen) it draws with [`crate::rng::dropout_words`].
+//! back as vectors. A run shorter than a group, or starting inside a counter block,
+//! draws a whole group into a scratch and copies its part; a run within one block, or a
+//! CPU without AVX-512F, draws with [`crate::rng::dropout_words`].
 
 use cranelift_codegen::ir::{types, AbiParam, Signature};
 use cranelift_codegen::isa::CallConv;
@@ -75,22 +76,32 @@ pub fn masks(seed: u64, step: u32, stream: u32, threshold: u32, index: u64, out:
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     while !rest.is_empty() {
-        if simd && i.is_multiple_of(4) && rest.len() >= 64 {
-            let (now, later) = rest.split_at_mut(64);
+        let skip = (i % 4) as usize;
+        // Sixteen blocks at once wherever the run spans two blocks or more (a short or
+        // unaligned run through a scratch group, the words it needs copied out).
+        if simd && skip + rest.len() >= 8 {
+            let take = (64 - skip).min(rest.len());
+            let (now, later) = rest.split_at_mut(take);
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512F was detected; `now` holds 64 elements.
+            // SAFETY: AVX-512F was detected; each group written holds 64 elements.
             unsafe {
-                avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, now)
+                if take == 64 {
+                    avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, now)
+                } else {
+                    let mut group = [0i32; 64];
+                    avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, &mut group);
+                    now.copy_from_slice(&group[skip..skip + take]);
+                }
             };
             rest = later;
-            i += 64;
+            i += take as u64;
             continue;
         }
         let words = dropout_words(seed, step, stream, i / 4);
-        let take = ((4 - i % 4) as usize).min(rest.len());
+        let take = (4 - skip).min(rest.len());
         let (now, later) = rest.split_at_mut(take);
         for (j, m) in now.iter_mut().enumerate() {
-            let w = words[(i % 4) as usize + j];
+            let w = words[skip + j];
             *m = if (w >> 8) >= threshold { -1 } else { 0 };
         }
         rest = later;
@@ -227,6 +238,10 @@ mod tests {
             (42, 3, 9, 800 * 512, 512),
             (9, 1, 2, (1u64 << 34) - 40, 200),
             (u64::MAX, u32::MAX, u32::MAX, 13, 77),
+            (5, 6, 7, 0, 48),
+            (5, 6, 7, 5, 3),
+            (5, 6, 7, 2, 10),
+            (5, 6, 7, 61, 70),
         ] {
             let mut got = vec![7i32; n];
             masks(seed, step, stream, t, index, &mut got);
