@@ -68,18 +68,21 @@ fn clif_of_every_kernel_kind_is_pinned() {
         assert!(kinds.contains(&want), "no `{want}` kernel among {kinds:?}");
     }
     for (kind, text) in &first {
+        // The one call a kernel makes: its dropout masks, per chunk of a row.
         let calls: Vec<&str> = text.lines().filter(|l| l.contains("call ")).collect();
-        if kind == "region_dropout" {
+        if text.contains("fn0 = %kiln_dropout_masks sig0") {
             assert!(
                 !calls.is_empty() && calls.iter().all(|l| l.contains("call fn0(")),
-                "{kind}: one call, to the masks: {calls:?}"
+                "{kind}: calls the masks only: {calls:?}"
             );
-            assert!(text.contains("fn0 = %kiln_dropout_masks sig0"), "{text}");
         } else {
             assert!(
                 calls.is_empty(),
                 "{kind}: no calls in generated kernels: {calls:?}"
             );
+        }
+        if kind == "region_dropout" {
+            assert!(!calls.is_empty(), "{kind}: draws its masks");
         }
         insta::assert_snapshot!(format!("clif_{kind}"), text);
     }

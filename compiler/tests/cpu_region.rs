@@ -1140,34 +1140,17 @@ fn regions_from_the_optimizer() {
     );
 }
 
-/// The vectorized generator of sixteen elements ([`Dropout::keep_masks16`]) against
+/// The masks the kernels call for (`kiln_dropout_masks`, [`masks::masks`]) against
 /// [`rng::dropout_keep`] at indices no tensor here reaches: aligned and not, and where
-/// the low word of the block counter wraps inside the four blocks (the carry into the
-/// high word).
+/// the low word of the block counter wraps inside a group of blocks (the carry into the
+/// high word), for runs of 16 and of 100.
 #[test]
-fn sixteen_element_masks_match_the_generator_at_any_index() {
-    use cranelift_codegen::ir::InstBuilder;
-    use kiln_compiler::codegen::clif::{build_kernel, text as clif_text, VI};
-    use kiln_compiler::codegen::philox::Dropout;
+fn kernel_masks_match_the_generator_at_any_index() {
+    use kiln_compiler::codegen::masks;
     use kiln_compiler::rng;
 
     let (seed, step, stream, p) = (0x0123_4567_89AB_CDEFu64, 77u32, 5u32, 0.5);
     let threshold = rng::dropout_threshold(p);
-    let f = build_kernel("masks16", |kb| {
-        let out = kb.ptr(0);
-        let index = kb.dim(0);
-        let s = kb.dim(1);
-        let st = kb.dim(2);
-        let st = kb.b.ins().ireduce(cranelift_codegen::ir::types::I32, st);
-        let g = Dropout::with_consts(kb, s, st, stream, threshold);
-        let m = g.keep_masks16(kb, index);
-        for (j, v) in m.into_iter().enumerate() {
-            let at = kb.iconst(4 * j as i64);
-            assert_eq!(kb.b.func.dfg.value_type(v), VI);
-            kb.store(v, out, at);
-        }
-    });
-    let src = clif_text(&f);
     let wrap = (1u64 << 34) - 8; // blocks 2^32 − 2 … 2^32 + 1
     for index in [
         0u64,
@@ -1182,12 +1165,13 @@ fn sixteen_element_masks_match_the_generator_at_any_index() {
         (3u64 << 40) + 12,
         u64::MAX / 8,
     ] {
-        let mut got = [0u32; 16];
-        let dims = [index as i64, seed as i64, step as i64];
-        run_kernel("masks16", &src, &[got.as_mut_ptr() as *mut u8], &dims, 1, 1);
-        for (e, &w) in got.iter().enumerate() {
-            let want = rng::dropout_keep(seed, step, stream, index + e as u64, threshold);
-            assert_eq!(w, if want { u32::MAX } else { 0 }, "index {index} + {e}");
+        for n in [16usize, 100] {
+            let mut got = vec![0i32; n];
+            masks::masks(seed, step, stream, threshold, index, &mut got);
+            for (e, &m) in got.iter().enumerate() {
+                let want = rng::dropout_keep(seed, step, stream, index + e as u64, threshold);
+                assert_eq!(m, if want { -1 } else { 0 }, "index {index} + {e} of {n}");
+            }
         }
     }
 }

@@ -69,10 +69,11 @@ pub fn host_isa() -> Result<Arc<dyn TargetIsa>, String> {
         .map_err(|e| format!("cranelift flag: {e}"))?;
     let mut builder = cranelift_native::builder()
         .map_err(|e| format!("this machine is not supported by Cranelift: {e}"))?;
-    // The dropout generator's 32×32→64-bit products (`imul` of `uwiden_low/high` lanes)
-    // lower to `pmuludq` (one µop) without AVX-512DQ, but to `vpmullq` (three µops,
-    // latency 15) with it; no kernel needs another AVX-512DQ instruction. (Other
-    // architectures have no such flag: the error is theirs to ignore.)
+    // Kept off: with AVX-512DQ an `imul` of 64-bit lanes holding widened 32-bit values
+    // (`uwiden_low/high`) lowers to `vpmullq` (three µops, latency 15) instead of
+    // `pmuludq` (one), which dropout's Philox in CLIF once drew with; no kernel needs
+    // another AVX-512DQ instruction. (Other architectures have no such flag: the error is
+    // theirs to ignore.)
     let _ = builder.set("has_avx512dq", "false");
     builder
         .finish(settings::Flags::new(flags))

@@ -5,23 +5,24 @@
 //! element and a count. Out: one `i32` lane mask per element (all ones where kept, zero
 //! where dropped), the same bits as [`crate::rng::dropout_keep`].
 //!
-//! Why a call: Cranelift's vectors are 128 bits wide, so a region kernel drawing its own
-//! masks (see [`super::philox`]) spends about nine cycles an element on Philox's
-//! 32×32→64-bit products, four lanes at a time. With AVX-512F this function draws
-//! sixteen counter blocks (64 elements) per pass with 512-bit `vpmuludq`, several times
-//! fewer instructions an element. A region kernel calls it once per
-//! [`MASK_CHUNK`] elements of a row, into a buffer on its stack, and reads the masks
-//! back as vectors. A run shorter than a group, or starting inside a counter block,
-//! draws a whole group into a scratch and copies its part; a run within one block, or a
-//! CPU without AVX-512F, draws with [`crate::rng::dropout_words`].
+//! Why a call: Cranelift's vectors are 128 bits wide, so a kernel drawing its own masks
+//! in CLIF (as region kernels did, four counter blocks at a time in `I32X4` lanes) spent
+//! about nine cycles an element on Philox's 32×32→64-bit products. With AVX-512F this
+//! function draws sixteen counter blocks (64 elements) per pass with 512-bit
+//! `vpmuludq`, several times fewer instructions an element. Region and `embed_pe`
+//! kernels call it once per [`MASK_CHUNK`] elements of a row, into a buffer on their
+//! stack, and read the masks back as vectors. A run shorter than a group, or starting
+//! inside a counter block, draws a whole group into a scratch and copies its part; a run
+//! within one block, or a CPU without AVX-512F, draws with
+//! [`crate::rng::dropout_words`].
 
 use cranelift_codegen::ir::{types, AbiParam, Signature};
 use cranelift_codegen::isa::CallConv;
 
 use crate::rng::{dropout_words, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1};
 
-/// The symbol a region kernel's CLIF calls (`fn0 = %kiln_dropout_masks`); the JIT binds
-/// it to [`kiln_dropout_masks`].
+/// The symbol a kernel's CLIF calls (`fn0 = %kiln_dropout_masks`); the JIT binds it to
+/// [`kiln_dropout_masks`].
 pub const SYMBOL: &str = "kiln_dropout_masks";
 
 /// Elements a region kernel draws masks for per call: 4 KB of masks on its stack.

@@ -16,7 +16,6 @@ pub mod jit;
 pub mod masks;
 pub mod math;
 pub mod misc;
-pub mod philox;
 pub mod program;
 pub mod region;
 pub mod rows;

@@ -65,8 +65,7 @@ use cranelift_codegen::ir::{
 };
 use cranelift_codegen::isa::CallConv;
 
-use crate::codegen::clif::{build_kernel, lanes, Kb, UNROLL, VF, VI};
-use crate::codegen::philox::Dropout;
+use crate::codegen::clif::{build_kernel, lanes, Kb, VF, VI};
 use crate::codegen::{masks, math};
 use crate::ir::{BinaryOp, CmpOp, DType, UnaryOp};
 use crate::optimize::regions::{Expr, Inst};
@@ -855,6 +854,8 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
         let zero = kb.iconst(0);
         let scale = kb.load(types::F32, scale_p, zero);
         let scale_v = kb.b.ins().splat(VF, scale);
+        // With dropout: the masks' function, its arguments but the index and count, a
+        // stack buffer for a chunk's masks, and the kept elements' scale.
         let gen = if dropout {
             let seed = kb.dim(2);
             let dims: Vec<Value> = (3..7)
@@ -863,10 +864,15 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
                     kb.b.ins().ireduce(types::I32, v)
                 })
                 .collect();
-            let g = Dropout::new(kb, seed, dims[0], dims[1], dims[2]);
+            let func = import_masks(kb);
+            let slot = kb.b.create_sized_stack_slot(StackSlotData::new(
+                StackSlotKind::ExplicitSlot,
+                (4 * masks::MASK_CHUNK) as u32,
+                4,
+            ));
             let ks = kb.b.ins().bitcast(types::F32, lanes(), dims[3]);
             let ks_v = kb.b.ins().splat(VF, ks);
-            Some((g, ks, ks_v))
+            Some((func, [seed, dims[0], dims[1], dims[2]], slot, ks, ks_v))
         } else {
             None
         };
@@ -887,33 +893,49 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
             let first = kb.b.ins().imul(row, d);
             let dst = kb.elem_addr(out, first);
             let zero = kb.iconst(0);
-            let mut masks16: Option<[Value; 4]> = None;
-            kb.map_elems_unrolled(zero, d, |kb, c, ty, unrolled| {
-                let vector = ty.is_vector();
-                let x = kb.load(ty, src, c);
-                let s = if vector { scale_v } else { scale };
-                let x = kb.b.ins().fmul(x, s);
-                let q = kb.load(ty, pr, c);
-                let mut y = kb.b.ins().fadd(x, q);
-                if let Some((g, ks, ks_v)) = &gen {
-                    let index = kb.b.ins().iadd(first, c);
-                    let keep = match unrolled {
-                        Some(u) if UNROLL == 4 => {
-                            if u == 0 {
-                                masks16 = Some(g.keep_masks16(kb, index));
-                            }
-                            masks16.expect("masks drawn at the first vector")[u]
-                        }
-                        _ if vector => g.keep_mask4(kb, index),
-                        _ => g.keep(kb, index),
-                    };
-                    let k = if vector { *ks_v } else { *ks };
-                    let kept = kb.b.ins().fmul(y, k);
-                    let z = kb.fconst(ty, 0.0);
-                    y = kb.select(keep, kept, z);
+            // Elements `[lo, hi)` of the row (with dropout, a chunk whose masks are drawn).
+            let elems = |kb: &mut Kb, lo: Value, hi: Value| {
+                kb.map_elems(lo, hi, |kb, c, ty| {
+                    let vector = ty.is_vector();
+                    let x = kb.load(ty, src, c);
+                    let s = if vector { scale_v } else { scale };
+                    let x = kb.b.ins().fmul(x, s);
+                    let q = kb.load(ty, pr, c);
+                    let mut y = kb.b.ins().fadd(x, q);
+                    if let Some((_, _, slot, ks, ks_v)) = &gen {
+                        let at = kb.b.ins().isub(c, lo);
+                        let base = kb.b.ins().stack_addr(types::I64, *slot, 0);
+                        let keep = if vector {
+                            kb.load(VI, base, at)
+                        } else {
+                            let m = kb.load(types::I32, base, at);
+                            kb.b.ins().icmp_imm_u(IntCC::NotEqual, m, 0)
+                        };
+                        let k = if vector { *ks_v } else { *ks };
+                        let kept = kb.b.ins().fmul(y, k);
+                        let z = kb.fconst(ty, 0.0);
+                        y = kb.select(keep, kept, z);
+                    }
+                    kb.store(y, dst, c);
+                });
+            };
+            match &gen {
+                None => elems(kb, zero, d),
+                Some((func, [seed, step, stream, threshold], slot, _, _)) => {
+                    let span = kb.b.ins().iadd_imm_s(d, masks::MASK_CHUNK - 1);
+                    kb.for_range(zero, span, masks::MASK_CHUNK, &[], |kb, lo, _| {
+                        let next = kb.b.ins().iadd_imm_s(lo, masks::MASK_CHUNK);
+                        let hi = kb.b.ins().umin(next, d);
+                        let count = kb.b.ins().isub(hi, lo);
+                        let index = kb.b.ins().iadd(first, lo);
+                        let out = kb.b.ins().stack_addr(types::I64, *slot, 0);
+                        let args = [*seed, *step, *stream, *threshold, index, count, out];
+                        kb.b.ins().call(*func, &args);
+                        elems(kb, lo, hi);
+                        vec![]
+                    });
                 }
-                kb.store(y, dst, c);
-            });
+            }
             let p1 = kb.b.ins().iadd_imm_s(pos, 1);
             let wrap = kb.b.ins().icmp(IntCC::Equal, p1, t);
             let z = kb.iconst(0);
@@ -1016,6 +1038,63 @@ mod tests {
         // About 1 − 0.7 · 0.8 = 44 % dropped.
         assert!(
             (n * 40 / 100..n * 48 / 100).contains(&dropped),
+            "{dropped} of {n}"
+        );
+    }
+
+    /// `embed_pe` with dropout over rows longer than a chunk of masks, of a length that
+    /// is no multiple of 4: each element `table[id]·scale + pe`, kept as
+    /// `rng::dropout_keep` decides for its flat index and scaled.
+    #[test]
+    fn embed_pe_drops_out_every_chunk_of_long_rows_as_the_generator_decides() {
+        let (b, t, d, vocab) = (2usize, 3usize, 2 * masks::MASK_CHUNK as usize + 455, 5usize);
+        let f = embed_pe("emb", true);
+        let m = compile(&text(&f)).expect("embed_pe compiles");
+        let table: Vec<f32> = (0..vocab * d)
+            .map(|i| (i % 11) as f32 * 0.5 - 2.0)
+            .collect();
+        let ids: Vec<i32> = vec![3, 0, 4, 1, 1, 2];
+        let pe: Vec<f32> = (0..t * d).map(|i| (i % 5) as f32 * 0.125).collect();
+        let scale = [1.5f32];
+        let mut out = vec![f32::NAN; b * t * d];
+        let (p, stream, seed, step) = (0.25, 17u32, 99u64, 4u32);
+        let (dims, items) = embed_pe_dims(d, t, b, Some((p, stream)), seed, step);
+        let k = m.get("emb").expect("the kernel");
+        // SAFETY: the buffers hold the shapes `dims` describe.
+        unsafe {
+            launch(
+                k,
+                &[
+                    table.as_ptr() as *mut u8,
+                    ids.as_ptr() as *mut u8,
+                    pe.as_ptr() as *mut u8,
+                    scale.as_ptr() as *mut u8,
+                    out.as_mut_ptr() as *mut u8,
+                ],
+                &dims,
+                items,
+                1,
+            )
+        };
+        let threshold = rng::dropout_threshold(p);
+        let keep_scale = (1.0 / (1.0 - p)) as f32;
+        let mut dropped = 0;
+        for r in 0..b * t {
+            for c in 0..d {
+                let i = r * d + c;
+                let y = table[ids[r] as usize * d + c] * scale[0] + pe[(r % t) * d + c];
+                let want = if rng::dropout_keep(seed, step, stream, i as u64, threshold) {
+                    y * keep_scale
+                } else {
+                    dropped += 1;
+                    0.0
+                };
+                assert_eq!(out[i].to_bits(), want.to_bits(), "row {r}, column {c}");
+            }
+        }
+        let n = b * t * d;
+        assert!(
+            (n * 21 / 100..n * 29 / 100).contains(&dropped),
             "{dropped} of {n}"
         );
     }
