@@ -1162,28 +1162,22 @@ pub(crate) unsafe fn gemm(
         }
         _ => Vec::new(),
     };
+    let ops = Blocks {
+        kernel,
+        kb,
+        n,
+        out: Out(dst),
+        ld,
+        read_dst,
+        epilogue,
+        bias_pad: &bias_pad,
+    };
     if let Rhs::Mat(b) = b {
         // Each thread's rows: at least 256, or packing `b` again costs what it saves.
         let parts = threads.min(m / (GROUP * T));
         if cols_b < 2 * threads && k * n <= LOCAL_B && parts > 1 {
             // SAFETY: as the caller's.
-            unsafe {
-                local(
-                    kernel,
-                    (m, k, n),
-                    (a, b, parts),
-                    Blocks {
-                        kernel,
-                        kb,
-                        n,
-                        out: Out(dst),
-                        ld,
-                        read_dst,
-                        epilogue,
-                        bias_pad: &bias_pad,
-                    },
-                )
-            };
+            unsafe { local(kernel, (m, k, n), (a, b, parts), ops) };
             return;
         }
     }
@@ -1268,8 +1262,7 @@ pub(crate) unsafe fn gemm(
         rows_per = rows_per.min(GROUP * T);
     }
     let rows_b = m.div_ceil(rows_per);
-    let bias_pad = &bias_pad;
-    let out = Out(dst);
+    let ops = &ops;
     let pa_ref = &pa;
     let a_unscale = &a_unscale;
     (0..rows_b * cols_b).into_par_iter().for_each(|task| {
@@ -1297,16 +1290,6 @@ pub(crate) unsafe fn gemm(
                 &pb_shared[(j0 / T) * panel..],
                 &b_unscale[j0.min(b_unscale.len())..],
             )
-        };
-        let ops = Blocks {
-            kernel,
-            kb,
-            n,
-            out,
-            ld,
-            read_dst,
-            epilogue,
-            bias_pad,
         };
         // SAFETY: the panels hold the task's rows and columns, packed above or before;
         // each task writes its own block of `dst`.
