@@ -107,7 +107,8 @@ pub fn compile(text: &str) -> Result<JitModule, String> {
     let isa = host_isa()?;
     let call_conv = isa.default_call_conv();
     let mut builder = JITBuilder::with_isa(isa.clone(), default_libcall_names());
-    // The one function a kernel may call: region kernels draw dropout masks with it.
+    // The one function a kernel may call: region and `embed_pe` kernels draw their
+    // dropout masks with it.
     builder.symbol(masks::SYMBOL, masks::kiln_dropout_masks as *const u8);
     let mut module = JITModule::new(builder);
     let mut ids = Vec::with_capacity(funcs.len());

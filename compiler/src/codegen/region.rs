@@ -506,14 +506,64 @@ fn cast(kb: &mut Kb, from: DType, to: DType, x: Value) -> Value {
     }
 }
 
-/// A dropout step of a region kernel: its stack buffer of keep masks, the node's stream
-/// and threshold, and the kept elements' scale.
+/// A dropout step of a kernel: `kiln_dropout_masks`'s arguments but the index and the
+/// count (`seed i64, step, stream, threshold i32`), and the stack buffer its masks go to
+/// (see [`mask_slot`]).
 #[derive(Clone, Copy)]
 struct DropoutMasks {
+    args: [Value; 4],
     slot: StackSlot,
-    stream: u32,
-    threshold: u32,
-    scale: f32,
+}
+
+/// A stack buffer for the keep masks of [`masks::MASK_CHUNK`] elements.
+fn mask_slot(kb: &mut Kb) -> StackSlot {
+    kb.b.create_sized_stack_slot(StackSlotData::new(
+        StackSlotKind::ExplicitSlot,
+        (4 * masks::MASK_CHUNK) as u32,
+        4,
+    ))
+}
+
+/// Runs `elems(lo, hi)` over the chunks `[lo, hi)` of a row's elements `[0, len)`
+/// ([`masks::MASK_CHUNK`] each, the last shorter), each after `func` (the kernel's
+/// import of `kiln_dropout_masks`) has drawn the chunk's masks of every step of `drops`;
+/// `first` is the row's first flat index.
+fn in_mask_chunks(
+    kb: &mut Kb,
+    func: FuncRef,
+    drops: &[DropoutMasks],
+    (first, len): (Value, Value),
+    mut elems: impl FnMut(&mut Kb, Value, Value),
+) {
+    let zero = kb.iconst(0);
+    let span = kb.b.ins().iadd_imm_s(len, masks::MASK_CHUNK - 1);
+    kb.for_range(zero, span, masks::MASK_CHUNK, &[], |kb, lo, _| {
+        let next = kb.b.ins().iadd_imm_s(lo, masks::MASK_CHUNK);
+        let hi = kb.b.ins().umin(next, len);
+        let count = kb.b.ins().isub(hi, lo);
+        let index = kb.b.ins().iadd(first, lo);
+        for d in drops {
+            let out = kb.b.ins().stack_addr(types::I64, d.slot, 0);
+            let [seed, step, stream, threshold] = d.args;
+            kb.b.ins()
+                .call(func, &[seed, step, stream, threshold, index, count, out]);
+        }
+        elems(kb, lo, hi);
+        vec![]
+    });
+}
+
+/// The keep mask of element `c` of the chunk from `lo` whose masks `slot` holds: a lane
+/// mask of four elements for a vector step, an `i8` condition for a scalar one.
+fn chunk_keep(kb: &mut Kb, slot: StackSlot, (c, lo): (Value, Value), vector: bool) -> Value {
+    let at = kb.b.ins().isub(c, lo);
+    let base = kb.b.ins().stack_addr(types::I64, slot, 0);
+    if vector {
+        kb.load(VI, base, at)
+    } else {
+        let m = kb.load(types::I32, base, at);
+        kb.b.ins().icmp_imm_u(IntCC::NotEqual, m, 0)
+    }
 }
 
 /// Declares `kiln_dropout_masks` (see [`masks`]) in the kernel: `(seed i64, step i32,
@@ -645,28 +695,25 @@ fn build_region(
         // Dropout steps: each a stack buffer for the keep masks of `MASK_CHUNK` elements
         // of a row, filled by `kiln_dropout_masks` (see `masks`) before the elements'
         // loop over them.
-        let mut gens: Vec<Option<DropoutMasks>> = vec![None; n];
+        let mut gens: Vec<Option<(DropoutMasks, f32)>> = vec![None; n];
         let mut draw = None;
         if dropout {
             let base = 1 + lead + n_in * lead;
             let seed = kb.dim(base);
             let step = kb.dim(base + 1);
             let step = kb.b.ins().ireduce(types::I32, step);
-            draw = Some((import_masks(kb), seed, step));
+            draw = Some(import_masks(kb));
             for (k, inst) in expr.insts.iter().enumerate() {
                 if let Inst::Dropout(p, stream, _) = *inst {
                     let p = p.get();
-                    let slot = kb.b.create_sized_stack_slot(StackSlotData::new(
-                        StackSlotKind::ExplicitSlot,
-                        (4 * masks::MASK_CHUNK) as u32,
-                        4,
-                    ));
-                    gens[k] = Some(DropoutMasks {
-                        slot,
-                        stream,
-                        threshold: rng::dropout_threshold(p),
-                        scale: (1.0 / (1.0 - p)) as f32,
-                    });
+                    let stream = kb.b.ins().iconst(types::I32, i64::from(stream));
+                    let t = rng::dropout_threshold(p);
+                    let threshold = kb.b.ins().iconst(types::I32, i64::from(t));
+                    let masks = DropoutMasks {
+                        args: [seed, step, stream, threshold],
+                        slot: mask_slot(kb),
+                    };
+                    gens[k] = Some((masks, (1.0 / (1.0 - p)) as f32));
                 }
             }
         }
@@ -768,17 +815,9 @@ fn build_region(
                                 }
                             },
                             Inst::Dropout(_, _, a) => {
-                                let g = gens[k].as_ref().expect("a mask buffer per dropout");
-                                // The element's mask: at `c − lo` of the chunk's buffer.
-                                let at = kb.b.ins().isub(c, lo);
-                                let base = kb.b.ins().stack_addr(types::I64, g.slot, 0);
-                                let keep = if vector {
-                                    kb.load(VI, base, at)
-                                } else {
-                                    let m = kb.load(types::I32, base, at);
-                                    kb.b.ins().icmp_imm_u(IntCC::NotEqual, m, 0)
-                                };
-                                apply_dropout(kb, keep, v[a], g.scale)
+                                let (g, scale) = gens[k].expect("a mask buffer per dropout");
+                                let keep = chunk_keep(kb, g.slot, (c, lo), vector);
+                                apply_dropout(kb, keep, v[a], scale)
                             }
                             _ => lower(kb, inst, types, &v),
                         };
@@ -789,25 +828,9 @@ fn build_region(
             };
             match draw {
                 None => elems(kb, zero, cols),
-                Some((func, seed, step)) => {
-                    // Chunks of `MASK_CHUNK` elements (the last one shorter): each dropout
-                    // step's masks drawn, then the chunk's elements.
-                    let span = kb.b.ins().iadd_imm_s(cols, masks::MASK_CHUNK - 1);
-                    kb.for_range(zero, span, masks::MASK_CHUNK, &[], |kb, lo, _| {
-                        let next = kb.b.ins().iadd_imm_s(lo, masks::MASK_CHUNK);
-                        let hi = kb.b.ins().umin(next, cols);
-                        let count = kb.b.ins().isub(hi, lo);
-                        let index = kb.b.ins().iadd(first, lo);
-                        for g in gens.iter().flatten() {
-                            let stream = kb.b.ins().iconst(types::I32, i64::from(g.stream));
-                            let threshold = kb.b.ins().iconst(types::I32, i64::from(g.threshold));
-                            let out = kb.b.ins().stack_addr(types::I64, g.slot, 0);
-                            kb.b.ins()
-                                .call(func, &[seed, step, stream, threshold, index, count, out]);
-                        }
-                        elems(kb, lo, hi);
-                        vec![]
-                    });
+                Some(func) => {
+                    let drops: Vec<DropoutMasks> = gens.iter().flatten().map(|g| g.0).collect();
+                    in_mask_chunks(kb, func, &drops, (first, cols), elems);
                 }
             }
 
@@ -865,14 +888,13 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
                 })
                 .collect();
             let func = import_masks(kb);
-            let slot = kb.b.create_sized_stack_slot(StackSlotData::new(
-                StackSlotKind::ExplicitSlot,
-                (4 * masks::MASK_CHUNK) as u32,
-                4,
-            ));
+            let drop = DropoutMasks {
+                args: [seed, dims[0], dims[1], dims[2]],
+                slot: mask_slot(kb),
+            };
             let ks = kb.b.ins().bitcast(types::F32, lanes(), dims[3]);
             let ks_v = kb.b.ins().splat(VF, ks);
-            Some((func, [seed, dims[0], dims[1], dims[2]], slot, ks, ks_v))
+            Some((func, drop, ks, ks_v))
         } else {
             None
         };
@@ -902,15 +924,8 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
                     let x = kb.b.ins().fmul(x, s);
                     let q = kb.load(ty, pr, c);
                     let mut y = kb.b.ins().fadd(x, q);
-                    if let Some((_, _, slot, ks, ks_v)) = &gen {
-                        let at = kb.b.ins().isub(c, lo);
-                        let base = kb.b.ins().stack_addr(types::I64, *slot, 0);
-                        let keep = if vector {
-                            kb.load(VI, base, at)
-                        } else {
-                            let m = kb.load(types::I32, base, at);
-                            kb.b.ins().icmp_imm_u(IntCC::NotEqual, m, 0)
-                        };
+                    if let Some((_, drop, ks, ks_v)) = &gen {
+                        let keep = chunk_keep(kb, drop.slot, (c, lo), vector);
                         let k = if vector { *ks_v } else { *ks };
                         let kept = kb.b.ins().fmul(y, k);
                         let z = kb.fconst(ty, 0.0);
@@ -921,20 +936,7 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
             };
             match &gen {
                 None => elems(kb, zero, d),
-                Some((func, [seed, step, stream, threshold], slot, _, _)) => {
-                    let span = kb.b.ins().iadd_imm_s(d, masks::MASK_CHUNK - 1);
-                    kb.for_range(zero, span, masks::MASK_CHUNK, &[], |kb, lo, _| {
-                        let next = kb.b.ins().iadd_imm_s(lo, masks::MASK_CHUNK);
-                        let hi = kb.b.ins().umin(next, d);
-                        let count = kb.b.ins().isub(hi, lo);
-                        let index = kb.b.ins().iadd(first, lo);
-                        let out = kb.b.ins().stack_addr(types::I64, *slot, 0);
-                        let args = [*seed, *step, *stream, *threshold, index, count, out];
-                        kb.b.ins().call(*func, &args);
-                        elems(kb, lo, hi);
-                        vec![]
-                    });
-                }
+                Some((func, drop, _, _)) => in_mask_chunks(kb, *func, &[*drop], (first, d), elems),
             }
             let p1 = kb.b.ins().iadd_imm_s(pos, 1);
             let wrap = kb.b.ins().icmp(IntCC::Equal, p1, t);
