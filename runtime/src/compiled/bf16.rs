@@ -1318,14 +1318,16 @@ pub(crate) unsafe fn gemm(
 const LOCAL_B: usize = 1024 * 1024;
 
 /// [`gemm`] for a narrow, small `b` (see [`LOCAL_B`]) and at least 256 rows a thread:
-/// `parts` tasks, one a thread, each a range of rows (multiples of 32) against every
-/// column. Each task packs all of `b`
-/// into its thread's buffer (a second packing of a small operand), then its rows of `a`
-/// 256 at a time, each just before their blocks. So every panel a core reads is one it
-/// wrote, still in its own cache, and the product is one parallel step: two tasks with
-/// local operands ran an 800 × 512 · 512 × 512 product in 0.95 ms where shared packing
-/// and a grid of tasks took 1.06–1.09 ms. The same sums as the other path, so the same
-/// bits.
+/// `parts` tasks, one a thread, each an equal share of the 32 × 32 blocks in row-major
+/// order ([`block_runs`]): whole row blocks against every column, and where the shares
+/// do not end on a row block's edge, part of a row block's columns (the 25 row blocks of
+/// 800 rows are 12½ a thread, not 13 and 12). Each task packs all of `b` into its
+/// thread's buffer (a second packing of a small operand), then its rows of `a` 256 at a
+/// time, each just before their blocks (a row block two tasks share, by both). So every
+/// panel a core reads is one it wrote, still in its own cache, and the product is one
+/// parallel step: two tasks with local operands ran an 800 × 512 · 512 × 512 product in
+/// 0.95 ms where shared packing and a grid of tasks took 1.06–1.09 ms. The same sums as
+/// the other path, so the same bits.
 ///
 /// # Safety
 /// As [`gemm`]'s.
@@ -1337,9 +1339,10 @@ unsafe fn local(
 ) {
     let half = kernel == Kernel::Half;
     let panel = ops.kb * TILE;
-    let rows_per = m.div_ceil(parts).next_multiple_of(2 * T);
-    (0..m.div_ceil(rows_per)).into_par_iter().for_each(|task| {
-        let (i0, i1) = (task * rows_per, ((task + 1) * rows_per).min(m));
+    let (row_blocks, col_blocks) = (m.div_ceil(2 * T), n.div_ceil(2 * T));
+    let blocks = row_blocks * col_blocks;
+    (0..parts).into_par_iter().for_each(|task| {
+        let share = (task * blocks / parts, (task + 1) * blocks / parts);
         let mut lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
         let panels_b = n.div_ceil(T).next_multiple_of(2);
         let pb = lines(&mut lines_b, panels_b * panel);
@@ -1360,40 +1363,72 @@ unsafe fn local(
             };
         }
         let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
-        for r0 in (i0..i1).step_by(GROUP * T) {
-            let r1 = (r0 + GROUP * T).min(i1);
-            // The rows' tiles, an even count (rows past `r1` packed as zeros: `a` seen
-            // as `r1` rows).
-            let tiles = (r1 - r0).div_ceil(T).next_multiple_of(2);
-            let pa = lines(&mut lines_a, tiles * panel);
-            let mut a_unscale = [1f32; GROUP * T];
-            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k` (and so its
-            // first `r1` rows); the scales hold the tiles' rows.
-            unsafe {
-                if a.rs == 1 && a.cs != 1 {
-                    let u = &mut a_unscale[..tiles * T];
-                    if half {
-                        pack_a_columns::<true>(a, (r1, k), r0, u, (panel, pa))
-                    } else {
-                        pack_a_columns::<false>(a, (r1, k), r0, u, (panel, pa))
-                    }
-                } else {
-                    for (t, out) in pa.chunks_mut(panel).enumerate() {
-                        let u = &mut a_unscale[t * T..];
+        for (rows, cols) in block_runs(share, col_blocks) {
+            let (i0, i1) = (rows.start * 2 * T, (rows.end * 2 * T).min(m));
+            let (j0, j1) = (cols.start * 2 * T, (cols.end * 2 * T).min(n));
+            // The run's columns of the packed `b` and their `1 / s`.
+            let pb = &pb[(j0 / T) * panel..];
+            let b_unscale = b_unscale.get(j0..).unwrap_or(&[]);
+            for r0 in (i0..i1).step_by(GROUP * T) {
+                let r1 = (r0 + GROUP * T).min(i1);
+                // The rows' tiles, an even count (rows past `r1` packed as zeros: `a` seen
+                // as `r1` rows).
+                let tiles = (r1 - r0).div_ceil(T).next_multiple_of(2);
+                let pa = lines(&mut lines_a, tiles * panel);
+                let mut a_unscale = [1f32; GROUP * T];
+                // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k` (and so its
+                // first `r1` rows); the scales hold the tiles' rows.
+                unsafe {
+                    if a.rs == 1 && a.cs != 1 {
+                        let u = &mut a_unscale[..tiles * T];
                         if half {
-                            pack_a::<true>(a, (r1, k), r0 + t * T, u, out)
+                            pack_a_columns::<true>(a, (r1, k), r0, u, (panel, pa))
                         } else {
-                            pack_a::<false>(a, (r1, k), r0 + t * T, u, out)
+                            pack_a_columns::<false>(a, (r1, k), r0, u, (panel, pa))
+                        }
+                    } else {
+                        for (t, out) in pa.chunks_mut(panel).enumerate() {
+                            let u = &mut a_unscale[t * T..];
+                            if half {
+                                pack_a::<true>(a, (r1, k), r0 + t * T, u, out)
+                            } else {
+                                pack_a::<false>(a, (r1, k), r0 + t * T, u, out)
+                            }
                         }
                     }
-                }
-                let a_unscale: &[f32] = if half { &a_unscale } else { &[] };
-                ops.run((r0, r1, 0, n), (pa, pb), (a_unscale, &b_unscale))
-            };
+                    let a_unscale: &[f32] = if half { &a_unscale } else { &[] };
+                    ops.run((r0, r1, j0, j1), (pa, pb), (a_unscale, b_unscale))
+                };
+            }
         }
         PACKED.with(|p| *p.borrow_mut() = lines_a);
         PACKED_B.with(|p| *p.borrow_mut() = lines_b);
     });
+}
+
+/// The blocks `[lo, hi)` of a grid `width` blocks wide, numbered in row-major order, as
+/// runs of `(row blocks, column blocks)`: a part of a first row block (from the column
+/// `lo` starts at), whole row blocks, a part of a last one (up to the column `hi` ends
+/// at); each block in exactly one run.
+fn block_runs(
+    (lo, hi): (usize, usize),
+    width: usize,
+) -> Vec<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let mut runs = Vec::new();
+    let mut at = lo;
+    while at < hi {
+        let (row, col) = (at / width, at % width);
+        if col > 0 || hi - at < width {
+            let end = (col + (hi - at)).min(width);
+            runs.push((row..row + 1, col..end));
+            at += end - col;
+        } else {
+            let rows = (hi - at) / width;
+            runs.push((row..row + rows, 0..width));
+            at += rows * width;
+        }
+    }
+    runs
 }
 
 /// What the blocks of one product share (see [`Blocks::run`]).
@@ -1666,6 +1701,42 @@ mod tests {
     /// accumulation differs, so the results agree to a few f32 ulps of the sums'
     /// magnitudes, at sizes that are and are not whole tiles, transposed operands and a
     /// destination read first.
+    /// The runs of a thread's share of blocks: the 25 × 16 blocks of an 800 × 512 result
+    /// halved as 12½ row blocks each; and for shares of several grids, every block once,
+    /// in order, each run within one row block or whole row blocks.
+    #[test]
+    fn block_runs_cover_a_share_in_order() {
+        assert_eq!(
+            block_runs((0, 200), 16),
+            vec![(0..12, 0..16), (12..13, 0..8)]
+        );
+        assert_eq!(
+            block_runs((200, 400), 16),
+            vec![(12..13, 8..16), (13..25, 0..16)]
+        );
+        assert_eq!(block_runs((3, 5), 16), vec![(0..1, 3..5)]);
+        assert_eq!(block_runs((5, 5), 16), vec![]);
+        for (total, width, parts) in [(34, 2, 2), (170, 10, 2), (400, 16, 3), (7, 1, 4), (9, 4, 5)]
+        {
+            let mut seen = Vec::new();
+            for task in 0..parts {
+                let share = (task * total / parts, (task + 1) * total / parts);
+                for (rows, cols) in block_runs(share, width) {
+                    assert!(rows.len() == 1 || cols == (0..width), "{rows:?} × {cols:?}");
+                    assert!(!cols.is_empty() && cols.end <= width);
+                    for r in rows {
+                        seen.extend(cols.clone().map(|c| r * width + c));
+                    }
+                }
+            }
+            assert_eq!(
+                seen,
+                (0..total).collect::<Vec<_>>(),
+                "{total} blocks, {width} wide"
+            );
+        }
+    }
+
     /// `f` on a pool of `threads` threads.
     fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
         rayon::ThreadPoolBuilder::new()
@@ -2065,7 +2136,9 @@ mod tests {
     }
 
     /// The same operands give the same bits with one thread and with several (on two,
-    /// each thread packs its 300 rows in two parts, 256 and 44).
+    /// each thread packs its 300 rows in two parts, 256 and 44, and the 10th row block's
+    /// columns are split between the threads, the second's from column 256 on). Rows and
+    /// columns of magnitudes 2⁻³ to 2³, so that their fp16 scales differ.
     #[test]
     fn bf16_products_give_the_same_bits_on_any_number_of_threads() {
         for kernel in kernels().into_iter().chain(half_kernel()) {
@@ -2076,8 +2149,13 @@ mod tests {
     fn same_bits_on_any_number_of_threads(kernel: Kernel) {
         let (m, k, n) = (600, 300, 530);
         let mut seed = 3u64;
-        let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
-        let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+        let magnitude = |i: usize| (2f32).powi((i % 7) as i32 - 3);
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| rng(&mut seed) * magnitude(i / k))
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| rng(&mut seed) * magnitude(i % n))
+            .collect();
         let ops = (stored(&a, m, k, false), stored(&b, k, n, false));
         let run = |threads: usize| {
             let c = product(kernel, (m, k, n), ops, (&vec![0f32; m * n], false), threads);
