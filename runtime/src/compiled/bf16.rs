@@ -1311,10 +1311,10 @@ pub(crate) unsafe fn gemm(
 }
 
 /// Elements of a narrow right operand (fewer column groups than two per thread) that
-/// [`local`] packs whole on each thread: 1 M (up to a 2048 × 512 `b`, 2 MB packed, half
-/// a core's second-level cache on the Xeons measured). In the base step the FFN's
-/// `800×2048·2048×512` products ran 3–4 % faster this way than with `b` packed once and
-/// shared.
+/// [`local`] packs whole on each thread: 1 M (up to a 2048 × 512 `b`, 2 MB packed, as
+/// much as a core's second-level cache on the Xeons measured). In the base step the
+/// FFN's `800×2048·2048×512` products ran 3–4 % faster this way than with `b` packed
+/// once and shared.
 const LOCAL_B: usize = 1024 * 1024;
 
 /// [`gemm`] for a narrow, small `b` (see [`LOCAL_B`]) and at least 256 rows a thread:
