@@ -1697,10 +1697,6 @@ mod tests {
         assert_eq!(round_bf16(3.0e38), f32::from_bits(0x7f62 << 16));
     }
 
-    /// The tiles' product against f64 sums of the bf16-rounded operands: only the f32
-    /// accumulation differs, so the results agree to a few f32 ulps of the sums'
-    /// magnitudes, at sizes that are and are not whole tiles, transposed operands and a
-    /// destination read first.
     /// The runs of a thread's share of blocks: the 25 × 16 blocks of an 800 × 512 result
     /// halved as 12½ row blocks each; and for shares of several grids, every block once,
     /// in order, each run within one row block or whole row blocks.
@@ -1760,6 +1756,10 @@ mod tests {
         v
     }
 
+    /// The tiles' product against f64 sums of the bf16-rounded operands: only the f32
+    /// accumulation differs, so the results agree to a few f32 ulps of the sums'
+    /// magnitudes, at sizes that are and are not whole tiles, transposed operands and a
+    /// destination read first.
     #[test]
     fn bf16_products_equal_the_sums_of_the_rounded_operands() {
         for kernel in kernels() {
