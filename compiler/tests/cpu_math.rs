@@ -80,6 +80,29 @@ fn exp_matches_std() {
     check("exp", math::exp, f32::exp, &xs, 4e-7, 1.2e-38);
 }
 
+/// The softmax form: the same bits as `exp` wherever the argument does not pass 88.72 (every
+/// `x − max x` does), `−inf`, NaN and the flush to 0 below −87.34 included; and one
+/// comparison and two selects shorter.
+#[test]
+fn exp_nonpositive_is_exp_below_its_overflow() {
+    let mut xs = grid(-90.0, 0.0, 20_011);
+    xs.extend(grid(0.0, 88.72, 1_001));
+    xs.extend([-0.0, -1e-30, -87.33654, -87.3366, -1e9, f32::NEG_INFINITY, f32::NAN, -1e-8]);
+    let whole = run("e", &unary_kernel("e", math::exp), &xs);
+    let short = run("e", &unary_kernel("e", math::exp_nonpositive), &xs);
+    for ((x, w), s) in xs.iter().zip(&whole).zip(&short) {
+        assert_eq!(w.to_bits(), s.to_bits(), "exp({x}): {w} and {s}");
+    }
+    assert_eq!(short[xs.len() - 3], 0.0, "exp(−inf)");
+    assert!(short[xs.len() - 2].is_nan(), "exp(NaN)");
+    let count = |f| unary_kernel("e", f).matches("fcmp").count();
+    // Two comparisons an `exp` and one a short one, in each copy of the loop body (the
+    // unrolled vectors, the vector tail, the scalar tail).
+    assert_eq!((count(math::exp), count(math::exp_nonpositive)), (12, 6));
+    // Past 88.72 only the full form gives +inf.
+    assert_eq!(run("e", &unary_kernel("e", math::exp), &[100.0]), [f32::INFINITY]);
+}
+
 #[test]
 fn log_matches_std() {
     let mut xs = grid(1e-30, 10.0, 5_003);

@@ -362,6 +362,12 @@ impl Kb<'_> {
         crate::codegen::math::exp(self, x)
     }
 
+    /// `e^x` for `x ≤ 0`, as a softmax's `x − max x` (see
+    /// [`crate::codegen::math::exp_nonpositive`]).
+    pub fn exp_nonpositive(&mut self, x: Value) -> Value {
+        crate::codegen::math::exp_nonpositive(self, x)
+    }
+
     /// `ln x` (see [`crate::codegen::math`]).
     pub fn log(&mut self, x: Value) -> Value {
         crate::codegen::math::log(self, x)

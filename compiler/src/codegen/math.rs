@@ -19,13 +19,29 @@ use crate::codegen::clif::{int_of, lanes, Kb};
 
 /// `e^x`.
 pub fn exp(kb: &mut Kb, x: Value) -> Value {
+    exp_with(kb, x, true)
+}
+
+/// `e^x` for an argument known not to exceed 88.72, such as a softmax's `x − max x ≤ 0`:
+/// [`exp`] without its overflow test (a comparison and two selects), the same bits
+/// wherever `x ≤ 88.72` (NaN and `−inf` included). Past 88.72 the result is garbage,
+/// not `+inf`.
+pub fn exp_nonpositive(kb: &mut Kb, x: Value) -> Value {
+    exp_with(kb, x, false)
+}
+
+/// [`exp`], or without its upper clamp ([`exp_nonpositive`]).
+fn exp_with(kb: &mut Kb, x: Value, upper: bool) -> Value {
     let ty = kb.ty(x);
     let ity = int_of(ty);
-    let hi = kb.fconst(ty, 88.722_83);
+    let hi = upper.then(|| kb.fconst(ty, 88.722_83));
     let lo = kb.fconst(ty, -87.336_54);
-    let too_big = kb.b.ins().fcmp(FloatCC::GreaterThan, x, hi);
+    let too_big = hi.map(|hi| kb.b.ins().fcmp(FloatCC::GreaterThan, x, hi));
     let too_small = kb.b.ins().fcmp(FloatCC::LessThan, x, lo);
-    let xc = kb.select(too_big, hi, x);
+    let xc = match too_big.zip(hi) {
+        Some((too_big, hi)) => kb.select(too_big, hi, x),
+        None => x,
+    };
     let xc = kb.select(too_small, lo, xc);
 
     let log2e = kb.fconst(ty, std::f32::consts::LOG2_E);
@@ -66,9 +82,12 @@ pub fn exp(kb: &mut Kb, x: Value) -> Value {
     let pow2 = kb.b.ins().bitcast(ty, lanes(), e);
     let res = kb.b.ins().fmul(y, pow2);
 
-    let inf = kb.fconst(ty, f32::INFINITY);
+    let inf = upper.then(|| kb.fconst(ty, f32::INFINITY));
     let zero = kb.fconst(ty, 0.0);
-    let res = kb.select(too_big, inf, res);
+    let res = match too_big.zip(inf) {
+        Some((too_big, inf)) => kb.select(too_big, inf, res),
+        None => res,
+    };
     kb.select(too_small, zero, res)
 }
 

@@ -141,7 +141,7 @@ fn softmax_tail(
     let z = kb.reduce_elems(zero, len, 0.0, Reduce::Sum, |kb, j, ty| {
         let x = value(kb, j, ty);
         let d = kb.b.ins().fsub(x, mv.get(ty));
-        let e = kb.exp(d);
+        let e = kb.exp_nonpositive(d);
         kb.store(e, out, j);
         e
     });
@@ -618,7 +618,7 @@ fn xent_rows(name: &str, grad: bool) -> Function {
             let s = sums(kb, zero, v, 2, 2, |kb, j, ty| {
                 let x = kb.load(ty, xr, j);
                 let xm = kb.b.ins().fsub(x, mv.get(ty));
-                let e = kb.exp(xm);
+                let e = kb.exp_nonpositive(xm);
                 if let Some(dr) = dr {
                     kb.store(e, dr, j);
                 }
