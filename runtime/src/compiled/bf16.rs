@@ -2136,8 +2136,9 @@ mod tests {
     }
 
     /// The same operands give the same bits with one thread and with several (on two,
-    /// each thread packs its 300 rows in two parts, 256 and 44, and the 10th row block's
-    /// columns are split between the threads, the second's from column 256 on). Rows and
+    /// each thread takes 161 or 162 of the 19 × 17 blocks: the 10th row block's columns
+    /// are split between the threads, the second's from column 256 on, and the first
+    /// thread packs its 9 whole row blocks in two parts, 256 rows and 32). Rows and
     /// columns of magnitudes 2⁻³ to 2³, so that their fp16 scales differ.
     #[test]
     fn bf16_products_give_the_same_bits_on_any_number_of_threads() {
