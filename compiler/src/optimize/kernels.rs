@@ -383,6 +383,14 @@ impl KernelGraph {
         Ok(())
     }
 
+    /// The value `v` is a view of, through every view (`v` itself when it is not one).
+    pub fn view_root(&self, mut v: usize) -> usize {
+        while let Def::View(_, x) = &self.values[v].def {
+            v = *x;
+        }
+        v
+    }
+
     /// The kernel result (kernel value, output) that value `v` reads, through views and
     /// projections; `None` for sources and views of them.
     pub fn result_of(&self, mut v: usize) -> Option<(usize, usize)> {

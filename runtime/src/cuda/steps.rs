@@ -13,7 +13,7 @@ use kiln_compiler::codegen::misc::ReduceLayout;
 use kiln_compiler::codegen::program::mask_kind;
 use kiln_compiler::codegen::rows::MaskKind;
 use kiln_compiler::ir::{DType, Op};
-use kiln_compiler::optimize::kernels::{Def, KernelGraph, KernelOp};
+use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::regions::Expr;
 use kiln_compiler::optimize::templates::registry;
 use kiln_compiler::shape::Dim;
@@ -333,63 +333,26 @@ pub(crate) fn prepare(
     Ok((steps, copy))
 }
 
-/// The value `v` is a view of (itself when it is not a view).
-fn view_root(kg: &KernelGraph, mut v: usize) -> usize {
-    while let Def::View(_, x) = &kg.values[v].def {
-        v = *x;
-    }
-    v
-}
-
-/// Pairs each bias gradient — a `sum_rows` of an output gradient `dy` over its rows —
-/// with the weight-gradient GEMM of the same layer: a `matmul` without bias or ReLU
-/// whose right operand is a view of the same buffer as `dy` (`dW = xᵀ·dy`), the first
-/// such GEMM not paired yet. Where the `sum_rows` comes first, no kernel after it up to
-/// the GEMM may read its result, and a kernel after the GEMM or the entry's outputs must:
-/// the executor then writes the bias gradient when the GEMM runs instead (the memory plan
-/// keeps its slot for it from the `sum_rows` to its last reader).
-/// Whether the GEMM really reads `dy` as the rows summed (same address and layout) is
-/// for the executor to check at run time; this only proposes the pairs.
+/// Pairs each bias gradient with the weight-gradient GEMM of the same layer
+/// ([`crate::exec::pair_bias_grads`]): a `matmul` GEMM without bias or ReLU.
 pub(crate) fn pair_bias_grads(kg: &KernelGraph, steps: &mut [Step]) {
-    let mut taken = vec![false; steps.len()];
-    for s in 0..steps.len() {
-        if !matches!(steps[s].exec, Exec::SumRows { .. }) {
-            continue;
-        }
-        let Some(&dy) = steps[s].inputs.first() else {
-            continue;
-        };
-        let root = view_root(kg, dy);
-        let gemm = (0..steps.len()).find(|&g| {
-            let st = &steps[g];
-            !taken[g]
-                && st.kind == "matmul"
-                && matches!(
-                    st.exec,
-                    Exec::Gemm {
-                        bias: None,
-                        relu: None
-                    }
-                )
-                && st.inputs.get(1).is_some_and(|&w| view_root(kg, w) == root)
-        });
-        let Some(g) = gemm else {
-            continue;
-        };
-        let db = steps[s].value;
-        if s < g {
-            let reads = |t: &Step| t.inputs.iter().any(|&x| view_root(kg, x) == db);
-            // Read only after the GEMM, or an output: its slot stays its own up to the
-            // GEMM (a result no kernel or output reads may share its slot at once).
-            let read_between = steps[s + 1..=g].iter().any(reads);
-            let kept = kg.outputs.iter().any(|&(_, v)| view_root(kg, v) == db)
-                || steps[g + 1..].iter().any(reads);
-            if read_between || !kept {
-                continue;
-            }
-        }
-        taken[g] = true;
-        steps[s].bias_grad = Some(g);
-        steps[g].bias_grad = Some(s);
+    use crate::exec::BiasRole;
+    let roles: Vec<(usize, &[usize], BiasRole)> = steps
+        .iter()
+        .map(|st| {
+            let role = match st.exec {
+                Exec::SumRows { .. } => BiasRole::SumRows,
+                Exec::Gemm {
+                    bias: None,
+                    relu: None,
+                } if st.kind == "matmul" => BiasRole::Product,
+                _ => BiasRole::Other,
+            };
+            (st.value, st.inputs.as_slice(), role)
+        })
+        .collect();
+    let pairs = crate::exec::pair_bias_grads(kg, &roles);
+    for (st, pair) in steps.iter_mut().zip(pairs) {
+        st.bias_grad = pair;
     }
 }
