@@ -646,6 +646,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             obj["scratch_bytes"] = serde_json::json!(c.scratch_bytes());
             let (n, bytes) = c.view_copies();
             obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
+            let (summed, separate) = c.bias_grad_counts();
+            obj["bias_grads"] = serde_json::json!({"summed": summed, "separate": separate});
         }
         if !profile.kinds.is_empty() {
             let kinds: serde_json::Map<String, serde_json::Value> = profile
@@ -718,6 +720,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 c.scratch_bytes() as f64 / 1048576.0,
                 bytes as f64 / 1048576.0
             );
+            let (summed, separate) = c.bias_grad_counts();
+            if summed + separate > 0 {
+                outln!(
+                    "  bias gradients: {summed} summed by their weight gradient's product as it \
+                     packed dy, {separate} by sum_rows ({} runs)",
+                    a.warmup + a.runs
+                );
+            }
         }
         if let Some(c) = &cuda {
             outln!(

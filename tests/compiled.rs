@@ -1139,6 +1139,93 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
     }
 }
 
+/// With 16-bit products, each bias gradient of base's training step (96: 6 + 6 layers'
+/// attention and FFN biases) is summed by its weight gradient's product as that packs
+/// `dy`, with no `sum_rows` launch, and every output keeps the bits of the program that
+/// runs the `sum_rows` kernels (`set_separate_bias_grads`); in f32 they all run as
+/// kernels. Each 16-bit kernel is skipped where the CPU cannot run it.
+#[test]
+fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    let path = common::root().join("models/transformer_base.kiln");
+    let g = entry_graph(&path, &["vocab=300"], "train_step").expect("the entry");
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .map(|d| (d.clone(), if d == "batch" { 4 } else { 9 }))
+        .collect();
+    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
+    let opts = RunOptions {
+        seed: 3,
+        ..RunOptions::default()
+    };
+    let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
+    f32_exec.run(&inputs, &params, &opts).expect("runs");
+    assert_eq!(f32_exec.bias_grad_counts(), (0, 96), "f32");
+    for kernel in Bf16Kernel::ALL {
+        if let Err(why) = kernel.available() {
+            println!("skipped: {why}");
+            continue;
+        }
+        let run = |separate: bool| {
+            let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+            exec.set_bf16_kernel(Some(kernel))
+                .expect("the kernel runs here");
+            exec.set_separate_bias_grads(separate);
+            let out = exec.run(&inputs, &params, &opts).expect("runs");
+            (out, exec.bias_grad_counts())
+        };
+        let (fused, counts) = run(false);
+        assert_eq!(counts, (96, 0), "{kernel:?}: summed by the products");
+        let (separate, counts) = run(true);
+        assert_eq!(counts, (0, 96), "{kernel:?}: separate");
+        for ((name, a), (_, b)) in fused.iter().zip(&separate) {
+            let (a, b) = (a.to_f64_vec().expect("f32"), b.to_f64_vec().expect("f32"));
+            assert_eq!(a.len(), b.len(), "{kernel:?}: {name}");
+            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                panic!(
+                    "{kernel:?}: {name}[{i}] is {:e} summed by the product, {:e} by sum_rows",
+                    a[i], b[i]
+                );
+            }
+        }
+        assert!(
+            fused.iter().any(|(n, _)| n.ends_with(".b")),
+            "a bias gradient"
+        );
+        // The tiny model's products are all too small for 16 bits: each `sum_rows` left
+        // for its product then runs after it, with the same bits.
+        let tiny = entry_graph(
+            &common::root().join("models/transformer_tiny.kiln"),
+            &[],
+            "train_step",
+        )
+        .expect("the entry");
+        let (inputs, params) = random_feeds_with(&tiny, 5, &dims).expect("feeds");
+        let runs: Vec<_> = [false, true]
+            .into_iter()
+            .map(|separate| {
+                let mut exec = Compiled::from_graph(tiny.clone()).expect("compiles");
+                exec.set_bf16_kernel(Some(kernel))
+                    .expect("the kernel runs here");
+                exec.set_separate_bias_grads(separate);
+                let out = exec.run(&inputs, &params, &opts).expect("runs");
+                (output_bits(&out), exec.bias_grad_counts())
+            })
+            .collect();
+        assert_eq!(
+            runs[0].1, runs[1].1,
+            "{kernel:?}: tiny, every bias gradient by sum_rows"
+        );
+        assert!(
+            runs[0].1 .0 == 0 && runs[0].1 .1 > 0,
+            "{kernel:?}: tiny {:?}",
+            runs[0].1
+        );
+        assert!(runs[0].0 == runs[1].0, "{kernel:?}: tiny's outputs");
+    }
+}
+
 /// An inference program with bf16 products, run on unchanged parameters (one
 /// `params_version`), packs each weight once, at its first product, and reads the packed
 /// copy from then on: base's forward at 36 rows has 97 products, all past the bf16

@@ -983,7 +983,7 @@ impl PackedRhs {
         let mut buf = Vec::new();
         let pb = lines(&mut buf, n.div_ceil(T).next_multiple_of(2) * panel);
         // SAFETY: as the caller's.
-        let unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
+        let unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb, None) };
         PackedRhs {
             k,
             n,
@@ -1014,23 +1014,32 @@ impl PackedRhs {
 
 /// Packs every column panel of `b` (`k × n`) into `pb` (panels of `panel` elements), in
 /// fp16 with the columns' scales where `half` (returning their `1 / s`, padded to the
-/// panels), else in bf16 (returning nothing).
+/// panels), else in bf16 (returning nothing); each group's [`ColumnSums`] just after
+/// packing it, where asked.
 ///
 /// # Safety
-/// As [`pack_b`]'s.
+/// As [`pack_b`]'s, and as [`column_sums`]' for `sums`.
 unsafe fn pack_b_all(
     half: bool,
     b: Mat,
     (k, n): (usize, usize),
     panel: usize,
     pb: &mut [u16],
+    sums: Option<ColumnSums>,
 ) -> Vec<f32> {
+    // SAFETY: as the caller's.
+    let sum = |j0: usize| unsafe {
+        if let Some(sums) = sums {
+            column_sums(b, j0..(j0 + GROUP * T).min(n), sums)
+        }
+    };
     if !half {
         pb.par_chunks_mut(GROUP * panel)
             .enumerate()
             .for_each(|(g, out)| {
                 // SAFETY: as the caller's.
-                unsafe { pack_b_group::<false>(b, (k, n), g * GROUP * T, &mut [], (panel, out)) }
+                unsafe { pack_b_group::<false>(b, (k, n), g * GROUP * T, &mut [], (panel, out)) };
+                sum(g * GROUP * T);
             });
         return Vec::new();
     }
@@ -1040,7 +1049,8 @@ unsafe fn pack_b_all(
         .enumerate()
         .for_each(|(g, (out, u))| {
             // SAFETY: as the caller's.
-            unsafe { pack_b_group::<true>(b, (k, n), g * GROUP * T, u, (panel, out)) }
+            unsafe { pack_b_group::<true>(b, (k, n), g * GROUP * T, u, (panel, out)) };
+            sum(g * GROUP * T);
         });
     unscale
 }
@@ -1062,6 +1072,90 @@ unsafe impl Sync for Epilogue {}
 impl Epilogue {
     fn is_some(&self) -> bool {
         self.bias.is_some() || self.relu
+    }
+}
+
+/// The most leading axes [`ColumnSums`] takes.
+pub(crate) const SUM_AXES: usize = 4;
+
+/// The column sums of a product's right operand, which [`gemm`] writes while it packs
+/// the operand (its rows still in the core's cache): the bias gradient of a weight
+/// gradient `xᵀ·dy` (`dy`'s column sums, the `sum_rows` kernel's result, which then
+/// needs no pass of its own over `dy`). `b` (`k × n`, row-major) is seen as `dy` of shape
+/// `[lead[0], …, lead[axes − 1], n]` (`k` the product of `lead`), and each column summed
+/// exactly as `sum_rows` sums it: one sum an axis, from `0.0` in index order, the last
+/// axis's loop outermost. So `dst[j]` has the kernel's bits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ColumnSums {
+    /// `n` values.
+    pub dst: *mut f32,
+    pub lead: [usize; SUM_AXES],
+    pub axes: usize,
+}
+
+unsafe impl Send for ColumnSums {}
+unsafe impl Sync for ColumnSums {}
+
+/// Vectors of 16 columns [`column_sums`] sums at a time.
+const SUM_VECTORS: usize = 8;
+
+/// [`ColumnSums`] of columns `cols` of `b` (`k × n` with `cs == 1`).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `b` must address `k × n` valid elements, `k` the product
+/// of `sums.lead`; `sums.dst` must hold `cols.end` values, written by nothing else
+/// meanwhile.
+#[target_feature(enable = "avx512f")]
+unsafe fn column_sums(b: Mat, cols: std::ops::Range<usize>, sums: ColumnSums) {
+    debug_assert_eq!(b.cs, 1);
+    let lead = &sums.lead[..sums.axes];
+    // Rows between consecutive indices of each axis.
+    let mut stride = [1usize; SUM_AXES];
+    for a in (0..lead.len().saturating_sub(1)).rev() {
+        stride[a] = stride[a + 1] * lead[a + 1];
+    }
+    // The sums over axes `0..level` of the rows from `row` on, for the vectors of
+    // columns `j..` (`masks` their lanes): axis `level − 1` is the outer loop.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn nested(
+        b: Mat,
+        (lead, stride): (&[usize], &[usize; SUM_AXES]),
+        level: usize,
+        row: usize,
+        j: usize,
+        masks: &[u16; SUM_VECTORS],
+    ) -> [__m512; SUM_VECTORS] {
+        if level == 0 {
+            // SAFETY: row `row` holds the masked lanes of columns `j..` (the caller's).
+            return std::array::from_fn(|v| unsafe {
+                let at = b.ptr.offset(row as isize * b.rs).add(j + v * T);
+                _mm512_maskz_loadu_ps(masks[v], at)
+            });
+        }
+        let axis = level - 1;
+        let mut acc = [_mm512_setzero_ps(); SUM_VECTORS];
+        for i in 0..lead[axis] {
+            let row = row + i * stride[axis];
+            // SAFETY: as the caller's.
+            let t = unsafe { nested(b, (lead, stride), axis, row, j, masks) };
+            for (acc, t) in acc.iter_mut().zip(t) {
+                *acc = _mm512_add_ps(*acc, t);
+            }
+        }
+        acc
+    }
+    for j in cols.clone().step_by(SUM_VECTORS * T) {
+        let masks: [u16; SUM_VECTORS] = std::array::from_fn(|v| {
+            let left = cols.end.saturating_sub(j + v * T).min(T);
+            ((1u32 << left) - 1) as u16
+        });
+        // SAFETY: as the caller's; the masks keep to columns below `cols.end`.
+        unsafe {
+            let acc = nested(b, (lead, &stride), lead.len(), 0, j, &masks);
+            for (v, acc) in acc.into_iter().enumerate() {
+                _mm512_mask_storeu_ps(sums.dst.add(j + v * T), masks[v], acc);
+            }
+        }
     }
 }
 
@@ -1111,12 +1205,14 @@ pub(crate) enum Rhs<'a> {
 /// operands rounded to 16 bits and the sums in f32, with `kernel`'s instructions, over
 /// rayon's threads: bf16 for the tiles and `VDPBF16PS`; fp16 for `VFMADD231PH`, each row
 /// of `a` and column of `b` scaled by a power of two first ([`fp16_scale`]) and the
-/// sums of every [`FLUSH_TILES`] · 16 terms in fp16.
+/// sums of every [`FLUSH_TILES`] · 16 terms in fp16. Where `sums` asks, also `b`'s
+/// [`ColumnSums`], each column's by the task that packs it.
 ///
 /// # Safety
 /// The kernel's check ([`tiles_available`], [`dot_available`], [`half_available`]) must
 /// have returned `Ok`; every element the matrices address must be valid; `dst` must not
-/// overlap `a`, `b`; a bias must hold `n` values.
+/// overlap `a`, `b`; a bias must hold `n` values; with `sums`, `b` must be a row-major
+/// [`Rhs::Mat`] (`cs == 1`) and [`column_sums`]' conditions must hold.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
     kernel: Kernel,
@@ -1127,8 +1223,19 @@ pub(crate) unsafe fn gemm(
     b: Rhs<'_>,
     read_dst: bool,
     epilogue: Epilogue,
+    sums: Option<ColumnSums>,
 ) {
+    if sums.is_some() {
+        assert!(
+            matches!(b, Rhs::Mat(b) if b.cs == 1),
+            "column sums of a right operand that is not a row-major matrix"
+        );
+    }
     if m == 0 || n == 0 {
+        if let (Some(sums), Rhs::Mat(b)) = (sums, b) {
+            // SAFETY: as the caller's.
+            unsafe { column_sums(b, 0..n, sums) };
+        }
         return;
     }
     let half = kernel == Kernel::Half;
@@ -1177,7 +1284,7 @@ pub(crate) unsafe fn gemm(
         let parts = threads.min(m / (GROUP * T));
         if cols_b < 2 * threads && k * n <= LOCAL_B && parts > 1 {
             // SAFETY: as the caller's.
-            unsafe { local(kernel, (m, k, n), (a, b, parts), ops) };
+            unsafe { local(kernel, (m, k, n), (a, b, parts), ops, sums) };
             return;
         }
     }
@@ -1249,7 +1356,7 @@ pub(crate) unsafe fn gemm(
             lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
             // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
-            shared_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb) };
+            shared_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb, sums) };
             (pb, &shared_unscale)
         }
         Rhs::Mat(_) => (&[], &[]),
@@ -1284,6 +1391,12 @@ pub(crate) unsafe fn gemm(
                     pack_b_group::<false>(b, (k, n), j0, u, (panel, pb))
                 }
             };
+            // The columns' sums by the task of their first rows (each group's columns are
+            // packed by every task of the group).
+            if let (Some(sums), 0) = (sums, i0) {
+                // SAFETY: as the caller's.
+                unsafe { column_sums(b, j0..j1, sums) };
+            }
             (pb, &own_unscale)
         } else {
             (
@@ -1327,7 +1440,8 @@ const LOCAL_B: usize = 1024 * 1024;
 /// panel a core reads is one it wrote, still in its own cache, and the product is one
 /// parallel step: two tasks with local operands ran an 800 × 512 · 512 × 512 product in
 /// 0.95 ms where shared packing and a grid of tasks took 1.06–1.09 ms. The same sums as
-/// the other path, so the same bits.
+/// the other path, so the same bits. [`ColumnSums`] asked for are split between the
+/// tasks by vectors of 16 columns, each summed just after the task packed `b`.
 ///
 /// # Safety
 /// As [`gemm`]'s.
@@ -1336,6 +1450,7 @@ unsafe fn local(
     (m, k, n): (usize, usize, usize),
     (a, b, parts): (Mat, Mat, usize),
     ops: Blocks<'_>,
+    sums: Option<ColumnSums>,
 ) {
     let half = kernel == Kernel::Half;
     let panel = ops.kb * TILE;
@@ -1361,6 +1476,13 @@ unsafe fn local(
                     pack_b_group::<false>(b, (k, n), g * GROUP * T, u, (panel, out))
                 }
             };
+        }
+        // Every task packed all of `b`: each sums its share of the columns (by vectors).
+        if let Some(sums) = sums {
+            let vectors = n.div_ceil(T);
+            let (lo, hi) = (task * vectors / parts * T, (task + 1) * vectors / parts * T);
+            // SAFETY: as the caller's.
+            unsafe { column_sums(b, lo..hi.min(n), sums) };
         }
         let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
         for (rows, cols) in block_runs(share, col_blocks) {
@@ -1650,6 +1772,7 @@ mod tests {
                 Rhs::Mat(b),
                 read,
                 epilogue,
+                None,
             )
         };
         c
@@ -1681,6 +1804,81 @@ mod tests {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// `dy`'s column sums by the generated `sum_rows` kernel (`dy` of shape `[lead…, n]`).
+    fn sum_rows_kernel(dy: &[f32], lead: &[usize], n: usize) -> Vec<f32> {
+        use kiln_compiler::codegen::{clif, jit, misc};
+        let name = "sum_rows_test";
+        let m = jit::compile(&clif::text(&misc::sum_rows(name, lead.len()))).unwrap();
+        let shape: Vec<usize> = lead.iter().copied().chain([n]).collect();
+        let (dims, items) = misc::sum_rows_dims(&shape);
+        let mut y = vec![f32::NAN; n];
+        let ptrs = [dy.as_ptr() as *mut u8, y.as_mut_ptr() as *mut u8];
+        // SAFETY: the kernel reads `dy` (`shape`) and writes `y` (`n`), as its dims say.
+        unsafe { jit::launch(m.get(name).unwrap(), &ptrs, &dims, items, 1) };
+        y
+    }
+
+    /// A product asked for its right operand's column sums ([`ColumnSums`], a bias
+    /// gradient's) writes them with the bits of the `sum_rows` kernel on `dy` of shape
+    /// `[lead…, n]`, on every path that packs `b` — each thread packing all of it
+    /// (`local`), one packing shared by the tasks, each task packing its column group —
+    /// and with no rows of `a`; the product is the one without sums. Values of
+    /// magnitudes 2⁻²⁰ to 2²⁰ and both signs make the order of the sums show.
+    #[test]
+    fn products_write_their_right_operands_column_sums_as_sum_rows_does() {
+        let kernels: Vec<Kernel> = kernels().into_iter().chain(half_kernel()).collect();
+        if kernels.is_empty() {
+            println!("skipped: this CPU runs none of the 16-bit kernels");
+            return;
+        }
+        let mut seed = 7u64;
+        // (rows of `a`, `dy`'s leading axes, columns, threads): the path each takes.
+        let cases: [(usize, &[usize], usize, usize); 6] = [
+            (512, &[32, 25], 512, 2),  // local: both tasks pack `b`, each sums half
+            (530, &[4, 5, 6], 530, 2), // local, a column tail of 2
+            (96, &[32, 25], 530, 2),   // shared packing (one task of rows)
+            (96, &[800], 1100, 2),     // each task packs its column group
+            (96, &[3, 2, 2, 5], 70, 3),
+            (0, &[9, 7], 33, 2), // no rows of `a`
+        ];
+        for kernel in kernels {
+            for &(m, lead, n, threads) in &cases {
+                let k: usize = lead.iter().product();
+                let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+                let dy: Vec<f32> = (0..k * n)
+                    .map(|_| rng(&mut seed) * 2f32.powi((rng(&mut seed) * 20.0) as i32))
+                    .collect();
+                let (am, bm) = (stored(&a, m, k, true), stored(&dy, k, n, false));
+                let plain = product(kernel, (m, k, n), (am, bm), (&vec![0.0; m * n], false), 1);
+                let mut sums = vec![f32::NAN; n];
+                let mut spec = ColumnSums {
+                    dst: sums.as_mut_ptr(),
+                    lead: [1; SUM_AXES],
+                    axes: lead.len(),
+                };
+                spec.lead[..lead.len()].copy_from_slice(lead);
+                let mut c = vec![0f32; m * n];
+                on_threads(threads, || unsafe {
+                    // SAFETY: the kernel runs here; `c` holds `m × n`, `sums` `n`.
+                    gemm(
+                        kernel,
+                        (m, k, n),
+                        c.as_mut_ptr(),
+                        n as isize,
+                        am,
+                        Rhs::Mat(bm),
+                        false,
+                        Epilogue::default(),
+                        Some(spec),
+                    )
+                });
+                let what = format!("{kernel:?}, {m} rows, dy {lead:?} × {n}, {threads} threads");
+                assert_same_bits(&sums, &sum_rows_kernel(&dy, lead, n), &what);
+                assert_same_bits(&c, &plain, &what);
+            }
+        }
     }
 
     #[test]

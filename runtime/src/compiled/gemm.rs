@@ -14,7 +14,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-pub(crate) use super::bf16::Epilogue;
+pub(crate) use super::bf16::{ColumnSums, Epilogue, SUM_AXES};
 use super::bf16::{Kernel, PackedRhs, Rhs};
 use super::Loc;
 
@@ -187,7 +187,7 @@ unsafe fn product(
             let b = packed.map_or(Rhs::Mat(b), Rhs::Packed);
             let e = Epilogue::default();
             // SAFETY: as the caller's; a kernel is set only after its check.
-            unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst, e) }
+            unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst, e, None) }
         }
         _ => unsafe { gemm_one((m, k, n), dst, ld, a, b, read_dst, parallelism(m * k * n)) },
     }
@@ -230,7 +230,9 @@ fn one_16bit_product(
 /// `out = epilogue(a·b)` (its bias added, its ReLU applied) as one 16-bit product, where
 /// [`matmul`] would run one ([`one_16bit_product`]); `None` otherwise, with nothing
 /// written (the caller then adds the bias and applies the ReLU itself). A bias must
-/// hold `n` values.
+/// hold `n` values. With `sums`, also `b`'s [`ColumnSums`] (`n` values at `sums.dst`,
+/// `k` the product of its leading axes), where `b` is row-major and not `packed`
+/// (otherwise `None`, with nothing written).
 pub(crate) fn matmul_epilogue(
     a: &Loc,
     b: &Loc,
@@ -238,9 +240,16 @@ pub(crate) fn matmul_epilogue(
     bf16: Option<Kernel>,
     packed: Option<&PackedRhs>,
     epilogue: Epilogue,
+    sums: Option<ColumnSums>,
 ) -> Option<()> {
     let (kernel, lhs, (rows, k, n)) = one_16bit_product(a, b, out, bf16)?;
     let lb = &b.layout;
+    if let Some(s) = sums {
+        let lead = &s.lead[..s.axes];
+        if packed.is_some() || lb.strides[1] != 1 || lead.iter().product::<usize>() != k {
+            return None;
+        }
+    }
     let rhs = Mat {
         ptr: (b.ptr as *const f32).wrapping_add(lb.offset),
         rs: lb.strides[0] as isize,
@@ -261,6 +270,7 @@ pub(crate) fn matmul_epilogue(
             rhs,
             false,
             epilogue,
+            sums,
         )
     };
     Some(())

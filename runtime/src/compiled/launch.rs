@@ -12,7 +12,7 @@ use kiln_compiler::codegen::misc::{self, ReduceLayout};
 use kiln_compiler::codegen::program::{mask_kind, CpuCode};
 use kiln_compiler::codegen::region;
 use kiln_compiler::codegen::rows::{self, MaskKind};
-use kiln_compiler::ir::Op;
+use kiln_compiler::ir::{DType, Op};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
@@ -24,6 +24,7 @@ use super::gemm::{self, Mat};
 use super::{Keep, Loc};
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
+use crate::exec::BiasRole;
 use ::gemm::Parallelism;
 
 /// Per kernel kind: how its kernels compared with their definitions.
@@ -103,6 +104,10 @@ pub(crate) struct Step {
     /// The outputs the check compares: those something reads (a kernel need not write
     /// an output nothing reads, as the `loss` entry's cross-entropy writes no gradient).
     pub read: Vec<bool>,
+    /// A bias gradient's `sum_rows` and the weight gradient's product that can write it
+    /// while it packs `dy` (16-bit products only): each step's partner
+    /// ([`crate::exec::pair_bias_grads`], [`product_with_sums`]).
+    pub bias_grad: Option<usize>,
 }
 
 /// How a kernel runs.
@@ -287,7 +292,23 @@ pub(crate) fn prepare(
             exec,
             check,
             read,
+            bias_grad: None,
         });
+    }
+    let roles: Vec<(usize, &[usize], BiasRole)> = steps
+        .iter()
+        .map(|st| {
+            let role = match st.exec {
+                Exec::SumRows(_) => BiasRole::SumRows,
+                Exec::Matmul => BiasRole::Product,
+                _ => BiasRole::Other,
+            };
+            (st.value, st.inputs.as_slice(), role)
+        })
+        .collect();
+    let pairs = crate::exec::pair_bias_grads(kg, &roles);
+    for (st, pair) in steps.iter_mut().zip(pairs) {
+        st.bias_grad = pair;
     }
     let copy = match copy {
         Some(c) => c,
@@ -315,6 +336,57 @@ fn is_f32(kg: &KernelGraph, inputs: &[usize]) -> bool {
     inputs
         .iter()
         .all(|&x| kg.values[x].types[0].dtype == kiln_compiler::ir::DType::F32)
+}
+
+/// The column sums of a bias gradient's `dy` (`[lead…, n]`, contiguous) into `dst`, for
+/// a product whose right operand `b` is `dy` itself seen as rows (`[Π lead, n]`, the
+/// same address); `None` where it is not.
+pub(crate) fn bias_sums(dy: &Loc, b: &Loc, dst: *mut f32) -> Option<gemm::ColumnSums> {
+    let (sy, sb) = (dy.shape(), b.shape());
+    let axes = sy.len().checked_sub(1)?;
+    if !(1..=gemm::SUM_AXES).contains(&axes)
+        || !dy.is_contiguous()
+        || !b.is_contiguous()
+        || dy.dtype != DType::F32
+        || b.dtype != DType::F32
+        || dy.base() != b.base()
+        || sb != [sy[..axes].iter().product(), sy[axes]]
+    {
+        return None;
+    }
+    let mut lead = [1; gemm::SUM_AXES];
+    lead[..axes].copy_from_slice(&sy[..axes]);
+    Some(gemm::ColumnSums { dst, lead, axes })
+}
+
+/// `step`'s product (an [`Exec::Matmul`] not checked) with the column sums `sums` of its
+/// right operand, as one 16-bit product that sums each column while it packs it
+/// ([`gemm::matmul_epilogue`]); `false`, with nothing written, where the product does
+/// not run so.
+pub(crate) fn product_with_sums(
+    step: &Step,
+    ins: &[&Loc],
+    outs: &[Loc],
+    ctx: &RunCtx<'_>,
+    sums: gemm::ColumnSums,
+) -> bool {
+    if !matches!(step.exec, Exec::Matmul) || step.check.is_some() || ctx.bf16.is_none() {
+        return false;
+    }
+    let out = &outs[0];
+    let rows = out.numel() / out.shape().last().copied().unwrap_or(1).max(1);
+    let packed = ctx.packed_rhs(step, ins, rows);
+    let e = gemm::Epilogue::default();
+    gemm::matmul_epilogue(
+        ins[0],
+        ins[1],
+        out,
+        ctx.bf16,
+        packed.as_deref(),
+        e,
+        Some(sums),
+    )
+    .is_some()
 }
 
 /// Runs one kernel.
@@ -463,8 +535,15 @@ fn run_exec(
                 bias: Some(b.base() as *const f32),
                 relu: relu.is_some(),
             };
-            let fused =
-                gemm::matmul_epilogue(ins[0], ins[1], out, ctx.bf16, packed.as_deref(), epilogue);
+            let fused = gemm::matmul_epilogue(
+                ins[0],
+                ins[1],
+                out,
+                ctx.bf16,
+                packed.as_deref(),
+                epilogue,
+                None,
+            );
             if fused.is_some() {
                 return Ok(());
             }

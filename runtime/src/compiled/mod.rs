@@ -79,6 +79,16 @@ pub(crate) mod bf16 {
         pub relu: bool,
     }
 
+    pub(crate) const SUM_AXES: usize = 4;
+
+    /// Never asked for: no kernel is available.
+    #[derive(Clone, Copy, Debug)]
+    pub(crate) struct ColumnSums {
+        pub dst: *mut f32,
+        pub lead: [usize; SUM_AXES],
+        pub axes: usize,
+    }
+
     /// # Safety
     /// Never called: no kernel is available.
     #[allow(clippy::too_many_arguments)]
@@ -91,6 +101,7 @@ pub(crate) mod bf16 {
         _: Rhs<'_>,
         _: bool,
         _: Epilogue,
+        _: Option<ColumnSums>,
     ) {
         unreachable!("bf16 products are only set where a bf16 kernel is available")
     }
@@ -252,6 +263,7 @@ pub fn bf16_matmul(
             bf16::Rhs::Mat(mat(b, n)),
             false,
             bf16::Epilogue::default(),
+            None,
         )
     };
     Ok(())
@@ -332,7 +344,16 @@ pub struct Compiled {
     /// The kernel of the large matrix products in bf16, f32 sums, if they run so
     /// ([`Compiled::set_bf16_products`]).
     bf16_products: Option<Bf16Kernel>,
+    /// Whether every bias gradient runs its own `sum_rows` kernel
+    /// ([`Compiled::set_separate_bias_grads`]).
+    separate_bias_grads: bool,
+    /// [`Compiled::bias_grad_counts`].
+    bias_grads: Mutex<(usize, usize)>,
 }
+
+/// The variable that sets [`Compiled::set_separate_bias_grads`] (`=1`) for every
+/// compiled executor a process builds.
+pub const SEPARATE_BIAS_GRADS_ENV: &str = "KILN_CPU_SEPARATE_BIAS_GRADS";
 
 impl std::fmt::Debug for Compiled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -723,7 +744,25 @@ impl Compiled {
                 crate::eager::pool::COMPILED_POOL_MAX_BYTES,
             )),
             bf16_products: bf16_products_from_env(),
+            separate_bias_grads: std::env::var(SEPARATE_BIAS_GRADS_ENV).is_ok_and(|v| v == "1"),
+            bias_grads: Mutex::new((0, 0)),
         })
+    }
+
+    /// With 16-bit products, a bias gradient (`sum_rows` of an output gradient `dy`) is
+    /// summed by its layer's weight-gradient product `xᵀ·dy` while that packs `dy`, with
+    /// the `sum_rows` kernel's bits and no pass of its own over `dy`. `true` runs every
+    /// one as its own kernel instead (for comparisons; also `KILN_CPU_SEPARATE_BIAS_GRADS=1`).
+    pub fn set_separate_bias_grads(&mut self, on: bool) {
+        self.separate_bias_grads = on;
+    }
+
+    /// How the bias gradients paired with a weight-gradient product ran, over every run so
+    /// far: `(summed, separate)` — summed by the product as it packed `dy`, or by their own
+    /// `sum_rows` kernel (f32 products, [`Compiled::set_separate_bias_grads`], a product
+    /// that does not read `dy` in place as its rows, or one too small for 16 bits).
+    pub fn bias_grad_counts(&self) -> (usize, usize) {
+        *self.bias_grads.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs the large matrix products (`matmul`, `linear`; not attention's per-head
@@ -1327,9 +1366,43 @@ impl Compiled {
             bf16: self.bf16_products,
             packed: Some(&packer),
         };
+        // Bias gradients written by their weight gradient's product (16-bit products,
+        // `launch::product_with_sums`): the `sum_rows` launches left for a later product,
+        // and the sums a product wrote for a later `sum_rows`, by the `sum_rows` launch.
+        let mut deferred: Vec<usize> = Vec::new();
+        let mut summed: Vec<(usize, Vec<f32>)> = Vec::new();
+        let fuse_bias = self.bf16_products.is_some() && !self.separate_bias_grads;
+        // (summed by a product, by their own kernel), for `bias_grad_counts`.
+        let mut bias_counts = (0, 0);
         for (s, step) in self.steps.iter().enumerate() {
             for &x in &step.inputs {
                 materialize(self.copy, &needs[x], &mut copies, &mut locs, &mut keep);
+            }
+            // A `sum_rows` left out here reads `dy` without a view copy (`needs[dy]` is
+            // empty), so it frees none.
+            if let (Some(other), launch::Exec::SumRows(_)) = (step.bias_grad, &step.exec) {
+                let dy = step.inputs[0];
+                if other > s {
+                    // Its product sums `dy` later (if it can: else it runs this then).
+                    if fuse_bias && step.check.is_none() && needs[dy].is_empty() {
+                        deferred.push(s);
+                        continue;
+                    }
+                } else if let Some(i) = summed.iter().position(|(at, _)| *at == s) {
+                    let (_, sums) = summed.swap_remove(i);
+                    let out = &locs[step.value][0];
+                    // SAFETY: the result is a contiguous buffer of `n` values, the sums'
+                    // count (`launch::bias_sums` checked `dy`'s shape, whose rows it sums).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            sums.as_ptr(),
+                            out.base() as *mut f32,
+                            sums.len().min(out.numel()),
+                        )
+                    };
+                    continue;
+                }
+                bias_counts.1 += 1;
             }
             let started = profile.as_ref().map(|_| std::time::Instant::now());
             let ins: Vec<&Loc> = step.inputs.iter().map(|&x| &locs[x][0]).collect();
@@ -1353,12 +1426,58 @@ impl Compiled {
                     .collect(),
                 None => Vec::new(),
             };
-            if gathered.iter().any(Option::is_some) {
-                fallback::concat_gathered(&step.exec, &ins, &gathered, outs)
-            } else {
-                launch::run_step(step, &ins, outs, &ctx, &mut keep)
+            // This product's bias gradient: the `sum_rows` step, `dy`, and where the sums go.
+            // (Only concatenations read gathered rows, never a product.)
+            let bias = match (step.bias_grad, &step.exec) {
+                (Some(other), launch::Exec::Matmul) => {
+                    let sum = &self.steps[other];
+                    let (dy, db) = (&locs[sum.inputs[0]][0], &locs[sum.value][0]);
+                    if other < s {
+                        deferred
+                            .iter()
+                            .position(|&d| d == other)
+                            .map(|i| (deferred.swap_remove(i), dy, db.base() as *mut f32, None))
+                    } else if fuse_bias && needs[sum.inputs[0]].is_empty() && sum.check.is_none() {
+                        // Into a buffer of its own: the result's slot may be this
+                        // product's operand's until then.
+                        let mut own = vec![0f32; db.numel()];
+                        let at = own.as_mut_ptr();
+                        Some((other, dy, at, Some(own)))
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            };
+            let summing = bias.map(|(other, dy, at, own)| {
+                let sums = launch::bias_sums(dy, ins[1], at);
+                let done = sums
+                    .is_some_and(|sums| launch::product_with_sums(step, &ins, outs, &ctx, sums));
+                (other, own, done)
+            });
+            match summing {
+                Some((other, own, true)) => {
+                    bias_counts.0 += 1;
+                    summed.extend(own.map(|own| (other, own)));
+                }
+                // Left for this product, which could not sum it: the kernel after it.
+                Some((other, None, false)) => {
+                    bias_counts.1 += 1;
+                    let sum = &self.steps[other];
+                    let sum_ins = [&locs[sum.inputs[0]][0]];
+                    launch::run_step(step, &ins, outs, &ctx, &mut keep)
+                        .and_then(|()| {
+                            launch::run_step(sum, &sum_ins, &locs[sum.value], &ctx, &mut keep)
+                        })
+                        .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+                }
+                _ if gathered.iter().any(Option::is_some) => {
+                    fallback::concat_gathered(&step.exec, &ins, &gathered, outs)
+                        .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?
+                }
+                _ => launch::run_step(step, &ins, outs, &ctx, &mut keep)
+                    .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?,
             }
-            .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
             // The kernel's scratch and the copies no later kernel reads.
             keep.release_since(mark);
             for &c in &freed[s] {
@@ -1373,6 +1492,17 @@ impl Compiled {
                     product,
                 });
             }
+        }
+        if let Some(&s) = deferred.first() {
+            return Err(node_err(
+                self.steps[s].value,
+                "internal: a bias gradient was left for a product that did not take it".into(),
+            ));
+        }
+        {
+            let mut counts = self.bias_grads.lock().unwrap_or_else(|p| p.into_inner());
+            counts.0 += bias_counts.0;
+            counts.1 += bias_counts.1;
         }
         if let Some(dump) = dump {
             let all: Vec<usize> = (0..copies.len()).collect();
