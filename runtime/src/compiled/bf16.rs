@@ -874,6 +874,23 @@ unsafe fn half_block(
     (bias, relu): (*const f32, bool),
 ) {
     const R: usize = 8;
+    // The block's rows of `c` are asked for with intent to write (`PREFETCHW`), a share
+    // before each strip's steps, so that they are in the cache, owned, by the stores at
+    // the end: `c` is a result buffer the step has not touched in a while, and 32 rows
+    // of stores that each miss held up the kernel (in the base step the products took
+    // 710–750 ms instead of 760–780; see docs/PERFORMANCE.md).
+    let steps = kb.div_ceil(FLUSH_TILES) * 4;
+    let mut step = 0;
+    let prefetch_rows = |rows: std::ops::Range<usize>| {
+        for r in rows {
+            // A row's 32 values span two or three 64-byte lines: its first, 64 bytes on
+            // and its last 4 bytes'.
+            let row = c.wrapping_add(r * ldc) as *const i8;
+            for at in [0, 64, 124] {
+                _mm_prefetch::<_MM_HINT_ET0>(row.wrapping_add(at));
+            }
+        }
+    };
     // SAFETY (all transmutes): 512 bits seen as 32 fp16, 16 i32 or 8 i64.
     let zero: __m512h = unsafe { std::mem::transmute(_mm512_setzero_si512()) };
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -892,6 +909,8 @@ unsafe fn half_block(
     // step's 4 KB of `b` stay in the core's first cache for the four strips.
     for t0 in (0..kb).step_by(FLUSH_TILES) {
         for (strip, a) in [a0, a0, a1, a1].into_iter().enumerate() {
+            prefetch_rows(step * 4 * R / steps..(step + 1) * 4 * R / steps);
+            step += 1;
             let in_tile = (strip % 2) * R;
             let mut acc = [[zero; 2]; R];
             // SAFETY: as the caller's; the same 512 bits seen as 32 fp16.
