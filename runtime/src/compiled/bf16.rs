@@ -801,6 +801,24 @@ unsafe fn strip_steps<A: Copy, V: Copy>(
     }
 }
 
+/// Prefetches rows `rows` of a 32-column result block at `c` (row stride `ldc`) into the
+/// first-level cache (`PREFETCHT0`), so that the block's stores find them there (see
+/// [`half_block`]): a line no other core holds arrives exclusive, and the store needs no
+/// second request. A row's 32 values span two or three 64-byte lines: its first, the one
+/// 64 bytes on and its last 4 bytes'. Never faults, wherever it points. (`PREFETCHW`,
+/// which would also take a line another core holds, needs the `prfchw` target feature,
+/// unstable in Rust 1.95; as inline assembly it measured within this VM's noise.)
+#[target_feature(enable = "sse")]
+#[inline]
+fn prefetch_for_write(c: *mut f32, ldc: usize, rows: std::ops::Range<usize>) {
+    for r in rows {
+        let row = c.wrapping_add(r * ldc) as *const i8;
+        for at in [0, 64, 124] {
+            _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(at));
+        }
+    }
+}
+
 /// One 32 × 32 result block over the whole `k` with `VDPBF16PS`, from the same packed
 /// panels as [`block`]: each 8 rows × 32 columns of the result are 16 vectors of 16 f32
 /// held in registers over the whole `k`; each step broadcasts a row's bf16 pair to every
@@ -820,6 +838,9 @@ unsafe fn dot_block(
     const R: usize = 8;
     for (chunk, a) in [a0, a0, a1, a1].into_iter().enumerate() {
         let (row0, in_tile) = (chunk * R, (chunk % 2) * R);
+        // The strip's rows, for its stores after its whole `k` (on this Intel VM the
+        // products of the base step took 1973–2026 ms instead of 2005–2141 with it).
+        prefetch_for_write(c, ldc, row0..row0 + R);
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         for (r, acc) in acc.iter_mut().enumerate() {
             // SAFETY: the block's rows hold 32 columns at `c`, `ldc` apart.
@@ -874,23 +895,13 @@ unsafe fn half_block(
     (bias, relu): (*const f32, bool),
 ) {
     const R: usize = 8;
-    // The block's rows of `c` are asked for with intent to write (`PREFETCHW`), a share
-    // before each strip's steps, so that they are in the cache, owned, by the stores at
-    // the end: `c` is a result buffer the step has not touched in a while, and 32 rows
-    // of stores that each miss held up the kernel (in the base step the products took
-    // 710–750 ms instead of 760–780; see docs/PERFORMANCE.md).
+    // The block's rows of `c` are prefetched, a share before each strip's steps, so that
+    // they are in the cache by the stores at the end: `c` is a result buffer the step has
+    // not touched in a while, and 32 rows of stores that each miss held up the kernel (in
+    // the base step the products took 710–750 ms instead of 760–780; see
+    // docs/PERFORMANCE.md).
     let steps = kb.div_ceil(FLUSH_TILES) * 4;
     let mut step = 0;
-    let prefetch_rows = |rows: std::ops::Range<usize>| {
-        for r in rows {
-            // A row's 32 values span two or three 64-byte lines: its first, 64 bytes on
-            // and its last 4 bytes'.
-            let row = c.wrapping_add(r * ldc) as *const i8;
-            for at in [0, 64, 124] {
-                _mm_prefetch::<_MM_HINT_ET0>(row.wrapping_add(at));
-            }
-        }
-    };
     // SAFETY (all transmutes): 512 bits seen as 32 fp16, 16 i32 or 8 i64.
     let zero: __m512h = unsafe { std::mem::transmute(_mm512_setzero_si512()) };
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -909,7 +920,7 @@ unsafe fn half_block(
     // step's 4 KB of `b` stay in the core's first cache for the four strips.
     for t0 in (0..kb).step_by(FLUSH_TILES) {
         for (strip, a) in [a0, a0, a1, a1].into_iter().enumerate() {
-            prefetch_rows(step * 4 * R / steps..(step + 1) * 4 * R / steps);
+            prefetch_for_write(c, ldc, step * 4 * R / steps..(step + 1) * 4 * R / steps);
             step += 1;
             let in_tile = (strip % 2) * R;
             let mut acc = [[zero; 2]; R];
