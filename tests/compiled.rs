@@ -1057,6 +1057,20 @@ fn a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss() {
     }
 }
 
+/// base (`vocab=300`) cut to `entry` with random feeds (`seed`) at a batch of 4 and
+/// lengths of 9: 36 rows, so every `linear` of 512 is past the 16-bit products' threshold.
+fn base_at_36_rows(entry: &str, seed: u64) -> (Graph, BTreeMap<String, i64>, Feeds, Feeds) {
+    let path = common::root().join("models/transformer_base.kiln");
+    let g = entry_graph(&path, &["vocab=300"], entry).expect("the entry");
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .map(|d| (d.clone(), if d == "batch" { 4 } else { 9 }))
+        .collect();
+    let (inputs, params) = random_feeds_with(&g, seed, &dims).expect("feeds");
+    (g, dims, inputs, params)
+}
+
 /// `KILN_CPU_BF16` / `set_bf16_kernel`: the large matrix products in bf16, on AMX tiles
 /// and with AVX-512's `VDPBF16PS`, and in scaled fp16 with AVX512-FP16's `VFMADD231PH`,
 /// each where the CPU has it. On base at small sizes
@@ -1076,9 +1090,8 @@ fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
 }
 
 fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) {
-    let path = common::root().join("models/transformer_base.kiln");
     for entry in ["forward", "train_step"] {
-        let g = entry_graph(&path, &["vocab=300"], entry).expect("the entry");
+        let (g, _, inputs, params) = base_at_36_rows(entry, 11);
         let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
         let mut bf16_exec = Compiled::from_graph(g.clone()).expect("compiles");
         bf16_exec
@@ -1086,12 +1099,6 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
             .expect("the kernel runs here");
         assert!(bf16_exec.bf16_products() && !f32_exec.bf16_products());
         assert_eq!(bf16_exec.bf16_kernel(), Some(kernel));
-        let dims: BTreeMap<String, i64> = g
-            .dims
-            .iter()
-            .map(|d| (d.clone(), if d == "batch" { 4 } else { 9 }))
-            .collect();
-        let (inputs, params) = random_feeds_with(&g, 11, &dims).expect("feeds");
         let opts = RunOptions {
             seed: 2,
             ..RunOptions::default()
@@ -1147,14 +1154,7 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
 #[test]
 fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
     use kiln_runtime::compiled::Bf16Kernel;
-    let path = common::root().join("models/transformer_base.kiln");
-    let g = entry_graph(&path, &["vocab=300"], "train_step").expect("the entry");
-    let dims: BTreeMap<String, i64> = g
-        .dims
-        .iter()
-        .map(|d| (d.clone(), if d == "batch" { 4 } else { 9 }))
-        .collect();
-    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
+    let (g, dims, inputs, params) = base_at_36_rows("train_step", 5);
     let opts = RunOptions {
         seed: 3,
         ..RunOptions::default()
@@ -1235,14 +1235,7 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
 #[test]
 fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
     use kiln_runtime::compiled::Bf16Kernel;
-    let path = common::root().join("models/transformer_base.kiln");
-    let g = entry_graph(&path, &["vocab=300"], "forward").expect("the entry");
-    let dims: BTreeMap<String, i64> = g
-        .dims
-        .iter()
-        .map(|d| (d.clone(), if d == "batch" { 4 } else { 9 }))
-        .collect();
-    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
+    let (g, _, inputs, params) = base_at_36_rows("forward", 5);
     // The weights' elements: 24 + 48 attention projections of 512 × 512 (encoder, and
     // decoder self and cross), 12 + 12 of 512 × 2048 and 2048 × 512, the 300 × 512
     // embedding.
@@ -1289,11 +1282,10 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
     let Some(kernel) = Bf16Kernel::ALL.into_iter().find(|k| k.available().is_ok()) else {
         return;
     };
-    let g = entry_graph(&path, &["vocab=300"], "train_step").expect("the entry");
+    let (g, _, inputs, params) = base_at_36_rows("train_step", 5);
     let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
     exec.set_bf16_kernel(Some(kernel))
         .expect("the kernel runs here");
-    let (inputs, params) = random_feeds_with(&g, 5, &dims).expect("feeds");
     let fixed = RunOptions {
         params_version: Some(kiln_runtime::exec::fresh_params_version()),
         ..RunOptions::default()

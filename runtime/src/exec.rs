@@ -308,14 +308,25 @@ pub(crate) enum BiasRole {
 /// may read its result, and a launch after the product or the entry's outputs must: the
 /// executor then writes the bias gradient when the product runs instead (the memory plan
 /// keeps its slot for it from the `sum_rows` to its last reader; a result nothing reads
-/// may share its slot at once). `steps` gives each launch's value, input values and
-/// role, in launch order; the result, each launch's partner. Whether the product really
+/// may share its slot at once). `describe` gives each launch's value, input values and
+/// role (`steps` in launch order); `set` gives each its partner. Whether the product really
 /// reads `dy` as the rows summed (same address and layout) is for the executor to check
 /// at run time; this only proposes the pairs.
-pub(crate) fn pair_bias_grads(
+pub(crate) fn pair_bias_grads<S>(
     kg: &KernelGraph,
-    steps: &[(usize, &[usize], BiasRole)],
-) -> Vec<Option<usize>> {
+    steps: &mut [S],
+    describe: impl Fn(&S) -> (usize, &[usize], BiasRole),
+    set: impl Fn(&mut S, Option<usize>),
+) {
+    let described: Vec<(usize, &[usize], BiasRole)> = steps.iter().map(&describe).collect();
+    let pairs = bias_pairs(kg, &described);
+    for (st, pair) in steps.iter_mut().zip(pairs) {
+        set(st, pair);
+    }
+}
+
+/// [`pair_bias_grads`] on the launches' (value, inputs, role): each one's partner.
+fn bias_pairs(kg: &KernelGraph, steps: &[(usize, &[usize], BiasRole)]) -> Vec<Option<usize>> {
     let mut pairs = vec![None; steps.len()];
     for (s, &(db, inputs, role)) in steps.iter().enumerate() {
         let Some(&dy) = inputs.first().filter(|_| role == BiasRole::SumRows) else {

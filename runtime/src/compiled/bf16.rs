@@ -34,7 +34,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::gemm::Mat;
+use super::gemm::{ColumnSums, Mat, SUM_AXES};
 
 /// Rows and columns of a result tile; the `k` of one tile product is 32 (bf16 pairs).
 const T: usize = 16;
@@ -1105,27 +1105,6 @@ impl Epilogue {
     }
 }
 
-/// The most leading axes [`ColumnSums`] takes.
-pub(crate) const SUM_AXES: usize = 4;
-
-/// The column sums of a product's right operand, which [`gemm`] writes while it packs
-/// the operand (its rows still in the core's cache): the bias gradient of a weight
-/// gradient `xᵀ·dy` (`dy`'s column sums, the `sum_rows` kernel's result, which then
-/// needs no pass of its own over `dy`). `b` (`k × n`, row-major) is seen as `dy` of shape
-/// `[lead[0], …, lead[axes − 1], n]` (`k` the product of `lead`), and each column summed
-/// exactly as `sum_rows` sums it: one sum an axis, from `0.0` in index order, the last
-/// axis's loop outermost. So `dst[j]` has the kernel's bits.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ColumnSums {
-    /// `n` values.
-    pub dst: *mut f32,
-    pub lead: [usize; SUM_AXES],
-    pub axes: usize,
-}
-
-unsafe impl Send for ColumnSums {}
-unsafe impl Sync for ColumnSums {}
-
 /// Vectors of 16 columns [`column_sums`] sums at a time.
 const SUM_VECTORS: usize = 8;
 
@@ -1866,12 +1845,12 @@ mod tests {
         let mut seed = 7u64;
         // (rows of `a`, `dy`'s leading axes, columns, threads): the path each takes.
         let cases: [(usize, &[usize], usize, usize); 6] = [
-            (512, &[32, 25], 512, 2),  // local: both tasks pack `b`, each sums half
-            (530, &[4, 5, 6], 530, 2), // local, a column tail of 2
-            (96, &[32, 25], 530, 2),   // shared packing (one task of rows)
-            (96, &[800], 1100, 2),     // each task packs its column group
-            (96, &[3, 2, 2, 5], 70, 3),
-            (0, &[9, 7], 33, 2), // no rows of `a`
+            (512, &[32, 25], 512, 2),   // local: both tasks pack `b`, each sums half
+            (530, &[4, 5, 6], 530, 2),  // local, a column tail of 2
+            (96, &[32, 25], 530, 2),    // shared packing (one task of rows)
+            (96, &[800], 1100, 2),      // each task packs its column group
+            (96, &[3, 2, 2, 5], 70, 3), // shared, four leading axes, three threads
+            (0, &[9, 7], 33, 2),        // no rows of `a`
         ];
         for kernel in kernels {
             for &(m, lead, n, threads) in &cases {

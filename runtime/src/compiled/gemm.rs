@@ -14,7 +14,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-pub(crate) use super::bf16::{ColumnSums, Epilogue, SUM_AXES};
+pub(crate) use super::bf16::Epilogue;
 use super::bf16::{Kernel, PackedRhs, Rhs};
 use super::Loc;
 
@@ -160,6 +160,28 @@ pub(crate) fn merged_stride(shape: &[usize], strides: &[usize]) -> Option<usize>
     }
     Some(inner.map(|(s, _)| s).unwrap_or(1))
 }
+
+/// The most leading axes [`ColumnSums`] takes.
+pub(crate) const SUM_AXES: usize = 4;
+
+/// The column sums of a product's right operand, which a 16-bit product writes while it
+/// packs the operand (its rows still in the core's cache; [`matmul_epilogue`]): the bias
+/// gradient of a weight gradient `xᵀ·dy` (`dy`'s column sums, the `sum_rows` kernel's
+/// result, which then needs no pass of its own over `dy`). `b` (`k × n`, row-major) is
+/// seen as `dy` of shape
+/// `[lead[0], …, lead[axes − 1], n]` (`k` the product of `lead`), and each column summed
+/// exactly as `sum_rows` sums it: one sum an axis, from `0.0` in index order, the last
+/// axis's loop outermost. So `dst[j]` has the kernel's bits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ColumnSums {
+    /// `n` values.
+    pub dst: *mut f32,
+    pub lead: [usize; SUM_AXES],
+    pub axes: usize,
+}
+
+unsafe impl Send for ColumnSums {}
+unsafe impl Sync for ColumnSums {}
 
 /// Products with fewer multiply-adds than this stay f32 with `bf16` (packing and the
 /// tiles' setup would cost more than they save: the demo's model, `d_model` 48, trained

@@ -295,21 +295,17 @@ pub(crate) fn prepare(
             bias_grad: None,
         });
     }
-    let roles: Vec<(usize, &[usize], BiasRole)> = steps
-        .iter()
-        .map(|st| {
-            let role = match st.exec {
-                Exec::SumRows(_) => BiasRole::SumRows,
-                Exec::Matmul => BiasRole::Product,
-                _ => BiasRole::Other,
-            };
-            (st.value, st.inputs.as_slice(), role)
-        })
-        .collect();
-    let pairs = crate::exec::pair_bias_grads(kg, &roles);
-    for (st, pair) in steps.iter_mut().zip(pairs) {
-        st.bias_grad = pair;
-    }
+    let role = |st: &Step| match st.exec {
+        Exec::SumRows(_) => BiasRole::SumRows,
+        Exec::Matmul => BiasRole::Product,
+        _ => BiasRole::Other,
+    };
+    crate::exec::pair_bias_grads(
+        kg,
+        &mut steps,
+        |st| (st.value, st.inputs.as_slice(), role(st)),
+        |st, pair| st.bias_grad = pair,
+    );
     let copy = match copy {
         Some(c) => c,
         None => jit

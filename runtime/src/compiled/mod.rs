@@ -79,16 +79,6 @@ pub(crate) mod bf16 {
         pub relu: bool,
     }
 
-    pub(crate) const SUM_AXES: usize = 4;
-
-    /// Never asked for: no kernel is available.
-    #[derive(Clone, Copy, Debug)]
-    pub(crate) struct ColumnSums {
-        pub dst: *mut f32,
-        pub lead: [usize; SUM_AXES],
-        pub axes: usize,
-    }
-
     /// # Safety
     /// Never called: no kernel is available.
     #[allow(clippy::too_many_arguments)]
@@ -101,7 +91,7 @@ pub(crate) mod bf16 {
         _: Rhs<'_>,
         _: bool,
         _: Epilogue,
-        _: Option<ColumnSums>,
+        _: Option<super::gemm::ColumnSums>,
     ) {
         unreachable!("bf16 products are only set where a bf16 kernel is available")
     }

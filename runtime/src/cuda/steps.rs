@@ -337,22 +337,18 @@ pub(crate) fn prepare(
 /// ([`crate::exec::pair_bias_grads`]): a `matmul` GEMM without bias or ReLU.
 pub(crate) fn pair_bias_grads(kg: &KernelGraph, steps: &mut [Step]) {
     use crate::exec::BiasRole;
-    let roles: Vec<(usize, &[usize], BiasRole)> = steps
-        .iter()
-        .map(|st| {
-            let role = match st.exec {
-                Exec::SumRows { .. } => BiasRole::SumRows,
-                Exec::Gemm {
-                    bias: None,
-                    relu: None,
-                } if st.kind == "matmul" => BiasRole::Product,
-                _ => BiasRole::Other,
-            };
-            (st.value, st.inputs.as_slice(), role)
-        })
-        .collect();
-    let pairs = crate::exec::pair_bias_grads(kg, &roles);
-    for (st, pair) in steps.iter_mut().zip(pairs) {
-        st.bias_grad = pair;
-    }
+    let role = |st: &Step| match st.exec {
+        Exec::SumRows { .. } => BiasRole::SumRows,
+        Exec::Gemm {
+            bias: None,
+            relu: None,
+        } if st.kind == "matmul" => BiasRole::Product,
+        _ => BiasRole::Other,
+    };
+    crate::exec::pair_bias_grads(
+        kg,
+        steps,
+        |st| (st.value, st.inputs.as_slice(), role(st)),
+        |st, pair| st.bias_grad = pair,
+    );
 }
