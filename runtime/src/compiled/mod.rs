@@ -1613,8 +1613,9 @@ fn arena_len(arena: &[f32]) -> usize {
 /// of a row wants. A large `Vec` from the allocator starts 16 bytes past a page (glibc's
 /// header before an `mmap`ed block), which put every buffer 16 bytes off a line: each
 /// 64-byte load and store of the 16-bit products' packing and results touched two lines.
-/// On this Xeon an 800×512·512×512 fp16 product took 857–876 µs so against 817–854
-/// aligned (minimums of 200 runs, hot in cache).
+/// On this Xeon an 800×512·512×512 fp16 product took 857–876 µs with its operands 16
+/// bytes off a line against 817–854 µs with them on one (each the fastest of a round of
+/// 200 runs, hot in cache).
 fn aligned_base(arena: &mut [f32]) -> *mut u8 {
     let pad = arena.as_ptr().align_offset(ALIGN);
     assert!(
