@@ -1842,7 +1842,7 @@ mod tests {
             assert_eq!(base % ALIGN, 0, "shift {shift}");
             assert!(base >= from && base < from + ALIGN, "shift {shift}");
             assert!(
-                base + (arena_len(arena)) * 4 <= start + 64 * 4,
+                base + arena_len(arena) * 4 <= start + 64 * 4,
                 "shift {shift}"
             );
         }
