@@ -376,7 +376,6 @@ unsafe fn pack_a<const HALF: bool>(
     unscale: &mut [f32],
     out: &mut [u16],
 ) {
-    let kb = out.len() / TILE;
     let rows = m.saturating_sub(i0).min(T);
     let mut scale = [1f32; T];
     if HALF {
@@ -406,6 +405,26 @@ unsafe fn pack_a<const HALF: bool>(
             (*s, *u) = fp16_scale(max, TOP_A);
         }
     }
+    // SAFETY: as the caller's; `scale` holds the tile's 16 rows.
+    unsafe { pack_a_scaled::<HALF>(a, (m, k), i0, &scale, out) }
+}
+
+/// [`pack_a`] with the rows' scales given (`scale[r]` for row `i0 + r`; unread unless
+/// `HALF`).
+///
+/// # Safety
+/// As [`pack_a`]'s; `scale` holds 16 values.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_a_scaled<const HALF: bool>(
+    a: Mat,
+    (m, k): (usize, usize),
+    i0: usize,
+    scale: &[f32],
+    out: &mut [u16],
+) {
+    let kb = out.len() / TILE;
+    let rows = m.saturating_sub(i0).min(T);
+    let scale = &scale[..T];
     if a.cs != 1 {
         // Strided: element by element (a transposed `a` takes `pack_a_columns`).
         out.fill(0);
@@ -462,22 +481,44 @@ unsafe fn pack_a_columns<const HALF: bool>(
     (panel, out): (usize, &mut [u16]),
 ) {
     let rows = m.saturating_sub(i0).min(out.len() / panel * T);
-    let kb = panel / TILE;
-    // SAFETY (the slices of `a` below): index `p` holds the `m` elements of its row.
-    let src = |p: usize| unsafe {
-        std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows)
-    };
     let mut scale = [1f32; GROUP * T];
     if HALF {
         let mut max = [0u32; GROUP * T];
         for p in 0..k {
-            max_bits_into(&mut max[..rows], src(p));
+            // SAFETY: index `p` holds the `m` elements of its row.
+            let src = unsafe {
+                std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows)
+            };
+            max_bits_into(&mut max[..rows], src);
         }
         unscale.fill(1.0);
         for ((s, u), &max) in scale.iter_mut().zip(unscale.iter_mut()).zip(&max[..rows]) {
             (*s, *u) = fp16_scale(max, TOP_A);
         }
     }
+    // SAFETY: as the caller's; `scale` holds the group's 256 rows.
+    unsafe { pack_a_columns_scaled::<HALF>(a, (m, k), i0, &scale, (panel, out)) }
+}
+
+/// [`pack_a_columns`] with the rows' scales given (`scale[r]` for row `i0 + r`, one for
+/// each row of `out`'s panels, padded to a multiple of 16; unread unless `HALF`).
+///
+/// # Safety
+/// As [`pack_a_columns`]'s; `scale` holds a value for each row of `out`'s panels.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_a_columns_scaled<const HALF: bool>(
+    a: Mat,
+    (m, k): (usize, usize),
+    i0: usize,
+    scale: &[f32],
+    (panel, out): (usize, &mut [u16]),
+) {
+    let rows = m.saturating_sub(i0).min(out.len() / panel * T);
+    let kb = panel / TILE;
+    // SAFETY (the slices of `a` below): index `p` holds the `m` elements of its row.
+    let src = |p: usize| unsafe {
+        std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows)
+    };
     // By 32 `k` indices (a tile's) and 16 rows: the rows' 16 values at each index, as
     // 16-bit, paired by index (even in the low half), transposed into the tile's 16 rows
     // of 16 pairs.
@@ -488,8 +529,12 @@ unsafe fn pack_a_columns<const HALF: bool>(
             } else {
                 (1 << (rows - r0)) - 1
             };
-            // SAFETY: `scale` holds the group's 256 rows.
-            let s = unsafe { _mm512_loadu_ps(scale.as_ptr().add(r0)) };
+            let s = if HALF {
+                // SAFETY: `scale` holds the panels' rows.
+                unsafe { _mm512_loadu_ps(scale.as_ptr().add(r0)) }
+            } else {
+                _mm512_set1_ps(1.0)
+            };
             let value = |q: usize| {
                 let p = t * TK + q;
                 if p >= k {
@@ -642,7 +687,6 @@ unsafe fn pack_b_group<const HALF: bool>(
     unscale: &mut [f32],
     (panel, out): (usize, &mut [u16]),
 ) {
-    let kb = panel / TILE;
     let mut scale = [1f32; GROUP * T];
     if HALF {
         let cols = n.saturating_sub(j0).min(out.len() / panel * T);
@@ -674,6 +718,24 @@ unsafe fn pack_b_group<const HALF: bool>(
             (*s, *u) = fp16_scale(max, TOP_B);
         }
     }
+    // SAFETY: as the caller's; `scale` holds the group's 256 columns.
+    unsafe { pack_b_group_scaled::<HALF>(b, (k, n), j0, &scale, (panel, out)) }
+}
+
+/// [`pack_b_group`] with the columns' scales given (`scale[c]` for column `j0 + c`, one
+/// for each column of `out`'s panels; unread unless `HALF`).
+///
+/// # Safety
+/// As [`pack_b`]'s; `scale` holds a value for each column of `out`'s panels.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_b_group_scaled<const HALF: bool>(
+    b: Mat,
+    (k, n): (usize, usize),
+    j0: usize,
+    scale: &[f32],
+    (panel, out): (usize, &mut [u16]),
+) {
+    let kb = panel / TILE;
     let whole = |q: usize| b.cs == 1 && j0 + (q + 1) * T <= n;
     for t in 0..kb {
         for (q, o) in out.chunks_exact_mut(panel).enumerate() {
@@ -1296,6 +1358,13 @@ pub(crate) unsafe fn gemm(
             unsafe { local(kernel, (m, k, n), (a, b, parts), ops, sums) };
             return;
         }
+        // A narrow `b` too large for that, with a long `k`: each thread packs both
+        // operands a part of `k` at a time.
+        if cols_b < 2 * threads && kb > K_TILES && K_TILES * TK * n <= LOCAL_B && parts > 1 {
+            // SAFETY: as the caller's.
+            unsafe { stream(kernel, (m, k, n), (a, b, parts), ops, sums) };
+            return;
+        }
     }
     let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
     // Every element is written by the packing below (zeros past the operand's edges).
@@ -1537,6 +1606,212 @@ unsafe fn local(
     });
 }
 
+/// [`gemm`] for a long `k` (more than [`K_TILES`] tiles) and a narrow `b` whose whole
+/// packed copy would not fit [`LOCAL_B`], but whose [`K_TILES`] tiles of `k` do: the
+/// vocabulary projection's input gradient `800×37000·37000×512` of the base step. The
+/// shared path would pack all of `a` (59 MB there) and `b` (38 MB) into memory before
+/// any product and stream them back; here each of `parts` tasks (one a thread) takes an
+/// equal share of the 32 × 32 result blocks, as in [`local`], and goes through `k` by
+/// [`K_TILES`] tiles: it packs that part of `b` whole and of its rows of `a` 256 at a
+/// time into its core's cache, and adds their products to its blocks. In fp16 the
+/// scales are the whole rows' and columns' ([`fp16_scale`]), found by a first pass over
+/// both operands (split between the tasks), and the blocks are summed over `k` in the
+/// same parts as in [`Blocks::run`]: the same bits as the shared path. [`ColumnSums`]
+/// asked for are split between the tasks by vectors of 16 columns, in the first pass.
+///
+/// # Safety
+/// As [`gemm`]'s.
+unsafe fn stream(
+    kernel: Kernel,
+    (m, k, n): (usize, usize, usize),
+    (a, b, parts): (Mat, Mat, usize),
+    ops: Blocks<'_>,
+    sums: Option<ColumnSums>,
+) {
+    let half = kernel == Kernel::Half;
+    // The rows' and columns' fp16 scales and their inverses (all 1 for bf16), padded to
+    // whole blocks.
+    let (mut a_scale, mut a_unscale) = (
+        vec![1f32; m.next_multiple_of(2 * T)],
+        vec![1f32; m.next_multiple_of(2 * T)],
+    );
+    let (mut b_scale, mut b_unscale) = (
+        vec![1f32; n.next_multiple_of(2 * T)],
+        vec![1f32; n.next_multiple_of(2 * T)],
+    );
+    if half || sums.is_some() {
+        // `b`'s columns are the rows of `bᵀ`.
+        let bt = Mat {
+            ptr: b.ptr,
+            rs: b.cs,
+            cs: b.rs,
+        };
+        let maxima: Vec<(Vec<u32>, Vec<u32>)> = (0..parts)
+            .into_par_iter()
+            .map(|task| {
+                let share = |len: usize| task * len / parts..(task + 1) * len / parts;
+                if let Some(sums) = sums {
+                    let vectors = share(n.div_ceil(T));
+                    // SAFETY: as the caller's.
+                    unsafe { column_sums(b, vectors.start * T..(vectors.end * T).min(n), sums) };
+                }
+                if !half {
+                    return Default::default();
+                }
+                let (rows, ks) = (share(m), share(k));
+                let (mut a_max, mut b_max) = (vec![0; rows.len()], vec![0; n]);
+                // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `b`
+                // `k × n`.
+                unsafe {
+                    max_rows(a, rows, 0..k, &mut a_max);
+                    max_rows(bt, 0..n, ks, &mut b_max);
+                }
+                (a_max, b_max)
+            })
+            .collect();
+        if half {
+            let mut b_max = vec![0; n];
+            let a_max = maxima.iter().flat_map(|(a_max, _)| a_max);
+            for ((s, u), &max) in a_scale.iter_mut().zip(a_unscale.iter_mut()).zip(a_max) {
+                (*s, *u) = fp16_scale(max, TOP_A);
+            }
+            for (_, part) in &maxima {
+                for (max, &x) in b_max.iter_mut().zip(part) {
+                    *max = (*max).max(x);
+                }
+            }
+            for ((s, u), &max) in b_scale.iter_mut().zip(b_unscale.iter_mut()).zip(&b_max) {
+                (*s, *u) = fp16_scale(max, TOP_B);
+            }
+        }
+    }
+    let (a_scale, a_unscale, b_scale) = (&a_scale, &a_unscale, &b_scale);
+    let b_unscale: &[f32] = if half { &b_unscale } else { &[] };
+    let (row_blocks, col_blocks) = (m.div_ceil(2 * T), n.div_ceil(2 * T));
+    let blocks = row_blocks * col_blocks;
+    let panels_b = n.div_ceil(T).next_multiple_of(2);
+    (0..parts).into_par_iter().for_each(|task| {
+        // The whole operands (not their fields, which are not `Sync`).
+        let (a_whole, b_whole) = (a, b);
+        let runs = block_runs(
+            (task * blocks / parts, (task + 1) * blocks / parts),
+            col_blocks,
+        );
+        let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        let mut lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        for p0 in (0..k).step_by(K_TILES * TK) {
+            // This part of `k`, and the operands from its first index.
+            let kc = (K_TILES * TK).min(k - p0);
+            let panel = kc.div_ceil(TK) * TILE;
+            let a = Mat {
+                ptr: a_whole.ptr.wrapping_offset(p0 as isize * a_whole.cs),
+                ..a_whole
+            };
+            let b = Mat {
+                ptr: b_whole.ptr.wrapping_offset(p0 as isize * b_whole.rs),
+                ..b_whole
+            };
+            let pb = lines(&mut lines_b, panels_b * panel);
+            for (g, out) in pb.chunks_mut(GROUP * panel).enumerate() {
+                let (j0, o) = (g * GROUP * T, (panel, out));
+                // SAFETY: the kernel's check found AVX-512; `b` addresses `kc × n`; the
+                // scales hold every column of the panels.
+                unsafe {
+                    if half {
+                        pack_b_group_scaled::<true>(b, (kc, n), j0, &b_scale[j0..], o)
+                    } else {
+                        pack_b_group_scaled::<false>(b, (kc, n), j0, &b_scale[j0..], o)
+                    }
+                };
+            }
+            // The blocks are added to from the second part of `k` on; the epilogue is the
+            // last part's.
+            let part = ops.part(kc.div_ceil(TK), p0 > 0, p0 + kc == k);
+            for (rows, cols) in &runs {
+                let (i0, i1) = (rows.start * 2 * T, (rows.end * 2 * T).min(m));
+                let (j0, j1) = (cols.start * 2 * T, (cols.end * 2 * T).min(n));
+                let pb = &pb[(j0 / T) * panel..];
+                let b_unscale = b_unscale.get(j0..).unwrap_or(&[]);
+                for r0 in (i0..i1).step_by(GROUP * T) {
+                    let r1 = (r0 + GROUP * T).min(i1);
+                    // The rows' tiles, an even count (rows past `r1` packed as zeros).
+                    let tiles = (r1 - r0).div_ceil(T).next_multiple_of(2);
+                    let pa = lines(&mut lines_a, tiles * panel);
+                    // SAFETY: the kernel's check found AVX-512; `a` addresses `r1 × kc`;
+                    // the scales hold the tiles' rows.
+                    unsafe {
+                        if a.rs == 1 && a.cs != 1 {
+                            let o = (panel, &mut *pa);
+                            if half {
+                                pack_a_columns_scaled::<true>(a, (r1, kc), r0, &a_scale[r0..], o)
+                            } else {
+                                pack_a_columns_scaled::<false>(a, (r1, kc), r0, &a_scale[r0..], o)
+                            }
+                        } else {
+                            for (t, out) in pa.chunks_mut(panel).enumerate() {
+                                let (i, s) = (r0 + t * T, &a_scale[r0 + t * T..]);
+                                if half {
+                                    pack_a_scaled::<true>(a, (r1, kc), i, s, out)
+                                } else {
+                                    pack_a_scaled::<false>(a, (r1, kc), i, s, out)
+                                }
+                            }
+                        }
+                        let a_unscale: &[f32] = if half { &a_unscale[r0..] } else { &[] };
+                        part.run((r0, r1, j0, j1), (pa, pb), (a_unscale, b_unscale))
+                    };
+                }
+            }
+        }
+        PACKED.with(|p| *p.borrow_mut() = lines_a);
+        PACKED_B.with(|p| *p.borrow_mut() = lines_b);
+    });
+}
+
+/// Raises `max[r]` to the bits of the largest magnitude ([`max_bits`]) of row
+/// `rows.start + r` of `a` over the indices `ks` of `k`.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `a` must address those rows at those indices; `max` holds
+/// a value for each row.
+#[target_feature(enable = "avx512f")]
+unsafe fn max_rows(
+    a: Mat,
+    rows: std::ops::Range<usize>,
+    ks: std::ops::Range<usize>,
+    max: &mut [u32],
+) {
+    let max = &mut max[..rows.len()];
+    if a.cs == 1 {
+        for (r, max) in rows.zip(max.iter_mut()) {
+            // SAFETY: row `r` holds the indices `ks`, contiguous.
+            let row = unsafe {
+                std::slice::from_raw_parts(a.ptr.offset(r as isize * a.rs).add(ks.start), ks.len())
+            };
+            *max = (*max).max(max_bits(row));
+        }
+    } else if a.rs == 1 {
+        for p in ks {
+            // SAFETY: index `p` holds the rows, contiguous.
+            let col = unsafe {
+                std::slice::from_raw_parts(
+                    a.ptr.offset(p as isize * a.cs).add(rows.start),
+                    rows.len(),
+                )
+            };
+            max_bits_into(max, col);
+        }
+    } else {
+        for (r, max) in rows.zip(max.iter_mut()) {
+            for p in ks.clone() {
+                // SAFETY: the caller's.
+                let x = unsafe { *a.ptr.offset(r as isize * a.rs + p as isize * a.cs) };
+                *max = (*max).max(x.to_bits() & 0x7fff_ffff);
+            }
+        }
+    }
+}
+
 /// The blocks `[lo, hi)` of a grid `width` blocks wide, numbered in row-major order, as
 /// runs of `(row blocks, column blocks)`: a part of a first row block (from the column
 /// `lo` starts at), whole row blocks, a part of a last one (up to the column `hi` ends
@@ -1578,6 +1853,22 @@ struct Blocks<'a> {
 }
 
 impl Blocks<'_> {
+    /// The blocks of one part of `k`, `kb` tiles of it: added to the result where they
+    /// are not the first part (or where `read_dst`), with the epilogue only where they
+    /// are the `last`.
+    fn part(&self, kb: usize, later: bool, last: bool) -> Self {
+        Blocks {
+            kb,
+            read_dst: self.read_dst || later,
+            epilogue: if last {
+                self.epilogue
+            } else {
+                Epilogue::default()
+            },
+            ..*self
+        }
+    }
+
     /// The product's 32 × 32 blocks of rows `[i0, i1)` and columns `[j0, j1)` (`i0`, `j0`
     /// multiples of 32), from the row tiles of `pa` (its first panel row `i0`'s) and the
     /// column tiles of `pb` (its first column `j0`'s), each a panel of `kb` tiles; in
@@ -1844,8 +2135,9 @@ mod tests {
         }
         let mut seed = 7u64;
         // (rows of `a`, `dy`'s leading axes, columns, threads): the path each takes.
-        let cases: [(usize, &[usize], usize, usize); 6] = [
+        let cases: [(usize, &[usize], usize, usize); 7] = [
             (512, &[32, 25], 512, 2),   // local: both tasks pack `b`, each sums half
+            (530, &[70, 30], 520, 2),   // stream: each task sums its third of the vectors
             (530, &[4, 5, 6], 530, 2),  // local, a column tail of 2
             (96, &[32, 25], 530, 2),    // shared packing (one task of rows)
             (96, &[800], 1100, 2),      // each task packs its column group
@@ -2066,14 +2358,21 @@ mod tests {
     }
 
     /// `x` (a sum of a few fp16 values and products, exact in f64) rounded to fp16 once,
-    /// to nearest, ties to even (the `half` crate may round f64 through f32: twice).
+    /// to nearest, ties to even (the `half` crate may round f64 through f32: twice); an
+    /// infinity past fp16's largest value.
     fn round_f16(x: f64) -> f64 {
         if x == 0.0 {
             return x;
         }
         let e = ((x.abs().to_bits() >> 52) as i32) - 1023;
-        let ulp = 2f64.powi((e - 10).max(-24));
-        (x / ulp).round_ties_even() * ulp
+        // The unit in the last place, a power of two (so both operations are exact).
+        let ulp = f64::from_bits((((e - 10).max(-24) + 1023) as u64) << 52);
+        let r = (x * (1.0 / ulp)).round_ties_even() * ulp;
+        if r.abs() >= 65536.0 {
+            r.signum() * f64::INFINITY
+        } else {
+            r
+        }
     }
 
     /// What [`Kernel::Half`] computes, step by step in scalar arithmetic: the scaled
@@ -2100,6 +2399,17 @@ mod tests {
         let (sb, ub): (Vec<f32>, Vec<f32>) = col_max.iter().map(|&x| fp16_scale(x, TOP_B)).unzip();
         let h = |x: f32| half::f16::from_f32(x).to_f64();
         let kp = k.div_ceil(TK).max(1) * TK;
+        // `b`'s scaled fp16 values by column, each rounded once.
+        let bc: Vec<f64> = (0..n * kp)
+            .map(|q| {
+                let (j, p) = (q / kp, q % kp);
+                if p < k {
+                    h(bt(p, j) * sb[j])
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         let mut c = vec![0f32; m * n];
         for i in 0..m {
             let ar: Vec<f64> = (0..kp)
@@ -2113,14 +2423,13 @@ mod tests {
                     let k1 = (k0 + K_TILES * TK).min(kp);
                     let mut wide = [0f32; 2];
                     for chunk in (k0..k1).step_by(FLUSH_TILES * TK) {
-                        let mut acc = [half::f16::ZERO; 2];
+                        // fp16 values, held in f64.
+                        let mut acc = [0f64; 2];
                         for p in chunk..(chunk + FLUSH_TILES * TK).min(k1) {
-                            let b = if p < k { h(bt(p, j) * sb[j]) } else { 0.0 };
-                            let sum = acc[p % 2].to_f64() + ar[p] * b;
-                            acc[p % 2] = half::f16::from_f64(round_f16(sum));
+                            acc[p % 2] = round_f16(acc[p % 2] + ar[p] * bc[j * kp + p]);
                         }
-                        wide[0] += acc[0].to_f32();
-                        wide[1] += acc[1].to_f32();
+                        wide[0] += acc[0] as f32;
+                        wide[1] += acc[1] as f32;
                     }
                     let v = (wide[0] + wide[1]) * ua[i] * ub[j];
                     out = if part == 0 && !read { v } else { out + v };
@@ -2202,6 +2511,67 @@ mod tests {
         }
     }
 
+    /// With a long `k` (three parts of it) and a narrow `b`, each task of `stream`
+    /// packing its parts of `k` one at a time, the fp16 scales are still the whole
+    /// rows' and columns': rows and columns whose magnitudes fall from 2⁰ to 2⁻²⁰ along
+    /// `k`, or rise, give the bits of [`half_reference`] on two threads, with the
+    /// operands stored either way, and the result read first (a scale from part of a row
+    /// would overflow its largest values, or flush its smallest). Every 9th row is
+    /// checked (the reference is slow; each row's scale is its own).
+    #[test]
+    fn fp16_products_scale_whole_rows_and_columns_when_k_is_long() {
+        let Some(kernel) = half_kernel() else { return };
+        let (m, k, n) = (530, 2100, 520);
+        let mut seed = 17u64;
+        // Magnitudes along `k`: falling in even rows and columns, rising in odd ones.
+        let along = |line: usize, p: usize| {
+            let f = p as f32 / k as f32;
+            2f32.powf(-20.0 * if line % 2 == 0 { f } else { 1.0 - f })
+        };
+        let a: Vec<f32> = (0..m * k)
+            .map(|q| rng(&mut seed) * 60.0 * along(q / k, q % k))
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|q| rng(&mut seed) * 0.01 * along(q % n, q / n))
+            .collect();
+        let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
+        let rows: Vec<usize> = (0..m).step_by(9).collect();
+        for (transposed, read) in [(false, false), (true, true)] {
+            // The same matrices, stored transposed (`a` by columns, `b` by rows).
+            let store = |v: &[f32], r: usize, c: usize| -> Vec<f32> {
+                if !transposed {
+                    return v.to_vec();
+                }
+                (0..r * c).map(|q| v[(q % r) * c + q / r]).collect()
+            };
+            let (at, bt) = (store(&a, m, k), store(&b, k, n));
+            let (am, bm) = (stored(&at, m, k, transposed), stored(&bt, k, n, transposed));
+            let c = product(kernel, (m, k, n), (am, bm), (&c0, read), 2);
+            let c0_rows: Vec<f32> = rows
+                .iter()
+                .flat_map(|&i| &c0[i * n..][..n])
+                .copied()
+                .collect();
+            let want = half_reference(
+                (rows.len(), k, n),
+                |r, p| elem(am, rows[r], p),
+                |p, j| elem(bm, p, j),
+                &c0_rows,
+                read,
+            );
+            let got: Vec<f32> = rows
+                .iter()
+                .flat_map(|&i| &c[i * n..][..n])
+                .copied()
+                .collect();
+            assert_same_bits(
+                &got,
+                &want,
+                &format!("transposed {transposed}, read {read}"),
+            );
+        }
+    }
+
     /// An operand far past fp16's range (1e30, 1e-30) is scaled into it; an infinity or a
     /// NaN reaches the results, as in f32.
     #[test]
@@ -2272,7 +2642,12 @@ mod tests {
     fn products_add_the_bias_and_apply_the_relu_as_a_pass_after_them_would() {
         let all: Vec<Kernel> = kernels().into_iter().chain(half_kernel()).collect();
         for kernel in all {
-            for (m, k, n) in [(45, 37, 51), (64, 2100, 70), (530, 40, 70)] {
+            for (m, k, n) in [
+                (45, 37, 51),
+                (64, 2100, 70),
+                (530, 40, 70),
+                (530, 2100, 520),
+            ] {
                 let mut seed = 5u64;
                 let mut a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
                 a[3 * k] = f32::NAN;
@@ -2355,7 +2730,14 @@ mod tests {
     }
 
     fn same_bits_on_any_number_of_threads(kernel: Kernel) {
-        let (m, k, n) = (600, 300, 530);
+        // The second: a long `k` and a narrow `b`, which `stream` takes on 2 and 3
+        // threads (the shared path on 1).
+        for (m, k, n) in [(600, 300, 530), (530, 2100, 520)] {
+            same_bits_at(kernel, (m, k, n));
+        }
+    }
+
+    fn same_bits_at(kernel: Kernel, (m, k, n): (usize, usize, usize)) {
         let mut seed = 3u64;
         let magnitude = |i: usize| (2f32).powi((i % 7) as i32 - 3);
         let a: Vec<f32> = (0..m * k)
