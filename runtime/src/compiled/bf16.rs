@@ -1563,44 +1563,9 @@ unsafe fn local(
             unsafe { column_sums(b, lo..hi.min(n), sums) };
         }
         let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
-        for (rows, cols) in block_runs(share, col_blocks) {
-            let (i0, i1) = (rows.start * 2 * T, (rows.end * 2 * T).min(m));
-            let (j0, j1) = (cols.start * 2 * T, (cols.end * 2 * T).min(n));
-            // The run's columns of the packed `b` and their `1 / s`.
-            let pb = &pb[(j0 / T) * panel..];
-            let b_unscale = b_unscale.get(j0..).unwrap_or(&[]);
-            for r0 in (i0..i1).step_by(GROUP * T) {
-                let r1 = (r0 + GROUP * T).min(i1);
-                // The rows' tiles, an even count (rows past `r1` packed as zeros: `a` seen
-                // as `r1` rows).
-                let tiles = (r1 - r0).div_ceil(T).next_multiple_of(2);
-                let pa = lines(&mut lines_a, tiles * panel);
-                let mut a_unscale = [1f32; GROUP * T];
-                // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k` (and so its
-                // first `r1` rows); the scales hold the tiles' rows.
-                unsafe {
-                    if a.rs == 1 && a.cs != 1 {
-                        let u = &mut a_unscale[..tiles * T];
-                        if half {
-                            pack_a_columns::<true>(a, (r1, k), r0, u, (panel, pa))
-                        } else {
-                            pack_a_columns::<false>(a, (r1, k), r0, u, (panel, pa))
-                        }
-                    } else {
-                        for (t, out) in pa.chunks_mut(panel).enumerate() {
-                            let u = &mut a_unscale[t * T..];
-                            if half {
-                                pack_a::<true>(a, (r1, k), r0 + t * T, u, out)
-                            } else {
-                                pack_a::<false>(a, (r1, k), r0 + t * T, u, out)
-                            }
-                        }
-                    }
-                    let a_unscale: &[f32] = if half { &a_unscale } else { &[] };
-                    ops.run((r0, r1, j0, j1), (pa, pb), (a_unscale, b_unscale))
-                };
-            }
-        }
+        let runs = block_runs(share, col_blocks);
+        // SAFETY: as the caller's; `pb` holds every column panel, `b_unscale` their scales.
+        unsafe { pack_rows_and_run(&ops, &runs, (a, m, k), (pb, &b_unscale), None, &mut lines_a) };
         PACKED.with(|p| *p.borrow_mut() = lines_a);
         PACKED_B.with(|p| *p.borrow_mut() = lines_b);
     });
@@ -1727,45 +1692,111 @@ unsafe fn stream(
             // The blocks are added to from the second part of `k` on; the epilogue is the
             // last part's.
             let part = ops.part(kc.div_ceil(TK), p0 > 0, p0 + kc == k);
-            for (rows, cols) in &runs {
-                let (i0, i1) = (rows.start * 2 * T, (rows.end * 2 * T).min(m));
-                let (j0, j1) = (cols.start * 2 * T, (cols.end * 2 * T).min(n));
-                let pb = &pb[(j0 / T) * panel..];
-                let b_unscale = b_unscale.get(j0..).unwrap_or(&[]);
-                for r0 in (i0..i1).step_by(GROUP * T) {
-                    let r1 = (r0 + GROUP * T).min(i1);
-                    // The rows' tiles, an even count (rows past `r1` packed as zeros).
-                    let tiles = (r1 - r0).div_ceil(T).next_multiple_of(2);
-                    let pa = lines(&mut lines_a, tiles * panel);
-                    // SAFETY: the kernel's check found AVX-512; `a` addresses `r1 × kc`;
-                    // the scales hold the tiles' rows.
-                    unsafe {
-                        if a.rs == 1 && a.cs != 1 {
-                            let o = (panel, &mut *pa);
-                            if half {
-                                pack_a_columns_scaled::<true>(a, (r1, kc), r0, &a_scale[r0..], o)
-                            } else {
-                                pack_a_columns_scaled::<false>(a, (r1, kc), r0, &a_scale[r0..], o)
-                            }
-                        } else {
-                            for (t, out) in pa.chunks_mut(panel).enumerate() {
-                                let (i, s) = (r0 + t * T, &a_scale[r0 + t * T..]);
-                                if half {
-                                    pack_a_scaled::<true>(a, (r1, kc), i, s, out)
-                                } else {
-                                    pack_a_scaled::<false>(a, (r1, kc), i, s, out)
-                                }
-                            }
-                        }
-                        let a_unscale: &[f32] = if half { &a_unscale[r0..] } else { &[] };
-                        part.run((r0, r1, j0, j1), (pa, pb), (a_unscale, b_unscale))
-                    };
-                }
-            }
+            let scales = Some((&a_scale[..], &a_unscale[..]));
+            // SAFETY: as the caller's; `a` addresses `m × kc`; `pb` holds every column
+            // panel of this part of `k`, the scales every row and column.
+            unsafe {
+                pack_rows_and_run(
+                    &part,
+                    &runs,
+                    (a, m, kc),
+                    (pb, b_unscale),
+                    scales,
+                    &mut lines_a,
+                )
+            };
         }
         PACKED.with(|p| *p.borrow_mut() = lines_a);
         PACKED_B.with(|p| *p.borrow_mut() = lines_b);
     });
+}
+
+/// The blocks of `runs` ([`block_runs`]) for [`local`] and [`stream`]: the rows of `a`
+/// (`m × k`) packed 256 at a time into `lines_a`, each group just before its blocks,
+/// then `ops`' blocks against `pb` (every column panel of `b`, with their `1 / s` in
+/// `b_unscale`, both from column 0). In fp16 the rows' scales are `scales` (each row's
+/// `s` and `1 / s`, from row 0, padded to whole blocks) where given, else each tile's
+/// own rows' ([`pack_a`], [`pack_a_columns`]).
+///
+/// # Safety
+/// The kernel's check must have returned `Ok`; `a` addresses `m × k` valid elements;
+/// `pb`, `b_unscale` and `scales` hold every panel and value the blocks read; nothing
+/// else writes these blocks of the result meanwhile.
+unsafe fn pack_rows_and_run(
+    ops: &Blocks<'_>,
+    runs: &[(std::ops::Range<usize>, std::ops::Range<usize>)],
+    (a, m, k): (Mat, usize, usize),
+    (pb, b_unscale): (&[u16], &[f32]),
+    scales: Option<(&[f32], &[f32])>,
+    lines_a: &mut Vec<Line>,
+) {
+    let half = ops.kernel == Kernel::Half;
+    let panel = ops.kb * TILE;
+    let columns = a.rs == 1 && a.cs != 1;
+    for (rows, cols) in runs {
+        let (i0, i1) = (rows.start * 2 * T, (rows.end * 2 * T).min(m));
+        let (j0, j1) = (cols.start * 2 * T, (cols.end * 2 * T).min(ops.n));
+        // The run's columns of the packed `b` and their `1 / s`.
+        let pb = &pb[(j0 / T) * panel..];
+        let b_unscale = b_unscale.get(j0..).unwrap_or(&[]);
+        for r0 in (i0..i1).step_by(GROUP * T) {
+            let r1 = (r0 + GROUP * T).min(i1);
+            // The rows' tiles, an even count (rows past `r1` packed as zeros: `a` seen as
+            // `r1` rows).
+            let tiles = (r1 - r0).div_ceil(T).next_multiple_of(2);
+            let pa = lines(lines_a, tiles * panel);
+            // The rows' `1 / s` where the packing finds them.
+            let mut found = [1f32; GROUP * T];
+            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k` (and so its
+            // first `r1` rows); the scales hold the tiles' rows.
+            unsafe {
+                match (scales, columns) {
+                    (Some((s, _)), true) => {
+                        let (s, o) = (&s[r0..], (panel, &mut *pa));
+                        if half {
+                            pack_a_columns_scaled::<true>(a, (r1, k), r0, s, o)
+                        } else {
+                            pack_a_columns_scaled::<false>(a, (r1, k), r0, s, o)
+                        }
+                    }
+                    (None, true) => {
+                        let (u, o) = (&mut found[..tiles * T], (panel, &mut *pa));
+                        if half {
+                            pack_a_columns::<true>(a, (r1, k), r0, u, o)
+                        } else {
+                            pack_a_columns::<false>(a, (r1, k), r0, u, o)
+                        }
+                    }
+                    (Some((s, _)), false) => {
+                        for (t, out) in pa.chunks_mut(panel).enumerate() {
+                            let (i, s) = (r0 + t * T, &s[r0 + t * T..]);
+                            if half {
+                                pack_a_scaled::<true>(a, (r1, k), i, s, out)
+                            } else {
+                                pack_a_scaled::<false>(a, (r1, k), i, s, out)
+                            }
+                        }
+                    }
+                    (None, false) => {
+                        for (t, out) in pa.chunks_mut(panel).enumerate() {
+                            let (i, u) = (r0 + t * T, &mut found[t * T..]);
+                            if half {
+                                pack_a::<true>(a, (r1, k), i, u, out)
+                            } else {
+                                pack_a::<false>(a, (r1, k), i, u, out)
+                            }
+                        }
+                    }
+                }
+                let a_unscale: &[f32] = match scales {
+                    _ if !half => &[],
+                    Some((_, u)) => &u[r0..],
+                    None => &found,
+                };
+                ops.run((r0, r1, j0, j1), (pa, pb), (a_unscale, b_unscale))
+            };
+        }
+    }
 }
 
 /// Raises `max[r]` to the bits of the largest magnitude ([`max_bits`]) of row
