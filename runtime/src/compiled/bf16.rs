@@ -380,30 +380,8 @@ unsafe fn pack_a<const HALF: bool>(
     let mut scale = [1f32; T];
     if HALF {
         unscale[..T].fill(1.0);
-        for (r, (s, u)) in scale
-            .iter_mut()
-            .zip(unscale.iter_mut())
-            .take(rows)
-            .enumerate()
-        {
-            let max = if a.cs == 1 {
-                // SAFETY: row `i0 + r` of `a` holds `k` elements.
-                let row = unsafe {
-                    std::slice::from_raw_parts(a.ptr.offset((i0 + r) as isize * a.rs), k)
-                };
-                max_bits(row)
-            } else {
-                (0..k)
-                    .map(|p| {
-                        let x =
-                            unsafe { *a.ptr.offset((i0 + r) as isize * a.rs + p as isize * a.cs) };
-                        x.to_bits() & 0x7fff_ffff
-                    })
-                    .max()
-                    .unwrap_or(0)
-            };
-            (*s, *u) = fp16_scale(max, TOP_A);
-        }
+        // SAFETY: `a` addresses the tile's rows, `k` elements each.
+        unsafe { line_scales(a, i0..i0 + rows, k, TOP_A, (&mut scale, unscale)) };
     }
     // SAFETY: as the caller's; `scale` holds the tile's 16 rows.
     unsafe { pack_a_scaled::<HALF>(a, (m, k), i0, &scale, out) }
@@ -483,18 +461,9 @@ unsafe fn pack_a_columns<const HALF: bool>(
     let rows = m.saturating_sub(i0).min(out.len() / panel * T);
     let mut scale = [1f32; GROUP * T];
     if HALF {
-        let mut max = [0u32; GROUP * T];
-        for p in 0..k {
-            // SAFETY: index `p` holds the `m` elements of its row.
-            let src = unsafe {
-                std::slice::from_raw_parts(a.ptr.offset(p as isize * a.cs).add(i0), rows)
-            };
-            max_bits_into(&mut max[..rows], src);
-        }
         unscale.fill(1.0);
-        for ((s, u), &max) in scale.iter_mut().zip(unscale.iter_mut()).zip(&max[..rows]) {
-            (*s, *u) = fp16_scale(max, TOP_A);
-        }
+        // SAFETY: `a` addresses the group's rows, `k` elements each.
+        unsafe { line_scales(a, i0..i0 + rows, k, TOP_A, (&mut scale, unscale)) };
     }
     // SAFETY: as the caller's; `scale` holds the group's 256 rows.
     unsafe { pack_a_columns_scaled::<HALF>(a, (m, k), i0, &scale, (panel, out)) }
@@ -690,33 +659,15 @@ unsafe fn pack_b_group<const HALF: bool>(
     let mut scale = [1f32; GROUP * T];
     if HALF {
         let cols = n.saturating_sub(j0).min(out.len() / panel * T);
-        let mut max = [0u32; GROUP * T];
-        if b.cs == 1 {
-            for p in 0..k {
-                // SAFETY: row `p` holds columns `j0..j0 + cols`.
-                let row = unsafe {
-                    std::slice::from_raw_parts(b.ptr.offset(p as isize * b.rs).add(j0), cols)
-                };
-                max_bits_into(&mut max[..cols], row);
-            }
-        } else {
-            for (c, max) in max.iter_mut().enumerate().take(cols) {
-                // SAFETY: column `j0 + c` holds `k` elements (contiguous where `rs == 1`).
-                let col = b.ptr.wrapping_offset((j0 + c) as isize * b.cs);
-                *max = if b.rs == 1 {
-                    max_bits(unsafe { std::slice::from_raw_parts(col, k) })
-                } else {
-                    (0..k)
-                        .map(|p| unsafe { *col.offset(p as isize * b.rs) }.to_bits() & 0x7fff_ffff)
-                        .max()
-                        .unwrap_or(0)
-                };
-            }
-        }
+        // `b`'s columns are the rows of `bᵀ`.
+        let bt = Mat {
+            ptr: b.ptr,
+            rs: b.cs,
+            cs: b.rs,
+        };
         unscale.fill(1.0);
-        for ((s, u), &max) in scale.iter_mut().zip(unscale.iter_mut()).zip(&max[..cols]) {
-            (*s, *u) = fp16_scale(max, TOP_B);
-        }
+        // SAFETY: `b` addresses the group's columns, `k` elements each.
+        unsafe { line_scales(bt, j0..j0 + cols, k, TOP_B, (&mut scale, unscale)) };
     }
     // SAFETY: as the caller's; `scale` holds the group's 256 columns.
     unsafe { pack_b_group_scaled::<HALF>(b, (k, n), j0, &scale, (panel, out)) }
@@ -1796,6 +1747,28 @@ unsafe fn pack_rows_and_run(
                 ops.run((r0, r1, j0, j1), (pa, pb), (a_unscale, b_unscale))
             };
         }
+    }
+}
+
+/// The [`fp16_scale`]s (`top`) of rows `rows` of `a` (at most 256) over its `k`
+/// indices: row `rows.start + r`'s `s` into `scale[r]`, its `1 / s` into `unscale[r]`.
+///
+/// # Safety
+/// As [`max_rows`]'; `scale` and `unscale` hold a value for each row.
+#[target_feature(enable = "avx512f")]
+unsafe fn line_scales(
+    a: Mat,
+    rows: std::ops::Range<usize>,
+    k: usize,
+    top: i32,
+    (scale, unscale): (&mut [f32], &mut [f32]),
+) {
+    let mut max = [0u32; GROUP * T];
+    let max = &mut max[..rows.len()];
+    // SAFETY: the caller's.
+    unsafe { max_rows(a, rows, 0..k, max) };
+    for ((s, u), &max) in scale.iter_mut().zip(unscale.iter_mut()).zip(&*max) {
+        (*s, *u) = fp16_scale(max, top);
     }
 }
 
