@@ -648,6 +648,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             obj["view_copies"] = serde_json::json!({"count": n, "bytes": bytes});
             let (summed, separate) = c.bias_grad_counts();
             obj["bias_grads"] = serde_json::json!({"summed": summed, "separate": separate});
+            let (groups, kernels) = c.product_groups();
+            obj["product_groups"] = serde_json::json!({"groups": groups, "kernels": kernels});
         }
         if !profile.kinds.is_empty() {
             let kinds: serde_json::Map<String, serde_json::Value> = profile
@@ -725,6 +727,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 outln!(
                     "  bias gradients: {summed} summed by their weight gradient's product as it \
                      packed dy, {separate} by sum_rows ({} runs)",
+                    a.warmup + a.runs
+                );
+            }
+            let (groups, kernels) = c.product_groups();
+            if groups > 0 {
+                outln!(
+                    "  linear kernels of one input: {kernels} in {groups} groups of products \
+                     that packed their input once ({} runs)",
                     a.warmup + a.runs
                 );
             }

@@ -1226,6 +1226,77 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
     }
 }
 
+/// With 16-bit products, consecutive `linear` kernels of one input run as one group of
+/// products that packs the input once: in base, each layer's query, key and value
+/// projections (6 encoder and 6 decoder self-attention groups of 3) and the decoder
+/// layers' cross-attention keys and values of the encoder's output — a pair a layer in
+/// the forward's schedule (18 groups of 48 kernels a run), in the training step's the
+/// first layer's pair and the other five layers' side by side (14 groups of 48). Every
+/// output of the forward (with weights packed beforehand or not) and of the training
+/// step, with biases of their own, keeps the bits of running each kernel on its own
+/// (`set_separate_products`).
+/// Each 16-bit kernel is skipped where the CPU cannot run it.
+#[test]
+fn linear_kernels_of_one_input_run_as_one_group_with_their_own_bits() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    for kernel in Bf16Kernel::ALL {
+        if let Err(why) = kernel.available() {
+            println!("skipped: {why}");
+            continue;
+        }
+        for entry in ["forward", "train_step"] {
+            let (g, _, inputs, mut params) = base_at_36_rows(entry, 7);
+            // Biases of their own (initialized to zeros), so that a member given
+            // another's bias, or none, changes its result.
+            let mut seed = 11u64;
+            for t in params.values_mut() {
+                let v = t.to_f64_vec().expect("f32");
+                if v.iter().all(|&x| x == 0.0) {
+                    let v: Vec<f32> = (0..v.len())
+                        .map(|_| {
+                            seed = seed
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                        })
+                        .collect();
+                    *t =
+                        kiln_compiler::tensor::Tensor::f32(t.shape.clone(), v).expect("same shape");
+                }
+            }
+            for version in [None, Some(kiln_runtime::exec::fresh_params_version())] {
+                if version.is_some() && entry == "train_step" {
+                    continue;
+                }
+                let opts = RunOptions {
+                    seed: 3,
+                    params_version: version,
+                    ..RunOptions::default()
+                };
+                let run = |separate: bool| {
+                    let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+                    exec.set_bf16_kernel(Some(kernel))
+                        .expect("the kernel runs here");
+                    exec.set_separate_products(separate);
+                    let out = exec.run(&inputs, &params, &opts).expect("runs");
+                    (output_bits(&out), exec.product_groups())
+                };
+                let what = format!("{kernel:?} {entry} packed {}", version.is_some());
+                let (grouped, counts) = run(false);
+                let want = if entry == "forward" {
+                    (18, 48)
+                } else {
+                    (14, 48)
+                };
+                assert_eq!(counts, want, "{what}: grouped");
+                let (separate, counts) = run(true);
+                assert_eq!(counts, (0, 0), "{what}: separate");
+                assert!(grouped == separate, "{what}: the outputs differ");
+            }
+        }
+    }
+}
+
 /// An inference program with bf16 products, run on unchanged parameters (one
 /// `params_version`), packs each weight once, at its first product, and reads the packed
 /// copy from then on: base's forward at 36 rows has 97 products, all past the bf16

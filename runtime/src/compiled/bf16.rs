@@ -1260,7 +1260,6 @@ pub(crate) unsafe fn gemm(
         }
         return;
     }
-    let half = kernel == Kernel::Half;
     if let Rhs::Packed(p) = b {
         assert!(
             p.is(kernel, (k, n)),
@@ -1270,53 +1269,165 @@ pub(crate) unsafe fn gemm(
             p.half
         );
     }
-    let kb = k.div_ceil(TK).max(1);
-    let mt = m.div_ceil(T);
-    // `a` packed once, by 16-row tiles: a panel of `kb` tiles each (an odd count gets an
-    // all-zero panel beside it). A wide `b` is packed by each task, its 256 columns (16
-    // panels) into a buffer of its thread that stays in the core's cache: the packed copy
-    // of the vocabulary projection's `b` (38 MB) never goes to memory and back. Otherwise
-    // `b` is packed once and shared (below). In fp16 each row's `1 / s` goes to
-    // `a_unscale`.
-    let panel = kb * TILE;
-    let cols_b = n.div_ceil(GROUP * T);
-    let threads = rayon::current_num_threads();
-    // The bias padded to the blocks' columns, for the fp16 kernel's registers (below).
-    let bias_pad: Vec<f32> = match epilogue.bias {
-        // SAFETY: the caller's bias holds `n` values.
-        Some(b) if half => {
-            let mut v = unsafe { std::slice::from_raw_parts(b, n) }.to_vec();
-            v.resize(n.next_multiple_of(2 * T), 0.0);
-            v
-        }
-        _ => Vec::new(),
-    };
-    let ops = Blocks {
-        kernel,
-        kb,
+    let member = Member {
         n,
-        out: Out(dst),
+        dst,
         ld,
+        b,
         read_dst,
         epilogue,
-        bias_pad: &bias_pad,
+        sums,
     };
     if let Rhs::Mat(b) = b {
+        let kb = k.div_ceil(TK).max(1);
+        let cols_b = n.div_ceil(GROUP * T);
+        let threads = rayon::current_num_threads();
         // Each thread's rows: at least 256, or packing `b` again costs what it saves.
         let parts = threads.min(m / (GROUP * T));
-        if cols_b < 2 * threads && k * n <= LOCAL_B && parts > 1 {
+        // A narrow `b` small enough to pack on each thread (`local`), or too large for
+        // that but with a long `k`: then each thread packs both operands a part of `k`
+        // at a time (`stream`).
+        let small = k * n <= LOCAL_B;
+        let long = kb > K_TILES && K_TILES * TK * n <= LOCAL_B;
+        if cols_b < 2 * threads && parts > 1 && (small || long) {
+            let pad = member.bias_pad(kernel);
+            let ops = member.blocks(kernel, kb, &pad);
             // SAFETY: as the caller's.
-            unsafe { local(kernel, (m, k, n), (a, b, parts), ops, sums) };
-            return;
-        }
-        // A narrow `b` too large for that, with a long `k`: each thread packs both
-        // operands a part of `k` at a time.
-        if cols_b < 2 * threads && kb > K_TILES && K_TILES * TK * n <= LOCAL_B && parts > 1 {
-            // SAFETY: as the caller's.
-            unsafe { stream(kernel, (m, k, n), (a, b, parts), ops, sums) };
+            unsafe {
+                if small {
+                    local(kernel, (m, k, n), (a, b, parts), ops, sums)
+                } else {
+                    stream(kernel, (m, k, n), (a, b, parts), ops, sums)
+                }
+            };
             return;
         }
     }
+    // SAFETY: as the caller's.
+    unsafe { general(kernel, (m, k), a, std::slice::from_ref(&member)) }
+}
+
+/// One product of [`gemm_group`]: `dst[m, n]` (row stride `ld`) `= (read_dst ? dst : 0)
+/// + a·b`, then `epilogue`, and `b`'s `sums` where asked, as [`gemm`]'s arguments.
+#[derive(Clone, Copy)]
+pub(crate) struct Member<'a> {
+    pub n: usize,
+    pub dst: *mut f32,
+    pub ld: isize,
+    pub b: Rhs<'a>,
+    pub read_dst: bool,
+    pub epilogue: Epilogue,
+    pub sums: Option<ColumnSums>,
+}
+
+unsafe impl Send for Member<'_> {}
+unsafe impl Sync for Member<'_> {}
+
+impl Member<'_> {
+    /// With fp16 and a bias: the bias padded to the blocks' columns, for the fp16
+    /// kernel's registers ([`half_block`]); else empty.
+    fn bias_pad(&self, kernel: Kernel) -> Vec<f32> {
+        match self.epilogue.bias {
+            // SAFETY: the caller's bias holds `n` values.
+            Some(b) if kernel == Kernel::Half => {
+                let mut v = unsafe { std::slice::from_raw_parts(b, self.n) }.to_vec();
+                v.resize(self.n.next_multiple_of(2 * T), 0.0);
+                v
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The product's [`Blocks`] over `kb` tiles of `k`, with its [`Member::bias_pad`].
+    fn blocks<'p>(&self, kernel: Kernel, kb: usize, bias_pad: &'p [f32]) -> Blocks<'p> {
+        Blocks {
+            kernel,
+            kb,
+            n: self.n,
+            out: Out(self.dst),
+            ld: self.ld,
+            read_dst: self.read_dst,
+            epilogue: self.epilogue,
+            bias_pad,
+        }
+    }
+}
+
+/// The products `a·b` of every member of `members` (see [`Member`]), each as [`gemm`]
+/// computes it alone, with `a` (`m × k`) packed once for all: the attention's query,
+/// key and value projections of one input, or the keys and values of every decoder
+/// layer from the encoder's output, run as one product of their columns side by side.
+/// The same sums as each member's own [`gemm`], so the same bits.
+///
+/// # Safety
+/// As [`gemm`]'s for each member; no member's result overlaps another's, `a`, or any
+/// member's `b`, bias or sums.
+pub(crate) unsafe fn gemm_group(
+    kernel: Kernel,
+    (m, k): (usize, usize),
+    a: Mat,
+    members: &[Member<'_>],
+) {
+    if let [one] = members {
+        // SAFETY: as the caller's.
+        return unsafe {
+            gemm(
+                kernel,
+                (m, k, one.n),
+                one.dst,
+                one.ld,
+                a,
+                one.b,
+                one.read_dst,
+                one.epilogue,
+                one.sums,
+            )
+        };
+    }
+    for mb in members {
+        match mb.b {
+            Rhs::Packed(p) => assert!(
+                p.is(kernel, (k, mb.n)) && mb.sums.is_none(),
+                "a packed {}×{} operand (fp16: {}) in a group of {m}×{k} products with {kernel:?}",
+                p.k,
+                p.n,
+                p.half
+            ),
+            Rhs::Mat(b) => assert!(
+                mb.sums.is_none() || b.cs == 1,
+                "column sums of a right operand that is not a row-major matrix"
+            ),
+        }
+    }
+    if m == 0 {
+        for mb in members {
+            if let (Some(sums), Rhs::Mat(b)) = (mb.sums, mb.b) {
+                // SAFETY: as the caller's.
+                unsafe { column_sums(b, 0..mb.n, sums) };
+            }
+        }
+        return;
+    }
+    // SAFETY: as the caller's.
+    unsafe { general(kernel, (m, k), a, members) }
+}
+
+/// [`gemm`] and [`gemm_group`] on the shared path: `a` packed once, by 16-row tiles (a
+/// panel of `kb` tiles each; an odd count gets an all-zero panel beside it), then one
+/// task a column group (256 columns of a member's `b`) and block of rows. A wide `b` is
+/// packed by each task, its 256 columns (16 panels) into a buffer of its thread that
+/// stays in the core's cache: the packed copy of the vocabulary projection's `b` (38 MB)
+/// never goes to memory and back. Otherwise `b` is packed once and shared (below). In
+/// fp16 each row's `1 / s` goes to `a_unscale`.
+///
+/// # Safety
+/// As [`gemm_group`]'s; `m > 0`.
+unsafe fn general(kernel: Kernel, (m, k): (usize, usize), a: Mat, members: &[Member<'_>]) {
+    let half = kernel == Kernel::Half;
+    let kb = k.div_ceil(TK).max(1);
+    let mt = m.div_ceil(T);
+    let panel = kb * TILE;
+    let threads = rayon::current_num_threads();
     let mut lines_a = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
     // Every element is written by the packing below (zeros past the operand's edges).
     let pa = lines(&mut lines_a, mt.next_multiple_of(2) * panel);
@@ -1369,45 +1480,79 @@ pub(crate) unsafe fn gemm(
                 .for_each(|(i, out)| pack(i, out, &mut []));
         }
     }
-    // Tasks: the column blocks, each split into row blocks (multiples of 32 rows) only
-    // as far as it takes to give every thread two tasks. Where there are fewer column
-    // blocks than that (a narrow `b`, which several tasks would pack again), `b` is
-    // packed once beforehand and shared.
+    // Tasks: the column groups of every member, each split into row blocks (multiples
+    // of 32 rows) only as far as it takes to give every thread two tasks. Where there
+    // are fewer column groups than that (a narrow `b`, which several tasks would pack
+    // again), `b` is packed once beforehand and shared.
     // So is a `b` whose tasks would each stream a packed `a` too large for a core's
     // cache (over 2 MB): then the tasks are blocks of at most 256 rows. A `b` the caller
     // packed beforehand (`Rhs::Packed`) is read as a shared one. In fp16 the columns'
-    // `1 / s` are in `b_unscale` for a shared `b`, else in each task's own.
-    let mut lines_shared = Vec::new();
-    let shared_unscale: Vec<f32>;
-    let (pb_shared, b_unscale): (&[u16], &[f32]) = match b {
-        Rhs::Packed(packed) => (packed.panels(), &packed.unscale),
-        Rhs::Mat(b) if cols_b < 2 * threads || pa.len() * 2 > 2 << 20 => {
-            lines_shared = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
-            let pb = lines(&mut lines_shared, n.div_ceil(T).next_multiple_of(2) * panel);
-            // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
-            shared_unscale = unsafe { pack_b_all(half, b, (k, n), panel, pb, sums) };
-            (pb, &shared_unscale)
-        }
-        Rhs::Mat(_) => (&[], &[]),
-    };
-    // Whether every task reads `b` packed beforehand (here or by the caller).
-    let shared = !pb_shared.is_empty();
+    // `1 / s` are in the shared scales for a shared `b`, else in each task's own.
+    let groups: Vec<(usize, usize)> = members
+        .iter()
+        .enumerate()
+        .flat_map(|(i, mb)| (0..mb.n).step_by(GROUP * T).map(move |j0| (i, j0)))
+        .collect();
+    let cols_b = groups.len();
+    let share = cols_b < 2 * threads || pa.len() * 2 > 2 << 20;
+    // Each member's `b` packed here to be shared, and its columns' `1 / s`.
+    let mut packed_here: Vec<Option<(Vec<Line>, Vec<f32>)>> = Vec::with_capacity(members.len());
+    for (i, mb) in members.iter().enumerate() {
+        packed_here.push(match mb.b {
+            Rhs::Mat(b) if share => {
+                let mut buf = if i == 0 {
+                    PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()))
+                } else {
+                    Vec::new()
+                };
+                let pb = lines(&mut buf, mb.n.div_ceil(T).next_multiple_of(2) * panel);
+                // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
+                let unscale = unsafe { pack_b_all(half, b, (k, mb.n), panel, pb, mb.sums) };
+                Some((buf, unscale))
+            }
+            _ => None,
+        });
+    }
+    // Each member's shared panels and scales (empty where its tasks pack their own).
+    let shared: Vec<(&[u16], &[f32])> = members
+        .iter()
+        .zip(packed_here.iter_mut())
+        .map(|(mb, here)| match (mb.b, here) {
+            (Rhs::Packed(p), _) => (p.panels(), p.unscale.as_slice()),
+            (_, Some((buf, unscale))) => {
+                let len = mb.n.div_ceil(T).next_multiple_of(2) * panel;
+                (&*lines(buf, len), unscale.as_slice())
+            }
+            _ => (&[][..], &[][..]),
+        })
+        .collect();
+    let pads: Vec<Vec<f32>> = members.iter().map(|mb| mb.bias_pad(kernel)).collect();
+    let ops: Vec<Blocks<'_>> = members
+        .iter()
+        .zip(&pads)
+        .map(|(mb, pad)| mb.blocks(kernel, kb, pad))
+        .collect();
+    let rhs: Vec<(Rhs<'_>, Option<ColumnSums>)> =
+        members.iter().map(|mb| (mb.b, mb.sums)).collect();
     let split = (2 * threads).div_ceil(cols_b).clamp(1, m.div_ceil(2 * T));
     let mut rows_per = m.div_ceil(split).next_multiple_of(2 * T);
-    if shared {
+    if shared.iter().any(|(pb, _)| !pb.is_empty()) {
         rows_per = rows_per.min(GROUP * T);
     }
     let rows_b = m.div_ceil(rows_per);
-    let ops = &ops;
+    let (ops, shared, rhs, groups) = (&ops, &shared, &rhs, &groups);
     let pa_ref = &pa;
     let a_unscale = &a_unscale;
     (0..rows_b * cols_b).into_par_iter().for_each(|task| {
-        let (i0, j0) = ((task % rows_b) * rows_per, (task / rows_b) * GROUP * T);
-        let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(n));
+        let (member, j0) = groups[task / rows_b];
+        let (ops, (pb_shared, b_unscale), (b, sums)) = (&ops[member], shared[member], rhs[member]);
+        let i0 = (task % rows_b) * rows_per;
+        let (i1, j1) = ((i0 + rows_per).min(m), (j0 + GROUP * T).min(ops.n));
         let mut lines_b = Vec::new();
         // The columns' `1 / s` in fp16, from column `j0` on.
         let mut own_unscale = [1f32; GROUP * T];
-        let (pb, b_unscale): (&[u16], &[f32]) = if let (false, Rhs::Mat(b)) = (shared, b) {
+        let own = pb_shared.is_empty();
+        let (pb, b_unscale): (&[u16], &[f32]) = if let (true, Rhs::Mat(b)) = (own, b) {
             lines_b = PACKED_B.with(|p| std::mem::take(&mut *p.borrow_mut()));
             let panels = (j1 - j0).div_ceil(T).next_multiple_of(2);
             let pb = lines(&mut lines_b, panels * panel);
@@ -1415,9 +1560,9 @@ pub(crate) unsafe fn gemm(
             // SAFETY: the kernel's check found AVX-512; `b` addresses `k × n`.
             unsafe {
                 if half {
-                    pack_b_group::<true>(b, (k, n), j0, u, (panel, pb))
+                    pack_b_group::<true>(b, (k, ops.n), j0, u, (panel, pb))
                 } else {
-                    pack_b_group::<false>(b, (k, n), j0, u, (panel, pb))
+                    pack_b_group::<false>(b, (k, ops.n), j0, u, (panel, pb))
                 }
             };
             // The columns' sums by the task of their first rows (each group's columns are
@@ -1434,7 +1579,7 @@ pub(crate) unsafe fn gemm(
             )
         };
         // SAFETY: the panels hold the task's rows and columns, packed above or before;
-        // each task writes its own block of `dst`.
+        // each task writes its own block of its member's result.
         unsafe {
             ops.run(
                 (i0, i1, j0, j1),
@@ -1442,13 +1587,13 @@ pub(crate) unsafe fn gemm(
                 (a_unscale.get(i0..).unwrap_or(&[]), b_unscale),
             )
         };
-        if !shared {
+        if own {
             PACKED_B.with(|p| *p.borrow_mut() = lines_b);
         }
     });
     PACKED.with(|p| *p.borrow_mut() = lines_a);
-    if !lines_shared.is_empty() {
-        PACKED_B.with(|p| *p.borrow_mut() = lines_shared);
+    if let Some(Some((buf, _))) = packed_here.into_iter().next() {
+        PACKED_B.with(|p| *p.borrow_mut() = buf);
     }
 }
 
@@ -2684,6 +2829,116 @@ mod tests {
                         assert!(got[3 * n..4 * n].iter().all(|x| x.is_nan()));
                         let what = format!("{kernel:?} {m}×{k}·{k}×{n} relu {relu}");
                         assert_same_bits(&got, &want, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A group of products of one left operand ([`gemm_group`]) gives each member the
+    /// bits of its own [`gemm`]: results with their own row strides, a bias and ReLU, a
+    /// result added to, column sums, a right operand stored transposed and one packed
+    /// beforehand; with `a` row-major and transposed, a long `k` (parts of `K_TILES`
+    /// tiles), few rows, and groups too narrow for their tasks to pack their own columns
+    /// (then each member's `b` is packed once and shared).
+    #[test]
+    fn grouped_products_give_each_member_the_bits_of_its_own_product() {
+        let all: Vec<Kernel> = kernels().into_iter().chain(half_kernel()).collect();
+        for kernel in all {
+            for ((m, k), widths) in [
+                ((800, 512), &[512, 300, 512][..]),
+                ((97, 2100), &[70, 33, 40][..]),
+                ((530, 40), &[256, 17, 600][..]),
+            ] {
+                let mut seed = 17u64;
+                for a_transposed in [false, true] {
+                    let av: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+                    let a = stored(&av, m, k, a_transposed);
+                    // Member `q`: `b` transposed for 1, packed beforehand for 2 (else
+                    // row-major); bias and ReLU for 0, bias for 2; `c` added to for 1;
+                    // column sums for 0.
+                    let bs: Vec<Vec<f32>> = widths
+                        .iter()
+                        .map(|&n| (0..k * n).map(|_| rng(&mut seed) * 8.0).collect())
+                        .collect();
+                    let bm: Vec<Mat> = bs
+                        .iter()
+                        .zip(widths)
+                        .enumerate()
+                        .map(|(q, (b, &n))| stored(b, k, n, q == 1))
+                        .collect();
+                    // SAFETY: the kernel runs here; `bm[2]` addresses `k × n`.
+                    let packed = unsafe { PackedRhs::new(kernel, (k, widths[2]), bm[2]) };
+                    let biases: Vec<Vec<f32>> = widths
+                        .iter()
+                        .map(|&n| (0..n).map(|_| rng(&mut seed)).collect())
+                        .collect();
+                    let c0: Vec<Vec<f32>> = widths
+                        .iter()
+                        .map(|&n| (0..m * (n + 3)).map(|_| rng(&mut seed)).collect())
+                        .collect();
+                    let lead = {
+                        let mut l = [1; SUM_AXES];
+                        l[0] = k;
+                        l
+                    };
+                    for threads in [1, 2, 3] {
+                        let mut got = c0.clone();
+                        let mut want = c0.clone();
+                        let mut sums = [vec![f32::NAN; widths[0]], vec![f32::NAN; widths[0]]];
+                        let members =
+                            |cs: &mut [Vec<f32>], sums: &mut Vec<f32>| -> Vec<Member<'_>> {
+                                cs.iter_mut()
+                                    .enumerate()
+                                    .map(|(q, c)| Member {
+                                        n: widths[q],
+                                        dst: c.as_mut_ptr(),
+                                        ld: widths[q] as isize + 3,
+                                        b: if q == 2 {
+                                            Rhs::Packed(&packed)
+                                        } else {
+                                            Rhs::Mat(bm[q])
+                                        },
+                                        read_dst: q == 1,
+                                        epilogue: Epilogue {
+                                            bias: (q != 1).then(|| biases[q].as_ptr()),
+                                            relu: q == 0,
+                                        },
+                                        sums: (q == 0).then(|| ColumnSums {
+                                            dst: sums.as_mut_ptr(),
+                                            lead,
+                                            axes: 1,
+                                        }),
+                                    })
+                                    .collect()
+                            };
+                        let [sums_got, sums_want] = &mut sums;
+                        let group = members(&mut got, sums_got);
+                        // SAFETY: the kernel runs here; every result holds `m` rows of
+                        // its `ld`; nothing overlaps.
+                        on_threads(threads, || unsafe { gemm_group(kernel, (m, k), a, &group) });
+                        for one in members(&mut want, sums_want) {
+                            // SAFETY: as above.
+                            on_threads(threads, || unsafe {
+                                gemm_group(kernel, (m, k), a, std::slice::from_ref(&one))
+                            });
+                        }
+                        let what = format!(
+                            "{kernel:?} {m}×{k} ({}) by {widths:?} on {threads} threads",
+                            if a_transposed {
+                                "transposed"
+                            } else {
+                                "row-major"
+                            }
+                        );
+                        for q in 0..widths.len() {
+                            assert_same_bits(&got[q], &want[q], &format!("{what}: member {q}"));
+                        }
+                        assert_same_bits(sums_got, sums_want, &format!("{what}: sums"));
+                        assert!(
+                            sums_got.iter().all(|x| x.is_finite()),
+                            "{what}: sums written"
+                        );
                     }
                 }
             }

@@ -15,7 +15,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 pub(crate) use super::bf16::Epilogue;
-use super::bf16::{Kernel, PackedRhs, Rhs};
+use super::bf16::{Kernel, Member, PackedRhs, Rhs};
 use super::Loc;
 
 /// Products with fewer multiply-adds than this run single-threaded.
@@ -295,6 +295,72 @@ pub(crate) fn matmul_epilogue(
             sums,
         )
     };
+    Some(())
+}
+
+/// One product of [`group_epilogue`]: its right operand, result, `b` packed beforehand
+/// where the caller did, and [`Epilogue`].
+pub(crate) type GroupMember<'a> = (&'a Loc, &'a Loc, Option<&'a PackedRhs>, Epilogue);
+
+/// `out = epilogue(a·b)` for every member of `members` (all of one left operand `a`) as
+/// one group of 16-bit products ([`gemm_group`](super::bf16::gemm_group): `a` packed
+/// once for all), where each would run as one 16-bit product ([`one_16bit_product`]) and
+/// no result overlaps an operand or another result; `None` otherwise, with nothing
+/// written. A bias must hold `n` values.
+pub(crate) fn group_epilogue(
+    a: &Loc,
+    members: &[GroupMember<'_>],
+    bf16: Option<Kernel>,
+) -> Option<()> {
+    let span = |l: &Loc| (l.ptr as usize, l.ptr as usize + 4 * l.extent());
+    let overlap = |x: (usize, usize), y: (usize, usize)| x.0 < y.1 && y.0 < x.1;
+    let mut lhs = None;
+    let mut group = Vec::with_capacity(members.len());
+    for (q, &(b, out, packed, epilogue)) in members.iter().enumerate() {
+        let (kernel, l, (rows, k, n)) = one_16bit_product(a, b, out, bf16)?;
+        match lhs {
+            None => lhs = Some((kernel, l, rows, k)),
+            Some((_, l0, rows0, k0)) => {
+                if (l0.ptr, l0.rs, l0.cs, rows0, k0) != (l.ptr, l.rs, l.cs, rows, k) {
+                    return None;
+                }
+            }
+        }
+        let o = span(out);
+        let mut operands = vec![span(a), span(b)];
+        if let Some(bias) = epilogue.bias {
+            let p = bias as usize;
+            operands.push((p, p + 4 * n));
+        }
+        let others = members.iter().enumerate().filter(|&(r, _)| r != q);
+        if operands.into_iter().any(|x| overlap(x, o))
+            || others
+                .clone()
+                .any(|(_, m)| overlap(span(m.0), o) || overlap(span(m.1), o))
+        {
+            return None;
+        }
+        let lb = &b.layout;
+        let rhs = Mat {
+            ptr: (b.ptr as *const f32).wrapping_add(lb.offset),
+            rs: lb.strides[0] as isize,
+            cs: lb.strides[1] as isize,
+        };
+        group.push(Member {
+            n,
+            dst: out.base() as *mut f32,
+            ld: n as isize,
+            b: packed.map_or(Rhs::Mat(rhs), Rhs::Packed),
+            read_dst: false,
+            epilogue,
+            sums: None,
+        });
+    }
+    let (kernel, lhs, rows, k) = lhs?;
+    // SAFETY: the locations describe valid buffers of their shapes; no result overlaps
+    // an operand or another result (checked above); a kernel is set only after its
+    // check; the caller's biases hold `n` values.
+    unsafe { super::bf16::gemm_group(kernel, (rows, k), lhs, &group) };
     Some(())
 }
 

@@ -385,6 +385,49 @@ pub(crate) fn product_with_sums(
     .is_some()
 }
 
+/// The `linear` kernels `steps` (consecutive in launch order, each with its operands
+/// `ins` and results `outs`), all of one input `x`, as one group of 16-bit products
+/// with their biases and ReLUs as epilogues ([`gemm::group_epilogue`]: `x` packed once
+/// for all): the attention's query, key and value projections, or every decoder layer's
+/// keys and values of the encoder's output. `false`, with nothing written, where they
+/// do not run so (a kernel checked or not a `linear`, f32 products, another input, a
+/// bias not of one contiguous value a column, results overlapping operands); the caller
+/// then runs each on its own. The same bits as each on its own.
+pub(crate) fn linear_group(
+    steps: &[&Step],
+    ins: &[Vec<&Loc>],
+    outs: &[&[Loc]],
+    ctx: &RunCtx<'_>,
+) -> bool {
+    if steps.len() < 2 || ctx.bf16.is_none() {
+        return false;
+    }
+    let mut packed = Vec::with_capacity(steps.len());
+    for ((step, ins), outs) in steps.iter().zip(ins).zip(outs) {
+        let Exec::Linear { relu, .. } = &step.exec else {
+            return false;
+        };
+        let (out, bias) = (&outs[0], ins[2]);
+        let n = out.shape().last().copied().unwrap_or(1);
+        if step.check.is_some() || !bias.is_contiguous() || bias.numel() != n {
+            return false;
+        }
+        let rows = out.numel() / n.max(1);
+        let epilogue = gemm::Epilogue {
+            bias: Some(bias.base() as *const f32),
+            relu: relu.is_some(),
+        };
+        packed.push((ctx.packed_rhs(step, ins, rows), epilogue));
+    }
+    let members: Vec<gemm::GroupMember<'_>> = ins
+        .iter()
+        .zip(outs)
+        .zip(&packed)
+        .map(|((ins, outs), (p, e))| (ins[1], &outs[0], p.as_deref(), *e))
+        .collect();
+    gemm::group_epilogue(ins[0][0], &members, ctx.bf16).is_some()
+}
+
 /// Runs one kernel.
 pub(crate) fn run_step(
     step: &Step,

@@ -339,11 +339,20 @@ pub struct Compiled {
     separate_bias_grads: bool,
     /// [`Compiled::bias_grad_counts`].
     bias_grads: Mutex<(usize, usize)>,
+    /// Whether every `linear` kernel runs its own product
+    /// ([`Compiled::set_separate_products`]).
+    separate_products: bool,
+    /// [`Compiled::product_groups`].
+    product_groups: Mutex<(usize, usize)>,
 }
 
 /// The variable that sets [`Compiled::set_separate_bias_grads`] (`=1`) for every
 /// compiled executor a process builds.
 pub const SEPARATE_BIAS_GRADS_ENV: &str = "KILN_CPU_SEPARATE_BIAS_GRADS";
+
+/// The variable that sets [`Compiled::set_separate_products`] (`=1`) for every compiled
+/// executor a process builds.
+pub const SEPARATE_PRODUCTS_ENV: &str = "KILN_CPU_SEPARATE_PRODUCTS";
 
 impl std::fmt::Debug for Compiled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -736,7 +745,29 @@ impl Compiled {
             bf16_products: bf16_products_from_env(),
             separate_bias_grads: std::env::var(SEPARATE_BIAS_GRADS_ENV).is_ok_and(|v| v == "1"),
             bias_grads: Mutex::new((0, 0)),
+            separate_products: std::env::var(SEPARATE_PRODUCTS_ENV).is_ok_and(|v| v == "1"),
+            product_groups: Mutex::new((0, 0)),
         })
+    }
+
+    /// With 16-bit products, consecutive `linear` kernels of one input (the attention's
+    /// query, key and value projections; every decoder layer's keys and values of the
+    /// encoder's output) run as one group of products that packs the input once
+    /// (`launch::linear_group`), with the bits each would give on its own. `true` runs
+    /// each as its own product instead (for comparisons; also
+    /// `KILN_CPU_SEPARATE_PRODUCTS=1`).
+    pub fn set_separate_products(&mut self, on: bool) {
+        self.separate_products = on;
+    }
+
+    /// The groups of `linear` kernels that ran as one group of products
+    /// ([`Compiled::set_separate_products`]), over every run so far: `(groups, kernels
+    /// in them)`.
+    pub fn product_groups(&self) -> (usize, usize) {
+        *self
+            .product_groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// With 16-bit products, a bias gradient (`sum_rows` of an output gradient `dy`) is
@@ -1364,9 +1395,78 @@ impl Compiled {
         let fuse_bias = self.bf16_products.is_some() && !self.separate_bias_grads;
         // (summed by a product, by their own kernel), for `bias_grad_counts`.
         let mut bias_counts = (0, 0);
+        // Groups of `linear` kernels run as one (`launch::linear_group`), and the kernels
+        // in them; the kernels up to `grouped_until` ran in the last group.
+        let mut group_counts = (0, 0);
+        let mut grouped_until = 0;
         for (s, step) in self.steps.iter().enumerate() {
+            if s < grouped_until {
+                continue;
+            }
             for &x in &step.inputs {
                 materialize(self.copy, &needs[x], &mut copies, &mut locs, &mut keep);
+            }
+            // The `linear` kernels after this one of the same input, if this is one.
+            let linear = |t: &launch::Step| {
+                matches!(t.exec, launch::Exec::Linear { .. }) && t.check.is_none()
+            };
+            let end = if linear(step) && self.bf16_products.is_some() && !self.separate_products {
+                let x = step.inputs[0];
+                let more = self.steps[s + 1..]
+                    .iter()
+                    .take_while(|t| linear(t) && t.inputs[0] == x);
+                s + 1 + more.count()
+            } else {
+                s + 1
+            };
+            if end > s + 1 {
+                for t in &self.steps[s + 1..end] {
+                    for &x in &t.inputs {
+                        materialize(self.copy, &needs[x], &mut copies, &mut locs, &mut keep);
+                    }
+                }
+                let started = profile.as_ref().map(|_| std::time::Instant::now());
+                let group: Vec<&launch::Step> = self.steps[s..end].iter().collect();
+                let ins: Vec<Vec<&Loc>> = group
+                    .iter()
+                    .map(|t| t.inputs.iter().map(|&x| &locs[x][0]).collect())
+                    .collect();
+                let outs: Vec<&[Loc]> = group.iter().map(|t| locs[t.value].as_slice()).collect();
+                if launch::linear_group(&group, &ins, &outs, &ctx) {
+                    group_counts.0 += 1;
+                    group_counts.1 += group.len();
+                    if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
+                        // The group's time shared by the kernels' multiply-adds.
+                        let seconds = t0.elapsed().as_secs_f64();
+                        let products: Vec<Option<Product>> = ins
+                            .iter()
+                            .map(|i| Product::of(&i[0].layout, &i[1].layout))
+                            .collect();
+                        let flops = |p: &Option<Product>| p.map_or(0.0, |p| p.flops());
+                        let total: f64 = products.iter().map(flops).sum();
+                        for (t, product) in group.iter().zip(products) {
+                            let share = if total > 0.0 {
+                                flops(&product) / total
+                            } else {
+                                1.0 / group.len() as f64
+                            };
+                            p(&Timing {
+                                what: &t.kind,
+                                seconds: seconds * share,
+                                product,
+                            });
+                        }
+                    }
+                    for freed in &freed[s..end] {
+                        for &c in freed {
+                            if let Some(b) = copies[c].buf.take() {
+                                keep.give_back(b);
+                            }
+                        }
+                    }
+                    grouped_until = end;
+                    continue;
+                }
             }
             // A `sum_rows` left out here reads `dy` without a view copy (`needs[dy]` is
             // empty), so it frees none.
@@ -1493,6 +1593,12 @@ impl Compiled {
             let mut counts = self.bias_grads.lock().unwrap_or_else(|p| p.into_inner());
             counts.0 += bias_counts.0;
             counts.1 += bias_counts.1;
+            let mut groups = self
+                .product_groups
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            groups.0 += group_counts.0;
+            groups.1 += group_counts.1;
         }
         if let Some(dump) = dump {
             let all: Vec<usize> = (0..copies.len()).collect();
