@@ -1146,6 +1146,23 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
     }
 }
 
+/// `g` run once by a compiled executor with 16-bit products on `kernel`, set up by `set`
+/// first: the outputs and the executor (for its counts).
+fn run_16bit(
+    g: &Graph,
+    kernel: kiln_runtime::compiled::Bf16Kernel,
+    (inputs, params): (&Feeds, &Feeds),
+    opts: &RunOptions,
+    set: impl FnOnce(&mut Compiled),
+) -> (Vec<(String, kiln_compiler::tensor::Tensor)>, Compiled) {
+    let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+    exec.set_bf16_kernel(Some(kernel))
+        .expect("the kernel runs here");
+    set(&mut exec);
+    let out = exec.run(inputs, params, opts).expect("runs");
+    (out, exec)
+}
+
 /// With 16-bit products, each bias gradient of base's training step (96: 6 + 6 layers'
 /// attention and FFN biases) is summed by its weight gradient's product as that packs
 /// `dy`, with no `sum_rows` launch, and every output keeps the bits of the program that
@@ -1168,11 +1185,10 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
             continue;
         }
         let run = |separate: bool| {
-            let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
-            exec.set_bf16_kernel(Some(kernel))
-                .expect("the kernel runs here");
-            exec.set_separate_bias_grads(separate);
-            let out = exec.run(&inputs, &params, &opts).expect("runs");
+            let feeds = (&inputs, &params);
+            let (out, exec) = run_16bit(&g, kernel, feeds, &opts, |e| {
+                e.set_separate_bias_grads(separate)
+            });
             (out, exec.bias_grad_counts())
         };
         let (fused, counts) = run(false);
@@ -1205,11 +1221,10 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
         let runs: Vec<_> = [false, true]
             .into_iter()
             .map(|separate| {
-                let mut exec = Compiled::from_graph(tiny.clone()).expect("compiles");
-                exec.set_bf16_kernel(Some(kernel))
-                    .expect("the kernel runs here");
-                exec.set_separate_bias_grads(separate);
-                let out = exec.run(&inputs, &params, &opts).expect("runs");
+                let feeds = (&inputs, &params);
+                let (out, exec) = run_16bit(&tiny, kernel, feeds, &opts, |e| {
+                    e.set_separate_bias_grads(separate)
+                });
                 (output_bits(&out), exec.bias_grad_counts())
             })
             .collect();
@@ -1274,11 +1289,10 @@ fn linear_kernels_of_one_input_run_as_one_group_with_their_own_bits() {
                     ..RunOptions::default()
                 };
                 let run = |separate: bool| {
-                    let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
-                    exec.set_bf16_kernel(Some(kernel))
-                        .expect("the kernel runs here");
-                    exec.set_separate_products(separate);
-                    let out = exec.run(&inputs, &params, &opts).expect("runs");
+                    let feeds = (&inputs, &params);
+                    let (out, exec) = run_16bit(&g, kernel, feeds, &opts, |e| {
+                        e.set_separate_products(separate)
+                    });
                     (output_bits(&out), exec.product_groups())
                 };
                 let what = format!("{kernel:?} {entry} packed {}", version.is_some());

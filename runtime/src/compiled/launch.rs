@@ -399,7 +399,15 @@ pub(crate) fn linear_group(
     outs: &[&[Loc]],
     ctx: &RunCtx<'_>,
 ) -> bool {
-    if steps.len() < 2 || ctx.bf16.is_none() {
+    let Some(&x) = ins.first().and_then(|i| i.first()) else {
+        return false;
+    };
+    let same_x = |i: &Vec<&Loc>| {
+        i.first()
+            .is_some_and(|y| y.ptr == x.ptr && y.layout == x.layout)
+    };
+    let lengths = ins.len() == steps.len() && outs.len() == steps.len();
+    if steps.len() < 2 || !lengths || ctx.bf16.is_none() || !ins.iter().all(same_x) {
         return false;
     }
     let mut packed = Vec::with_capacity(steps.len());
@@ -425,7 +433,7 @@ pub(crate) fn linear_group(
         .zip(&packed)
         .map(|((ins, outs), (p, e))| (ins[1], &outs[0], p.as_deref(), *e))
         .collect();
-    gemm::group_epilogue(ins[0][0], &members, ctx.bf16).is_some()
+    gemm::group_epilogue(x, &members, ctx.bf16).is_some()
 }
 
 /// Runs one kernel.
