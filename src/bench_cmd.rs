@@ -733,8 +733,8 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             let (groups, kernels) = c.product_groups();
             if groups > 0 {
                 outln!(
-                    "  linear kernels of one input: {kernels} in {groups} groups of products \
-                     that packed their input once ({} runs)",
+                    "  products of one left operand: {kernels} in {groups} groups that packed \
+                     it once ({} runs)",
                     a.warmup + a.runs
                 );
             }

@@ -1241,18 +1241,21 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
     }
 }
 
-/// With 16-bit products, consecutive `linear` kernels of one input run as one group of
-/// products that packs the input once: in base, each layer's query, key and value
+/// With 16-bit products, consecutive products of one left operand run as one group that
+/// packs it once. `linear` kernels in base: each layer's query, key and value
 /// projections (6 encoder and 6 decoder self-attention groups of 3) and the decoder
 /// layers' cross-attention keys and values of the encoder's output — a pair a layer in
 /// the forward's schedule (18 groups of 48 kernels a run), in the training step's the
-/// first layer's pair and the other five layers' side by side (14 groups of 48). Every
-/// output of the forward (with weights packed beforehand or not) and of the training
-/// step, with biases of their own, keeps the bits of running each kernel on its own
-/// (`set_separate_products`).
-/// Each 16-bit kernel is skipped where the CPU cannot run it.
+/// first layer's pair and the other five layers' side by side (14 groups of 48). Weight
+/// gradients `xᵀ·dy` with their bias gradients' column sums: in the training step the
+/// keys' and values' of each self-attention and of the first decoder layer's
+/// cross-attention, adjacent in the schedule (13 pairs; 27 groups of 74 kernels in all).
+/// Every output of the forward (with weights packed beforehand or not) and of the
+/// training step, with biases of their own, keeps the bits of running each kernel on its
+/// own (`set_separate_products`). Each 16-bit kernel is skipped where the CPU cannot run
+/// it.
 #[test]
-fn linear_kernels_of_one_input_run_as_one_group_with_their_own_bits() {
+fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
     use kiln_runtime::compiled::Bf16Kernel;
     for kernel in Bf16Kernel::ALL {
         if let Err(why) = kernel.available() {
@@ -1300,7 +1303,7 @@ fn linear_kernels_of_one_input_run_as_one_group_with_their_own_bits() {
                 let want = if entry == "forward" {
                     (18, 48)
                 } else {
-                    (14, 48)
+                    (27, 74)
                 };
                 assert_eq!(counts, want, "{what}: grouped");
                 let (separate, counts) = run(true);

@@ -299,14 +299,21 @@ pub(crate) fn matmul_epilogue(
 }
 
 /// One product of [`group_epilogue`]: its right operand, result, `b` packed beforehand
-/// where the caller did, and [`Epilogue`].
-pub(crate) type GroupMember<'a> = (&'a Loc, &'a Loc, Option<&'a PackedRhs>, Epilogue);
+/// where the caller did, [`Epilogue`], and `b`'s [`ColumnSums`] where asked.
+pub(crate) type GroupMember<'a> = (
+    &'a Loc,
+    &'a Loc,
+    Option<&'a PackedRhs>,
+    Epilogue,
+    Option<ColumnSums>,
+);
 
 /// `out = epilogue(a·b)` for every member of `members` (all of one left operand `a`) as
 /// one group of 16-bit products ([`gemm_group`](super::bf16::gemm_group): `a` packed
 /// once for all), where each would run as one 16-bit product ([`one_16bit_product`]) and
 /// no result overlaps an operand or another result; `None` otherwise, with nothing
-/// written. A bias must hold `n` values.
+/// written. A bias must hold `n` values. Column sums as [`matmul_epilogue`]'s: of a
+/// row-major `b` not packed, `k` the product of their leading axes.
 pub(crate) fn group_epilogue(
     a: &Loc,
     members: &[GroupMember<'_>],
@@ -316,8 +323,17 @@ pub(crate) fn group_epilogue(
     let overlap = |x: (usize, usize), y: (usize, usize)| x.0 < y.1 && y.0 < x.1;
     let mut lhs = None;
     let mut group = Vec::with_capacity(members.len());
-    for (q, &(b, out, packed, epilogue)) in members.iter().enumerate() {
+    // What the group reads or writes besides its results: `a`, and every member's `b`,
+    // bias and sums.
+    let mut operands = vec![span(a)];
+    for &(b, out, packed, epilogue, sums) in members {
         let (kernel, l, (rows, k, n)) = one_16bit_product(a, b, out, bf16)?;
+        if let Some(s) = sums {
+            let lead = &s.lead[..s.axes];
+            if packed.is_some() || b.layout.strides[1] != 1 || lead.iter().product::<usize>() != k {
+                return None;
+            }
+        }
         match lhs {
             None => lhs = Some((kernel, l, rows, k)),
             Some((_, l0, rows0, k0)) => {
@@ -326,19 +342,12 @@ pub(crate) fn group_epilogue(
                 }
             }
         }
-        let o = span(out);
-        let mut operands = vec![span(a), span(b)];
-        if let Some(bias) = epilogue.bias {
-            let p = bias as usize;
-            operands.push((p, p + 4 * n));
-        }
-        let others = members.iter().enumerate().filter(|&(r, _)| r != q);
-        if operands.into_iter().any(|x| overlap(x, o))
-            || others
-                .clone()
-                .any(|(_, m)| overlap(span(m.0), o) || overlap(span(m.1), o))
+        operands.push(span(b));
+        for p in [epilogue.bias, sums.map(|s| s.dst as *const f32)]
+            .into_iter()
+            .flatten()
         {
-            return None;
+            operands.push((p as usize, p as usize + 4 * n));
         }
         let lb = &b.layout;
         let rhs = Mat {
@@ -353,8 +362,17 @@ pub(crate) fn group_epilogue(
             b: packed.map_or(Rhs::Mat(rhs), Rhs::Packed),
             read_dst: false,
             epilogue,
-            sums: None,
+            sums,
         });
+    }
+    for (q, m) in members.iter().enumerate() {
+        let o = span(m.1);
+        let others = members.iter().enumerate().filter(|&(r, _)| r != q);
+        if operands.iter().any(|&x| overlap(x, o))
+            || others.clone().any(|(_, m)| overlap(span(m.1), o))
+        {
+            return None;
+        }
     }
     let (kernel, lhs, rows, k) = lhs?;
     // SAFETY: the locations describe valid buffers of their shapes; no result overlaps

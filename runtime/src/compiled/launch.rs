@@ -385,18 +385,23 @@ pub(crate) fn product_with_sums(
     .is_some()
 }
 
-/// The `linear` kernels `steps` (consecutive in launch order, each with its operands
-/// `ins` and results `outs`), all of one input `x`, as one group of 16-bit products
-/// with their biases and ReLUs as epilogues ([`gemm::group_epilogue`]: `x` packed once
-/// for all): the attention's query, key and value projections, or every decoder layer's
-/// keys and values of the encoder's output. `false`, with nothing written, where they
-/// do not run so (a kernel checked or not a `linear`, f32 products, another input, a
-/// bias not of one contiguous value a column, results overlapping operands); the caller
-/// then runs each on its own. The same bits as each on its own.
-pub(crate) fn linear_group(
+/// The products `steps` — all `linear` kernels or all `matmul` kernels, consecutive in
+/// launch order, each with its operands `ins` and results `outs` — all of one left
+/// operand `x`, as one group of 16-bit products ([`gemm::group_epilogue`]: `x` packed
+/// once for all): the attention's query, key and value projections, every decoder
+/// layer's keys and values of the encoder's output, or weight gradients `xᵀ·dy` of one
+/// input. A `linear`'s bias and ReLU are its product's epilogue; a `matmul` writes the
+/// column sums `sums` asks of its right operand (a bias gradient, as
+/// [`product_with_sums`]). `false`, with nothing written, where they do not run so (a
+/// kernel checked, kernels of two kinds or another left operand, f32 products, a bias not
+/// of one contiguous value a column, sums of an operand not read in place, results
+/// overlapping operands); the caller then runs each on its own. The same bits as each
+/// on its own.
+pub(crate) fn product_group(
     steps: &[&Step],
     ins: &[Vec<&Loc>],
     outs: &[&[Loc]],
+    sums: &[Option<gemm::ColumnSums>],
     ctx: &RunCtx<'_>,
 ) -> bool {
     let Some(&x) = ins.first().and_then(|i| i.first()) else {
@@ -406,32 +411,46 @@ pub(crate) fn linear_group(
         i.first()
             .is_some_and(|y| y.ptr == x.ptr && y.layout == x.layout)
     };
-    let lengths = ins.len() == steps.len() && outs.len() == steps.len();
+    let lengths = [ins.len(), outs.len(), sums.len()] == [steps.len(); 3];
     if steps.len() < 2 || !lengths || ctx.bf16.is_none() || !ins.iter().all(same_x) {
         return false;
     }
+    let linear = matches!(steps[0].exec, Exec::Linear { .. });
     let mut packed = Vec::with_capacity(steps.len());
-    for ((step, ins), outs) in steps.iter().zip(ins).zip(outs) {
-        let Exec::Linear { relu, .. } = &step.exec else {
-            return false;
-        };
-        let (out, bias) = (&outs[0], ins[2]);
+    for ((step, ins), (outs, sums)) in steps.iter().zip(ins).zip(outs.iter().zip(sums)) {
+        let out = &outs[0];
         let n = out.shape().last().copied().unwrap_or(1);
-        if step.check.is_some() || !bias.is_contiguous() || bias.numel() != n {
+        let epilogue = match &step.exec {
+            Exec::Linear { relu, .. } if linear && sums.is_none() => {
+                let bias = ins[2];
+                if !bias.is_contiguous() || bias.numel() != n {
+                    return false;
+                }
+                gemm::Epilogue {
+                    bias: Some(bias.base() as *const f32),
+                    relu: relu.is_some(),
+                }
+            }
+            Exec::Matmul if !linear => gemm::Epilogue::default(),
+            _ => return false,
+        };
+        if step.check.is_some() {
             return false;
         }
         let rows = out.numel() / n.max(1);
-        let epilogue = gemm::Epilogue {
-            bias: Some(bias.base() as *const f32),
-            relu: relu.is_some(),
+        // A right operand whose columns are summed is packed here (it is `dy`).
+        let p = if sums.is_some() {
+            None
+        } else {
+            ctx.packed_rhs(step, ins, rows)
         };
-        packed.push((ctx.packed_rhs(step, ins, rows), epilogue));
+        packed.push((p, epilogue));
     }
     let members: Vec<gemm::GroupMember<'_>> = ins
         .iter()
         .zip(outs)
-        .zip(&packed)
-        .map(|((ins, outs), (p, e))| (ins[1], &outs[0], p.as_deref(), *e))
+        .zip(packed.iter().zip(sums))
+        .map(|((ins, outs), ((p, e), s))| (ins[1], &outs[0], p.as_deref(), *e, *s))
         .collect();
     gemm::group_epilogue(x, &members, ctx.bf16).is_some()
 }

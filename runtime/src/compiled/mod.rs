@@ -339,8 +339,8 @@ pub struct Compiled {
     separate_bias_grads: bool,
     /// [`Compiled::bias_grad_counts`].
     bias_grads: Mutex<(usize, usize)>,
-    /// Whether every `linear` kernel runs its own product
-    /// ([`Compiled::set_separate_products`]).
+    /// Whether every product runs on its own, not in a group of products of one left
+    /// operand ([`Compiled::set_separate_products`]).
     separate_products: bool,
     /// [`Compiled::product_groups`].
     product_groups: Mutex<(usize, usize)>,
@@ -752,15 +752,16 @@ impl Compiled {
 
     /// With 16-bit products, consecutive `linear` kernels of one input (the attention's
     /// query, key and value projections; every decoder layer's keys and values of the
-    /// encoder's output) run as one group of products that packs the input once
-    /// (`launch::linear_group`), with the bits each would give on its own. `true` runs
-    /// each as its own product instead (for comparisons; also
+    /// encoder's output), and consecutive weight-gradient products `xᵀ·dy` of one input
+    /// (with their bias gradients' sums), run as one group of products that packs that
+    /// operand once (`launch::product_group`), with the bits each would give on its own.
+    /// `true` runs each as its own product instead (for comparisons; also
     /// `KILN_CPU_SEPARATE_PRODUCTS=1`).
     pub fn set_separate_products(&mut self, on: bool) {
         self.separate_products = on;
     }
 
-    /// The groups of `linear` kernels that ran as one group of products
+    /// The groups of products of one left operand that ran as one
     /// ([`Compiled::set_separate_products`]), over every run so far: `(groups, kernels
     /// in them)`.
     pub fn product_groups(&self) -> (usize, usize) {
@@ -1395,8 +1396,8 @@ impl Compiled {
         let fuse_bias = self.bf16_products.is_some() && !self.separate_bias_grads;
         // (summed by a product, by their own kernel), for `bias_grad_counts`.
         let mut bias_counts = (0, 0);
-        // Groups of `linear` kernels run as one (`launch::linear_group`), and the kernels
-        // in them; the kernels up to `grouped_until` ran in the last group.
+        // Groups of products run as one (`launch::product_group`), and the kernels in
+        // them; the kernels up to `grouped_until` ran in the last group.
         let mut group_counts = (0, 0);
         let mut grouped_until = 0;
         for (s, step) in self.steps.iter().enumerate() {
@@ -1406,18 +1407,23 @@ impl Compiled {
             for &x in &step.inputs {
                 materialize(self.copy, &needs[x], &mut copies, &mut locs, &mut keep);
             }
-            // The `linear` kernels after this one of the same input, if this is one.
-            let linear = |t: &launch::Step| {
-                matches!(t.exec, launch::Exec::Linear { .. }) && t.check.is_none()
+            // The products after this one of its kind (`linear` or `matmul`) and left
+            // operand, if this is one.
+            let kind = |t: &launch::Step| match t.exec {
+                _ if t.check.is_some() => None,
+                launch::Exec::Linear { .. } => Some(true),
+                launch::Exec::Matmul => Some(false),
+                _ => None,
             };
-            let end = if linear(step) && self.bf16_products.is_some() && !self.separate_products {
-                let x = step.inputs[0];
-                let more = self.steps[s + 1..]
-                    .iter()
-                    .take_while(|t| linear(t) && t.inputs[0] == x);
-                s + 1 + more.count()
-            } else {
-                s + 1
+            let end = match kind(step) {
+                Some(k) if self.bf16_products.is_some() && !self.separate_products => {
+                    let x = step.inputs[0];
+                    let more = self.steps[s + 1..]
+                        .iter()
+                        .take_while(|t| kind(t) == Some(k) && t.inputs[0] == x);
+                    s + 1 + more.count()
+                }
+                _ => s + 1,
             };
             if end > s + 1 {
                 for t in &self.steps[s + 1..end] {
@@ -1432,9 +1438,46 @@ impl Compiled {
                     .map(|t| t.inputs.iter().map(|&x| &locs[x][0]).collect())
                     .collect();
                 let outs: Vec<&[Loc]> = group.iter().map(|t| locs[t.value].as_slice()).collect();
-                if launch::linear_group(&group, &ins, &outs, &ctx) {
+                // Each weight gradient's bias gradient, as a product on its own would sum
+                // it (below): into the `sum_rows` result where that launch was left for
+                // this product, else into a buffer of its own that the launch copies.
+                let mut plans = Vec::new();
+                let mut sums = Vec::with_capacity(group.len());
+                for (q, t) in group.iter().enumerate() {
+                    let matmul = matches!(t.exec, launch::Exec::Matmul);
+                    let Some(other) = t.bias_grad.filter(|_| matmul) else {
+                        sums.push(None);
+                        continue;
+                    };
+                    let sum = &self.steps[other];
+                    let (dy, db) = (&locs[sum.inputs[0]][0], &locs[sum.value][0]);
+                    let (at, own) = if other < s + q {
+                        if !deferred.contains(&other) {
+                            sums.push(None);
+                            continue;
+                        }
+                        (db.base() as *mut f32, None)
+                    } else if fuse_bias && needs[sum.inputs[0]].is_empty() && sum.check.is_none() {
+                        let mut own = vec![0f32; db.numel()];
+                        (own.as_mut_ptr(), Some(own))
+                    } else {
+                        sums.push(None);
+                        continue;
+                    };
+                    sums.push(launch::bias_sums(dy, ins[q][1], at));
+                    plans.push((other, own, sums[q].is_some()));
+                }
+                let planned = plans.iter().all(|&(_, _, ok)| ok);
+                if planned && launch::product_group(&group, &ins, &outs, &sums, &ctx) {
                     group_counts.0 += 1;
                     group_counts.1 += group.len();
+                    for (other, own, _) in plans {
+                        bias_counts.0 += 1;
+                        match own {
+                            Some(own) => summed.push((other, own)),
+                            None => deferred.retain(|&d| d != other),
+                        }
+                    }
                     if let (Some(p), Some(t0)) = (profile.as_mut(), started) {
                         // The group's time shared by the kernels' multiply-adds.
                         let seconds = t0.elapsed().as_secs_f64();
