@@ -377,14 +377,13 @@ unsafe fn pack_a<const HALF: bool>(
     out: &mut [u16],
 ) {
     let rows = m.saturating_sub(i0).min(T);
-    let mut scale = [1f32; T];
-    if HALF {
-        unscale[..T].fill(1.0);
-        // SAFETY: `a` addresses the tile's rows, `k` elements each.
-        unsafe { line_scales(a, i0..i0 + rows, k, TOP_A, (&mut scale, unscale)) };
+    let unscale = if HALF { &mut unscale[..T] } else { unscale };
+    // SAFETY: `a` addresses the tile's rows, `k` elements each; as the caller's.
+    unsafe {
+        with_line_scales::<HALF>((a, i0..i0 + rows, k, TOP_A), unscale, |scale| {
+            pack_a_scaled::<HALF>(a, (m, k), i0, scale, out)
+        })
     }
-    // SAFETY: as the caller's; `scale` holds the tile's 16 rows.
-    unsafe { pack_a_scaled::<HALF>(a, (m, k), i0, &scale, out) }
 }
 
 /// [`pack_a`] with the rows' scales given (`scale[r]` for row `i0 + r`; unread unless
@@ -459,14 +458,34 @@ unsafe fn pack_a_columns<const HALF: bool>(
     (panel, out): (usize, &mut [u16]),
 ) {
     let rows = m.saturating_sub(i0).min(out.len() / panel * T);
+    // SAFETY: `a` addresses the group's rows, `k` elements each; as the caller's.
+    unsafe {
+        with_line_scales::<HALF>((a, i0..i0 + rows, k, TOP_A), unscale, |scale| {
+            pack_a_columns_scaled::<HALF>(a, (m, k), i0, scale, (panel, out))
+        })
+    }
+}
+
+/// `pack(scale)` with the fp16 scales of rows `rows` of `a` (at most 256; [`line_scales`]
+/// over `k`, largest magnitude brought below `2^top`) where `HALF`: `scale[r]` the `s` of
+/// row `rows.start + r` (1 past the rows), `unscale[r]` its `1 / s`. Without `HALF`
+/// every scale is 1 and `unscale` is left alone.
+///
+/// # Safety
+/// As [`line_scales`]' where `HALF`; `unscale` holds a value for each row `pack` reads.
+#[target_feature(enable = "avx512f")]
+unsafe fn with_line_scales<const HALF: bool>(
+    (a, rows, k, top): (Mat, std::ops::Range<usize>, usize, i32),
+    unscale: &mut [f32],
+    pack: impl FnOnce(&[f32]),
+) {
     let mut scale = [1f32; GROUP * T];
     if HALF {
         unscale.fill(1.0);
-        // SAFETY: `a` addresses the group's rows, `k` elements each.
-        unsafe { line_scales(a, i0..i0 + rows, k, TOP_A, (&mut scale, unscale)) };
+        // SAFETY: the caller's.
+        unsafe { line_scales(a, rows, k, top, (&mut scale, unscale)) };
     }
-    // SAFETY: as the caller's; `scale` holds the group's 256 rows.
-    unsafe { pack_a_columns_scaled::<HALF>(a, (m, k), i0, &scale, (panel, out)) }
+    pack(&scale)
 }
 
 /// [`pack_a_columns`] with the rows' scales given (`scale[r]` for row `i0 + r`, one for
@@ -656,21 +675,15 @@ unsafe fn pack_b_group<const HALF: bool>(
     unscale: &mut [f32],
     (panel, out): (usize, &mut [u16]),
 ) {
-    let mut scale = [1f32; GROUP * T];
-    if HALF {
-        let cols = n.saturating_sub(j0).min(out.len() / panel * T);
-        // `b`'s columns are the rows of `bᵀ`.
-        let bt = Mat {
-            ptr: b.ptr,
-            rs: b.cs,
-            cs: b.rs,
-        };
-        unscale.fill(1.0);
-        // SAFETY: `b` addresses the group's columns, `k` elements each.
-        unsafe { line_scales(bt, j0..j0 + cols, k, TOP_B, (&mut scale, unscale)) };
+    let cols = n.saturating_sub(j0).min(out.len() / panel * T);
+    // `b`'s columns are the rows of `bᵀ`.
+    let bt = b.transposed();
+    // SAFETY: `b` addresses the group's columns, `k` elements each; as the caller's.
+    unsafe {
+        with_line_scales::<HALF>((bt, j0..j0 + cols, k, TOP_B), unscale, |scale| {
+            pack_b_group_scaled::<HALF>(b, (k, n), j0, scale, (panel, out))
+        })
     }
-    // SAFETY: as the caller's; `scale` holds the group's 256 columns.
-    unsafe { pack_b_group_scaled::<HALF>(b, (k, n), j0, &scale, (panel, out)) }
 }
 
 /// [`pack_b_group`] with the columns' scales given (`scale[c]` for column `j0 + c`, one
@@ -1702,11 +1715,7 @@ unsafe fn stream(
     );
     if half || sums.is_some() {
         // `b`'s columns are the rows of `bᵀ`.
-        let bt = Mat {
-            ptr: b.ptr,
-            rs: b.cs,
-            cs: b.rs,
-        };
+        let bt = b.transposed();
         let maxima: Vec<(Vec<u32>, Vec<u32>)> = (0..parts)
             .into_par_iter()
             .map(|task| {

@@ -32,6 +32,17 @@ pub(crate) struct Mat {
 unsafe impl Send for Mat {}
 unsafe impl Sync for Mat {}
 
+impl Mat {
+    /// The same elements read transposed: element `(i, j)` is this one's `(j, i)`.
+    pub fn transposed(self) -> Mat {
+        Mat {
+            ptr: self.ptr,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+}
+
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`.
 ///
 /// # Safety
