@@ -9,11 +9,12 @@
 //! in CLIF (as region kernels did, four counter blocks at a time in `I32X4` lanes) spent
 //! about nine cycles an element on Philox's 32×32→64-bit products. With AVX-512F this
 //! function draws sixteen counter blocks (64 elements) per pass with 512-bit
-//! `vpmuludq`, several times fewer instructions an element. Region and `embed_pe`
-//! kernels call it once per [`MASK_CHUNK`] elements of a row, into a buffer on their
-//! stack, and read the masks back as vectors. A run shorter than a group, or starting
-//! inside a counter block, draws a whole group into a scratch and copies its part; a run
-//! within one block, or a CPU without AVX-512F, draws with
+//! `vpmuludq`, several times fewer instructions an element; with AVX2 only (AMD Zen 1–3,
+//! Intel's client CPUs), eight blocks (32 elements) with 256-bit ones. Region and
+//! `embed_pe` kernels call it once per [`MASK_CHUNK`] elements of a row, into a buffer
+//! on their stack, and read the masks back as vectors. A run shorter than a group, or
+//! starting inside a counter block, draws a whole group into a scratch and copies its
+//! part; a run within one block, or a CPU without AVX2, draws with
 //! [`crate::rng::dropout_words`].
 
 use cranelift_codegen::ir::{types, AbiParam, Signature};
@@ -70,30 +71,83 @@ pub unsafe extern "C" fn kiln_dropout_masks(
 
 /// [`kiln_dropout_masks`] into a slice (element `index + j` into `out[j]`).
 pub fn masks(seed: u64, step: u32, stream: u32, threshold: u32, index: u64, out: &mut [i32]) {
+    masks_with(Path::best(), seed, step, stream, threshold, index, out);
+}
+
+/// How [`masks`] draws: a group of counter blocks at a time in 512-bit or 256-bit
+/// vectors, or one block at a time in scalar code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// Sixteen blocks (64 elements) per pass, with AVX-512F.
+    Avx512,
+    /// Eight blocks (32 elements) per pass, with AVX2 (AMD Zen 1–3, Intel client CPUs).
+    Avx2,
+    /// [`dropout_words`], one block at a time.
+    Scalar,
+}
+
+impl Path {
+    /// The widest path this CPU has.
+    fn best() -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Path::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Path::Avx2;
+            }
+        }
+        Path::Scalar
+    }
+
+    /// Elements a pass draws: four per counter block.
+    fn group(self) -> usize {
+        match self {
+            Path::Avx512 => 64,
+            Path::Avx2 => 32,
+            Path::Scalar => 4,
+        }
+    }
+}
+
+/// [`masks`] by `path`, which the CPU must have.
+fn masks_with(
+    path: Path,
+    seed: u64,
+    step: u32,
+    stream: u32,
+    threshold: u32,
+    index: u64,
+    out: &mut [i32],
+) {
+    let group = path.group();
     let mut i = index;
     let mut rest = &mut out[..];
-    #[cfg(target_arch = "x86_64")]
-    let simd = std::arch::is_x86_feature_detected!("avx512f");
-    #[cfg(not(target_arch = "x86_64"))]
-    let simd = false;
     while !rest.is_empty() {
         let skip = (i % 4) as usize;
-        // Sixteen blocks at once wherever the run spans two blocks or more (a short or
+        // A group of blocks at once wherever the run spans two blocks or more (a short or
         // unaligned run through a scratch group, the words it needs copied out).
-        if simd && skip + rest.len() >= 8 {
-            let take = (64 - skip).min(rest.len());
+        if path != Path::Scalar && skip + rest.len() >= 8 {
+            let take = (group - skip).min(rest.len());
             let (now, later) = rest.split_at_mut(take);
+            let mut scratch = [0i32; 64];
+            let whole = take == group;
+            let dst: &mut [i32] = if whole { now } else { &mut scratch[..group] };
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512F was detected; each group written holds 64 elements.
+            // SAFETY: `Path::best` detected the path's features; `dst` holds a group.
             unsafe {
-                if take == 64 {
-                    avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, now)
-                } else {
-                    let mut group = [0i32; 64];
-                    avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, &mut group);
-                    now.copy_from_slice(&group[skip..skip + take]);
+                match path {
+                    Path::Avx512 => {
+                        avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, dst)
+                    }
+                    Path::Avx2 => avx2::eight_blocks(seed, step, stream, threshold, i / 4, dst),
+                    Path::Scalar => unreachable!(),
                 }
             };
+            if !whole {
+                now.copy_from_slice(&scratch[skip..skip + take]);
+            }
             rest = later;
             i += take as u64;
             continue;
@@ -215,6 +269,124 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// The high and low words of `m · c` in each `u32` lane.
+    #[inline(always)]
+    unsafe fn mulhilo(m: __m256i, c: __m256i) -> (__m256i, __m256i) {
+        let even = _mm256_mul_epu32(c, m);
+        let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(c), m);
+        // Lane 2j: the even product's low word; lane 2j + 1: the odd product's low word
+        // (moved up), and the other way round for the high words.
+        let lo = _mm256_blend_epi32::<0xAA>(even, _mm256_slli_epi64::<32>(odd));
+        let hi = _mm256_blend_epi32::<0xAA>(_mm256_srli_epi64::<32>(even), odd);
+        (hi, lo)
+    }
+
+    /// The masks of the 32 elements of counter blocks `block .. block + 8` into `out`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `out` holds 32 elements.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn eight_blocks(
+        seed: u64,
+        step: u32,
+        stream: u32,
+        threshold: u32,
+        block: u64,
+        out: &mut [i32],
+    ) {
+        assert!(out.len() >= 32);
+        // The counters' low and high words, lane j for block `block + j` (a low word that
+        // wraps past 2^32 carries into the high one).
+        let counter = |j: u64| block.wrapping_add(j);
+        let word = |j: u64, shift: u32| (counter(j) >> shift) as u32 as i32;
+        let c0 = _mm256_setr_epi32(
+            word(0, 0),
+            word(1, 0),
+            word(2, 0),
+            word(3, 0),
+            word(4, 0),
+            word(5, 0),
+            word(6, 0),
+            word(7, 0),
+        );
+        let c1 = _mm256_setr_epi32(
+            word(0, 32),
+            word(1, 32),
+            word(2, 32),
+            word(3, 32),
+            word(4, 32),
+            word(5, 32),
+            word(6, 32),
+            word(7, 32),
+        );
+        let mut c = [
+            c0,
+            c1,
+            _mm256_set1_epi32(stream as i32),
+            _mm256_set1_epi32(step as i32),
+        ];
+        let (m0, m1) = (
+            _mm256_set1_epi32(PHILOX_M0 as i32),
+            _mm256_set1_epi32(PHILOX_M1 as i32),
+        );
+        let mut key = [seed as u32, (seed >> 32) as u32];
+        for r in 0..10 {
+            if r > 0 {
+                key = [
+                    key[0].wrapping_add(PHILOX_W0),
+                    key[1].wrapping_add(PHILOX_W1),
+                ];
+            }
+            let (hi0, lo0) = mulhilo(m0, c[0]);
+            let (hi1, lo1) = mulhilo(m1, c[2]);
+            let (k0, k1) = (
+                _mm256_set1_epi32(key[0] as i32),
+                _mm256_set1_epi32(key[1] as i32),
+            );
+            c = [
+                _mm256_xor_si256(_mm256_xor_si256(hi1, c[1]), k0),
+                lo1,
+                _mm256_xor_si256(_mm256_xor_si256(hi0, c[3]), k1),
+                lo0,
+            ];
+        }
+        // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
+        // 4 × 8 transpose (within 128-bit lanes, then of the lanes).
+        let t0 = _mm256_unpacklo_epi32(c[0], c[1]);
+        let t1 = _mm256_unpackhi_epi32(c[0], c[1]);
+        let t2 = _mm256_unpacklo_epi32(c[2], c[3]);
+        let t3 = _mm256_unpackhi_epi32(c[2], c[3]);
+        // `u[q]`'s 128-bit lane g holds the four words of block 4g + q.
+        let u = [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ];
+        let words = [
+            _mm256_permute2x128_si256::<0x20>(u[0], u[1]),
+            _mm256_permute2x128_si256::<0x20>(u[2], u[3]),
+            _mm256_permute2x128_si256::<0x31>(u[0], u[1]),
+            _mm256_permute2x128_si256::<0x31>(u[2], u[3]),
+        ];
+        // Kept where `w >> 8 >= threshold`, as a signed comparison: both sides are below
+        // 2^31 once a threshold above 2^24 (which drops every element) is taken as 2^24.
+        let t = _mm256_set1_epi32(threshold.min(1 << 24) as i32);
+        let ones = _mm256_set1_epi32(-1);
+        for (g, w) in words.into_iter().enumerate() {
+            let dropped = _mm256_cmpgt_epi32(t, _mm256_srli_epi32::<8>(w));
+            let m = _mm256_xor_si256(dropped, ones);
+            // SAFETY: `out` holds 32 elements; 8 at `8g`.
+            unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(8 * g) as *mut _, m) };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,11 +398,37 @@ mod tests {
             .collect()
     }
 
+    /// Every path this CPU can run.
+    fn paths() -> Vec<Path> {
+        let mut v = vec![Path::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                v.push(Path::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Path::Avx512);
+            }
+        }
+        v
+    }
+
     #[test]
     fn masks_are_the_dropout_keep_decisions() {
+        let paths = paths();
+        println!("paths: {paths:?}");
+        for path in paths {
+            masks_of_path_are_the_dropout_keep_decisions(path);
+        }
+    }
+
+    fn masks_of_path_are_the_dropout_keep_decisions(path: Path) {
+        let masks = |seed, step, stream, t, index, out: &mut [i32]| {
+            masks_with(path, seed, step, stream, t, index, out)
+        };
         let t = dropout_threshold(0.1);
-        // Aligned and unaligned starts, runs shorter and longer than a group of 64, and a
-        // group whose blocks carry from the low counter word into the high one.
+        // Aligned and unaligned starts, runs shorter and longer than a group (64 or 32),
+        // and groups whose blocks carry from the low counter word into the high one.
         for &(seed, step, stream, index, n) in &[
             (1u64, 0u32, 0u32, 0u64, 64usize),
             (0x0123_4567_89ab_cdef, 7, 5, 0, 1000),
@@ -243,21 +441,27 @@ mod tests {
             (5, 6, 7, 5, 3),
             (5, 6, 7, 2, 10),
             (5, 6, 7, 61, 70),
+            (5, 6, 7, 0, 32),
+            (5, 6, 7, 3, 33),
+            (9, 1, 2, (1u64 << 34) - 12, 40),
         ] {
             let mut got = vec![7i32; n];
             masks(seed, step, stream, t, index, &mut got);
             assert_eq!(
                 got,
                 want(seed, step, stream, t, index, n),
-                "seed {seed} step {step} stream {stream} from {index}"
+                "{path:?}: seed {seed} step {step} stream {stream} from {index}"
             );
         }
-        // A threshold equal to an element's top 24 bits keeps it (`>=`), inside a group
-        // of sixteen blocks.
+        // A threshold equal to an element's top 24 bits keeps it (`>=`), inside a group.
         let w = dropout_words(11, 2, 3, 21)[1] >> 8;
         let mut got = vec![0i32; 128];
         masks(11, 2, 3, w, 0, &mut got);
-        assert_eq!(got[4 * 21 + 1], -1, "the element at the threshold is kept");
+        assert_eq!(
+            got[4 * 21 + 1],
+            -1,
+            "{path:?}: the element at the threshold is kept"
+        );
         assert_eq!(got, want(11, 2, 3, w, 0, 128));
         // A dropout probability of zero keeps all; of 0.5 drops about half.
         let mut got = vec![0i32; 4096];
@@ -267,8 +471,13 @@ mod tests {
         let kept = got.iter().filter(|&&m| m == -1).count();
         assert!(
             (1900..2200).contains(&kept),
-            "{kept} of 4096 kept at p = 0.5"
+            "{path:?}: {kept} of 4096 kept at p = 0.5"
         );
         assert_eq!(got, want(3, 1, 2, dropout_threshold(0.5), 0, 4096));
+        // Thresholds above every element's 24 bits drop all, whatever their top bit.
+        for t in [1 << 24, (1 << 31) + 5, u32::MAX] {
+            masks(3, 1, 2, t, 1, &mut got);
+            assert!(got.iter().all(|&m| m == 0), "{path:?}: threshold {t}");
+        }
     }
 }
