@@ -581,7 +581,7 @@ unsafe fn tile_scalar(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     /// One tile of `transpose_into` in 8×8 blocks, the edges element by element.
@@ -589,7 +589,7 @@ mod x86 {
     /// # Safety
     /// As `super::tile_scalar`, on a CPU with AVX2.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn tile(
+    pub(crate) unsafe fn tile(
         src: *const f32,
         cs: usize,
         dst: *mut f32,

@@ -1,18 +1,19 @@
-//! Small matrix products with AVX-512F: attention's products of each head (`t × d_k ·
-//! d_k × t`, `t × t · t × d_v`, and their gradients' transposed forms) and the other
-//! single-threaded products of at most 128 columns.
+//! Small matrix products with AVX-512F or AVX2: attention's products of each head (`t ×
+//! d_k · d_k × t`, `t × t · t × d_v`, and their gradients' transposed forms) and the
+//! other single-threaded products of at most 128 columns.
 //!
 //! In: `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, both
 //! operands strided (either may be stored transposed). Out: the result, each element the
 //! f32 sum of its `k` products in order `p = 0, 1, …` with one fused multiply-add each
-//! (`f32::mul_add` from 0), then added to `dst` where `read_dst`.
+//! (`f32::mul_add` from 0), then added to `dst` where `read_dst`: the same bits with
+//! either instruction set.
 //!
 //! `b` is first copied into a thread's scratch as `k` rows of `n` columns padded to a
-//! multiple of 16 (a transposed `b` through 16 × 16 register transposes); then each
-//! block of rows of `a` keeps its results in registers over the whole `k`, broadcasting
-//! one element of `a` to multiply a row of `b`. For these sizes the `gemm` crate's
-//! packing and dispatch cost more than the multiply-adds (attention's `q·kᵀ` at 25
-//! tokens took 1.85 µs a head there).
+//! multiple of the vector's lanes (16 or 8; a transposed `b` through register
+//! transposes); then each block of rows of `a` keeps its results in registers over the
+//! whole `k`, broadcasting one element of `a` to multiply a row of `b`. For these sizes
+//! the `gemm` crate's packing and dispatch cost more than the multiply-adds (attention's
+//! `q·kᵀ` at 25 tokens took 1.85 µs a head there).
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -30,9 +31,32 @@ thread_local! {
     static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Whether [`gemm`] takes an `m × k · k × n` product: AVX-512F, `n ≤ 128`, `k ≤ 512`.
+/// The instruction set a product runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    /// 16 lanes, masked loads and stores.
+    Avx512,
+    /// 8 lanes with FMA (AMD Zen 1–3, Intel's client CPUs).
+    Avx2,
+}
+
+/// The widest instruction set this CPU has for these products.
+fn isa() -> Option<Isa> {
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        Some(Isa::Avx512)
+    } else if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
+        Some(Isa::Avx2)
+    } else {
+        None
+    }
+}
+
+/// Whether [`gemm`] takes an `m × k · k × n` product: AVX-512F or AVX2 with FMA, `n ≤
+/// 128`, `k ≤ 512`.
 pub(crate) fn takes(k: usize, n: usize) -> bool {
-    n <= MAX_N && k <= MAX_K && std::arch::is_x86_feature_detected!("avx512f")
+    n <= MAX_N && k <= MAX_K && isa().is_some()
 }
 
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` (see the module).
@@ -48,12 +72,34 @@ pub(crate) unsafe fn gemm(
     b: Mat,
     read_dst: bool,
 ) {
+    let isa = isa().expect("`takes` checked the CPU");
+    // SAFETY: the caller's.
+    unsafe { gemm_with(isa, (m, k, n), dst, ld, a, b, read_dst) }
+}
+
+/// [`gemm`] with `isa`, which the CPU must have.
+///
+/// # Safety
+/// As [`gemm`].
+unsafe fn gemm_with(
+    isa: Isa,
+    (m, k, n): (usize, usize, usize),
+    dst: *mut f32,
+    ld: isize,
+    a: Mat,
+    b: Mat,
+    read_dst: bool,
+) {
     debug_assert!(n <= MAX_N && k <= MAX_K);
     if m == 0 || n == 0 {
         return;
     }
-    let nv = n.div_ceil(16);
-    let np = nv * 16;
+    let lanes = match isa {
+        Isa::Avx512 => 16,
+        Isa::Avx2 => 8,
+    };
+    let nv = n.div_ceil(lanes);
+    let np = nv * lanes;
     let mut pb = PACKED.with(|p| std::mem::take(&mut *p.borrow_mut()));
     if pb.len() < k * np {
         pb.resize(k * np, 0.0);
@@ -67,19 +113,24 @@ pub(crate) unsafe fn gemm(
         a,
         read_dst,
     };
-    // SAFETY: the caller's check found AVX-512F; `b` addresses `k × n`; `pb` holds
-    // `k · np`.
+    // SAFETY: the caller's check found the instruction set; `b` addresses `k × n`; `pb`
+    // holds `k · np`.
     unsafe {
-        pack(b, (k, n), np, &mut pb);
-        match nv {
-            1 => rows::<1, 8>(&op, &pb),
-            2 => rows::<2, 8>(&op, &pb),
-            3 => rows::<3, 6>(&op, &pb),
-            4 => rows::<4, 4>(&op, &pb),
-            5 => rows::<5, 4>(&op, &pb),
-            6 => rows::<6, 3>(&op, &pb),
-            7 => rows::<7, 2>(&op, &pb),
-            _ => rows::<8, 2>(&op, &pb),
+        match isa {
+            Isa::Avx512 => {
+                pack(b, (k, n), np, &mut pb);
+                match nv {
+                    1 => rows::<1, 8>(&op, &pb),
+                    2 => rows::<2, 8>(&op, &pb),
+                    3 => rows::<3, 6>(&op, &pb),
+                    4 => rows::<4, 4>(&op, &pb),
+                    5 => rows::<5, 4>(&op, &pb),
+                    6 => rows::<6, 3>(&op, &pb),
+                    7 => rows::<7, 2>(&op, &pb),
+                    _ => rows::<8, 2>(&op, &pb),
+                }
+            }
+            Isa::Avx2 => avx2::product(&op, b, np, &mut pb),
         }
     }
     PACKED.with(|p| *p.borrow_mut() = pb);
@@ -227,6 +278,183 @@ unsafe fn block<const NV: usize, const R: usize>(op: &Op, pb: &[f32], i0: usize)
     }
 }
 
+/// The same products in 8-lane vectors.
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Mat, Op};
+
+    /// Packs `b` into `pb` (`k` rows of `np` columns, a multiple of 8) and computes
+    /// `op`'s rows.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; as [`super::gemm`]; `pb` holds `k · np`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn product(op: &Op, b: Mat, np: usize, pb: &mut [f32]) {
+        // SAFETY: the caller's.
+        unsafe {
+            pack(b, (op.k, op.n), np, pb);
+            // Panels of at most 4 vectors (32 columns), each over every row, with as many
+            // rows as keep their sums, the panel's row of `b` and the broadcast in the 16
+            // registers (a spilled sum waits on a store and a load each step: three rows
+            // of 4 vectors ran `25 × 25 · 25 × 64` in 2.2 µs, two rows in 1.1 µs).
+            for v0 in (0..np / 8).step_by(4) {
+                match (np / 8 - v0).min(4) {
+                    1 => rows::<1, 8>(op, pb, np, v0),
+                    2 => rows::<2, 6>(op, pb, np, v0),
+                    3 => rows::<3, 3>(op, pb, np, v0),
+                    _ => rows::<4, 2>(op, pb, np, v0),
+                }
+            }
+        }
+    }
+
+    /// Lanes `0..left` (all where `left ≥ 8`) as a `maskload`/`maskstore` mask.
+    #[inline(always)]
+    unsafe fn mask(left: usize) -> __m256i {
+        let left = left.min(8) as i32;
+        unsafe {
+            _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(left),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            )
+        }
+    }
+
+    /// Copies `b` (`k × n`) into `out` as `k` rows of `np` columns (zeros past `n`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `b` must address `k × n` valid elements; `out` holds
+    /// `k · np`, `np` a multiple of 8 at least `n`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pack(b: Mat, (k, n): (usize, usize), np: usize, out: &mut [f32]) {
+        if b.cs == 1 {
+            for p in 0..k {
+                for j0 in (0..np).step_by(8) {
+                    // SAFETY: row `p` holds `n` columns (masked past them); `out` holds
+                    // the row.
+                    unsafe {
+                        let row = b.ptr.offset(p as isize * b.rs).add(j0);
+                        let x = if j0 + 8 <= n {
+                            _mm256_loadu_ps(row)
+                        } else {
+                            _mm256_maskload_ps(row, mask(n.saturating_sub(j0)))
+                        };
+                        _mm256_storeu_ps(out.as_mut_ptr().add(p * np + j0), x);
+                    }
+                }
+            }
+        } else if b.rs == 1 {
+            // Stored transposed: column `j`'s `k` values are contiguous; 8 × 8 register
+            // transposes, the edges element by element, then the padding's zeros.
+            // SAFETY: `b` addresses `p + j·cs` for `p < k`, `j < n`; `out` holds `k` rows
+            // of `np ≥ n`.
+            unsafe {
+                super::super::gemm::x86::tile(
+                    b.ptr,
+                    b.cs as usize,
+                    out.as_mut_ptr(),
+                    np,
+                    (0, k),
+                    (0, n),
+                )
+            };
+            for p in 0..k {
+                out[p * np + n..(p + 1) * np].fill(0.0);
+            }
+        } else {
+            for p in 0..k {
+                for j in 0..np {
+                    out[p * np + j] = if j < n {
+                        // SAFETY: `b` addresses element `(p, j)`.
+                        unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) }
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        }
+    }
+
+    /// Every row of the result's vectors `v0..v0 + NV`, `R` rows at a time (then one at a
+    /// time), each row's `NV` vectors of 8 sums in registers over the whole `k`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `pb` is `b`'s copy ([`pack`], `np` columns a row,
+    /// `8 · (v0 + NV) ≤ np`); `op`'s pointers address what they say.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows<const NV: usize, const R: usize>(op: &Op, pb: &[f32], np: usize, v0: usize) {
+        let mut i = 0;
+        while i + R <= op.m {
+            // SAFETY: as the caller's; rows `i..i + R` exist.
+            unsafe { block::<NV, R>(op, pb, np, v0, i) };
+            i += R;
+        }
+        while i < op.m {
+            // SAFETY: as above, row `i`.
+            unsafe { block::<NV, 1>(op, pb, np, v0, i) };
+            i += 1;
+        }
+    }
+
+    /// Rows `i0..i0 + R` of the result's vectors `v0..v0 + NV`.
+    ///
+    /// # Safety
+    /// As [`rows`]; the rows exist.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn block<const NV: usize, const R: usize>(
+        op: &Op,
+        pb: &[f32],
+        np: usize,
+        v0: usize,
+        i0: usize,
+    ) {
+        let a = op.a;
+        let mut acc = [[_mm256_setzero_ps(); NV]; R];
+        for p in 0..op.k {
+            // SAFETY: row `p` of the copy holds `np` values; `a` addresses `(i0 + r, p)`.
+            unsafe {
+                let bp = pb.as_ptr().add(p * np + 8 * v0);
+                let bv: [__m256; NV] = std::array::from_fn(|v| _mm256_loadu_ps(bp.add(8 * v)));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = *a.ptr.offset((i0 + r) as isize * a.rs + p as isize * a.cs);
+                    let x = _mm256_set1_ps(x);
+                    for (acc, &b) in acc.iter_mut().zip(&bv) {
+                        *acc = _mm256_fmadd_ps(x, b, *acc);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (v, &sum) in acc.iter().enumerate() {
+                let j0 = 8 * (v0 + v);
+                let left = op.n - j0.min(op.n);
+                // SAFETY: row `i0 + r` of `dst` holds `n` columns: 8 from `j0` where
+                // `left ≥ 8`, else `left` (AMD's masked stores are microcoded, several
+                // times slower than a scalar copy of the few columns past the last 8).
+                unsafe {
+                    let at = op.dst.offset((i0 + r) as isize * op.ld).add(j0);
+                    if left >= 8 {
+                        let v = if op.read_dst {
+                            _mm256_add_ps(_mm256_loadu_ps(at), sum)
+                        } else {
+                            sum
+                        };
+                        _mm256_storeu_ps(at, v);
+                    } else {
+                        let mut lanes = [0f32; 8];
+                        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+                        for (c, &x) in lanes.iter().enumerate().take(left) {
+                            *at.add(c) = if op.read_dst { *at.add(c) + x } else { x };
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,10 +472,25 @@ mod tests {
     /// widest and longest taken, and one to five rows (the row blocks' remainders).
     #[test]
     fn small_products_are_the_fused_sums_in_order() {
-        if !takes(1, 1) {
-            println!("skipped: no AVX-512F");
+        let mut isas = vec![];
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            isas.push(Isa::Avx512);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            isas.push(Isa::Avx2);
+        }
+        if isas.is_empty() {
+            println!("skipped: neither AVX-512F nor AVX2 with FMA");
             return;
         }
+        for isa in isas {
+            println!("{isa:?}");
+            products_are_the_fused_sums_in_order(isa);
+        }
+    }
+
+    fn products_are_the_fused_sums_in_order(isa: Isa) {
         let mut seed = 9u64;
         for (m, k, n) in [
             (25, 64, 25),
@@ -288,9 +531,9 @@ mod tests {
                 let c0: Vec<f32> = (0..m * ld).map(|_| rng(&mut seed)).collect();
                 for read in [false, true] {
                     let mut c = c0.clone();
-                    // SAFETY: AVX-512F is here; the operands address their elements and
+                    // SAFETY: the CPU has `isa`; the operands address their elements and
                     // `c` holds `m` rows of `ld`.
-                    unsafe { gemm((m, k, n), c.as_mut_ptr(), ld as isize, a, b, read) };
+                    unsafe { gemm_with(isa, (m, k, n), c.as_mut_ptr(), ld as isize, a, b, read) };
                     for i in 0..m {
                         for j in 0..ld {
                             let want = if j >= n {
@@ -311,7 +554,7 @@ mod tests {
                             assert_eq!(
                                 c[i * ld + j].to_bits(),
                                 want.to_bits(),
-                                "{m}×{k}·{k}×{n} layouts {la} {lb} read {read}: ({i}, {j})"
+                                "{isa:?} {m}×{k}·{k}×{n} layouts {la} {lb} read {read}: ({i}, {j})"
                             );
                         }
                     }
