@@ -69,7 +69,7 @@ pub(crate) unsafe fn gemm_one(
         }
         return;
     }
-    // A small single-threaded product (attention's of each head): AVX-512F registers
+    // A small single-threaded product (attention's of each head): AVX-512F or AVX2 registers
     // over the whole `k`, without the crate's packing and dispatch.
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     if matches!(par, Parallelism::None) && super::small::takes(k, n) {
