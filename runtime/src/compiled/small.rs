@@ -309,7 +309,7 @@ mod avx2 {
         }
     }
 
-    /// Lanes `0..left` (all where `left ≥ 8`) as a `maskload`/`maskstore` mask.
+    /// Lanes `0..left` (all where `left ≥ 8`) as a `maskload` mask.
     #[inline(always)]
     unsafe fn mask(left: usize) -> __m256i {
         let left = left.min(8) as i32;
