@@ -201,15 +201,25 @@ unsafe fn pack(b: Mat, (k, n): (usize, usize), np: usize, out: &mut [f32]) {
             }
         }
     } else {
-        for p in 0..k {
-            for j in 0..np {
-                out[p * np + j] = if j < n {
-                    // SAFETY: `b` addresses element `(p, j)`.
-                    unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) }
-                } else {
-                    0.0
-                };
-            }
+        // SAFETY: the caller's.
+        unsafe { pack_strided(b, (k, n), np, out) };
+    }
+}
+
+/// [`pack`] for a `b` neither row-major nor stored transposed, element by element (either
+/// instruction set's copy).
+///
+/// # Safety
+/// `b` must address `k × n` valid elements; `out` holds `k · np`, `np ≥ n`.
+unsafe fn pack_strided(b: Mat, (k, n): (usize, usize), np: usize, out: &mut [f32]) {
+    for p in 0..k {
+        for j in 0..np {
+            out[p * np + j] = if j < n {
+                // SAFETY: `b` addresses element `(p, j)`.
+                unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) }
+            } else {
+                0.0
+            };
         }
     }
 }
@@ -363,16 +373,8 @@ mod avx2 {
                 out[p * np + n..(p + 1) * np].fill(0.0);
             }
         } else {
-            for p in 0..k {
-                for j in 0..np {
-                    out[p * np + j] = if j < n {
-                        // SAFETY: `b` addresses element `(p, j)`.
-                        unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) }
-                    } else {
-                        0.0
-                    };
-                }
-            }
+            // SAFETY: the caller's.
+            unsafe { super::pack_strided(b, (k, n), np, out) };
         }
     }
 
