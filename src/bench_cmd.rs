@@ -606,6 +606,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 "compiled-bf16-products-vdpbf16ps".to_string()
             }
             kiln_runtime::compiled::Bf16Kernel::Half => "compiled-fp16-products".to_string(),
+            kiln_runtime::compiled::Bf16Kernel::Int16 => "compiled-int16-products".to_string(),
         }
     } else {
         a.executor.clone()

@@ -401,6 +401,7 @@ fn kiln_cpu_bf16_names_the_kernel_or_says_why_not() {
         ("amx", Bf16Kernel::Tiles, "compiled-bf16-products"),
         ("dot", Bf16Kernel::Dot, "compiled-bf16-products-vdpbf16ps"),
         ("fp16", Bf16Kernel::Half, "compiled-fp16-products"),
+        ("int16", Bf16Kernel::Int16, "compiled-int16-products"),
     ] {
         let (executor, err) = bench(value);
         match kernel.available() {
@@ -419,7 +420,7 @@ fn kiln_cpu_bf16_names_the_kernel_or_says_why_not() {
     let (executor, err) = bench("fp17");
     assert_eq!(executor, "compiled");
     assert!(
-        err.contains("KILN_CPU_BF16 is ignored: it is \"fp17\", where 1 (the best 16-bit kernel), amx, dot, fp16 or 0 (f32) are known"),
+        err.contains("KILN_CPU_BF16 is ignored: it is \"fp17\", where 1 (the best 16-bit kernel), amx, dot, fp16, int16 or 0 (f32) are known"),
         "{err}"
     );
 }
@@ -1192,6 +1193,11 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
             (out, exec.bias_grad_counts())
         };
         let (fused, counts) = run(false);
+        if kernel == Bf16Kernel::Int16 {
+            // Its products run on their own: every bias gradient by `sum_rows`.
+            assert_eq!(counts, (0, 96), "{kernel:?}: by sum_rows");
+            continue;
+        }
         assert_eq!(counts, (96, 0), "{kernel:?}: summed by the products");
         let (separate, counts) = run(true);
         assert_eq!(counts, (0, 96), "{kernel:?}: separate");
@@ -1300,7 +1306,10 @@ fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
                 };
                 let what = format!("{kernel:?} {entry} packed {}", version.is_some());
                 let (grouped, counts) = run(false);
-                let want = if entry == "forward" {
+                let want = if kernel == Bf16Kernel::Int16 {
+                    // Its products run on their own.
+                    (0, 0)
+                } else if entry == "forward" {
                     (18, 48)
                 } else {
                     (27, 74)
@@ -1357,6 +1366,11 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
                 "{kernel:?}: run {run} on a fixed version differs"
             );
             let (count, bytes) = exec.packed_weights();
+            if kernel == Bf16Kernel::Int16 {
+                // Its products quantize their operands as they run.
+                assert_eq!((count, bytes), (0, 0), "{kernel:?}: after run {run}");
+                continue;
+            }
             assert_eq!(count, 97, "{kernel:?}: after run {run}");
             // 16 bits with the panels' padding (k to 32, n to 32 columns) and, in fp16,
             // the columns' scales: at least two bytes an element, and little more.

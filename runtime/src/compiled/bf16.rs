@@ -2073,6 +2073,7 @@ impl Blocks<'_> {
                         };
                         half_block(c, ldc, load, ops, kc, unscale, epi)
                     }
+                    Kernel::Int16 => unreachable!("int16 products run in int16.rs"),
                 }
             };
         let tiles = kernel == Kernel::Tiles;

@@ -216,6 +216,11 @@ unsafe fn product(
     packed: Option<&PackedRhs>,
 ) {
     match bf16 {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        Some(kernel) if kernel.is_int16() && m * k * n >= BF16_MIN => {
+            // SAFETY: as the caller's; the kernel is set only after its check.
+            unsafe { super::int16::gemm((m, k, n), dst, ld, a, b, read_dst) }
+        }
         Some(kernel) if m * k * n >= BF16_MIN => {
             let b = packed.map_or(Rhs::Mat(b), Rhs::Packed);
             let e = Epilogue::default();
@@ -237,7 +242,7 @@ fn one_16bit_product(
     out: &Loc,
     bf16: Option<Kernel>,
 ) -> Option<(Kernel, Mat, (usize, usize, usize))> {
-    let kernel = bf16?;
+    let kernel = bf16.filter(|k| !k.is_int16())?;
     let (sa, sb) = (a.shape(), b.shape());
     let ra = sa.len();
     if ra < 2 || sb.len() != 2 || sa[ra - 1] != sb[0] {
@@ -556,6 +561,24 @@ unsafe fn transpose_into(
     } else {
         (0..blocks).for_each(block);
     }
+}
+
+/// `dst[i·cols + j] = src[i + j·cs]`: a row-major copy of a `rows × cols` matrix stored
+/// transposed, row blocks in parallel.
+///
+/// # Safety
+/// As `transpose_into`'s, for `k = rows`, `n = cols`.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub(crate) unsafe fn transpose_rows(
+    src: *const f32,
+    cs: isize,
+    rows: usize,
+    cols: usize,
+    dst: *mut f32,
+) {
+    let par = parallelism(rows * cols);
+    // SAFETY: as the caller's.
+    unsafe { transpose_into(src, cs, rows, cols, dst, &par) }
 }
 
 /// Rows and columns of `transpose_into`'s tiles.
