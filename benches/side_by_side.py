@@ -5,8 +5,8 @@ Each series runs, one after another, `kiln bench models/transformer_base.kiln --
 vocab=37000 --entry forward --runs 7 --json`, the same with `--entry train_step --runs
 5`, and `benches/pytorch_transformer.py --threads 2 --runs 7` (forward and step); with
 `--bf16`, the same again with `KILN_CPU_BF16=1` for kiln (its 16-bit products: bf16 on
-AMX or AMD, scaled fp16 with AVX512-FP16; or the kernel that `KILN_CPU_BF16=amx|dot|fp16`
-in the environment names) and `--bf16` (autocast) for PyTorch. It prints a table row
+AMX or AMD, scaled fp16 with AVX512-FP16, scaled int16 with AVX2 where there is no
+AVX-512; or the kernel that `KILN_CPU_BF16=amx|dot|fp16|int16` in the environment names) and `--bf16` (autocast) for PyTorch. It prints a table row
 for each pairing in a series: median (min) ms and kiln's speed-up; with `--bf16`, kiln's
 16-bit products against PyTorch in fp32 (the issue's baseline, PyTorch eager's default)
 and against PyTorch's bf16 autocast.
@@ -32,9 +32,9 @@ def kiln(exe, entry, runs, bf16):
     env = dict(os.environ)
     kernel = env.pop("KILN_CPU_BF16", None)
     if bf16:
-        # `KILN_CPU_BF16=amx`, `=dot` or `=fp16` in the environment names the kernel of the
-        # 16-bit rows.
-        env["KILN_CPU_BF16"] = kernel if kernel in ("amx", "dot", "fp16") else "1"
+        # `KILN_CPU_BF16=amx`, `=dot`, `=fp16` or `=int16` in the environment names the
+        # kernel of the 16-bit rows.
+        env["KILN_CPU_BF16"] = kernel if kernel in ("amx", "dot", "fp16", "int16") else "1"
     out = subprocess.run(
         [exe, "bench", *SPEC, "--entry", entry, "--runs", str(runs), "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True,
@@ -43,7 +43,7 @@ def kiln(exe, entry, runs, bf16):
         sys.exit(f"kiln bench --entry {entry} failed ({out.returncode}):\n{out.stderr}")
     d = json.loads(out.stdout)
     executor = d.get("executor", "")
-    if bf16 and "bf16" not in executor and "fp16" not in executor:
+    if bf16 and not any(w in executor for w in ("bf16", "fp16", "int16")):
         sys.exit(f"KILN_CPU_BF16=1 ran no 16-bit products here:\n{out.stderr.strip()}")
     return d["median_ms"], d["min_ms"]
 

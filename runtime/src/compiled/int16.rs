@@ -86,13 +86,37 @@ fn pow2(e: i32) -> f32 {
     2f64.powi(e) as f32
 }
 
-/// Row-major int16 copies of the operands, with their exponents.
+/// How an operand was packed into its int16 buffer: panels of [`MR`] rows or [`NR`]
+/// columns, `ld` int16 a row or column (`k` rounded up to pairs, zero past `k`; padding
+/// rows and columns hold whatever the buffer held, and their results are never stored);
+/// the rows' or columns' exponents.
 struct Quantized {
-    /// Panels of [`MR`] rows or [`NR`] columns, `ld` int16 a row or column (`k` rounded up
-    /// to pairs), zero past `k` and in padding rows and columns.
-    q: Vec<i16>,
     ld: usize,
     exps: Vec<i32>,
+}
+
+/// `v` holding `len` values: what it held where it did, zeros past that (a buffer reused
+/// between products, so that large ones do not map and clear fresh pages every time).
+fn sized(v: &mut Vec<i16>, len: usize) -> &mut [i16] {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+    &mut v[..len]
+}
+
+/// Buffers of one thread's products: row-major copies of transposed operands and the
+/// int16 panels.
+#[derive(Default)]
+struct Scratch {
+    ca: Vec<f32>,
+    cb: Vec<f32>,
+    qa: Vec<i16>,
+    qb: Vec<i16>,
+}
+
+thread_local! {
+    /// Taken out while a product runs (so a product inside another allocates its own).
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// The largest magnitude of `x`, or `None` where it holds an infinity or a NaN.
@@ -184,10 +208,10 @@ unsafe fn quantize_row(x: &[f32], s: f32, dst: &mut [i16]) {
 ///
 /// # Safety
 /// `a` must address `m × k` floats with `cs == 1`.
-unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize)) -> Option<Quantized> {
+unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), buf: &mut Vec<i16>) -> Option<Quantized> {
     let pairs = k.div_ceil(2);
     let panels = m.div_ceil(MR);
-    let mut q = vec![0i16; panels * MR * 2 * pairs];
+    let q = sized(buf, panels * MR * 2 * pairs);
     let mut exps = vec![0i32; m];
     struct P(*const f32);
     unsafe impl Send for P {}
@@ -219,7 +243,6 @@ unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize)) -> Option<Quantized> {
             true
         });
     ok.then_some(Quantized {
-        q,
         ld: 2 * pairs,
         exps,
     })
@@ -231,7 +254,7 @@ unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize)) -> Option<Quantized> {
 ///
 /// # Safety
 /// `b` must address `k × n` floats with `cs == 1`.
-unsafe fn pack_columns(b: Mat, (k, n): (usize, usize)) -> Option<Quantized> {
+unsafe fn pack_columns(b: Mat, (k, n): (usize, usize), buf: &mut Vec<i16>) -> Option<Quantized> {
     let pairs = k.div_ceil(2);
     let panels = n.div_ceil(NR);
     struct P(*const f32);
@@ -261,7 +284,7 @@ unsafe fn pack_columns(b: Mat, (k, n): (usize, usize)) -> Option<Quantized> {
     }
     let exps: Vec<i32> = maxima.iter().map(|&m| exponent(m)).collect();
     let ld = 2 * pairs;
-    let mut q = vec![0i16; panels * NR * ld];
+    let q = sized(buf, panels * NR * ld);
     q.par_chunks_mut(NR * ld)
         .enumerate()
         .for_each(|(t, panel)| {
@@ -291,7 +314,7 @@ unsafe fn pack_columns(b: Mat, (k, n): (usize, usize)) -> Option<Quantized> {
                 }
             }
         });
-    Some(Quantized { q, ld, exps })
+    Some(Quantized { ld, exps })
 }
 
 /// 16 columns of two rows of `b`, scaled and rounded, as 16 int32 lanes of int16 pairs.
@@ -494,22 +517,36 @@ pub(crate) unsafe fn gemm(
     if m == 0 || n == 0 || k == 0 {
         return f32_product();
     }
+    let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    // SAFETY: as the caller's.
+    let done = unsafe { quantized((m, k, n), dst, ld, (a, b), read_dst, &mut scratch) };
+    SCRATCH.with(|s| *s.borrow_mut() = scratch);
+    if done.is_none() {
+        f32_product();
+    }
+}
+
+/// [`gemm`] with `scratch`'s buffers; `None`, with nothing written, where the operands'
+/// strides or values send the product to the f32 kernel.
+///
+/// # Safety
+/// As [`gemm`]'s.
+unsafe fn quantized(
+    (m, k, n): (usize, usize, usize),
+    dst: *mut f32,
+    ld: isize,
+    (a, b): (Mat, Mat),
+    read_dst: bool,
+    scratch: &mut Scratch,
+) -> Option<()> {
     // Row-major copies of operands stored transposed.
-    let (mut ca, mut cb) = (Vec::new(), Vec::new());
     // SAFETY: the operands address their elements (the caller's contract).
-    let Some(a) = (unsafe { row_major(a, (m, k), &mut ca) }) else {
-        return f32_product();
-    };
-    let Some(b) = (unsafe { row_major(b, (k, n), &mut cb) }) else {
-        return f32_product();
-    };
+    let a = unsafe { row_major(a, (m, k), &mut scratch.ca) }?;
+    let b = unsafe { row_major(b, (k, n), &mut scratch.cb) }?;
     // SAFETY: `a` and `b` are row-major, addressing their elements.
-    let (Some(qa), Some(qb)) = (unsafe { quantize_rows(a, (m, k)) }, unsafe {
-        pack_columns(b, (k, n))
-    }) else {
-        return f32_product();
-    };
-    drop((ca, cb));
+    let qa = unsafe { quantize_rows(a, (m, k), &mut scratch.qa) }?;
+    let qb = unsafe { pack_columns(b, (k, n), &mut scratch.qb) }?;
+    let (qa_buf, qb_buf) = (&scratch.qa, &scratch.qb);
     let pairs = k.div_ceil(2);
     let panels = n.div_ceil(NR);
     let inv_a: Vec<f32> = qa.exps.iter().map(|&e| pow2(-e)).collect();
@@ -528,7 +565,7 @@ pub(crate) unsafe fn gemm(
                 let out = &out;
                 let j0 = t * NR;
                 let w = NR.min(n - j0);
-                let panel = &qb.q[t * NR * qb.ld..(t + 1) * NR * qb.ld];
+                let panel = &qb_buf[t * NR * qb.ld..(t + 1) * NR * qb.ld];
                 let mut acc = [0f32; 96];
                 for r0 in (i0..i1).step_by(MR) {
                     let rows = MR.min(i1 - r0);
@@ -536,7 +573,7 @@ pub(crate) unsafe fn gemm(
                     // pairs); the panel holds `pairs` lanes; the CPU has AVX2.
                     unsafe {
                         tile(
-                            qa.q.as_ptr().add(r0 * qa.ld),
+                            qa_buf.as_ptr().add(r0 * qa.ld),
                             panel.as_ptr(),
                             (p0, p1),
                             &mut acc,
@@ -558,6 +595,7 @@ pub(crate) unsafe fn gemm(
             }
         }
     }
+    Some(())
 }
 
 /// `x` (`rows × cols`) as a row-major matrix: itself where `cs == 1`, a transposed copy
