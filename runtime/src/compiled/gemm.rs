@@ -563,24 +563,6 @@ unsafe fn transpose_into(
     }
 }
 
-/// `dst[i·cols + j] = src[i + j·cs]`: a row-major copy of a `rows × cols` matrix stored
-/// transposed, row blocks in parallel.
-///
-/// # Safety
-/// As `transpose_into`'s, for `k = rows`, `n = cols`.
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) unsafe fn transpose_rows(
-    src: *const f32,
-    cs: isize,
-    rows: usize,
-    cols: usize,
-    dst: *mut f32,
-) {
-    let par = parallelism(rows * cols);
-    // SAFETY: as the caller's.
-    unsafe { transpose_into(src, cs, rows, cols, dst, &par) }
-}
-
 /// Rows and columns of `transpose_into`'s tiles.
 const TILE: usize = 64;
 

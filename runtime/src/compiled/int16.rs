@@ -104,12 +104,9 @@ fn sized(v: &mut Vec<i16>, len: usize) -> &mut [i16] {
     &mut v[..len]
 }
 
-/// Buffers of one thread's products: row-major copies of transposed operands and the
-/// int16 panels.
+/// Buffers of one thread's products: the operands' int16 panels.
 #[derive(Default)]
 struct Scratch {
-    ca: Vec<f32>,
-    cb: Vec<f32>,
     qa: Vec<i16>,
     qb: Vec<i16>,
 }
@@ -200,44 +197,55 @@ unsafe fn quantize_row(x: &[f32], s: f32, dst: &mut [i16]) {
     }
 }
 
-/// `a` (row-major: `cs == 1`) in panels of [`MR`] rows: for each pair `p` of columns
-/// (`2p`, `2p + 1`), 6 int32 lanes of `(a[i][2p], a[i][2p+1])` as int16, low half first
-/// (a row's pairs are its int16 values in order); `ld` int16 a row of a panel, the rows
-/// padded with zeros to whole panels. With the rows' exponents; `None` where a row holds
-/// an infinity or a NaN.
+/// The rows of `x` (`rows × k`: row `i` the `k` floats at `x.ptr + i·x.rs`) in panels of
+/// `W` rows: for each pair `p` of columns (`2p`, `2p + 1`), `W` int32 lanes of
+/// `(x[i][2p], x[i][2p+1])` as int16, low half first (a row's pairs are its int16 values
+/// in order); `ld = 2·⌈k/2⌉` int16 a row of a panel. With the rows' exponents; `None`
+/// where a row holds an infinity or a NaN. `a`'s rows as the kernel's panels of [`MR`]
+/// rows, or `b`'s columns, where `b` is stored transposed, as its panels of [`NR`].
 ///
 /// # Safety
-/// `a` must address `m × k` floats with `cs == 1`.
-unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), buf: &mut Vec<i16>) -> Option<Quantized> {
+/// `x` must address its `rows` rows of `k` floats.
+unsafe fn quantize_rows<const W: usize>(
+    x: Mat,
+    (rows, k): (usize, usize),
+    buf: &mut Vec<i16>,
+) -> Option<Quantized> {
     let pairs = k.div_ceil(2);
-    let panels = m.div_ceil(MR);
-    let q = sized(buf, panels * MR * 2 * pairs);
-    let mut exps = vec![0i32; m];
+    let panels = rows.div_ceil(W);
+    let q = sized(buf, panels * W * 2 * pairs);
+    let mut exps = vec![0i32; rows];
     struct P(*const f32);
     unsafe impl Send for P {}
     unsafe impl Sync for P {}
-    let base = P(a.ptr);
+    let base = P(x.ptr);
     let ok = q
-        .par_chunks_mut(MR * 2 * pairs)
-        .zip(exps.par_chunks_mut(MR))
+        .par_chunks_mut(W * 2 * pairs)
+        .zip(exps.par_chunks_mut(W))
         .enumerate()
         .all(|(t, (panel, exps))| {
             let base = &base;
             let mut row = vec![0i16; 2 * pairs];
             for (r, e) in exps.iter_mut().enumerate() {
-                let i = t * MR + r;
-                // SAFETY: row `i < m` of `a` holds `k` floats (the caller's contract).
-                let x = unsafe { std::slice::from_raw_parts(base.0.offset(i as isize * a.rs), k) };
+                let i = t * W + r;
+                // SAFETY: row `i < rows` holds `k` floats (the caller's contract).
+                let v = unsafe { std::slice::from_raw_parts(base.0.offset(i as isize * x.rs), k) };
                 // SAFETY: the CPU has AVX2 (checked before the kernel was set).
-                let Some(max) = (unsafe { max_abs(x) }) else {
+                let Some(max) = (unsafe { max_abs(v) }) else {
                     return false;
                 };
                 *e = exponent(max);
-                unsafe { quantize_row(x, pow2(*e), &mut row) };
-                for (p, v) in row.chunks_exact(2).enumerate() {
-                    let at = 2 * (MR * p + r);
-                    panel[at] = v[0];
-                    panel[at + 1] = v[1];
+                // SAFETY: as above; `row` holds `k` int16 and more (its pad stays zero).
+                unsafe { quantize_row(v, pow2(*e), &mut row) };
+                // Each pair as one int32, into lane `r` of its pair's `W` lanes.
+                let (src, dst) = (row.as_ptr() as *const i32, panel.as_mut_ptr() as *mut i32);
+                for p in 0..pairs {
+                    // SAFETY: pair `p < pairs` of `row`; lane `r < W` of pair `p` of the
+                    // panel (`W · pairs` lanes).
+                    unsafe {
+                        dst.add(W * p + r)
+                            .write_unaligned(src.add(p).read_unaligned())
+                    };
                 }
             }
             true
@@ -248,28 +256,36 @@ unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), buf: &mut Vec<i16>) -> O
     })
 }
 
-/// `b` (row-major: `cs == 1`) in panels of [`NR`] columns: for each pair `p` of rows
-/// (`2p`, `2p + 1`), 16 int32 lanes of `(b[2p][j], b[2p+1][j])` as int16, low half first;
-/// with the columns' exponents. `None` where a column holds an infinity or a NaN.
+/// The columns of `x` (`k × cols`: row `p` the `cols` floats at `x.ptr + p·x.rs`) in
+/// panels of `W` columns: for each pair `p` of rows (`2p`, `2p + 1`), `W` int32 lanes of
+/// `(x[2p][j], x[2p+1][j])` as int16, low half first; `ld = 2·⌈k/2⌉` int16 a column of a
+/// panel. With the columns' exponents; `None` where a column holds an infinity or a NaN.
+/// `b`'s columns as the kernel's panels of [`NR`], or `a`'s rows, where `a` is stored
+/// transposed, as its panels of [`MR`].
 ///
 /// # Safety
-/// `b` must address `k × n` floats with `cs == 1`.
-unsafe fn pack_columns(b: Mat, (k, n): (usize, usize), buf: &mut Vec<i16>) -> Option<Quantized> {
+/// `x` must address its `k` rows of `cols` floats.
+unsafe fn pack_columns<const W: usize>(
+    x: Mat,
+    (k, cols): (usize, usize),
+    buf: &mut Vec<i16>,
+) -> Option<Quantized> {
+    const { assert!(W <= NR) };
     let pairs = k.div_ceil(2);
-    let panels = n.div_ceil(NR);
+    let panels = cols.div_ceil(W);
     struct P(*const f32);
     unsafe impl Send for P {}
     unsafe impl Sync for P {}
-    let base = P(b.ptr);
+    let base = P(x.ptr);
     let row = |p: usize| -> &[f32] {
         let base = &base;
-        // SAFETY: row `p < k` of `b` holds `n` floats (the caller's contract).
-        unsafe { std::slice::from_raw_parts(base.0.offset(p as isize * b.rs), n) }
+        // SAFETY: row `p < k` holds `cols` floats (the caller's contract).
+        unsafe { std::slice::from_raw_parts(base.0.offset(p as isize * x.rs), cols) }
     };
     // Each strip's largest magnitudes, one row after another (a column's maximum is the
     // same whatever the order).
     const STRIP: usize = 256;
-    let mut maxima = vec![0f32; n];
+    let mut maxima = vec![0f32; cols];
     let ok = maxima.par_chunks_mut(STRIP).enumerate().all(|(s, max)| {
         let j0 = s * STRIP;
         let mut bad = [0f32; STRIP];
@@ -284,54 +300,69 @@ unsafe fn pack_columns(b: Mat, (k, n): (usize, usize), buf: &mut Vec<i16>) -> Op
     }
     let exps: Vec<i32> = maxima.iter().map(|&m| exponent(m)).collect();
     let ld = 2 * pairs;
-    let q = sized(buf, panels * NR * ld);
-    q.par_chunks_mut(NR * ld)
-        .enumerate()
-        .for_each(|(t, panel)| {
-            let j0 = t * NR;
-            let w = NR.min(n - j0);
-            let mut s = [0f32; NR];
-            for (s, &e) in s.iter_mut().zip(&exps[j0..j0 + w]) {
-                *s = pow2(e);
-            }
-            let zeros = [0f32; NR];
-            for p in 0..pairs {
-                let even = &row(2 * p)[j0..j0 + w];
-                let odd = if 2 * p + 1 < k {
-                    &row(2 * p + 1)[j0..j0 + w]
-                } else {
-                    &zeros[..w]
-                };
-                let lanes = &mut panel[p * 2 * NR..(p + 1) * 2 * NR];
-                if w == NR {
-                    // SAFETY: 16 floats each, 32 int16 lanes; the CPU has AVX2.
-                    unsafe { pair_lanes(even, odd, &s, lanes) };
-                } else {
-                    for j in 0..w {
-                        lanes[2 * j] = (even[j] * s[j]).round_ties_even() as i16;
-                        lanes[2 * j + 1] = (odd[j] * s[j]).round_ties_even() as i16;
-                    }
+    let q = sized(buf, panels * W * ld);
+    q.par_chunks_mut(W * ld).enumerate().for_each(|(t, panel)| {
+        let j0 = t * W;
+        let w = W.min(cols - j0);
+        let mut s = [0f32; NR];
+        for (s, &e) in s.iter_mut().zip(&exps[j0..j0 + w]) {
+            *s = pow2(e);
+        }
+        let zeros = [0f32; NR];
+        for p in 0..pairs {
+            let even = &row(2 * p)[j0..j0 + w];
+            let odd = if 2 * p + 1 < k {
+                &row(2 * p + 1)[j0..j0 + w]
+            } else {
+                &zeros[..w]
+            };
+            let lanes = &mut panel[p * 2 * W..(p + 1) * 2 * W];
+            if w == W && (W == NR || W == MR) {
+                // SAFETY: `W` floats each, `2W` int16 lanes; the CPU has AVX2.
+                unsafe { pair_lanes(even, odd, &s, lanes) };
+            } else {
+                for j in 0..w {
+                    lanes[2 * j] = (even[j] * s[j]).round_ties_even() as i16;
+                    lanes[2 * j + 1] = (odd[j] * s[j]).round_ties_even() as i16;
                 }
             }
-        });
+        }
+    });
     Some(Quantized { ld, exps })
 }
 
-/// 16 columns of two rows of `b`, scaled and rounded, as 16 int32 lanes of int16 pairs.
+/// `W = even.len()` (16 or 6) columns of two rows, scaled by `s` and rounded, as `W`
+/// int32 lanes of int16 pairs.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn pair_lanes(even: &[f32], odd: &[f32], s: &[f32; NR], lanes: &mut [i16]) {
-    debug_assert!(even.len() == NR && odd.len() == NR && lanes.len() == 2 * NR);
+    let w = even.len();
+    debug_assert!((w == NR || w == MR) && odd.len() == w && lanes.len() == 2 * w);
     let low = _mm256_set1_epi32(0xffff);
-    for h in 0..2 {
-        // SAFETY: 8 floats at `8h` of each; 16 int16 at `16h` of `lanes`.
+    // Eight lanes at `8h`: all of them, or the first six.
+    let mut lanes8 = |h: usize, mask: Option<__m256i>| {
+        // SAFETY: 8 (or, masked, 6) floats at `8h` of each; as many int32 at `16h` int16
+        // of `lanes`.
         unsafe {
+            let load = |v: &[f32]| match mask {
+                None => _mm256_loadu_ps(v.as_ptr().add(8 * h)),
+                Some(m) => _mm256_maskload_ps(v.as_ptr().add(8 * h), m),
+            };
             let sv = _mm256_loadu_ps(s.as_ptr().add(8 * h));
-            let x =
-                _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(even.as_ptr().add(8 * h)), sv));
-            let y = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(odd.as_ptr().add(8 * h)), sv));
+            let x = _mm256_cvtps_epi32(_mm256_mul_ps(load(even), sv));
+            let y = _mm256_cvtps_epi32(_mm256_mul_ps(load(odd), sv));
             let v = _mm256_or_si256(_mm256_and_si256(x, low), _mm256_slli_epi32::<16>(y));
-            _mm256_storeu_si256(lanes.as_mut_ptr().add(16 * h) as *mut __m256i, v);
+            let at = lanes.as_mut_ptr().add(16 * h) as *mut i32;
+            match mask {
+                None => _mm256_storeu_si256(at as *mut __m256i, v),
+                Some(m) => _mm256_maskstore_epi32(at, m, v),
+            }
         }
+    };
+    if w == NR {
+        lanes8(0, None);
+        lanes8(1, None);
+    } else {
+        lanes8(0, Some(_mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0)));
     }
 }
 
@@ -539,13 +570,30 @@ unsafe fn quantized(
     read_dst: bool,
     scratch: &mut Scratch,
 ) -> Option<()> {
-    // Row-major copies of operands stored transposed.
-    // SAFETY: the operands address their elements (the caller's contract).
-    let a = unsafe { row_major(a, (m, k), &mut scratch.ca) }?;
-    let b = unsafe { row_major(b, (k, n), &mut scratch.cb) }?;
-    // SAFETY: `a` and `b` are row-major, addressing their elements.
-    let qa = unsafe { quantize_rows(a, (m, k), &mut scratch.qa) }?;
-    let qb = unsafe { pack_columns(b, (k, n), &mut scratch.qb) }?;
+    // `x` read with the row stride `rs` (its other stride 1, or unused).
+    let rows = |x: Mat, rs: isize| Mat {
+        ptr: x.ptr,
+        rs,
+        cs: 1,
+    };
+    // `a`'s rows from its rows where they are contiguous, else from the columns of the
+    // matrix it is the transpose of; `b`'s columns likewise. SAFETY (all four): the
+    // operands address their elements (the caller's contract), read with the strides
+    // given here.
+    let qa = if a.cs == 1 || k == 1 {
+        unsafe { quantize_rows::<MR>(rows(a, a.rs), (m, k), &mut scratch.qa) }
+    } else if a.rs == 1 || m == 1 {
+        unsafe { pack_columns::<MR>(rows(a, a.cs), (k, m), &mut scratch.qa) }
+    } else {
+        None
+    }?;
+    let qb = if b.cs == 1 || n == 1 {
+        unsafe { pack_columns::<NR>(rows(b, b.rs), (k, n), &mut scratch.qb) }
+    } else if b.rs == 1 || k == 1 {
+        unsafe { quantize_rows::<NR>(rows(b, b.cs), (n, k), &mut scratch.qb) }
+    } else {
+        None
+    }?;
     let (qa_buf, qb_buf) = (&scratch.qa, &scratch.qb);
     let pairs = k.div_ceil(2);
     let panels = n.div_ceil(NR);
@@ -596,43 +644,6 @@ unsafe fn quantized(
         }
     }
     Some(())
-}
-
-/// `x` (`rows × cols`) as a row-major matrix: itself where `cs == 1`, a transposed copy
-/// into `buf` where `rs == 1`; `None` for other strides.
-///
-/// # Safety
-/// `x` must address its elements.
-unsafe fn row_major(x: Mat, (rows, cols): (usize, usize), buf: &mut Vec<f32>) -> Option<Mat> {
-    if x.cs == 1 || cols == 1 {
-        return Some(Mat {
-            ptr: x.ptr,
-            rs: x.rs,
-            cs: 1,
-        });
-    }
-    if x.rs != 1 && rows != 1 {
-        return None;
-    }
-    if rows == 1 {
-        buf.clear();
-        // SAFETY: the row's elements are addressed.
-        buf.extend((0..cols).map(|j| unsafe { *x.ptr.offset(j as isize * x.cs) }));
-    } else {
-        buf.clear();
-        buf.reserve(rows * cols);
-        // SAFETY: `x(i, j)` at `i + j·cs`; `buf` has room for `rows·cols` floats, each
-        // written once before `set_len`.
-        unsafe {
-            super::gemm::transpose_rows(x.ptr, x.cs, rows, cols, buf.as_mut_ptr());
-            buf.set_len(rows * cols);
-        }
-    }
-    Some(Mat {
-        ptr: buf.as_ptr(),
-        rs: cols as isize,
-        cs: 1,
-    })
 }
 
 #[cfg(test)]
