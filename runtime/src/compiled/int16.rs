@@ -366,6 +366,31 @@ unsafe fn pair_lanes(even: &[f32], odd: &[f32], s: &[f32; NR], lanes: &mut [i16]
     }
 }
 
+/// One row of [`tile_sums`]' loop: the row's pair (at byte `$at` of the pair's 24)
+/// broadcast into `ymm2`, multiplied with `b`'s two vectors (`ymm0`, `ymm1`) and added to
+/// the row's accumulators `ymm$lo` and `ymm$hi`.
+macro_rules! row {
+    ($at:literal, $lo:literal, $hi:literal) => {
+        concat!(
+            "vpbroadcastd ymm2, dword ptr [{a} + ",
+            $at,
+            "]\n",
+            "vpmaddwd ymm3, ymm2, ymm0\n",
+            "vpaddd ymm",
+            $lo,
+            ", ymm",
+            $lo,
+            ", ymm3\n",
+            "vpmaddwd ymm3, ymm2, ymm1\n",
+            "vpaddd ymm",
+            $hi,
+            ", ymm",
+            $hi,
+            ", ymm3",
+        )
+    };
+}
+
 /// The int32 sums of one 6 × 16 tile over `pairs ≥ 1` pairs: the rows' pairs at `a` (6
 /// pairs, 24 bytes, a pair of columns), the panel's at `b` (64 bytes a pair);
 /// `out[16r + j]`.
@@ -394,36 +419,12 @@ unsafe fn tile_sums(a: *const i16, b: *const i16, pairs: usize, out: &mut [i32; 
             "2:",
             "vmovdqu ymm0, [{b}]",
             "vmovdqu ymm1, [{b} + 32]",
-            "vpbroadcastd ymm2, dword ptr [{a}]",
-            "vpmaddwd ymm3, ymm2, ymm0",
-            "vpaddd ymm4, ymm4, ymm3",
-            "vpmaddwd ymm3, ymm2, ymm1",
-            "vpaddd ymm5, ymm5, ymm3",
-            "vpbroadcastd ymm2, dword ptr [{a} + 4]",
-            "vpmaddwd ymm3, ymm2, ymm0",
-            "vpaddd ymm6, ymm6, ymm3",
-            "vpmaddwd ymm3, ymm2, ymm1",
-            "vpaddd ymm7, ymm7, ymm3",
-            "vpbroadcastd ymm2, dword ptr [{a} + 8]",
-            "vpmaddwd ymm3, ymm2, ymm0",
-            "vpaddd ymm8, ymm8, ymm3",
-            "vpmaddwd ymm3, ymm2, ymm1",
-            "vpaddd ymm9, ymm9, ymm3",
-            "vpbroadcastd ymm2, dword ptr [{a} + 12]",
-            "vpmaddwd ymm3, ymm2, ymm0",
-            "vpaddd ymm10, ymm10, ymm3",
-            "vpmaddwd ymm3, ymm2, ymm1",
-            "vpaddd ymm11, ymm11, ymm3",
-            "vpbroadcastd ymm2, dword ptr [{a} + 16]",
-            "vpmaddwd ymm3, ymm2, ymm0",
-            "vpaddd ymm12, ymm12, ymm3",
-            "vpmaddwd ymm3, ymm2, ymm1",
-            "vpaddd ymm13, ymm13, ymm3",
-            "vpbroadcastd ymm2, dword ptr [{a} + 20]",
-            "vpmaddwd ymm3, ymm2, ymm0",
-            "vpaddd ymm14, ymm14, ymm3",
-            "vpmaddwd ymm3, ymm2, ymm1",
-            "vpaddd ymm15, ymm15, ymm3",
+            row!("0", "4", "5"),
+            row!("4", "6", "7"),
+            row!("8", "8", "9"),
+            row!("12", "10", "11"),
+            row!("16", "12", "13"),
+            row!("20", "14", "15"),
             "add {a}, 24",
             "add {b}, 64",
             "dec {n}",

@@ -213,8 +213,8 @@ impl Bf16Kernel {
     }
 
     /// The kernel `KILN_CPU_BF16` names: `amx` the tiles, `dot` `VDPBF16PS`, `fp16`
-    /// `VFMADD231PH`, `int16` `VPMADDWD` (each where the CPU has it, even where it is slower than f32: for
-    /// measuring), anything else the [best](Bf16Kernel::best).
+    /// `VFMADD231PH`, `int16` `VPMADDWD` (each where the CPU has it, even where it is
+    /// slower than f32: for measuring), anything else the [best](Bf16Kernel::best).
     pub fn chosen() -> Result<Bf16Kernel, String> {
         let named = |kernel: Bf16Kernel| {
             kernel
@@ -249,7 +249,8 @@ fn int16_faster_than_f32() -> Result<(), &'static str> {
 }
 
 /// `c[m × n] = a[m × k]·b[k × n]` (row-major, contiguous) with the operands rounded to
-/// bf16 and the sums in f32, with `kernel`'s instructions: the products that
+/// bf16 and the sums in f32 (scaled into fp16 or int16 for those kernels), with `kernel`'s
+/// instructions: the products that
 /// `KILN_CPU_BF16=1` runs (see [`Compiled::set_bf16_products`]), for benchmarks and for
 /// users' own products. An error where the CPU cannot run the kernel, or where a slice's
 /// length is not its matrix's.
