@@ -558,6 +558,31 @@ pub(crate) unsafe fn gemm(
     }
 }
 
+/// The kernel's panels of `W` lines of `k` values: line `i`'s value `p` at
+/// `ptr + i·line + p·step`. From the lines where their values are contiguous
+/// ([`quantize_rows`]), else from the rows of the matrix they are the columns of
+/// ([`pack_columns`]); `None` for other strides, or where a line holds an infinity or a
+/// NaN.
+///
+/// # Safety
+/// `ptr` must address every value at those strides.
+unsafe fn panels<const W: usize>(
+    ptr: *const f32,
+    (line, step): (isize, isize),
+    (lines, k): (usize, usize),
+    buf: &mut Vec<i16>,
+) -> Option<Quantized> {
+    let rows = |rs: isize| Mat { ptr, rs, cs: 1 };
+    // SAFETY (both): as the caller's, read with the strides given here.
+    if step == 1 || k == 1 {
+        unsafe { quantize_rows::<W>(rows(line), (lines, k), buf) }
+    } else if line == 1 || lines == 1 {
+        unsafe { pack_columns::<W>(rows(step), (k, lines), buf) }
+    } else {
+        None
+    }
+}
+
 /// [`gemm`] with `scratch`'s buffers; `None`, with nothing written, where the operands'
 /// strides or values send the product to the f32 kernel.
 ///
@@ -571,30 +596,10 @@ unsafe fn quantized(
     read_dst: bool,
     scratch: &mut Scratch,
 ) -> Option<()> {
-    // `x` read with the row stride `rs` (its other stride 1, or unused).
-    let rows = |x: Mat, rs: isize| Mat {
-        ptr: x.ptr,
-        rs,
-        cs: 1,
-    };
-    // `a`'s rows from its rows where they are contiguous, else from the columns of the
-    // matrix it is the transpose of; `b`'s columns likewise. SAFETY (all four): the
-    // operands address their elements (the caller's contract), read with the strides
-    // given here.
-    let qa = if a.cs == 1 || k == 1 {
-        unsafe { quantize_rows::<MR>(rows(a, a.rs), (m, k), &mut scratch.qa) }
-    } else if a.rs == 1 || m == 1 {
-        unsafe { pack_columns::<MR>(rows(a, a.cs), (k, m), &mut scratch.qa) }
-    } else {
-        None
-    }?;
-    let qb = if b.cs == 1 || n == 1 {
-        unsafe { pack_columns::<NR>(rows(b, b.rs), (k, n), &mut scratch.qb) }
-    } else if b.rs == 1 || k == 1 {
-        unsafe { quantize_rows::<NR>(rows(b, b.cs), (n, k), &mut scratch.qb) }
-    } else {
-        None
-    }?;
+    // SAFETY (both): the operands address their elements (the caller's contract).
+    // `a`'s lines are its rows (a line's values `a.cs` apart), `b`'s its columns.
+    let qa = unsafe { panels::<MR>(a.ptr, (a.rs, a.cs), (m, k), &mut scratch.qa) }?;
+    let qb = unsafe { panels::<NR>(b.ptr, (b.cs, b.rs), (n, k), &mut scratch.qb) }?;
     let (qa_buf, qb_buf) = (&scratch.qa, &scratch.qb);
     let pairs = k.div_ceil(2);
     let panels = n.div_ceil(NR);
