@@ -1193,11 +1193,6 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
             (out, exec.bias_grad_counts())
         };
         let (fused, counts) = run(false);
-        if kernel == Bf16Kernel::Int16 {
-            // Its products run on their own: every bias gradient by `sum_rows`.
-            assert_eq!(counts, (0, 96), "{kernel:?}: by sum_rows");
-            continue;
-        }
         assert_eq!(counts, (96, 0), "{kernel:?}: summed by the products");
         let (separate, counts) = run(true);
         assert_eq!(counts, (0, 96), "{kernel:?}: separate");
@@ -1306,10 +1301,7 @@ fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
                 };
                 let what = format!("{kernel:?} {entry} packed {}", version.is_some());
                 let (grouped, counts) = run(false);
-                let want = if kernel == Bf16Kernel::Int16 {
-                    // Its products run on their own.
-                    (0, 0)
-                } else if entry == "forward" {
+                let want = if entry == "forward" {
                     (18, 48)
                 } else {
                     (27, 74)
@@ -1366,14 +1358,10 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
                 "{kernel:?}: run {run} on a fixed version differs"
             );
             let (count, bytes) = exec.packed_weights();
-            if kernel == Bf16Kernel::Int16 {
-                // Its products quantize their operands as they run.
-                assert_eq!((count, bytes), (0, 0), "{kernel:?}: after run {run}");
-                continue;
-            }
             assert_eq!(count, 97, "{kernel:?}: after run {run}");
-            // 16 bits with the panels' padding (k to 32, n to 32 columns) and, in fp16,
-            // the columns' scales: at least two bytes an element, and little more.
+            // 16 bits with the panels' padding (k to 32, n to 32 columns; int16: k to
+            // pairs, n to 16 columns) and, in fp16 and int16, the columns' scales: at
+            // least two bytes an element, and little more.
             assert!(
                 bytes >= 2 * elements && bytes < 2 * elements + 2 * elements / 10,
                 "{kernel:?}: {bytes} bytes packed for {elements} elements"

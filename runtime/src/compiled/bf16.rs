@@ -1016,7 +1016,8 @@ impl Out {
 /// A right operand `[k, n]` packed once (every column panel, as a shared right operand is
 /// packed in [`gemm`]) for `kernel`'s products, for the products that read it while it
 /// is unchanged: an inference program's weights (see `Compiled::packed_weight`). The same
-/// 16-bit values as packing it for each product, so the same bits.
+/// 16-bit values as packing it for each product, so the same bits. For
+/// [`Kernel::Int16`], its int16 panels ([`super::int16::Panels`]) instead.
 pub(crate) struct PackedRhs {
     k: usize,
     n: usize,
@@ -1025,15 +1026,29 @@ pub(crate) struct PackedRhs {
     /// With `half`, the columns' `1 / s` (see [`fp16_scale`]), padded to the panels.
     unscale: Vec<f32>,
     lines: Vec<Line>,
+    /// For [`Kernel::Int16`]: its panels, or `None` where `b` cannot be quantized (a
+    /// column holding an infinity or a NaN: its products read it as it is).
+    int16: Option<Option<super::int16::Panels>>,
 }
 
 impl PackedRhs {
     /// Packs `b` (`k × n`) for `kernel` over rayon's threads.
     ///
     /// # Safety
-    /// The kernel's check must have returned `Ok` (they check AVX-512BW); `b` must
-    /// address `k × n` valid elements.
+    /// The kernel's check must have returned `Ok` (they check AVX-512BW, or AVX2 for
+    /// int16); `b` must address `k × n` valid elements.
     pub(crate) unsafe fn new(kernel: Kernel, (k, n): (usize, usize), b: Mat) -> PackedRhs {
+        if kernel.is_int16() {
+            return PackedRhs {
+                k,
+                n,
+                half: false,
+                unscale: Vec::new(),
+                lines: Vec::new(),
+                // SAFETY: as the caller's.
+                int16: Some(unsafe { super::int16::Panels::new(b, (k, n)) }),
+            };
+        }
         let half = kernel == Kernel::Half;
         let panel = k.div_ceil(TK).max(1) * TILE;
         let mut buf = Vec::new();
@@ -1046,17 +1061,30 @@ impl PackedRhs {
             half,
             unscale,
             lines: buf,
+            int16: None,
         }
     }
 
-    /// Whether it is a packed `[k, n]` operand for `kernel`.
+    /// Whether it is a packed `[k, n]` operand for `kernel` (an int16 one only where
+    /// its panels were made).
     pub(crate) fn is(&self, kernel: Kernel, (k, n): (usize, usize)) -> bool {
-        (self.k, self.n, self.half) == (k, n, kernel == Kernel::Half)
+        let packing = match &self.int16 {
+            Some(panels) => kernel.is_int16() && panels.is_some(),
+            None => !kernel.is_int16() && self.half == (kernel == Kernel::Half),
+        };
+        (self.k, self.n) == (k, n) && packing
+    }
+
+    /// Its int16 panels, where it was packed for [`Kernel::Int16`].
+    pub(crate) fn int16(&self) -> Option<&super::int16::Panels> {
+        self.int16.as_ref()?.as_ref()
     }
 
     /// Its size in bytes.
     pub(crate) fn bytes(&self) -> usize {
-        self.lines.len() * std::mem::size_of::<Line>() + self.unscale.len() * 4
+        self.lines.len() * std::mem::size_of::<Line>()
+            + self.unscale.len() * 4
+            + self.int16().map_or(0, |p| p.bytes())
     }
 
     /// The packed panels.
@@ -1232,7 +1260,9 @@ unsafe fn finish_block(c: *mut f32, ld: isize, (h, w): (usize, usize), j: usize,
 #[derive(Clone, Copy)]
 pub(crate) enum Rhs<'a> {
     Mat(Mat),
-    Packed(&'a PackedRhs),
+    /// Packed beforehand, with the matrix it was packed from (read by the int16 products
+    /// where the other operand sends them to the f32 kernel).
+    Packed(&'a PackedRhs, Mat),
 }
 
 /// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, then the
@@ -1241,11 +1271,12 @@ pub(crate) enum Rhs<'a> {
 /// rayon's threads: bf16 for the tiles and `VDPBF16PS`; fp16 for `VFMADD231PH`, each row
 /// of `a` and column of `b` scaled by a power of two first ([`fp16_scale`]) and the
 /// sums of every [`FLUSH_TILES`] · 16 terms in fp16. Where `sums` asks, also `b`'s
-/// [`ColumnSums`], each column's by the task that packs it.
+/// [`ColumnSums`], each column's by the task that packs it. [`Kernel::Int16`]'s products
+/// are [`super::int16::gemm`]'s (and [`gemm_group`]'s, `super::int16::gemm_group`'s).
 ///
 /// # Safety
-/// The kernel's check ([`tiles_available`], [`dot_available`], [`half_available`]) must
-/// have returned `Ok`; every element the matrices address must be valid; `dst` must not
+/// The kernel's check ([`tiles_available`], [`dot_available`], [`half_available`], or
+/// int16's) must have returned `Ok`; every element the matrices address must be valid; `dst` must not
 /// overlap `a`, `b`; a bias must hold `n` values; with `sums`, `b` must be a row-major
 /// [`Rhs::Mat`] (`cs == 1`) and [`column_sums`]' conditions must hold.
 #[allow(clippy::too_many_arguments)]
@@ -1260,6 +1291,10 @@ pub(crate) unsafe fn gemm(
     epilogue: Epilogue,
     sums: Option<ColumnSums>,
 ) {
+    if kernel.is_int16() {
+        // SAFETY: as the caller's.
+        return unsafe { super::int16::gemm((m, k, n), dst, ld, a, b, read_dst, epilogue, sums) };
+    }
     if sums.is_some() {
         assert!(
             matches!(b, Rhs::Mat(b) if b.cs == 1),
@@ -1273,7 +1308,7 @@ pub(crate) unsafe fn gemm(
         }
         return;
     }
-    if let Rhs::Packed(p) = b {
+    if let Rhs::Packed(p, _) = b {
         assert!(
             p.is(kernel, (k, n)),
             "a packed {}×{} operand (fp16: {}) for a {m}×{k}·{k}×{n} product with {kernel:?}",
@@ -1381,6 +1416,10 @@ pub(crate) unsafe fn gemm_group(
     a: Mat,
     members: &[Member<'_>],
 ) {
+    if kernel.is_int16() {
+        // SAFETY: as the caller's.
+        return unsafe { super::int16::gemm_group((m, k), a, members) };
+    }
     if let [one] = members {
         // SAFETY: as the caller's.
         return unsafe {
@@ -1399,7 +1438,7 @@ pub(crate) unsafe fn gemm_group(
     }
     for mb in members {
         match mb.b {
-            Rhs::Packed(p) => assert!(
+            Rhs::Packed(p, _) => assert!(
                 p.is(kernel, (k, mb.n)) && mb.sums.is_none(),
                 "a packed {}×{} operand (fp16: {}) in a group of {m}×{k} products with {kernel:?}",
                 p.k,
@@ -1531,7 +1570,7 @@ unsafe fn general(kernel: Kernel, (m, k): (usize, usize), a: Mat, members: &[Mem
         .iter()
         .zip(packed_here.iter_mut())
         .map(|(mb, here)| match (mb.b, here) {
-            (Rhs::Packed(p), _) => (p.panels(), p.unscale.as_slice()),
+            (Rhs::Packed(p, _), _) => (p.panels(), p.unscale.as_slice()),
             (_, Some((buf, unscale))) => {
                 let len = mb.n.div_ceil(T).next_multiple_of(2) * panel;
                 (&*lines(buf, len), unscale.as_slice())
@@ -2905,7 +2944,7 @@ mod tests {
                                         dst: c.as_mut_ptr(),
                                         ld: widths[q] as isize + 3,
                                         b: if q == 2 {
-                                            Rhs::Packed(&packed)
+                                            Rhs::Packed(&packed, bm[2])
                                         } else {
                                             Rhs::Mat(bm[q])
                                         },

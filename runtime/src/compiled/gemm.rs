@@ -216,13 +216,8 @@ unsafe fn product(
     packed: Option<&PackedRhs>,
 ) {
     match bf16 {
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        Some(kernel) if kernel.is_int16() && m * k * n >= BF16_MIN => {
-            // SAFETY: as the caller's; the kernel is set only after its check.
-            unsafe { super::int16::gemm((m, k, n), dst, ld, a, b, read_dst) }
-        }
         Some(kernel) if m * k * n >= BF16_MIN => {
-            let b = packed.map_or(Rhs::Mat(b), Rhs::Packed);
+            let b = packed.map_or(Rhs::Mat(b), |p| Rhs::Packed(p, b));
             let e = Epilogue::default();
             // SAFETY: as the caller's; a kernel is set only after its check.
             unsafe { super::bf16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst, e, None) }
@@ -242,7 +237,7 @@ fn one_16bit_product(
     out: &Loc,
     bf16: Option<Kernel>,
 ) -> Option<(Kernel, Mat, (usize, usize, usize))> {
-    let kernel = bf16.filter(|k| !k.is_int16())?;
+    let kernel = bf16?;
     let (sa, sb) = (a.shape(), b.shape());
     let ra = sa.len();
     if ra < 2 || sb.len() != 2 || sa[ra - 1] != sb[0] {
@@ -293,7 +288,7 @@ pub(crate) fn matmul_epilogue(
         rs: lb.strides[0] as isize,
         cs: lb.strides[1] as isize,
     };
-    let rhs = packed.map_or(Rhs::Mat(rhs), Rhs::Packed);
+    let rhs = packed.map_or(Rhs::Mat(rhs), |p| Rhs::Packed(p, rhs));
     let dst = out.base() as *mut f32;
     // SAFETY: the locations describe valid buffers of their shapes; `out` is a fresh
     // arena buffer that does not overlap the operands; a kernel is set only after its
@@ -375,7 +370,7 @@ pub(crate) fn group_epilogue(
             n,
             dst: out.base() as *mut f32,
             ld: n as isize,
-            b: packed.map_or(Rhs::Mat(rhs), Rhs::Packed),
+            b: packed.map_or(Rhs::Mat(rhs), |p| Rhs::Packed(p, rhs)),
             read_dst: false,
             epilogue,
             sums,

@@ -30,7 +30,8 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::gemm::Mat;
+use super::bf16::{Epilogue, Member, Rhs};
+use super::gemm::{ColumnSums, Mat, SUM_AXES};
 
 /// The largest magnitude after scaling.
 const LIMIT: f32 = 4095.0;
@@ -104,11 +105,12 @@ fn sized(v: &mut Vec<i16>, len: usize) -> &mut [i16] {
     &mut v[..len]
 }
 
-/// Buffers of one thread's products: the operands' int16 panels.
+/// Buffers of one thread's products: the operands' int16 panels (`b`'s, one a member of
+/// a group).
 #[derive(Default)]
 struct Scratch {
     qa: Vec<i16>,
-    qb: Vec<i16>,
+    qb: Vec<Vec<i16>>,
 }
 
 thread_local! {
@@ -146,34 +148,196 @@ unsafe fn max_abs(x: &[f32]) -> Option<f32> {
     (bads.iter().all(|b| *b == 0.0)).then_some(max)
 }
 
-/// `max[j] = max(max[j], |x[j]|)`, and `bad[j]` a NaN once an `x[j]` is an infinity or
-/// a NaN.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn max_abs_into(max: &mut [f32], bad: &mut [f32], x: &[f32]) {
-    let n = x.len().min(max.len()).min(bad.len());
-    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let n8 = n / 8 * 8;
-    let mut j = 0;
-    while j < n8 {
-        // SAFETY: `j + 8 ≤ n` for each slice.
-        unsafe {
-            let v = _mm256_loadu_ps(x.as_ptr().add(j));
-            let m = _mm256_loadu_ps(max.as_ptr().add(j));
-            let b = _mm256_loadu_ps(bad.as_ptr().add(j));
-            _mm256_storeu_ps(
-                max.as_mut_ptr().add(j),
-                _mm256_max_ps(m, _mm256_and_ps(v, abs)),
-            );
-            let b = _mm256_fmadd_ps(v, _mm256_setzero_ps(), b);
-            _mm256_storeu_ps(bad.as_mut_ptr().add(j), b);
+/// Columns [`strip_stats`] takes at a time: eight vectors.
+const STRIP: usize = 64;
+
+/// How [`strip_stats`] visits the rows of `k`: nested axes `lead` (of `axes`), the last
+/// outermost, row `Σ i_a · stride[a]`, each axis's sum from `0.0` in index order (so a
+/// column's sum is the `sum_rows` kernel's, bit for bit: see [`ColumnSums`]); or, with no
+/// sums asked, one axis of all `k` rows.
+#[derive(Clone, Copy)]
+struct Order {
+    lead: [usize; SUM_AXES],
+    stride: [usize; SUM_AXES],
+    axes: usize,
+}
+
+impl Order {
+    fn new(k: usize, sums: Option<&ColumnSums>) -> Order {
+        let (mut lead, axes) = match sums {
+            Some(s) => (s.lead, s.axes.clamp(1, SUM_AXES)),
+            None => ([1; SUM_AXES], 1),
+        };
+        if sums.is_none() {
+            lead[0] = k;
         }
-        j += 8;
-    }
-    for j in n8..n {
-        max[j] = max[j].max(x[j].abs());
-        bad[j] += x[j] * 0.0;
+        let mut stride = [1usize; SUM_AXES];
+        for a in (0..axes - 1).rev() {
+            stride[a] = stride[a + 1] * lead[a + 1];
+        }
+        Order { lead, stride, axes }
     }
 }
+
+/// Of the `w ≤ STRIP` columns from `j0` of `x` (row `p` the floats at `x.ptr + p·x.rs`,
+/// its rows in `order`): each column's largest magnitude into `max[..w]`, and where
+/// `sums`, each column's sum into `sums.dst[j0..j0 + w]`. `false` where a column holds an
+/// infinity or a NaN (its maximum then means nothing; its sum is still the kernel's).
+///
+/// # Safety
+/// The CPU must have AVX2; `x` must address the rows `order` visits, each with columns
+/// `j0..j0 + w`; `sums.dst` must hold those columns.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn strip_stats(
+    x: Mat,
+    order: Order,
+    (j0, max): (usize, &mut [f32]),
+    sums: Option<ColumnSums>,
+) -> bool {
+    const V: usize = STRIP / 8;
+    let w = max.len().min(STRIP);
+    let masks: [__m256i; V] = std::array::from_fn(|v| {
+        let lanes = w.saturating_sub(8 * v).min(8) as i32;
+        // Lane `l` on where `l < lanes` (its sign bit set).
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(lanes),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    });
+    struct Acc {
+        max: [__m256; V],
+        bad: __m256,
+    }
+    /// The sums over axis 0 of its rows from `row` on, their magnitudes into `acc`: the
+    /// innermost loop, its accumulators in registers (`FULL`: all `STRIP` columns, read
+    /// unmasked).
+    #[inline(always)]
+    unsafe fn rows<const FULL: bool>(
+        x: Mat,
+        (order, summed): (&Order, bool),
+        row: usize,
+        (j0, masks): (usize, &[__m256i; V]),
+        acc: &mut Acc,
+    ) -> [__m256; V] {
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let (mut max, mut bad) = (acc.max, acc.bad);
+        let mut sum = [_mm256_setzero_ps(); V];
+        for i in 0..order.lead[0] {
+            // SAFETY: the row holds columns `j0..j0 + w` (the caller's); past `w`, masked.
+            let at = unsafe {
+                x.ptr
+                    .offset((row + i * order.stride[0]) as isize * x.rs)
+                    .add(j0)
+            };
+            for v in 0..V {
+                // SAFETY: as above.
+                let x = unsafe {
+                    if FULL {
+                        _mm256_loadu_ps(at.add(8 * v))
+                    } else {
+                        _mm256_maskload_ps(at.add(8 * v), masks[v])
+                    }
+                };
+                max[v] = _mm256_max_ps(max[v], _mm256_and_ps(x, abs));
+                // `x · 0` is a NaN exactly for an infinity or a NaN.
+                bad = _mm256_fmadd_ps(x, _mm256_setzero_ps(), bad);
+                if summed {
+                    sum[v] = _mm256_add_ps(sum[v], x);
+                }
+            }
+        }
+        (acc.max, acc.bad) = (max, bad);
+        sum
+    }
+    /// The sums over axes `0..level` (`level ≥ 1`) of the rows from `row` on, the rows'
+    /// magnitudes into `acc`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nested<const FULL: bool>(
+        x: Mat,
+        (order, summed): (&Order, bool),
+        (level, row): (usize, usize),
+        (j0, masks): (usize, &[__m256i; V]),
+        acc: &mut Acc,
+    ) -> [__m256; V] {
+        if level == 1 {
+            // SAFETY: as the caller's.
+            return unsafe { rows::<FULL>(x, (order, summed), row, (j0, masks), acc) };
+        }
+        let axis = level - 1;
+        let mut sum = [_mm256_setzero_ps(); V];
+        for i in 0..order.lead[axis] {
+            let row = row + i * order.stride[axis];
+            // SAFETY: as the caller's.
+            let t = unsafe { nested::<FULL>(x, (order, summed), (axis, row), (j0, masks), acc) };
+            if summed {
+                for (s, t) in sum.iter_mut().zip(t) {
+                    *s = _mm256_add_ps(*s, t);
+                }
+            }
+        }
+        sum
+    }
+    let mut acc = Acc {
+        max: [_mm256_setzero_ps(); V],
+        bad: _mm256_setzero_ps(),
+    };
+    let how = (&order, sums.is_some());
+    // SAFETY: as the caller's.
+    let total = unsafe {
+        if w == STRIP {
+            nested::<true>(x, how, (order.axes, 0), (j0, &masks), &mut acc)
+        } else {
+            nested::<false>(x, how, (order.axes, 0), (j0, &masks), &mut acc)
+        }
+    };
+    let mut lanes = [0f32; STRIP];
+    let mut bads = [0f32; 8];
+    for v in 0..V {
+        // SAFETY: 8 floats at `8v`.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * v), acc.max[v]) };
+    }
+    // SAFETY: 8 floats.
+    unsafe { _mm256_storeu_ps(bads.as_mut_ptr(), acc.bad) };
+    max[..w].copy_from_slice(&lanes[..w]);
+    if let Some(s) = sums {
+        for (v, t) in total.iter().enumerate() {
+            // SAFETY: the masked lanes are columns below `j0 + w` of `sums.dst`.
+            unsafe { _mm256_maskstore_ps(s.dst.add(j0 + 8 * v), masks[v], *t) };
+        }
+    }
+    bads.iter().all(|b| *b == 0.0)
+}
+
+/// `b`'s (`k × n`, row-major) column sums as `sums` asks, written whatever `b` holds.
+///
+/// # Safety
+/// The CPU must have AVX2; `b` must address `k × n` floats, `k` the product of
+/// `sums.lead`; `sums.dst` must hold `n` values, written by nothing else meanwhile.
+unsafe fn column_sums(b: Mat, (k, n): (usize, usize), sums: ColumnSums) {
+    let order = Order::new(k, Some(&sums));
+    struct S(ColumnSums);
+    unsafe impl Send for S {}
+    unsafe impl Sync for S {}
+    let (b, s) = (P(b.ptr, b.rs), S(sums));
+    (0..n.div_ceil(STRIP)).into_par_iter().for_each(|t| {
+        let (b, s) = (&b, &s);
+        let j0 = t * STRIP;
+        let mut max = [0f32; STRIP];
+        let w = STRIP.min(n - j0);
+        let b = Mat {
+            ptr: b.0,
+            rs: b.1,
+            cs: 1,
+        };
+        // SAFETY: as the caller's; the sums are written whatever the columns hold.
+        unsafe { strip_stats(b, order, (j0, &mut max[..w]), Some(s.0)) };
+    });
+}
+
+/// A pointer and a row stride, to share with rayon's tasks.
+struct P(*const f32, isize);
+unsafe impl Send for P {}
+unsafe impl Sync for P {}
 
 /// `dst[i] = round(x[i] · s)` (ties to even) for the `x.len()` values; `|x · s| ≤ 4095`.
 #[target_feature(enable = "avx2,fma")]
@@ -261,39 +425,40 @@ unsafe fn quantize_rows<const W: usize>(
 /// `(x[2p][j], x[2p+1][j])` as int16, low half first; `ld = 2·⌈k/2⌉` int16 a column of a
 /// panel. With the columns' exponents; `None` where a column holds an infinity or a NaN.
 /// `b`'s columns as the kernel's panels of [`NR`], or `a`'s rows, where `a` is stored
-/// transposed, as its panels of [`MR`].
+/// transposed, as its panels of [`MR`]. Where `sums` asks, also the columns' sums (see
+/// [`strip_stats`]).
 ///
 /// # Safety
-/// `x` must address its `k` rows of `cols` floats.
+/// `x` must address its `k` rows of `cols` floats (`x.cs == 1`); `sums.dst` must hold
+/// `cols` values, written by nothing else meanwhile, and `k` be the product of its
+/// `lead`.
 unsafe fn pack_columns<const W: usize>(
     x: Mat,
     (k, cols): (usize, usize),
     buf: &mut Vec<i16>,
+    sums: Option<ColumnSums>,
 ) -> Option<Quantized> {
     const { assert!(W <= NR) };
     let pairs = k.div_ceil(2);
     let panels = cols.div_ceil(W);
-    struct P(*const f32);
-    unsafe impl Send for P {}
-    unsafe impl Sync for P {}
-    let base = P(x.ptr);
+    let base = P(x.ptr, x.rs);
     let row = |p: usize| -> &[f32] {
         let base = &base;
         // SAFETY: row `p < k` holds `cols` floats (the caller's contract).
-        unsafe { std::slice::from_raw_parts(base.0.offset(p as isize * x.rs), cols) }
+        unsafe { std::slice::from_raw_parts(base.0.offset(p as isize * base.1), cols) }
     };
-    // Each strip's largest magnitudes, one row after another (a column's maximum is the
-    // same whatever the order).
-    const STRIP: usize = 256;
+    // Each strip's largest magnitudes (a column's maximum is the same whatever the order
+    // of its rows), and its sums where asked.
+    let order = Order::new(k, sums.as_ref());
+    struct S(Option<ColumnSums>);
+    unsafe impl Send for S {}
+    unsafe impl Sync for S {}
+    let sums = S(sums);
     let mut maxima = vec![0f32; cols];
     let ok = maxima.par_chunks_mut(STRIP).enumerate().all(|(s, max)| {
-        let j0 = s * STRIP;
-        let mut bad = [0f32; STRIP];
-        for p in 0..k {
-            // SAFETY: the CPU has AVX2.
-            unsafe { max_abs_into(max, &mut bad[..max.len()], &row(p)[j0..j0 + max.len()]) };
-        }
-        bad.iter().all(|b| *b == 0.0)
+        let sums = &sums;
+        // SAFETY: the CPU has AVX2; the caller's contract.
+        unsafe { strip_stats(x, order, (s * STRIP, max), sums.0) }
     });
     if !ok {
         return None;
@@ -308,6 +473,18 @@ unsafe fn pack_columns<const W: usize>(
         for (s, &e) in s.iter_mut().zip(&exps[j0..j0 + w]) {
             *s = pow2(e);
         }
+        if w == W && (W == NR || W == MR) {
+            // SAFETY: rows `0..k` hold columns `j0..j0 + W` (`x`'s `cols`); the panel
+            // holds `pairs` pairs of `W` lanes; the CPU has AVX2.
+            let base = &base;
+            let rows = Mat {
+                ptr: base.0,
+                rs: base.1,
+                cs: 1,
+            };
+            unsafe { pack_panel::<W>(rows, (k, cols), j0, &s, panel) };
+            return;
+        }
         let zeros = [0f32; NR];
         for p in 0..pairs {
             let even = &row(2 * p)[j0..j0 + w];
@@ -317,52 +494,73 @@ unsafe fn pack_columns<const W: usize>(
                 &zeros[..w]
             };
             let lanes = &mut panel[p * 2 * W..(p + 1) * 2 * W];
-            if w == W && (W == NR || W == MR) {
-                // SAFETY: `W` floats each, `2W` int16 lanes; the CPU has AVX2.
-                unsafe { pair_lanes(even, odd, &s, lanes) };
-            } else {
-                for j in 0..w {
-                    lanes[2 * j] = (even[j] * s[j]).round_ties_even() as i16;
-                    lanes[2 * j + 1] = (odd[j] * s[j]).round_ties_even() as i16;
-                }
+            for j in 0..w {
+                lanes[2 * j] = (even[j] * s[j]).round_ties_even() as i16;
+                lanes[2 * j + 1] = (odd[j] * s[j]).round_ties_even() as i16;
             }
         }
     });
     Some(Quantized { ld, exps })
 }
 
-/// `W = even.len()` (16 or 6) columns of two rows, scaled by `s` and rounded, as `W`
-/// int32 lanes of int16 pairs.
+/// One whole panel of [`pack_columns`]: the `W` (16 or 6) columns from `j0` of `x`'s `k`
+/// rows (of `cols` floats), scaled by `s` and rounded, as `⌈k/2⌉` pairs of `W` int32
+/// lanes of int16 pairs (rows `2p`, `2p + 1`; zero past `k`).
+///
+/// # Safety
+/// The CPU must have AVX2; `x` must address `k` rows of `cols ≥ j0 + W` floats;
+/// `panel` must hold `⌈k/2⌉ · 2W` int16.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pair_lanes(even: &[f32], odd: &[f32], s: &[f32; NR], lanes: &mut [i16]) {
-    let w = even.len();
-    debug_assert!((w == NR || w == MR) && odd.len() == w && lanes.len() == 2 * w);
+unsafe fn pack_panel<const W: usize>(
+    x: Mat,
+    (k, cols): (usize, usize),
+    j0: usize,
+    s: &[f32; NR],
+    panel: &mut [i16],
+) {
+    debug_assert!((W == NR || W == MR) && j0 + W <= cols);
+    let pairs = k.div_ceil(2);
+    debug_assert!(panel.len() >= pairs * 2 * W);
     let low = _mm256_set1_epi32(0xffff);
-    // Eight lanes at `8h`: all of them, or the first six.
-    let mut lanes8 = |h: usize, mask: Option<__m256i>| {
-        // SAFETY: 8 (or, masked, 6) floats at `8h` of each; as many int32 at `16h` int16
-        // of `lanes`.
-        unsafe {
-            let load = |v: &[f32]| match mask {
-                None => _mm256_loadu_ps(v.as_ptr().add(8 * h)),
-                Some(m) => _mm256_maskload_ps(v.as_ptr().add(8 * h), m),
-            };
-            let sv = _mm256_loadu_ps(s.as_ptr().add(8 * h));
-            let x = _mm256_cvtps_epi32(_mm256_mul_ps(load(even), sv));
-            let y = _mm256_cvtps_epi32(_mm256_mul_ps(load(odd), sv));
-            let v = _mm256_or_si256(_mm256_and_si256(x, low), _mm256_slli_epi32::<16>(y));
-            let at = lanes.as_mut_ptr().add(16 * h) as *mut i32;
-            match mask {
-                None => _mm256_storeu_si256(at as *mut __m256i, v),
-                Some(m) => _mm256_maskstore_epi32(at, m, v),
-            }
+    let six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    // Six columns are read as eight where the row holds them (the last two lanes are
+    // then overwritten by the next pair's, or, for the last pair, not stored).
+    let wide = W == NR || j0 + 8 <= cols;
+    // SAFETY (both): 8 floats each of `s`.
+    let sv = [unsafe { _mm256_loadu_ps(s.as_ptr()) }, unsafe {
+        _mm256_loadu_ps(s.as_ptr().add(8))
+    }];
+    // SAFETY (the closure's reads): row `r < k` holds columns `j0..j0 + W`, read as 8
+    // (unmasked where `wide`: the row holds them).
+    let load = |r: usize, h: usize| unsafe {
+        let at = x.ptr.offset(r as isize * x.rs).add(j0 + 8 * h);
+        if wide {
+            _mm256_loadu_ps(at)
+        } else {
+            _mm256_maskload_ps(at, six)
         }
     };
-    if w == NR {
-        lanes8(0, None);
-        lanes8(1, None);
-    } else {
-        lanes8(0, Some(_mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0)));
+    let out = panel.as_mut_ptr() as *mut i32;
+    for p in 0..pairs {
+        for (h, &sv) in sv.iter().enumerate().take(W.div_ceil(8)) {
+            let e = _mm256_cvtps_epi32(_mm256_mul_ps(load(2 * p, h), sv));
+            let o = if 2 * p + 1 < k {
+                _mm256_cvtps_epi32(_mm256_mul_ps(load(2 * p + 1, h), sv))
+            } else {
+                _mm256_setzero_si256()
+            };
+            let v = _mm256_or_si256(_mm256_and_si256(e, low), _mm256_slli_epi32::<16>(o));
+            // SAFETY: pair `p`'s `W` lanes of the panel (and, six wide but for the last
+            // pair, the next pair's first two, which it overwrites).
+            unsafe {
+                let at = out.add(W * p + 8 * h);
+                if W == NR || p + 1 < pairs {
+                    _mm256_storeu_si256(at as *mut __m256i, v);
+                } else {
+                    _mm256_maskstore_epi32(at, six, v);
+                }
+            }
+        }
     }
 }
 
@@ -481,80 +679,223 @@ unsafe fn tile(a: *const i16, b: *const i16, (p0, p1): (usize, usize), acc: &mut
     }
 }
 
+/// What [`store`] does after a tile's last part: the [`Epilogue`]'s bias (the tile's
+/// columns of it) and ReLU.
+#[derive(Clone, Copy)]
+struct Finish<'a> {
+    bias: Option<&'a [f32]>,
+    relu: bool,
+}
+
+/// `v` as the `relu` kernel leaves it: kept where `v > 0` or `v` is NaN ("not less or
+/// equal", unordered), else `+0.0`.
+fn relu(v: f32) -> f32 {
+    if v > 0.0 || v.is_nan() {
+        v
+    } else {
+        0.0
+    }
+}
+
 /// A tile's sums, unscaled (`acc[16r + j] · inv_a[r] · inv_b[j]`), written into the
 /// `inv_a.len()` rows and `inv_b.len()` columns at `d` (row stride `ld`), or added to
-/// what they hold unless `fresh`.
+/// what they hold unless `fresh`; then, after the last part of `k` (`finish`), the bias
+/// added to the whole sum and the ReLU applied, as a pass after the product would.
 ///
 /// # Safety
-/// `d` must address those rows and columns; the CPU must have AVX2.
+/// `d` must address those rows and columns; a bias must hold the tile's columns; the CPU
+/// must have AVX2.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn store(
     acc: &[f32; 96],
     (inv_a, inv_b): (&[f32], &[f32]),
-    d: *mut f32,
-    ld: isize,
+    (d, ld): (*mut f32, isize),
     fresh: bool,
+    finish: Option<Finish<'_>>,
 ) {
     let w = inv_b.len();
+    let (bias, relu_on) = finish.map_or((None, false), |f| (f.bias, f.relu));
+    let zero = _mm256_setzero_ps();
     for (r, &sa) in inv_a.iter().enumerate() {
         // SAFETY: row `r` of the tile, as the caller's.
         let row = unsafe { d.offset(r as isize * ld) };
         let acc = &acc[NR * r..NR * (r + 1)];
         if w == NR {
             for h in 0..2 {
-                // SAFETY: 8 values at `8h` of each; columns `8h..8h + 8` of the row.
+                // SAFETY: 8 values at `8h` of each (a bias holds the tile's 16 columns);
+                // columns `8h..8h + 8` of the row.
                 unsafe {
-                    let v = _mm256_mul_ps(
+                    let mut v = _mm256_mul_ps(
                         _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(8 * h)), _mm256_set1_ps(sa)),
                         _mm256_loadu_ps(inv_b.as_ptr().add(8 * h)),
                     );
                     let p = row.add(8 * h);
-                    let v = if fresh {
-                        v
-                    } else {
-                        _mm256_add_ps(_mm256_loadu_ps(p), v)
-                    };
+                    if !fresh {
+                        v = _mm256_add_ps(_mm256_loadu_ps(p), v);
+                    }
+                    if let Some(b) = bias {
+                        v = _mm256_add_ps(v, _mm256_loadu_ps(b.as_ptr().add(8 * h)));
+                    }
+                    if relu_on {
+                        let keep = _mm256_cmp_ps::<_CMP_NLE_UQ>(v, zero);
+                        v = _mm256_and_ps(v, keep);
+                    }
                     _mm256_storeu_ps(p, v);
                 }
             }
         } else {
             for j in 0..w {
-                let v = acc[j] * sa * inv_b[j];
                 // SAFETY: column `j < w` of the row.
-                unsafe { *row.add(j) = if fresh { v } else { *row.add(j) + v } };
+                let p = unsafe { row.add(j) };
+                let mut v = acc[j] * sa * inv_b[j];
+                if !fresh {
+                    // SAFETY: as above.
+                    v += unsafe { *p };
+                }
+                if let Some(b) = bias {
+                    v += b[j];
+                }
+                if relu_on {
+                    v = relu(v);
+                }
+                // SAFETY: as above.
+                unsafe { *p = v };
             }
         }
     }
 }
 
-/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]` with int16
-/// operands (see the module's comment); operands that are neither row-major nor stored
-/// transposed, or that hold an infinity or a NaN, go to the f32 kernel.
+/// A right operand `[k, n]` quantized once, for the products that read it while it is
+/// unchanged (an inference program's weights, `Compiled::packed_weight`): its panels of
+/// [`NR`] columns and the columns' `2^-e`. The same values as quantizing it for each
+/// product, so the same bits.
+pub(crate) struct Panels {
+    k: usize,
+    n: usize,
+    ld: usize,
+    inv: Vec<f32>,
+    q: Vec<i16>,
+}
+
+impl Panels {
+    /// `b` (`k × n`) quantized over rayon's threads; `None` where its strides are not the
+    /// kernel's or a column holds an infinity or a NaN (its products then read it as it
+    /// is and go to the f32 kernel).
+    ///
+    /// # Safety
+    /// [`available`] must have returned `Ok`; `b` must address `k × n` valid elements.
+    pub(crate) unsafe fn new(b: Mat, (k, n): (usize, usize)) -> Option<Panels> {
+        if k == 0 || n == 0 {
+            return None;
+        }
+        let mut q = Vec::new();
+        // SAFETY: as the caller's.
+        let quantized = unsafe { panels::<NR>(b.ptr, (b.cs, b.rs), (n, k), &mut q, None) }?;
+        Some(Panels {
+            k,
+            n,
+            ld: quantized.ld,
+            inv: quantized.exps.iter().map(|&e| pow2(-e)).collect(),
+            q,
+        })
+    }
+
+    /// Whether it is a quantized `[k, n]` operand.
+    pub(crate) fn is(&self, (k, n): (usize, usize)) -> bool {
+        (self.k, self.n) == (k, n)
+    }
+
+    /// Its size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.q.len() * 2 + self.inv.len() * 4
+    }
+}
+
+/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, then the
+/// [`Epilogue`] (its bias added to the whole sum), with int16 operands (see the module's
+/// comment), and `b`'s [`ColumnSums`] where asked. A member whose operands are neither
+/// row-major nor stored transposed, or hold an infinity or a NaN, goes to the f32 kernel.
 ///
 /// # Safety
-/// As [`super::gemm::gemm_one`]; [`available`] must have returned `Ok`.
+/// As [`gemm_group`]'s for the one member.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
     (m, k, n): (usize, usize, usize),
     dst: *mut f32,
     ld: isize,
     a: Mat,
-    b: Mat,
+    b: Rhs<'_>,
     read_dst: bool,
+    epilogue: Epilogue,
+    sums: Option<ColumnSums>,
 ) {
-    let f32_product = || {
-        let par = super::gemm::parallelism(m * k * n);
-        // SAFETY: as the caller's.
-        unsafe { super::gemm::gemm_one((m, k, n), dst, ld, a, b, read_dst, par) }
+    let one = Member {
+        n,
+        dst,
+        ld,
+        b,
+        read_dst,
+        epilogue,
+        sums,
     };
-    if m == 0 || n == 0 || k == 0 {
-        return f32_product();
-    }
+    // SAFETY: as the caller's.
+    unsafe { gemm_group((m, k), a, std::slice::from_ref(&one)) }
+}
+
+/// The products `a·b` of every member of `members` (see [`Member`]), each as [`gemm`]
+/// computes it alone, with `a` (`m × k`) quantized once for all and the members' columns
+/// run side by side: the same sums as each member's own [`gemm`], so the same bits.
+///
+/// # Safety
+/// [`available`] must have returned `Ok`; as [`super::gemm::gemm_one`] for each member,
+/// whose bias holds `n` values and whose sums (of a row-major `b`, `k` the product of
+/// their `lead`) `n`; no member's result overlaps another's, `a`, or any member's `b`,
+/// bias or sums; a packed `b` is one of `k × n` for this kernel.
+pub(crate) unsafe fn gemm_group((m, k): (usize, usize), a: Mat, members: &[Member<'_>]) {
     let mut scratch = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
     // SAFETY: as the caller's.
-    let done = unsafe { quantized((m, k, n), dst, ld, (a, b), read_dst, &mut scratch) };
+    unsafe { general((m, k), a, members, &mut scratch) };
     SCRATCH.with(|s| *s.borrow_mut() = scratch);
-    if done.is_none() {
-        f32_product();
+}
+
+/// A member's `b` as a matrix (a packed one's too: the f32 kernel reads it).
+fn matrix(b: Rhs<'_>) -> Mat {
+    match b {
+        Rhs::Mat(b) | Rhs::Packed(_, b) => b,
+    }
+}
+
+/// One member as the f32 kernel computes it: the product, the [`Epilogue`] as a pass
+/// after it, and the column sums.
+///
+/// # Safety
+/// As [`gemm_group`]'s for the member.
+unsafe fn f32_member((m, k): (usize, usize), a: Mat, mb: &Member<'_>) {
+    let (n, b) = (mb.n, matrix(mb.b));
+    let par = super::gemm::parallelism(m * k * n);
+    // SAFETY: as the caller's.
+    unsafe { super::gemm::gemm_one((m, k, n), mb.dst, mb.ld, a, b, mb.read_dst, par) };
+    let e = mb.epilogue;
+    if e.bias.is_some() || e.relu {
+        // SAFETY: the caller's bias holds `n` values.
+        let bias = e.bias.map(|p| unsafe { std::slice::from_raw_parts(p, n) });
+        for i in 0..m {
+            // SAFETY: row `i` of the result holds `n` values.
+            let row =
+                unsafe { std::slice::from_raw_parts_mut(mb.dst.offset(i as isize * mb.ld), n) };
+            for (j, v) in row.iter_mut().enumerate() {
+                if let Some(bias) = bias {
+                    *v += bias[j];
+                }
+                if e.relu {
+                    *v = relu(*v);
+                }
+            }
+        }
+    }
+    if let Some(s) = mb.sums {
+        // SAFETY: as the caller's (a row-major `b` where sums are asked).
+        unsafe { column_sums(b, (k, n), s) };
     }
 }
 
@@ -562,64 +903,127 @@ pub(crate) unsafe fn gemm(
 /// `ptr + i·line + p·step`. From the lines where their values are contiguous
 /// ([`quantize_rows`]), else from the rows of the matrix they are the columns of
 /// ([`pack_columns`]); `None` for other strides, or where a line holds an infinity or a
-/// NaN.
+/// NaN. Where `sums` asks (only of lines that are the columns of a row-major matrix),
+/// also their sums, whatever the result.
 ///
 /// # Safety
-/// `ptr` must address every value at those strides.
+/// `ptr` must address every value at those strides; as [`pack_columns`]' for `sums`.
 unsafe fn panels<const W: usize>(
     ptr: *const f32,
     (line, step): (isize, isize),
     (lines, k): (usize, usize),
     buf: &mut Vec<i16>,
+    sums: Option<ColumnSums>,
 ) -> Option<Quantized> {
     let rows = |rs: isize| Mat { ptr, rs, cs: 1 };
-    // SAFETY (both): as the caller's, read with the strides given here.
-    if step == 1 || k == 1 {
+    let (by_rows, by_columns) = (step == 1 || k == 1, line == 1 || lines == 1);
+    // SAFETY (all): as the caller's, read with the strides given here.
+    if by_columns && (!by_rows || sums.is_some()) {
+        unsafe { pack_columns::<W>(rows(step), (k, lines), buf, sums) }
+    } else if by_rows {
         unsafe { quantize_rows::<W>(rows(line), (lines, k), buf) }
-    } else if line == 1 || lines == 1 {
-        unsafe { pack_columns::<W>(rows(step), (k, lines), buf) }
     } else {
         None
     }
 }
 
-/// [`gemm`] with `scratch`'s buffers; `None`, with nothing written, where the operands'
-/// strides or values send the product to the f32 kernel.
+/// A member's quantized `b`: its panels (`ld` int16 a column), the columns' `2^-e`.
+struct Quantized16<'a> {
+    q: &'a [i16],
+    ld: usize,
+    inv: std::borrow::Cow<'a, [f32]>,
+}
+
+/// [`gemm_group`] with `scratch`'s buffers.
 ///
 /// # Safety
-/// As [`gemm`]'s.
-unsafe fn quantized(
-    (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
-    (a, b): (Mat, Mat),
-    read_dst: bool,
-    scratch: &mut Scratch,
-) -> Option<()> {
-    // SAFETY (both): the operands address their elements (the caller's contract).
-    // `a`'s lines are its rows (a line's values `a.cs` apart), `b`'s its columns.
-    let qa = unsafe { panels::<MR>(a.ptr, (a.rs, a.cs), (m, k), &mut scratch.qa) }?;
-    let qb = unsafe { panels::<NR>(b.ptr, (b.cs, b.rs), (n, k), &mut scratch.qb) }?;
-    let (qa_buf, qb_buf) = (&scratch.qa, &scratch.qb);
-    let pairs = k.div_ceil(2);
-    let panels = n.div_ceil(NR);
+/// As [`gemm_group`]'s.
+unsafe fn general((m, k): (usize, usize), a: Mat, members: &[Member<'_>], scratch: &mut Scratch) {
+    // SAFETY (all `f32_member`s): as the caller's.
+    let to_f32 = |mb: &Member<'_>| unsafe { f32_member((m, k), a, mb) };
+    // `a`'s lines are its rows (a line's values `a.cs` apart).
+    let qa = if m == 0 || k == 0 {
+        None
+    } else {
+        // SAFETY: `a` addresses its elements (the caller's contract).
+        unsafe { panels::<MR>(a.ptr, (a.rs, a.cs), (m, k), &mut scratch.qa, None) }
+    };
+    let Some(qa) = qa else {
+        members.iter().for_each(to_f32);
+        return;
+    };
+    if scratch.qb.len() < members.len() {
+        scratch.qb.resize_with(members.len(), Vec::new);
+    }
+    // Each member's `b` quantized here (its exponents), or packed beforehand; `None` for
+    // a member that goes to the f32 kernel (run below, after the others).
+    enum Got<'p> {
+        Here(Quantized),
+        Packed(&'p Panels),
+    }
+    let mut got: Vec<Option<Got<'_>>> = Vec::with_capacity(members.len());
+    for (mb, buf) in members.iter().zip(scratch.qb.iter_mut()) {
+        got.push(match mb.b {
+            _ if mb.n == 0 => None,
+            Rhs::Packed(p, _) => match p.int16() {
+                Some(p) if p.is((k, mb.n)) => Some(Got::Packed(p)),
+                _ => None,
+            },
+            // `b`'s lines are its columns.
+            // SAFETY: `b` addresses its elements; sums as the caller's.
+            Rhs::Mat(b) => unsafe {
+                panels::<NR>(b.ptr, (b.cs, b.rs), (mb.n, k), buf, mb.sums).map(Got::Here)
+            },
+        });
+    }
+    let views: Vec<Option<Quantized16<'_>>> = got
+        .iter()
+        .zip(&scratch.qb)
+        .map(|(g, buf)| match g {
+            None => None,
+            Some(Got::Here(qb)) => Some(Quantized16 {
+                q: buf.as_slice(),
+                ld: qb.ld,
+                inv: qb.exps.iter().map(|&e| pow2(-e)).collect(),
+            }),
+            Some(Got::Packed(p)) => Some(Quantized16 {
+                q: &p.q,
+                ld: p.ld,
+                inv: std::borrow::Cow::Borrowed(&p.inv),
+            }),
+        })
+        .collect();
     let inv_a: Vec<f32> = qa.exps.iter().map(|&e| pow2(-e)).collect();
-    let inv_b: Vec<f32> = qb.exps.iter().map(|&e| pow2(-e)).collect();
-    struct Out(*mut f32);
-    unsafe impl Send for Out {}
-    unsafe impl Sync for Out {}
-    let out = Out(dst);
+    // Tasks: every column panel of every member quantized, side by side.
+    let tasks: Vec<(usize, usize)> = views
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_some())
+        .flat_map(|(i, _)| (0..members[i].n.div_ceil(NR)).map(move |t| (i, t)))
+        .collect();
+    let pairs = k.div_ceil(2);
+    let qa_buf = &scratch.qa;
     let threads = rayon::current_num_threads();
     for p0 in (0..pairs).step_by(KC) {
         let p1 = (p0 + KC).min(pairs);
-        let first = p0 == 0;
         for i0 in (0..m).step_by(MC) {
             let i1 = (i0 + MC).min(m);
-            let run = |t: usize| {
-                let out = &out;
+            let run = |&(i, t): &(usize, usize)| {
+                let (mb, Some(v)) = (&members[i], &views[i]) else {
+                    return;
+                };
                 let j0 = t * NR;
-                let w = NR.min(n - j0);
-                let panel = &qb_buf[t * NR * qb.ld..(t + 1) * NR * qb.ld];
+                let w = NR.min(mb.n - j0);
+                let panel = &v.q[t * NR * v.ld..(t + 1) * NR * v.ld];
+                let finish = (p1 == pairs).then(|| Finish {
+                    // SAFETY: the caller's bias holds `n` values.
+                    bias: mb
+                        .epilogue
+                        .bias
+                        .map(|b| unsafe { std::slice::from_raw_parts(b.add(j0), w) }),
+                    relu: mb.epilogue.relu,
+                });
+                let fresh = p0 == 0 && !mb.read_dst;
                 let mut acc = [0f32; 96];
                 for r0 in (i0..i1).step_by(MR) {
                     let rows = MR.min(i1 - r0);
@@ -633,23 +1037,28 @@ unsafe fn quantized(
                             &mut acc,
                         )
                     };
-                    let scales = (&inv_a[r0..r0 + rows], &inv_b[j0..j0 + w]);
-                    // SAFETY: rows `r0..r0 + rows` (< m) and columns `j0..j0 + w` of `dst`;
-                    // each panel's task writes only its own columns; the CPU has AVX2.
+                    let scales = (&inv_a[r0..r0 + rows], &v.inv[j0..j0 + w]);
+                    // SAFETY: rows `r0..r0 + rows` (< m) and columns `j0..j0 + w` of the
+                    // member's result; each task writes only its own columns; the CPU has
+                    // AVX2.
                     unsafe {
-                        let d = out.0.offset(r0 as isize * ld).add(j0);
-                        store(&acc, scales, d, ld, first && !read_dst)
+                        let d = mb.dst.offset(r0 as isize * mb.ld).add(j0);
+                        store(&acc, scales, (d, mb.ld), fresh, finish)
                     };
                 }
             };
-            if threads > 1 && panels > 1 {
-                (0..panels).into_par_iter().for_each(run);
+            if threads > 1 && tasks.len() > 1 {
+                tasks.par_iter().for_each(run);
             } else {
-                (0..panels).for_each(run);
+                tasks.iter().for_each(run);
             }
         }
     }
-    Some(())
+    for (mb, v) in members.iter().zip(&views) {
+        if v.is_none() && mb.n > 0 {
+            to_f32(mb);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -712,7 +1121,18 @@ mod tests {
             cs: bcs,
         };
         // SAFETY: the buffers hold the matrices; the CPU has AVX2 (checked by the callers).
-        unsafe { gemm((m, k, n), dst.as_mut_ptr(), n as isize, a, b, read) };
+        unsafe {
+            gemm(
+                (m, k, n),
+                dst.as_mut_ptr(),
+                n as isize,
+                a,
+                Rhs::Mat(b),
+                read,
+                Epilogue::default(),
+                None,
+            )
+        };
     }
 
     /// What [`gemm`] computes, in scalar arithmetic: each row of `a` and column of `b`
@@ -962,5 +1382,315 @@ mod tests {
                 "{what}: no infinity or NaN"
             );
         }
+    }
+
+    /// `b`'s column sums as the `sum_rows` kernel computes them (scalar): `b` (`k × n`,
+    /// row-major) seen as `[lead[0], …, lead[axes − 1], n]`, one sum an axis from `0.0`
+    /// in index order, the last axis's loop outermost.
+    fn nested_sums(b: &[f32], n: usize, lead: &[usize]) -> Vec<f32> {
+        fn level(
+            b: &[f32],
+            n: usize,
+            lead: &[usize],
+            stride: &[usize],
+            l: usize,
+            row: usize,
+            j: usize,
+        ) -> f32 {
+            if l == 0 {
+                return b[row * n + j];
+            }
+            let mut s = 0f32;
+            for i in 0..lead[l - 1] {
+                s += level(b, n, lead, stride, l - 1, row + i * stride[l - 1], j);
+            }
+            s
+        }
+        let mut stride = vec![1usize; lead.len()];
+        for a in (0..lead.len() - 1).rev() {
+            stride[a] = stride[a + 1] * lead[a + 1];
+        }
+        (0..n)
+            .map(|j| level(b, n, lead, &stride, lead.len(), 0, j))
+            .collect()
+    }
+
+    fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        if let Some(q) = (0..got.len()).find(|&q| got[q].to_bits() != want[q].to_bits()) {
+            panic!("{what}: element {q} is {:e}, not {:e}", got[q], want[q]);
+        }
+    }
+
+    /// A product with an [`Epilogue`] gives the bits of the product without one, its bias
+    /// then added and its ReLU applied as a pass: with partial tiles and `k` in three
+    /// parts (1100), a result added to, on 1 and 2 threads, NaNs in the bias (kept by the
+    /// ReLU); with a row of NaNs (the f32 kernel's product, the pass after it).
+    #[test]
+    fn int16_products_add_the_bias_and_apply_the_relu_as_a_pass_after_them_would() {
+        if skip() {
+            return;
+        }
+        for ((m, k, n), nan) in [
+            ((45, 37, 51), false),
+            ((250, 1100, 70), false),
+            ((13, 40, 20), true),
+        ] {
+            let mut seed = 9u64;
+            let mut a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+            if nan {
+                a[3 * k] = f32::NAN;
+            }
+            let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+            let mut bias: Vec<f32> = (0..n).map(|_| rng(&mut seed) * 4.0).collect();
+            // A NaN bias in a whole tile's columns and in a partial tile's: kept by the
+            // ReLU.
+            bias[1] = f32::NAN;
+            bias[n - 1] = f32::NAN;
+            let c0: Vec<f32> = (0..m * n).map(|_| rng(&mut seed)).collect();
+            let (am, bm) = (stored(&a, (m, k), false), stored(&b, (k, n), false));
+            let mat = |(v, (rs, cs)): &(Vec<f32>, (isize, isize))| Mat {
+                ptr: v.as_ptr(),
+                rs: *rs,
+                cs: *cs,
+            };
+            for read in [false, true] {
+                for relu_on in [false, true] {
+                    for threads in [1, 2] {
+                        let run = |e: Epilogue| {
+                            on_threads(threads, || {
+                                let mut c = c0.clone();
+                                // SAFETY: the CPU has AVX2; the buffers hold the matrices
+                                // and the bias `n` values.
+                                unsafe {
+                                    gemm(
+                                        (m, k, n),
+                                        c.as_mut_ptr(),
+                                        n as isize,
+                                        mat(&am),
+                                        Rhs::Mat(mat(&bm)),
+                                        read,
+                                        e,
+                                        None,
+                                    )
+                                };
+                                c
+                            })
+                        };
+                        let want: Vec<f32> = run(Epilogue::default())
+                            .iter()
+                            .enumerate()
+                            .map(|(q, &x)| {
+                                let v = x + bias[q % n];
+                                if relu_on {
+                                    relu(v)
+                                } else {
+                                    v
+                                }
+                            })
+                            .collect();
+                        let got = run(Epilogue {
+                            bias: Some(bias.as_ptr()),
+                            relu: relu_on,
+                        });
+                        let what =
+                            format!("{m}×{k}·{k}×{n} read {read} relu {relu_on} on {threads}");
+                        assert_same_bits(&got, &want, &what);
+                        assert!(
+                            (0..m).all(|i| got[i * n + 1].is_nan() && got[i * n + n - 1].is_nan()),
+                            "{what}"
+                        );
+                        if nan {
+                            assert!(got[3 * n..4 * n].iter().all(|x| x.is_nan()), "{what}");
+                        } else if relu_on {
+                            assert!(got.iter().any(|&x| x == 0.0), "{what}: a ReLU zero");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(relu(-0.0).to_bits(), 0f32.to_bits());
+        assert!(relu(f32::NAN).is_nan());
+        assert_eq!(relu(-3.0), 0.0);
+        assert_eq!(relu(2.5), 2.5);
+    }
+
+    /// A group of products of one left operand ([`gemm_group`]) gives each member the
+    /// bits of its own [`gemm`]: results with their own row strides, a bias and ReLU, a
+    /// result added to, column sums (the `sum_rows` kernel's bits, over one axis and over
+    /// two), a right operand stored transposed and one packed beforehand (the bits of one
+    /// quantized for the product); `a` row-major and transposed, `k` in one part and in
+    /// two, on 1 and 2 threads.
+    #[test]
+    fn grouped_int16_products_give_each_member_the_bits_of_its_own_product() {
+        if skip() {
+            return;
+        }
+        for ((m, k), widths) in [((100, 512), [64, 300, 40]), ((37, 600), [70, 17, 33])] {
+            let mut seed = 17u64;
+            for a_transposed in [false, true] {
+                let av: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+                let sa = stored(&av, (m, k), a_transposed);
+                let a = Mat {
+                    ptr: sa.0.as_ptr(),
+                    rs: sa.1 .0,
+                    cs: sa.1 .1,
+                };
+                // Member `q`: `b` transposed for 1, packed beforehand for 2 (else
+                // row-major); bias and ReLU for 0, bias for 2; `c` added to for 1; column
+                // sums for 0, over `[4, k / 4]`.
+                let bs: Vec<Vec<f32>> = widths
+                    .iter()
+                    .map(|&n| (0..k * n).map(|_| rng(&mut seed) * 8.0).collect())
+                    .collect();
+                let sb: Vec<(Vec<f32>, (isize, isize))> = bs
+                    .iter()
+                    .zip(widths)
+                    .enumerate()
+                    .map(|(q, (b, n))| stored(b, (k, n), q == 1))
+                    .collect();
+                let bm: Vec<Mat> = sb
+                    .iter()
+                    .map(|(v, (rs, cs))| Mat {
+                        ptr: v.as_ptr(),
+                        rs: *rs,
+                        cs: *cs,
+                    })
+                    .collect();
+                let biases: Vec<Vec<f32>> = widths
+                    .iter()
+                    .map(|&n| (0..n).map(|_| rng(&mut seed)).collect())
+                    .collect();
+                let c0: Vec<Vec<f32>> = widths
+                    .iter()
+                    .map(|&n| (0..m * (n + 3)).map(|_| rng(&mut seed)).collect())
+                    .collect();
+                let lead = [4, k / 4, 1, 1];
+                let int16 = super::super::Bf16Kernel::Int16;
+                // SAFETY (both): the CPU has AVX2 and `bm[2]` addresses `k × n`.
+                let packed =
+                    unsafe { super::super::bf16::PackedRhs::new(int16, (k, widths[2]), bm[2]) };
+                let quantized = unsafe { Panels::new(bm[2], (k, widths[2])) }.expect("finite");
+                assert!(packed.is(int16, (k, widths[2])));
+                assert_eq!(packed.bytes(), quantized.bytes());
+                for threads in [1, 2] {
+                    let mut got = c0.clone();
+                    let mut want = c0.clone();
+                    let mut sums = [vec![f32::NAN; widths[0]], vec![f32::NAN; widths[0]]];
+                    let members =
+                        |cs: &mut [Vec<f32>], sums: &mut Vec<f32>, pack: bool| -> Vec<Member<'_>> {
+                            cs.iter_mut()
+                                .enumerate()
+                                .map(|(q, c)| Member {
+                                    n: widths[q],
+                                    dst: c.as_mut_ptr(),
+                                    ld: widths[q] as isize + 3,
+                                    b: if q == 2 && pack {
+                                        Rhs::Packed(&packed, bm[2])
+                                    } else {
+                                        Rhs::Mat(bm[q])
+                                    },
+                                    read_dst: q == 1,
+                                    epilogue: Epilogue {
+                                        bias: (q != 1).then(|| biases[q].as_ptr()),
+                                        relu: q == 0,
+                                    },
+                                    sums: (q == 0).then(|| ColumnSums {
+                                        dst: sums.as_mut_ptr(),
+                                        lead,
+                                        axes: 2,
+                                    }),
+                                })
+                                .collect()
+                        };
+                    let [sums_got, sums_want] = &mut sums;
+                    let group = members(&mut got, sums_got, true);
+                    // SAFETY: the CPU has AVX2; every result holds `m` rows of its `ld`;
+                    // nothing overlaps.
+                    on_threads(threads, || unsafe { gemm_group((m, k), a, &group) });
+                    for one in members(&mut want, sums_want, false) {
+                        // SAFETY: as above.
+                        on_threads(threads, || unsafe {
+                            gemm_group((m, k), a, std::slice::from_ref(&one))
+                        });
+                    }
+                    let what =
+                        format!("{m}×{k} (transposed {a_transposed}) by {widths:?} on {threads}");
+                    for q in 0..widths.len() {
+                        assert_same_bits(&got[q], &want[q], &format!("{what}: member {q}"));
+                        assert!(got[q] != c0[q], "{what}: member {q} written");
+                    }
+                    assert_same_bits(
+                        sums_got,
+                        &nested_sums(&bs[0], widths[0], &lead[..2]),
+                        &format!("{what}: sums"),
+                    );
+                    assert_same_bits(sums_want, sums_got, &format!("{what}: sums alone"));
+                }
+            }
+        }
+    }
+
+    /// A right operand that cannot be quantized is not packed (its products read it as it
+    /// is); a packed one read with a left operand holding a NaN gives the f32 product of
+    /// the matrix it was packed from, and its column sums where asked.
+    #[test]
+    fn int16_packed_operands_of_infinities_and_nans() {
+        if skip() {
+            return;
+        }
+        let (m, k, n) = (20, 64, 40);
+        let mut seed = 4u64;
+        let mut a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+        let mut b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+        let mat = |p: &[f32], cols: usize| Mat {
+            ptr: p.as_ptr(),
+            rs: cols as isize,
+            cs: 1,
+        };
+        let int16 = super::super::Bf16Kernel::Int16;
+        b[5 * n + 1] = f32::INFINITY;
+        // SAFETY (both): the CPU has AVX2; `b` holds `k × n`.
+        let unpackable = unsafe { super::super::bf16::PackedRhs::new(int16, (k, n), mat(&b, n)) };
+        assert!(!unpackable.is(int16, (k, n)) && unpackable.bytes() == 0);
+        b[5 * n + 1] = 0.5;
+        a[2 * k + 7] = f32::NAN;
+        let packed = unsafe { super::super::bf16::PackedRhs::new(int16, (k, n), mat(&b, n)) };
+        assert!(packed.is(int16, (k, n)) && packed.bytes() > 2 * k * n);
+        let mut sums = vec![0f32; n];
+        let mut got = vec![0f32; m * n];
+        // SAFETY: the CPU has AVX2; the buffers hold the matrices.
+        unsafe {
+            gemm(
+                (m, k, n),
+                got.as_mut_ptr(),
+                n as isize,
+                mat(&a, k),
+                Rhs::Packed(&packed, mat(&b, n)),
+                false,
+                Epilogue::default(),
+                Some(ColumnSums {
+                    dst: sums.as_mut_ptr(),
+                    lead: [k, 1, 1, 1],
+                    axes: 1,
+                }),
+            )
+        };
+        let mut want = vec![0f32; m * n];
+        // SAFETY: as above.
+        unsafe {
+            super::super::gemm::gemm_one(
+                (m, k, n),
+                want.as_mut_ptr(),
+                n as isize,
+                mat(&a, k),
+                mat(&b, n),
+                false,
+                super::super::gemm::parallelism(m * k * n),
+            )
+        };
+        assert_same_bits(&got, &want, "a NaN in a");
+        assert!(got[2 * n..3 * n].iter().all(|x| x.is_nan()));
+        assert_same_bits(&sums, &nested_sums(&b, n, &[k]), "sums");
     }
 }

@@ -158,8 +158,9 @@ pub enum Bf16Kernel {
     /// AVX2's `VPMADDWD`: int16 operands (each row of the left one and column of the right
     /// one scaled by a power of two into ±4095 and rounded) and sums of 128 terms in int32,
     /// added up in f32; CPUs without AVX-512 (AMD Zen 2 and 3), where it multiplies-adds
-    /// at about 1.75 times the rate of f32 FMAs. Each product runs on its own: no groups,
-    /// no column sums, no weights packed beforehand.
+    /// at about 1.75 times the rate of f32 FMAs. With the other kernels' driver features:
+    /// groups of one left operand, column sums, weights packed beforehand, the bias and
+    /// ReLU epilogue.
     Int16,
 }
 
@@ -207,7 +208,7 @@ impl Bf16Kernel {
         })
     }
 
-    /// Whether the kernel sums in int32 ([`Bf16Kernel::Int16`]), each product on its own.
+    /// Whether the kernel sums in int32 ([`Bf16Kernel::Int16`]: `int16`'s driver).
     pub(crate) fn is_int16(self) -> bool {
         self == Bf16Kernel::Int16
     }
@@ -281,21 +282,6 @@ pub fn bf16_matmul(
         rs: cols as isize,
         cs: 1,
     };
-    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    if kernel.is_int16() {
-        // SAFETY: as below.
-        unsafe {
-            int16::gemm(
-                (m, k, n),
-                c.as_mut_ptr(),
-                n as isize,
-                mat(a, k),
-                mat(b, n),
-                false,
-            )
-        };
-        return Ok(());
-    }
     // SAFETY: the kernel can run; the slices hold the matrices (checked above) and `c`, a
     // unique borrow, overlaps neither operand.
     unsafe {
@@ -1060,6 +1046,8 @@ impl Compiled {
         cache
             .values()
             .filter_map(|w| w.copy.as_ref())
+            // An int16 packing of a weight that cannot be quantized holds nothing.
+            .filter(|r| r.bytes() > 0)
             .fold((0, 0), |(n, bytes), r| (n + 1, bytes + r.bytes()))
     }
 
@@ -1129,7 +1117,7 @@ impl Compiled {
         let version = version?;
         let shape = loc.shape();
         let kernel = self.bf16_products?;
-        if loc.dtype != DType::F32 || shape.len() != 2 || kernel.is_int16() {
+        if loc.dtype != DType::F32 || shape.len() != 2 {
             return None;
         }
         let mut cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
