@@ -379,45 +379,120 @@ unsafe fn quantize_rows<const W: usize>(
     let panels = rows.div_ceil(W);
     let q = sized(buf, panels * W * 2 * pairs);
     let mut exps = vec![0i32; rows];
-    struct P(*const f32);
-    unsafe impl Send for P {}
-    unsafe impl Sync for P {}
-    let base = P(x.ptr);
+    let base = P(x.ptr, x.rs);
     let ok = q
         .par_chunks_mut(W * 2 * pairs)
         .zip(exps.par_chunks_mut(W))
         .enumerate()
         .all(|(t, (panel, exps))| {
             let base = &base;
-            let mut row = vec![0i16; 2 * pairs];
-            for (r, e) in exps.iter_mut().enumerate() {
+            // The panel's rows quantized one after another (rows past `rows`, and each
+            // row's pad, zero), then turned into the panel's lanes.
+            let mut lines = vec![0i16; W * 2 * pairs];
+            for ((r, e), line) in exps
+                .iter_mut()
+                .enumerate()
+                .zip(lines.chunks_exact_mut(2 * pairs))
+            {
                 let i = t * W + r;
                 // SAFETY: row `i < rows` holds `k` floats (the caller's contract).
-                let v = unsafe { std::slice::from_raw_parts(base.0.offset(i as isize * x.rs), k) };
+                let v =
+                    unsafe { std::slice::from_raw_parts(base.0.offset(i as isize * base.1), k) };
                 // SAFETY: the CPU has AVX2 (checked before the kernel was set).
                 let Some(max) = (unsafe { max_abs(v) }) else {
                     return false;
                 };
                 *e = exponent(max);
-                // SAFETY: as above; `row` holds `k` int16 and more (its pad stays zero).
-                unsafe { quantize_row(v, pow2(*e), &mut row) };
-                // Each pair as one int32, into lane `r` of its pair's `W` lanes.
-                let (src, dst) = (row.as_ptr() as *const i32, panel.as_mut_ptr() as *mut i32);
-                for p in 0..pairs {
-                    // SAFETY: pair `p < pairs` of `row`; lane `r < W` of pair `p` of the
-                    // panel (`W · pairs` lanes).
-                    unsafe {
-                        dst.add(W * p + r)
-                            .write_unaligned(src.add(p).read_unaligned())
-                    };
-                }
+                // SAFETY: as above; `line` holds `k` int16 and more.
+                unsafe { quantize_row(v, pow2(*e), line) };
             }
+            // SAFETY: `W` lines of `pairs` pairs; the panel's `W · pairs` lanes; the CPU
+            // has AVX2.
+            unsafe { interleave::<W>(&lines, pairs, panel) };
             true
         });
     ok.then_some(Quantized {
         ld: 2 * pairs,
         exps,
     })
+}
+
+/// `W` (6 or 16) lines of `pairs` int16 pairs, one after another in `lines`, as a panel:
+/// pair `p` of line `r` (one int32) into lane `r` of the panel's pair `p`
+/// (`panel[2(W·p + r)..]`). Eight pairs of eight lines at a time, as an 8 × 8 transpose
+/// of int32 in registers (six lines with two of zeros).
+///
+/// # Safety
+/// The CPU must have AVX2; `lines` must hold `W · 2 · pairs` int16, `panel` as many.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn interleave<const W: usize>(lines: &[i16], pairs: usize, panel: &mut [i16]) {
+    debug_assert!((W == MR || W == NR) && lines.len() >= W * 2 * pairs);
+    debug_assert!(panel.len() >= W * 2 * pairs);
+    let (src, dst) = (lines.as_ptr() as *const i32, panel.as_mut_ptr() as *mut i32);
+    let six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    let p8 = pairs / 8 * 8;
+    for g in 0..W.div_ceil(8) {
+        // Lines `8g..8g + 8` (those past `W` zero).
+        let line = |r: usize, p: usize| {
+            if 8 * g + r < W {
+                // SAFETY: pairs `p..p + 8 ≤ pairs` of line `8g + r`.
+                unsafe { _mm256_loadu_si256(src.add((8 * g + r) * pairs + p) as *const __m256i) }
+            } else {
+                _mm256_setzero_si256()
+            }
+        };
+        for p in (0..p8).step_by(8) {
+            let r: [__m256i; 8] = std::array::from_fn(|i| line(i, p));
+            let t = [
+                _mm256_unpacklo_epi32(r[0], r[1]),
+                _mm256_unpackhi_epi32(r[0], r[1]),
+                _mm256_unpacklo_epi32(r[2], r[3]),
+                _mm256_unpackhi_epi32(r[2], r[3]),
+                _mm256_unpacklo_epi32(r[4], r[5]),
+                _mm256_unpackhi_epi32(r[4], r[5]),
+                _mm256_unpacklo_epi32(r[6], r[7]),
+                _mm256_unpackhi_epi32(r[6], r[7]),
+            ];
+            // `u[c]`: pair `c` (low half) and pair `c + 4` (high half) of lines 0–3, and
+            // `u[c + 4]` of lines 4–7.
+            let u = [
+                _mm256_unpacklo_epi64(t[0], t[2]),
+                _mm256_unpackhi_epi64(t[0], t[2]),
+                _mm256_unpacklo_epi64(t[1], t[3]),
+                _mm256_unpackhi_epi64(t[1], t[3]),
+                _mm256_unpacklo_epi64(t[4], t[6]),
+                _mm256_unpackhi_epi64(t[4], t[6]),
+                _mm256_unpacklo_epi64(t[5], t[7]),
+                _mm256_unpackhi_epi64(t[5], t[7]),
+            ];
+            for c in 0..8 {
+                let v = if c < 4 {
+                    _mm256_permute2x128_si256::<0x20>(u[c], u[c + 4])
+                } else {
+                    _mm256_permute2x128_si256::<0x31>(u[c - 4], u[c])
+                };
+                // SAFETY: pair `p + c`'s lanes `8g..` of the panel: all eight, or six
+                // (eight where the next pair's first two follow, which it overwrites).
+                unsafe {
+                    let at = dst.add(W * (p + c) + 8 * g);
+                    if W == NR || p + c + 1 < pairs {
+                        _mm256_storeu_si256(at as *mut __m256i, v);
+                    } else {
+                        _mm256_maskstore_epi32(at, six, v);
+                    }
+                }
+            }
+        }
+    }
+    for p in p8..pairs {
+        for r in 0..W {
+            // SAFETY: pair `p < pairs` of line `r < W`; lane `r` of the panel's pair `p`.
+            unsafe {
+                dst.add(W * p + r)
+                    .write_unaligned(src.add(r * pairs + p).read_unaligned())
+            };
+        }
+    }
 }
 
 /// The columns of `x` (`k × cols`: row `p` the `cols` floats at `x.ptr + p·x.rs`) in
