@@ -1276,9 +1276,9 @@ pub(crate) enum Rhs<'a> {
 ///
 /// # Safety
 /// The kernel's check ([`tiles_available`], [`dot_available`], [`half_available`], or
-/// int16's) must have returned `Ok`; every element the matrices address must be valid; `dst` must not
-/// overlap `a`, `b`; a bias must hold `n` values; with `sums`, `b` must be a row-major
-/// [`Rhs::Mat`] (`cs == 1`) and [`column_sums`]' conditions must hold.
+/// int16's) must have returned `Ok`; every element the matrices address must be valid;
+/// `dst` must not overlap `a`, `b`; a bias must hold `n` values; with `sums`, `b` must be a
+/// row-major [`Rhs::Mat`] (`cs == 1`) and [`column_sums`]' conditions must hold.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
     kernel: Kernel,

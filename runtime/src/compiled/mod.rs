@@ -69,7 +69,7 @@ pub(crate) mod bf16 {
     #[derive(Clone, Copy)]
     pub(crate) enum Rhs<'a> {
         Mat(super::gemm::Mat),
-        Packed(&'a PackedRhs),
+        Packed(&'a PackedRhs, super::gemm::Mat),
     }
 
     /// Never applied: no kernel is available.
