@@ -443,28 +443,27 @@ unsafe fn interleave<const W: usize>(lines: &[i16], pairs: usize, panel: &mut [i
         };
         for p in (0..p8).step_by(8) {
             let r: [__m256i; 8] = std::array::from_fn(|i| line(i, p));
-            let t = [
-                _mm256_unpacklo_epi32(r[0], r[1]),
-                _mm256_unpackhi_epi32(r[0], r[1]),
-                _mm256_unpacklo_epi32(r[2], r[3]),
-                _mm256_unpackhi_epi32(r[2], r[3]),
-                _mm256_unpacklo_epi32(r[4], r[5]),
-                _mm256_unpackhi_epi32(r[4], r[5]),
-                _mm256_unpacklo_epi32(r[6], r[7]),
-                _mm256_unpackhi_epi32(r[6], r[7]),
-            ];
+            // `t[2i]`, `t[2i + 1]`: lines `2i` and `2i + 1` interleaved, pairs 0, 1 and 4, 5
+            // (low), 2, 3 and 6, 7 (high).
+            let t: [__m256i; 8] = std::array::from_fn(|i| {
+                let (x, y) = (r[i & !1], r[i | 1]);
+                if i % 2 == 0 {
+                    _mm256_unpacklo_epi32(x, y)
+                } else {
+                    _mm256_unpackhi_epi32(x, y)
+                }
+            });
             // `u[c]`: pair `c` (low half) and pair `c + 4` (high half) of lines 0–3, and
             // `u[c + 4]` of lines 4–7.
-            let u = [
-                _mm256_unpacklo_epi64(t[0], t[2]),
-                _mm256_unpackhi_epi64(t[0], t[2]),
-                _mm256_unpacklo_epi64(t[1], t[3]),
-                _mm256_unpackhi_epi64(t[1], t[3]),
-                _mm256_unpacklo_epi64(t[4], t[6]),
-                _mm256_unpackhi_epi64(t[4], t[6]),
-                _mm256_unpacklo_epi64(t[5], t[7]),
-                _mm256_unpackhi_epi64(t[5], t[7]),
-            ];
+            let u: [__m256i; 8] = std::array::from_fn(|i| {
+                let (half, j) = (i / 4 * 4, i % 4);
+                let (x, y) = (t[half + j / 2], t[half + j / 2 + 2]);
+                if j % 2 == 0 {
+                    _mm256_unpacklo_epi64(x, y)
+                } else {
+                    _mm256_unpackhi_epi64(x, y)
+                }
+            });
             for c in 0..8 {
                 let v = if c < 4 {
                     _mm256_permute2x128_si256::<0x20>(u[c], u[c + 4])
