@@ -1251,6 +1251,29 @@ mod tests {
         }
     }
 
+    /// The f32 kernel's product of row-major `a` and `b`.
+    fn f32_product((m, k, n): (usize, usize, usize), a: &[f32], b: &[f32]) -> Vec<f32> {
+        let mat = |p: &[f32], cols: usize| Mat {
+            ptr: p.as_ptr(),
+            rs: cols as isize,
+            cs: 1,
+        };
+        let mut c = vec![0f32; m * n];
+        // SAFETY: the buffers hold the matrices.
+        unsafe {
+            super::super::gemm::gemm_one(
+                (m, k, n),
+                c.as_mut_ptr(),
+                n as isize,
+                mat(a, k),
+                mat(b, n),
+                false,
+                super::super::gemm::parallelism(m * k * n),
+            )
+        };
+        c
+    }
+
     fn skip() -> bool {
         match available() {
             Ok(()) => false,
@@ -1431,24 +1454,7 @@ mod tests {
             }
             let mut got = vec![0f32; m * n];
             product((m, k, n), (&a, &b), (false, false), &mut got, false);
-            let mut want = vec![0f32; m * n];
-            let mat = |p: &[f32], cols: usize| Mat {
-                ptr: p.as_ptr(),
-                rs: cols as isize,
-                cs: 1,
-            };
-            // SAFETY: the buffers hold the matrices.
-            unsafe {
-                super::super::gemm::gemm_one(
-                    (m, k, n),
-                    want.as_mut_ptr(),
-                    n as isize,
-                    mat(&a, k),
-                    mat(&b, n),
-                    false,
-                    super::super::gemm::parallelism(m * k * n),
-                )
-            };
+            let want = f32_product((m, k, n), &a, &b);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert!(bits(&got) == bits(&want), "{what}");
             assert!(
@@ -1750,19 +1756,7 @@ mod tests {
                 }),
             )
         };
-        let mut want = vec![0f32; m * n];
-        // SAFETY: as above.
-        unsafe {
-            super::super::gemm::gemm_one(
-                (m, k, n),
-                want.as_mut_ptr(),
-                n as isize,
-                mat(&a, k),
-                mat(&b, n),
-                false,
-                super::super::gemm::parallelism(m * k * n),
-            )
-        };
+        let want = f32_product((m, k, n), &a, &b);
         assert_same_bits(&got, &want, "a NaN in a");
         assert!(got[2 * n..3 * n].iter().all(|x| x.is_nan()));
         assert_same_bits(&sums, &nested_sums(&b, n, &[k]), "sums");
