@@ -1039,8 +1039,10 @@ unsafe fn general((m, k): (usize, usize), a: Mat, members: &[Member<'_>], scratc
     for (mb, buf) in members.iter().zip(scratch.qb.iter_mut()) {
         got.push(match mb.b {
             _ if mb.n == 0 => None,
+            // (Column sums are asked of a matrix read in place, not of a packed one; were
+            // they, the f32 kernel's member would take them.)
             Rhs::Packed(p, _) => match p.int16() {
-                Some(p) if p.is((k, mb.n)) => Some(Got::Packed(p)),
+                Some(p) if p.is((k, mb.n)) && mb.sums.is_none() => Some(Got::Packed(p)),
                 _ => None,
             },
             // `b`'s lines are its columns.
