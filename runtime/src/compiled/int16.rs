@@ -23,7 +23,7 @@
 //! No well-kept crate multiplies int16 matrices on stable Rust (the `gemm` crate's
 //! kernels are floating point); the inner loop is inline assembly so that its sixteen
 //! vector registers hold exactly the 6 × 16 tile's twelve accumulators, the two vectors of
-//! `b` and the broadcast and product of `a`.
+//! `b` and the broadcast of `a` and its two products.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
