@@ -34,6 +34,10 @@ unsafe impl Sync for Mat {}
 
 impl Mat {
     /// The same elements read transposed: element `(i, j)` is this one's `(j, i)`.
+    #[cfg_attr(
+        not(all(target_arch = "x86_64", target_os = "linux")),
+        allow(dead_code)
+    )]
     pub fn transposed(self) -> Mat {
         Mat {
             ptr: self.ptr,

@@ -30,6 +30,7 @@ pub(crate) mod bf16;
 /// Linux, and AVX-512's `VDPBF16PS`): elsewhere the bf16 products are never available,
 /// and `gemm` is never reached.
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+#[allow(dead_code)] // The real module's interface, which only its callers there read.
 pub(crate) mod bf16 {
     pub(crate) use super::Bf16Kernel as Kernel;
 
@@ -47,17 +48,21 @@ pub(crate) mod bf16 {
         Err(WHY)
     }
 
+    pub(crate) fn half_available() -> Result<(), &'static str> {
+        Err(WHY)
+    }
+
     /// Never made: no kernel is available.
     pub(crate) struct PackedRhs;
 
     impl PackedRhs {
         /// # Safety
         /// Never called: no kernel is available.
-        pub(crate) unsafe fn new(_: (usize, usize), _: super::gemm::Mat) -> PackedRhs {
+        pub(crate) unsafe fn new(_: Kernel, _: (usize, usize), _: super::gemm::Mat) -> PackedRhs {
             unreachable!("bf16 products are only set where a bf16 kernel is available")
         }
 
-        pub(crate) fn is(&self, _: (usize, usize)) -> bool {
+        pub(crate) fn is(&self, _: Kernel, _: (usize, usize)) -> bool {
             false
         }
 
@@ -77,6 +82,28 @@ pub(crate) mod bf16 {
     pub(crate) struct Epilogue {
         pub bias: Option<*const f32>,
         pub relu: bool,
+    }
+
+    /// One product of a group (the real module's fields; never run here).
+    pub(crate) struct Member<'a> {
+        pub n: usize,
+        pub dst: *mut f32,
+        pub ld: isize,
+        pub b: Rhs<'a>,
+        pub read_dst: bool,
+        pub epilogue: Epilogue,
+        pub sums: Option<super::gemm::ColumnSums>,
+    }
+
+    /// # Safety
+    /// Never called: no kernel is available.
+    pub(crate) unsafe fn gemm_group(
+        _: Kernel,
+        _: (usize, usize),
+        _: super::gemm::Mat,
+        _: &[Member<'_>],
+    ) {
+        unreachable!("bf16 products are only set where a bf16 kernel is available")
     }
 
     /// # Safety
@@ -209,6 +236,10 @@ impl Bf16Kernel {
     }
 
     /// Whether the kernel sums in int32 ([`Bf16Kernel::Int16`]: `int16`'s driver).
+    #[cfg_attr(
+        not(all(target_arch = "x86_64", target_os = "linux")),
+        allow(dead_code)
+    )]
     pub(crate) fn is_int16(self) -> bool {
         self == Bf16Kernel::Int16
     }
