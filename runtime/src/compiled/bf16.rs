@@ -35,6 +35,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::gemm::{ColumnSums, Mat, SUM_AXES};
+pub(crate) use super::gemm::{Epilogue, Member};
 
 /// Rows and columns of a result tile; the `k` of one tile product is 32 (bf16 pairs).
 const T: usize = 16;
@@ -1139,20 +1140,6 @@ unsafe fn pack_b_all(
     unscale
 }
 
-/// What [`gemm`] does to each result block after its last sums, while the block is in
-/// the core's first-level cache: add a bias (one value a column, `bias[j]` for column
-/// `j`), then apply a ReLU (`x` where `x > 0` or NaN, else `+0.0`, as the `relu` kernel).
-/// A `linear` kernel's bias and activation this way cost no pass of their own over the
-/// result (DESIGN §5: activations as a fused epilogue).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Epilogue {
-    pub bias: Option<*const f32>,
-    pub relu: bool,
-}
-
-unsafe impl Send for Epilogue {}
-unsafe impl Sync for Epilogue {}
-
 impl Epilogue {
     fn is_some(&self) -> bool {
         self.bias.is_some() || self.relu
@@ -1354,22 +1341,6 @@ pub(crate) unsafe fn gemm(
     // SAFETY: as the caller's.
     unsafe { general(kernel, (m, k), a, std::slice::from_ref(&member)) }
 }
-
-/// One product of [`gemm_group`]: `dst[m, n]` (row stride `ld`) `= (read_dst ? dst : 0)
-/// + a·b`, then `epilogue`, and `b`'s `sums` where asked, as [`gemm`]'s arguments.
-#[derive(Clone, Copy)]
-pub(crate) struct Member<'a> {
-    pub n: usize,
-    pub dst: *mut f32,
-    pub ld: isize,
-    pub b: Rhs<'a>,
-    pub read_dst: bool,
-    pub epilogue: Epilogue,
-    pub sums: Option<ColumnSums>,
-}
-
-unsafe impl Send for Member<'_> {}
-unsafe impl Sync for Member<'_> {}
 
 impl Member<'_> {
     /// With fp16 and a bias: the bias padded to the blocks' columns, for the fp16

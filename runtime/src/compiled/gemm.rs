@@ -14,8 +14,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-pub(crate) use super::bf16::Epilogue;
-use super::bf16::{Kernel, Member, PackedRhs, Rhs};
+use super::bf16::{Kernel, PackedRhs, Rhs};
 use super::Loc;
 
 /// Products with fewer multiply-adds than this run single-threaded.
@@ -197,6 +196,46 @@ pub(crate) struct ColumnSums {
 
 unsafe impl Send for ColumnSums {}
 unsafe impl Sync for ColumnSums {}
+
+/// What a 16-bit product ([`bf16::gemm`](super::bf16::gemm)) does to each result block
+/// after its last sums, while the block is in the core's first-level cache: add a bias
+/// (one value a column, `bias[j]` for column `j`), then apply a ReLU (`x` where `x > 0`
+/// or NaN, else `+0.0`, as the `relu` kernel). A `linear` kernel's bias and activation
+/// this way cost no pass of their own over the result (DESIGN §5: activations as a fused
+/// epilogue). Defined here, on every platform, for the `bf16` module and its stub alike.
+#[derive(Clone, Copy, Debug, Default)]
+#[cfg_attr(
+    not(all(target_arch = "x86_64", target_os = "linux")),
+    allow(dead_code)
+)]
+pub(crate) struct Epilogue {
+    pub bias: Option<*const f32>,
+    pub relu: bool,
+}
+
+unsafe impl Send for Epilogue {}
+unsafe impl Sync for Epilogue {}
+
+/// One product of [`bf16::gemm_group`](super::bf16::gemm_group): `dst[m, n]` (row stride
+/// `ld`) `= (read_dst ? dst : 0) + a·b`, then `epilogue`, and `b`'s `sums` where asked, as
+/// [`bf16::gemm`](super::bf16::gemm)'s arguments.
+#[derive(Clone, Copy)]
+#[cfg_attr(
+    not(all(target_arch = "x86_64", target_os = "linux")),
+    allow(dead_code)
+)]
+pub(crate) struct Member<'a> {
+    pub n: usize,
+    pub dst: *mut f32,
+    pub ld: isize,
+    pub b: Rhs<'a>,
+    pub read_dst: bool,
+    pub epilogue: Epilogue,
+    pub sums: Option<ColumnSums>,
+}
+
+unsafe impl Send for Member<'_> {}
+unsafe impl Sync for Member<'_> {}
 
 /// Products with fewer multiply-adds than this stay f32 with `bf16` (packing and the
 /// tiles' setup would cost more than they save: the demo's model, `d_model` 48, trained

@@ -32,6 +32,7 @@ pub(crate) mod bf16;
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 #[allow(dead_code)] // The real module's interface, which only its callers there read.
 pub(crate) mod bf16 {
+    pub(crate) use super::gemm::{Epilogue, Member};
     pub(crate) use super::Bf16Kernel as Kernel;
 
     const WHY: &str = "kiln's bf16 products run only on x86-64 CPUs under Linux";
@@ -75,24 +76,6 @@ pub(crate) mod bf16 {
     pub(crate) enum Rhs<'a> {
         Mat(super::gemm::Mat),
         Packed(&'a PackedRhs, super::gemm::Mat),
-    }
-
-    /// Never applied: no kernel is available.
-    #[derive(Clone, Copy, Debug, Default)]
-    pub(crate) struct Epilogue {
-        pub bias: Option<*const f32>,
-        pub relu: bool,
-    }
-
-    /// One product of a group (the real module's fields; never run here).
-    pub(crate) struct Member<'a> {
-        pub n: usize,
-        pub dst: *mut f32,
-        pub ld: isize,
-        pub b: Rhs<'a>,
-        pub read_dst: bool,
-        pub epilogue: Epilogue,
-        pub sums: Option<super::gemm::ColumnSums>,
     }
 
     /// # Safety
