@@ -119,33 +119,39 @@ thread_local! {
 }
 
 /// The largest magnitude of `x`, or `None` where it holds an infinity or a NaN.
+///
+/// Magnitudes are compared as the integers of their bits (sign cleared), which order
+/// non-negative floats as their values do and put an infinity or a NaN (bits at least
+/// `0x7f80_0000`) above every finite value: one integer maximum a vector, in four
+/// independent chains.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn max_abs(x: &[f32]) -> Option<f32> {
-    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let (mut m, mut bad) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut chunks = x.chunks_exact(8);
+    let abs = _mm256_set1_epi32(0x7fff_ffff);
+    let mut m = [_mm256_setzero_si256(); 4];
+    let mut chunks = x.chunks_exact(32);
     for c in &mut chunks {
-        // SAFETY: `c` holds 8 floats.
-        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
-        m = _mm256_max_ps(m, _mm256_and_ps(v, abs));
-        // `x · 0` is a NaN exactly for an infinity or a NaN.
-        bad = _mm256_fmadd_ps(v, _mm256_setzero_ps(), bad);
-    }
-    let mut lanes = [0f32; 8];
-    let mut bads = [0f32; 8];
-    // SAFETY: 8 floats each.
-    unsafe {
-        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-        _mm256_storeu_ps(bads.as_mut_ptr(), bad);
-    }
-    let mut max = lanes.iter().fold(0f32, |a, &b| a.max(b));
-    for &v in chunks.remainder() {
-        if !v.is_finite() {
-            return None;
+        for (v, m) in m.iter_mut().enumerate() {
+            // SAFETY: `c` holds 32 floats.
+            let b = unsafe { _mm256_loadu_si256(c.as_ptr().add(8 * v) as *const __m256i) };
+            *m = _mm256_max_epu32(*m, _mm256_and_si256(b, abs));
         }
-        max = max.max(v.abs());
     }
-    (bads.iter().all(|b| *b == 0.0)).then_some(max)
+    let mut rest = chunks.remainder().chunks_exact(8);
+    for c in &mut rest {
+        // SAFETY: `c` holds 8 floats.
+        let b = unsafe { _mm256_loadu_si256(c.as_ptr() as *const __m256i) };
+        m[0] = _mm256_max_epu32(m[0], _mm256_and_si256(b, abs));
+    }
+    let m = _mm256_max_epu32(_mm256_max_epu32(m[0], m[1]), _mm256_max_epu32(m[2], m[3]));
+    let mut lanes = [0u32; 8];
+    // SAFETY: 8 words.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, m) };
+    let bits = lanes
+        .into_iter()
+        .chain(rest.remainder().iter().map(|v| v.to_bits() & 0x7fff_ffff))
+        .max()
+        .unwrap_or(0);
+    (bits < 0x7f80_0000).then_some(f32::from_bits(bits))
 }
 
 /// Columns [`strip_stats`] takes at a time: eight vectors.
@@ -204,9 +210,10 @@ unsafe fn strip_stats(
             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
         )
     });
+    /// Each column's largest magnitude so far, as the integer of its bits (see
+    /// [`max_abs`]: an infinity or a NaN above every finite value).
     struct Acc {
-        max: [__m256; V],
-        bad: __m256,
+        max: [__m256i; V],
     }
     /// The sums over axis 0 of its rows from `row` on, their magnitudes into `acc`: the
     /// innermost loop, its accumulators in registers (`FULL`: all `STRIP` columns, read
@@ -219,8 +226,8 @@ unsafe fn strip_stats(
         (j0, masks): (usize, &[__m256i; V]),
         acc: &mut Acc,
     ) -> [__m256; V] {
-        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-        let (mut max, mut bad) = (acc.max, acc.bad);
+        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let mut max = acc.max;
         let mut sum = [_mm256_setzero_ps(); V];
         for i in 0..order.lead[0] {
             // SAFETY: the row holds columns `j0..j0 + w` (the caller's); past `w`, masked.
@@ -238,15 +245,14 @@ unsafe fn strip_stats(
                         _mm256_maskload_ps(at.add(8 * v), masks[v])
                     }
                 };
-                max[v] = _mm256_max_ps(max[v], _mm256_and_ps(x, abs));
-                // `x · 0` is a NaN exactly for an infinity or a NaN.
-                bad = _mm256_fmadd_ps(x, _mm256_setzero_ps(), bad);
+                let bits = _mm256_and_si256(_mm256_castps_si256(x), abs);
+                max[v] = _mm256_max_epu32(max[v], bits);
                 if summed {
                     sum[v] = _mm256_add_ps(sum[v], x);
                 }
             }
         }
-        (acc.max, acc.bad) = (max, bad);
+        acc.max = max;
         sum
     }
     /// The sums over axes `0..level` (`level ≥ 1`) of the rows from `row` on, the rows'
@@ -278,8 +284,7 @@ unsafe fn strip_stats(
         sum
     }
     let mut acc = Acc {
-        max: [_mm256_setzero_ps(); V],
-        bad: _mm256_setzero_ps(),
+        max: [_mm256_setzero_si256(); V],
     };
     let how = (&order, sums.is_some());
     // SAFETY: as the caller's.
@@ -290,22 +295,21 @@ unsafe fn strip_stats(
             nested::<false>(x, how, (order.axes, 0), (j0, &masks), &mut acc)
         }
     };
-    let mut lanes = [0f32; STRIP];
-    let mut bads = [0f32; 8];
+    let mut lanes = [0u32; STRIP];
     for v in 0..V {
-        // SAFETY: 8 floats at `8v`.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * v), acc.max[v]) };
+        // SAFETY: 8 words at `8v`.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().add(8 * v) as *mut __m256i, acc.max[v]) };
     }
-    // SAFETY: 8 floats.
-    unsafe { _mm256_storeu_ps(bads.as_mut_ptr(), acc.bad) };
-    max[..w].copy_from_slice(&lanes[..w]);
+    for (m, &bits) in max[..w].iter_mut().zip(&lanes) {
+        *m = f32::from_bits(bits);
+    }
     if let Some(s) = sums {
         for (v, t) in total.iter().enumerate() {
             // SAFETY: the masked lanes are columns below `j0 + w` of `sums.dst`.
             unsafe { _mm256_maskstore_ps(s.dst.add(j0 + 8 * v), masks[v], *t) };
         }
     }
-    bads.iter().all(|b| *b == 0.0)
+    lanes[..w].iter().all(|&bits| bits < 0x7f80_0000)
 }
 
 /// `b`'s (`k × n`, row-major) column sums as `sums` asks, written whatever `b` holds.
@@ -315,9 +319,6 @@ unsafe fn strip_stats(
 /// `sums.lead`; `sums.dst` must hold `n` values, written by nothing else meanwhile.
 unsafe fn column_sums(b: Mat, (k, n): (usize, usize), sums: ColumnSums) {
     let order = Order::new(k, Some(&sums));
-    struct S(ColumnSums);
-    unsafe impl Send for S {}
-    unsafe impl Sync for S {}
     let (b, s) = (P(b.ptr, b.rs), S(sums));
     (0..n.div_ceil(STRIP)).into_par_iter().for_each(|t| {
         let (b, s) = (&b, &s);
@@ -338,28 +339,6 @@ unsafe fn column_sums(b: Mat, (k, n): (usize, usize), sums: ColumnSums) {
 struct P(*const f32, isize);
 unsafe impl Send for P {}
 unsafe impl Sync for P {}
-
-/// `dst[i] = round(x[i] · s)` (ties to even) for the `x.len()` values; `|x · s| ≤ 4095`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_row(x: &[f32], s: f32, dst: &mut [i16]) {
-    let sv = _mm256_set1_ps(s);
-    let n16 = x.len() / 16 * 16;
-    let mut i = 0;
-    while i < n16 {
-        // SAFETY: `i + 16 ≤ x.len() ≤ dst.len()`.
-        unsafe {
-            let lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), sv));
-            let hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), sv));
-            // `packs` interleaves the 128-bit halves: lo 0–3, hi 0–3, lo 4–7, hi 4–7.
-            let q = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(lo, hi));
-            _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, q);
-        }
-        i += 16;
-    }
-    for (d, &v) in dst[n16..x.len()].iter_mut().zip(&x[n16..]) {
-        *d = (v * s).round_ties_even() as i16;
-    }
-}
 
 /// The rows of `x` (`rows × k`: row `i` the `k` floats at `x.ptr + i·x.rs`) in panels of
 /// `W` rows: for each pair `p` of columns (`2p`, `2p + 1`), `W` int32 lanes of
@@ -386,14 +365,10 @@ unsafe fn quantize_rows<const W: usize>(
         .enumerate()
         .all(|(t, (panel, exps))| {
             let base = &base;
-            // The panel's rows quantized one after another (rows past `rows`, and each
-            // row's pad, zero), then turned into the panel's lanes.
-            let mut lines = vec![0i16; W * 2 * pairs];
-            for ((r, e), line) in exps
-                .iter_mut()
-                .enumerate()
-                .zip(lines.chunks_exact_mut(2 * pairs))
-            {
+            // The panel's rows (as many as there are, at most `W`) and their scales.
+            let mut lines: [&[f32]; W] = [&[]; W];
+            let mut scales = [0f32; W];
+            for (r, e) in exps.iter_mut().enumerate() {
                 let i = t * W + r;
                 // SAFETY: row `i < rows` holds `k` floats (the caller's contract).
                 let v =
@@ -403,12 +378,12 @@ unsafe fn quantize_rows<const W: usize>(
                     return false;
                 };
                 *e = exponent(max);
-                // SAFETY: as above; `line` holds `k` int16 and more.
-                unsafe { quantize_row(v, pow2(*e), line) };
+                (lines[r], scales[r]) = (v, pow2(*e));
             }
-            // SAFETY: `W` lines of `pairs` pairs; the panel's `W · pairs` lanes; the CPU
-            // has AVX2.
-            unsafe { interleave::<W>(&lines, pairs, panel) };
+            let n = exps.len();
+            // SAFETY: `n ≤ W` lines of `k` floats; the panel holds `W · 2 · pairs` int16;
+            // the CPU has AVX2.
+            unsafe { quantize_panel::<W>(&lines[..n], &scales[..n], k, panel) };
             true
         });
     ok.then_some(Quantized {
@@ -417,28 +392,44 @@ unsafe fn quantize_rows<const W: usize>(
     })
 }
 
-/// `W` (6 or 16) lines of `pairs` int16 pairs, one after another in `lines`, as a panel:
-/// pair `p` of line `r` (one int32) into lane `r` of the panel's pair `p`
-/// (`panel[2(W·p + r)..]`). Eight pairs of eight lines at a time, as an 8 × 8 transpose
-/// of int32 in registers (six lines with two of zeros).
+/// `n ≤ W` lines of `k` floats (`lines[r]`, scaled by `scales[r]` and rounded to the
+/// nearest int16, ties to even; `|x · s| ≤ 4095`) as one panel of [`quantize_rows`]: pair
+/// `p` of line `r` (one int32, the even value low) in lane `r` of the panel's pair `p`
+/// (`panel[2(W·p + r)..]`), lanes past `n` and the pad past `k` zero. Eight pairs of eight
+/// lines at a time: each line's sixteen values rounded in registers, then an 8 × 8
+/// transpose of int32 (six lines with two of zeros) stored as eight pairs of the panel.
 ///
 /// # Safety
-/// The CPU must have AVX2; `lines` must hold `W · 2 · pairs` int16, `panel` as many.
+/// The CPU must have AVX2; every line must hold `k` floats; `panel` must hold
+/// `W · 2 · ⌈k/2⌉` int16.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn interleave<const W: usize>(lines: &[i16], pairs: usize, panel: &mut [i16]) {
-    debug_assert!((W == MR || W == NR) && lines.len() >= W * 2 * pairs);
+unsafe fn quantize_panel<const W: usize>(
+    lines: &[&[f32]],
+    scales: &[f32],
+    k: usize,
+    panel: &mut [i16],
+) {
+    debug_assert!((W == MR || W == NR) && lines.len() <= W && scales.len() == lines.len());
+    let pairs = k.div_ceil(2);
     debug_assert!(panel.len() >= W * 2 * pairs);
-    let (src, dst) = (lines.as_ptr() as *const i32, panel.as_mut_ptr() as *mut i32);
+    let dst = panel.as_mut_ptr() as *mut i32;
     let six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
-    let p8 = pairs / 8 * 8;
+    // Pairs whose sixteen values every line holds.
+    let p8 = k / 16 * 8;
     for g in 0..W.div_ceil(8) {
-        // Lines `8g..8g + 8` (those past `W` zero).
+        // Pairs `p..p + 8` of line `8g + r`, rounded (zero past the lines).
         let line = |r: usize, p: usize| {
-            if 8 * g + r < W {
-                // SAFETY: pairs `p..p + 8 ≤ pairs` of line `8g + r`.
-                unsafe { _mm256_loadu_si256(src.add((8 * g + r) * pairs + p) as *const __m256i) }
-            } else {
-                _mm256_setzero_si256()
+            let Some(&x) = lines.get(8 * g + r) else {
+                return _mm256_setzero_si256();
+            };
+            let s = _mm256_set1_ps(scales[8 * g + r]);
+            // SAFETY: values `2p..2p + 16 ≤ k` of the line.
+            unsafe {
+                let at = x.as_ptr().add(2 * p);
+                let lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(at), s));
+                let hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(at.add(8)), s));
+                // `packs` interleaves the 128-bit halves: lo 0–3, hi 0–3, lo 4–7, hi 4–7.
+                _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(lo, hi))
             }
         };
         for p in (0..p8).step_by(8) {
@@ -483,13 +474,22 @@ unsafe fn interleave<const W: usize>(lines: &[i16], pairs: usize, panel: &mut [i
             }
         }
     }
+    let round = |x: f32, s: f32| (x * s).round_ties_even() as i16 as u16 as u32;
     for p in p8..pairs {
         for r in 0..W {
-            // SAFETY: pair `p < pairs` of line `r < W`; lane `r` of the panel's pair `p`.
-            unsafe {
-                dst.add(W * p + r)
-                    .write_unaligned(src.add(r * pairs + p).read_unaligned())
+            let lane = match (lines.get(r), scales.get(r)) {
+                (Some(x), Some(&s)) => {
+                    let hi = if 2 * p + 1 < k {
+                        round(x[2 * p + 1], s)
+                    } else {
+                        0
+                    };
+                    round(x[2 * p], s) | hi << 16
+                }
+                _ => 0,
             };
+            // SAFETY: lane `r < W` of the panel's pair `p < pairs`.
+            unsafe { dst.add(W * p + r).write_unaligned(lane as i32) };
         }
     }
 }
@@ -515,123 +515,245 @@ unsafe fn pack_columns<const W: usize>(
     const { assert!(W <= NR) };
     let pairs = k.div_ceil(2);
     let panels = cols.div_ceil(W);
-    let base = P(x.ptr, x.rs);
-    let row = |p: usize| -> &[f32] {
-        let base = &base;
-        // SAFETY: row `p < k` holds `cols` floats (the caller's contract).
-        unsafe { std::slice::from_raw_parts(base.0.offset(p as isize * base.1), cols) }
+    // The columns' largest magnitudes (a column's maximum is the same whatever the order
+    // of its rows): read along the rows; or, where sums are asked, strip by strip with
+    // them, in the order their bits need.
+    let maxima = match sums {
+        // SAFETY: the caller's contract; the CPU has AVX2.
+        None => unsafe { column_maxima(x, (k, cols)) }?,
+        Some(sums) => {
+            let order = Order::new(k, Some(&sums));
+            let sums = S(sums);
+            let mut maxima = vec![0f32; cols];
+            let ok = maxima.par_chunks_mut(STRIP).enumerate().all(|(s, max)| {
+                let sums = &sums;
+                // SAFETY: the CPU has AVX2; the caller's contract.
+                unsafe { strip_stats(x, order, (s * STRIP, max), Some(sums.0)) }
+            });
+            if !ok {
+                return None;
+            }
+            maxima
+        }
     };
-    // Each strip's largest magnitudes (a column's maximum is the same whatever the order
-    // of its rows), and its sums where asked.
-    let order = Order::new(k, sums.as_ref());
-    struct S(Option<ColumnSums>);
-    unsafe impl Send for S {}
-    unsafe impl Sync for S {}
-    let sums = S(sums);
-    let mut maxima = vec![0f32; cols];
-    let ok = maxima.par_chunks_mut(STRIP).enumerate().all(|(s, max)| {
-        let sums = &sums;
-        // SAFETY: the CPU has AVX2; the caller's contract.
-        unsafe { strip_stats(x, order, (s * STRIP, max), sums.0) }
-    });
-    if !ok {
-        return None;
-    }
     let exps: Vec<i32> = maxima.iter().map(|&m| exponent(m)).collect();
+    // Scales, padded so that eight can be read from any column.
+    let mut scales = vec![0f32; cols + 16];
+    for (s, &e) in scales.iter_mut().zip(&exps) {
+        *s = pow2(e);
+    }
     let ld = 2 * pairs;
     let q = sized(buf, panels * W * ld);
-    q.par_chunks_mut(W * ld).enumerate().for_each(|(t, panel)| {
-        let j0 = t * W;
-        let w = W.min(cols - j0);
-        let mut s = [0f32; NR];
-        for (s, &e) in s.iter_mut().zip(&exps[j0..j0 + w]) {
-            *s = pow2(e);
-        }
-        if w == W && (W == NR || W == MR) {
-            // SAFETY: rows `0..k` hold columns `j0..j0 + W` (`x`'s `cols`); the panel
-            // holds `pairs` pairs of `W` lanes; the CPU has AVX2.
-            let base = &base;
-            let rows = Mat {
-                ptr: base.0,
-                rs: base.1,
-                cs: 1,
-            };
-            unsafe { pack_panel::<W>(rows, (k, cols), j0, &s, panel) };
-            return;
-        }
-        let zeros = [0f32; NR];
-        for p in 0..pairs {
-            let even = &row(2 * p)[j0..j0 + w];
-            let odd = if 2 * p + 1 < k {
-                &row(2 * p + 1)[j0..j0 + w]
-            } else {
-                &zeros[..w]
-            };
-            let lanes = &mut panel[p * 2 * W..(p + 1) * 2 * W];
-            for j in 0..w {
-                lanes[2 * j] = (even[j] * s[j]).round_ties_even() as i16;
-                lanes[2 * j + 1] = (odd[j] * s[j]).round_ties_even() as i16;
-            }
-        }
+    // Jobs of `PACK_PAIRS` pairs of the panels of `PACK_COLUMNS` columns.
+    let chunk = (PACK_COLUMNS / W).max(1);
+    let jobs: Vec<(usize, usize)> = (0..pairs.div_ceil(PACK_PAIRS))
+        .flat_map(|b| (0..panels.div_ceil(chunk)).map(move |c| (b * PACK_PAIRS, c * chunk)))
+        .collect();
+    let (out, base, scales) = (Q(q.as_mut_ptr()), P(x.ptr, x.rs), &scales);
+    jobs.par_iter().for_each(|&(p0, t0)| {
+        let (out, base) = (&out, &base);
+        let rows = Mat {
+            ptr: base.0,
+            rs: base.1,
+            cs: 1,
+        };
+        // SAFETY: each job writes its own pairs of its own panels, which `q` holds; rows
+        // `0..k` hold `cols` floats; `scales` holds `cols + 16`; the CPU has AVX2.
+        unsafe {
+            pack_block::<W>(
+                rows,
+                (k, cols),
+                scales,
+                (out.0, ld),
+                (p0, (p0 + PACK_PAIRS).min(pairs)),
+                (t0, (t0 + chunk).min(panels)),
+            )
+        };
     });
     Some(Quantized { ld, exps })
 }
 
-/// One whole panel of [`pack_columns`]: the `W` (16 or 6) columns from `j0` of `x`'s `k`
-/// rows (of `cols` floats), scaled by `s` and rounded, as `⌈k/2⌉` pairs of `W` int32
-/// lanes of int16 pairs (rows `2p`, `2p + 1`; zero past `k`).
+/// Column sums, to share with rayon's tasks.
+struct S(ColumnSums);
+unsafe impl Send for S {}
+unsafe impl Sync for S {}
+
+/// Rows of one job of [`column_maxima`].
+const MAXIMA_ROWS: usize = 64;
+
+/// The largest magnitude of each column of `x` (`k × cols`, row `p` the `cols` floats at
+/// `x.ptr + p·x.rs`), or `None` where a column holds an infinity or a NaN. Rows are read
+/// along their columns, [`PACK_COLUMNS`] at a time, by jobs of [`MAXIMA_ROWS`] rows whose
+/// maxima are then combined (a maximum is the same in any order).
 ///
 /// # Safety
-/// The CPU must have AVX2; `x` must address `k` rows of `cols ≥ j0 + W` floats;
-/// `panel` must hold `⌈k/2⌉ · 2W` int16.
+/// The CPU must have AVX2; `x` must address `k` rows of `cols` floats.
+unsafe fn column_maxima(x: Mat, (k, cols): (usize, usize)) -> Option<Vec<f32>> {
+    let blocks = k.div_ceil(MAXIMA_ROWS);
+    let base = P(x.ptr, x.rs);
+    // Each job's maxima of its rows, as bits (see [`max_abs`]), `cols` a block.
+    let mut partial = vec![0u32; blocks * cols];
+    partial
+        .par_chunks_mut(cols)
+        .enumerate()
+        .flat_map_iter(|(b, part)| {
+            part.chunks_mut(PACK_COLUMNS)
+                .enumerate()
+                .map(move |(c, p)| (b, c, p))
+        })
+        .for_each(|(b, c, part)| {
+            let base = &base;
+            let r0 = b * MAXIMA_ROWS;
+            // SAFETY: rows `r0..` (< k) hold columns `c·PACK_COLUMNS..` (< cols); the CPU
+            // has AVX2.
+            unsafe {
+                block_maxima(
+                    Mat {
+                        ptr: base.0,
+                        rs: base.1,
+                        cs: 1,
+                    },
+                    (r0, (r0 + MAXIMA_ROWS).min(k)),
+                    c * PACK_COLUMNS,
+                    part,
+                )
+            };
+        });
+    let mut max = vec![0u32; cols];
+    for part in partial.chunks(cols) {
+        for (m, &p) in max.iter_mut().zip(part) {
+            *m = (*m).max(p);
+        }
+    }
+    max.iter()
+        .all(|&bits| bits < 0x7f80_0000)
+        .then(|| max.into_iter().map(f32::from_bits).collect())
+}
+
+/// The maxima of rows `r0..r1` of columns `j0..j0 + max.len()`, as bits (see
+/// [`max_abs`]), into `max`.
+///
+/// # Safety
+/// The CPU must have AVX2; rows `r0..r1` of `x` must hold those columns.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_panel<const W: usize>(
+unsafe fn block_maxima(x: Mat, (r0, r1): (usize, usize), j0: usize, max: &mut [u32]) {
+    let abs = _mm256_set1_epi32(0x7fff_ffff);
+    let w = max.len();
+    let w8 = w / 8 * 8;
+    for r in r0..r1 {
+        // SAFETY: row `r` holds columns `j0..j0 + w`.
+        let row = unsafe { x.ptr.offset(r as isize * x.rs).add(j0) };
+        for j in (0..w8).step_by(8) {
+            // SAFETY: eight columns of the row and of `max`.
+            unsafe {
+                let v = _mm256_and_si256(_mm256_loadu_si256(row.add(j) as *const __m256i), abs);
+                let m = max.as_mut_ptr().add(j) as *mut __m256i;
+                _mm256_storeu_si256(m, _mm256_max_epu32(_mm256_loadu_si256(m), v));
+            }
+        }
+        for (j, m) in max.iter_mut().enumerate().skip(w8) {
+            // SAFETY: column `j0 + j` of the row.
+            let bits = unsafe { (*row.add(j)).to_bits() } & 0x7fff_ffff;
+            *m = (*m).max(bits);
+        }
+    }
+}
+
+/// Columns of the panels [`pack_block`] packs at a time: rows read 2 KiB at a time.
+const PACK_COLUMNS: usize = 512;
+/// Pairs of rows [`pack_block`] packs at a time.
+const PACK_PAIRS: usize = 32;
+
+/// A pointer to the panels, shared by the jobs that write their own parts of them.
+struct Q(*mut i16);
+unsafe impl Send for Q {}
+unsafe impl Sync for Q {}
+
+/// Pairs `p0..p1` of panels `t0..t1` of [`pack_columns`], row after row: the two rows of
+/// a pair read along the columns of the panels, each panel's `W` lanes of the pair
+/// written in turn, eight a vector (six as four and two, not into the next pair's); value
+/// by value for a panel narrower than `W` or whose vector would read past the row's end.
+///
+/// Read this way, a job's rows stream through the caches 2 KiB at a time; read a panel at
+/// a time (64 or 24 bytes of each row, the next row kilobytes away), they had kept the
+/// prefetchers from running ahead (see `docs/PERFORMANCE.md`).
+///
+/// # Safety
+/// The CPU must have AVX2; `x` must address `k` rows of `cols` floats; `scales` must hold
+/// `cols + 16` values; `q` must address the panels' `W · ld` int16 each, and no other
+/// thread write pairs `p0..p1` of panels `t0..t1` meanwhile.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_block<const W: usize>(
     x: Mat,
     (k, cols): (usize, usize),
-    j0: usize,
-    s: &[f32; NR],
-    panel: &mut [i16],
+    scales: &[f32],
+    (q, ld): (*mut i16, usize),
+    (p0, p1): (usize, usize),
+    (t0, t1): (usize, usize),
 ) {
-    debug_assert!((W == NR || W == MR) && j0 + W <= cols);
-    let pairs = k.div_ceil(2);
-    debug_assert!(panel.len() >= pairs * 2 * W);
+    debug_assert!(scales.len() >= cols + 16);
     let low = _mm256_set1_epi32(0xffff);
-    let six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
-    // Six columns are read as eight where the row holds them (the last two lanes are
-    // then overwritten by the next pair's, or, for the last pair, not stored).
-    let wide = W == NR || j0 + 8 <= cols;
-    // SAFETY (both): 8 floats each of `s`.
-    let sv = [unsafe { _mm256_loadu_ps(s.as_ptr()) }, unsafe {
-        _mm256_loadu_ps(s.as_ptr().add(8))
-    }];
-    // SAFETY (the closure's reads): row `r < k` holds columns `j0..j0 + W`, read as 8
-    // (unmasked where `wide`: the row holds them).
-    let load = |r: usize, h: usize| unsafe {
-        let at = x.ptr.offset(r as isize * x.rs).add(j0 + 8 * h);
-        if wide {
-            _mm256_loadu_ps(at)
-        } else {
-            _mm256_maskload_ps(at, six)
-        }
-    };
-    let out = panel.as_mut_ptr() as *mut i32;
-    for p in 0..pairs {
-        for (h, &sv) in sv.iter().enumerate().take(W.div_ceil(8)) {
-            let e = _mm256_cvtps_epi32(_mm256_mul_ps(load(2 * p, h), sv));
-            let o = if 2 * p + 1 < k {
-                _mm256_cvtps_epi32(_mm256_mul_ps(load(2 * p + 1, h), sv))
-            } else {
-                _mm256_setzero_si256()
-            };
-            let v = _mm256_or_si256(_mm256_and_si256(e, low), _mm256_slli_epi32::<16>(o));
-            // SAFETY: pair `p`'s `W` lanes of the panel (and, six wide but for the last
-            // pair, the next pair's first two, which it overwrites).
-            unsafe {
-                let at = out.add(W * p + 8 * h);
-                if W == NR || p + 1 < pairs {
-                    _mm256_storeu_si256(at as *mut __m256i, v);
+    for p in p0..p1 {
+        // SAFETY: row `2p < k` (and `2p + 1` where `< k`) of `x`.
+        let even = unsafe { x.ptr.offset(2 * p as isize * x.rs) };
+        let odd = (2 * p + 1 < k).then(|| unsafe { even.offset(x.rs) });
+        for t in t0..t1 {
+            let j0 = t * W;
+            let w = W.min(cols - j0);
+            // SAFETY: pair `p` of panel `t`: `W` int32 lanes.
+            let out = unsafe { q.add(t * W * ld + 2 * W * p) };
+            if w == W && j0 + 8 * W.div_ceil(8) <= cols {
+                for h in 0..W.div_ceil(8) {
+                    // SAFETY: columns `j0 + 8h .. + 8 ≤ cols` of the rows; eight scales.
+                    let v = unsafe {
+                        let sv = _mm256_loadu_ps(scales.as_ptr().add(j0 + 8 * h));
+                        let e = _mm256_cvtps_epi32(_mm256_mul_ps(
+                            _mm256_loadu_ps(even.add(j0 + 8 * h)),
+                            sv,
+                        ));
+                        let o = match odd {
+                            Some(odd) => _mm256_cvtps_epi32(_mm256_mul_ps(
+                                _mm256_loadu_ps(odd.add(j0 + 8 * h)),
+                                sv,
+                            )),
+                            None => _mm256_setzero_si256(),
+                        };
+                        _mm256_or_si256(_mm256_and_si256(e, low), _mm256_slli_epi32::<16>(o))
+                    };
+                    // SAFETY: lanes `8h..` of the pair: eight, or the six of a six-wide
+                    // panel (four and two, not into the next pair's).
+                    unsafe {
+                        let at = out.add(16 * h) as *mut __m256i;
+                        if W == NR {
+                            _mm256_storeu_si256(at, v);
+                        } else {
+                            _mm_storeu_si128(at as *mut __m128i, _mm256_castsi256_si128(v));
+                            _mm_storel_epi64(
+                                (out.add(8)) as *mut __m128i,
+                                _mm256_extracti128_si256::<1>(v),
+                            );
+                        }
+                    }
+                }
+                continue;
+            }
+            for j in 0..W {
+                let (e, o) = if j < w {
+                    let s = scales[j0 + j];
+                    // SAFETY: column `j0 + j < cols` of the rows.
+                    unsafe {
+                        (
+                            (*even.add(j0 + j) * s).round_ties_even() as i16,
+                            odd.map_or(0, |odd| (*odd.add(j0 + j) * s).round_ties_even() as i16),
+                        )
+                    }
                 } else {
-                    _mm256_maskstore_epi32(at, six, v);
+                    (0, 0)
+                };
+                // SAFETY: lane `j < W` of the pair.
+                unsafe {
+                    *out.add(2 * j) = e;
+                    *out.add(2 * j + 1) = o;
                 }
             }
         }
@@ -1380,6 +1502,11 @@ mod tests {
             (6, 1030, 16, false, true, true),
             (250, 70, 40, true, true, false),
             (12, 513, 17, false, false, false),
+            // Operands read along their rows in more than one chunk of columns: `b`'s
+            // 530 columns, `a`'s 520 rows stored transposed (the last panels of both
+            // narrower than a whole one).
+            (7, 67, 530, false, false, true),
+            (520, 20, 9, true, false, false),
         ] {
             let mut a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
             let mut b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed) * 300.0).collect();
@@ -1509,6 +1636,57 @@ mod tests {
             assert!(
                 got.iter().any(|x| !x.is_finite()),
                 "{what}: no infinity or NaN"
+            );
+        }
+    }
+
+    /// An infinity or a NaN in an operand whose lines are its columns (read along its
+    /// rows, in chunks of columns) also sends the product to the f32 kernel: a NaN in `a`
+    /// stored transposed, an infinity in `b`, each past the first chunk of 512 columns.
+    #[test]
+    fn int16_products_find_infinities_and_nans_in_every_chunk_of_columns() {
+        if skip() {
+            return;
+        }
+        let (m, k, n) = (530, 70, 530);
+        let mut seed = 4u64;
+        for (what, at_a) in [("NaN in a stored transposed", true), ("-inf in b", false)] {
+            let mut a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
+            let mut b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
+            // Row 515 of `a` (a column of the stored matrix), column 521 of `b`.
+            if at_a {
+                a[515 * k + 33] = f32::NAN;
+            } else {
+                b[41 * n + 521] = f32::NEG_INFINITY;
+            }
+            let mut got = vec![0f32; m * n];
+            product((m, k, n), (&a, &b), (at_a, false), &mut got, false);
+            let want = f32_product((m, k, n), &a, &b);
+            for i in 0..m {
+                for j in 0..n {
+                    let (g, w) = (got[i * n + j], want[i * n + j]);
+                    if w.is_finite() {
+                        // The f32 kernel's rounding, not the 2⁻¹² of int16 operands.
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{what} ({i}, {j}): {g} against {w}"
+                        );
+                    } else {
+                        assert!(
+                            g.is_nan() == w.is_nan() && (g.is_nan() || g == w),
+                            "{what} ({i}, {j}): {g} against {w}"
+                        );
+                    }
+                }
+            }
+            let bad = if at_a {
+                (0..n).map(|j| got[515 * n + j]).collect::<Vec<_>>()
+            } else {
+                (0..m).map(|i| got[i * n + 521]).collect()
+            };
+            assert!(
+                bad.iter().all(|x| !x.is_finite()),
+                "{what}: a finite result where the operand was not"
             );
         }
     }
