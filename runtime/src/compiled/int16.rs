@@ -125,15 +125,21 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
+/// A float's bits without its sign: its magnitude, as an integer that orders
+/// non-negative floats as their values do.
+const MAGNITUDE: u32 = 0x7fff_ffff;
+/// The least magnitude bits of an infinity or a NaN (above every finite value's).
+const NON_FINITE: u32 = 0x7f80_0000;
+
 /// The largest magnitude of `x`, or `None` where it holds an infinity or a NaN.
 ///
 /// Magnitudes are compared as the integers of their bits (sign cleared), which order
 /// non-negative floats as their values do and put an infinity or a NaN (bits at least
-/// `0x7f80_0000`) above every finite value: one integer maximum a vector, in four
+/// [`NON_FINITE`]) above every finite value: one integer maximum a vector, in four
 /// independent chains.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn max_abs(x: &[f32]) -> Option<f32> {
-    let abs = _mm256_set1_epi32(0x7fff_ffff);
+    let abs = _mm256_set1_epi32(MAGNITUDE as i32);
     let mut m = [_mm256_setzero_si256(); 4];
     let mut chunks = x.chunks_exact(32);
     for c in &mut chunks {
@@ -155,10 +161,10 @@ unsafe fn max_abs(x: &[f32]) -> Option<f32> {
     unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, m) };
     let bits = lanes
         .into_iter()
-        .chain(rest.remainder().iter().map(|v| v.to_bits() & 0x7fff_ffff))
+        .chain(rest.remainder().iter().map(|v| v.to_bits() & MAGNITUDE))
         .max()
         .unwrap_or(0);
-    (bits < 0x7f80_0000).then_some(f32::from_bits(bits))
+    (bits < NON_FINITE).then_some(f32::from_bits(bits))
 }
 
 /// Columns [`strip_stats`] takes at a time: eight vectors.
@@ -233,7 +239,7 @@ unsafe fn strip_stats(
         (j0, masks): (usize, &[__m256i; V]),
         acc: &mut Acc,
     ) -> [__m256; V] {
-        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let abs = _mm256_set1_epi32(MAGNITUDE as i32);
         let mut max = acc.max;
         let mut sum = [_mm256_setzero_ps(); V];
         for i in 0..order.lead[0] {
@@ -316,7 +322,7 @@ unsafe fn strip_stats(
             unsafe { _mm256_maskstore_ps(s.dst.add(j0 + 8 * v), masks[v], *t) };
         }
     }
-    lanes[..w].iter().all(|&bits| bits < 0x7f80_0000)
+    lanes[..w].iter().all(|&bits| bits < NON_FINITE)
 }
 
 /// `b`'s (`k × n`, row-major) column sums as `sums` asks, written whatever `b` holds.
@@ -633,7 +639,7 @@ unsafe fn column_maxima(x: Mat, (k, cols): (usize, usize)) -> Option<Vec<f32>> {
         }
     }
     max.iter()
-        .all(|&bits| bits < 0x7f80_0000)
+        .all(|&bits| bits < NON_FINITE)
         .then(|| max.into_iter().map(f32::from_bits).collect())
 }
 
@@ -644,7 +650,7 @@ unsafe fn column_maxima(x: Mat, (k, cols): (usize, usize)) -> Option<Vec<f32>> {
 /// The CPU must have AVX2; rows `r0..r1` of `x` must hold those columns.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block_maxima(x: Mat, (r0, r1): (usize, usize), j0: usize, max: &mut [u32]) {
-    let abs = _mm256_set1_epi32(0x7fff_ffff);
+    let abs = _mm256_set1_epi32(MAGNITUDE as i32);
     let w = max.len();
     let w8 = w / 8 * 8;
     for r in r0..r1 {
@@ -660,7 +666,7 @@ unsafe fn block_maxima(x: Mat, (r0, r1): (usize, usize), j0: usize, max: &mut [u
         }
         for (j, m) in max.iter_mut().enumerate().skip(w8) {
             // SAFETY: column `j0 + j` of the row.
-            let bits = unsafe { (*row.add(j)).to_bits() } & 0x7fff_ffff;
+            let bits = unsafe { (*row.add(j)).to_bits() } & MAGNITUDE;
             *m = (*m).max(bits);
         }
     }
