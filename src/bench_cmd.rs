@@ -50,6 +50,8 @@ pub struct BenchArgs {
     /// entry compiled with `--target cuda` and run by the CUDA executor on the GPU).
     #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "cuda"])]
     pub executor: String,
+    #[command(flatten)]
+    pub gemm: crate::GemmArgs,
     /// Untimed runs first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
@@ -239,6 +241,7 @@ impl Profile {
 const PRODUCT_ROWS: usize = 12;
 
 pub fn bench(a: &BenchArgs) -> Result<(), Error> {
+    a.gemm.apply(&a.executor)?;
     let entry = match a.entry.as_str() {
         "decode" => "decode_step",
         e => e,

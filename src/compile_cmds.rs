@@ -681,7 +681,7 @@ pub fn inspect(
     );
     let _ = writeln!(
         out,
-        "  16-bit products (KILN_CPU_BF16=1): {}",
+        "  16-bit products (--gemm-type 16bit): {}",
         match kiln_runtime::compiled::Bf16Kernel::best() {
             Ok(kernel) => kernel.name().to_string(),
             Err(why) => format!("none here ({why})"),

@@ -63,6 +63,58 @@ struct Cli {
     command: Command,
 }
 
+/// `--gemm-type`: how the compiled executor runs its large matrix products.
+#[derive(clap::Args, Clone, Default)]
+pub(crate) struct GemmArgs {
+    /// The compiled executor's large matrix products (Marian's --gemm-type): `f32` (the
+    /// default), `16bit` (the best 16-bit kernel this CPU has), or one kernel: `amx`
+    /// (bf16 on AMX tiles), `dot` (bf16 with AVX-512's VDPBF16PS), `fp16` (AVX512-FP16),
+    /// `int16` (AVX2's VPMADDWD). Without it, KILN_CPU_BF16 decides.
+    #[arg(long, value_name = "TYPE", value_parser = kiln_runtime::compiled::GemmType::NAMES)]
+    pub gemm_type: Option<String>,
+}
+
+impl GemmArgs {
+    /// Makes the process's compiled executors run their products as asked, for a command
+    /// that runs `executor`; an error where the CPU has no such kernel, or where a 16-bit
+    /// type is asked of another executor.
+    pub(crate) fn apply(&self, executor: &str) -> Result<(), Error> {
+        let Some(name) = &self.gemm_type else {
+            return Ok(());
+        };
+        use kiln_runtime::compiled::GemmType;
+        let Some(t) = GemmType::parse(name) else {
+            return Err(plain(
+                "kiln::gemm",
+                format!("--gemm-type {name} is not a GEMM type"),
+                Some(format!("use one of {}", GemmType::NAMES.join(", "))),
+            ));
+        };
+        if t != GemmType::F32 && executor != "compiled" {
+            return Err(plain(
+                "kiln::gemm",
+                format!(
+                    "--gemm-type {name} chooses the compiled executor's matrix products, \
+                     but this runs the {executor} executor"
+                ),
+                Some("add `--executor compiled`, or leave --gemm-type out".to_string()),
+            ));
+        }
+        kiln_runtime::compiled::set_process_gemm_type(t)
+            .map(|_| ())
+            .map_err(|why| {
+                plain(
+                    "kiln::gemm",
+                    format!("--gemm-type {name}: {why}"),
+                    Some(
+                        "use --gemm-type f32, or 16bit for the best 16-bit kernel this CPU has"
+                            .to_string(),
+                    ),
+                )
+            })
+    }
+}
+
 #[derive(clap::Args, Clone)]
 struct SpecArgs {
     /// The model spec (a `.kiln` file).
@@ -255,6 +307,8 @@ enum Command {
         /// GPU).
         #[arg(long, value_parser = ["reference", "eager", "compiled", "cuda"])]
         executor: Option<String>,
+        #[command(flatten)]
+        gemm: GemmArgs,
         /// Where to write the outputs.
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
@@ -309,6 +363,10 @@ enum Command {
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
+        /// Override `train.gemm_type` (see `kiln run --help`; a resumed run keeps its own).
+        #[arg(long, value_name = "TYPE", conflicts_with = "resume",
+              value_parser = kiln_runtime::compiled::GemmType::NAMES)]
+        gemm_type: Option<String>,
         /// No progress output.
         #[arg(long)]
         quiet: bool,
@@ -356,6 +414,8 @@ enum Command {
         /// cuda` artifact's kernels on the GPU).
         #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference", "cuda"])]
         executor: String,
+        #[command(flatten)]
+        gemm: GemmArgs,
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
@@ -391,6 +451,8 @@ enum Command {
         /// cuda` artifact's kernels on the GPU).
         #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference", "cuda"])]
         executor: String,
+        #[command(flatten)]
+        gemm: GemmArgs,
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
@@ -603,8 +665,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             output,
             step,
             executor,
+            gemm,
         } => {
             let entry = Entry::parse(&entry).map_err(runtime_error)?;
+            // An artifact runs its generated kernels by default, a spec the reference.
+            let default = if spec.spec.is_dir() {
+                "compiled"
+            } else {
+                "reference"
+            };
+            gemm.apply(executor.as_deref().unwrap_or(default))?;
             let run_opts = RunOptions {
                 precision: if precision == "f64" {
                     Precision::F64
@@ -755,6 +825,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             dir,
             artifact,
             threads,
+            gemm_type,
             quiet,
         } => train_cmds::train(train_cmds::TrainArgs {
             config,
@@ -764,6 +835,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             dir,
             artifact,
             threads,
+            gemm_type,
             quiet,
         }),
         Command::Translate {
@@ -778,10 +850,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             nbest,
             batch,
             executor,
+            gemm,
             threads,
             workers,
         } => {
             set_threads(threads)?;
+            gemm.apply(&executor)?;
             train_cmds::translate(train_cmds::TranslateArgs {
                 checkpoint,
                 input,
@@ -804,10 +878,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             normalize,
             batch,
             executor,
+            gemm,
             threads,
             workers,
         } => {
             set_threads(threads)?;
+            gemm.apply(&executor)?;
             train_cmds::score(train_cmds::ScoreArgs {
                 checkpoint,
                 src,

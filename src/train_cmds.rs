@@ -74,6 +74,8 @@ pub struct TrainArgs {
     pub artifact: Option<PathBuf>,
     /// `--threads`; without it, the configuration's `train.threads` (0: one per core).
     pub threads: Option<usize>,
+    /// `--gemm-type`: overrides `train.gemm_type` (a new run only).
+    pub gemm_type: Option<String>,
     pub quiet: bool,
 }
 
@@ -124,6 +126,16 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
             }
             if let Some(art) = &a.artifact {
                 cfg.model.artifact = Some(std::path::absolute(art).unwrap_or(art.clone()));
+            }
+            if let Some(g) = &a.gemm_type {
+                cfg.train.gemm_type = Some(g.clone());
+                cfg.check().map_err(|e| {
+                    plain(
+                        "kiln::train",
+                        format!("with --gemm-type {g}: {e}"),
+                        Some("leave --gemm-type out, or change the configuration".to_string()),
+                    )
+                })?;
             }
             // Before the tokenizer is trained or written into the run directory.
             kiln_runtime::train::check_new_run_dir(&cfg).map_err(err("kiln::train"))?;

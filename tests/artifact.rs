@@ -269,7 +269,7 @@ fn artifact_round_trips_and_matches_the_reference() {
         "model: transformer_tiny",
         "target: cpu",
         "host: ",
-        "16-bit products (KILN_CPU_BF16=1): ",
+        "16-bit products (--gemm-type 16bit): ",
         "weights: 85 tensors",
         "entry forward",
         "entry train_step",

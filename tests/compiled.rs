@@ -354,6 +354,18 @@ fn bench_tiny_json(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (serde_json::Value, String) {
+    let out = bench_tiny(entry, extra, env);
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(out.status.success(), "{env:?}: {text}{err}");
+    let v = serde_json::from_str(text.trim()).expect("one JSON object");
+    (v, err)
+}
+
+/// The process of [`bench_tiny_json`], whatever its outcome.
+fn bench_tiny(entry: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let mut args = vec![
         "bench",
         "models/transformer_tiny.kiln",
@@ -370,20 +382,13 @@ fn bench_tiny_json(
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(&args)
         .current_dir(common::root())
         .env("NO_COLOR", "1")
         .envs(env.iter().copied())
         .output()
-        .expect("kiln runs");
-    let (text, err) = (
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    );
-    assert!(out.status.success(), "{env:?}: {text}{err}");
-    let v = serde_json::from_str(text.trim()).expect("one JSON object");
-    (v, err)
+        .expect("kiln runs")
 }
 
 /// `KILN_CPU_BF16` names a 16-bit kernel for `kiln bench` (and every executor of the
@@ -421,6 +426,65 @@ fn kiln_cpu_bf16_names_the_kernel_or_says_why_not() {
     assert_eq!(executor, "compiled");
     assert!(
         err.contains("KILN_CPU_BF16 is ignored: it is \"fp17\", where 1 (the best 16-bit kernel), amx, dot, fp16, int16 or 0 (f32) are known"),
+        "{err}"
+    );
+}
+
+/// `--gemm-type` chooses the products whatever `KILN_CPU_BF16` says: `f32` over
+/// `KILN_CPU_BF16=int16`; each kernel where this CPU runs it (the bench names it); an
+/// error, exit status 1, naming the kernel and why, where it cannot; an error for a 16-bit
+/// type asked of the eager executor.
+#[test]
+fn gemm_type_names_the_kernel_or_fails_saying_why() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    let executor = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut args = vec!["--runs", "1"];
+        args.extend_from_slice(extra);
+        let (v, _) = bench_tiny_json("forward", &args, env);
+        v["executor"].as_str().unwrap_or_default().to_string()
+    };
+    let refusal = |extra: &[&str]| {
+        let mut args = vec!["--runs", "1"];
+        args.extend_from_slice(extra);
+        let out = bench_tiny("forward", &args, &[]);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}");
+        // The diagnostic's wrapped lines joined.
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .map(|l| l.trim_start().trim_start_matches('│').trim())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(
+        executor(&["--gemm-type", "f32"], &[("KILN_CPU_BF16", "int16")]),
+        "compiled"
+    );
+    for (kernel, label) in [
+        (Bf16Kernel::Tiles, "compiled-bf16-products"),
+        (Bf16Kernel::Dot, "compiled-bf16-products-vdpbf16ps"),
+        (Bf16Kernel::Half, "compiled-fp16-products"),
+        (Bf16Kernel::Int16, "compiled-int16-products"),
+    ] {
+        let key = kernel.key();
+        match kernel.available() {
+            // Over `KILN_CPU_BF16=0` too.
+            Ok(()) => assert_eq!(
+                executor(&["--gemm-type", key], &[("KILN_CPU_BF16", "0")]),
+                label
+            ),
+            Err(why) => {
+                let err = refusal(&["--gemm-type", key]);
+                assert!(err.contains(&format!("--gemm-type {key}: {why}")), "{err}");
+                assert!(err.contains("use --gemm-type f32, or 16bit"), "{err}");
+            }
+        }
+    }
+    let err = refusal(&["--gemm-type", "int16", "--executor", "eager"]);
+    assert!(
+        err.contains(
+            "--gemm-type int16 chooses the compiled executor's matrix products, but this \
+             runs the eager executor"
+        ),
         "{err}"
     );
 }

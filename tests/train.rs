@@ -267,6 +267,118 @@ fn loss_scaling_settings_are_checked() {
     assert!(!dir.join("run/config.yaml").exists());
 }
 
+/// `kiln train --gemm-type int16` (`train.gemm_type`): the compiled executor's large
+/// products with int16 operands. The run's configuration records it, a resume keeps it,
+/// and it is part of the trajectory (a resume without it is refused, naming the key). The
+/// logged losses differ from f32's in their bits, by less than 1e-3 relative; a 16-bit
+/// type for another executor is refused.
+#[test]
+fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
+    if let Err(why) = kiln_runtime::compiled::Bf16Kernel::Int16.available() {
+        println!("skipped: {why}");
+        return;
+    }
+    // Products of 120 tokens × 256 · 256 × 512 and × 220 (the vocabulary): above the
+    // size below which 16-bit products stay f32.
+    let run = |name: &str, gemm: &str| {
+        let dir = workspace(name, "");
+        set_train(&dir, "max_steps: 3, executor: compiled, log_every: 1");
+        edit_cfg(&dir, "d_model: 16, d_ff: 32", "d_model: 256, d_ff: 512");
+        ok(
+            &dir,
+            &[
+                "train",
+                "--config",
+                "cfg.yaml",
+                "--quiet",
+                "--gemm-type",
+                gemm,
+            ],
+        );
+        dir
+    };
+    let f = run("gemm_f32", "f32");
+    let q = run("gemm_int16", "int16");
+    let (lf, lq) = (logged_losses(&f), logged_losses(&q));
+    let steps = |l: &[(String, f64)]| l.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(steps(&lf), steps(&lq));
+    assert!(lf.len() >= 3, "{lf:?}");
+    for ((s, x), (_, y)) in lf.iter().zip(&lq) {
+        assert!(x != y, "step {s}: the same loss {x} with int16 products");
+        assert!(
+            (x - y).abs() <= 1e-3 * x.abs(),
+            "step {s}: f32 {x}, int16 {y}"
+        );
+    }
+    let cfg_path = q.join("run/config.yaml");
+    let saved = std::fs::read_to_string(&cfg_path).unwrap();
+    says(&saved, "gemm_type: int16");
+    assert!(!std::fs::read_to_string(f.join("run/config.yaml"))
+        .unwrap()
+        .contains("gemm_type: int16"));
+    // A resume continues in int16; without the key it would be another trajectory.
+    std::fs::write(&cfg_path, saved.replace("  gemm_type: int16\n", "")).unwrap();
+    let err = fails(
+        &q,
+        &["train", "--resume", "run", "--quiet", "--max-steps", "4"],
+    );
+    says(&err, "differs in `train.gemm_type`");
+    std::fs::write(&cfg_path, &saved).unwrap();
+    ok(
+        &q,
+        &["train", "--resume", "run", "--quiet", "--max-steps", "4"],
+    );
+    assert!(q.join("run/checkpoints/step_00000004").is_dir());
+    // Translation takes it too (the compiled executor only).
+    let out = ok(
+        &q,
+        &[
+            "translate",
+            "--checkpoint",
+            "run",
+            "--input",
+            "valid.src",
+            "--gemm-type",
+            "int16",
+        ],
+    );
+    assert_eq!(out.lines().count(), 12, "{out}");
+    let err = fails(
+        &q,
+        &[
+            "translate",
+            "--checkpoint",
+            "run",
+            "--input",
+            "valid.src",
+            "--gemm-type",
+            "int16",
+            "--executor",
+            "eager",
+        ],
+    );
+    says(&err, "add `--executor compiled`, or leave --gemm-type out");
+    // The reference executor has no 16-bit products.
+    let dir = workspace("gemm_reference", "");
+    let err = fails(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--gemm-type",
+            "int16",
+        ],
+    );
+    says(
+        &err,
+        "with --gemm-type int16: train.gemm_type `int16` chooses the compiled CPU \
+         executor's matrix products, but train.executor is `reference`",
+    );
+    assert!(!dir.join("run").exists());
+}
+
 #[test]
 fn checkpoints_translate_average_and_export() {
     let dir = workspace("tools", "");

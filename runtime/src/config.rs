@@ -158,6 +158,12 @@ pub struct TrainConfig {
     /// `compiled` (generated kernels; the default), `eager`, `reference`, or `cuda` (the
     /// GPU: needs a `--target cuda` artifact, `model.artifact` / `kiln train --artifact`).
     pub executor: String,
+    /// How the compiled executor runs its large matrix products (`kiln train
+    /// --gemm-type`): `f32`, `16bit` (the best 16-bit kernel this CPU has), or a kernel:
+    /// `amx`, `dot`, `fp16`, `int16` (see `docs/PERFORMANCE.md`). Absent: f32, unless
+    /// `KILN_CPU_BF16` says otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_type: Option<String>,
     /// Worker threads (0: one per core).
     pub threads: usize,
     /// Print a progress line (or redraw the bar) every this many steps.
@@ -206,6 +212,7 @@ impl Default for TrainConfig {
             max_steps: 100_000,
             seed: 1,
             executor: "compiled".to_string(),
+            gemm_type: None,
             threads: 0,
             log_every: 100,
             max_seconds: 0,
@@ -329,7 +336,9 @@ impl Config {
         Ok(c)
     }
 
-    fn check(&self) -> Result<(), String> {
+    /// Checks the values (what [`Config::parse`] does after reading them): every problem,
+    /// `; `-separated.
+    pub fn check(&self) -> Result<(), String> {
         let mut bad = Vec::new();
         if self.model.spec.as_os_str().is_empty() && self.model.artifact.is_none() {
             bad.push(
@@ -414,6 +423,25 @@ impl Config {
                 "train.executor is `{}`; use compiled, eager, reference or cuda",
                 self.train.executor
             ));
+        }
+        if let Some(g) = &self.train.gemm_type {
+            match crate::compiled::GemmType::parse(g) {
+                None => bad.push(format!(
+                    "train.gemm_type is `{g}`; use {}",
+                    crate::compiled::GemmType::NAMES.join(", ")
+                )),
+                Some(t)
+                    if t != crate::compiled::GemmType::F32 && self.train.executor != "compiled" =>
+                {
+                    bad.push(format!(
+                        "train.gemm_type `{g}` chooses the compiled CPU executor's matrix \
+                         products, but train.executor is `{}`: set train.executor to \
+                         compiled, or leave train.gemm_type out",
+                        self.train.executor
+                    ))
+                }
+                Some(_) => {}
+            }
         }
         if self.data.vocab_size < 8 {
             bad.push("data.vocab_size must be at least 8".to_string());
@@ -604,6 +632,35 @@ mod tests {
         assert!(!serde_yaml::to_string(&plain.train)
             .unwrap()
             .contains("devices"));
+    }
+
+    #[test]
+    fn gemm_types_are_checked() {
+        let with = |train: &str| Config::parse(&format!("{MINIMAL}train:\n{train}"));
+        let c = with("  gemm_type: int16\n").unwrap();
+        assert_eq!(c.train.gemm_type.as_deref(), Some("int16"));
+        assert_eq!(
+            crate::compiled::GemmType::parse("int16"),
+            Some(crate::compiled::GemmType::Kernel(
+                crate::compiled::Bf16Kernel::Int16
+            ))
+        );
+        let e = with("  gemm_type: int8\n").unwrap_err();
+        assert!(
+            e.contains("train.gemm_type is `int8`; use f32, 16bit, amx, dot, fp16, int16"),
+            "{e}"
+        );
+        let e = with("  executor: eager\n  gemm_type: 16bit\n").unwrap_err();
+        assert!(
+            e.contains("but train.executor is `eager`: set train.executor to compiled"),
+            "{e}"
+        );
+        // f32 is every executor's precision.
+        assert!(with("  executor: eager\n  gemm_type: f32\n").is_ok());
+        // Absent: nothing serialized, so the digests of earlier runs stay as they were.
+        assert!(!serde_yaml::to_string(&with("").unwrap().train)
+            .unwrap()
+            .contains("gemm_type"));
     }
 
     #[test]

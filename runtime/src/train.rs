@@ -961,6 +961,36 @@ impl Trainer {
         let mut loss_exec = ex("loss", &graphs.loss)?;
         let mut encode_exec = ex("encode", &graphs.encode)?;
         let mut step_exec = ex("decode_step", &graphs.decode_step)?;
+        // `train.gemm_type`: the compiled executors' large products (absent: as
+        // `KILN_CPU_BF16` says, which the executors read themselves).
+        if let Some(name) = &cfg.train.gemm_type {
+            let kernel = crate::compiled::GemmType::parse(name)
+                .ok_or_else(|| format!("`{name}` is not a known GEMM type"))
+                .and_then(|t| t.kernel())
+                .map_err(|why| {
+                    TrainError::Setup(format!(
+                        "train.gemm_type is `{name}`, but {why}; use `gemm_type: f32` \
+                         (or `kiln train --gemm-type f32`)"
+                    ))
+                })?;
+            let host = match &mut train_exec {
+                TrainExec::Host(e) => Some(e),
+                _ => None,
+            };
+            for e in host
+                .into_iter()
+                .chain([&mut loss_exec, &mut encode_exec, &mut step_exec])
+            {
+                if let Some(c) = e.as_compiled_mut() {
+                    c.set_bf16_kernel(kernel)
+                        .map_err(|e| TrainError::Setup(e.to_string()))?;
+                }
+            }
+            notes.push(format!(
+                "matrix products: {}",
+                kernel.map_or("f32".to_string(), |k| k.name().to_string())
+            ));
+        }
         // Training, validation and decoding never run at once: compiled CPU programs
         // share the training step's arena.
         if let TrainExec::Host(train) = &mut train_exec {
@@ -1798,6 +1828,14 @@ fn digest(cfg: &Config) -> String {
             .as_ref()
             .map(|l| ("loss_scale", fnv(l))),
     )
+    // Products in 16 bits change the trajectory (f32, the default, keeps the digest).
+    .chain(
+        cfg.train
+            .gemm_type
+            .as_ref()
+            .filter(|g| g.as_str() != "f32")
+            .map(|g| ("gemm", fnv(g))),
+    )
     // Data parallel over several GPUs multiplies the batch (which GPUs does not matter,
     // and one GPU through NCCL is the run without it).
     .chain(
@@ -1834,6 +1872,8 @@ fn digest_changes(saved: &str, now: &str) -> Vec<String> {
                 "`train.seed`/`train.executor`".to_string()
             } else if k == "loss_scale" {
                 "`train.loss_scale`".to_string()
+            } else if k == "gemm" {
+                "`train.gemm_type`".to_string()
             } else if k == "gpus" {
                 "the number of GPUs in `train.devices`".to_string()
             } else {

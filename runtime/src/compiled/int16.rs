@@ -3,8 +3,9 @@
 //! without AVX-512 (AMD Zen 2 and Zen 3, Intel before Skylake-SP), where it
 //! multiplies-adds at about 1.75 times the rate of f32 FMAs (measured 2026-11-28 on a
 //! Zen 3 VM: 4.47 G `VPMADDWD` + `VPADDD` a second on one core, against 5.11 G
-//! `VFMADD231PS`). Opt-in, as the other 16-bit kernels (`KILN_CPU_BF16=1` or `=int16`):
-//! the fixed point of Marian's `intgemm16`, with a scale per row and per column.
+//! `VFMADD231PS`). Opt-in, as the other 16-bit kernels (`--gemm-type int16`,
+//! `KILN_CPU_BF16=int16`): the fixed point of Marian's `intgemm16`, with a scale per row
+//! and per column.
 //!
 //! In: the same strided f32 operands as [`super::gemm::gemm_one`]. Each row of `a` and
 //! each column of `b` is scaled by the power of two that brings its largest magnitude into

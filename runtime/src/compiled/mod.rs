@@ -193,6 +193,16 @@ impl Bf16Kernel {
         }
     }
 
+    /// Its name for `--gemm-type`, `train.gemm_type` and `KILN_CPU_BF16`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Bf16Kernel::Tiles => "amx",
+            Bf16Kernel::Dot => "dot",
+            Bf16Kernel::Half => "fp16",
+            Bf16Kernel::Int16 => "int16",
+        }
+    }
+
     /// `Ok` where this CPU (and system) can run the kernel, fast or not; else why not.
     pub fn available(self) -> Result<(), String> {
         match self {
@@ -237,14 +247,81 @@ impl Bf16Kernel {
                 .map(|()| kernel)
                 .map_err(|why| format!("KILN_CPU_BF16 asks for {}, but {why}", kernel.name()))
         };
-        match std::env::var("KILN_CPU_BF16").as_deref() {
-            Ok("amx") => named(Bf16Kernel::Tiles),
-            Ok("dot") => named(Bf16Kernel::Dot),
-            Ok("fp16") => named(Bf16Kernel::Half),
-            Ok("int16") => named(Bf16Kernel::Int16),
-            _ => Bf16Kernel::best(),
+        let var = std::env::var("KILN_CPU_BF16").unwrap_or_default();
+        match Bf16Kernel::ALL.into_iter().find(|k| k.key() == var) {
+            Some(kernel) => named(kernel),
+            None => Bf16Kernel::best(),
         }
     }
+}
+
+/// How the compiled executor runs its large matrix products (`matmul`, `linear`): in f32,
+/// or with 16-bit operands on one of the [`Bf16Kernel`]s. `kiln … --gemm-type` and
+/// `train.gemm_type` choose it, as Marian's `--gemm-type` and fairseq's `--bf16` do; where
+/// neither does, `KILN_CPU_BF16` (`1` the best 16-bit kernel, or a kernel's name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmType {
+    /// f32 operands and sums: the compiled executor's default.
+    F32,
+    /// The best 16-bit kernel this CPU has ([`Bf16Kernel::best`]).
+    Best16,
+    /// This kernel, where the CPU can run it, fast or not (for measuring).
+    Kernel(Bf16Kernel),
+}
+
+impl GemmType {
+    /// The names [`GemmType::parse`] takes, for `--gemm-type` and `train.gemm_type`.
+    pub const NAMES: [&'static str; 6] = ["f32", "16bit", "amx", "dot", "fp16", "int16"];
+
+    /// `f32`, `16bit` (the best 16-bit kernel), or a kernel's [key](Bf16Kernel::key).
+    pub fn parse(name: &str) -> Option<GemmType> {
+        match name {
+            "f32" => Some(GemmType::F32),
+            "16bit" => Some(GemmType::Best16),
+            _ => Bf16Kernel::ALL
+                .into_iter()
+                .find(|k| k.key() == name)
+                .map(GemmType::Kernel),
+        }
+    }
+
+    /// The name [`GemmType::parse`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmType::F32 => "f32",
+            GemmType::Best16 => "16bit",
+            GemmType::Kernel(k) => k.key(),
+        }
+    }
+
+    /// The kernel it runs on this CPU (`None`: f32), or why it cannot run here.
+    pub fn kernel(self) -> Result<Option<Bf16Kernel>, String> {
+        match self {
+            GemmType::F32 => Ok(None),
+            GemmType::Best16 => Bf16Kernel::best().map(Some),
+            GemmType::Kernel(k) => k.available().map(|()| Some(k)),
+        }
+    }
+}
+
+/// The products of the compiled executors this process builds, where
+/// [`set_process_gemm_type`] chose them.
+static PROCESS_GEMM: Mutex<Option<Option<Bf16Kernel>>> = Mutex::new(None);
+
+/// Makes every compiled executor this process builds from now on run its large products
+/// as `t` says, whatever `KILN_CPU_BF16` says (what the CLI's `--gemm-type` does). Returns
+/// the kernel (`None`: f32), or why this CPU cannot run it, and then changes nothing.
+pub fn set_process_gemm_type(t: GemmType) -> Result<Option<Bf16Kernel>, String> {
+    let kernel = t.kernel()?;
+    *PROCESS_GEMM.lock().unwrap_or_else(|p| p.into_inner()) = Some(kernel);
+    Ok(kernel)
+}
+
+/// What a new executor runs its products with: the process's choice, else the
+/// environment's.
+fn default_products() -> Option<Bf16Kernel> {
+    let chosen = *PROCESS_GEMM.lock().unwrap_or_else(|p| p.into_inner());
+    chosen.unwrap_or_else(bf16_products_from_env)
 }
 
 /// Whether this CPU runs [`Bf16Kernel::Int16`].
@@ -797,7 +874,7 @@ impl Compiled {
             pool: Arc::new(Pool::with_limit(
                 crate::eager::pool::COMPILED_POOL_MAX_BYTES,
             )),
-            bf16_products: bf16_products_from_env(),
+            bf16_products: default_products(),
             separate_bias_grads: std::env::var(SEPARATE_BIAS_GRADS_ENV).is_ok_and(|v| v == "1"),
             bias_grads: Mutex::new((0, 0)),
             separate_products: std::env::var(SEPARATE_PRODUCTS_ENV).is_ok_and(|v| v == "1"),
@@ -2035,6 +2112,23 @@ impl crate::exec::Exec for Compiled {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemm_type_names_round_trip() {
+        for name in GemmType::NAMES {
+            let t = GemmType::parse(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(t.name(), name);
+        }
+        assert_eq!(
+            GemmType::parse("int16"),
+            Some(GemmType::Kernel(Bf16Kernel::Int16))
+        );
+        assert_eq!(GemmType::parse("16bit"), Some(GemmType::Best16));
+        for other in ["", "1", "bf16", "int8", "F32"] {
+            assert_eq!(GemmType::parse(other), None, "{other}");
+        }
+        assert_eq!(GemmType::F32.kernel(), Ok(None));
+    }
 
     #[test]
     fn arenas_start_their_plans_on_a_cache_line_whatever_the_allocation() {
