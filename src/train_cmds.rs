@@ -547,7 +547,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
             String::new()
         },
         xent.exp(),
-        a.executor,
+        executor_label(&a.executor),
     );
     Ok(())
 }
@@ -695,9 +695,18 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         } else {
             format!("beam {}", opts.beam)
         },
-        a.executor,
+        executor_label(&a.executor),
     );
     Ok(())
+}
+
+/// The executor as a summary names it: with the products' kernel where the compiled
+/// executor runs them in 16 bits (`--gemm-type`, `KILN_CPU_BF16`).
+fn executor_label(executor: &str) -> String {
+    match kiln_runtime::compiled::default_products() {
+        Some(kernel) if executor == "compiled" => format!("compiled, {} products", kernel.key()),
+        _ => executor.to_string(),
+    }
 }
 
 /// `kiln average --last N RUN`: the run's newest `n` checkpoints, oldest first.

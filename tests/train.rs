@@ -330,7 +330,7 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
     );
     assert!(q.join("run/checkpoints/step_00000004").is_dir());
     // Translation takes it too (the compiled executor only).
-    let out = ok(
+    let out = kiln(
         &q,
         &[
             "translate",
@@ -342,7 +342,13 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
             "int16",
         ],
     );
-    assert_eq!(out.lines().count(), 12, "{out}");
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{err}");
+    assert_eq!(text.lines().count(), 12, "{text}");
+    says(&err, "(beam 4, compiled, int16 products)");
     let err = fails(
         &q,
         &[

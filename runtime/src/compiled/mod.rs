@@ -317,9 +317,9 @@ pub fn set_process_gemm_type(t: GemmType) -> Result<Option<Bf16Kernel>, String> 
     Ok(kernel)
 }
 
-/// What a new executor runs its products with: the process's choice, else the
-/// environment's.
-fn default_products() -> Option<Bf16Kernel> {
+/// What a new compiled executor runs its large products with (`None`: f32): the
+/// process's choice ([`set_process_gemm_type`]), else the environment's.
+pub fn default_products() -> Option<Bf16Kernel> {
     let chosen = *PROCESS_GEMM.lock().unwrap_or_else(|p| p.into_inner());
     chosen.unwrap_or_else(bf16_products_from_env)
 }
