@@ -280,21 +280,21 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
     }
     // Products of 120 tokens × 256 · 256 × 512 and × 220 (the vocabulary): above the
     // size below which 16-bit products stay f32.
-    let run = |name: &str, gemm: &str| {
+    let train = |gemm| {
+        [
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--gemm-type",
+            gemm,
+        ]
+    };
+    let run = |name: &str, gemm| {
         let dir = workspace(name, "");
         set_train(&dir, "max_steps: 3, executor: compiled, log_every: 1");
         edit_cfg(&dir, "d_model: 16, d_ff: 32", "d_model: 256, d_ff: 512");
-        ok(
-            &dir,
-            &[
-                "train",
-                "--config",
-                "cfg.yaml",
-                "--quiet",
-                "--gemm-type",
-                gemm,
-            ],
-        );
+        ok(&dir, &train(gemm));
         dir
     };
     let f = run("gemm_f32", "f32");
@@ -330,18 +330,13 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
     );
     assert!(q.join("run/checkpoints/step_00000004").is_dir());
     // Translation takes it too (the compiled executor only).
-    let out = kiln(
-        &q,
-        &[
-            "translate",
-            "--checkpoint",
-            "run",
-            "--input",
-            "valid.src",
-            "--gemm-type",
-            "int16",
-        ],
-    );
+    let translate = |extra: &[&'static str]| {
+        let mut args = vec!["translate", "--checkpoint", "run", "--input", "valid.src"];
+        args.extend_from_slice(&["--gemm-type", "int16"]);
+        args.extend_from_slice(extra);
+        args
+    };
+    let out = kiln(&q, &translate(&[]));
     let (text, err) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -349,34 +344,11 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
     assert!(out.status.success(), "{err}");
     assert_eq!(text.lines().count(), 12, "{text}");
     says(&err, "(beam 4, compiled, int16 products)");
-    let err = fails(
-        &q,
-        &[
-            "translate",
-            "--checkpoint",
-            "run",
-            "--input",
-            "valid.src",
-            "--gemm-type",
-            "int16",
-            "--executor",
-            "eager",
-        ],
-    );
+    let err = fails(&q, &translate(&["--executor", "eager"]));
     says(&err, "add `--executor compiled`, or leave --gemm-type out");
     // The reference executor has no 16-bit products.
     let dir = workspace("gemm_reference", "");
-    let err = fails(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--gemm-type",
-            "int16",
-        ],
-    );
+    let err = fails(&dir, &train("int16"));
     says(
         &err,
         "with --gemm-type int16: train.gemm_type `int16` chooses the compiled CPU \
