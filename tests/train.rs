@@ -355,6 +355,16 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
          executor's matrix products, but train.executor is `reference`",
     );
     assert!(!dir.join("run").exists());
+    // A kernel this CPU lacks: refused before the run directory is made.
+    let lacking = kiln_runtime::compiled::Bf16Kernel::ALL
+        .into_iter()
+        .find_map(|k| k.available().err().map(|why| (k.key(), why)));
+    if let Some((key, why)) = lacking {
+        set_train(&dir, "max_steps: 3, executor: compiled");
+        let err = fails(&dir, &train(key));
+        says(&err, &format!("train.gemm_type is `{key}`, but {why}"));
+        assert!(!dir.join("run").exists());
+    }
 }
 
 #[test]

@@ -438,14 +438,37 @@ fn config_yaml(cfg: &Config) -> String {
     serde_yaml::to_string(cfg).expect("config serializes")
 }
 
+/// The kernel of `train.gemm_type` on this CPU: `None` where the key is absent, `Some(None)`
+/// for f32; an error where this CPU cannot run it.
+pub fn gemm_kernel(
+    cfg: &Config,
+) -> Result<Option<Option<crate::compiled::Bf16Kernel>>, TrainError> {
+    let Some(name) = &cfg.train.gemm_type else {
+        return Ok(None);
+    };
+    crate::compiled::GemmType::parse(name)
+        .ok_or_else(|| format!("`{name}` is not a known GEMM type"))
+        .and_then(|t| t.kernel())
+        .map(Some)
+        .map_err(|why| {
+            TrainError::Setup(format!(
+                "train.gemm_type is `{name}`, but {why}; use `gemm_type: f32` (or `kiln \
+                 train --gemm-type f32`)"
+            ))
+        })
+}
+
 /// Checks that a new run may start in `cfg.checkpoint.dir`: that nothing there would be
 /// lost. A directory with checkpoints is a run to resume. A `config.yaml` is overwritten
 /// only when kiln wrote it for a start of this same configuration that stopped before its
 /// first checkpoint (how long to train, logging, checkpoints and validation may differ),
 /// and so is that start's `metrics.jsonl`; without a `config.yaml`, a non-empty
-/// `metrics.jsonl` is the log of some earlier run. [`Trainer::new`] checks this; call it
-/// before preparing the tokenizer to fail early.
+/// `metrics.jsonl` is the log of some earlier run. Also that this CPU runs
+/// `train.gemm_type` ([`gemm_kernel`]). [`Trainer::new`] checks this; call it before
+/// preparing the tokenizer to fail early.
 pub fn check_new_run_dir(cfg: &Config) -> Result<(), TrainError> {
+    // A kernel this CPU lacks fails the start before anything is written.
+    gemm_kernel(cfg)?;
     let dir = &cfg.checkpoint.dir;
     let ckpts = dir.join("checkpoints");
     if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
@@ -963,16 +986,7 @@ impl Trainer {
         let mut step_exec = ex("decode_step", &graphs.decode_step)?;
         // `train.gemm_type`: the compiled executors' large products (absent: as
         // `KILN_CPU_BF16` says, which the executors read themselves).
-        if let Some(name) = &cfg.train.gemm_type {
-            let kernel = crate::compiled::GemmType::parse(name)
-                .ok_or_else(|| format!("`{name}` is not a known GEMM type"))
-                .and_then(|t| t.kernel())
-                .map_err(|why| {
-                    TrainError::Setup(format!(
-                        "train.gemm_type is `{name}`, but {why}; use `gemm_type: f32` \
-                         (or `kiln train --gemm-type f32`)"
-                    ))
-                })?;
+        if let Some(kernel) = gemm_kernel(&cfg)? {
             let host = match &mut train_exec {
                 TrainExec::Host(e) => Some(e),
                 _ => None,
