@@ -4,15 +4,18 @@ interleaved, as the tables of docs/PERFORMANCE.md give it.
 Each series runs, one after another, `kiln bench models/transformer_base.kiln --set
 vocab=37000 --entry forward --runs 7 --json`, the same with `--entry train_step --runs
 5`, and `benches/pytorch_transformer.py --threads 2 --runs 7` (forward and step); with
-`--bf16`, the same again with `KILN_CPU_BF16=1` for kiln (its 16-bit products: bf16 on
+`--bf16`, the same again with `--gemm-type 16bit` for kiln (its 16-bit products: bf16 on
 AMX or AMD, scaled fp16 with AVX512-FP16, scaled int16 with AVX2 where there is no
-AVX-512; or the kernel that `KILN_CPU_BF16=amx|dot|fp16|int16` in the environment names) and `--bf16` (autocast) for PyTorch. It prints a table row
+AVX-512; `--gemm-type amx|dot|fp16|int16` here names the kernel, as does
+`KILN_CPU_BF16=amx|…` in the environment) and `--bf16` (autocast) for PyTorch. The fp32
+rows pass `--gemm-type f32`, so no environment turns them 16-bit. It prints a table row
 for each pairing in a series: median (min) ms and kiln's speed-up; with `--bf16`, kiln's
 16-bit products against PyTorch in fp32 (the issue's baseline, PyTorch eager's default)
 and against PyTorch's bf16 autocast.
 
     cargo build --release && pip install torch
-    python3 benches/side_by_side.py [--series 3] [--bf16] [--kiln target/release/kiln]
+    python3 benches/side_by_side.py [--series 3] [--bf16 [--gemm-type int16]]
+                                    [--kiln target/release/kiln]
 
 Needs `target/release/kiln` (or `--kiln`) and PyTorch; says which is missing otherwise.
 """
@@ -28,23 +31,23 @@ ROOT = os.path.dirname(HERE)
 SPEC = ["models/transformer_base.kiln", "--set", "vocab=37000"]
 
 
-def kiln(exe, entry, runs, bf16):
-    env = dict(os.environ)
-    kernel = env.pop("KILN_CPU_BF16", None)
-    if bf16:
-        # `KILN_CPU_BF16=amx`, `=dot`, `=fp16` or `=int16` in the environment names the
-        # kernel of the 16-bit rows.
-        env["KILN_CPU_BF16"] = kernel if kernel in ("amx", "dot", "fp16", "int16") else "1"
+KERNELS = ("amx", "dot", "fp16", "int16")
+
+
+def kiln(exe, entry, runs, gemm):
+    """`kiln bench` of `entry` with `--gemm-type gemm`: (median, min) ms."""
     out = subprocess.run(
-        [exe, "bench", *SPEC, "--entry", entry, "--runs", str(runs), "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        [exe, "bench", *SPEC, "--entry", entry, "--runs", str(runs), "--json",
+         "--gemm-type", gemm],
+        cwd=ROOT, capture_output=True, text=True,
     )
     if out.returncode != 0:
-        sys.exit(f"kiln bench --entry {entry} failed ({out.returncode}):\n{out.stderr}")
+        sys.exit(f"kiln bench --entry {entry} --gemm-type {gemm} failed ({out.returncode}):"
+                 f"\n{out.stderr}")
     d = json.loads(out.stdout)
     executor = d.get("executor", "")
-    if bf16 and not any(w in executor for w in ("bf16", "fp16", "int16")):
-        sys.exit(f"KILN_CPU_BF16=1 ran no 16-bit products here:\n{out.stderr.strip()}")
+    if gemm != "f32" and not any(w in executor for w in ("bf16", "fp16", "int16")):
+        sys.exit(f"--gemm-type {gemm} ran no 16-bit products here:\n{out.stderr.strip()}")
     return d["median_ms"], d["min_ms"]
 
 
@@ -72,8 +75,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", type=int, default=3)
     ap.add_argument("--bf16", action="store_true",
-                    help="also kiln with KILN_CPU_BF16=1 (16-bit products) and PyTorch with bf16 "
+                    help="also kiln with 16-bit products (--gemm-type) and PyTorch with bf16 "
                          "autocast")
+    env_kernel = os.environ.get("KILN_CPU_BF16")
+    ap.add_argument("--gemm-type", choices=("16bit",) + KERNELS,
+                    default=env_kernel if env_kernel in KERNELS else "16bit",
+                    help="kiln's 16-bit products with --bf16 (default: the kernel "
+                         "KILN_CPU_BF16 names, else 16bit, the best this CPU has)")
     ap.add_argument("--kiln", default=os.path.join(ROOT, "target", "release", "kiln"))
     a = ap.parse_args()
     if not os.path.exists(a.kiln):
@@ -88,8 +96,9 @@ def main():
     for s in range(1, a.series + 1):
         runs = {}
         for bf16 in [False, True] if a.bf16 else [False]:
-            runs[bf16] = ({"forward": kiln(a.kiln, "forward", 7, bf16),
-                           "train_step": kiln(a.kiln, "train_step", 5, bf16)},
+            gemm = a.gemm_type if bf16 else "f32"
+            runs[bf16] = ({"forward": kiln(a.kiln, "forward", 7, gemm),
+                           "train_step": kiln(a.kiln, "train_step", 5, gemm)},
                           pytorch(bf16))
         pairs = [(False, False)] + ([(True, False), (True, True)] if a.bf16 else [])
         for k16, p16 in pairs:
