@@ -64,7 +64,7 @@ struct Cli {
 }
 
 /// `--gemm-type`: how the compiled executor runs its large matrix products.
-#[derive(clap::Args, Clone, Default)]
+#[derive(clap::Args, Clone)]
 pub(crate) struct GemmArgs {
     /// The compiled executor's large matrix products (Marian's --gemm-type): `f32` (the
     /// default), `16bit` (the best 16-bit kernel this CPU has), or one kernel: `amx`
