@@ -657,31 +657,51 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx2")]
     unsafe fn block8(src: *const f32, cs: usize, dst: *mut f32, n: usize) {
         unsafe {
-            let r = |i: usize| _mm256_loadu_ps(src.add(i * cs));
-            let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
-            let (r4, r5, r6, r7) = (r(4), r(5), r(6), r(7));
-            let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
-            let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
-            let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
-            let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
-            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-            let w = |i: usize, v| _mm256_storeu_ps(dst.add(i * n), v);
-            w(0, _mm256_permute2f128_ps::<0x20>(u0, u4));
-            w(1, _mm256_permute2f128_ps::<0x20>(u1, u5));
-            w(2, _mm256_permute2f128_ps::<0x20>(u2, u6));
-            w(3, _mm256_permute2f128_ps::<0x20>(u3, u7));
-            w(4, _mm256_permute2f128_ps::<0x31>(u0, u4));
-            w(5, _mm256_permute2f128_ps::<0x31>(u1, u5));
-            w(6, _mm256_permute2f128_ps::<0x31>(u2, u6));
-            w(7, _mm256_permute2f128_ps::<0x31>(u3, u7));
+            let rows = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * cs)));
+            for (i, v) in transpose8(rows).into_iter().enumerate() {
+                _mm256_storeu_ps(dst.add(i * n), v);
+            }
         }
+    }
+
+    /// The 8 × 8 transpose of `r`: lane `c` of result `i` is lane `i` of `r[c]`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(crate) fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let (t0, t1) = (
+            _mm256_unpacklo_ps(r[0], r[1]),
+            _mm256_unpackhi_ps(r[0], r[1]),
+        );
+        let (t2, t3) = (
+            _mm256_unpacklo_ps(r[2], r[3]),
+            _mm256_unpackhi_ps(r[2], r[3]),
+        );
+        let (t4, t5) = (
+            _mm256_unpacklo_ps(r[4], r[5]),
+            _mm256_unpackhi_ps(r[4], r[5]),
+        );
+        let (t6, t7) = (
+            _mm256_unpacklo_ps(r[6], r[7]),
+            _mm256_unpackhi_ps(r[6], r[7]),
+        );
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
     }
 }
 

@@ -10,8 +10,9 @@
 //!
 //! `b` is first copied into a thread's scratch as `k` rows of `n` columns padded to a
 //! multiple of the vector's lanes (16 or 8; a transposed `b` through register
-//! transposes); then each block of rows of `a` keeps its results in registers over the
-//! whole `k`, broadcasting one element of `a` to multiply a row of `b`. For these sizes
+//! transposes), unless (with AVX2) its rows are contiguous and whole vectors already;
+//! then each block of rows of `a` keeps its results in registers over the whole `k`,
+//! broadcasting one element of `a` to multiply a row of `b`. For these sizes
 //! the `gemm` crate's packing and dispatch cost more than the multiply-adds (attention's
 //! `q·kᵀ` at 25 tokens took 1.85 µs a head there).
 
@@ -294,8 +295,10 @@ mod avx2 {
 
     use super::{Mat, Op};
 
-    /// Packs `b` into `pb` (`k` rows of `np` columns, a multiple of 8) and computes
-    /// `op`'s rows.
+    /// Computes `op`'s rows from `b` as it is where its rows are contiguous and whole
+    /// vectors (attention's `p·v`: `v` is read once a row of `p`, so a copy would double
+    /// its reads, which at decoding come from memory), else from its copy in `pb` (`k`
+    /// rows of `np` columns, a multiple of 8; [`pack`]).
     ///
     /// # Safety
     /// The CPU must have AVX2 and FMA; as [`super::gemm`]; `pb` holds `k · np`.
@@ -303,17 +306,22 @@ mod avx2 {
     pub(super) unsafe fn product(op: &Op, b: Mat, np: usize, pb: &mut [f32]) {
         // SAFETY: the caller's.
         unsafe {
-            pack(b, (op.k, op.n), np, pb);
+            let (bp, brs) = if b.cs == 1 && b.rs >= 0 && op.n == np {
+                (b.ptr, b.rs as usize)
+            } else {
+                pack(b, (op.k, op.n), np, pb);
+                (pb.as_ptr(), np)
+            };
             // Panels of at most 4 vectors (32 columns), each over every row, with as many
             // rows as keep their sums, the panel's row of `b` and the broadcast in the 16
             // registers (a spilled sum waits on a store and a load each step: three rows
             // of 4 vectors ran `25 × 25 · 25 × 64` in 2.2 µs, two rows in 1.1 µs).
             for v0 in (0..np / 8).step_by(4) {
                 match (np / 8 - v0).min(4) {
-                    1 => rows::<1, 8>(op, pb, np, v0),
-                    2 => rows::<2, 6>(op, pb, np, v0),
-                    3 => rows::<3, 3>(op, pb, np, v0),
-                    _ => rows::<4, 2>(op, pb, np, v0),
+                    1 => rows::<1, 8>(op, bp, brs, v0),
+                    2 => rows::<2, 6>(op, bp, brs, v0),
+                    3 => rows::<3, 3>(op, bp, brs, v0),
+                    _ => rows::<4, 2>(op, bp, brs, v0),
                 }
             }
         }
@@ -355,26 +363,62 @@ mod avx2 {
                 }
             }
         } else if b.rs == 1 {
-            // Stored transposed: column `j`'s `k` values are contiguous; 8 × 8 register
-            // transposes, the edges element by element, then the padding's zeros.
-            // SAFETY: `b` addresses `p + j·cs` for `p < k`, `j < n`; `out` holds `k` rows
-            // of `np ≥ n`.
-            unsafe {
-                super::super::gemm::x86::tile(
-                    b.ptr,
-                    b.cs as usize,
-                    out.as_mut_ptr(),
-                    np,
-                    (0, k),
-                    (0, n),
-                )
-            };
-            for p in 0..k {
-                out[p * np + n..(p + 1) * np].fill(0.0);
-            }
+            // SAFETY: the caller's.
+            unsafe { pack_transposed(b.ptr, b.cs as usize, (k, n), np, out) };
         } else {
             // SAFETY: the caller's.
             unsafe { super::pack_strided(b, (k, n), np, out) };
+        }
+    }
+
+    /// [`pack`] of a `b` stored transposed (column `j`'s `k` values contiguous from
+    /// `src + j·cs`): 8 × 8 register transposes over every block of 8 columns of the
+    /// copy, the last one's columns past `n` transposed from zeros (no scalar edge, no
+    /// separate fill: attention's `kᵀ` at decoding has a few keys, rarely a multiple of
+    /// 8); the rows past the last multiple of 8 element by element.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `src` addresses `p + j·cs` for `p < k`, `j < n`; `out`
+    /// holds `k · np`, `np` a multiple of 8 at least `n`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn pack_transposed(
+        src: *const f32,
+        cs: usize,
+        (k, n): (usize, usize),
+        np: usize,
+        out: &mut [f32],
+    ) {
+        let dst = out.as_mut_ptr();
+        let mut p = 0;
+        while p + 8 <= k {
+            for j0 in (0..np).step_by(8) {
+                // SAFETY: columns `j0 + i < n` hold rows `p..p + 8`; `out` holds rows
+                // `p..p + 8` of `np ≥ j0 + 8` columns.
+                unsafe {
+                    let cols = std::array::from_fn(|i| {
+                        if j0 + i < n {
+                            _mm256_loadu_ps(src.add(p + (j0 + i) * cs))
+                        } else {
+                            _mm256_setzero_ps()
+                        }
+                    });
+                    let rows = super::super::gemm::x86::transpose8(cols);
+                    for (i, v) in rows.into_iter().enumerate() {
+                        _mm256_storeu_ps(dst.add((p + i) * np + j0), v);
+                    }
+                }
+            }
+            p += 8;
+        }
+        for p in p..k {
+            for j in 0..np {
+                // SAFETY: as above, element by element.
+                out[p * np + j] = if j < n {
+                    unsafe { *src.add(p + j * cs) }
+                } else {
+                    0.0
+                };
+            }
         }
     }
 
@@ -382,19 +426,25 @@ mod avx2 {
     /// time), each row's `NV` vectors of 8 sums in registers over the whole `k`.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA; `pb` is `b`'s copy ([`pack`], `np` columns a row,
-    /// `8 · (v0 + NV) ≤ np`); `op`'s pointers address what they say.
+    /// The CPU must have AVX2 and FMA; `bp` addresses `b` or its copy ([`pack`]): `k`
+    /// rows `brs` apart of at least `8 · (v0 + NV)` values; `op`'s pointers address what
+    /// they say.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows<const NV: usize, const R: usize>(op: &Op, pb: &[f32], np: usize, v0: usize) {
+    unsafe fn rows<const NV: usize, const R: usize>(
+        op: &Op,
+        bp: *const f32,
+        brs: usize,
+        v0: usize,
+    ) {
         let mut i = 0;
         while i + R <= op.m {
             // SAFETY: as the caller's; rows `i..i + R` exist.
-            unsafe { block::<NV, R>(op, pb, np, v0, i) };
+            unsafe { block::<NV, R>(op, bp, brs, v0, i) };
             i += R;
         }
         while i < op.m {
             // SAFETY: as above, row `i`.
-            unsafe { block::<NV, 1>(op, pb, np, v0, i) };
+            unsafe { block::<NV, 1>(op, bp, brs, v0, i) };
             i += 1;
         }
     }
@@ -407,17 +457,18 @@ mod avx2 {
     #[inline]
     unsafe fn block<const NV: usize, const R: usize>(
         op: &Op,
-        pb: &[f32],
-        np: usize,
+        bp: *const f32,
+        brs: usize,
         v0: usize,
         i0: usize,
     ) {
         let a = op.a;
         let mut acc = [[_mm256_setzero_ps(); NV]; R];
         for p in 0..op.k {
-            // SAFETY: row `p` of the copy holds `np` values; `a` addresses `(i0 + r, p)`.
+            // SAFETY: row `p` of `b` holds `8 · (v0 + NV)` values from `bp + p·brs`; `a`
+            // addresses `(i0 + r, p)`.
             unsafe {
-                let bp = pb.as_ptr().add(p * np + 8 * v0);
+                let bp = bp.add(p * brs + 8 * v0);
                 let bv: [__m256; NV] = std::array::from_fn(|v| _mm256_loadu_ps(bp.add(8 * v)));
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let x = *a.ptr.offset((i0 + r) as isize * a.rs + p as isize * a.cs);
@@ -504,6 +555,10 @@ mod tests {
             (4, 100, 100),
             (13, 512, 128),
             (2, 3, 113),
+            // Decoding's attention of one query a row: `q·kᵀ` and `p·v` over a few keys.
+            (1, 64, 14),
+            (1, 14, 64),
+            (2, 30, 64),
         ] {
             // Each operand stored row-major (0), transposed (1) or with a gap between its
             // rows and columns (2: strides `2·cols + 1` and 2).
