@@ -1452,6 +1452,70 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
     );
 }
 
+/// With int16 products, a product whose weight is packed beforehand (an inference
+/// program on a `params_version`, as decoding runs) takes the 16-bit kernel from 65536
+/// multiply-adds instead of 4M, since only its left operand is then packed at the call:
+/// base's forward at 4 rows (batch 1, lengths 4) has 97 products of at least 4 × 512 ·
+/// 512 × 300, all on packed weights, of which only the 24 feed-forward ones (4 × 512 ·
+/// 512 × 2048 and back) reach 4M. Its logits then move from the unversioned run's (which
+/// runs the rest in f32) by int16's rounding, and stay within 1e-2 of the f32
+/// program's. Skipped where the CPU has no int16 kernel.
+#[test]
+fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
+    use kiln_runtime::compiled::Bf16Kernel;
+    if let Err(why) = Bf16Kernel::Int16.available() {
+        println!("skipped: {why}");
+        return;
+    }
+    let path = common::root().join("models/transformer_base.kiln");
+    let g = entry_graph(&path, &["vocab=300"], "forward").expect("the entry");
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .map(|d| (d.clone(), if d == "batch" { 1 } else { 4 }))
+        .collect();
+    let (inputs, params) = random_feeds_with(&g, 3, &dims).expect("feeds");
+    let f32_out = Compiled::from_graph(g.clone())
+        .expect("compiles")
+        .run(&inputs, &params, &RunOptions::default())
+        .expect("runs");
+    let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+    exec.set_bf16_kernel(Some(Bf16Kernel::Int16))
+        .expect("the kernel runs here");
+    let plain = exec
+        .run(&inputs, &params, &RunOptions::default())
+        .expect("runs");
+    assert_eq!(exec.packed_weights().0, 0, "no version, no copies");
+    let fixed = RunOptions {
+        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        ..RunOptions::default()
+    };
+    let packed = exec.run(&inputs, &params, &fixed).expect("runs");
+    assert_eq!(exec.packed_weights().0, 97, "every product's weight packed");
+    let again = exec.run(&inputs, &params, &fixed).expect("runs");
+    assert!(output_bits(&again) == output_bits(&packed), "a second run");
+    let logits = |out: &[(String, kiln_compiler::tensor::Tensor)]| {
+        out.iter()
+            .find(|(n, _)| n == "logits")
+            .expect("the logits")
+            .1
+            .to_f64_vec()
+            .expect("f32")
+    };
+    let (want, plain, packed) = (logits(&f32_out), logits(&plain), logits(&packed));
+    let dist = |a: &[f64], b: &[f64]| {
+        let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        d.sqrt() / want.iter().map(|x| x * x).sum::<f64>().sqrt()
+    };
+    let (moved, from_f32) = (dist(&packed, &plain), dist(&packed, &want));
+    println!("‖packed − unversioned‖ = {moved:.2e}, ‖packed − f32‖ = {from_f32:.2e} (relative)");
+    assert!(
+        moved > 1e-6,
+        "the small products stayed f32 on packed weights"
+    );
+    assert!(from_f32 < 1e-2, "{from_f32:e} from the f32 program");
+}
+
 /// `bf16_matmul`, the public product, with each kernel the CPU can run: a slice of the
 /// wrong length is an error that names it (checked after the kernel, so where the CPU
 /// cannot run it that is the error); a product of 2 × 3 · 3 × 2 exact in bf16 gives exact

@@ -242,6 +242,21 @@ unsafe impl Sync for Member<'_> {}
 /// 300 steps in 6.3 s with its 800 × 48 · 48 × 48 products on the tiles, 5.2 s without).
 pub(crate) const BF16_MIN: usize = 1 << 22;
 
+/// With the int16 kernel, the floor of a product whose right operand is a weight packed
+/// beforehand (once a parameters version): only the left operand is then packed at the
+/// call, `m·k` values for `m·k·n` multiply-adds, so the products of a few rows take it.
+/// Those are decoding's: 4 to 60 rows (a batch's sentences finish at different steps)
+/// by `256 × 256` or `256 × 1024` weights, which the f32 crate runs while packing the
+/// weight anew at every call. `kiln translate --gemm-type int16` of Multi30k's validation
+/// set (`multi30k_small`, 2 threads) took 7 % less CPU time with this floor.
+pub(crate) const INT16_PACKED_MIN: usize = 1 << 16;
+
+/// Whether a product of `work` multiply-adds runs with the 16-bit `kernel` ([`BF16_MIN`],
+/// [`INT16_PACKED_MIN`]); `packed`: its right operand is a weight packed beforehand.
+pub(crate) fn takes_16bit(kernel: Kernel, work: usize, packed: bool) -> bool {
+    work >= BF16_MIN || (packed && kernel.is_int16() && work >= INT16_PACKED_MIN)
+}
+
 /// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large
 /// enough product, [`bf16::gemm`](super::bf16::gemm) (16-bit operands, bf16 or scaled
 /// fp16 by the kernel, sums in f32; a kernel is only set where it is available), reading
@@ -259,7 +274,7 @@ unsafe fn product(
     packed: Option<&PackedRhs>,
 ) {
     match bf16 {
-        Some(kernel) if m * k * n >= BF16_MIN => {
+        Some(kernel) if takes_16bit(kernel, m * k * n, packed.is_some()) => {
             let b = packed.map_or(Rhs::Mat(b), |p| Rhs::Packed(p, b));
             let e = Epilogue::default();
             // SAFETY: as the caller's; a kernel is set only after its check.
@@ -271,7 +286,7 @@ unsafe fn product(
 
 /// The one 16-bit product that [`matmul`] would run for `a·b` into `out`, where it runs
 /// one: a 2-D `b`, `a`'s batch and row axes merged into rows, a contiguous `out` of those
-/// rows and `b`'s columns, and enough multiply-adds for [`BF16_MIN`]. Its kernel, left
+/// rows and `b`'s columns, and enough multiply-adds ([`takes_16bit`]). Its kernel, left
 /// operand and `(rows, k, n)`. Only such a product takes an [`Epilogue`]
 /// ([`matmul_epilogue`]).
 fn one_16bit_product(
@@ -279,6 +294,7 @@ fn one_16bit_product(
     b: &Loc,
     out: &Loc,
     bf16: Option<Kernel>,
+    packed: bool,
 ) -> Option<(Kernel, Mat, (usize, usize, usize))> {
     let kernel = bf16?;
     let (sa, sb) = (a.shape(), b.shape());
@@ -293,7 +309,7 @@ fn one_16bit_product(
     }
     let la = &a.layout;
     let rs = merged_stride(&sa[..ra - 1], &la.strides[..ra - 1])?;
-    (rows * k * n >= BF16_MIN).then(|| {
+    takes_16bit(kernel, rows * k * n, packed).then(|| {
         let lhs = Mat {
             ptr: (a.ptr as *const f32).wrapping_add(la.offset),
             rs: rs as isize,
@@ -318,7 +334,7 @@ pub(crate) fn matmul_epilogue(
     epilogue: Epilogue,
     sums: Option<ColumnSums>,
 ) -> Option<()> {
-    let (kernel, lhs, (rows, k, n)) = one_16bit_product(a, b, out, bf16)?;
+    let (kernel, lhs, (rows, k, n)) = one_16bit_product(a, b, out, bf16, packed.is_some())?;
     let lb = &b.layout;
     if let Some(s) = sums {
         let lead = &s.lead[..s.axes];
@@ -381,7 +397,7 @@ pub(crate) fn group_epilogue(
     // bias and sums.
     let mut operands = vec![span(a)];
     for &(b, out, packed, epilogue, sums) in members {
-        let (kernel, l, (rows, k, n)) = one_16bit_product(a, b, out, bf16)?;
+        let (kernel, l, (rows, k, n)) = one_16bit_product(a, b, out, bf16, packed.is_some())?;
         if let Some(s) = sums {
             let lead = &s.lead[..s.axes];
             if packed.is_some() || b.layout.strides[1] != 1 || lead.iter().product::<usize>() != k {

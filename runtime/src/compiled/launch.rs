@@ -81,9 +81,9 @@ impl RunCtx<'_> {
         rows: usize,
     ) -> Option<Arc<super::bf16::PackedRhs>> {
         let (pack, &v) = (self.packed?, step.inputs.get(1)?);
-        let b = ins.get(1)?;
+        let (b, kernel) = (ins.get(1)?, self.bf16?);
         let shape = b.shape();
-        if self.bf16.is_none() || shape.len() != 2 || rows * shape[0] * shape[1] < gemm::BF16_MIN {
+        if shape.len() != 2 || !gemm::takes_16bit(kernel, rows * shape[0] * shape[1], true) {
             return None;
         }
         pack(v, b)
