@@ -302,8 +302,9 @@ fn row_lse_lanes(row: &[f32]) -> f64 {
 /// `exp(d)` for `d ≤ 0` in f64 without a libm `exp` call, so that a loop over a row
 /// vectorizes: `2^n · e^r` with `n = round(d / ln 2)`, `|r| ≤ ln 2 / 2`, and `e^r` by its
 /// Taylor series to `r^13 / 13!` in fused multiply-adds (truncated below 1e-17 relative;
-/// within a few units in the last place of `f64::exp`). NaN stays NaN. Below −708, where `exp` leaves the
-/// normal range, it returns `exp(−708)` ≈ 3e−308: nothing next to a row's largest term, 1.
+/// within a few units in the last place of `f64::exp`). NaN stays NaN. Below −708, where
+/// `exp` leaves the normal range, it returns `exp(−708)` ≈ 3e−308: nothing next to a
+/// row's largest term, 1.
 #[inline(always)]
 fn exp_nonpositive(d: f64) -> f64 {
     // 1.5 · 2^52: adding it rounds to an integer, which its low bits then hold.
