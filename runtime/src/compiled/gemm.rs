@@ -684,22 +684,12 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx2")]
     #[inline]
     pub(crate) fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
-        let (t0, t1) = (
-            _mm256_unpacklo_ps(r[0], r[1]),
-            _mm256_unpackhi_ps(r[0], r[1]),
-        );
-        let (t2, t3) = (
-            _mm256_unpacklo_ps(r[2], r[3]),
-            _mm256_unpackhi_ps(r[2], r[3]),
-        );
-        let (t4, t5) = (
-            _mm256_unpacklo_ps(r[4], r[5]),
-            _mm256_unpackhi_ps(r[4], r[5]),
-        );
-        let (t6, t7) = (
-            _mm256_unpacklo_ps(r[6], r[7]),
-            _mm256_unpackhi_ps(r[6], r[7]),
-        );
+        // Rows 2i and 2i + 1 interleaved: their low and their high pairs of each half.
+        let [(t0, t1), (t2, t3), (t4, t5), (t6, t7)]: [(__m256, __m256); 4] =
+            std::array::from_fn(|i| {
+                let (a, b) = (r[2 * i], r[2 * i + 1]);
+                (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b))
+            });
         let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
         let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
         let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
