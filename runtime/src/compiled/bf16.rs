@@ -10,7 +10,8 @@
 //!   hides their AMX.
 //!
 //! In: the same strided f32 operands as [`super::gemm::gemm_one`]. For the first two,
-//! each operand is rounded to bf16 (to nearest, ties to even) as it is packed; the
+//! each operand is rounded to bf16 (to nearest, ties to even, a subnormal to zero) as it
+//! is packed, by AVX512-BF16's `VCVTNE2PS2BF16` (so all three kernels need it); the
 //! products of pairs are summed in f32, so a result differs from the f32 product by about
 //! the inputs' rounding, at most 2⁻⁹ relative per operand, as with PyTorch's bf16
 //! autocast or cuBLAS in bf16. Both instructions treat subnormal bf16 inputs as zero and
@@ -76,9 +77,10 @@ pub(crate) fn half_available() -> Result<(), &'static str> {
     }
     if !(is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl"))
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512bf16"))
     {
-        return Err("this CPU has AVX512-FP16 but not the AVX-512 that packs the operands");
+        return Err("this CPU has AVX512-FP16 but not the AVX-512 (F, BW, VL, BF16) that packs the operands");
     }
     Ok(())
 }
@@ -119,8 +121,11 @@ pub(crate) fn tiles_available() -> Result<(), &'static str> {
         if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
             return Err("this CPU has no AMX bf16 tiles (Intel Xeon 4th generation or later)");
         }
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
-            return Err("this CPU has AMX but no AVX-512 for packing the operands");
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16"))
+        {
+            return Err("this CPU has AMX but not the AVX-512 (F, BW, BF16) that packs the operands");
         }
         const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
         const XFEATURE_XTILEDATA: libc::c_long = 18;
@@ -135,8 +140,9 @@ pub(crate) fn tiles_available() -> Result<(), &'static str> {
     })
 }
 
-/// `x` rounded to bf16 (to nearest, ties to even; a NaN stays a NaN), as its bits.
-/// Without branches, so that the packing loops vectorize.
+/// `x` rounded to bf16 as AVX512-BF16's `VCVTNEPS2BF16` rounds it (the packing loops'
+/// vectors use that instruction; this is their scalar edge): to nearest, ties to even; a
+/// NaN stays a NaN (made quiet); a subnormal `x` becomes a zero of its sign. As its bits.
 #[inline(always)]
 fn bf16_bits(x: f32) -> u16 {
     let b = x.to_bits();
@@ -144,6 +150,8 @@ fn bf16_bits(x: f32) -> u16 {
     let nan = (b >> 16) | 0x40;
     (if b & 0x7fff_ffff > 0x7f80_0000 {
         nan
+    } else if b & 0x7f80_0000 == 0 {
+        (b >> 16) & 0x8000
     } else {
         rounded
     }) as u16
@@ -181,29 +189,40 @@ enum Scale<'a> {
 }
 
 /// The 16-bit values ([`to16`]) of 16 elements `x` with their scales `s` (read only
-/// where `HALF`), each in the low half of a 32-bit lane (the high half zero). For
-/// callers with AVX-512F and BW.
-#[target_feature(enable = "avx512f,avx512bw")]
+/// where `HALF`), in order: one instruction each, `VCVTNEPS2BF16` (bf16) or
+/// `VCVTPS2PH` (fp16, after the scaling).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-fn to16x16<const HALF: bool>(x: __m512, s: __m512) -> __m512i {
+fn to16x16<const HALF: bool>(x: __m512, s: __m512) -> __m256i {
     if HALF {
-        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, s),
-        );
-        _mm512_cvtepu16_epi32(h)
+        _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, s))
     } else {
-        // As `bf16_bits`, in each lane.
-        let b = _mm512_castps_si512(x);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
-        let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
-        let nan = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
-        let is_nan = _mm512_cmpgt_epu32_mask(
-            _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff)),
-            _mm512_set1_epi32(0x7f80_0000),
-        );
-        _mm512_mask_blend_epi32(is_nan, rounded, nan)
+        // SAFETY: 16 bf16 values are 256 bits, as `__m256i`.
+        unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)) }
     }
+}
+
+/// Lane `i` of the 16-bit pairs a packed tile row holds: [`to16x16`] of `lo`'s element
+/// `i` in the low half, of `hi`'s in the high half (`s` as there).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+fn pairs16x16<const HALF: bool>(lo: __m512, hi: __m512, s: __m512) -> __m512i {
+    // `lo`'s 16 values, then `hi`'s.
+    let both = if HALF {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(to16x16::<HALF>(lo, s)),
+            to16x16::<HALF>(hi, s),
+        )
+    } else {
+        // SAFETY: 32 bf16 values are 512 bits, as `__m512i`.
+        unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
+    };
+    // Element `2i` from `i`, `2i + 1` from `16 + i`.
+    let order = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+        19, 3, 18, 2, 17, 1, 16, 0,
+    );
+    _mm512_permutexvar_epi16(order, both)
 }
 
 /// The 16 × 16 32-bit elements of `z` transposed: lane `j` of row `r` of the result is
@@ -256,7 +275,7 @@ pub(crate) fn transpose16(z: &[__m512i; 16]) -> [__m512i; 16] {
 /// # Safety
 /// The CPU must have AVX-512F and BW; `dst` and a `Scale::Each` hold `src.len()`
 /// elements.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn convert<const HALF: bool>(src: &[f32], scale: Scale<'_>, dst: &mut [u16]) {
     let n = src.len();
     assert!(dst.len() >= n);
@@ -277,10 +296,7 @@ unsafe fn convert<const HALF: bool>(src: &[f32], scale: Scale<'_>, dst: &mut [u1
                 Scale::One(s) => _mm512_set1_ps(s),
             };
             let h = to16x16::<HALF>(_mm512_loadu_ps(src.as_ptr().add(i)), s);
-            _mm256_storeu_si256(
-                dst.as_mut_ptr().add(i) as *mut __m256i,
-                _mm512_cvtepi32_epi16(h),
-            );
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, h);
         }
         i += 16;
     }
@@ -369,7 +385,7 @@ const CONFIG: TileConfig = {
 /// # Safety
 /// The CPU must have AVX-512F and BW; `a` must address `m × k` valid elements; `out`
 /// holds `kb · TILE`; with `HALF`, `unscale` holds 16.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a<const HALF: bool>(
     a: Mat,
     (m, k): (usize, usize),
@@ -392,7 +408,7 @@ unsafe fn pack_a<const HALF: bool>(
 ///
 /// # Safety
 /// As [`pack_a`]'s; `scale` holds 16 values.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a_scaled<const HALF: bool>(
     a: Mat,
     (m, k): (usize, usize),
@@ -450,7 +466,7 @@ unsafe fn pack_a_scaled<const HALF: bool>(
 /// # Safety
 /// The CPU must have AVX-512F and BW; `a` must address `m × k` valid elements with
 /// `a.rs == 1`; with `HALF`, `unscale` holds a value for each row of `out`'s panels.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a_columns<const HALF: bool>(
     a: Mat,
     (m, k): (usize, usize),
@@ -494,7 +510,7 @@ unsafe fn with_line_scales<const HALF: bool>(
 ///
 /// # Safety
 /// As [`pack_a_columns`]'s; `scale` holds a value for each row of `out`'s panels.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a_columns_scaled<const HALF: bool>(
     a: Mat,
     (m, k): (usize, usize),
@@ -527,15 +543,13 @@ unsafe fn pack_a_columns_scaled<const HALF: bool>(
             let value = |q: usize| {
                 let p = t * TK + q;
                 if p >= k {
-                    return _mm512_setzero_si512();
+                    return _mm512_setzero_ps();
                 }
                 // SAFETY: index `p` holds rows `i0 + r0..` up to `rows` (masked).
-                let x = unsafe { _mm512_maskz_loadu_ps(mask, src(p).as_ptr().add(r0)) };
-                to16x16::<HALF>(x, s)
+                unsafe { _mm512_maskz_loadu_ps(mask, src(p).as_ptr().add(r0)) }
             };
-            let z: [__m512i; 16] = std::array::from_fn(|j| {
-                _mm512_or_si512(value(2 * j), _mm512_slli_epi32::<16>(value(2 * j + 1)))
-            });
+            let z: [__m512i; 16] =
+                std::array::from_fn(|j| pairs16x16::<HALF>(value(2 * j), value(2 * j + 1), s));
             let tile = &mut out[(r0 / T) * panel + t * TILE..][..TILE];
             for (r, row) in transpose16(&z).iter().enumerate() {
                 // SAFETY: row `r` of the tile is 16 pairs, 64 bytes.
@@ -559,7 +573,7 @@ unsafe fn pack_a_columns_scaled<const HALF: bool>(
 /// # Safety
 /// The CPU must have AVX-512F and BW; `b` must address `k × n` valid elements; `out`
 /// holds `kb · TILE`; with `HALF`, `scales` holds 16.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_b<const HALF: bool>(
     b: Mat,
     (k, n): (usize, usize),
@@ -598,9 +612,11 @@ unsafe fn pack_b<const HALF: bool>(
                         Scale::Each(v) if HALF => _mm512_loadu_ps(v.as_ptr()),
                         _ => _mm512_setzero_ps(),
                     };
-                    let h0 = to16x16::<HALF>(_mm512_loadu_ps(r0.as_ptr()), s);
-                    let h1 = to16x16::<HALF>(_mm512_loadu_ps(r1.as_ptr()), s);
-                    let pairs = _mm512_or_si512(h0, _mm512_slli_epi32::<16>(h1));
+                    let pairs = pairs16x16::<HALF>(
+                        _mm512_loadu_ps(r0.as_ptr()),
+                        _mm512_loadu_ps(r1.as_ptr()),
+                        s,
+                    );
                     _mm512_storeu_si512(dst.as_mut_ptr() as *mut _, pairs);
                 }
             } else {
@@ -634,7 +650,7 @@ unsafe fn pack_b<const HALF: bool>(
                     let x = unsafe {
                         _mm512_maskz_loadu_ps(mask, b.ptr.offset((j0 + c) as isize * b.cs).add(p))
                     };
-                    _mm512_cvtepi32_epi16(to16x16::<HALF>(x, s))
+                    to16x16::<HALF>(x, s)
                 };
                 _mm512_inserti64x4::<1>(_mm512_castsi256_si512(half(0)), half(1))
             });
@@ -668,7 +684,7 @@ unsafe fn pack_b<const HALF: bool>(
 ///
 /// # Safety
 /// As [`pack_b`]; with `HALF`, `unscale` holds a value for each column of `out`'s panels.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_b_group<const HALF: bool>(
     b: Mat,
     (k, n): (usize, usize),
@@ -692,7 +708,7 @@ unsafe fn pack_b_group<const HALF: bool>(
 ///
 /// # Safety
 /// As [`pack_b`]'s; `scale` holds a value for each column of `out`'s panels.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_b_group_scaled<const HALF: bool>(
     b: Mat,
     (k, n): (usize, usize),
@@ -2349,6 +2365,100 @@ mod tests {
                 assert_same_bits(&c, &plain, &what);
             }
         }
+    }
+
+    /// The packing's vector conversions (`VCVTNEPS2BF16`, `VCVTNE2PS2BF16`; `VCVTPS2PH`
+    /// after the scaling for fp16) give the bits of the scalar [`to16`] that packs the
+    /// operands' edges, on ties, the carry from the largest subnormal, subnormals of both
+    /// signs, NaNs with payloads, infinities and random bits, and pair them in order.
+    #[test]
+    fn vector_conversions_give_the_scalar_bits() {
+        if let Err(why) = dot_available() {
+            println!("skipped: {why}");
+            return;
+        }
+        let mut seed = 7u64;
+        let mut bits: Vec<u32> = vec![
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_7fff,
+            0x3f80_8001,
+            0x007f_ffff,
+            0x007f_8000,
+            0x0000_0001,
+            0x8040_0000,
+            0x807f_ffff,
+            0x0080_0000,
+            0x7f7f_ffff,
+            0xff7f_8000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f80_0001,
+            0xffc0_1234,
+            0x7fbf_ffff,
+            0x0000_0000,
+            0x8000_0000,
+        ];
+        while bits.len() % 32 != 0 || bits.len() < 4096 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            bits.push((seed >> 32) as u32);
+        }
+        let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        for half in [false, true] {
+            let s = 0.25f32;
+            let one = |v: f32| {
+                if half {
+                    to16::<true>(v, s)
+                } else {
+                    to16::<false>(v, 1.0)
+                }
+            };
+            for (c, chunk) in x.chunks(32).enumerate() {
+                // SAFETY: AVX-512F, BW and BF16 are there (checked); 32 elements each.
+                let (lo, hi, pairs) = unsafe {
+                    let sv = _mm512_set1_ps(s);
+                    let (a, b) = (
+                        _mm512_loadu_ps(chunk.as_ptr()),
+                        _mm512_loadu_ps(chunk.as_ptr().add(16)),
+                    );
+                    let (lo, hi, pairs) = if half {
+                        (
+                            to16x16::<true>(a, sv),
+                            to16x16::<true>(b, sv),
+                            pairs16x16::<true>(a, b, sv),
+                        )
+                    } else {
+                        (
+                            to16x16::<false>(a, sv),
+                            to16x16::<false>(b, sv),
+                            pairs16x16::<false>(a, b, sv),
+                        )
+                    };
+                    let mut out = ([0u16; 16], [0u16; 16], [0u16; 32]);
+                    _mm256_storeu_si256(out.0.as_mut_ptr() as *mut __m256i, lo);
+                    _mm256_storeu_si256(out.1.as_mut_ptr() as *mut __m256i, hi);
+                    _mm512_storeu_si512(out.2.as_mut_ptr() as *mut _, pairs);
+                    out
+                };
+                for i in 0..16 {
+                    let (a, b) = (chunk[i], chunk[16 + i]);
+                    let what = |v: f32| format!("fp16 {half}, chunk {c}: {:#010x}", v.to_bits());
+                    assert_eq!(lo[i], one(a), "{}", what(a));
+                    assert_eq!(hi[i], one(b), "{}", what(b));
+                    assert_eq!(
+                        (pairs[2 * i], pairs[2 * i + 1]),
+                        (one(a), one(b)),
+                        "pair {i}"
+                    );
+                }
+            }
+        }
+        assert_eq!(bf16_bits(f32::from_bits(0x807f_ffff)), 0x8000);
+        assert_eq!(bf16_bits(f32::from_bits(0x007f_ffff)), 0x0000);
+        assert_eq!(bf16_bits(f32::from_bits(0xffc0_1234)), 0xffc0);
+        assert_eq!(bf16_bits(f32::from_bits(0x7f80_0001)), 0x7fc0);
     }
 
     #[test]
