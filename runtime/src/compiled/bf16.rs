@@ -181,13 +181,6 @@ fn to16<const HALF: bool>(x: f32, s: f32) -> u16 {
     }
 }
 
-/// The fp16 scales of a contiguous run of elements: one for all, or each its own.
-#[derive(Clone, Copy)]
-enum Scale<'a> {
-    One(f32),
-    Each(&'a [f32]),
-}
-
 /// The 16-bit values ([`to16`]) of 16 elements `x` with their scales `s` (read only
 /// where `HALF`), in order: one instruction each, `VCVTNEPS2BF16` (bf16) or
 /// `VCVTPS2PH` (fp16, after the scaling).
@@ -270,38 +263,25 @@ pub(crate) fn transpose16(z: &[__m512i; 16]) -> [__m512i; 16] {
     out
 }
 
-/// `dst[i] = to16::<HALF>(src[i], scale of i)` for the `src.len()` elements of a run.
+/// `dst[i] = to16::<HALF>(src[i], s)` for the `src.len()` elements of a run.
 ///
 /// # Safety
-/// The CPU must have AVX-512F and BW; `dst` and a `Scale::Each` hold `src.len()`
-/// elements.
+/// The CPU must have AVX-512F, BW and BF16; `dst` holds `src.len()` elements.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn convert<const HALF: bool>(src: &[f32], scale: Scale<'_>, dst: &mut [u16]) {
+unsafe fn convert<const HALF: bool>(src: &[f32], s: f32, dst: &mut [u16]) {
     let n = src.len();
     assert!(dst.len() >= n);
-    if let Scale::Each(v) = scale {
-        assert!(!HALF || v.len() >= n);
-    }
-    let at = |i: usize| match scale {
-        Scale::One(s) => s,
-        Scale::Each(v) => v[i],
-    };
     let mut i = 0;
     while i + 16 <= n {
-        // SAFETY: elements `i..i + 16` of `src`, `dst` and the scales exist (checked).
+        // SAFETY: elements `i..i + 16` of `src` and `dst` exist (checked).
         unsafe {
-            let s = match scale {
-                Scale::Each(v) if HALF => _mm512_loadu_ps(v.as_ptr().add(i)),
-                Scale::Each(_) => _mm512_setzero_ps(),
-                Scale::One(s) => _mm512_set1_ps(s),
-            };
-            let h = to16x16::<HALF>(_mm512_loadu_ps(src.as_ptr().add(i)), s);
+            let h = to16x16::<HALF>(_mm512_loadu_ps(src.as_ptr().add(i)), _mm512_set1_ps(s));
             _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, h);
         }
         i += 16;
     }
     for i in i..n {
-        dst[i] = to16::<HALF>(src[i], if HALF { at(i) } else { 1.0 });
+        dst[i] = to16::<HALF>(src[i], s);
     }
 }
 
@@ -448,7 +428,7 @@ unsafe fn pack_a_scaled<const HALF: bool>(
             if src.len() < TK {
                 dst.fill(0);
             }
-            unsafe { convert::<HALF>(src, Scale::One(s), dst) };
+            unsafe { convert::<HALF>(src, s, dst) };
         }
     }
 }
@@ -566,9 +546,8 @@ unsafe fn pack_a_columns_scaled<const HALF: bool>(
 /// Packs columns `[j0, j0 + 16)` of `b` (`k × n`) as `kb` tiles of 16 pair rows: row `r`
 /// of tile `t` holds `b[32t + 2r, j], b[32t + 2r + 1, j]` for its 16 columns `j` (the
 /// pairs `TDPBF16PS` multiplies), as 16-bit values ([`to16`]; where `HALF`, each column
-/// scaled by its `scales[c]`, `c` from 0 at `j0`), zero past `k` and `n`. A row-major `b`
-/// a whole tile wide packs only the tiles of `tiles` (see [`pack_b_group`]); otherwise
-/// all of them.
+/// scaled by its `scales[c]`, `c` from 0 at `j0`), zero past `k` and `n`. (A row-major
+/// `b` a whole tile wide is packed by [`pack_b_group_scaled`], a group of panels at once.)
 ///
 /// # Safety
 /// The CPU must have AVX-512F and BW; `b` must address `k × n` valid elements; `out`
@@ -580,58 +559,10 @@ unsafe fn pack_b<const HALF: bool>(
     j0: usize,
     scales: &[f32],
     out: &mut [u16],
-    tiles: std::ops::Range<usize>,
 ) {
     let cols = n.saturating_sub(j0).min(T);
     let at = |p: usize, j: usize| unsafe { *b.ptr.offset(p as isize * b.rs + j as isize * b.cs) };
     let s = |j: usize| if HALF { scales[j - j0] } else { 1.0 };
-    if b.cs == 1 && cols == T {
-        // Row-major, a whole tile wide: two rows' 16 columns interleaved.
-        let scale = if HALF {
-            Scale::Each(&scales[..T])
-        } else {
-            Scale::One(1.0)
-        };
-        for pair in tiles.start * T..tiles.end * T {
-            let dst = &mut out[pair * 2 * T..(pair + 1) * 2 * T];
-            let p = 2 * pair;
-            if p + 1 < k {
-                // SAFETY: rows `p`, `p + 1` hold columns `j0..j0 + 16`.
-                let (r0, r1) = unsafe {
-                    (
-                        std::slice::from_raw_parts(b.ptr.offset(p as isize * b.rs).add(j0), T),
-                        std::slice::from_raw_parts(
-                            b.ptr.offset((p + 1) as isize * b.rs).add(j0),
-                            T,
-                        ),
-                    )
-                };
-                // SAFETY: the rows hold 16 columns; the pair row is 16 pairs, 64 bytes.
-                unsafe {
-                    let s = match scale {
-                        Scale::Each(v) if HALF => _mm512_loadu_ps(v.as_ptr()),
-                        _ => _mm512_setzero_ps(),
-                    };
-                    let pairs = pairs16x16::<HALF>(
-                        _mm512_loadu_ps(r0.as_ptr()),
-                        _mm512_loadu_ps(r1.as_ptr()),
-                        s,
-                    );
-                    _mm512_storeu_si512(dst.as_mut_ptr() as *mut _, pairs);
-                }
-            } else {
-                for c in 0..T {
-                    dst[2 * c] = if p < k {
-                        to16::<HALF>(at(p, j0 + c), s(j0 + c))
-                    } else {
-                        0
-                    };
-                    dst[2 * c + 1] = 0;
-                }
-            }
-        }
-        return;
-    }
     if b.rs == 1 {
         // Stored transposed: a column's `k` values are contiguous. By tile: each column's
         // 32 values, as 16-bit, are 16 pairs; transposed, the tile's 16 pair rows.
@@ -717,20 +648,58 @@ unsafe fn pack_b_group_scaled<const HALF: bool>(
     (panel, out): (usize, &mut [u16]),
 ) {
     let kb = panel / TILE;
-    let whole = |q: usize| b.cs == 1 && j0 + (q + 1) * T <= n;
-    for t in 0..kb {
-        for (q, o) in out.chunks_exact_mut(panel).enumerate() {
-            if whole(q) {
-                // SAFETY: as the caller's.
-                unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, &scale[q * T..], o, t..t + 1) }
+    // Row-major panels a whole tile wide (the first `wide`): by pairs of rows, each row
+    // read the width of those panels at once, its two rows' 16 columns of each panel
+    // interleaved into the panel's pair row.
+    let wide = if b.cs == 1 {
+        (n.saturating_sub(j0) / T).min(out.len() / panel)
+    } else {
+        0
+    };
+    if wide > 0 {
+        let width = wide * T;
+        for pair in 0..kb * T {
+            let p = 2 * pair;
+            if p + 1 >= k {
+                for q in 0..wide {
+                    let dst = &mut out[q * panel + pair * 2 * T..][..2 * T];
+                    for (c, d) in dst.chunks_exact_mut(2).enumerate() {
+                        // SAFETY: row `p` (where `p < k`) holds columns `j0..j0 + width`.
+                        let x = (p < k).then(|| unsafe {
+                            *b.ptr.offset(p as isize * b.rs).add(j0 + q * T + c)
+                        });
+                        d[0] = x.map_or(0, |x| to16::<HALF>(x, scale[q * T + c]));
+                        d[1] = 0;
+                    }
+                }
+                continue;
+            }
+            // SAFETY: rows `p`, `p + 1` hold columns `j0..j0 + width`; `out` holds the
+            // panels' pair rows, 64 bytes each; `scale` a value for each column.
+            unsafe {
+                let out_ptr = out.as_mut_ptr();
+                let r0 = b.ptr.offset(p as isize * b.rs).add(j0);
+                let r1 = r0.offset(b.rs);
+                debug_assert!(j0 + width <= n);
+                for q in 0..wide {
+                    let s = if HALF {
+                        _mm512_loadu_ps(scale.as_ptr().add(q * T))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    let pairs = pairs16x16::<HALF>(
+                        _mm512_loadu_ps(r0.add(q * T)),
+                        _mm512_loadu_ps(r1.add(q * T)),
+                        s,
+                    );
+                    _mm512_storeu_si512(out_ptr.add(q * panel + pair * 2 * T) as *mut _, pairs);
+                }
             }
         }
     }
-    for (q, o) in out.chunks_exact_mut(panel).enumerate() {
-        if !whole(q) {
-            // SAFETY: as the caller's.
-            unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, &scale[q * T..], o, 0..kb) }
-        }
+    for (q, o) in out.chunks_exact_mut(panel).enumerate().skip(wide) {
+        // SAFETY: as the caller's.
+        unsafe { pack_b::<HALF>(b, (k, n), j0 + q * T, &scale[q * T..], o) }
     }
 }
 
@@ -2559,6 +2528,9 @@ mod tests {
             (17, 2049, 5, true, true, false),
             (530, 70, 45, true, false, true),
             (520, 64, 300, false, true, false),
+            // An odd `k`: the last pair row of a row-major `b` half zero.
+            (45, 71, 40, false, false, true),
+            (530, 33, 45, false, false, false),
         ] {
             let a: Vec<f32> = (0..m * k).map(|_| rng(&mut seed)).collect();
             let b: Vec<f32> = (0..k * n).map(|_| rng(&mut seed)).collect();
