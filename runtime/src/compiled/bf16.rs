@@ -2134,9 +2134,11 @@ impl Blocks<'_> {
 /// Panels a packing task or a product task takes: 16 (256 rows or columns).
 const GROUP: usize = 16;
 
-/// Tiles of `k` (32 each) a product task runs all its blocks over at a time: 2048 values
-/// of `k`, so that a task's 256 rows and 256 columns of them (2 MB in all) stay in the
-/// core's second-level cache. Only a longer `k` is split (the vocabulary projection's
+/// Tiles of `k` (32 each) a product task runs all its blocks over at a time: 1024 values
+/// of `k`, so that a task's 256 rows and 256 columns of them (1 MB in all, 16-bit) stay
+/// in the core's second-level cache. (Parts of 256 or 128, which the first-level cache
+/// would hold, were no faster on the AMX VM of 2026-11-29, and slowed the vocabulary's
+/// products by a third.) Only a longer `k` is split (the vocabulary projection's
 /// gradient, `k` 37000).
 const K_TILES: usize = 32;
 
