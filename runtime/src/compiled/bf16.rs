@@ -363,7 +363,7 @@ const CONFIG: TileConfig = {
 /// [`fp16_scale`] (`TOP_A`), whose `1 / s` goes to `unscale` (one a row, 1 past `m`).
 ///
 /// # Safety
-/// The CPU must have AVX-512F and BW; `a` must address `m × k` valid elements; `out`
+/// The CPU must have AVX-512F, BW and BF16; `a` must address `m × k` valid elements; `out`
 /// holds `kb · TILE`; with `HALF`, `unscale` holds 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a<const HALF: bool>(
@@ -444,7 +444,7 @@ unsafe fn pack_a_scaled<const HALF: bool>(
 /// and its `1 / s` goes to `unscale` (one a row of the group, 1 past `m`).
 ///
 /// # Safety
-/// The CPU must have AVX-512F and BW; `a` must address `m × k` valid elements with
+/// The CPU must have AVX-512F, BW and BF16; `a` must address `m × k` valid elements with
 /// `a.rs == 1`; with `HALF`, `unscale` holds a value for each row of `out`'s panels.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a_columns<const HALF: bool>(
@@ -550,7 +550,7 @@ unsafe fn pack_a_columns_scaled<const HALF: bool>(
 /// `b` a whole tile wide is packed by [`pack_b_group_scaled`], a group of panels at once.)
 ///
 /// # Safety
-/// The CPU must have AVX-512F and BW; `b` must address `k × n` valid elements; `out`
+/// The CPU must have AVX-512F, BW and BF16; `b` must address `k × n` valid elements; `out`
 /// holds `kb · TILE`; with `HALF`, `scales` holds 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_b<const HALF: bool>(
