@@ -604,10 +604,9 @@ unsafe fn pack_b<const HALF: bool>(
 }
 
 /// Packs the column panels of `out` (whole panels of `panel` elements) from column `j0`
-/// on. A row-major `b` is packed one `k` tile of every panel at a time, so that each row
-/// is read the group's width at once (contiguous, which the prefetchers follow) where one
-/// panel at a time would read 64 bytes of each row (the vocabulary projection's rows are
-/// 148 KB apart).
+/// on. A row-major `b` is packed by pairs of rows, each row read the group's width at once
+/// (contiguous, which the prefetchers follow) where one panel at a time would read 64
+/// bytes of each row (the vocabulary projection's rows are 148 KB apart).
 ///
 /// Where `HALF`, each column is scaled by its [`fp16_scale`] (`TOP_B`), found from a
 /// first pass over the group's columns, and its `1 / s` goes to `unscale` (one a column
