@@ -15,6 +15,7 @@ use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFi
 use kiln_dsl::{Error, Mode, Options};
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 use kiln_runtime::{check_inputs, check_weights, Entry, GraphKind, RuntimeError};
+use outputs::Output;
 
 /// `println!` for a command's output (a graph, a summary, a report): a reader that went
 /// away (`kiln graph … | head`) ends the command quietly, as `grep` would end, instead of a
@@ -54,6 +55,7 @@ fn stdout_failed(e: std::io::Error) -> ! {
 mod bench_cmd;
 mod compile_cmds;
 mod demo;
+mod outputs;
 mod train_cmds;
 
 #[derive(Parser)]
@@ -550,6 +552,20 @@ fn run(cli: Cli) -> Result<(), Error> {
             validate,
             seed,
         } => {
+            if let Some(out) = &output {
+                let inputs: Vec<&std::path::Path> = [&spec, &config, &from_model]
+                    .into_iter()
+                    .flatten()
+                    .map(|p| p.as_path())
+                    .collect();
+                let text = entry.is_some() && entries.is_empty() && config.is_none();
+                let kind = if text && from_model.is_none() {
+                    Output::File
+                } else {
+                    Output::Artifact
+                };
+                outputs::check("kiln::compile", out, &inputs, kind)?;
+            }
             if let Some(cfg) = config {
                 return compile_cmds::compile_artifact_from_config(
                     &cfg,
@@ -639,6 +655,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::Init { spec, seed, output } => {
+            outputs::check("kiln::init", &output, &[&spec.spec], Output::File)?;
             let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
             let weights =
                 init_params(&g, seed).map_err(|e| plain("kiln::init", e.to_string(), None))?;
@@ -667,6 +684,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             executor,
             gemm,
         } => {
+            let given: Vec<&std::path::Path> = [Some(&spec.spec), Some(&inputs), weights.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|p| p.as_path())
+                .collect();
+            outputs::check("kiln::run", &output, &given, Output::File)?;
             let entry = Entry::parse(&entry).map_err(runtime_error)?;
             // An artifact runs its generated kernels by default, a spec the reference.
             let default = if spec.spec.is_dir() {

@@ -19,6 +19,7 @@ use kiln_runtime::train::{
     ModelGraphs, Progress, Trainer,
 };
 
+use crate::outputs::Output;
 use crate::plain;
 
 /// `println!` that does not panic when standard output is closed (`kiln train … | head`):
@@ -754,30 +755,15 @@ pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Er
     Ok(all[all.len() - n..].iter().map(|c| c.dir.clone()).collect())
 }
 
-/// `path` made absolute with its symbolic links resolved, as far as it exists: the
-/// canonical parent joined with the name when only the parent exists; `None` when that
-/// does not exist either (nothing there to overwrite).
-fn canonical(path: &Path) -> Option<PathBuf> {
-    if let Ok(p) = std::fs::canonicalize(path) {
-        return Some(p);
-    }
-    let name = path.file_name()?;
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    Some(std::fs::canonicalize(parent).ok()?.join(name))
-}
-
 /// Refuses an average of the same checkpoint twice, and an output that would overwrite an
 /// input, a checkpoint or a run directory (`inputs` as given, `dirs` the model directories
 /// they name).
 fn check_average_paths(inputs: &[PathBuf], dirs: &[PathBuf], output: &Path) -> Result<(), Error> {
-    let refuse =
-        |message: String, help: &str| Err(plain("kiln::average", message, Some(help.to_string())));
     let mut seen: Vec<(PathBuf, &Path)> = Vec::new();
     for (given, dir) in inputs.iter().zip(dirs) {
-        let Some(c) = canonical(dir) else { continue };
+        let Some(c) = crate::outputs::canonical(dir) else {
+            continue;
+        };
         if let Some((_, first)) = seen.iter().find(|(s, _)| *s == c) {
             let message = if *first == given.as_path() {
                 format!("`{}` is given twice", given.display())
@@ -789,70 +775,21 @@ fn check_average_paths(inputs: &[PathBuf], dirs: &[PathBuf], output: &Path) -> R
                     dir.display()
                 )
             };
-            return refuse(
+            return Err(plain(
+                "kiln::average",
                 message,
-                "average distinct checkpoints (each counts once in the mean)",
-            );
+                Some("average distinct checkpoints (each counts once in the mean)".to_string()),
+            ));
         }
         seen.push((c, given));
     }
-    let fix = "choose another -o: averaging writes a new model directory (or a \
-               `.safetensors` file)";
-    let Some(out) = canonical(output) else {
-        return Ok(());
+    let all: Vec<&Path> = inputs.iter().chain(dirs).map(|p| p.as_path()).collect();
+    let kind = if output.extension().and_then(|e| e.to_str()) == Some("safetensors") {
+        Output::File
+    } else {
+        Output::Model
     };
-    for (given, dir) in inputs.iter().zip(dirs) {
-        for input in [given, dir] {
-            let Some(c) = canonical(input) else { continue };
-            if out == c {
-                return refuse(
-                    format!(
-                        "`-o {}` is one of the inputs (`{}`), which the average would overwrite",
-                        output.display(),
-                        given.display()
-                    ),
-                    fix,
-                );
-            }
-            if out.parent() == Some(c.as_path()) {
-                return refuse(
-                    format!(
-                        "`-o {}` is inside the input `{}`, whose files the average could \
-                         overwrite",
-                        output.display(),
-                        given.display()
-                    ),
-                    fix,
-                );
-            }
-        }
-    }
-    let checkpoint_dir = |p: &Path| p.join(kiln_runtime::checkpoint::STATE_FILE).is_file();
-    if checkpoint_dir(&out) || out.parent().is_some_and(checkpoint_dir) {
-        return refuse(
-            format!(
-                "`-o {}` is {} checkpoint, whose files the average would overwrite",
-                output.display(),
-                if checkpoint_dir(&out) {
-                    "a"
-                } else {
-                    "inside a"
-                }
-            ),
-            fix,
-        );
-    }
-    if out.join("checkpoints").is_dir() || out.join(model::CONFIG_FILE).is_file() {
-        return refuse(
-            format!(
-                "`-o {}` is a run directory (or a run's best/), whose files the average \
-                 would overwrite",
-                output.display()
-            ),
-            fix,
-        );
-    }
-    Ok(())
+    crate::outputs::check("kiln::average", output, &all, kind)
 }
 
 pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
@@ -993,6 +930,7 @@ fn plain_weights(file: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
 
 pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     check_format(format)?;
+    crate::outputs::check("kiln::export", output, &[input], Output::File)?;
     let w = weights_of(input)?;
     let t = kiln_runtime::interop::to_torch(&w).map_err(err("kiln::export"))?;
     let list: Vec<(String, Tensor)> = t.into_iter().collect();
@@ -1007,6 +945,7 @@ pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
 
 pub fn import(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     check_format(format)?;
+    crate::outputs::check("kiln::import", output, &[input], Output::File)?;
     let w = plain_weights(input)?;
     let k = kiln_runtime::interop::from_torch(&w).map_err(err("kiln::import"))?;
     let list: Vec<(String, Tensor)> = k.into_iter().collect();

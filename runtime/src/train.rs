@@ -326,18 +326,22 @@ pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainErro
         let bytes = std::fs::read(&path)
             .map_err(|e| TrainError::Setup(format!("cannot read `{}`: {e}", path.display())))?;
         let t = Tokenizer::from_json(&String::from_utf8_lossy(&bytes), &path)?;
-        let checked = if recorded_for(cfg, &bytes, t.vocab_size())? {
-            "; it was trained on this configuration's data"
-        } else {
-            "; it has no record of what it was trained on (an older kiln's, or put there by \
-             hand), so it is used as it is"
+        let checked = match recorded_for(cfg, &bytes, t.vocab_size())? {
+            TokenizerRecord::Matches => Some("; it was trained on this configuration's data"),
+            TokenizerRecord::Missing => Some(
+                "; it has no record of what it was trained on (an older kiln's, or put there \
+                 by hand), so it is used as it is",
+            ),
+            TokenizerRecord::FailedStart => None,
         };
-        let note = format!(
-            "loaded the BPE vocabulary {} ({} tokens){checked}",
-            path.display(),
-            t.vocab_size()
-        );
-        return Ok((t, note, false));
+        if let Some(checked) = checked {
+            let note = format!(
+                "loaded the BPE vocabulary {} ({} tokens){checked}",
+                path.display(),
+                t.vocab_size()
+            );
+            return Ok((t, note, false));
+        }
     }
     let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
     let (tok, report) = Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size)?;
@@ -360,14 +364,25 @@ pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainErro
     ))
 }
 
+/// What the record beside a run directory's `tokenizer.json` says of it.
+enum TokenizerRecord {
+    /// It was trained on this configuration's data and vocabulary size.
+    Matches,
+    /// There is no record of it: it is used as it is.
+    Missing,
+    /// It was trained for other settings by a start that failed before training: it is
+    /// trained again.
+    FailedStart,
+}
+
 /// Whether the record beside the run directory's `tokenizer.json` (`bytes`, `tokens`
 /// tokens) says it was trained for `cfg`'s settings: `true` when so, `false` when there is
 /// no record (of it), an error saying what changed when it was trained for others.
-fn recorded_for(cfg: &Config, bytes: &[u8], tokens: usize) -> Result<bool, TrainError> {
+fn recorded_for(cfg: &Config, bytes: &[u8], tokens: usize) -> Result<TokenizerRecord, TrainError> {
     let dir = &cfg.checkpoint.dir;
     let record = dir.join(TOKENIZER_SOURCE_FILE);
     let Ok(text) = std::fs::read_to_string(&record) else {
-        return Ok(false);
+        return Ok(TokenizerRecord::Missing);
     };
     let delete = format!(
         "delete `{}` and `{}` to train a tokenizer for this configuration, or delete `{}` \
@@ -385,7 +400,7 @@ fn recorded_for(cfg: &Config, bytes: &[u8], tokens: usize) -> Result<bool, Train
     let now = TokenizerSource::of(cfg, bytes)?;
     if then.tokenizer != now.tokenizer {
         // The record is of another tokenizer.json: this one was put there otherwise.
-        return Ok(false);
+        return Ok(TokenizerRecord::Missing);
     }
     let mut changed = Vec::new();
     if then.vocab_size != now.vocab_size {
@@ -423,7 +438,11 @@ fn recorded_for(cfg: &Config, bytes: &[u8], tokens: usize) -> Result<bool, Train
         }
     }
     if changed.is_empty() {
-        return Ok(true);
+        return Ok(TokenizerRecord::Matches);
+    }
+    // Left by a start that failed before its first step: a cache, trained again.
+    if !holds_training(dir)? {
+        return Ok(TokenizerRecord::FailedStart);
     }
     Err(TrainError::Setup(format!(
         "`{}` ({tokens} tokens) was trained for other settings than this configuration's: \
@@ -469,7 +488,26 @@ pub fn gemm_kernel(
 pub fn check_new_run_dir(cfg: &Config) -> Result<(), TrainError> {
     // A kernel this CPU lacks fails the start before anything is written.
     gemm_kernel(cfg)?;
+    cuda_has_artifact(cfg)?;
     let dir = &cfg.checkpoint.dir;
+    if dir.as_os_str().is_empty() {
+        return Err(TrainError::Setup(
+            "checkpoint.dir is empty, which would write the run into the current directory; \
+             name a directory of its own (e.g. `runs/base`, or `--dir runs/base`)"
+                .to_string(),
+        ));
+    }
+    if dir.exists() && !dir.is_dir() {
+        return Err(TrainError::Setup(format!(
+            "checkpoint.dir `{}` is a file, not a directory; name a directory for the run \
+             (it is created if missing)",
+            dir.display()
+        )));
+    }
+    check_valid_set(
+        cfg,
+        &load_parallel(&cfg.data.valid_src, &cfg.data.valid_tgt)?,
+    )?;
     let ckpts = dir.join("checkpoints");
     if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
         return Err(TrainError::Setup(format!(
@@ -499,10 +537,11 @@ pub fn check_new_run_dir(cfg: &Config) -> Result<(), TrainError> {
         return Ok(());
     }
     let text = String::from_utf8_lossy(&text);
+    let trained = holds_training(dir)?;
     let why = match Config::parse(&text) {
         Ok(old) if config_yaml(&old) == text => {
             let changed = digest_changes(&digest(&old), &digest(cfg));
-            if changed.is_empty() {
+            if changed.is_empty() || !trained {
                 return Ok(());
             }
             format!(
@@ -519,6 +558,45 @@ pub fn check_new_run_dir(cfg: &Config) -> Result<(), TrainError> {
         "`{}` would be overwritten by the new run's configuration, and {why}; {fix}",
         path.display()
     )))
+}
+
+/// Whether run directory `dir` holds some training: a checkpoint, or a logged step. A
+/// start that failed before either left nothing worth keeping.
+fn holds_training(dir: &Path) -> Result<bool, TrainError> {
+    let ckpts = dir.join("checkpoints");
+    if ckpts.is_dir() && checkpoint::latest(&ckpts)?.is_some() {
+        return Ok(true);
+    }
+    let log = std::fs::metadata(dir.join(crate::metrics::FILE_NAME));
+    Ok(log.is_ok_and(|m| !m.is_file() || m.len() > 0))
+}
+
+/// `train.executor: cuda` runs a compiled CUDA artifact, so a run needs one.
+const CUDA_NEEDS_ARTIFACT: &str = "`train.executor: cuda` runs a compiled `--target cuda` \
+    artifact: compile one with `kiln compile --config CONFIG --target cuda -o DIR` and start \
+    the run with `--artifact DIR`";
+
+fn cuda_has_artifact(cfg: &Config) -> Result<(), TrainError> {
+    if cfg.train.executor == "cuda" && cfg.model.artifact.is_none() {
+        return Err(TrainError::Setup(CUDA_NEEDS_ARTIFACT.to_string()));
+    }
+    Ok(())
+}
+
+/// The validation set picks `best/` and stops a run early, so it needs a pair: an empty
+/// one would report a loss of 0 and keep a "best" model judged on nothing.
+fn check_valid_set(cfg: &Config, valid: &ParallelCorpus) -> Result<(), TrainError> {
+    if (0..valid.len()).all(|i| valid.is_empty_pair(i)) {
+        return Err(TrainError::Setup(format!(
+            "the validation set `{}` / `{}` has no pair to validate on ({} line(s), all \
+             empty); data.valid_src and data.valid_tgt must hold at least one pair with both \
+             sides non-empty",
+            cfg.data.valid_src.display(),
+            cfg.data.valid_tgt.display(),
+            valid.len()
+        )));
+    }
+    Ok(())
 }
 
 /// A training run in progress.
@@ -672,11 +750,18 @@ impl Trainer {
             loss_scale: cfg.train.loss_scale.as_ref().map(|l| l.init),
             ..TrainState::default()
         };
+        let cfg_yaml = config_yaml(&cfg);
+        let program = Program {
+            graphs: set,
+            artifact,
+        };
+        // The data, the executors and the schedule are checked before the run directory
+        // gets its configuration: a start that fails leaves no run behind.
+        let trainer = Trainer::assemble(cfg, tokenizer, program, params, adam, state, progress)?;
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::Write {
             path: dir.clone(),
             message: e.to_string(),
         })?;
-        let cfg_yaml = config_yaml(&cfg);
         write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| {
             TrainError::Write {
                 path: dir.join(CONFIG_FILE),
@@ -685,11 +770,7 @@ impl Trainer {
         })?;
         // A fresh run starts a fresh log.
         let _ = std::fs::remove_file(dir.join(crate::metrics::FILE_NAME));
-        let program = Program {
-            graphs: set,
-            artifact,
-        };
-        Trainer::assemble(cfg, tokenizer, program, params, adam, state, progress)
+        Ok(trainer)
     }
 
     /// Continues the run in `dir` from its newest checkpoint.
@@ -852,6 +933,8 @@ impl Trainer {
             valid.examples.truncate(cfg.valid.max_sentences);
             valid.lines.truncate(cfg.valid.max_sentences);
         }
+        // (Checked before a new run starts; a resumed run's data may have changed since.)
+        check_valid_set(&cfg, &valid_corpus)?;
         // A learned positional table covers `max_len` positions of the model; a pair
         // beyond it would stop the run at its first batch or validation.
         for (ds, src_path, tgt_path, fix) in [
@@ -925,12 +1008,7 @@ impl Trainer {
                         .map(|e| Box::new(e) as Box<dyn Exec>)
                         .map_err(|e| TrainError::Setup(e.to_string()))
                 }
-                None if cuda => Err(TrainError::Setup(
-                    "`train.executor: cuda` runs a compiled `--target cuda` artifact: compile one \
-                     with `kiln compile --config CONFIG --target cuda -o DIR` and start the run \
-                     with `--artifact DIR`"
-                        .to_string(),
-                )),
+                None if cuda => Err(TrainError::Setup(CUDA_NEEDS_ARTIFACT.to_string())),
                 Some(art) if kind == ExecutorKind::Compiled => Ok(Box::new(
                     art.executor(name).map_err(setup("preparing an executor"))?,
                 )),
