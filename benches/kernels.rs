@@ -67,11 +67,19 @@ fn main() {
             2.0 * (n * n * n) as f64 / s / 1e9
         );
     }
-    // The same products with 16-bit operands (`KILN_CPU_BF16=1`: AMX tiles, else VDPBF16PS
-    // where it is fast, else scaled fp16 with AVX512-FP16; `KILN_CPU_BF16=amx|dot|fp16`
-    // names one wherever it runs), with the operands' rounding and packing counted: 2048³,
-    // then the base step's widest shapes.
-    let kernel = kiln_runtime::compiled::Bf16Kernel::chosen();
+    // The same products with 16-bit operands (`--gemm-type 16bit`: AMX tiles, else
+    // VDPBF16PS where it is fast, else scaled fp16 with AVX512-FP16, else int16; `cargo
+    // bench --bench kernels -- amx|dot|fp16|int16` names one wherever it runs), with the
+    // operands' rounding and packing counted: 2048³, then the base step's widest shapes.
+    let named = std::env::args()
+        .skip(1)
+        .find_map(|a| kiln_runtime::compiled::GemmType::parse(&a));
+    let kernel = match named {
+        Some(t) => t
+            .kernel()
+            .and_then(|k| k.ok_or_else(|| "f32 asks for no 16-bit kernel".to_string())),
+        None => kiln_runtime::compiled::Bf16Kernel::best(),
+    };
     for (m, k, n) in [
         (2048usize, 2048, 2048),
         (800, 512, 512),

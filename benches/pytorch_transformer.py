@@ -11,7 +11,7 @@ projection, label-smoothed cross-entropy (0.1), Adam(0.9, 0.98, 1e-9).
 On `--device cuda` the timings wait for the GPU (`torch.cuda.synchronize`) and fp32
 matmuls do not use TF32 unless `--tf32`. `--bf16` runs the forward and the loss under
 `torch.autocast(dtype=torch.bfloat16)` (bf16 matmuls with fp32 accumulation, fp32
-weights and Adam): the comparison for `KILN_CUDA_MIXED=1`.
+weights and Adam): the comparison for kiln's `--precision mixed`.
 """
 import contextlib
 import argparse

@@ -6,9 +6,8 @@ vocab=37000 --entry forward --runs 7 --json`, the same with `--entry train_step 
 5`, and `benches/pytorch_transformer.py --threads 2 --runs 7` (forward and step); with
 `--bf16`, the same again with `--gemm-type 16bit` for kiln (its 16-bit products: bf16 on
 AMX or AMD, scaled fp16 with AVX512-FP16, scaled int16 with AVX2 where there is no
-AVX-512; `--gemm-type amx|dot|fp16|int16` here names the kernel, as does
-`KILN_CPU_BF16=amx|…` in the environment) and `--bf16` (autocast) for PyTorch. The fp32
-rows pass `--gemm-type f32`, so no environment turns them 16-bit. It prints a table row
+AVX-512; `--gemm-type amx|dot|fp16|int16` here names the kernel) and `--bf16` (autocast)
+for PyTorch. The fp32 rows pass `--gemm-type f32`. It prints a table row
 for each pairing in a series: median (min) ms and kiln's speed-up; with `--bf16`, kiln's
 16-bit products against PyTorch in fp32 (the issue's baseline, PyTorch eager's default)
 and against PyTorch's bf16 autocast.
@@ -77,11 +76,9 @@ def main():
     ap.add_argument("--bf16", action="store_true",
                     help="also kiln with 16-bit products (--gemm-type) and PyTorch with bf16 "
                          "autocast")
-    env_kernel = os.environ.get("KILN_CPU_BF16")
-    ap.add_argument("--gemm-type", choices=("16bit",) + KERNELS,
-                    default=env_kernel if env_kernel in KERNELS else "16bit",
-                    help="kiln's 16-bit products with --bf16 (default: the kernel "
-                         "KILN_CPU_BF16 names, else 16bit, the best this CPU has)")
+    ap.add_argument("--gemm-type", choices=("16bit",) + KERNELS, default="16bit",
+                    help="kiln's 16-bit products with --bf16 (default: 16bit, the best "
+                         "this CPU has)")
     ap.add_argument("--kiln", default=os.path.join(ROOT, "target", "release", "kiln"))
     a = ap.parse_args()
     if not os.path.exists(a.kiln):

@@ -208,7 +208,7 @@ def cmd_random(args):
 def cmd_forward(args):
     torch.set_num_threads(max(1, args.threads))
     if args.device.startswith("cuda"):
-        # fp32 products, as kiln's GPU executor computes them without KILN_CUDA_TF32.
+        # fp32 products, as kiln's GPU executor computes a `--precision f32` artifact.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     state = load_safetensors(args.weights)

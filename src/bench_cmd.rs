@@ -94,6 +94,10 @@ pub struct BenchArgs {
     /// as PyTorch's forward does and the decoder's top-k selection does.
     #[arg(long)]
     pub host_outputs: bool,
+    /// With `--executor cuda`: the precision the entry is compiled for (`kiln compile
+    /// --precision`): f32, tf32, bf16 or mixed.
+    #[arg(long, default_value = "f32", value_parser = kiln_compiler::options::Precision::NAMES)]
+    pub precision: String,
 }
 
 fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
@@ -125,13 +129,19 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::A
         entry: entry.to_string(),
         target: "cuda".to_string(),
     };
+    let options = kiln_compiler::options::CompileOptions {
+        target: kiln_compiler::optimize::Target::Cuda,
+        cuda_arch: Some(kiln_compiler::codegen::cuda::DEFAULT_ARCH.to_string()),
+        precision: precision(a),
+        buffer_reuse: true,
+    };
     let built = crate::compile_cmds::compile_artifact(
         &args,
         &[entry.to_string()],
         Some(&dir),
         false,
         1,
-        kiln_compiler::codegen::cuda::DEFAULT_ARCH,
+        &options,
     )
     .and_then(|()| {
         kiln_runtime::artifact::Artifact::load(&dir)
@@ -141,13 +151,18 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::A
     built
 }
 
+/// `--precision`.
+fn precision(a: &BenchArgs) -> kiln_compiler::options::Precision {
+    kiln_compiler::options::Precision::parse(&a.precision).unwrap_or_default()
+}
+
 /// The CUDA executor of `entry` (see [`cuda_artifact`]).
 fn cuda_executor(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::cuda::CudaExecutor, Error> {
     let art = cuda_artifact(a, entry)?;
     kiln_runtime::cuda::CudaExecutor::with_options(
         &art,
         entry,
-        kiln_runtime::cuda::CudaOptions::from_env(),
+        kiln_runtime::cuda::CudaOptions::default(),
     )
     .map_err(|e| no_cuda(e.to_string()))
 }
@@ -162,7 +177,7 @@ fn data_parallel(
         &art,
         "train_step",
         devices,
-        kiln_runtime::cuda::CudaOptions::from_env(),
+        kiln_runtime::cuda::CudaOptions::default(),
     )
     .map_err(|e| plain("kiln::bench", e, None))
 }
@@ -597,7 +612,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } as f64;
     // The CUDA executor's GEMM precision is part of what was measured.
     let mut executor_name = if a.executor == "cuda" {
-        match kiln_runtime::cuda::CudaOptions::from_env().gemm_name() {
+        match kiln_runtime::cuda::precision_label(precision(a)) {
             "fp32" => "cuda".to_string(),
             g => format!("cuda-{g}"),
         }

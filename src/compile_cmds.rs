@@ -12,6 +12,8 @@ use kiln_runtime::train::tokenizer_of;
 
 use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
+use kiln_compiler::options::CompileOptions;
+use kiln_compiler::pipeline::{compile_entry, PipelineError};
 use kiln_compiler::Graph;
 use kiln_dsl::{Error, Options};
 use kiln_runtime::{GraphKind, COMPILED_ENTRIES};
@@ -156,10 +158,9 @@ pub fn compile_artifact(
     output: Option<&Path>,
     check: bool,
     seed: u64,
-    cuda_arch: &str,
+    options: &CompileOptions,
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
-    let target = artifact_target(&args.target, cuda_arch)?;
     let names = entry_names(entries)?;
     let spec_text = kiln_dsl::source_text(&args.spec)?;
     let spec_hash =
@@ -178,7 +179,7 @@ pub fn compile_artifact(
         spec_hash,
         extras: BTreeMap::new(),
     };
-    write_artifact_from(dir, target, src, check)
+    write_artifact_from(dir, options, src, check)
 }
 
 /// The entries `kiln compile SPEC -o DIR` compiles without `--entries`: every one that
@@ -236,11 +237,9 @@ pub fn compile_artifact_from_config(
     entries: &[String],
     output: Option<&Path>,
     check: bool,
-    target: &str,
-    cuda_arch: &str,
+    options: &CompileOptions,
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
-    let target = artifact_target(target, cuda_arch)?;
     let cfg = Config::load(config).map_err(|e| plain("kiln::config", e.to_string(), None))?;
     if cfg.model.spec.as_os_str().is_empty() {
         return Err(plain(
@@ -277,7 +276,7 @@ pub fn compile_artifact_from_config(
         spec_hash,
         extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
     };
-    write_artifact_from(dir, target, src, check)
+    write_artifact_from(dir, options, src, check)
 }
 
 /// `kiln compile --from-model MODEL_DIR -o DIR`: a trained model (a checkpoint, a run
@@ -288,11 +287,9 @@ pub fn compile_artifact_from_model(
     entries: &[String],
     output: Option<&Path>,
     check: bool,
-    target: &str,
-    cuda_arch: &str,
+    options: &CompileOptions,
 ) -> Result<(), Error> {
     let dir = output_dir(output)?;
-    let target = artifact_target(target, cuda_arch)?;
     if model_dir
         .join(kiln_compiler::artifact::MANIFEST_FILE)
         .is_file()
@@ -327,7 +324,7 @@ pub fn compile_artifact_from_model(
         ),
         extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
     };
-    write_artifact_from(dir, target, src, check)
+    write_artifact_from(dir, options, src, check)
 }
 
 fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
@@ -340,57 +337,33 @@ fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
     })
 }
 
-/// What an artifact is compiled for: the cost model's target and, for `cuda`, the GPU
-/// architecture of its CUDA C.
-#[derive(Clone, Debug)]
-pub struct ArtifactTarget {
-    pub target: Target,
-    pub cuda_arch: Option<String>,
-}
-
-fn artifact_target(name: &str, cuda_arch: &str) -> Result<ArtifactTarget, Error> {
-    let target = Target::parse(name).unwrap_or(Target::Cpu);
-    if target == Target::Cpu {
-        return Ok(ArtifactTarget {
-            target,
-            cuda_arch: None,
-        });
-    }
-    let digits = cuda_arch.strip_prefix("sm_").unwrap_or("");
-    if digits.len() < 2 || !digits.chars().all(|c| c.is_ascii_digit()) {
-        return Err(plain(
-            "kiln::compile",
-            format!("`{cuda_arch}` is not a CUDA architecture"),
-            Some("give `--cuda-arch sm_XY`, e.g. `sm_90` (H100) or `sm_80` (A100)".to_string()),
-        ));
-    }
-    Ok(ArtifactTarget {
-        target,
-        cuda_arch: Some(cuda_arch.to_string()),
-    })
-}
-
 /// Optimizes, plans and generates code for every entry of `src`, and writes the artifact.
 fn write_artifact_from(
     dir: &Path,
-    target: ArtifactTarget,
+    options: &CompileOptions,
     src: Source,
     check: bool,
 ) -> Result<(), Error> {
-    let opts = OptOptions {
-        target: target.target,
-        ..OptOptions::default()
-    };
     let mut specs = Vec::new();
     let mut weights = BTreeMap::new();
     let mut model = String::new();
     let mut hparams = Vec::new();
     for (name, g) in src.graphs {
-        let (kg, _) = optimize(&g, &opts)
-            .map_err(|e| plain("kiln::optimizer", format!("entry `{name}`: {e}"), None))?;
-        if check {
-            let v = validate(&g, &kg, src.seed, DEFAULT_REL, DEFAULT_ABS)
-                .map_err(|e| plain("kiln::validate", e, None))?;
+        let p = compile_entry(&g, options, check.then_some(src.seed)).map_err(|e| {
+            let (code, help) = match &e {
+                PipelineError::Options(_) => ("kiln::compile", None),
+                PipelineError::Optimize(_) => ("kiln::optimizer", None),
+                PipelineError::Validate(_) => ("kiln::validate", None),
+                PipelineError::Cpu(_) | PipelineError::Cuda(_) => (
+                    "kiln::codegen",
+                    Some(
+                        "this is a code generator bug; please report it with the spec".to_string(),
+                    ),
+                ),
+            };
+            plain(code, format!("entry `{name}`: {e}"), help)
+        })?;
+        if let Some(v) = &p.validation {
             eprint!("{}", v.text());
             if !v.ok() {
                 return Err(plain(
@@ -400,30 +373,10 @@ fn write_artifact_from(
                 ));
             }
         }
-        let plan = kiln_compiler::plan::MemoryPlan::build(&kg);
-        let code = kiln_compiler::codegen::program::emit(&kg).map_err(|e| {
-            plain(
-                "kiln::codegen",
-                format!("entry `{name}`: {e}"),
-                Some("this is a code generator bug; please report it with the spec".to_string()),
-            )
-        })?;
-        let cuda = match &target.cuda_arch {
-            Some(arch) => Some(kiln_compiler::artifact::CudaEntrySpec {
-                code: kiln_compiler::codegen::cuda::emit(&kg).map_err(|e| {
-                    plain(
-                        "kiln::codegen",
-                        format!("entry `{name}`, CUDA C: {e}"),
-                        Some(
-                            "this is a code generator bug; please report it with the spec"
-                                .to_string(),
-                        ),
-                    )
-                })?,
-                arch: arch.clone(),
-            }),
-            None => None,
-        };
+        let cuda = p.cuda.map(|code| kiln_compiler::artifact::CudaEntrySpec {
+            code,
+            arch: options.cuda_arch.clone().unwrap_or_default(),
+        });
         match &src.weights {
             Some(all) => {
                 // Only the parameters some entry reads.
@@ -455,9 +408,9 @@ fn write_artifact_from(
         specs.push(kiln_compiler::artifact::EntrySpec {
             name,
             graph: g,
-            kernel_graph: kg,
-            plan,
-            code,
+            kernel_graph: p.kernel_graph,
+            plan: p.plan,
+            code: p.cpu,
             cuda,
         });
     }
@@ -466,7 +419,7 @@ fn write_artifact_from(
         spec_hash: src.spec_hash,
         seed: src.seed,
         hparams,
-        target: target.target.name().to_string(),
+        options: options.clone(),
         entries: specs,
         weights,
         extras: src.extras,
@@ -510,7 +463,7 @@ pub fn run_artifact(
     use kiln_runtime::artifact::Artifact;
     use kiln_runtime::exec::ExecutorKind;
     let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
-    if art.manifest.target == "cuda" && executor == "compiled" {
+    if art.manifest.target() == Target::Cuda && executor == "compiled" {
         let why = match kiln_runtime::cuda::cuda_available() {
             Ok(_) => "kiln has no CUDA executor yet (#6)".to_string(),
             Err(reason) => reason,
@@ -588,23 +541,13 @@ pub fn run_artifact(
     crate::write_outputs(art.model(), &outs, output)
 }
 
-/// Which CUDA C `kiln inspect --nvrtc` assembles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Nvrtc {
-    /// The artifact's (f32).
-    F32,
-    /// The mixed-precision program the executor generates (`--mixed`).
-    Mixed,
-}
-
 /// `kiln inspect`: what an artifact holds.
 pub fn inspect(
     dir: &Path,
     dims: &[(&str, i64)],
     plan_text: bool,
-    nvrtc_of: Option<Nvrtc>,
+    nvrtc: bool,
 ) -> Result<(), Error> {
-    let nvrtc = nvrtc_of.is_some();
     use kiln_runtime::artifact::{is_artifact_dir, Artifact};
     if !is_artifact_dir(dir) && model::resolve(dir).is_ok() {
         if plan_text || nvrtc {
@@ -633,13 +576,13 @@ pub fn inspect(
     })?;
     let m = &art.manifest;
     let nvrtc_version = if nvrtc {
-        if m.target != "cuda" {
+        if m.target() != Target::Cuda {
             return Err(plain(
                 "kiln::inspect",
                 format!(
                     "`{}` is a `{}` artifact: it has no CUDA C for NVRTC",
                     dir.display(),
-                    m.target
+                    m.target().name()
                 ),
                 Some("compile one with `kiln compile … --target cuda -o DIR`".to_string()),
             ));
@@ -673,7 +616,10 @@ pub fn inspect(
     let _ = writeln!(out, "  written by: {}", m.kiln);
     let _ = writeln!(out, "  model: {}", m.model);
     let _ = writeln!(out, "  spec hash: {}", m.spec_hash);
-    let _ = writeln!(out, "  target: {}", m.target);
+    let _ = writeln!(out, "  options:");
+    for (o, v) in m.options.values() {
+        let _ = writeln!(out, "    {}: {v}", o.name);
+    }
     let _ = writeln!(
         out,
         "  host: {}",
@@ -739,20 +685,8 @@ pub fn inspect(
                 c.arch
             );
             if let Some(version) = &nvrtc_version {
-                let mixed = nvrtc_of == Some(Nvrtc::Mixed);
-                let generated;
-                let src = if mixed {
-                    let options = kiln_runtime::cuda::CudaOptions {
-                        mixed: true,
-                        ..Default::default()
-                    };
-                    generated = kiln_runtime::cuda::program_source(&art, &me.name, &options)
-                        .map_err(|e| plain("kiln::inspect", e.to_string(), None))?;
-                    generated.as_str()
-                } else {
-                    src.as_str()
-                };
-                let _ = writeln!(out, "{}", nvrtc_summary(version, src, mixed, c, &me.name)?);
+                let mixed = m.options.precision == kiln_compiler::options::Precision::Mixed;
+                let _ = writeln!(out, "{}", nvrtc_summary(version, &src, mixed, c, &me.name)?);
             }
         }
         let _ = writeln!(
@@ -777,7 +711,7 @@ pub fn inspect(
         if missing.is_empty() {
             // The CPU executor writes the outputs straight into the tensors it returns,
             // outside the arena; the CUDA executor keeps them in its device arena.
-            let external = if m.target == "cuda" {
+            let external = if m.target() == Target::Cuda {
                 Vec::new()
             } else {
                 me.plan.output_buffers(kg)

@@ -42,9 +42,9 @@ pub mod snapshot {
                 .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))
         };
         let g = compiled_entry_graph_with(entry, elaborate, |e| e.message)?;
-        let (kg, _) = kiln_compiler::optimize::optimize(&g, &Default::default())
+        let p = kiln_compiler::pipeline::compile_entry(&g, &Default::default(), None)
             .map_err(|e| e.to_string())?;
-        let code = kiln_compiler::codegen::program::emit(&kg)?;
+        let (kg, code) = (p.kernel_graph, p.cpu);
         let mut s = String::new();
         let _ = writeln!(s, "# kernels of {} entry={entry}", g.name);
         for ((v, op, _), roles) in kg.kernels().iter().zip(&code.kernels) {

@@ -54,6 +54,7 @@ fn stdout_failed(e: std::io::Error) -> ! {
 
 mod bench_cmd;
 mod compile_cmds;
+mod compile_flags;
 mod demo;
 mod outputs;
 mod train_cmds;
@@ -61,6 +62,15 @@ mod train_cmds;
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "kiln: a declarative model compiler")]
 struct Cli {
+    /// Skip the check that a large allocation fits in the memory the system leaves this
+    /// process (before 256 MiB or more, kiln compares with the available memory and swap,
+    /// the cgroup's limit and `ulimit -v`).
+    #[arg(long, global = true)]
+    no_memory_check: bool,
+    /// Where the CUDA executor keeps the PTX NVRTC compiled, between processes (`off`:
+    /// nowhere). Default: `$XDG_CACHE_HOME/kiln/ptx`, else `$HOME/.cache/kiln/ptx`.
+    #[arg(long, global = true, value_name = "DIR")]
+    ptx_cache: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -192,14 +202,8 @@ enum Command {
         /// loss, encode, decode_step, train_step, or adam_update.
         #[arg(long, value_parser = kiln_runtime::COMPILED_ENTRIES, conflicts_with = "entries")]
         entry: Option<String>,
-        /// The target whose cost model drives extraction; with `-o DIR --entries …`,
-        /// `cuda` also writes each entry's CUDA C (`kernels/<entry>.cu`) beside its CLIF.
-        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-        target: String,
-        /// The GPU architecture of a `--target cuda` artifact's kernels (NVRTC's
-        /// `--gpu-architecture`).
-        #[arg(long = "cuda-arch", default_value = kiln_compiler::codegen::cuda::DEFAULT_ARCH)]
-        cuda_arch: String,
+        #[command(flatten)]
+        flags: compile_flags::CompileFlags,
         /// Compile the spec of this training configuration, at its BPE vocabulary's size,
         /// with its first weights (`train.seed`) and its tokenizer, into the artifact
         /// `kiln train --artifact DIR` starts from (entries: train_step, loss, encode,
@@ -256,11 +260,6 @@ enum Command {
         /// fails if NVRTC rejects it.
         #[arg(long)]
         nvrtc: bool,
-        /// With --nvrtc: assemble the mixed-precision program (bf16 activations) that the
-        /// CUDA executor generates from each entry's kernel graph (`KILN_CUDA_MIXED=1`),
-        /// instead of the artifact's f32 CUDA C.
-        #[arg(long, requires = "nvrtc")]
-        mixed: bool,
     },
     /// Time an entry point (median ms/step, tokens/s, peak RSS).
     Bench {
@@ -523,6 +522,14 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), Error> {
+    kiln_compiler::memory::set_enabled(!cli.no_memory_check);
+    // The user's directories are read here, at the command line's edge.
+    let var = |k: &str| std::env::var(k).ok();
+    kiln_runtime::cuda::ptx_cache::set_dir(kiln_runtime::cuda::ptx_cache::dir_from(
+        cli.ptx_cache.as_deref(),
+        var("XDG_CACHE_HOME").as_deref(),
+        var("HOME").as_deref(),
+    ));
     match cli.command {
         Command::Check { spec, json } => {
             let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
@@ -543,8 +550,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             set,
             model,
             entry,
-            target,
-            cuda_arch,
+            flags,
             config,
             from_model,
             entries,
@@ -572,8 +578,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     &entries,
                     output.as_deref(),
                     validate,
-                    &target,
-                    &cuda_arch,
+                    &flags.options()?,
                 );
             }
             if let Some(m) = from_model {
@@ -582,8 +587,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     &entries,
                     output.as_deref(),
                     validate,
-                    &target,
-                    &cuda_arch,
+                    &flags.options()?,
                 );
             }
             let Some(spec) = spec else {
@@ -601,7 +605,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 set,
                 model,
                 entry: entry.unwrap_or_else(|| "forward".to_string()),
-                target,
+                target: flags.target.clone(),
             };
             if !artifact {
                 compile_cmds::compile(&args, output.as_deref(), validate, seed)
@@ -620,7 +624,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     output.as_deref(),
                     validate,
                     seed,
-                    &cuda_arch,
+                    &flags.options()?,
                 )
             }
         }
@@ -632,7 +636,6 @@ fn run(cli: Cli) -> Result<(), Error> {
             past,
             plan,
             nvrtc,
-            mixed,
         } => compile_cmds::inspect(
             &dir,
             &[
@@ -642,11 +645,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 ("past", past),
             ],
             plan,
-            nvrtc.then_some(if mixed {
-                compile_cmds::Nvrtc::Mixed
-            } else {
-                compile_cmds::Nvrtc::F32
-            }),
+            nvrtc,
         ),
         Command::Bench { args } => bench_cmd::bench(&args),
         Command::Graph { spec } => {

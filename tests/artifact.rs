@@ -199,8 +199,11 @@ fn artifact_round_trips_and_matches_the_reference() {
     let m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["format"], "kiln-artifact");
-    assert_eq!(m["version"], 1);
-    assert_eq!(m["target"], "cpu");
+    assert_eq!(m["version"], 2);
+    assert_eq!(
+        m["options"],
+        serde_json::json!({"target": "Cpu", "precision": "f32", "buffer_reuse": true})
+    );
     assert_eq!(m["model"], "transformer_tiny");
     assert_eq!(m["spec_hash"].as_str().unwrap().len(), 16);
     let fwd = &m["entries"][0];
@@ -265,9 +268,9 @@ fn artifact_round_trips_and_matches_the_reference() {
     let out = kiln_ok(&["inspect", dir.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     for want in [
-        "format: kiln-artifact v1",
+        "format: kiln-artifact v2",
         "model: transformer_tiny",
-        "target: cpu",
+        "  options:\n    target: cpu\n    cuda_arch: -\n    precision: f32\n    buffer_reuse: true\n",
         "host: ",
         "16-bit products (--gemm-type 16bit): ",
         "weights: 85 tensors",
@@ -663,27 +666,27 @@ fn a_newer_artifact_version_says_to_recompile() {
     compile(&dir, "forward");
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).unwrap();
-    assert!(text.contains("\"version\": 1,"));
+    assert!(text.contains("\"version\": 2,"));
     std::fs::write(
         &mpath,
-        text.replacen("\"version\": 1,", "\"version\": 2,", 1),
+        text.replacen("\"version\": 2,", "\"version\": 3,", 1),
     )
     .unwrap();
     let err = Artifact::load(&dir).unwrap_err();
     let msg = err.to_string();
     assert!(
-        matches!(err, ArtifactError::Version { found: 2, .. }),
+        matches!(err, ArtifactError::Version { found: 3, .. }),
         "{err:?}"
     );
     assert!(
-        msg.contains("version 2")
-            && msg.contains("reads version 1")
+        msg.contains("version 3")
+            && msg.contains("reads version 2")
             && msg.contains("kiln compile"),
         "{msg}"
     );
     let out = kiln(&["inspect", dir.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("version 2"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("version 3"), "{}", stderr(&out));
 }
 
 #[test]
@@ -946,8 +949,12 @@ fn the_spec_hash_covers_imports() {
 #[test]
 fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
     let dir = tmp("inspect_nvrtc");
-    let (cuda, cpu) = (dir.join("cuda"), dir.join("cpu"));
-    for (art, target) in [(&cuda, "cuda"), (&cpu, "cpu")] {
+    let (cuda, cpu, mixed) = (dir.join("cuda"), dir.join("cpu"), dir.join("mixed"));
+    for (art, target, precision) in [
+        (&cuda, "cuda", "f32"),
+        (&cpu, "cpu", "f32"),
+        (&mixed, "cuda", "mixed"),
+    ] {
         kiln_ok(&[
             "compile",
             SPEC,
@@ -957,16 +964,14 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
             "train_step,decode_step",
             "--target",
             target,
+            "--precision",
+            precision,
             "-o",
             art.to_str().unwrap(),
         ]);
     }
     let out = kiln(&["inspect", cpu.to_str().unwrap(), "--nvrtc"]);
     assert_eq!(out.status.code(), Some(1));
-    // `--mixed` chooses what `--nvrtc` assembles: alone it is a usage error.
-    let alone = kiln(&["inspect", cuda.to_str().unwrap(), "--mixed"]);
-    assert_eq!(alone.status.code(), Some(2));
-    assert!(stderr(&alone).contains("--nvrtc"), "{}", stderr(&alone));
     assert!(
         stderr(&out).contains("is a `cpu` artifact: it has no CUDA C"),
         "{}",
@@ -1006,9 +1011,8 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
                         && l.contains("limited by registers")),
                 "{text}"
             );
-            // `--mixed`: the mixed-precision programs the executor generates, with their
-            // 2-byte strided copy.
-            let out = kiln(&["inspect", cuda.to_str().unwrap(), "--nvrtc", "--mixed"]);
+            // A mixed-precision artifact: its programs, with their 2-byte strided copy.
+            let out = kiln(&["inspect", mixed.to_str().unwrap(), "--nvrtc"]);
             assert!(out.status.success(), "{}", stderr(&out));
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             let lines: Vec<&str> = text.lines().filter(|l| l.contains("  nvrtc ")).collect();
@@ -1037,6 +1041,86 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
     }
 }
 
+/// `kiln compile --target cuda --precision mixed` writes the program that runs: the
+/// manifest records the options, each entry's `.cu` is the mixed-precision program (the
+/// driver's bf16 text for the manifest's kernel graph, its buffers' element types in the
+/// manifest), and a second compilation gives the same bytes. `--no-buffer-reuse` is
+/// recorded too (every buffer in a slot of its own), and options that contradict each
+/// other are refused, naming the fix.
+#[test]
+fn a_mixed_precision_artifact_carries_the_program_that_runs() {
+    use kiln_compiler::options::Precision;
+    let dir = tmp("mixed");
+    let compile_mixed = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "compile",
+            SPEC,
+            "--set",
+            "vocab=48",
+            "--entries",
+            "train_step,decode_step",
+            "--target",
+            "cuda",
+            "--precision",
+            "mixed",
+        ];
+        args.extend_from_slice(extra);
+        args.extend(["-o", out.to_str().unwrap()]);
+        kiln_ok(&args);
+    };
+    let (art, again) = (dir.join("art"), dir.join("again"));
+    compile_mixed(&art, &[]);
+    compile_mixed(&again, &[]);
+    assert_eq!(files(&art), files(&again));
+    let loaded = Artifact::load(&art).unwrap();
+    assert_eq!(loaded.manifest.options.precision, Precision::Mixed);
+    for name in ["train_step", "decode_step"] {
+        let e = loaded.entry(name).unwrap();
+        let c = e.manifest.cuda.as_ref().unwrap();
+        let code =
+            kiln_compiler::pipeline::cuda_program(&e.manifest.kernel_graph, Precision::Mixed)
+                .unwrap();
+        assert_eq!(
+            e.cuda_source.as_deref(),
+            Some(code.source().as_str()),
+            "{name}"
+        );
+        assert!(code.source().contains("kiln_bf16"), "{name}");
+        assert_eq!(c.storage, code.storage, "{name}");
+        assert!(!c.storage.is_empty(), "{name}");
+    }
+    let out = kiln_ok(&["inspect", art.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("    precision: mixed\n"));
+    // Without buffer reuse: recorded, and no two buffers share a slot.
+    let apart = dir.join("apart");
+    compile_mixed(&apart, &["--no-buffer-reuse"]);
+    let loaded = Artifact::load(&apart).unwrap();
+    assert!(!loaded.manifest.options.buffer_reuse);
+    let plan = &loaded.entry("train_step").unwrap().manifest.plan;
+    assert!(!plan.reuse);
+    assert_eq!(plan.slots, plan.buffers.len());
+    // Contradictions.
+    for (args, want) in [
+        (
+            &["--target", "cpu", "--precision", "mixed"][..],
+            "--precision mixed is the CUDA program's, but the target is cpu",
+        ),
+        (
+            &["--target", "cuda", "--cuda-arch", "90"][..],
+            "`90` is not a CUDA architecture",
+        ),
+    ] {
+        let mut all = vec!["compile", SPEC, "--entries", "forward"];
+        all.extend_from_slice(args);
+        let x = dir.join("x");
+        all.extend(["-o", x.to_str().unwrap()]);
+        let out = kiln(&all);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(stderr(&out).contains(want), "{args:?}: {}", stderr(&out));
+        assert!(!x.exists());
+    }
+}
+
 #[test]
 fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
     let dir = tmp("cuda");
@@ -1056,7 +1140,7 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         art.to_str().unwrap(),
     ]);
     let loaded = Artifact::load(&art).unwrap();
-    assert_eq!(loaded.manifest.target, "cuda");
+    assert_eq!(loaded.manifest.target().name(), "cuda");
     for name in ["train_step", "encode", "decode_step"] {
         let e = loaded.entry(name).unwrap();
         let c = e.manifest.cuda.as_ref().expect("a cuda section");
@@ -1090,10 +1174,17 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         again.to_str().unwrap(),
     ]);
     assert_eq!(files(&art), files(&again));
-    // `kiln inspect` summarizes the CUDA side.
+    // `kiln inspect` prints every option it was compiled with, and summarizes the CUDA
+    // side.
     let out = kiln_ok(&["inspect", art.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("target: cuda"), "{text}");
+    assert!(
+        text.contains(
+            "  options:\n    target: cuda\n    cuda_arch: sm_80\n    precision: f32\n    \
+             buffer_reuse: true\n"
+        ),
+        "{text}"
+    );
     assert!(
         text.contains("bytes of CUDA C in kernels/train_step.cu) for sm_80")
             && text.contains("cuBLAS GEMMs"),

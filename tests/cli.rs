@@ -628,7 +628,7 @@ fn a_sentence_too_long_for_the_attention_scores_is_an_error_not_an_abort() {
             "(encoder.layers.0.self_attn): attention: the compiled executor's `attention` (1 \
              f32 [1000000, 1000000] score block(s) for each of"
         ) && err.contains("would allocate")
-            && err.contains("or shorter sequences (KILN_MEMORY_CHECK=0 skips this check)"),
+            && err.contains("or shorter sequences (`kiln --no-memory-check` skips this check)"),
         "{err}"
     );
 }

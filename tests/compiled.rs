@@ -391,47 +391,17 @@ fn bench_tiny(entry: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process
         .expect("kiln runs")
 }
 
-/// `KILN_CPU_BF16` names a 16-bit kernel for `kiln bench` (and every executor of the
-/// process): where this CPU can run it, the bench's executor says which; where it cannot,
-/// the variable is reported once, naming the kernel and why, and the products stay f32;
-/// an unknown value is reported and ignored. The run succeeds in every case.
+/// The products' type is an option (`--gemm-type`, `train.gemm_type`), never the
+/// environment's: the variable an older kiln read changes nothing.
 #[test]
-fn kiln_cpu_bf16_names_the_kernel_or_says_why_not() {
-    use kiln_runtime::compiled::Bf16Kernel;
-    let bench = |value: &str| {
-        let (v, err) = bench_tiny_json("forward", &["--runs", "1"], &[("KILN_CPU_BF16", value)]);
-        (v["executor"].as_str().unwrap_or_default().to_string(), err)
-    };
-    for (value, kernel, label) in [
-        ("amx", Bf16Kernel::Tiles, "compiled-bf16-products"),
-        ("dot", Bf16Kernel::Dot, "compiled-bf16-products-vdpbf16ps"),
-        ("fp16", Bf16Kernel::Half, "compiled-fp16-products"),
-        ("int16", Bf16Kernel::Int16, "compiled-int16-products"),
-    ] {
-        let (executor, err) = bench(value);
-        match kernel.available() {
-            Ok(()) => assert_eq!(executor, label, "KILN_CPU_BF16={value}: {err}"),
-            Err(why) => {
-                assert_eq!(executor, "compiled", "KILN_CPU_BF16={value}");
-                let want = format!(
-                    "KILN_CPU_BF16 is ignored: KILN_CPU_BF16 asks for {}, but {why}; the \
-                     matrix products run in f32",
-                    kernel.name()
-                );
-                assert!(err.contains(&want), "KILN_CPU_BF16={value}: {err}");
-            }
-        }
-    }
-    let (executor, err) = bench("fp17");
-    assert_eq!(executor, "compiled");
-    assert!(
-        err.contains("KILN_CPU_BF16 is ignored: it is \"fp17\", where 1 (the best 16-bit kernel), amx, dot, fp16, int16 or 0 (f32) are known"),
-        "{err}"
-    );
+fn the_environment_does_not_choose_the_products() {
+    let (v, err) = bench_tiny_json("forward", &["--runs", "1"], &[("KILN_CPU_BF16", "int16")]);
+    assert_eq!(v["executor"].as_str(), Some("compiled"), "{err}");
+    assert!(!err.contains("KILN_CPU_BF16"), "{err}");
 }
 
-/// `--gemm-type` chooses the products whatever `KILN_CPU_BF16` says: `f32` over
-/// `KILN_CPU_BF16=int16`; each kernel where this CPU runs it (the bench names it); an
+/// `--gemm-type` chooses the products: `f32`; each kernel where this CPU runs it (the
+/// bench names it); an
 /// error, exit status 1, naming the kernel and why, where it cannot; an error for a 16-bit
 /// type asked of the eager executor.
 #[test]
@@ -455,10 +425,7 @@ fn gemm_type_names_the_kernel_or_fails_saying_why() {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    assert_eq!(
-        executor(&["--gemm-type", "f32"], &[("KILN_CPU_BF16", "int16")]),
-        "compiled"
-    );
+    assert_eq!(executor(&["--gemm-type", "f32"], &[]), "compiled");
     for (kernel, label) in [
         (Bf16Kernel::Tiles, "compiled-bf16-products"),
         (Bf16Kernel::Dot, "compiled-bf16-products-vdpbf16ps"),
@@ -467,11 +434,7 @@ fn gemm_type_names_the_kernel_or_fails_saying_why() {
     ] {
         let key = kernel.key();
         match kernel.available() {
-            // Over `KILN_CPU_BF16=0` too.
-            Ok(()) => assert_eq!(
-                executor(&["--gemm-type", key], &[("KILN_CPU_BF16", "0")]),
-                label
-            ),
+            Ok(()) => assert_eq!(executor(&["--gemm-type", key], &[]), label),
             Err(why) => {
                 let err = refusal(&["--gemm-type", key]);
                 assert!(err.contains(&format!("--gemm-type {key}: {why}")), "{err}");
@@ -1136,7 +1099,7 @@ fn base_at_36_rows(entry: &str, seed: u64) -> (Graph, BTreeMap<String, i64>, Fee
     (g, dims, inputs, params)
 }
 
-/// `KILN_CPU_BF16` / `set_bf16_kernel`: the large matrix products in bf16, on AMX tiles
+/// `--gemm-type` / `set_bf16_kernel`: the large matrix products in bf16, on AMX tiles
 /// and with AVX-512's `VDPBF16PS`, and in scaled fp16 with AVX512-FP16's `VFMADD231PH`,
 /// each where the CPU has it. On base at small sizes
 /// (every `linear` over 36 rows of 512 is past the threshold) the forward's logits and

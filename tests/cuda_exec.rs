@@ -12,17 +12,16 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
-use common::kiln;
+use common::{kiln, require_cuda_or_skip};
 use kiln_compiler::codegen::cuda::Library;
 use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_runtime::artifact::Artifact;
 use kiln_runtime::cuda::{
-    cuda_available, emulate, executor_for, launch_plan, launch_plan_with, memory_plan_with,
-    require_cuda_or_skip, CudaExecError, CudaExecutor, CudaOptions,
+    cuda_available, emulate, executor_for, launch_plan, memory_plan, precision_label,
+    program_source, CudaExecError, CudaExecutor, CudaOptions,
 };
 use kiln_runtime::exec::Exec;
 
@@ -47,7 +46,8 @@ fn compile(dir: &Path, target: &str) -> Artifact {
     compile_spec(dir, SPEC, &["vocab=48"], target)
 }
 
-/// `spec` with `sets` compiled for `target` with the three entries into `dir/art`.
+/// `spec` with `sets` compiled for `target` (`cuda`, or `cuda:PRECISION`) with the four
+/// entries into `dir/art`.
 fn compile_spec(dir: &Path, spec: &str, sets: &[&str], target: &str) -> Artifact {
     let art = dir.join("art");
     let mut args = vec!["compile", spec];
@@ -55,7 +55,9 @@ fn compile_spec(dir: &Path, spec: &str, sets: &[&str], target: &str) -> Artifact
         args.extend(["--set", s]);
     }
     let entries = ENTRIES.join(",");
-    args.extend(["--entries", &entries, "--target", target, "-o"]);
+    let (target, precision) = target.split_once(':').unwrap_or((target, "f32"));
+    args.extend(["--entries", &entries, "--target", target]);
+    args.extend(["--precision", precision, "-o"]);
     args.push(art.to_str().unwrap());
     let out = kiln(&args);
     assert!(
@@ -66,29 +68,39 @@ fn compile_spec(dir: &Path, spec: &str, sets: &[&str], target: &str) -> Artifact
     Artifact::load(&art).unwrap()
 }
 
-/// The tiny model's CUDA artifact, compiled once per test process, in a directory of
-/// its own: a runner that starts a process per test (`cargo nextest`) would otherwise
-/// have one process clear the artifact another is reading. Those of processes a day
-/// old are removed.
+/// The tiny model's CUDA artifact (f32), compiled once per test process.
 fn cuda_artifact() -> &'static Artifact {
-    static ART: OnceLock<Artifact> = OnceLock::new();
-    ART.get_or_init(|| {
-        let dir = tmp(&format!("cuda.{}", std::process::id()));
-        let day = std::time::Duration::from_secs(86_400);
-        let own = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let prefix = &own[..=own.rfind('.').unwrap()];
-        for e in std::fs::read_dir(dir.parent().unwrap()).unwrap().flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let old = e
-                .metadata()
-                .and_then(|m| m.modified())
-                .is_ok_and(|t| t.elapsed().is_ok_and(|a| a > day));
-            if name.starts_with(prefix) && old {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
+    artifact_in("f32")
+}
+
+/// The tiny model's CUDA artifact compiled with `--precision precision`, once per test
+/// process and precision, in a directory of its own: a runner that starts a process per
+/// test (`cargo nextest`) would otherwise have one process clear the artifact another is
+/// reading. Those of processes a day old are removed.
+fn artifact_in(precision: &str) -> &'static Artifact {
+    static ARTS: std::sync::Mutex<BTreeMap<String, &'static Artifact>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    let mut arts = ARTS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(a) = arts.get(precision) {
+        return a;
+    }
+    let dir = tmp(&format!("cuda-{precision}.{}", std::process::id()));
+    let day = std::time::Duration::from_secs(86_400);
+    let own = dir.file_name().unwrap().to_string_lossy().into_owned();
+    let prefix = &own[..=own.rfind('.').unwrap()];
+    for e in std::fs::read_dir(dir.parent().unwrap()).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|a| a > day));
+        if name.starts_with(prefix) && old {
+            let _ = std::fs::remove_dir_all(e.path());
         }
-        compile(&dir, "cuda")
-    })
+    }
+    let art: &'static Artifact = Box::leak(Box::new(compile(&dir, &format!("cuda:{precision}"))));
+    arts.insert(precision.to_string(), art);
+    art
 }
 
 #[test]
@@ -187,29 +199,31 @@ fn every_kernel_of_the_tiny_model_has_a_gpu_launch() {
     }
 }
 
-/// Mixed precision (`CudaOptions::mixed`): every entry's bf16 program, generated from
-/// the artifact's kernel graph, prepares without a GPU, each kernel running as it does in
-/// f32 (flash attention included); an entry that is not in the artifact is named.
+/// Mixed precision (`kiln compile --precision mixed`): every entry's bf16 program is the
+/// artifact's own CUDA C (another program than the f32 one), prepares without a GPU, each
+/// kernel running as it does in f32 (flash attention included), and plans its bf16
+/// activations in 2-byte elements; an entry that is not in the artifact is named.
 #[test]
 fn every_kernel_of_the_tiny_model_has_a_mixed_precision_launch() {
-    let art = cuda_artifact();
-    let mixed = CudaOptions {
-        mixed: true,
-        ..CudaOptions::default()
-    };
-    assert_eq!(mixed.gemm_name(), "mixed-bf16");
+    let (art, mixed) = (cuda_artifact(), artifact_in("mixed"));
+    assert_eq!(
+        precision_label(mixed.manifest.options.precision),
+        "mixed-bf16"
+    );
     for entry in ENTRIES {
         let f32_plan = launch_plan(art, entry).unwrap();
-        let plan = launch_plan_with(art, entry, &mixed).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let plan = launch_plan(mixed, entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
         assert_eq!(plan, f32_plan, "{entry}");
+        let cu = |a: &Artifact| std::fs::read_to_string(a.dir.join(format!("kernels/{entry}.cu")));
+        let text = cu(mixed).unwrap();
+        assert_eq!(program_source(mixed, entry).unwrap(), text, "{entry}");
+        assert!(text.contains("kiln_bf16"), "{entry}: no bf16 in its CUDA C");
+        assert_ne!(text, cu(art).unwrap(), "{entry}");
         // The f32 program runs in the artifact's memory plan; the mixed one plans its bf16
         // activations in 2-byte elements.
         let manifest = &art.entry(entry).unwrap().manifest.plan;
-        assert_eq!(
-            &memory_plan_with(art, entry, &CudaOptions::default()).unwrap(),
-            manifest
-        );
-        let halves = memory_plan_with(art, entry, &mixed)
+        assert_eq!(&memory_plan(art, entry).unwrap(), manifest);
+        let halves = memory_plan(mixed, entry)
             .unwrap()
             .buffers
             .iter()
@@ -217,7 +231,7 @@ fn every_kernel_of_the_tiny_model_has_a_mixed_precision_launch() {
             .count();
         assert!(halves > 3, "{entry}: {halves} two-byte buffers");
     }
-    let e = launch_plan_with(art, "no_such_entry", &mixed).unwrap_err();
+    let e = launch_plan(mixed, "no_such_entry").unwrap_err();
     assert!(e.to_string().contains("no_such_entry"), "{e}");
 }
 
@@ -620,16 +634,12 @@ fn gpu_bindings_kept_by_dims_give_a_fresh_executors_bits() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let art = cuda_artifact();
-    let (old, _) = older_attention(art, "older_bindings");
-    let mixed = CudaOptions {
-        mixed: true,
-        ..CudaOptions::default()
-    };
-    for (label, art) in [("new", art), ("older", &old)] {
-        for options in [CudaOptions::default(), mixed] {
-            let what = format!("{label} artifact, mixed: {}", options.mixed);
-            let gpu = CudaExecutor::with_options(art, "train_step", options).unwrap();
+    for precision in ["f32", "mixed"] {
+        let art = artifact_in(precision);
+        let (old, _) = older_attention(art, &format!("older_bindings_{precision}"));
+        for (label, art) in [("new", art), ("older", &old)] {
+            let what = format!("{label} {precision} artifact");
+            let gpu = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
             let (first, params) = feeds(gpu.graph(), art, 9);
             let (larger, _) = feeds_sized(gpu.graph(), art, 10, &[4, 11, 9, 4]);
             let (again, _) = feeds(gpu.graph(), art, 11);
@@ -648,7 +658,7 @@ fn gpu_bindings_kept_by_dims_give_a_fresh_executors_bits() {
                 (2, 1),
                 "{what}: made twice, kept once"
             );
-            let fresh = CudaExecutor::with_options(art, "train_step", options).unwrap();
+            let fresh = CudaExecutor::from_artifact_entry(art, "train_step").unwrap();
             let want = fresh.run(&again, &params, &opts(5)).unwrap();
             assert_eq!(fresh.binding_counts(), (1, 0), "{what}");
             assert_eq!(gpu.view_copies(), fresh.view_copies(), "{what}");
@@ -715,7 +725,8 @@ fn close_train_step(
     seed: u64,
     bounds: (f64, f64, f64),
 ) -> (CudaExecutor, Feeds, Feeds, RunOptions) {
-    close_train_step_of(cuda_artifact(), what, options, seed, bounds, &[2, 5, 3, 2])
+    let art = artifact_in(what.split(',').next().unwrap_or(what));
+    close_train_step_of(art, what, options, seed, bounds, &[2, 5, 3, 2])
 }
 
 /// [`close_train_step`] for the artifact `art`, the dims taking `sizes` in turn.
@@ -761,7 +772,7 @@ fn close_train_step_of(
     (gpu, inputs, params, opts)
 }
 
-/// TF32 GEMMs (`CudaOptions::tf32`, `KILN_CUDA_TF32=1` on the command line): a training
+/// TF32 GEMMs (`kiln compile --precision tf32`): a training
 /// step within `1e-2` of the CPU in relative L2 norm (operands rounded to a 10-bit
 /// mantissa, fp32 accumulation), the loss within `1e-3` relative.
 #[test]
@@ -769,14 +780,10 @@ fn gpu_tf32_train_step_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let tf32 = CudaOptions {
-        tf32: true,
-        ..CudaOptions::default()
-    };
-    close_train_step("tf32", tf32, 9, (1e-2, 1e-5, 1e-3));
+    close_train_step("tf32", CudaOptions::default(), 9, (1e-2, 1e-5, 1e-3));
 }
 
-/// bf16 GEMM operands (`CudaOptions::bf16`, `KILN_CUDA_BF16=1`): a training step within
+/// bf16 GEMM operands (`kiln compile --precision bf16`): a training step within
 /// `8e-2` of the CPU in relative L2 norm (operands rounded to an 8-bit mantissa, fp32
 /// accumulation and results; the host emulation measured at most 3.6 %, the first FFN
 /// layer's gradients, where ReLU gates flip), the loss within `1e-2` relative; and
@@ -787,10 +794,7 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let bf16 = CudaOptions {
-        bf16: true,
-        ..CudaOptions::default()
-    };
+    let bf16 = CudaOptions::default();
     let (gpu, inputs, params, opts) = close_train_step("bf16", bf16, 12, (8e-2, 1e-4, 1e-2));
     two_device_steps(&gpu, &inputs, &params, &opts);
 }
@@ -817,7 +821,7 @@ fn two_device_steps(gpu: &CudaExecutor, inputs: &Feeds, params: &Feeds, opts: &R
     );
 }
 
-/// Mixed precision (`CudaOptions::mixed`, `KILN_CUDA_MIXED=1`): activations stored in
+/// Mixed precision (`kiln compile --precision mixed`): activations stored in
 /// bf16, bf16 GEMMs, f32 parameters and loss. A training step within `0.3` of the CPU in
 /// relative L2 norm and the loss within `2e-2` relative (the host emulation, which
 /// rounds exactly as the kernels do, measured the loss within 1e-4 and the gradients at
@@ -830,10 +834,7 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let mixed = CudaOptions {
-        mixed: true,
-        ..CudaOptions::default()
-    };
+    let mixed = CudaOptions::default();
     let (gpu, inputs, params, opts) = close_train_step("mixed", mixed, 13, (0.3, 1e-3, 2e-2));
     // The biased products write bf16 through cuBLASLt's epilogue (a bf16 bias); the
     // separate path (bias fill, GEMM, ReLU) is as close.
@@ -845,9 +846,9 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
     };
     let (sep, ..) = close_train_step("mixed, separate", separate, 13, (0.3, 1e-3, 2e-2));
     assert_eq!(sep.epilogue_counts().0, 0);
-    let art = cuda_artifact();
+    let art = artifact_in("mixed");
     for entry in ["encode", "decode_step"] {
-        let g = CudaExecutor::with_options(art, entry, mixed).unwrap();
+        let g = CudaExecutor::from_artifact_entry(art, entry).unwrap();
         let cpu = art.executor(entry).unwrap();
         let (inputs, params) = feeds(cpu.graph(), art, 14);
         let want = cpu.run(&inputs, &params, &RunOptions::default()).unwrap();
@@ -872,8 +873,7 @@ fn gpu_mixed_precision_is_close_to_the_cpu() {
 /// runs on tensor cores (`codegen::cuda::tensor`), within the bounds of the CUDA-core
 /// kernels above — short sentences (the one-block backward) and sentences of 37 and 34
 /// tokens (two key tiles forward, the query-side and key-side backward) — and device
-/// training takes two steps with it; `cuda_core_attention` runs the same program's
-/// attention on the CUDA cores, as close.
+/// training takes two steps with it.
 #[test]
 fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
     use kiln_compiler::codegen::cuda::attention::{fits_short, Part};
@@ -887,12 +887,9 @@ fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
         &tmp("cuda_heads16"),
         SPEC,
         &["vocab=48", "d_model=64"],
-        "cuda",
+        "cuda:mixed",
     );
-    let mixed = CudaOptions {
-        mixed: true,
-        ..CudaOptions::default()
-    };
+    let mixed = CudaOptions::default();
     let bounds = (0.3, 1e-3, 2e-2);
     let (gpu, inputs, params, opts) =
         close_train_step_of(&art, "mixed, heads of 16", mixed, 23, bounds, &[2, 5, 3, 2]);
@@ -900,13 +897,6 @@ fn gpu_mixed_precision_attention_on_tensor_cores_is_close_to_the_cpu() {
     assert!(!fits_short(37, 37, 16, 16) && !fits_short(34, 37, 16, 16));
     let long = "mixed, heads of 16, 37 and 34 tokens";
     close_train_step_of(&art, long, mixed, 24, bounds, &[2, 37, 34, 2]);
-    // KILN_CUDA_CORE_ATTENTION=1: the same program with its attention on the CUDA cores.
-    let cores = CudaOptions {
-        cuda_core_attention: true,
-        ..mixed
-    };
-    let what = "mixed, heads of 16, CUDA-core attention";
-    close_train_step_of(&art, what, cores, 23, bounds, &[2, 5, 3, 2]);
 }
 
 /// With bf16 GEMMs, each span of a parameter a product reads is cast to bf16 once a run
@@ -928,19 +918,9 @@ fn gpu_parameter_casts_are_kept_for_a_version() {
         params_version: Some(v),
         ..RunOptions::default()
     };
-    let art = cuda_artifact();
-    for options in [
-        CudaOptions {
-            mixed: true,
-            ..CudaOptions::default()
-        },
-        CudaOptions {
-            bf16: true,
-            ..CudaOptions::default()
-        },
-    ] {
-        let what = options.gemm_name();
-        let g = CudaExecutor::with_options(art, "encode", options).unwrap();
+    for what in ["mixed", "bf16"] {
+        let art = artifact_in(what);
+        let g = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
         let cpu = art.executor("encode").unwrap();
         let (inputs, params) = feeds(cpu.graph(), art, 21);
         let v1 = kiln_runtime::exec::fresh_params_version();
@@ -959,7 +939,7 @@ fn gpu_parameter_casts_are_kept_for_a_version() {
         }
         let v2 = kiln_runtime::exec::fresh_params_version();
         let new = bits(&Exec::run(&g, &inputs, &halved, &version(v2)).unwrap());
-        let fresh = CudaExecutor::with_options(art, "encode", options).unwrap();
+        let fresh = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
         let want = bits(&Exec::run(&fresh, &inputs, &halved, &RunOptions::default()).unwrap());
         assert!(new == want, "{what}: a new version reads stale casts");
         assert!(new != first, "{what}: the halved parameters change nothing");
@@ -976,13 +956,9 @@ fn gpu_mixed_precision_resident_decoding_matches_its_host_state() {
     if require_cuda_or_skip().is_none() {
         return;
     }
-    let art = cuda_artifact();
-    let mixed = CudaOptions {
-        mixed: true,
-        ..CudaOptions::default()
-    };
-    let enc = CudaExecutor::with_options(art, "encode", mixed).unwrap();
-    let step = CudaExecutor::with_options(art, "decode_step", mixed).unwrap();
+    let art = artifact_in("mixed");
+    let enc = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
+    let step = CudaExecutor::from_artifact_entry(art, "decode_step").unwrap();
     let params: BTreeMap<String, Tensor> = art.weights().unwrap().into_iter().collect();
     let src = Tensor::i32(vec![2, 4], vec![5, 6, 7, 0, 8, 9, 10, 11]).unwrap();
     let opts = DecodeOptions {

@@ -5,7 +5,8 @@
 //! directory that `kiln_runtime::artifact::Artifact::load` runs without the DSL:
 //!
 //! - `manifest.json` — [`Manifest`]: `format` ([`ARTIFACT_FORMAT`]), `version`
-//!   ([`ARTIFACT_VERSION`]), target, model, spec hash, hparams, seed; per entry the
+//!   ([`ARTIFACT_VERSION`]), the compile options ([`CompileOptions`]: target, CUDA
+//!   architecture, precision, buffer reuse), model, spec hash, hparams, seed; per entry the
 //!   graph, the kernel graph, the memory plan, the functions each kernel runs by role and
 //!   a summary of the kernels in launch order (kind, buffers read and written); and the
 //!   size and FNV-1a 64 hash of every other file;
@@ -37,13 +38,16 @@ use crate::codegen::cuda::{CudaCode, KernelLaunch, Param, Work};
 use crate::codegen::program::CpuCode;
 use crate::ir::Graph;
 use crate::optimize::kernels::{Def, KernelGraph};
+use crate::optimize::Target;
+use crate::options::CompileOptions;
 use crate::plan::MemoryPlan;
 use crate::tensor::{save_safetensors, Tensor, TensorFileError};
 
 /// The `format` field of every manifest.
 pub const ARTIFACT_FORMAT: &str = "kiln-artifact";
-/// The manifest layout this kiln writes and reads; bumped on any incompatible change.
-pub const ARTIFACT_VERSION: u32 = 1;
+/// The manifest layout this kiln writes and reads; bumped on any incompatible change
+/// (2: the compile options replace the target).
+pub const ARTIFACT_VERSION: u32 = 2;
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const KERNELS_DIR: &str = "kernels";
@@ -165,6 +169,10 @@ pub struct CudaManifest {
     pub functions: Vec<CudaFunctionInfo>,
     /// Per kernel launch index: its functions by role, or the library call it is.
     pub kernels: Vec<KernelLaunch>,
+    /// A mixed-precision program's buffers: per kernel value, each output's element type
+    /// ([`CudaCode::storage`]); empty for an f32 program.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub storage: crate::codegen::cuda::storage::Storage,
 }
 
 /// Every `__global__` function name defined in CUDA C text, in order.
@@ -172,6 +180,14 @@ pub fn cuda_function_names(text: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in text.lines() {
         if let Some(rest) = line.split("__global__ void ").nth(1) {
+            // (`__launch_bounds__(N)` may come before the name.)
+            let rest = match rest.strip_prefix("__launch_bounds__(") {
+                Some(r) => r
+                    .split_once(')')
+                    .map_or("", |(_, after)| after)
+                    .trim_start(),
+                None => rest,
+            };
             if let Some(name) = rest.split('(').next() {
                 names.push(name.trim().to_string());
             }
@@ -204,7 +220,8 @@ pub struct ManifestEntry {
 pub struct Manifest {
     pub format: String,
     pub version: u32,
-    pub target: String,
+    /// What the artifact was compiled for and how ([`CompileOptions`]).
+    pub options: CompileOptions,
     /// The kiln that wrote it (informational).
     pub kiln: String,
     pub model: String,
@@ -222,6 +239,11 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// The machine the artifact was compiled for.
+    pub fn target(&self) -> Target {
+        self.options.target
+    }
+
     /// The hash of everything in the manifest but [`Manifest::manifest_hash`]: FNV-1a 64
     /// over its compact JSON with that field left out.
     pub fn digest(&self) -> Result<String, ArtifactError> {
@@ -263,8 +285,9 @@ pub struct ArtifactSpec {
     pub spec_hash: String,
     pub seed: u64,
     pub hparams: Vec<(String, String)>,
-    /// `cpu` or `cuda` (then every entry has [`EntrySpec::cuda`]).
-    pub target: String,
+    /// The options it was compiled with; with target `cuda` every entry has
+    /// [`EntrySpec::cuda`].
+    pub options: CompileOptions,
     pub entries: Vec<EntrySpec>,
     /// Parameters by name.
     pub weights: BTreeMap<String, Tensor>,
@@ -473,7 +496,7 @@ fn clif_files(art: &ArtifactSpec) -> Result<Vec<(String, Vec<u8>)>, ArtifactErro
 /// The `.cu` files of a `cuda` artifact (none for `cpu`), checked: the target and the
 /// entries agree, and the text defines exactly the listed functions, in order.
 fn cuda_files(art: &ArtifactSpec) -> Result<Vec<(String, Vec<u8>)>, ArtifactError> {
-    let cuda = art.target == "cuda";
+    let cuda = art.options.target == Target::Cuda;
     let mut files = Vec::new();
     for e in &art.entries {
         match (&e.cuda, cuda) {
@@ -481,7 +504,8 @@ fn cuda_files(art: &ArtifactSpec) -> Result<Vec<(String, Vec<u8>)>, ArtifactErro
             (Some(_), false) => {
                 return Err(ArtifactError::Invalid(format!(
                     "entry `{}` has CUDA code but the target is `{}`",
-                    e.name, art.target
+                    e.name,
+                    art.options.target.name()
                 )))
             }
             (None, true) => {
@@ -575,7 +599,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         let mut manifest = Manifest {
             format: ARTIFACT_FORMAT.to_string(),
             version: ARTIFACT_VERSION,
-            target: art.target.clone(),
+            options: art.options.clone(),
             kiln: format!("kiln {}", env!("CARGO_PKG_VERSION")),
             model: art.model.clone(),
             spec_hash: art.spec_hash.clone(),
@@ -605,6 +629,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
                             })
                             .collect(),
                         kernels: c.code.kernels.clone(),
+                        storage: c.code.storage.clone(),
                     }),
                     functions: e.code.functions.iter().map(|(n, _)| n.clone()).collect(),
                     roles: e.code.kernels.clone(),
@@ -689,6 +714,13 @@ mod tests {
                 t.variant
             );
         }
+    }
+
+    #[test]
+    fn cuda_function_names_skip_launch_bounds() {
+        let text = "__global__ void a_0(float* x) {}\n\
+                    extern \"C\" __global__ void __launch_bounds__(KILN_THREADS, 2) b_1(int n) {}\n";
+        assert_eq!(cuda_function_names(text), ["a_0", "b_1"]);
     }
 
     #[test]

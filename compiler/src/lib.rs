@@ -11,7 +11,17 @@
 //!   shared by every executor;
 //! - [`reference`](mod@reference) — the reference executor, the oracle every later path is tested against;
 //! - [`autodiff`] — reverse-mode gradients as a graph-to-graph pass, and `train_step`.
-//! - [`adam`] — the Adam optimizer update as an `adam_update` graph of primitives.
+//! - [`adam`] — the Adam optimizer update as an `adam_update` graph of primitives;
+//! - [`hoist`] — what a decoder step reads of the encoder, moved into `encode`;
+//! - [`optimize`] — the e-graph optimizer: a graph in, a kernel graph out;
+//! - [`schedule`] — the kernels' launch order;
+//! - [`plan`] — the memory plan: buffers, lifetimes, arena slots;
+//! - [`codegen`] — the CPU (CLIF, Cranelift JIT) and CUDA C backends;
+//! - [`options`] — the options of a compilation, declared once;
+//! - [`pipeline`] — the one driver that runs the passes in order;
+//! - [`artifact`] — writing a compiled artifact;
+//! - [`memory`] and [`fsync`] — the memory check before large allocations, durable
+//!   writes.
 
 pub mod adam;
 pub mod artifact;
@@ -25,6 +35,8 @@ pub mod init;
 pub mod ir;
 pub mod memory;
 pub mod optimize;
+pub mod options;
+pub mod pipeline;
 pub mod plan;
 pub mod printer;
 pub mod reference;

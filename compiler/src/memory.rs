@@ -15,10 +15,19 @@
 //!   address space (`VmSize` in `/proc/self/status`).
 //!
 //! Only allocations of at least [`CHECK_MIN`] bytes are checked (reading the limits
-//! costs tens of microseconds). `KILN_MEMORY_CHECK=0` turns the check off; elsewhere
-//! than Linux there is nothing to read and nothing is checked.
+//! costs tens of microseconds). [`set_enabled`] turns the check off for the process
+//! (`kiln --no-memory-check`); elsewhere than Linux there is nothing to read and nothing
+//! is checked.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the check of [`ensure`] on or off for this process (on unless turned off).
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
 
 /// Allocations smaller than this are not checked.
 pub const CHECK_MIN: u64 = 256 << 20;
@@ -35,7 +44,7 @@ pub struct Headroom {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "{what} would allocate {need}, but {limit} leaves {have}; {fix} \
-     (KILN_MEMORY_CHECK=0 skips this check)",
+     (`kiln --no-memory-check` skips this check)",
     need = size(*.need),
     have = size(.headroom.bytes),
     limit = .headroom.limit
@@ -92,7 +101,7 @@ pub fn ensure(
     what: impl FnOnce() -> String,
     fix: impl FnOnce() -> String,
 ) -> Result<(), OutOfMemory> {
-    if need < CHECK_MIN || std::env::var("KILN_MEMORY_CHECK").is_ok_and(|v| v.trim() == "0") {
+    if need < CHECK_MIN || !ENABLED.load(Ordering::Relaxed) {
         return Ok(());
     }
     match headroom() {
@@ -393,7 +402,7 @@ mod tests {
             e.to_string(),
             "entry `forward` at batch=6000 would allocate 20.7 GiB, but the available \
              memory (MemAvailable; no swap) leaves 20.0 GiB; lower the batch \
-             (KILN_MEMORY_CHECK=0 skips this check)"
+             (`kiln --no-memory-check` skips this check)"
         );
     }
 

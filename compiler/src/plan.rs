@@ -93,6 +93,10 @@ pub struct MemoryPlan {
     pub buffers: Vec<Buffer>,
     pub slots: usize,
     pub steps: usize,
+    /// Whether buffers share slots and results are written over dying operands
+    /// ([`crate::options::CompileOptions::buffer_reuse`]); without it every buffer has
+    /// memory of its own.
+    pub reuse: bool,
 }
 
 /// Concrete offsets of one run.
@@ -232,6 +236,15 @@ impl MemoryPlan {
     /// Plans `kg` with `elem_bytes(v, k)` bytes per element of output `k` of kernel value
     /// `v`.
     pub fn build_with(kg: &KernelGraph, elem_bytes: &dyn Fn(usize, usize) -> usize) -> MemoryPlan {
+        Self::build_reusing(kg, elem_bytes, true)
+    }
+
+    /// [`MemoryPlan::build_with`], with buffers sharing memory only when `reuse`.
+    pub fn build_reusing(
+        kg: &KernelGraph,
+        elem_bytes: &dyn Fn(usize, usize) -> usize,
+        reuse: bool,
+    ) -> MemoryPlan {
         // Step of each kernel value.
         let mut step_of: BTreeMap<usize, usize> = BTreeMap::new();
         for (v, val) in kg.values.iter().enumerate() {
@@ -280,7 +293,6 @@ impl MemoryPlan {
                 buffers[*b].dies = steps;
             }
         }
-        let reuse = std::env::var_os("KILN_NO_REUSE").is_none();
         // Results written over an operand that dies at their kernel ([`in_place`]):
         // never over a graph output (it lives to the end), never over an operand that
         // another operand of the kernel also reads or that it reads through a permute or
@@ -369,6 +381,7 @@ impl MemoryPlan {
             buffers,
             slots: slot_free_after.len(),
             steps,
+            reuse,
         }
     }
 
@@ -463,7 +476,7 @@ impl MemoryPlan {
     }
 
     /// Offsets for concrete dims: the buffers packed by lifetime at these sizes, or the
-    /// slots end to end where that is not larger (and always under `KILN_NO_REUSE`). A
+    /// slots end to end where that is not larger (and always without [`MemoryPlan::reuse`]). A
     /// plan whose buffers name a slot it does not have, or die before they are born (a
     /// damaged artifact), is an error.
     pub fn layout(&self, dims: &BTreeMap<String, i64>) -> Result<ArenaLayout, String> {
@@ -523,7 +536,7 @@ impl MemoryPlan {
             packed: false,
             external: (0..self.buffers.len()).map(outside).collect(),
         };
-        if std::env::var_os("KILN_NO_REUSE").is_none() {
+        if self.reuse {
             let (offsets, total) = self.pack(&sizes, &shares);
             if total <= slots_total {
                 layout.offsets = offsets;
@@ -808,6 +821,7 @@ mod tests {
             buffers: vec![buffer(1, 0, 0, 2, 4), buffer(2, 0, 2, 3, 4)],
             slots: 1,
             steps: 4,
+            reuse: true,
         };
         let e = plan.check(&dims()).unwrap_err();
         assert_eq!(
@@ -839,6 +853,7 @@ mod tests {
             buffers: vec![huge(1, 0), huge(2, 1)],
             slots: 2,
             steps: 2,
+            reuse: true,
         };
         let at: BTreeMap<String, i64> = [("batch".to_string(), 1i64 << 30)].into_iter().collect();
         assert_eq!(plan.buffers[0].bytes(&at).unwrap(), 1usize << 63);
@@ -863,6 +878,7 @@ mod tests {
             buffers: vec![buffer(1, 0, 0, 1, 2), buffer(2, 1, 0, 1, 4)],
             slots: 2,
             steps: 2,
+            reuse: true,
         };
         let l = plan.layout(&dims()).unwrap();
         // 1,000 elements: 2,000 bytes aligned up to 2,048, and 4,000 to 4,032; packed
@@ -890,6 +906,7 @@ mod tests {
             ],
             slots: 2,
             steps: 4,
+            reuse: true,
         };
         let l = plan.layout(&dims()).unwrap();
         assert_eq!((l.slots_total, l.total, l.packed), (80_000, 40_640, true));
@@ -922,6 +939,7 @@ mod tests {
             ],
             slots: 2,
             steps: 4,
+            reuse: true,
         };
         assert_eq!(plan.layout(&dims()).unwrap().total, 40_640);
         let l = plan.layout_with(&dims(), &[true, false, false]).unwrap();
@@ -976,6 +994,7 @@ mod tests {
                 slots: free_after.len(),
                 buffers,
                 steps: steps + 1,
+                reuse: true,
             };
             let plan = if plan.check(&dims()).is_err() {
                 let slots = plan.buffers.len();
@@ -991,6 +1010,7 @@ mod tests {
                         .collect(),
                     slots,
                     steps: plan.steps,
+                    reuse: true,
                 }
             } else {
                 plan
@@ -1014,6 +1034,7 @@ mod tests {
             buffers: vec![buffer(1, 0, 0, 1, 4), over, buffer(3, 1, 1, 3, 4)],
             slots: 2,
             steps: 4,
+            reuse: true,
         };
         plan.check(&dims()).unwrap();
         let l = plan.layout(&dims()).unwrap();
@@ -1056,6 +1077,7 @@ mod tests {
             buffers: vec![buffer(1, 0, 0, 1, 4), b2, b3, buffer(4, 1, 0, 3, 4)],
             slots: 2,
             steps: 3,
+            reuse: true,
         };
         plan.check(&dims()).unwrap();
         assert_eq!(plan.chain(2), [0, 1, 2]);
@@ -1077,6 +1099,7 @@ mod tests {
             buffers: vec![buffer(1, 0, 0, 1, 4), buffer(2, 1, 0, 1, 4)],
             slots: 2,
             steps: 2,
+            reuse: true,
         };
         let cache = LayoutCache::default();
         let a = cache.get(&plan, &dims()).unwrap();

@@ -263,7 +263,7 @@ impl Artifact {
                 .iter()
                 .filter_map(|e| e.cuda.as_ref().map(|c| c.source.clone())),
         );
-        let cuda_target = manifest.target == "cuda";
+        let cuda_target = manifest.target() == kiln_compiler::optimize::Target::Cuda;
         for e in std::mem::take(&mut manifest.entries) {
             let cpath = dir.join(&e.clif);
             let Some(data) = contents.get(&e.clif) else {
@@ -302,7 +302,12 @@ impl Artifact {
             // The memory plan is a function of the kernel graph; the executors place every
             // buffer by it, so one that differs (a manifest without its hash, edited) is
             // refused rather than trusted.
-            if e.plan != kiln_compiler::plan::MemoryPlan::build(&e.kernel_graph) {
+            let planned = kiln_compiler::plan::MemoryPlan::build_reusing(
+                &e.kernel_graph,
+                &|_, _| kiln_compiler::plan::ELEM_BYTES,
+                manifest.options.buffer_reuse,
+            );
+            if e.plan != planned {
                 return Err(ArtifactError::BadManifest {
                     path: mpath.clone(),
                     message: format!(
@@ -325,7 +330,7 @@ impl Artifact {
                             "entry `{}` {} CUDA code, but the target is `{}`",
                             e.name,
                             if e.cuda.is_some() { "has" } else { "lacks" },
-                            manifest.target
+                            manifest.target().name()
                         ),
                     })
                 }

@@ -1002,7 +1002,7 @@ impl Trainer {
                         .unwrap_or(0);
                     let options = crate::cuda::CudaOptions {
                         device,
-                        ..crate::cuda::CudaOptions::from_env()
+                        ..crate::cuda::CudaOptions::default()
                     };
                     crate::cuda::CudaExecutor::with_options(art, name, options)
                         .map(|e| Box::new(e) as Box<dyn Exec>)
@@ -1034,7 +1034,7 @@ impl Trainer {
                     art,
                     "train_step",
                     devices,
-                    crate::cuda::CudaOptions::from_env(),
+                    crate::cuda::CudaOptions::default(),
                 )
                 .map_err(TrainError::Setup)?;
                 notes.push(format!(
@@ -1053,7 +1053,7 @@ impl Trainer {
                 crate::cuda::CudaExecutor::with_options(
                     art,
                     "train_step",
-                    crate::cuda::CudaOptions::from_env(),
+                    crate::cuda::CudaOptions::default(),
                 )
                 .map_err(|e| TrainError::Setup(e.to_string()))?,
             )),

@@ -21,6 +21,14 @@ pub fn elaborator<'a>(
     }
 }
 
+/// For a test that needs a GPU: `Some(info)` when CUDA is usable; otherwise prints
+/// `skipped: <reason>` and returns `None`, or fails when `KILN_REQUIRE_CUDA=1` (what a GPU
+/// runner sets, so that a broken installation cannot pass as a skip).
+pub fn require_cuda_or_skip() -> Option<kiln_runtime::cuda::CudaInfo> {
+    let require = std::env::var(kiln_runtime::cuda::REQUIRE_CUDA_ENV).ok();
+    kiln_runtime::cuda::skip_or_fail(kiln_runtime::cuda::cuda_available(), require.as_deref())
+}
+
 /// The repository root.
 pub fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -20,7 +20,7 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
         "max_steps: 10, executor: cuda",
     );
     let out = compile_and_train(&gpu);
-    if kiln_runtime::cuda::require_cuda_or_skip().is_none() {
+    if require_cuda_or_skip().is_none() {
         let reason = kiln_runtime::cuda::cuda_available().unwrap_err();
         let first: String = reason
             .split_whitespace()

@@ -2,7 +2,10 @@
 //! ([`gpu`]), which `tests/cuda_emulated.rs` also runs on the emulated device.
 #![allow(dead_code)]
 
+#[path = "../common/mod.rs"]
+mod common;
 pub mod gpu;
+pub use common::require_cuda_or_skip;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -247,7 +250,7 @@ pub fn gpu_run_edited(name: &str, train: &str, edits: &[(&str, &str)]) -> Option
         edit_cfg(&dir, from, to);
     }
     let out = compile_and_train(&dir);
-    kiln_runtime::cuda::require_cuda_or_skip()?;
+    require_cuda_or_skip()?;
     assert!(out.status.success(), "{}", unwrapped(&out.stderr));
     Some(dir)
 }

@@ -275,12 +275,11 @@ pub(crate) fn prepare(
             }
             _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
         };
-        let check =
-            if (checks || std::env::var_os("KILN_CHECK_KERNELS").is_some()) && exec.is_native() {
-                Some(fallback::build_expanded(kg, v, op, inputs)?)
-            } else {
-                None
-            };
+        let check = if checks && exec.is_native() {
+            Some(fallback::build_expanded(kg, v, op, inputs)?)
+        } else {
+            None
+        };
         let outputs = kg.values[v].types.len();
         let read = (0..outputs)
             .map(|k| outputs == 1 || kg.output_is_read(v, k))

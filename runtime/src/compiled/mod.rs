@@ -152,7 +152,7 @@ fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 /// The instructions that multiply in 16 bits (operands rounded to bf16 or scaled into
-/// fp16) where the large matrix products run in 16 bits (`KILN_CPU_BF16`,
+/// fp16) where the large matrix products run in 16 bits (`--gemm-type`,
 /// [`Compiled::set_bf16_products`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Kernel {
@@ -193,7 +193,7 @@ impl Bf16Kernel {
         }
     }
 
-    /// Its name for `--gemm-type`, `train.gemm_type` and `KILN_CPU_BF16`.
+    /// Its name for `--gemm-type` and `train.gemm_type`.
     pub fn key(self) -> &'static str {
         match self {
             Bf16Kernel::Tiles => "amx",
@@ -236,29 +236,12 @@ impl Bf16Kernel {
     pub(crate) fn is_int16(self) -> bool {
         self == Bf16Kernel::Int16
     }
-
-    /// The kernel `KILN_CPU_BF16` names: `amx` the tiles, `dot` `VDPBF16PS`, `fp16`
-    /// `VFMADD231PH`, `int16` `VPMADDWD` (each where the CPU has it, even where it is
-    /// slower than f32: for measuring), anything else the [best](Bf16Kernel::best).
-    pub fn chosen() -> Result<Bf16Kernel, String> {
-        let named = |kernel: Bf16Kernel| {
-            kernel
-                .available()
-                .map(|()| kernel)
-                .map_err(|why| format!("KILN_CPU_BF16 asks for {}, but {why}", kernel.name()))
-        };
-        let var = std::env::var("KILN_CPU_BF16").unwrap_or_default();
-        match Bf16Kernel::ALL.into_iter().find(|k| k.key() == var) {
-            Some(kernel) => named(kernel),
-            None => Bf16Kernel::best(),
-        }
-    }
 }
 
 /// How the compiled executor runs its large matrix products (`matmul`, `linear`): in f32,
 /// or with 16-bit operands on one of the [`Bf16Kernel`]s. `kiln … --gemm-type` and
-/// `train.gemm_type` choose it, as Marian's `--gemm-type` and fairseq's `--bf16` do; where
-/// neither does, `KILN_CPU_BF16` (`1` the best 16-bit kernel, or a kernel's name).
+/// `train.gemm_type` choose it, as Marian's `--gemm-type` and fairseq's `--bf16` do (f32
+/// where neither does).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmType {
     /// f32 operands and sums: the compiled executor's default.
@@ -309,7 +292,7 @@ impl GemmType {
 static PROCESS_GEMM: Mutex<Option<Option<Bf16Kernel>>> = Mutex::new(None);
 
 /// Makes every compiled executor this process builds from now on run its large products
-/// as `t` says, whatever `KILN_CPU_BF16` says (what the CLI's `--gemm-type` does). Returns
+/// as `t` says (what the CLI's `--gemm-type` does). Returns
 /// the kernel (`None`: f32), or why this CPU cannot run it, and then changes nothing.
 pub fn set_process_gemm_type(t: GemmType) -> Result<Option<Bf16Kernel>, String> {
     let kernel = t.kernel()?;
@@ -318,10 +301,12 @@ pub fn set_process_gemm_type(t: GemmType) -> Result<Option<Bf16Kernel>, String> 
 }
 
 /// What a new compiled executor runs its large products with (`None`: f32): the
-/// process's choice ([`set_process_gemm_type`]), else the environment's.
+/// process's choice ([`set_process_gemm_type`]), else f32.
 pub fn default_products() -> Option<Bf16Kernel> {
-    let chosen = *PROCESS_GEMM.lock().unwrap_or_else(|p| p.into_inner());
-    chosen.unwrap_or_else(bf16_products_from_env)
+    PROCESS_GEMM
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .flatten()
 }
 
 /// Whether this CPU runs [`Bf16Kernel::Int16`].
@@ -343,7 +328,7 @@ fn int16_faster_than_f32() -> Result<(), &'static str> {
 /// `c[m × n] = a[m × k]·b[k × n]` (row-major, contiguous) with the operands rounded to
 /// bf16 and the sums in f32 (scaled into fp16 or int16 for those kernels), with `kernel`'s
 /// instructions: the products that
-/// `KILN_CPU_BF16=1` runs (see [`Compiled::set_bf16_products`]), for benchmarks and for
+/// `--gemm-type 16bit` runs (see [`Compiled::set_bf16_products`]), for benchmarks and for
 /// users' own products. An error where the CPU cannot run the kernel, or where a slice's
 /// length is not its matrix's.
 pub fn bf16_matmul(
@@ -389,29 +374,6 @@ pub fn bf16_matmul(
         )
     };
     Ok(())
-}
-
-/// The environment's choice of bf16 products: `KILN_CPU_BF16=1` the best kernel this CPU
-/// has, `amx` or `dot` that one ([`Bf16Kernel::chosen`]). Where the CPU has none, a
-/// message says so once and the products stay f32.
-fn bf16_products_from_env() -> Option<Bf16Kernel> {
-    let chosen = match std::env::var("KILN_CPU_BF16").as_deref() {
-        Ok("1" | "amx" | "dot" | "fp16" | "int16") => Bf16Kernel::chosen(),
-        Ok(v) if !v.is_empty() && v != "0" => Err(format!(
-            "it is {v:?}, where 1 (the best 16-bit kernel), amx, dot, fp16, int16 or 0 (f32) are known"
-        )),
-        _ => return None,
-    };
-    match chosen {
-        Ok(kernel) => Some(kernel),
-        Err(why) => {
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                eprintln!("KILN_CPU_BF16 is ignored: {why}; the matrix products run in f32")
-            });
-            None
-        }
-    }
 }
 
 /// A graph compiled for the CPU, ready to run.
@@ -477,14 +439,6 @@ pub struct Compiled {
     /// [`Compiled::product_groups`].
     product_groups: Mutex<(usize, usize)>,
 }
-
-/// The variable that sets [`Compiled::set_separate_bias_grads`] (`=1`) for every
-/// compiled executor a process builds.
-pub const SEPARATE_BIAS_GRADS_ENV: &str = "KILN_CPU_SEPARATE_BIAS_GRADS";
-
-/// The variable that sets [`Compiled::set_separate_products`] (`=1`) for every compiled
-/// executor a process builds.
-pub const SEPARATE_PRODUCTS_ENV: &str = "KILN_CPU_SEPARATE_PRODUCTS";
 
 impl std::fmt::Debug for Compiled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -772,13 +726,12 @@ impl Compiled {
             .clone()
     }
 
+    /// The CPU program of `graph`, compiled by the compiler's driver with the default
+    /// options (what `kiln compile --target cpu` writes).
     fn lower(graph: &Graph) -> Result<(KernelGraph, MemoryPlan, CpuCode), ExecError> {
-        let opts = kiln_compiler::optimize::Options::default();
-        let (kg, _) = kiln_compiler::optimize::optimize(graph, &opts)
+        let p = kiln_compiler::pipeline::compile_entry(graph, &Default::default(), None)
             .map_err(|e| ExecError::Unsupported(e.to_string()))?;
-        let plan = MemoryPlan::build(&kg);
-        let code = kiln_compiler::codegen::program::emit(&kg).map_err(ExecError::Unsupported)?;
-        Ok((kg, plan, code))
+        Ok((p.kernel_graph, p.plan, p.cpu))
     }
 
     fn build(
@@ -875,9 +828,9 @@ impl Compiled {
                 crate::eager::pool::COMPILED_POOL_MAX_BYTES,
             )),
             bf16_products: default_products(),
-            separate_bias_grads: std::env::var(SEPARATE_BIAS_GRADS_ENV).is_ok_and(|v| v == "1"),
+            separate_bias_grads: false,
             bias_grads: Mutex::new((0, 0)),
-            separate_products: std::env::var(SEPARATE_PRODUCTS_ENV).is_ok_and(|v| v == "1"),
+            separate_products: false,
             product_groups: Mutex::new((0, 0)),
         })
     }
@@ -887,8 +840,7 @@ impl Compiled {
     /// encoder's output), and consecutive weight-gradient products `xᵀ·dy` of one input
     /// (with their bias gradients' sums), run as one group of products that packs that
     /// operand once (`launch::product_group`), with the bits each would give on its own.
-    /// `true` runs each as its own product instead (for comparisons; also
-    /// `KILN_CPU_SEPARATE_PRODUCTS=1`).
+    /// `true` runs each as its own product instead (for comparisons).
     pub fn set_separate_products(&mut self, on: bool) {
         self.separate_products = on;
     }
@@ -906,7 +858,7 @@ impl Compiled {
     /// With 16-bit products, a bias gradient (`sum_rows` of an output gradient `dy`) is
     /// summed by its layer's weight-gradient product `xᵀ·dy` while that packs `dy`, with
     /// the `sum_rows` kernel's bits and no pass of its own over `dy`. `true` runs every
-    /// one as its own kernel instead (for comparisons; also `KILN_CPU_SEPARATE_BIAS_GRADS=1`).
+    /// one as its own kernel instead (for comparisons).
     pub fn set_separate_bias_grads(&mut self, on: bool) {
         self.separate_bias_grads = on;
     }
@@ -924,16 +876,13 @@ impl Compiled {
     /// tiles of Intel Xeons of the 4th generation on, or with AVX-512's `VDPBF16PS` on AMD
     /// Zen 4 and later; else, where the CPU has AVX512-FP16 (Intel Xeons whose VM hides
     /// AMX), scaled into fp16 with sums of 64 terms in fp16 added up in f32 ([`Bf16Kernel::Half`]).
-    /// `KILN_CPU_BF16=1` sets it for every executor a process builds. Mixed precision, as
-    /// `KILN_CUDA_MIXED=1` on a GPU: everything else stays f32. An error where the CPU has
-    /// none of them.
+    /// `--gemm-type 16bit` sets it for every executor a process builds. Mixed precision,
+    /// as a GPU's `--precision mixed`: everything else stays f32. An error where the CPU
+    /// has none of them.
     pub fn set_bf16_products(&mut self, on: bool) -> Result<(), ExecError> {
         if on {
-            let kernel = Bf16Kernel::chosen().map_err(|why| {
-                ExecError::Unsupported(format!(
-                    "{why}; run the products in f32 (leave KILN_CPU_BF16 unset)"
-                ))
-            })?;
+            let kernel = Bf16Kernel::best()
+                .map_err(|why| ExecError::Unsupported(format!("{why}; run the products in f32")))?;
             self.set_bf16_kernel(Some(kernel))
         } else {
             self.set_bf16_kernel(None)
@@ -945,11 +894,9 @@ impl Compiled {
     /// where the CPU cannot run the kernel.
     pub fn set_bf16_kernel(&mut self, kernel: Option<Bf16Kernel>) -> Result<(), ExecError> {
         if let Some(kernel) = kernel {
-            kernel.available().map_err(|why| {
-                ExecError::Unsupported(format!(
-                    "{why}; run the products in f32 (leave KILN_CPU_BF16 unset)"
-                ))
-            })?;
+            kernel
+                .available()
+                .map_err(|why| ExecError::Unsupported(format!("{why}; run the products in f32")))?;
         }
         self.bf16_products = kernel;
         Ok(())
@@ -1023,7 +970,7 @@ impl Compiled {
     }
 
     /// Runs the program and returns every value of the kernel graph (a debugging aid:
-    /// run with `KILN_NO_REUSE=1` so that no buffer is overwritten before the end).
+    /// compile with `--no-buffer-reuse` so that no buffer is overwritten before the end).
     pub fn run_all_values(
         &self,
         inputs: &BTreeMap<String, Tensor>,

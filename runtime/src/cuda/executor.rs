@@ -34,7 +34,6 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::cuda::index;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
-use kiln_compiler::codegen::cuda::program::emit_attention_on;
 use kiln_compiler::codegen::cuda::resident as gather;
 use kiln_compiler::codegen::cuda::storage::{self, Storage};
 use kiln_compiler::codegen::cuda::text::Elem;
@@ -43,6 +42,7 @@ use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, NodeId, Op};
 use kiln_compiler::optimize::kernels::{Def, KernelGraph};
+use kiln_compiler::options::Precision as CompilePrecision;
 use kiln_compiler::plan::{LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
@@ -313,7 +313,7 @@ fn cuda_parts<'a>(
         return Err(CudaExecError::Artifact(format!(
             "entry `{entry}` has no CUDA code: the artifact's target is `{}`; compile it with \
              `kiln compile --target cuda`",
-            art.manifest.target
+            art.manifest.target().name()
         )));
     };
     Ok((e, m, src))
@@ -337,45 +337,44 @@ struct EntryProgram {
     plan: Option<MemoryPlan>,
 }
 
-/// The program of entry `entry` (no CUDA call): the artifact's f32 CUDA code, or with
-/// `mixed` the bf16 program generated from its kernel graph.
-fn entry_program(
-    art: &Artifact,
-    entry: &str,
-    options: &CudaOptions,
-) -> Result<EntryProgram, CudaExecError> {
-    let mixed = options.mixed;
+/// The program of entry `entry` (no CUDA call): the artifact's CUDA code as it is, with,
+/// for a mixed-precision artifact, its buffers' element types and the memory plan they
+/// give.
+fn entry_program(art: &Artifact, entry: &str) -> Result<EntryProgram, CudaExecError> {
     let (e, m, src) = cuda_parts(art, entry)?;
     let unsupported = |message: String| CudaExecError::Unsupported {
         entry: entry.to_string(),
         message,
     };
     let kg = &e.manifest.kernel_graph;
-    if !mixed {
-        let names: BTreeSet<String> = m.functions.iter().map(|f| f.name.clone()).collect();
-        let (steps, copy) = steps::prepare(kg, &m.kernels, &names).map_err(unsupported)?;
-        return Ok(EntryProgram {
-            file: m.source.clone(),
-            source: src.to_string(),
-            functions: m
-                .functions
-                .iter()
-                .map(|f| (f.name.clone(), f.work, f.params.len()))
-                .collect(),
-            steps,
-            copy,
-            copy16: None,
-            storage: None,
-            plan: None,
-        });
+    let names: BTreeSet<String> = m.functions.iter().map(|f| f.name.clone()).collect();
+    let (steps, copy) = steps::prepare(kg, &m.kernels, &names).map_err(unsupported)?;
+    let mut program = EntryProgram {
+        file: m.source.clone(),
+        source: src.to_string(),
+        functions: m
+            .functions
+            .iter()
+            .map(|f| (f.name.clone(), f.work, f.params.len()))
+            .collect(),
+        steps,
+        copy,
+        copy16: None,
+        storage: None,
+        plan: None,
+    };
+    if art.manifest.options.precision != CompilePrecision::Mixed {
+        return Ok(program);
     }
-    let code = emit_attention_on(kg, Elem::Bf16, !options.cuda_core_attention)
-        .map_err(|m| unsupported(format!("no mixed-precision program: {m}")))?;
-    let names: BTreeSet<String> = code.functions.iter().map(|f| f.name.clone()).collect();
-    let (steps, copy) = steps::prepare(kg, &code.kernels, &names).map_err(unsupported)?;
+    if m.storage.is_empty() {
+        return Err(CudaExecError::Artifact(format!(
+            "entry `{entry}` is compiled for mixed precision but its manifest lists no \
+             buffer types; the artifact is damaged (recompile it)"
+        )));
+    }
     // The batched-GEMM attention path computes its scores in f32 scratch: mixed
     // precision runs attention as the flash kernels only.
-    if let Some(s) = steps.iter().find(|s| {
+    if let Some(s) = program.steps.iter().find(|s| {
         matches!(
             s.exec,
             StepExec::Attention { flash: None, .. } | StepExec::AttentionBwd { flash: None, .. }
@@ -383,42 +382,25 @@ fn entry_program(
     }) {
         return Err(unsupported(format!(
             "kernel %{} ({}) has no flash kernels (heads wider than {} or of another \
-             shape): mixed precision runs attention only as flash kernels; use f32 or bf16 \
-             GEMMs for this model",
+             shape): mixed precision runs attention only as flash kernels; compile this \
+             model with `--precision f32`, `tf32` or `bf16`",
             s.value,
             s.kind,
             kiln_compiler::codegen::cuda::attention::MAX_HEAD
         )));
     }
-    let copy16 = code
+    program.copy16 = m
         .kernels
         .iter()
         .find_map(|l| l.functions.get("copy16").cloned());
-    Ok(EntryProgram {
-        file: format!("the mixed-precision program of entry `{entry}`"),
-        source: code.source(),
-        functions: code
-            .functions
-            .iter()
-            .map(|f| (f.name.clone(), f.work, f.params.len()))
-            .collect(),
-        steps,
-        copy,
-        copy16,
-        plan: Some(storage::memory_plan(kg, &code.storage)),
-        storage: Some(code.storage),
-    })
+    program.plan = Some(storage::memory_plan(kg, &m.storage));
+    program.storage = Some(m.storage.clone());
+    Ok(program)
 }
 
-/// The CUDA C the executor of entry `entry` with `options` compiles (no CUDA call): the
-/// artifact's f32 code, or with [`CudaOptions::mixed`] the mixed-precision program
-/// generated from its kernel graph (`kiln inspect --nvrtc --mixed` assembles it).
-pub fn program_source(
-    art: &Artifact,
-    entry: &str,
-    options: &CudaOptions,
-) -> Result<String, CudaExecError> {
-    Ok(entry_program(art, entry, options)?.source)
+/// The CUDA C the executor of entry `entry` compiles (no CUDA call): the artifact's.
+pub fn program_source(art: &Artifact, entry: &str) -> Result<String, CudaExecError> {
+    Ok(entry_program(art, entry)?.source)
 }
 
 /// What every kernel of entry `entry` runs as on the GPU, in launch order: its kind and
@@ -428,32 +410,17 @@ pub fn launch_plan(
     art: &Artifact,
     entry: &str,
 ) -> Result<Vec<(String, &'static str)>, CudaExecError> {
-    launch_plan_with(art, entry, &CudaOptions::default())
-}
-
-/// [`launch_plan`] of the program `options` run: with [`CudaOptions::mixed`], the
-/// mixed-precision program (generated here; a spec it cannot run is an error).
-pub fn launch_plan_with(
-    art: &Artifact,
-    entry: &str,
-    options: &CudaOptions,
-) -> Result<Vec<(String, &'static str)>, CudaExecError> {
-    Ok(entry_program(art, entry, options)?
+    Ok(entry_program(art, entry)?
         .steps
         .iter()
         .map(|s| (s.kind.clone(), s.exec.how()))
         .collect())
 }
 
-/// The memory plan of entry `entry`'s arena in the program `options` run (needs no
-/// GPU): the artifact's, or with [`CudaOptions::mixed`] one that sizes the bf16 buffers
-/// in 2-byte elements.
-pub fn memory_plan_with(
-    art: &Artifact,
-    entry: &str,
-    options: &CudaOptions,
-) -> Result<MemoryPlan, CudaExecError> {
-    let program = entry_program(art, entry, options)?;
+/// The memory plan of entry `entry`'s arena (needs no GPU): the artifact's, or for a
+/// mixed-precision artifact the one that sizes its bf16 buffers in 2-byte elements.
+pub fn memory_plan(art: &Artifact, entry: &str) -> Result<MemoryPlan, CudaExecError> {
+    let program = entry_program(art, entry)?;
     match program.plan {
         Some(p) => Ok(p),
         None => Ok(cuda_parts(art, entry)?.0.manifest.plan.clone()),
@@ -555,83 +522,36 @@ impl Phases {
     }
 }
 
-/// How the CUDA executor computes.
+/// How the CUDA executor runs an artifact. Its arithmetic is the artifact's
+/// ([`kiln_compiler::options::Precision`], written by `kiln compile --precision`):
+/// pedantic f32 GEMMs; TF32 GEMMs (tensor cores, 10-bit mantissa, fp32 accumulation);
+/// bf16 GEMM operands (the f32 operands rounded by a generated kernel before each GEMM,
+/// fp32 accumulation and results; everything else f32); or the mixed-precision program
+/// (activations stored in bf16, GEMMs on bf16 operands with fp32 accumulation, parameters,
+/// gradients, Adam's moments and the loss in f32; float inputs the plan keeps in bf16
+/// rounded when uploaded, outputs returned as f32).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaOptions {
-    /// GEMMs on the tensor cores with TF32 operands (10-bit mantissa) and fp32
-    /// accumulation, instead of pedantic fp32. Off by default: results then match the
-    /// CPU executor within `1e-5` relative.
-    pub tf32: bool,
-    /// GEMMs on the tensor cores with bf16 operands (8-bit mantissa: the f32 operands,
-    /// activations and parameters alike, rounded to nearest even by a generated kernel
-    /// before each GEMM) and fp32 accumulation and results (`cublasGemmEx`); everything
-    /// else, parameters and Adam included, stays f32. Takes precedence over `tf32`.
-    pub bf16: bool,
     /// The GPU (the driver's ordinal; 0, the first, by default).
     pub device: usize,
-    /// Mixed precision: the entry's bf16 program (`codegen::cuda::program::emit_with`,
-    /// `Elem::Bf16`, generated at load from the artifact's kernel graph) — activations
-    /// stored in bf16 (half the memory traffic), GEMMs on bf16 operands (parameters
-    /// converted per GEMM, as with `bf16`) with fp32 accumulation and bf16 or f32
-    /// results as the storage plan says, parameters, gradients, Adam's moments and the
-    /// loss in f32. Float inputs the plan keeps in bf16 are rounded when uploaded;
-    /// outputs come back as f32. Takes precedence over `bf16` and `tf32`.
-    pub mixed: bool,
     /// Run `linear` and `linear_relu` as a bias fill, a cuBLAS GEMM and a ReLU pass
     /// instead of one cuBLASLt GEMM with a bias (+ ReLU) epilogue (the default, where
     /// cuBLASLt has an algorithm for the problem). For comparisons.
     pub separate_epilogues: bool,
-    /// With `mixed`: attention on the CUDA cores, as in an f32 program, instead of the
-    /// tensor cores (`codegen::cuda::tensor`, for heads of multiples of 16). For
-    /// comparisons.
-    pub cuda_core_attention: bool,
     /// Sum each bias gradient by its own `sum_rows` kernel instead of in the epilogue of
     /// its weight gradient's GEMM (the default where cuBLASLt has an algorithm; also off
     /// with `separate_epilogues`). For comparisons.
     pub separate_bias_grads: bool,
 }
 
-/// The variable that turns on [`CudaOptions::tf32`] for the command line's CUDA executors.
-pub const TF32_ENV: &str = "KILN_CUDA_TF32";
-/// The variable that turns on [`CudaOptions::bf16`] for the command line's CUDA executors.
-pub const BF16_ENV: &str = "KILN_CUDA_BF16";
-/// The variable that turns on [`CudaOptions::mixed`] for the command line's CUDA executors.
-pub const MIXED_ENV: &str = "KILN_CUDA_MIXED";
-/// The variable that turns on [`CudaOptions::separate_epilogues`] (`=1`).
-pub const SEPARATE_EPILOGUES_ENV: &str = "KILN_CUDA_SEPARATE_EPILOGUES";
-/// The variable that turns on [`CudaOptions::cuda_core_attention`] (`=1`).
-pub const CUDA_CORE_ATTENTION_ENV: &str = "KILN_CUDA_CORE_ATTENTION";
-/// The variable that turns on [`CudaOptions::separate_bias_grads`] (`=1`).
-pub const SEPARATE_BIAS_GRADS_ENV: &str = "KILN_CUDA_SEPARATE_BIAS_GRADS";
-
-impl CudaOptions {
-    /// The options the environment asks for: `KILN_CUDA_TF32=1` sets `tf32`,
-    /// `KILN_CUDA_BF16=1` sets `bf16`, `KILN_CUDA_MIXED=1` sets `mixed`.
-    pub fn from_env() -> CudaOptions {
-        let on = |var: &str| std::env::var(var).is_ok_and(|v| v.trim() == "1");
-        CudaOptions {
-            tf32: on(TF32_ENV),
-            bf16: on(BF16_ENV),
-            mixed: on(MIXED_ENV),
-            device: 0,
-            separate_epilogues: on(SEPARATE_EPILOGUES_ENV),
-            cuda_core_attention: on(CUDA_CORE_ATTENTION_ENV),
-            separate_bias_grads: on(SEPARATE_BIAS_GRADS_ENV),
-        }
-    }
-
-    /// The precision in words, for reports: `fp32`, `tf32` or `bf16` (the GEMMs'), or
-    /// `mixed-bf16` (bf16 activations and GEMMs, [`CudaOptions::mixed`]).
-    pub fn gemm_name(&self) -> &'static str {
-        if self.mixed {
-            "mixed-bf16"
-        } else if self.bf16 {
-            "bf16"
-        } else if self.tf32 {
-            "tf32"
-        } else {
-            "fp32"
-        }
+/// The arithmetic of a precision in words, for reports: `fp32`, `tf32` or `bf16` (the
+/// GEMMs'), or `mixed-bf16` (bf16 activations and GEMMs).
+pub fn precision_label(p: CompilePrecision) -> &'static str {
+    match p {
+        CompilePrecision::F32 => "fp32",
+        CompilePrecision::Tf32 => "tf32",
+        CompilePrecision::Bf16 => "bf16",
+        CompilePrecision::Mixed => "mixed-bf16",
     }
 }
 
@@ -663,7 +583,9 @@ impl CudaExecutor {
             });
         }
         let kg = e.manifest.kernel_graph.clone();
-        let program = entry_program(art, entry, &options)?;
+        let program = entry_program(art, entry)?;
+        let precision = art.manifest.options.precision;
+        let bf16 = matches!(precision, CompilePrecision::Bf16 | CompilePrecision::Mixed);
         let ptx = device::compile(&program.source, &m.nvrtc_options).map_err(|log| {
             CudaExecError::Nvrtc {
                 file: program.file.clone(),
@@ -671,16 +593,14 @@ impl CudaExecutor {
             }
         })?;
         let funcs = program.functions;
-        let math = if options.bf16 || options.mixed {
-            device::GemmMath::Bf16
-        } else if options.tf32 {
-            device::GemmMath::Tf32
-        } else {
-            device::GemmMath::F32
+        let math = match precision {
+            CompilePrecision::Bf16 | CompilePrecision::Mixed => device::GemmMath::Bf16,
+            CompilePrecision::Tf32 => device::GemmMath::Tf32,
+            CompilePrecision::F32 => device::GemmMath::F32,
         };
         let mut device =
             Device::new(options.device, ptx, &funcs, math).map_err(CudaExecError::Driver)?;
-        if options.bf16 || options.mixed {
+        if bf16 {
             load_unit_once(&mut device, cast::TO_BF16, cast::code, &m.nvrtc_options).map_err(
                 |log| CudaExecError::Nvrtc {
                     file: "the bf16 conversion unit".into(),
@@ -735,7 +655,7 @@ impl CudaExecutor {
                 binds: (0, 0),
             }),
             pool: Arc::new(Pool::default()),
-            bf16: options.bf16 || options.mixed,
+            bf16,
             separate_epilogues: options.separate_epilogues,
             separate_bias_grads: options.separate_bias_grads || options.separate_epilogues,
             nvrtc_options: m.nvrtc_options.clone(),

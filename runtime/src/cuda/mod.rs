@@ -11,7 +11,8 @@
 //! library; the driver calls run under `catch_unwind`), and its answer is computed once per
 //! process.
 //!
-//! Tests that need a GPU start with [`require_cuda_or_skip`]: without CUDA they print
+//! Tests that need a GPU start with their helper `require_cuda_or_skip` (built on
+//! [`skip_or_fail`]): without CUDA they print
 //! `skipped: <reason>` and return early, unless `KILN_REQUIRE_CUDA=1`, in which case a
 //! missing GPU fails the test (what a GPU CI runner sets, so that a broken installation
 //! cannot pass as a skip).
@@ -40,9 +41,8 @@ mod steps;
 use std::sync::OnceLock;
 
 pub use executor::{
-    launch_plan, launch_plan_with, memory_plan_with, program_source, CudaExecError, CudaExecutor,
-    CudaOptions, DeviceTensor, MicroOut, RowsTopK, BF16_ENV, GPU_IDLE, HOST_ISSUE, MIXED_ENV,
-    SEPARATE_BIAS_GRADS_ENV, SEPARATE_EPILOGUES_ENV, TF32_ENV,
+    launch_plan, memory_plan, precision_label, program_source, CudaExecError, CudaExecutor,
+    CudaOptions, DeviceTensor, MicroOut, RowsTopK, GPU_IDLE, HOST_ISSUE,
 };
 
 /// The environment variable that turns a skipped GPU test into a failure.
@@ -187,19 +187,10 @@ pub fn nccl_available() -> Result<CudaInfo, String> {
     Ok(info)
 }
 
-/// For a test that needs a GPU: `Some(info)` when CUDA is usable; otherwise prints
-/// `skipped: <reason>` and returns `None`, or panics with the reason when
-/// `KILN_REQUIRE_CUDA=1`.
-pub fn require_cuda_or_skip() -> Option<CudaInfo> {
-    skip_or_fail(
-        cuda_available(),
-        std::env::var(REQUIRE_CUDA_ENV).ok().as_deref(),
-    )
-}
-
-/// [`require_cuda_or_skip`] with the guard's answer and the value of `KILN_REQUIRE_CUDA`
-/// as arguments (what the tests exercise, without touching the process environment).
-/// Only the value `1` requires CUDA.
+/// For a test that needs a GPU, given the guard's answer and the value of the tests'
+/// `KILN_REQUIRE_CUDA` (their helper reads it): `Some(info)` when CUDA is usable;
+/// otherwise prints `skipped: <reason>` and returns `None`, or panics with the reason
+/// when the value is `1`.
 pub fn skip_or_fail(
     available: Result<CudaInfo, String>,
     require_env: Option<&str>,
@@ -346,14 +337,13 @@ pub fn ptxas_report(log: &str) -> Vec<PtxasFunction> {
 }
 
 /// The CUDA executor of entry `entry` of `art` as an [`crate::exec::Exec`] (what the CLI
-/// calls), with the options of the environment ([`CudaOptions::from_env`]: TF32 GEMMs
-/// with `KILN_CUDA_TF32=1`, bf16 GEMM operands with `KILN_CUDA_BF16=1`); the error says why not (no GPU: the guard's reason and the
-/// CPU alternative).
+/// calls), in the artifact's precision on the first GPU; the error says why not (no GPU:
+/// the guard's reason and the CPU alternative).
 pub fn executor_for(
     art: &crate::artifact::Artifact,
     entry: &str,
 ) -> Result<Box<dyn crate::exec::Exec>, String> {
-    CudaExecutor::with_options(art, entry, CudaOptions::from_env())
+    CudaExecutor::with_options(art, entry, CudaOptions::default())
         .map(|e| Box::new(e) as Box<dyn crate::exec::Exec>)
         .map_err(|e| e.to_string())
 }
@@ -474,7 +464,7 @@ mod tests {
     fn the_helper_follows_the_guard_on_this_machine() {
         // What a GPU test sees here, with the environment as it is: on a machine without
         // CUDA and without KILN_REQUIRE_CUDA=1, a skip; with it, a failure.
-        let env = std::env::var(REQUIRE_CUDA_ENV).ok();
+        let env = std::env::var(REQUIRE_CUDA_ENV).ok(); // (a test)
         let got = std::panic::catch_unwind(|| skip_or_fail(cuda_available(), env.as_deref()));
         match (cuda_available(), env.as_deref().map(str::trim) == Some("1")) {
             (Ok(info), _) => assert_eq!(got.unwrap(), Some(info)),

@@ -6,8 +6,9 @@
 //! and stored (a temporary file renamed into place, so a reader never sees half a file;
 //! a cache that cannot be written is skipped, never an error).
 //!
-//! The directory is `$KILN_PTX_CACHE` when set (`off` or empty: no cache), else
-//! `$XDG_CACHE_HOME/kiln/ptx`, else `$HOME/.cache/kiln/ptx`. Each file starts with a
+//! The directory is the one [`set_dir`] names (the command line's `--ptx-cache DIR`,
+//! `off`: none; by default `$XDG_CACHE_HOME/kiln/ptx`, else `$HOME/.cache/kiln/ptx`, as
+//! [`dir_from`] gives); a process that names none has no cache. Each file starts with a
 //! header line naming its key, the source's length and FNV-1a hash and the NVRTC version;
 //! a file whose header does not match (another unit with a colliding name, a truncated
 //! write from an older kiln) is compiled again and replaced.
@@ -16,12 +17,10 @@ use std::path::{Path, PathBuf};
 
 use kiln_compiler::artifact::fnv1a64;
 
-/// The variable naming the cache directory (`off`: none).
-pub const CACHE_ENV: &str = "KILN_PTX_CACHE";
-
-/// The cache directory for the given environment values (see the module docs).
-pub fn dir_from(cache: Option<&str>, xdg: Option<&str>, home: Option<&str>) -> Option<PathBuf> {
-    match cache.map(str::trim) {
+/// The cache directory for the given settings: `flag` is `--ptx-cache` (`off` or empty:
+/// none), `xdg` and `home` the user's cache and home directories.
+pub fn dir_from(flag: Option<&str>, xdg: Option<&str>, home: Option<&str>) -> Option<PathBuf> {
+    match flag.map(str::trim) {
         Some("") | Some("off") => None,
         Some(d) => Some(PathBuf::from(d)),
         None => match (
@@ -35,14 +34,16 @@ pub fn dir_from(cache: Option<&str>, xdg: Option<&str>, home: Option<&str>) -> O
     }
 }
 
-/// The cache directory of this process's environment.
+static DIR: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// Makes `dir` this process's cache directory (`None`: no cache, the default).
+pub fn set_dir(dir: Option<PathBuf>) {
+    *DIR.lock().unwrap_or_else(|p| p.into_inner()) = dir;
+}
+
+/// This process's cache directory ([`set_dir`]).
 pub fn dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var(k).ok();
-    dir_from(
-        var(CACHE_ENV).as_deref(),
-        var("XDG_CACHE_HOME").as_deref(),
-        var("HOME").as_deref(),
-    )
+    DIR.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 /// The header line of a cache file: everything the PTX depends on, hashed, plus the
