@@ -23,7 +23,7 @@ use crate::codegen::rows::MaskKind;
 use crate::codegen::{misc, region, rows};
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{Def, KernelGraph, KernelOp};
-use crate::optimize::templates::registry;
+use crate::optimize::templates::{registry, TemplateKind};
 use crate::shape::Shape;
 
 /// Generated CPU code of one kernel graph.
@@ -176,12 +176,12 @@ fn kernel_functions(
         }
         KernelOp::Template { id, attrs } => {
             let def = &registry()[*id as usize];
-            match def.name.as_str() {
-                "linear" => put(
+            match def.kind {
+                TemplateKind::Linear => put(
                     "bias",
                     em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
                 ),
-                "linear_relu" => {
+                TemplateKind::LinearRelu => {
                     put(
                         "bias",
                         em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
@@ -191,11 +191,13 @@ fn kernel_functions(
                         em.get("relu", "relu".into(), |n| Ok(misc::relu(n)))?,
                     );
                 }
-                "softmax" => put(
+                TemplateKind::Softmax => put(
                     "main",
                     em.get("softmax", "softmax".into(), |n| Ok(rows::softmax(n)))?,
                 ),
-                "scale_mask_softmax" | "attention" | "attention_bwd" => {
+                TemplateKind::ScaleMaskSoftmax
+                | TemplateKind::Attention
+                | TemplateKind::AttentionBwd => {
                     let m = mask_kind(&def.variant);
                     put(
                         "softmax",
@@ -205,7 +207,7 @@ fn kernel_functions(
                             |n| Ok(rows::scale_mask_softmax(n, m)),
                         )?,
                     );
-                    if def.name == "attention_bwd" {
+                    if def.kind == TemplateKind::AttentionBwd {
                         put(
                             "softmax_bwd",
                             em.get("softmax_bwd", "softmax_bwd".into(), |n| {
@@ -214,13 +216,13 @@ fn kernel_functions(
                         );
                     }
                 }
-                "add_layer_norm" => put(
+                TemplateKind::AddLayerNorm => put(
                     "main",
                     em.get("add_layer_norm", "add_layer_norm".into(), |n| {
                         Ok(rows::add_layer_norm(n))
                     })?,
                 ),
-                "add_layer_norm_bwd" => {
+                TemplateKind::AddLayerNormBwd => {
                     put(
                         "main",
                         em.get("add_layer_norm_bwd", "add_layer_norm_bwd".into(), |n| {
@@ -238,17 +240,17 @@ fn kernel_functions(
                 }
                 // Where nothing reads the gradient (the `loss` entry), the kernel computes
                 // only the loss: role `loss` instead of `main`.
-                "xent_ls" if !kg.output_is_read(v, 1) => put(
+                TemplateKind::XentLs if !kg.output_is_read(v, 1) => put(
                     "loss",
                     em.get("xent_ls_loss", "xent_ls_loss".into(), |n| {
                         Ok(rows::xent_ls_loss(n))
                     })?,
                 ),
-                "xent_ls" => put(
+                TemplateKind::XentLs => put(
                     "main",
                     em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?,
                 ),
-                "embed_pe" => {
+                TemplateKind::EmbedPe => {
                     let dropout = !attrs.is_empty();
                     put(
                         "main",
@@ -257,7 +259,7 @@ fn kernel_functions(
                         })?,
                     );
                 }
-                "sum_rows" => {
+                TemplateKind::SumRows => {
                     let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
                     put(
                         "main",
@@ -266,7 +268,7 @@ fn kernel_functions(
                         })?,
                     );
                 }
-                "adam_update" => put(
+                TemplateKind::AdamUpdate => put(
                     "main",
                     em.get("adam_update", "adam_update".into(), |n| {
                         Ok(misc::adam_update(n))
@@ -274,8 +276,7 @@ fn kernel_functions(
                 ),
                 // Runs in Rust (the runtime's fallback): it touches only the rows the
                 // ids name.
-                "scatter_add_into" => {}
-                other => return Err(format!("no CPU code for template `{other}`")),
+                TemplateKind::ScatterAddInto => {}
             }
         }
         KernelOp::Prim(Op::Reduce { op, axis })

@@ -8,7 +8,7 @@
 //! 1. [`lang`] — the graph becomes an e-graph ([`analysis`] types every e-class);
 //! 2. [`canon`] — canonicalization phase;
 //! 3. [`templates`] — template phase: the fused kernels the prelude's layers and their
-//!    autodiff-made backwards are recognized as;
+//!    autodiff-made backwards are recognized as, each of a [`kind::TemplateKind`];
 //! 4. [`regions`] — elementwise-region phase;
 //! 5. [`extract`] — DAG-aware extraction by a per-target cost model;
 //! 6. [`kernels`] — the kernel graph, and its expansion back to primitives;
@@ -22,6 +22,7 @@ pub mod analysis;
 pub mod canon;
 pub mod extract;
 pub mod kernels;
+pub mod kind;
 pub mod lang;
 pub mod native;
 pub mod regions;

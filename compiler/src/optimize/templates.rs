@@ -42,12 +42,15 @@ use crate::ir::{
     BinaryOp, DType, Float, Graph, IrError, NodeId, Op, ReduceOp, TensorType, UnaryOp,
 };
 use crate::optimize::analysis::{Info, Types, EG};
+pub use crate::optimize::kind::TemplateKind;
 use crate::optimize::lang::{attr_of, op_parts, Attr, KNode, Kind};
 use crate::shape::{Dim, Shape};
 
 /// A fused kernel's definition.
 pub struct TemplateDef {
-    /// The kernel kind (`attention`, `attention_bwd`, `linear`, …).
+    /// The kernel kind, which every backend matches exhaustively.
+    pub kind: TemplateKind,
+    /// Its name (`attention`, `attention_bwd`, `linear`, …).
     pub name: String,
     /// Which form of the kind (`mask=key`, `rank=3`), shown in the kernel graph.
     pub variant: String,
@@ -427,7 +430,7 @@ fn attention_graph(mask: Mask) -> (TB, Vec<NodeId>, NodeId) {
 }
 
 fn def(
-    name: &str,
+    kind: TemplateKind,
     variant: String,
     t: TB,
     inputs: Vec<NodeId>,
@@ -443,7 +446,8 @@ fn def(
         })
         .collect();
     TemplateDef {
-        name: name.to_string(),
+        kind,
+        name: kind.name().to_string(),
         variant,
         graph: t.g,
         inputs,
@@ -470,9 +474,13 @@ fn build_registry() -> Vec<TemplateDef> {
             if relu {
                 y = t.un(UnaryOp::Relu, y);
             }
-            let name = if relu { "linear_relu" } else { "linear" };
+            let kind = if relu {
+                TemplateKind::LinearRelu
+            } else {
+                TemplateKind::Linear
+            };
             out.push(def(
-                name,
+                kind,
                 format!("rank={rank}"),
                 t,
                 vec![x, w, b],
@@ -487,7 +495,7 @@ fn build_registry() -> Vec<TemplateDef> {
         let x = t.input("x", DType::F32, &strs(&lead_dims(rank)));
         let y = t.softmax(x, rank - 1);
         out.push(def(
-            "softmax",
+            TemplateKind::Softmax,
             format!("rank={rank}"),
             t,
             vec![x],
@@ -515,7 +523,7 @@ fn build_registry() -> Vec<TemplateDef> {
         inputs.push(scale);
         inputs.extend(fill);
         out.push(def(
-            "scale_mask_softmax",
+            TemplateKind::ScaleMaskSoftmax,
             format!("mask={}", mask.name()),
             t,
             inputs,
@@ -527,7 +535,7 @@ fn build_registry() -> Vec<TemplateDef> {
     for mask in [Mask::None, Mask::Key, Mask::Causal] {
         let (t, inputs, o) = attention_graph(mask);
         out.push(def(
-            "attention",
+            TemplateKind::Attention,
             format!("mask={}", mask.name()),
             t,
             inputs,
@@ -544,7 +552,7 @@ fn build_registry() -> Vec<TemplateDef> {
         let pos = if matches!(mask, Mask::None) { 3 } else { 4 };
         inputs.insert(pos, g);
         out.push(def(
-            "attention_bwd",
+            TemplateKind::AttentionBwd,
             format!("mask={}", mask.name()),
             t,
             inputs,
@@ -570,7 +578,7 @@ fn build_registry() -> Vec<TemplateDef> {
         };
         let (t, [x, y, gamma, beta, inv_d, eps], o) = build();
         out.push(def(
-            "add_layer_norm",
+            TemplateKind::AddLayerNorm,
             format!("rank={rank}"),
             t,
             vec![x, y, gamma, beta, inv_d, eps],
@@ -591,7 +599,7 @@ fn build_registry() -> Vec<TemplateDef> {
             .expect("layer norm differentiates");
         t.g = graph;
         out.push(def(
-            "add_layer_norm_bwd",
+            TemplateKind::AddLayerNormBwd,
             format!("rank={rank}"),
             t,
             vec![x, y, gamma, g, inv_d, eps],
@@ -663,7 +671,7 @@ fn build_registry() -> Vec<TemplateDef> {
         t.g = graph;
         let variant = if seeded { "rank=3 seeded" } else { "rank=3" };
         out.push(def(
-            "xent_ls",
+            TemplateKind::XentLs,
             variant.to_string(),
             t,
             operands,
@@ -697,7 +705,7 @@ fn build_registry() -> Vec<TemplateDef> {
         }
         let variant = if dropout { "rank=2 dropout" } else { "rank=2" };
         out.push(def(
-            "embed_pe",
+            TemplateKind::EmbedPe,
             variant.to_string(),
             t,
             vec![table, ids, pe, scale],
@@ -723,7 +731,7 @@ fn build_registry() -> Vec<TemplateDef> {
             &[y],
         );
         out.push(def(
-            "sum_rows",
+            TemplateKind::SumRows,
             format!("rank={rank}"),
             t,
             vec![x],
@@ -752,7 +760,7 @@ fn build_registry() -> Vec<TemplateDef> {
         );
         let y = t.bin(BinaryOp::Add, base, s);
         out.push(def(
-            "scatter_add_into",
+            TemplateKind::ScatterAddInto,
             format!("rank={rank}"),
             t,
             vec![base, ids, src],
@@ -795,7 +803,7 @@ fn build_registry() -> Vec<TemplateDef> {
             k.inv_sqrt_bc2,
         ];
         out.push(def(
-            "adam_update",
+            TemplateKind::AdamUpdate,
             format!("rank={rank}"),
             t,
             inputs,

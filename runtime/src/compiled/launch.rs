@@ -16,7 +16,7 @@ use kiln_compiler::ir::{DType, Op};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
-use kiln_compiler::optimize::templates::registry;
+use kiln_compiler::optimize::templates::{registry, TemplateKind};
 use rayon::prelude::*;
 
 use super::fallback::{self, Fallback};
@@ -227,35 +227,35 @@ pub(crate) fn prepare(
             }
             KernelOp::Template { id, attrs } => {
                 let def = &registry()[*id as usize];
-                match def.name.as_str() {
-                    "linear" => Exec::Linear {
+                match def.kind {
+                    TemplateKind::Linear => Exec::Linear {
                         bias: f("bias")?,
                         relu: None,
                     },
-                    "linear_relu" => Exec::Linear {
+                    TemplateKind::LinearRelu => Exec::Linear {
                         bias: f("bias")?,
                         relu: Some(f("epilogue")?),
                     },
-                    "softmax" => Exec::Softmax(f("main")?),
-                    "scale_mask_softmax" => {
+                    TemplateKind::Softmax => Exec::Softmax(f("main")?),
+                    TemplateKind::ScaleMaskSoftmax => {
                         Exec::ScaleMaskSoftmax(f("softmax")?, mask_kind(&def.variant))
                     }
-                    "attention" => Exec::Attention {
+                    TemplateKind::Attention => Exec::Attention {
                         softmax: f("softmax")?,
                         mask: mask_kind(&def.variant),
                     },
-                    "attention_bwd" => Exec::AttentionBwd {
+                    TemplateKind::AttentionBwd => Exec::AttentionBwd {
                         softmax: f("softmax")?,
                         softmax_bwd: f("softmax_bwd")?,
                         mask: mask_kind(&def.variant),
                     },
-                    "add_layer_norm" => Exec::AddLayerNorm(f("main")?),
-                    "add_layer_norm_bwd" => Exec::AddLayerNormBwd {
+                    TemplateKind::AddLayerNorm => Exec::AddLayerNorm(f("main")?),
+                    TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
                         main: f("main")?,
                         finish: f("finish")?,
                     },
                     // Role `loss`: nothing reads the gradient; the function writes none.
-                    "xent_ls" => Exec::XentLs {
+                    TemplateKind::XentLs => Exec::XentLs {
                         f: f(if roles.contains_key("loss") {
                             "loss"
                         } else {
@@ -264,13 +264,16 @@ pub(crate) fn prepare(
                         pad: xent_pad(v, attrs)?,
                         grad: !roles.contains_key("loss"),
                     },
-                    "embed_pe" => Exec::EmbedPe {
+                    TemplateKind::EmbedPe => Exec::EmbedPe {
                         f: f("main")?,
                         dropout: embed_pe_dropout(v, attrs)?,
                     },
-                    "sum_rows" => Exec::SumRows(f("main")?),
-                    "adam_update" => Exec::Adam(f("main")?),
-                    _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
+                    TemplateKind::SumRows => Exec::SumRows(f("main")?),
+                    TemplateKind::AdamUpdate => Exec::Adam(f("main")?),
+                    // Runs in Rust: it touches only the rows the ids name.
+                    TemplateKind::ScatterAddInto => {
+                        Exec::Fallback(fallback::build(kg, v, op, inputs)?)
+                    }
                 }
             }
             _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),

@@ -15,7 +15,7 @@ use kiln_compiler::codegen::rows::MaskKind;
 use kiln_compiler::ir::{DType, Op};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::regions::Expr;
-use kiln_compiler::optimize::templates::registry;
+use kiln_compiler::optimize::templates::{registry, TemplateKind};
 use kiln_compiler::shape::Dim;
 
 use crate::compiled::fallback::{self, Fallback};
@@ -256,17 +256,17 @@ pub(crate) fn prepare(
             },
             (None, KernelOp::Template { id, attrs }) => {
                 let def = &registry()[*id as usize];
-                match def.name.as_str() {
-                    "softmax" => Exec::Softmax(role("main")?),
-                    "scale_mask_softmax" => {
+                match def.kind {
+                    TemplateKind::Softmax => Exec::Softmax(role("main")?),
+                    TemplateKind::ScaleMaskSoftmax => {
                         Exec::ScaleMaskSoftmax(role("softmax")?, mask_kind(&def.variant))
                     }
-                    "add_layer_norm" => Exec::AddLayerNorm(role("main")?),
-                    "add_layer_norm_bwd" => Exec::AddLayerNormBwd {
+                    TemplateKind::AddLayerNorm => Exec::AddLayerNorm(role("main")?),
+                    TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
                         main: role("main")?,
                         finish: role("finish")?,
                     },
-                    "xent_ls" => {
+                    TemplateKind::XentLs => {
                         let grad = !l.functions.contains_key("loss");
                         Exec::XentLs {
                             count: role("count")?,
@@ -276,20 +276,25 @@ pub(crate) fn prepare(
                             grad,
                         }
                     }
-                    "embed_pe" => Exec::EmbedPe {
+                    TemplateKind::EmbedPe => Exec::EmbedPe {
                         f: role("main")?,
                         dropout: embed_pe_dropout(v, attrs)?,
                     },
-                    "sum_rows" => Exec::SumRows {
+                    TemplateKind::SumRows => Exec::SumRows {
                         main: role("main")?,
                         finish: role("finish")?,
                     },
-                    "adam_update" => Exec::Adam(role("main")?),
-                    "scatter_add_into" => Exec::ScatterAddInto(role("main")?),
-                    other => {
+                    TemplateKind::AdamUpdate => Exec::Adam(role("main")?),
+                    TemplateKind::ScatterAddInto => Exec::ScatterAddInto(role("main")?),
+                    // Their launches are library routines (above).
+                    TemplateKind::Linear
+                    | TemplateKind::LinearRelu
+                    | TemplateKind::Attention
+                    | TemplateKind::AttentionBwd => {
                         return Err(format!(
-                            "kernel %{v}: the CUDA executor has no launch for template `{other}` \
-                             without a library routine"
+                            "kernel %{v}: the CUDA executor has no launch for template `{}` \
+                             without a library routine",
+                            def.name
                         ))
                     }
                 }

@@ -23,7 +23,7 @@ use crate::codegen::program::{mask_kind, static_inner, Names};
 use crate::codegen::rows::MaskKind;
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{KernelGraph, KernelOp};
-use crate::optimize::templates::registry;
+use crate::optimize::templates::{registry, TemplateKind};
 
 /// Builds functions on demand, one per distinct key (named as the CPU emitter names).
 struct Emitter {
@@ -185,9 +185,9 @@ fn launch(
         }
         KernelOp::Template { id, attrs } => {
             let def = &registry()[*id as usize];
-            match def.name.as_str() {
-                "linear" | "linear_relu" => {
-                    let relu = def.name == "linear_relu";
+            match def.kind {
+                TemplateKind::Linear | TemplateKind::LinearRelu => {
+                    let relu = def.kind == TemplateKind::LinearRelu;
                     f.insert(
                         "bias".into(),
                         em.plain("fill_rows", |n| misc::fill_rows(n, e)),
@@ -202,10 +202,12 @@ fn launch(
                         relu,
                     });
                 }
-                "softmax" => {
+                TemplateKind::Softmax => {
                     f.insert("main".into(), em.plain("softmax", |n| rows::softmax(n, e)));
                 }
-                "scale_mask_softmax" | "attention" | "attention_bwd" => {
+                TemplateKind::ScaleMaskSoftmax
+                | TemplateKind::Attention
+                | TemplateKind::AttentionBwd => {
                     let m = mask_kind(&def.variant);
                     let name = em.get(
                         "scale_mask_softmax",
@@ -213,13 +215,13 @@ fn launch(
                         |n| Ok(rows::scale_mask_softmax(n, m, e)),
                     )?;
                     f.insert("softmax".into(), name);
-                    if def.name == "attention_bwd" {
+                    if def.kind == TemplateKind::AttentionBwd {
                         f.insert(
                             "softmax_bwd".into(),
                             em.plain("softmax_bwd", |n| rows::softmax_bwd(n, e)),
                         );
                     }
-                    if def.name != "scale_mask_softmax" {
+                    if def.kind != TemplateKind::ScaleMaskSoftmax {
                         if let Some((dk, dv)) = flash_heads(kg, inputs) {
                             // Keys name the function kind: one key space for all.
                             let key = |kind: &str| format!("{kind} {m:?} dk={dk} dv={dv}");
@@ -227,7 +229,7 @@ fn launch(
                             // cores (same ABI, tiles and work items).
                             let on = em.tensor_cores;
                             let tc = |p| on && e == Elem::Bf16 && tensor::fits(p, dk, dv);
-                            if def.name == "attention" {
+                            if def.kind == TemplateKind::Attention {
                                 let n = if tc(attention::Part::Forward) {
                                     em.get("attention_tc", key("attention_tc"), |n| {
                                         Ok(tensor::forward(n, m, dk, dv))
@@ -286,12 +288,12 @@ fn launch(
                         }
                         library = Some(Library::Attention {
                             mask: mask_name(m).to_string(),
-                            backward: def.name == "attention_bwd",
+                            backward: def.kind == TemplateKind::AttentionBwd,
                             strided_results: true,
                         });
                     }
                 }
-                "add_layer_norm" => {
+                TemplateKind::AddLayerNorm => {
                     let lane = rows::row_lane(static_last(kg, inputs[0]));
                     let name = em.get(
                         "add_layer_norm",
@@ -300,7 +302,7 @@ fn launch(
                     )?;
                     f.insert("main".into(), name);
                 }
-                "add_layer_norm_bwd" => {
+                TemplateKind::AddLayerNormBwd => {
                     let lane = rows::bwd_row_lane(static_last(kg, inputs[0]));
                     let name = em.get(
                         "add_layer_norm_bwd",
@@ -313,7 +315,7 @@ fn launch(
                         em.plain("add_layer_norm_bwd_finish", rows::add_layer_norm_bwd_finish),
                     );
                 }
-                "xent_ls" => {
+                TemplateKind::XentLs => {
                     let count = if def.variant.split_whitespace().any(|w| w == "seeded") {
                         em.plain("xent_ls_count_seeded", rows::xent_ls_count_seeded)
                     } else {
@@ -339,7 +341,7 @@ fn launch(
                         em.plain("xent_ls_finish", rows::xent_ls_finish),
                     );
                 }
-                "embed_pe" => {
+                TemplateKind::EmbedPe => {
                     let dropout = !attrs.is_empty();
                     let (pe, out) = (at.of(inputs[2]), at.of(v));
                     let key = format!("embed_pe dropout={dropout} pe={pe:?} out={out:?}");
@@ -348,7 +350,7 @@ fn launch(
                     })?;
                     f.insert("main".into(), name);
                 }
-                "sum_rows" => {
+                TemplateKind::SumRows => {
                     let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
                     let (x, y) = (at.of(inputs[0]), at.of(v));
                     let name =
@@ -363,14 +365,14 @@ fn launch(
                     )?;
                     f.insert("finish".into(), name);
                 }
-                "adam_update" => {
+                TemplateKind::AdamUpdate => {
                     f.insert(
                         "main".into(),
                         // f32 master weights, moments and gradients in every mode.
                         em.plain("adam_update", |n| misc::adam_update(n, Elem::F32)),
                     );
                 }
-                "scatter_add_into" => {
+                TemplateKind::ScatterAddInto => {
                     let (base, src, out) = (at.of(inputs[0]), at.of(inputs[2]), at.of(v));
                     let key = format!("scatter_rows_onto base={base:?} src={src:?} out={out:?}");
                     let name = em.get("scatter_rows_onto", key, |n| {
@@ -378,7 +380,6 @@ fn launch(
                     })?;
                     f.insert("main".into(), name);
                 }
-                other => return Err(format!("no CUDA code for template `{other}`")),
             }
         }
         KernelOp::Prim(p) if !storage::on_device(kg, p, inputs) => library = Some(Library::Host),
