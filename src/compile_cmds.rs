@@ -686,7 +686,7 @@ pub fn inspect(
             );
             if let Some(version) = &nvrtc_version {
                 let mixed = m.options.precision == kiln_compiler::options::Precision::Mixed;
-                let _ = writeln!(out, "{}", nvrtc_summary(version, &src, mixed, c, &me.name)?);
+                let _ = writeln!(out, "{}", nvrtc_summary(version, src, mixed, c, &me.name)?);
             }
         }
         let _ = writeln!(

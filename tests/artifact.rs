@@ -96,6 +96,22 @@ fn unwrap_lines(text: &str) -> String {
 }
 
 /// Every file under `dir`, by relative path.
+/// `kiln compile SPEC` (vocab 48) of train_step and decode_step for `target` and
+/// `precision`, with `extra` flags, into `out`.
+fn compile_for(out: &Path, target: &str, precision: &str, extra: &[&str]) {
+    let mut args = vec!["compile", SPEC, "--set", "vocab=48", "--entries"];
+    args.extend([
+        "train_step,decode_step",
+        "--target",
+        target,
+        "--precision",
+        precision,
+    ]);
+    args.extend_from_slice(extra);
+    args.extend(["-o", out.to_str().unwrap()]);
+    kiln_ok(&args);
+}
+
 fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -955,20 +971,7 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
         (&cpu, "cpu", "f32"),
         (&mixed, "cuda", "mixed"),
     ] {
-        kiln_ok(&[
-            "compile",
-            SPEC,
-            "--set",
-            "vocab=48",
-            "--entries",
-            "train_step,decode_step",
-            "--target",
-            target,
-            "--precision",
-            precision,
-            "-o",
-            art.to_str().unwrap(),
-        ]);
+        compile_for(art, target, precision, &[]);
     }
     let out = kiln(&["inspect", cpu.to_str().unwrap(), "--nvrtc"]);
     assert_eq!(out.status.code(), Some(1));
@@ -1051,23 +1054,7 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
 fn a_mixed_precision_artifact_carries_the_program_that_runs() {
     use kiln_compiler::options::Precision;
     let dir = tmp("mixed");
-    let compile_mixed = |out: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "compile",
-            SPEC,
-            "--set",
-            "vocab=48",
-            "--entries",
-            "train_step,decode_step",
-            "--target",
-            "cuda",
-            "--precision",
-            "mixed",
-        ];
-        args.extend_from_slice(extra);
-        args.extend(["-o", out.to_str().unwrap()]);
-        kiln_ok(&args);
-    };
+    let compile_mixed = |out: &Path, extra: &[&str]| compile_for(out, "cuda", "mixed", extra);
     let (art, again) = (dir.join("art"), dir.join("again"));
     compile_mixed(&art, &[]);
     compile_mixed(&again, &[]);

@@ -53,6 +53,11 @@ fn writing_commands_refuse_checkpoints_runs_and_their_inputs() {
     let before = tree(&dir);
     let ck = "run/checkpoints/step_00000020";
     let ck_model = "run/checkpoints/step_00000020/model.safetensors";
+    let run = |inputs: &'static str, out: &'static str| {
+        vec![
+            "run", "m.kiln", "--entry", "forward", "--inputs", inputs, "-o", out,
+        ]
+    };
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["init", "m.kiln", "-o", ck_model],
@@ -91,29 +96,11 @@ fn writing_commands_refuse_checkpoints_runs_and_their_inputs() {
             "is inside a training checkpoint",
         ),
         (
-            vec![
-                "run",
-                "m.kiln",
-                "--entry",
-                "forward",
-                "--inputs",
-                "in.safetensors",
-                "-o",
-                ck_model,
-            ],
+            run("in.safetensors", ck_model),
             "is inside a training checkpoint",
         ),
         (
-            vec![
-                "run",
-                "m.kiln",
-                "--entry",
-                "forward",
-                "--inputs",
-                "torch.safetensors",
-                "-o",
-                "torch.safetensors",
-            ],
+            run("torch.safetensors", "torch.safetensors"),
             "is one of the inputs (`torch.safetensors`)",
         ),
         (

@@ -2,16 +2,20 @@
 //! ([`gpu`]), which `tests/cuda_emulated.rs` also runs on the emulated device.
 #![allow(dead_code)]
 
-#[path = "../common/mod.rs"]
-mod common;
 pub mod gpu;
-pub use common::require_cuda_or_skip;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use kiln_runtime::checkpoint;
 use kiln_runtime::synthetic::Task;
+
+/// For a GPU test: `Some(info)` with CUDA, else a printed skip (a failure when
+/// `KILN_REQUIRE_CUDA=1`).
+pub fn require_cuda_or_skip() -> Option<kiln_runtime::cuda::CudaInfo> {
+    let require = std::env::var(kiln_runtime::cuda::REQUIRE_CUDA_ENV).ok();
+    kiln_runtime::cuda::skip_or_fail(kiln_runtime::cuda::cuda_available(), require.as_deref())
+}
 
 pub fn kiln(dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
