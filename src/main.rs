@@ -523,8 +523,15 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Error> {
     kiln_compiler::memory::set_enabled(!cli.no_memory_check);
-    // The user's directories are read here, at the command line's edge.
+    // The environment is read here, at the command line's edge: the user's directories,
+    // and the tests' switch for the emulated CUDA device (with the C++ compiler it uses).
     let var = |k: &str| std::env::var(k).ok();
+    use kiln_runtime::cuda::emulate;
+    emulate::configure(
+        var(emulate::EMULATE_ENV).as_deref(),
+        var(emulate::REFUSE_BIAS_GRAD_ENV).is_some(),
+        var("CXX"),
+    );
     kiln_runtime::cuda::ptx_cache::set_dir(kiln_runtime::cuda::ptx_cache::dir_from(
         cli.ptx_cache.as_deref(),
         var("XDG_CACHE_HOME").as_deref(),

@@ -13,15 +13,15 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{kiln, require_cuda_or_skip};
+use common::{cuda_available, kiln, require_cuda_or_skip};
 use kiln_compiler::codegen::cuda::Library;
 use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_runtime::artifact::Artifact;
 use kiln_runtime::cuda::{
-    cuda_available, emulate, executor_for, launch_plan, memory_plan, precision_label,
-    program_source, CudaExecError, CudaExecutor, CudaOptions,
+    emulate, executor_for, launch_plan, memory_plan, precision_label, program_source,
+    CudaExecError, CudaExecutor, CudaOptions,
 };
 use kiln_runtime::exec::Exec;
 
@@ -31,7 +31,7 @@ const ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
 fn tmp(name: &str) -> PathBuf {
     // The emulated device's runs (`cuda_emulated.rs`) apart from the plain ones, which
     // may run at the same time.
-    let kind = if kiln_runtime::cuda::emulate::emulated() {
+    let kind = if common::emulated() {
         "cuda_emulated"
     } else {
         "cuda_exec"
@@ -507,7 +507,7 @@ fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
     let (bad, only, grads_only) = entries_vs_cpu(grads_only, 17, 1);
     assert!(bad.is_empty(), "{}", bad.join("\n"));
     assert_eq!((only, grads_only), (fused, (0, grads_apart.1)));
-    if emulate::emulated() {
+    if common::emulated() {
         let refused = std::env::var_os(emulate::REFUSE_BIAS_GRAD_ENV).is_some();
         let want = if refused {
             (0, grads_apart.1)
@@ -1359,7 +1359,7 @@ fn kiln_bench_with_the_cuda_executor() {
 /// would hold this 41.9 GiB arena).
 #[test]
 fn a_device_arena_too_large_for_the_emulated_device_is_an_error() {
-    if !kiln_runtime::cuda::emulate::emulated() {
+    if !common::emulated() {
         println!("skipped: the emulated device's check (a GPU would hold this arena)");
         return;
     }

@@ -26,7 +26,7 @@ pub fn elaborator<'a>(
 /// runner sets, so that a broken installation cannot pass as a skip).
 pub fn require_cuda_or_skip() -> Option<kiln_runtime::cuda::CudaInfo> {
     let require = std::env::var(kiln_runtime::cuda::REQUIRE_CUDA_ENV).ok();
-    kiln_runtime::cuda::skip_or_fail(kiln_runtime::cuda::cuda_available(), require.as_deref())
+    kiln_runtime::cuda::skip_or_fail(cuda_available(), require.as_deref())
 }
 
 /// The repository root.
@@ -108,4 +108,31 @@ pub fn flat(text: &str) -> String {
         .filter(|w| *w != "│")
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// Turns the emulated CUDA device on for this test process when `KILN_CUDA_EMULATE` says
+/// so (as the command line does for the `kiln` it starts), once, before any CUDA call.
+pub fn emulation() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        use kiln_runtime::cuda::emulate;
+        let var = |k: &str| std::env::var(k).ok();
+        emulate::configure(
+            var(emulate::EMULATE_ENV).as_deref(),
+            var(emulate::REFUSE_BIAS_GRAD_ENV).is_some(),
+            var("CXX"),
+        );
+    });
+}
+
+/// Whether this test process emulates the CUDA device ([`emulation`]).
+pub fn emulated() -> bool {
+    emulation();
+    kiln_runtime::cuda::emulate::emulated()
+}
+
+/// [`kiln_runtime::cuda::cuda_available`], the emulation set first ([`emulation`]).
+pub fn cuda_available() -> Result<kiln_runtime::cuda::CudaInfo, String> {
+    emulation();
+    kiln_runtime::cuda::cuda_available()
 }

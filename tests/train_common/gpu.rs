@@ -21,7 +21,7 @@ fn training_on_the_gpu_follows_the_compiled_executor() {
     );
     let out = compile_and_train(&gpu);
     if require_cuda_or_skip().is_none() {
-        let reason = kiln_runtime::cuda::cuda_available().unwrap_err();
+        let reason = cuda_available().unwrap_err();
         let first: String = reason
             .split_whitespace()
             .take(4)
@@ -92,7 +92,7 @@ fn data_parallel_training_says_what_it_needs() {
     let out = compile_and_train(&dir);
     let err = unwrapped(&out.stderr);
     if cfg!(feature = "nccl") {
-        if kiln_runtime::cuda::cuda_available().is_ok() {
+        if cuda_available().is_ok() {
             println!("skipped: a GPU is here (data_parallel_on_one_gpu_is_the_single_gpu_run)");
             return;
         }
@@ -127,7 +127,7 @@ fn data_parallel_on_one_gpu_is_the_single_gpu_run() {
     let (p1, s1) = final_state(&one, 6);
     assert_eq!((ss.epoch, ss.batch_in_epoch), (s1.epoch, s1.batch_in_epoch));
     same_bits(&ps, &p1, "with one NCCL rank");
-    let gpus = kiln_runtime::cuda::cuda_available().unwrap().device_count;
+    let gpus = cuda_available().unwrap().device_count;
     if gpus < 2 {
         println!("{gpus} GPU: the two-rank comparison needs two");
         return;

@@ -2,15 +2,16 @@
 //! the device arena, views, launches, cuBLAS and cuBLASLt calls, the device optimizer,
 //! the resident decoder) run on a machine without a GPU, for tests.
 //!
-//! In: `KILN_CUDA_EMULATE=1` in the environment (read once per process), then what
+//! In: the emulation turned on for the process ([`configure`]: the command line and the
+//! tests' helpers do, from `KILN_CUDA_EMULATE=1` at their edge), then what
 //! `device::Device` is asked for. Out: `HostDevice` — the same operations on
 //! host memory (with `KILN_CUDA_EMULATE=dry`, only checked, see [`dry`]: what is
 //! left to time is the executor's own host work):
 //! - **memory**: every buffer is host memory at its real address, registered with its
 //!   length; every copy, GEMM operand and launch pointer is checked to lie inside one
 //!   live buffer (an error naming the call, not a corrupted heap);
-//! - **kernels**: the unit's CUDA C is compiled by the host C++ compiler (`$CXX`, else
-//!   `g++`) under `codegen::cuda::host::FIBER_SHIM` into a shared library (cached by
+//! - **kernels**: the unit's CUDA C is compiled by the host C++ compiler ([`configure`]'s,
+//!   from `$CXX`; else `g++`) under `codegen::cuda::host::FIBER_SHIM` into a shared library (cached by
 //!   the source's hash in `$TMPDIR/kiln-cuda-emulate`), with one `extern "C"`
 //!   trampoline per function; a launch runs `min(grid, 2)` blocks of `min(block, 32)`
 //!   threads, each thread a fiber that runs to its next barrier in turn — the kernels
@@ -34,7 +35,8 @@ use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 
 use kiln_compiler::artifact::fnv1a64;
 use kiln_compiler::codegen::cuda::host::FIBER_SHIM;
@@ -44,19 +46,47 @@ use super::abi::{grid, pack_dims, KilnDims, Sgemm};
 use super::device::{GemmElem, GemmMath};
 use super::lt::Epilogue;
 
-/// The variable that turns the emulation on (`1`).
+/// The variable the command line and the tests' helpers read to turn the emulation on
+/// (`1`, or `dry`): test support, read at their edge, never by this crate.
 pub const EMULATE_ENV: &str = "KILN_CUDA_EMULATE";
 
-/// With the emulation on, any value makes the emulated cuBLASLt refuse bias-gradient
-/// epilogues (no algorithm), so that the executor's fallback for a GPU without one runs.
+/// With the emulation on, any value (read as [`EMULATE_ENV`] is) makes the emulated
+/// cuBLASLt refuse bias-gradient epilogues (no algorithm), so that the executor's
+/// fallback for a GPU without one runs.
 pub const REFUSE_BIAS_GRAD_ENV: &str = "KILN_CUDA_EMULATE_NO_BIAS_GRAD";
+
+/// 0: off, 1: the full emulation, 2: dry.
+static MODE: AtomicU8 = AtomicU8::new(0);
+static REFUSE_BIAS_GRADS: AtomicBool = AtomicBool::new(false);
+static CXX: Mutex<Option<String>> = Mutex::new(None);
+
+/// Sets this process's emulation before any CUDA call: `emulate` is the value of
+/// [`EMULATE_ENV`] (`1` on, `dry` dry, else off), `refuse_bias_grads` whether
+/// [`REFUSE_BIAS_GRAD_ENV`] is set, `cxx` the host C++ compiler (`None`: `g++`).
+pub fn configure(emulate: Option<&str>, refuse_bias_grads: bool, cxx: Option<String>) {
+    let mode = match emulate.map(str::trim) {
+        Some("1") => 1,
+        Some("dry") => 2,
+        _ => 0,
+    };
+    MODE.store(mode, Ordering::Relaxed);
+    REFUSE_BIAS_GRADS.store(refuse_bias_grads, Ordering::Relaxed);
+    *CXX.lock().unwrap_or_else(|p| p.into_inner()) = cxx.filter(|c| !c.is_empty());
+}
+
+/// The host C++ compiler the emulation compiles kernels with.
+pub fn cxx() -> String {
+    CXX.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .unwrap_or_else(|| "g++".to_string())
+}
 
 /// Blocks and threads per block of an emulated launch, at most.
 const EMU_GRID: u32 = 2;
 const EMU_BLOCK: u32 = 32;
 
-/// Whether this process emulates the CUDA device (`KILN_CUDA_EMULATE=1`, or `dry`;
-/// read once).
+/// Whether this process emulates the CUDA device ([`configure`]).
 pub fn emulated() -> bool {
     mode().is_some()
 }
@@ -74,12 +104,11 @@ pub fn dry() -> bool {
 
 /// `Some(dry)` when emulating.
 fn mode() -> Option<bool> {
-    static ON: OnceLock<Option<bool>> = OnceLock::new();
-    *ON.get_or_init(|| match std::env::var(EMULATE_ENV).ok()?.trim() {
-        "1" => Some(false),
-        "dry" => Some(true),
+    match MODE.load(Ordering::Relaxed) {
+        1 => Some(false),
+        2 => Some(true),
         _ => None,
-    })
+    }
 }
 
 /// Live host buffers: start address → length in bytes.
@@ -418,7 +447,7 @@ impl HostDevice {
         epilogue: Epilogue,
     ) -> Result<bool, String> {
         if let Epilogue::BiasGradA { bf16 } = epilogue {
-            if std::env::var_os(REFUSE_BIAS_GRAD_ENV).is_some() {
+            if REFUSE_BIAS_GRADS.load(Ordering::Relaxed) {
                 return Ok(false);
             }
             let grad = if bf16 { GemmElem::Bf16 } else { GemmElem::F32 };
@@ -635,7 +664,7 @@ fn build(source: &str, functions: &[(String, Work, usize)]) -> Result<PathBuf, S
              kiln_launch(grid, block, [&]() {{ kiln_emu_call({name}, b, dims, items); }});\n}}\n"
         ));
     }
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+    let cxx = cxx();
     let dir = std::env::temp_dir().join("kiln-cuda-emulate");
     std::fs::create_dir_all(&dir)
         .map_err(|e| format!("emulated device: cannot create {}: {e}", dir.display()))?;
@@ -778,7 +807,7 @@ int main() {
     for (int v : out) std::printf("%d\n", v);
 }
 "#;
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string()); // (a test)
         if !Command::new(&cxx)
             .arg("--version")
             .output()

@@ -26,8 +26,9 @@
 //! - `device` — the context, stream, NVRTC module, cuBLAS, buffers, raw launches;
 //! - [`executor`] — binding, the device arena at the memory plan's offsets, views, and
 //!   each kernel kind's launches;
-//! - [`emulate`] — the device emulated on the host (`KILN_CUDA_EMULATE=1`), so that all
-//!   of the above runs in tests on a machine without a GPU.
+//! - [`emulate`] — the device emulated on the host (turned on by the command line and the
+//!   tests' helpers from `KILN_CUDA_EMULATE=1`), so that all of the above runs in tests
+//!   on a machine without a GPU.
 
 pub mod abi;
 mod device;
@@ -158,8 +159,8 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// Whether CUDA is usable here, and if not, why. Computed once per process: call it
 /// before any other CUDA call.
 ///
-/// With `KILN_CUDA_EMULATE=1` the answer is one emulated device ([`emulate`]; driver
-/// version 0): the CUDA executor then runs on the host, for tests.
+/// With the emulation on ([`emulate::configure`]) the answer is one emulated device
+/// (driver version 0): the CUDA executor then runs on the host, for tests.
 pub fn cuda_available() -> Result<CudaInfo, String> {
     if emulate::emulated() {
         return Ok(CudaInfo {
