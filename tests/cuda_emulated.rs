@@ -13,6 +13,10 @@
 //! process itself the included tests run as they do in `cuda_exec.rs` (here: skipped,
 //! no GPU).
 
+// `cuda_exec.rs` and `train_common` both load the GPU tests' helpers
+// (`tests/common/cuda.rs`).
+#![allow(clippy::duplicate_mod)]
+
 #[path = "cuda_exec.rs"]
 mod gpu;
 #[path = "train_common/mod.rs"]

@@ -1,6 +1,11 @@
 //! Helpers shared by the integration tests (each test file uses some of them).
 #![allow(dead_code)]
 
+pub mod cuda;
+// (Each test binary uses some of them.)
+#[allow(unused_imports)]
+pub use cuda::{cuda_available, emulated, emulation, require_cuda_or_skip};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -19,14 +24,6 @@ pub fn elaborator<'a>(
         kiln_dsl::compile_file(spec, &opts)
             .map_err(|e| format!("{} does not compile: {e:?}", spec.display()))
     }
-}
-
-/// For a test that needs a GPU: `Some(info)` when CUDA is usable; otherwise prints
-/// `skipped: <reason>` and returns `None`, or fails when `KILN_REQUIRE_CUDA=1` (what a GPU
-/// runner sets, so that a broken installation cannot pass as a skip).
-pub fn require_cuda_or_skip() -> Option<kiln_runtime::cuda::CudaInfo> {
-    let require = std::env::var(kiln_runtime::cuda::REQUIRE_CUDA_ENV).ok();
-    kiln_runtime::cuda::skip_or_fail(cuda_available(), require.as_deref())
 }
 
 /// The repository root.
@@ -108,31 +105,4 @@ pub fn flat(text: &str) -> String {
         .filter(|w| *w != "│")
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-/// Turns the emulated CUDA device on for this test process when `KILN_CUDA_EMULATE` says
-/// so (as the command line does for the `kiln` it starts), once, before any CUDA call.
-pub fn emulation() {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        use kiln_runtime::cuda::emulate;
-        let var = |k: &str| std::env::var(k).ok();
-        emulate::configure(
-            var(emulate::EMULATE_ENV).as_deref(),
-            var(emulate::REFUSE_BIAS_GRAD_ENV).is_some(),
-            var("CXX"),
-        );
-    });
-}
-
-/// Whether this test process emulates the CUDA device ([`emulation`]).
-pub fn emulated() -> bool {
-    emulation();
-    kiln_runtime::cuda::emulate::emulated()
-}
-
-/// [`kiln_runtime::cuda::cuda_available`], the emulation set first ([`emulation`]).
-pub fn cuda_available() -> Result<kiln_runtime::cuda::CudaInfo, String> {
-    emulation();
-    kiln_runtime::cuda::cuda_available()
 }

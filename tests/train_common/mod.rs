@@ -2,6 +2,12 @@
 //! ([`gpu`]), which `tests/cuda_emulated.rs` also runs on the emulated device.
 #![allow(dead_code)]
 
+#[path = "../common/cuda.rs"]
+mod cuda;
+// (Each test binary uses some of them.)
+#[allow(unused_imports)]
+pub use cuda::{cuda_available, emulated, emulation, require_cuda_or_skip};
+
 pub mod gpu;
 
 use std::path::{Path, PathBuf};
@@ -9,13 +15,6 @@ use std::process::{Command, Output};
 
 use kiln_runtime::checkpoint;
 use kiln_runtime::synthetic::Task;
-
-/// For a GPU test: `Some(info)` with CUDA, else a printed skip (a failure when
-/// `KILN_REQUIRE_CUDA=1`).
-pub fn require_cuda_or_skip() -> Option<kiln_runtime::cuda::CudaInfo> {
-    let require = std::env::var(kiln_runtime::cuda::REQUIRE_CUDA_ENV).ok();
-    kiln_runtime::cuda::skip_or_fail(cuda_available(), require.as_deref())
-}
 
 pub fn kiln(dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
@@ -257,31 +256,4 @@ pub fn gpu_run_edited(name: &str, train: &str, edits: &[(&str, &str)]) -> Option
     require_cuda_or_skip()?;
     assert!(out.status.success(), "{}", unwrapped(&out.stderr));
     Some(dir)
-}
-
-/// Turns the emulated CUDA device on for this test process when `KILN_CUDA_EMULATE` says
-/// so (as the command line does for the `kiln` it starts), once, before any CUDA call.
-pub fn emulation() {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        use kiln_runtime::cuda::emulate;
-        let var = |k: &str| std::env::var(k).ok();
-        emulate::configure(
-            var(emulate::EMULATE_ENV).as_deref(),
-            var(emulate::REFUSE_BIAS_GRAD_ENV).is_some(),
-            var("CXX"),
-        );
-    });
-}
-
-/// Whether this test process emulates the CUDA device ([`emulation`]).
-pub fn emulated() -> bool {
-    emulation();
-    kiln_runtime::cuda::emulate::emulated()
-}
-
-/// [`kiln_runtime::cuda::cuda_available`], the emulation set first ([`emulation`]).
-pub fn cuda_available() -> Result<kiln_runtime::cuda::CudaInfo, String> {
-    emulation();
-    kiln_runtime::cuda::cuda_available()
 }

@@ -807,7 +807,7 @@ int main() {
     for (int v : out) std::printf("%d\n", v);
 }
 "#;
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string()); // (a test)
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".to_string());
         if !Command::new(&cxx)
             .arg("--version")
             .output()

@@ -465,7 +465,7 @@ mod tests {
     fn the_helper_follows_the_guard_on_this_machine() {
         // What a GPU test sees here, with the environment as it is: on a machine without
         // CUDA and without KILN_REQUIRE_CUDA=1, a skip; with it, a failure.
-        let env = std::env::var(REQUIRE_CUDA_ENV).ok(); // (a test)
+        let env = std::env::var(REQUIRE_CUDA_ENV).ok();
         let got = std::panic::catch_unwind(|| skip_or_fail(cuda_available(), env.as_deref()));
         match (cuda_available(), env.as_deref().map(str::trim) == Some("1")) {
             (Ok(info), _) => assert_eq!(got.unwrap(), Some(info)),
