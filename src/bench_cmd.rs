@@ -133,7 +133,7 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::A
         target: kiln_compiler::optimize::Target::Cuda,
         cuda_arch: Some(kiln_compiler::codegen::cuda::DEFAULT_ARCH.to_string()),
         precision: precision(a),
-        buffer_reuse: true,
+        ..Default::default()
     };
     let built = crate::compile_cmds::compile_artifact(
         &args,

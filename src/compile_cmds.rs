@@ -70,18 +70,33 @@ fn run_optimizer(args: &OptArgs) -> Result<(Graph, KernelGraph, Report), Error> 
     Ok((g, kg, report))
 }
 
-/// `kiln explain`.
-pub fn explain(args: &OptArgs, kernels: bool) -> Result<(), Error> {
-    let (_, kg, report) = run_optimizer(args)?;
+/// `kiln explain`: what the optimizer did and the fusions of the launch plan, through the
+/// compiler's driver with the default options but the target and `fusions`.
+pub fn explain(
+    args: &OptArgs,
+    kernels: bool,
+    fusions: &crate::compile_flags::FusionFlags,
+) -> Result<(), Error> {
+    let g = entry_graph_of(&args.spec, &args.set, &args.model, &args.entry)?;
+    let target = Target::parse(&args.target).unwrap_or(Target::Cpu);
+    let opts = fusions.apply(CompileOptions {
+        target,
+        cuda_arch: (target == Target::Cuda)
+            .then(|| kiln_compiler::codegen::cuda::DEFAULT_ARCH.to_string()),
+        ..CompileOptions::default()
+    });
+    let p = compile_entry(&g, &opts, None)
+        .map_err(|e| plain("kiln::optimizer", e.to_string(), None))?;
     outln!(
         "explain {} entry={} target={}",
         args.spec.display(),
         args.entry,
         args.target
     );
-    out!("{}", report.text(true));
+    out!("{}", p.report.text(true));
+    out!("{}", p.launch.fusions_text(kernels));
     if kernels {
-        out!("{}", kg.text());
+        out!("{}", p.kernel_graph.text());
     }
     Ok(())
 }
@@ -411,6 +426,7 @@ fn write_artifact_from(
             kernel_graph: p.kernel_graph,
             plan: p.plan,
             code: p.cpu,
+            launch: p.launch,
             cuda,
         });
     }
@@ -657,6 +673,7 @@ pub fn inspect(
         let _ = writeln!(out, "entry {}", me.name);
         let per: Vec<String> = counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
         let _ = writeln!(out, "  kernels: {total} ({})", per.join(", "));
+        let _ = write!(out, "  {}", me.launch.fusions_text(false));
         let _ = writeln!(
             out,
             "  functions: {} ({} bytes of CLIF in {})",

@@ -3,7 +3,8 @@
 
 use kiln_compiler::optimize::Target;
 use kiln_compiler::options::{
-    CompileOptions, Precision, BUFFER_REUSE_DOC, CUDA_ARCH_DOC, PRECISION_DOC, TARGET_DOC,
+    CompileOptions, Precision, BIAS_GRAD_FUSION_DOC, BUFFER_REUSE_DOC, CUDA_ARCH_DOC,
+    PRECISION_DOC, PRODUCT_GROUPS_DOC, TARGET_DOC,
 };
 use kiln_dsl::Error;
 
@@ -19,6 +20,28 @@ pub struct CompileFlags {
     pub precision: String,
     #[arg(long = "no-buffer-reuse", help = BUFFER_REUSE_DOC)]
     pub no_buffer_reuse: bool,
+    #[command(flatten)]
+    pub fusions: FusionFlags,
+}
+
+/// The flags that turn off the fusions decided after extraction ([`kiln_compiler::fuse`]).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct FusionFlags {
+    #[arg(long = "no-product-groups", help = PRODUCT_GROUPS_DOC)]
+    pub no_product_groups: bool,
+    #[arg(long = "no-bias-grad-fusion", help = BIAS_GRAD_FUSION_DOC)]
+    pub no_bias_grad_fusion: bool,
+}
+
+impl FusionFlags {
+    /// `opts` with these flags' fusions.
+    pub fn apply(&self, opts: CompileOptions) -> CompileOptions {
+        CompileOptions {
+            product_groups: !self.no_product_groups,
+            bias_grad_fusion: !self.no_bias_grad_fusion,
+            ..opts
+        }
+    }
 }
 
 impl CompileFlags {
@@ -39,7 +62,9 @@ impl CompileFlags {
             cuda_arch,
             precision: Precision::parse(&self.precision).unwrap_or_default(),
             buffer_reuse: !self.no_buffer_reuse,
+            ..Default::default()
         };
+        let o = self.fusions.apply(o);
         o.check().map_err(|m| {
             plain(
                 "kiln::compile",

@@ -28,8 +28,8 @@ pub mod snapshot {
     use kiln_runtime::{compiled_entry_graph_with, GraphKind};
 
     /// The CPU code of entry point `entry` of `spec` (with `--set` style overrides): one
-    /// line per kernel in launch order (its kind and the functions it runs), then every
-    /// CLIF function. The same spec and overrides give the same text, byte for byte.
+    /// line per kernel in launch order (its kind and the functions it runs), the fusions
+    /// of the launch plan, then every CLIF function. The same spec and overrides give the same text, byte for byte.
     pub fn kernels(spec: impl AsRef<Path>, set: &[&str], entry: &str) -> Result<String, String> {
         let spec = spec.as_ref();
         let elaborate = |kind: GraphKind| {
@@ -44,19 +44,20 @@ pub mod snapshot {
         let g = compiled_entry_graph_with(entry, elaborate, |e| e.message)?;
         let p = kiln_compiler::pipeline::compile_entry(&g, &Default::default(), None)
             .map_err(|e| e.to_string())?;
-        let (kg, code) = (p.kernel_graph, p.cpu);
         let mut s = String::new();
         let _ = writeln!(s, "# kernels of {} entry={entry}", g.name);
-        for ((v, op, _), roles) in kg.kernels().iter().zip(&code.kernels) {
-            let fns: Vec<String> = roles
+        for l in &p.launch.launches {
+            let fns: Vec<String> = l
+                .functions
                 .iter()
                 .filter(|(r, _)| r.as_str() != "inner" && r.as_str() != "copy")
                 .map(|(r, f)| format!("{r}={f}"))
                 .collect();
-            let _ = writeln!(s, "%{v} {} {}", op.kind(), fns.join(" "));
+            let _ = writeln!(s, "%{} {} {}", l.value, l.kind.name(), fns.join(" "));
         }
+        s.push_str(&p.launch.fusions_text(true));
         s.push('\n');
-        s.push_str(&code.text());
+        s.push_str(&p.cpu.text());
         Ok(s)
     }
 }

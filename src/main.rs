@@ -177,9 +177,11 @@ enum Command {
     Explain {
         #[command(flatten)]
         args: compile_cmds::OptArgs,
-        /// Also print the kernel graph.
+        /// Also print the kernel graph and each fusion.
         #[arg(long)]
         kernels: bool,
+        #[command(flatten)]
+        fusions: compile_flags::FusionFlags,
     },
     /// Compile a spec into an artifact directory (`-o DIR`: kernel graphs, memory plans,
     /// CLIF code, weights) that runs without the spec — every entry point, or those of
@@ -551,7 +553,11 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Explain { args, kernels } => compile_cmds::explain(&args, kernels),
+        Command::Explain {
+            args,
+            kernels,
+            fusions,
+        } => compile_cmds::explain(&args, kernels, &fusions),
         Command::Compile {
             spec,
             set,

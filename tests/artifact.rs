@@ -215,21 +215,30 @@ fn artifact_round_trips_and_matches_the_reference() {
     let m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["format"], "kiln-artifact");
-    assert_eq!(m["version"], 2);
+    assert_eq!(m["version"], 3);
     assert_eq!(
         m["options"],
-        serde_json::json!({"target": "Cpu", "precision": "f32", "buffer_reuse": true})
+        serde_json::json!({"target": "Cpu", "precision": "f32", "buffer_reuse": true,
+            "product_groups": true, "bias_grad_fusion": true})
     );
     assert_eq!(m["model"], "transformer_tiny");
     assert_eq!(m["spec_hash"].as_str().unwrap().len(), 16);
     let fwd = &m["entries"][0];
     assert_eq!(fwd["name"], "forward");
-    let ks = fwd["kernels"].as_array().unwrap();
+    let ks = fwd["launch"]["launches"].as_array().unwrap();
     assert!(ks.len() > 10);
-    for (i, k) in ks.iter().enumerate() {
-        assert_eq!(k["index"], i, "kernels are listed in launch order");
+    for (k, next) in ks.iter().zip(&ks[1..]) {
+        // Kernel values are numbered in launch order.
+        assert!(
+            k["value"].as_u64() < next["value"].as_u64(),
+            "{k} before {next}"
+        );
         assert!(k["writes"][0]["buffer"].is_u64(), "{k}");
         assert!(k["writes"][0]["slot"].is_u64(), "{k}");
+        assert!(
+            k["functions"].as_object().is_some_and(|f| !f.is_empty()),
+            "{k}"
+        );
     }
     assert!(m["files"]["weights.safetensors"]["bytes"].as_u64().unwrap() > 1000);
     assert!(m["files"]["kernels/forward.clif"]["fnv1a64"].is_string());
@@ -284,9 +293,11 @@ fn artifact_round_trips_and_matches_the_reference() {
     let out = kiln_ok(&["inspect", dir.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     for want in [
-        "format: kiln-artifact v2",
+        "format: kiln-artifact v3",
         "model: transformer_tiny",
-        "  options:\n    target: cpu\n    cuda_arch: -\n    precision: f32\n    buffer_reuse: true\n",
+        "  options:\n    target: cpu\n    cuda_arch: -\n    precision: f32\n    buffer_reuse: true\n    \
+         product_groups: true\n    bias_grad_fusion: true\n",
+        "  fusions: ",
         "host: ",
         "16-bit products (--gemm-type 16bit): ",
         "weights: 85 tensors",
@@ -563,7 +574,20 @@ fn a_manifest_without_its_hash_with_indices_out_of_range_is_refused() {
             .unwrap()
     };
     type Edit = fn(&mut serde_json::Value, usize);
-    let edits: [(&str, Edit, &str); 5] = [
+    let edits: [(&str, Edit, &str); 7] = [
+        (
+            "a launch's kind",
+            |m, _| {
+                m["entries"][0]["launch"]["launches"][0]["kind"] =
+                    serde_json::json!({"Prim": "nope"})
+            },
+            "the launch plan is not the one its kernel graph gives",
+        ),
+        (
+            "the product groups",
+            |m, _| m["entries"][0]["launch"]["groups"] = serde_json::json!([]),
+            "the launch plan is not the one its kernel graph gives",
+        ),
         (
             "a kernel operand",
             |m, k| {
@@ -682,27 +706,27 @@ fn a_newer_artifact_version_says_to_recompile() {
     compile(&dir, "forward");
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).unwrap();
-    assert!(text.contains("\"version\": 2,"));
+    assert!(text.contains("\"version\": 3,"));
     std::fs::write(
         &mpath,
-        text.replacen("\"version\": 2,", "\"version\": 3,", 1),
+        text.replacen("\"version\": 3,", "\"version\": 4,", 1),
     )
     .unwrap();
     let err = Artifact::load(&dir).unwrap_err();
     let msg = err.to_string();
     assert!(
-        matches!(err, ArtifactError::Version { found: 3, .. }),
+        matches!(err, ArtifactError::Version { found: 4, .. }),
         "{err:?}"
     );
     assert!(
-        msg.contains("version 3")
-            && msg.contains("reads version 2")
+        msg.contains("version 4")
+            && msg.contains("reads version 3")
             && msg.contains("kiln compile"),
         "{msg}"
     );
     let out = kiln(&["inspect", dir.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("version 3"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("version 4"), "{}", stderr(&out));
 }
 
 #[test]

@@ -23,6 +23,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
+use kiln_compiler::options::CompileOptions;
 use kiln_compiler::reference::{self, RunOptions};
 use kiln_compiler::Graph;
 use kiln_runtime::compiled::{Compiled, KernelErrors, RELATIVE_FROM};
@@ -1174,19 +1175,21 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
     }
 }
 
-/// `g` run once by a compiled executor with 16-bit products on `kernel`, set up by `set`
-/// first: the outputs and the executor (for its counts).
+/// `g` compiled with the options `set` makes of the defaults and run once by a compiled
+/// executor with 16-bit products on `kernel`: the outputs and the executor (for its
+/// counts).
 fn run_16bit(
     g: &Graph,
     kernel: kiln_runtime::compiled::Bf16Kernel,
     (inputs, params): (&Feeds, &Feeds),
     opts: &RunOptions,
-    set: impl FnOnce(&mut Compiled),
+    set: impl FnOnce(&mut CompileOptions),
 ) -> (Vec<(String, kiln_compiler::tensor::Tensor)>, Compiled) {
-    let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let mut options = CompileOptions::default();
+    set(&mut options);
+    let mut exec = Compiled::from_graph_with(g.clone(), &options).expect("compiles");
     exec.set_bf16_kernel(Some(kernel))
         .expect("the kernel runs here");
-    set(&mut exec);
     let out = exec.run(inputs, params, opts).expect("runs");
     (out, exec)
 }
@@ -1194,7 +1197,7 @@ fn run_16bit(
 /// With 16-bit products, each bias gradient of base's training step (96: 6 + 6 layers'
 /// attention and FFN biases) is summed by its weight gradient's product as that packs
 /// `dy`, with no `sum_rows` launch, and every output keeps the bits of the program that
-/// runs the `sum_rows` kernels (`set_separate_bias_grads`); in f32 they all run as
+/// runs the `sum_rows` kernels (compiled without `bias_grad_fusion`); in f32 they all run as
 /// kernels. Each 16-bit kernel is skipped where the CPU cannot run it.
 #[test]
 fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
@@ -1214,15 +1217,14 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
         }
         let run = |separate: bool| {
             let feeds = (&inputs, &params);
-            let (out, exec) = run_16bit(&g, kernel, feeds, &opts, |e| {
-                e.set_separate_bias_grads(separate)
-            });
+            let (out, exec) =
+                run_16bit(&g, kernel, feeds, &opts, |e| e.bias_grad_fusion = !separate);
             (out, exec.bias_grad_counts())
         };
         let (fused, counts) = run(false);
         assert_eq!(counts, (96, 0), "{kernel:?}: summed by the products");
         let (separate, counts) = run(true);
-        assert_eq!(counts, (0, 96), "{kernel:?}: separate");
+        assert_eq!(counts, (0, 0), "{kernel:?}: separate, none paired");
         for ((name, a), (_, b)) in fused.iter().zip(&separate) {
             let (a, b) = (a.to_f64_vec().expect("f32"), b.to_f64_vec().expect("f32"));
             assert_eq!(a.len(), b.len(), "{kernel:?}: {name}");
@@ -1251,15 +1253,12 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
             .map(|separate| {
                 let feeds = (&inputs, &params);
                 let (out, exec) = run_16bit(&tiny, kernel, feeds, &opts, |e| {
-                    e.set_separate_bias_grads(separate)
+                    e.bias_grad_fusion = !separate
                 });
                 (output_bits(&out), exec.bias_grad_counts())
             })
             .collect();
-        assert_eq!(
-            runs[0].1, runs[1].1,
-            "{kernel:?}: tiny, every bias gradient by sum_rows"
-        );
+        assert_eq!(runs[1].1, (0, 0), "{kernel:?}: tiny, none paired");
         assert!(
             runs[0].1 .0 == 0 && runs[0].1 .1 > 0,
             "{kernel:?}: tiny {:?}",
@@ -1280,7 +1279,7 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
 /// cross-attention, adjacent in the schedule (13 pairs; 27 groups of 74 kernels in all).
 /// Every output of the forward (with weights packed beforehand or not) and of the
 /// training step, with biases of their own, keeps the bits of running each kernel on its
-/// own (`set_separate_products`). Each 16-bit kernel is skipped where the CPU cannot run
+/// own (compiled without `product_groups`). Each 16-bit kernel is skipped where the CPU cannot run
 /// it.
 #[test]
 fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
@@ -1321,9 +1320,8 @@ fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
                 };
                 let run = |separate: bool| {
                     let feeds = (&inputs, &params);
-                    let (out, exec) = run_16bit(&g, kernel, feeds, &opts, |e| {
-                        e.set_separate_products(separate)
-                    });
+                    let (out, exec) =
+                        run_16bit(&g, kernel, feeds, &opts, |e| e.product_groups = !separate);
                     (output_bits(&out), exec.product_groups())
                 };
                 let what = format!("{kernel:?} {entry} packed {}", version.is_some());

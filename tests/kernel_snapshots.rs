@@ -104,6 +104,10 @@ fn the_public_snapshot_helper_is_deterministic() {
         "{a:.2000}"
     );
     assert!(a.contains("function %embed_pe_0(i64, i64, i64, i64) system_v {"));
+    // The launch plan's fusions, as they run: the tiny model's query, key and value
+    // projections read one input.
+    assert!(a.contains("\nfusions: "), "{a:.4000}");
+    assert!(a.contains("\n  group of 3 linear reading %"), "{a:.4000}");
     let err = kiln::snapshot::kernels(root().join("models/nope.kiln"), &[], "forward").unwrap_err();
     assert!(err.contains("nope.kiln"), "{err}");
 }

@@ -7,9 +7,10 @@
 //! - `manifest.json` — [`Manifest`]: `format` ([`ARTIFACT_FORMAT`]), `version`
 //!   ([`ARTIFACT_VERSION`]), the compile options ([`CompileOptions`]: target, CUDA
 //!   architecture, precision, buffer reuse), model, spec hash, hparams, seed; per entry the
-//!   graph, the kernel graph, the memory plan, the functions each kernel runs by role and
-//!   a summary of the kernels in launch order (kind, buffers read and written); and the
-//!   size and FNV-1a 64 hash of every other file;
+//!   graph, the kernel graph, the memory plan and the launch plan ([`LaunchPlan`]: every
+//!   kernel in launch order with its kind, the functions it runs by role, the buffers it
+//!   reads and writes, and the fusions); and the size and FNV-1a 64 hash of every other
+//!   file;
 //! - `kernels/<entry>.clif` — the entry's CLIF functions ([`CpuCode::text`]); the loader
 //!   rebuilds the function list by splitting it at `function %name` lines
 //!   ([`split_functions`]), so the text is the source of truth;
@@ -37,7 +38,8 @@ use serde::{Deserialize, Serialize};
 use crate::codegen::cuda::{CudaCode, KernelLaunch, Param, Work};
 use crate::codegen::program::CpuCode;
 use crate::ir::Graph;
-use crate::optimize::kernels::{Def, KernelGraph};
+use crate::launch_plan::LaunchPlan;
+use crate::optimize::kernels::KernelGraph;
 use crate::optimize::Target;
 use crate::options::CompileOptions;
 use crate::plan::MemoryPlan;
@@ -46,8 +48,9 @@ use crate::tensor::{save_safetensors, Tensor, TensorFileError};
 /// The `format` field of every manifest.
 pub const ARTIFACT_FORMAT: &str = "kiln-artifact";
 /// The manifest layout this kiln writes and reads; bumped on any incompatible change
-/// (2: the compile options replace the target).
-pub const ARTIFACT_VERSION: u32 = 2;
+/// (2: the compile options replace the target; 3: the launch plan replaces the roles and
+/// the kernel summary).
+pub const ARTIFACT_VERSION: u32 = 3;
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const KERNELS_DIR: &str = "kernels";
@@ -112,32 +115,6 @@ impl FileRecord {
             fnv1a64: hash_hex(bytes),
         }
     }
-}
-
-/// One operand or result of a kernel in the manifest's summary.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Access {
-    /// The plan buffer (index into [`MemoryPlan::buffers`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub buffer: Option<usize>,
-    /// The buffer's arena slot.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub slot: Option<usize>,
-    /// A source not in the arena: `input NAME`, `param NAME` or `const V`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source: Option<String>,
-}
-
-/// One kernel in launch order.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KernelSummary {
-    /// Launch index.
-    pub index: usize,
-    /// The kernel's value number in the kernel graph.
-    pub value: usize,
-    pub kind: String,
-    pub reads: Vec<Access>,
-    pub writes: Vec<Access>,
 }
 
 /// The CUDA C file of an entry, relative to the artifact (`kernels/<name>.cu`).
@@ -207,9 +184,8 @@ pub struct ManifestEntry {
     pub cuda: Option<CudaManifest>,
     /// Function names in the order of the CLIF file.
     pub functions: Vec<String>,
-    /// Per kernel launch index: role → function name.
-    pub roles: Vec<BTreeMap<String, String>>,
-    pub kernels: Vec<KernelSummary>,
+    /// What runs, in order ([`LaunchPlan`]).
+    pub launch: LaunchPlan,
     pub graph: Graph,
     pub kernel_graph: KernelGraph,
     pub plan: MemoryPlan,
@@ -266,6 +242,7 @@ pub struct EntrySpec {
     pub kernel_graph: KernelGraph,
     pub plan: MemoryPlan,
     pub code: CpuCode,
+    pub launch: LaunchPlan,
     /// Target `cuda`: the CUDA code of the same kernel graph, for `arch`.
     pub cuda: Option<CudaEntrySpec>,
 }
@@ -364,80 +341,6 @@ pub fn split_functions(text: &str) -> Result<Vec<(String, String)>, String> {
         }
     }
     Ok(out)
-}
-
-/// The buffers and sources each kernel reads and writes, in launch order.
-pub fn kernel_summary(kg: &KernelGraph, plan: &MemoryPlan) -> Vec<KernelSummary> {
-    let access = |mut v: usize| -> Access {
-        loop {
-            match &kg.values[v].def {
-                Def::View(_, x) => v = *x,
-                Def::Proj(t, k) => {
-                    let b = plan.buffer_of(*t, *k as usize);
-                    return Access {
-                        buffer: b,
-                        slot: b.map(|b| plan.buffers[b].slot),
-                        source: None,
-                    };
-                }
-                Def::Kernel { .. } => {
-                    let b = plan.buffer_of(v, 0);
-                    return Access {
-                        buffer: b,
-                        slot: b.map(|b| plan.buffers[b].slot),
-                        source: None,
-                    };
-                }
-                Def::Input(n) => {
-                    return Access {
-                        buffer: None,
-                        slot: None,
-                        source: Some(format!("input {n}")),
-                    }
-                }
-                Def::Param(n) => {
-                    return Access {
-                        buffer: None,
-                        slot: None,
-                        source: Some(format!("param {n}")),
-                    }
-                }
-                Def::Const(x, d) => {
-                    return Access {
-                        buffer: None,
-                        slot: None,
-                        source: Some(format!("const {x}:{d}")),
-                    }
-                }
-            }
-        }
-    };
-    let mut out: Vec<KernelSummary> = kg
-        .values
-        .iter()
-        .enumerate()
-        .filter_map(|(v, val)| match &val.def {
-            Def::Kernel { index, op, inputs } => Some(KernelSummary {
-                index: *index,
-                value: v,
-                kind: op.kind(),
-                reads: inputs.iter().map(|&x| access(x)).collect(),
-                writes: (0..val.types.len())
-                    .map(|k| {
-                        let b = plan.buffer_of(v, k);
-                        Access {
-                            buffer: b,
-                            slot: b.map(|b| plan.buffers[b].slot),
-                            source: None,
-                        }
-                    })
-                    .collect(),
-            }),
-            _ => None,
-        })
-        .collect();
-    out.sort_by_key(|k| k.index);
-    out
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ArtifactError> {
@@ -632,8 +535,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
                         storage: c.code.storage.clone(),
                     }),
                     functions: e.code.functions.iter().map(|(n, _)| n.clone()).collect(),
-                    roles: e.code.kernels.clone(),
-                    kernels: kernel_summary(&e.kernel_graph, &e.plan),
+                    launch: e.launch.clone(),
                     graph: e.graph.clone(),
                     kernel_graph: e.kernel_graph.clone(),
                     plan: e.plan.clone(),

@@ -16,6 +16,9 @@
 //! - [`optimize`] — the e-graph optimizer: a graph in, a kernel graph out;
 //! - [`schedule`] — the kernels' launch order;
 //! - [`plan`] — the memory plan: buffers, lifetimes, arena slots;
+//! - [`fuse`] — the fusions decided after extraction: product groups, bias-gradient
+//!   pairs;
+//! - [`launch_plan`] — what runs, in order: the contract with the executors;
 //! - [`codegen`] — the CPU (CLIF, Cranelift JIT) and CUDA C backends;
 //! - [`options`] — the options of a compilation, declared once;
 //! - [`pipeline`] — the one driver that runs the passes in order;
@@ -29,10 +32,12 @@ pub mod autodiff;
 pub mod bind;
 pub mod codegen;
 pub mod fsync;
+pub mod fuse;
 pub mod hoist;
 pub mod infer;
 pub mod init;
 pub mod ir;
+pub mod launch_plan;
 pub mod memory;
 pub mod optimize;
 pub mod options;

@@ -60,6 +60,10 @@ pub struct CompileOptions {
     pub precision: Precision,
     /// The memory plan shares arena slots and writes results over dying operands.
     pub buffer_reuse: bool,
+    /// Consecutive products of one left operand form a group ([`crate::fuse`]).
+    pub product_groups: bool,
+    /// Bias gradients are paired with their weight gradient's product ([`crate::fuse`]).
+    pub bias_grad_fusion: bool,
 }
 
 impl Default for CompileOptions {
@@ -69,6 +73,8 @@ impl Default for CompileOptions {
             cuda_arch: None,
             precision: Precision::F32,
             buffer_reuse: true,
+            product_groups: true,
+            bias_grad_fusion: true,
         }
     }
 }
@@ -91,8 +97,13 @@ pub const PRECISION_DOC: &str = "target cuda: f32 (pedantic GEMMs), tf32 or bf16
 pub const BUFFER_REUSE_DOC: &str =
     "whether the memory plan shares arena slots and writes results in place (off: for debugging)";
 
+pub const PRODUCT_GROUPS_DOC: &str = "whether consecutive products of one left operand run as \
+     one group that reads it once (off: each on its own, for comparisons)";
+pub const BIAS_GRAD_FUSION_DOC: &str = "whether a bias gradient is summed by its layer's \
+     weight-gradient product as it reads the output gradient (off: a kernel of its own)";
+
 /// Every option, in the order `kiln inspect` prints them.
-pub const OPTIONS: [OptionInfo; 4] = [
+pub const OPTIONS: [OptionInfo; 6] = [
     OptionInfo {
         name: "target",
         default: "cpu",
@@ -113,6 +124,16 @@ pub const OPTIONS: [OptionInfo; 4] = [
         default: "true",
         doc: BUFFER_REUSE_DOC,
     },
+    OptionInfo {
+        name: "product_groups",
+        default: "true",
+        doc: PRODUCT_GROUPS_DOC,
+    },
+    OptionInfo {
+        name: "bias_grad_fusion",
+        default: "true",
+        doc: BIAS_GRAD_FUSION_DOC,
+    },
 ];
 
 impl CompileOptions {
@@ -125,7 +146,9 @@ impl CompileOptions {
                     "target" => self.target.name().to_string(),
                     "cuda_arch" => self.cuda_arch.clone().unwrap_or_else(|| "-".to_string()),
                     "precision" => self.precision.name().to_string(),
-                    _ => self.buffer_reuse.to_string(),
+                    "buffer_reuse" => self.buffer_reuse.to_string(),
+                    "product_groups" => self.product_groups.to_string(),
+                    _ => self.bias_grad_fusion.to_string(),
                 };
                 (o, v)
             })
@@ -172,6 +195,8 @@ mod tests {
             cuda_arch: Some("sm_90".to_string()),
             precision: Precision::Mixed,
             buffer_reuse: false,
+            product_groups: true,
+            bias_grad_fusion: false,
         };
         let v: Vec<(String, String)> = o
             .values()
@@ -184,7 +209,9 @@ mod tests {
                 ("target", "cuda"),
                 ("cuda_arch", "sm_90"),
                 ("precision", "mixed"),
-                ("buffer_reuse", "false")
+                ("buffer_reuse", "false"),
+                ("product_groups", "true"),
+                ("bias_grad_fusion", "false")
             ]
             .map(|(a, b)| (a.to_string(), b.to_string()))
         );
@@ -196,7 +223,7 @@ mod tests {
         let json = serde_json::to_string(&o).unwrap();
         assert_eq!(
             json,
-            r#"{"target":"Cuda","cuda_arch":"sm_90","precision":"mixed","buffer_reuse":false}"#
+            r#"{"target":"Cuda","cuda_arch":"sm_90","precision":"mixed","buffer_reuse":false,"product_groups":true,"bias_grad_fusion":false}"#
         );
         assert_eq!(serde_json::from_str::<CompileOptions>(&json).unwrap(), o);
     }

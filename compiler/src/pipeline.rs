@@ -11,12 +11,15 @@
 //! 3. the memory plan ([`MemoryPlan`]) — buffers, lifetimes and arena slots;
 //! 4. emission — the CLIF of every kernel (every artifact carries it, so that any
 //!    machine runs it) and, for target `cuda`, the CUDA C in the options' precision
-//!    (for `mixed`, with its buffers' element types and their plan).
+//!    (for `mixed`, with its buffers' element types and their plan);
+//! 5. the launch plan ([`LaunchPlan`]) — every launch in order with its functions and
+//!    buffers, and the fusions decided after extraction ([`crate::fuse`]).
 
 use crate::codegen::cuda::text::Elem;
 use crate::codegen::cuda::CudaCode;
 use crate::codegen::program::CpuCode;
 use crate::ir::Graph;
+use crate::launch_plan::LaunchPlan;
 use crate::optimize::validate::{Validation, DEFAULT_ABS, DEFAULT_REL};
 use crate::optimize::{KernelGraph, Report, Target};
 use crate::options::{CompileOptions, Precision};
@@ -29,6 +32,8 @@ pub struct EntryProgram {
     /// The plan of the CPU program (every buffer in 4-byte elements).
     pub plan: MemoryPlan,
     pub cpu: CpuCode,
+    /// What runs, in order, with the fusions.
+    pub launch: LaunchPlan,
     /// Target `cuda`: the CUDA program in the options' precision.
     pub cuda: Option<CudaCode>,
     /// What the optimizer did (for `kiln explain` and `kiln compile`'s report).
@@ -81,6 +86,7 @@ pub fn compile_entry(
     };
     let plan = MemoryPlan::build_reusing(&kernel_graph, &|_, _| ELEM_BYTES, opts.buffer_reuse);
     let cpu = crate::codegen::program::emit(&kernel_graph).map_err(PipelineError::Cpu)?;
+    let launch = LaunchPlan::build(&kernel_graph, &cpu, &plan, opts).map_err(PipelineError::Cpu)?;
     let cuda = match opts.target {
         Target::Cpu => None,
         Target::Cuda => Some(cuda_program(&kernel_graph, opts.precision)?),
@@ -89,6 +95,7 @@ pub fn compile_entry(
         kernel_graph,
         plan,
         cpu,
+        launch,
         cuda,
         report,
         validation,

@@ -1107,7 +1107,7 @@ fn block_reductions_over_several_warps_match_the_cpu() {
         &dims,
         items,
     );
-    let ln = vec![
+    let ln = [
         rng.floats(rows_n * d, -2.0, 2.0),
         rng.floats(rows_n * d, -2.0, 2.0),
         rng.floats(d, 0.5, 1.5),
@@ -1985,7 +1985,7 @@ fn check_flash_kernels(
     }
     // bf16 heads of multiples of 16 on tensor cores (whole warps only): the same
     // buffers, dims, tiles and items.
-    let tc = |p| elem == Elem::Bf16 && block % 32 == 0 && tensor::fits(p, dk, dv);
+    let tc = |p| elem == Elem::Bf16 && block.is_multiple_of(32) && tensor::fits(p, dk, dv);
     if tc(Part::Forward) {
         let f = tensor::forward("flash_fwd_tc", a.mask, dk, dv);
         let t = attention::tile(Part::Forward, dk, dv).unwrap();

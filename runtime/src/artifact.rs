@@ -319,8 +319,31 @@ impl Artifact {
             }
             let code = CpuCode {
                 functions,
-                kernels: e.roles.clone(),
+                kernels: e
+                    .launch
+                    .launches
+                    .iter()
+                    .map(|l| l.functions.clone())
+                    .collect(),
             };
+            // So is the launch plan, with the code's functions: what the executors replay
+            // must be what the compiler decided, not an edited list.
+            let launch = kiln_compiler::launch_plan::LaunchPlan::build(
+                &e.kernel_graph,
+                &code,
+                &e.plan,
+                &manifest.options,
+            );
+            if launch.as_ref() != Ok(&e.launch) {
+                return Err(ArtifactError::BadManifest {
+                    path: mpath.clone(),
+                    message: format!(
+                        "entry `{}`: the launch plan is not the one its kernel graph gives; \
+                         it was modified or damaged",
+                        e.name
+                    ),
+                });
+            }
             let cuda_source = match (&e.cuda, cuda_target) {
                 (None, false) => None,
                 (Some(_), false) | (None, true) => {
@@ -358,14 +381,14 @@ impl Artifact {
                             "it defines functions {names:?}, the manifest lists {want:?}"
                         )));
                     }
-                    if c.kernels.len() != e.roles.len() {
+                    if c.kernels.len() != e.launch.launches.len() {
                         return Err(ArtifactError::BadManifest {
                             path: mpath,
                             message: format!(
                                 "entry `{}`: {} CUDA kernel launches for {} kernels",
                                 e.name,
                                 c.kernels.len(),
-                                e.roles.len()
+                                e.launch.launches.len()
                             ),
                         });
                     }
@@ -466,6 +489,7 @@ impl Artifact {
             e.manifest.kernel_graph.clone(),
             e.manifest.plan.clone(),
             e.code.clone(),
+            e.manifest.launch.clone(),
         )
         .map_err(|source| ArtifactError::Executor {
             entry: name.to_string(),

@@ -9,7 +9,6 @@
 use std::collections::BTreeMap;
 
 use kiln_compiler::ir::Graph;
-use kiln_compiler::optimize::kernels::KernelGraph;
 use kiln_compiler::reference::{self, ExecError, RunOptions};
 use kiln_compiler::tensor::Tensor;
 
@@ -255,6 +254,26 @@ pub fn executor(kind: ExecutorKind, graph: Graph) -> Result<Box<dyn Exec>, ExecE
     }
 }
 
+/// One launch of the launch plan as an executor ran it ([`kiln_compiler::launch_plan`]):
+/// its index in the plan and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launched {
+    pub launch: usize,
+    pub how: How,
+}
+
+/// How a launch ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    /// Its own kernel.
+    Alone,
+    /// As a member of the product group that starts at launch `first`.
+    InGroup { first: usize },
+    /// A bias gradient, summed by its weight gradient's product (launch `product`) as
+    /// that read the output gradient.
+    SummedBy { product: usize },
+}
+
 /// When an executor may hand back the buffers of a run's view copies (reshapes of
 /// non-contiguous views, which the memory plan does not place): per step, the copies
 /// whose last reader it is. `needs[v]` lists the copies value `v` reads through, `steps`
@@ -289,73 +308,6 @@ pub(crate) fn copies_freed_after<'a>(
         }
     }
     freed
-}
-
-/// What a launch is to [`pair_bias_grads`].
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum BiasRole {
-    /// A `sum_rows` (a bias gradient: an output gradient `dy` summed over its rows).
-    SumRows,
-    /// A `matmul` without bias or activation (a weight gradient can be one).
-    Product,
-    Other,
-}
-
-/// Pairs each bias gradient — a `sum_rows` of an output gradient `dy` over its rows —
-/// with the weight-gradient product of the same layer: a plain `matmul` whose right
-/// operand is a view of the same buffer as `dy` (`dW = xᵀ·dy`), the first such product
-/// not paired yet. Where the `sum_rows` comes first, no launch after it up to the product
-/// may read its result, and a launch after the product or the entry's outputs must: the
-/// executor then writes the bias gradient when the product runs instead (the memory plan
-/// keeps its slot for it from the `sum_rows` to its last reader; a result nothing reads
-/// may share its slot at once). `describe` gives each launch's value, input values and
-/// role (`steps` in launch order); `set` gives each its partner. Whether the product really
-/// reads `dy` as the rows summed (same address and layout) is for the executor to check
-/// at run time; this only proposes the pairs.
-pub(crate) fn pair_bias_grads<S>(
-    kg: &KernelGraph,
-    steps: &mut [S],
-    describe: impl Fn(&S) -> (usize, &[usize], BiasRole),
-    set: impl Fn(&mut S, Option<usize>),
-) {
-    let described: Vec<(usize, &[usize], BiasRole)> = steps.iter().map(&describe).collect();
-    let pairs = bias_pairs(kg, &described);
-    for (st, pair) in steps.iter_mut().zip(pairs) {
-        set(st, pair);
-    }
-}
-
-/// [`pair_bias_grads`] on the launches' (value, inputs, role): each one's partner.
-fn bias_pairs(kg: &KernelGraph, steps: &[(usize, &[usize], BiasRole)]) -> Vec<Option<usize>> {
-    let mut pairs = vec![None; steps.len()];
-    for (s, &(db, inputs, role)) in steps.iter().enumerate() {
-        let Some(&dy) = inputs.first().filter(|_| role == BiasRole::SumRows) else {
-            continue;
-        };
-        let root = kg.view_root(dy);
-        let product = (0..steps.len()).find(|&g| {
-            let (_, ins, role) = steps[g];
-            pairs[g].is_none()
-                && role == BiasRole::Product
-                && ins.get(1).is_some_and(|&w| kg.view_root(w) == root)
-        });
-        let Some(g) = product else {
-            continue;
-        };
-        if s < g {
-            let reads =
-                |t: &(usize, &[usize], BiasRole)| t.1.iter().any(|&x| kg.view_root(x) == db);
-            let read_between = steps[s + 1..=g].iter().any(reads);
-            let kept = kg.outputs.iter().any(|&(_, v)| kg.view_root(v) == db)
-                || steps[g + 1..].iter().any(reads);
-            if read_between || !kept {
-                continue;
-            }
-        }
-        pairs[s] = Some(g);
-        pairs[g] = Some(s);
-    }
-    pairs
 }
 
 #[cfg(test)]

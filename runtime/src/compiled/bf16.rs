@@ -2369,7 +2369,7 @@ mod tests {
             0x0000_0000,
             0x8000_0000,
         ];
-        while bits.len() % 32 != 0 || bits.len() < 4096 {
+        while !bits.len().is_multiple_of(32) || bits.len() < 4096 {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
@@ -2778,7 +2778,7 @@ mod tests {
         // Magnitudes along `k`: falling in even rows and columns, rising in odd ones.
         let along = |line: usize, p: usize| {
             let f = p as f32 / k as f32;
-            2f32.powf(-20.0 * if line % 2 == 0 { f } else { 1.0 - f })
+            2f32.powf(-20.0 * if line.is_multiple_of(2) { f } else { 1.0 - f })
         };
         let a: Vec<f32> = (0..m * k)
             .map(|q| rng(&mut seed) * 60.0 * along(q / k, q % k))
@@ -3007,7 +3007,7 @@ mod tests {
                                             bias: (q != 1).then(|| biases[q].as_ptr()),
                                             relu: q == 0,
                                         },
-                                        sums: (q == 0).then(|| ColumnSums {
+                                        sums: (q == 0).then_some(ColumnSums {
                                             dst: sums.as_mut_ptr(),
                                             lead,
                                             axes: 1,

@@ -1827,7 +1827,7 @@ mod tests {
                         if nan {
                             assert!(got[3 * n..4 * n].iter().all(|x| x.is_nan()), "{what}");
                         } else if relu_on {
-                            assert!(got.iter().any(|&x| x == 0.0), "{what}: a ReLU zero");
+                            assert!(got.contains(&0.0), "{what}: a ReLU zero");
                         }
                     }
                 }
@@ -1919,7 +1919,7 @@ mod tests {
                                         bias: (q != 1).then(|| biases[q].as_ptr()),
                                         relu: q == 0,
                                     },
-                                    sums: (q == 0).then(|| ColumnSums {
+                                    sums: (q == 0).then_some(ColumnSums {
                                         dst: sums.as_mut_ptr(),
                                         lead,
                                         axes: 2,

@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use kiln_compiler::codegen::jit::{launch, JitModule, KernelFn};
 use kiln_compiler::codegen::misc::{self, ReduceLayout};
-use kiln_compiler::codegen::program::{mask_kind, CpuCode};
+use kiln_compiler::codegen::program::mask_kind;
 use kiln_compiler::codegen::region;
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Op};
+use kiln_compiler::launch_plan::{KernelKind, LaunchPlan};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
@@ -24,7 +25,6 @@ use super::gemm::{self, Mat};
 use super::{Keep, Loc};
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
-use crate::exec::BiasRole;
 use ::gemm::Parallelism;
 
 /// Per kernel kind: how its kernels compared with their definitions.
@@ -105,8 +105,8 @@ pub(crate) struct Step {
     /// an output nothing reads, as the `loss` entry's cross-entropy writes no gradient).
     pub read: Vec<bool>,
     /// A bias gradient's `sum_rows` and the weight gradient's product that can write it
-    /// while it packs `dy` (16-bit products only): each step's partner
-    /// ([`crate::exec::pair_bias_grads`], [`product_with_sums`]).
+    /// while it packs `dy` (16-bit products only): each step's partner, from the launch
+    /// plan ([`kiln_compiler::fuse::bias_grad_pairs`], [`product_with_sums`]).
     pub bias_grad: Option<usize>,
 }
 
@@ -173,25 +173,32 @@ impl Exec {
     }
 }
 
-/// Prepares every kernel of `kg`.
+/// Prepares every launch of `plan`, the launch plan of `kg`.
 pub(crate) fn prepare(
     kg: &KernelGraph,
-    code: &CpuCode,
+    plan: &LaunchPlan,
     jit: &JitModule,
     checks: bool,
 ) -> Result<(Vec<Step>, KernelFn), String> {
     let mut steps = Vec::new();
-    if code.kernels.len() != kg.kernels().len() {
+    let kernels = kg.kernels();
+    if plan.launches.len() != kernels.len() {
         return Err(format!(
-            "the code lists {} kernels, the kernel graph has {}",
-            code.kernels.len(),
-            kg.kernels().len()
+            "the launch plan lists {} kernels, the kernel graph has {}",
+            plan.launches.len(),
+            kernels.len()
         ));
     }
     let mut copy = None;
-    for (i, (v, op, inputs)) in kg.kernels().into_iter().enumerate() {
-        let kind = op.kind();
-        let roles = &code.kernels[i];
+    for (launch, (v, op, inputs)) in plan.launches.iter().zip(kernels) {
+        if launch.value != v || launch.inputs != inputs {
+            return Err(format!(
+                "the launch plan's kernel %{} is not the kernel graph's %{v}",
+                launch.value
+            ));
+        }
+        let kind = launch.kind.name().to_string();
+        let roles = &launch.functions;
         let f = |role: &str| -> Result<KernelFn, String> {
             let name = roles
                 .get(role)
@@ -216,18 +223,17 @@ pub(crate) fn prepare(
                     },
                 }
             }
-            KernelOp::Region(expr) => {
-                let out = &kg.values[v].types[0].shape;
-                let _ = out;
-                Exec::Region {
-                    f: f("main")?,
-                    expr: expr.clone(),
-                    inner: static_inner_of(code, i),
-                }
-            }
+            KernelOp::Region(expr) => Exec::Region {
+                f: f("main")?,
+                expr: expr.clone(),
+                inner: static_inner(roles),
+            },
             KernelOp::Template { id, attrs } => {
                 let def = &registry()[*id as usize];
-                match def.kind {
+                let KernelKind::Template(template) = launch.kind else {
+                    return Err(format!("kernel %{v}: the launch plan calls it `{kind}`"));
+                };
+                match template {
                     TemplateKind::Linear => Exec::Linear {
                         bias: f("bias")?,
                         relu: None,
@@ -294,20 +300,9 @@ pub(crate) fn prepare(
             exec,
             check,
             read,
-            bias_grad: None,
+            bias_grad: launch.bias_grad,
         });
     }
-    let role = |st: &Step| match st.exec {
-        Exec::SumRows(_) => BiasRole::SumRows,
-        Exec::Matmul => BiasRole::Product,
-        _ => BiasRole::Other,
-    };
-    crate::exec::pair_bias_grads(
-        kg,
-        &mut steps,
-        |st| (st.value, st.inputs.as_slice(), role(st)),
-        |st, pair| st.bias_grad = pair,
-    );
     let copy = match copy {
         Some(c) => c,
         None => jit
@@ -317,14 +312,10 @@ pub(crate) fn prepare(
     Ok((steps, copy))
 }
 
-/// The region's static inner-stride flags, recorded in its function key by the emitter.
-fn static_inner_of(code: &CpuCode, i: usize) -> Vec<bool> {
-    let name = &code.kernels[i]["main"];
-    let text = code.function(name).unwrap_or("");
-    // The flags are not in the text; recompute them from the loads is fragile, so the
-    // emitter records them in the kernel's roles.
-    let _ = text;
-    code.kernels[i]
+/// The region's static inner-stride flags, which the emitter records in its roles
+/// (`inner`: one `0`/`1` per operand).
+fn static_inner(roles: &BTreeMap<String, String>) -> Vec<bool> {
+    roles
         .get("inner")
         .map(|s| s.chars().map(|c| c == '1').collect())
         .unwrap_or_default()

@@ -124,14 +124,17 @@ use kiln_compiler::bind::{Binder, Source};
 use kiln_compiler::codegen::jit::JitModule;
 use kiln_compiler::codegen::program::CpuCode;
 use kiln_compiler::ir::{DType, Graph, Op};
+use kiln_compiler::launch_plan::LaunchPlan;
 use kiln_compiler::optimize::kernels::{Def, KernelGraph, KernelOp};
+use kiln_compiler::options::CompileOptions;
+use kiln_compiler::pipeline::EntryProgram;
 use kiln_compiler::plan::{direct_output, LayoutCache, MemoryPlan, ALIGN};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
-use crate::exec::{Product, Timing};
+use crate::exec::{How, Launched, Product, Timing};
 
 const EXECUTOR: &str = "the compiled executor";
 
@@ -385,6 +388,8 @@ pub struct Compiled {
     layouts: LayoutCache,
     code: CpuCode,
     jit: Arc<JitModule>,
+    /// What runs, in order, with the fusions (the compiler's; the artifact's).
+    launch: LaunchPlan,
     /// Per kernel launch index: how it runs.
     steps: Vec<launch::Step>,
     /// The generated strided-copy kernel.
@@ -428,16 +433,14 @@ pub struct Compiled {
     /// The kernel of the large matrix products in bf16, f32 sums, if they run so
     /// ([`Compiled::set_bf16_products`]).
     bf16_products: Option<Bf16Kernel>,
-    /// Whether every bias gradient runs its own `sum_rows` kernel
-    /// ([`Compiled::set_separate_bias_grads`]).
-    separate_bias_grads: bool,
     /// [`Compiled::bias_grad_counts`].
     bias_grads: Mutex<(usize, usize)>,
-    /// Whether every product runs on its own, not in a group of products of one left
-    /// operand ([`Compiled::set_separate_products`]).
-    separate_products: bool,
     /// [`Compiled::product_groups`].
     product_groups: Mutex<(usize, usize)>,
+    /// Whether runs record their launches ([`Compiled::record_launches`]), and the last
+    /// run's.
+    tracing: bool,
+    trace: Mutex<Vec<Launched>>,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -702,8 +705,9 @@ impl Compiled {
         kg: KernelGraph,
         plan: MemoryPlan,
         code: CpuCode,
+        launch: LaunchPlan,
     ) -> Result<Compiled, ExecError> {
-        Compiled::build(graph, kg, plan, code, false)
+        Compiled::build(graph, kg, plan, code, launch, false)
     }
 
     /// [`Compiled::from_graph`] with every generated kernel checked after it runs: its
@@ -711,8 +715,8 @@ impl Compiled {
     /// executor and the worst relative error per kernel kind is recorded
     /// ([`Compiled::kernel_errors`]). Slow; for tests.
     pub fn from_graph_checked(graph: Graph) -> Result<Compiled, ExecError> {
-        let (kg, plan, code) = Compiled::lower(&graph)?;
-        Compiled::build(graph, kg, plan, code, true)
+        let p = Compiled::lower(&graph, &CompileOptions::default())?;
+        Compiled::build(graph, p.kernel_graph, p.plan, p.cpu, p.launch, true)
     }
 
     /// Per kernel kind, how its kernels compared with their definitions so far
@@ -726,12 +730,11 @@ impl Compiled {
             .clone()
     }
 
-    /// The CPU program of `graph`, compiled by the compiler's driver with the default
-    /// options (what `kiln compile --target cpu` writes).
-    fn lower(graph: &Graph) -> Result<(KernelGraph, MemoryPlan, CpuCode), ExecError> {
-        let p = kiln_compiler::pipeline::compile_entry(graph, &Default::default(), None)
-            .map_err(|e| ExecError::Unsupported(e.to_string()))?;
-        Ok((p.kernel_graph, p.plan, p.cpu))
+    /// The CPU program of `graph`, compiled by the compiler's driver with `opts` (what
+    /// `kiln compile --target cpu` writes).
+    fn lower(graph: &Graph, opts: &CompileOptions) -> Result<EntryProgram, ExecError> {
+        kiln_compiler::pipeline::compile_entry(graph, opts, None)
+            .map_err(|e| ExecError::Unsupported(e.to_string()))
     }
 
     fn build(
@@ -739,6 +742,7 @@ impl Compiled {
         kg: KernelGraph,
         plan: MemoryPlan,
         code: CpuCode,
+        launch: LaunchPlan,
         checks: bool,
     ) -> Result<Compiled, ExecError> {
         graph.verify()?;
@@ -746,7 +750,7 @@ impl Compiled {
             ExecError::Unsupported(format!("cannot compile the program's kernels: {e}"))
         })?;
         let (steps, copy) =
-            launch::prepare(&kg, &code, &jit, checks).map_err(ExecError::Unsupported)?;
+            launch::prepare(&kg, &launch, &jit, checks).map_err(ExecError::Unsupported)?;
         for (n, _) in &kg.outputs {
             if !graph.outputs.iter().any(|o| &o.name == n) {
                 return Err(ExecError::Unsupported(format!(
@@ -816,6 +820,7 @@ impl Compiled {
             home,
             code,
             jit: Arc::new(jit),
+            launch,
             steps,
             copy,
             arena: Arc::new(Mutex::new(Vec::new())),
@@ -828,26 +833,16 @@ impl Compiled {
                 crate::eager::pool::COMPILED_POOL_MAX_BYTES,
             )),
             bf16_products: default_products(),
-            separate_bias_grads: false,
             bias_grads: Mutex::new((0, 0)),
-            separate_products: false,
             product_groups: Mutex::new((0, 0)),
+            tracing: false,
+            trace: Mutex::new(Vec::new()),
         })
     }
 
-    /// With 16-bit products, consecutive `linear` kernels of one input (the attention's
-    /// query, key and value projections; every decoder layer's keys and values of the
-    /// encoder's output), and consecutive weight-gradient products `xᵀ·dy` of one input
-    /// (with their bias gradients' sums), run as one group of products that packs that
-    /// operand once (`launch::product_group`), with the bits each would give on its own.
-    /// `true` runs each as its own product instead (for comparisons).
-    pub fn set_separate_products(&mut self, on: bool) {
-        self.separate_products = on;
-    }
-
-    /// The groups of products of one left operand that ran as one
-    /// ([`Compiled::set_separate_products`]), over every run so far: `(groups, kernels
-    /// in them)`.
+    /// The product groups of the launch plan that ran as one (with 16-bit products, each
+    /// packs its left operand once, with the bits each product would give on its own),
+    /// over every run so far: `(groups, kernels in them)`.
     pub fn product_groups(&self) -> (usize, usize) {
         *self
             .product_groups
@@ -855,17 +850,9 @@ impl Compiled {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// With 16-bit products, a bias gradient (`sum_rows` of an output gradient `dy`) is
-    /// summed by its layer's weight-gradient product `xᵀ·dy` while that packs `dy`, with
-    /// the `sum_rows` kernel's bits and no pass of its own over `dy`. `true` runs every
-    /// one as its own kernel instead (for comparisons).
-    pub fn set_separate_bias_grads(&mut self, on: bool) {
-        self.separate_bias_grads = on;
-    }
-
     /// How the bias gradients paired with a weight-gradient product ran, over every run so
     /// far: `(summed, separate)` — summed by the product as it packed `dy`, or by their own
-    /// `sum_rows` kernel (f32 products, [`Compiled::set_separate_bias_grads`], a product
+    /// `sum_rows` kernel (f32 products, a product
     /// that does not read `dy` in place as its rows, or one too small for 16 bits).
     pub fn bias_grad_counts(&self) -> (usize, usize) {
         *self.bias_grads.lock().unwrap_or_else(|p| p.into_inner())
@@ -915,8 +902,14 @@ impl Compiled {
     /// Optimizes `graph` for the CPU, plans it, generates its code and builds the
     /// executor — what `kiln compile` + loading the artifact do, in one process.
     pub fn from_graph(graph: Graph) -> Result<Compiled, ExecError> {
-        let (kg, plan, code) = Compiled::lower(&graph)?;
-        Compiled::new(graph, kg, plan, code)
+        Compiled::from_graph_with(graph, &CompileOptions::default())
+    }
+
+    /// [`Compiled::from_graph`] with the compiler's options `opts` (whose target must be
+    /// `cpu`): without product groups or bias-gradient fusion, say, for comparisons.
+    pub fn from_graph_with(graph: Graph, opts: &CompileOptions) -> Result<Compiled, ExecError> {
+        let p = Compiled::lower(&graph, opts)?;
+        Compiled::new(graph, p.kernel_graph, p.plan, p.cpu, p.launch)
     }
 
     pub fn graph(&self) -> &Graph {
@@ -933,6 +926,23 @@ impl Compiled {
 
     pub fn code(&self) -> &CpuCode {
         &self.code
+    }
+
+    /// What runs, in order ([`LaunchPlan`]).
+    pub fn launch_plan(&self) -> &LaunchPlan {
+        &self.launch
+    }
+
+    /// With `on`, every run records the launches it ran, in order, and how
+    /// ([`Compiled::last_launches`]): what checks that the executor replays its launch
+    /// plan.
+    pub fn record_launches(&mut self, on: bool) {
+        self.tracing = on;
+    }
+
+    /// The launches of the last run ([`Compiled::record_launches`]).
+    pub fn last_launches(&self) -> Vec<Launched> {
+        self.trace.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Runs the program; outputs in `graph.outputs` order.
@@ -1474,13 +1484,14 @@ impl Compiled {
         // and the sums a product wrote for a later `sum_rows`, by the `sum_rows` launch.
         let mut deferred: Vec<usize> = Vec::new();
         let mut summed: Vec<(usize, Vec<f32>)> = Vec::new();
-        let fuse_bias = self.bf16_products.is_some() && !self.separate_bias_grads;
+        let fuse_bias = self.bf16_products.is_some();
         // (summed by a product, by their own kernel), for `bias_grad_counts`.
         let mut bias_counts = (0, 0);
         // Groups of products run as one (`launch::product_group`), and the kernels in
         // them; the kernels up to `grouped_until` ran in the last group.
         let mut group_counts = (0, 0);
         let mut grouped_until = 0;
+        let mut trace: Option<Vec<Launched>> = self.tracing.then(Vec::new);
         for (s, step) in self.steps.iter().enumerate() {
             if s < grouped_until {
                 continue;
@@ -1488,22 +1499,10 @@ impl Compiled {
             for &x in &step.inputs {
                 materialize(self.copy, &needs[x], &mut copies, &mut locs, &mut keep);
             }
-            // The products after this one of its kind (`linear` or `matmul`) and left
-            // operand, if this is one.
-            let kind = |t: &launch::Step| match t.exec {
-                _ if t.check.is_some() => None,
-                launch::Exec::Linear { .. } => Some(true),
-                launch::Exec::Matmul => Some(false),
-                _ => None,
-            };
-            let end = match kind(step) {
-                Some(k) if self.bf16_products.is_some() && !self.separate_products => {
-                    let x = step.inputs[0];
-                    let more = self.steps[s + 1..]
-                        .iter()
-                        .take_while(|t| kind(t) == Some(k) && t.inputs[0] == x);
-                    s + 1 + more.count()
-                }
+            // The launch plan's product group this starts, run as one where the products
+            // run in 16 bits (`launch::product_group`).
+            let end = match self.launch.group_at(s) {
+                Some(g) if self.bf16_products.is_some() => s + g.len,
                 _ => s + 1,
             };
             if end > s + 1 {
@@ -1552,6 +1551,19 @@ impl Compiled {
                 if planned && launch::product_group(&group, &ins, &outs, &sums, &ctx) {
                     group_counts.0 += 1;
                     group_counts.1 += group.len();
+                    if let Some(t) = trace.as_mut() {
+                        let first = s;
+                        t.extend((s..end).map(|launch| Launched {
+                            launch,
+                            how: How::InGroup { first },
+                        }));
+                        t.extend(plans.iter().map(|&(other, _, _)| Launched {
+                            launch: other,
+                            how: How::SummedBy {
+                                product: self.steps[other].bias_grad.unwrap_or(other),
+                            },
+                        }));
+                    }
                     for (other, own, _) in plans {
                         bias_counts.0 += 1;
                         match own {
@@ -1669,14 +1681,32 @@ impl Compiled {
                     .is_some_and(|sums| launch::product_with_sums(step, &ins, outs, &ctx, sums));
                 (other, own, done)
             });
+            let alone = Launched {
+                launch: s,
+                how: How::Alone,
+            };
             match summing {
                 Some((other, own, true)) => {
                     bias_counts.0 += 1;
                     summed.extend(own.map(|own| (other, own)));
+                    if let Some(t) = trace.as_mut() {
+                        t.push(alone);
+                        t.push(Launched {
+                            launch: other,
+                            how: How::SummedBy { product: s },
+                        });
+                    }
                 }
                 // Left for this product, which could not sum it: the kernel after it.
                 Some((other, None, false)) => {
                     bias_counts.1 += 1;
+                    if let Some(t) = trace.as_mut() {
+                        t.push(alone);
+                        t.push(Launched {
+                            launch: other,
+                            how: How::Alone,
+                        });
+                    }
                     let sum = &self.steps[other];
                     let sum_ins = [&locs[sum.inputs[0]][0]];
                     launch::run_step(step, &ins, outs, &ctx, &mut keep)
@@ -1686,11 +1716,19 @@ impl Compiled {
                         .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
                 }
                 _ if gathered.iter().any(Option::is_some) => {
+                    if let Some(t) = trace.as_mut() {
+                        t.push(alone);
+                    }
                     fallback::concat_gathered(&step.exec, &ins, &gathered, outs)
                         .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?
                 }
-                _ => launch::run_step(step, &ins, outs, &ctx, &mut keep)
-                    .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?,
+                _ => {
+                    if let Some(t) = trace.as_mut() {
+                        t.push(alone);
+                    }
+                    launch::run_step(step, &ins, outs, &ctx, &mut keep)
+                        .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?
+                }
             }
             // The kernel's scratch and the copies no later kernel reads.
             keep.release_since(mark);
@@ -1712,6 +1750,9 @@ impl Compiled {
                 self.steps[s].value,
                 "internal: a bias gradient was left for a product that did not take it".into(),
             ));
+        }
+        if let Some(t) = trace {
+            *self.trace.lock().unwrap_or_else(|p| p.into_inner()) = t;
         }
         {
             let mut counts = self.bias_grads.lock().unwrap_or_else(|p| p.into_inner());

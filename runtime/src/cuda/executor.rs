@@ -348,7 +348,8 @@ fn entry_program(art: &Artifact, entry: &str) -> Result<EntryProgram, CudaExecEr
     };
     let kg = &e.manifest.kernel_graph;
     let names: BTreeSet<String> = m.functions.iter().map(|f| f.name.clone()).collect();
-    let (steps, copy) = steps::prepare(kg, &m.kernels, &names).map_err(unsupported)?;
+    let (steps, copy) =
+        steps::prepare(kg, &e.manifest.launch, &m.kernels, &names).map_err(unsupported)?;
     let mut program = EntryProgram {
         file: m.source.clone(),
         source: src.to_string(),
@@ -2523,7 +2524,7 @@ impl Run<'_> {
         self.launch(finish, &[part, out.base()], finish_l)
     }
 
-    /// Step `s` of a bias-gradient pair (`steps::pair_bias_grads`; `other` is the other
+    /// Step `s` of a bias-gradient pair (the launch plan's; `other` is the other
     /// step): `Ok(true)` when this did the step's work, `Ok(false)` to run it as usual.
     /// - A `sum_rows` before its GEMM is deferred to it (unless its rows are a view copy,
     ///   which may be freed by then); one after its GEMM copies what the GEMM computed.

@@ -13,6 +13,7 @@ use kiln_compiler::codegen::misc::ReduceLayout;
 use kiln_compiler::codegen::program::mask_kind;
 use kiln_compiler::codegen::rows::MaskKind;
 use kiln_compiler::ir::{DType, Op};
+use kiln_compiler::launch_plan::LaunchPlan;
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::regions::Expr;
 use kiln_compiler::optimize::templates::{registry, TemplateKind};
@@ -29,7 +30,7 @@ pub(crate) struct Step {
     pub exec: Exec,
     /// For a bias gradient (`sum_rows`) and the weight-gradient GEMM that reads the same
     /// output gradient as its right operand: the other one's step index
-    /// ([`pair_bias_grads`]). The GEMM may then compute both in one cuBLASLt call.
+    /// (the launch plan's). The GEMM may then compute both in one cuBLASLt call.
     pub bias_grad: Option<usize>,
 }
 
@@ -143,11 +144,12 @@ fn mask_of(name: &str) -> Result<MaskKind, String> {
 /// Also returns the strided-copy function (`None` when no kernel names one).
 pub(crate) fn prepare(
     kg: &KernelGraph,
+    plan: &LaunchPlan,
     launches: &[KernelLaunch],
     functions: &BTreeSet<String>,
 ) -> Result<(Vec<Step>, Option<String>), String> {
     let kernels = kg.kernels();
-    if launches.len() != kernels.len() {
+    if launches.len() != kernels.len() || plan.launches.len() != kernels.len() {
         return Err(format!(
             "the CUDA manifest lists {} kernel launches, the kernel graph has {} kernels",
             launches.len(),
@@ -334,26 +336,37 @@ pub(crate) fn prepare(
             bias_grad: None,
         });
     }
-    pair_bias_grads(kg, &mut steps);
+    take_bias_grad_pairs(plan, &mut steps)?;
     Ok((steps, copy))
 }
 
-/// Pairs each bias gradient with the weight-gradient GEMM of the same layer
-/// ([`crate::exec::pair_bias_grads`]): a `matmul` GEMM without bias or ReLU.
-pub(crate) fn pair_bias_grads(kg: &KernelGraph, steps: &mut [Step]) {
-    use crate::exec::BiasRole;
-    let role = |st: &Step| match st.exec {
-        Exec::SumRows { .. } => BiasRole::SumRows,
-        Exec::Gemm {
-            bias: None,
-            relu: None,
-        } if st.kind == "matmul" => BiasRole::Product,
-        _ => BiasRole::Other,
+/// The launch plan's bias-gradient pairs ([`kiln_compiler::fuse::bias_grad_pairs`]): each
+/// a `sum_rows` and a `matmul` GEMM without bias or ReLU, as the plan says.
+fn take_bias_grad_pairs(plan: &LaunchPlan, steps: &mut [Step]) -> Result<(), String> {
+    let sum_rows = |st: &Step| matches!(st.exec, Exec::SumRows { .. });
+    let product = |st: &Step| {
+        matches!(
+            st.exec,
+            Exec::Gemm {
+                bias: None,
+                relu: None
+            }
+        ) && st.kind == "matmul"
     };
-    crate::exec::pair_bias_grads(
-        kg,
-        steps,
-        |st| (st.value, st.inputs.as_slice(), role(st)),
-        |st, pair| st.bias_grad = pair,
-    );
+    for (s, l) in plan.launches.iter().enumerate() {
+        let Some(p) = l.bias_grad else { continue };
+        let (a, b) = (
+            &steps[s],
+            steps.get(p).ok_or("a bias-gradient pair out of range")?,
+        );
+        if !(sum_rows(a) && product(b) || product(a) && sum_rows(b)) {
+            return Err(format!(
+                "the launch plan pairs kernels %{} ({}) and %{} ({}) as a bias gradient and \
+                 its product, which the CUDA program does not run as such",
+                a.value, a.kind, b.value, b.kind
+            ));
+        }
+        steps[s].bias_grad = Some(p);
+    }
+    Ok(())
 }
