@@ -383,8 +383,8 @@ enum Command {
         /// Read sentences from this file instead of standard input.
         #[arg(long)]
         input: Option<PathBuf>,
-        #[arg(long, default_value_t = 4,
-              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        /// Beam width, 1 to 256.
+        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = beam_width)]
         beam: usize,
         /// Length penalty exponent.
         #[arg(long, default_value_t = 0.6, value_parser = finite_f64)]
@@ -982,8 +982,26 @@ pub(crate) fn write_outputs(
     Ok(())
 }
 
-/// Sizes the global thread pool (before any parallel work).
+/// More worker threads than this many per core only slow a run down (100,000 of them
+/// hung it), so they are refused.
+const THREADS_PER_CORE_MAX: usize = 4;
+
+/// Sizes the global thread pool (before any parallel work); 0 is one thread per core.
 pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let max = cores * THREADS_PER_CORE_MAX;
+    if let Some(n) = threads.filter(|&n| n > max) {
+        return Err(plain(
+            "kiln::threads",
+            format!(
+                "{n} threads is more than {THREADS_PER_CORE_MAX} per core ({cores} core(s) here)"
+            ),
+            Some(format!(
+                "use at most {max} (--threads, or train.threads in the configuration), or 0 \
+                 for one per core"
+            )),
+        ));
+    }
     if let Some(n) = threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -997,6 +1015,17 @@ pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
             })?;
     }
     Ok(())
+}
+
+/// A `--beam` value: a whole number from 1 to [`kiln_runtime::decode::MAX_BEAM`].
+fn beam_width(s: &str) -> Result<usize, String> {
+    let max = kiln_runtime::decode::MAX_BEAM;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a beam width: give a whole number from 1 to {max}"
+        )),
+    }
 }
 
 /// A `--flag` value that must be a finite number.

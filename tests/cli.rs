@@ -548,7 +548,11 @@ fn meaningless_counts_and_settings_are_refused() {
     let missing = tmp("no-such-model");
     let missing = s(&missing);
     for (flag, value, says) in [
-        ("--beam", "0", "0 is not in 1.."),
+        (
+            "--beam",
+            "0",
+            "`0` is not a beam width: give a whole number from 1 to 256",
+        ),
         ("--alpha", "nan", "`nan` is not a finite number"),
         ("--max-len-a", "-3", "`-3` is negative; give 0 or more"),
     ] {

@@ -117,6 +117,45 @@ impl Dim {
         Dim::from_map(map)
     }
 
+    /// [`Dim::add`], or `None` where a coefficient overflows `i64`.
+    pub fn checked_add(&self, other: &Dim) -> Option<Dim> {
+        let mut map: BTreeMap<Monomial, i64> = BTreeMap::new();
+        for (m, c) in self.terms.iter().chain(other.terms.iter()) {
+            let e = map.entry(m.clone()).or_insert(0);
+            *e = e.checked_add(*c)?;
+        }
+        Some(Dim::from_map(map))
+    }
+
+    /// [`Dim::neg`], or `None` where a coefficient is `i64::MIN`.
+    pub fn checked_neg(&self) -> Option<Dim> {
+        let terms = self
+            .terms
+            .iter()
+            .map(|(m, c)| Some((m.clone(), c.checked_neg()?)))
+            .collect::<Option<_>>()?;
+        Some(Dim { terms })
+    }
+
+    /// [`Dim::sub`], or `None` where a coefficient overflows.
+    pub fn checked_sub(&self, other: &Dim) -> Option<Dim> {
+        self.checked_add(&other.checked_neg()?)
+    }
+
+    /// [`Dim::mul`], or `None` where a coefficient overflows.
+    pub fn checked_mul(&self, other: &Dim) -> Option<Dim> {
+        let mut map: BTreeMap<Monomial, i64> = BTreeMap::new();
+        for (ma, ca) in &self.terms {
+            for (mb, cb) in &other.terms {
+                let mut m: Monomial = ma.iter().chain(mb.iter()).cloned().collect();
+                m.sort();
+                let e = map.entry(m).or_insert(0);
+                *e = e.checked_add(ca.checked_mul(*cb)?)?;
+            }
+        }
+        Some(Dim::from_map(map))
+    }
+
     /// The dim with each symbol replaced by a dim from `map` (symbols not in the map stay).
     pub fn subst(&self, map: &BTreeMap<String, Dim>) -> Dim {
         let mut total = Dim::c(0);

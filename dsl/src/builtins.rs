@@ -400,7 +400,10 @@ pub(crate) fn call(
             if name == "mean" {
                 let n = axes
                     .iter()
-                    .fold(Dim::c(1), |acc, &ax| acc.mul(&ty.shape.dims()[ax]));
+                    .try_fold(Dim::c(1), |acc, &ax| acc.checked_mul(&ty.shape.dims()[ax]))
+                    .ok_or_else(|| {
+                        Diag::new("kiln::overflow", "the count of `mean` overflows").at(span, "")
+                    })?;
                 let Some(n) = n.as_const() else {
                     return Err(Diag::new(
                         "kiln::shape",

@@ -370,11 +370,18 @@ impl Diagnostic for Error {
     }
 }
 
+/// Names longer than this get no suggestion: the edit distance costs the product of the
+/// two lengths, and no typo of a real name is that long.
+pub const SUGGEST_MAX_CHARS: usize = 64;
+
 /// The candidate closest to `name`, if it is close enough to be a likely typo.
 pub fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    if name.len() > SUGGEST_MAX_CHARS * 4 || name.chars().count() > SUGGEST_MAX_CHARS {
+        return None;
+    }
     let mut best: Option<(usize, &str)> = None;
     for c in candidates {
-        if c == name {
+        if c == name || c.len() > SUGGEST_MAX_CHARS * 4 || c.chars().count() > SUGGEST_MAX_CHARS {
             continue;
         }
         let d = strsim::damerau_levenshtein(name, c);
@@ -413,5 +420,8 @@ mod tests {
         assert_eq!(closest("layernorm", names), Some("layer_norm"));
         assert_eq!(closest("lnear", names), Some("linear"));
         assert_eq!(closest("xyz", names), None);
+        // A name too long for a typo gets no suggestion (and costs no quadratic search).
+        let long = "a".repeat(1_000_000);
+        assert_eq!(closest(&long, [long.as_str(), &"a".repeat(999_999)]), None);
     }
 }

@@ -923,9 +923,13 @@ impl<'p> Elab<'p> {
         span: Span,
     ) -> R<Value> {
         match (op, v) {
-            (UnOp::Neg, Value::Int(x)) => Ok(Value::Int(-x)),
+            (UnOp::Neg, Value::Int(x)) => x.checked_neg().map(Value::Int).ok_or_else(|| {
+                Diag::new("kiln::overflow", format!("`-({x})` overflows")).at(span, "")
+            }),
             (UnOp::Neg, Value::Float(x)) => Ok(Value::Float(-x)),
-            (UnOp::Neg, Value::Dim(d)) => Ok(Value::from_dim(d.neg())),
+            (UnOp::Neg, Value::Dim(d)) => d.checked_neg().map(Value::from_dim).ok_or_else(|| {
+                Diag::new("kiln::overflow", format!("`-({d})` overflows")).at(span, "")
+            }),
             (UnOp::Neg, Value::Tensor(t)) => Ok(Value::Tensor(self.node(
                 frame,
                 Op::Unary(UnaryOp::Neg),
@@ -1009,10 +1013,19 @@ impl<'p> Elab<'p> {
                     va.as_dim().unwrap_or_default(),
                     vb.as_dim().unwrap_or_default(),
                 );
+                let overflow = || {
+                    Diag::new(
+                        "kiln::overflow",
+                        format!("`{x} {} {y}` overflows", op.symbol()),
+                    )
+                    .at(span, "")
+                };
+                let dim =
+                    |d: Option<kiln_compiler::Dim>| d.map(Value::from_dim).ok_or_else(overflow);
                 match op {
-                    BinOp::Add => Ok(Value::from_dim(x.add(&y))),
-                    BinOp::Sub => Ok(Value::from_dim(x.sub(&y))),
-                    BinOp::Mul => Ok(Value::from_dim(x.mul(&y))),
+                    BinOp::Add => dim(x.checked_add(&y)),
+                    BinOp::Sub => dim(x.checked_sub(&y)),
+                    BinOp::Mul => dim(x.checked_mul(&y)),
                     BinOp::Eq => Ok(Bool(x == y)),
                     BinOp::Ne => Ok(Bool(x != y)),
                     _ => Err(Diag::new(
@@ -2108,7 +2121,8 @@ fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sb: Span, span: Span) -
                         .at(sb, "this is 0"),
                 );
             }
-            if x % y != 0 {
+            let rem = x.checked_rem(y).ok_or_else(overflow)?;
+            if rem != 0 {
                 let near: Vec<String> = divisors_near(x, y).iter().map(|d| d.to_string()).collect();
                 let shown = |t: &str, v: i64| {
                     if t == v.to_string() {
@@ -2121,7 +2135,7 @@ fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sb: Span, span: Span) -
                     "kiln::divisibility",
                     format!("{} is not divisible by {}", shown(ta, x), shown(tb, y)),
                 )
-                .at(span, format!("{x} / {y} leaves a remainder of {}", x % y))
+                .at(span, format!("{x} / {y} leaves a remainder of {rem}"))
                 .help(if near.is_empty() {
                     format!("`{tb}` must divide `{ta}`; for a fraction write `{ta} * 1.0 / {tb}`")
                 } else {
@@ -2131,7 +2145,7 @@ fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sb: Span, span: Span) -
                     )
                 }));
             }
-            Value::Int(x / y)
+            Value::Int(x.checked_div(y).ok_or_else(overflow)?)
         }
         BinOp::Rem => {
             if y == 0 {
@@ -2140,7 +2154,7 @@ fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sb: Span, span: Span) -
                         .at(sb, "this is 0"),
                 );
             }
-            Value::Int(x.rem_euclid(y))
+            Value::Int(x.checked_rem_euclid(y).ok_or_else(overflow)?)
         }
         BinOp::Pow => {
             if y >= 0 {
@@ -2167,13 +2181,27 @@ fn int_op(op: BinOp, x: i64, y: i64, ta: &str, tb: &str, sb: Span, span: Span) -
     })
 }
 
-/// Divisors of `x` closest to `y` (one below, one above).
+/// Divisors of `x` closest to `y` (one below, one above), found by trial division up to
+/// `√x`, so at most 2²⁰ steps (`x` up to 2⁴⁰; none suggested beyond).
 fn divisors_near(x: i64, y: i64) -> Vec<i64> {
     if x <= 0 || y <= 0 || x > 1 << 40 {
         return vec![];
     }
-    let below = (1..y).rev().find(|d| x % d == 0);
-    let above = (y + 1..=x).find(|d| x % d == 0);
+    let (mut below, mut above) = (None::<i64>, None::<i64>);
+    let mut d = 1;
+    while d * d <= x {
+        if x % d == 0 {
+            for q in [d, x / d] {
+                if q < y && below.is_none_or(|b| q > b) {
+                    below = Some(q);
+                }
+                if q > y && above.is_none_or(|a| q < a) {
+                    above = Some(q);
+                }
+            }
+        }
+        d += 1;
+    }
     below.into_iter().chain(above).collect()
 }
 
@@ -2213,4 +2241,23 @@ fn float_op(op: BinOp, x: f64, y: f64, tb: &str, sb: Span, span: Span) -> R<Valu
         );
     }
     Ok(Value::Float(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::divisors_near;
+
+    #[test]
+    fn divisors_near_a_divisor_are_the_closest_ones_found_without_a_scan() {
+        assert_eq!(divisors_near(512, 7), vec![4, 8]);
+        assert_eq!(divisors_near(512, 3), vec![2, 4]);
+        assert_eq!(divisors_near(512, 1000), vec![512]);
+        // A huge divisor (the scan in it hung) and a large prime below 2⁴⁰.
+        assert_eq!(divisors_near(512, i64::MAX), vec![512]);
+        assert_eq!(
+            divisors_near(1_099_511_627_689, 3),
+            vec![1, 1_099_511_627_689]
+        );
+        assert!(divisors_near(-5, 3).is_empty() && divisors_near(1 << 41, 3).is_empty());
+    }
 }

@@ -40,9 +40,31 @@ struct Loader {
     loaded: HashSet<PathBuf>,
 }
 
+/// The largest spec file read: the shipped ones are a few kilobytes, and a read without a
+/// bound never ends on a device such as `/dev/zero`.
+pub const MAX_SOURCE_BYTES: u64 = 16 << 20;
+
+/// The bytes of `path`, or `Ok(None)` where it holds more than [`MAX_SOURCE_BYTES`].
+fn read_bounded(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_SOURCE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    Ok((bytes.len() as u64 <= MAX_SOURCE_BYTES).then_some(bytes))
+}
+
+fn too_large(path: &Path) -> String {
+    format!(
+        "`{}` is larger than {} MiB, too large for a spec",
+        path.display(),
+        MAX_SOURCE_BYTES >> 20
+    )
+}
+
 /// Reads a file as UTF-8, or explains why not.
 pub fn read_source(path: &Path) -> Result<String, Error> {
-    let bytes = std::fs::read(path).map_err(|e| {
+    let bytes = read_bounded(path).map_err(|e| {
         let help = match e.kind() {
             std::io::ErrorKind::NotFound => {
                 Some("check the path; specs usually live in `models/`".to_string())
@@ -61,6 +83,13 @@ pub fn read_source(path: &Path) -> Result<String, Error> {
             help,
         )
     })?;
+    let Some(bytes) = bytes else {
+        return Err(Error::plain(
+            "kiln::io",
+            too_large(path),
+            Some("give the path of a `.kiln` spec file".to_string()),
+        ));
+    };
     match String::from_utf8(bytes) {
         Ok(s) => Ok(without_bom(s)),
         Err(e) => {
@@ -221,8 +250,13 @@ impl Loader {
         if !self.loaded.insert(canon) {
             return Ok(()); // already loaded (or being loaded): definitions are shared
         }
-        let text = match std::fs::read(&full) {
-            Ok(b) => match String::from_utf8(b) {
+        let text = match read_bounded(&full) {
+            Ok(None) => {
+                return Err(Diag::new("kiln::import", too_large(&full))
+                    .at(span, "imported here")
+                    .help("import `.kiln` spec files only"))
+            }
+            Ok(Some(b)) => match String::from_utf8(b) {
                 Ok(t) => without_bom(t),
                 Err(_) => {
                     return Err(Diag::new(

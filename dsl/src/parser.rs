@@ -46,6 +46,25 @@ pub fn parse_file(file: u32, text: &str, next_site: &Cell<u32>) -> PResult<File>
         Ok(p) => p,
         Err(e) => return Err(parse_error(file, text, e)),
     };
+    let long = pairs
+        .clone()
+        .flatten()
+        .find(|x| x.as_rule() == Rule::ident && x.as_str().chars().count() > MAX_NAME_CHARS);
+    if let Some(name) = long {
+        let s = name.as_span();
+        return Err(Diag::new(
+            "kiln::syntax",
+            format!(
+                "a name of {} characters; names have at most {MAX_NAME_CHARS}",
+                name.as_str().chars().count()
+            ),
+        )
+        .at(
+            Span::new(file, s.start(), s.start() + 1),
+            "this name starts here",
+        )
+        .help("use a shorter name"));
+    }
     let p = Parser {
         file,
         text,
@@ -635,6 +654,10 @@ fn scan_brackets(text: &str) -> Vec<Token> {
 
 /// Rejects bracket nesting deeper than [`MAX_NESTING`] before pest (which recurses) sees
 /// it; the error carries the offset where the limit is crossed.
+/// The longest name a spec may use (names are compared and suggested by edit distance,
+/// which costs the product of two names' lengths).
+pub const MAX_NAME_CHARS: usize = 256;
+
 fn nesting_check(file: u32, text: &str) -> Result<(), (usize, Diag)> {
     let mut depth = 0usize;
     for t in scan_brackets(text) {

@@ -299,17 +299,65 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
+/// The largest configuration file read (the shipped ones are about 2 KiB; a read without a
+/// bound never ends on a device such as `/dev/zero`).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// How deep `[`/`{` may nest (100,000 levels took the YAML parser 42 s to reject).
+pub const MAX_CONFIG_NESTING: usize = 32;
+
+/// The UTF-8 text of `path`, or `Ok(None)` where it holds more than
+/// [`MAX_CONFIG_BYTES`].
+fn read_bounded(path: &Path) -> std::io::Result<Option<String>> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)?;
+    Ok((text.len() as u64 <= MAX_CONFIG_BYTES).then_some(text))
+}
+
+/// The deepest nesting of flow lists and maps in `text` (brackets in quotes or comments
+/// counted too: an over-estimate, which only a pathological file reaches), `None` for
+/// none.
+fn flow_depth(text: &str) -> Option<usize> {
+    let (mut depth, mut max) = (0usize, 0usize);
+    for b in text.bytes() {
+        match b {
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    (max > 0).then_some(max)
+}
+
 impl Config {
     /// Reads and checks a configuration; relative paths become relative to its folder.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = read_bounded(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
-        let mut c = Config::parse(&text).map_err(|message| ConfigError::Invalid {
+        let invalid = |message: String| ConfigError::Invalid {
             path: path.to_path_buf(),
             message,
-        })?;
+        };
+        let Some(text) = text else {
+            return Err(invalid(format!(
+                "larger than {} KiB, too large for a configuration",
+                MAX_CONFIG_BYTES >> 10
+            )));
+        };
+        if let Some(depth) = flow_depth(&text).filter(|&d| d > MAX_CONFIG_NESTING) {
+            return Err(invalid(format!(
+                "lists and maps are nested {depth} deep, more than the {MAX_CONFIG_NESTING} a \
+                 configuration may nest"
+            )));
+        }
+        let mut c = Config::parse(&text).map_err(invalid)?;
         let base = path.parent().unwrap_or(Path::new("."));
         for p in [
             &mut c.model.spec,
@@ -387,8 +435,12 @@ impl Config {
         if self.checkpoint.keep == 0 {
             bad.push("checkpoint.keep must be at least 1".to_string());
         }
-        if self.valid.beam == 0 {
-            bad.push("valid.beam must be at least 1".to_string());
+        if self.valid.beam == 0 || self.valid.beam > crate::decode::MAX_BEAM {
+            bad.push(format!(
+                "valid.beam must be 1 to {}, not {}",
+                crate::decode::MAX_BEAM,
+                self.valid.beam
+            ));
         }
         if !self.valid.alpha.is_finite() {
             bad.push(format!(

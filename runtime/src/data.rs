@@ -254,6 +254,11 @@ impl Tokenizer {
             });
         }
 
+        // No corpus gives more merges than it has characters (each merge joins two
+        // symbols of a word into one), so a larger request is clamped to that bound:
+        // the trainer sizes its tables by the request, and a huge one aborted it.
+        let chars: usize = texts.iter().map(|t| t.chars().count()).sum();
+        let reachable = vocab_size.min(needed.saturating_add(chars));
         let model = BPE::builder()
             .unk_token(SPECIAL_TOKENS[UNK as usize].to_string())
             .build()
@@ -264,7 +269,7 @@ impl Tokenizer {
         inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(metaspace())));
         inner.with_decoder(Some(DecoderWrapper::Metaspace(metaspace())));
         let trainer = BpeTrainerBuilder::new()
-            .vocab_size(vocab_size)
+            .vocab_size(reachable)
             .min_frequency(0)
             .show_progress(false)
             .special_tokens(
@@ -890,6 +895,15 @@ mod tests {
 
         let (tok, report) = Tokenizer::train(TOY, 60).unwrap();
         assert_eq!(tok.vocab_size(), 60, "{report:?}");
+
+        // A request far beyond any corpus (it aborted the trainer) gives what the corpus
+        // holds, the same as 10,000 does.
+        let (huge, report) = Tokenizer::train(TOY, 1_000_000_000).unwrap();
+        assert_eq!(report.requested, 1_000_000_000);
+        assert_eq!(
+            huge.vocab_size(),
+            Tokenizer::train(TOY, 10_000).unwrap().0.vocab_size()
+        );
 
         let err = Tokenizer::train(TOY, 10).unwrap_err();
         assert!(matches!(err, DataError::VocabTooSmall { .. }), "{err}");

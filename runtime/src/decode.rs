@@ -137,6 +137,10 @@ pub enum DecodeError {
     Model(String),
 }
 
+/// The widest beam a search takes: wider ones cost memory in proportion (every live
+/// row's scores over the vocabulary) and find nothing better in practice.
+pub const MAX_BEAM: usize = 256;
+
 /// Which tokens of each row beam search reads ([`StepModel::step_top`]).
 #[derive(Clone, Copy, Debug)]
 pub struct TopSpec<'a> {
@@ -1083,10 +1087,11 @@ pub fn decode_nbest(
     opts: &DecodeOptions,
     n: usize,
 ) -> Result<Vec<Vec<Hypothesis>>, DecodeError> {
-    if opts.beam == 0 {
-        return Err(DecodeError::Model(
-            "the beam size must be at least 1".to_string(),
-        ));
+    if opts.beam == 0 || opts.beam > MAX_BEAM {
+        return Err(DecodeError::Model(format!(
+            "the beam size must be 1 to {MAX_BEAM}, not {}",
+            opts.beam
+        )));
     }
     let keep = if opts.greedy { 1 } else { opts.beam };
     if n == 0 || n > keep {
@@ -1118,6 +1123,21 @@ pub fn decode_nbest(
             len.max(1).min(cap)
         })
         .collect();
+    // A step holds every live row's log-probabilities over the vocabulary (f64) and the
+    // model's logits (f32): refused up front where that cannot fit, not by an abort.
+    let rows = (b as u64).saturating_mul(keep as u64);
+    let need = rows.saturating_mul(model.vocab() as u64).saturating_mul(12);
+    kiln_compiler::memory::ensure(
+        need,
+        || {
+            format!(
+                "a beam of {keep} over {b} sentence(s) and a vocabulary of {}",
+                model.vocab()
+            )
+        },
+        || "use a smaller --beam or --batch".to_string(),
+    )
+    .map_err(|e| DecodeError::Model(e.to_string()))?;
     model.start(src)?;
     let k = if opts.greedy { 1 } else { opts.beam };
     // Live hypotheses per sentence; all start from <bos>, continuing sentence row i.

@@ -1,0 +1,125 @@
+//! Hostile input that once panicked, aborted or hung (#59, items 5–11): each case exits
+//! with a clear error, no panic, the message's key phrase, and leaves the files it was
+//! given as they were. (Spec cases that fit a file are in the catalog,
+//! `tests/diagnostics/`.)
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{flat, kiln, root};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("hostile_input")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Runs `kiln args`, which must fail with `code`, no panic, and `want` in its error.
+fn refused(args: &[&str], code: i32, want: &str) -> String {
+    let out = kiln(args);
+    let err = flat(&String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(code), "kiln {args:?}: {err}");
+    assert!(!err.contains("panicked"), "kiln {args:?}: {err}");
+    assert!(err.contains(want), "kiln {args:?}: `{want}` not in:\n{err}");
+    err
+}
+
+fn bytes(p: &Path) -> Vec<u8> {
+    std::fs::read(p).unwrap()
+}
+
+/// Item 7: a spec with names of a million characters is refused at its first long name,
+/// at once — no quadratic "did you mean" between two of them.
+#[test]
+fn names_of_a_million_characters_are_refused_at_once() {
+    let dir = tmp("long_names");
+    let spec = dir.join("long.kiln");
+    let (a, b) = ("a".repeat(1_000_000), "b".repeat(1_000_000));
+    let text = format!(
+        "layer {a}(d: int) (x) {{\n  return x\n}}\n\nmodel m(d: int = 8) {{\n  dims batch\n  \
+         input x: f32[batch, d]\n  output y = {b}(x, d = d)\n}}\n"
+    );
+    std::fs::write(&spec, &text).unwrap();
+    let err = refused(
+        &["check", spec.to_str().unwrap()],
+        1,
+        "a name of 1000000 characters; names have at most 256",
+    );
+    assert!(err.len() < 20_000, "the message quotes the whole name");
+    assert_eq!(bytes(&spec), text.as_bytes());
+}
+
+/// Item 11: a spec that never ends (a device) is refused at its size bound, not read
+/// until memory runs out. (An import of one is in the catalog.)
+#[test]
+fn a_spec_that_never_ends_is_refused() {
+    refused(
+        &["check", "/dev/zero"],
+        1,
+        "`/dev/zero` is larger than 16 MiB, too large for a spec",
+    );
+}
+
+/// Item 8: `--beam` is bounded, and a negative one is named as a bad value, not as an
+/// unknown flag.
+#[test]
+fn a_beam_out_of_range_is_refused_with_its_bounds() {
+    let nowhere = tmp("beam").join("nowhere");
+    let ck = nowhere.to_str().unwrap();
+    for beam in ["10000", "0", "-1"] {
+        let err = refused(
+            &["translate", "--checkpoint", ck, "--beam", beam],
+            2,
+            "--beam",
+        );
+        assert!(err.contains("1 to 256"), "--beam {beam}: {err}");
+        assert!(!err.contains("unexpected argument"), "--beam {beam}: {err}");
+    }
+}
+
+/// Item 10: more worker threads than a few per core are refused before any work.
+#[test]
+fn too_many_threads_are_refused() {
+    let nowhere = tmp("threads").join("nowhere");
+    refused(
+        &[
+            "translate",
+            "--checkpoint",
+            nowhere.to_str().unwrap(),
+            "--threads",
+            "100000",
+        ],
+        1,
+        "100000 threads is more than 4 per core",
+    );
+}
+
+/// Item 11: a configuration that never ends, or that nests 100,000 flow lists deep, is
+/// refused at once, before a run directory or a vocabulary is written.
+#[test]
+fn configurations_too_large_or_too_deep_are_refused() {
+    let dir = tmp("config");
+    refused(
+        &["train", "--config", "/dev/zero"],
+        1,
+        "too large for a configuration",
+    );
+    let deep = dir.join("deep.yaml");
+    let text = format!("data: {}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    std::fs::write(&deep, &text).unwrap();
+    refused(
+        &["train", "--config", deep.to_str().unwrap()],
+        1,
+        "nested 100000 deep, more than the 32",
+    );
+    assert_eq!(bytes(&deep), text.as_bytes());
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert_eq!(left.len(), 1, "only the configuration: {left:?}");
+    // A shipped configuration still loads (its nesting is shallow).
+    let base = root().join("models/configs/base.yaml");
+    kiln_runtime::config::Config::load(&base).unwrap();
+}
