@@ -1265,3 +1265,47 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         "{err}"
     );
 }
+
+/// Mixed precision runs attention only as flash kernels: a model whose heads are too wide
+/// for them (base with 2 heads of 256) is refused by `kiln compile --precision mixed`,
+/// with the precisions that take it, and nothing is written; `bf16` compiles it.
+#[test]
+fn mixed_precision_without_flash_attention_is_a_compile_error() {
+    let dir = tmp("mixed_wide_heads");
+    let art = dir.join("art");
+    let args = |precision: &'static str| {
+        vec![
+            "compile".to_string(),
+            "models/transformer_base.kiln".to_string(),
+            "--set".to_string(),
+            "vocab=48".to_string(),
+            "--set".to_string(),
+            "n=1".to_string(),
+            "--set".to_string(),
+            "d_ff=64".to_string(),
+            "--set".to_string(),
+            "h=2".to_string(),
+            "--entries".to_string(),
+            "encode".to_string(),
+            "--target".to_string(),
+            "cuda".to_string(),
+            "--precision".to_string(),
+            precision.to_string(),
+            "-o".to_string(),
+            art.to_str().unwrap().to_string(),
+        ]
+    };
+    let mixed = args("mixed");
+    let out = kiln(&mixed.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(out.status.code(), Some(1));
+    let err = flat(&stderr(&out));
+    assert!(
+        err.contains("(attention) has no flash kernels")
+            && err.contains("compile this model with --precision f32, tf32 or bf16"),
+        "{err}"
+    );
+    assert!(!art.exists(), "nothing is written");
+    let bf16 = args("bf16");
+    kiln_ok(&bf16.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(art.join("manifest.json").is_file());
+}

@@ -464,6 +464,73 @@ fn gpu_every_entry_matches_the_cpu_executor() {
 /// weight-gradient GEMM sums them in its epilogue where cuBLASLt has an algorithm (the
 /// emulated device always has one, unless told to refuse: then every one runs apart), and
 /// `separate_bias_grads` runs them apart alone.
+/// The CUDA executor launches its artifact's launch plan: each kernel once, in the
+/// plan's order, a bias gradient the plan pairs with a GEMM right after that GEMM —
+/// summed by its epilogue (`SummedBy`), which the emulated cuBLASLt always does, or on
+/// its own where cuBLASLt refused.
+#[test]
+fn gpu_a_cuda_artifact_runs_exactly_its_launch_plan() {
+    use kiln_compiler::launch_plan::KernelKind;
+    use kiln_compiler::optimize::kind::TemplateKind;
+    use kiln_runtime::exec::{How, Launched};
+    if require_cuda_or_skip().is_none() {
+        return;
+    }
+    let art = cuda_artifact();
+    let mut pairs = 0;
+    for entry in ENTRIES {
+        let gpu = CudaExecutor::with_options(art, entry, CudaOptions::default()).unwrap();
+        gpu.record_launches(true);
+        let plan = &art.entry(entry).unwrap().manifest.launch;
+        let (inputs, params) = feeds(gpu.graph(), art, 5);
+        Exec::run(&gpu, &inputs, &params, &RunOptions::default()).unwrap();
+        let got = gpu.last_launches();
+        let sum_rows = KernelKind::Template(TemplateKind::SumRows);
+        let paired_sum =
+            |i: usize| plan.launches[i].kind == sum_rows && plan.launches[i].bias_grad.is_some();
+        let mut want = Vec::new();
+        for (s, l) in plan.launches.iter().enumerate() {
+            if paired_sum(s) {
+                continue;
+            }
+            want.push(Launched {
+                launch: s,
+                how: How::Alone,
+            });
+            if let Some(p) = l.bias_grad {
+                pairs += 1;
+                want.push(Launched {
+                    launch: p,
+                    how: How::SummedBy { product: s },
+                });
+            }
+        }
+        let mut seen: Vec<usize> = got.iter().map(|l| l.launch).collect();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..plan.launches.len()).collect::<Vec<_>>(),
+            "{entry}: each once"
+        );
+        let unpaired = |v: &[Launched]| -> Vec<Launched> {
+            v.iter()
+                .copied()
+                .filter(|l| plan.launches[l.launch].bias_grad.is_none())
+                .collect()
+        };
+        assert_eq!(
+            unpaired(&got),
+            unpaired(&want),
+            "{entry}: in the plan's order"
+        );
+        let refused = std::env::var_os(emulate::REFUSE_BIAS_GRAD_ENV).is_some();
+        if common::emulated() && !refused {
+            assert_eq!(got, want, "{entry}");
+        }
+    }
+    assert!(pairs > 10, "train_step pairs its bias gradients: {pairs}");
+}
+
 #[test]
 fn gpu_fused_and_separate_epilogues_match_the_cpu_executor() {
     if require_cuda_or_skip().is_none() {

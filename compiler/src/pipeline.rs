@@ -109,5 +109,36 @@ pub fn cuda_program(kg: &KernelGraph, precision: Precision) -> Result<CudaCode, 
         Precision::Mixed => Elem::Bf16,
         Precision::F32 | Precision::Tf32 | Precision::Bf16 => Elem::F32,
     };
-    crate::codegen::cuda::program::emit_with(kg, elem).map_err(PipelineError::Cuda)
+    let code = crate::codegen::cuda::program::emit_with(kg, elem).map_err(PipelineError::Cuda)?;
+    if precision == Precision::Mixed {
+        mixed_attention_is_flash(kg, &code)?;
+    }
+    Ok(code)
+}
+
+/// Mixed precision runs attention only as the flash kernels (the batched-GEMM path keeps
+/// its scores in f32 scratch): an attention without them is refused here, at compile
+/// time, with the precisions that take it.
+fn mixed_attention_is_flash(kg: &KernelGraph, code: &CudaCode) -> Result<(), PipelineError> {
+    use crate::codegen::cuda::Library;
+    for ((v, op, _), l) in kg.kernels().into_iter().zip(&code.kernels) {
+        let Some(Library::Attention { backward, .. }) = &l.library else {
+            continue;
+        };
+        let roles: &[&str] = if *backward {
+            &["flash_q", "flash_kv"]
+        } else {
+            &["flash"]
+        };
+        if !roles.iter().all(|r| l.functions.contains_key(*r)) {
+            return Err(PipelineError::Options(format!(
+                "kernel %{v} ({}) has no flash kernels (heads wider than {} or of another \
+                 shape): --precision mixed runs attention only as flash kernels; compile \
+                 this model with --precision f32, tf32 or bf16",
+                op.kind(),
+                crate::codegen::cuda::attention::MAX_HEAD
+            )));
+        }
+    }
+    Ok(())
 }

@@ -57,7 +57,7 @@ use crate::compiled::launch::region_operand;
 use crate::compiled::Loc;
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
-use crate::exec::{Exec, Product, Timing};
+use crate::exec::{Exec, How, Launched, Product, Timing};
 
 const EXECUTOR: &str = "the CUDA executor";
 
@@ -85,6 +85,43 @@ pub enum CudaExecError {
 }
 
 /// The device and the arena, used by one run at a time.
+/// What [`Run::bias_grad_pair`] did with a step of a bias-gradient pair.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Paired {
+    /// Nothing: the step runs as usual.
+    No,
+    /// The `sum_rows`' work is left to (or was done by) its GEMM.
+    Left,
+    /// The GEMM ran and summed the bias gradient in its epilogue.
+    Summed,
+    /// The GEMM ran, then the `sum_rows` left to it.
+    RanBoth,
+}
+
+impl Paired {
+    /// The launches of step `s` (partner `other`) this accounts for, in the order they
+    /// ran.
+    fn launched(self, s: usize, other: Option<usize>) -> Vec<Launched> {
+        let alone = |launch| Launched {
+            launch,
+            how: How::Alone,
+        };
+        match (self, other) {
+            (Paired::No, _) => vec![alone(s)],
+            (Paired::Left, _) => vec![],
+            (Paired::Summed, Some(o)) => vec![
+                alone(s),
+                Launched {
+                    launch: o,
+                    how: How::SummedBy { product: s },
+                },
+            ],
+            (Paired::RanBoth, Some(o)) => vec![alone(s), alone(o)],
+            (_, None) => vec![alone(s)],
+        }
+    }
+}
+
 struct State {
     device: Device,
     arena: Option<Buf>,
@@ -105,6 +142,8 @@ struct State {
     /// Runs so far that bound their views and kernel results afresh, and that reused
     /// those kept for their dims.
     binds: (usize, usize),
+    /// With [`CudaExecutor::record_launches`]: the last run's launches.
+    launches: Option<Vec<Launched>>,
 }
 
 /// Parameters, gradient accumulators and Adam's moments on the device, by parameter
@@ -654,6 +693,7 @@ impl CudaExecutor {
                 view_copies: (0, 0),
                 bound: HashMap::new(),
                 binds: (0, 0),
+                launches: None,
             }),
             pool: Arc::new(Pool::default()),
             bf16,
@@ -834,6 +874,19 @@ impl CudaExecutor {
     pub fn bias_grad_counts(&self) -> (usize, usize) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         guard.bias_grads
+    }
+
+    /// With `on`, every run records the launches of the launch plan it ran, in order, and
+    /// how ([`CudaExecutor::last_launches`]), as the compiled executor does.
+    pub fn record_launches(&self, on: bool) {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.launches = on.then(Vec::new);
+    }
+
+    /// The launches of the last run ([`CudaExecutor::record_launches`]; empty without).
+    pub fn last_launches(&self) -> Vec<Launched> {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.launches.clone().unwrap_or_default()
     }
 
     /// Runs so far that bound the views' and kernel results' locations afresh, and that
@@ -1191,6 +1244,7 @@ impl CudaExecutor {
             self.steps.iter().map(|s| s.inputs.as_slice()),
             self.kg.outputs.iter().map(|(_, v)| *v),
         );
+        let mut launches = st.launches.as_ref().map(|_| Vec::new());
         for (s, step) in self.steps.iter().enumerate() {
             phases.begin(&st.device).map_err(dev_err)?;
             for &x in &step.inputs {
@@ -1204,12 +1258,15 @@ impl CudaExecutor {
                 Some(other) if r.fused_bias_grads => {
                     r.bias_grad_pair(&self.steps, s, other, &ins, outs, &locs, &needs)
                 }
-                _ => Ok(false),
+                _ => Ok(Paired::No),
             };
-            let done = paired.map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
-            if !done {
+            let paired = paired.map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            if paired == Paired::No {
                 r.exec(step, &ins, outs)
                     .map_err(|m| node_err(step.value, format!("{}: {m}", step.kind)))?;
+            }
+            if let Some(t) = launches.as_mut() {
+                t.extend(paired.launched(s, step.bias_grad));
             }
             // The kernel's scratch and the copies no later kernel reads (freed in stream
             // order: the memory is reused by later launches only).
@@ -1341,6 +1398,9 @@ impl CudaExecutor {
             c.casts = std::mem::take(&mut r.casts);
         }
         drop(r);
+        if launches.is_some() {
+            guard.launches = launches;
+        }
         guard.epilogues.0 += fused;
         guard.epilogues.1 += separate;
         guard.bias_grads.0 += bias_grads.0;
@@ -2525,7 +2585,7 @@ impl Run<'_> {
     }
 
     /// Step `s` of a bias-gradient pair (the launch plan's; `other` is the other
-    /// step): `Ok(true)` when this did the step's work, `Ok(false)` to run it as usual.
+    /// step): what this did of the step's work ([`Paired`]).
     /// - A `sum_rows` before its GEMM is deferred to it (unless its rows are a view copy,
     ///   which may be freed by then); one after its GEMM copies what the GEMM computed.
     /// - The GEMM computes the bias gradient in its epilogue ([`Run::gemm_bias_grad`]):
@@ -2542,35 +2602,35 @@ impl Run<'_> {
         outs: &[DLoc],
         locs: &[Vec<DLoc>],
         needs: &[Vec<usize>],
-    ) -> Result<bool, String> {
+    ) -> Result<Paired, String> {
         let step = &steps[s];
         match &step.exec {
             StepExec::SumRows { .. } if other > s => {
                 if !needs[step.inputs[0]].is_empty() {
-                    return Ok(false);
+                    return Ok(Paired::No);
                 }
                 self.bias_deferred
                     .insert(other, (s, ins[0].clone(), outs[0].clone()));
-                Ok(true)
+                Ok(Paired::Left)
             }
             StepExec::SumRows { .. } => {
                 let Some(buf) = self.bias_ready.remove(&s) else {
-                    return Ok(false);
+                    return Ok(Paired::No);
                 };
                 let out = &outs[0];
                 let bytes = elem_bytes(out.dtype) as usize * out.numel();
                 self.dev.copy_bytes(out.base(), buf.ptr, bytes)?;
                 // Freed in stream order, as a kernel's scratch.
                 self.keep.push(buf);
-                Ok(true)
+                Ok(Paired::Left)
             }
             StepExec::Gemm { .. } if other < s => {
                 let Some((sum, dy, db)) = self.bias_deferred.remove(&s) else {
-                    return Ok(false);
+                    return Ok(Paired::No);
                 };
                 if self.gemm_bias_grad(ins[0], ins[1], &outs[0], &dy, &db)? {
                     self.bias_grads.0 += 1;
-                    return Ok(true);
+                    return Ok(Paired::Summed);
                 }
                 self.exec(step, ins, outs)?;
                 let StepExec::SumRows { main, finish } = &steps[sum].exec else {
@@ -2578,12 +2638,12 @@ impl Run<'_> {
                 };
                 self.bias_grads.1 += 1;
                 self.sum_rows(main, finish, &dy, &db)?;
-                Ok(true)
+                Ok(Paired::RanBoth)
             }
             StepExec::Gemm { .. } => {
                 let sum = &steps[other];
                 if !needs[sum.inputs[0]].is_empty() {
-                    return Ok(false);
+                    return Ok(Paired::No);
                 }
                 let (dy, db) = (&locs[sum.inputs[0]][0], &locs[sum.value][0]);
                 // Every element is written by the epilogue: no need to zero it.
@@ -2598,11 +2658,11 @@ impl Run<'_> {
                 if self.gemm_bias_grad(ins[0], ins[1], &outs[0], dy, &to)? {
                     self.bias_grads.0 += 1;
                     self.bias_ready.insert(other, buf);
-                    return Ok(true);
+                    return Ok(Paired::Summed);
                 }
-                Ok(false)
+                Ok(Paired::No)
             }
-            _ => Ok(false),
+            _ => Ok(Paired::No),
         }
     }
 
