@@ -4,18 +4,8 @@ use std::io::{IsTerminal, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use std::collections::BTreeMap;
-
 use clap::{Parser, Subcommand};
-use kiln_compiler::init::init_params;
-use kiln_compiler::printer::print_graph;
-use kiln_compiler::reference::{Precision, RunOptions};
-use kiln_compiler::summary::{group_digits, Summary};
-use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor, TensorFileError};
-use kiln_dsl::{Error, Mode, Options};
-use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
-use kiln_runtime::{check_inputs, check_weights, Entry, GraphKind, RuntimeError};
-use outputs::Output;
+use kiln_dsl::Error;
 
 /// `println!` for a command's output (a graph, a summary, a report): a reader that went
 /// away (`kiln graph … | head`) ends the command quietly, as `grep` would end, instead of a
@@ -52,12 +42,32 @@ fn stdout_failed(e: std::io::Error) -> ! {
     std::process::exit(1);
 }
 
-mod bench_cmd;
-mod compile_cmds;
+/// `println!` that does not panic when standard output is closed (`kiln train … | head`):
+/// for reports that are not a command's product (a finished run is not undone by a
+/// reader that went away).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that does not panic when standard error is closed (see `say!`).
+macro_rules! tell {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
+mod args;
+mod cmd;
 mod compile_flags;
-mod demo;
+mod errors;
 mod outputs;
-mod train_cmds;
+
+pub(crate) use args::{beam_width, finite_f64, non_negative_f64, set_threads, GemmArgs, SpecArgs};
+pub(crate) use errors::{err, file_error, plain, runtime_error};
 
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "kiln: a declarative model compiler")]
@@ -73,88 +83,6 @@ struct Cli {
     ptx_cache: Option<String>,
     #[command(subcommand)]
     command: Command,
-}
-
-/// `--gemm-type`: how the compiled executor runs its large matrix products.
-#[derive(clap::Args, Clone)]
-pub(crate) struct GemmArgs {
-    /// The compiled executor's large matrix products (Marian's --gemm-type): `f32` (the
-    /// default), `16bit` (the best 16-bit kernel this CPU has), or one kernel: `amx`
-    /// (bf16 on AMX tiles), `dot` (bf16 with AVX-512's VDPBF16PS), `fp16` (AVX512-FP16),
-    /// `int16` (AVX2's VPMADDWD). Without it, KILN_CPU_BF16 decides.
-    #[arg(long, value_name = "TYPE", value_parser = kiln_runtime::compiled::GemmType::NAMES)]
-    pub gemm_type: Option<String>,
-}
-
-impl GemmArgs {
-    /// Makes the process's compiled executors run their products as asked, for a command
-    /// that runs `executor`; an error where the CPU has no such kernel, or where a 16-bit
-    /// type is asked of another executor.
-    pub(crate) fn apply(&self, executor: &str) -> Result<(), Error> {
-        let Some(name) = &self.gemm_type else {
-            return Ok(());
-        };
-        use kiln_runtime::compiled::GemmType;
-        let Some(t) = GemmType::parse(name) else {
-            return Err(plain(
-                "kiln::gemm",
-                format!("--gemm-type {name} is not a GEMM type"),
-                Some(format!("use one of {}", GemmType::NAMES.join(", "))),
-            ));
-        };
-        if t != GemmType::F32 && executor != "compiled" {
-            return Err(plain(
-                "kiln::gemm",
-                format!(
-                    "--gemm-type {name} chooses the compiled executor's matrix products, \
-                     but this runs the {executor} executor"
-                ),
-                Some("add `--executor compiled`, or leave --gemm-type out".to_string()),
-            ));
-        }
-        kiln_runtime::compiled::set_process_gemm_type(t)
-            .map(|_| ())
-            .map_err(|why| {
-                plain(
-                    "kiln::gemm",
-                    format!("--gemm-type {name}: {why}"),
-                    Some(
-                        "use --gemm-type f32, or 16bit for the best 16-bit kernel this CPU has"
-                            .to_string(),
-                    ),
-                )
-            })
-    }
-}
-
-#[derive(clap::Args, Clone)]
-struct SpecArgs {
-    /// The model spec (a `.kiln` file).
-    spec: PathBuf,
-    /// Override a model parameter: `--set d_model=256` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    set: Vec<String>,
-    /// Which model of the file, when it defines several.
-    #[arg(long)]
-    model: Option<String>,
-    /// Which graph to elaborate: `eval` (inference), `train` (with dropout) or `decode`
-    /// (one incremental decoder step with key/value caches).
-    #[arg(long, default_value = "eval", value_parser = ["eval", "train", "decode"])]
-    mode: String,
-}
-
-impl SpecArgs {
-    fn options(&self) -> Options {
-        Options {
-            overrides: self.set.clone(),
-            mode: match self.mode.as_str() {
-                "train" => Mode::Train,
-                "decode" => Mode::Decode,
-                _ => Mode::Eval,
-            },
-            model: self.model.clone(),
-        }
-    }
 }
 
 #[derive(Subcommand)]
@@ -176,7 +104,7 @@ enum Command {
     /// reasons per phase, kernels per kind before and after, bytes moved, time spent.
     Explain {
         #[command(flatten)]
-        args: compile_cmds::OptArgs,
+        args: cmd::explain::OptArgs,
         /// Also print the kernel graph and each fusion.
         #[arg(long)]
         kernels: bool,
@@ -266,7 +194,7 @@ enum Command {
     /// Time an entry point (median ms/step, tokens/s, peak RSS).
     Bench {
         #[command(flatten)]
-        args: bench_cmd::BenchArgs,
+        args: cmd::bench::BenchArgs,
     },
     /// Initialize a spec's parameters (seeded, deterministic) into a safetensors file.
     Init {
@@ -540,24 +468,12 @@ fn run(cli: Cli) -> Result<(), Error> {
         var("HOME").as_deref(),
     ));
     match cli.command {
-        Command::Check { spec, json } => {
-            let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
-            let s = Summary::of(&g);
-            if json {
-                outln!(
-                    "{}",
-                    serde_json::to_string_pretty(&s).expect("summary serializes")
-                );
-            } else {
-                out!("{}", s.to_text());
-            }
-            Ok(())
-        }
+        Command::Check { spec, json } => cmd::check::check(&spec, json),
         Command::Explain {
             args,
             kernels,
             fusions,
-        } => compile_cmds::explain(&args, kernels, &fusions),
+        } => cmd::explain::explain(&args, kernels, &fusions),
         Command::Compile {
             spec,
             set,
@@ -570,77 +486,19 @@ fn run(cli: Cli) -> Result<(), Error> {
             output,
             validate,
             seed,
-        } => {
-            if let Some(out) = &output {
-                let inputs: Vec<&std::path::Path> = [&spec, &config, &from_model]
-                    .into_iter()
-                    .flatten()
-                    .map(|p| p.as_path())
-                    .collect();
-                let text = entry.is_some() && entries.is_empty() && config.is_none();
-                let kind = if text && from_model.is_none() {
-                    Output::File
-                } else {
-                    Output::Artifact
-                };
-                outputs::check("kiln::compile", out, &inputs, kind)?;
-            }
-            if let Some(cfg) = config {
-                return compile_cmds::compile_artifact_from_config(
-                    &cfg,
-                    &entries,
-                    output.as_deref(),
-                    validate,
-                    &flags.options()?,
-                );
-            }
-            if let Some(m) = from_model {
-                return compile_cmds::compile_artifact_from_model(
-                    &m,
-                    &entries,
-                    output.as_deref(),
-                    validate,
-                    &flags.options()?,
-                );
-            }
-            let Some(spec) = spec else {
-                return Err(plain(
-                    "kiln::compile",
-                    "nothing to compile".to_string(),
-                    Some("give a spec, `--config CONFIG.yaml` or `--from-model DIR`".to_string()),
-                ));
-            };
-            // `-o DIR` alone writes an artifact, as a compiler's `-o` writes its program;
-            // `--entry` asks for one kernel graph's text.
-            let artifact = !entries.is_empty() || (output.is_some() && entry.is_none());
-            let args = compile_cmds::OptArgs {
-                spec,
-                set,
-                model,
-                entry: entry.unwrap_or_else(|| "forward".to_string()),
-                target: flags.target.clone(),
-            };
-            if !artifact {
-                compile_cmds::compile(&args, output.as_deref(), validate, seed)
-            } else {
-                let entries = if entries.is_empty() {
-                    compile_cmds::SPEC_ENTRIES
-                        .iter()
-                        .map(|s| s.to_string())
-                        .collect()
-                } else {
-                    entries
-                };
-                compile_cmds::compile_artifact(
-                    &args,
-                    &entries,
-                    output.as_deref(),
-                    validate,
-                    seed,
-                    &flags.options()?,
-                )
-            }
-        }
+        } => cmd::compile::compile(cmd::compile::CompileArgs {
+            spec,
+            set,
+            model,
+            entry,
+            flags,
+            config,
+            from_model,
+            entries,
+            output,
+            validate,
+            seed,
+        }),
         Command::Inspect {
             dir,
             batch,
@@ -649,7 +507,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             past,
             plan,
             nvrtc,
-        } => compile_cmds::inspect(
+        } => cmd::inspect::inspect(
             &dir,
             &[
                 ("batch", batch),
@@ -660,30 +518,9 @@ fn run(cli: Cli) -> Result<(), Error> {
             plan,
             nvrtc,
         ),
-        Command::Bench { args } => bench_cmd::bench(&args),
-        Command::Graph { spec } => {
-            let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
-            out!("{}", print_graph(&g));
-            Ok(())
-        }
-        Command::Init { spec, seed, output } => {
-            outputs::check("kiln::init", &output, &[&spec.spec], Output::File)?;
-            let g = kiln_dsl::compile_file(&spec.spec, &spec.options())?;
-            let weights =
-                init_params(&g, seed).map_err(|e| plain("kiln::init", e.to_string(), None))?;
-            let mut meta = BTreeMap::new();
-            meta.insert("kiln.model".to_string(), g.name.clone());
-            meta.insert("kiln.seed".to_string(), seed.to_string());
-            save_safetensors(&output, &weights, Some(&meta)).map_err(file_error)?;
-            outln!(
-                "wrote {} parameters in {} tensors of model `{}` to {}",
-                group_digits(g.num_parameters()),
-                weights.len(),
-                g.name,
-                output.display()
-            );
-            Ok(())
-        }
+        Command::Bench { args } => cmd::bench::bench(&args),
+        Command::Graph { spec } => cmd::graph::graph(&spec),
+        Command::Init { spec, seed, output } => cmd::init::init(&spec, seed, &output),
         Command::Run {
             spec,
             entry,
@@ -695,103 +532,18 @@ fn run(cli: Cli) -> Result<(), Error> {
             step,
             executor,
             gemm,
-        } => {
-            let given: Vec<&std::path::Path> = [Some(&spec.spec), Some(&inputs), weights.as_ref()]
-                .into_iter()
-                .flatten()
-                .map(|p| p.as_path())
-                .collect();
-            outputs::check("kiln::run", &output, &given, Output::File)?;
-            let entry = Entry::parse(&entry).map_err(runtime_error)?;
-            // An artifact runs its generated kernels by default, a spec the reference.
-            let default = if spec.spec.is_dir() {
-                "compiled"
-            } else {
-                "reference"
-            };
-            gemm.apply(executor.as_deref().unwrap_or(default))?;
-            let run_opts = RunOptions {
-                precision: if precision == "f64" {
-                    Precision::F64
-                } else {
-                    Precision::F32
-                },
-                seed,
-                step,
-                ..RunOptions::default()
-            };
-            // A directory can only be an artifact: one without a manifest is named as such.
-            if spec.spec.is_dir() {
-                return compile_cmds::run_artifact(
-                    &spec.spec,
-                    entry.name(),
-                    &inputs,
-                    weights.as_deref(),
-                    &run_opts,
-                    executor.as_deref().unwrap_or("compiled"),
-                    &output,
-                );
-            }
-            let executor = executor.unwrap_or_else(|| "reference".to_string());
-            if executor == "cuda" {
-                return Err(plain(
-                    "kiln::run",
-                    "`--executor cuda` runs a compiled CUDA artifact, not a spec".to_string(),
-                    Some(format!(
-                        "compile one first: `kiln compile {} --entries {} --target cuda -o DIR`, \
-                         then `kiln run DIR --executor cuda …`",
-                        spec.spec.display(),
-                        entry.name()
-                    )),
-                ));
-            }
-            let elaborate = |kind: GraphKind| -> Result<kiln_compiler::Graph, Error> {
-                let mut opts = spec.options();
-                opts.mode = kiln::dsl_mode(kind);
-                kiln_dsl::compile_file(&spec.spec, &opts)
-            };
-            let g = elaborate(entry.graph_kind())?;
-            let eg =
-                kiln_runtime::compiled_entry_graph_with(entry.name(), elaborate, runtime_error)?;
-            let feeds = load_safetensors(&inputs).map_err(file_error)?;
-            // A decoder step reads what `encode` hoisted out of it (`static.…`): the
-            // step's own inputs are the ones to check.
-            let check = if entry == Entry::DecodeStep { &eg } else { &g };
-            check_inputs(check, &inputs.display().to_string(), &feeds).map_err(runtime_error)?;
-            let params: BTreeMap<String, Tensor> = match &weights {
-                Some(path) => {
-                    let w = load_safetensors(path).map_err(file_error)?;
-                    check_weights(&g, &path.display().to_string(), &w).map_err(runtime_error)?;
-                    w
-                }
-                None => init_params(&g, seed)
-                    .map_err(|e| plain("kiln::init", e.to_string(), None))?
-                    .into_iter()
-                    .collect(),
-            };
-            let opts = run_opts;
-            let exec = kiln_runtime::exec::executor(
-                kiln_runtime::exec::ExecutorKind::parse(&executor)
-                    .unwrap_or(kiln_runtime::exec::ExecutorKind::Reference),
-                eg.clone(),
-            )
-            .map_err(|e| plain("kiln::run", e.to_string(), None))?;
-            let outs = exec.run(&feeds, &params, &opts).map_err(|e| {
-                plain(
-                    "kiln::run",
-                    e.to_string(),
-                    Some(format!(
-                        "the entry's inputs are: {}",
-                        eg.inputs
-                            .iter()
-                            .map(|&i| format!("{} {}", eg.source_name(i).unwrap_or("?"), eg.ty(i)))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )),
-                )
-            })?;
-            write_outputs(&g.name, &outs, &output)
-        }
+        } => cmd::run::run(cmd::run::RunArgs {
+            spec,
+            entry,
+            inputs,
+            weights,
+            seed,
+            precision,
+            output,
+            step,
+            executor,
+            gemm,
+        }),
         Command::Bleu {
             refs,
             hyp,
@@ -801,57 +553,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             smooth_value,
             score_only,
             json,
-        } => {
-            if smooth_value.is_some() && !matches!(smooth.as_str(), "floor" | "add-k") {
-                return Err(plain(
-                    "kiln::usage",
-                    format!("--smooth-value sets the value of `floor` or `add-k` smoothing, not of `{smooth}`"),
-                    Some("add `--smooth floor` or `--smooth add-k`, or drop --smooth-value".to_string()),
-                ));
-            }
-            let read = |p: &PathBuf| -> Result<Vec<String>, Error> {
-                kiln_runtime::data::read_lines(p)
-                    .map_err(|e| plain("kiln::io", e.to_string(), None))
-            };
-            let hyps = match &hyp {
-                Some(p) => read(p)?,
-                None => {
-                    let mut t = String::new();
-                    std::io::Read::read_to_string(&mut std::io::stdin(), &mut t).map_err(|e| {
-                        plain("kiln::io", format!("cannot read standard input: {e}"), None)
-                    })?;
-                    lines(&t)
-                }
-            };
-            let refs = refs.iter().map(read).collect::<Result<Vec<_>, _>>()?;
-            let opts = BleuOptions {
-                lowercase,
-                tokenize: if tokenize == "none" {
-                    Tokenize::None
-                } else {
-                    Tokenize::V13a
-                },
-                smooth: match smooth.as_str() {
-                    "exp" => Smooth::Exp,
-                    "floor" => Smooth::Floor(smooth_value.unwrap_or(0.1)),
-                    "add-k" => Smooth::AddK(smooth_value.unwrap_or(1.0)),
-                    _ => Smooth::None,
-                },
-            };
-            let b = corpus_bleu(&hyps, &refs, &opts)
-                .map_err(|e| plain("kiln::bleu", e.to_string(), None))?;
-            if json {
-                outln!(
-                    "{}",
-                    serde_json::to_string_pretty(&b).expect("BLEU serializes")
-                );
-            } else if score_only {
-                outln!("{:.2}", b.score);
-            } else {
-                outln!("{b}");
-            }
-            Ok(())
-        }
+        } => cmd::bleu::bleu(cmd::bleu::BleuArgs {
+            refs,
+            hyp,
+            lowercase,
+            tokenize,
+            smooth,
+            smooth_value,
+            score_only,
+            json,
+        }),
         Command::Train {
             config,
             resume,
@@ -862,7 +573,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             threads,
             gemm_type,
             quiet,
-        } => train_cmds::train(train_cmds::TrainArgs {
+        } => cmd::train::train(cmd::train::TrainArgs {
             config,
             resume,
             max_steps,
@@ -891,7 +602,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         } => {
             set_threads(threads)?;
             gemm.apply(&executor)?;
-            train_cmds::translate(train_cmds::TranslateArgs {
+            cmd::translate::translate(cmd::translate::TranslateArgs {
                 checkpoint,
                 input,
                 beam,
@@ -919,7 +630,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         } => {
             set_threads(threads)?;
             gemm.apply(&executor)?;
-            train_cmds::score(train_cmds::ScoreArgs {
+            cmd::score::score(cmd::score::ScoreArgs {
                 checkpoint,
                 src,
                 reference,
@@ -935,132 +646,29 @@ fn run(cli: Cli) -> Result<(), Error> {
             output,
         } => {
             let inputs = match last {
-                Some(n) => train_cmds::last_checkpoints(&inputs, n)?,
+                Some(n) => cmd::average::last_checkpoints(&inputs, n)?,
                 None => inputs,
             };
-            train_cmds::average(&inputs, &output)
+            cmd::average::average(&inputs, &output)
         }
         Command::Export {
             format,
             input,
             output,
-        } => train_cmds::export(&format, &input, &output),
+        } => cmd::export::export(&format, &input, &output),
         Command::Import {
             format,
             input,
             output,
-        } => train_cmds::import(&format, &input, &output),
+        } => cmd::export::import(&format, &input, &output),
         Command::Demo {
             seconds,
             steps,
             dir,
-        } => demo::demo(demo::DemoArgs {
+        } => cmd::demo::demo(cmd::demo::DemoArgs {
             seconds,
             steps,
             dir,
         }),
     }
-}
-
-/// Writes the outputs of `kiln run` and prints one line per output.
-pub(crate) fn write_outputs(
-    model: &str,
-    outs: &[(String, Tensor)],
-    output: &std::path::Path,
-) -> Result<(), Error> {
-    let mut meta = BTreeMap::new();
-    meta.insert("kiln.model".to_string(), model.to_string());
-    save_safetensors(output, outs, Some(&meta)).map_err(file_error)?;
-    for (name, t) in outs {
-        let value = match (t.shape.is_empty(), t.to_f64_vec()) {
-            (true, Some(v)) => format!(" = {}", v[0]),
-            _ => String::new(),
-        };
-        outln!("{name}: {} {:?}{value}", t.dtype_name(), t.shape);
-    }
-    outln!("wrote {} output(s) to {}", outs.len(), output.display());
-    Ok(())
-}
-
-/// More worker threads than this many per core only slow a run down (100,000 of them
-/// hung it), so they are refused.
-const THREADS_PER_CORE_MAX: usize = 4;
-
-/// Sizes the global thread pool (before any parallel work); 0 is one thread per core.
-pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let max = cores * THREADS_PER_CORE_MAX;
-    if let Some(n) = threads.filter(|&n| n > max) {
-        return Err(plain(
-            "kiln::threads",
-            format!(
-                "{n} threads is more than {THREADS_PER_CORE_MAX} per core ({cores} core(s) here)"
-            ),
-            Some(format!(
-                "use at most {max} (--threads, or train.threads in the configuration), or 0 \
-                 for one per core"
-            )),
-        ));
-    }
-    if let Some(n) = threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .map_err(|e| {
-                plain(
-                    "kiln::threads",
-                    format!("cannot start {n} threads: {e}"),
-                    None,
-                )
-            })?;
-    }
-    Ok(())
-}
-
-/// A `--beam` value: a whole number from 1 to [`kiln_runtime::decode::MAX_BEAM`].
-fn beam_width(s: &str) -> Result<usize, String> {
-    let max = kiln_runtime::decode::MAX_BEAM;
-    match s.parse::<usize>() {
-        Ok(n) if (1..=max).contains(&n) => Ok(n),
-        _ => Err(format!(
-            "`{s}` is not a beam width: give a whole number from 1 to {max}"
-        )),
-    }
-}
-
-/// A `--flag` value that must be a finite number.
-fn finite_f64(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() => Ok(v),
-        Ok(_) => Err(format!("`{s}` is not a finite number")),
-        Err(e) => Err(format!("`{s}`: {e}")),
-    }
-}
-
-/// A `--flag` value that must be a finite number, 0 or more.
-fn non_negative_f64(s: &str) -> Result<f64, String> {
-    let v = finite_f64(s)?;
-    if v < 0.0 {
-        return Err(format!("`{s}` is negative; give 0 or more"));
-    }
-    Ok(v)
-}
-
-/// Lines of a text, without line terminators (a final newline ends the last line).
-fn lines(text: &str) -> Vec<String> {
-    text.lines()
-        .map(|l| l.trim_end_matches('\r').to_string())
-        .collect()
-}
-
-pub(crate) fn plain(code: &'static str, message: String, help: Option<String>) -> Error {
-    Error::plain(code, message, help)
-}
-
-pub(crate) fn file_error(e: TensorFileError) -> Error {
-    plain("kiln::file", e.to_string(), None)
-}
-
-pub(crate) fn runtime_error(e: RuntimeError) -> Error {
-    plain("kiln::run", e.message, Some(e.help))
 }

@@ -18,11 +18,11 @@ use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
 use kiln_runtime::synthetic::Task;
 use kiln_runtime::train::{prepare_tokenizer, translate_ids, Progress, Trainer};
 
-use crate::plain;
-use crate::train_cmds::{compile_graphs, err};
+use crate::cmd::train::compile_graphs;
+use crate::{err, plain};
 
 /// The base spec, embedded so the demo runs anywhere.
-const BASE: &str = include_str!("../models/transformer_base.kiln");
+const BASE: &str = include_str!("../../models/transformer_base.kiln");
 
 pub struct DemoArgs {
     pub seconds: u64,

@@ -21,7 +21,7 @@ use kiln_dsl::Error;
 use kiln_runtime::compiled::Compiled;
 use kiln_runtime::exec::{Exec, Product, Timing};
 
-use crate::compile_cmds::entry_graph_of;
+use crate::cmd::explain::entry_graph_of;
 use crate::plain;
 
 #[derive(clap::Args, Clone)]
@@ -122,7 +122,7 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::A
     // Before compiling anything: is there a GPU at all?
     kiln_runtime::cuda::cuda_available().map_err(no_cuda)?;
     let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
-    let args = crate::compile_cmds::OptArgs {
+    let args = crate::cmd::explain::OptArgs {
         spec: a.spec.clone(),
         set: a.set.clone(),
         model: a.model.clone(),
@@ -135,7 +135,7 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::A
         precision: precision(a),
         ..Default::default()
     };
-    let built = crate::compile_cmds::compile_artifact(
+    let built = crate::cmd::compile::compile_artifact(
         &args,
         &[entry.to_string()],
         Some(&dir),

@@ -1,0 +1,154 @@
+//! What several commands' arguments share: the spec and its overrides, the GEMM type,
+//! the thread count, and the checks of numeric values.
+
+use std::path::PathBuf;
+
+use kiln_dsl::{Error, Mode, Options};
+
+use crate::plain;
+
+/// `--gemm-type`: how the compiled executor runs its large matrix products.
+#[derive(clap::Args, Clone)]
+pub(crate) struct GemmArgs {
+    /// The compiled executor's large matrix products (Marian's --gemm-type): `f32` (the
+    /// default), `16bit` (the best 16-bit kernel this CPU has), or one kernel: `amx`
+    /// (bf16 on AMX tiles), `dot` (bf16 with AVX-512's VDPBF16PS), `fp16` (AVX512-FP16),
+    /// `int16` (AVX2's VPMADDWD).
+    #[arg(long, value_name = "TYPE", value_parser = kiln_runtime::compiled::GemmType::NAMES)]
+    pub gemm_type: Option<String>,
+}
+
+impl GemmArgs {
+    /// Makes the process's compiled executors run their products as asked, for a command
+    /// that runs `executor`; an error where the CPU has no such kernel, or where a 16-bit
+    /// type is asked of another executor.
+    pub(crate) fn apply(&self, executor: &str) -> Result<(), Error> {
+        let Some(name) = &self.gemm_type else {
+            return Ok(());
+        };
+        use kiln_runtime::compiled::GemmType;
+        let Some(t) = GemmType::parse(name) else {
+            return Err(plain(
+                "kiln::gemm",
+                format!("--gemm-type {name} is not a GEMM type"),
+                Some(format!("use one of {}", GemmType::NAMES.join(", "))),
+            ));
+        };
+        if t != GemmType::F32 && executor != "compiled" {
+            return Err(plain(
+                "kiln::gemm",
+                format!(
+                    "--gemm-type {name} chooses the compiled executor's matrix products, \
+                     but this runs the {executor} executor"
+                ),
+                Some("add `--executor compiled`, or leave --gemm-type out".to_string()),
+            ));
+        }
+        kiln_runtime::compiled::set_process_gemm_type(t)
+            .map(|_| ())
+            .map_err(|why| {
+                plain(
+                    "kiln::gemm",
+                    format!("--gemm-type {name}: {why}"),
+                    Some(
+                        "use --gemm-type f32, or 16bit for the best 16-bit kernel this CPU has"
+                            .to_string(),
+                    ),
+                )
+            })
+    }
+}
+
+#[derive(clap::Args, Clone)]
+pub(crate) struct SpecArgs {
+    /// The model spec (a `.kiln` file).
+    pub spec: PathBuf,
+    /// Override a model parameter: `--set d_model=256` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Which model of the file, when it defines several.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Which graph to elaborate: `eval` (inference), `train` (with dropout) or `decode`
+    /// (one incremental decoder step with key/value caches).
+    #[arg(long, default_value = "eval", value_parser = ["eval", "train", "decode"])]
+    pub mode: String,
+}
+
+impl SpecArgs {
+    pub fn options(&self) -> Options {
+        Options {
+            overrides: self.set.clone(),
+            mode: match self.mode.as_str() {
+                "train" => Mode::Train,
+                "decode" => Mode::Decode,
+                _ => Mode::Eval,
+            },
+            model: self.model.clone(),
+        }
+    }
+}
+
+/// More worker threads than this many per core only slow a run down (100,000 of them
+/// hung it), so they are refused.
+const THREADS_PER_CORE_MAX: usize = 4;
+
+/// Sizes the global thread pool (before any parallel work); 0 is one thread per core.
+pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let max = cores * THREADS_PER_CORE_MAX;
+    if let Some(n) = threads.filter(|&n| n > max) {
+        return Err(plain(
+            "kiln::threads",
+            format!(
+                "{n} threads is more than {THREADS_PER_CORE_MAX} per core ({cores} core(s) here)"
+            ),
+            Some(format!(
+                "use at most {max} (--threads, or train.threads in the configuration), or 0 \
+                 for one per core"
+            )),
+        ));
+    }
+    if let Some(n) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| {
+                plain(
+                    "kiln::threads",
+                    format!("cannot start {n} threads: {e}"),
+                    None,
+                )
+            })?;
+    }
+    Ok(())
+}
+
+/// A `--beam` value: a whole number from 1 to [`kiln_runtime::decode::MAX_BEAM`].
+pub(crate) fn beam_width(s: &str) -> Result<usize, String> {
+    let max = kiln_runtime::decode::MAX_BEAM;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a beam width: give a whole number from 1 to {max}"
+        )),
+    }
+}
+
+/// A `--flag` value that must be a finite number.
+pub(crate) fn finite_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err(format!("`{s}` is not a finite number")),
+        Err(e) => Err(format!("`{s}`: {e}")),
+    }
+}
+
+/// A `--flag` value that must be a finite number, 0 or more.
+pub(crate) fn non_negative_f64(s: &str) -> Result<f64, String> {
+    let v = finite_f64(s)?;
+    if v < 0.0 {
+        return Err(format!("`{s}` is negative; give 0 or more"));
+    }
+    Ok(v)
+}

@@ -1,0 +1,229 @@
+//! `kiln average`: the mean of checkpoints' weights, into a model directory or a file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
+use kiln_dsl::Error;
+use kiln_runtime::model;
+
+use crate::outputs::Output;
+use crate::{err, plain};
+
+/// `kiln average --last N RUN`: the run's newest `n` checkpoints, oldest first.
+pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Error> {
+    let [run] = inputs else {
+        return Err(plain(
+            "kiln::average",
+            format!(
+                "--last takes one run directory, but {} inputs were given",
+                inputs.len()
+            ),
+            Some("give the run directory (`checkpoint.dir`) alone".to_string()),
+        ));
+    };
+    let root = if run.join("checkpoints").is_dir() {
+        run.join("checkpoints")
+    } else {
+        run.clone()
+    };
+    let all = kiln_runtime::checkpoint::list(&root).map_err(err("kiln::average"))?;
+    if all.is_empty() {
+        return Err(plain(
+            "kiln::average",
+            format!("`{}` holds no checkpoints", root.display()),
+            Some("give the directory of a run (`checkpoint.dir`) that has saved some".into()),
+        ));
+    }
+    if all.len() < n {
+        let steps: Vec<String> = all.iter().map(|c| c.step.to_string()).collect();
+        return Err(plain(
+            "kiln::average",
+            format!(
+                "--last {n} asks for {n} checkpoints, but `{}` has {} ({} {})",
+                root.display(),
+                all.len(),
+                if all.len() == 1 { "step" } else { "steps" },
+                steps.join(", ")
+            ),
+            Some(format!(
+                "average fewer (--last {}), or keep more with checkpoint.keep",
+                all.len()
+            )),
+        ));
+    }
+    Ok(all[all.len() - n..].iter().map(|c| c.dir.clone()).collect())
+}
+
+/// Refuses an average of the same checkpoint twice, and an output that would overwrite an
+/// input, a checkpoint or a run directory (`inputs` as given, `dirs` the model directories
+/// they name).
+fn check_average_paths(inputs: &[PathBuf], dirs: &[PathBuf], output: &Path) -> Result<(), Error> {
+    let mut seen: Vec<(PathBuf, &Path)> = Vec::new();
+    for (given, dir) in inputs.iter().zip(dirs) {
+        let Some(c) = crate::outputs::canonical(dir) else {
+            continue;
+        };
+        if let Some((_, first)) = seen.iter().find(|(s, _)| *s == c) {
+            let message = if *first == given.as_path() {
+                format!("`{}` is given twice", given.display())
+            } else {
+                format!(
+                    "`{}` and `{}` are the same checkpoint (`{}`)",
+                    first.display(),
+                    given.display(),
+                    dir.display()
+                )
+            };
+            return Err(plain(
+                "kiln::average",
+                message,
+                Some("average distinct checkpoints (each counts once in the mean)".to_string()),
+            ));
+        }
+        seen.push((c, given));
+    }
+    let all: Vec<&Path> = inputs.iter().chain(dirs).map(|p| p.as_path()).collect();
+    let kind = if output.extension().and_then(|e| e.to_str()) == Some("safetensors") {
+        Output::File
+    } else {
+        Output::Model
+    };
+    crate::outputs::check("kiln::average", output, &all, kind)
+}
+
+pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
+    let dirs: Vec<PathBuf> = inputs
+        .iter()
+        .map(|p| {
+            if p.is_dir() {
+                model::resolve(p).map_err(err("kiln::average"))
+            } else {
+                Ok(p.clone())
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    check_average_paths(inputs, &dirs, output)?;
+    // Checkpoint directories: their graphs and tokenizer checked as `kiln translate`
+    // would, and the same for all (one run's checkpoints).
+    let mut files: Option<(&Path, model::ModelFiles)> = None;
+    for dir in dirs.iter().filter(|d| d.is_dir()) {
+        let these = model::read_files(dir).map_err(err("kiln::average"))?;
+        let Some((first, reference)) = &files else {
+            files = Some((dir, these));
+            continue;
+        };
+        for (name, same) in [
+            (
+                model::GRAPHS_FILE,
+                these.graphs.to_json() == reference.graphs.to_json(),
+            ),
+            (
+                model::TOKENIZER_FILE,
+                these.tokenizer.to_json().ok() == reference.tokenizer.to_json().ok(),
+            ),
+        ] {
+            if !same {
+                return Err(plain(
+                    "kiln::average",
+                    format!(
+                        "`{}` differs from `{}`: these are checkpoints of different models \
+                         or runs ({})",
+                        dir.join(name).display(),
+                        first.join(name).display(),
+                        if name == model::GRAPHS_FILE {
+                            "another spec or other spec settings"
+                        } else {
+                            "another vocabulary: other training data or vocab_size"
+                        }
+                    ),
+                    Some("average checkpoints of one run only".to_string()),
+                ));
+            }
+        }
+    }
+    let refs: Vec<&Path> = dirs.iter().map(|p| p.as_path()).collect();
+    let avg = kiln_runtime::checkpoint::average(&refs).map_err(err("kiln::average"))?;
+    if let Some((first, f)) = &files {
+        let weights = first.join(kiln_runtime::checkpoint::MODEL_FILE);
+        kiln_runtime::entry::check_weights(&f.graphs.loss, &weights.display().to_string(), &avg)
+            .map_err(|e| {
+                plain(
+                    "kiln::average",
+                    e.message,
+                    Some(format!(
+                        "`{}` does not fit the checkpoint's `{}`: average intact checkpoints",
+                        weights.display(),
+                        model::GRAPHS_FILE
+                    )),
+                )
+            })?;
+    }
+    if output.extension().and_then(|e| e.to_str()) == Some("safetensors") {
+        let list: Vec<(String, Tensor)> = avg.into_iter().collect();
+        save_safetensors(output, &list, None).map_err(err("kiln::average"))?;
+    } else {
+        let first_is_dir = dirs.first().is_some_and(|d| d.is_dir());
+        let Some((_, f)) = files.filter(|_| first_is_dir) else {
+            return Err(plain(
+                "kiln::average",
+                "averaging safetensors files gives weights only; name the output `*.safetensors`".to_string(),
+                Some("or average checkpoint directories to get a model directory for `kiln translate`".to_string()),
+            ));
+        };
+        model::save_dir(output, &avg, &f.graphs_json, &f.tokenizer_json)
+            .map_err(err("kiln::average"))?;
+    }
+    let steps: Vec<String> = dirs
+        .iter()
+        .filter_map(|d| d.file_name()?.to_str())
+        .filter_map(kiln_runtime::checkpoint::parse_dir_name)
+        .map(|s| s.to_string())
+        .collect();
+    say!(
+        "averaged {} checkpoint{}{} into {}",
+        inputs.len(),
+        if inputs.len() == 1 { "" } else { "s" },
+        if steps.len() == dirs.len() {
+            let word = if steps.len() == 1 { "step" } else { "steps" };
+            format!(" ({word} {})", steps.join(", "))
+        } else {
+            String::new()
+        },
+        output.display()
+    );
+    Ok(())
+}
+
+/// Weights from a model directory or a safetensors file.
+/// The weights of a model directory (loaded and checked against its graphs, as `kiln
+/// translate` loads them) or of a plain safetensors file ([`plain_weights`]).
+pub(crate) fn weights_of(input: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
+    if input.is_dir() {
+        return Ok(model::load(input).map_err(err("kiln::model"))?.params);
+    }
+    plain_weights(input)
+}
+
+/// A safetensors file of weights with no model beside it: its tensors must be floats,
+/// and finite.
+pub(crate) fn plain_weights(file: &Path) -> Result<BTreeMap<String, Tensor>, Error> {
+    let w = load_safetensors(file).map_err(err("kiln::file"))?;
+    if let Some((name, t)) = w
+        .iter()
+        .find(|(_, t)| !matches!(t.dtype_name(), "f32" | "f64"))
+    {
+        return Err(plain(
+            "kiln::file",
+            format!(
+                "tensor `{name}` in `{}` is {}, but weights are floats",
+                file.display(),
+                t.dtype_name()
+            ),
+            Some("give a file of model weights (F32)".to_string()),
+        ));
+    }
+    kiln_runtime::entry::check_finite(&file.display().to_string(), &w)
+        .map_err(crate::runtime_error)?;
+    Ok(w)
+}

@@ -1,0 +1,90 @@
+//! `kiln bleu`: corpus BLEU with sacreBLEU's semantics.
+
+use std::path::PathBuf;
+
+use kiln_dsl::Error;
+use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
+
+use crate::plain;
+
+/// `kiln bleu`'s arguments (see `kiln bleu --help`).
+pub struct BleuArgs {
+    pub refs: Vec<PathBuf>,
+    pub hyp: Option<PathBuf>,
+    pub lowercase: bool,
+    pub tokenize: String,
+    pub smooth: String,
+    pub smooth_value: Option<f64>,
+    pub score_only: bool,
+    pub json: bool,
+}
+
+pub fn bleu(a: BleuArgs) -> Result<(), Error> {
+    let BleuArgs {
+        refs,
+        hyp,
+        lowercase,
+        tokenize,
+        smooth,
+        smooth_value,
+        score_only,
+        json,
+    } = a;
+
+    if smooth_value.is_some() && !matches!(smooth.as_str(), "floor" | "add-k") {
+        return Err(plain(
+            "kiln::usage",
+            format!(
+                "--smooth-value sets the value of `floor` or `add-k` smoothing, not of `{smooth}`"
+            ),
+            Some("add `--smooth floor` or `--smooth add-k`, or drop --smooth-value".to_string()),
+        ));
+    }
+    let read = |p: &PathBuf| -> Result<Vec<String>, Error> {
+        kiln_runtime::data::read_lines(p).map_err(|e| plain("kiln::io", e.to_string(), None))
+    };
+    let hyps = match &hyp {
+        Some(p) => read(p)?,
+        None => {
+            let mut t = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut t)
+                .map_err(|e| plain("kiln::io", format!("cannot read standard input: {e}"), None))?;
+            lines(&t)
+        }
+    };
+    let refs = refs.iter().map(read).collect::<Result<Vec<_>, _>>()?;
+    let opts = BleuOptions {
+        lowercase,
+        tokenize: if tokenize == "none" {
+            Tokenize::None
+        } else {
+            Tokenize::V13a
+        },
+        smooth: match smooth.as_str() {
+            "exp" => Smooth::Exp,
+            "floor" => Smooth::Floor(smooth_value.unwrap_or(0.1)),
+            "add-k" => Smooth::AddK(smooth_value.unwrap_or(1.0)),
+            _ => Smooth::None,
+        },
+    };
+    let b =
+        corpus_bleu(&hyps, &refs, &opts).map_err(|e| plain("kiln::bleu", e.to_string(), None))?;
+    if json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&b).expect("BLEU serializes")
+        );
+    } else if score_only {
+        outln!("{:.2}", b.score);
+    } else {
+        outln!("{b}");
+    }
+    Ok(())
+}
+
+/// Lines of a text, without line terminators (a final newline ends the last line).
+fn lines(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.trim_end_matches('\r').to_string())
+        .collect()
+}

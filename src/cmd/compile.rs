@@ -1,0 +1,496 @@
+//! `kiln compile`: one entry point's kernel graph as text, or an artifact of a spec, a
+//! training configuration or a trained model.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::artifact::TOKENIZER_FILE;
+use kiln_compiler::init::init_params;
+use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
+use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
+use kiln_compiler::options::CompileOptions;
+use kiln_compiler::pipeline::{compile_entry, PipelineError};
+use kiln_compiler::tensor::Tensor;
+use kiln_compiler::Graph;
+use kiln_dsl::Error;
+use kiln_runtime::config::Config;
+use kiln_runtime::model::{self, GraphSet};
+use kiln_runtime::train::tokenizer_of;
+
+use crate::cmd::explain::{entry_graph_of, OptArgs};
+use crate::outputs::{self, Output};
+use crate::plain;
+
+/// `kiln compile`'s arguments (see `kiln compile --help`).
+pub struct CompileArgs {
+    pub spec: Option<PathBuf>,
+    pub set: Vec<String>,
+    pub model: Option<String>,
+    pub entry: Option<String>,
+    pub flags: crate::compile_flags::CompileFlags,
+    pub config: Option<PathBuf>,
+    pub from_model: Option<PathBuf>,
+    pub entries: Vec<String>,
+    pub output: Option<PathBuf>,
+    pub validate: bool,
+    pub seed: u64,
+}
+
+/// `kiln compile`: an artifact (`-o DIR`, `--entries`, `--config`, `--from-model`) or one
+/// entry point's kernel graph as text.
+pub fn compile(a: CompileArgs) -> Result<(), Error> {
+    let CompileArgs {
+        spec,
+        set,
+        model,
+        entry,
+        flags,
+        config,
+        from_model,
+        entries,
+        output,
+        validate,
+        seed,
+    } = a;
+    if let Some(out) = &output {
+        let inputs: Vec<&std::path::Path> = [&spec, &config, &from_model]
+            .into_iter()
+            .flatten()
+            .map(|p| p.as_path())
+            .collect();
+        let text = entry.is_some() && entries.is_empty() && config.is_none();
+        let kind = if text && from_model.is_none() {
+            Output::File
+        } else {
+            Output::Artifact
+        };
+        outputs::check("kiln::compile", out, &inputs, kind)?;
+    }
+    if let Some(cfg) = config {
+        return compile_artifact_from_config(
+            &cfg,
+            &entries,
+            output.as_deref(),
+            validate,
+            &flags.options()?,
+        );
+    }
+    if let Some(m) = from_model {
+        return compile_artifact_from_model(
+            &m,
+            &entries,
+            output.as_deref(),
+            validate,
+            &flags.options()?,
+        );
+    }
+    let Some(spec) = spec else {
+        return Err(plain(
+            "kiln::compile",
+            "nothing to compile".to_string(),
+            Some("give a spec, `--config CONFIG.yaml` or `--from-model DIR`".to_string()),
+        ));
+    };
+    // `-o DIR` alone writes an artifact, as a compiler's `-o` writes its program;
+    // `--entry` asks for one kernel graph's text.
+    let artifact = !entries.is_empty() || (output.is_some() && entry.is_none());
+    let args = OptArgs {
+        spec,
+        set,
+        model,
+        entry: entry.unwrap_or_else(|| "forward".to_string()),
+        target: flags.target.clone(),
+    };
+    if !artifact {
+        kernel_graph(&args, output.as_deref(), validate, seed)
+    } else {
+        let entries = if entries.is_empty() {
+            SPEC_ENTRIES.iter().map(|s| s.to_string()).collect()
+        } else {
+            entries
+        };
+        compile_artifact(
+            &args,
+            &entries,
+            output.as_deref(),
+            validate,
+            seed,
+            &flags.options()?,
+        )
+    }
+}
+
+fn run_optimizer(args: &OptArgs) -> Result<(Graph, KernelGraph, Report), Error> {
+    let g = entry_graph_of(&args.spec, &args.set, &args.model, &args.entry)?;
+    let opts = OptOptions {
+        target: Target::parse(&args.target).unwrap_or(Target::Cpu),
+        ..OptOptions::default()
+    };
+    let (kg, report) =
+        optimize(&g, &opts).map_err(|e| plain("kiln::optimizer", e.to_string(), None))?;
+    Ok((g, kg, report))
+}
+
+/// `kiln compile --entry`: the kernel graph to a file (or stdout), optionally validated.
+pub fn kernel_graph(
+    args: &OptArgs,
+    output: Option<&Path>,
+    check: bool,
+    seed: u64,
+) -> Result<(), Error> {
+    let (g, kg, report) = run_optimizer(args)?;
+    if check {
+        let v = validate(&g, &kg, seed, DEFAULT_REL, DEFAULT_ABS)
+            .map_err(|e| plain("kiln::validate", e, None))?;
+        eprint!("{}", v.text());
+        if !v.ok() {
+            return Err(plain(
+                "kiln::validate",
+                "the optimized program does not match the source graph".to_string(),
+                Some("this is an optimizer bug; please report it with the spec".to_string()),
+            ));
+        }
+    }
+    let text = kg.text();
+    match output {
+        Some(path) => {
+            kiln_compiler::fsync::write_replacing(path, text.as_bytes()).map_err(
+                |(action, e)| {
+                    plain(
+                        "kiln::file",
+                        format!("cannot {action} `{}`: {e}", path.display()),
+                        None,
+                    )
+                },
+            )?;
+            let total: usize = report.kernels_after.values().sum();
+            eprintln!("wrote {} ({} kernels)", path.display(), total);
+        }
+        None => out!("{text}"),
+    }
+    Ok(())
+}
+
+/// The entry points of `--entries`, each once.
+fn entry_names(entries: &[String]) -> Result<Vec<String>, Error> {
+    let mut names: Vec<String> = Vec::new();
+    for e in entries {
+        if names.contains(e) {
+            return Err(plain(
+                "kiln::compile",
+                format!("entry `{e}` is given twice in `--entries`"),
+                Some("list each entry once".to_string()),
+            ));
+        }
+        names.push(e.clone());
+    }
+    Ok(names)
+}
+
+/// What an artifact is compiled from, whatever the source (spec, training configuration
+/// or trained model).
+struct Source {
+    /// Entry points and their graphs, in `--entries` order.
+    graphs: Vec<(String, Graph)>,
+    /// The weights to ship; `None`: initialized from `seed` per entry graph.
+    weights: Option<BTreeMap<String, Tensor>>,
+    seed: u64,
+    spec_hash: String,
+    extras: BTreeMap<String, Vec<u8>>,
+}
+
+/// `kiln compile SPEC --entries …`: a compiled artifact directory (see
+/// `kiln_compiler::artifact`): per entry the kernel graph, memory plan and CLIF code,
+/// plus the initial weights from `seed`.
+pub fn compile_artifact(
+    args: &OptArgs,
+    entries: &[String],
+    output: Option<&Path>,
+    check: bool,
+    seed: u64,
+    options: &CompileOptions,
+) -> Result<(), Error> {
+    let dir = output_dir(output)?;
+    let names = entry_names(entries)?;
+    let spec_text = kiln_dsl::source_text(&args.spec)?;
+    let spec_hash =
+        kiln_compiler::artifact::spec_hash(&spec_text, &args.set, args.model.as_deref());
+    let mut graphs = Vec::new();
+    for name in &names {
+        graphs.push((
+            name.clone(),
+            entry_graph_of(&args.spec, &args.set, &args.model, name)?,
+        ));
+    }
+    let src = Source {
+        graphs,
+        weights: None,
+        seed,
+        spec_hash,
+        extras: BTreeMap::new(),
+    };
+    write_artifact_from(dir, options, src, check)
+}
+
+/// The entries `kiln compile SPEC -o DIR` compiles without `--entries`: every one that
+/// `kiln run`, `kiln bench`, `kiln train --artifact` and `kiln translate` use.
+pub const SPEC_ENTRIES: [&str; 5] = ["forward", "train_step", "loss", "encode", "decode_step"];
+/// The entries a trainer needs, which `--config` compiles by default.
+pub const TRAINING_ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
+/// The entries a decoder needs, which `--from-model` compiles by default.
+pub const DECODING_ENTRIES: [&str; 2] = ["encode", "decode_step"];
+
+/// The graph of `name` in a trainer's graph set.
+fn from_set(set: &GraphSet, name: &str, origin: &str) -> Result<Graph, Error> {
+    Ok(match name {
+        "train_step" => set.train_step.clone(),
+        "loss" => set.loss.clone(),
+        "encode" => set.encode.clone(),
+        "decode_step" => set.decode_step.clone(),
+        other => {
+            return Err(plain(
+                "kiln::compile",
+                format!("{origin} has no entry `{other}`"),
+                Some(format!(
+                    "its entries are {}; compile `{other}` from the spec instead",
+                    TRAINING_ENTRIES.join(", ")
+                )),
+            ))
+        }
+    })
+}
+
+/// The graphs of `--entries` (or of `default` without it) from a trainer's graph set.
+fn graphs_of(
+    set: &GraphSet,
+    entries: &[String],
+    default: &[&str],
+    origin: &str,
+) -> Result<Vec<(String, Graph)>, Error> {
+    let names = if entries.is_empty() {
+        default.iter().map(|s| s.to_string()).collect()
+    } else {
+        entry_names(entries)?
+    };
+    names
+        .into_iter()
+        .map(|n| from_set(set, &n, origin).map(|g| (n, g)))
+        .collect()
+}
+
+/// `kiln compile --config CONFIG.yaml -o DIR`: what `kiln train --config` would train —
+/// the spec with the configuration's overrides and its BPE vocabulary's size, the first
+/// weights from `train.seed`, and the tokenizer — as an artifact that `kiln train
+/// --artifact DIR` (or `model.artifact`) starts from.
+pub fn compile_artifact_from_config(
+    config: &Path,
+    entries: &[String],
+    output: Option<&Path>,
+    check: bool,
+    options: &CompileOptions,
+) -> Result<(), Error> {
+    let dir = output_dir(output)?;
+    let cfg = Config::load(config).map_err(|e| plain("kiln::config", e.to_string(), None))?;
+    if cfg.model.spec.as_os_str().is_empty() {
+        return Err(plain(
+            "kiln::compile",
+            format!("`{}` names no `model.spec` to compile", config.display()),
+            Some("add `model: {spec: path/to/model.kiln}`".to_string()),
+        ));
+    }
+    let (tok, note, _) = tokenizer_of(&cfg).map_err(crate::err("kiln::train"))?;
+    eprintln!("{note}");
+    let model_graphs = crate::cmd::train::compile_graphs(&cfg, tok.vocab_size())?;
+    let set = model_graphs
+        .entries_with(cfg.train.loss_scale.is_some())
+        .map_err(crate::err("kiln::compile"))?;
+    let origin = format!("the configuration `{}`", config.display());
+    let graphs = graphs_of(&set, entries, &TRAINING_ENTRIES, &origin)?;
+    let weights: BTreeMap<String, Tensor> = init_params(&set.loss, cfg.train.seed)
+        .map_err(|e| plain("kiln::init", e.to_string(), None))?
+        .into_iter()
+        .collect();
+    let mut overrides = cfg.overrides();
+    overrides.retain(|o| !o.starts_with("vocab="));
+    overrides.push(format!("vocab={}", tok.vocab_size()));
+    let spec_text = kiln_dsl::source_text(&cfg.model.spec)?;
+    let spec_hash =
+        kiln_compiler::artifact::spec_hash(&spec_text, &overrides, cfg.model.name.as_deref());
+    let tok_json = tok.to_json().map_err(crate::err("kiln::compile"))?;
+    let src = Source {
+        graphs,
+        weights: Some(weights),
+        seed: cfg.train.seed,
+        spec_hash,
+        extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
+    };
+    write_artifact_from(dir, options, src, check)
+}
+
+/// `kiln compile --from-model MODEL_DIR -o DIR`: a trained model (a checkpoint, a run
+/// directory or the output of `kiln average`) with its weights and tokenizer, compiled for
+/// `kiln translate --model DIR` (by default the decoding entries).
+pub fn compile_artifact_from_model(
+    model_dir: &Path,
+    entries: &[String],
+    output: Option<&Path>,
+    check: bool,
+    options: &CompileOptions,
+) -> Result<(), Error> {
+    let dir = output_dir(output)?;
+    if model_dir
+        .join(kiln_compiler::artifact::MANIFEST_FILE)
+        .is_file()
+    {
+        return Err(plain(
+            "kiln::model",
+            format!(
+                "`{}` is a compiled artifact, not a model: it is compiled already",
+                model_dir.display()
+            ),
+            Some(format!(
+                "`kiln translate --model {}` runs it; `--from-model` takes a checkpoint, a run \
+                 directory or the output of `kiln average`",
+                model_dir.display()
+            )),
+        ));
+    }
+    let m = model::load(model_dir).map_err(crate::err("kiln::model"))?;
+    let origin = format!("the model `{}`", m.dir.display());
+    let graphs = graphs_of(&m.graphs, entries, &DECODING_ENTRIES, &origin)?;
+    let tok_json = m.tokenizer.to_json().map_err(crate::err("kiln::compile"))?;
+    let src = Source {
+        graphs,
+        weights: Some(m.params),
+        seed: 0,
+        spec_hash: format!(
+            "model:{}",
+            kiln_compiler::artifact::hash_hex(&m.graphs.to_json())
+        ),
+        extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
+    };
+    write_artifact_from(dir, options, src, check)
+}
+
+fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
+    output.ok_or_else(|| {
+        plain(
+            "kiln::compile",
+            "an artifact is a directory, and no `-o DIR` was given".to_string(),
+            Some("add `-o DIR`, e.g. `-o build/model.kiln-artifact`".to_string()),
+        )
+    })
+}
+
+/// Optimizes, plans and generates code for every entry of `src`, and writes the artifact.
+fn write_artifact_from(
+    dir: &Path,
+    options: &CompileOptions,
+    src: Source,
+    check: bool,
+) -> Result<(), Error> {
+    let mut specs = Vec::new();
+    let mut weights = BTreeMap::new();
+    let mut model = String::new();
+    let mut hparams = Vec::new();
+    for (name, g) in src.graphs {
+        let p = compile_entry(&g, options, check.then_some(src.seed)).map_err(|e| {
+            let (code, help) = match &e {
+                PipelineError::Options(_) => ("kiln::compile", None),
+                PipelineError::Optimize(_) => ("kiln::optimizer", None),
+                PipelineError::Validate(_) => ("kiln::validate", None),
+                PipelineError::Cpu(_) | PipelineError::Cuda(_) => (
+                    "kiln::codegen",
+                    Some(
+                        "this is a code generator bug; please report it with the spec".to_string(),
+                    ),
+                ),
+            };
+            plain(code, format!("entry `{name}`: {e}"), help)
+        })?;
+        if let Some(v) = &p.validation {
+            eprint!("{}", v.text());
+            if !v.ok() {
+                return Err(plain(
+                    "kiln::validate",
+                    format!("the optimized `{name}` does not match the source graph"),
+                    Some("this is an optimizer bug; please report it with the spec".to_string()),
+                ));
+            }
+        }
+        let cuda = p.cuda.map(|code| kiln_compiler::artifact::CudaEntrySpec {
+            code,
+            arch: options.cuda_arch.clone().unwrap_or_default(),
+        });
+        match &src.weights {
+            Some(all) => {
+                // Only the parameters some entry reads.
+                for p in &g.params {
+                    if let kiln_compiler::ir::Op::Param { name: pname, .. } = &g.node(*p).op {
+                        let t = all.get(pname).ok_or_else(|| {
+                            plain(
+                                "kiln::compile",
+                                format!("entry `{name}` reads parameter `{pname}`, which the weights lack"),
+                                Some("the weights and graphs come from different models".to_string()),
+                            )
+                        })?;
+                        weights.insert(pname.clone(), t.clone());
+                    }
+                }
+            }
+            None => {
+                for (p, t) in init_params(&g, src.seed)
+                    .map_err(|e| plain("kiln::init", e.to_string(), None))?
+                {
+                    weights.insert(p, t);
+                }
+            }
+        }
+        if model.is_empty() {
+            model = g.name.clone();
+            hparams = g.hparams.clone();
+        }
+        specs.push(kiln_compiler::artifact::EntrySpec {
+            name,
+            graph: g,
+            kernel_graph: p.kernel_graph,
+            plan: p.plan,
+            code: p.cpu,
+            launch: p.launch,
+            cuda,
+        });
+    }
+    let art = kiln_compiler::artifact::ArtifactSpec {
+        model,
+        spec_hash: src.spec_hash,
+        seed: src.seed,
+        hparams,
+        options: options.clone(),
+        entries: specs,
+        weights,
+        extras: src.extras,
+    };
+    kiln_compiler::artifact::write_artifact(dir, &art).map_err(|e| {
+        let help = matches!(e, kiln_compiler::artifact::ArtifactError::Io { .. })
+            .then(|| "check that the output directory is writable".to_string());
+        plain("kiln::artifact", e.to_string(), help)
+    })?;
+    let kernels: usize = art
+        .entries
+        .iter()
+        .map(|e| e.kernel_graph.kernels().len())
+        .sum();
+    eprintln!(
+        "wrote {} ({} entries, {} kernels, {} parameter tensors{})",
+        dir.display(),
+        art.entries.len(),
+        kernels,
+        art.weights.len(),
+        if art.extras.contains_key(TOKENIZER_FILE) {
+            ", tokenizer"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}

@@ -1,0 +1,320 @@
+//! `kiln translate`: beam search or greedy decoding of lines of text with a trained model
+//! (a checkpoint, a run, an average or a compiled artifact).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+use kiln_compiler::artifact::TOKENIZER_FILE;
+use kiln_compiler::tensor::Tensor;
+use kiln_dsl::Error;
+use kiln_runtime::artifact::{is_artifact_dir, Artifact};
+use kiln_runtime::data::Tokenizer;
+use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
+use kiln_runtime::exec::{executor, Exec, ExecutorKind};
+use kiln_runtime::model;
+use kiln_runtime::train::{check_positions, decode_workers, translate_nbest_ids};
+
+use crate::{err, plain};
+
+/// What `kiln translate` runs: a model directory's, or a compiled artifact's.
+pub(crate) struct Translator {
+    pub(crate) encode: Box<dyn Exec>,
+    pub(crate) step: Box<dyn Exec>,
+    pub(crate) params: BTreeMap<String, Tensor>,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) vocab: usize,
+}
+
+/// `kind` `None`: the CUDA executor (a `--target cuda` artifact only).
+pub(crate) fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Translator, Error> {
+    let cuda = kind.is_none();
+    let kind = kind.unwrap_or(ExecutorKind::Compiled);
+    if is_artifact_dir(path) {
+        let art = Artifact::load(path).map_err(err("kiln::artifact"))?;
+        let Some(bytes) = art.tokenizer_json() else {
+            return Err(plain(
+                "kiln::translate",
+                format!(
+                    "the artifact `{}` carries no tokenizer, so it cannot translate text",
+                    path.display()
+                ),
+                Some(
+                    "compile it from a trained model: `kiln compile --from-model RUN_OR_CHECKPOINT -o DIR`"
+                        .to_string(),
+                ),
+            ));
+        };
+        let origin = path.join(TOKENIZER_FILE);
+        let tokenizer = Tokenizer::from_json(&String::from_utf8_lossy(bytes), &origin)
+            .map_err(err("kiln::artifact"))?;
+        let ex = |name: &str| -> Result<Box<dyn Exec>, Error> {
+            if cuda {
+                kiln_runtime::cuda::executor_for(&art, name).map_err(|e| {
+                    plain(
+                        "kiln::cuda",
+                        e,
+                        Some("`--executor compiled` runs the artifact's CPU code".to_string()),
+                    )
+                })
+            } else if kind == ExecutorKind::Compiled {
+                Ok(Box::new(art.executor(name).map_err(err("kiln::artifact"))?))
+            } else {
+                let g = art.entry(name).map_err(err("kiln::artifact"))?;
+                executor(kind, g.manifest.graph.clone()).map_err(err("kiln::model"))
+            }
+        };
+        let mut encode = ex("encode")?;
+        let mut step = ex("decode_step")?;
+        share_arena(&mut encode, &mut step);
+        let params = art.weights().map_err(err("kiln::artifact"))?;
+        let width = model::logits_width(step.graph());
+        model::check_vocab(&tokenizer, width, &origin).map_err(err("kiln::artifact"))?;
+        let vocab = width.unwrap_or(tokenizer.vocab_size());
+        return Ok(Translator {
+            encode,
+            step,
+            params,
+            tokenizer,
+            vocab,
+        });
+    }
+    if cuda {
+        return Err(plain(
+            "kiln::translate",
+            format!(
+                "`--executor cuda` runs a compiled CUDA artifact, and `{}` is a model directory",
+                path.display()
+            ),
+            Some(format!(
+                "compile one first: `kiln compile --from-model {} --target cuda -o DIR`, then \
+                 `kiln translate DIR --executor cuda`",
+                path.display()
+            )),
+        ));
+    }
+    let m = model::load(path).map_err(err("kiln::model"))?;
+    let mut encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
+    let mut step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
+    share_arena(&mut encode, &mut step);
+    let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
+    Ok(Translator {
+        encode,
+        step,
+        params: m.params,
+        tokenizer: m.tokenizer,
+        vocab,
+    })
+}
+
+/// The encoder runs once per batch and the decoder step after it, never at once: compiled
+/// CPU programs share one arena, as large as the larger layout, as the trainer's do.
+pub(crate) fn share_arena(encode: &mut Box<dyn Exec>, step: &mut Box<dyn Exec>) {
+    if let (Some(e), Some(s)) = (encode.as_compiled_mut(), step.as_compiled_mut()) {
+        s.share_arena_with(e);
+    }
+}
+
+pub struct TranslateArgs {
+    pub checkpoint: PathBuf,
+    pub input: Option<PathBuf>,
+    pub beam: usize,
+    pub alpha: f64,
+    pub length_penalty: String,
+    pub max_len_a: f64,
+    pub max_len_b: usize,
+    pub greedy: bool,
+    /// Print the N best hypotheses of each sentence in the Moses n-best format.
+    pub nbest: Option<usize>,
+    /// Sentences decoded together.
+    pub batch: usize,
+    pub executor: String,
+    /// Batches decoded at once (`None`: `decode_workers`).
+    pub workers: Option<usize>,
+}
+
+/// The lines of a text file (standard input for `None`), without `\r` line ends.
+pub(crate) fn read_text_lines(path: Option<&Path>) -> Result<Vec<String>, Error> {
+    match path {
+        // The corpus reader: CRLF, a byte-order mark, and invalid UTF-8 named by line.
+        Some(p) => kiln_runtime::data::read_lines(p).map_err(err("kiln::io")),
+        None => std::io::stdin()
+            .lock()
+            .lines()
+            .map(|l| l.map(|l| l.trim_end_matches('\r').to_string()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| plain("kiln::io", format!("cannot read standard input: {e}"), None)),
+    }
+}
+
+/// A progress bar over `n` items on a terminal, when they take more than one batch.
+pub(crate) fn progress_bar(n: usize, batch: usize, unit: &str) -> Option<indicatif::ProgressBar> {
+    (std::io::stderr().is_terminal() && n > batch).then(|| {
+        let b = indicatif::ProgressBar::new(n as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(&format!(
+                "{{elapsed_precise}} [{{bar:30}}] {{pos}}/{{len}} {unit}"
+            ))
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        b
+    })
+}
+
+pub fn translate(a: TranslateArgs) -> Result<(), Error> {
+    let kind = match a.executor.as_str() {
+        "cuda" => None,
+        e => Some(ExecutorKind::parse(e).unwrap_or(ExecutorKind::Compiled)),
+    };
+    let m = translator(&a.checkpoint, kind)?;
+    let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
+        plain(
+            "kiln::translate",
+            format!("unknown length penalty `{}`", a.length_penalty),
+            Some("use gnmt, len_pow or none".to_string()),
+        )
+    })?;
+    let opts = DecodeOptions {
+        beam: a.beam,
+        greedy: a.greedy,
+        penalty,
+        max_len_a: a.max_len_a,
+        max_len_b: a.max_len_b,
+        ..DecodeOptions::default()
+    };
+    if let Some(n) = a.nbest {
+        let keep = if opts.greedy { 1 } else { opts.beam };
+        if n > keep {
+            return Err(plain(
+                "kiln::translate",
+                format!(
+                    "--nbest {n} asks for more hypotheses than the search keeps ({keep}, {})",
+                    if opts.greedy {
+                        "greedy".to_string()
+                    } else {
+                        format!("--beam {}", opts.beam)
+                    }
+                ),
+                Some(if opts.greedy {
+                    "drop --greedy, or ask for --nbest 1".to_string()
+                } else {
+                    format!("use --beam {n} or more, or --nbest {keep} or fewer")
+                }),
+            ));
+        }
+    }
+    let lines = read_text_lines(a.input.as_deref())?;
+    let mut srcs = Vec::new();
+    let mut which = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if !l.trim().is_empty() {
+            let ids = m
+                .tokenizer
+                .encode(l)
+                .map_err(|e| plain("kiln::translate", format!("line {}: {e}", i + 1), None))?;
+            srcs.push(ids);
+            which.push(i);
+        }
+    }
+    check_positions(
+        m.encode.graph(),
+        "src_len",
+        srcs.len(),
+        &|i| srcs[i].len(),
+        &|i| format!("line {}", which[i] + 1),
+        "shorten it",
+    )
+    .map_err(|e| plain("kiln::translate", e, None))?;
+    // A progress bar on a terminal; a summary line on standard error in any case, as
+    // fairseq and Marian print one.
+    let started = std::time::Instant::now();
+    let bar = progress_bar(srcs.len(), a.batch, "sentences");
+    let hyps = translate_nbest_ids(
+        &*m.encode,
+        &*m.step,
+        &m.params,
+        &srcs,
+        &opts,
+        m.vocab,
+        a.batch,
+        a.nbest.unwrap_or(1),
+        a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
+        &mut |n| {
+            if let Some(b) = &bar {
+                b.set_position(n as u64);
+            }
+        },
+    )
+    .map_err(err("kiln::translate"))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let tokens: usize = hyps
+        .iter()
+        .map(|h| h.first().map_or(0, |h| h.tokens.len()))
+        .sum();
+    // Per input line: its hypotheses (none for an empty line).
+    let mut out: Vec<Vec<Hypothesis>> = vec![Vec::new(); lines.len()];
+    for (i, h) in which.into_iter().zip(hyps) {
+        out[i] = h;
+    }
+    let stdout = std::io::stdout();
+    let mut w = std::io::BufWriter::new(stdout.lock());
+    let write_err = |e: std::io::Error| plain("kiln::io", format!("cannot write: {e}"), None);
+    for (i, hyps) in out.iter().enumerate() {
+        match a.nbest {
+            None => {
+                let text = hyps
+                    .first()
+                    .map(|h| m.tokenizer.decode(&h.tokens))
+                    .unwrap_or_default();
+                writeln!(w, "{text}").map_err(write_err)?;
+            }
+            // An empty input line has the empty translation, with probability 1.
+            Some(_) if hyps.is_empty() => {
+                writeln!(w, "{i} |||  ||| log_prob= 0 ||| 0").map_err(write_err)?
+            }
+            Some(_) => {
+                for h in hyps {
+                    writeln!(
+                        w,
+                        "{i} ||| {} ||| log_prob= {} ||| {}",
+                        m.tokenizer.decode(&h.tokens),
+                        h.log_prob as f32,
+                        h.score as f32
+                    )
+                    .map_err(write_err)?;
+                }
+            }
+        }
+    }
+    w.flush()
+        .map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
+    tell!(
+        "translated {} sentence{} ({} source and {tokens} output tokens) in {secs:.1} s: \
+         {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
+        srcs.len(),
+        if srcs.len() == 1 { "" } else { "s" },
+        srcs.iter().map(|s| s.len()).sum::<usize>(),
+        srcs.len() as f64 / secs.max(1e-9),
+        tokens as f64 / secs.max(1e-9),
+        if opts.greedy {
+            "greedy".to_string()
+        } else {
+            format!("beam {}", opts.beam)
+        },
+        executor_label(&a.executor),
+    );
+    Ok(())
+}
+
+/// The executor as a summary names it: with the products' kernel where the compiled
+/// executor runs them in 16 bits (`--gemm-type`, `KILN_CPU_BF16`).
+pub(crate) fn executor_label(executor: &str) -> String {
+    match kiln_runtime::compiled::default_products() {
+        Some(kernel) if executor == "compiled" => format!("compiled, {} products", kernel.key()),
+        _ => executor.to_string(),
+    }
+}
