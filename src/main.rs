@@ -338,7 +338,7 @@ enum Command {
         nbest: Option<usize>,
         /// Sentences decoded together (sorted by length first), each with `beam` rows.
         /// 32 is fastest on 2 CPU cores; a GPU wants more.
-        #[arg(long, default_value_t = kiln_runtime::train::TRANSLATE_BATCH,
+        #[arg(long, default_value_t = kiln_runtime::translate::TRANSLATE_BATCH,
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
@@ -375,7 +375,7 @@ enum Command {
         #[arg(long)]
         normalize: bool,
         /// Sentence pairs scored together (sorted by length first).
-        #[arg(long, default_value_t = kiln_runtime::train::TRANSLATE_BATCH,
+        #[arg(long, default_value_t = kiln_runtime::translate::TRANSLATE_BATCH,
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target

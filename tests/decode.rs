@@ -303,7 +303,7 @@ fn sentences(n: usize) -> Vec<Vec<i32>> {
 #[test]
 fn decoding_workers_give_the_bits_of_one_worker() {
     use kiln_runtime::compiled::Compiled;
-    use kiln_runtime::train::{score_ids, translate_nbest_ids};
+    use kiln_runtime::translate::{score_ids, translate_nbest_ids};
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
@@ -395,7 +395,7 @@ fn decoding_workers_give_the_bits_of_one_worker() {
 #[test]
 fn a_failing_batch_on_a_worker_is_an_error() {
     use kiln_runtime::compiled::Compiled;
-    use kiln_runtime::train::translate_ids;
+    use kiln_runtime::translate::translate_ids;
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();

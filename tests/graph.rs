@@ -229,7 +229,7 @@ fn a_position_table_without_max_len_is_named_by_its_rows() {
     let table = g.position_table("len").expect("the learned table");
     assert_eq!((table.param.as_str(), table.rows), ("pos.table", 8));
     let lens = [3usize, 8, 9];
-    let err = kiln_runtime::train::check_positions(
+    let err = kiln_runtime::translate::check_positions(
         &g,
         "len",
         lens.len(),
@@ -244,7 +244,14 @@ fn a_position_table_without_max_len_is_named_by_its_rows() {
          it, or train a model whose `pos.table` has 9 rows or more"
     );
     assert_eq!(
-        kiln_runtime::train::check_positions(&g, "len", 2, &|i| lens[i], &|_| String::new(), ""),
+        kiln_runtime::translate::check_positions(
+            &g,
+            "len",
+            2,
+            &|i| lens[i],
+            &|_| String::new(),
+            ""
+        ),
         Ok(())
     );
 }

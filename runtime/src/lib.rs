@@ -4,6 +4,9 @@
 //! - [`entry`] — entry points of a model graph and checks on the tensors fed to them;
 //! - [`exec`] — the executors behind one interface; [`eager`] — the eager CPU executor
 //!   (any graph op by op, `gemm` for matmuls, vectorized loops for the rest);
+//! - [`compiled`] — the compiled CPU executor: replays an artifact's launch plan (its CLIF
+//!   JIT-compiled), GEMMs through `gemm` and the 16-bit kernels;
+//! - [`artifact`] — loading a compiled artifact, every file and plan checked;
 //! - [`config`] — the YAML training configuration (the paper's recipe as defaults);
 //! - [`data`] — parallel corpora, the shared BPE vocabulary, token-based batches;
 //! - [`optim`] — Adam;
@@ -13,7 +16,9 @@
 //! - [`metrics`] — the `metrics.jsonl` log; [`plot`] — the loss/BLEU PNG;
 //! - [`interop`] — PyTorch `nn.Transformer` parameter names;
 //! - [`model`] — model directories (weights, graphs, tokenizer) used without the spec;
-//! - [`train`] — the trainer;
+//! - [`train`] — the trainer; [`run_dir`] — whether a directory can take a new run;
+//!   [`tokenizer`] — a run's BPE vocabulary and the record of what it was trained on;
+//! - [`translate`] — batches of sentences through beam search, and scoring;
 //! - [`synthetic`] — the generated task of the demo;
 //! - [`cuda`] — the CUDA guard: whether the driver, NVRTC and cuBLAS load and a device
 //!   exists (every CUDA call goes behind it).
@@ -34,8 +39,11 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod plot;
+pub mod run_dir;
 pub mod synthetic;
+pub mod tokenizer;
 pub mod train;
+pub mod translate;
 
 pub use eager::{Eager, OpTime, Outputs};
 pub use entry::{

@@ -15,7 +15,7 @@ use kiln_compiler::Graph;
 use kiln_dsl::Error;
 use kiln_runtime::config::Config;
 use kiln_runtime::model::{self, GraphSet};
-use kiln_runtime::train::tokenizer_of;
+use kiln_runtime::tokenizer::tokenizer_of;
 
 use crate::cmd::explain::{entry_graph_of, OptArgs};
 use crate::outputs::{self, Output};

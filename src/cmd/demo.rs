@@ -16,7 +16,9 @@ use kiln_runtime::checkpoint;
 use kiln_runtime::config::Config;
 use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
 use kiln_runtime::synthetic::Task;
-use kiln_runtime::train::{prepare_tokenizer, translate_ids, Progress, Trainer};
+use kiln_runtime::tokenizer::prepare_tokenizer;
+use kiln_runtime::train::{Progress, Trainer};
+use kiln_runtime::translate::translate_ids;
 
 use crate::cmd::train::compile_graphs;
 use crate::{err, plain};
@@ -221,8 +223,8 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             &srcs,
             &opts,
             vocab,
-            kiln_runtime::train::TRANSLATE_BATCH,
-            kiln_runtime::train::decode_workers(&*step),
+            kiln_runtime::translate::TRANSLATE_BATCH,
+            kiln_runtime::translate::decode_workers(&*step),
             &mut |_| {},
         )
         .map_err(err("kiln::demo"))?;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use kiln_dsl::Error;
 use kiln_runtime::decode::DecodeOptions;
 use kiln_runtime::exec::ExecutorKind;
-use kiln_runtime::train::{check_positions, decode_workers, score_ids};
+use kiln_runtime::translate::{check_positions, decode_workers, score_ids};
 
 use crate::cmd::translate::{executor_label, progress_bar, read_text_lines, translator};
 use crate::{err, plain};

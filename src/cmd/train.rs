@@ -8,7 +8,8 @@ use kiln_runtime::artifact::Artifact;
 use kiln_runtime::config::Config;
 use kiln_runtime::data::Tokenizer;
 use kiln_runtime::model;
-use kiln_runtime::train::{prepare_tokenizer, ModelGraphs, Progress, Trainer};
+use kiln_runtime::tokenizer::prepare_tokenizer;
+use kiln_runtime::train::{ModelGraphs, Progress, Trainer};
 
 use crate::{err, plain};
 
@@ -108,7 +109,7 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
                 })?;
             }
             // Before the tokenizer is trained or written into the run directory.
-            kiln_runtime::train::check_new_run_dir(&cfg).map_err(err("kiln::train"))?;
+            kiln_runtime::run_dir::check_new_run_dir(&cfg).map_err(err("kiln::train"))?;
             match cfg.model.artifact.clone() {
                 Some(dir) => {
                     let art = Artifact::load(&dir).map_err(err("kiln::artifact"))?;

@@ -13,7 +13,7 @@ use kiln_runtime::data::Tokenizer;
 use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
-use kiln_runtime::train::{check_positions, decode_workers, translate_nbest_ids};
+use kiln_runtime::translate::{check_positions, decode_workers, translate_nbest_ids};
 
 use crate::{err, plain};
 
