@@ -123,3 +123,27 @@ fn configurations_too_large_or_too_deep_are_refused() {
     let base = root().join("models/configs/base.yaml");
     kiln_runtime::config::Config::load(&base).unwrap();
 }
+
+/// Item 14: `kiln compile --validate` of a model with a vocabulary of one draws its
+/// random ids inside the table (id 0), and the validation passes.
+#[test]
+fn validation_of_a_one_word_vocabulary_draws_ids_in_range() {
+    let dir = tmp("vocab_one");
+    let out = dir.join("kernels.txt");
+    let spec = root().join("models/transformer_tiny.kiln");
+    let run = kiln(&[
+        "compile",
+        spec.to_str().unwrap(),
+        "--set",
+        "vocab=1",
+        "--entry",
+        "forward",
+        "--validate",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let err = flat(&String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{err}");
+    assert!(err.contains("passed"), "{err}");
+    assert!(out.is_file());
+}

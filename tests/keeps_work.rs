@@ -245,3 +245,48 @@ fn an_empty_or_file_checkpoint_dir_is_refused() {
     says(&err, "is a file, not a directory");
     assert_eq!(std::fs::read(dir.join("afile")).unwrap(), b"mine");
 }
+
+/// #59 item 18: what a write killed by a signal leaves — a whole artifact as
+/// `ART.tmp-PID` and `ART.tmp-PID-old`, `training.png.tmp-PID-N.png`,
+/// `best/graphs.tmp-PID` — is removed by the next compile or run, when that process is
+/// gone; a file of the user's with a similar name, beside the artifact, stays.
+#[test]
+fn temporary_files_of_killed_writes_are_removed_by_the_next_run() {
+    let dir = workspace("stale_temps", "");
+    train_ok(&dir, &[]);
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_tiny.kiln");
+    let spec = spec.to_str().unwrap();
+    ok(
+        &dir,
+        &["compile", spec, "--entries", "forward", "-o", "art"],
+    );
+    // 4294967294 is no process's id.
+    let dead = "4294967294";
+    let planted = [
+        format!("art.tmp-{dead}/manifest.json"),
+        format!("art.tmp-{dead}-old/manifest.json"),
+        format!("run/training.png.tmp-{dead}-0.png"),
+        format!("run/best/graphs.tmp-{dead}"),
+    ];
+    for p in &planted {
+        let p = dir.join(p);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, b"left by a kill").unwrap();
+    }
+    let users = dir.join(format!("notes.tmp-{dead}"));
+    std::fs::write(&users, b"mine").unwrap();
+    ok(
+        &dir,
+        &["compile", spec, "--entries", "forward", "-o", "art"],
+    );
+    assert!(!dir.join(format!("art.tmp-{dead}")).exists());
+    assert!(!dir.join(format!("art.tmp-{dead}-old")).exists());
+    assert_eq!(std::fs::read(&users).unwrap(), b"mine");
+    ok(
+        &dir,
+        &["train", "--resume", "run", "--max-steps", "30", "--quiet"],
+    );
+    for p in &planted[2..] {
+        assert!(!dir.join(p).exists(), "{p} survived the resumed run");
+    }
+}

@@ -472,6 +472,15 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(io_err("create", parent))?;
     }
+    // What a write killed before left beside it (`DIR.tmp-PID`, `DIR.tmp-PID-old`).
+    if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str())) {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        crate::fsync::remove_stale_temps(parent, Some(name)).map_err(io_err("clean", parent))?;
+    }
     let pid = std::process::id();
     let tmp = sibling(dir, &format!(".tmp-{pid}"));
     if tmp.exists() {

@@ -1,6 +1,7 @@
 //! Durable file writes shared by everything that writes a directory atomically (model
-//! checkpoints, compiled artifacts): write a file and fsync it, fsync a directory; and
-//! [`write_replacing`], for a file the user named.
+//! checkpoints, compiled artifacts): write a file and fsync it, fsync a directory;
+//! [`write_replacing`], for a file the user named; and [`remove_stale_temps`], for the
+//! temporary files a killed write leaves.
 
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
@@ -21,6 +22,49 @@ pub fn sync_dir(dir: &Path) {
     }
     #[cfg(not(unix))]
     let _ = dir;
+}
+
+/// Whether process `pid` is running (Linux `/proc`; elsewhere assumed gone).
+pub fn pid_alive(pid: u32) -> bool {
+    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Removes, from directory `dir`, the temporary files and directories that writes by
+/// processes that are gone left there: entries named `NAME.tmp-PID…` (kiln's temporary
+/// names: `ART.tmp-PID`, `ART.tmp-PID-old`, `training.png.tmp-PID-N.png`,
+/// `graphs.tmp-PID`) whose `PID` is not running. A `kill -9` during a write leaves one;
+/// the next run removes it. Those of running processes, this one included, stay. With
+/// `only`, only those of that name (`NAME` above): a directory of the user's holds
+/// other files. Returns how many were removed; a `dir` that does not exist has none.
+pub fn remove_stale_temps(dir: &Path, only: Option<&str>) -> std::io::Result<usize> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some((stem, rest)) = name.to_str().and_then(|n| n.split_once(".tmp-")) else {
+            continue;
+        };
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        let Ok(pid) = digits.parse::<u32>() else {
+            continue;
+        };
+        if stem.is_empty() || only.is_some_and(|n| n != stem) || pid_alive(pid) {
+            continue;
+        }
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(&path)?;
+        } else {
+            std::fs::remove_file(&path)?;
+        }
+        removed += 1;
+    }
+    Ok(removed)
 }
 
 /// Writes a file the user named (`-o FILE`) whole, so that a failure leaves what was there.
@@ -198,5 +242,35 @@ mod tests {
             .file_type()
             .is_symlink());
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn temporaries_of_dead_processes_are_removed_and_others_kept() {
+        let dir = std::env::temp_dir().join(format!("kiln-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("art.tmp-4294967294-old")).unwrap();
+        let own = format!("graphs.tmp-{}", std::process::id());
+        for f in [
+            "training.png.tmp-4294967294-3.png",
+            "art.tmp-4294967293",
+            &own,
+            "notes.txt",
+        ] {
+            std::fs::write(dir.join(f), b"x").unwrap();
+        }
+        std::fs::write(dir.join("data.tmp-x"), b"not a pid").unwrap();
+        assert_eq!(remove_stale_temps(&dir, Some("art")).unwrap(), 2);
+        assert_eq!(remove_stale_temps(&dir, None).unwrap(), 1);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            ["data.tmp-x".to_string(), own, "notes.txt".to_string()]
+        );
+        assert_eq!(remove_stale_temps(&dir.join("absent"), None).unwrap(), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

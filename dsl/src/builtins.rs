@@ -230,6 +230,26 @@ impl Args {
             .ok_or_else(|| self.wrong(p, "an int or a dim"))
     }
 
+    /// A size argument ([`Args::dim`]) that is at least `min` where it is a constant: a
+    /// negative length would give a shape no tensor has, found only when it runs.
+    fn size(&self, p: &str, min: i64) -> R<Dim> {
+        let d = self.dim(p)?;
+        match d.as_const() {
+            Some(n) if n < min => {
+                let (_, s) = self.req(p);
+                Err(Diag::new(
+                    "kiln::shape",
+                    format!(
+                        "argument `{p}` of `{}` is {n}, but a size must be at least {min}",
+                        self.name
+                    ),
+                )
+                .at(*s, format!("this is {n}")))
+            }
+            _ => Ok(d),
+        }
+    }
+
     /// An axis argument, negative counting from the end.
     fn axis(&self, p: &str, rank: usize) -> R<Option<usize>> {
         let Some((v, s)) = self.get(p) else {
@@ -557,7 +577,7 @@ pub(crate) fn call(
             node(e, Op::PadMask { pad }, &[i])
         }
         "arange" => {
-            let len = a.dim("n")?;
+            let len = a.size("n", 0)?;
             let start = if a.get("start").is_some() {
                 a.dim("start")?
             } else {
@@ -568,13 +588,13 @@ pub(crate) fn call(
         "slice" => {
             let (x, _) = a.tensor("x")?;
             let axis = a.axis("axis", e.ty(x).shape.rank())?.expect("required");
-            let start = a.dim("start")?;
-            let len = a.dim("len")?;
+            let start = a.size("start", 0)?;
+            let len = a.size("len", 0)?;
             node(e, Op::Slice { axis, start, len }, &[x])
         }
         "one_hot" => {
             let (i, _) = a.tensor("ids")?;
-            let depth = a.dim("depth")?;
+            let depth = a.size("depth", 1)?;
             node(e, Op::OneHot { depth }, &[i])
         }
         "concat" => {

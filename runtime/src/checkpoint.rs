@@ -404,10 +404,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
 
 use kiln_compiler::fsync::sync_dir;
 
-/// Whether process `pid` is running (Linux `/proc`; elsewhere assumed dead).
-fn pid_alive(pid: u32) -> bool {
-    pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
-}
+use kiln_compiler::fsync::pid_alive;
 
 /// Removes `step_*.tmp-<pid>*` directories left by processes that are gone.
 fn clean_stale(root: &Path) -> Result<(), CheckpointError> {

@@ -4,14 +4,11 @@
 
 use std::path::Path;
 
-use crate::checkpoint::{self};
+use crate::checkpoint;
 use crate::config::Config;
 use crate::data::{load_parallel, ParallelCorpus};
 use crate::model::CONFIG_FILE;
-use crate::train::config_yaml;
-use crate::train::digest;
-use crate::train::digest_changes;
-use crate::train::{gemm_kernel, TrainError};
+use crate::train::{config_yaml, digest, digest_changes, gemm_kernel, TrainError};
 
 /// Checks that a new run may start in `cfg.checkpoint.dir`: that nothing there would be
 /// lost. A directory with checkpoints is a run to resume. A `config.yaml` is overwritten
@@ -132,6 +129,19 @@ pub(crate) fn check_valid_set(cfg: &Config, valid: &ParallelCorpus) -> Result<()
             cfg.data.valid_tgt.display(),
             valid.len()
         )));
+    }
+    Ok(())
+}
+
+/// Removes what writes killed by a signal left in run directory `dir`: temporary files of
+/// the run's own files (`training.png`, `metrics.jsonl`, `config.yaml`, …) and of its
+/// `best/` model directory. (Checkpoints remove theirs when one is saved.)
+pub(crate) fn remove_stale_temps(dir: &Path) -> Result<(), TrainError> {
+    for d in [dir.to_path_buf(), dir.join("best")] {
+        kiln_compiler::fsync::remove_stale_temps(&d, None).map_err(|e| TrainError::Write {
+            path: d.clone(),
+            message: format!("cannot remove a stale temporary file: {e}"),
+        })?;
     }
     Ok(())
 }

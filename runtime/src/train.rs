@@ -48,7 +48,7 @@ use crate::model::{
     write_atomic, GraphSet, CONFIG_FILE, GRAPHS_FILE, GRAPHS_FORMAT, TOKENIZER_FILE,
 };
 use crate::optim::Adam;
-use crate::run_dir::{check_new_run_dir, check_valid_set, CUDA_NEEDS_ARTIFACT};
+use crate::run_dir::{check_new_run_dir, check_valid_set, remove_stale_temps, CUDA_NEEDS_ARTIFACT};
 use crate::translate::{check_positions, decode_workers, translate_ids, TRANSLATE_BATCH};
 
 /// Why training stopped with an error.
@@ -418,6 +418,7 @@ impl Trainer {
             path: dir.clone(),
             message: e.to_string(),
         })?;
+        remove_stale_temps(&dir)?;
         write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| {
             TrainError::Write {
                 path: dir.join(CONFIG_FILE),
@@ -438,6 +439,7 @@ impl Trainer {
                 dir.display()
             )));
         }
+        remove_stale_temps(dir)?;
         let text =
             std::fs::read_to_string(&cfg_path).map_err(setup("reading the run's configuration"))?;
         let mut cfg = Config::parse(&text)

@@ -150,9 +150,14 @@ pub fn random_feeds_with(
                         }
                     }
                 }
-                let bound = if bound == i64::MAX { 8 } else { bound.max(2) };
+                // Ids from 1 (0 is usually the padding), but 0 where the table has one
+                // row (a vocabulary of 1).
+                let bound = if bound == i64::MAX { 8 } else { bound.max(1) };
                 let v = (0..n)
-                    .map(|i| 1 + (r(i) * (bound - 1) as f64) as i32)
+                    .map(|i| match bound {
+                        1 => 0,
+                        _ => 1 + (r(i) * (bound - 1) as f64) as i32,
+                    })
                     .collect();
                 Tensor::i32(shape, v)
             }
