@@ -31,6 +31,12 @@ fn tmp(name: &str) -> PathBuf {
     d
 }
 
+/// Records in `m` the digest of its edited contents, as `kiln compile` would have.
+fn rehash(m: &mut serde_json::Value) {
+    let manifest: kiln_compiler::artifact::Manifest = serde_json::from_value(m.clone()).unwrap();
+    m["manifest_hash"] = manifest.digest().unwrap().into();
+}
+
 /// Compiles the tiny spec (vocabulary 48) into `dir` with `entries`.
 fn compile(dir: &Path, entries: &str) {
     let out = kiln(&[
@@ -215,7 +221,7 @@ fn artifact_round_trips_and_matches_the_reference() {
     let m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["format"], "kiln-artifact");
-    assert_eq!(m["version"], 3);
+    assert_eq!(m["version"], 4);
     assert_eq!(
         m["options"],
         serde_json::json!({"target": "Cpu", "precision": "f32", "buffer_reuse": true,
@@ -241,7 +247,9 @@ fn artifact_round_trips_and_matches_the_reference() {
         );
     }
     assert!(m["files"]["weights.safetensors"]["bytes"].as_u64().unwrap() > 1000);
-    assert!(m["files"]["kernels/forward.clif"]["fnv1a64"].is_string());
+    assert!(m["files"]["kernels/forward.clif"]["sha256"]
+        .as_str()
+        .is_some_and(|h| h.len() == 64));
 
     // Load it without the spec and run every entry against the reference.
     let art = Artifact::load(&dir).unwrap();
@@ -293,7 +301,7 @@ fn artifact_round_trips_and_matches_the_reference() {
     let out = kiln_ok(&["inspect", dir.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     for want in [
-        "format: kiln-artifact v3",
+        "format: kiln-artifact v4",
         "model: transformer_tiny",
         "  options:\n    target: cpu\n    cuda_arch: -\n    precision: f32\n    buffer_reuse: true\n    \
          product_groups: true\n    bias_grad_fusion: true\n",
@@ -486,7 +494,7 @@ fn a_manifest_changed_after_it_was_written_is_refused() {
     let original: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert!(original["manifest_hash"]
         .as_str()
-        .is_some_and(|h| h.len() == 16));
+        .is_some_and(|h| h.len() == 64));
     // Reformatted (compact JSON, same contents): still the same manifest.
     std::fs::write(&mpath, serde_json::to_vec(&original).unwrap()).unwrap();
     Artifact::load(&dir).unwrap().executor("forward").unwrap();
@@ -531,16 +539,18 @@ fn a_manifest_changed_after_it_was_written_is_refused() {
             stderr(&out)
         );
     }
-    // A manifest without the hash (written before it existed) is read as before, and its
-    // memory plan is still checked against its kernel graph.
+    // A manifest without its hash is refused: no path skips the check.
     let mut m = original.clone();
     m.as_object_mut().unwrap().remove("manifest_hash");
     std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
-    Artifact::load(&dir).unwrap().executor("forward").unwrap();
+    let msg = Artifact::load(&dir).unwrap_err().to_string();
+    assert!(msg.contains("missing field `manifest_hash`"), "{msg}");
+    // One edited and hashed again (as a forger would) still has its memory plan checked
+    // against its kernel graph.
     for (what, edit) in edits {
         let mut m = original.clone();
-        m.as_object_mut().unwrap().remove("manifest_hash");
         edit(&mut m);
+        rehash(&mut m);
         std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
         let msg = Artifact::load(&dir).unwrap_err().to_string();
         assert!(
@@ -550,7 +560,7 @@ fn a_manifest_changed_after_it_was_written_is_refused() {
     }
 }
 
-/// A manifest without its hash (as older kilns wrote them) whose graphs point out of range
+/// A manifest hashed again after an edit (as a forger would) whose graphs point out of range
 /// — a kernel operand, a projection, a launch position, a parameter list entry — is a clear
 /// error at load, not a panic in the executor or the memory planner.
 #[test]
@@ -558,9 +568,8 @@ fn a_manifest_without_its_hash_with_indices_out_of_range_is_refused() {
     let dir = tmp("manifest_indices").join("art");
     compile(&dir, "forward");
     let mpath = dir.join("manifest.json");
-    let mut original: serde_json::Value =
+    let original: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
-    original.as_object_mut().unwrap().remove("manifest_hash");
     let first_kernel = |m: &mut serde_json::Value| -> usize {
         m["entries"][0]["kernel_graph"]["values"]
             .as_array()
@@ -628,6 +637,7 @@ fn a_manifest_without_its_hash_with_indices_out_of_range_is_refused() {
         let mut m = original.clone();
         let k = first_kernel(&mut m);
         edit(&mut m, k);
+        rehash(&mut m);
         std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
         let msg = Artifact::load(&dir).unwrap_err().to_string();
         assert!(msg.contains(want), "{what}: {msg}");
@@ -650,14 +660,14 @@ fn things_that_are_not_artifacts_say_what_they_are() {
         msg.contains("base.yaml` is a file, not an artifact"),
         "{msg}"
     );
-    // A manifest (without its hash) that lists no entry points.
+    // A manifest (hashed again) that lists no entry points.
     let dir = root.join("art");
     compile(&dir, "forward");
     let mpath = dir.join("manifest.json");
     let mut m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
-    m.as_object_mut().unwrap().remove("manifest_hash");
     m["entries"] = serde_json::json!([]);
+    rehash(&mut m);
     std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
     let msg = Artifact::load(&dir).unwrap_err().to_string();
     assert!(msg.contains("(it lists no entry points)"), "{msg}");
@@ -706,27 +716,27 @@ fn a_newer_artifact_version_says_to_recompile() {
     compile(&dir, "forward");
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).unwrap();
-    assert!(text.contains("\"version\": 3,"));
+    assert!(text.contains("\"version\": 4,"));
     std::fs::write(
         &mpath,
-        text.replacen("\"version\": 3,", "\"version\": 4,", 1),
+        text.replacen("\"version\": 4,", "\"version\": 5,", 1),
     )
     .unwrap();
     let err = Artifact::load(&dir).unwrap_err();
     let msg = err.to_string();
     assert!(
-        matches!(err, ArtifactError::Version { found: 4, .. }),
+        matches!(err, ArtifactError::Version { found: 5, .. }),
         "{err:?}"
     );
     assert!(
-        msg.contains("version 4")
-            && msg.contains("reads version 3")
+        msg.contains("version 5")
+            && msg.contains("reads version 4")
             && msg.contains("kiln compile"),
         "{msg}"
     );
     let out = kiln(&["inspect", dir.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("version 4"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("version 5"), "{}", stderr(&out));
 }
 
 #[test]
@@ -1255,7 +1265,7 @@ fn a_cuda_artifact_carries_cuda_c_for_its_kernel_graph() {
         "{err}"
     );
     let mut edited: kiln_compiler::artifact::Manifest = serde_json::from_value(m).unwrap();
-    edited.manifest_hash = Some(edited.digest().unwrap());
+    edited.manifest_hash = edited.digest().unwrap();
     std::fs::write(&mpath, serde_json::to_vec(&edited).unwrap()).unwrap();
     let err = Artifact::load(&good).unwrap_err().to_string();
     assert!(

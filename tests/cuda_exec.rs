@@ -680,7 +680,7 @@ fn older_attention(art: &Artifact, name: &str) -> (Artifact, usize) {
         }
     }
     assert_eq!(attentions, 6);
-    m.manifest_hash = Some(m.digest().unwrap());
+    m.manifest_hash = m.digest().unwrap();
     std::fs::write(
         old_dir.join("manifest.json"),
         serde_json::to_vec_pretty(&m).unwrap(),

@@ -9,7 +9,7 @@
 //!   architecture, precision, buffer reuse), model, spec hash, hparams, seed; per entry the
 //!   graph, the kernel graph, the memory plan and the launch plan ([`LaunchPlan`]: every
 //!   kernel in launch order with its kind, the functions it runs by role, the buffers it
-//!   reads and writes, and the fusions); and the size and FNV-1a 64 hash of every other
+//!   reads and writes, and the fusions); the size and SHA-256 of every other
 //!   file;
 //! - `kernels/<entry>.clif` — the entry's CLIF functions ([`CpuCode::text`]); the loader
 //!   rebuilds the function list by splitting it at `function %name` lines
@@ -49,8 +49,9 @@ use crate::tensor::{save_safetensors, Tensor, TensorFileError};
 pub const ARTIFACT_FORMAT: &str = "kiln-artifact";
 /// The manifest layout this kiln writes and reads; bumped on any incompatible change
 /// (2: the compile options replace the target; 3: the launch plan replaces the roles and
-/// the kernel summary).
-pub const ARTIFACT_VERSION: u32 = 3;
+/// the kernel summary; 4: SHA-256 digests of every file and of the manifest, which every
+/// manifest has).
+pub const ARTIFACT_VERSION: u32 = 4;
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const KERNELS_DIR: &str = "kernels";
@@ -103,8 +104,8 @@ pub fn clif_path(entry: &str) -> String {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileRecord {
     pub bytes: u64,
-    /// FNV-1a 64, 16 hex digits.
-    pub fnv1a64: String,
+    /// SHA-256, 64 hex digits.
+    pub sha256: String,
 }
 
 impl FileRecord {
@@ -112,7 +113,7 @@ impl FileRecord {
     pub fn of(bytes: &[u8]) -> FileRecord {
         FileRecord {
             bytes: bytes.len() as u64,
-            fnv1a64: hash_hex(bytes),
+            sha256: crate::fsync::sha256_hex(bytes),
         }
     }
 }
@@ -206,11 +207,10 @@ pub struct Manifest {
     pub hparams: Vec<(String, String)>,
     /// Every file besides the manifest, by relative path.
     pub files: BTreeMap<String, FileRecord>,
-    /// The manifest's own hash ([`Manifest::digest`]): a manifest changed or damaged
+    /// The manifest's own SHA-256 ([`Manifest::digest`]): a manifest changed or damaged
     /// after it was written — its graphs, kernels or memory plans, which the runtime
-    /// trusts — is refused at load. Absent in manifests of kilns before it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub manifest_hash: Option<String>,
+    /// trusts — is refused at load. Every manifest has one.
+    pub manifest_hash: String,
     pub entries: Vec<ManifestEntry>,
 }
 
@@ -220,7 +220,7 @@ impl Manifest {
         self.options.target
     }
 
-    /// The hash of everything in the manifest but [`Manifest::manifest_hash`]: FNV-1a 64
+    /// The digest of everything in the manifest but [`Manifest::manifest_hash`]: SHA-256
     /// over its compact JSON with that field left out.
     pub fn digest(&self) -> Result<String, ArtifactError> {
         let mut value = serde_json::to_value(self)
@@ -230,7 +230,7 @@ impl Manifest {
         }
         let bytes = serde_json::to_vec(&value)
             .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
-        Ok(hash_hex(&bytes))
+        Ok(crate::fsync::sha256_hex(&bytes))
     }
 }
 
@@ -518,7 +518,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
             seed: art.seed,
             hparams: art.hparams.clone(),
             files,
-            manifest_hash: None,
+            manifest_hash: String::new(),
             entries: art
                 .entries
                 .iter()
@@ -551,7 +551,7 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
                 })
                 .collect(),
         };
-        manifest.manifest_hash = Some(manifest.digest()?);
+        manifest.manifest_hash = manifest.digest()?;
         let mut json = serde_json::to_vec_pretty(&manifest)
             .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
         json.push(b'\n');

@@ -24,6 +24,31 @@ pub fn sync_dir(dir: &Path) {
     let _ = dir;
 }
 
+/// The SHA-256 of `bytes` as 64 lowercase hex digits: what artifacts' manifests and
+/// checkpoints' `checksums.sha256` record of each file, and the manifest's own digest.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    let d = sha2::Sha256::digest(bytes);
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// [`sha256_hex`] of the file at `path`, read in parts.
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest as _;
+    use std::io::Read as _;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Whether process `pid` is running (Linux `/proc`; elsewhere assumed gone).
 pub fn pid_alive(pid: u32) -> bool {
     pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
@@ -272,5 +297,18 @@ mod tests {
         );
         assert_eq!(remove_stale_temps(&dir.join("absent"), None).unwrap(), 0);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sha256_is_the_standard_digest() {
+        // FIPS 180-2's test vector.
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let p = std::env::temp_dir().join(format!("kiln-sha-{}", std::process::id()));
+        std::fs::write(&p, vec![7u8; 3 << 20]).unwrap();
+        assert_eq!(sha256_file(&p).unwrap(), sha256_hex(&vec![7u8; 3 << 20]));
+        std::fs::remove_file(&p).unwrap();
     }
 }

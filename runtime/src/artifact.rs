@@ -6,8 +6,8 @@
 //!
 //! [`Artifact::load`] checks, in order: the directory and `manifest.json` exist; the
 //! manifest is JSON with `format` = `kiln-artifact` and the `version` this kiln reads;
-//! the manifest hashes to the `manifest_hash` it records (where it records one); every
-//! file the manifest lists is present with its recorded size and FNV-1a hash (so a
+//! the manifest's SHA-256 is the `manifest_hash` it records (every manifest records one);
+//! every file the manifest lists is present with its recorded size and SHA-256 (so a
 //! truncated or edited file is named, not run); each entry's CLIF text splits back into
 //! the functions the manifest lists; each graph verifies; each memory plan is the one its
 //! kernel graph gives. The CLIF itself is parsed and compiled by [`Artifact::executor`].
@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kiln_compiler::artifact::{
-    hash_hex, split_functions, Manifest, ManifestEntry, ARTIFACT_FORMAT, ARTIFACT_VERSION,
-    MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
+    split_functions, Manifest, ManifestEntry, ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST_FILE,
+    TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use kiln_compiler::codegen::program::CpuCode;
 use kiln_compiler::reference::ExecError;
@@ -188,20 +188,19 @@ impl Artifact {
             })?;
         // The manifest itself: its graphs, kernels and memory plans are trusted by the
         // executors (a damaged plan would place buffers over each other).
-        if let Some(recorded) = &manifest.manifest_hash {
-            let found = manifest.digest().map_err(|e| ArtifactError::BadManifest {
+        let recorded = &manifest.manifest_hash;
+        let found = manifest.digest().map_err(|e| ArtifactError::BadManifest {
+            path: mpath.clone(),
+            message: e.to_string(),
+        })?;
+        if &found != recorded {
+            return Err(ArtifactError::BadManifest {
                 path: mpath.clone(),
-                message: e.to_string(),
-            })?;
-            if &found != recorded {
-                return Err(ArtifactError::BadManifest {
-                    path: mpath.clone(),
-                    message: format!(
-                        "its contents hash to {found}, not to the {recorded} recorded in it: \
-                         it was modified or damaged after `kiln compile` wrote it"
-                    ),
-                });
-            }
+                message: format!(
+                    "its SHA-256 is {found}, not the `{recorded}` recorded in it: it was \
+                     modified or damaged after `kiln compile` wrote it"
+                ),
+            });
         }
 
         // Every listed file: present, same size, same hash.
@@ -228,14 +227,11 @@ impl Artifact {
                     ),
                 });
             }
-            let h = hash_hex(&data);
-            if h != rec.fnv1a64 {
+            let h = kiln_compiler::fsync::sha256_hex(&data);
+            if h != rec.sha256 {
                 return Err(ArtifactError::Corrupt {
                     path,
-                    what: format!(
-                        "its FNV-1a hash is {h}, the manifest records {}",
-                        rec.fnv1a64
-                    ),
+                    what: format!("its SHA-256 is {h}, the manifest records {}", rec.sha256),
                 });
             }
             if rel != WEIGHTS_FILE {
