@@ -290,3 +290,26 @@ fn temporary_files_of_killed_writes_are_removed_by_the_next_run() {
         assert!(!dir.join(p).exists(), "{p} survived the resumed run");
     }
 }
+
+/// #59 item 15: a loss that explodes but stays finite (a learning rate a thousand times
+/// the schedule's) stops the run with a named error — the step, the loss, its lowest —
+/// and a non-zero exit, instead of training on and keeping a `best/` of it.
+#[test]
+fn a_run_whose_finite_loss_explodes_stops_as_diverged() {
+    let dir = workspace("diverged", "");
+    edit_cfg(&dir, "factor: 1.0}", "factor: 1000.0}");
+    edit_cfg(
+        &dir,
+        "log_every: 5}",
+        "log_every: 5, divergence: {factor: 4, steps: 3}}",
+    );
+    let err = train_fails(&dir);
+    assert!(
+        err.contains("the run diverged") && err.contains("times the lowest it reached"),
+        "{err}"
+    );
+    assert!(
+        !dir.join("run/best").exists(),
+        "no best model of a diverged run"
+    );
+}

@@ -160,8 +160,7 @@ pub struct TrainConfig {
     pub executor: String,
     /// How the compiled executor runs its large matrix products (`kiln train
     /// --gemm-type`): `f32`, `16bit` (the best 16-bit kernel this CPU has), or a kernel:
-    /// `amx`, `dot`, `fp16`, `int16` (see `docs/PERFORMANCE.md`). Absent: f32, unless
-    /// `KILN_CPU_BF16` says otherwise.
+    /// `amx`, `dot`, `fp16`, `int16` (see `docs/PERFORMANCE.md`). Absent: f32.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_type: Option<String>,
     /// Worker threads (0: one per core).
@@ -180,6 +179,35 @@ pub struct TrainConfig {
     /// then takes `batch.update_freq` batches per GPU. Absent: one GPU (0), no NCCL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<usize>>,
+    /// When a finite loss counts as diverged ([`DivergenceConfig`]).
+    #[serde(default, skip_serializing_if = "DivergenceConfig::is_default")]
+    pub divergence: DivergenceConfig,
+}
+
+/// `train.divergence`: a run whose training loss stays above `factor` times the lowest
+/// it reached (or 1 nat a token, if that is more), for `steps` steps in a row, has diverged (a learning rate too high, say)
+/// and stops with an error naming the step, as a loss that is not finite does, instead
+/// of training on and keeping a `best/` of it. `factor: 0` turns the check off.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DivergenceConfig {
+    pub factor: f64,
+    pub steps: u64,
+}
+
+impl Default for DivergenceConfig {
+    fn default() -> Self {
+        DivergenceConfig {
+            factor: 4.0,
+            steps: 100,
+        }
+    }
+}
+
+impl DivergenceConfig {
+    fn is_default(&self) -> bool {
+        *self == DivergenceConfig::default()
+    }
 }
 
 /// `train.loss_scale`: fairseq's `--fp16-init-scale`, `--fp16-scale-window` and
@@ -218,6 +246,7 @@ impl Default for TrainConfig {
             max_seconds: 0,
             loss_scale: None,
             devices: None,
+            divergence: DivergenceConfig::default(),
         }
     }
 }
@@ -520,6 +549,17 @@ impl Config {
                     ls.min, ls.init
                 ));
             }
+        }
+        let dv = &self.train.divergence;
+        if !(dv.factor == 0.0 || dv.factor.is_finite() && dv.factor > 1.0) {
+            bad.push(format!(
+                "train.divergence.factor is {}; use a number above 1 (4: the default), or 0 \
+                 to turn the check off",
+                dv.factor
+            ));
+        }
+        if dv.steps == 0 {
+            bad.push("train.divergence.steps must be at least 1".to_string());
         }
         if let Some(devices) = &self.train.devices {
             if let Err(e) = crate::cuda::parallel::check_devices(devices) {

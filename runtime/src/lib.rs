@@ -16,7 +16,7 @@
 //! - [`metrics`] — the `metrics.jsonl` log; [`plot`] — the loss/BLEU PNG;
 //! - [`interop`] — PyTorch `nn.Transformer` parameter names;
 //! - [`model`] — model directories (weights, graphs, tokenizer) used without the spec;
-//! - [`train`] — the trainer; [`run_dir`] — whether a directory can take a new run;
+//! - [`train`] — the trainer; [`divergence`] — when a finite loss has diverged; [`run_dir`] — whether a directory can take a new run;
 //!   [`tokenizer`] — a run's BPE vocabulary and the record of what it was trained on;
 //! - [`translate`] — batches of sentences through beam search, and scoring;
 //! - [`synthetic`] — the generated task of the demo;
@@ -31,6 +31,7 @@ pub mod config;
 pub mod cuda;
 pub mod data;
 pub mod decode;
+pub mod divergence;
 pub mod eager;
 pub mod entry;
 pub mod exec;

@@ -77,6 +77,20 @@ pub enum TrainError {
         min: f64,
         kept: Kept,
     },
+    #[error(
+        "step {step}: the training loss, {loss:.4}, has been above {factor} times the lowest \
+         it reached ({lowest:.4}) for {steps} steps: the run diverged; stopping — {kept}. \
+         Lower the learning rate (schedule.factor) or raise schedule.warmup_steps; \
+         train.divergence sets when this stops a run (factor: 0 never)"
+    )]
+    Diverged {
+        step: u64,
+        loss: f64,
+        lowest: f64,
+        factor: f64,
+        steps: u64,
+        kept: Kept,
+    },
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
     #[error(transparent)]
@@ -1270,6 +1284,7 @@ impl Trainer {
             return Ok(summary);
         }
         let mut stop_early = false;
+        let mut watch = crate::divergence::Watch::new(&self.cfg.train.divergence);
         while self.state.step < total {
             if self.cfg.train.max_seconds > 0
                 && started.elapsed().as_secs() >= self.cfg.train.max_seconds
@@ -1304,6 +1319,16 @@ impl Trainer {
             interval_steps += 1;
             summary.last_loss = loss;
             let step = self.state.step;
+            if let Some(d) = watch.observe(loss) {
+                return Err(self.naming_the_kept_checkpoint(TrainError::Diverged {
+                    step,
+                    loss: d.loss,
+                    lowest: d.lowest,
+                    factor: d.factor,
+                    steps: d.steps,
+                    kept: Kept::default(),
+                }));
+            }
             if let Some(b) = &bar {
                 b.set_position(step);
                 let tps = all_tokens as f64 / train_time.max(1e-9);
@@ -1475,7 +1500,10 @@ impl Trainer {
 
     /// A training error that says what is kept: fills in the run's newest checkpoint.
     fn naming_the_kept_checkpoint(&self, mut e: TrainError) -> TrainError {
-        if let TrainError::NonFinite { kept, .. } | TrainError::LossScale { kept, .. } = &mut e {
+        if let TrainError::NonFinite { kept, .. }
+        | TrainError::LossScale { kept, .. }
+        | TrainError::Diverged { kept, .. } = &mut e
+        {
             let newest = checkpoint::latest(&self.checkpoint_root()).ok().flatten();
             *kept = Kept(newest.map(|c| c.dir));
         }
