@@ -117,51 +117,7 @@ enum Command {
     /// graph (fused kernels, deterministic text). With
     /// `--config` the artifact is what `kiln train` needs (tokenizer included); with
     /// `--from-model` it is a trained model ready for `kiln translate`.
-    Compile {
-        /// The model spec (a `.kiln` file); not with `--config` or `--from-model`.
-        #[arg(required_unless_present_any = ["config", "from_model"])]
-        spec: Option<PathBuf>,
-        /// Override a model parameter: `--set d_model=256` (repeatable).
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        set: Vec<String>,
-        /// Which model of the file, when it defines several.
-        #[arg(long)]
-        model: Option<String>,
-        /// Compile this one entry point into its kernel graph (text, to `-o FILE` or
-        /// standard output; `forward` when neither `--entry` nor `-o` is given): forward,
-        /// loss, encode, decode_step, train_step, or adam_update.
-        #[arg(long, value_parser = kiln_runtime::COMPILED_ENTRIES, conflicts_with = "entries")]
-        entry: Option<String>,
-        #[command(flatten)]
-        flags: compile_flags::CompileFlags,
-        /// Compile the spec of this training configuration, at its BPE vocabulary's size,
-        /// with its first weights (`train.seed`) and its tokenizer, into the artifact
-        /// `kiln train --artifact DIR` starts from (entries: train_step, loss, encode,
-        /// decode_step).
-        #[arg(long, conflicts_with_all = ["spec", "from_model", "set", "model"])]
-        config: Option<PathBuf>,
-        /// Compile a trained model (checkpoint, run directory or `kiln average` output)
-        /// with its weights and tokenizer, for `kiln translate --model DIR` (entries:
-        /// encode, decode_step).
-        #[arg(long = "from-model", conflicts_with_all = ["spec", "set", "model"])]
-        from_model: Option<PathBuf>,
-        /// The entry points of the artifact directory (`-o DIR`), e.g.
-        /// `--entries train_step,encode,decode_step` (default: all of forward, loss,
-        /// encode, decode_step and train_step).
-        #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
-        entries: Vec<String>,
-        /// The artifact directory to write, or with `--entry` the kernel graph's file
-        /// (default: the kernel graph on standard output).
-        #[arg(short = 'o', long = "output")]
-        output: Option<PathBuf>,
-        /// Run the program and the unoptimized graph on random inputs (reference
-        /// executor) and fail unless they agree.
-        #[arg(long)]
-        validate: bool,
-        /// Seed of the validation's inputs and weights (and an artifact's weights).
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-    },
+    Compile(cmd::compile::CompileArgs),
     /// Describe a compiled artifact (format, model, kernels, code size, memory plan and
     /// arena bytes at given dims) or a model directory (a checkpoint, a run's newest
     /// checkpoint or `kiln average`'s output: model, parameters, vocabulary, training
@@ -210,66 +166,9 @@ enum Command {
     /// Run an entry point of a spec (reference executor by default), or of a compiled
     /// artifact directory given in place of the spec (its generated kernels by default,
     /// its own weights unless `--weights`).
-    Run {
-        #[command(flatten)]
-        spec: SpecArgs,
-        /// The entry point: `forward`, `loss`, `encode`, `decode_step` or `train_step`.
-        #[arg(long, default_value = "forward")]
-        entry: String,
-        /// A safetensors file with one tensor per input, named as in the spec.
-        #[arg(long)]
-        inputs: PathBuf,
-        /// Weights (from `kiln init` or training); without it, weights are initialized
-        /// from `--seed`.
-        #[arg(long)]
-        weights: Option<PathBuf>,
-        /// Seed for weight initialization (without `--weights`) and dropout.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Working precision of the reference executor.
-        #[arg(long, default_value = "f32", value_parser = ["f32", "f64"])]
-        precision: String,
-        /// The training step the dropout masks are drawn for (`train_step`).
-        #[arg(long, default_value_t = 0)]
-        step: u32,
-        /// `reference` (plain loops, the oracle; the default for a spec), `eager` (op by
-        /// op, fast GEMM), `compiled` (the optimized program as generated code; the
-        /// default for an artifact) or `cuda` (a `--target cuda` artifact's CUDA C on the
-        /// GPU).
-        #[arg(long, value_parser = ["reference", "eager", "compiled", "cuda"])]
-        executor: Option<String>,
-        #[command(flatten)]
-        gemm: GemmArgs,
-        /// Where to write the outputs.
-        #[arg(short = 'o', long = "output")]
-        output: PathBuf,
-    },
+    Run(cmd::run::RunArgs),
     /// Corpus BLEU with sacreBLEU's semantics (13a tokens, no smoothing by default).
-    Bleu {
-        /// Reference file(s), one segment per line (repeat for several references).
-        #[arg(long = "ref", required = true)]
-        refs: Vec<PathBuf>,
-        /// Hypothesis file; standard input when absent.
-        hyp: Option<PathBuf>,
-        /// Lowercase before tokenizing.
-        #[arg(long)]
-        lowercase: bool,
-        /// Tokenizer: `13a` or `none`.
-        #[arg(long, default_value = "13a", value_parser = ["13a", "none"])]
-        tokenize: String,
-        /// Smoothing: `none`, `exp`, `floor` or `add-k`.
-        #[arg(long, default_value = "none", value_parser = ["none", "exp", "floor", "add-k"])]
-        smooth: String,
-        /// The value for `floor` (default 0.1) or `add-k` (default 1).
-        #[arg(long)]
-        smooth_value: Option<f64>,
-        /// Print only the score.
-        #[arg(long)]
-        score_only: bool,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    Bleu(cmd::bleu::BleuArgs),
     /// Train a model with the paper's recipe (a YAML configuration).
     Train {
         /// The configuration of a new run.
@@ -474,31 +373,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             kernels,
             fusions,
         } => cmd::explain::explain(&args, kernels, &fusions),
-        Command::Compile {
-            spec,
-            set,
-            model,
-            entry,
-            flags,
-            config,
-            from_model,
-            entries,
-            output,
-            validate,
-            seed,
-        } => cmd::compile::compile(cmd::compile::CompileArgs {
-            spec,
-            set,
-            model,
-            entry,
-            flags,
-            config,
-            from_model,
-            entries,
-            output,
-            validate,
-            seed,
-        }),
+        Command::Compile(a) => cmd::compile::compile(a),
         Command::Inspect {
             dir,
             batch,
@@ -521,48 +396,8 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Bench { args } => cmd::bench::bench(&args),
         Command::Graph { spec } => cmd::graph::graph(&spec),
         Command::Init { spec, seed, output } => cmd::init::init(&spec, seed, &output),
-        Command::Run {
-            spec,
-            entry,
-            inputs,
-            weights,
-            seed,
-            precision,
-            output,
-            step,
-            executor,
-            gemm,
-        } => cmd::run::run(cmd::run::RunArgs {
-            spec,
-            entry,
-            inputs,
-            weights,
-            seed,
-            precision,
-            output,
-            step,
-            executor,
-            gemm,
-        }),
-        Command::Bleu {
-            refs,
-            hyp,
-            lowercase,
-            tokenize,
-            smooth,
-            smooth_value,
-            score_only,
-            json,
-        } => cmd::bleu::bleu(cmd::bleu::BleuArgs {
-            refs,
-            hyp,
-            lowercase,
-            tokenize,
-            smooth,
-            smooth_value,
-            score_only,
-            json,
-        }),
+        Command::Run(a) => cmd::run::run(a),
+        Command::Bleu(a) => cmd::bleu::bleu(a),
         Command::Train {
             config,
             resume,

@@ -60,13 +60,13 @@ pub fn pid_alive(pid: u32) -> bool {
 /// `graphs.tmp-PID`) whose `PID` is not running. A `kill -9` during a write leaves one;
 /// the next run removes it. Those of running processes, this one included, stay. With
 /// `only`, only those of that name (`NAME` above): a directory of the user's holds
-/// other files. Returns how many were removed; a `dir` that does not exist has none.
+/// other files. Returns how many were removed; a `dir` that is not a directory has none.
 pub fn remove_stale_temps(dir: &Path, only: Option<&str>) -> std::io::Result<usize> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(e),
-    };
+    // Not a directory (missing, or a file where one goes): nothing of ours is in it.
+    if !dir.is_dir() {
+        return Ok(0);
+    }
+    let entries = std::fs::read_dir(dir)?;
     let mut removed = 0;
     for entry in entries {
         let entry = entry?;
@@ -296,6 +296,7 @@ mod tests {
             ["data.tmp-x".to_string(), own, "notes.txt".to_string()]
         );
         assert_eq!(remove_stale_temps(&dir.join("absent"), None).unwrap(), 0);
+        assert_eq!(remove_stale_temps(&dir.join("notes.txt"), None).unwrap(), 0);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -7,15 +7,31 @@ use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 
 use crate::plain;
 
-/// `kiln bleu`'s arguments (see `kiln bleu --help`).
+// `kiln bleu`'s arguments (their help is `kiln bleu --help`).
+#[derive(clap::Args)]
 pub struct BleuArgs {
+    /// Reference file(s), one segment per line (repeat for several references).
+    #[arg(long = "ref", required = true)]
     pub refs: Vec<PathBuf>,
+    /// Hypothesis file; standard input when absent.
     pub hyp: Option<PathBuf>,
+    /// Lowercase before tokenizing.
+    #[arg(long)]
     pub lowercase: bool,
+    /// Tokenizer: `13a` or `none`.
+    #[arg(long, default_value = "13a", value_parser = ["13a", "none"])]
     pub tokenize: String,
+    /// Smoothing: `none`, `exp`, `floor` or `add-k`.
+    #[arg(long, default_value = "none", value_parser = ["none", "exp", "floor", "add-k"])]
     pub smooth: String,
+    /// The value for `floor` (default 0.1) or `add-k` (default 1).
+    #[arg(long)]
     pub smooth_value: Option<f64>,
+    /// Print only the score.
+    #[arg(long)]
     pub score_only: bool,
+    /// Print JSON.
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -21,18 +21,51 @@ use crate::cmd::explain::{entry_graph_of, OptArgs};
 use crate::outputs::{self, Output};
 use crate::plain;
 
-/// `kiln compile`'s arguments (see `kiln compile --help`).
+// `kiln compile`'s arguments (their help is `kiln compile --help`).
+#[derive(clap::Args)]
 pub struct CompileArgs {
+    /// The model spec (a `.kiln` file); not with `--config` or `--from-model`.
+    #[arg(required_unless_present_any = ["config", "from_model"])]
     pub spec: Option<PathBuf>,
+    /// Override a model parameter: `--set d_model=256` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Which model of the file, when it defines several.
+    #[arg(long)]
     pub model: Option<String>,
+    /// Compile this one entry point into its kernel graph (text, to `-o FILE` or
+    /// standard output; `forward` when neither `--entry` nor `-o` is given): forward,
+    /// loss, encode, decode_step, train_step, or adam_update.
+    #[arg(long, value_parser = kiln_runtime::COMPILED_ENTRIES, conflicts_with = "entries")]
     pub entry: Option<String>,
+    #[command(flatten)]
     pub flags: crate::compile_flags::CompileFlags,
+    /// Compile the spec of this training configuration, at its BPE vocabulary's size,
+    /// with its first weights (`train.seed`) and its tokenizer, into the artifact
+    /// `kiln train --artifact DIR` starts from (entries: train_step, loss, encode,
+    /// decode_step).
+    #[arg(long, conflicts_with_all = ["spec", "from_model", "set", "model"])]
     pub config: Option<PathBuf>,
+    /// Compile a trained model (checkpoint, run directory or `kiln average` output)
+    /// with its weights and tokenizer, for `kiln translate --model DIR` (entries:
+    /// encode, decode_step).
+    #[arg(long = "from-model", conflicts_with_all = ["spec", "set", "model"])]
     pub from_model: Option<PathBuf>,
+    /// The entry points of the artifact directory (`-o DIR`), e.g.
+    /// `--entries train_step,encode,decode_step` (default: all of forward, loss,
+    /// encode, decode_step and train_step).
+    #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
     pub entries: Vec<String>,
+    /// The artifact directory to write, or with `--entry` the kernel graph's file
+    /// (default: the kernel graph on standard output).
+    #[arg(short = 'o', long = "output")]
     pub output: Option<PathBuf>,
+    /// Run the program and the unoptimized graph on random inputs (reference
+    /// executor) and fail unless they agree.
+    #[arg(long)]
     pub validate: bool,
+    /// Seed of the validation's inputs and weights (and an artifact's weights).
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
 

@@ -16,18 +16,41 @@ use crate::outputs::{self, Output};
 use crate::plain;
 use crate::{file_error, runtime_error, GemmArgs, SpecArgs};
 
-/// `kiln run`'s arguments (see `kiln run --help`).
+// `kiln run`'s arguments (their help is `kiln run --help`).
+#[derive(clap::Args)]
 pub struct RunArgs {
+    #[command(flatten)]
     pub spec: SpecArgs,
+    /// The entry point: `forward`, `loss`, `encode`, `decode_step` or `train_step`.
+    #[arg(long, default_value = "forward")]
     pub entry: String,
+    /// A safetensors file with one tensor per input, named as in the spec.
+    #[arg(long)]
     pub inputs: PathBuf,
+    /// Weights (from `kiln init` or training); without it, weights are initialized
+    /// from `--seed`.
+    #[arg(long)]
     pub weights: Option<PathBuf>,
+    /// Seed for weight initialization (without `--weights`) and dropout.
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Working precision of the reference executor.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f64"])]
     pub precision: String,
-    pub output: PathBuf,
+    /// The training step the dropout masks are drawn for (`train_step`).
+    #[arg(long, default_value_t = 0)]
     pub step: u32,
+    /// `reference` (plain loops, the oracle; the default for a spec), `eager` (op by
+    /// op, fast GEMM), `compiled` (the optimized program as generated code; the
+    /// default for an artifact) or `cuda` (a `--target cuda` artifact's CUDA C on the
+    /// GPU).
+    #[arg(long, value_parser = ["reference", "eager", "compiled", "cuda"])]
     pub executor: Option<String>,
+    #[command(flatten)]
     pub gemm: GemmArgs,
+    /// Where to write the outputs.
+    #[arg(short = 'o', long = "output")]
+    pub output: PathBuf,
 }
 
 /// `kiln run`.
