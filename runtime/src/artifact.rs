@@ -296,22 +296,24 @@ impl Artifact {
                     message: format!("entry `{}`: the kernel graph is corrupt: {err}", e.name),
                 })?;
             // The memory plan is a function of the kernel graph; the executors place every
-            // buffer by it, so one that differs (a manifest without its hash, edited) is
+            // buffer by it, so one that differs (a manifest edited and hashed again) is
             // refused rather than trusted.
             let planned = kiln_compiler::plan::MemoryPlan::build_reusing(
                 &e.kernel_graph,
                 &|_, _| kiln_compiler::plan::ELEM_BYTES,
                 manifest.options.buffer_reuse,
             );
+            // A plan derived from the kernel graph that the manifest records otherwise.
+            let edited = |what: &str| ArtifactError::BadManifest {
+                path: mpath.clone(),
+                message: format!(
+                    "entry `{}`: the {what} is not the one its kernel graph gives; it was \
+                     modified or damaged",
+                    e.name
+                ),
+            };
             if e.plan != planned {
-                return Err(ArtifactError::BadManifest {
-                    path: mpath.clone(),
-                    message: format!(
-                        "entry `{}`: the memory plan is not the one its kernel graph gives; \
-                         it was modified or damaged",
-                        e.name
-                    ),
-                });
+                return Err(edited("memory plan"));
             }
             let code = CpuCode {
                 functions,
@@ -331,14 +333,7 @@ impl Artifact {
                 &manifest.options,
             );
             if launch.as_ref() != Ok(&e.launch) {
-                return Err(ArtifactError::BadManifest {
-                    path: mpath.clone(),
-                    message: format!(
-                        "entry `{}`: the launch plan is not the one its kernel graph gives; \
-                         it was modified or damaged",
-                        e.name
-                    ),
-                });
+                return Err(edited("launch plan"));
             }
             let cuda_source = match (&e.cuda, cuda_target) {
                 (None, false) => None,
