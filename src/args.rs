@@ -152,3 +152,17 @@ pub(crate) fn non_negative_f64(s: &str) -> Result<f64, String> {
     }
     Ok(v)
 }
+
+/// A `--max-steps` value: a whole number of steps from the run's start. `+N` reads as
+/// `N` to a number parser but means "N more" to a person, so it is refused.
+pub(crate) fn total_steps(s: &str) -> Result<u64, String> {
+    if s.starts_with('+') {
+        return Err(format!(
+            "`{s}` reads as a number of steps more, but --max-steps is the step the run \
+             trains to, counted from its start: give that total (the run's step plus {})",
+            &s[1..]
+        ));
+    }
+    s.parse::<u64>()
+        .map_err(|_| format!("`{s}` is not a whole number of steps"))
+}

@@ -66,7 +66,9 @@ mod compile_flags;
 mod errors;
 mod outputs;
 
-pub(crate) use args::{beam_width, finite_f64, non_negative_f64, set_threads, GemmArgs, SpecArgs};
+pub(crate) use args::{
+    beam_width, finite_f64, non_negative_f64, set_threads, total_steps, GemmArgs, SpecArgs,
+};
 pub(crate) use errors::{err, file_error, plain, runtime_error};
 
 #[derive(Parser)]
@@ -177,8 +179,8 @@ enum Command {
         /// Continue the run in this directory from its newest checkpoint.
         #[arg(long)]
         resume: Option<PathBuf>,
-        /// Override `train.max_steps`.
-        #[arg(long)]
+        /// Override `train.max_steps`: the step the run trains to, counted from its start.
+        #[arg(long, value_parser = total_steps)]
         max_steps: Option<u64>,
         /// Override `train.max_seconds` (stop after this long, with a checkpoint).
         #[arg(long)]

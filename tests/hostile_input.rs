@@ -147,3 +147,38 @@ fn validation_of_a_one_word_vocabulary_draws_ids_in_range() {
     assert!(err.contains("passed"), "{err}");
     assert!(out.is_file());
 }
+
+/// Item 17: `--max-steps +2` reads as 2 to a number parser but means "2 more" to a
+/// person: it is refused with what the flag counts.
+#[test]
+fn a_relative_step_count_is_refused() {
+    let nowhere = tmp("max_steps").join("run");
+    refused(
+        &[
+            "train",
+            "--resume",
+            nowhere.to_str().unwrap(),
+            "--max-steps",
+            "+2",
+        ],
+        2,
+        "`+2` reads as a number of steps more, but --max-steps is the step the run trains to",
+    );
+}
+
+/// Item 17: `data.max_len: 0` is named by its key when the configuration is read.
+#[test]
+fn a_max_len_of_zero_names_its_key() {
+    let dir = tmp("max_len");
+    let base = std::fs::read_to_string(root().join("models/configs/base.yaml")).unwrap();
+    let cfg = dir.join("cfg.yaml");
+    let text = base.replacen("  max_len: 256\n", "  max_len: 0\n", 1);
+    assert_ne!(text, base);
+    std::fs::write(&cfg, &text).unwrap();
+    refused(
+        &["train", "--config", cfg.to_str().unwrap()],
+        1,
+        "data.max_len is 0, which leaves no pair to train on",
+    );
+    assert_eq!(bytes(&cfg), text.as_bytes());
+}

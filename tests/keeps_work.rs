@@ -313,3 +313,13 @@ fn a_run_whose_finite_loss_explodes_stops_as_diverged() {
         "no best model of a diverged run"
     );
 }
+
+/// #59 item 17: a resumed run says the steps it took and the step they took it to, not
+/// the run's total as if it had trained them all.
+#[test]
+fn a_resumed_run_reports_the_steps_it_took() {
+    let dir = workspace("resumed_report", "");
+    train_ok(&dir, &[]);
+    let out = ok(&dir, &["train", "--resume", "run", "--max-steps", "30"]);
+    assert!(out.contains("trained 10 steps (to step 30) in "), "{out}");
+}

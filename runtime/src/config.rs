@@ -453,6 +453,13 @@ impl Config {
         if self.batch.update_freq == 0 {
             bad.push("batch.update_freq must be at least 1".to_string());
         }
+        if self.data.max_len == 0 {
+            bad.push(
+                "data.max_len is 0, which leaves no pair to train on (a sentence's tokens \
+                 and its <eos>); give the length of the longest pair to keep, e.g. 256"
+                    .to_string(),
+            );
+        }
         if self.batch.max_src_tokens == 0 || self.batch.max_tgt_tokens == 0 {
             bad.push("batch.max_src_tokens and max_tgt_tokens must be positive".to_string());
         }

@@ -157,9 +157,14 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
             s.steps
         );
     } else if !a.quiet && !idle {
+        // A resumed run says the steps it took, and where they took it.
+        let took = if s.steps_taken == s.steps {
+            format!("{} steps", s.steps)
+        } else {
+            format!("{} steps (to step {})", s.steps_taken, s.steps)
+        };
         say!(
-            "trained {} steps in {:.1}s ({:.0} tokens/s); last training loss {:.4}{}{}",
-            s.steps,
+            "trained {took} in {:.1}s ({:.0} tokens/s); last training loss {:.4}{}{}",
             s.seconds,
             s.tokens_per_second,
             s.last_loss,
