@@ -156,11 +156,10 @@ pub(crate) fn non_negative_f64(s: &str) -> Result<f64, String> {
 /// A `--max-steps` value: a whole number of steps from the run's start. `+N` reads as
 /// `N` to a number parser but means "N more" to a person, so it is refused.
 pub(crate) fn total_steps(s: &str) -> Result<u64, String> {
-    if s.starts_with('+') {
+    if let Some(more) = s.strip_prefix('+') {
         return Err(format!(
             "`{s}` reads as a number of steps more, but --max-steps is the step the run \
-             trains to, counted from its start: give that total (the run's step plus {})",
-            &s[1..]
+             trains to, counted from its start: give that total (the run's step plus {more})"
         ));
     }
     s.parse::<u64>()
