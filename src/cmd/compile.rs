@@ -99,18 +99,15 @@ pub fn compile(a: CompileArgs) -> Result<(), Error> {
         };
         outputs::check("kiln::compile", out, &inputs, kind)?;
     }
-    if let Some(cfg) = config {
-        return compile_artifact_from_config(
-            &cfg,
-            &entries,
-            output.as_deref(),
-            validate,
-            &flags.options()?,
-        );
-    }
-    if let Some(m) = from_model {
-        return compile_artifact_from_model(
-            &m,
+    // A training configuration or a trained model, instead of a spec.
+    type FromFile = fn(&Path, &[String], Option<&Path>, bool, &CompileOptions) -> Result<(), Error>;
+    let from: [(Option<PathBuf>, FromFile); 2] = [
+        (config, compile_artifact_from_config),
+        (from_model, compile_artifact_from_model),
+    ];
+    if let Some((path, compile)) = from.into_iter().find_map(|(p, f)| p.map(|p| (p, f))) {
+        return compile(
+            &path,
             &entries,
             output.as_deref(),
             validate,
