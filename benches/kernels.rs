@@ -78,7 +78,7 @@ fn main() {
         Some(t) => t
             .kernel()
             .and_then(|k| k.ok_or_else(|| "f32 asks for no 16-bit kernel".to_string())),
-        None => kiln_runtime::compiled::Bf16Kernel::best(),
+        None => kiln_runtime::compiled::Kernel16::best(),
     };
     for (m, k, n) in [
         (2048usize, 2048, 2048),
@@ -93,8 +93,7 @@ fn main() {
         let mut why = kernel.as_ref().err().cloned();
         let s = match &kernel {
             Ok(kernel) => time(9, || {
-                if let Err(e) =
-                    kiln_runtime::compiled::bf16_matmul(*kernel, (m, k, n), &a, &b, &mut c)
+                if let Err(e) = kiln_runtime::compiled::matmul16(*kernel, (m, k, n), &a, &b, &mut c)
                 {
                     why = Some(e);
                 }

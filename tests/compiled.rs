@@ -407,7 +407,7 @@ fn the_environment_does_not_choose_the_products() {
 /// type asked of the eager executor.
 #[test]
 fn gemm_type_names_the_kernel_or_fails_saying_why() {
-    use kiln_runtime::compiled::Bf16Kernel;
+    use kiln_runtime::compiled::Kernel16;
     let executor = |extra: &[&str], env: &[(&str, &str)]| {
         let mut args = vec!["--runs", "1"];
         args.extend_from_slice(extra);
@@ -428,10 +428,10 @@ fn gemm_type_names_the_kernel_or_fails_saying_why() {
     };
     assert_eq!(executor(&["--gemm-type", "f32"], &[]), "compiled");
     for (kernel, label) in [
-        (Bf16Kernel::Tiles, "compiled-bf16-products"),
-        (Bf16Kernel::Dot, "compiled-bf16-products-vdpbf16ps"),
-        (Bf16Kernel::Half, "compiled-fp16-products"),
-        (Bf16Kernel::Int16, "compiled-int16-products"),
+        (Kernel16::Tiles, "compiled-bf16-products"),
+        (Kernel16::Dot, "compiled-bf16-products-vdpbf16ps"),
+        (Kernel16::Half, "compiled-fp16-products"),
+        (Kernel16::Int16, "compiled-int16-products"),
     ] {
         let key = kernel.key();
         match kernel.available() {
@@ -1109,8 +1109,8 @@ fn base_at_36_rows(entry: &str, seed: u64) -> (Graph, BTreeMap<String, i64>, Fee
 /// bits. Each kernel is skipped where the CPU cannot run it.
 #[test]
 fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
-    use kiln_runtime::compiled::Bf16Kernel;
-    for kernel in Bf16Kernel::ALL {
+    use kiln_runtime::compiled::Kernel16;
+    for kernel in Kernel16::ALL {
         match kernel.available() {
             Ok(()) => bf16_products_within_bf16_of_f32(kernel),
             Err(why) => println!("skipped: {why}"),
@@ -1118,7 +1118,7 @@ fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
     }
 }
 
-fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) {
+fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Kernel16) {
     for entry in ["forward", "train_step"] {
         let (g, _, inputs, params) = base_at_36_rows(entry, 11);
         let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
@@ -1180,7 +1180,7 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Bf16Kernel) 
 /// counts).
 fn run_16bit(
     g: &Graph,
-    kernel: kiln_runtime::compiled::Bf16Kernel,
+    kernel: kiln_runtime::compiled::Kernel16,
     (inputs, params): (&Feeds, &Feeds),
     opts: &RunOptions,
     set: impl FnOnce(&mut CompileOptions),
@@ -1201,7 +1201,7 @@ fn run_16bit(
 /// kernels. Each 16-bit kernel is skipped where the CPU cannot run it.
 #[test]
 fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
-    use kiln_runtime::compiled::Bf16Kernel;
+    use kiln_runtime::compiled::Kernel16;
     let (g, dims, inputs, params) = base_at_36_rows("train_step", 5);
     let opts = RunOptions {
         seed: 3,
@@ -1210,7 +1210,7 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
     let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
     f32_exec.run(&inputs, &params, &opts).expect("runs");
     assert_eq!(f32_exec.bias_grad_counts(), (0, 96), "f32");
-    for kernel in Bf16Kernel::ALL {
+    for kernel in Kernel16::ALL {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1283,8 +1283,8 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
 /// it.
 #[test]
 fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
-    use kiln_runtime::compiled::Bf16Kernel;
-    for kernel in Bf16Kernel::ALL {
+    use kiln_runtime::compiled::Kernel16;
+    for kernel in Kernel16::ALL {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1348,13 +1348,13 @@ fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
 /// a training step packs none. Each kernel is skipped where the CPU cannot run it.
 #[test]
 fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
-    use kiln_runtime::compiled::Bf16Kernel;
+    use kiln_runtime::compiled::Kernel16;
     let (g, _, inputs, params) = base_at_36_rows("forward", 5);
     // The weights' elements: 24 + 48 attention projections of 512 × 512 (encoder, and
     // decoder self and cross), 12 + 12 of 512 × 2048 and 2048 × 512, the 300 × 512
     // embedding.
     let elements = 72 * 512 * 512 + 24 * 512 * 2048 + 300 * 512;
-    for kernel in Bf16Kernel::ALL {
+    for kernel in Kernel16::ALL {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1394,7 +1394,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
         }
     }
 
-    let Some(kernel) = Bf16Kernel::ALL.into_iter().find(|k| k.available().is_ok()) else {
+    let Some(kernel) = Kernel16::ALL.into_iter().find(|k| k.available().is_ok()) else {
         return;
     };
     let (g, _, inputs, params) = base_at_36_rows("train_step", 5);
@@ -1423,8 +1423,8 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
 /// program's. Skipped where the CPU has no int16 kernel.
 #[test]
 fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
-    use kiln_runtime::compiled::Bf16Kernel;
-    if let Err(why) = Bf16Kernel::Int16.available() {
+    use kiln_runtime::compiled::Kernel16;
+    if let Err(why) = Kernel16::Int16.available() {
         println!("skipped: {why}");
         return;
     }
@@ -1441,7 +1441,7 @@ fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
         .run(&inputs, &params, &RunOptions::default())
         .expect("runs");
     let mut exec = Compiled::from_graph(g.clone()).expect("compiles");
-    exec.set_bf16_kernel(Some(Bf16Kernel::Int16))
+    exec.set_bf16_kernel(Some(Kernel16::Int16))
         .expect("the kernel runs here");
     let plain = exec
         .run(&inputs, &params, &RunOptions::default())
@@ -1477,20 +1477,20 @@ fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
     assert!(from_f32 < 1e-2, "{from_f32:e} from the f32 program");
 }
 
-/// `bf16_matmul`, the public product, with each kernel the CPU can run: a slice of the
+/// `matmul16`, the public product, with each kernel the CPU can run: a slice of the
 /// wrong length is an error that names it (checked after the kernel, so where the CPU
 /// cannot run it that is the error); a product of 2 × 3 · 3 × 2 exact in bf16 gives exact
 /// sums.
 #[test]
 fn bf16_matmul_checks_its_slices() {
-    use kiln_runtime::compiled::{bf16_matmul, Bf16Kernel};
+    use kiln_runtime::compiled::{matmul16, Kernel16};
     let (a, b) = (
         [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0],
         [1.0f32, 0.5, -1.0, 2.0, 0.25, 4.0],
     );
-    for kernel in Bf16Kernel::ALL {
+    for kernel in Kernel16::ALL {
         let mut c = [0f32; 4];
-        match bf16_matmul(kernel, (2, 3, 2), &a, &b, &mut c) {
+        match matmul16(kernel, (2, 3, 2), &a, &b, &mut c) {
             Err(e) => {
                 assert!(
                     e.starts_with(&format!("{} cannot run here: ", kernel.name())),
@@ -1501,7 +1501,7 @@ fn bf16_matmul_checks_its_slices() {
             }
             Ok(()) => assert_eq!(c, [-0.25, 16.5, 0.5, 36.0], "{kernel:?}"),
         }
-        let e = bf16_matmul(kernel, (2, 3, 2), &a[..5], &b, &mut c).unwrap_err();
+        let e = matmul16(kernel, (2, 3, 2), &a[..5], &b, &mut c).unwrap_err();
         assert_eq!(e, "`a` holds 5 elements; a 2×3·3×2 product needs 6");
     }
 }

@@ -14,7 +14,7 @@ use kiln_compiler::optimize::validate::random_feeds_with;
 use kiln_compiler::options::CompileOptions;
 use kiln_compiler::reference::RunOptions;
 use kiln_runtime::artifact::Artifact;
-use kiln_runtime::compiled::{Bf16Kernel, Compiled};
+use kiln_runtime::compiled::{Compiled, Kernel16};
 use kiln_runtime::exec::{How, Launched};
 
 fn tmp(name: &str) -> PathBuf {
@@ -170,7 +170,7 @@ fn with_16_bit_products_a_run_takes_every_fusion_of_its_plan() {
             bias_grad_fusion: false,
             ..CompileOptions::default()
         };
-        for kernel in Bf16Kernel::ALL {
+        for kernel in Kernel16::ALL {
             if let Err(why) = kernel.available() {
                 println!("skipped {kernel:?}: {why}");
                 continue;

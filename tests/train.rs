@@ -274,7 +274,7 @@ fn loss_scaling_settings_are_checked() {
 /// type for another executor is refused.
 #[test]
 fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
-    if let Err(why) = kiln_runtime::compiled::Bf16Kernel::Int16.available() {
+    if let Err(why) = kiln_runtime::compiled::Kernel16::Int16.available() {
         println!("skipped: {why}");
         return;
     }
@@ -356,7 +356,7 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
     );
     assert!(!dir.join("run").exists());
     // A kernel this CPU lacks: refused before the run directory is made.
-    let lacking = kiln_runtime::compiled::Bf16Kernel::ALL
+    let lacking = kiln_runtime::compiled::Kernel16::ALL
         .into_iter()
         .find_map(|k| k.available().err().map(|why| (k.key(), why)));
     if let Some((key, why)) = lacking {

@@ -741,7 +741,7 @@ mod tests {
         assert_eq!(
             crate::compiled::GemmType::parse("int16"),
             Some(crate::compiled::GemmType::Kernel(
-                crate::compiled::Bf16Kernel::Int16
+                crate::compiled::Kernel16::Int16
             ))
         );
         let e = with("  gemm_type: int8\n").unwrap_err();

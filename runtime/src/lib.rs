@@ -5,7 +5,7 @@
 //! - [`exec`] — the executors behind one interface; [`eager`] — the eager CPU executor
 //!   (any graph op by op, `gemm` for matmuls, vectorized loops for the rest);
 //! - [`compiled`] — the compiled CPU executor: replays an artifact's launch plan (its CLIF
-//!   JIT-compiled), GEMMs through `gemm` and the 16-bit kernels;
+//!   JIT-compiled), its products through `kiln-matmul`;
 //! - [`artifact`] — loading a compiled artifact, every file and plan checked;
 //! - [`config`] — the YAML training configuration (the paper's recipe as defaults);
 //! - [`data`] — parallel corpora, the shared BPE vocabulary, token-based batches;

@@ -251,9 +251,7 @@ pub(crate) fn config_yaml(cfg: &Config) -> String {
 
 /// The kernel of `train.gemm_type` on this CPU: `None` where the key is absent, `Some(None)`
 /// for f32; an error where this CPU cannot run it.
-pub fn gemm_kernel(
-    cfg: &Config,
-) -> Result<Option<Option<crate::compiled::Bf16Kernel>>, TrainError> {
+pub fn gemm_kernel(cfg: &Config) -> Result<Option<Option<crate::compiled::Kernel16>>, TrainError> {
     let Some(name) = &cfg.train.gemm_type else {
         return Ok(None);
     };

@@ -619,12 +619,10 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     } else if let Some(kernel) = compiled.as_ref().and_then(|c| c.bf16_kernel()) {
         // KILN_CPU_BF16 on a CPU with a bf16 kernel: the large products in bf16.
         match kernel {
-            kiln_runtime::compiled::Bf16Kernel::Tiles => "compiled-bf16-products".to_string(),
-            kiln_runtime::compiled::Bf16Kernel::Dot => {
-                "compiled-bf16-products-vdpbf16ps".to_string()
-            }
-            kiln_runtime::compiled::Bf16Kernel::Half => "compiled-fp16-products".to_string(),
-            kiln_runtime::compiled::Bf16Kernel::Int16 => "compiled-int16-products".to_string(),
+            kiln_runtime::compiled::Kernel16::Tiles => "compiled-bf16-products".to_string(),
+            kiln_runtime::compiled::Kernel16::Dot => "compiled-bf16-products-vdpbf16ps".to_string(),
+            kiln_runtime::compiled::Kernel16::Half => "compiled-fp16-products".to_string(),
+            kiln_runtime::compiled::Kernel16::Int16 => "compiled-int16-products".to_string(),
         }
     } else {
         a.executor.clone()

@@ -98,7 +98,7 @@ pub fn inspect(
     let _ = writeln!(
         out,
         "  16-bit products (--gemm-type 16bit): {}",
-        match kiln_runtime::compiled::Bf16Kernel::best() {
+        match kiln_runtime::compiled::Kernel16::best() {
             Ok(kernel) => kernel.name().to_string(),
             Err(why) => format!("none here ({why})"),
         }

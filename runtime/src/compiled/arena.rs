@@ -47,7 +47,7 @@ impl<T> Versioned<T> {
 pub(crate) type Transposed = Versioned<Vec<f32>>;
 
 /// A weight packed for the bf16 products.
-pub(crate) type PackedWeight = Versioned<bf16::PackedRhs>;
+pub(crate) type PackedWeight = Versioned<kiln_matmul::float16::PackedRhs>;
 
 /// The values that matrix products read as their right operand (`x·w`, `x·w + b`) and
 /// that are a parameter or a view of one: with `views_only`, only the views (those a

@@ -21,11 +21,12 @@ use kiln_compiler::optimize::templates::{registry, TemplateKind};
 use rayon::prelude::*;
 
 use super::fallback::{self, Fallback};
-use super::gemm::{self, Mat};
+use super::gemm;
 use super::{Keep, Loc};
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
 use ::gemm::Parallelism;
+use kiln_matmul::Mat;
 
 /// Per kernel kind: how its kernels compared with their definitions.
 pub type CheckLog = BTreeMap<String, KernelErrors>;
@@ -60,7 +61,7 @@ pub(crate) struct RunCtx<'a> {
     pub pool: &'a Arc<Pool>,
     /// The kernel of the large matrix products in bf16, if they run so
     /// (`Compiled::set_bf16_products`).
-    pub bf16: Option<super::bf16::Kernel>,
+    pub bf16: Option<kiln_matmul::Kernel16>,
     /// With `bf16`: a weight packed once for the products that read it while it is
     /// unchanged, by its value and its location (`Compiled::packed_weight`); `None` where
     /// it is not such a weight.
@@ -69,7 +70,7 @@ pub(crate) struct RunCtx<'a> {
 
 /// See [`RunCtx::packed`].
 pub(crate) type PackedFn<'a> =
-    dyn Fn(usize, &Loc) -> Option<Arc<super::bf16::PackedRhs>> + Sync + 'a;
+    dyn Fn(usize, &Loc) -> Option<Arc<kiln_matmul::float16::PackedRhs>> + Sync + 'a;
 
 impl RunCtx<'_> {
     /// The right operand of `step`'s product (`ins[1]`) packed beforehand, where the
@@ -79,7 +80,7 @@ impl RunCtx<'_> {
         step: &Step,
         ins: &[&Loc],
         rows: usize,
-    ) -> Option<Arc<super::bf16::PackedRhs>> {
+    ) -> Option<Arc<kiln_matmul::float16::PackedRhs>> {
         let (pack, &v) = (self.packed?, step.inputs.get(1)?);
         let (b, kernel) = (ins.get(1)?, self.bf16?);
         let shape = b.shape();
@@ -330,10 +331,10 @@ fn is_f32(kg: &KernelGraph, inputs: &[usize]) -> bool {
 /// The column sums of a bias gradient's `dy` (`[lead…, n]`, contiguous) into `dst`, for
 /// a product whose right operand `b` is `dy` itself seen as rows (`[Π lead, n]`, the
 /// same address); `None` where it is not.
-pub(crate) fn bias_sums(dy: &Loc, b: &Loc, dst: *mut f32) -> Option<gemm::ColumnSums> {
+pub(crate) fn bias_sums(dy: &Loc, b: &Loc, dst: *mut f32) -> Option<kiln_matmul::ColumnSums> {
     let (sy, sb) = (dy.shape(), b.shape());
     let axes = sy.len().checked_sub(1)?;
-    if !(1..=gemm::SUM_AXES).contains(&axes)
+    if !(1..=kiln_matmul::SUM_AXES).contains(&axes)
         || !dy.is_contiguous()
         || !b.is_contiguous()
         || dy.dtype != DType::F32
@@ -343,9 +344,9 @@ pub(crate) fn bias_sums(dy: &Loc, b: &Loc, dst: *mut f32) -> Option<gemm::Column
     {
         return None;
     }
-    let mut lead = [1; gemm::SUM_AXES];
+    let mut lead = [1; kiln_matmul::SUM_AXES];
     lead[..axes].copy_from_slice(&sy[..axes]);
-    Some(gemm::ColumnSums { dst, lead, axes })
+    Some(kiln_matmul::ColumnSums { dst, lead, axes })
 }
 
 /// `step`'s product (an [`Exec::Matmul`] not checked) with the column sums `sums` of its
@@ -357,7 +358,7 @@ pub(crate) fn product_with_sums(
     ins: &[&Loc],
     outs: &[Loc],
     ctx: &RunCtx<'_>,
-    sums: gemm::ColumnSums,
+    sums: kiln_matmul::ColumnSums,
 ) -> bool {
     if !matches!(step.exec, Exec::Matmul) || step.check.is_some() || ctx.bf16.is_none() {
         return false;
@@ -365,7 +366,7 @@ pub(crate) fn product_with_sums(
     let out = &outs[0];
     let rows = out.numel() / out.shape().last().copied().unwrap_or(1).max(1);
     let packed = ctx.packed_rhs(step, ins, rows);
-    let e = gemm::Epilogue::default();
+    let e = kiln_matmul::Epilogue::default();
     gemm::matmul_epilogue(
         ins[0],
         ins[1],
@@ -394,7 +395,7 @@ pub(crate) fn product_group(
     steps: &[&Step],
     ins: &[Vec<&Loc>],
     outs: &[&[Loc]],
-    sums: &[Option<gemm::ColumnSums>],
+    sums: &[Option<kiln_matmul::ColumnSums>],
     ctx: &RunCtx<'_>,
 ) -> bool {
     let Some(&x) = ins.first().and_then(|i| i.first()) else {
@@ -419,12 +420,12 @@ pub(crate) fn product_group(
                 if !bias.is_contiguous() || bias.numel() != n {
                     return false;
                 }
-                gemm::Epilogue {
+                kiln_matmul::Epilogue {
                     bias: Some(bias.base() as *const f32),
                     relu: relu.is_some(),
                 }
             }
-            Exec::Matmul if !linear => gemm::Epilogue::default(),
+            Exec::Matmul if !linear => kiln_matmul::Epilogue::default(),
             _ => return false,
         };
         if step.check.is_some() {
@@ -590,7 +591,7 @@ fn run_exec(
             let packed = ctx.packed_rhs(step, ins, rows);
             // A 16-bit product adds the bias and applies the ReLU to each block of its
             // result while the block is in cache.
-            let epilogue = gemm::Epilogue {
+            let epilogue = kiln_matmul::Epilogue {
                 bias: Some(b.base() as *const f32),
                 relu: relu.is_some(),
             };
@@ -979,7 +980,7 @@ fn attention(
             let kt = head(k, bi, hi, 3, 2);
             // SAFETY: each task writes its own scratch and its own head of `out`.
             unsafe {
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tq, dk, tk),
                     s.as_mut_ptr(),
                     tk as isize,
@@ -1001,7 +1002,7 @@ fn attention(
                     cs: 1,
                 };
                 let vm = head(v, bi, hi, 2, 3);
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tq, tk, dv),
                     o.at(bi, hi),
                     o.rs,
@@ -1107,7 +1108,7 @@ fn attention_bwd(
             let mp = mask_at(mloc, mask, bi, tk);
             // SAFETY: each task writes its own scratch and its own heads of the results.
             unsafe {
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tq, dk, tk),
                     s.as_mut_ptr(),
                     tk as isize,
@@ -1135,7 +1136,7 @@ fn attention_bwd(
                 };
                 let gm = head(g, bi, hi, 2, 3);
                 // dv = pᵀ·g
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tk, tq, dv),
                     dvv.at(bi, hi),
                     dvv.rs,
@@ -1145,7 +1146,7 @@ fn attention_bwd(
                     Parallelism::None,
                 );
                 // dp = g·vᵀ
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tq, dv, tk),
                     dp.as_mut_ptr(),
                     tk as isize,
@@ -1179,7 +1180,7 @@ fn attention_bwd(
                     rs: 1,
                     cs: tk as isize,
                 };
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tq, tk, dk),
                     dq.at(bi, hi),
                     dq.rs,
@@ -1188,7 +1189,7 @@ fn attention_bwd(
                     false,
                     Parallelism::None,
                 );
-                gemm::gemm_one(
+                kiln_matmul::gemm_one(
                     (tk, tq, dk),
                     dkk.at(bi, hi),
                     dkk.rs,

@@ -24,22 +24,12 @@
 //! Determinism: every kernel splits work by output rows or fixed-size blocks, never by the
 //! thread count, so the bits do not depend on how many threads run.
 
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) mod bf16;
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-#[path = "bf16_stub.rs"]
-pub(crate) mod bf16;
-
 pub(crate) mod arena;
 pub(crate) mod fallback;
 pub(crate) mod gemm;
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) mod int16;
 pub(crate) mod launch;
 pub(crate) mod products;
 mod run;
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-pub(crate) mod small;
 
 pub(crate) use arena::*;
 pub use launch::{KernelErrors, RELATIVE_FROM};
@@ -133,7 +123,7 @@ pub struct Compiled {
     pool: Arc<Pool>,
     /// The kernel of the large matrix products in bf16, f32 sums, if they run so
     /// ([`Compiled::set_bf16_products`]).
-    bf16_products: Option<Bf16Kernel>,
+    bf16_products: Option<Kernel16>,
     /// [`Compiled::bias_grad_counts`].
     bias_grads: Mutex<(usize, usize)>,
     /// [`Compiled::product_groups`].
@@ -321,13 +311,13 @@ impl Compiled {
     /// products) with 16-bit operands: rounded to bf16 with their sums in f32, on the AMX
     /// tiles of Intel Xeons of the 4th generation on, or with AVX-512's `VDPBF16PS` on AMD
     /// Zen 4 and later; else, where the CPU has AVX512-FP16 (Intel Xeons whose VM hides
-    /// AMX), scaled into fp16 with sums of 64 terms in fp16 added up in f32 ([`Bf16Kernel::Half`]).
+    /// AMX), scaled into fp16 with sums of 64 terms in fp16 added up in f32 ([`Kernel16::Half`]).
     /// `--gemm-type 16bit` sets it for every executor a process builds. Mixed precision,
     /// as a GPU's `--precision mixed`: everything else stays f32. An error where the CPU
     /// has none of them.
     pub fn set_bf16_products(&mut self, on: bool) -> Result<(), ExecError> {
         if on {
-            let kernel = Bf16Kernel::best()
+            let kernel = Kernel16::best()
                 .map_err(|why| ExecError::Unsupported(format!("{why}; run the products in f32")))?;
             self.set_bf16_kernel(Some(kernel))
         } else {
@@ -338,7 +328,7 @@ impl Compiled {
     /// Runs the large matrix products in bf16 with `kernel`'s instructions (`None`: in
     /// f32), as [`Compiled::set_bf16_products`] does with the kernel it chooses. An error
     /// where the CPU cannot run the kernel.
-    pub fn set_bf16_kernel(&mut self, kernel: Option<Bf16Kernel>) -> Result<(), ExecError> {
+    pub fn set_bf16_kernel(&mut self, kernel: Option<Kernel16>) -> Result<(), ExecError> {
         if let Some(kernel) = kernel {
             kernel
                 .available()
@@ -354,7 +344,7 @@ impl Compiled {
     }
 
     /// The instructions of the bf16 products, where they run in bf16.
-    pub fn bf16_kernel(&self) -> Option<Bf16Kernel> {
+    pub fn bf16_kernel(&self) -> Option<Kernel16> {
         self.bf16_products
     }
 
@@ -620,7 +610,7 @@ impl Compiled {
         v: usize,
         loc: &Loc,
         version: Option<u64>,
-    ) -> Option<Arc<bf16::PackedRhs>> {
+    ) -> Option<Arc<kiln_matmul::float16::PackedRhs>> {
         let version = version?;
         let shape = loc.shape();
         let kernel = self.bf16_products?;
@@ -629,14 +619,14 @@ impl Compiled {
         }
         let mut cache = self.packed.lock().unwrap_or_else(|p| p.into_inner());
         let packed = cache.get_mut(&v)?.get(version, || {
-            let b = gemm::Mat {
+            let b = kiln_matmul::Mat {
                 ptr: (loc.ptr as *const f32).wrapping_add(loc.layout.offset),
                 rs: loc.layout.strides[0] as isize,
                 cs: loc.layout.strides[1] as isize,
             };
             // SAFETY: a kernel is set only after its check; `loc` addresses the weight's
             // `k × n` elements, which stay unchanged while the version does.
-            unsafe { bf16::PackedRhs::new(kernel, (shape[0], shape[1]), b) }
+            unsafe { kiln_matmul::float16::PackedRhs::new(kernel, (shape[0], shape[1]), b) }
         });
         // Parameters of another shape under the same version (a caller breaking the
         // version's promise), or a copy packed for another kernel, are read as they are,
@@ -730,7 +720,7 @@ mod tests {
         }
         assert_eq!(
             GemmType::parse("int16"),
-            Some(GemmType::Kernel(Bf16Kernel::Int16))
+            Some(GemmType::Kernel(Kernel16::Int16))
         );
         assert_eq!(GemmType::parse("16bit"), Some(GemmType::Best16));
         for other in ["", "1", "bf16", "int8", "F32"] {

@@ -19,8 +19,8 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::bf16::transpose16;
-use super::gemm::Mat;
+use crate::float16::transpose16;
+use crate::Mat;
 
 /// The widest `b` taken: 8 vectors of 16 columns.
 const MAX_N: usize = 128;
@@ -56,7 +56,7 @@ fn isa() -> Option<Isa> {
 
 /// Whether [`gemm`] takes an `m × k · k × n` product: AVX-512F or AVX2 with FMA, `n ≤
 /// 128`, `k ≤ 512`.
-pub(crate) fn takes(k: usize, n: usize) -> bool {
+pub fn takes(k: usize, n: usize) -> bool {
     n <= MAX_N && k <= MAX_K && isa().is_some()
 }
 
@@ -65,7 +65,7 @@ pub(crate) fn takes(k: usize, n: usize) -> bool {
 /// # Safety
 /// [`takes`] must have returned `true`; every element the matrices address must be
 /// valid; `dst` must not overlap `a`, `b`.
-pub(crate) unsafe fn gemm(
+pub unsafe fn gemm(
     (m, k, n): (usize, usize, usize),
     dst: *mut f32,
     ld: isize,
@@ -402,7 +402,7 @@ mod avx2 {
                             _mm256_setzero_ps()
                         }
                     });
-                    let rows = super::super::gemm::x86::transpose8(cols);
+                    let rows = crate::transpose::x86::transpose8(cols);
                     for (i, v) in rows.into_iter().enumerate() {
                         _mm256_storeu_ps(dst.add((p + i) * np + j0), v);
                     }
