@@ -1,10 +1,8 @@
 //! kiln-compiler: the tensor graph IR and everything that transforms or runs it.
 //!
 //! Pipeline order (see `docs/ARCHITECTURE.md`):
-//! - [`shape`] — symbolic dims and shapes;
-//! - [`ir`] — the graph of primitives, built node by node with [`infer`] checking types;
-//! - [`printer`] — the deterministic text form;
-//! - [`summary`] — what `kiln check` reports;
+//! - [`shape`], [`ir`], [`infer`], [`printer`], [`summary`] — the IR, from `kiln-ir`
+//!   (re-exported, so that the passes and their users name one path);
 //! - [`init`] and [`rng`] — seeded parameter initialization and the Philox generator;
 //! - [`tensor`] — host tensors and their safetensors form;
 //! - [`bind`] — checking inputs and parameters against a graph and binding its dims,
@@ -34,22 +32,18 @@ pub mod codegen;
 pub mod fsync;
 pub mod fuse;
 pub mod hoist;
-pub mod infer;
 pub mod init;
-pub mod ir;
 pub mod launch_plan;
 pub mod memory;
 pub mod optimize;
 pub mod options;
 pub mod pipeline;
 pub mod plan;
-pub mod printer;
 pub mod reference;
 pub mod rng;
 pub mod schedule;
-pub mod shape;
-pub mod summary;
 pub mod tensor;
 
-pub use ir::{DType, Graph, IrError, Node, NodeId, Op, TensorType};
-pub use shape::{Dim, Shape};
+pub use kiln_ir::{infer, ir, printer, shape, summary};
+pub use kiln_ir::{DType, Graph, IrError, Node, NodeId, Op, TensorType};
+pub use kiln_ir::{Dim, Shape};

@@ -9,8 +9,8 @@
 
 use std::rc::Rc;
 
-use kiln_compiler::ir::{BinaryOp, DType, Float, Init, NodeId, Op, ReduceOp, UnaryOp};
-use kiln_compiler::shape::{Dim, Shape};
+use kiln_ir::ir::{BinaryOp, DType, Float, Init, NodeId, Op, ReduceOp, UnaryOp};
+use kiln_ir::shape::{Dim, Shape};
 
 use crate::diagnostics::{did_you_mean, Diag};
 use crate::elaborate::{EArg, Elab, Frame, Mode, R};
@@ -495,8 +495,8 @@ pub(crate) fn call(
             if yc.dtype != DType::Bool {
                 return Err(a.wrong("cond", "a bool tensor (a mask)"));
             }
-            let shape = kiln_compiler::infer::broadcast_shapes(&yc.shape, &ya.shape)
-                .and_then(|s| kiln_compiler::infer::broadcast_shapes(&s, &yb.shape));
+            let shape = kiln_ir::infer::broadcast_shapes(&yc.shape, &ya.shape)
+                .and_then(|s| kiln_ir::infer::broadcast_shapes(&s, &yb.shape));
             let Some(shape) = shape else {
                 return Err(Diag::new(
                     "kiln::shape",
@@ -665,23 +665,16 @@ pub(crate) fn call(
                 return Ok(Value::Tensor(x));
             }
             let full = if frame.inst.name.is_empty() {
-                format!("{}{cname}", kiln_compiler::ir::CACHE_PREFIX)
+                format!("{}{cname}", kiln_ir::ir::CACHE_PREFIX)
             } else {
-                format!(
-                    "{}{}.{cname}",
-                    kiln_compiler::ir::CACHE_PREFIX,
-                    frame.inst.name
-                )
+                format!("{}{}.{cname}", kiln_ir::ir::CACHE_PREFIX, frame.inst.name)
             };
             e.graph.add_dim(PAST);
             let mut dims = ty.shape.0.clone();
             dims[axis] = Dim::sym(PAST);
             let past = e
                 .graph
-                .add_input(
-                    &full,
-                    kiln_compiler::ir::TensorType::new(ty.dtype, Shape(dims)),
-                )
+                .add_input(&full, kiln_ir::ir::TensorType::new(ty.dtype, Shape(dims)))
                 .map_err(|err| {
                     Diag::new(
                         "kiln::duplicate",

@@ -22,9 +22,9 @@
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
-use kiln_compiler::infer::broadcast_shapes;
-use kiln_compiler::ir::{BinaryOp, CmpOp, DType, Graph, Init, NodeId, Op, TensorType, UnaryOp};
-use kiln_compiler::shape::{Dim, Shape};
+use kiln_ir::infer::broadcast_shapes;
+use kiln_ir::ir::{BinaryOp, CmpOp, DType, Graph, Init, NodeId, Op, TensorType, UnaryOp};
+use kiln_ir::shape::{Dim, Shape};
 
 use crate::ast::*;
 use crate::builtins;
@@ -667,8 +667,8 @@ impl<'p> Elab<'p> {
             }
             Some(e) => match self.eval(frame, e)? {
                 Value::Init(i) => i,
-                Value::Int(v) => Init::Constant(kiln_compiler::ir::Float::new(v as f64)),
-                Value::Float(v) => Init::Constant(kiln_compiler::ir::Float::new(v)),
+                Value::Int(v) => Init::Constant(kiln_ir::ir::Float::new(v as f64)),
+                Value::Float(v) => Init::Constant(kiln_ir::ir::Float::new(v)),
                 other => {
                     return Err(Diag::new("kiln::type", format!("`init` needs an initializer, got {}", other.kind()))
                         .at(e.span, "not an initializer")
@@ -696,7 +696,7 @@ impl<'p> Elab<'p> {
                     .graph
                     .add_param(&full, tt, init, &frame.inst.name)
                     .map_err(|e| match e {
-                        kiln_compiler::IrError::Duplicate { .. } => Diag::new(
+                        kiln_ir::IrError::Duplicate { .. } => Diag::new(
                             "kiln::duplicate",
                             format!("two parameters are named `{full}`"),
                         )
@@ -1020,8 +1020,7 @@ impl<'p> Elab<'p> {
                     )
                     .at(span, "")
                 };
-                let dim =
-                    |d: Option<kiln_compiler::Dim>| d.map(Value::from_dim).ok_or_else(overflow);
+                let dim = |d: Option<kiln_ir::Dim>| d.map(Value::from_dim).ok_or_else(overflow);
                 match op {
                     BinOp::Add => dim(x.checked_add(&y)),
                     BinOp::Sub => dim(x.checked_sub(&y)),

@@ -4,7 +4,7 @@
 //! [`parser`] (pest grammar in `grammar.pest` → [`ast`]) → [`load`] (imports, the
 //! embedded prelude, definition tables, static checks) → [`elaborate`] (an interpreter
 //! that builds the IR graph, using [`builtins`] for the primitives) → a
-//! [`kiln_compiler::Graph`]. Every failure along the way is a [`Error`] built in
+//! [`kiln_ir::Graph`]. Every failure along the way is a [`Error`] built in
 //! [`diagnostics`]: file, line, column, the source line with a caret, and a fix.
 
 pub mod ast;
@@ -18,7 +18,7 @@ pub mod values;
 
 use std::path::Path;
 
-use kiln_compiler::Graph;
+use kiln_ir::Graph;
 
 pub use diagnostics::Error;
 pub use elaborate::Mode;

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::rc::Rc;
 
-use kiln_compiler::ir::{DType, Init, NodeId};
-use kiln_compiler::shape::Dim;
+use kiln_ir::ir::{DType, Init, NodeId};
+use kiln_ir::shape::Dim;
 
 use crate::ast::LayerDef;
 
@@ -85,7 +85,7 @@ impl fmt::Display for Value {
         match self {
             Value::None => write!(f, "none"),
             Value::Int(v) => write!(f, "{v}"),
-            Value::Float(v) => kiln_compiler::ir::fmt_f64(*v, f),
+            Value::Float(v) => kiln_ir::ir::fmt_f64(*v, f),
             Value::Bool(v) => write!(f, "{v}"),
             Value::Str(s) => write!(f, "{s:?}"),
             Value::Dim(d) => write!(f, "{d}"),

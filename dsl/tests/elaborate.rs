@@ -1,9 +1,9 @@
 //! Elaboration semantics: naming, sharing, repeat, overrides, patterns, control flow and
 //! the errors the DSL promises — each on a small spec written inline.
 
-use kiln_compiler::ir::{Init, Op};
-use kiln_compiler::Graph;
 use kiln_dsl::{compile_str, Mode, Options};
+use kiln_ir::ir::{Init, Op};
+use kiln_ir::Graph;
 
 fn compile(text: &str) -> Graph {
     compile_with(text, &[], Mode::Eval)

@@ -144,7 +144,7 @@ pub fn fmt_f64(v: f64, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     }
 }
 
-/// How a parameter is initialized (see [`crate::init`]).
+/// How a parameter is initialized (see `kiln_compiler::init`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum Init {
     Zeros,
