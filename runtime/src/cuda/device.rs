@@ -20,6 +20,7 @@ use cudarc::nvrtc::Ptx;
 use kiln_compiler::codegen::cuda::Work;
 
 use super::abi::{grid, pack_dims, Sgemm};
+#[cfg(feature = "emulate")]
 use super::emulate::{HostDevice, HostMem};
 use super::lt::Epilogue;
 
@@ -35,6 +36,7 @@ pub(crate) struct Buf {
 #[allow(dead_code)]
 enum Owner {
     Gpu(CudaSlice<u32>),
+    #[cfg(feature = "emulate")]
     Host(HostMem),
 }
 
@@ -63,12 +65,14 @@ struct Func {
 /// One GPU, or its host emulation ([`super::emulate`], `KILN_CUDA_EMULATE=1`).
 pub(crate) enum Device {
     Gpu(Box<Gpu>),
+    #[cfg(feature = "emulate")]
     Host(HostDevice),
 }
 
 /// A compiled unit: PTX for a GPU, or the CUDA C itself for the host emulation.
 pub(crate) enum Unit {
     Ptx(Ptx),
+    #[cfg(feature = "emulate")]
     Host(String),
 }
 
@@ -161,6 +165,7 @@ pub(crate) fn nvrtc_version() -> String {
 /// PTX is kept in the PTX cache ([`super::ptx_cache`]): a unit compiled before by the
 /// same NVRTC with the same options is read back instead.
 pub(crate) fn compile(source: &str, options: &[String]) -> Result<Unit, String> {
+    #[cfg(feature = "emulate")]
     if super::emulate::emulated() {
         return Ok(Unit::Host(source.to_string()));
     }
@@ -248,6 +253,7 @@ fn blas_op(transposed: bool) -> cublasOperation_t {
 /// A point in a device's stream ([`Device::mark`]).
 pub enum Mark {
     Gpu(cudarc::driver::CudaEvent),
+    #[cfg(feature = "emulate")]
     Host(std::time::Instant),
 }
 
@@ -260,10 +266,12 @@ impl Mark {
                 .elapsed_ms(b)
                 .map(|ms| f64::from(ms) / 1e3)
                 .map_err(drv("cannot time two CUDA events")),
+            #[cfg(feature = "emulate")]
             (Mark::Host(a), Mark::Host(b)) => Ok(match b.checked_duration_since(*a) {
                 Some(d) => d.as_secs_f64(),
                 None => -a.duration_since(*b).as_secs_f64(),
             }),
+            #[cfg(feature = "emulate")]
             _ => Err("internal: marks of two kinds of device".to_string()),
         }
     }
@@ -852,6 +860,7 @@ impl Device {
             Unit::Ptx(ptx) => Ok(Device::Gpu(Box::new(Gpu::new(
                 ordinal, ptx, functions, gemm,
             )?))),
+            #[cfg(feature = "emulate")]
             Unit::Host(source) => Ok(Device::Host(HostDevice::new(&source, functions, gemm)?)),
         }
     }
@@ -864,7 +873,9 @@ impl Device {
     ) -> Result<(), String> {
         match (self, unit) {
             (Device::Gpu(g), Unit::Ptx(ptx)) => g.load_module(ptx, functions),
+            #[cfg(feature = "emulate")]
             (Device::Host(h), Unit::Host(source)) => h.load_module(&source, functions),
+            #[cfg(feature = "emulate")]
             _ => Err("internal: a unit compiled for another device".to_string()),
         }
     }
@@ -872,6 +883,7 @@ impl Device {
     pub fn has(&self, name: &str) -> bool {
         match self {
             Device::Gpu(g) => g.has(name),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.has(name),
         }
     }
@@ -880,6 +892,7 @@ impl Device {
     pub fn bind(&self) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.bind(),
+            #[cfg(feature = "emulate")]
             Device::Host(_) => Ok(()),
         }
     }
@@ -892,6 +905,7 @@ impl Device {
                 g.bind().ok()?;
                 cudarc::driver::result::mem_get_info().ok()
             }
+            #[cfg(feature = "emulate")]
             Device::Host(_) => None,
         }
     }
@@ -901,6 +915,7 @@ impl Device {
     pub fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
         match self {
             Device::Gpu(g) => g.alloc_uninit(words),
+            #[cfg(feature = "emulate")]
             Device::Host(_) => self.alloc(words),
         }
     }
@@ -909,6 +924,7 @@ impl Device {
     pub fn alloc(&self, words: usize) -> Result<Buf, String> {
         match self {
             Device::Gpu(g) => g.alloc(words),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => {
                 let mem = h.alloc(words);
                 Ok(Buf {
@@ -931,6 +947,7 @@ impl Device {
     pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.write(dst, words),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.write(dst, words),
         }
     }
@@ -939,6 +956,7 @@ impl Device {
     pub fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.write_enqueued(dst, words),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.write(dst, words),
         }
     }
@@ -947,6 +965,7 @@ impl Device {
     pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
         match self {
             Device::Gpu(g) => g.read(src, n),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.read(src, n),
         }
     }
@@ -955,6 +974,7 @@ impl Device {
     pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.zero(dst, words),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.zero(dst, words),
         }
     }
@@ -963,6 +983,7 @@ impl Device {
     pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.copy_bytes(dst, src, bytes),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.copy_bytes(dst, src, bytes),
         }
     }
@@ -972,6 +993,7 @@ impl Device {
     pub fn stream(&self) -> Result<Arc<CudaStream>, String> {
         match self {
             Device::Gpu(g) => Ok(g.stream()),
+            #[cfg(feature = "emulate")]
             Device::Host(_) => Err("NCCL needs GPUs: the emulated device has no stream".into()),
         }
     }
@@ -981,6 +1003,7 @@ impl Device {
     pub fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.all_reduce_sum(comm, buf),
+            #[cfg(feature = "emulate")]
             Device::Host(_) => Err("NCCL needs GPUs, not the emulated device".to_string()),
         }
     }
@@ -989,6 +1012,7 @@ impl Device {
     pub fn sync(&self) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.sync(),
+            #[cfg(feature = "emulate")]
             Device::Host(_) => Ok(()),
         }
     }
@@ -999,6 +1023,7 @@ impl Device {
     pub fn mark(&self) -> Result<Mark, String> {
         match self {
             Device::Gpu(g) => g.mark(),
+            #[cfg(feature = "emulate")]
             Device::Host(_) => Ok(Mark::Host(std::time::Instant::now())),
         }
     }
@@ -1013,6 +1038,7 @@ impl Device {
     ) -> Result<(), String> {
         match self {
             Device::Gpu(g) => g.launch(name, ptrs, dims, items),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.launch(name, ptrs, dims, items),
         }
     }
@@ -1035,6 +1061,7 @@ impl Device {
         }
         match self {
             Device::Gpu(d) => d.gemm(g, elem, out, a, b, c, beta, batch),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.gemm(g, elem, out, a, b, c, beta, batch),
         }
     }
@@ -1094,6 +1121,7 @@ impl Device {
         }
         match self {
             Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, vector, epilogue),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, vector, epilogue),
         }
     }
@@ -1110,6 +1138,7 @@ impl Device {
     ) -> Result<(), String> {
         match self {
             Device::Gpu(d) => d.sgemm(g, a, b, c, beta, batch),
+            #[cfg(feature = "emulate")]
             Device::Host(h) => h.gemm(g, GemmElem::F32, GemmElem::F32, a, b, c, beta, batch),
         }
     }

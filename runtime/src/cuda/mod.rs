@@ -162,6 +162,9 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// With the emulation on ([`emulate::configure`]) the answer is one emulated device
 /// (driver version 0): the CUDA executor then runs on the host, for tests.
 pub fn cuda_available() -> Result<CudaInfo, String> {
+    if let Some(why) = emulate::missing() {
+        return Err(why);
+    }
     if emulate::emulated() {
         return Ok(CudaInfo {
             device_count: 1,

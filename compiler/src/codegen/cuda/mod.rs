@@ -64,6 +64,7 @@
 
 pub mod attention;
 pub mod cast;
+#[cfg(feature = "emulate")]
 pub mod host;
 pub mod index;
 pub mod misc;
