@@ -1081,7 +1081,7 @@ fn a_truncated_train_state_is_refused() {
             "state.yaml` is empty (truncated?); restore it, or delete the checkpoint directory",
         ),
     ] {
-        std::fs::write(&state, &text).unwrap();
+        write_sealed(&state, &text);
         for args in [
             &["train", "--resume", "run", "--quiet", "--max-steps", "12"][..],
             &["inspect", "run"][..],
@@ -1097,6 +1097,13 @@ fn a_truncated_train_state_is_refused() {
 }
 
 /// Rewrites the safetensors file `path` after `edit`.
+/// Writes `bytes` to the checkpoint (or model directory) file `path` and records its new
+/// checksum: for the tests that damage a file on purpose to see how it is named.
+fn write_sealed(path: &Path, bytes: impl AsRef<[u8]>) {
+    std::fs::write(path, bytes).unwrap();
+    kiln_runtime::checksums::rehash(path.parent().unwrap()).unwrap();
+}
+
 fn rewrite_tensors(
     path: &Path,
     edit: impl Fn(&mut std::collections::BTreeMap<String, kiln_compiler::tensor::Tensor>),
@@ -1105,6 +1112,54 @@ fn rewrite_tensors(
     edit(&mut t);
     let named: Vec<_> = t.into_iter().collect();
     kiln_compiler::tensor::save_safetensors(path, &named, None).unwrap();
+    kiln_runtime::checksums::rehash(path.parent().unwrap()).unwrap();
+}
+
+/// A flipped byte in a checkpoint's weights (#59, item 16: it used to load and
+/// translate with exit 0) is caught by the checkpoint's SHA-256 record before anything
+/// reads the file, by every command that reads a checkpoint; so is a checkpoint without
+/// the record. The byte put back, the checkpoint translates again.
+#[test]
+fn a_flipped_weight_byte_is_refused_by_the_checksums() {
+    let dir = trained("flipped_byte");
+    let ck = dir.join("run/checkpoints/step_00000010");
+    let model = ck.join("model.safetensors");
+    let good = std::fs::read(&model).unwrap();
+    let mut bad = good.clone();
+    // The last byte is a weight's (the header comes first).
+    *bad.last_mut().unwrap() ^= 0x01;
+    std::fs::write(&model, &bad).unwrap();
+    std::fs::write(dir.join("in.txt"), "s1 s2 s3\n").unwrap();
+    let commands: [&[&str]; 4] = [
+        &["translate", "--checkpoint", "run", "--input", "in.txt"],
+        &[
+            "score",
+            "--checkpoint",
+            "run",
+            "--src",
+            "in.txt",
+            "--ref",
+            "in.txt",
+        ],
+        &["inspect", "run"],
+        &["train", "--resume", "run", "--quiet", "--max-steps", "12"],
+    ];
+    let refused = |want: &str| {
+        for args in commands {
+            let out = kiln(&dir, args);
+            let err = unwrapped(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            assert!(err.contains(want), "{args:?}: {err}");
+        }
+    };
+    refused(
+        "step_00000010: model.safetensors does not match its SHA-256 in checksums.sha256: \
+         the file is damaged or was changed after kiln wrote it",
+    );
+    std::fs::write(&model, &good).unwrap();
+    ok(&dir, commands[0]);
+    std::fs::remove_file(ck.join("checksums.sha256")).unwrap();
+    refused("step_00000010: no checksums.sha256");
 }
 
 /// Damaged checkpoint tensors are reported against the file that is damaged: weights
@@ -1156,7 +1211,7 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
     let err = unwrapped(&kiln(&dir, resume).stderr);
     assert!(!err.contains("Adam moments"), "{err}");
 
-    std::fs::write(&model, &good_model).unwrap();
+    write_sealed(&model, &good_model);
     rewrite_tensors(&model, |t| {
         let p = f64_of(&t["emb.weight"]);
         t.insert("emb.weight".into(), p);
@@ -1166,7 +1221,7 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
         &["step_00000010/model.safetensors`: parameter `emb.weight` is f64, but a checkpoint's parameters are f32"],
     );
 
-    std::fs::write(&model, &good_model).unwrap();
+    write_sealed(&model, &good_model);
     rewrite_tensors(&optimizer, |t| {
         let m = f64_of(&t["m.emb.weight"]);
         t.insert("m.emb.weight".into(), m);
@@ -1178,7 +1233,7 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
             "moment `m.emb.weight` is f64, but Adam moments are f32; restore it, or delete the checkpoint directory",
         ],
     );
-    std::fs::write(&optimizer, &good_optimizer).unwrap();
+    write_sealed(&optimizer, &good_optimizer);
 
     // Weights or moments that are not finite (a damaged file, or a run that diverged)
     // are refused by every reader, not translated into empty lines, averaged into
@@ -1209,7 +1264,7 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
         ],
     );
     assert!(!dir.join("avg").exists() && !dir.join("torch.safetensors").exists());
-    std::fs::write(&model, &good_model).unwrap();
+    write_sealed(&model, &good_model);
     // A plain weights file of integers is not a model's weights, either way.
     let ints = dir.join("ints.safetensors");
     let t = Tensor::i32(vec![2, 2], vec![1, 2, 3, 4]).unwrap();
@@ -1236,7 +1291,7 @@ fn damaged_checkpoint_tensors_are_blamed_on_their_file() {
             "values not finite",
         ],
     );
-    std::fs::write(&optimizer, &good_optimizer).unwrap();
+    write_sealed(&optimizer, &good_optimizer);
     ok(&dir, resume);
     assert!(dir.join("run/checkpoints/step_00000012").is_dir());
 }
@@ -1271,8 +1326,8 @@ fn a_tokenizer_of_another_size_is_refused() {
         std::fs::read(&big_tok).unwrap(),
         std::fs::read(&small_tok).unwrap(),
     );
-    std::fs::write(&big_tok, &small_bytes).unwrap();
-    std::fs::write(&small_tok, &big_bytes).unwrap();
+    write_sealed(&big_tok, &small_bytes);
+    write_sealed(&small_tok, &big_bytes);
     for (dir, want) in [
         (&big, "step_00000010/tokenizer.json` has 100 tokens but the model's embedding has 219 rows; this tokenizer belongs to another model"),
         (&small, "step_00000001/tokenizer.json` has 219 tokens but the model's embedding has 100 rows; this tokenizer belongs to another model"),
@@ -1602,7 +1657,7 @@ fn average_checks_the_files_it_copies_and_refuses_other_runs() {
     ] {
         let _ = std::fs::remove_dir_all(dir.join("bad"));
         copy_dir(&ck(20), &dir.join("bad"));
-        std::fs::write(dir.join("bad").join(file), bytes).unwrap();
+        write_sealed(&dir.join("bad").join(file), bytes);
         refused(&["bad", ten], &[want]);
         refused(&[ten, "bad"], &[want]);
     }
@@ -1623,7 +1678,7 @@ fn average_checks_the_files_it_copies_and_refuses_other_runs() {
     let (x, y) = (vocab["1"].clone(), vocab["2"].clone());
     vocab.insert("1".into(), y);
     vocab.insert("2".into(), x);
-    std::fs::write(&tok_path, serde_json::to_string(&tok).unwrap()).unwrap();
+    write_sealed(&tok_path, serde_json::to_string(&tok).unwrap());
     refused(
         &[ten, "other"],
         &[
@@ -1636,7 +1691,7 @@ fn average_checks_the_files_it_copies_and_refuses_other_runs() {
     let mut graphs: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&graphs_path).unwrap()).unwrap();
     graphs["model"] = "renamed".into();
-    std::fs::write(&graphs_path, serde_json::to_vec(&graphs).unwrap()).unwrap();
+    write_sealed(&graphs_path, serde_json::to_vec(&graphs).unwrap());
     refused(
         &[ten, "other"],
         &["`other/graphs.json` differs from `run/checkpoints/step_00000010/graphs.json`"],

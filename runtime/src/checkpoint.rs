@@ -142,6 +142,8 @@ pub struct LoadedCheckpoint {
 /// Why a checkpoint could not be written, found, read or averaged.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    #[error(transparent)]
+    Checksum(#[from] crate::checksums::ChecksumError),
     #[error("cannot {action} `{path}`: {source}")]
     Io {
         action: &'static str,
@@ -316,7 +318,7 @@ fn check_extra_name(name: &str) -> Result<(), CheckpointError> {
     if name.contains(['/', '\\']) || name.contains('\0') {
         return bad("it must be a plain file name, without directories");
     }
-    if RESERVED.contains(&name) {
+    if RESERVED.contains(&name) || name == crate::checksums::CHECKSUMS_FILE {
         return bad("the checkpoint writes that file itself");
     }
     Ok(())
@@ -495,6 +497,9 @@ pub fn save(
         for (fname, bytes) in files {
             write_synced(&tmp.join(fname), bytes)?;
         }
+        let mut names: Vec<&str> = RESERVED.to_vec();
+        names.extend(files.iter().map(|(n, _)| *n));
+        crate::checksums::write(&tmp, &names).map_err(io_err("write the checksums in", &tmp))?;
         sync_dir(&tmp);
 
         let old = root.join(format!("{name}.tmp-{pid}-old"));
@@ -603,6 +608,7 @@ pub fn load_checked(dir: &Path, check: &ParamsCheck) -> Result<LoadedCheckpoint,
     let model = require_file(dir, MODEL_FILE)?;
     let optimizer = require_file(dir, OPTIMIZER_FILE)?;
     let state_path = require_file(dir, STATE_FILE)?;
+    crate::checksums::verify(dir, &RESERVED)?;
 
     let text = std::fs::read_to_string(&state_path).map_err(io_err("read", &state_path))?;
     let state = parse_state(&text, &state_path)?;
@@ -677,7 +683,10 @@ pub fn load_checked(dir: &Path, check: &ParamsCheck) -> Result<LoadedCheckpoint,
     for entry in std::fs::read_dir(dir).map_err(io_err("list", dir))? {
         let entry = entry.map_err(io_err("list", dir))?;
         if let Some(name) = entry.file_name().to_str() {
-            if !RESERVED.contains(&name) && entry.path().is_file() {
+            if !RESERVED.contains(&name)
+                && name != crate::checksums::CHECKSUMS_FILE
+                && entry.path().is_file()
+            {
                 extra_files.push(name.to_string());
             }
         }

@@ -11,6 +11,7 @@
 //! - [`data`] — parallel corpora, the shared BPE vocabulary, token-based batches;
 //! - [`optim`] — Adam;
 //! - [`checkpoint`] — atomic checkpoint directories, keep-last-k, averaging;
+//! - [`checksums`] — the SHA-256 record of a checkpoint's or a model directory's files;
 //! - [`decode`] — greedy and beam search with a key/value cache;
 //! - [`bleu`] — corpus BLEU with sacreBLEU's semantics;
 //! - [`metrics`] — the `metrics.jsonl` log; [`plot`] — the loss/BLEU PNG;
@@ -26,6 +27,7 @@
 pub mod artifact;
 pub mod bleu;
 pub mod checkpoint;
+pub mod checksums;
 pub mod compiled;
 pub mod config;
 pub mod cuda;

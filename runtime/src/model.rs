@@ -121,6 +121,8 @@ pub enum ModelError {
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
     #[error(transparent)]
+    Checksum(#[from] crate::checksums::ChecksumError),
+    #[error(transparent)]
     Tensor(#[from] kiln_compiler::tensor::TensorFileError),
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
@@ -173,8 +175,11 @@ pub struct ModelFiles {
 /// (not a run directory: see [`resolve`]), the tokenizer against the graphs' vocabulary.
 pub fn read_files(dir: &Path) -> Result<ModelFiles, ModelError> {
     let graphs_json = read(dir, GRAPHS_FILE)?;
-    let graphs = GraphSet::from_json(&graphs_json, &dir.join(GRAPHS_FILE))?;
     let tokenizer_json = read(dir, TOKENIZER_FILE)?;
+    // The files are checked against their record before any is parsed (a missing one is
+    // named as missing first).
+    crate::checksums::verify(dir, &[MODEL_FILE, GRAPHS_FILE, TOKENIZER_FILE])?;
+    let graphs = GraphSet::from_json(&graphs_json, &dir.join(GRAPHS_FILE))?;
     let tok_text = std::str::from_utf8(&tokenizer_json).map_err(|_| ModelError::Invalid {
         path: dir.join(TOKENIZER_FILE),
         message: "not UTF-8".to_string(),
@@ -327,12 +332,14 @@ pub fn summarize(path: &Path) -> Result<ModelSummary, ModelError> {
     })
 }
 
-/// Writes a model directory: weights, graphs, tokenizer (atomically, file by file).
+/// Writes a model directory: weights, graphs, tokenizer and `extra` files (atomically,
+/// file by file), then their checksums ([`crate::checksums`]).
 pub fn save_dir(
     dir: &Path,
     params: &BTreeMap<String, Tensor>,
     graphs_json: &[u8],
     tokenizer_json: &[u8],
+    extra: &[(&str, &[u8])],
 ) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::Invalid {
         path: dir.to_path_buf(),
@@ -340,13 +347,19 @@ pub fn save_dir(
     })?;
     let list: Vec<(String, Tensor)> = params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     kiln_compiler::tensor::save_safetensors(&dir.join(MODEL_FILE), &list, None)?;
-    for (name, bytes) in [(GRAPHS_FILE, graphs_json), (TOKENIZER_FILE, tokenizer_json)] {
+    let files = [(GRAPHS_FILE, graphs_json), (TOKENIZER_FILE, tokenizer_json)];
+    for &(name, bytes) in files.iter().chain(extra) {
         write_atomic(&dir.join(name), bytes).map_err(|e| ModelError::Invalid {
             path: dir.join(name),
             message: format!("cannot write: {e}"),
         })?;
     }
-    Ok(())
+    let mut names = vec![MODEL_FILE];
+    names.extend(files.iter().chain(extra).map(|(n, _)| *n));
+    crate::checksums::write(dir, &names).map_err(|e| ModelError::Invalid {
+        path: dir.join(crate::checksums::CHECKSUMS_FILE),
+        message: format!("cannot write: {e}"),
+    })
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename.

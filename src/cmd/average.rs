@@ -171,7 +171,7 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
                 Some("or average checkpoint directories to get a model directory for `kiln translate`".to_string()),
             ));
         };
-        model::save_dir(output, &avg, &f.graphs_json, &f.tokenizer_json)
+        model::save_dir(output, &avg, &f.graphs_json, &f.tokenizer_json, &[])
             .map_err(err("kiln::average"))?;
     }
     let steps: Vec<String> = dirs

@@ -1,6 +1,13 @@
 use super::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// Writes `bytes` to the checkpoint file `path` and records its new checksum: for the
+/// tests that damage a file on purpose to see how loading names the damage.
+fn write_sealed(path: &Path, bytes: impl AsRef<[u8]>) {
+    std::fs::write(path, bytes).unwrap();
+    crate::checksums::rehash(path.parent().unwrap()).unwrap();
+}
+
 fn scratch_dir(tag: &str) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -132,7 +139,7 @@ fn a_state_cut_short_is_refused() {
              `batch_in_epoch`, `seed`, ",
         ),
     ] {
-        std::fs::write(&path, text).unwrap();
+        write_sealed(&path, text);
         let msg = load(&dir).unwrap_err().to_string();
         assert!(msg.contains(want), "{text:?}: {msg}");
         assert!(!msg.contains("rename the directory"), "{msg}");
@@ -143,7 +150,7 @@ fn a_state_cut_short_is_refused() {
     let extra = lines.iter().position(|l| l.starts_with("extra:")).unwrap();
     for n in 1..lines.len() {
         let cut = lines[..n].join("\n") + "\n";
-        std::fs::write(&path, &cut).unwrap();
+        write_sealed(&path, &cut);
         match load(&dir) {
             Err(CheckpointError::IncompleteState { missing, .. }) if n <= extra => {
                 assert!(missing.ends_with("`extra`"), "{cut}: {missing}")
@@ -156,7 +163,7 @@ fn a_state_cut_short_is_refused() {
             other => panic!("{cut}: {other:?}"),
         }
     }
-    std::fs::write(&path, &full).unwrap();
+    write_sealed(&path, &full);
     assert_eq!(load(&dir).unwrap().state, state(20));
     std::fs::remove_dir_all(&root).unwrap();
 }
@@ -198,16 +205,21 @@ fn crash_leftovers_are_ignored_then_cleaned() {
     let dir = root.join("step_00000200");
     std::fs::write(dir.join(MODEL_FILE), b"garbage").unwrap();
     let msg = load(&dir).unwrap_err().to_string();
+    assert!(
+        msg.contains("step_00000200: model.safetensors does not match its SHA-256"),
+        "{msg}"
+    );
+    write_sealed(&dir.join(MODEL_FILE), b"garbage");
+    let msg = load(&dir).unwrap_err().to_string();
     assert!(msg.contains("step_00000200/model.safetensors"), "{msg}");
     let dir = root.join("step_00000100");
-    std::fs::write(dir.join(STATE_FILE), "step: [1, 2]\n").unwrap();
+    write_sealed(&dir.join(STATE_FILE), "step: [1, 2]\n");
     let msg = load(&dir).unwrap_err().to_string();
     assert!(msg.contains("state.yaml"), "{msg}");
-    std::fs::write(
-        dir.join(STATE_FILE),
+    write_sealed(
+        &dir.join(STATE_FILE),
         serde_yaml::to_string(&state(7)).unwrap(),
-    )
-    .unwrap();
+    );
     let msg = load(&dir).unwrap_err().to_string();
     assert!(msg.contains("step 7") && msg.contains("step 100"), "{msg}");
 
@@ -229,6 +241,7 @@ fn weights_and_moments_of_another_dtype_or_name_are_named() {
         edit(&mut t);
         let named: Vec<(String, Tensor)> = t.into_iter().collect();
         save_safetensors(path, &named, None).unwrap();
+        crate::checksums::rehash(path.parent().unwrap()).unwrap();
     };
     let f64_of = |t: &Tensor| Tensor {
         shape: t.shape.clone(),
@@ -249,7 +262,7 @@ fn weights_and_moments_of_another_dtype_or_name_are_named() {
             && msg.contains("moment `m.emb.weight` is f64, but Adam moments are f32; restore it"),
         "{msg}"
     );
-    std::fs::write(&optimizer, &good_optimizer).unwrap();
+    write_sealed(&optimizer, &good_optimizer);
 
     rewrite(&model, &|t| {
         let p = f64_of(&t["emb.weight"]);
@@ -261,7 +274,7 @@ fn weights_and_moments_of_another_dtype_or_name_are_named() {
         "{msg}"
     );
     // A caller's check of the weights comes before the moments are compared.
-    std::fs::write(&model, &good_model).unwrap();
+    write_sealed(&model, &good_model);
     rewrite(&model, &|t| {
         t.remove("emb.weight");
     });

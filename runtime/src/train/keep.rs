@@ -10,7 +10,7 @@ use kiln_compiler::tensor::{Tensor, TensorData};
 use crate::bleu::{corpus_bleu, BleuOptions};
 use crate::checkpoint::{self, AdamMoments};
 use crate::decode::{DecodeOptions, LengthPenalty};
-use crate::model::{write_atomic, CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
+use crate::model::{CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
 use crate::translate::{decode_workers, translate_ids, TRANSLATE_BATCH};
 
 use super::*;
@@ -124,18 +124,18 @@ impl Trainer {
     pub(super) fn save_best(&self) -> Result<PathBuf, TrainError> {
         let dir = self.dir.join("best");
         let tok = self.tokenizer.to_json()?;
-        crate::model::save_dir(&dir, &self.params, &self.graphs_json, tok.as_bytes()).map_err(
-            |e| TrainError::Write {
-                path: dir.clone(),
-                message: e.to_string(),
-            },
-        )?;
         let cfg_yaml = serde_yaml::to_string(&self.cfg).expect("config serializes");
-        write_atomic(&dir.join(CONFIG_FILE), cfg_yaml.as_bytes()).map_err(|e| {
-            TrainError::Write {
-                path: dir.join(CONFIG_FILE),
-                message: e.to_string(),
-            }
+        let extra: [(&str, &[u8]); 1] = [(CONFIG_FILE, cfg_yaml.as_bytes())];
+        crate::model::save_dir(
+            &dir,
+            &self.params,
+            &self.graphs_json,
+            tok.as_bytes(),
+            &extra,
+        )
+        .map_err(|e| TrainError::Write {
+            path: dir.clone(),
+            message: e.to_string(),
         })?;
         Ok(dir)
     }
