@@ -1,7 +1,9 @@
 //! The examples in the documentation compile: the README's language example and every
 //! `kiln` block of docs/LANGUAGE.md that is a complete spec.
 
-use std::path::Path;
+mod common;
+
+use std::path::{Path, PathBuf};
 
 use kiln_dsl::Options;
 
@@ -108,4 +110,53 @@ fn language_reference_examples_compile() {
                 .unwrap_or_else(|e| panic!("{mode:?}: {}\n{b}", e.render(false)));
         }
     }
+}
+
+/// The language reference's `lm` example (#59, item 13) has what the text under it
+/// says: in decode mode, the caches as inputs and outputs of the shapes it names; a
+/// `decode_step` but no `encode`; and an artifact of the entries it has.
+#[test]
+fn the_lm_example_has_a_decode_step_and_no_encode() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("docs/LANGUAGE.md")).unwrap();
+    let lm = blocks(&text)
+        .into_iter()
+        .find(|b| b.contains("model lm("))
+        .expect("LANGUAGE.md has the lm example");
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("docs_lm");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = dir.join("lm.kiln");
+    std::fs::write(&spec, &lm).unwrap();
+    let spec = spec.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = common::kiln(args);
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), common::flat(&text))
+    };
+    let (code, check) = run(&["check", spec, "--mode", "decode"]);
+    assert_eq!(code, Some(0), "{check}");
+    for want in [
+        "cache.attn.k f32[batch, past, 32]",
+        "cache.attn.v f32[batch, past, 32]",
+        "cache.attn.k f32[batch, len + past, 32]",
+    ] {
+        assert!(check.contains(want), "{want:?} in {check}");
+    }
+    let (code, step) = run(&["explain", spec, "--entry", "decode_step"]);
+    assert_eq!(code, Some(0), "{step}");
+    let (code, encode) = run(&["explain", spec, "--entry", "encode"]);
+    assert_eq!(code, Some(1), "{encode}");
+    assert!(encode.contains("model `lm` declares no `stage`, so it has no `encode` entry"));
+    let art = dir.join("art");
+    let (code, compiled) = run(&["compile", spec, "-o", art.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{compiled}");
+    let manifest = std::fs::read_to_string(art.join("manifest.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+    let entries: Vec<&str> = manifest["entries"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|e| e["name"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(entries, ["forward", "decode_step"], "{manifest}");
 }

@@ -231,6 +231,11 @@ pub fn compiled_entry_graph_with<E>(
         "encode" | "decode_step" => {
             let eval = elaborate(GraphKind::Eval)?;
             let decode = elaborate(GraphKind::Decode)?;
+            if name == "decode_step" && eval.stages.is_empty() {
+                // Nothing is encoded once per sentence (a language model): the step is
+                // the decode graph's, with nothing to hoist.
+                return entry_graph(&decode, Entry::DecodeStep).map_err(err);
+            }
             let (encode, step) = decoder_entries(&eval, &decode).map_err(err)?;
             Ok(if name == "encode" { encode } else { step })
         }

@@ -52,8 +52,8 @@ pub struct CompileArgs {
     #[arg(long = "from-model", conflicts_with_all = ["spec", "set", "model"])]
     pub from_model: Option<PathBuf>,
     /// The entry points of the artifact directory (`-o DIR`), e.g.
-    /// `--entries train_step,encode,decode_step` (default: all of forward, loss,
-    /// encode, decode_step and train_step).
+    /// `--entries train_step,encode,decode_step` (default: those of forward, loss,
+    /// encode, decode_step and train_step that the model has).
     #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
     pub entries: Vec<String>,
     /// The artifact directory to write, or with `--entry` the kernel graph's file
@@ -135,7 +135,7 @@ pub fn compile(a: CompileArgs) -> Result<(), Error> {
         kernel_graph(&args, output.as_deref(), validate, seed)
     } else {
         let entries = if entries.is_empty() {
-            SPEC_ENTRIES.iter().map(|s| s.to_string()).collect()
+            model_entries(&args)?
         } else {
             entries
         };
@@ -199,6 +199,33 @@ pub fn kernel_graph(
         None => out!("{text}"),
     }
     Ok(())
+}
+
+/// The entry points of [`SPEC_ENTRIES`] that the spec's model has (`--entries` left
+/// out): `loss` and `train_step` where it declares an objective, `encode` where it
+/// declares a `stage`, `decode_step` where its decode graph has a key/value cache.
+fn model_entries(args: &OptArgs) -> Result<Vec<String>, Error> {
+    let graph = |mode| {
+        let opts = kiln_dsl::Options {
+            overrides: args.set.clone(),
+            mode,
+            model: args.model.clone(),
+        };
+        kiln_dsl::compile_file(&args.spec, &opts)
+    };
+    let eval = graph(kiln_dsl::Mode::Eval)?;
+    let decode = graph(kiln_dsl::Mode::Decode)?;
+    let has = |entry: &str| match entry {
+        "loss" | "train_step" => eval.objective.is_some(),
+        "encode" => !eval.stages.is_empty(),
+        "decode_step" => !decode.cache_outputs().is_empty(),
+        _ => true,
+    };
+    Ok(SPEC_ENTRIES
+        .iter()
+        .filter(|e| has(e))
+        .map(|e| e.to_string())
+        .collect())
 }
 
 /// The entry points of `--entries`, each once.
