@@ -695,6 +695,9 @@ fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
             return d;
         }
     }
+    if let Some(d) = non_ascii_name(file, text, pos) {
+        return d;
+    }
     let found = found_token(text, pos);
     let expected = match &e.variant {
         pest::error::ErrorVariant::ParsingError { positives, .. } => describe(positives),
@@ -716,6 +719,35 @@ fn parse_error(file: u32, text: &str, e: pest::error::Error<Rule>) -> Diag {
         d = d.help("`=` binds a name (`x = ...`) or a named argument (`h = 8`); compare with `==`");
     }
     d
+}
+
+/// A name with a letter outside ASCII where the parser stopped (`größe`, `é`): the
+/// grammar's names are ASCII, so pest reports only the byte it could not take.
+fn non_ascii_name(file: u32, text: &str, pos: usize) -> Option<Diag> {
+    let c = text.get(pos..)?.chars().next()?;
+    if c.is_ascii() || !c.is_alphanumeric() {
+        return None;
+    }
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    let start = text[..pos]
+        .char_indices()
+        .rev()
+        .take_while(|&(_, c)| word(c))
+        .last()
+        .map_or(pos, |(i, _)| i);
+    let end = text[pos..]
+        .char_indices()
+        .find(|&(_, c)| !word(c))
+        .map_or(text.len(), |(i, _)| pos + i);
+    let name = &text[start..end];
+    Some(
+        Diag::new(
+            "kiln::syntax",
+            format!("`{name}` is not a name: names are ASCII letters, digits and `_`"),
+        )
+        .at(Span::new(file, start, end), format!("`{c}` is not ASCII"))
+        .help("rename it with ASCII letters (`e` for `é`, `ss` for `ß`, …)"),
+    )
 }
 
 /// Unbalanced `(`, `[` or `{` (comments and strings skipped): the most common cause of a
