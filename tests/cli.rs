@@ -714,10 +714,10 @@ fn demo_runs_without_files_and_learns_the_task() {
         text.contains("average of 5 checkpoints (steps 600, 700, 800, 900, 1000)"),
         "{text}"
     );
-    // "result: exact match 194/200 = 97.0%   BLEU = 99.12 ..."
+    // "result (the average): exact match 194/200 = 97.0%   BLEU = 99.12 ..."
     let line = text
         .lines()
-        .find(|l| l.contains("result: exact match"))
+        .find(|l| l.contains("  result (") && l.contains("): exact match"))
         .unwrap_or_else(|| panic!("no exact-match line in:\n{text}"));
     let field = |after: &str| -> f64 {
         let rest = &line[line.find(after).unwrap() + after.len()..];

@@ -1158,6 +1158,17 @@ fn a_flipped_weight_byte_is_refused_by_the_checksums() {
     );
     std::fs::write(&model, &good).unwrap();
     ok(&dir, commands[0]);
+    // A newest checkpoint that lost a file: `kiln inspect RUN` names the file (it used
+    // to say the run was an artifact without `manifest.json`).
+    let optimizer = ck.join("optimizer.safetensors");
+    let kept = std::fs::read(&optimizer).unwrap();
+    std::fs::remove_file(&optimizer).unwrap();
+    let out = kiln(&dir, &["inspect", "run"]);
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("has no `optimizer.safetensors`, so it is incomplete"), "{err}");
+    assert!(!err.contains("manifest.json"), "{err}");
+    std::fs::write(&optimizer, kept).unwrap();
     std::fs::remove_file(ck.join("checksums.sha256")).unwrap();
     refused("step_00000010: no checksums.sha256");
 }

@@ -203,10 +203,15 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     let params = load_safetensors(&dir.join(MODEL_FILE))?;
     // The loss graph has every parameter.
     let file = dir.join(MODEL_FILE);
+    // Not `check_weights`' advice (a new weights file from `kiln init`): that would throw
+    // the training away.
     crate::entry::check_weights(&graphs.loss, &file.display().to_string(), &params).map_err(
         |e| ModelError::Invalid {
             path: file.clone(),
-            message: format!("{} ({})", e.message, e.help),
+            message: format!(
+                "{}; restore the file from a copy, or use another checkpoint",
+                e.message
+            ),
         },
     )?;
     Ok(LoadedModel {

@@ -445,7 +445,7 @@ impl Trainer {
                             "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
                             self.state.lr,
                             tps,
-                            self.state.epoch,
+                            self.state.epoch + 1,
                             started.elapsed().as_secs_f64()
                         ),
                     );

@@ -242,6 +242,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             ),
             hyps,
             seconds: start.elapsed().as_secs_f64(),
+            rank: (exact, bleu.score),
         })
     };
     let last = evaluate(trainer.params())?;
@@ -264,7 +265,13 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         test.len(),
         last.seconds
     );
-    let best = averaged.as_ref().unwrap_or(&last);
+    // The result is the better of the two (the average is usually, not always: a short
+    // run's early checkpoints pull it back), and says which it is.
+    let (best, which) = match &averaged {
+        Some(a) if a.rank >= last.rank => (a, "the average"),
+        Some(_) => (&last, "the last weights, better than the average"),
+        None => (&last, "the last weights"),
+    };
     for i in 0..3.min(test.len()) {
         outln!(
             "    {}  →  {}{}",
@@ -293,7 +300,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             a.line
         );
     }
-    outln!("  result: {}", best.line);
+    outln!("  result ({which}): {}", best.line);
     write("test.src", &join(test.iter().map(|p| &p.0)))?;
     write("test.tgt", &join(refs.iter()))?;
     write("test.hyp", &join(best.hyps.iter()))?;
@@ -313,6 +320,8 @@ struct Scored {
     line: String,
     hyps: Vec<String>,
     seconds: f64,
+    /// Exact matches, then BLEU: what ranks two models' results.
+    rank: (usize, f64),
 }
 
 fn join<'a>(lines: impl Iterator<Item = &'a String>) -> String {

@@ -19,7 +19,14 @@ pub fn inspect(
     nvrtc: bool,
 ) -> Result<(), Error> {
     use kiln_runtime::artifact::{is_artifact_dir, Artifact};
-    if !is_artifact_dir(dir) && model::resolve(dir).is_ok() {
+    let resolved = (!is_artifact_dir(dir)).then(|| model::resolve(dir));
+    if let Some(Err(e)) = &resolved {
+        // A run whose newest checkpoint is damaged is a run, not a broken artifact.
+        if !matches!(e, model::ModelError::Missing { .. }) {
+            return Err(plain("kiln::model", e.to_string(), None));
+        }
+    }
+    if matches!(resolved, Some(Ok(_))) {
         if plan_text || nvrtc {
             return Err(plain(
                 "kiln::inspect",
