@@ -1166,7 +1166,10 @@ fn a_flipped_weight_byte_is_refused_by_the_checksums() {
     let out = kiln(&dir, &["inspect", "run"]);
     let err = unwrapped(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("has no `optimizer.safetensors`, so it is incomplete"), "{err}");
+    assert!(
+        err.contains("has no `optimizer.safetensors`, so it is incomplete"),
+        "{err}"
+    );
     assert!(!err.contains("manifest.json"), "{err}");
     std::fs::write(&optimizer, kept).unwrap();
     std::fs::remove_file(ck.join("checksums.sha256")).unwrap();

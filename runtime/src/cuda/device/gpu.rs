@@ -392,11 +392,13 @@ impl Gpu {
         let n = buf.words;
         // SAFETY: the buffer holds at least `n` 4-byte words; f32 and u32 have the same
         // size and alignment, and every bit pattern is an f32.
-        let slice = match &mut buf.owner {
-            Owner::Gpu(slice) => slice,
-            #[cfg(feature = "emulate")]
-            Owner::Host(_) => return Err("an NCCL all-reduce of a host buffer".to_string()),
+        #[cfg(feature = "emulate")]
+        let Owner::Gpu(slice) = &mut buf.owner
+        else {
+            return Err("an NCCL all-reduce of a host buffer".to_string());
         };
+        #[cfg(not(feature = "emulate"))]
+        let Owner::Gpu(slice) = &mut buf.owner;
         let mut view = unsafe { slice.transmute_mut::<f32>(n) }
             .ok_or_else(|| format!("an all-reduce of {n} words over a smaller buffer"))?;
         comm.all_reduce_in_place(&mut view, &cudarc::nccl::ReduceOp::Sum)
