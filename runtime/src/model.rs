@@ -203,15 +203,19 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
     let params = load_safetensors(&dir.join(MODEL_FILE))?;
     // The loss graph has every parameter.
     let file = dir.join(MODEL_FILE);
-    // Not `check_weights`' advice (a new weights file from `kiln init`): that would throw
-    // the training away.
     crate::entry::check_weights(&graphs.loss, &file.display().to_string(), &params).map_err(
-        |e| ModelError::Invalid {
-            path: file.clone(),
-            message: format!(
-                "{}; restore the file from a copy, or use another checkpoint",
-                e.message
-            ),
+        |e| {
+            // A new weights file from `kiln init`, the advice for a weights file of its
+            // own, would throw a model directory's training away.
+            let help = if e.help.contains("kiln init") {
+                "restore the file from a copy, or use another checkpoint".to_string()
+            } else {
+                e.help
+            };
+            ModelError::Invalid {
+                path: file.clone(),
+                message: format!("{} ({help})", e.message),
+            }
         },
     )?;
     Ok(LoadedModel {
