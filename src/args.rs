@@ -1,6 +1,7 @@
 //! What several commands' arguments share: the spec and its overrides, the GEMM type,
 //! the thread count, and the checks of numeric values.
 
+use kiln_runtime::exec::ExecutorKind;
 use std::path::PathBuf;
 
 use kiln_dsl::{Error, Mode, Options};
@@ -18,11 +19,20 @@ pub(crate) struct GemmArgs {
     pub gemm_type: Option<String>,
 }
 
+/// `--executor`'s parser: one of `names` (each an [`ExecutorKind`]'s name), typed.
+pub(crate) fn executor_kind(
+    names: &'static [&'static str],
+) -> impl clap::builder::TypedValueParser<Value = ExecutorKind> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(names)
+        .map(|s| ExecutorKind::parse(&s).expect("`names` lists executor kinds only"))
+}
+
 impl GemmArgs {
     /// Makes the process's compiled executors run their products as asked, for a command
     /// that runs `executor`; an error where the CPU has no such kernel, or where a 16-bit
     /// type is asked of another executor.
-    pub(crate) fn apply(&self, executor: &str) -> Result<(), Error> {
+    pub(crate) fn apply(&self, executor: ExecutorKind) -> Result<(), Error> {
         let Some(name) = &self.gemm_type else {
             return Ok(());
         };
@@ -34,7 +44,7 @@ impl GemmArgs {
                 Some(format!("use one of {}", GemmType::NAMES.join(", "))),
             ));
         };
-        if t != GemmType::F32 && executor != "compiled" {
+        if t != GemmType::F32 && executor != ExecutorKind::Compiled {
             return Err(plain(
                 "kiln::gemm",
                 format!(

@@ -244,8 +244,9 @@ enum Command {
         batch: usize,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
         /// cuda` artifact's kernels on the GPU).
-        #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference", "cuda"])]
-        executor: String,
+        #[arg(long, default_value = "compiled",
+              value_parser = args::executor_kind(&["compiled", "eager", "reference", "cuda"]))]
+        executor: kiln_runtime::exec::ExecutorKind,
         #[command(flatten)]
         gemm: GemmArgs,
         /// Worker threads (default: one per core).
@@ -281,8 +282,9 @@ enum Command {
         batch: usize,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
         /// cuda` artifact's kernels on the GPU).
-        #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "reference", "cuda"])]
-        executor: String,
+        #[arg(long, default_value = "compiled",
+              value_parser = args::executor_kind(&["compiled", "eager", "reference", "cuda"]))]
+        executor: kiln_runtime::exec::ExecutorKind,
         #[command(flatten)]
         gemm: GemmArgs,
         /// Worker threads (default: one per core).
@@ -438,7 +440,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             workers,
         } => {
             set_threads(threads)?;
-            gemm.apply(&executor)?;
+            gemm.apply(executor)?;
             cmd::translate::translate(cmd::translate::TranslateArgs {
                 checkpoint,
                 input,
@@ -466,7 +468,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             workers,
         } => {
             set_threads(threads)?;
-            gemm.apply(&executor)?;
+            gemm.apply(executor)?;
             cmd::score::score(cmd::score::ScoreArgs {
                 checkpoint,
                 src,

@@ -232,16 +232,38 @@ pub enum ExecutorKind {
     /// Generated kernels (`crate::compiled`): the graph is optimized, planned and
     /// JIT-compiled when the executor is built.
     Compiled,
+    /// The CUDA executor (`crate::cuda`): a `--target cuda` artifact's program on a
+    /// GPU. It is built from an artifact, not a graph ([`executor`] refuses it).
+    Cuda,
 }
 
 impl ExecutorKind {
+    /// Every kind, by the name [`ExecutorKind::parse`] takes.
+    pub const ALL: [ExecutorKind; 4] = [
+        ExecutorKind::Reference,
+        ExecutorKind::Eager,
+        ExecutorKind::Compiled,
+        ExecutorKind::Cuda,
+    ];
+
     pub fn parse(s: &str) -> Option<ExecutorKind> {
-        match s {
-            "reference" => Some(ExecutorKind::Reference),
-            "eager" => Some(ExecutorKind::Eager),
-            "compiled" => Some(ExecutorKind::Compiled),
-            _ => None,
+        ExecutorKind::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// Its name for `--executor` and `train.executor`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExecutorKind::Reference => "reference",
+            ExecutorKind::Eager => "eager",
+            ExecutorKind::Compiled => "compiled",
+            ExecutorKind::Cuda => "cuda",
         }
+    }
+}
+
+impl std::fmt::Display for ExecutorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -251,6 +273,11 @@ pub fn executor(kind: ExecutorKind, graph: Graph) -> Result<Box<dyn Exec>, ExecE
         ExecutorKind::Reference => Ok(Box::new(Reference::new(graph)?)),
         ExecutorKind::Eager => Ok(Box::new(crate::eager::Eager::new(graph)?)),
         ExecutorKind::Compiled => Ok(Box::new(crate::compiled::Compiled::from_graph(graph)?)),
+        ExecutorKind::Cuda => Err(ExecError::Unsupported(
+            "the CUDA executor runs a `--target cuda` artifact, not a graph: compile one \
+             with `kiln compile … --target cuda -o DIR`"
+                .to_string(),
+        )),
     }
 }
 

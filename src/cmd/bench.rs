@@ -8,6 +8,7 @@
 //! step of the paper's recipe does.
 //! `decode` is one incremental decoder step with `tgt_len` cached positions.
 
+use kiln_runtime::exec::ExecutorKind;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -48,8 +49,9 @@ pub struct BenchArgs {
     pub tgt_len: i64,
     /// `compiled` (generated kernels), `eager` (one primitive at a time) or `cuda` (the
     /// entry compiled with `--target cuda` and run by the CUDA executor on the GPU).
-    #[arg(long, default_value = "compiled", value_parser = ["compiled", "eager", "cuda"])]
-    pub executor: String,
+    #[arg(long, default_value = "compiled",
+          value_parser = crate::args::executor_kind(&["compiled", "eager", "cuda"]))]
+    pub executor: ExecutorKind,
     #[command(flatten)]
     pub gemm: crate::GemmArgs,
     /// Untimed runs first.
@@ -100,10 +102,10 @@ pub struct BenchArgs {
     pub precision: String,
 }
 
-fn executor(kind: &str, g: &Graph) -> Result<Box<dyn Exec>, Error> {
+fn executor(kind: ExecutorKind, g: &Graph) -> Result<Box<dyn Exec>, Error> {
     let err = |e: kiln_compiler::reference::ExecError| plain("kiln::bench", e.to_string(), None);
     Ok(match kind {
-        "eager" => Box::new(kiln_runtime::Eager::new(g.clone()).map_err(err)?),
+        ExecutorKind::Eager => Box::new(kiln_runtime::Eager::new(g.clone()).map_err(err)?),
         _ => Box::new(Compiled::from_graph(g.clone()).map_err(err)?),
     })
 }
@@ -256,7 +258,7 @@ impl Profile {
 const PRODUCT_ROWS: usize = 12;
 
 pub fn bench(a: &BenchArgs) -> Result<(), Error> {
-    a.gemm.apply(&a.executor)?;
+    a.gemm.apply(a.executor)?;
     let entry = match a.entry.as_str() {
         "decode" => "decode_step",
         e => e,
@@ -287,7 +289,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         .map_err(|e| plain("kiln::bench", e.to_string(), None))?
         .into_iter()
         .collect();
-    let compiled = if a.executor == "compiled" {
+    let compiled = if a.executor == ExecutorKind::Compiled {
         Some(
             Compiled::from_graph(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
@@ -296,7 +298,11 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         None
     };
     if let Some(devices) = &a.devices {
-        if a.executor != "cuda" || entry != "train_step" || a.host_optimizer || a.adam_program {
+        if a.executor != ExecutorKind::Cuda
+            || entry != "train_step"
+            || a.host_optimizer
+            || a.adam_program
+        {
             return Err(plain(
                 "kiln::bench",
                 "`--devices` times data-parallel training on the GPU".to_string(),
@@ -314,7 +320,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         Some(devices) => Some(data_parallel(a, devices)?),
         None => None,
     };
-    let cuda = if a.executor == "cuda" && parallel.is_none() {
+    let cuda = if a.executor == ExecutorKind::Cuda && parallel.is_none() {
         Some(cuda_executor(a, entry)?)
     } else {
         None
@@ -329,7 +335,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             kiln_runtime::exec::Reference::new(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?,
         )),
-        (None, None) => Some(executor(&a.executor, &g)?),
+        (None, None) => Some(executor(a.executor, &g)?),
     };
     let exec: &dyn Exec = match (&cuda, &other) {
         (Some(c), _) => c,
@@ -347,7 +353,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
     // The trainer's optimizer step (the runtime's Adam over host tensors) for every
     // executor; `--adam-program` runs the compiled `adam_update` program instead.
     let adam_exec = match (&adam, a.adam_program) {
-        (Some(ag), true) => Some(executor("compiled", ag)?),
+        (Some(ag), true) => Some(executor(ExecutorKind::Compiled, ag)?),
         _ => None,
     };
     let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
@@ -505,11 +511,14 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             }
             continue;
         }
-        let outs = if a.profile && run + 1 == a.warmup + a.runs && a.executor == "compiled" {
+        let outs = if a.profile
+            && run + 1 == a.warmup + a.runs
+            && a.executor == ExecutorKind::Compiled
+        {
             let c = compiled.as_ref().expect("compiled");
             let mut rec = |t: &Timing<'_>| profile.note(t);
             c.run_profiled(&inputs, &params, &opts, &mut rec)
-        } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == "eager" {
+        } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == ExecutorKind::Eager {
             let e = kiln_runtime::Eager::new(g.clone())
                 .map_err(|e| plain("kiln::bench", e.to_string(), None))?;
             let (outs, times) = e
@@ -519,7 +528,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
                 profile.kinds.insert(t.op.to_string(), (t.seconds, t.nodes));
             }
             Ok(outs)
-        } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == "cuda" {
+        } else if a.profile && run + 1 == a.warmup + a.runs && a.executor == ExecutorKind::Cuda {
             let mut rec = |t: &Timing<'_>| profile.note(t);
             exec.run_profiled(&inputs, &params, &opts, &mut rec)
         } else if let Some(c) = &compiled {
@@ -611,13 +620,13 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         _ => a.batch * a.tgt_len * ranks as i64,
     } as f64;
     // The CUDA executor's GEMM precision is part of what was measured.
-    let mut executor_name = if a.executor == "cuda" {
+    let mut executor_name = if a.executor == ExecutorKind::Cuda {
         match kiln_runtime::cuda::precision_label(precision(a)) {
             "fp32" => "cuda".to_string(),
             g => format!("cuda-{g}"),
         }
     } else if let Some(kernel) = compiled.as_ref().and_then(|c| c.bf16_kernel()) {
-        // KILN_CPU_BF16 on a CPU with a bf16 kernel: the large products in bf16.
+        // `--gemm-type` on a CPU with a 16-bit kernel: the large products in 16 bits.
         match kernel {
             kiln_runtime::compiled::Kernel16::Tiles => "compiled-bf16-products".to_string(),
             kiln_runtime::compiled::Kernel16::Dot => "compiled-bf16-products-vdpbf16ps".to_string(),
@@ -625,7 +634,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
             kiln_runtime::compiled::Kernel16::Int16 => "compiled-int16-products".to_string(),
         }
     } else {
-        a.executor.clone()
+        a.executor.to_string()
     };
     if resident.is_some() {
         executor_name.push_str(" (state on the GPU)");
@@ -807,7 +816,7 @@ pub fn bench(a: &BenchArgs) -> Result<(), Error> {
         let products = profile.products_by_time();
         if !products.is_empty() {
             // GFLOP/s on the CPU, TFLOP/s on a GPU.
-            let (unit, scale) = if a.executor == "cuda" {
+            let (unit, scale) = if a.executor == ExecutorKind::Cuda {
                 ("TFLOP/s", 1e12)
             } else {
                 ("GFLOP/s", 1e9)

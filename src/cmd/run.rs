@@ -9,6 +9,7 @@ use kiln_compiler::reference::{Precision, RunOptions};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::tensor::{load_safetensors, save_safetensors};
 use kiln_dsl::Error;
+use kiln_runtime::exec::ExecutorKind;
 use kiln_runtime::GraphKind;
 use kiln_runtime::{check_inputs, check_weights, Entry};
 
@@ -44,8 +45,8 @@ pub struct RunArgs {
     /// op, fast GEMM), `compiled` (the optimized program as generated code; the
     /// default for an artifact) or `cuda` (a `--target cuda` artifact's CUDA C on the
     /// GPU).
-    #[arg(long, value_parser = ["reference", "eager", "compiled", "cuda"])]
-    pub executor: Option<String>,
+    #[arg(long, value_parser = crate::args::executor_kind(&["reference", "eager", "compiled", "cuda"]))]
+    pub executor: Option<ExecutorKind>,
     #[command(flatten)]
     pub gemm: GemmArgs,
     /// Where to write the outputs.
@@ -76,11 +77,11 @@ pub fn run(a: RunArgs) -> Result<(), Error> {
     let entry = Entry::parse(&entry).map_err(runtime_error)?;
     // An artifact runs its generated kernels by default, a spec the reference.
     let default = if spec.spec.is_dir() {
-        "compiled"
+        ExecutorKind::Compiled
     } else {
-        "reference"
+        ExecutorKind::Reference
     };
-    gemm.apply(executor.as_deref().unwrap_or(default))?;
+    gemm.apply(executor.unwrap_or(default))?;
     let run_opts = RunOptions {
         precision: if precision == "f64" {
             Precision::F64
@@ -99,12 +100,12 @@ pub fn run(a: RunArgs) -> Result<(), Error> {
             &inputs,
             weights.as_deref(),
             &run_opts,
-            executor.as_deref().unwrap_or("compiled"),
+            executor.unwrap_or(ExecutorKind::Compiled),
             &output,
         );
     }
-    let executor = executor.unwrap_or_else(|| "reference".to_string());
-    if executor == "cuda" {
+    let executor = executor.unwrap_or(ExecutorKind::Reference);
+    if executor == ExecutorKind::Cuda {
         return Err(plain(
             "kiln::run",
             "`--executor cuda` runs a compiled CUDA artifact, not a spec".to_string(),
@@ -140,12 +141,8 @@ pub fn run(a: RunArgs) -> Result<(), Error> {
             .collect(),
     };
     let opts = run_opts;
-    let exec = kiln_runtime::exec::executor(
-        kiln_runtime::exec::ExecutorKind::parse(&executor)
-            .unwrap_or(kiln_runtime::exec::ExecutorKind::Reference),
-        eg.clone(),
-    )
-    .map_err(|e| plain("kiln::run", e.to_string(), None))?;
+    let exec = kiln_runtime::exec::executor(executor, eg.clone())
+        .map_err(|e| plain("kiln::run", e.to_string(), None))?;
     let outs = exec.run(&feeds, &params, &opts).map_err(|e| {
         plain(
             "kiln::run",
@@ -171,13 +168,12 @@ pub fn run_artifact(
     inputs: &Path,
     weights: Option<&Path>,
     opts: &kiln_compiler::reference::RunOptions,
-    executor: &str,
+    executor: ExecutorKind,
     output: &Path,
 ) -> Result<(), Error> {
     use kiln_runtime::artifact::Artifact;
-    use kiln_runtime::exec::ExecutorKind;
     let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
-    if art.manifest.target() == Target::Cuda && executor == "compiled" {
+    if art.manifest.target() == Target::Cuda && executor == ExecutorKind::Compiled {
         let why = match kiln_runtime::cuda::cuda_available() {
             Ok(_) => "kiln has no CUDA executor yet (#6)".to_string(),
             Err(reason) => reason,
@@ -231,8 +227,8 @@ pub fn run_artifact(
     let params: BTreeMap<String, Tensor> =
         all.into_iter().filter(|(k, _)| mine.contains(k)).collect();
     kiln_runtime::check_weights(&g, &origin, &params).map_err(crate::runtime_error)?;
-    let kind = ExecutorKind::parse(executor).unwrap_or(ExecutorKind::Compiled);
-    let exec: Box<dyn kiln_runtime::exec::Exec> = if executor == "cuda" {
+    let kind = executor;
+    let exec: Box<dyn kiln_runtime::exec::Exec> = if executor == ExecutorKind::Cuda {
         kiln_runtime::cuda::executor_for(&art, entry).map_err(|e| {
             plain(
                 "kiln::cuda",

@@ -17,17 +17,14 @@ pub struct ScoreArgs {
     pub reference: PathBuf,
     pub normalize: bool,
     pub batch: usize,
-    pub executor: String,
+    pub executor: ExecutorKind,
     /// Pair batches scored at once (`None`: `decode_workers`).
     pub workers: Option<usize>,
 }
 
 /// `kiln score`: the log-probability of each reference under teacher forcing.
 pub fn score(a: ScoreArgs) -> Result<(), Error> {
-    let kind = match a.executor.as_str() {
-        "cuda" => None,
-        e => Some(ExecutorKind::parse(e).unwrap_or(ExecutorKind::Compiled)),
-    };
+    let kind = (a.executor != ExecutorKind::Cuda).then_some(a.executor);
     let srcs_text = read_text_lines(Some(&a.src))?;
     let refs_text = read_text_lines(Some(&a.reference))?;
     if srcs_text.len() != refs_text.len() {
@@ -155,7 +152,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
             String::new()
         },
         xent.exp(),
-        executor_label(&a.executor),
+        executor_label(a.executor),
     );
     Ok(())
 }

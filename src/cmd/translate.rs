@@ -128,7 +128,7 @@ pub struct TranslateArgs {
     pub nbest: Option<usize>,
     /// Sentences decoded together.
     pub batch: usize,
-    pub executor: String,
+    pub executor: ExecutorKind,
     /// Batches decoded at once (`None`: `decode_workers`).
     pub workers: Option<usize>,
 }
@@ -163,10 +163,7 @@ pub(crate) fn progress_bar(n: usize, batch: usize, unit: &str) -> Option<indicat
 }
 
 pub fn translate(a: TranslateArgs) -> Result<(), Error> {
-    let kind = match a.executor.as_str() {
-        "cuda" => None,
-        e => Some(ExecutorKind::parse(e).unwrap_or(ExecutorKind::Compiled)),
-    };
+    let kind = (a.executor != ExecutorKind::Cuda).then_some(a.executor);
     let m = translator(&a.checkpoint, kind)?;
     let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
         plain(
@@ -305,16 +302,18 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         } else {
             format!("beam {}", opts.beam)
         },
-        executor_label(&a.executor),
+        executor_label(a.executor),
     );
     Ok(())
 }
 
 /// The executor as a summary names it: with the products' kernel where the compiled
-/// executor runs them in 16 bits (`--gemm-type`, `KILN_CPU_BF16`).
-pub(crate) fn executor_label(executor: &str) -> String {
+/// executor runs them in 16 bits (`--gemm-type`).
+pub(crate) fn executor_label(executor: ExecutorKind) -> String {
     match kiln_runtime::compiled::default_products() {
-        Some(kernel) if executor == "compiled" => format!("compiled, {} products", kernel.key()),
+        Some(kernel) if executor == ExecutorKind::Compiled => {
+            format!("compiled, {} products", kernel.key())
+        }
         _ => executor.to_string(),
     }
 }
