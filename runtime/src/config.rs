@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::exec::ExecutorKind;
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -231,6 +233,14 @@ impl Default for LossScaleConfig {
             window: 2000,
             min: 1e-4,
         }
+    }
+}
+
+impl TrainConfig {
+    /// `executor` as a kind; `compiled` where it names none (which [`Config::check`]
+    /// refuses before anything runs).
+    pub fn executor_kind(&self) -> ExecutorKind {
+        ExecutorKind::parse(&self.executor).unwrap_or(ExecutorKind::Compiled)
     }
 }
 
@@ -506,7 +516,7 @@ impl Config {
             ),
             other => bad.push(format!("valid.metric is `{other}`; use loss or bleu")),
         }
-        if !["eager", "reference", "compiled", "cuda"].contains(&self.train.executor.as_str()) {
+        if ExecutorKind::parse(&self.train.executor).is_none() {
             bad.push(format!(
                 "train.executor is `{}`; use compiled, eager, reference or cuda",
                 self.train.executor
@@ -519,7 +529,8 @@ impl Config {
                     crate::compiled::GemmType::NAMES.join(", ")
                 )),
                 Some(t)
-                    if t != crate::compiled::GemmType::F32 && self.train.executor != "compiled" =>
+                    if t != crate::compiled::GemmType::F32
+                        && self.train.executor_kind() != ExecutorKind::Compiled =>
                 {
                     bad.push(format!(
                         "train.gemm_type `{g}` chooses the compiled CPU executor's matrix \
@@ -572,7 +583,7 @@ impl Config {
             if let Err(e) = crate::cuda::parallel::check_devices(devices) {
                 bad.push(e);
             }
-            if self.train.executor != "cuda" {
+            if self.train.executor_kind() != ExecutorKind::Cuda {
                 bad.push(format!(
                     "train.devices lists GPUs for data-parallel training, which runs on the \
                      GPU: set train.executor to cuda (it is `{}`), or leave train.devices out",

@@ -111,7 +111,8 @@ pub(crate) const CUDA_NEEDS_ARTIFACT: &str =
     the run with `--artifact DIR`";
 
 pub(crate) fn cuda_has_artifact(cfg: &Config) -> Result<(), TrainError> {
-    if cfg.train.executor == "cuda" && cfg.model.artifact.is_none() {
+    if cfg.train.executor_kind() == crate::exec::ExecutorKind::Cuda && cfg.model.artifact.is_none()
+    {
         return Err(TrainError::Setup(CUDA_NEEDS_ARTIFACT.to_string()));
     }
     Ok(())

@@ -325,10 +325,10 @@ impl Trainer {
             plan.len(),
             valid.examples.len()
         ));
-        let kind = ExecutorKind::parse(&cfg.train.executor).unwrap_or(ExecutorKind::Compiled);
+        let kind = cfg.train.executor_kind();
         // With an artifact and the compiled executor, its kernels run as they are;
         // otherwise the executor is built from the graph now.
-        let cuda = cfg.train.executor == "cuda";
+        let cuda = kind == ExecutorKind::Cuda;
         let ex = |name: &str, g: &Graph| -> Result<Box<dyn Exec>, TrainError> {
             match artifact {
                 Some(art) if cuda => {
