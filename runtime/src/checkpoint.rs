@@ -23,10 +23,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kiln_compiler::tensor::{
-    load_safetensors, save_safetensors, Tensor, TensorData, TensorFileError,
-};
+use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
 use serde::{Deserialize, Serialize};
+
+mod average;
+mod error;
+
+pub use average::*;
+pub use error::*;
 
 /// The parameters, under their model names.
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -137,115 +141,6 @@ pub struct LoadedCheckpoint {
     pub state: TrainState,
     /// The names of the extra files (read them with [`read_extra`]).
     pub extra_files: Vec<String>,
-}
-
-/// Why a checkpoint could not be written, found, read or averaged.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error(transparent)]
-    Checksum(#[from] crate::checksums::ChecksumError),
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Tensor(#[from] TensorFileError),
-    #[error(
-        "`{path}` is not a checkpoint directory; checkpoints are `step_<N>` directories \
-         under the checkpoints root (see `latest`)"
-    )]
-    NotACheckpoint { path: PathBuf },
-    #[error(
-        "checkpoint `{dir}` has no `{file}`, so it is incomplete (copied or edited by hand?); \
-         restore the file, or delete the directory to fall back on an earlier checkpoint"
-    )]
-    MissingFile { dir: PathBuf, file: String },
-    #[error(
-        "checkpoint file `{path}` is unreadable: {source}; delete its directory to fall \
-         back on an earlier checkpoint"
-    )]
-    Corrupt {
-        path: PathBuf,
-        source: TensorFileError,
-    },
-    #[error(
-        "`{path}` is not a valid train state ({message}); fix the YAML, or delete the \
-         checkpoint directory to fall back on an earlier one"
-    )]
-    BadState { path: PathBuf, message: String },
-    #[error(
-        "`{path}` is empty (truncated?); restore it, or delete the checkpoint directory to \
-         fall back on an earlier one"
-    )]
-    EmptyState { path: PathBuf },
-    #[error(
-        "`{path}` is incomplete (truncated?): it has no {missing}, which an exact resume \
-         needs; restore it, or delete the checkpoint directory to fall back on an earlier one"
-    )]
-    IncompleteState { path: PathBuf, missing: String },
-    #[error(
-        "`{path}` says step {state_step}, but its directory is for step {dir_step}; \
-         the checkpoint was renamed or mixed up — rename the directory to step_{state_step:08}"
-    )]
-    StepMismatch {
-        path: PathBuf,
-        dir_step: u64,
-        state_step: u64,
-    },
-    #[error("{message}")]
-    Moments { message: String },
-    #[error(
-        "{message}; the checkpoint's files do not fit together: restore them, or delete the \
-         checkpoint directory to fall back on an earlier one"
-    )]
-    Weights { message: String },
-    /// A parameter or moment with NaN or infinite values.
-    #[error("{message}")]
-    NonFinite { message: String },
-    #[error(
-        "`{path}`: parameter `{name}` is {dtype}, but a checkpoint's parameters are f32 (as \
-         kiln writes them); restore the file, or delete the checkpoint directory to fall back \
-         on an earlier one"
-    )]
-    ParamDtype {
-        path: PathBuf,
-        name: String,
-        dtype: &'static str,
-    },
-    #[error("cannot store an extra file named `{name}` in a checkpoint: {why}")]
-    BadFileName { name: String, why: &'static str },
-    #[error("`keep` must be at least 1 (keeping 0 checkpoints would delete the newest one)")]
-    KeepZero,
-    #[error("nothing to average: give at least one checkpoint")]
-    AverageNothing,
-    #[error(
-        "cannot average `{odd}` with `{reference}`: {message}; average checkpoints of one \
-         model only"
-    )]
-    AverageMismatch {
-        reference: PathBuf,
-        odd: PathBuf,
-        message: String,
-    },
-    #[error("tensor `{name}` in `{path}` is {dtype}; only f32 and f64 parameters can be averaged")]
-    AverageDtype {
-        path: PathBuf,
-        name: String,
-        dtype: &'static str,
-    },
-}
-
-fn io_err<'a>(
-    action: &'static str,
-    path: &'a Path,
-) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
-    move |source| CheckpointError::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
-    }
 }
 
 /// The directory name of step `step`: `step_00000100`.
@@ -731,100 +626,6 @@ pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> 
         sync_dir(root);
     }
     Ok(removed)
-}
-
-/// The element-wise mean of the parameters of `paths`: each a checkpoint directory (its
-/// `model.safetensors`) or a `.safetensors` file. All must hold the same names with the
-/// same shapes. Sums and the division are done in f64 in the order given; the result is
-/// f32.
-pub fn average(paths: &[&Path]) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
-    let Some((first, rest)) = paths.split_first() else {
-        return Err(CheckpointError::AverageNothing);
-    };
-    let file_of = |p: &Path| -> Result<PathBuf, CheckpointError> {
-        if p.is_dir() {
-            require_file(p, MODEL_FILE)
-        } else {
-            Ok(p.to_path_buf())
-        }
-    };
-    // Each input's floats must be finite: a NaN would make every average it enters NaN,
-    // and the average's check could not say which input brought it.
-    let finite = |file: &Path, tensors: &BTreeMap<String, Tensor>| {
-        crate::entry::check_finite(&file.display().to_string(), tensors).map_err(|e| {
-            CheckpointError::NonFinite {
-                message: format!("{}: {}", e.message, e.help),
-            }
-        })
-    };
-    let ref_path = file_of(first)?;
-    let reference = load_tensors(&ref_path)?;
-    finite(&ref_path, &reference)?;
-    let mut sums: BTreeMap<String, (Vec<usize>, Vec<f64>)> = BTreeMap::new();
-    for (name, t) in &reference {
-        sums.insert(name.clone(), (t.shape.clone(), floats(&ref_path, name, t)?));
-    }
-    for p in rest {
-        let path = file_of(p)?;
-        let tensors = load_tensors(&path)?;
-        finite(&path, &tensors)?;
-        let mismatch = |message: String| CheckpointError::AverageMismatch {
-            reference: ref_path.clone(),
-            odd: path.clone(),
-            message,
-        };
-        let missing: Vec<&str> = reference
-            .keys()
-            .filter(|k| !tensors.contains_key(*k))
-            .map(String::as_str)
-            .collect();
-        let extra: Vec<&str> = tensors
-            .keys()
-            .filter(|k| !reference.contains_key(*k))
-            .map(String::as_str)
-            .collect();
-        if !missing.is_empty() || !extra.is_empty() {
-            return Err(mismatch(format!(
-                "the parameter names differ (missing: {}; extra: {})",
-                list_names(&missing),
-                list_names(&extra)
-            )));
-        }
-        for (name, t) in &tensors {
-            let (shape, acc) = sums.get_mut(name).expect("same names checked above");
-            if &t.shape != shape {
-                return Err(mismatch(format!(
-                    "parameter `{name}` has shape {:?} there but {:?} in the first",
-                    t.shape, shape
-                )));
-            }
-            for (a, x) in acc.iter_mut().zip(floats(&path, name, t)?) {
-                *a += x;
-            }
-        }
-    }
-    let n = paths.len() as f64;
-    Ok(sums
-        .into_iter()
-        .map(|(name, (shape, acc))| {
-            let data = acc.into_iter().map(|x| (x / n) as f32).collect();
-            (
-                name,
-                Tensor {
-                    shape,
-                    data: TensorData::F32(data),
-                },
-            )
-        })
-        .collect())
-}
-
-fn floats(path: &Path, name: &str, t: &Tensor) -> Result<Vec<f64>, CheckpointError> {
-    t.to_f64_vec().ok_or_else(|| CheckpointError::AverageDtype {
-        path: path.to_path_buf(),
-        name: name.to_string(),
-        dtype: t.dtype_name(),
-    })
 }
 
 #[cfg(test)]

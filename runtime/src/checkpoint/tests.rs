@@ -1,5 +1,8 @@
-use super::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kiln_compiler::tensor::TensorData;
+
+use super::*;
 
 /// Writes `bytes` to the checkpoint file `path` and records its new checksum: for the
 /// tests that damage a file on purpose to see how loading names the damage.
