@@ -10,7 +10,7 @@
 //! 3. [`templates`] — template phase: the fused kernels the prelude's layers and their
 //!    autodiff-made backwards are recognized as, each of a [`kind::TemplateKind`];
 //! 4. [`regions`] — elementwise-region phase;
-//! 5. [`extract`] — DAG-aware extraction by a per-target cost model;
+//! 5. [`extract`] — DAG-aware extraction by a per-target cost model ([`cost`]);
 //! 6. [`kernels`] — the kernel graph, and its expansion back to primitives;
 //! 7. [`validate`] — the program against the source graph on random inputs.
 //!
@@ -20,6 +20,7 @@
 
 pub mod analysis;
 pub mod canon;
+pub mod cost;
 pub mod extract;
 pub mod kernels;
 pub mod kind;

@@ -1071,6 +1071,29 @@ impl TemplateApplier {
     }
 }
 
+/// The e-class of a `kind` e-node whose children are the `known` operands where they
+/// are known; among several, the lowest id (so the choice does not depend on the
+/// e-graph's hashing).
+fn joinable_kernel(eg: &EG, kind: Kind, known: &[Option<Id>]) -> Option<Id> {
+    let matches = |n: &KNode| match n {
+        KNode::Op(k, ch) => {
+            *k == kind
+                && ch.len() == known.len()
+                && ch
+                    .iter()
+                    .zip(known)
+                    .all(|(&a, b)| b.is_none_or(|b| eg.find(a) == b))
+        }
+        _ => false,
+    };
+    let anchor = known.iter().flatten().next()?;
+    eg[*anchor]
+        .parents()
+        .map(|p| eg.find(p))
+        .filter(|&p| eg[p].nodes.iter().any(matches))
+        .min()
+}
+
 impl Applier<KNode, Types> for TemplateApplier {
     fn apply_one(
         &self,
@@ -1105,25 +1128,9 @@ impl Applier<KNode, Types> for TemplateApplier {
                 _ => return vec![],
             }
         } else {
-            // Join the kernel another output's rule built for the same operands.
-            let mut found = None;
-            'classes: for c in eg.classes() {
-                for n in &c.nodes {
-                    if let KNode::Op(k, ch) = n {
-                        if *k == kind
-                            && ch.len() == known.len()
-                            && ch
-                                .iter()
-                                .zip(&known)
-                                .all(|(&a, b)| b.is_none_or(|b| eg.find(a) == b))
-                        {
-                            found = Some(c.id);
-                            break 'classes;
-                        }
-                    }
-                }
-            }
-            match found {
+            // Join the kernel another output's rule built for the same operands: it is
+            // a parent of each operand this rule knows.
+            match joinable_kernel(eg, kind, &known) {
                 Some(f) => f,
                 None => return vec![],
             }
