@@ -57,7 +57,7 @@ fn attention_weights(g: &Graph) -> Vec<(NodeId, String)> {
         .iter()
         .enumerate()
         .filter(|(_, n)| n.op == Op::Binary(BinaryOp::Div) && n.scope.ends_with("attn.softmax"))
-        .map(|(i, n)| (NodeId(i as u32), n.scope.clone()))
+        .map(|(i, n)| (NodeId(i as u32), n.scope.to_string()))
         .collect()
 }
 

@@ -233,14 +233,14 @@ mod tests {
             for key in [name.clone(), format!("m.{name}"), format!("v.{name}")] {
                 let out = g.output(&key).unwrap();
                 assert_eq!(g.ty(out), &ty, "{key}");
-                assert_eq!(g.node(out).scope, format!("adam.{name}"), "{key}");
+                assert_eq!(*g.node(out).scope, format!("adam.{name}"), "{key}");
             }
         }
         assert!(g.params.is_empty());
         // Only the allowed primitives, and every computed node carries a parameter scope.
         for node in &g.nodes {
             match &node.op {
-                Op::Input { .. } | Op::Const { .. } => assert_eq!(node.scope, ""),
+                Op::Input { .. } | Op::Const { .. } => assert_eq!(&*node.scope, ""),
                 Op::Broadcast { .. }
                 | Op::Unary(UnaryOp::Sqrt)
                 | Op::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div) => {

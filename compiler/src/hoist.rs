@@ -150,7 +150,7 @@ pub fn hoist_static(
     let names: Vec<String> = hoisted
         .iter()
         .map(|&h| {
-            let scope = step.node(h).scope.as_str();
+            let scope = step.node(h).scope.as_ref();
             let k = per_scope.entry(scope).or_insert(0);
             *k += 1;
             if scope.is_empty() {

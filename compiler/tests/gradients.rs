@@ -259,7 +259,7 @@ impl Case {
         // New nodes are scoped under `grad`.
         for node in &gg.nodes[self.g.len()..] {
             assert!(
-                node.scope == "grad" || node.scope.starts_with("grad/"),
+                &*node.scope == "grad" || node.scope.starts_with("grad/"),
                 "scope `{}`",
                 node.scope
             );

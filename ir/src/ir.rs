@@ -19,11 +19,13 @@
 //! returns the existing node. Nodes carry the scope of the layer instance that made them
 //! (`encoder.layers.0.self_attn`), which names kernels and diagnostics later on.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::dedup::Dedup;
 use crate::infer::infer_type;
 use crate::shape::{Dim, Shape};
 
@@ -422,8 +424,9 @@ pub struct Node {
     pub op: Op,
     pub inputs: Vec<NodeId>,
     pub ty: TensorType,
-    /// The layer instance that created the node (`encoder.layers.0.ffn`), `""` at top.
-    pub scope: String,
+    /// The layer instance that created the node (`encoder.layers.0.ffn`), `""` at top;
+    /// shared with the nodes around it that have the same scope.
+    pub scope: Arc<str>,
 }
 
 /// An error found while building or checking a graph.
@@ -484,7 +487,7 @@ pub struct Graph {
     #[serde(default)]
     pub hparams: Vec<(String, String)>,
     #[serde(skip)]
-    dedup: HashMap<(Op, Vec<NodeId>), NodeId>,
+    dedup: Dedup,
     /// The names of `params`, for [`Graph::add_param`]'s duplicate check (a search of
     /// `params` made elaborating `repeat(n, …)` quadratic in `n`); rebuilt from `params`
     /// when they differ in number (a graph read back, or `params` set directly).
@@ -525,11 +528,17 @@ impl Graph {
 
     fn push(&mut self, op: Op, inputs: Vec<NodeId>, ty: TensorType, scope: &str) -> NodeId {
         let id = NodeId(self.nodes.len() as u32);
+        // A layer adds its nodes one after another, so the last node's scope is the
+        // one to share.
+        let scope = match self.nodes.last() {
+            Some(last) if *last.scope == *scope => last.scope.clone(),
+            _ => Arc::from(scope),
+        };
         self.nodes.push(Node {
             op,
             inputs,
             ty,
-            scope: scope.to_string(),
+            scope,
         });
         id
     }
@@ -636,14 +645,13 @@ impl Graph {
                 return Err(IrError::Malformed(format!("operand {i} does not exist")));
             }
         }
-        let key = (op, inputs.to_vec());
-        if let Some(&id) = self.dedup.get(&key) {
+        if let Some(id) = self.dedup.find(&self.nodes, &op, inputs) {
             return Ok(id);
         }
         let types: Vec<&TensorType> = inputs.iter().map(|&i| self.ty(i)).collect();
-        let ty = infer_type(&key.0, &types)?;
-        let id = self.push(key.0.clone(), key.1.clone(), ty, scope);
-        self.dedup.insert(key, id);
+        let ty = infer_type(&op, &types)?;
+        let id = self.push(op, inputs.to_vec(), ty, scope);
+        self.dedup.insert(&self.nodes, id);
         Ok(id)
     }
 
@@ -781,8 +789,8 @@ impl Graph {
                 (None, op) => {
                     let inputs: Vec<NodeId> =
                         node.inputs.iter().map(|x| remap[x.index()]).collect();
-                    let id = g.push(op.clone(), inputs.clone(), node.ty.clone(), &node.scope);
-                    g.dedup.insert((op.clone(), inputs), id);
+                    let id = g.push(op.clone(), inputs, node.ty.clone(), &node.scope);
+                    g.dedup.insert(&g.nodes, id);
                     id
                 }
             };
@@ -835,13 +843,13 @@ impl Graph {
             let new_id = NodeId(out.nodes.len() as u32);
             remap.insert(NodeId(i as u32), new_id);
             let inputs: Vec<NodeId> = node.inputs.iter().map(|x| remap[x]).collect();
-            out.dedup.insert((node.op.clone(), inputs.clone()), new_id);
             out.nodes.push(Node {
                 op: node.op.clone(),
                 inputs,
                 ty: node.ty.clone(),
                 scope: node.scope.clone(),
             });
+            out.dedup.insert(&out.nodes, new_id);
         }
         out.inputs = self
             .inputs

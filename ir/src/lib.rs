@@ -8,6 +8,7 @@
 //! - [`printer`] — the deterministic text form;
 //! - [`summary`] — what `kiln check` reports.
 
+mod dedup;
 pub mod infer;
 pub mod ir;
 pub mod printer;

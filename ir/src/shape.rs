@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -20,8 +21,9 @@ type Monomial = Vec<String>;
 /// A symbolic dimension: a polynomial with integer coefficients over dim names.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
 pub struct Dim {
-    /// Sorted by [`monomial_order`], no zero coefficients.
-    terms: Vec<(Monomial, i64)>,
+    /// Sorted by [`monomial_order`], no zero coefficients; shared, because node types
+    /// are cloned far more often than dims are computed.
+    terms: Arc<[(Monomial, i64)]>,
 }
 
 fn monomial_order(a: &Monomial, b: &Monomial) -> std::cmp::Ordering {
@@ -33,10 +35,10 @@ impl Dim {
     /// A constant dimension.
     pub fn c(n: i64) -> Dim {
         if n == 0 {
-            Dim { terms: vec![] }
+            Dim::default()
         } else {
             Dim {
-                terms: vec![(vec![], n)],
+                terms: Arc::new([(vec![], n)]),
             }
         }
     }
@@ -44,19 +46,21 @@ impl Dim {
     /// A named symbolic dimension.
     pub fn sym(name: &str) -> Dim {
         Dim {
-            terms: vec![(vec![name.to_string()], 1)],
+            terms: Arc::new([(vec![name.to_string()], 1)]),
         }
     }
 
     fn from_map(map: BTreeMap<Monomial, i64>) -> Dim {
         let mut terms: Vec<(Monomial, i64)> = map.into_iter().filter(|(_, c)| *c != 0).collect();
         terms.sort_by(|a, b| monomial_order(&a.0, &b.0));
-        Dim { terms }
+        Dim {
+            terms: terms.into(),
+        }
     }
 
     /// The value when the dim has no symbols.
     pub fn as_const(&self) -> Option<i64> {
-        match self.terms.as_slice() {
+        match &*self.terms {
             [] => Some(0),
             [(m, c)] if m.is_empty() => Some(*c),
             _ => None,
@@ -65,7 +69,7 @@ impl Dim {
 
     /// The symbol name when the dim is exactly one symbol (`batch`).
     pub fn as_sym(&self) -> Option<&str> {
-        match self.terms.as_slice() {
+        match &*self.terms {
             [(m, 1)] if m.len() == 1 => Some(&m[0]),
             _ => None,
         }
@@ -107,8 +111,8 @@ impl Dim {
 
     pub fn mul(&self, other: &Dim) -> Dim {
         let mut map: BTreeMap<Monomial, i64> = BTreeMap::new();
-        for (ma, ca) in &self.terms {
-            for (mb, cb) in &other.terms {
+        for (ma, ca) in self.terms.iter() {
+            for (mb, cb) in other.terms.iter() {
                 let mut m: Monomial = ma.iter().chain(mb.iter()).cloned().collect();
                 m.sort();
                 *map.entry(m).or_insert(0) += ca * cb;
@@ -133,8 +137,10 @@ impl Dim {
             .terms
             .iter()
             .map(|(m, c)| Some((m.clone(), c.checked_neg()?)))
-            .collect::<Option<_>>()?;
-        Some(Dim { terms })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Dim {
+            terms: terms.into(),
+        })
     }
 
     /// [`Dim::sub`], or `None` where a coefficient overflows.
@@ -145,8 +151,8 @@ impl Dim {
     /// [`Dim::mul`], or `None` where a coefficient overflows.
     pub fn checked_mul(&self, other: &Dim) -> Option<Dim> {
         let mut map: BTreeMap<Monomial, i64> = BTreeMap::new();
-        for (ma, ca) in &self.terms {
-            for (mb, cb) in &other.terms {
+        for (ma, ca) in self.terms.iter() {
+            for (mb, cb) in other.terms.iter() {
                 let mut m: Monomial = ma.iter().chain(mb.iter()).cloned().collect();
                 m.sort();
                 let e = map.entry(m).or_insert(0);
@@ -159,7 +165,7 @@ impl Dim {
     /// The dim with each symbol replaced by a dim from `map` (symbols not in the map stay).
     pub fn subst(&self, map: &BTreeMap<String, Dim>) -> Dim {
         let mut total = Dim::c(0);
-        for (m, c) in &self.terms {
+        for (m, c) in self.terms.iter() {
             let mut v = Dim::c(*c);
             for s in m {
                 v = v.mul(map.get(s).unwrap_or(&Dim::sym(s)));
@@ -172,7 +178,7 @@ impl Dim {
     /// The value of the dim under `bindings` (symbol → size).
     pub fn eval(&self, bindings: &BTreeMap<String, i64>) -> Result<i64, String> {
         let mut total: i64 = 0;
-        for (m, c) in &self.terms {
+        for (m, c) in self.terms.iter() {
             let mut v = *c;
             for s in m {
                 let b = bindings

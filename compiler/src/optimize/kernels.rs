@@ -688,7 +688,7 @@ pub fn class_scopes(source: &Graph, eg: &EG, classes: &[Id]) -> HashMap<Id, Stri
         let c = eg.find(classes[i]);
         let e = m.entry(c).or_default();
         if e.is_empty() {
-            *e = node.scope.clone();
+            *e = node.scope.to_string();
         }
     }
     let mut ids: Vec<Id> = eg.classes().map(|c| c.id).collect();
