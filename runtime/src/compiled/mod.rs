@@ -28,8 +28,10 @@ pub(crate) mod arena;
 pub(crate) mod fallback;
 pub(crate) mod gemm;
 pub(crate) mod launch;
+mod place;
 pub(crate) mod products;
 mod run;
+mod steps;
 
 pub(crate) use arena::*;
 pub use launch::{KernelErrors, RELATIVE_FROM};
