@@ -92,17 +92,7 @@ impl Compiled {
             held: &mut held,
         };
         let placed = self.place(&sources, &mut storage)?;
-        // Which copies each step is the last to read (none while dumping every value).
-        let freed = if dump.is_some() {
-            vec![Vec::new(); self.steps.len()]
-        } else {
-            crate::exec::copies_freed_after(
-                placed.copies.len(),
-                &placed.needs,
-                self.steps.iter().map(|s| s.inputs.as_slice()),
-                self.kg.outputs.iter().map(|(_, v)| *v),
-            )
-        };
+        let freed = self.copies_freed(&placed, dump.is_some());
         let packer = |v: usize, loc: &Loc| self.packed_weight(v, loc, opts.params_version);
         let ctx = launch::RunCtx {
             dims: &dims,
@@ -164,6 +154,19 @@ impl Compiled {
             idle.push(own);
         }
         Ok(out)
+    }
+
+    /// Which view copies each step is the last to read (none while dumping every value).
+    fn copies_freed(&self, placed: &place::Placed, dumping: bool) -> Vec<Vec<usize>> {
+        if dumping {
+            return vec![Vec::new(); self.steps.len()];
+        }
+        crate::exec::copies_freed_after(
+            placed.copies.len(),
+            &placed.needs,
+            self.steps.iter().map(|s| s.inputs.as_slice()),
+            self.kg.outputs.iter().map(|(_, v)| *v),
+        )
     }
 
     /// Inputs read with their rows gathered, with the shape they are read with (their
