@@ -51,10 +51,12 @@ mod binding;
 mod bound;
 mod dloc;
 mod entry_run;
+mod outputs;
 mod phases;
 mod program;
 mod resident;
 mod run;
+mod sources;
 mod training;
 
 use bound::*;
