@@ -1,8 +1,9 @@
 //! The front end under mutated specs (#59): load → parse → elaborate (shape inference
 //! included) → optimize, in-process, on mutants of every spec in `models/` and
 //! `tests/diagnostics/`. Each case must end in a graph or a diagnostic — never a panic —
-//! within a bound ([`CASE_LIMIT`]); a case that panics, or runs past it, is written to
-//! `target/tmp/fuzz_frontend/` to reproduce (`kiln check FILE`).
+//! within a bound ([`CASE_LIMIT`]); a case that panics, or runs past it, is written beside
+//! the spec its seed imports, under `target/tmp/fuzz_frontend/specs/`, to reproduce
+//! (`kiln check FILE`).
 //!
 //! `cargo test` runs [`BOUNDED_CASES`] cases from a fixed seed. A long run (the README's
 //! testing section) sets the case count, a time budget, the bound per case and the seed:
@@ -242,11 +243,10 @@ fn env_u64(key: &str) -> Option<u64> {
     std::env::var(key).ok().and_then(|v| v.parse().ok())
 }
 
-/// Writes the case that failed where a person can run it again.
-fn keep(text: &str, case: u64, why: &str) -> String {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz_frontend");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("case_{case}.kiln"));
+/// Writes the case that failed where a person can run it again: beside the spec its
+/// seed imports, in the scratch folder `dir` of its seed.
+fn keep(dir: &Path, text: &str, case: u64, why: &str) -> String {
+    let path = dir.join(format!("kept_{case}.kiln"));
     std::fs::write(&path, text).unwrap();
     format!(
         "case {case} {why}: reproduce with `kiln check {}`",
@@ -312,12 +312,22 @@ fn mutated_specs_end_in_a_graph_or_a_diagnostic_quickly() {
                     slowest = (took, case);
                 }
                 if took > limit {
-                    failures.push(keep(&text, case, &format!("took {took:.1?}")));
+                    failures.push(keep(
+                        &specs.join(dir),
+                        &text,
+                        case,
+                        &format!("took {took:.1?}"),
+                    ));
                 }
             }
-            Ok((Err(_), _)) => failures.push(keep(&text, case, "panicked")),
+            Ok((Err(_), _)) => failures.push(keep(&specs.join(dir), &text, case, "panicked")),
             Err(_) => {
-                failures.push(keep(&text, case, &format!("ran past {HANG_LIMIT:?}")));
+                failures.push(keep(
+                    &specs.join(dir),
+                    &text,
+                    case,
+                    &format!("ran past {HANG_LIMIT:?}"),
+                ));
                 break;
             }
         }

@@ -53,6 +53,20 @@ fn names_of_a_million_characters_are_refused_at_once() {
     assert_eq!(bytes(&spec), text.as_bytes());
 }
 
+/// The fuzz target's slowest finding: a spec that elaborates to more graph nodes than
+/// the bound (`repeat` counts in the thousands) is refused when it reaches the bound,
+/// naming the bound and the place.
+#[test]
+fn a_model_past_the_node_bound_is_refused() {
+    let spec = root().join("models/parsing.kiln");
+    let err = refused(
+        &["check", spec.to_str().unwrap(), "--set", "n=2200"],
+        1,
+        "the model elaborates to more than 500000 graph nodes",
+    );
+    assert!(err.contains("check the `repeat` counts"), "{err}");
+}
+
 /// Item 11: a spec that never ends (a device) is refused at its size bound, not read
 /// until memory runs out. (An import of one is in the catalog.)
 #[test]
