@@ -154,31 +154,21 @@ pub(super) fn report(a: &BenchArgs, rig: &Rig, m: &Measured) {
     }
 }
 
-fn json(a: &BenchArgs, rig: &Rig, profile: &Profile, sum: &Summary, executor_name: &str) {
-    let Summary {
-        med,
-        min,
-        max,
-        adam_med,
-        tokens,
-        rss,
-        threads,
-    } = *sum;
-    let (compiled, cuda, setup) = (&rig.compiled, &rig.cuda, rig.setup);
-    let obj = serde_json::json!({
+fn json(a: &BenchArgs, rig: &Rig, profile: &Profile, s: &Summary, executor_name: &str) {
+    let (compiled, cuda) = (&rig.compiled, &rig.cuda);
+    let mut obj = serde_json::json!({
         "spec": a.spec.display().to_string(),
         "entry": a.entry,
         "executor": executor_name,
         "batch": a.batch, "src_len": a.src_len, "tgt_len": a.tgt_len,
-        "threads": threads,
+        "threads": s.threads,
         "runs": a.runs, "warmup": a.warmup,
-        "median_ms": med * 1e3, "min_ms": min * 1e3, "max_ms": max * 1e3,
-        "adam_ms": adam_med * 1e3,
-        "tokens_per_s": tokens / med,
-        "peak_rss_bytes": rss,
-        "setup_s": setup,
+        "median_ms": s.med * 1e3, "min_ms": s.min * 1e3, "max_ms": s.max * 1e3,
+        "adam_ms": s.adam_med * 1e3,
+        "tokens_per_s": s.tokens / s.med,
+        "peak_rss_bytes": s.rss,
+        "setup_s": rig.setup,
     });
-    let mut obj = obj;
     if let Some(c) = &compiled {
         obj["arena_bytes"] = serde_json::json!(c.arena_bytes());
         obj["scratch_bytes"] = serde_json::json!(c.scratch_bytes());
