@@ -289,85 +289,8 @@ pub(crate) fn compute<'t>(
                 _ => ctx.value(&[], vec![v as f32]),
             }
         }
-        Op::Reshape { .. } => {
-            let x = arg()?;
-            if x.layout.numel() != numel {
-                return Err(format!(
-                    "internal: cannot reshape {:?} into {shape:?}",
-                    x.shape()
-                ));
-            }
-            match x.layout.reshape(shape) {
-                Some(l) => Value {
-                    data: x.data,
-                    layout: l,
-                },
-                None => {
-                    let m = materialize(&x, ctx);
-                    Value {
-                        data: m.data,
-                        layout: Layout::contiguous(shape),
-                    }
-                }
-            }
-        }
-        Op::Permute { perm } => {
-            let x = arg()?;
-            let fits = perm.len() == x.shape().len()
-                && perm
-                    .iter()
-                    .zip(shape)
-                    .all(|(&p, &d)| x.shape().get(p) == Some(&d));
-            if !fits {
-                return Err(format!(
-                    "internal: permutation {perm:?} does not take {:?} to {shape:?}",
-                    x.shape()
-                ));
-            }
-            let l = x.layout.permute(perm);
-            Value {
-                data: x.data,
-                layout: l,
-            }
-        }
-        Op::Broadcast { .. } => {
-            let x = arg()?;
-            let rank = shape.len();
-            let xs = x.shape();
-            let ok = xs.len() <= rank
-                && xs
-                    .iter()
-                    .enumerate()
-                    .all(|(j, &d)| d == 1 || d == shape[rank - xs.len() + j]);
-            if !ok {
-                return Err(format!("internal: cannot broadcast {xs:?} to {shape:?}"));
-            }
-            let l = x.layout.broadcast(shape);
-            Value {
-                data: x.data,
-                layout: l,
-            }
-        }
-        Op::Slice { axis, start, .. } => {
-            let x = arg()?;
-            let start = start
-                .eval(ctx.dims)
-                .ok()
-                .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| format!("slice start {start} is not a valid index"))?;
-            let (axis, len) = (*axis, shape.get(*axis).copied().unwrap_or(0));
-            let full = x.shape().get(axis).copied().unwrap_or(0);
-            if start + len > full {
-                return Err(format!(
-                    "slice {start}..{} is outside axis {axis} of size {full}",
-                    start + len
-                ));
-            }
-            let l = x.layout.slice(axis, start, len);
-            Value {
-                data: x.data,
-                layout: l,
-            }
+        Op::Reshape { .. } | Op::Permute { .. } | Op::Broadcast { .. } | Op::Slice { .. } => {
+            view_op(op, arg()?, shape, ctx)?
         }
         Op::Unary(u) => unary(ctx, *u, arg()?, shape)?,
         Op::Binary(b) => {
@@ -378,87 +301,9 @@ pub(crate) fn compute<'t>(
             let (x, y) = (arg()?, arg()?);
             compare(ctx, *c, &x, &y, shape)?
         }
-        Op::Where => {
-            let (c, a, b) = (arg()?, arg()?, arg()?);
-            let cv = view::<bool>(&c, "the condition")?;
-            match (&a.data, &b.data) {
-                (Data::F(_), Data::F(_)) => ctx.value(
-                    shape,
-                    map3(
-                        ctx.p(),
-                        cv,
-                        view::<f32>(&a, "a")?,
-                        view::<f32>(&b, "b")?,
-                        |c, a, b| if c { a } else { b },
-                    ),
-                ),
-                (Data::I(_), Data::I(_)) => ctx.value(
-                    shape,
-                    map3(
-                        ctx.p(),
-                        cv,
-                        view::<i32>(&a, "a")?,
-                        view::<i32>(&b, "b")?,
-                        |c, a, b| if c { a } else { b },
-                    ),
-                ),
-                (Data::B(_), Data::B(_)) => ctx.value(
-                    shape,
-                    map3(
-                        ctx.p(),
-                        cv,
-                        view::<bool>(&a, "a")?,
-                        view::<bool>(&b, "b")?,
-                        |c, a, b| if c { a } else { b },
-                    ),
-                ),
-                (x, y) => return Err(format!("values are {} and {}", x.kind(), y.kind())),
-            }
-        }
+        Op::Where => select(ctx, arg()?, arg()?, arg()?, shape)?,
         Op::Cast { to } => cast(ctx, arg()?, *to, shape)?,
-        Op::Reduce { op, axis } => {
-            let x = arg()?;
-            if *axis >= x.shape().len() {
-                return Err(format!(
-                    "internal: axis {axis} of a tensor of shape {:?}",
-                    x.shape()
-                ));
-            }
-            match (&x.data, op) {
-                (Data::F(_), ReduceOp::Sum) => {
-                    let add = |a: f32, b: f32| a + b;
-                    let row = |r: &[f32]| fold_row(r, 0.0, add);
-                    ctx.value(
-                        shape,
-                        reduce(ctx.p(), view::<f32>(&x, "x")?, *axis, 0.0, add, row),
-                    )
-                }
-                (Data::F(_), ReduceOp::Max) => {
-                    let ninf = f32::NEG_INFINITY;
-                    ctx.value(
-                        shape,
-                        reduce(ctx.p(), view::<f32>(&x, "x")?, *axis, ninf, fmax, max_row),
-                    )
-                }
-                (Data::I(_), ReduceOp::Sum) => {
-                    let add = i32::wrapping_add;
-                    let row = |r: &[i32]| fold_row(r, 0, add);
-                    ctx.value(
-                        shape,
-                        reduce(ctx.p(), view::<i32>(&x, "x")?, *axis, 0, add, row),
-                    )
-                }
-                (Data::I(_), ReduceOp::Max) => {
-                    let max = std::cmp::max::<i32>;
-                    let row = |r: &[i32]| fold_row(r, i32::MIN, max);
-                    ctx.value(
-                        shape,
-                        reduce(ctx.p(), view::<i32>(&x, "x")?, *axis, i32::MIN, max, row),
-                    )
-                }
-                (Data::B(_), _) => return Err("reducing bool values".into()),
-            }
-        }
+        Op::Reduce { op, axis } => reduce_op(ctx, *op, *axis, arg()?, shape)?,
         Op::MatMul => {
             let (a, b) = (arg()?, arg()?);
             ctx.value(
@@ -487,19 +332,7 @@ pub(crate) fn compute<'t>(
                 )?,
             )
         }
-        Op::Dropout { p, stream } => {
-            let x = arg()?;
-            let p = p.get();
-            let thr = rng::dropout_threshold(p);
-            let scale = (1.0 / (1.0 - p)) as f32;
-            let key = (ctx.seed, ctx.step, *stream);
-            let mut v = match x.into_unique::<f32>() {
-                Ok(v) => v,
-                Err(x) => to_vec(ctx.p(), view::<f32>(&x, "the operand")?),
-            };
-            chunked(&mut v, |o, lo| dropout_mask(o, lo, key, thr, scale));
-            ctx.value(shape, v)
-        }
+        Op::Dropout { p, stream } => dropout(ctx, arg()?, (p.get(), *stream), shape)?,
         Op::CausalMask { .. } => {
             let [q, k] = shape else {
                 return Err(format!("internal: a mask of shape {shape:?}"));
@@ -560,6 +393,209 @@ pub(crate) fn compute<'t>(
                 None => return Err("internal: concat of nothing".into()),
             }
         }
+    })
+}
+
+/// A view op: the operand's data under a new layout (a reshape the layout cannot express
+/// is a contiguous copy).
+fn view_op<'t>(op: &Op, x: Value<'t>, shape: &[usize], ctx: &Ctx<'_>) -> R<Value<'t>> {
+    let numel: usize = shape.iter().product();
+    Ok(match op {
+        Op::Reshape { .. } => {
+            if x.layout.numel() != numel {
+                return Err(format!(
+                    "internal: cannot reshape {:?} into {shape:?}",
+                    x.shape()
+                ));
+            }
+            match x.layout.reshape(shape) {
+                Some(l) => Value {
+                    data: x.data,
+                    layout: l,
+                },
+                None => {
+                    let m = materialize(&x, ctx);
+                    Value {
+                        data: m.data,
+                        layout: Layout::contiguous(shape),
+                    }
+                }
+            }
+        }
+        Op::Permute { perm } => {
+            let fits = perm.len() == x.shape().len()
+                && perm
+                    .iter()
+                    .zip(shape)
+                    .all(|(&p, &d)| x.shape().get(p) == Some(&d));
+            if !fits {
+                return Err(format!(
+                    "internal: permutation {perm:?} does not take {:?} to {shape:?}",
+                    x.shape()
+                ));
+            }
+            let l = x.layout.permute(perm);
+            Value {
+                data: x.data,
+                layout: l,
+            }
+        }
+        Op::Broadcast { .. } => {
+            let rank = shape.len();
+            let xs = x.shape();
+            let ok = xs.len() <= rank
+                && xs
+                    .iter()
+                    .enumerate()
+                    .all(|(j, &d)| d == 1 || d == shape[rank - xs.len() + j]);
+            if !ok {
+                return Err(format!("internal: cannot broadcast {xs:?} to {shape:?}"));
+            }
+            let l = x.layout.broadcast(shape);
+            Value {
+                data: x.data,
+                layout: l,
+            }
+        }
+        Op::Slice { axis, start, .. } => {
+            let start = start
+                .eval(ctx.dims)
+                .ok()
+                .and_then(|v| usize::try_from(v).ok())
+                .ok_or_else(|| format!("slice start {start} is not a valid index"))?;
+            let (axis, len) = (*axis, shape.get(*axis).copied().unwrap_or(0));
+            let full = x.shape().get(axis).copied().unwrap_or(0);
+            if start + len > full {
+                return Err(format!(
+                    "slice {start}..{} is outside axis {axis} of size {full}",
+                    start + len
+                ));
+            }
+            let l = x.layout.slice(axis, start, len);
+            Value {
+                data: x.data,
+                layout: l,
+            }
+        }
+        other => return Err(format!("internal: `{}` is not a view", other.name())),
+    })
+}
+
+/// `where(c, a, b)`: `a` where `c` holds, else `b`.
+fn select<'t>(
+    ctx: &Ctx<'_>,
+    c: Value<'t>,
+    a: Value<'t>,
+    b: Value<'t>,
+    shape: &[usize],
+) -> R<Value<'t>> {
+    Ok({
+        let cv = view::<bool>(&c, "the condition")?;
+        match (&a.data, &b.data) {
+            (Data::F(_), Data::F(_)) => ctx.value(
+                shape,
+                map3(
+                    ctx.p(),
+                    cv,
+                    view::<f32>(&a, "a")?,
+                    view::<f32>(&b, "b")?,
+                    |c, a, b| if c { a } else { b },
+                ),
+            ),
+            (Data::I(_), Data::I(_)) => ctx.value(
+                shape,
+                map3(
+                    ctx.p(),
+                    cv,
+                    view::<i32>(&a, "a")?,
+                    view::<i32>(&b, "b")?,
+                    |c, a, b| if c { a } else { b },
+                ),
+            ),
+            (Data::B(_), Data::B(_)) => ctx.value(
+                shape,
+                map3(
+                    ctx.p(),
+                    cv,
+                    view::<bool>(&a, "a")?,
+                    view::<bool>(&b, "b")?,
+                    |c, a, b| if c { a } else { b },
+                ),
+            ),
+            (x, y) => return Err(format!("values are {} and {}", x.kind(), y.kind())),
+        }
+    })
+}
+
+/// A sum or max over `axis`.
+fn reduce_op<'t>(
+    ctx: &Ctx<'_>,
+    op: ReduceOp,
+    axis: usize,
+    x: Value<'t>,
+    shape: &[usize],
+) -> R<Value<'t>> {
+    Ok({
+        if axis >= x.shape().len() {
+            return Err(format!(
+                "internal: axis {axis} of a tensor of shape {:?}",
+                x.shape()
+            ));
+        }
+        match (&x.data, op) {
+            (Data::F(_), ReduceOp::Sum) => {
+                let add = |a: f32, b: f32| a + b;
+                let row = |r: &[f32]| fold_row(r, 0.0, add);
+                ctx.value(
+                    shape,
+                    reduce(ctx.p(), view::<f32>(&x, "x")?, axis, 0.0, add, row),
+                )
+            }
+            (Data::F(_), ReduceOp::Max) => {
+                let ninf = f32::NEG_INFINITY;
+                ctx.value(
+                    shape,
+                    reduce(ctx.p(), view::<f32>(&x, "x")?, axis, ninf, fmax, max_row),
+                )
+            }
+            (Data::I(_), ReduceOp::Sum) => {
+                let add = i32::wrapping_add;
+                let row = |r: &[i32]| fold_row(r, 0, add);
+                ctx.value(
+                    shape,
+                    reduce(ctx.p(), view::<i32>(&x, "x")?, axis, 0, add, row),
+                )
+            }
+            (Data::I(_), ReduceOp::Max) => {
+                let max = std::cmp::max::<i32>;
+                let row = |r: &[i32]| fold_row(r, i32::MIN, max);
+                ctx.value(
+                    shape,
+                    reduce(ctx.p(), view::<i32>(&x, "x")?, axis, i32::MIN, max, row),
+                )
+            }
+            (Data::B(_), _) => return Err("reducing bool values".into()),
+        }
+    })
+}
+
+/// Inverted dropout with probability `p`, in place where the operand is not shared.
+fn dropout<'t>(
+    ctx: &Ctx<'_>,
+    x: Value<'t>,
+    (p, stream): (f64, u32),
+    shape: &[usize],
+) -> R<Value<'t>> {
+    Ok({
+        let thr = rng::dropout_threshold(p);
+        let scale = (1.0 / (1.0 - p)) as f32;
+        let key = (ctx.seed, ctx.step, stream);
+        let mut v = match x.into_unique::<f32>() {
+            Ok(v) => v,
+            Err(x) => to_vec(ctx.p(), view::<f32>(&x, "the operand")?),
+        };
+        chunked(&mut v, |o, lo| dropout_mask(o, lo, key, thr, scale));
+        ctx.value(shape, v)
     })
 }
 
