@@ -52,32 +52,7 @@ pub fn inspect(
         plain("kiln::artifact", e.to_string(), help)
     })?;
     let m = &art.manifest;
-    let nvrtc_version = if nvrtc {
-        if m.target() != Target::Cuda {
-            return Err(plain(
-                "kiln::inspect",
-                format!(
-                    "`{}` is a `{}` artifact: it has no CUDA C for NVRTC",
-                    dir.display(),
-                    m.target().name()
-                ),
-                Some("compile one with `kiln compile … --target cuda -o DIR`".to_string()),
-            ));
-        }
-        Some(kiln_runtime::cuda::nvrtc_available().map_err(|e| {
-            plain(
-                "kiln::inspect",
-                e,
-                Some(
-                    "NVRTC needs no GPU: `pip install nvidia-cuda-nvrtc`, then run with \
-                     `LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib`"
-                        .to_string(),
-                ),
-            )
-        })?)
-    } else {
-        None
-    };
+    let nvrtc_version = nvrtc_check(dir, m, nvrtc)?;
     let weights = art
         .weights()
         .map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
@@ -127,122 +102,186 @@ pub fn inspect(
         let _ = writeln!(out, "  hparams: {}", hp.join(" "));
     }
     for e in art.entries() {
-        let me = &e.manifest;
-        let kg = &me.kernel_graph;
-        let counts = kg.counts();
-        let total: usize = counts.values().sum();
-        let _ = writeln!(out, "entry {}", me.name);
-        let per: Vec<String> = counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
-        let _ = writeln!(out, "  kernels: {total} ({})", per.join(", "));
-        let _ = write!(out, "  {}", me.launch.fusions_text(false));
-        let _ = writeln!(
-            out,
-            "  functions: {} ({} bytes of CLIF in {})",
-            e.code.functions.len(),
-            e.clif_bytes,
-            me.clif
-        );
-        if let (Some(c), Some(src)) = (&me.cuda, &e.cuda_source) {
-            use kiln_compiler::codegen::cuda::Library;
-            let (mut gemm, mut attn, mut host) = (0, 0, 0);
-            for k in &c.kernels {
-                match k.library {
-                    Some(Library::Gemm { .. }) => gemm += 1,
-                    Some(Library::Attention { .. }) => attn += 1,
-                    Some(Library::Host) => host += 1,
-                    None => {}
-                }
-            }
-            let _ = writeln!(
-                out,
-                "  cuda: {} functions ({} bytes of CUDA C in {}) for {}; {gemm} cuBLAS GEMMs, \
-                 {attn} attentions, {host} on the host",
-                c.functions.len(),
-                src.len(),
-                c.source,
-                c.arch
-            );
-            if let Some(version) = &nvrtc_version {
-                let mixed = m.options.precision == kiln_compiler::options::Precision::Mixed;
-                let _ = writeln!(out, "{}", nvrtc_summary(version, src, mixed, c, &me.name)?);
-            }
-        }
-        let _ = writeln!(
-            out,
-            "  memory plan: {} buffers in {} slots over {} steps",
-            me.plan.buffers.len(),
-            me.plan.slots,
-            me.plan.steps
-        );
-        let bound: std::collections::BTreeMap<String, i64> = dims
-            .iter()
-            .filter(|(d, _)| me.graph.dims.iter().any(|x| x == d))
-            .map(|(d, v)| (d.to_string(), *v))
-            .collect();
-        let missing: Vec<&String> = me
-            .graph
-            .dims
-            .iter()
-            .filter(|d| !bound.contains_key(*d))
-            .collect();
-        let at: Vec<String> = bound.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        if missing.is_empty() {
-            // The CPU executor writes the outputs straight into the tensors it returns,
-            // outside the arena; the CUDA executor keeps them in its device arena.
-            let external = if m.target() == Target::Cuda {
-                Vec::new()
-            } else {
-                me.plan.output_buffers(kg)
-            };
-            match (
-                me.plan.layout_with(&bound, &external),
-                me.plan.live_peak(&bound),
-            ) {
-                (Ok(l), Ok(peak)) => {
-                    let outside: usize = me
-                        .plan
-                        .buffers
-                        .iter()
-                        .zip(&external)
-                        // A chain written in place holds one output's bytes.
-                        .filter(|(b, &x)| x && b.in_place_of.is_none())
-                        .map(|(b, _)| b.bytes(&bound).unwrap_or(0))
-                        .sum();
-                    let outputs = if outside > 0 {
-                        format!(" (+ {outside} bytes of outputs outside it)")
-                    } else {
-                        String::new()
-                    };
-                    let _ = writeln!(
-                        out,
-                        "  at {}: arena {} bytes{outputs}, live peak {} bytes, unshared {} bytes",
-                        at.join(" "),
-                        l.total,
-                        peak,
-                        l.unshared
-                    );
-                }
-                (Err(e), _) | (_, Err(e)) => {
-                    let _ = writeln!(out, "  at {}: cannot size the plan: {e}", at.join(" "));
-                }
-            }
-        } else {
-            let miss: Vec<&str> = missing.iter().map(|s| s.as_str()).collect();
-            let _ = writeln!(out, "  arena: needs dims {}", miss.join(", "));
-        }
-        if plan_text {
-            let d = if missing.is_empty() {
-                Some(&bound)
-            } else {
-                None
-            };
-            for line in me.plan.text(kg, d).lines() {
-                let _ = writeln!(out, "    {line}");
-            }
-        }
+        write_entry(&mut out, m, e, dims, plan_text, nvrtc_version.as_deref())?;
     }
     out!("{out}");
     Ok(())
+}
+
+/// With `--nvrtc`, NVRTC's version: the artifact must be a CUDA one, and NVRTC present.
+fn nvrtc_check(
+    dir: &Path,
+    m: &kiln_compiler::artifact::Manifest,
+    nvrtc: bool,
+) -> Result<Option<String>, Error> {
+    Ok(if nvrtc {
+        if m.target() != Target::Cuda {
+            return Err(plain(
+                "kiln::inspect",
+                format!(
+                    "`{}` is a `{}` artifact: it has no CUDA C for NVRTC",
+                    dir.display(),
+                    m.target().name()
+                ),
+                Some("compile one with `kiln compile … --target cuda -o DIR`".to_string()),
+            ));
+        }
+        Some(kiln_runtime::cuda::nvrtc_available().map_err(|e| {
+            plain(
+                "kiln::inspect",
+                e,
+                Some(
+                    "NVRTC needs no GPU: `pip install nvidia-cuda-nvrtc`, then run with \
+                     `LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib`"
+                        .to_string(),
+                ),
+            )
+        })?)
+    } else {
+        None
+    })
+}
+
+/// An entry's lines: its kernels and fusions, its code, its CUDA C (compiled by NVRTC
+/// with `--nvrtc`), and its memory plan.
+fn write_entry(
+    out: &mut String,
+    m: &kiln_compiler::artifact::Manifest,
+    e: &kiln_runtime::artifact::ArtifactEntry,
+    dims: &[(&str, i64)],
+    plan_text: bool,
+    nvrtc_version: Option<&str>,
+) -> Result<(), Error> {
+    use std::fmt::Write as _;
+    let me = &e.manifest;
+    let kg = &me.kernel_graph;
+    let counts = kg.counts();
+    let total: usize = counts.values().sum();
+    let _ = writeln!(out, "entry {}", me.name);
+    let per: Vec<String> = counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    let _ = writeln!(out, "  kernels: {total} ({})", per.join(", "));
+    let _ = write!(out, "  {}", me.launch.fusions_text(false));
+    let _ = writeln!(
+        out,
+        "  functions: {} ({} bytes of CLIF in {})",
+        e.code.functions.len(),
+        e.clif_bytes,
+        me.clif
+    );
+    if let (Some(c), Some(src)) = (&me.cuda, &e.cuda_source) {
+        use kiln_compiler::codegen::cuda::Library;
+        let (mut gemm, mut attn, mut host) = (0, 0, 0);
+        for k in &c.kernels {
+            match k.library {
+                Some(Library::Gemm { .. }) => gemm += 1,
+                Some(Library::Attention { .. }) => attn += 1,
+                Some(Library::Host) => host += 1,
+                None => {}
+            }
+        }
+        let _ = writeln!(
+            out,
+            "  cuda: {} functions ({} bytes of CUDA C in {}) for {}; {gemm} cuBLAS GEMMs, \
+             {attn} attentions, {host} on the host",
+            c.functions.len(),
+            src.len(),
+            c.source,
+            c.arch
+        );
+        if let Some(version) = nvrtc_version {
+            let mixed = m.options.precision == kiln_compiler::options::Precision::Mixed;
+            let _ = writeln!(out, "{}", nvrtc_summary(version, src, mixed, c, &me.name)?);
+        }
+    }
+    let _ = writeln!(
+        out,
+        "  memory plan: {} buffers in {} slots over {} steps",
+        me.plan.buffers.len(),
+        me.plan.slots,
+        me.plan.steps
+    );
+    write_memory(out, m, e, dims, plan_text);
+    Ok(())
+}
+
+/// An entry's memory plan: its arena at the dims given (or the dims it needs), and with
+/// `--plan` the plan itself.
+fn write_memory(
+    out: &mut String,
+    m: &kiln_compiler::artifact::Manifest,
+    e: &kiln_runtime::artifact::ArtifactEntry,
+    dims: &[(&str, i64)],
+    plan_text: bool,
+) {
+    use std::fmt::Write as _;
+    let me = &e.manifest;
+    let kg = &me.kernel_graph;
+    let bound: std::collections::BTreeMap<String, i64> = dims
+        .iter()
+        .filter(|(d, _)| me.graph.dims.iter().any(|x| x == d))
+        .map(|(d, v)| (d.to_string(), *v))
+        .collect();
+    let missing: Vec<&String> = me
+        .graph
+        .dims
+        .iter()
+        .filter(|d| !bound.contains_key(*d))
+        .collect();
+    let at: Vec<String> = bound.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if missing.is_empty() {
+        // The CPU executor writes the outputs straight into the tensors it returns,
+        // outside the arena; the CUDA executor keeps them in its device arena.
+        let external = if m.target() == Target::Cuda {
+            Vec::new()
+        } else {
+            me.plan.output_buffers(kg)
+        };
+        match (
+            me.plan.layout_with(&bound, &external),
+            me.plan.live_peak(&bound),
+        ) {
+            (Ok(l), Ok(peak)) => {
+                let outside: usize = me
+                    .plan
+                    .buffers
+                    .iter()
+                    .zip(&external)
+                    // A chain written in place holds one output's bytes.
+                    .filter(|(b, &x)| x && b.in_place_of.is_none())
+                    .map(|(b, _)| b.bytes(&bound).unwrap_or(0))
+                    .sum();
+                let outputs = if outside > 0 {
+                    format!(" (+ {outside} bytes of outputs outside it)")
+                } else {
+                    String::new()
+                };
+                let _ = writeln!(
+                    out,
+                    "  at {}: arena {} bytes{outputs}, live peak {} bytes, unshared {} bytes",
+                    at.join(" "),
+                    l.total,
+                    peak,
+                    l.unshared
+                );
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                let _ = writeln!(out, "  at {}: cannot size the plan: {e}", at.join(" "));
+            }
+        }
+    } else {
+        let miss: Vec<&str> = missing.iter().map(|s| s.as_str()).collect();
+        let _ = writeln!(out, "  arena: needs dims {}", miss.join(", "));
+    }
+    if plan_text {
+        let d = if missing.is_empty() {
+            Some(&bound)
+        } else {
+            None
+        };
+        for line in me.plan.text(kg, d).lines() {
+            let _ = writeln!(out, "    {line}");
+        }
+    }
 }
 
 /// `kiln inspect --nvrtc`: NVRTC compiles `src` (the entry's CUDA C, or with `mixed` its
