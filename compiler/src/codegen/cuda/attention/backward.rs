@@ -1,0 +1,312 @@
+//! The flash backward kernels: the query side, the key/value side, and both in one block
+//! when a head fits one tile.
+
+use super::forward::forward_sweep;
+use super::tiles::{
+    at, dp_product, function, head, lines, load_tile, masked_out, open_kernel, open_tiles,
+    pair_gradient, product, scores, stats_then_dq, store_rows, Index2, Product, Store,
+};
+use super::{params, tile, Part};
+use crate::codegen::cuda::text::{f32_lit, Elem, W};
+use crate::codegen::cuda::{CudaFunction, FOR_BLOCKS};
+use crate::codegen::rows::MaskKind;
+
+/// The query-side backward kernel: `dq` and the row statistics.
+pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::BackwardQ, dk, dv).expect("head sizes checked by the caller");
+    let (pk, pv) = (dk + 1, dv + 1);
+    let ps = params(Part::BackwardQ, mask, e);
+    let mut w = W::new();
+    let what = format!("backward, query side, heads dk = {dk}, dv = {dv}");
+    open_kernel(
+        &mut w,
+        name,
+        &ps,
+        &what,
+        t,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("ss", "T * (T + 1)".into()),
+            ("os", format!("T * {}", dk.max(dv))),
+            ("ms", "T".into()),
+            ("ls", "T".into()),
+            ("as_", "T".into()),
+            ("ds", "T".into()),
+        ],
+    );
+    head(&mut w, Part::BackwardQ, mask);
+    open_tiles(&mut w, e, Part::BackwardQ, "tq");
+    w.l("const long long q0 = r0;");
+    w.l("const int nq = n0;");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
+    forward_sweep(&mut w, e, mask, dk, dv);
+    // D = Σ_c g·o / l, the statistics, then dq from zero.
+    w.open("for (int i = tid; i < nq; i += nt)");
+    w.l("float d = 0.0f;");
+    w.l(format!(
+        "for (int c = 0; c < {dv}; ++c) d = d + gs[i * {pv} + c] * os[i * {dv} + c];"
+    ));
+    stats_then_dq(&mut w, dk);
+    load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
+    w.l("__syncthreads();");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float p = 0.0f, dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    pair_gradient(&mut w, mask, dk, dv, ("ms[i]", "ls[i]", "ds[i]"));
+    w.close();
+    w.l("(void)p;");
+    w.l("ss[i * (T + 1) + j] = dsv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.open(format!("for (int e = tid; e < nq * {dk}; e += nt)"));
+    w.l(format!("const int i = e / {dk}, c = e % {dk};"));
+    w.l("const float* sr = ss + i * (T + 1);");
+    w.l("float acc = os[e];");
+    w.l(format!(
+        "for (int j = 0; j < nk; ++j) acc = acc + sr[j] * ks[j * {pk} + c];"
+    ));
+    w.l("os[e] = acc;");
+    w.close();
+    w.close();
+    w.l("__syncthreads();");
+    store_rows(&mut w, e, ("dq", "q0", "nq"), dk, "os[e]");
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉"), w)
+}
+
+/// The key-side backward kernel: `dk` and `dv` from the row statistics.
+pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::BackwardKv, dk, dv).expect("head sizes checked by the caller");
+    let (pk, pv) = (dk + 1, dv + 1);
+    let ps = params(Part::BackwardKv, mask, e);
+    let mut w = W::new();
+    let what = format!("backward, key side, heads dk = {dk}, dv = {dv}");
+    open_kernel(
+        &mut w,
+        name,
+        &ps,
+        &what,
+        t,
+        &[
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("qs", format!("T * {pk}")),
+            ("gs", format!("T * {pv}")),
+            ("ps", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("dks", format!("T * {dk}")),
+            ("dvs", format!("T * {dv}")),
+            ("st", "T * 3".into()),
+        ],
+    );
+    head(&mut w, Part::BackwardKv, mask);
+    open_tiles(&mut w, e, Part::BackwardKv, "tk");
+    w.l("const long long k0 = r0;");
+    w.l("const int nk = n0;");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) dks[e] = 0.0f;"
+    ));
+    w.l(format!(
+        "for (int e = tid; e < T * {dv}; e += nt) dvs[e] = 0.0f;"
+    ));
+    w.open("for (long long q0 = 0; q0 < tq; q0 += T)");
+    w.l("const int nq = (int)(tq - q0 < T ? tq - q0 : T);");
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
+    w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
+    w.l("__syncthreads();");
+    w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head), in register tiles.");
+    scores(&mut w, dk, mask, "ps");
+    dp_product(&mut w, dv);
+    w.l("__syncthreads();");
+    w.l("// p = exp(s − m)/l and ds = p·(dp − D)·scale (0 where masked and outside the head).");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float p = 0.0f, dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l("p = expf(ps[i * (T + 1) + j] - st[i * 3]) / st[i * 3 + 1];");
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dss[i * (T + 1) + j] - st[i * 3 + 2]) * sc;",
+        masked_out(mask)
+    ));
+    w.close();
+    w.l("ps[i * (T + 1) + j] = p;");
+    w.l("dss[i * (T + 1) + j] = dsv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.l("// dv += pᵀ·g, dk += dsᵀ·q.");
+    let p_ji = |j: &str, i: &str| format!("ps[{i} * (T + 1) + {j}]");
+    let ds_ji = |j: &str, i: &str| format!("dss[{i} * (T + 1) + {j}]");
+    let g_ic = |i: &str, c: &str| format!("gs[{i} * {pv} + {c}]");
+    let q_ic = |i: &str, c: &str| format!("qs[{i} * {pk} + {c}]");
+    let dv_init = |j: &str, c: &str| format!("dvs[{j} * {dv} + {c}]");
+    let dk_init = |j: &str, c: &str| format!("dks[{j} * {dk} + {c}]");
+    let dv_store = |j: &str, c: &str, acc: &str| format!("dvs[{j} * {dv} + {c}] = {acc};");
+    let dk_store = |j: &str, c: &str, acc: &str| format!("dks[{j} * {dk} + {c}] = {acc};");
+    let (dv_s, dk_s) = (dv.to_string(), dk.to_string());
+    let sums: [(&str, &Index2, &Index2, &Index2, &Store); 2] = [
+        (&dv_s, &p_ji, &g_ic, &dv_init, &dv_store),
+        (&dk_s, &ds_ji, &q_ic, &dk_init, &dk_store),
+    ];
+    for (cols, a, b, init, store) in sums {
+        product(
+            &mut w,
+            &Product {
+                rows: "nk",
+                cols,
+                k: "nq",
+                a,
+                b,
+                init: Some(init),
+                store,
+            },
+        );
+    }
+    w.close();
+    w.l("__syncthreads();");
+    store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
+    store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
+    w.close();
+    w.close();
+    function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)
+}
+
+/// The whole backward of one head in one block (see the module documentation); the
+/// caller checks [`super::fits_short`].
+pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
+    let t = tile(Part::Short, dk, dv).expect("head sizes checked by the caller");
+    let (pk, pv) = (dk + 1, dv + 1);
+    let ps = params(Part::Short, mask, e);
+    let mut w = W::new();
+    let what = format!("backward in one block per head, heads dk = {dk}, dv = {dv}");
+    open_kernel(
+        &mut w,
+        name,
+        &ps,
+        &what,
+        t,
+        &[
+            ("qs", format!("T * {pk}")),
+            ("ks", format!("T * {pk}")),
+            ("vs", format!("T * {pv}")),
+            ("gs", format!("T * {pv}")),
+            ("ps", "T * (T + 1)".into()),
+            ("dss", "T * (T + 1)".into()),
+            ("ds", "T".into()),
+        ],
+    );
+    head(&mut w, Part::Short, mask);
+    w.l("const int nq = (int)tq, nk = (int)tk;");
+    w.l("const long long q0 = 0, k0 = 0;");
+    w.open(FOR_BLOCKS);
+    let c = e.c_type();
+    lines(
+        &mut w,
+        &format!(
+            "const long long bh = r, bi = bh / H, hi = bh % H;
+(void)bi;
+const {c}* qh = q + bi * qsb + hi * qsh;
+const {c}* kh = k + bi * ksb + hi * ksh;
+const {c}* vh = v + bi * vsb + hi * vsh;
+const {c}* gh = g + bi * gsb + hi * gsh;"
+        ),
+    );
+    w.l("__syncthreads();");
+    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
+    load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
+    load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
+    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
+    w.l("__syncthreads();");
+    w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head).");
+    scores(&mut w, dk, mask, "ps");
+    dp_product(&mut w, dv);
+    w.l("__syncthreads();");
+    lines(
+        &mut w,
+        &format!(
+            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys
+// (every warp runs the same rows loop).
+for (int i0 = 0; i0 < T; i0 += nw) {{
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* pr = ps + (live ? i : 0) * (T + 1);
+    const float* dpr = dss + (live ? i : 0) * (T + 1);
+    float mx = {ninf};
+    if (live) for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, pr[j]);
+    mx = kiln_warp_max(mx);
+    float z = 0.0f;
+    if (live) for (int j = lane; j < nk; j += wd) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    z = kiln_warp_sum(z);
+    float d = 0.0f;
+    if (live) for (int j = lane; j < nk; j += wd) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
+    d = kiln_warp_sum(d);
+    if (live && lane == 0) ds[i] = d;
+}}
+__syncthreads();",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+    w.l("// ds = p·(dp − D)·scale, 0 where masked and outside the head.");
+    w.open("for (int e = tid; e < T * T; e += nt)");
+    w.l("const int i = e / T, j = e % T;");
+    w.l("float dsv = 0.0f;");
+    w.open("if (i < nq && j < nk)");
+    w.l("const long long qrow = q0 + i, krow = k0 + j;");
+    w.l("(void)qrow; (void)krow;");
+    w.l("const float p = ps[i * (T + 1) + j];");
+    w.l(format!(
+        "dsv = {} ? 0.0f : p * (dss[i * (T + 1) + j] - ds[i]) * sc;",
+        masked_out(mask)
+    ));
+    w.close();
+    w.l("dss[i * (T + 1) + j] = dsv;");
+    w.close();
+    w.l("__syncthreads();");
+    w.l("// dq = ds·k, dk = dsᵀ·q, dv = pᵀ·g.");
+    let ds_ij = |i: &str, j: &str| format!("dss[{i} * (T + 1) + {j}]");
+    let ds_ji = |j: &str, i: &str| format!("dss[{i} * (T + 1) + {j}]");
+    let p_ji = |j: &str, i: &str| format!("ps[{i} * (T + 1) + {j}]");
+    let k_jc = |j: &str, c: &str| format!("ks[{j} * {pk} + {c}]");
+    let q_ic = |i: &str, c: &str| format!("qs[{i} * {pk} + {c}]");
+    let g_ic = |i: &str, c: &str| format!("gs[{i} * {pv} + {c}]");
+    let outputs: [(&str, &str, &str, usize, &Index2, &Index2); 3] = [
+        ("dq", "tq", "nk", dk, &ds_ij, &k_jc),
+        ("dk", "tk", "nq", dk, &ds_ji, &q_ic),
+        ("dv", "tk", "nq", dv, &p_ji, &g_ic),
+    ];
+    for (out, len, k, d, a, b) in outputs {
+        let rows = if len == "tq" { "nq" } else { "nk" };
+        let store = |i: &str, c: &str, acc: &str| {
+            format!("{} = {};", at(out, "bi", "hi", i, c), e.store(acc))
+        };
+        product(
+            &mut w,
+            &Product {
+                rows,
+                cols: &d.to_string(),
+                k,
+                a,
+                b,
+                init: None,
+                store: &store,
+            },
+        );
+    }
+    w.close();
+    w.close();
+    function(name, ps, "heads b·h", w)
+}
