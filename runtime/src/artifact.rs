@@ -136,121 +136,8 @@ pub fn is_artifact_dir(dir: &Path) -> bool {
 impl Artifact {
     /// Loads and checks the artifact at `dir` (see the module documentation).
     pub fn load(dir: &Path) -> Result<Artifact, ArtifactError> {
-        if dir.exists() && !dir.is_dir() {
-            return Err(ArtifactError::NotADirectory {
-                path: dir.to_path_buf(),
-            });
-        }
-        if !dir.is_dir() {
-            return Err(ArtifactError::NotFound {
-                path: dir.to_path_buf(),
-            });
-        }
-        let mpath = dir.join(MANIFEST_FILE);
-        if !mpath.is_file() {
-            return Err(ArtifactError::MissingManifest {
-                dir: dir.to_path_buf(),
-                file: MANIFEST_FILE,
-            });
-        }
-        let bytes = std::fs::read(&mpath).map_err(io_err("read", &mpath))?;
-        // Format and version first, from an untyped parse: a newer layout must give the
-        // version error, not a schema error.
-        let value: serde_json::Value =
-            serde_json::from_slice(&bytes).map_err(|e| ArtifactError::BadManifest {
-                path: mpath.clone(),
-                message: format!("not JSON: {e}"),
-            })?;
-        let format = value.get("format").and_then(|f| f.as_str()).unwrap_or("");
-        if format != ARTIFACT_FORMAT {
-            return Err(ArtifactError::WrongFormat {
-                path: mpath,
-                found: format.to_string(),
-            });
-        }
-        let version = value
-            .get("version")
-            .and_then(|v| v.as_u64())
-            .ok_or_else(|| ArtifactError::BadManifest {
-                path: mpath.clone(),
-                message: "no `version` number".to_string(),
-            })?;
-        if version != u64::from(ARTIFACT_VERSION) {
-            return Err(ArtifactError::Version {
-                path: mpath,
-                found: version,
-            });
-        }
-        let mut manifest: Manifest =
-            serde_json::from_value(value).map_err(|e| ArtifactError::BadManifest {
-                path: mpath.clone(),
-                message: e.to_string(),
-            })?;
-        // The manifest itself: its graphs, kernels and memory plans are trusted by the
-        // executors (a damaged plan would place buffers over each other).
-        let recorded = &manifest.manifest_hash;
-        let found = manifest.digest().map_err(|e| ArtifactError::BadManifest {
-            path: mpath.clone(),
-            message: e.to_string(),
-        })?;
-        if &found != recorded {
-            return Err(ArtifactError::BadManifest {
-                path: mpath.clone(),
-                message: format!(
-                    "its SHA-256 is {found}, not the `{recorded}` recorded in it: it was \
-                     modified or damaged after `kiln compile` wrote it"
-                ),
-            });
-        }
-
-        // Every listed file: present, same size, same hash.
-        let mut contents: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-        for (rel, rec) in &manifest.files {
-            if rel.split('/').any(|c| c == ".." || c.is_empty()) || rel.starts_with('/') {
-                return Err(ArtifactError::BadManifest {
-                    path: mpath.clone(),
-                    message: format!("file `{rel}` is not a path inside the artifact"),
-                });
-            }
-            let path = dir.join(rel);
-            if !path.is_file() {
-                return Err(ArtifactError::MissingFile { path });
-            }
-            let data = std::fs::read(&path).map_err(io_err("read", &path))?;
-            if data.len() as u64 != rec.bytes {
-                return Err(ArtifactError::Corrupt {
-                    path,
-                    what: format!(
-                        "it has {} bytes, the manifest records {}",
-                        data.len(),
-                        rec.bytes
-                    ),
-                });
-            }
-            let h = kiln_compiler::fsync::sha256_hex(&data);
-            if h != rec.sha256 {
-                return Err(ArtifactError::Corrupt {
-                    path,
-                    what: format!("its SHA-256 is {h}, the manifest records {}", rec.sha256),
-                });
-            }
-            if rel != WEIGHTS_FILE {
-                contents.insert(rel.clone(), data);
-            }
-        }
-        if !manifest.files.contains_key(WEIGHTS_FILE) {
-            return Err(ArtifactError::BadManifest {
-                path: mpath,
-                message: format!("`{WEIGHTS_FILE}` is not in the files table"),
-            });
-        }
-        if manifest.entries.is_empty() {
-            return Err(ArtifactError::BadManifest {
-                path: mpath,
-                message: "it lists no entry points".to_string(),
-            });
-        }
-
+        let (mut manifest, mpath) = read_manifest(dir)?;
+        let mut contents = read_files(dir, &manifest, &mpath)?;
         let mut entries = Vec::with_capacity(manifest.entries.len());
         let mut clif_files: Vec<String> = manifest.entries.iter().map(|e| e.clif.clone()).collect();
         clif_files.extend(
@@ -259,139 +146,8 @@ impl Artifact {
                 .iter()
                 .filter_map(|e| e.cuda.as_ref().map(|c| c.source.clone())),
         );
-        let cuda_target = manifest.target() == kiln_compiler::optimize::Target::Cuda;
         for e in std::mem::take(&mut manifest.entries) {
-            let cpath = dir.join(&e.clif);
-            let Some(data) = contents.get(&e.clif) else {
-                return Err(ArtifactError::BadManifest {
-                    path: mpath,
-                    message: format!(
-                        "entry `{}`: its CLIF file `{}` is not in the files table",
-                        e.name, e.clif
-                    ),
-                });
-            };
-            let corrupt = |what: String| ArtifactError::Corrupt {
-                path: cpath.clone(),
-                what,
-            };
-            let text = std::str::from_utf8(data)
-                .map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
-            let functions = split_functions(text).map_err(corrupt)?;
-            let names: Vec<&String> = functions.iter().map(|(n, _)| n).collect();
-            let want: Vec<&String> = e.functions.iter().collect();
-            if names != want {
-                return Err(corrupt(format!(
-                    "it defines functions {names:?}, the manifest lists {want:?}"
-                )));
-            }
-            e.graph.verify().map_err(|err| ArtifactError::BadManifest {
-                path: mpath.clone(),
-                message: format!("entry `{}`: the graph is corrupt: {err}", e.name),
-            })?;
-            e.kernel_graph
-                .verify()
-                .map_err(|err| ArtifactError::BadManifest {
-                    path: mpath.clone(),
-                    message: format!("entry `{}`: the kernel graph is corrupt: {err}", e.name),
-                })?;
-            // The memory plan is a function of the kernel graph; the executors place every
-            // buffer by it, so one that differs (a manifest edited and hashed again) is
-            // refused rather than trusted.
-            let planned = kiln_compiler::plan::MemoryPlan::build_reusing(
-                &e.kernel_graph,
-                &|_, _| kiln_compiler::plan::ELEM_BYTES,
-                manifest.options.buffer_reuse,
-            );
-            // A plan derived from the kernel graph that the manifest records otherwise.
-            let edited = |what: &str| ArtifactError::BadManifest {
-                path: mpath.clone(),
-                message: format!(
-                    "entry `{}`: the {what} is not the one its kernel graph gives; it was \
-                     modified or damaged",
-                    e.name
-                ),
-            };
-            if e.plan != planned {
-                return Err(edited("memory plan"));
-            }
-            let code = CpuCode {
-                functions,
-                kernels: e
-                    .launch
-                    .launches
-                    .iter()
-                    .map(|l| l.functions.clone())
-                    .collect(),
-            };
-            // So is the launch plan, with the code's functions: what the executors replay
-            // must be what the compiler decided, not an edited list.
-            let launch = kiln_compiler::launch_plan::LaunchPlan::build(
-                &e.kernel_graph,
-                &code,
-                &e.plan,
-                &manifest.options,
-            );
-            if launch.as_ref() != Ok(&e.launch) {
-                return Err(edited("launch plan"));
-            }
-            let cuda_source = match (&e.cuda, cuda_target) {
-                (None, false) => None,
-                (Some(_), false) | (None, true) => {
-                    return Err(ArtifactError::BadManifest {
-                        path: mpath,
-                        message: format!(
-                            "entry `{}` {} CUDA code, but the target is `{}`",
-                            e.name,
-                            if e.cuda.is_some() { "has" } else { "lacks" },
-                            manifest.target().name()
-                        ),
-                    })
-                }
-                (Some(c), true) => {
-                    let upath = dir.join(&c.source);
-                    let Some(data) = contents.get(&c.source) else {
-                        return Err(ArtifactError::BadManifest {
-                            path: mpath,
-                            message: format!(
-                                "entry `{}`: its CUDA file `{}` is not in the files table",
-                                e.name, c.source
-                            ),
-                        });
-                    };
-                    let corrupt = |what: String| ArtifactError::Corrupt {
-                        path: upath.clone(),
-                        what,
-                    };
-                    let text = std::str::from_utf8(data)
-                        .map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
-                    let names = kiln_compiler::artifact::cuda_function_names(text);
-                    let want: Vec<String> = c.functions.iter().map(|f| f.name.clone()).collect();
-                    if names != want {
-                        return Err(corrupt(format!(
-                            "it defines functions {names:?}, the manifest lists {want:?}"
-                        )));
-                    }
-                    if c.kernels.len() != e.launch.launches.len() {
-                        return Err(ArtifactError::BadManifest {
-                            path: mpath,
-                            message: format!(
-                                "entry `{}`: {} CUDA kernel launches for {} kernels",
-                                e.name,
-                                c.kernels.len(),
-                                e.launch.launches.len()
-                            ),
-                        });
-                    }
-                    Some(text.to_string())
-                }
-            };
-            entries.push(ArtifactEntry {
-                clif_bytes: data.len(),
-                manifest: e,
-                code,
-                cuda_source,
-            });
+            entries.push(load_entry(dir, &mpath, &manifest, e, &contents)?);
         }
         contents.retain(|rel, _| !clif_files.contains(rel));
         Ok(Artifact {
@@ -501,4 +257,288 @@ impl Artifact {
             .map(|r| r.bytes)
             .unwrap_or(0)
     }
+}
+
+/// Reads `dir`'s manifest and checks its format, version and own digest.
+fn read_manifest(dir: &Path) -> Result<(Manifest, PathBuf), ArtifactError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(ArtifactError::NotADirectory {
+            path: dir.to_path_buf(),
+        });
+    }
+    if !dir.is_dir() {
+        return Err(ArtifactError::NotFound {
+            path: dir.to_path_buf(),
+        });
+    }
+    let mpath = dir.join(MANIFEST_FILE);
+    if !mpath.is_file() {
+        return Err(ArtifactError::MissingManifest {
+            dir: dir.to_path_buf(),
+            file: MANIFEST_FILE,
+        });
+    }
+    let bytes = std::fs::read(&mpath).map_err(io_err("read", &mpath))?;
+    // Format and version first, from an untyped parse: a newer layout must give the
+    // version error, not a schema error.
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| ArtifactError::BadManifest {
+            path: mpath.clone(),
+            message: format!("not JSON: {e}"),
+        })?;
+    let format = value.get("format").and_then(|f| f.as_str()).unwrap_or("");
+    if format != ARTIFACT_FORMAT {
+        return Err(ArtifactError::WrongFormat {
+            path: mpath,
+            found: format.to_string(),
+        });
+    }
+    let version = value
+        .get("version")
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| ArtifactError::BadManifest {
+            path: mpath.clone(),
+            message: "no `version` number".to_string(),
+        })?;
+    if version != u64::from(ARTIFACT_VERSION) {
+        return Err(ArtifactError::Version {
+            path: mpath,
+            found: version,
+        });
+    }
+    let manifest: Manifest =
+        serde_json::from_value(value).map_err(|e| ArtifactError::BadManifest {
+            path: mpath.clone(),
+            message: e.to_string(),
+        })?;
+    // The manifest itself: its graphs, kernels and memory plans are trusted by the
+    // executors (a damaged plan would place buffers over each other).
+    let recorded = &manifest.manifest_hash;
+    let found = manifest.digest().map_err(|e| ArtifactError::BadManifest {
+        path: mpath.clone(),
+        message: e.to_string(),
+    })?;
+    if &found != recorded {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.clone(),
+            message: format!(
+                "its SHA-256 is {found}, not the `{recorded}` recorded in it: it was \
+                 modified or damaged after `kiln compile` wrote it"
+            ),
+        });
+    }
+    Ok((manifest, mpath))
+}
+
+/// Reads every file the manifest lists, each checked to be inside the artifact, present,
+/// of the recorded size and SHA-256; returns all but the weights.
+fn read_files(
+    dir: &Path,
+    manifest: &Manifest,
+    mpath: &Path,
+) -> Result<BTreeMap<String, Vec<u8>>, ArtifactError> {
+    // Every listed file: present, same size, same hash.
+    let mut contents: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for (rel, rec) in &manifest.files {
+        if rel.split('/').any(|c| c == ".." || c.is_empty()) || rel.starts_with('/') {
+            return Err(ArtifactError::BadManifest {
+                path: mpath.to_path_buf(),
+                message: format!("file `{rel}` is not a path inside the artifact"),
+            });
+        }
+        let path = dir.join(rel);
+        if !path.is_file() {
+            return Err(ArtifactError::MissingFile { path });
+        }
+        let data = std::fs::read(&path).map_err(io_err("read", &path))?;
+        if data.len() as u64 != rec.bytes {
+            return Err(ArtifactError::Corrupt {
+                path,
+                what: format!(
+                    "it has {} bytes, the manifest records {}",
+                    data.len(),
+                    rec.bytes
+                ),
+            });
+        }
+        let h = kiln_compiler::fsync::sha256_hex(&data);
+        if h != rec.sha256 {
+            return Err(ArtifactError::Corrupt {
+                path,
+                what: format!("its SHA-256 is {h}, the manifest records {}", rec.sha256),
+            });
+        }
+        if rel != WEIGHTS_FILE {
+            contents.insert(rel.clone(), data);
+        }
+    }
+    if !manifest.files.contains_key(WEIGHTS_FILE) {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: format!("`{WEIGHTS_FILE}` is not in the files table"),
+        });
+    }
+    if manifest.entries.is_empty() {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: "it lists no entry points".to_string(),
+        });
+    }
+    Ok(contents)
+}
+
+/// One entry of the manifest with its code: the CLIF (and CUDA C) defining exactly the
+/// listed functions, the graphs verified, the memory and launch plans those the kernel
+/// graph gives.
+fn load_entry(
+    dir: &Path,
+    mpath: &Path,
+    manifest: &Manifest,
+    e: ManifestEntry,
+    contents: &BTreeMap<String, Vec<u8>>,
+) -> Result<ArtifactEntry, ArtifactError> {
+    let cpath = dir.join(&e.clif);
+    let Some(data) = contents.get(&e.clif) else {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: format!(
+                "entry `{}`: its CLIF file `{}` is not in the files table",
+                e.name, e.clif
+            ),
+        });
+    };
+    let corrupt = |what: String| ArtifactError::Corrupt {
+        path: cpath.clone(),
+        what,
+    };
+    let text =
+        std::str::from_utf8(data).map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
+    let functions = split_functions(text).map_err(corrupt)?;
+    let names: Vec<&String> = functions.iter().map(|(n, _)| n).collect();
+    let want: Vec<&String> = e.functions.iter().collect();
+    if names != want {
+        return Err(corrupt(format!(
+            "it defines functions {names:?}, the manifest lists {want:?}"
+        )));
+    }
+    e.graph.verify().map_err(|err| ArtifactError::BadManifest {
+        path: mpath.to_path_buf(),
+        message: format!("entry `{}`: the graph is corrupt: {err}", e.name),
+    })?;
+    e.kernel_graph
+        .verify()
+        .map_err(|err| ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: format!("entry `{}`: the kernel graph is corrupt: {err}", e.name),
+        })?;
+    // The memory plan is a function of the kernel graph; the executors place every
+    // buffer by it, so one that differs (a manifest edited and hashed again) is
+    // refused rather than trusted.
+    let planned = kiln_compiler::plan::MemoryPlan::build_reusing(
+        &e.kernel_graph,
+        &|_, _| kiln_compiler::plan::ELEM_BYTES,
+        manifest.options.buffer_reuse,
+    );
+    // A plan derived from the kernel graph that the manifest records otherwise.
+    let edited = |what: &str| ArtifactError::BadManifest {
+        path: mpath.to_path_buf(),
+        message: format!(
+            "entry `{}`: the {what} is not the one its kernel graph gives; it was \
+             modified or damaged",
+            e.name
+        ),
+    };
+    if e.plan != planned {
+        return Err(edited("memory plan"));
+    }
+    let code = CpuCode {
+        functions,
+        kernels: e
+            .launch
+            .launches
+            .iter()
+            .map(|l| l.functions.clone())
+            .collect(),
+    };
+    // So is the launch plan, with the code's functions: what the executors replay
+    // must be what the compiler decided, not an edited list.
+    let launch = kiln_compiler::launch_plan::LaunchPlan::build(
+        &e.kernel_graph,
+        &code,
+        &e.plan,
+        &manifest.options,
+    );
+    if launch.as_ref() != Ok(&e.launch) {
+        return Err(edited("launch plan"));
+    }
+    let cuda_source = match (
+        &e.cuda,
+        manifest.target() == kiln_compiler::optimize::Target::Cuda,
+    ) {
+        (None, false) => None,
+        (Some(_), false) | (None, true) => {
+            return Err(ArtifactError::BadManifest {
+                path: mpath.to_path_buf(),
+                message: format!(
+                    "entry `{}` {} CUDA code, but the target is `{}`",
+                    e.name,
+                    if e.cuda.is_some() { "has" } else { "lacks" },
+                    manifest.target().name()
+                ),
+            })
+        }
+        (Some(c), true) => Some(cuda_source(dir, mpath, &e, c, contents)?),
+    };
+    Ok(ArtifactEntry {
+        clif_bytes: data.len(),
+        manifest: e,
+        code,
+        cuda_source,
+    })
+}
+
+/// An entry's CUDA C, checked to define exactly the manifest's functions, with one launch
+/// per kernel of the launch plan.
+fn cuda_source(
+    dir: &Path,
+    mpath: &Path,
+    e: &ManifestEntry,
+    c: &kiln_compiler::artifact::CudaManifest,
+    contents: &BTreeMap<String, Vec<u8>>,
+) -> Result<String, ArtifactError> {
+    let upath = dir.join(&c.source);
+    let Some(data) = contents.get(&c.source) else {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: format!(
+                "entry `{}`: its CUDA file `{}` is not in the files table",
+                e.name, c.source
+            ),
+        });
+    };
+    let corrupt = |what: String| ArtifactError::Corrupt {
+        path: upath.clone(),
+        what,
+    };
+    let text =
+        std::str::from_utf8(data).map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
+    let names = kiln_compiler::artifact::cuda_function_names(text);
+    let want: Vec<String> = c.functions.iter().map(|f| f.name.clone()).collect();
+    if names != want {
+        return Err(corrupt(format!(
+            "it defines functions {names:?}, the manifest lists {want:?}"
+        )));
+    }
+    if c.kernels.len() != e.launch.launches.len() {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: format!(
+                "entry `{}`: {} CUDA kernel launches for {} kernels",
+                e.name,
+                c.kernels.len(),
+                e.launch.launches.len()
+            ),
+        });
+    }
+    Ok(text.to_string())
 }

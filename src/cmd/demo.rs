@@ -14,6 +14,7 @@ use kiln_dsl::Error;
 use kiln_runtime::bleu::{corpus_bleu, BleuOptions};
 use kiln_runtime::checkpoint;
 use kiln_runtime::config::Config;
+use kiln_runtime::data::Tokenizer;
 use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
 use kiln_runtime::synthetic::Task;
 use kiln_runtime::tokenizer::prepare_tokenizer;
@@ -121,6 +122,7 @@ fn clear_demo_dir(dir: &Path) -> Result<(), Error> {
 pub fn demo(a: DemoArgs) -> Result<(), Error> {
     let dir = a
         .dir
+        .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("kiln-demo-{}", std::process::id())));
     clear_demo_dir(&dir)?;
     std::fs::create_dir_all(&dir).map_err(|e| {
@@ -130,49 +132,7 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             None,
         )
     })?;
-    let write = |name: &str, text: &str| {
-        std::fs::write(dir.join(name), text).map_err(|e| {
-            plain(
-                "kiln::io",
-                format!("cannot write `{}`: {e}", dir.join(name).display()),
-                None,
-            )
-        })
-    };
-    // The task: 3 to 8 words; disjoint draws for training, validation and test.
-    let task = Task::new(2026, 3, 8);
-    let (train, valid, test) = (
-        task.pairs(1, 20_000),
-        task.pairs(2, 100),
-        task.pairs(3, 200),
-    );
-    for (name, pairs) in [("train", &train), ("valid", &valid)] {
-        write(&format!("{name}.src"), &join(pairs.iter().map(|p| &p.0)))?;
-        write(&format!("{name}.tgt"), &join(pairs.iter().map(|p| &p.1)))?;
-    }
-    write("transformer_base.kiln", BASE)?;
-    write(
-        "demo.yaml",
-        &format!(
-            "model:\n  spec: transformer_base.kiln\n  set: {{d_model: 48, d_ff: 96, h: 4, n: 2, p_drop: 0.0, eps_ls: 0.1}}\n\
-             data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 256, max_len: 32}}\n\
-             batch: {{max_src_tokens: 600, max_tgt_tokens: 600, update_freq: 1}}\n\
-             schedule: {{warmup: 300, factor: 1.0}}\n\
-             train: {{max_steps: {}, max_seconds: {}, executor: compiled, log_every: 50, seed: 1}}\n\
-             checkpoint: {{dir: run, every: 100, keep: 5}}\n\
-             valid: {{every: 250, beam: 4, max_sentences: 50}}\n",
-            a.steps.unwrap_or(100_000),
-            if a.steps.is_some() {
-                0
-            } else {
-                a.seconds
-            }
-        ),
-    )?;
-    outln!("kiln demo — the paper's Transformer, small, on a generated translation task");
-    outln!("  task: reverse a sentence of 3-8 words and translate every word (100-word lexicon)");
-    outln!("  e.g. {:?} → {:?}", train[0].0, train[0].1);
-    outln!("  working directory: {}", dir.display());
+    let test = write_inputs(&dir, &a)?;
     let cfg = Config::load(&dir.join("demo.yaml")).map_err(err("kiln::config"))?;
     let (tok, note) = prepare_tokenizer(&cfg).map_err(err("kiln::train"))?;
     outln!("  {note}");
@@ -194,8 +154,89 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         s.tokens_per_second,
         s.last_loss
     );
-    // Held-out test set, beam 4 with the paper's length penalty: the last weights, then
-    // the average of the last five checkpoints (the paper averages the last 5 or 20).
+    let best = evaluate_test(&trainer, &tok, &test, s.steps)?;
+    write_file(&dir, "test.src", &join(test.iter().map(|p| &p.0)))?;
+    write_file(&dir, "test.tgt", &join(test.iter().map(|p| &p.1)))?;
+    write_file(&dir, "test.hyp", &join(best.hyps.iter()))?;
+    outln!(
+        "  run directory (checkpoints, metrics.jsonl, training.png): {}",
+        Path::new(&dir).join("run").display()
+    );
+    outln!(
+        "  test set and beam output: {}/test.{{src,tgt,hyp}}",
+        dir.display()
+    );
+    Ok(())
+}
+
+fn write_file(dir: &Path, name: &str, text: &str) -> Result<(), Error> {
+    std::fs::write(dir.join(name), text).map_err(|e| {
+        plain(
+            "kiln::io",
+            format!("cannot write `{}`: {e}", dir.join(name).display()),
+            None,
+        )
+    })
+}
+
+/// Writes the task's training and validation data, the spec and the config into `dir`,
+/// says what the demo does, and returns the held-out test pairs.
+fn write_inputs(dir: &Path, a: &DemoArgs) -> Result<Vec<(String, String)>, Error> {
+    // The task: 3 to 8 words; disjoint draws for training, validation and test.
+    let task = Task::new(2026, 3, 8);
+    let (train, valid, test) = (
+        task.pairs(1, 20_000),
+        task.pairs(2, 100),
+        task.pairs(3, 200),
+    );
+    for (name, pairs) in [("train", &train), ("valid", &valid)] {
+        write_file(
+            dir,
+            &format!("{name}.src"),
+            &join(pairs.iter().map(|p| &p.0)),
+        )?;
+        write_file(
+            dir,
+            &format!("{name}.tgt"),
+            &join(pairs.iter().map(|p| &p.1)),
+        )?;
+    }
+    write_file(dir, "transformer_base.kiln", BASE)?;
+    write_file(
+        dir,
+        "demo.yaml",
+        &format!(
+            "model:\n  spec: transformer_base.kiln\n  set: {{d_model: 48, d_ff: 96, h: 4, n: 2, p_drop: 0.0, eps_ls: 0.1}}\n\
+             data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 256, max_len: 32}}\n\
+             batch: {{max_src_tokens: 600, max_tgt_tokens: 600, update_freq: 1}}\n\
+             schedule: {{warmup: 300, factor: 1.0}}\n\
+             train: {{max_steps: {}, max_seconds: {}, executor: compiled, log_every: 50, seed: 1}}\n\
+             checkpoint: {{dir: run, every: 100, keep: 5}}\n\
+             valid: {{every: 250, beam: 4, max_sentences: 50}}\n",
+            a.steps.unwrap_or(100_000),
+            if a.steps.is_some() {
+                0
+            } else {
+                a.seconds
+            }
+        ),
+    )?;
+    outln!("kiln demo — the paper's Transformer, small, on a generated translation task");
+    outln!("  task: reverse a sentence of 3-8 words and translate every word (100-word lexicon)");
+    outln!("  e.g. {:?} → {:?}", train[0].0, train[0].1);
+    outln!("  working directory: {}", dir.display());
+    Ok(test)
+}
+
+/// Beam-decodes the held-out test set (beam 4, the paper's length penalty) with the last
+/// weights, then with the average of the last five checkpoints (the paper averages the
+/// last 5 or 20), prints both and three examples, and returns the better.
+fn evaluate_test(
+    trainer: &Trainer,
+    tok: &Tokenizer,
+    test: &[(String, String)],
+    steps: u64,
+) -> Result<Scored, Error> {
     let set = trainer.graphs();
     let kind = kiln_runtime::exec::ExecutorKind::Compiled;
     let encode =
@@ -247,15 +288,10 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     };
     let last = evaluate(trainer.params())?;
     let ckpts = checkpoint::list(&trainer.checkpoint_root()).map_err(err("kiln::demo"))?;
-    let recent: Vec<&Path> = ckpts
-        .iter()
-        .rev()
-        .take(5)
-        .rev()
-        .map(|c| c.dir.as_path())
-        .collect();
+    let recent: Vec<&checkpoint::Checkpoint> = ckpts.iter().rev().take(5).rev().collect();
     let averaged = if recent.len() >= 2 {
-        let p = checkpoint::average(&recent).map_err(err("kiln::demo"))?;
+        let dirs: Vec<&Path> = recent.iter().map(|c| c.dir.as_path()).collect();
+        let p = checkpoint::average(&dirs).map_err(err("kiln::demo"))?;
         Some(evaluate(&p)?)
     } else {
         None
@@ -267,10 +303,15 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
     );
     // The result is the better of the two (the average is usually, not always: a short
     // run's early checkpoints pull it back), and says which it is.
-    let (best, which) = match &averaged {
-        Some(a) if a.rank >= last.rank => (a, "the average"),
-        Some(_) => (&last, "the last weights, better than the average"),
-        None => (&last, "the last weights"),
+    let use_average = averaged.as_ref().is_some_and(|a| a.rank >= last.rank);
+    let which = match (&averaged, use_average) {
+        (Some(_), true) => "the average",
+        (Some(_), false) => "the last weights, better than the average",
+        (None, _) => "the last weights",
+    };
+    let best = match &averaged {
+        Some(a) if use_average => a,
+        _ => &last,
     };
     for i in 0..3.min(test.len()) {
         outln!(
@@ -284,15 +325,9 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
             }
         );
     }
-    outln!("  last weights (step {}):      {}", s.steps, last.line);
+    outln!("  last weights (step {steps}):      {}", last.line);
     if let Some(a) = &averaged {
-        let steps: Vec<String> = ckpts
-            .iter()
-            .rev()
-            .take(recent.len())
-            .rev()
-            .map(|c| c.step.to_string())
-            .collect();
+        let steps: Vec<String> = recent.iter().map(|c| c.step.to_string()).collect();
         outln!(
             "  average of {} checkpoints (steps {}):  {}",
             recent.len(),
@@ -301,18 +336,10 @@ pub fn demo(a: DemoArgs) -> Result<(), Error> {
         );
     }
     outln!("  result ({which}): {}", best.line);
-    write("test.src", &join(test.iter().map(|p| &p.0)))?;
-    write("test.tgt", &join(refs.iter()))?;
-    write("test.hyp", &join(best.hyps.iter()))?;
-    outln!(
-        "  run directory (checkpoints, metrics.jsonl, training.png): {}",
-        Path::new(&dir).join("run").display()
-    );
-    outln!(
-        "  test set and beam output: {}/test.{{src,tgt,hyp}}",
-        dir.display()
-    );
-    Ok(())
+    Ok(match averaged {
+        Some(a) if use_average => a,
+        _ => last,
+    })
 }
 
 /// One decoding of the test set.
