@@ -60,9 +60,9 @@ fn names_of_a_million_characters_are_refused_at_once() {
 fn a_model_past_the_node_bound_is_refused() {
     let spec = root().join("models/parsing.kiln");
     let err = refused(
-        &["check", spec.to_str().unwrap(), "--set", "n=2200"],
+        &["check", spec.to_str().unwrap(), "--set", "n=1100"],
         1,
-        "the model elaborates to more than 500000 graph nodes",
+        "the model elaborates to more than 250000 graph nodes",
     );
     assert!(err.contains("check the `repeat` counts"), "{err}");
 }
