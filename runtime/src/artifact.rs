@@ -397,22 +397,11 @@ fn load_entry(
     e: ManifestEntry,
     contents: &BTreeMap<String, Vec<u8>>,
 ) -> Result<ArtifactEntry, ArtifactError> {
-    let cpath = dir.join(&e.clif);
-    let Some(data) = contents.get(&e.clif) else {
-        return Err(ArtifactError::BadManifest {
-            path: mpath.to_path_buf(),
-            message: format!(
-                "entry `{}`: its CLIF file `{}` is not in the files table",
-                e.name, e.clif
-            ),
-        });
-    };
+    let (text, cpath) = entry_text(dir, mpath, contents, (&e.name, "CLIF", &e.clif))?;
     let corrupt = |what: String| ArtifactError::Corrupt {
         path: cpath.clone(),
         what,
     };
-    let text =
-        std::str::from_utf8(data).map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
     let functions = split_functions(text).map_err(corrupt)?;
     let names: Vec<&String> = functions.iter().map(|(n, _)| n).collect();
     let want: Vec<&String> = e.functions.iter().collect();
@@ -490,11 +479,35 @@ fn load_entry(
         (Some(c), true) => Some(cuda_source(dir, mpath, &e, c, contents)?),
     };
     Ok(ArtifactEntry {
-        clif_bytes: data.len(),
+        clif_bytes: text.len(),
         manifest: e,
         code,
         cuda_source,
     })
+}
+
+/// The text of an entry's `kind` code file `rel` (with its path): listed in the files
+/// table, and UTF-8.
+fn entry_text<'a>(
+    dir: &Path,
+    mpath: &Path,
+    contents: &'a BTreeMap<String, Vec<u8>>,
+    (entry, kind, rel): (&str, &str, &str),
+) -> Result<(&'a str, PathBuf), ArtifactError> {
+    let path = dir.join(rel);
+    let Some(data) = contents.get(rel) else {
+        return Err(ArtifactError::BadManifest {
+            path: mpath.to_path_buf(),
+            message: format!("entry `{entry}`: its {kind} file `{rel}` is not in the files table"),
+        });
+    };
+    match std::str::from_utf8(data) {
+        Ok(text) => Ok((text, path)),
+        Err(err) => Err(ArtifactError::Corrupt {
+            path,
+            what: format!("not UTF-8 text ({err})"),
+        }),
+    }
 }
 
 /// An entry's CUDA C, checked to define exactly the manifest's functions, with one launch
@@ -506,22 +519,11 @@ fn cuda_source(
     c: &kiln_compiler::artifact::CudaManifest,
     contents: &BTreeMap<String, Vec<u8>>,
 ) -> Result<String, ArtifactError> {
-    let upath = dir.join(&c.source);
-    let Some(data) = contents.get(&c.source) else {
-        return Err(ArtifactError::BadManifest {
-            path: mpath.to_path_buf(),
-            message: format!(
-                "entry `{}`: its CUDA file `{}` is not in the files table",
-                e.name, c.source
-            ),
-        });
-    };
+    let (text, upath) = entry_text(dir, mpath, contents, (&e.name, "CUDA", &c.source))?;
     let corrupt = |what: String| ArtifactError::Corrupt {
         path: upath.clone(),
         what,
     };
-    let text =
-        std::str::from_utf8(data).map_err(|err| corrupt(format!("not UTF-8 text ({err})")))?;
     let names = kiln_compiler::artifact::cuda_function_names(text);
     let want: Vec<String> = c.functions.iter().map(|f| f.name.clone()).collect();
     if names != want {
