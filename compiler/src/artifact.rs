@@ -443,8 +443,27 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
     }
     let clifs = clif_files(art)?;
     let cudas = cuda_files(art)?;
+    check_extras(art)?;
+    prepare_destination(dir)?;
+    let pid = std::process::id();
+    let tmp = sibling(dir, &format!(".tmp-{pid}"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err("remove", &tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err("create", &tmp))?;
+    let written = write_files(&tmp, art, clifs.iter().chain(&cudas))
+        .and_then(|()| replace_with(dir, &tmp, pid));
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Extra files are plain top-level names that are not the artifact's own.
+fn check_extras(art: &ArtifactSpec) -> Result<(), ArtifactError> {
+    let reserved = [MANIFEST_FILE, WEIGHTS_FILE, KERNELS_DIR];
     for name in art.extras.keys() {
-        let reserved = [MANIFEST_FILE, WEIGHTS_FILE, KERNELS_DIR];
         if name.is_empty()
             || name.contains(['/', '\\'])
             || name.starts_with('.')
@@ -456,6 +475,12 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
             )));
         }
     }
+    Ok(())
+}
+
+/// Refuses a destination that is neither an artifact nor empty, creates its parent, and
+/// removes what a write killed before left beside it (`DIR.tmp-PID`, `DIR.tmp-PID-old`).
+fn prepare_destination(dir: &Path) -> Result<(), ArtifactError> {
     if dir.exists() {
         let is_artifact = dir.join(MANIFEST_FILE).is_file();
         let empty = dir.is_dir()
@@ -472,7 +497,6 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(io_err("create", parent))?;
     }
-    // What a write killed before left beside it (`DIR.tmp-PID`, `DIR.tmp-PID-old`).
     if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str())) {
         let parent = if parent.as_os_str().is_empty() {
             Path::new(".")
@@ -481,110 +505,112 @@ pub fn write_artifact(dir: &Path, art: &ArtifactSpec) -> Result<(), ArtifactErro
         };
         crate::fsync::remove_stale_temps(parent, Some(name)).map_err(io_err("clean", parent))?;
     }
-    let pid = std::process::id();
-    let tmp = sibling(dir, &format!(".tmp-{pid}"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err("remove", &tmp))?;
+    Ok(())
+}
+
+/// Writes the kernels, the weights, the extras and last the manifest (which records the
+/// digest of each) into the temporary directory `tmp`, each synced.
+fn write_files<'a>(
+    tmp: &Path,
+    art: &ArtifactSpec,
+    kernels: impl Iterator<Item = &'a (String, Vec<u8>)>,
+) -> Result<(), ArtifactError> {
+    let kdir = tmp.join(KERNELS_DIR);
+    std::fs::create_dir(&kdir).map_err(io_err("create", &kdir))?;
+    let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
+    for (rel, bytes) in kernels {
+        write_synced(&tmp.join(rel), bytes)?;
+        files.insert(rel.clone(), FileRecord::of(bytes));
     }
-    std::fs::create_dir(&tmp).map_err(io_err("create", &tmp))?;
-    let written = (|| {
-        let kdir = tmp.join(KERNELS_DIR);
-        std::fs::create_dir(&kdir).map_err(io_err("create", &kdir))?;
-        let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
-        for (rel, bytes) in clifs.iter().chain(&cudas) {
-            write_synced(&tmp.join(rel), bytes)?;
-            files.insert(rel.clone(), FileRecord::of(bytes));
-        }
-        let named: Vec<(String, Tensor)> = art
-            .weights
-            .iter()
-            .map(|(k, t)| (k.clone(), t.clone()))
-            .collect();
-        let wpath = tmp.join(WEIGHTS_FILE);
-        save_safetensors(&wpath, &named, None)?;
-        let wbytes = std::fs::read(&wpath).map_err(io_err("read back", &wpath))?;
-        files.insert(WEIGHTS_FILE.to_string(), FileRecord::of(&wbytes));
-        for (name, bytes) in &art.extras {
-            write_synced(&tmp.join(name), bytes)?;
-            files.insert(name.clone(), FileRecord::of(bytes));
-        }
-        let mut manifest = Manifest {
-            format: ARTIFACT_FORMAT.to_string(),
-            version: ARTIFACT_VERSION,
-            options: art.options.clone(),
-            kiln: format!("kiln {}", env!("CARGO_PKG_VERSION")),
-            model: art.model.clone(),
-            spec_hash: art.spec_hash.clone(),
-            seed: art.seed,
-            hparams: art.hparams.clone(),
-            files,
-            manifest_hash: String::new(),
-            entries: art
-                .entries
+    let named: Vec<(String, Tensor)> = art
+        .weights
+        .iter()
+        .map(|(k, t)| (k.clone(), t.clone()))
+        .collect();
+    let wpath = tmp.join(WEIGHTS_FILE);
+    save_safetensors(&wpath, &named, None)?;
+    let wbytes = std::fs::read(&wpath).map_err(io_err("read back", &wpath))?;
+    files.insert(WEIGHTS_FILE.to_string(), FileRecord::of(&wbytes));
+    for (name, bytes) in &art.extras {
+        write_synced(&tmp.join(name), bytes)?;
+        files.insert(name.clone(), FileRecord::of(bytes));
+    }
+    let mut manifest = Manifest {
+        format: ARTIFACT_FORMAT.to_string(),
+        version: ARTIFACT_VERSION,
+        options: art.options.clone(),
+        kiln: format!("kiln {}", env!("CARGO_PKG_VERSION")),
+        model: art.model.clone(),
+        spec_hash: art.spec_hash.clone(),
+        seed: art.seed,
+        hparams: art.hparams.clone(),
+        files,
+        manifest_hash: String::new(),
+        entries: art.entries.iter().map(manifest_entry).collect(),
+    };
+    manifest.manifest_hash = manifest.digest()?;
+    let mut json = serde_json::to_vec_pretty(&manifest)
+        .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
+    json.push(b'\n');
+    write_synced(&tmp.join(MANIFEST_FILE), &json)?;
+    sync_dir(&kdir);
+    sync_dir(tmp);
+    Ok(())
+}
+
+/// The manifest's record of one entry point.
+fn manifest_entry(e: &EntrySpec) -> ManifestEntry {
+    ManifestEntry {
+        name: e.name.clone(),
+        clif: clif_path(&e.name),
+        cuda: e.cuda.as_ref().map(|c| CudaManifest {
+            source: cuda_path(&e.name),
+            arch: c.arch.clone(),
+            nvrtc_options: crate::codegen::cuda::nvrtc_options(&c.arch),
+            functions: c
+                .code
+                .functions
                 .iter()
-                .map(|e| ManifestEntry {
-                    name: e.name.clone(),
-                    clif: clif_path(&e.name),
-                    cuda: e.cuda.as_ref().map(|c| CudaManifest {
-                        source: cuda_path(&e.name),
-                        arch: c.arch.clone(),
-                        nvrtc_options: crate::codegen::cuda::nvrtc_options(&c.arch),
-                        functions: c
-                            .code
-                            .functions
-                            .iter()
-                            .map(|f| CudaFunctionInfo {
-                                name: f.name.clone(),
-                                params: f.params.clone(),
-                                work: f.work,
-                                items_rule: f.items_rule.clone(),
-                            })
-                            .collect(),
-                        kernels: c.code.kernels.clone(),
-                        storage: c.code.storage.clone(),
-                    }),
-                    functions: e.code.functions.iter().map(|(n, _)| n.clone()).collect(),
-                    launch: e.launch.clone(),
-                    graph: e.graph.clone(),
-                    kernel_graph: e.kernel_graph.clone(),
-                    plan: e.plan.clone(),
+                .map(|f| CudaFunctionInfo {
+                    name: f.name.clone(),
+                    params: f.params.clone(),
+                    work: f.work,
+                    items_rule: f.items_rule.clone(),
                 })
                 .collect(),
-        };
-        manifest.manifest_hash = manifest.digest()?;
-        let mut json = serde_json::to_vec_pretty(&manifest)
-            .map_err(|e| ArtifactError::Invalid(format!("the manifest does not serialize: {e}")))?;
-        json.push(b'\n');
-        write_synced(&tmp.join(MANIFEST_FILE), &json)?;
-        sync_dir(&kdir);
-        sync_dir(&tmp);
+            kernels: c.code.kernels.clone(),
+            storage: c.code.storage.clone(),
+        }),
+        functions: e.code.functions.iter().map(|(n, _)| n.clone()).collect(),
+        launch: e.launch.clone(),
+        graph: e.graph.clone(),
+        kernel_graph: e.kernel_graph.clone(),
+        plan: e.plan.clone(),
+    }
+}
 
-        let old = sibling(dir, &format!(".tmp-{pid}-old"));
-        let replaced = dir.exists();
+/// Moves the finished `tmp` to `dir`: a previous artifact there is moved aside first and
+/// put back if the rename fails, so `dir` always holds a whole artifact.
+fn replace_with(dir: &Path, tmp: &Path, pid: u32) -> Result<(), ArtifactError> {
+    let old = sibling(dir, &format!(".tmp-{pid}-old"));
+    let replaced = dir.exists();
+    if replaced {
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(io_err("remove", &old))?;
+        }
+        std::fs::rename(dir, &old).map_err(io_err("move aside", dir))?;
+    }
+    if let Err(e) = std::fs::rename(tmp, dir) {
         if replaced {
-            if old.exists() {
-                std::fs::remove_dir_all(&old).map_err(io_err("remove", &old))?;
-            }
-            std::fs::rename(dir, &old).map_err(io_err("move aside", dir))?;
+            let _ = std::fs::rename(&old, dir);
         }
-        if let Err(e) = std::fs::rename(&tmp, dir) {
-            if replaced {
-                // Put the previous artifact back.
-                let _ = std::fs::rename(&old, dir);
-            }
-            return Err(io_err("rename into place", &tmp)(e));
-        }
-        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-            sync_dir(parent);
-        }
-        if replaced {
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        Ok(())
-    })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
+        return Err(io_err("rename into place", tmp)(e));
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent);
+    }
+    if replaced {
+        let _ = std::fs::remove_dir_all(&old);
     }
     Ok(())
 }

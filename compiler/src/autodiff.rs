@@ -405,6 +405,209 @@ impl Builder<'_> {
     }
 }
 
+/// The gradient of a reduction of `x` (with result `id`) along `axis`: `g` broadcast
+/// back, for a max shared among the elements that reach it.
+fn reduce_grad(
+    b: &mut Builder,
+    op: ReduceOp,
+    axis: usize,
+    (x, id): (NodeId, NodeId),
+    g: NodeId,
+    dtype: DType,
+    xs: Shape,
+) -> Result<NodeId, IrError> {
+    Ok(match op {
+        ReduceOp::Sum => b.broadcast(g, xs)?,
+        ReduceOp::Max => {
+            let yb = b.broadcast(id, xs.clone())?;
+            let hit = b.compare(CmpOp::Eq, x, yb)?;
+            let hitf = b.add(Op::Cast { to: dtype }, &[hit])?;
+            let count = b.add(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axis,
+                },
+                &[hitf],
+            )?;
+            let share = b.binary(BinaryOp::Div, g, count)?;
+            let share = b.broadcast(share, xs)?;
+            b.binary(BinaryOp::Mul, hitf, share)?
+        }
+    })
+}
+
+/// The gradient of unary `u` at `x` (with result `id`), given the result's gradient `g`.
+fn unary_grad(
+    b: &mut Builder,
+    u: UnaryOp,
+    x: NodeId,
+    id: NodeId,
+    g: NodeId,
+) -> Result<NodeId, IrError> {
+    Ok(match u {
+        UnaryOp::Neg => b.unary(UnaryOp::Neg, g)?,
+        UnaryOp::Exp => b.binary(BinaryOp::Mul, g, id)?,
+        UnaryOp::Log => b.binary(BinaryOp::Div, g, x)?,
+        UnaryOp::Sqrt => {
+            let two_y = b.binary(BinaryOp::Add, id, id)?;
+            b.binary(BinaryOp::Div, g, two_y)?
+        }
+        UnaryOp::Recip => {
+            let yy = b.binary(BinaryOp::Mul, id, id)?;
+            let gyy = b.binary(BinaryOp::Mul, g, yy)?;
+            b.unary(UnaryOp::Neg, gyy)?
+        }
+        UnaryOp::Relu => {
+            // y > 0 exactly where x > 0: reading the output (as PyTorch's
+            // threshold_backward does) lets the forward keep only y.
+            let zeros = b.zeros_like(x)?;
+            let pos = b.compare(CmpOp::Gt, id, zeros)?;
+            b.select(pos, g, zeros)?
+        }
+        UnaryOp::Sin => {
+            let c = b.unary(UnaryOp::Cos, x)?;
+            b.binary(BinaryOp::Mul, g, c)?
+        }
+        UnaryOp::Cos => {
+            let s = b.unary(UnaryOp::Sin, x)?;
+            let gs = b.binary(BinaryOp::Mul, g, s)?;
+            b.unary(UnaryOp::Neg, gs)?
+        }
+    })
+}
+
+/// The contributions of binary `op` (result `id`, operands `x`, `y`) to its active
+/// operands' gradients, given the result's gradient `g`.
+fn binary_grads(
+    b: &mut Builder,
+    op: BinaryOp,
+    (x, y): (NodeId, NodeId),
+    id: NodeId,
+    g: NodeId,
+    act: &dyn Fn(usize) -> bool,
+    out: &mut Vec<(NodeId, NodeId)>,
+) -> Result<(), IrError> {
+    match op {
+        BinaryOp::Add => {
+            if act(0) {
+                out.push((x, g));
+            }
+            if act(1) {
+                out.push((y, g));
+            }
+        }
+        BinaryOp::Sub => {
+            if act(0) {
+                out.push((x, g));
+            }
+            if act(1) {
+                out.push((y, b.unary(UnaryOp::Neg, g)?));
+            }
+        }
+        BinaryOp::Mul => {
+            if act(0) {
+                out.push((x, b.binary(BinaryOp::Mul, g, y)?));
+            }
+            if act(1) {
+                out.push((y, b.binary(BinaryOp::Mul, g, x)?));
+            }
+        }
+        BinaryOp::Div => {
+            let g_over_y = b.binary(BinaryOp::Div, g, y)?;
+            if act(0) {
+                out.push((x, g_over_y));
+            }
+            if act(1) {
+                let t = b.binary(BinaryOp::Mul, g_over_y, id)?;
+                out.push((y, b.unary(UnaryOp::Neg, t)?));
+            }
+        }
+        BinaryOp::Max => {
+            let zeros = b.zeros_like(g)?;
+            let half = b.fill(0.5, b.dtype(g), &b.shape(g))?;
+            let half_g = b.binary(BinaryOp::Mul, g, half)?;
+            let tie = b.compare(CmpOp::Eq, x, y)?;
+            let on_tie = b.select(tie, half_g, zeros)?;
+            if act(0) {
+                let wins = b.compare(CmpOp::Gt, x, y)?;
+                out.push((x, b.select(wins, g, on_tie)?));
+            }
+            if act(1) {
+                let wins = b.compare(CmpOp::Lt, x, y)?;
+                out.push((y, b.select(wins, g, on_tie)?));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The contributions of a product `x · w` to its active operands' gradients.
+fn matmul_grads(
+    b: &mut Builder,
+    graph: &Graph,
+    (x, w): (NodeId, NodeId),
+    g: NodeId,
+    act: &dyn Fn(usize) -> bool,
+    out: &mut Vec<(NodeId, NodeId)>,
+) -> Result<(), IrError> {
+    let (xs, ws) = (graph.ty(x).shape.clone(), graph.ty(w).shape.clone());
+    if act(0) {
+        let wt = b.transpose(w)?;
+        out.push((x, b.add(Op::MatMul, &[g, wt])?));
+    }
+    if act(1) {
+        let gw = if ws.rank() == 2 && xs.rank() > 2 {
+            // A matrix shared by the batch: fold every leading dim into the rows.
+            let r = xs.rank();
+            let rows = xs.dims()[..r - 1]
+                .iter()
+                .fold(Dim::c(1), |acc, d| acc.mul(d));
+            let k = xs.dims()[r - 1].clone();
+            let nn = ws.dims()[1].clone();
+            let x2 = b.reshape(x, Shape(vec![rows.clone(), k]))?;
+            let g2 = b.reshape(g, Shape(vec![rows, nn]))?;
+            let x2t = b.transpose(x2)?;
+            b.add(Op::MatMul, &[x2t, g2])?
+        } else {
+            let xt = b.transpose(x)?;
+            b.add(Op::MatMul, &[xt, g])?
+        };
+        out.push((w, gw));
+    }
+    Ok(())
+}
+
+/// The gradient of a slice of `x`: `g` between zeros where the slice left `x` out.
+fn slice_grad(
+    b: &mut Builder,
+    graph: &Graph,
+    x: NodeId,
+    g: NodeId,
+    axis: usize,
+    start: &Dim,
+    len: &Dim,
+) -> Result<NodeId, IrError> {
+    let xs = graph.ty(x).shape.clone();
+    let full = xs.dims()[axis].clone();
+    let after = full.sub(start).sub(len);
+    let dtype = graph.ty(x).dtype;
+    let mut parts = Vec::with_capacity(3);
+    for (size, is_g) in [(start.clone(), false), (len.clone(), true), (after, false)] {
+        if is_g {
+            parts.push(g);
+        } else if size.as_const() != Some(0) {
+            let mut dims = xs.0.clone();
+            dims[axis] = size;
+            parts.push(b.fill(0.0, dtype, &Shape(dims))?);
+        }
+    }
+    Ok(if parts.len() == 1 {
+        g
+    } else {
+        b.add(Op::Concat { axis }, &parts)?
+    })
+}
+
 /// The contributions of node `id`, whose gradient is `g`, to the gradients of its active
 /// operands: `(operand, gradient)` pairs, in operand order.
 fn backward(
@@ -455,116 +658,19 @@ fn backward(
             if act(0) {
                 let x = ins[0];
                 let xs = shape_of(x);
-                let gx = match op {
-                    ReduceOp::Sum => b.broadcast(g, xs)?,
-                    ReduceOp::Max => {
-                        let yb = b.broadcast(id, xs.clone())?;
-                        let hit = b.compare(CmpOp::Eq, x, yb)?;
-                        let hitf = b.add(Op::Cast { to: node.ty.dtype }, &[hit])?;
-                        let count = b.add(
-                            Op::Reduce {
-                                op: ReduceOp::Sum,
-                                axis: *axis,
-                            },
-                            &[hitf],
-                        )?;
-                        let share = b.binary(BinaryOp::Div, g, count)?;
-                        let share = b.broadcast(share, xs)?;
-                        b.binary(BinaryOp::Mul, hitf, share)?
-                    }
-                };
+                let gx = reduce_grad(b, *op, *axis, (x, id), g, node.ty.dtype, xs)?;
                 out.push((x, gx));
             }
         }
         Op::Unary(u) => {
             if act(0) {
                 let x = ins[0];
-                let gx = match u {
-                    UnaryOp::Neg => b.unary(UnaryOp::Neg, g)?,
-                    UnaryOp::Exp => b.binary(BinaryOp::Mul, g, id)?,
-                    UnaryOp::Log => b.binary(BinaryOp::Div, g, x)?,
-                    UnaryOp::Sqrt => {
-                        let two_y = b.binary(BinaryOp::Add, id, id)?;
-                        b.binary(BinaryOp::Div, g, two_y)?
-                    }
-                    UnaryOp::Recip => {
-                        let yy = b.binary(BinaryOp::Mul, id, id)?;
-                        let gyy = b.binary(BinaryOp::Mul, g, yy)?;
-                        b.unary(UnaryOp::Neg, gyy)?
-                    }
-                    UnaryOp::Relu => {
-                        // y > 0 exactly where x > 0: reading the output (as PyTorch's
-                        // threshold_backward does) lets the forward keep only y.
-                        let zeros = b.zeros_like(x)?;
-                        let pos = b.compare(CmpOp::Gt, id, zeros)?;
-                        b.select(pos, g, zeros)?
-                    }
-                    UnaryOp::Sin => {
-                        let c = b.unary(UnaryOp::Cos, x)?;
-                        b.binary(BinaryOp::Mul, g, c)?
-                    }
-                    UnaryOp::Cos => {
-                        let s = b.unary(UnaryOp::Sin, x)?;
-                        let gs = b.binary(BinaryOp::Mul, g, s)?;
-                        b.unary(UnaryOp::Neg, gs)?
-                    }
-                };
+                let gx = unary_grad(b, *u, x, id, g)?;
                 out.push((x, gx));
             }
         }
         Op::Binary(op) => {
-            let (x, y) = (ins[0], ins[1]);
-            match op {
-                BinaryOp::Add => {
-                    if act(0) {
-                        out.push((x, g));
-                    }
-                    if act(1) {
-                        out.push((y, g));
-                    }
-                }
-                BinaryOp::Sub => {
-                    if act(0) {
-                        out.push((x, g));
-                    }
-                    if act(1) {
-                        out.push((y, b.unary(UnaryOp::Neg, g)?));
-                    }
-                }
-                BinaryOp::Mul => {
-                    if act(0) {
-                        out.push((x, b.binary(BinaryOp::Mul, g, y)?));
-                    }
-                    if act(1) {
-                        out.push((y, b.binary(BinaryOp::Mul, g, x)?));
-                    }
-                }
-                BinaryOp::Div => {
-                    let g_over_y = b.binary(BinaryOp::Div, g, y)?;
-                    if act(0) {
-                        out.push((x, g_over_y));
-                    }
-                    if act(1) {
-                        let t = b.binary(BinaryOp::Mul, g_over_y, id)?;
-                        out.push((y, b.unary(UnaryOp::Neg, t)?));
-                    }
-                }
-                BinaryOp::Max => {
-                    let zeros = b.zeros_like(g)?;
-                    let half = b.fill(0.5, b.dtype(g), &b.shape(g))?;
-                    let half_g = b.binary(BinaryOp::Mul, g, half)?;
-                    let tie = b.compare(CmpOp::Eq, x, y)?;
-                    let on_tie = b.select(tie, half_g, zeros)?;
-                    if act(0) {
-                        let wins = b.compare(CmpOp::Gt, x, y)?;
-                        out.push((x, b.select(wins, g, on_tie)?));
-                    }
-                    if act(1) {
-                        let wins = b.compare(CmpOp::Lt, x, y)?;
-                        out.push((y, b.select(wins, g, on_tie)?));
-                    }
-                }
-            }
+            binary_grads(b, *op, (ins[0], ins[1]), id, g, &act, &mut out)?;
         }
         Op::Where => {
             let (c, x, y) = (ins[0], ins[1], ins[2]);
@@ -588,33 +694,7 @@ fn backward(
                 out.push((x, gx));
             }
         }
-        Op::MatMul => {
-            let (x, w) = (ins[0], ins[1]);
-            let (xs, ws) = (shape_of(x), shape_of(w));
-            if act(0) {
-                let wt = b.transpose(w)?;
-                out.push((x, b.add(Op::MatMul, &[g, wt])?));
-            }
-            if act(1) {
-                let gw = if ws.rank() == 2 && xs.rank() > 2 {
-                    // A matrix shared by the batch: fold every leading dim into the rows.
-                    let r = xs.rank();
-                    let rows = xs.dims()[..r - 1]
-                        .iter()
-                        .fold(Dim::c(1), |acc, d| acc.mul(d));
-                    let k = xs.dims()[r - 1].clone();
-                    let nn = ws.dims()[1].clone();
-                    let x2 = b.reshape(x, Shape(vec![rows.clone(), k]))?;
-                    let g2 = b.reshape(g, Shape(vec![rows, nn]))?;
-                    let x2t = b.transpose(x2)?;
-                    b.add(Op::MatMul, &[x2t, g2])?
-                } else {
-                    let xt = b.transpose(x)?;
-                    b.add(Op::MatMul, &[xt, g])?
-                };
-                out.push((w, gw));
-            }
-        }
+        Op::MatMul => matmul_grads(b, graph, (ins[0], ins[1]), g, &act, &mut out)?,
         Op::Gather => {
             if act(0) {
                 let (table, ids) = (ins[0], ins[1]);
@@ -658,26 +738,7 @@ fn backward(
         Op::Slice { axis, start, len } => {
             if act(0) {
                 let x = ins[0];
-                let xs = shape_of(x);
-                let full = xs.dims()[*axis].clone();
-                let after = full.sub(start).sub(len);
-                let dtype = graph.ty(x).dtype;
-                let mut parts = Vec::with_capacity(3);
-                for (size, is_g) in [(start.clone(), false), (len.clone(), true), (after, false)] {
-                    if is_g {
-                        parts.push(g);
-                    } else if size.as_const() != Some(0) {
-                        let mut dims = xs.0.clone();
-                        dims[*axis] = size;
-                        parts.push(b.fill(0.0, dtype, &Shape(dims))?);
-                    }
-                }
-                let gx = if parts.len() == 1 {
-                    g
-                } else {
-                    b.add(Op::Concat { axis: *axis }, &parts)?
-                };
-                out.push((x, gx));
+                out.push((x, slice_grad(b, graph, x, g, *axis, start, len)?));
             }
         }
     }

@@ -46,6 +46,20 @@ pub fn check_id(
     }
 }
 
+/// The ids (`i32` as words) an embedding table of `vocab` rows is read at: each must be a
+/// row. The generated kernels do not check them.
+pub fn check_embedding_ids(ids: &[u32], vocab: usize) -> Result<(), String> {
+    for (i, &w) in ids.iter().enumerate() {
+        check_id(
+            w as i32,
+            vocab,
+            i,
+            format_args!("the embedding table has {vocab} rows"),
+        )?;
+    }
+    Ok(())
+}
+
 /// The targets of a cross-entropy over `v` classes (`i32` ids as words): every one but
 /// `pad` must be in `0..v`, as `one_hot` requires of them in the definition. The
 /// generated kernels read an out-of-range target as no class at all, so without this

@@ -71,6 +71,42 @@ pub fn hoist_static(
     step: &Graph,
     per_step: &dyn Fn(&str) -> bool,
 ) -> Result<Option<Hoisted>, IrError> {
+    let hoisted = frontier(step, per_step);
+    if hoisted.is_empty() {
+        return Ok(None);
+    }
+    // Names: `static.<scope>.<i>`, numbered within each scope in node order.
+    let mut per_scope: BTreeMap<&str, usize> = BTreeMap::new();
+    let names: Vec<String> = hoisted
+        .iter()
+        .map(|&h| {
+            let scope = step.node(h).scope.as_ref();
+            let k = per_scope.entry(scope).or_insert(0);
+            *k += 1;
+            if scope.is_empty() {
+                format!("{STATIC_PREFIX}{}", *k - 1)
+            } else {
+                format!("{STATIC_PREFIX}{scope}.{}", *k - 1)
+            }
+        })
+        .collect();
+
+    let enc = extend_encode(encode, step, &hoisted, &names)?;
+    // The step: each hoisted value an input, what only they needed pruned away.
+    let replace: Vec<(NodeId, String)> = hoisted.iter().copied().zip(names.clone()).collect();
+    let step = step.replace_with_inputs(&replace)?;
+    enc.verify()?;
+    step.verify()?;
+    Ok(Some(Hoisted {
+        encode: enc,
+        step,
+        names,
+    }))
+}
+
+/// The values worth hoisting, in node order: per-sentence values read by a per-step one
+/// (or returned), each taken back through views to the value under them.
+fn frontier(step: &Graph, per_step: &dyn Fn(&str) -> bool) -> Vec<NodeId> {
     let n = step.nodes.len();
     // Symbols the per-sentence inputs carry: a value whose type or attributes name any
     // other (the cache length, the step's own length) is not per-sentence.
@@ -102,8 +138,6 @@ pub fn hoist_static(
             }
         };
     }
-    // The frontier: per-sentence values read by a per-step one (or returned), each taken
-    // back through views to the value under them.
     let root = |mut x: NodeId| {
         while is_view(&step.node(x).op) {
             x = step.node(x).inputs[0];
@@ -138,34 +172,25 @@ pub fn hoist_static(
             mark(o.node);
         }
     }
-    let hoisted: Vec<NodeId> = (0..n)
+    (0..n)
         .filter(|&i| frontier[i])
         .map(|i| NodeId(i as u32))
-        .collect();
-    if hoisted.is_empty() {
-        return Ok(None);
-    }
-    // Names: `static.<scope>.<i>`, numbered within each scope in node order.
-    let mut per_scope: BTreeMap<&str, usize> = BTreeMap::new();
-    let names: Vec<String> = hoisted
-        .iter()
-        .map(|&h| {
-            let scope = step.node(h).scope.as_ref();
-            let k = per_scope.entry(scope).or_insert(0);
-            *k += 1;
-            if scope.is_empty() {
-                format!("{STATIC_PREFIX}{}", *k - 1)
-            } else {
-                format!("{STATIC_PREFIX}{scope}.{}", *k - 1)
-            }
-        })
-        .collect();
+        .collect()
+}
 
-    // `encode` extended: the hoisted values' computation, reading its stages and inputs.
+/// `encode` extended with the computation of the hoisted values, reading its stages and
+/// inputs, each hoisted value an output under its name.
+fn extend_encode(
+    encode: &Graph,
+    step: &Graph,
+    hoisted: &[NodeId],
+    names: &[String],
+) -> Result<Graph, IrError> {
+    let n = step.nodes.len();
     let mut enc = encode.clone();
     let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     let mut need = vec![false; n];
-    for &h in &hoisted {
+    for &h in hoisted {
         need[h.index()] = true;
     }
     for i in (0..n).rev() {
@@ -210,20 +235,10 @@ pub fn hoist_static(
         }
         map.insert(id, new);
     }
-    for (h, name) in hoisted.iter().zip(&names) {
+    for (h, name) in hoisted.iter().zip(names) {
         enc.add_output(name, map[h])?;
     }
-
-    // The step: each hoisted value an input, what only they needed pruned away.
-    let replace: Vec<(NodeId, String)> = hoisted.iter().copied().zip(names.clone()).collect();
-    let step = step.replace_with_inputs(&replace)?;
-    enc.verify()?;
-    step.verify()?;
-    Ok(Some(Hoisted {
-        encode: enc,
-        step,
-        names,
-    }))
+    Ok(enc)
 }
 
 #[cfg(test)]

@@ -40,13 +40,71 @@ fn want_float(op: &Op, t: &TensorType) -> Result<(), IrError> {
 pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError> {
     want_arity(op, types)?;
     match op {
+        Op::Reshape { .. } | Op::Permute { .. } | Op::Broadcast { .. } => view_type(op, types[0]),
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Compare(_) => elementwise_type(op, types),
+        Op::Slice { .. } | Op::Gather | Op::ScatterAdd { .. } | Op::Concat { .. } => {
+            indexing_type(op, types)
+        }
         Op::Input { .. } | Op::Param { .. } => err(format!(
             "{} nodes carry their type; it is not inferred",
             op.name()
         )),
         Op::Const { dtype, .. } => Ok(TensorType::new(*dtype, Shape::scalar())),
+        Op::Cast { to } => Ok(TensorType::new(*to, types[0].shape.clone())),
+        Op::Reduce { axis, .. } => {
+            let t = types[0];
+            if *axis >= t.shape.rank() {
+                return err(format!(
+                    "{} over axis {} of a rank-{} tensor {}",
+                    op.name(),
+                    axis,
+                    t.shape.rank(),
+                    t.shape
+                ));
+            }
+            if !(t.dtype.is_float() || t.dtype == DType::I32) {
+                return err(format!("{} is not defined for {}", op.name(), t.dtype));
+            }
+            let mut dims = t.shape.0.clone();
+            dims[*axis] = Dim::c(1);
+            Ok(TensorType::new(t.dtype, Shape(dims)))
+        }
+        Op::MatMul => matmul_type(types[0], types[1]),
+        Op::Dropout { p, .. } => {
+            want_float(op, types[0])?;
+            let p = p.get();
+            if !(0.0..1.0).contains(&p) {
+                return err(format!("dropout probability must be in [0, 1), got {p}"));
+            }
+            Ok(types[0].clone())
+        }
+        Op::CausalMask { q, k } => Ok(TensorType::new(
+            DType::Bool,
+            Shape(vec![q.clone(), k.clone()]),
+        )),
+        Op::PadMask { .. } => {
+            if types[0].dtype != DType::I32 {
+                return err(format!("pad_mask needs i32 token ids, got {}", types[0]));
+            }
+            Ok(TensorType::new(DType::Bool, types[0].shape.clone()))
+        }
+        Op::Arange { len, .. } => Ok(TensorType::new(DType::I32, Shape(vec![len.clone()]))),
+        Op::OneHot { depth } => {
+            if types[0].dtype != DType::I32 {
+                return err(format!("one_hot needs i32 ids, got {}", types[0]));
+            }
+            let mut dims = types[0].shape.0.clone();
+            dims.push(depth.clone());
+            Ok(TensorType::new(DType::F32, Shape(dims)))
+        }
+    }
+}
+
+/// The result type of a view: a reshape, a permutation or a broadcast.
+fn view_type(op: &Op, t: &TensorType) -> Result<TensorType, IrError> {
+    match op {
         Op::Reshape { shape } => {
-            let from = &types[0].shape;
+            let from = &t.shape;
             if from.numel() != shape.numel() {
                 return err(format!(
                     "cannot reshape {} into {}: {} elements vs {}",
@@ -56,10 +114,10 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
                     shape.numel()
                 ));
             }
-            Ok(TensorType::new(types[0].dtype, shape.clone()))
+            Ok(TensorType::new(t.dtype, shape.clone()))
         }
         Op::Permute { perm } => {
-            let dims = types[0].shape.dims();
+            let dims = t.shape.dims();
             let mut seen = vec![false; dims.len()];
             let valid = perm.len() == dims.len()
                 && perm
@@ -70,18 +128,28 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
                     "permutation {:?} does not fit a tensor of rank {} ({})",
                     perm,
                     dims.len(),
-                    types[0].shape
+                    t.shape
                 ));
             }
             Ok(TensorType::new(
-                types[0].dtype,
+                t.dtype,
                 Shape(perm.iter().map(|&p| dims[p].clone()).collect()),
             ))
         }
         Op::Broadcast { shape } => {
-            broadcast_ok(&types[0].shape, shape)?;
-            Ok(TensorType::new(types[0].dtype, shape.clone()))
+            broadcast_ok(&t.shape, shape)?;
+            Ok(TensorType::new(t.dtype, shape.clone()))
         }
+        _ => err(format!(
+            "internal: {} is not an op of the view kind",
+            op.name()
+        )),
+    }
+}
+
+/// The result type of an elementwise op: unary, binary, `where` or a comparison.
+fn elementwise_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError> {
+    match op {
         Op::Unary(u) => {
             let t = types[0];
             match u {
@@ -151,6 +219,16 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
             }
             Ok(TensorType::new(DType::Bool, a.shape.clone()))
         }
+        _ => err(format!(
+            "internal: {} is not an op of the elementwise kind",
+            op.name()
+        )),
+    }
+}
+
+/// The result type of an op that indexes: a slice, a gather, a scatter or a concatenation.
+fn indexing_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError> {
+    match op {
         Op::Slice { axis, start, len } => {
             let t = types[0];
             if *axis >= t.shape.rank() {
@@ -176,26 +254,6 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
             dims[*axis] = len.clone();
             Ok(TensorType::new(t.dtype, Shape(dims)))
         }
-        Op::Cast { to } => Ok(TensorType::new(*to, types[0].shape.clone())),
-        Op::Reduce { axis, .. } => {
-            let t = types[0];
-            if *axis >= t.shape.rank() {
-                return err(format!(
-                    "{} over axis {} of a rank-{} tensor {}",
-                    op.name(),
-                    axis,
-                    t.shape.rank(),
-                    t.shape
-                ));
-            }
-            if !(t.dtype.is_float() || t.dtype == DType::I32) {
-                return err(format!("{} is not defined for {}", op.name(), t.dtype));
-            }
-            let mut dims = t.shape.0.clone();
-            dims[*axis] = Dim::c(1);
-            Ok(TensorType::new(t.dtype, Shape(dims)))
-        }
-        Op::MatMul => matmul_type(types[0], types[1]),
         Op::Gather => {
             let (table, ids) = (types[0], types[1]);
             if ids.dtype != DType::I32 {
@@ -224,33 +282,6 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
             let mut dims = vec![rows.clone()];
             dims.extend(src.shape.0[k..].iter().cloned());
             Ok(TensorType::new(src.dtype, Shape(dims)))
-        }
-        Op::Dropout { p, .. } => {
-            want_float(op, types[0])?;
-            let p = p.get();
-            if !(0.0..1.0).contains(&p) {
-                return err(format!("dropout probability must be in [0, 1), got {p}"));
-            }
-            Ok(types[0].clone())
-        }
-        Op::CausalMask { q, k } => Ok(TensorType::new(
-            DType::Bool,
-            Shape(vec![q.clone(), k.clone()]),
-        )),
-        Op::PadMask { .. } => {
-            if types[0].dtype != DType::I32 {
-                return err(format!("pad_mask needs i32 token ids, got {}", types[0]));
-            }
-            Ok(TensorType::new(DType::Bool, types[0].shape.clone()))
-        }
-        Op::Arange { len, .. } => Ok(TensorType::new(DType::I32, Shape(vec![len.clone()]))),
-        Op::OneHot { depth } => {
-            if types[0].dtype != DType::I32 {
-                return err(format!("one_hot needs i32 ids, got {}", types[0]));
-            }
-            let mut dims = types[0].shape.0.clone();
-            dims.push(depth.clone());
-            Ok(TensorType::new(DType::F32, Shape(dims)))
         }
         Op::Concat { axis } => {
             let first = types[0];
@@ -282,6 +313,10 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, IrError>
             dims[*axis] = total;
             Ok(TensorType::new(first.dtype, Shape(dims)))
         }
+        _ => err(format!(
+            "internal: {} is not an op of the indexing kind",
+            op.name()
+        )),
     }
 }
 

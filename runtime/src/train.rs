@@ -23,16 +23,17 @@
 //! naming the step and the tensor; the last good checkpoint stays.
 
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
 mod keep;
+mod report;
 mod resume_digest;
 mod setup;
 mod step;
 use kiln_compiler::ir::Graph;
 use kiln_compiler::tensor::Tensor;
+use report::Report;
 pub(crate) use resume_digest::{digest, digest_changes};
 use setup::*;
 use step::*;
@@ -44,7 +45,7 @@ use crate::cuda::parallel::DataParallel;
 use crate::data::{BatchPlan, Example, ParallelCorpus, Tokenizer};
 use crate::entry::{entry_graph, Entry};
 use crate::exec::Exec;
-use crate::metrics::{read_metrics, Kind, MetricsWriter, Record};
+use crate::metrics::{read_metrics, Kind, Record};
 use crate::model::{GraphSet, CONFIG_FILE, GRAPHS_FORMAT};
 use crate::optim::Adam;
 
@@ -158,6 +159,23 @@ impl ModelGraphs {
             encode,
             decode_step,
         })
+    }
+}
+
+/// The training loss and tokens of the steps since the last log.
+struct Interval {
+    loss: f64,
+    tokens: usize,
+    start: Instant,
+}
+
+impl Interval {
+    fn starting() -> Interval {
+        Interval {
+            loss: 0.0,
+            tokens: 0,
+            start: Instant::now(),
+        }
     }
 }
 
@@ -332,30 +350,9 @@ impl Trainer {
             .iter()
             .map(|(k, t)| (k.clone(), vec![0.0; t.numel()]))
             .collect();
-        let metrics_path = self.dir.join(crate::metrics::FILE_NAME);
-        let mut metrics = MetricsWriter::open(&metrics_path).map_err(|e| TrainError::Write {
-            path: metrics_path.clone(),
-            message: e.to_string(),
-        })?;
-        let bar = match self.progress {
-            Progress::Auto if std::io::stderr().is_terminal() => {
-                let b = indicatif::ProgressBar::new(total);
-                b.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}",
-                    )
-                    .expect("valid template")
-                    .progress_chars("=> "),
-                );
-                b.set_position(self.state.step);
-                Some(b)
-            }
-            _ => None,
-        };
-        let lines = matches!(self.progress, Progress::Auto | Progress::Lines) && bar.is_none();
+        let mut report = Report::open(&self.dir, self.progress, total, self.state.step)?;
         let mut summary = Summary::default();
-        let (mut interval_loss, mut interval_tokens, mut interval_steps) = (0.0f64, 0usize, 0u64);
-        let mut interval_start = Instant::now();
+        let mut interval = Interval::starting();
         let (mut all_tokens, mut train_time) = (0usize, 0.0f64);
         let first_step = self.state.step;
         // A resumed run whose patience was already spent stays stopped.
@@ -366,7 +363,6 @@ impl Trainer {
             ));
             return Ok(summary);
         }
-        let mut stop_early = false;
         let mut watch = crate::divergence::Watch::new(&self.cfg.train.divergence);
         while self.state.step < total {
             if self.cfg.train.max_seconds > 0
@@ -383,23 +379,19 @@ impl Trainer {
                 StepOutcome::Update(loss, tokens, src_tokens) => (loss, tokens, src_tokens),
                 StepOutcome::Overflow { what, from, to } => {
                     summary.overflows += 1;
-                    let msg = format!(
+                    report.say(&format!(
                         "step {}: {what} overflowed at loss scale {}; step skipped, scale {}",
                         self.state.step + 1,
                         scale_text(from),
                         scale_text(to)
-                    );
-                    if bar.is_some() || lines {
-                        progress_line(&bar, &msg);
-                    }
+                    ));
                     continue;
                 }
             };
             train_time += t0.elapsed().as_secs_f64();
             all_tokens += tokens + src_tokens;
-            interval_loss += loss * tokens as f64;
-            interval_tokens += tokens;
-            interval_steps += 1;
+            interval.loss += loss * tokens as f64;
+            interval.tokens += tokens;
             summary.last_loss = loss;
             let step = self.state.step;
             if let Some(d) = watch.observe(loss) {
@@ -412,96 +404,24 @@ impl Trainer {
                     kept: Kept::default(),
                 }));
             }
-            if let Some(b) = &bar {
-                b.set_position(step);
+            report.bar(step, || {
                 let tps = all_tokens as f64 / train_time.max(1e-9);
-                b.set_message(format!(
-                    "loss {loss:.4} lr {:.2e} {:.0} tok/s",
-                    self.state.lr, tps
-                ));
-            }
+                format!("loss {loss:.4} lr {:.2e} {tps:.0} tok/s", self.state.lr)
+            });
             if step.is_multiple_of(self.cfg.train.log_every) || step == total {
-                let secs = interval_start.elapsed().as_secs_f64().max(1e-9);
-                let avg = interval_loss / interval_tokens.max(1) as f64;
-                let tps = interval_tokens as f64 / secs;
-                let logged = metrics.write(&Record {
-                    step,
-                    kind: Kind::Train,
-                    loss: Some(avg),
-                    lr: Some(self.state.lr),
-                    tokens_per_s: Some(tps),
-                    bleu: None,
-                });
-                if let Err(e) = logged {
-                    return Err(self.keeping_the_step(TrainError::Write {
-                        path: metrics_path.clone(),
-                        message: e.to_string(),
-                    }));
+                if let Err(e) = self.log_interval(&mut report, &mut interval, started) {
+                    return Err(self.keeping_the_step(e));
                 }
-                if lines {
-                    progress_line(
-                        &bar,
-                        &format!(
-                            "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
-                            self.state.lr,
-                            tps,
-                            self.state.epoch + 1,
-                            started.elapsed().as_secs_f64()
-                        ),
-                    );
-                }
-                (interval_loss, interval_tokens, interval_steps) = (0.0, 0, 0);
-                interval_start = Instant::now();
             }
-            let _ = interval_steps;
             let last = step == total;
             // Some(improved) when this step was validated.
             let mut validated = None;
             if step.is_multiple_of(self.cfg.valid.every) || last {
                 self.sync_device()?;
-                let (vl, vb) = match self.validate() {
-                    Ok(v) => v,
+                match self.validate_step(&mut report, &mut summary) {
+                    Ok(improved) => validated = Some(improved),
                     Err(e) => return Err(self.keeping_the_step(e)),
-                };
-                summary.valid_loss = Some(vl);
-                summary.valid_bleu = vb;
-                let improved = if self.cfg.valid.metric == "bleu" {
-                    vb.is_some_and(|b| self.state.best_bleu.is_none_or(|x| b > x))
-                } else {
-                    self.state.best_val_loss.is_none_or(|x| vl < x)
-                };
-                if improved {
-                    self.state.best_step = Some(step);
-                    self.state.bad_validations = 0;
-                } else {
-                    self.state.bad_validations += 1;
                 }
-                self.state.best_val_loss = Some(self.state.best_val_loss.map_or(vl, |b| b.min(vl)));
-                if let Some(b) = vb {
-                    self.state.best_bleu = Some(self.state.best_bleu.map_or(b, |x| x.max(b)));
-                }
-                let logged = metrics.write(&Record {
-                    step,
-                    kind: Kind::Valid,
-                    loss: Some(vl),
-                    lr: None,
-                    tokens_per_s: None,
-                    bleu: vb,
-                });
-                if let Err(e) = logged {
-                    return Err(self.keeping_the_step(TrainError::Write {
-                        path: metrics_path.clone(),
-                        message: e.to_string(),
-                    }));
-                }
-                let msg = format!(
-                    "step {step}: validation loss {vl:.4}{}",
-                    vb.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
-                );
-                if bar.is_some() || lines {
-                    progress_line(&bar, &msg);
-                }
-                validated = Some(improved);
             }
             if step.is_multiple_of(self.cfg.checkpoint.every) || last {
                 self.sync_device()?;
@@ -509,28 +429,9 @@ impl Trainer {
             }
             // After the checkpoint, so that neither can cost the steps since the last one.
             if let Some(improved) = validated {
-                // The plot is a picture of metrics.jsonl: a failure to draw it is said,
-                // even with --quiet, and training goes on.
-                if let Err(e) = self.plot() {
-                    let msg = format!(
-                        "warning: {e}; training goes on (the plot is drawn again at the next \
-                         validation)"
-                    );
-                    progress_line(&bar, &msg);
+                if self.after_validation(improved, &report, &mut summary)? {
+                    break;
                 }
-                if improved && self.cfg.checkpoint.best {
-                    match self.save_best() {
-                        Ok(dir) => summary.best = Some(dir),
-                        Err(e) => return Err(self.keeping_the_step(e)),
-                    }
-                }
-                if let Some(why) = self.patience_spent() {
-                    summary.early_stop = Some(why);
-                    stop_early = true;
-                }
-            }
-            if stop_early {
-                break;
             }
         }
         // The host's parameters and moments are the run's from here on.
@@ -546,15 +447,116 @@ impl Trainer {
         {
             summary.checkpoint = Some(self.save_checkpoint()?);
         }
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
+        report.finish();
         summary.steps = self.state.step;
         summary.steps_taken = self.state.step - first_step;
         summary.loss_scale = self.state.loss_scale;
         summary.seconds = started.elapsed().as_secs_f64();
         summary.tokens_per_second = all_tokens as f64 / train_time.max(1e-9);
         Ok(summary)
+    }
+
+    /// Logs the training loss and speed of the steps since the last log, and starts the
+    /// next interval.
+    fn log_interval(
+        &self,
+        report: &mut Report,
+        interval: &mut Interval,
+        started: Instant,
+    ) -> Result<(), TrainError> {
+        let (step, total) = (self.state.step, self.cfg.train.max_steps);
+        let secs = interval.start.elapsed().as_secs_f64().max(1e-9);
+        let avg = interval.loss / interval.tokens.max(1) as f64;
+        let tps = interval.tokens as f64 / secs;
+        report.record(&Record {
+            step,
+            kind: Kind::Train,
+            loss: Some(avg),
+            lr: Some(self.state.lr),
+            tokens_per_s: Some(tps),
+            bleu: None,
+        })?;
+        if report.lines() {
+            report.warn(&format!(
+                "step {step}/{total}  loss {avg:.4}  lr {:.3e}  {:.0} target tok/s  epoch {}  {:.0}s",
+                self.state.lr,
+                tps,
+                self.state.epoch + 1,
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        *interval = Interval::starting();
+        Ok(())
+    }
+
+    /// Validates the current weights, keeps the best so far in the state and logs the
+    /// result: whether the step improved on the best.
+    fn validate_step(
+        &mut self,
+        report: &mut Report,
+        summary: &mut Summary,
+    ) -> Result<bool, TrainError> {
+        let step = self.state.step;
+        let (vl, vb) = self.validate()?;
+        summary.valid_loss = Some(vl);
+        summary.valid_bleu = vb;
+        let improved = if self.cfg.valid.metric == "bleu" {
+            vb.is_some_and(|b| self.state.best_bleu.is_none_or(|x| b > x))
+        } else {
+            self.state.best_val_loss.is_none_or(|x| vl < x)
+        };
+        if improved {
+            self.state.best_step = Some(step);
+            self.state.bad_validations = 0;
+        } else {
+            self.state.bad_validations += 1;
+        }
+        self.state.best_val_loss = Some(self.state.best_val_loss.map_or(vl, |b| b.min(vl)));
+        if let Some(b) = vb {
+            self.state.best_bleu = Some(self.state.best_bleu.map_or(b, |x| x.max(b)));
+        }
+        report.record(&Record {
+            step,
+            kind: Kind::Valid,
+            loss: Some(vl),
+            lr: None,
+            tokens_per_s: None,
+            bleu: vb,
+        })?;
+        report.say(&format!(
+            "step {step}: validation loss {vl:.4}{}",
+            vb.map(|b| format!(", BLEU {b:.2}")).unwrap_or_default()
+        ));
+        Ok(improved)
+    }
+
+    /// After a validation (and the step's checkpoint): the plot redrawn, the best weights
+    /// saved when they improved; whether the run stops for patience.
+    fn after_validation(
+        &mut self,
+        improved: bool,
+        report: &Report,
+        summary: &mut Summary,
+    ) -> Result<bool, TrainError> {
+        // The plot is a picture of metrics.jsonl: a failure to draw it is said, even with
+        // --quiet, and training goes on.
+        if let Err(e) = self.plot() {
+            report.warn(&format!(
+                "warning: {e}; training goes on (the plot is drawn again at the next \
+                 validation)"
+            ));
+        }
+        if improved && self.cfg.checkpoint.best {
+            match self.save_best() {
+                Ok(dir) => summary.best = Some(dir),
+                Err(e) => return Err(self.keeping_the_step(e)),
+            }
+        }
+        if let Some(why) = self.patience_spent() {
+            summary.early_stop = Some(why);
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// Redraws `training.png` from `metrics.jsonl`.
@@ -591,16 +593,6 @@ impl Trainer {
 /// Prints a progress line: above the bar, or on standard error. A stream that cannot be
 /// written (a closed pipe: `kiln train … 2>&1 | head`) does not stop the run, which goes
 /// on to its checkpoints; `eprintln!` would panic.
-fn progress_line(bar: &Option<indicatif::ProgressBar>, msg: &str) {
-    use std::io::Write;
-    match bar {
-        Some(b) => b.println(msg),
-        None => {
-            let _ = writeln!(std::io::stderr().lock(), "{msg}");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

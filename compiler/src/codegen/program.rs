@@ -23,6 +23,7 @@ use crate::codegen::rows::MaskKind;
 use crate::codegen::{misc, region, rows};
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{Def, KernelGraph, KernelOp};
+use crate::optimize::lang::Attr;
 use crate::optimize::templates::{registry, TemplateKind};
 use crate::shape::Shape;
 
@@ -175,109 +176,7 @@ fn kernel_functions(
             );
         }
         KernelOp::Template { id, attrs } => {
-            let def = &registry()[*id as usize];
-            match def.kind {
-                TemplateKind::Linear => put(
-                    "bias",
-                    em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
-                ),
-                TemplateKind::LinearRelu => {
-                    put(
-                        "bias",
-                        em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
-                    );
-                    put(
-                        "epilogue",
-                        em.get("relu", "relu".into(), |n| Ok(misc::relu(n)))?,
-                    );
-                }
-                TemplateKind::Softmax => put(
-                    "main",
-                    em.get("softmax", "softmax".into(), |n| Ok(rows::softmax(n)))?,
-                ),
-                TemplateKind::ScaleMaskSoftmax
-                | TemplateKind::Attention
-                | TemplateKind::AttentionBwd => {
-                    let m = mask_kind(&def.variant);
-                    put(
-                        "softmax",
-                        em.get(
-                            "scale_mask_softmax",
-                            format!("scale_mask_softmax {m:?}"),
-                            |n| Ok(rows::scale_mask_softmax(n, m)),
-                        )?,
-                    );
-                    if def.kind == TemplateKind::AttentionBwd {
-                        put(
-                            "softmax_bwd",
-                            em.get("softmax_bwd", "softmax_bwd".into(), |n| {
-                                Ok(rows::softmax_bwd(n))
-                            })?,
-                        );
-                    }
-                }
-                TemplateKind::AddLayerNorm => put(
-                    "main",
-                    em.get("add_layer_norm", "add_layer_norm".into(), |n| {
-                        Ok(rows::add_layer_norm(n))
-                    })?,
-                ),
-                TemplateKind::AddLayerNormBwd => {
-                    put(
-                        "main",
-                        em.get("add_layer_norm_bwd", "add_layer_norm_bwd".into(), |n| {
-                            Ok(rows::add_layer_norm_bwd(n))
-                        })?,
-                    );
-                    put(
-                        "finish",
-                        em.get(
-                            "add_layer_norm_bwd_finish",
-                            "add_layer_norm_bwd_finish".into(),
-                            |n| Ok(rows::add_layer_norm_bwd_finish(n)),
-                        )?,
-                    );
-                }
-                // Where nothing reads the gradient (the `loss` entry), the kernel computes
-                // only the loss: role `loss` instead of `main`.
-                TemplateKind::XentLs if !kg.output_is_read(v, 1) => put(
-                    "loss",
-                    em.get("xent_ls_loss", "xent_ls_loss".into(), |n| {
-                        Ok(rows::xent_ls_loss(n))
-                    })?,
-                ),
-                TemplateKind::XentLs => put(
-                    "main",
-                    em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?,
-                ),
-                TemplateKind::EmbedPe => {
-                    let dropout = !attrs.is_empty();
-                    put(
-                        "main",
-                        em.get("embed_pe", format!("embed_pe dropout={dropout}"), |n| {
-                            Ok(region::embed_pe(n, dropout))
-                        })?,
-                    );
-                }
-                TemplateKind::SumRows => {
-                    let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
-                    put(
-                        "main",
-                        em.get("sum_rows", format!("sum_rows lead={lead}"), |n| {
-                            Ok(misc::sum_rows(n, lead))
-                        })?,
-                    );
-                }
-                TemplateKind::AdamUpdate => put(
-                    "main",
-                    em.get("adam_update", "adam_update".into(), |n| {
-                        Ok(misc::adam_update(n))
-                    })?,
-                ),
-                // Runs in Rust (the runtime's fallback): it touches only the rows the
-                // ids name.
-                TemplateKind::ScatterAddInto => {}
-            }
+            template_functions(em, kg, v, *id, attrs, inputs, &mut put)?;
         }
         KernelOp::Prim(Op::Reduce { op, axis })
             if kg.values[inputs[0]].types[0].dtype == DType::F32 =>
@@ -310,6 +209,120 @@ fn kernel_functions(
         })?,
     );
     Ok(r)
+}
+
+/// The functions of a template kernel, by role (each given to `put`).
+fn template_functions(
+    em: &mut Emitter,
+    kg: &KernelGraph,
+    v: usize,
+    id: u16,
+    attrs: &[Attr],
+    inputs: &[usize],
+    put: &mut dyn FnMut(&str, String),
+) -> Result<(), String> {
+    let def = &registry()[id as usize];
+    match def.kind {
+        TemplateKind::Linear => put(
+            "bias",
+            em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
+        ),
+        TemplateKind::LinearRelu => {
+            put(
+                "bias",
+                em.get("fill_rows", "fill_rows".into(), |n| Ok(misc::fill_rows(n)))?,
+            );
+            put(
+                "epilogue",
+                em.get("relu", "relu".into(), |n| Ok(misc::relu(n)))?,
+            );
+        }
+        TemplateKind::Softmax => put(
+            "main",
+            em.get("softmax", "softmax".into(), |n| Ok(rows::softmax(n)))?,
+        ),
+        TemplateKind::ScaleMaskSoftmax | TemplateKind::Attention | TemplateKind::AttentionBwd => {
+            let m = mask_kind(&def.variant);
+            put(
+                "softmax",
+                em.get(
+                    "scale_mask_softmax",
+                    format!("scale_mask_softmax {m:?}"),
+                    |n| Ok(rows::scale_mask_softmax(n, m)),
+                )?,
+            );
+            if def.kind == TemplateKind::AttentionBwd {
+                put(
+                    "softmax_bwd",
+                    em.get("softmax_bwd", "softmax_bwd".into(), |n| {
+                        Ok(rows::softmax_bwd(n))
+                    })?,
+                );
+            }
+        }
+        TemplateKind::AddLayerNorm => put(
+            "main",
+            em.get("add_layer_norm", "add_layer_norm".into(), |n| {
+                Ok(rows::add_layer_norm(n))
+            })?,
+        ),
+        TemplateKind::AddLayerNormBwd => {
+            put(
+                "main",
+                em.get("add_layer_norm_bwd", "add_layer_norm_bwd".into(), |n| {
+                    Ok(rows::add_layer_norm_bwd(n))
+                })?,
+            );
+            put(
+                "finish",
+                em.get(
+                    "add_layer_norm_bwd_finish",
+                    "add_layer_norm_bwd_finish".into(),
+                    |n| Ok(rows::add_layer_norm_bwd_finish(n)),
+                )?,
+            );
+        }
+        // Where nothing reads the gradient (the `loss` entry), the kernel computes
+        // only the loss: role `loss` instead of `main`.
+        TemplateKind::XentLs if !kg.output_is_read(v, 1) => put(
+            "loss",
+            em.get("xent_ls_loss", "xent_ls_loss".into(), |n| {
+                Ok(rows::xent_ls_loss(n))
+            })?,
+        ),
+        TemplateKind::XentLs => put(
+            "main",
+            em.get("xent_ls", "xent_ls".into(), |n| Ok(rows::xent_ls(n)))?,
+        ),
+        TemplateKind::EmbedPe => {
+            let dropout = !attrs.is_empty();
+            put(
+                "main",
+                em.get("embed_pe", format!("embed_pe dropout={dropout}"), |n| {
+                    Ok(region::embed_pe(n, dropout))
+                })?,
+            );
+        }
+        TemplateKind::SumRows => {
+            let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
+            put(
+                "main",
+                em.get("sum_rows", format!("sum_rows lead={lead}"), |n| {
+                    Ok(misc::sum_rows(n, lead))
+                })?,
+            );
+        }
+        TemplateKind::AdamUpdate => put(
+            "main",
+            em.get("adam_update", "adam_update".into(), |n| {
+                Ok(misc::adam_update(n))
+            })?,
+        ),
+        // Runs in Rust (the runtime's fallback): it touches only the rows the
+        // ids name.
+        TemplateKind::ScatterAddInto => {}
+    }
+    Ok(())
 }
 
 /// With every symbolic dim at 7: the element strides of value `v` seen through its view

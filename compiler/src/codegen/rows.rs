@@ -673,8 +673,13 @@ fn xent_rows(name: &str, grad: bool) -> Function {
 /// (logits, targets, then the three scalars), then — the gradient's form — the loss
 /// weight, the row losses and the gradient, or — the loss-only form ([`xent_ls_loss`])
 /// — the row losses alone.
-pub fn xent_ls_buffers<T: Copy>(operands: [T; 5], row_loss: T, grad: Option<(T, T)>) -> Vec<T> {
-    let mut b = operands.to_vec();
+pub fn xent_ls_buffers<T: Copy>(
+    (logits, target, scalars): (T, T, [T; 3]),
+    row_loss: T,
+    grad: Option<(T, T)>,
+) -> Vec<T> {
+    let mut b = vec![logits, target];
+    b.extend(scalars);
     match grad {
         Some((weight, gradient)) => b.extend([weight, row_loss, gradient]),
         None => b.push(row_loss),

@@ -152,6 +152,87 @@ impl KernelOp {
     }
 }
 
+/// The e-classes a chosen node reads as values (its attribute leaves left out).
+fn operands_of(eg: &EG, kind: Kind, ch: &[Id]) -> Vec<Id> {
+    let values = match kind {
+        Kind::Input | Kind::Param | Kind::Const => &ch[..0],
+        Kind::Kernel(t) => &ch[..registry()[t as usize].inputs.len()],
+        Kind::Region => &ch[..ch.len() - 1],
+        Kind::Proj(_) => &ch[..1],
+        _ => &ch[..ch.len() - crate::optimize::lang::attr_count(kind)],
+    };
+    values.iter().map(|&c| eg.find(c)).collect()
+}
+
+/// What a chosen node defines, given the numbers of its operands; `kernels` counts the
+/// kernels so far (a kernel's launch position).
+fn definition(eg: &EG, node: &KNode, args: Vec<usize>, kernels: &mut usize) -> Result<Def, String> {
+    let KNode::Op(kind, ch) = node else {
+        return Err("an attribute, not a value".to_string());
+    };
+    Ok(match kind {
+        Kind::Input | Kind::Param => {
+            let Some(Attr::Name(n)) = attr_of(eg, ch[0]) else {
+                return Err("a source without a name".to_string());
+            };
+            if *kind == Kind::Input {
+                Def::Input(n.clone())
+            } else {
+                Def::Param(n.clone())
+            }
+        }
+        Kind::Const => {
+            let (op, _) = node_op(eg, node)?;
+            let Op::Const { value, dtype } = op else {
+                unreachable!()
+            };
+            Def::Const(value, dtype)
+        }
+        Kind::Reshape | Kind::Permute | Kind::Broadcast => {
+            let (op, _) = node_op(eg, node)?;
+            Def::View(op, args[0])
+        }
+        Kind::Proj(i) => Def::Proj(args[0], *i),
+        Kind::Region => {
+            let Some(Attr::Expr(e)) = attr_of(eg, *ch.last().expect("expr")) else {
+                return Err("a region without a program".to_string());
+            };
+            *kernels += 1;
+            Def::Kernel {
+                index: *kernels - 1,
+                op: KernelOp::Region(e.clone()),
+                inputs: args,
+            }
+        }
+        Kind::Kernel(t) => {
+            let n = registry()[*t as usize].inputs.len();
+            let attrs: Vec<Attr> = ch[n..]
+                .iter()
+                .map(|&c| {
+                    attr_of(eg, c)
+                        .cloned()
+                        .ok_or("a kernel attribute is not a leaf".to_string())
+                })
+                .collect::<Result<_, _>>()?;
+            *kernels += 1;
+            Def::Kernel {
+                index: *kernels - 1,
+                op: KernelOp::Template { id: *t, attrs },
+                inputs: args,
+            }
+        }
+        _ => {
+            let (op, _) = node_op(eg, node)?;
+            *kernels += 1;
+            Def::Kernel {
+                index: *kernels - 1,
+                op: KernelOp::Prim(op),
+                inputs: args,
+            }
+        }
+    })
+}
+
 impl KernelGraph {
     /// Builds the kernel graph of the chosen e-nodes reachable from `roots`.
     #[allow(clippy::too_many_arguments)]
@@ -181,19 +262,7 @@ impl KernelGraph {
                 let KNode::Op(kind, ch) = node else {
                     return Err(format!("e-class {id} is an attribute, not a value"));
                 };
-                let operands: Vec<Id> = match kind {
-                    Kind::Input | Kind::Param | Kind::Const => vec![],
-                    Kind::Kernel(t) => ch[..registry()[*t as usize].inputs.len()]
-                        .iter()
-                        .map(|&c| eg.find(c))
-                        .collect(),
-                    Kind::Region => ch[..ch.len() - 1].iter().map(|&c| eg.find(c)).collect(),
-                    Kind::Proj(_) => vec![eg.find(ch[0])],
-                    _ => {
-                        let n = crate::optimize::lang::attr_count(*kind);
-                        ch[..ch.len() - n].iter().map(|&c| eg.find(c)).collect()
-                    }
-                };
+                let operands = operands_of(eg, *kind, ch);
                 if !done {
                     if on_path.insert(id, true).is_some() {
                         return Err(format!(
@@ -233,67 +302,7 @@ impl KernelGraph {
                     Info::Tuple(t) => t.clone(),
                     other => return Err(format!("e-class {id} has no type: {other:?}")),
                 };
-                let def = match kind {
-                    Kind::Input | Kind::Param => {
-                        let Some(Attr::Name(n)) = attr_of(eg, ch[0]) else {
-                            return Err("a source without a name".to_string());
-                        };
-                        if *kind == Kind::Input {
-                            Def::Input(n.clone())
-                        } else {
-                            Def::Param(n.clone())
-                        }
-                    }
-                    Kind::Const => {
-                        let (op, _) = node_op(eg, node)?;
-                        let Op::Const { value, dtype } = op else {
-                            unreachable!()
-                        };
-                        Def::Const(value, dtype)
-                    }
-                    Kind::Reshape | Kind::Permute | Kind::Broadcast => {
-                        let (op, _) = node_op(eg, node)?;
-                        Def::View(op, args[0])
-                    }
-                    Kind::Proj(i) => Def::Proj(args[0], *i),
-                    Kind::Region => {
-                        let Some(Attr::Expr(e)) = attr_of(eg, *ch.last().expect("expr")) else {
-                            return Err("a region without a program".to_string());
-                        };
-                        kernels += 1;
-                        Def::Kernel {
-                            index: kernels - 1,
-                            op: KernelOp::Region(e.clone()),
-                            inputs: args,
-                        }
-                    }
-                    Kind::Kernel(t) => {
-                        let n = registry()[*t as usize].inputs.len();
-                        let attrs: Vec<Attr> = ch[n..]
-                            .iter()
-                            .map(|&c| {
-                                attr_of(eg, c)
-                                    .cloned()
-                                    .ok_or("a kernel attribute is not a leaf".to_string())
-                            })
-                            .collect::<Result<_, _>>()?;
-                        kernels += 1;
-                        Def::Kernel {
-                            index: kernels - 1,
-                            op: KernelOp::Template { id: *t, attrs },
-                            inputs: args,
-                        }
-                    }
-                    _ => {
-                        let (op, _) = node_op(eg, node)?;
-                        kernels += 1;
-                        Def::Kernel {
-                            index: kernels - 1,
-                            op: KernelOp::Prim(op),
-                            inputs: args,
-                        }
-                    }
-                };
+                let def = definition(eg, node, args, &mut kernels)?;
                 number.insert(id, values.len());
                 values.push(Value { def, types, scope });
             }

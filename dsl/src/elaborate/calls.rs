@@ -371,46 +371,7 @@ impl<'p> Elab<'p> {
                 .filter(|a| a.name.is_none())
                 .nth(n)
                 .expect("counted");
-            let d = if n == 0 {
-                let names: Vec<String> = def
-                    .params
-                    .iter()
-                    .map(|p| format!("{} = ...", p.name.name))
-                    .collect();
-                Diag::new(
-                    "kiln::argument",
-                    format!("layer `{}` takes no tensor arguments", def.name.name),
-                )
-                .at(extra.span, "unexpected argument")
-                .help(format!(
-                    "its parameters are named: `{}({})`",
-                    def.name.name,
-                    names.join(", ")
-                ))
-            } else {
-                Diag::new(
-                    "kiln::argument",
-                    format!(
-                        "layer `{}` takes {n} tensor argument{}, got {positional}",
-                        def.name.name,
-                        if n == 1 { "" } else { "s" }
-                    ),
-                )
-                .at(extra.span, "one too many")
-                .help(format!(
-                    "its tensor arguments are ({}); pass the others by name{}",
-                    def.tensor_params
-                        .iter()
-                        .map(|p| p.name.name.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    def.params
-                        .first()
-                        .map(|p| format!(", as in `{} = ...`", p.name.name))
-                        .unwrap_or_default()
-                ))
-            };
-            return Err(d);
+            return Err(too_many_positional(def, extra.span, positional));
         }
         for a in args {
             match &a.name {
@@ -637,5 +598,49 @@ impl<'p> Elab<'p> {
         let m = Rc::new(out);
         self.anon_cache.insert(key, m.clone());
         m
+    }
+}
+
+/// The error for more positional arguments than `def` has tensor parameters.
+fn too_many_positional(def: &LayerDef, extra: Span, positional: usize) -> Diag {
+    let n = def.tensor_params.len();
+    if n == 0 {
+        let names: Vec<String> = def
+            .params
+            .iter()
+            .map(|p| format!("{} = ...", p.name.name))
+            .collect();
+        Diag::new(
+            "kiln::argument",
+            format!("layer `{}` takes no tensor arguments", def.name.name),
+        )
+        .at(extra, "unexpected argument")
+        .help(format!(
+            "its parameters are named: `{}({})`",
+            def.name.name,
+            names.join(", ")
+        ))
+    } else {
+        Diag::new(
+            "kiln::argument",
+            format!(
+                "layer `{}` takes {n} tensor argument{}, got {positional}",
+                def.name.name,
+                if n == 1 { "" } else { "s" }
+            ),
+        )
+        .at(extra, "one too many")
+        .help(format!(
+            "its tensor arguments are ({}); pass the others by name{}",
+            def.tensor_params
+                .iter()
+                .map(|p| p.name.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            def.params
+                .first()
+                .map(|p| format!(", as in `{} = ...`", p.name.name))
+                .unwrap_or_default()
+        ))
     }
 }

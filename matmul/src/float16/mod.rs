@@ -328,50 +328,8 @@ unsafe fn general(kernel: Kernel16, (m, k): (usize, usize), a: Mat, members: &[M
     } else {
         Vec::new()
     };
-    if a.rs == 1 && a.cs != 1 {
-        let pack = |g: usize, out: &mut [u16], u: &mut [f32]| {
-            let (i0, o) = (g * GROUP * T, (panel, out));
-            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `rs == 1`.
-            unsafe {
-                if half {
-                    pack_a_columns::<true>(a, (m, k), i0, u, o)
-                } else {
-                    pack_a_columns::<false>(a, (m, k), i0, u, o)
-                }
-            }
-        };
-        if half {
-            pa.par_chunks_mut(GROUP * panel)
-                .zip(a_unscale.par_chunks_mut(GROUP * T))
-                .enumerate()
-                .for_each(|(g, (out, u))| pack(g, out, u));
-        } else {
-            pa.par_chunks_mut(GROUP * panel)
-                .enumerate()
-                .for_each(|(g, out)| pack(g, out, &mut []));
-        }
-    } else {
-        let pack = |i: usize, out: &mut [u16], u: &mut [f32]| {
-            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`.
-            unsafe {
-                if half {
-                    pack_a::<true>(a, (m, k), i * T, u, out)
-                } else {
-                    pack_a::<false>(a, (m, k), i * T, u, out)
-                }
-            }
-        };
-        if half {
-            pa.par_chunks_mut(panel)
-                .zip(a_unscale.par_chunks_mut(T))
-                .enumerate()
-                .for_each(|(i, (out, u))| pack(i, out, u));
-        } else {
-            pa.par_chunks_mut(panel)
-                .enumerate()
-                .for_each(|(i, out)| pack(i, out, &mut []));
-        }
-    }
+    // SAFETY: as the caller's.
+    unsafe { pack_a_all(half, a, (m, k), panel, pa, &mut a_unscale) };
     // Tasks: the column groups of every member, each split into row blocks (multiples
     // of 32 rows) only as far as it takes to give every thread two tasks. Where there
     // are fewer column groups than that (a narrow `b`, which several tasks would pack
@@ -486,6 +444,66 @@ unsafe fn general(kernel: Kernel16, (m, k): (usize, usize), a: Mat, members: &[M
     PACKED.with(|p| *p.borrow_mut() = lines_a);
     if let Some(Some((buf, _))) = packed_here.into_iter().next() {
         PACKED_B.with(|p| *p.borrow_mut() = buf);
+    }
+}
+
+/// Packs `a` (`m × k`) into `pa` by 16-row tiles, `panel` values a tile, in parallel: by
+/// groups of tiles where `a` is column-major (each task reads whole columns), else by
+/// tile. In fp16 each row's `1 / s` goes to `a_unscale`.
+///
+/// # Safety
+/// As [`general`]'s.
+unsafe fn pack_a_all(
+    half: bool,
+    a: Mat,
+    (m, k): (usize, usize),
+    panel: usize,
+    pa: &mut [u16],
+    a_unscale: &mut [f32],
+) {
+    if a.rs == 1 && a.cs != 1 {
+        let pack = |g: usize, out: &mut [u16], u: &mut [f32]| {
+            let (i0, o) = (g * GROUP * T, (panel, out));
+            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`, `rs == 1`.
+            unsafe {
+                if half {
+                    pack_a_columns::<true>(a, (m, k), i0, u, o)
+                } else {
+                    pack_a_columns::<false>(a, (m, k), i0, u, o)
+                }
+            }
+        };
+        if half {
+            pa.par_chunks_mut(GROUP * panel)
+                .zip(a_unscale.par_chunks_mut(GROUP * T))
+                .enumerate()
+                .for_each(|(g, (out, u))| pack(g, out, u));
+        } else {
+            pa.par_chunks_mut(GROUP * panel)
+                .enumerate()
+                .for_each(|(g, out)| pack(g, out, &mut []));
+        }
+    } else {
+        let pack = |i: usize, out: &mut [u16], u: &mut [f32]| {
+            // SAFETY: the kernel's check found AVX-512; `a` addresses `m × k`.
+            unsafe {
+                if half {
+                    pack_a::<true>(a, (m, k), i * T, u, out)
+                } else {
+                    pack_a::<false>(a, (m, k), i * T, u, out)
+                }
+            }
+        };
+        if half {
+            pa.par_chunks_mut(panel)
+                .zip(a_unscale.par_chunks_mut(T))
+                .enumerate()
+                .for_each(|(i, (out, u))| pack(i, out, u));
+        } else {
+            pa.par_chunks_mut(panel)
+                .enumerate()
+                .for_each(|(i, out)| pack(i, out, &mut []));
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! (checked to exist in the module) and the library routine, mirroring the CPU executor's
 //! `launch::prepare`. Pure: runs without a GPU.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use kiln_compiler::codegen::cuda::{KernelLaunch, Library};
@@ -15,6 +15,7 @@ use kiln_compiler::codegen::rows::MaskKind;
 use kiln_compiler::ir::{DType, Op};
 use kiln_compiler::launch_plan::LaunchPlan;
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
+use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
 use kiln_compiler::optimize::templates::{registry, TemplateKind};
 use kiln_compiler::shape::Dim;
@@ -214,39 +215,7 @@ pub(crate) fn prepare(
                     strided_results,
                 }),
                 _,
-            ) => {
-                let mask = mask_of(mask).map_err(|e| format!("kernel %{v}: {e}"))?;
-                let has = |r: &str| l.functions.contains_key(r);
-                if *backward {
-                    Exec::AttentionBwd {
-                        softmax: role("softmax")?,
-                        softmax_bwd: role("softmax_bwd")?,
-                        mask,
-                        flash: if has("flash_q") || has("flash_kv") {
-                            Some((role("flash_q")?, role("flash_kv")?))
-                        } else {
-                            None
-                        },
-                        short: if has("flash_short") {
-                            Some(role("flash_short")?)
-                        } else {
-                            None
-                        },
-                        strided: *strided_results,
-                    }
-                } else {
-                    Exec::Attention {
-                        softmax: role("softmax")?,
-                        mask,
-                        flash: if has("flash") {
-                            Some(role("flash")?)
-                        } else {
-                            None
-                        },
-                        strided: *strided_results,
-                    }
-                }
-            }
+            ) => attention_step(v, mask, *backward, *strided_results, &l.functions, &role)?,
             (None, KernelOp::Region(expr)) => Exec::Region {
                 f: role("main")?,
                 expr: expr.clone(),
@@ -257,49 +226,7 @@ pub(crate) fn prepare(
                     .unwrap_or_default(),
             },
             (None, KernelOp::Template { id, attrs }) => {
-                let def = &registry()[*id as usize];
-                match def.kind {
-                    TemplateKind::Softmax => Exec::Softmax(role("main")?),
-                    TemplateKind::ScaleMaskSoftmax => {
-                        Exec::ScaleMaskSoftmax(role("softmax")?, mask_kind(&def.variant))
-                    }
-                    TemplateKind::AddLayerNorm => Exec::AddLayerNorm(role("main")?),
-                    TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
-                        main: role("main")?,
-                        finish: role("finish")?,
-                    },
-                    TemplateKind::XentLs => {
-                        let grad = !l.functions.contains_key("loss");
-                        Exec::XentLs {
-                            count: role("count")?,
-                            main: role(if grad { "main" } else { "loss" })?,
-                            finish: role("finish")?,
-                            pad: xent_pad(v, attrs)?,
-                            grad,
-                        }
-                    }
-                    TemplateKind::EmbedPe => Exec::EmbedPe {
-                        f: role("main")?,
-                        dropout: embed_pe_dropout(v, attrs)?,
-                    },
-                    TemplateKind::SumRows => Exec::SumRows {
-                        main: role("main")?,
-                        finish: role("finish")?,
-                    },
-                    TemplateKind::AdamUpdate => Exec::Adam(role("main")?),
-                    TemplateKind::ScatterAddInto => Exec::ScatterAddInto(role("main")?),
-                    // Their launches are library routines (above).
-                    TemplateKind::Linear
-                    | TemplateKind::LinearRelu
-                    | TemplateKind::Attention
-                    | TemplateKind::AttentionBwd => {
-                        return Err(format!(
-                            "kernel %{v}: the CUDA executor has no launch for template `{}` \
-                             without a library routine",
-                            def.name
-                        ))
-                    }
-                }
+                template_step(v, *id, attrs, &l.functions, &role)?
             }
             (None, KernelOp::Prim(Op::Reduce { axis, .. })) => {
                 let rank = kg.values[inputs[0]].types[0].shape.rank();
@@ -338,6 +265,102 @@ pub(crate) fn prepare(
     }
     take_bias_grad_pairs(plan, &mut steps)?;
     Ok((steps, copy))
+}
+
+/// The step of an attention kernel, from its launch's functions by role.
+fn attention_step(
+    v: usize,
+    mask: &str,
+    backward: bool,
+    strided: bool,
+    functions: &BTreeMap<String, String>,
+    role: &dyn Fn(&str) -> Result<String, String>,
+) -> Result<Exec, String> {
+    let mask = mask_of(mask).map_err(|e| format!("kernel %{v}: {e}"))?;
+    let has = |r: &str| functions.contains_key(r);
+    Ok(if backward {
+        Exec::AttentionBwd {
+            softmax: role("softmax")?,
+            softmax_bwd: role("softmax_bwd")?,
+            mask,
+            flash: if has("flash_q") || has("flash_kv") {
+                Some((role("flash_q")?, role("flash_kv")?))
+            } else {
+                None
+            },
+            short: if has("flash_short") {
+                Some(role("flash_short")?)
+            } else {
+                None
+            },
+            strided,
+        }
+    } else {
+        Exec::Attention {
+            softmax: role("softmax")?,
+            mask,
+            flash: if has("flash") {
+                Some(role("flash")?)
+            } else {
+                None
+            },
+            strided,
+        }
+    })
+}
+
+/// The step of a template kernel without a library routine, from its launch's functions
+/// by role.
+fn template_step(
+    v: usize,
+    id: u16,
+    attrs: &[Attr],
+    functions: &BTreeMap<String, String>,
+    role: &dyn Fn(&str) -> Result<String, String>,
+) -> Result<Exec, String> {
+    let def = &registry()[id as usize];
+    Ok(match def.kind {
+        TemplateKind::Softmax => Exec::Softmax(role("main")?),
+        TemplateKind::ScaleMaskSoftmax => {
+            Exec::ScaleMaskSoftmax(role("softmax")?, mask_kind(&def.variant))
+        }
+        TemplateKind::AddLayerNorm => Exec::AddLayerNorm(role("main")?),
+        TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
+            main: role("main")?,
+            finish: role("finish")?,
+        },
+        TemplateKind::XentLs => {
+            let grad = !functions.contains_key("loss");
+            Exec::XentLs {
+                count: role("count")?,
+                main: role(if grad { "main" } else { "loss" })?,
+                finish: role("finish")?,
+                pad: xent_pad(v, attrs)?,
+                grad,
+            }
+        }
+        TemplateKind::EmbedPe => Exec::EmbedPe {
+            f: role("main")?,
+            dropout: embed_pe_dropout(v, attrs)?,
+        },
+        TemplateKind::SumRows => Exec::SumRows {
+            main: role("main")?,
+            finish: role("finish")?,
+        },
+        TemplateKind::AdamUpdate => Exec::Adam(role("main")?),
+        TemplateKind::ScatterAddInto => Exec::ScatterAddInto(role("main")?),
+        // Their launches are library routines (above).
+        TemplateKind::Linear
+        | TemplateKind::LinearRelu
+        | TemplateKind::Attention
+        | TemplateKind::AttentionBwd => {
+            return Err(format!(
+                "kernel %{v}: the CUDA executor has no launch for template `{}` \
+                 without a library routine",
+                def.name
+            ))
+        }
+    })
 }
 
 /// The launch plan's bias-gradient pairs ([`kiln_compiler::fuse::bias_grad_pairs`]): each

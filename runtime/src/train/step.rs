@@ -14,6 +14,12 @@ use crate::model::GraphSet;
 
 use super::*;
 
+/// A round's micro-batches, one per rank, and each one's target and source tokens.
+type RoundJobs = (Vec<RankJob>, Vec<(usize, usize)>);
+
+/// A gradient that is not finite: the parameter and the value.
+type Overflow = (String, f32);
+
 impl Trainer {
     /// The next batch, advancing the data position (epochs wrap around).
     pub(super) fn next_batch(&mut self) -> crate::data::Batch {
@@ -51,110 +57,13 @@ impl Trainer {
             .unwrap_or_else(|| "loss".to_string());
         let (mut loss_sum, mut tokens, mut src_tokens) = (0.0f64, 0usize, 0usize);
         let scale = self.scale_input();
-        // A gradient that is not finite: the parameter and the value.
-        let mut overflow: Option<(String, f32)> = None;
         // The parameters stay as they are until the optimizer step below.
         let params_version = Some(crate::exec::fresh_params_version());
         let update_freq = self.cfg.batch.update_freq;
-        let world = self.world_size();
         for round in 0..update_freq {
-            // Round `round`: one micro-batch per rank (one rank but in data parallel).
-            let mut jobs = Vec::with_capacity(world);
-            // Each micro-batch's target and source tokens.
-            let mut counts = Vec::with_capacity(world);
-            for rank in 0..world {
-                let batch = self.next_batch();
-                let mut inputs = BTreeMap::new();
-                inputs.insert("src".to_string(), batch.src);
-                inputs.insert("tgt_in".to_string(), batch.tgt_in);
-                inputs.insert("tgt_out".to_string(), batch.tgt_out);
-                if let Some(s) = scale {
-                    let t = Tensor::f32(vec![], vec![s]).map_err(setup("the loss scale"))?;
-                    inputs.insert(LOSS_SCALE.to_string(), t);
-                }
-                let counter = micro_counter(step, update_freq, world, round, rank);
-                let opts = RunOptions {
-                    seed: self.state.seed,
-                    step: counter as u32,
-                    params_version,
-                    ..RunOptions::default()
-                };
-                // The gradients come scaled: unscaled by the weight (exact for a power of
-                // two).
-                let weight = batch.n_tgt_tokens as f32 / scale.unwrap_or(1.0);
-                jobs.push(RankJob {
-                    inputs,
-                    opts,
-                    weight,
-                });
-                counts.push((batch.n_tgt_tokens, batch.n_src_tokens));
-            }
-            let first = round == 0;
-            let losses: Vec<f32> = match &self.train_exec {
-                TrainExec::Host(exec) => {
-                    let j = &jobs[0];
-                    let out = exec
-                        .run_map(&j.inputs, &self.params, &j.opts)
-                        .map_err(|source| TrainError::Exec { step, source })?;
-                    let loss = finite_loss(&out, &objective, step)?;
-                    let acc = accumulate(grads, &out, j.weight, first);
-                    // The outputs' storage goes back to the executor for the next run.
-                    exec.recycle(out.into_values().collect());
-                    match acc {
-                        Ok(()) => {}
-                        Err(Accumulate::Missing(name)) => {
-                            return Err(TrainError::Setup(format!(
-                                "train_step has no gradient for `{name}`"
-                            )))
-                        }
-                        Err(Accumulate::NonFinite(name, value)) => {
-                            overflow = Some((name, value));
-                        }
-                    }
-                    vec![loss]
-                }
-                TrainExec::Device(exec) => {
-                    if self.device == DeviceState::Off {
-                        exec.train_begin(&self.params, &self.adam.m, &self.adam.v)
-                            .map_err(|source| TrainError::Exec { step, source })?;
-                        self.device = DeviceState::InSync;
-                    }
-                    let j = &jobs[0];
-                    let out = exec
-                        .train_micro(&j.inputs, &self.params, &j.opts, j.weight, first, None)
-                        .map_err(|source| TrainError::Exec { step, source })?;
-                    overflow = out.non_finite;
-                    vec![finite_loss(
-                        &out.outputs.into_iter().collect(),
-                        &objective,
-                        step,
-                    )?]
-                }
-                TrainExec::Parallel(dp) => {
-                    if self.device == DeviceState::Off {
-                        dp.train_begin(&self.params, &self.adam.m, &self.adam.v)
-                            .map_err(|source| TrainError::Exec { step, source })?;
-                        self.device = DeviceState::InSync;
-                    }
-                    let outs = dp
-                        .train_micro(&jobs, &self.params, first)
-                        .map_err(|source| TrainError::Exec { step, source })?;
-                    let mut losses = Vec::with_capacity(outs.len());
-                    for out in outs {
-                        // The first rank (in rank order) whose gradients overflowed.
-                        if overflow.is_none() {
-                            overflow = out.non_finite;
-                        }
-                        losses.push(finite_loss(
-                            &out.outputs.into_iter().collect(),
-                            &objective,
-                            step,
-                        )?);
-                    }
-                    losses
-                }
-            };
-            if let Some((name, value)) = overflow.take() {
+            let (jobs, counts) = self.round_jobs(step, round, scale, params_version)?;
+            let (losses, overflow) = self.run_round(&jobs, grads, round == 0, step, &objective)?;
+            if let Some((name, value)) = overflow {
                 return self.overflowed(step, name, value);
             }
             for (loss, (tgt, src)) in losses.into_iter().zip(counts) {
@@ -204,6 +113,130 @@ impl Trainer {
             tokens,
             src_tokens,
         ))
+    }
+
+    /// Round `round`'s micro-batches, one per rank (one rank but in data parallel), and
+    /// each one's target and source tokens.
+    fn round_jobs(
+        &mut self,
+        step: u64,
+        round: usize,
+        scale: Option<f32>,
+        params_version: Option<u64>,
+    ) -> Result<RoundJobs, TrainError> {
+        let update_freq = self.cfg.batch.update_freq;
+        let world = self.world_size();
+        // Round `round`: one micro-batch per rank (one rank but in data parallel).
+        let mut jobs = Vec::with_capacity(world);
+        // Each micro-batch's target and source tokens.
+        let mut counts = Vec::with_capacity(world);
+        for rank in 0..world {
+            let batch = self.next_batch();
+            let mut inputs = BTreeMap::new();
+            inputs.insert("src".to_string(), batch.src);
+            inputs.insert("tgt_in".to_string(), batch.tgt_in);
+            inputs.insert("tgt_out".to_string(), batch.tgt_out);
+            if let Some(s) = scale {
+                let t = Tensor::f32(vec![], vec![s]).map_err(setup("the loss scale"))?;
+                inputs.insert(LOSS_SCALE.to_string(), t);
+            }
+            let counter = micro_counter(step, update_freq, world, round, rank);
+            let opts = RunOptions {
+                seed: self.state.seed,
+                step: counter as u32,
+                params_version,
+                ..RunOptions::default()
+            };
+            // The gradients come scaled: unscaled by the weight (exact for a power of
+            // two).
+            let weight = batch.n_tgt_tokens as f32 / scale.unwrap_or(1.0);
+            jobs.push(RankJob {
+                inputs,
+                opts,
+                weight,
+            });
+            counts.push((batch.n_tgt_tokens, batch.n_src_tokens));
+        }
+        Ok((jobs, counts))
+    }
+
+    /// Runs one round's micro-batches, adding their gradients to `grads` (overwriting
+    /// them in the first round): each micro-batch's loss, and the first gradient that is
+    /// not finite (the parameter and the value).
+    fn run_round(
+        &mut self,
+        jobs: &[RankJob],
+        grads: &mut BTreeMap<String, Vec<f32>>,
+        first: bool,
+        step: u64,
+        objective: &str,
+    ) -> Result<(Vec<f32>, Option<Overflow>), TrainError> {
+        let mut overflow: Option<Overflow> = None;
+        let losses: Vec<f32> = match &self.train_exec {
+            TrainExec::Host(exec) => {
+                let j = &jobs[0];
+                let out = exec
+                    .run_map(&j.inputs, &self.params, &j.opts)
+                    .map_err(|source| TrainError::Exec { step, source })?;
+                let loss = finite_loss(&out, objective, step)?;
+                let acc = accumulate(grads, &out, j.weight, first);
+                // The outputs' storage goes back to the executor for the next run.
+                exec.recycle(out.into_values().collect());
+                match acc {
+                    Ok(()) => {}
+                    Err(Accumulate::Missing(name)) => {
+                        return Err(TrainError::Setup(format!(
+                            "train_step has no gradient for `{name}`"
+                        )))
+                    }
+                    Err(Accumulate::NonFinite(name, value)) => {
+                        overflow = Some((name, value));
+                    }
+                }
+                vec![loss]
+            }
+            TrainExec::Device(exec) => {
+                if self.device == DeviceState::Off {
+                    exec.train_begin(&self.params, &self.adam.m, &self.adam.v)
+                        .map_err(|source| TrainError::Exec { step, source })?;
+                    self.device = DeviceState::InSync;
+                }
+                let j = &jobs[0];
+                let out = exec
+                    .train_micro(&j.inputs, &self.params, &j.opts, j.weight, first, None)
+                    .map_err(|source| TrainError::Exec { step, source })?;
+                overflow = out.non_finite;
+                vec![finite_loss(
+                    &out.outputs.into_iter().collect(),
+                    objective,
+                    step,
+                )?]
+            }
+            TrainExec::Parallel(dp) => {
+                if self.device == DeviceState::Off {
+                    dp.train_begin(&self.params, &self.adam.m, &self.adam.v)
+                        .map_err(|source| TrainError::Exec { step, source })?;
+                    self.device = DeviceState::InSync;
+                }
+                let outs = dp
+                    .train_micro(jobs, &self.params, first)
+                    .map_err(|source| TrainError::Exec { step, source })?;
+                let mut losses = Vec::with_capacity(outs.len());
+                for out in outs {
+                    // The first rank (in rank order) whose gradients overflowed.
+                    if overflow.is_none() {
+                        overflow = out.non_finite;
+                    }
+                    losses.push(finite_loss(
+                        &out.outputs.into_iter().collect(),
+                        objective,
+                        step,
+                    )?);
+                }
+                losses
+            }
+        };
+        Ok((losses, overflow))
     }
 
     /// A gradient that is not finite at step `step`: with dynamic loss scaling, the step

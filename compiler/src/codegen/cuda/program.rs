@@ -23,6 +23,7 @@ use crate::codegen::program::{mask_kind, static_inner, Names};
 use crate::codegen::rows::MaskKind;
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{KernelGraph, KernelOp};
+use crate::optimize::lang::Attr;
 use crate::optimize::templates::{registry, TemplateKind};
 
 /// Builds functions on demand, one per distinct key (named as the CPU emitter names).
@@ -139,6 +140,226 @@ fn flash_heads(kg: &KernelGraph, inputs: &[usize]) -> Option<(usize, usize)> {
     .then_some((dk, dv))
 }
 
+/// The functions of a template kernel, by role, into `f`; the library routine it
+/// launches, if any.
+#[allow(clippy::too_many_arguments)]
+fn template_launch(
+    em: &mut Emitter,
+    at: &Stored<'_>,
+    v: usize,
+    id: u16,
+    attrs: &[Attr],
+    inputs: &[usize],
+    e: Elem,
+    f: &mut BTreeMap<String, String>,
+) -> Result<Option<Library>, String> {
+    let kg = at.kg;
+    let mut library = None;
+    let def = &registry()[id as usize];
+    match def.kind {
+        TemplateKind::Linear | TemplateKind::LinearRelu => {
+            let relu = def.kind == TemplateKind::LinearRelu;
+            f.insert(
+                "bias".into(),
+                em.plain("fill_rows", |n| misc::fill_rows(n, e)),
+            );
+            if relu {
+                f.insert("epilogue".into(), em.plain("relu", |n| misc::relu(n, e)));
+            }
+            library = Some(Library::Gemm {
+                x: 0,
+                w: 1,
+                bias: Some(2),
+                relu,
+            });
+        }
+        TemplateKind::Softmax => {
+            f.insert("main".into(), em.plain("softmax", |n| rows::softmax(n, e)));
+        }
+        TemplateKind::ScaleMaskSoftmax | TemplateKind::Attention | TemplateKind::AttentionBwd => {
+            library = attention_launch(em, kg, def.kind, &def.variant, inputs, e, f)?;
+        }
+        TemplateKind::AddLayerNorm => {
+            let lane = rows::row_lane(static_last(kg, inputs[0]));
+            let name = em.get(
+                "add_layer_norm",
+                format!("add_layer_norm lane={lane}"),
+                |n| Ok(rows::add_layer_norm_with(n, e, lane)),
+            )?;
+            f.insert("main".into(), name);
+        }
+        TemplateKind::AddLayerNormBwd => {
+            let lane = rows::bwd_row_lane(static_last(kg, inputs[0]));
+            let name = em.get(
+                "add_layer_norm_bwd",
+                format!("add_layer_norm_bwd lane={lane}"),
+                |n| Ok(rows::add_layer_norm_bwd_with(n, e, lane)),
+            )?;
+            f.insert("main".into(), name);
+            f.insert(
+                "finish".into(),
+                em.plain("add_layer_norm_bwd_finish", rows::add_layer_norm_bwd_finish),
+            );
+        }
+        TemplateKind::XentLs => {
+            let count = if def.variant.split_whitespace().any(|w| w == "seeded") {
+                em.plain("xent_ls_count_seeded", rows::xent_ls_count_seeded)
+            } else {
+                em.plain("xent_ls_count", rows::xent_ls_count)
+            };
+            f.insert("count".into(), count);
+            // Where nothing reads the gradient (the `loss` entry), the kernel
+            // computes only the loss: role `loss` instead of `main`.
+            if kg.output_is_read(v, 1) {
+                let keep = rows::xent_keep(static_last(kg, inputs[0]), e);
+                let name = em.get("xent_ls", format!("xent_ls keep={keep}"), |n| {
+                    Ok(rows::xent_ls_with(n, e, keep))
+                })?;
+                f.insert("main".into(), name);
+            } else {
+                f.insert(
+                    "loss".into(),
+                    em.plain("xent_ls_loss", |n| rows::xent_ls_loss(n, e)),
+                );
+            }
+            f.insert(
+                "finish".into(),
+                em.plain("xent_ls_finish", rows::xent_ls_finish),
+            );
+        }
+        TemplateKind::EmbedPe => {
+            let dropout = !attrs.is_empty();
+            let (pe, out) = (at.of(inputs[2]), at.of(v));
+            let key = format!("embed_pe dropout={dropout} pe={pe:?} out={out:?}");
+            let name = em.get("embed_pe", key, |n| {
+                Ok(region::embed_pe_as(n, dropout, pe, out))
+            })?;
+            f.insert("main".into(), name);
+        }
+        TemplateKind::SumRows => {
+            let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
+            let (x, y) = (at.of(inputs[0]), at.of(v));
+            let name = em.get("sum_rows", format!("sum_rows lead={lead} x={x:?}"), |n| {
+                misc::sum_rows_as(n, lead, x)
+            })?;
+            f.insert("main".into(), name);
+            let name = em.get(
+                "sum_rows_finish",
+                format!("sum_rows_finish lead={lead} y={y:?}"),
+                |n| misc::sum_rows_finish_as(n, lead, y),
+            )?;
+            f.insert("finish".into(), name);
+        }
+        TemplateKind::AdamUpdate => {
+            f.insert(
+                "main".into(),
+                // f32 master weights, moments and gradients in every mode.
+                em.plain("adam_update", |n| misc::adam_update(n, Elem::F32)),
+            );
+        }
+        TemplateKind::ScatterAddInto => {
+            let (base, src, out) = (at.of(inputs[0]), at.of(inputs[2]), at.of(v));
+            let key = format!("scatter_rows_onto base={base:?} src={src:?} out={out:?}");
+            let name = em.get("scatter_rows_onto", key, |n| {
+                Ok(index::scatter_rows_onto_as(n, base, src, out))
+            })?;
+            f.insert("main".into(), name);
+        }
+    }
+    Ok(library)
+}
+
+/// The functions of a softmax or attention kernel, by role, into `f` (the flash
+/// kernels where the heads fit); the attention routine it launches, if any.
+fn attention_launch(
+    em: &mut Emitter,
+    kg: &KernelGraph,
+    kind: TemplateKind,
+    variant: &str,
+    inputs: &[usize],
+    e: Elem,
+    f: &mut BTreeMap<String, String>,
+) -> Result<Option<Library>, String> {
+    let mut library = None;
+    let m = mask_kind(variant);
+    let name = em.get(
+        "scale_mask_softmax",
+        format!("scale_mask_softmax {m:?}"),
+        |n| Ok(rows::scale_mask_softmax(n, m, e)),
+    )?;
+    f.insert("softmax".into(), name);
+    if kind == TemplateKind::AttentionBwd {
+        f.insert(
+            "softmax_bwd".into(),
+            em.plain("softmax_bwd", |n| rows::softmax_bwd(n, e)),
+        );
+    }
+    if kind != TemplateKind::ScaleMaskSoftmax {
+        if let Some((dk, dv)) = flash_heads(kg, inputs) {
+            // Keys name the function kind: one key space for all.
+            let key = |name: &str| format!("{name} {m:?} dk={dk} dv={dv}");
+            // A bf16 program's heads of multiples of 16 run on tensor
+            // cores (same ABI, tiles and work items).
+            let on = em.tensor_cores;
+            let tc = |p| on && e == Elem::Bf16 && tensor::fits(p, dk, dv);
+            if kind == TemplateKind::Attention {
+                let n = if tc(attention::Part::Forward) {
+                    em.get("attention_tc", key("attention_tc"), |n| {
+                        Ok(tensor::forward(n, m, dk, dv))
+                    })?
+                } else {
+                    em.get("attention", key("attention"), |n| {
+                        Ok(attention::forward(n, m, dk, dv, e))
+                    })?
+                };
+                f.insert("flash".into(), n);
+            } else {
+                let (nq, nkv) = if tc(attention::Part::BackwardQ) && tc(attention::Part::BackwardKv)
+                {
+                    (
+                        em.get("attention_bwd_q_tc", key("attention_bwd_q_tc"), |n| {
+                            Ok(tensor::backward_q(n, m, dk, dv))
+                        })?,
+                        em.get("attention_bwd_kv_tc", key("attention_bwd_kv_tc"), |n| {
+                            Ok(tensor::backward_kv(n, m, dk, dv))
+                        })?,
+                    )
+                } else {
+                    (
+                        em.get("attention_bwd_q", key("attention_bwd_q"), |n| {
+                            Ok(attention::backward_q(n, m, dk, dv, e))
+                        })?,
+                        em.get("attention_bwd_kv", key("attention_bwd_kv"), |n| {
+                            Ok(attention::backward_kv(n, m, dk, dv, e))
+                        })?,
+                    )
+                };
+                f.insert("flash_q".into(), nq);
+                f.insert("flash_kv".into(), nkv);
+                if tc(attention::Part::Short) {
+                    let n = em.get(
+                        "attention_bwd_short_tc",
+                        key("attention_bwd_short_tc"),
+                        |n| Ok(tensor::backward_short(n, m, dk, dv)),
+                    )?;
+                    f.insert("flash_short".into(), n);
+                } else if attention::tile(attention::Part::Short, dk, dv).is_some() {
+                    let n = em.get("attention_bwd_short", key("attention_bwd_short"), |n| {
+                        Ok(attention::backward_short(n, m, dk, dv, e))
+                    })?;
+                    f.insert("flash_short".into(), n);
+                }
+            }
+        }
+        library = Some(Library::Attention {
+            mask: mask_name(m).to_string(),
+            backward: kind == TemplateKind::AttentionBwd,
+            strided_results: true,
+        });
+    }
+    Ok(library)
+}
+
 fn mask_name(m: MaskKind) -> &'static str {
     match m {
         MaskKind::None => "none",
@@ -184,203 +405,7 @@ fn launch(
             );
         }
         KernelOp::Template { id, attrs } => {
-            let def = &registry()[*id as usize];
-            match def.kind {
-                TemplateKind::Linear | TemplateKind::LinearRelu => {
-                    let relu = def.kind == TemplateKind::LinearRelu;
-                    f.insert(
-                        "bias".into(),
-                        em.plain("fill_rows", |n| misc::fill_rows(n, e)),
-                    );
-                    if relu {
-                        f.insert("epilogue".into(), em.plain("relu", |n| misc::relu(n, e)));
-                    }
-                    library = Some(Library::Gemm {
-                        x: 0,
-                        w: 1,
-                        bias: Some(2),
-                        relu,
-                    });
-                }
-                TemplateKind::Softmax => {
-                    f.insert("main".into(), em.plain("softmax", |n| rows::softmax(n, e)));
-                }
-                TemplateKind::ScaleMaskSoftmax
-                | TemplateKind::Attention
-                | TemplateKind::AttentionBwd => {
-                    let m = mask_kind(&def.variant);
-                    let name = em.get(
-                        "scale_mask_softmax",
-                        format!("scale_mask_softmax {m:?}"),
-                        |n| Ok(rows::scale_mask_softmax(n, m, e)),
-                    )?;
-                    f.insert("softmax".into(), name);
-                    if def.kind == TemplateKind::AttentionBwd {
-                        f.insert(
-                            "softmax_bwd".into(),
-                            em.plain("softmax_bwd", |n| rows::softmax_bwd(n, e)),
-                        );
-                    }
-                    if def.kind != TemplateKind::ScaleMaskSoftmax {
-                        if let Some((dk, dv)) = flash_heads(kg, inputs) {
-                            // Keys name the function kind: one key space for all.
-                            let key = |kind: &str| format!("{kind} {m:?} dk={dk} dv={dv}");
-                            // A bf16 program's heads of multiples of 16 run on tensor
-                            // cores (same ABI, tiles and work items).
-                            let on = em.tensor_cores;
-                            let tc = |p| on && e == Elem::Bf16 && tensor::fits(p, dk, dv);
-                            if def.kind == TemplateKind::Attention {
-                                let n = if tc(attention::Part::Forward) {
-                                    em.get("attention_tc", key("attention_tc"), |n| {
-                                        Ok(tensor::forward(n, m, dk, dv))
-                                    })?
-                                } else {
-                                    em.get("attention", key("attention"), |n| {
-                                        Ok(attention::forward(n, m, dk, dv, e))
-                                    })?
-                                };
-                                f.insert("flash".into(), n);
-                            } else {
-                                let (nq, nkv) = if tc(attention::Part::BackwardQ)
-                                    && tc(attention::Part::BackwardKv)
-                                {
-                                    (
-                                        em.get(
-                                            "attention_bwd_q_tc",
-                                            key("attention_bwd_q_tc"),
-                                            |n| Ok(tensor::backward_q(n, m, dk, dv)),
-                                        )?,
-                                        em.get(
-                                            "attention_bwd_kv_tc",
-                                            key("attention_bwd_kv_tc"),
-                                            |n| Ok(tensor::backward_kv(n, m, dk, dv)),
-                                        )?,
-                                    )
-                                } else {
-                                    (
-                                        em.get("attention_bwd_q", key("attention_bwd_q"), |n| {
-                                            Ok(attention::backward_q(n, m, dk, dv, e))
-                                        })?,
-                                        em.get("attention_bwd_kv", key("attention_bwd_kv"), |n| {
-                                            Ok(attention::backward_kv(n, m, dk, dv, e))
-                                        })?,
-                                    )
-                                };
-                                f.insert("flash_q".into(), nq);
-                                f.insert("flash_kv".into(), nkv);
-                                if tc(attention::Part::Short) {
-                                    let n = em.get(
-                                        "attention_bwd_short_tc",
-                                        key("attention_bwd_short_tc"),
-                                        |n| Ok(tensor::backward_short(n, m, dk, dv)),
-                                    )?;
-                                    f.insert("flash_short".into(), n);
-                                } else if attention::tile(attention::Part::Short, dk, dv).is_some()
-                                {
-                                    let n = em.get(
-                                        "attention_bwd_short",
-                                        key("attention_bwd_short"),
-                                        |n| Ok(attention::backward_short(n, m, dk, dv, e)),
-                                    )?;
-                                    f.insert("flash_short".into(), n);
-                                }
-                            }
-                        }
-                        library = Some(Library::Attention {
-                            mask: mask_name(m).to_string(),
-                            backward: def.kind == TemplateKind::AttentionBwd,
-                            strided_results: true,
-                        });
-                    }
-                }
-                TemplateKind::AddLayerNorm => {
-                    let lane = rows::row_lane(static_last(kg, inputs[0]));
-                    let name = em.get(
-                        "add_layer_norm",
-                        format!("add_layer_norm lane={lane}"),
-                        |n| Ok(rows::add_layer_norm_with(n, e, lane)),
-                    )?;
-                    f.insert("main".into(), name);
-                }
-                TemplateKind::AddLayerNormBwd => {
-                    let lane = rows::bwd_row_lane(static_last(kg, inputs[0]));
-                    let name = em.get(
-                        "add_layer_norm_bwd",
-                        format!("add_layer_norm_bwd lane={lane}"),
-                        |n| Ok(rows::add_layer_norm_bwd_with(n, e, lane)),
-                    )?;
-                    f.insert("main".into(), name);
-                    f.insert(
-                        "finish".into(),
-                        em.plain("add_layer_norm_bwd_finish", rows::add_layer_norm_bwd_finish),
-                    );
-                }
-                TemplateKind::XentLs => {
-                    let count = if def.variant.split_whitespace().any(|w| w == "seeded") {
-                        em.plain("xent_ls_count_seeded", rows::xent_ls_count_seeded)
-                    } else {
-                        em.plain("xent_ls_count", rows::xent_ls_count)
-                    };
-                    f.insert("count".into(), count);
-                    // Where nothing reads the gradient (the `loss` entry), the kernel
-                    // computes only the loss: role `loss` instead of `main`.
-                    if kg.output_is_read(v, 1) {
-                        let keep = rows::xent_keep(static_last(kg, inputs[0]), e);
-                        let name = em.get("xent_ls", format!("xent_ls keep={keep}"), |n| {
-                            Ok(rows::xent_ls_with(n, e, keep))
-                        })?;
-                        f.insert("main".into(), name);
-                    } else {
-                        f.insert(
-                            "loss".into(),
-                            em.plain("xent_ls_loss", |n| rows::xent_ls_loss(n, e)),
-                        );
-                    }
-                    f.insert(
-                        "finish".into(),
-                        em.plain("xent_ls_finish", rows::xent_ls_finish),
-                    );
-                }
-                TemplateKind::EmbedPe => {
-                    let dropout = !attrs.is_empty();
-                    let (pe, out) = (at.of(inputs[2]), at.of(v));
-                    let key = format!("embed_pe dropout={dropout} pe={pe:?} out={out:?}");
-                    let name = em.get("embed_pe", key, |n| {
-                        Ok(region::embed_pe_as(n, dropout, pe, out))
-                    })?;
-                    f.insert("main".into(), name);
-                }
-                TemplateKind::SumRows => {
-                    let lead = kg.values[inputs[0]].types[0].shape.rank() - 1;
-                    let (x, y) = (at.of(inputs[0]), at.of(v));
-                    let name =
-                        em.get("sum_rows", format!("sum_rows lead={lead} x={x:?}"), |n| {
-                            misc::sum_rows_as(n, lead, x)
-                        })?;
-                    f.insert("main".into(), name);
-                    let name = em.get(
-                        "sum_rows_finish",
-                        format!("sum_rows_finish lead={lead} y={y:?}"),
-                        |n| misc::sum_rows_finish_as(n, lead, y),
-                    )?;
-                    f.insert("finish".into(), name);
-                }
-                TemplateKind::AdamUpdate => {
-                    f.insert(
-                        "main".into(),
-                        // f32 master weights, moments and gradients in every mode.
-                        em.plain("adam_update", |n| misc::adam_update(n, Elem::F32)),
-                    );
-                }
-                TemplateKind::ScatterAddInto => {
-                    let (base, src, out) = (at.of(inputs[0]), at.of(inputs[2]), at.of(v));
-                    let key = format!("scatter_rows_onto base={base:?} src={src:?} out={out:?}");
-                    let name = em.get("scatter_rows_onto", key, |n| {
-                        Ok(index::scatter_rows_onto_as(n, base, src, out))
-                    })?;
-                    f.insert("main".into(), name);
-                }
-            }
+            library = template_launch(em, at, v, *id, attrs, inputs, e, &mut f)?;
         }
         KernelOp::Prim(p) if !storage::on_device(kg, p, inputs) => library = Some(Library::Host),
         KernelOp::Prim(Op::Reduce { op, axis }) => {

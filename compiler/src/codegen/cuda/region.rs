@@ -340,27 +340,21 @@ pub fn region_as(
             dropout_base + 1
         ));
     }
-    // The column, unless no input reads along it (every one broadcast over it); rows
-    // are tracked through it all the same when there are leading axes.
+    // The column, unless no input reads along it (every one broadcast over it).
     let column = (0..n_in).any(|i| used[i] && inner[i]);
-    let track_c = column || lead > 0;
-    // Input `i`'s value from its stored element `at`.
-    let read = |i: usize, at: &str| match in_dtypes[i] {
-        DType::Bool => format!("({at} != 0) ? 1 : 0"),
-        DType::F32 => in_elems[i].load(at),
-        _ => at.to_string(),
-    };
-    // Element `u` of input `i`'s vector `x{i}` (a word, or half of one in bf16).
-    let read_lane = |i: usize| {
-        let x = format!("x{i}");
-        match in_dtypes[i] {
-            DType::Bool => format!("({x}.w[u] != 0) ? 1 : 0"),
-            DType::F32 => in_elems[i].quad_lane(&x, "u"),
-            _ => format!("(int){x}.w[u]"),
-        }
-    };
     // (Integer and bool buffers are checked above to be `Elem::F32`: 4-byte words.)
     vector_condition(&mut w, lead, n_in, &used, inner, in_elems, out_elem);
+    let loops = Loops {
+        expr,
+        types: &types,
+        inner,
+        in_dtypes,
+        in_elems,
+        out_elem,
+        used,
+        lead,
+        column,
+    };
     w.open(FOR_QUADS);
     w.l("const long long i0 = g << 2;");
     // One Philox block per dropout step: the words of the group's four elements.
@@ -371,116 +365,8 @@ pub fn region_as(
             ));
         }
     }
-    // A whole group in one row, every operand aligned: vector loads and one store.
-    w.open("if (vec && i0 + 3 < items)");
-    if lead > 0 && used.iter().any(|&u| u) {
-        w.l("const unsigned row = (unsigned)i0 / (unsigned)C;");
-        if column {
-            w.l("const unsigned c = (unsigned)i0 - row * (unsigned)C;");
-        }
-        w.l("unsigned rest = row;");
-        for k in (1..lead).rev() {
-            w.l(format!(
-                "const unsigned q{k} = rest / (unsigned)dims.d[{}];",
-                1 + k
-            ));
-            w.l(format!(
-                "const unsigned j{k} = rest - q{k} * (unsigned)dims.d[{}];",
-                1 + k
-            ));
-            w.l(format!("rest = q{k};"));
-        }
-        w.l("const unsigned j0 = rest;");
-    } else if lead == 0 && column {
-        w.l("const long long c = i0;");
-    }
-    for i in (0..n_in).filter(|&i| used[i]) {
-        w.l(offset(lead, i, inner[i], "(long long)"));
-        if inner[i] {
-            let v = in_elems[i].quad();
-            w.l(format!("const {v} x{i} = *(const {v}*)(in{i} + o{i});"));
-        } else {
-            w.l(format!(
-                "const {} b{i} = {};",
-                reg(in_dtypes[i]),
-                read(i, &format!("in{i}[o{i}]"))
-            ));
-        }
-    }
-    let out_vec = out_elem.quad();
-    w.l(format!("{out_vec} st = {{}};"));
-    w.l("KILN_UNROLL");
-    w.open("for (int u = 0; u < 4; ++u)");
-    steps(&mut w, expr, &types, |i| {
-        if inner[i] {
-            read_lane(i)
-        } else {
-            format!("b{i}")
-        }
-    });
-    let last = format!("v{}", n - 1);
-    let word = match (types[n - 1], out_elem) {
-        (DType::F32, Elem::F32) => format!("(unsigned)__float_as_int({last})"),
-        (DType::F32, Elem::Bf16) => format!("(unsigned)kiln_f32_to_bf16({last})"),
-        _ => format!("(unsigned){last}"),
-    };
-    match out_elem {
-        Elem::F32 => w.l(format!("st.w[u] = {word};")),
-        Elem::Bf16 => w.l(format!("st.w[u >> 1] |= {word} << (16 * (u & 1));")),
-    }
-    w.close();
-    w.l(format!("*({out_vec}*)(out + i0) = st;"));
-    w.l("continue;");
-    w.close();
-    // The first element's row and column (the only divisions of the group).
-    if lead > 0 {
-        w.l("const long long row = i0 / C;");
-        w.l("long long c = i0 - row * C;");
-        w.l("long long rest = row;");
-        for k in (1..lead).rev() {
-            w.l(format!("const long long q{k} = rest / dims.d[{}];", 1 + k));
-            w.l(format!("long long j{k} = rest - q{k} * dims.d[{}];", 1 + k));
-            w.l(format!("rest = q{k};"));
-        }
-        w.l("long long j0 = rest;");
-    } else if track_c {
-        w.l("long long c = i0;");
-    }
-    w.open("for (int u = 0; u < 4; ++u)");
-    w.l("const long long i = i0 + u;");
-    w.l("if (i >= items) break;");
-    if track_c {
-        // The next element: the column, then the leading indices, carried.
-        w.open("if (u > 0)");
-        if lead > 0 {
-            w.open("if (++c == C)");
-            w.l("c = 0;");
-            for k in (1..lead).rev() {
-                w.open(format!("if (++j{k} == dims.d[{}])", 1 + k));
-                w.l(format!("j{k} = 0;"));
-            }
-            w.l("++j0;");
-            for _ in 1..lead {
-                w.close();
-            }
-            w.close();
-        } else {
-            w.l("++c;");
-        }
-        w.close();
-    }
-    for i in (0..n_in).filter(|&i| used[i]) {
-        w.l(offset(lead, i, inner[i], ""));
-    }
-    steps(&mut w, expr, &types, |i| read(i, &format!("in{i}[o{i}]")));
-    let last = format!("v{}", n - 1);
-    let value = if types[n - 1] == DType::F32 {
-        out_elem.store(&last)
-    } else {
-        last
-    };
-    w.l(format!("out[i] = {value};"));
-    w.close();
+    loops.vector_group(&mut w);
+    loops.scalar_group(&mut w);
     w.close();
     w.close();
     Ok(CudaFunction {
@@ -490,6 +376,168 @@ pub fn region_as(
         items_rule: "elements R·C of the output, four per thread".into(),
         text: w.finish(),
     })
+}
+
+/// What the element loops of a region kernel are written from.
+struct Loops<'a> {
+    expr: &'a Expr,
+    /// Each step's value type.
+    types: &'a [DType],
+    inner: &'a [bool],
+    in_dtypes: &'a [DType],
+    in_elems: &'a [Elem],
+    out_elem: Elem,
+    /// Whether the program reads input `i`.
+    used: Vec<bool>,
+    /// The output's leading axes (its rank − 1).
+    lead: usize,
+    /// Whether an input reads along the column.
+    column: bool,
+}
+
+impl Loops<'_> {
+    /// Input `i`'s value from its stored element `at`.
+    fn read(&self, i: usize, at: &str) -> String {
+        match self.in_dtypes[i] {
+            DType::Bool => format!("({at} != 0) ? 1 : 0"),
+            DType::F32 => self.in_elems[i].load(at),
+            _ => at.to_string(),
+        }
+    }
+
+    /// Element `u` of input `i`'s vector `x{i}` (a word, or half of one in bf16).
+    fn read_lane(&self, i: usize) -> String {
+        let x = format!("x{i}");
+        match self.in_dtypes[i] {
+            DType::Bool => format!("({x}.w[u] != 0) ? 1 : 0"),
+            DType::F32 => self.in_elems[i].quad_lane(&x, "u"),
+            _ => format!("(int){x}.w[u]"),
+        }
+    }
+
+    /// A whole group of four in one row, every operand aligned: vector loads and one
+    /// store.
+    fn vector_group(&self, w: &mut W) {
+        let n = self.expr.insts.len();
+        w.open("if (vec && i0 + 3 < items)");
+        if self.lead > 0 && self.used.iter().any(|&u| u) {
+            w.l("const unsigned row = (unsigned)i0 / (unsigned)C;");
+            if self.column {
+                w.l("const unsigned c = (unsigned)i0 - row * (unsigned)C;");
+            }
+            w.l("unsigned rest = row;");
+            for k in (1..self.lead).rev() {
+                w.l(format!(
+                    "const unsigned q{k} = rest / (unsigned)dims.d[{}];",
+                    1 + k
+                ));
+                w.l(format!(
+                    "const unsigned j{k} = rest - q{k} * (unsigned)dims.d[{}];",
+                    1 + k
+                ));
+                w.l(format!("rest = q{k};"));
+            }
+            w.l("const unsigned j0 = rest;");
+        } else if self.lead == 0 && self.column {
+            w.l("const long long c = i0;");
+        }
+        for i in (0..self.expr.inputs).filter(|&i| self.used[i]) {
+            w.l(offset(self.lead, i, self.inner[i], "(long long)"));
+            if self.inner[i] {
+                let v = self.in_elems[i].quad();
+                w.l(format!("const {v} x{i} = *(const {v}*)(in{i} + o{i});"));
+            } else {
+                w.l(format!(
+                    "const {} b{i} = {};",
+                    reg(self.in_dtypes[i]),
+                    self.read(i, &format!("in{i}[o{i}]"))
+                ));
+            }
+        }
+        let out_vec = self.out_elem.quad();
+        w.l(format!("{out_vec} st = {{}};"));
+        w.l("KILN_UNROLL");
+        w.open("for (int u = 0; u < 4; ++u)");
+        steps(w, self.expr, self.types, |i| {
+            if self.inner[i] {
+                self.read_lane(i)
+            } else {
+                format!("b{i}")
+            }
+        });
+        let last = format!("v{}", n - 1);
+        let word = match (self.types[n - 1], self.out_elem) {
+            (DType::F32, Elem::F32) => format!("(unsigned)__float_as_int({last})"),
+            (DType::F32, Elem::Bf16) => format!("(unsigned)kiln_f32_to_bf16({last})"),
+            _ => format!("(unsigned){last}"),
+        };
+        match self.out_elem {
+            Elem::F32 => w.l(format!("st.w[u] = {word};")),
+            Elem::Bf16 => w.l(format!("st.w[u >> 1] |= {word} << (16 * (u & 1));")),
+        }
+        w.close();
+        w.l(format!("*({out_vec}*)(out + i0) = st;"));
+        w.l("continue;");
+        w.close();
+    }
+
+    /// Any other group: element by element, the row and column carried from the first.
+    fn scalar_group(&self, w: &mut W) {
+        let n = self.expr.insts.len();
+        // Rows are tracked through the column all the same when there are leading axes.
+        let track_c = self.column || self.lead > 0;
+        // The first element's row and column (the only divisions of the group).
+        if self.lead > 0 {
+            w.l("const long long row = i0 / C;");
+            w.l("long long c = i0 - row * C;");
+            w.l("long long rest = row;");
+            for k in (1..self.lead).rev() {
+                w.l(format!("const long long q{k} = rest / dims.d[{}];", 1 + k));
+                w.l(format!("long long j{k} = rest - q{k} * dims.d[{}];", 1 + k));
+                w.l(format!("rest = q{k};"));
+            }
+            w.l("long long j0 = rest;");
+        } else if track_c {
+            w.l("long long c = i0;");
+        }
+        w.open("for (int u = 0; u < 4; ++u)");
+        w.l("const long long i = i0 + u;");
+        w.l("if (i >= items) break;");
+        if track_c {
+            // The next element: the column, then the leading indices, carried.
+            w.open("if (u > 0)");
+            if self.lead > 0 {
+                w.open("if (++c == C)");
+                w.l("c = 0;");
+                for k in (1..self.lead).rev() {
+                    w.open(format!("if (++j{k} == dims.d[{}])", 1 + k));
+                    w.l(format!("j{k} = 0;"));
+                }
+                w.l("++j0;");
+                for _ in 1..self.lead {
+                    w.close();
+                }
+                w.close();
+            } else {
+                w.l("++c;");
+            }
+            w.close();
+        }
+        for i in (0..self.expr.inputs).filter(|&i| self.used[i]) {
+            w.l(offset(self.lead, i, self.inner[i], ""));
+        }
+        steps(w, self.expr, self.types, |i| {
+            self.read(i, &format!("in{i}[o{i}]"))
+        });
+        let last = format!("v{}", n - 1);
+        let value = if self.types[n - 1] == DType::F32 {
+            self.out_elem.store(&last)
+        } else {
+            last
+        };
+        w.l(format!("out[i] = {value};"));
+        w.close();
+    }
 }
 
 /// The `embed_pe` kernel (see the module documentation).

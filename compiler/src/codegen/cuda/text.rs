@@ -197,6 +197,19 @@ pub fn prelude() -> String {
     w.l("// Sizes and strides (element counts), passed by value.");
     w.l("typedef struct { long long d[KILN_MAX_DIMS]; } kiln_dims;");
     w.l("");
+    scalar_helpers(&mut w);
+    w.l("");
+    block_reductions(&mut w);
+    w.l("");
+    mma(&mut w);
+    w.l("");
+    philox::write(&mut w);
+    w.finish()
+}
+
+/// The prelude's scalar helpers: NaN-exact `max` and `relu`, the saturating f32 → i32
+/// cast, bf16 storage and its conversions, the vector types, and wrapping i32 arithmetic.
+fn scalar_helpers(w: &mut W) {
     w.l("// max as the reference reduces: a NaN `a` wins, then the larger, ties keep `a`.");
     w.open("__device__ __forceinline__ float kiln_max_ref(float a, float b)");
     w.l("return (a >= b || a != a) ? a : b;");
@@ -255,7 +268,11 @@ pub fn prelude() -> String {
         w.l(format!("return (int)((unsigned)a {op} (unsigned)b);"));
         w.close();
     }
-    w.l("");
+}
+
+/// The prelude's block reductions: sums, maxima, an online softmax's (max, sum) pairs and
+/// four sums at once, each in a fixed order.
+fn block_reductions(w: &mut W) {
     w.l("// Block reductions over blockDim.x partials (a power of two, at most KILN_THREADS),");
     w.l("// called by every thread of the block: a butterfly of shuffles in each warp, whose");
     w.l("// lane 0 holds the warp's tree (lane l with lane l + s at each step), then the warps'");
@@ -347,11 +364,6 @@ pub fn prelude() -> String {
     w.close();
     w.l("__syncthreads();");
     w.close();
-    w.l("");
-    mma(&mut w);
-    w.l("");
-    philox::write(&mut w);
-    w.finish()
 }
 
 /// `kiln_mma`: one tensor-core tile, `c += a·b` with `a` 16×16 and `b` 16×8 in bf16 and

@@ -332,14 +332,9 @@ fn xent_ls(
     unsafe { *(inv as *mut f32) = w };
     let row_loss = keep.alloc(rows_n);
     let (dims, items) = rows::xent_ls_dims(rows_n, v, *pad);
+    let scalars = [2, 3, 4].map(|k| ins[k].base());
     let args = rows::xent_ls_buffers(
-        [
-            logits.base(),
-            target.base(),
-            ins[2].base(),
-            ins[3].base(),
-            ins[4].base(),
-        ],
+        (logits.base(), target.base(), scalars),
         row_loss,
         grad.then(|| (inv, outs[1].base())),
     );
@@ -365,14 +360,7 @@ fn embed_pe(
     let ids = contig(ins[1], keep)?;
     let pe = contig(ins[2], keep)?;
     let vocab = table.shape()[0];
-    for (i, w) in gather_words(&ids).iter().enumerate() {
-        kiln_compiler::bind::check_id(
-            *w as i32,
-            vocab,
-            i,
-            format_args!("the embedding table has {vocab} rows"),
-        )?;
-    }
+    kiln_compiler::bind::check_embedding_ids(&gather_words(&ids), vocab)?;
     let s = outs[0].shape().to_vec();
     let (b, t, d) = (s[0], s[1], s[2]);
     let (dims, items) = region::embed_pe_dims(d, t, b, *dropout, ctx.seed, ctx.step);

@@ -15,7 +15,6 @@ use kiln_compiler::optimize::kernels::KernelGraph;
 use kiln_compiler::tensor::{Tensor, TensorData};
 
 use crate::compiled::fallback::{self, HostCtx};
-use crate::compiled::launch::region_operand;
 use crate::compiled::Loc;
 use crate::cuda::abi::{Launch, MatmulPlan};
 use crate::cuda::device::{self, Buf, Device};
@@ -26,7 +25,9 @@ use crate::eager::value::Layout;
 use super::*;
 
 mod attention_ops;
+mod index_ops;
 mod products;
+mod row_ops;
 
 /// One run's device work: launches, GEMMs, copies, and the buffers they need.
 pub(crate) struct Run<'a> {
@@ -279,28 +280,7 @@ impl Run<'_> {
             StepExec::Gemm { bias, relu } => {
                 self.linear(ins, &outs[0], bias.as_deref(), relu.as_deref())
             }
-            StepExec::Region { f, expr, inner } => {
-                let out = &outs[0];
-                let shape = out.shape().to_vec();
-                let mut ptrs = Vec::with_capacity(ins.len() + 1);
-                let mut strides = Vec::with_capacity(ins.len());
-                for (k, l) in ins.iter().enumerate() {
-                    let want_unit = inner.get(k).copied().unwrap_or(true);
-                    let mut l = (*l).clone();
-                    let b = match region_operand(&l.layout, &shape, want_unit)? {
-                        Some(b) => b,
-                        None => {
-                            l = self.contig(&l)?;
-                            l.layout.broadcast(&shape)
-                        }
-                    };
-                    ptrs.push(l.at(b.offset));
-                    strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
-                }
-                ptrs.push(out.base());
-                let launch = Launch::region(expr, &shape, &strides, self.seed, self.step);
-                self.launch(f, &ptrs, launch)
-            }
+            StepExec::Region { f, expr, inner } => self.region(f, expr, inner, ins, &outs[0]),
             StepExec::Softmax(f) => {
                 let x = self.contig(ins[0])?;
                 let c = x.last();
@@ -345,52 +325,9 @@ impl Run<'_> {
                 mask,
                 ..
             } => self.attention_bwd(ins, outs, softmax, softmax_bwd, *mask),
-            StepExec::AddLayerNorm(f) => {
-                let x = self.contig(ins[0])?;
-                let y = self.contig(ins[1])?;
-                let g = self.contig(ins[2])?;
-                let b = self.contig(ins[3])?;
-                let d = x.last();
-                let l = Launch::same(rows::add_layer_norm_dims(x.numel() / d.max(1), d));
-                let ptrs = [
-                    x.base(),
-                    y.base(),
-                    g.base(),
-                    b.base(),
-                    ins[4].base(),
-                    ins[5].base(),
-                    outs[0].base(),
-                ];
-                self.launch(f, &ptrs, l)
-            }
+            StepExec::AddLayerNorm(f) => self.add_layer_norm(f, ins, &outs[0]),
             StepExec::AddLayerNormBwd { main, finish } => {
-                let x = self.contig(ins[0])?;
-                let y = self.contig(ins[1])?;
-                let g = self.contig(ins[2])?;
-                let dy = self.contig(ins[3])?;
-                let d = x.last();
-                let rows_n = x.numel() / d.max(1);
-                let scratch = self.alloc(rows::add_layer_norm_bwd_scratch(rows_n, d))?;
-                let ptrs = [
-                    x.base(),
-                    y.base(),
-                    g.base(),
-                    dy.base(),
-                    ins[4].base(),
-                    ins[5].base(),
-                    outs[0].base(),
-                    scratch,
-                ];
-                self.launch(
-                    main,
-                    &ptrs,
-                    Launch::same(rows::add_layer_norm_bwd_dims(rows_n, d)),
-                )?;
-                self.launch(
-                    finish,
-                    &[scratch, outs[1].base(), outs[2].base()],
-                    Launch::ln_bwd_finish(rows_n, d),
-                )
+                self.add_layer_norm_bwd(main, finish, ins, outs)
             }
             StepExec::XentLs {
                 count,
@@ -398,69 +335,8 @@ impl Run<'_> {
                 finish,
                 pad,
                 grad,
-            } => {
-                let logits = self.contig(ins[0])?;
-                let target = self.contig(ins[1])?;
-                let v = logits.last();
-                let rows_n = logits.numel() / v.max(1);
-                // Targets are checked on the host, as on the CPU (the kernels read one out
-                // of range as no class).
-                kiln_compiler::bind::check_targets(&self.words(&target)?, v, *pad)?;
-                let stats = self.alloc(2)?;
-                let row_loss = self.alloc(rows_n)?;
-                // The `seeded` form (a loss-scaled train_step) has the seed as operand 5.
-                let count_bufs = match ins.get(5) {
-                    Some(seed) => vec![target.base(), self.contig(seed)?.base(), stats],
-                    None => vec![target.base(), stats],
-                };
-                self.launch(count, &count_bufs, Launch::xent_count(rows_n, *pad))?;
-                let ptrs = rows::xent_ls_buffers(
-                    [
-                        logits.base(),
-                        target.base(),
-                        ins[2].base(),
-                        ins[3].base(),
-                        ins[4].base(),
-                    ],
-                    row_loss,
-                    grad.then(|| (stats + 4, outs[1].base())),
-                );
-                self.launch(
-                    main,
-                    &ptrs,
-                    Launch::same(rows::xent_ls_dims(rows_n, v, *pad)),
-                )?;
-                self.launch(
-                    finish,
-                    &[row_loss, stats, outs[0].base()],
-                    Launch::xent_finish(rows_n),
-                )
-            }
-            StepExec::EmbedPe { f, dropout } => {
-                let table = self.contig(ins[0])?;
-                let ids = self.contig(ins[1])?;
-                let pe = self.contig(ins[2])?;
-                let vocab = table.shape()[0];
-                // Ids are checked on the host, as on the CPU (the kernel does not).
-                for (i, w) in self.words(&ids)?.iter().enumerate() {
-                    kiln_compiler::bind::check_id(
-                        *w as i32,
-                        vocab,
-                        i,
-                        format_args!("the embedding table has {vocab} rows"),
-                    )?;
-                }
-                let s = outs[0].shape().to_vec();
-                let l = Launch::embed_pe(s[2], s[1], s[0], *dropout, self.seed, self.step);
-                let ptrs = [
-                    table.base(),
-                    ids.base(),
-                    pe.base(),
-                    ins[3].base(),
-                    outs[0].base(),
-                ];
-                self.launch(f, &ptrs, l)
-            }
+            } => self.xent_ls([count, main, finish], *pad, *grad, ins, outs),
+            StepExec::EmbedPe { f, dropout } => self.embed_pe(f, *dropout, ins, &outs[0]),
             StepExec::SumRows { main, finish } => {
                 if step.bias_grad.is_some() {
                     self.bias_grads.1 += 1;
@@ -502,62 +378,14 @@ impl Run<'_> {
                 let l = Launch::same(index::pad_mask_dims(ids.numel(), *pad));
                 self.launch(f, &[ids.base(), outs[0].base()], l)
             }
-            StepExec::Arange(f, start) => {
-                let start = start
-                    .eval(self.dims)
-                    .map_err(|e| format!("arange start: {e}"))?;
-                let n = outs[0].numel();
-                let end = start + n as i64;
-                if n > 0 && (start < i64::from(i32::MIN) || end - 1 > i64::from(i32::MAX)) {
-                    return Err(format!("the range {start}..{end} does not fit in i32"));
-                }
-                self.launch(
-                    f,
-                    &[outs[0].base()],
-                    Launch::same(index::arange_dims(n, start)),
-                )
-            }
-            StepExec::Concat(f, axis) => {
-                let out = &outs[0];
-                let s = out.shape().to_vec();
-                if *axis >= s.len() {
-                    return Err(format!("internal: concat axis {axis} of {s:?}"));
-                }
-                let outer: usize = s[..*axis].iter().product();
-                let inner: usize = s[axis + 1..].iter().product();
-                let mut ptrs = Vec::with_capacity(ins.len() + 1);
-                let mut sizes = Vec::with_capacity(ins.len());
-                for l in ins {
-                    sizes.push(l.shape()[*axis]);
-                    ptrs.push(self.contig(l)?.base());
-                }
-                ptrs.push(out.base());
-                self.launch(
-                    f,
-                    &ptrs,
-                    Launch::same(index::concat_dims(outer, inner, &sizes)),
-                )
-            }
+            StepExec::Arange(f, start) => self.arange(f, start, &outs[0]),
+            StepExec::Concat(f, axis) => self.concat(f, *axis, ins, &outs[0]),
             StepExec::ScatterAdd(f) => {
                 let out = &outs[0];
                 let (start, order, src, l) = self.scatter_index(ins[0], ins[1], out)?;
                 self.launch(f, &[start, order, src, out.base()], l)
             }
-            StepExec::ScatterAddInto(f) => {
-                let out = &outs[0];
-                // A strided base is read through a contiguous copy; one planned in place
-                // is `out` itself.
-                let base = self.contig(ins[0])?;
-                if base.numel() != out.numel() {
-                    return Err(format!(
-                        "scatter_add_into onto {} elements into {}",
-                        base.numel(),
-                        out.numel()
-                    ));
-                }
-                let (start, order, src, l) = self.scatter_index(ins[1], ins[2], out)?;
-                self.launch(f, &[start, order, base.base(), src, out.base()], l)
-            }
+            StepExec::ScatterAddInto(f) => self.scatter_add_into(f, ins, &outs[0]),
             StepExec::Host(fb) => self.host(fb, ins, outs),
         }
     }
