@@ -678,7 +678,7 @@ fn output_bits(out: &[(String, kiln_compiler::tensor::Tensor)]) -> Vec<u64> {
 }
 
 /// The trainer runs its training step, validation and decoder programs in one arena
-/// (`Compiled::share_arena_with`): a program run in another's arena gives the bits it
+/// (`Exec::arena` and `Exec::share_arena`): a program run in another's arena gives the bits it
 /// gives in its own, the arena is the larger layout of the two (not their sum), and the
 /// first program is unaffected by what the second left there.
 #[test]
@@ -689,7 +689,8 @@ fn programs_sharing_an_arena_give_the_bits_of_their_own() {
     let trainer = Compiled::from_graph(train.clone()).expect("compiles");
     let alone = Compiled::from_graph(loss.clone()).expect("compiles");
     let mut shared = Compiled::from_graph(loss.clone()).expect("compiles");
-    shared.share_arena_with(&trainer);
+    let arena = kiln_runtime::exec::Exec::arena(&trainer).expect("a compiled program's arena");
+    kiln_runtime::exec::Exec::share_arena(&mut shared, &arena);
     let dims: BTreeMap<String, i64> = [("batch", 3), ("src_len", 7), ("tgt_len", 5)]
         .iter()
         .map(|(k, n)| (k.to_string(), *n))

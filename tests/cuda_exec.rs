@@ -23,7 +23,7 @@ use kiln_runtime::cuda::{
     emulate, executor_for, launch_plan, memory_plan, precision_label, program_source,
     CudaExecError, CudaExecutor, CudaOptions,
 };
-use kiln_runtime::exec::Exec;
+use kiln_runtime::exec::{DeviceResident, Exec};
 
 const SPEC: &str = "models/transformer_tiny.kiln";
 const ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];

@@ -12,6 +12,8 @@ use kiln_compiler::ir::Graph;
 use kiln_compiler::reference::{self, ExecError, RunOptions};
 use kiln_compiler::tensor::Tensor;
 
+use crate::cuda::{DeviceTensor, ResidentOut, RowsTopK};
+
 /// One timed part of a profiled run: a kernel (named by its kind; the CUDA executor adds
 /// how it ran), an upload or download, or a whole-run figure in `[brackets]`.
 #[derive(Clone, Copy, Debug)]
@@ -123,16 +125,40 @@ pub trait Exec: Send + Sync {
         self.run(inputs, params, opts)
     }
 
-    /// The CUDA executor behind this one, if it is one: what lets the decoder keep its
-    /// state on the GPU (`decode::DeviceCachedStep`). The default: none.
-    fn as_cuda(&self) -> Option<&crate::cuda::CudaExecutor> {
+    /// Whether this executor runs on a GPU: a decoder there keeps its state on the device
+    /// and takes the batches one after another. The default: no.
+    fn on_device(&self) -> bool {
+        false
+    }
+
+    /// This executor as one that keeps tensors on its device between runs, if it is one
+    /// (what lets a decoder hold its state on the GPU: `decode::DeviceCachedStep`). The
+    /// default: none.
+    fn as_resident(&self) -> Option<&dyn DeviceResident> {
         None
     }
 
-    /// The compiled CPU program behind this executor, if it is one (what lets the trainer
-    /// run its programs in one arena). The default: none.
-    fn as_compiled_mut(&mut self) -> Option<&mut crate::compiled::Compiled> {
+    /// Runs the large matrix products with `kernel`'s 16-bit instructions (`None`: in
+    /// f32), where this executor runs them itself (the compiled CPU executor); an error
+    /// where the CPU cannot run the kernel. The default ignores it.
+    fn set_product_kernel(
+        &mut self,
+        kernel: Option<crate::compiled::Kernel16>,
+    ) -> Result<(), ExecError> {
+        let _ = kernel;
+        Ok(())
+    }
+
+    /// The arena this executor's programs run in, for executors that never run at the
+    /// same time as this one to share ([`Exec::share_arena`]). The default: none.
+    fn arena(&self) -> Option<crate::compiled::SharedArena> {
         None
+    }
+
+    /// Runs in `arena` from now on, instead of an arena of its own. The default ignores
+    /// it.
+    fn share_arena(&mut self, arena: &crate::compiled::SharedArena) {
+        let _ = arena;
     }
 
     /// Whether [`Exec::run_map_gathered`] reads input `name` with its rows gathered
@@ -172,6 +198,41 @@ pub trait Exec: Send + Sync {
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
         Ok(self.run(inputs, params, opts)?.into_iter().collect())
     }
+}
+
+/// An executor that keeps tensors on its device between runs (the CUDA executor): a
+/// decoder holds its encoder output and key/value caches there from step to step.
+pub trait DeviceResident: Exec {
+    /// `t` uploaded to the device.
+    fn to_device(&self, t: &Tensor) -> Result<DeviceTensor, ExecError>;
+
+    /// Rows `rows` of each of `ts`, in that order, gathered on the device.
+    fn take_rows(
+        &self,
+        ts: &[&DeviceTensor],
+        rows: &[usize],
+    ) -> Result<Vec<DeviceTensor>, ExecError>;
+
+    /// A run with the `resident` tensors bound as inputs where they are: the outputs that
+    /// come back, and those `keep` names left on the device.
+    fn run_resident(
+        &self,
+        inputs: &BTreeMap<String, Tensor>,
+        resident: &BTreeMap<String, DeviceTensor>,
+        params: &BTreeMap<String, Tensor>,
+        opts: &RunOptions,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<ResidentOut, ExecError>;
+
+    /// The `k` best tokens of each row of `[rows, 1, vocab]` logits but `banned`, and each
+    /// row's `eos` log-probability, selected on the device.
+    fn row_top_k(
+        &self,
+        logits: &DeviceTensor,
+        k: usize,
+        banned: &[i32],
+        eos: i32,
+    ) -> Result<RowsTopK, ExecError>;
 }
 
 /// A `RunOptions::params_version` no earlier call returned (process-wide): for a caller

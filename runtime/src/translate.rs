@@ -151,7 +151,7 @@ pub fn check_positions(
 /// CTranslate2's `inter_threads` do: a decoder step's products are too small to split
 /// well, and a batch's beam bookkeeping is serial); one on the GPU.
 pub fn decode_workers(step: &dyn Exec) -> usize {
-    if step.as_cuda().is_some() {
+    if step.on_device() {
         1
     } else {
         rayon::current_num_threads().max(1)
@@ -226,7 +226,7 @@ fn over_batches<T: Send>(
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     let workers = workers.clamp(1, chunks.len().max(1));
     let mut finished = 0;
-    if workers == 1 || step.as_cuda().is_some() {
+    if workers == 1 || step.on_device() {
         // One decoder for every batch: the parameters stay the same, so its programs keep
         // what they derive from them (the transposed weight copies) from batch to batch.
         let mut model = crate::decode::cached_step(encode, step, params, vocab);

@@ -72,6 +72,13 @@ fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// A compiled program's arena, shared by programs that run one at a time (the trainer's
+/// training step, validation and decoder; a translator's encoder and decoder step): one
+/// arena, as large as the largest layout, serves them all instead of one each. A run
+/// that finds the arena taken by another still runs, in an arena of its own.
+#[derive(Clone)]
+pub struct SharedArena(Arc<Mutex<Vec<f32>>>);
+
 /// A graph compiled for the CPU, ready to run.
 pub struct Compiled {
     graph: Graph,
@@ -88,7 +95,7 @@ pub struct Compiled {
     /// The generated strided-copy kernel.
     copy: kiln_compiler::codegen::jit::KernelFn,
     /// The arena, possibly shared with programs that never run at the same time as this
-    /// one ([`Compiled::share_arena_with`]).
+    /// one ([`Exec::share_arena`]).
     arena: Arc<Mutex<Vec<f32>>>,
     /// Arenas of runs that found `arena` taken by a concurrent run (decoding workers),
     /// kept for the next such run instead of allocated again every run.
@@ -443,14 +450,6 @@ impl Compiled {
         Ok(dump)
     }
 
-    /// Runs this program in `other`'s arena from now on (the trainer's programs — the
-    /// training step, validation and the decoder — run one at a time, so one arena, as
-    /// large as the largest layout, serves them all instead of one each). A run that finds
-    /// the arena taken by another still runs, in an arena of its own.
-    pub fn share_arena_with(&mut self, other: &Compiled) {
-        self.arena = Arc::clone(&other.arena);
-    }
-
     /// Bytes of the shared arena: the memory plan's layout at the largest dims run so far
     /// (0 before the first run).
     pub fn arena_bytes(&self) -> usize {
@@ -704,8 +703,16 @@ impl crate::exec::Exec for Compiled {
         )
     }
 
-    fn as_compiled_mut(&mut self) -> Option<&mut Compiled> {
-        Some(self)
+    fn set_product_kernel(&mut self, kernel: Option<Kernel16>) -> Result<(), ExecError> {
+        self.set_bf16_kernel(kernel)
+    }
+
+    fn arena(&self) -> Option<SharedArena> {
+        Some(SharedArena(Arc::clone(&self.arena)))
+    }
+
+    fn share_arena(&mut self, arena: &SharedArena) {
+        self.arena = Arc::clone(&arena.0);
     }
 }
 

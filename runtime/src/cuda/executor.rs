@@ -610,7 +610,11 @@ impl Exec for CudaExecutor {
         CudaExecutor::run_profiled(self, inputs, params, opts, rec)
     }
 
-    fn as_cuda(&self) -> Option<&CudaExecutor> {
+    fn on_device(&self) -> bool {
+        true
+    }
+
+    fn as_resident(&self) -> Option<&dyn crate::exec::DeviceResident> {
         Some(self)
     }
 }

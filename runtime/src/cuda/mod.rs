@@ -43,7 +43,7 @@ use std::sync::OnceLock;
 
 pub use executor::{
     launch_plan, memory_plan, precision_label, program_source, CudaExecError, CudaExecutor,
-    CudaOptions, DeviceTensor, MicroOut, RowsTopK, GPU_IDLE, HOST_ISSUE,
+    CudaOptions, DeviceTensor, MicroOut, ResidentOut, RowsTopK, GPU_IDLE, HOST_ISSUE,
 };
 
 /// The environment variable that turns a skipped GPU test into a failure.

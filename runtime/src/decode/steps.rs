@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 
-use crate::exec::Exec;
+use crate::exec::{DeviceResident, Exec};
 
 use super::*;
 
@@ -279,24 +279,24 @@ impl StepModel for CachedStep<'_> {
 /// [`CachedStep`] with the state on the GPU: the `decode_step` entry runs on a CUDA
 /// executor, which holds the encoder's output, the source and the key/value caches
 /// between steps. Each step uploads only the newest tokens, reorders the state's rows on
-/// the device (`CudaExecutor::take_rows`), runs the step with that state bound in place
-/// (`CudaExecutor::run_resident`, the grown caches kept on the device) and, in beam
+/// the device (`DeviceResident::take_rows`), runs the step with that state bound in place
+/// (`DeviceResident::run_resident`, the grown caches kept on the device) and, in beam
 /// search ([`StepModel::step_top`]), selects each row's best tokens on the device too
-/// (`CudaExecutor::row_top_k`): `2·beam` tokens a row come back instead of the logits.
+/// (`DeviceResident::row_top_k`): `2·beam` tokens a row come back instead of the logits.
 /// The same computation as [`CachedStep`] on the same executor (the log-softmax's sum in
 /// another order: scores within rounding, the same tokens but for exact ties).
 pub struct DeviceCachedStep<'a> {
     /// The encoder, the parameters, the run options and the vocabulary; its host state
     /// only between `start` and the upload.
     host: CachedStep<'a>,
-    step: &'a crate::cuda::CudaExecutor,
+    step: &'a dyn DeviceResident,
     state: BTreeMap<String, crate::cuda::DeviceTensor>,
 }
 
 impl<'a> DeviceCachedStep<'a> {
     pub fn new(
         encode: &'a dyn Exec,
-        step: &'a crate::cuda::CudaExecutor,
+        step: &'a dyn DeviceResident,
         params: &'a BTreeMap<String, Tensor>,
         vocab: usize,
     ) -> DeviceCachedStep<'a> {
@@ -370,7 +370,7 @@ impl StepModel for DeviceCachedStep<'_> {
     }
 
     /// The step with its logits left on the GPU: the best tokens of each row are
-    /// selected there (`CudaExecutor::row_top_k`), so only `k` tokens a row come back.
+    /// selected there (`DeviceResident::row_top_k`), so only `k` tokens a row come back.
     fn step_top(
         &mut self,
         tokens: &[i32],
@@ -436,8 +436,8 @@ pub fn cached_step_with_version<'a>(
     vocab: usize,
     version: u64,
 ) -> Box<dyn StepModel + 'a> {
-    match step.as_cuda() {
-        Some(cuda) => Box::new(DeviceCachedStep::new(encode, cuda, params, vocab)),
+    match step.as_resident() {
+        Some(resident) => Box::new(DeviceCachedStep::new(encode, resident, params, vocab)),
         None => {
             let mut m = CachedStep::new(encode, step, params, vocab);
             m.opts.params_version = Some(version);

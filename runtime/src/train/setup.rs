@@ -11,7 +11,7 @@ use crate::artifact::Artifact;
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::cuda::parallel::DataParallel;
-use crate::data::{load_parallel, BatchConfig, BatchPlan, Dataset, Tokenizer};
+use crate::data::{load_parallel, BatchConfig, BatchPlan, Dataset, ParallelCorpus, Tokenizer};
 use crate::exec::{executor, Exec, ExecutorKind};
 use crate::metrics::truncate_after;
 use crate::model::{write_atomic, GraphSet, CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
@@ -244,117 +244,13 @@ impl Trainer {
                 ls.min
             ));
         }
-        let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
-        let train = Dataset::build(&corpus, &tokenizer, Some(cfg.data.max_len))?;
-        if train.examples.is_empty() {
-            return Err(TrainError::Setup(format!(
-                "no training pairs left in `{}` (empty: {}, longer than {}: {})",
-                cfg.data.train_src.display(),
-                train.skipped_empty,
-                cfg.data.max_len,
-                train.dropped_too_long
-            )));
-        }
-        notes.push(format!(
-            "{} training pairs ({} skipped as empty, {} longer than {} tokens)",
-            train.examples.len(),
-            train.skipped_empty,
-            train.dropped_too_long,
-            cfg.data.max_len
-        ));
-        let bcfg = BatchConfig {
-            max_src_tokens: cfg.batch.max_src_tokens,
-            max_tgt_tokens: cfg.batch.max_tgt_tokens,
-        };
-        let plan = BatchPlan::new(&train.examples, bcfg)?;
-        let valid_corpus = load_parallel(&cfg.data.valid_src, &cfg.data.valid_tgt)?;
-        let mut valid = Dataset::build(&valid_corpus, &tokenizer, None)?;
-        if cfg.valid.max_sentences > 0 {
-            valid.examples.truncate(cfg.valid.max_sentences);
-            valid.lines.truncate(cfg.valid.max_sentences);
-        }
-        // (Checked before a new run starts; a resumed run's data may have changed since.)
-        check_valid_set(&cfg, &valid_corpus)?;
-        // A learned positional table covers `max_len` positions of the model; a pair
-        // beyond it would stop the run at its first batch or validation.
-        for (ds, src_path, tgt_path, fix) in [
-            (
-                &train,
-                &cfg.data.train_src,
-                &cfg.data.train_tgt,
-                "set `data.max_len` to that or less (longer pairs are left out)",
-            ),
-            (
-                &valid,
-                &cfg.data.valid_src,
-                &cfg.data.valid_tgt,
-                "remove the pair from the validation set",
-            ),
-        ] {
-            let ex = &ds.examples;
-            let line = |i: usize| ds.lines[i] + 1;
-            check_positions(
-                &graphs.loss,
-                "src_len",
-                ex.len(),
-                &|i| ex[i].src_positions(),
-                &|i| format!("`{}` line {}", src_path.display(), line(i)),
-                fix,
-            )
-            .and_then(|()| {
-                check_positions(
-                    &graphs.loss,
-                    "tgt_len",
-                    ex.len(),
-                    &|i| ex[i].tgt_positions(),
-                    &|i| {
-                        format!(
-                            "`{}` line {} (its tokens and <bos> or <eos>)",
-                            tgt_path.display(),
-                            line(i)
-                        )
-                    },
-                    fix,
-                )
-            })
-            .map_err(TrainError::Setup)?;
-        }
-        let valid_plan = BatchPlan::new(&valid.examples, bcfg)?;
-        notes.push(format!(
-            "{} batches per epoch; {} validation pairs",
-            plan.len(),
-            valid.examples.len()
-        ));
-        let kind = cfg.train.executor_kind();
-        // With an artifact and the compiled executor, its kernels run as they are;
-        // otherwise the executor is built from the graph now.
-        let cuda = kind == ExecutorKind::Cuda;
-        let ex = |name: &str, g: &Graph| -> Result<Box<dyn Exec>, TrainError> {
-            match artifact {
-                Some(art) if cuda => {
-                    // Validation and decoding run on the first GPU of the run.
-                    let device = cfg
-                        .train
-                        .devices
-                        .as_ref()
-                        .and_then(|d| d.first())
-                        .copied()
-                        .unwrap_or(0);
-                    let options = crate::cuda::CudaOptions {
-                        device,
-                        ..crate::cuda::CudaOptions::default()
-                    };
-                    crate::cuda::CudaExecutor::with_options(art, name, options)
-                        .map(|e| Box::new(e) as Box<dyn Exec>)
-                        .map_err(|e| TrainError::Setup(e.to_string()))
-                }
-                None if cuda => Err(TrainError::Setup(CUDA_NEEDS_ARTIFACT.to_string())),
-                Some(art) if kind == ExecutorKind::Compiled => Ok(Box::new(
-                    art.executor(name).map_err(setup("preparing an executor"))?,
-                )),
-                _ => executor(kind, g.clone()).map_err(setup("preparing an executor")),
-            }
-        };
+        let Datasets {
+            train,
+            plan,
+            valid,
+            valid_plan,
+            valid_corpus,
+        } = datasets(&cfg, &tokenizer, &graphs, &mut notes)?;
         let d_model = match cfg.schedule.d_model {
             Some(d) => d,
             None => graphs
@@ -368,72 +264,12 @@ impl Trainer {
                     )
                 })?,
         };
-        let mut train_exec = match (artifact, &cfg.train.devices) {
-            (Some(art), Some(devices)) if cuda => {
-                let dp = DataParallel::new(
-                    art,
-                    "train_step",
-                    devices,
-                    crate::cuda::CudaOptions::default(),
-                )
-                .map_err(TrainError::Setup)?;
-                notes.push(format!(
-                    "data parallel on GPUs {} ({}): each step takes {} batch(es) per GPU",
-                    devices
-                        .iter()
-                        .map(|d| d.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    dp.engine(),
-                    cfg.batch.update_freq
-                ));
-                TrainExec::Parallel(Box::new(dp))
-            }
-            (Some(art), _) if cuda => TrainExec::Device(Box::new(
-                crate::cuda::CudaExecutor::with_options(
-                    art,
-                    "train_step",
-                    crate::cuda::CudaOptions::default(),
-                )
-                .map_err(|e| TrainError::Setup(e.to_string()))?,
-            )),
-            _ => TrainExec::Host(ex("train_step", &graphs.train_step)?),
-        };
-        let mut loss_exec = ex("loss", &graphs.loss)?;
-        let mut encode_exec = ex("encode", &graphs.encode)?;
-        let mut step_exec = ex("decode_step", &graphs.decode_step)?;
-        // `train.gemm_type`: the compiled executors' large products (absent: as
-        // `KILN_CPU_BF16` says, which the executors read themselves).
-        if let Some(kernel) = gemm_kernel(&cfg)? {
-            let host = match &mut train_exec {
-                TrainExec::Host(e) => Some(e),
-                _ => None,
-            };
-            for e in host
-                .into_iter()
-                .chain([&mut loss_exec, &mut encode_exec, &mut step_exec])
-            {
-                if let Some(c) = e.as_compiled_mut() {
-                    c.set_bf16_kernel(kernel)
-                        .map_err(|e| TrainError::Setup(e.to_string()))?;
-                }
-            }
-            notes.push(format!(
-                "matrix products: {}",
-                kernel.map_or("f32".to_string(), |k| k.name().to_string())
-            ));
-        }
-        // Training, validation and decoding never run at once: compiled CPU programs
-        // share the training step's arena.
-        if let TrainExec::Host(train) = &mut train_exec {
-            if let Some(shared) = train.as_compiled_mut() {
-                for e in [&mut loss_exec, &mut encode_exec, &mut step_exec] {
-                    if let Some(c) = e.as_compiled_mut() {
-                        c.share_arena_with(shared);
-                    }
-                }
-            }
-        }
+        let Executors {
+            train_exec,
+            loss_exec,
+            encode_exec,
+            step_exec,
+        } = executors(&cfg, &graphs, artifact, &mut notes)?;
         Ok(Trainer {
             train_exec,
             device: DeviceState::Off,
@@ -492,4 +328,225 @@ pub(super) fn check_artifact_vocab(
 
 pub(super) fn setup<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> TrainError + '_ {
     move |e| TrainError::Setup(format!("{what}: {e}"))
+}
+
+/// The training and validation sets of a run, read and checked against the model's
+/// positions, and their batches.
+struct Datasets {
+    train: Dataset,
+    plan: BatchPlan,
+    valid: Dataset,
+    valid_plan: BatchPlan,
+    valid_corpus: ParallelCorpus,
+}
+
+fn datasets(
+    cfg: &Config,
+    tokenizer: &Tokenizer,
+    graphs: &GraphSet,
+    notes: &mut Vec<String>,
+) -> Result<Datasets, TrainError> {
+    let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
+    let train = Dataset::build(&corpus, tokenizer, Some(cfg.data.max_len))?;
+    if train.examples.is_empty() {
+        return Err(TrainError::Setup(format!(
+            "no training pairs left in `{}` (empty: {}, longer than {}: {})",
+            cfg.data.train_src.display(),
+            train.skipped_empty,
+            cfg.data.max_len,
+            train.dropped_too_long
+        )));
+    }
+    notes.push(format!(
+        "{} training pairs ({} skipped as empty, {} longer than {} tokens)",
+        train.examples.len(),
+        train.skipped_empty,
+        train.dropped_too_long,
+        cfg.data.max_len
+    ));
+    let bcfg = BatchConfig {
+        max_src_tokens: cfg.batch.max_src_tokens,
+        max_tgt_tokens: cfg.batch.max_tgt_tokens,
+    };
+    let plan = BatchPlan::new(&train.examples, bcfg)?;
+    let valid_corpus = load_parallel(&cfg.data.valid_src, &cfg.data.valid_tgt)?;
+    let mut valid = Dataset::build(&valid_corpus, tokenizer, None)?;
+    if cfg.valid.max_sentences > 0 {
+        valid.examples.truncate(cfg.valid.max_sentences);
+        valid.lines.truncate(cfg.valid.max_sentences);
+    }
+    // (Checked before a new run starts; a resumed run's data may have changed since.)
+    check_valid_set(cfg, &valid_corpus)?;
+    // A learned positional table covers `max_len` positions of the model; a pair
+    // beyond it would stop the run at its first batch or validation.
+    for (ds, src_path, tgt_path, fix) in [
+        (
+            &train,
+            &cfg.data.train_src,
+            &cfg.data.train_tgt,
+            "set `data.max_len` to that or less (longer pairs are left out)",
+        ),
+        (
+            &valid,
+            &cfg.data.valid_src,
+            &cfg.data.valid_tgt,
+            "remove the pair from the validation set",
+        ),
+    ] {
+        let ex = &ds.examples;
+        let line = |i: usize| ds.lines[i] + 1;
+        check_positions(
+            &graphs.loss,
+            "src_len",
+            ex.len(),
+            &|i| ex[i].src_positions(),
+            &|i| format!("`{}` line {}", src_path.display(), line(i)),
+            fix,
+        )
+        .and_then(|()| {
+            check_positions(
+                &graphs.loss,
+                "tgt_len",
+                ex.len(),
+                &|i| ex[i].tgt_positions(),
+                &|i| {
+                    format!(
+                        "`{}` line {} (its tokens and <bos> or <eos>)",
+                        tgt_path.display(),
+                        line(i)
+                    )
+                },
+                fix,
+            )
+        })
+        .map_err(TrainError::Setup)?;
+    }
+    let valid_plan = BatchPlan::new(&valid.examples, bcfg)?;
+    notes.push(format!(
+        "{} batches per epoch; {} validation pairs",
+        plan.len(),
+        valid.examples.len()
+    ));
+    Ok(Datasets {
+        train,
+        plan,
+        valid,
+        valid_plan,
+        valid_corpus,
+    })
+}
+
+/// The executors of a run's entry points: the training step's on the host, one GPU or
+/// several, and those of the loss, the encoder and the decoder step.
+struct Executors {
+    train_exec: TrainExec,
+    loss_exec: Box<dyn Exec>,
+    encode_exec: Box<dyn Exec>,
+    step_exec: Box<dyn Exec>,
+}
+
+fn executors(
+    cfg: &Config,
+    graphs: &GraphSet,
+    artifact: Option<&Artifact>,
+    notes: &mut Vec<String>,
+) -> Result<Executors, TrainError> {
+    let kind = cfg.train.executor_kind();
+    // With an artifact and the compiled executor, its kernels run as they are;
+    // otherwise the executor is built from the graph now.
+    let cuda = kind == ExecutorKind::Cuda;
+    let ex = |name: &str, g: &Graph| -> Result<Box<dyn Exec>, TrainError> {
+        match artifact {
+            Some(art) if cuda => {
+                // Validation and decoding run on the first GPU of the run.
+                let device = cfg
+                    .train
+                    .devices
+                    .as_ref()
+                    .and_then(|d| d.first())
+                    .copied()
+                    .unwrap_or(0);
+                let options = crate::cuda::CudaOptions {
+                    device,
+                    ..crate::cuda::CudaOptions::default()
+                };
+                crate::cuda::CudaExecutor::with_options(art, name, options)
+                    .map(|e| Box::new(e) as Box<dyn Exec>)
+                    .map_err(|e| TrainError::Setup(e.to_string()))
+            }
+            None if cuda => Err(TrainError::Setup(CUDA_NEEDS_ARTIFACT.to_string())),
+            Some(art) if kind == ExecutorKind::Compiled => Ok(Box::new(
+                art.executor(name).map_err(setup("preparing an executor"))?,
+            )),
+            _ => executor(kind, g.clone()).map_err(setup("preparing an executor")),
+        }
+    };
+    let mut train_exec = match (artifact, &cfg.train.devices) {
+        (Some(art), Some(devices)) if cuda => {
+            let dp = DataParallel::new(
+                art,
+                "train_step",
+                devices,
+                crate::cuda::CudaOptions::default(),
+            )
+            .map_err(TrainError::Setup)?;
+            notes.push(format!(
+                "data parallel on GPUs {} ({}): each step takes {} batch(es) per GPU",
+                devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                dp.engine(),
+                cfg.batch.update_freq
+            ));
+            TrainExec::Parallel(Box::new(dp))
+        }
+        (Some(art), _) if cuda => TrainExec::Device(Box::new(
+            crate::cuda::CudaExecutor::with_options(
+                art,
+                "train_step",
+                crate::cuda::CudaOptions::default(),
+            )
+            .map_err(|e| TrainError::Setup(e.to_string()))?,
+        )),
+        _ => TrainExec::Host(ex("train_step", &graphs.train_step)?),
+    };
+    let mut loss_exec = ex("loss", &graphs.loss)?;
+    let mut encode_exec = ex("encode", &graphs.encode)?;
+    let mut step_exec = ex("decode_step", &graphs.decode_step)?;
+    // `train.gemm_type`: the compiled executors' large products (absent: the
+    // executors' own).
+    if let Some(kernel) = gemm_kernel(cfg)? {
+        let host = match &mut train_exec {
+            TrainExec::Host(e) => Some(e),
+            _ => None,
+        };
+        for e in host
+            .into_iter()
+            .chain([&mut loss_exec, &mut encode_exec, &mut step_exec])
+        {
+            e.set_product_kernel(kernel)
+                .map_err(|e| TrainError::Setup(e.to_string()))?;
+        }
+        notes.push(format!(
+            "matrix products: {}",
+            kernel.map_or("f32".to_string(), |k| k.name().to_string())
+        ));
+    }
+    // Training, validation and decoding never run at once: compiled CPU programs
+    // share the training step's arena.
+    if let TrainExec::Host(train) = &train_exec {
+        if let Some(arena) = train.arena() {
+            for e in [&mut loss_exec, &mut encode_exec, &mut step_exec] {
+                e.share_arena(&arena);
+            }
+        }
+    }
+    Ok(Executors {
+        train_exec,
+        loss_exec,
+        encode_exec,
+        step_exec,
+    })
 }

@@ -12,7 +12,7 @@ use kiln_dsl::Error;
 use kiln_runtime::compiled::Compiled;
 use kiln_runtime::cuda::parallel::DataParallel;
 use kiln_runtime::cuda::{CudaExecutor, DeviceTensor};
-use kiln_runtime::exec::{Exec, ExecutorKind};
+use kiln_runtime::exec::{DeviceResident, Exec, ExecutorKind};
 
 use super::device::{cuda_executor, data_parallel};
 use super::BenchArgs;

@@ -8,12 +8,14 @@ use kiln_compiler::ir::DType;
 use kiln_compiler::reference::{ExecError, RunOptions};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
+use crate::exec::DeviceResident;
+
 use super::*;
 
-impl CudaExecutor {
+impl DeviceResident for CudaExecutor {
     /// A host tensor copied to the device (f32, f64 narrowed to f32, i32, i64 checked
     /// to fit i32, bools as 0/1).
-    pub fn to_device(&self, t: &Tensor) -> Result<DeviceTensor, ExecError> {
+    fn to_device(&self, t: &Tensor) -> Result<DeviceTensor, ExecError> {
         let numel = t.numel();
         if !t.is_consistent() {
             return Err(ExecError::Unsupported(format!(
@@ -52,48 +54,11 @@ impl CudaExecutor {
         })
     }
 
-    /// A device tensor copied to the host.
-    pub fn to_host(&self, t: &DeviceTensor) -> Result<Tensor, ExecError> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.device.bind().map_err(dev_err)?;
-        let n = t.numel();
-        let w = guard
-            .device
-            .read(t.buf.ptr, words_of(t.dtype, n))
-            .map_err(dev_err)?;
-        let data = match t.dtype {
-            DType::I32 => TensorData::I32(w.into_iter().map(|x| x as i32).collect()),
-            DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
-            DType::BF16 => TensorData::F32(unpack_bf16(&w, n)),
-            _ => TensorData::F32(w.into_iter().map(f32::from_bits).collect()),
-        };
-        Ok(Tensor {
-            shape: t.shape.clone(),
-            data,
-        })
-    }
-
-    /// The device, bound to this thread, with the resident decoder's unit
-    /// (`codegen::cuda::resident`: the row gather and the top-k) compiled and loaded on
-    /// first use.
-    pub(super) fn decoder_unit(&self) -> Result<std::sync::MutexGuard<'_, State>, ExecError> {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.device.bind().map_err(dev_err)?;
-        load_unit_once(
-            &mut guard.device,
-            gather::TAKE_ROWS,
-            gather::code,
-            &self.nvrtc_options,
-        )
-        .map_err(|log| dev_err(format!("NVRTC cannot compile the decoder's unit: {log}")))?;
-        Ok(guard)
-    }
-
     /// Every tensor of `ts` with its rows (axis 0) taken in the order `rows` (repeats
     /// allowed): row `r` of each result is row `rows[r]` of its source, bit for bit (the
     /// host's `decode::take_rows`). One upload of the indices, one launch per tensor of
     /// the generated `kiln_take_rows` (compiled on first use), one synchronization.
-    pub fn take_rows(
+    fn take_rows(
         &self,
         ts: &[&DeviceTensor],
         rows: &[usize],
@@ -159,7 +124,7 @@ impl CudaExecutor {
     /// other than `banned` and NaN, best first with ties to the smaller id, their
     /// log-probabilities (f64 log-softmax over the row's non-NaN values), and `eos`'s.
     /// Downloads `12·k + 8` bytes a row instead of the row.
-    pub fn row_top_k(
+    fn row_top_k(
         &self,
         logits: &DeviceTensor,
         k: usize,
@@ -231,7 +196,7 @@ impl CudaExecutor {
     /// the device (copied out of the arena), the others come back to the host, in
     /// `graph.outputs` order. What the GPU decoder runs each step: its encoder output and
     /// key/value caches never leave the device.
-    pub fn run_resident(
+    fn run_resident(
         &self,
         inputs: &BTreeMap<String, Tensor>,
         resident: &BTreeMap<String, DeviceTensor>,
@@ -245,5 +210,44 @@ impl CudaExecutor {
         };
         let out = self.run_with(inputs, params, opts, None, None, Some(&res))?;
         Ok((out.outputs, out.kept))
+    }
+}
+
+impl CudaExecutor {
+    /// The device, bound to this thread, with the resident decoder's unit
+    /// (`codegen::cuda::resident`: the row gather and the top-k) compiled and loaded on
+    /// first use.
+    pub(super) fn decoder_unit(&self) -> Result<std::sync::MutexGuard<'_, State>, ExecError> {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        load_unit_once(
+            &mut guard.device,
+            gather::TAKE_ROWS,
+            gather::code,
+            &self.nvrtc_options,
+        )
+        .map_err(|log| dev_err(format!("NVRTC cannot compile the decoder's unit: {log}")))?;
+        Ok(guard)
+    }
+
+    /// A device tensor copied to the host.
+    pub fn to_host(&self, t: &DeviceTensor) -> Result<Tensor, ExecError> {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.device.bind().map_err(dev_err)?;
+        let n = t.numel();
+        let w = guard
+            .device
+            .read(t.buf.ptr, words_of(t.dtype, n))
+            .map_err(dev_err)?;
+        let data = match t.dtype {
+            DType::I32 => TensorData::I32(w.into_iter().map(|x| x as i32).collect()),
+            DType::Bool => TensorData::Bool(w.iter().map(|&x| x != 0).collect()),
+            DType::BF16 => TensorData::F32(unpack_bf16(&w, n)),
+            _ => TensorData::F32(w.into_iter().map(f32::from_bits).collect()),
+        };
+        Ok(Tensor {
+            shape: t.shape.clone(),
+            data,
+        })
     }
 }
