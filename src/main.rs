@@ -64,6 +64,7 @@ mod args;
 mod cmd;
 mod compile_flags;
 mod errors;
+mod input;
 mod outputs;
 
 pub(crate) use args::{
@@ -221,6 +222,12 @@ enum Command {
         /// `gnmt` ((5+len)/6)^α, `len_pow` len^α, or `none`.
         #[arg(long, default_value = "gnmt", value_parser = ["gnmt", "len_pow", "none"])]
         length_penalty: String,
+        /// When beam search is done with a sentence: `k-finished` once `beam` hypotheses
+        /// have finished (fairseq's and CTranslate2's rule), `exact` only once no live
+        /// hypothesis can still beat them (slower; the search's own best).
+        #[arg(long, default_value = "k-finished",
+              value_parser = kiln_runtime::decode::EarlyStop::NAMES)]
+        early_stop: String,
         /// Maximum output length = a · source length + b (`<eos>` included), capped by the
         /// positions the model takes (its `max_len`).
         #[arg(long, default_value_t = 1.0, value_parser = non_negative_f64)]
@@ -356,8 +363,13 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Error> {
     kiln_compiler::memory::set_enabled(!cli.no_memory_check);
-    // The environment is read here, at the command line's edge: the user's directories,
-    // and the tests' switch for the emulated CUDA device (with the C++ compiler it uses).
+    read_environment(cli.ptx_cache.as_deref());
+    dispatch(cli.command)
+}
+
+/// The environment is read here, at the command line's edge: the user's directories, and
+/// the tests' switch for the emulated CUDA device (with the C++ compiler it uses).
+fn read_environment(ptx_cache: Option<&str>) {
     let var = |k: &str| std::env::var(k).ok();
     use kiln_runtime::cuda::emulate;
     emulate::configure(
@@ -366,11 +378,15 @@ fn run(cli: Cli) -> Result<(), Error> {
         var("CXX"),
     );
     kiln_runtime::cuda::ptx_cache::set_dir(kiln_runtime::cuda::ptx_cache::dir_from(
-        cli.ptx_cache.as_deref(),
+        ptx_cache,
         var("XDG_CACHE_HOME").as_deref(),
         var("HOME").as_deref(),
     ));
-    match cli.command {
+}
+
+/// Each command to the function that does it.
+fn dispatch(command: Command) -> Result<(), Error> {
+    match command {
         Command::Check { spec, json } => cmd::check::check(&spec, json),
         Command::Explain {
             args,
@@ -429,6 +445,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             beam,
             alpha,
             length_penalty,
+            early_stop,
             max_len_a,
             max_len_b,
             greedy,
@@ -447,6 +464,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 beam,
                 alpha,
                 length_penalty,
+                early_stop,
                 max_len_a,
                 max_len_b,
                 greedy,

@@ -1848,3 +1848,93 @@ fn learned_positions_bound_decoding_and_are_checked() {
     says(&err, "`train.tgt` line 8 (its tokens and <bos> or <eos>) takes 7 positions, but the model's table `tgt_pos.table` covers only 6: set `data.max_len` to that or less (longer pairs are left out), or train a model with `max_len` 7 or more");
     assert!(!dir.join("run").join("checkpoints").exists());
 }
+
+/// `kiln translate` on standard input translates each line as it arrives: a line written
+/// to the pipe comes back while the pipe is still open, and what comes back is what the
+/// same lines give from a file. Both stopping rules translate; an unknown one is refused.
+#[test]
+fn standard_input_is_translated_as_it_arrives() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let dir = trained("stream");
+    std::fs::write(dir.join("two.txt"), "s1 s2 s3\ns4 s5\n").unwrap();
+    let whole = ok(
+        &dir,
+        &["translate", "--checkpoint", "run", "--input", "two.txt"],
+    );
+    let want: Vec<&str> = whole.lines().collect();
+    assert_eq!(want.len(), 2, "{whole}");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["translate", "--checkpoint", "run"])
+        .current_dir(&dir)
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            if tx.send(line.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    for (k, line) in ["s1 s2 s3", "s4 s5"].iter().enumerate() {
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        let got = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|e| panic!("line {k} did not come back with the pipe open: {e}"));
+        assert_eq!(got, want[k], "line {k}");
+        assert!(child.try_wait().unwrap().is_none(), "kiln exited early");
+    }
+    drop(stdin);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        rx.recv_timeout(Duration::from_secs(5)).is_err(),
+        "an extra line"
+    );
+
+    for rule in ["k-finished", "exact"] {
+        let out = ok(
+            &dir,
+            &[
+                "translate",
+                "--checkpoint",
+                "run",
+                "--input",
+                "two.txt",
+                "--early-stop",
+                rule,
+            ],
+        );
+        assert_eq!(out.lines().count(), 2, "{rule}: {out}");
+    }
+    let out = kiln(
+        &dir,
+        &[
+            "translate",
+            "--checkpoint",
+            "run",
+            "--input",
+            "two.txt",
+            "--early-stop",
+            "soon",
+        ],
+    );
+    let err = unwrapped(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("invalid value 'soon' for '--early-stop"),
+        "{err}"
+    );
+}

@@ -12,13 +12,14 @@
 //! - [`FullStep`]: runs the `forward` entry on the whole prefix at every step — slow,
 //!   the check that the cached path computes the same thing.
 //!
-//! Beam search follows the paper and fairseq: beam size K, scores are summed
-//! log-probabilities, `K` best non-final continuations kept out of the `2K` best
-//! candidates, a hypothesis finishes when it emits `<eos>` (its score is divided by the
-//! length penalty), every hypothesis is forced to finish at the maximum length
-//! `a · src_len + b`, and a sentence stops early once no live hypothesis can beat its
-//! `K` finished ones. Ties are broken by hypothesis order, then token id, so results
-//! are deterministic.
+//! Beam search as fairseq's: beam size K, scores are summed log-probabilities, `K` best
+//! non-final continuations kept out of the `2K` best candidates, a hypothesis finishes
+//! when it emits `<eos>` among the top `K` (its score is divided by the length penalty),
+//! every hypothesis is forced to finish at the maximum length `a · src_len + b`. A
+//! sentence stops once `K` hypotheses have finished ([`EarlyStop::KFinished`], fairseq's
+//! and CTranslate2's rule), or — [`EarlyStop::Exact`] — only once no live hypothesis can
+//! beat its `K` finished ones. Ties are broken by hypothesis order, then token id, so
+//! results are deterministic.
 
 use kiln_compiler::ir::Graph;
 use kiln_compiler::reference::ExecError;
@@ -69,6 +70,32 @@ impl LengthPenalty {
     }
 }
 
+/// When beam search is done with a sentence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EarlyStop {
+    /// Once `K` hypotheses have finished (fairseq's and CTranslate2's rule): a live one
+    /// could still end with a better normalized score, but rarely does.
+    #[default]
+    KFinished,
+    /// Once no live hypothesis can beat the `K`-th finished one, its final score bounded
+    /// by the length penalty at the maximum length: the search's own best, at the cost of
+    /// the steps it takes to prove it.
+    Exact,
+}
+
+impl EarlyStop {
+    /// The names the command line and the configuration use.
+    pub const NAMES: [&'static str; 2] = ["k-finished", "exact"];
+
+    pub fn parse(name: &str) -> Option<EarlyStop> {
+        match name {
+            "k-finished" => Some(EarlyStop::KFinished),
+            "exact" => Some(EarlyStop::Exact),
+            _ => None,
+        }
+    }
+}
+
 /// Decoding settings.
 #[derive(Clone, Debug)]
 pub struct DecodeOptions {
@@ -76,6 +103,8 @@ pub struct DecodeOptions {
     pub beam: usize,
     pub greedy: bool,
     pub penalty: LengthPenalty,
+    /// When a sentence's search stops (beam search only).
+    pub early_stop: EarlyStop,
     /// Maximum output length `a · src_len + b` (tokens, `<eos>` included).
     pub max_len_a: f64,
     pub max_len_b: usize,
@@ -96,6 +125,7 @@ impl Default for DecodeOptions {
             beam: 4,
             greedy: false,
             penalty: LengthPenalty::Gnmt(0.6),
+            early_stop: EarlyStop::KFinished,
             max_len_a: 1.0,
             max_len_b: 50,
             max_positions: None,
@@ -293,29 +323,7 @@ pub fn decode_nbest(
     opts: &DecodeOptions,
     n: usize,
 ) -> Result<Vec<Vec<Hypothesis>>, DecodeError> {
-    if opts.beam == 0 || opts.beam > MAX_BEAM {
-        return Err(DecodeError::Model(format!(
-            "the beam size must be 1 to {MAX_BEAM}, not {}",
-            opts.beam
-        )));
-    }
-    let keep = if opts.greedy { 1 } else { opts.beam };
-    if n == 0 || n > keep {
-        return Err(DecodeError::Model(format!(
-            "cannot keep the {n} best hypotheses of a {}: it finds at most {keep}; \
-             ask for 1 to {keep}{}",
-            if opts.greedy {
-                "greedy search".to_string()
-            } else {
-                format!("beam of {}", opts.beam)
-            },
-            if opts.greedy {
-                ""
-            } else {
-                ", or widen the beam"
-            }
-        )));
-    }
+    let keep = check_request(opts, n)?;
     let lens = source_lengths(src, opts.pad)?;
     let b = lens.len();
     let max_len: Vec<usize> = lens
@@ -399,81 +407,9 @@ pub fn decode_nbest(
             let hyps = &live[s];
             let first = r;
             r += hyps.len();
-            let force_end = step >= max_len[s];
-            // Candidates (score, hyp index, token), best first; ties by hyp then token.
-            let mut cands: Vec<(f64, usize, i32)> = Vec::with_capacity(hyps.len() * 2 * k);
-            for (h, hyp) in hyps.iter().enumerate() {
-                let top = &tops[first + h];
-                if force_end {
-                    cands.push((hyp.log_prob + top.eos, h, opts.eos));
-                } else {
-                    for &(lp, tok) in &top.best {
-                        cands.push((hyp.log_prob + lp, h, tok));
-                    }
-                }
-            }
-            // Only the best 2K candidates matter: select them (linear time), then sort
-            // those. The order is total, so this is the full sort's prefix exactly.
-            let better = |a: &(f64, usize, i32), b: &(f64, usize, i32)| {
-                b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
-            };
-            if cands.len() > 2 * k {
-                cands.select_nth_unstable_by(2 * k - 1, better);
-                cands.truncate(2 * k);
-            }
-            cands.sort_by(better);
-            for (rank, &(score, h, tok)) in cands.iter().take(2 * k).enumerate() {
-                if tok == opts.eos {
-                    // A finished hypothesis counts only from the top K candidates.
-                    if rank < k {
-                        let mut tokens = hyps[h].tokens.clone();
-                        let len = tokens.len() + 1;
-                        tokens.shrink_to_fit();
-                        finished[s].push(Hypothesis {
-                            tokens,
-                            score: score / opts.penalty.divisor(len),
-                            log_prob: score,
-                        });
-                    }
-                } else if next[s].len() < k {
-                    let mut tokens = hyps[h].tokens.clone();
-                    tokens.push(tok);
-                    next[s].push(Live {
-                        tokens,
-                        log_prob: score,
-                        row: first + h,
-                    });
-                }
-                if opts.greedy && (!finished[s].is_empty() || !next[s].is_empty()) {
-                    break;
-                }
-            }
-            finished[s].sort_by(|a, b| b.score.total_cmp(&a.score));
-            finished[s].truncate(k);
-            // Stop when nothing live can still beat the K finished hypotheses.
-            let full = finished[s].len() >= k;
-            let worst = finished[s]
-                .last()
-                .map(|h| h.score)
-                .unwrap_or(f64::NEG_INFINITY);
-            let can_improve = next[s].iter().any(|hyp| {
-                // Log-probabilities only fall; a growing penalty divides by at most
-                // lp(max_len), so this bounds the final normalized score.
-                let bound = if opts.penalty.grows() {
-                    hyp.log_prob / opts.penalty.divisor(max_len[s])
-                } else {
-                    hyp.log_prob / opts.penalty.divisor(hyp.tokens.len() + 1)
-                };
-                bound > worst
-            });
-            if force_end
-                || next[s].is_empty()
-                || (full && !can_improve)
-                || (opts.greedy && !finished[s].is_empty())
-            {
-                done[s] = true;
-                next[s].clear();
-            }
+            let rows = &tops[first..first + hyps.len()];
+            (next[s], done[s]) =
+                extend_sentence(hyps, rows, first, step, max_len[s], opts, &mut finished[s]);
         }
         live = next;
     }
@@ -485,6 +421,135 @@ pub fn decode_nbest(
             f
         })
         .collect())
+}
+
+/// Checks the beam and the number of hypotheses to keep: the most the search finds.
+fn check_request(opts: &DecodeOptions, n: usize) -> Result<usize, DecodeError> {
+    if opts.beam == 0 || opts.beam > MAX_BEAM {
+        return Err(DecodeError::Model(format!(
+            "the beam size must be 1 to {MAX_BEAM}, not {}",
+            opts.beam
+        )));
+    }
+    let keep = if opts.greedy { 1 } else { opts.beam };
+    if n == 0 || n > keep {
+        return Err(DecodeError::Model(format!(
+            "cannot keep the {n} best hypotheses of a {}: it finds at most {keep}; \
+             ask for 1 to {keep}{}",
+            if opts.greedy {
+                "greedy search".to_string()
+            } else {
+                format!("beam of {}", opts.beam)
+            },
+            if opts.greedy {
+                ""
+            } else {
+                ", or widen the beam"
+            }
+        )));
+    }
+    Ok(keep)
+}
+
+/// Step `step` of one sentence: its live hypotheses `hyps` (model rows `first..`, whose
+/// best tokens are `rows`) extended by their best candidates, `<eos>` forced at `max_len`;
+/// the finished ones go to `finished`. The hypotheses that live on, and whether the
+/// sentence is done.
+fn extend_sentence(
+    hyps: &[Live],
+    rows: &[RowTop],
+    first: usize,
+    step: usize,
+    max_len: usize,
+    opts: &DecodeOptions,
+    finished: &mut Vec<Hypothesis>,
+) -> (Vec<Live>, bool) {
+    let k = if opts.greedy { 1 } else { opts.beam };
+    let force_end = step >= max_len;
+    let mut next: Vec<Live> = Vec::new();
+    // Candidates (score, hyp index, token), best first; ties by hyp then token.
+    let mut cands: Vec<(f64, usize, i32)> = Vec::with_capacity(hyps.len() * 2 * k);
+    for (h, hyp) in hyps.iter().enumerate() {
+        let top = &rows[h];
+        if force_end {
+            cands.push((hyp.log_prob + top.eos, h, opts.eos));
+        } else {
+            for &(lp, tok) in &top.best {
+                cands.push((hyp.log_prob + lp, h, tok));
+            }
+        }
+    }
+    // Only the best 2K candidates matter: select them (linear time), then sort
+    // those. The order is total, so this is the full sort's prefix exactly.
+    let better = |a: &(f64, usize, i32), b: &(f64, usize, i32)| {
+        b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+    };
+    if cands.len() > 2 * k {
+        cands.select_nth_unstable_by(2 * k - 1, better);
+        cands.truncate(2 * k);
+    }
+    cands.sort_by(better);
+    for (rank, &(score, h, tok)) in cands.iter().take(2 * k).enumerate() {
+        if tok == opts.eos {
+            // A finished hypothesis counts only from the top K candidates.
+            if rank < k {
+                let mut tokens = hyps[h].tokens.clone();
+                let len = tokens.len() + 1;
+                tokens.shrink_to_fit();
+                finished.push(Hypothesis {
+                    tokens,
+                    score: score / opts.penalty.divisor(len),
+                    log_prob: score,
+                });
+            }
+        } else if next.len() < k {
+            let mut tokens = hyps[h].tokens.clone();
+            tokens.push(tok);
+            next.push(Live {
+                tokens,
+                log_prob: score,
+                row: first + h,
+            });
+        }
+        if opts.greedy && (!finished.is_empty() || !next.is_empty()) {
+            break;
+        }
+    }
+    finished.sort_by(|a, b| b.score.total_cmp(&a.score));
+    finished.truncate(k);
+    let full = finished.len() >= k;
+    let stop = match opts.early_stop {
+        EarlyStop::KFinished => full,
+        EarlyStop::Exact => full && !can_improve(&next, finished, max_len, opts.penalty),
+    };
+    if force_end || next.is_empty() || stop || (opts.greedy && !finished.is_empty()) {
+        return (vec![], true);
+    }
+    (next, false)
+}
+
+/// Whether a live hypothesis of `next` could still beat the worst of the `finished` ones
+/// (`max_len` the sentence's maximum length).
+fn can_improve(
+    next: &[Live],
+    finished: &[Hypothesis],
+    max_len: usize,
+    penalty: LengthPenalty,
+) -> bool {
+    let worst = finished
+        .last()
+        .map(|h| h.score)
+        .unwrap_or(f64::NEG_INFINITY);
+    next.iter().any(|hyp| {
+        // Log-probabilities only fall; a growing penalty divides by at most
+        // lp(max_len), so this bounds the final normalized score.
+        let bound = if penalty.grows() {
+            hyp.log_prob / penalty.divisor(max_len)
+        } else {
+            hyp.log_prob / penalty.divisor(hyp.tokens.len() + 1)
+        };
+        bound > worst
+    })
 }
 
 #[cfg(test)]

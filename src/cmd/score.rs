@@ -8,7 +8,8 @@ use kiln_runtime::decode::DecodeOptions;
 use kiln_runtime::exec::ExecutorKind;
 use kiln_runtime::translate::{check_positions, decode_workers, score_ids};
 
-use crate::cmd::translate::{executor_label, progress_bar, read_text_lines, translator};
+use crate::cmd::translate::{executor_label, progress_bar, translator};
+use crate::input::read_text_lines;
 use crate::{err, plain};
 
 pub struct ScoreArgs {

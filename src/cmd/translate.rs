@@ -2,7 +2,7 @@
 //! (a checkpoint, a run, an average or a compiled artifact).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 use kiln_compiler::artifact::TOKENIZER_FILE;
@@ -10,11 +10,12 @@ use kiln_compiler::tensor::Tensor;
 use kiln_dsl::Error;
 use kiln_runtime::artifact::{is_artifact_dir, Artifact};
 use kiln_runtime::data::Tokenizer;
-use kiln_runtime::decode::{DecodeOptions, Hypothesis, LengthPenalty};
+use kiln_runtime::decode::{DecodeOptions, EarlyStop, Hypothesis, LengthPenalty};
 use kiln_runtime::exec::{executor, Exec, ExecutorKind};
 use kiln_runtime::model;
 use kiln_runtime::translate::{check_positions, decode_workers, translate_nbest_ids};
 
+use crate::input::Chunks;
 use crate::{err, plain};
 
 /// What `kiln translate` runs: a model directory's, or a compiled artifact's.
@@ -64,9 +65,9 @@ pub(crate) fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Tran
                 executor(kind, g.manifest.graph.clone()).map_err(err("kiln::model"))
             }
         };
-        let mut encode = ex("encode")?;
+        let encode = ex("encode")?;
         let mut step = ex("decode_step")?;
-        share_arena(&mut encode, &mut step);
+        share_arena(encode.as_ref(), step.as_mut());
         let params = art.weights().map_err(err("kiln::artifact"))?;
         let width = model::logits_width(step.graph());
         model::check_vocab(&tokenizer, width, &origin).map_err(err("kiln::artifact"))?;
@@ -94,9 +95,9 @@ pub(crate) fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Tran
         ));
     }
     let m = model::load(path).map_err(err("kiln::model"))?;
-    let mut encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
+    let encode = executor(kind, m.graphs.encode.clone()).map_err(err("kiln::model"))?;
     let mut step = executor(kind, m.graphs.decode_step.clone()).map_err(err("kiln::model"))?;
-    share_arena(&mut encode, &mut step);
+    share_arena(encode.as_ref(), step.as_mut());
     let vocab = m.graphs.vocab().unwrap_or(m.tokenizer.vocab_size());
     Ok(Translator {
         encode,
@@ -109,9 +110,9 @@ pub(crate) fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Tran
 
 /// The encoder runs once per batch and the decoder step after it, never at once: compiled
 /// CPU programs share one arena, as large as the larger layout, as the trainer's do.
-pub(crate) fn share_arena(encode: &mut Box<dyn Exec>, step: &mut Box<dyn Exec>) {
-    if let (Some(e), Some(s)) = (encode.as_compiled_mut(), step.as_compiled_mut()) {
-        s.share_arena_with(e);
+pub(crate) fn share_arena(encode: &dyn Exec, step: &mut dyn Exec) {
+    if let Some(arena) = encode.arena() {
+        step.share_arena(&arena);
     }
 }
 
@@ -121,6 +122,8 @@ pub struct TranslateArgs {
     pub beam: usize,
     pub alpha: f64,
     pub length_penalty: String,
+    /// `k-finished` or `exact` ([`EarlyStop`]).
+    pub early_stop: String,
     pub max_len_a: f64,
     pub max_len_b: usize,
     pub greedy: bool,
@@ -131,20 +134,6 @@ pub struct TranslateArgs {
     pub executor: ExecutorKind,
     /// Batches decoded at once (`None`: `decode_workers`).
     pub workers: Option<usize>,
-}
-
-/// The lines of a text file (standard input for `None`), without `\r` line ends.
-pub(crate) fn read_text_lines(path: Option<&Path>) -> Result<Vec<String>, Error> {
-    match path {
-        // The corpus reader: CRLF, a byte-order mark, and invalid UTF-8 named by line.
-        Some(p) => kiln_runtime::data::read_lines(p).map_err(err("kiln::io")),
-        None => std::io::stdin()
-            .lock()
-            .lines()
-            .map(|l| l.map(|l| l.trim_end_matches('\r').to_string()))
-            .collect::<Result<_, _>>()
-            .map_err(|e| plain("kiln::io", format!("cannot read standard input: {e}"), None)),
-    }
 }
 
 /// A progress bar over `n` items on a terminal, when they take more than one batch.
@@ -162,9 +151,88 @@ pub(crate) fn progress_bar(n: usize, batch: usize, unit: &str) -> Option<indicat
     })
 }
 
+/// Chunks of standard input hold this many batches for each worker (as CTranslate2 reads
+/// ahead 16 batches): enough to sort by length and keep every worker busy.
+const CHUNK_BATCHES: usize = 16;
+
 pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     let kind = (a.executor != ExecutorKind::Cuda).then_some(a.executor);
     let m = translator(&a.checkpoint, kind)?;
+    let opts = decode_options(&a)?;
+    let workers = a.workers.unwrap_or_else(|| decode_workers(&*m.step));
+    let cap = a
+        .batch
+        .saturating_mul(workers)
+        .saturating_mul(CHUNK_BATCHES);
+    let mut input = Chunks::open(a.input.as_deref(), cap)?;
+    let stdout = std::io::stdout();
+    let mut w = std::io::BufWriter::new(stdout.lock());
+    let write_err = |e: std::io::Error| plain("kiln::io", format!("cannot write: {e}"), None);
+    let (mut sentences, mut src_tokens, mut out_tokens) = (0usize, 0usize, 0usize);
+    // Each chunk's translations are written, in input order, before the next is read.
+    // The time is the chunks' own, from arrival to output, not the wait for input.
+    let (mut first_line, mut busy) = (0, std::time::Duration::ZERO);
+    while let Some(lines) = input.next_chunk()? {
+        let started = std::time::Instant::now();
+        let (srcs, which) = encode_lines(&m, &lines, first_line)?;
+        // A progress bar on a terminal, for input that comes whole.
+        let bar = progress_bar(srcs.len(), a.batch, "sentences").filter(|_| input.is_whole());
+        let hyps = translate_nbest_ids(
+            &*m.encode,
+            &*m.step,
+            &m.params,
+            &srcs,
+            &opts,
+            m.vocab,
+            a.batch,
+            a.nbest.unwrap_or(1),
+            workers,
+            &mut |n| {
+                if let Some(b) = &bar {
+                    b.set_position(n as u64);
+                }
+            },
+        )
+        .map_err(err("kiln::translate"))?;
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        sentences += srcs.len();
+        src_tokens += srcs.iter().map(|s| s.len()).sum::<usize>();
+        out_tokens += hyps
+            .iter()
+            .map(|h| h.first().map_or(0, |h| h.tokens.len()))
+            .sum::<usize>();
+        // Per input line: its hypotheses (none for an empty line).
+        let mut out: Vec<Vec<Hypothesis>> = vec![Vec::new(); lines.len()];
+        for (i, h) in which.into_iter().zip(hyps) {
+            out[i] = h;
+        }
+        write_translations(&mut w, &m.tokenizer, a.nbest, first_line, &out).map_err(write_err)?;
+        w.flush().map_err(write_err)?;
+        first_line += lines.len();
+        busy += started.elapsed();
+    }
+    let secs = busy.as_secs_f64();
+    // A summary line on standard error, as fairseq and Marian print one.
+    tell!(
+        "translated {sentences} sentence{} ({src_tokens} source and {out_tokens} output \
+         tokens) in {secs:.1} s: {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
+        if sentences == 1 { "" } else { "s" },
+        sentences as f64 / secs.max(1e-9),
+        out_tokens as f64 / secs.max(1e-9),
+        if opts.greedy {
+            "greedy".to_string()
+        } else {
+            format!("beam {}", opts.beam)
+        },
+        executor_label(a.executor),
+    );
+    Ok(())
+}
+
+/// The search `a` asks for, checked.
+fn decode_options(a: &TranslateArgs) -> Result<DecodeOptions, Error> {
     let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
         plain(
             "kiln::translate",
@@ -172,10 +240,18 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             Some("use gnmt, len_pow or none".to_string()),
         )
     })?;
+    let early_stop = EarlyStop::parse(&a.early_stop).ok_or_else(|| {
+        plain(
+            "kiln::translate",
+            format!("unknown stopping rule `{}`", a.early_stop),
+            Some(format!("use {}", EarlyStop::NAMES.join(" or "))),
+        )
+    })?;
     let opts = DecodeOptions {
         beam: a.beam,
         greedy: a.greedy,
         penalty,
+        early_stop,
         max_len_a: a.max_len_a,
         max_len_b: a.max_len_b,
         ..DecodeOptions::default()
@@ -201,15 +277,27 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             ));
         }
     }
-    let lines = read_text_lines(a.input.as_deref())?;
+    Ok(opts)
+}
+
+/// The token ids of the non-empty lines of a chunk whose first line is input line
+/// `first_line` (counted from 0), and which line of the chunk each is.
+fn encode_lines(
+    m: &Translator,
+    lines: &[String],
+    first_line: usize,
+) -> Result<(Vec<Vec<i32>>, Vec<usize>), Error> {
     let mut srcs = Vec::new();
     let mut which = Vec::new();
     for (i, l) in lines.iter().enumerate() {
         if !l.trim().is_empty() {
-            let ids = m
-                .tokenizer
-                .encode(l)
-                .map_err(|e| plain("kiln::translate", format!("line {}: {e}", i + 1), None))?;
+            let ids = m.tokenizer.encode(l).map_err(|e| {
+                plain(
+                    "kiln::translate",
+                    format!("line {}: {e}", first_line + i + 1),
+                    None,
+                )
+            })?;
             srcs.push(ids);
             which.push(i);
         }
@@ -219,91 +307,47 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         "src_len",
         srcs.len(),
         &|i| srcs[i].len(),
-        &|i| format!("line {}", which[i] + 1),
+        &|i| format!("line {}", first_line + which[i] + 1),
         "shorten it",
     )
     .map_err(|e| plain("kiln::translate", e, None))?;
-    // A progress bar on a terminal; a summary line on standard error in any case, as
-    // fairseq and Marian print one.
-    let started = std::time::Instant::now();
-    let bar = progress_bar(srcs.len(), a.batch, "sentences");
-    let hyps = translate_nbest_ids(
-        &*m.encode,
-        &*m.step,
-        &m.params,
-        &srcs,
-        &opts,
-        m.vocab,
-        a.batch,
-        a.nbest.unwrap_or(1),
-        a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
-        &mut |n| {
-            if let Some(b) = &bar {
-                b.set_position(n as u64);
-            }
-        },
-    )
-    .map_err(err("kiln::translate"))?;
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
-    let secs = started.elapsed().as_secs_f64();
-    let tokens: usize = hyps
-        .iter()
-        .map(|h| h.first().map_or(0, |h| h.tokens.len()))
-        .sum();
-    // Per input line: its hypotheses (none for an empty line).
-    let mut out: Vec<Vec<Hypothesis>> = vec![Vec::new(); lines.len()];
-    for (i, h) in which.into_iter().zip(hyps) {
-        out[i] = h;
-    }
-    let stdout = std::io::stdout();
-    let mut w = std::io::BufWriter::new(stdout.lock());
-    let write_err = |e: std::io::Error| plain("kiln::io", format!("cannot write: {e}"), None);
-    for (i, hyps) in out.iter().enumerate() {
-        match a.nbest {
+    Ok((srcs, which))
+}
+
+/// A chunk's translations, a line each, or with `nbest` its hypotheses in the Moses
+/// n-best format, lines numbered from `first_line`.
+fn write_translations(
+    w: &mut dyn Write,
+    tokenizer: &Tokenizer,
+    nbest: Option<usize>,
+    first_line: usize,
+    out: &[Vec<Hypothesis>],
+) -> std::io::Result<()> {
+    for (k, hyps) in out.iter().enumerate() {
+        let i = first_line + k;
+        match nbest {
             None => {
                 let text = hyps
                     .first()
-                    .map(|h| m.tokenizer.decode(&h.tokens))
+                    .map(|h| tokenizer.decode(&h.tokens))
                     .unwrap_or_default();
-                writeln!(w, "{text}").map_err(write_err)?;
+                writeln!(w, "{text}")?;
             }
             // An empty input line has the empty translation, with probability 1.
-            Some(_) if hyps.is_empty() => {
-                writeln!(w, "{i} |||  ||| log_prob= 0 ||| 0").map_err(write_err)?
-            }
+            Some(_) if hyps.is_empty() => writeln!(w, "{i} |||  ||| log_prob= 0 ||| 0")?,
             Some(_) => {
                 for h in hyps {
                     writeln!(
                         w,
                         "{i} ||| {} ||| log_prob= {} ||| {}",
-                        m.tokenizer.decode(&h.tokens),
+                        tokenizer.decode(&h.tokens),
                         h.log_prob as f32,
                         h.score as f32
-                    )
-                    .map_err(write_err)?;
+                    )?;
                 }
             }
         }
     }
-    w.flush()
-        .map_err(|e| plain("kiln::io", format!("cannot write: {e}"), None))?;
-    tell!(
-        "translated {} sentence{} ({} source and {tokens} output tokens) in {secs:.1} s: \
-         {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
-        srcs.len(),
-        if srcs.len() == 1 { "" } else { "s" },
-        srcs.iter().map(|s| s.len()).sum::<usize>(),
-        srcs.len() as f64 / secs.max(1e-9),
-        tokens as f64 / secs.max(1e-9),
-        if opts.greedy {
-            "greedy".to_string()
-        } else {
-            format!("beam {}", opts.beam)
-        },
-        executor_label(a.executor),
-    );
     Ok(())
 }
 

@@ -71,6 +71,45 @@ fn beam_finds_a_better_path_than_greedy() {
     assert!((r[0].log_prob - (0.36f64).ln()).abs() < 1e-12);
 }
 
+/// The two stopping rules where the first hypothesis to finish is not the best once
+/// normalized: after `<bos>`, `<eos>` and "a" are even (0.5 each); after "a", `<eos>` is
+/// 0.9. With beam 1 and the GNMT penalty at α = 1, `<eos>` at once scores ln 0.5 / 1 =
+/// −0.693 and "a `<eos>`" ln 0.45 / (7/6) = −0.684. `k-finished` (the default, as
+/// fairseq and CTranslate2) stops at the first finished hypothesis; `exact` goes on and
+/// finds the better one.
+#[test]
+fn the_stopping_rules_differ_where_a_longer_hypothesis_wins() {
+    assert_eq!(DecodeOptions::default().early_stop, EarlyStop::KFinished);
+    let mut table = BTreeMap::new();
+    table.insert(1, probs([0.0, 0.0, 0.5, 0.5, 0.0]));
+    table.insert(3, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
+    table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
+    let src = Tensor::i32(vec![1, 3], vec![5, 6, 7]).unwrap();
+    let run = |early_stop| {
+        let mut m = Table {
+            rows: vec![],
+            table: table.clone(),
+        };
+        let opts = DecodeOptions {
+            beam: 1,
+            penalty: LengthPenalty::Gnmt(1.0),
+            early_stop,
+            ..DecodeOptions::default()
+        };
+        decode(&mut m, &src, &opts).unwrap().remove(0)
+    };
+    let quick = run(EarlyStop::KFinished);
+    assert_eq!(quick.tokens, Vec::<i32>::new());
+    assert!((quick.score - 0.5f64.ln()).abs() < 1e-12, "{}", quick.score);
+    let exact = run(EarlyStop::Exact);
+    assert_eq!(exact.tokens, vec![3]);
+    assert!(
+        (exact.score - 0.45f64.ln() / (7.0 / 6.0)).abs() < 1e-12,
+        "{}",
+        exact.score
+    );
+}
+
 /// A model's maximum positions cap the output, even when `max_len_a` is so large
 /// that the search could never prove it is done: the step at position
 /// `max_positions − 1` forces `<eos>`, and no later position is read.

@@ -9,7 +9,7 @@ use kiln_compiler::tensor::{Tensor, TensorData};
 
 use crate::bleu::{corpus_bleu, BleuOptions};
 use crate::checkpoint::{self, AdamMoments};
-use crate::decode::{DecodeOptions, LengthPenalty};
+use crate::decode::{DecodeOptions, EarlyStop, LengthPenalty};
 use crate::model::{CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
 use crate::translate::{decode_workers, translate_ids, TRANSLATE_BATCH};
 
@@ -57,6 +57,7 @@ impl Trainer {
             greedy: false,
             penalty: LengthPenalty::parse(&v.length_penalty, v.alpha)
                 .unwrap_or(LengthPenalty::Gnmt(v.alpha)),
+            early_stop: EarlyStop::parse(&v.early_stop).unwrap_or_default(),
             max_len_a: v.max_len_a,
             max_len_b: v.max_len_b,
             ..DecodeOptions::default()
