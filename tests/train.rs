@@ -1904,33 +1904,27 @@ fn standard_input_is_translated_as_it_arrives() {
         "an extra line"
     );
 
-    for rule in ["k-finished", "exact"] {
-        let out = ok(
-            &dir,
-            &[
-                "translate",
-                "--checkpoint",
-                "run",
-                "--input",
-                "two.txt",
-                "--early-stop",
-                rule,
-            ],
-        );
-        assert_eq!(out.lines().count(), 2, "{rule}: {out}");
-    }
-    let out = kiln(
-        &dir,
-        &[
+    let rule = |rule: &'static str| {
+        let args = [
             "translate",
             "--checkpoint",
             "run",
             "--input",
             "two.txt",
             "--early-stop",
-            "soon",
-        ],
-    );
+        ];
+        kiln(&dir, &[&args[..], &[rule]].concat())
+    };
+    for name in ["k-finished", "exact"] {
+        let out = rule(name);
+        assert!(out.status.success(), "{name}: {}", unwrapped(&out.stderr));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).lines().count(),
+            2,
+            "{name}"
+        );
+    }
+    let out = rule("soon");
     let err = unwrapped(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
