@@ -66,6 +66,17 @@ def pytorch(bf16):
     return got
 
 
+def native_bf16():
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX): without them PyTorch
+    emulates bf16, its autocast is far slower than its fp32, and so no baseline."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def cell(t):
     return f"{t[0]:.1f} ({t[1]:.1f})"
 
@@ -81,6 +92,11 @@ def main():
                          "this CPU has)")
     ap.add_argument("--kiln", default=os.path.join(ROOT, "target", "release", "kiln"))
     a = ap.parse_args()
+    autocast = a.bf16 and native_bf16()
+    if a.bf16 and not autocast:
+        print("this CPU has no bf16 instructions (AVX512-BF16 or AMX), so PyTorch would emulate "
+              "its bf16 autocast: kiln's 16-bit products are compared with PyTorch fp32 only",
+              file=sys.stderr)
     if not os.path.exists(a.kiln):
         sys.exit(f"no kiln binary at {a.kiln}: run `cargo build --release` first")
     try:
@@ -96,8 +112,9 @@ def main():
             gemm = a.gemm_type if bf16 else "f32"
             runs[bf16] = ({"forward": kiln(a.kiln, "forward", 7, gemm),
                            "train_step": kiln(a.kiln, "train_step", 5, gemm)},
-                          pytorch(bf16))
-        pairs = [(False, False)] + ([(True, False), (True, True)] if a.bf16 else [])
+                          pytorch(bf16) if not bf16 or autocast else None)
+        pairs = [(False, False)] + ([(True, False)] if a.bf16 else []) + (
+            [(True, True)] if autocast else [])
         for k16, p16 in pairs:
             k, p = runs[k16][0], runs[p16][1]
             print(f"| {s} | {'16-bit' if k16 else 'fp32'} | {'bf16 autocast' if p16 else 'fp32'} "
