@@ -73,12 +73,12 @@ fn main() {
     // operands' rounding and packing counted: 2048³, then the base step's widest shapes.
     let named = std::env::args()
         .skip(1)
-        .find_map(|a| kiln_runtime::compiled::GemmType::parse(&a));
+        .find_map(|a| kiln_exec::compiled::GemmType::parse(&a));
     let kernel = match named {
         Some(t) => t
             .kernel()
             .and_then(|k| k.ok_or_else(|| "f32 asks for no 16-bit kernel".to_string())),
-        None => kiln_runtime::compiled::Kernel16::best(),
+        None => kiln_exec::compiled::Kernel16::best(),
     };
     for (m, k, n) in [
         (2048usize, 2048, 2048),
@@ -93,8 +93,7 @@ fn main() {
         let mut why = kernel.as_ref().err().cloned();
         let s = match &kernel {
             Ok(kernel) => time(9, || {
-                if let Err(e) = kiln_runtime::compiled::matmul16(*kernel, (m, k, n), &a, &b, &mut c)
-                {
+                if let Err(e) = kiln_exec::compiled::matmul16(*kernel, (m, k, n), &a, &b, &mut c) {
                     why = Some(e);
                 }
             }),

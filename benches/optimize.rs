@@ -43,7 +43,7 @@ fn main() {
             "train_step" => kiln_compiler::autodiff::train_step(&g).expect("differentiates"),
             // The step the decoder runs: its per-sentence values computed by `encode`.
             "decode_step" => {
-                kiln_runtime::decoder_entries(&elaborate(Mode::Eval), &g)
+                kiln_exec::decoder_entries(&elaborate(Mode::Eval), &g)
                     .expect("cuts the decoder's entries")
                     .1
             }

@@ -25,7 +25,7 @@ use kiln_compiler::reference::RunOptions;
 use kiln_compiler::rng;
 use kiln_compiler::tensor::Tensor;
 use kiln_dsl::Options;
-use kiln_runtime::Eager;
+use kiln_exec::Eager;
 
 const S: usize = 25;
 const T: usize = 25;

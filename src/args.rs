@@ -1,7 +1,7 @@
 //! What several commands' arguments share: the spec and its overrides, the GEMM type,
 //! the thread count, and the checks of numeric values.
 
-use kiln_runtime::exec::ExecutorKind;
+use kiln_exec::executor::ExecutorKind;
 use std::path::PathBuf;
 
 use kiln_dsl::{Error, Mode, Options};
@@ -15,7 +15,7 @@ pub(crate) struct GemmArgs {
     /// default), `16bit` (the best 16-bit kernel this CPU has), or one kernel: `amx`
     /// (bf16 on AMX tiles), `dot` (bf16 with AVX-512's VDPBF16PS), `fp16` (AVX512-FP16),
     /// `int16` (AVX2's VPMADDWD).
-    #[arg(long, value_name = "TYPE", value_parser = kiln_runtime::compiled::GemmType::NAMES)]
+    #[arg(long, value_name = "TYPE", value_parser = kiln_exec::compiled::GemmType::NAMES)]
     pub gemm_type: Option<String>,
 }
 
@@ -36,7 +36,7 @@ impl GemmArgs {
         let Some(name) = &self.gemm_type else {
             return Ok(());
         };
-        use kiln_runtime::compiled::GemmType;
+        use kiln_exec::compiled::GemmType;
         let Some(t) = GemmType::parse(name) else {
             return Err(plain(
                 "kiln::gemm",
@@ -54,7 +54,7 @@ impl GemmArgs {
                 Some("add `--executor compiled`, or leave --gemm-type out".to_string()),
             ));
         }
-        kiln_runtime::compiled::set_process_gemm_type(t)
+        kiln_exec::compiled::set_process_gemm_type(t)
             .map(|_| ())
             .map_err(|why| {
                 plain(
@@ -134,9 +134,9 @@ pub(crate) fn set_threads(threads: Option<usize>) -> Result<(), Error> {
     Ok(())
 }
 
-/// A `--beam` value: a whole number from 1 to [`kiln_runtime::decode::MAX_BEAM`].
+/// A `--beam` value: a whole number from 1 to [`kiln_decode::search::MAX_BEAM`].
 pub(crate) fn beam_width(s: &str) -> Result<usize, String> {
-    let max = kiln_runtime::decode::MAX_BEAM;
+    let max = kiln_decode::search::MAX_BEAM;
     match s.parse::<usize>() {
         Ok(n) if (1..=max).contains(&n) => Ok(n),
         _ => Err(format!(

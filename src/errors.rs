@@ -2,7 +2,7 @@
 
 use kiln_compiler::tensor::TensorFileError;
 use kiln_dsl::Error;
-use kiln_runtime::RuntimeError;
+use kiln_exec::RuntimeError;
 
 pub(crate) fn plain(code: &'static str, message: String, help: Option<String>) -> Error {
     Error::plain(code, message, help)

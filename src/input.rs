@@ -22,7 +22,7 @@ const GATHER: Duration = Duration::from_millis(20);
 /// named by line), or of standard input until it ends.
 pub(crate) fn read_text_lines(path: Option<&Path>) -> Result<Vec<String>, Error> {
     match path {
-        Some(p) => kiln_runtime::data::read_lines(p).map_err(err("kiln::io")),
+        Some(p) => kiln_train::data::read_lines(p).map_err(err("kiln::io")),
         None => std::io::stdin()
             .lock()
             .lines()

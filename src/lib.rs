@@ -10,11 +10,11 @@
 //! ```
 
 /// The DSL mode that elaborates a graph of `kind` (what an entry point is cut from).
-pub fn dsl_mode(kind: kiln_runtime::GraphKind) -> kiln_dsl::Mode {
+pub fn dsl_mode(kind: kiln_exec::GraphKind) -> kiln_dsl::Mode {
     match kind {
-        kiln_runtime::GraphKind::Eval => kiln_dsl::Mode::Eval,
-        kiln_runtime::GraphKind::Train => kiln_dsl::Mode::Train,
-        kiln_runtime::GraphKind::Decode => kiln_dsl::Mode::Decode,
+        kiln_exec::GraphKind::Eval => kiln_dsl::Mode::Eval,
+        kiln_exec::GraphKind::Train => kiln_dsl::Mode::Train,
+        kiln_exec::GraphKind::Decode => kiln_dsl::Mode::Decode,
     }
 }
 
@@ -25,7 +25,7 @@ pub mod snapshot {
     use std::path::Path;
 
     use kiln_dsl::Options;
-    use kiln_runtime::{compiled_entry_graph_with, GraphKind};
+    use kiln_exec::{compiled_entry_graph_with, GraphKind};
 
     /// The CPU code of entry point `entry` of `spec` (with `--set` style overrides): one
     /// line per kernel in launch order (its kind and the functions it runs), the fusions

@@ -198,7 +198,7 @@ enum Command {
         threads: Option<usize>,
         /// Override `train.gemm_type` (see `kiln run --help`; a resumed run keeps its own).
         #[arg(long, value_name = "TYPE", conflicts_with = "resume",
-              value_parser = kiln_runtime::compiled::GemmType::NAMES)]
+              value_parser = kiln_exec::compiled::GemmType::NAMES)]
         gemm_type: Option<String>,
         /// No progress output.
         #[arg(long)]
@@ -226,7 +226,7 @@ enum Command {
         /// have finished (fairseq's and CTranslate2's rule), `exact` only once no live
         /// hypothesis can still beat them (slower; the search's own best).
         #[arg(long, default_value = "k-finished",
-              value_parser = kiln_runtime::decode::EarlyStop::NAMES)]
+              value_parser = kiln_decode::search::EarlyStop::NAMES)]
         early_stop: String,
         /// Maximum output length = a · source length + b (`<eos>` included), capped by the
         /// positions the model takes (its `max_len`).
@@ -246,14 +246,14 @@ enum Command {
         nbest: Option<usize>,
         /// Sentences decoded together (sorted by length first), each with `beam` rows.
         /// 32 is fastest on 2 CPU cores; a GPU wants more.
-        #[arg(long, default_value_t = kiln_runtime::translate::TRANSLATE_BATCH,
+        #[arg(long, default_value_t = kiln_decode::translate::TRANSLATE_BATCH,
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
         /// cuda` artifact's kernels on the GPU).
         #[arg(long, default_value = "compiled",
               value_parser = args::executor_kind(&["compiled", "eager", "reference", "cuda"]))]
-        executor: kiln_runtime::exec::ExecutorKind,
+        executor: kiln_exec::executor::ExecutorKind,
         #[command(flatten)]
         gemm: GemmArgs,
         /// Worker threads (default: one per core).
@@ -284,14 +284,14 @@ enum Command {
         #[arg(long)]
         normalize: bool,
         /// Sentence pairs scored together (sorted by length first).
-        #[arg(long, default_value_t = kiln_runtime::translate::TRANSLATE_BATCH,
+        #[arg(long, default_value_t = kiln_decode::translate::TRANSLATE_BATCH,
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
         /// cuda` artifact's kernels on the GPU).
         #[arg(long, default_value = "compiled",
               value_parser = args::executor_kind(&["compiled", "eager", "reference", "cuda"]))]
-        executor: kiln_runtime::exec::ExecutorKind,
+        executor: kiln_exec::executor::ExecutorKind,
         #[command(flatten)]
         gemm: GemmArgs,
         /// Worker threads (default: one per core).
@@ -371,13 +371,13 @@ fn run(cli: Cli) -> Result<(), Error> {
 /// the tests' switch for the emulated CUDA device (with the C++ compiler it uses).
 fn read_environment(ptx_cache: Option<&str>) {
     let var = |k: &str| std::env::var(k).ok();
-    use kiln_runtime::cuda::emulate;
+    use kiln_exec::cuda::emulate;
     emulate::configure(
         var(emulate::EMULATE_ENV).as_deref(),
         var(emulate::REFUSE_BIAS_GRAD_ENV).is_some(),
         var("CXX"),
     );
-    kiln_runtime::cuda::ptx_cache::set_dir(kiln_runtime::cuda::ptx_cache::dir_from(
+    kiln_exec::cuda::ptx_cache::set_dir(kiln_exec::cuda::ptx_cache::dir_from(
         ptx_cache,
         var("XDG_CACHE_HOME").as_deref(),
         var("HOME").as_deref(),

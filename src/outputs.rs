@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use kiln_dsl::Error;
-use kiln_runtime::{checkpoint, metrics, model};
+use kiln_train::{checkpoint, metrics, model};
 
 use crate::plain;
 
@@ -43,7 +43,7 @@ impl Owned {
             Some(Owned::Run)
         } else if file(model::GRAPHS_FILE) && file(checkpoint::MODEL_FILE) {
             Some(Owned::Model)
-        } else if kiln_runtime::artifact::is_artifact_dir(dir) {
+        } else if kiln_exec::artifact::is_artifact_dir(dir) {
             Some(Owned::Artifact)
         } else {
             None

@@ -1,5 +1,5 @@
 //! Compiled artifacts: `kiln compile --entries … -o DIR`, `kiln inspect DIR`, and
-//! `kiln_runtime::artifact::Artifact::load` — round trip against the reference executor,
+//! `kiln_exec::artifact::Artifact::load` — round trip against the reference executor,
 //! determinism, and the errors for corrupted, truncated and newer artifacts.
 //!
 //! Tolerance, per output (as in `tests/compiled.rs`):
@@ -12,7 +12,7 @@ use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::reference::{self, RunOptions};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
-use kiln_runtime::artifact::{Artifact, ArtifactError};
+use kiln_exec::artifact::{Artifact, ArtifactError};
 
 mod common;
 use common::{flat, kiln};
@@ -1016,7 +1016,7 @@ fn inspect_nvrtc_assembles_a_cuda_artifact_or_says_why_not() {
     );
     let out = kiln(&["inspect", cuda.to_str().unwrap(), "--nvrtc"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    match kiln_runtime::cuda::nvrtc_available() {
+    match kiln_exec::cuda::nvrtc_available() {
         Ok(version) => {
             assert!(out.status.success(), "{}", stderr(&out));
             let lines: Vec<&str> = text.lines().filter(|l| l.contains("  nvrtc ")).collect();

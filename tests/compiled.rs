@@ -26,9 +26,9 @@ use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::options::CompileOptions;
 use kiln_compiler::reference::{self, RunOptions};
 use kiln_compiler::Graph;
-use kiln_runtime::compiled::{Compiled, KernelErrors, RELATIVE_FROM};
-use kiln_runtime::Eager;
-use kiln_runtime::COMPILED_ENTRIES;
+use kiln_exec::compiled::{Compiled, KernelErrors, RELATIVE_FROM};
+use kiln_exec::Eager;
+use kiln_exec::COMPILED_ENTRIES;
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -307,7 +307,7 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
             .expect("runs"),
     );
     let fixed = RunOptions {
-        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        params_version: Some(kiln_exec::executor::fresh_params_version()),
         ..RunOptions::default()
     };
     for run in 0..3 {
@@ -318,7 +318,7 @@ fn a_transposed_weight_copy_gives_the_bits_of_the_view() {
     }
     // A new version: a new copy, in place of the old one.
     let next = RunOptions {
-        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        params_version: Some(kiln_exec::executor::fresh_params_version()),
         ..RunOptions::default()
     };
     assert!(output_bits(&exec.run(&inputs, &params, &next).expect("runs")) == plain);
@@ -407,7 +407,7 @@ fn the_environment_does_not_choose_the_products() {
 /// type asked of the eager executor.
 #[test]
 fn gemm_type_names_the_kernel_or_fails_saying_why() {
-    use kiln_runtime::compiled::Kernel16;
+    use kiln_exec::compiled::Kernel16;
     let executor = |extra: &[&str], env: &[(&str, &str)]| {
         let mut args = vec!["--runs", "1"];
         args.extend_from_slice(extra);
@@ -689,8 +689,8 @@ fn programs_sharing_an_arena_give_the_bits_of_their_own() {
     let trainer = Compiled::from_graph(train.clone()).expect("compiles");
     let alone = Compiled::from_graph(loss.clone()).expect("compiles");
     let mut shared = Compiled::from_graph(loss.clone()).expect("compiles");
-    let arena = kiln_runtime::exec::Exec::arena(&trainer).expect("a compiled program's arena");
-    kiln_runtime::exec::Exec::share_arena(&mut shared, &arena);
+    let arena = kiln_exec::executor::Exec::arena(&trainer).expect("a compiled program's arena");
+    kiln_exec::executor::Exec::share_arena(&mut shared, &arena);
     let dims: BTreeMap<String, i64> = [("batch", 3), ("src_len", 7), ("tgt_len", 5)]
         .iter()
         .map(|(k, n)| (k.to_string(), *n))
@@ -899,7 +899,7 @@ fn the_logits_gradient_is_written_over_the_logits() {
 /// outside the tensor or another input is a clear error.
 #[test]
 fn a_decoding_step_reads_its_caches_with_gathered_rows() {
-    use kiln_runtime::decode::take_rows;
+    use kiln_decode::search::take_rows;
     use std::collections::BTreeSet;
     let path = common::root().join("models/transformer_tiny.kiln");
     let g = entry_graph(&path, &[], "decode_step").expect("the entry");
@@ -1110,7 +1110,7 @@ fn base_at_36_rows(entry: &str, seed: u64) -> (Graph, BTreeMap<String, i64>, Fee
 /// bits. Each kernel is skipped where the CPU cannot run it.
 #[test]
 fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
-    use kiln_runtime::compiled::Kernel16;
+    use kiln_exec::compiled::Kernel16;
     for kernel in Kernel16::ALL {
         match kernel.available() {
             Ok(()) => bf16_products_within_bf16_of_f32(kernel),
@@ -1119,7 +1119,7 @@ fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
     }
 }
 
-fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Kernel16) {
+fn bf16_products_within_bf16_of_f32(kernel: kiln_exec::compiled::Kernel16) {
     for entry in ["forward", "train_step"] {
         let (g, _, inputs, params) = base_at_36_rows(entry, 11);
         let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
@@ -1181,7 +1181,7 @@ fn bf16_products_within_bf16_of_f32(kernel: kiln_runtime::compiled::Kernel16) {
 /// counts).
 fn run_16bit(
     g: &Graph,
-    kernel: kiln_runtime::compiled::Kernel16,
+    kernel: kiln_exec::compiled::Kernel16,
     (inputs, params): (&Feeds, &Feeds),
     opts: &RunOptions,
     set: impl FnOnce(&mut CompileOptions),
@@ -1202,7 +1202,7 @@ fn run_16bit(
 /// kernels. Each 16-bit kernel is skipped where the CPU cannot run it.
 #[test]
 fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
-    use kiln_runtime::compiled::Kernel16;
+    use kiln_exec::compiled::Kernel16;
     let (g, dims, inputs, params) = base_at_36_rows("train_step", 5);
     let opts = RunOptions {
         seed: 3,
@@ -1284,7 +1284,7 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
 /// it.
 #[test]
 fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
-    use kiln_runtime::compiled::Kernel16;
+    use kiln_exec::compiled::Kernel16;
     for kernel in Kernel16::ALL {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
@@ -1310,7 +1310,7 @@ fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
                         kiln_compiler::tensor::Tensor::f32(t.shape.clone(), v).expect("same shape");
                 }
             }
-            for version in [None, Some(kiln_runtime::exec::fresh_params_version())] {
+            for version in [None, Some(kiln_exec::executor::fresh_params_version())] {
                 if version.is_some() && entry == "train_step" {
                     continue;
                 }
@@ -1349,7 +1349,7 @@ fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
 /// a training step packs none. Each kernel is skipped where the CPU cannot run it.
 #[test]
 fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
-    use kiln_runtime::compiled::Kernel16;
+    use kiln_exec::compiled::Kernel16;
     let (g, _, inputs, params) = base_at_36_rows("forward", 5);
     // The weights' elements: 24 + 48 attention projections of 512 × 512 (encoder, and
     // decoder self and cross), 12 + 12 of 512 × 2048 and 2048 × 512, the 300 × 512
@@ -1374,7 +1374,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
             "{kernel:?}: no version, no copies"
         );
         let fixed = RunOptions {
-            params_version: Some(kiln_runtime::exec::fresh_params_version()),
+            params_version: Some(kiln_exec::executor::fresh_params_version()),
             ..RunOptions::default()
         };
         for run in 0..2 {
@@ -1403,7 +1403,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
     exec.set_bf16_kernel(Some(kernel))
         .expect("the kernel runs here");
     let fixed = RunOptions {
-        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        params_version: Some(kiln_exec::executor::fresh_params_version()),
         ..RunOptions::default()
     };
     exec.run(&inputs, &params, &fixed).expect("runs");
@@ -1424,7 +1424,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
 /// program's. Skipped where the CPU has no int16 kernel.
 #[test]
 fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
-    use kiln_runtime::compiled::Kernel16;
+    use kiln_exec::compiled::Kernel16;
     if let Err(why) = Kernel16::Int16.available() {
         println!("skipped: {why}");
         return;
@@ -1449,7 +1449,7 @@ fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
         .expect("runs");
     assert_eq!(exec.packed_weights().0, 0, "no version, no copies");
     let fixed = RunOptions {
-        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        params_version: Some(kiln_exec::executor::fresh_params_version()),
         ..RunOptions::default()
     };
     let packed = exec.run(&inputs, &params, &fixed).expect("runs");
@@ -1484,7 +1484,7 @@ fn int16_products_of_few_rows_run_16bit_on_weights_packed_beforehand() {
 /// sums.
 #[test]
 fn bf16_matmul_checks_its_slices() {
-    use kiln_runtime::compiled::{matmul16, Kernel16};
+    use kiln_exec::compiled::{matmul16, Kernel16};
     let (a, b) = (
         [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0],
         [1.0f32, 0.5, -1.0, 2.0, 0.25, 4.0],

@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kiln_runtime::config::Config;
-use kiln_runtime::synthetic::Task;
+use kiln_train::config::Config;
+use kiln_train::synthetic::Task;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,5 +1,5 @@
 //! Every GPU test of `cuda_exec.rs`, run on the host emulation of the CUDA device
-//! (`kiln_runtime::cuda::emulate`): the CUDA executor's whole host side — binding, the
+//! (`kiln_exec::cuda::emulate`): the CUDA executor's whole host side — binding, the
 //! device arena, views, launches, the cuBLAS and cuBLASLt calls, the device optimizer,
 //! loss scaling, mixed precision, the resident decoder, `kiln run` and `kiln bench`
 //! with `--executor cuda` — on a machine without a GPU, the generated CUDA C compiled by
@@ -24,7 +24,7 @@ mod train_common;
 
 use std::process::Command;
 
-use kiln_runtime::cuda::emulate::EMULATE_ENV;
+use kiln_exec::cuda::emulate::EMULATE_ENV;
 
 #[test]
 fn every_gpu_test_passes_on_the_emulated_device() {
@@ -87,8 +87,8 @@ fn the_dry_emulation_times_the_executors_host_work() {
     for label in [
         "matmul (gemm)",
         "xent_ls (generated)",
-        kiln_runtime::cuda::HOST_ISSUE,
-        kiln_runtime::cuda::GPU_IDLE,
+        kiln_exec::cuda::HOST_ISSUE,
+        kiln_exec::cuda::GPU_IDLE,
     ] {
         assert!(text.contains(label), "no `{label}` in {text}");
     }
@@ -118,7 +118,7 @@ fn bias_gradients_without_a_cublaslt_algorithm_run_apart() {
         "--test-threads",
         "2",
     ];
-    let refuse = [(kiln_runtime::cuda::emulate::REFUSE_BIAS_GRAD_ENV, "1")];
+    let refuse = [(kiln_exec::cuda::emulate::REFUSE_BIAS_GRAD_ENV, "1")];
     let Some((ok, text)) = emulated_child(&args, &refuse) else {
         return;
     };

@@ -1,4 +1,4 @@
-//! The CUDA executor (`kiln_runtime::cuda::CudaExecutor`) on a `--target cuda` artifact
+//! The CUDA executor (`kiln_exec::cuda::CudaExecutor`) on a `--target cuda` artifact
 //! of `models/transformer_tiny.kiln`.
 //!
 //! Without a GPU: building it fails with the guard's reason and points at the CPU
@@ -18,12 +18,12 @@ use kiln_compiler::codegen::cuda::Library;
 use kiln_compiler::optimize::validate::{random_feeds_with, Feeds};
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
-use kiln_runtime::artifact::Artifact;
-use kiln_runtime::cuda::{
+use kiln_exec::artifact::Artifact;
+use kiln_exec::cuda::{
     emulate, executor_for, launch_plan, memory_plan, precision_label, program_source,
     CudaExecError, CudaExecutor, CudaOptions,
 };
-use kiln_runtime::exec::{DeviceResident, Exec};
+use kiln_exec::executor::{DeviceResident, Exec};
 
 const SPEC: &str = "models/transformer_tiny.kiln";
 const ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
@@ -472,7 +472,7 @@ fn gpu_every_entry_matches_the_cpu_executor() {
 fn gpu_a_cuda_artifact_runs_exactly_its_launch_plan() {
     use kiln_compiler::launch_plan::KernelKind;
     use kiln_compiler::optimize::kind::TemplateKind;
-    use kiln_runtime::exec::{How, Launched};
+    use kiln_exec::executor::{How, Launched};
     if require_cuda_or_skip().is_none() {
         return;
     }
@@ -869,7 +869,7 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
 /// Two training steps with the state on the device (`train_begin`, `train_micro`,
 /// `train_update`): finite gradients, and finite losses that differ (the update applied).
 fn two_device_steps(gpu: &CudaExecutor, inputs: &Feeds, params: &Feeds, opts: &RunOptions) {
-    let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, params);
+    let mut adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, params);
     gpu.train_begin(params, &adam.m, &adam.v).unwrap();
     let mut losses = Vec::new();
     for step in 1..=2u64 {
@@ -990,7 +990,7 @@ fn gpu_parameter_casts_are_kept_for_a_version() {
         let g = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
         let cpu = art.executor("encode").unwrap();
         let (inputs, params) = feeds(cpu.graph(), art, 21);
-        let v1 = kiln_runtime::exec::fresh_params_version();
+        let v1 = kiln_exec::executor::fresh_params_version();
         let first = bits(&Exec::run(&g, &inputs, &params, &version(v1)).unwrap());
         let kept = g.parameter_casts();
         assert!(kept > 0, "{what}: no parameter cast kept");
@@ -1004,7 +1004,7 @@ fn gpu_parameter_casts_are_kept_for_a_version() {
                 v.iter_mut().for_each(|x| *x *= 0.5);
             }
         }
-        let v2 = kiln_runtime::exec::fresh_params_version();
+        let v2 = kiln_exec::executor::fresh_params_version();
         let new = bits(&Exec::run(&g, &inputs, &halved, &version(v2)).unwrap());
         let fresh = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
         let want = bits(&Exec::run(&fresh, &inputs, &halved, &RunOptions::default()).unwrap());
@@ -1019,7 +1019,7 @@ fn gpu_parameter_casts_are_kept_for_a_version() {
 /// logits (the same tokens, scores within rounding: `same_hypotheses`).
 #[test]
 fn gpu_mixed_precision_resident_decoding_matches_its_host_state() {
-    use kiln_runtime::decode::DecodeOptions;
+    use kiln_decode::search::DecodeOptions;
     if require_cuda_or_skip().is_none() {
         return;
     }
@@ -1044,9 +1044,9 @@ fn host_and_device_state(
     step: &CudaExecutor,
     params: &BTreeMap<String, Tensor>,
     src: &Tensor,
-    opts: &kiln_runtime::decode::DecodeOptions,
-) -> Vec<kiln_runtime::decode::Hypothesis> {
-    use kiln_runtime::decode::{decode, CachedStep, DeviceCachedStep};
+    opts: &kiln_decode::search::DecodeOptions,
+) -> Vec<kiln_decode::search::Hypothesis> {
+    use kiln_decode::search::{decode, CachedStep, DeviceCachedStep};
     let host = decode(&mut CachedStep::new(enc, step, params, 48), src, opts).unwrap();
     let device = decode(&mut DeviceCachedStep::new(enc, step, params, 48), src, opts).unwrap();
     same_hypotheses(&host, &device);
@@ -1057,8 +1057,8 @@ fn host_and_device_state(
 /// selected on the device, `CudaExecutor::row_top_k`): the same tokens, scores within
 /// `1e-9` relative (the log-softmax sums in another order, CUDA's `exp` and `log`).
 fn same_hypotheses(
-    host: &[kiln_runtime::decode::Hypothesis],
-    device: &[kiln_runtime::decode::Hypothesis],
+    host: &[kiln_decode::search::Hypothesis],
+    device: &[kiln_decode::search::Hypothesis],
 ) {
     assert_eq!(host.len(), device.len());
     for (h, d) in host.iter().zip(device) {
@@ -1081,7 +1081,7 @@ fn gpu_kept_parameters_follow_the_version() {
     let gpu = CudaExecutor::from_artifact_entry(art, "encode").unwrap();
     let cpu = art.executor("encode").unwrap();
     let (inputs, mut params) = feeds(cpu.graph(), art, 7);
-    let version = kiln_runtime::exec::fresh_params_version();
+    let version = kiln_exec::executor::fresh_params_version();
     let opts = RunOptions {
         params_version: Some(version),
         ..RunOptions::default()
@@ -1099,7 +1099,7 @@ fn gpu_kept_parameters_follow_the_version() {
         }
     }
     let opts = RunOptions {
-        params_version: Some(kiln_runtime::exec::fresh_params_version()),
+        params_version: Some(kiln_exec::executor::fresh_params_version()),
         ..RunOptions::default()
     };
     let want2 = cpu.run(&inputs, &params, &opts).unwrap();
@@ -1130,8 +1130,8 @@ fn gpu_device_training_matches_the_host_optimizer_bit_for_bit() {
     let (_, params) = feeds(&g, art, 3);
     let batches: Vec<Feeds> = (0..2).map(|k| feeds(&g, art, 20 + k).0).collect();
     let names: Vec<String> = params.keys().cloned().collect();
-    let mut adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
-    let mut dev_adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    let mut adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    let mut dev_adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, &params);
     let mut hp = params.clone();
     dev.train_begin(&params, &dev_adam.m, &dev_adam.v).unwrap();
     for step in 1..=3u64 {
@@ -1372,20 +1372,20 @@ fn kiln_bench_with_the_cuda_executor() {
         ] {
             assert!(ms(label) >= 0.0, "{text}");
         }
-        let idle = ms(kiln_runtime::cuda::GPU_IDLE);
-        let issue = ms(kiln_runtime::cuda::HOST_ISSUE);
+        let idle = ms(kiln_exec::cuda::GPU_IDLE);
+        let issue = ms(kiln_exec::cuda::HOST_ISSUE);
         assert!(idle >= 0.0 && issue > 0.0, "{text}");
         // The whole-run figures come after the kernel kinds.
         let at = |l: &str| text.find(l).unwrap();
         assert!(
-            at(kiln_runtime::cuda::GPU_IDLE) > at("matmul (gemm)"),
+            at(kiln_exec::cuda::GPU_IDLE) > at("matmul (gemm)"),
             "{text}"
         );
         // Then the products by shape (the slowest; `--json` lists them all, the tied
         // output projection among them: 2 × 25 target rows, d_model 32, the embedding
         // read transposed).
         assert!(
-            at("matrix products by shape") > at(kiln_runtime::cuda::HOST_ISSUE),
+            at("matrix products by shape") > at(kiln_exec::cuda::HOST_ISSUE),
             "{text}"
         );
         let out = bench_tiny("train_step", &["--profile", "--json"]);
@@ -1520,7 +1520,7 @@ fn kiln_bench_data_parallel() {
 /// executor's tokens. `cached_step` picks the device path for a CUDA executor.
 #[test]
 fn gpu_resident_decoding_matches_the_host_state() {
-    use kiln_runtime::decode::{cached_step, decode, CachedStep, DecodeOptions};
+    use kiln_decode::search::{cached_step, decode, CachedStep, DecodeOptions};
     if require_cuda_or_skip().is_none() {
         return;
     }
@@ -1561,8 +1561,8 @@ fn gpu_resident_decoding_matches_the_host_state() {
     }
     // The n best on the device are the CPU's, and teacher-forced scoring on the device
     // (`kiln score`, full log-probability rows) gives each its reported log-probability.
-    let nbest = |m: &mut dyn kiln_runtime::decode::StepModel| {
-        kiln_runtime::decode::decode_nbest(m, &src, &opts, 4).unwrap()
+    let nbest = |m: &mut dyn kiln_decode::search::StepModel| {
+        kiln_decode::search::decode_nbest(m, &src, &opts, 4).unwrap()
     };
     let gpu_nbest = nbest(cached_step(&enc, &step, &params, 48).as_mut());
     let cpu_nbest = nbest(&mut CachedStep::new(&cenc, &cstep, &params, 48));
@@ -1573,7 +1573,7 @@ fn gpu_resident_decoding_matches_the_host_state() {
         );
     }
     let refs: Vec<Vec<i32>> = gpu_nbest.iter().map(|h| h[0].tokens.clone()).collect();
-    let scores = kiln_runtime::decode::score(
+    let scores = kiln_decode::search::score(
         cached_step(&enc, &step, &params, 48).as_mut(),
         &src,
         &refs,
@@ -1625,7 +1625,7 @@ fn gpu_resident_decoding_matches_the_host_state() {
     )
     .unwrap();
     let d = step.to_device(&logits).unwrap();
-    let spec = kiln_runtime::decode::TopSpec {
+    let spec = kiln_decode::search::TopSpec {
         k: 3,
         banned: &[0],
         eos: 2,
@@ -1639,7 +1639,7 @@ fn gpu_resident_decoding_matches_the_host_state() {
         let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
         let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
         let lp: Vec<f64> = row.iter().map(|v| v - lse).collect();
-        let want = kiln_runtime::decode::row_top(&lp, &spec);
+        let want = kiln_decode::search::row_top(&lp, &spec);
         for (j, &(wv, wi)) in want.best.iter().enumerate() {
             assert_eq!(top.ids[r * 3 + j], wi, "row {r} slot {j}");
             assert!(

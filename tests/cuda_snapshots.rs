@@ -13,7 +13,7 @@ use kiln_compiler::codegen::cuda::text::Elem;
 use kiln_compiler::codegen::cuda::{emit, CudaCode, Library, Work};
 use kiln_compiler::optimize::optimize;
 use kiln_compiler::plan::MemoryPlan;
-use kiln_runtime::cuda::PtxasFunction;
+use kiln_exec::cuda::PtxasFunction;
 
 mod common;
 use common::root;
@@ -23,12 +23,12 @@ fn kernel_graph(entry: &str) -> kiln_compiler::optimize::KernelGraph {
     let spec = root().join("models/transformer_tiny.kiln");
     let elaborate = common::elaborator(&spec, &["vocab=48"]);
     let g = if entry == "train_step_scaled" {
-        let g = elaborate(kiln_runtime::GraphKind::Train).expect("tiny compiles");
+        let g = elaborate(kiln_exec::GraphKind::Train).expect("tiny compiles");
         // Dynamic loss scaling's train_step (`train.loss_scale`): the seeded cross-entropy.
         let options = kiln_compiler::autodiff::TrainStepOptions { loss_scale: true };
         kiln_compiler::autodiff::train_step_with(&g, options).expect("differentiates")
     } else {
-        kiln_runtime::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry")
+        kiln_exec::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry")
     };
     optimize(&g, &Default::default()).expect("optimizes").0
 }
@@ -650,7 +650,7 @@ fn compiles_as_cuda(sources: &[(String, String)]) {
 /// where NVRTC does not load (CI).
 fn compiles_with_nvrtc(sources: &[(String, String)]) {
     use rayon::prelude::*;
-    let version = match kiln_runtime::cuda::nvrtc_available() {
+    let version = match kiln_exec::cuda::nvrtc_available() {
         Ok(v) => v,
         Err(reason) => {
             println!("skipped: {reason}");
@@ -662,9 +662,9 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
     let reports: Vec<Vec<PtxasFunction>> = sources
         .par_iter()
         .map(|(what, source)| {
-            let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(source, &options)
+            let (_, log) = kiln_exec::cuda::nvrtc_compile_with_log(source, &options)
                 .unwrap_or_else(|log| panic!("{what}: NVRTC {version} rejects the CUDA C:\n{log}"));
-            let report = kiln_runtime::cuda::ptxas_report(&log);
+            let report = kiln_exec::cuda::ptxas_report(&log);
             assert!(!report.is_empty(), "{what}: no assembler report in\n{log}");
             for f in &report {
                 // The regions' and bias gradients' vector groups, the layer norms' rows and
@@ -719,16 +719,16 @@ fn compiles_with_nvrtc(sources: &[(String, String)]) {
 /// its log, naming the line (where NVRTC loads; skipped otherwise).
 #[test]
 fn nvrtc_gives_ptx_or_its_log() {
-    if let Err(reason) = kiln_runtime::cuda::nvrtc_available() {
+    if let Err(reason) = kiln_exec::cuda::nvrtc_available() {
         println!("skipped: {reason}");
         return;
     }
     let options = kiln_compiler::codegen::cuda::nvrtc_options("sm_90");
-    let ptx = kiln_runtime::cuda::nvrtc_compile(&code_of("cast").source(), &options).unwrap();
+    let ptx = kiln_exec::cuda::nvrtc_compile(&code_of("cast").source(), &options).unwrap();
     assert!(ptx.contains(".target sm_90"), "{ptx}");
     assert!(!ptx.contains('\0'));
     let broken = "extern \"C\" __global__ void k(float* x) {\n    x[0] = undeclared;\n}\n";
-    let err = kiln_runtime::cuda::nvrtc_compile(broken, &options).unwrap_err();
+    let err = kiln_exec::cuda::nvrtc_compile(broken, &options).unwrap_err();
     assert!(
         err.contains("NVRTC failed") && err.contains("undeclared"),
         "{err}"
@@ -740,7 +740,7 @@ fn nvrtc_gives_ptx_or_its_log() {
 /// them, the stack frame and the shared memory.
 #[test]
 fn the_assemblers_report_is_read() {
-    use kiln_runtime::cuda::ptxas_report;
+    use kiln_exec::cuda::ptxas_report;
     let log = "ptxas info    : Compiling entry function 'attention_1' for 'sm_90'
 ptxas info    : Function properties for attention_1
 ptxas         .     40 bytes stack frame, 36 bytes spill stores, 12 bytes spill loads

@@ -10,10 +10,10 @@ use std::path::Path;
 use kiln_compiler::init::init_params;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
+use kiln_decode::search::{decode, CachedStep, DecodeOptions, FullStep, LengthPenalty};
 use kiln_dsl::{Mode, Options};
-use kiln_runtime::decode::{decode, CachedStep, DecodeOptions, FullStep, LengthPenalty};
-use kiln_runtime::exec::{Exec, Reference};
-use kiln_runtime::{decoder_entries, entry_graph, Entry};
+use kiln_exec::executor::{Exec, Reference};
+use kiln_exec::{decoder_entries, entry_graph, Entry};
 
 fn graph(mode: Mode) -> Graph {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_tiny.kiln");
@@ -228,7 +228,7 @@ fn beam_one_is_at_least_as_good_as_greedy_and_beam_four_at_least_as_beam_one() {
 /// The compiled step as an executor that reads no input with gathered rows: the decoder
 /// copies the caches with `take_rows` before every step, as it does for the other
 /// executors.
-struct CopyFirst<'a>(&'a kiln_runtime::compiled::Compiled);
+struct CopyFirst<'a>(&'a kiln_exec::compiled::Compiled);
 
 impl Exec for CopyFirst<'_> {
     fn graph(&self) -> &Graph {
@@ -250,7 +250,7 @@ impl Exec for CopyFirst<'_> {
 /// and finished sentences dropped along the way.
 #[test]
 fn beam_search_reading_gathered_caches_equals_copying_them() {
-    use kiln_runtime::compiled::Compiled;
+    use kiln_exec::compiled::Compiled;
     let s = setup(5);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
@@ -302,8 +302,8 @@ fn sentences(n: usize) -> Vec<Vec<i32>> {
 /// thread), with more batches than workers, and in input order either way.
 #[test]
 fn decoding_workers_give_the_bits_of_one_worker() {
-    use kiln_runtime::compiled::Compiled;
-    use kiln_runtime::translate::{score_ids, translate_nbest_ids};
+    use kiln_decode::translate::{score_ids, translate_nbest_ids};
+    use kiln_exec::compiled::Compiled;
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
@@ -394,8 +394,8 @@ fn decoding_workers_give_the_bits_of_one_worker() {
 /// that error, not a hang or a panic, and later calls still decode.
 #[test]
 fn a_failing_batch_on_a_worker_is_an_error() {
-    use kiln_runtime::compiled::Compiled;
-    use kiln_runtime::translate::translate_ids;
+    use kiln_decode::translate::translate_ids;
+    use kiln_exec::compiled::Compiled;
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
@@ -428,8 +428,8 @@ fn a_failing_batch_on_a_worker_is_an_error() {
 /// crate rounds differently).
 #[test]
 fn a_decoders_first_batch_gives_the_bits_of_its_later_ones() {
-    use kiln_runtime::compiled::Compiled;
-    use kiln_runtime::decode::{decode_nbest, Hypothesis};
+    use kiln_decode::search::{decode_nbest, Hypothesis};
+    use kiln_exec::compiled::Compiled;
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
@@ -459,8 +459,8 @@ fn a_decoders_first_batch_gives_the_bits_of_its_later_ones() {
 /// is the rest of #60's item 4.)
 #[test]
 fn a_sentences_translation_does_not_depend_on_its_batch() {
-    use kiln_runtime::compiled::Compiled;
-    use kiln_runtime::translate::translate_nbest_ids;
+    use kiln_decode::translate::translate_nbest_ids;
+    use kiln_exec::compiled::Compiled;
     let s = setup(7);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();

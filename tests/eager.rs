@@ -23,7 +23,7 @@ use kiln_compiler::reference::{self, RunOptions};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::{Mode, Options};
-use kiln_runtime::Eager;
+use kiln_exec::Eager;
 
 fn tiny(mode: Mode) -> Graph {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_tiny.kiln");

@@ -230,7 +230,7 @@ fn tiny_transformer_gradients_match_finite_differences() {
 #[test]
 fn a_loss_scaled_train_step_scales_every_gradient_exactly() {
     use kiln_compiler::autodiff::{train_step_with, TrainStepOptions, LOSS_SCALE};
-    use kiln_runtime::compiled::Compiled;
+    use kiln_exec::compiled::Compiled;
     let model = train_model();
     let plain = train_step(&model).unwrap();
     let scaled = train_step_with(&model, TrainStepOptions { loss_scale: true }).unwrap();

@@ -195,14 +195,14 @@ fn position_tables_are_found_by_structure() {
     let step = compile(base, &sets, Mode::Decode);
     assert_eq!(step.position_table("tgt_len"), table("tgt_pos.table"));
     assert_eq!(
-        kiln_runtime::decode::max_target_positions(&step),
+        kiln_decode::search::max_target_positions(&step),
         Some(40),
         "the table's rows"
     );
     let sinusoidal = compile(base, &["n=1", "vocab=50", "max_len=300"], Mode::Decode);
     assert_eq!(sinusoidal.position_table("tgt_len"), None);
     assert_eq!(
-        kiln_runtime::decode::max_target_positions(&sinusoidal),
+        kiln_decode::search::max_target_positions(&sinusoidal),
         Some(300),
         "the spec's max_len"
     );
@@ -229,7 +229,7 @@ fn a_position_table_without_max_len_is_named_by_its_rows() {
     let table = g.position_table("len").expect("the learned table");
     assert_eq!((table.param.as_str(), table.rows), ("pos.table", 8));
     let lens = [3usize, 8, 9];
-    let err = kiln_runtime::translate::check_positions(
+    let err = kiln_decode::translate::check_positions(
         &g,
         "len",
         lens.len(),
@@ -244,14 +244,7 @@ fn a_position_table_without_max_len_is_named_by_its_rows() {
          it, or train a model whose `pos.table` has 9 rows or more"
     );
     assert_eq!(
-        kiln_runtime::translate::check_positions(
-            &g,
-            "len",
-            2,
-            &|i| lens[i],
-            &|_| String::new(),
-            ""
-        ),
+        kiln_decode::translate::check_positions(&g, "len", 2, &|i| lens[i], &|_| String::new(), ""),
         Ok(())
     );
 }

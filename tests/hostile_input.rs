@@ -135,7 +135,7 @@ fn configurations_too_large_or_too_deep_are_refused() {
     assert_eq!(left.len(), 1, "only the configuration: {left:?}");
     // A shipped configuration still loads (its nesting is shallow).
     let base = root().join("models/configs/base.yaml");
-    kiln_runtime::config::Config::load(&base).unwrap();
+    kiln_train::config::Config::load(&base).unwrap();
 }
 
 /// Item 14: `kiln compile --validate` of a model with a vocabulary of one draws its

@@ -13,8 +13,7 @@ use common::root;
 fn code_of(entry: &str) -> kiln_compiler::codegen::program::CpuCode {
     let spec = root().join("models/transformer_tiny.kiln");
     let elaborate = common::elaborator(&spec, &["vocab=48"]);
-    let g =
-        kiln_runtime::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry");
+    let g = kiln_exec::compiled_entry_graph_with(entry, elaborate, |e| e.message).expect("entry");
     let (kg, _) = optimize(&g, &Default::default()).expect("optimizes");
     emit(&kg).expect("emits")
 }

@@ -13,9 +13,9 @@ use kiln_compiler::optimize::kind::TemplateKind;
 use kiln_compiler::optimize::validate::random_feeds_with;
 use kiln_compiler::options::CompileOptions;
 use kiln_compiler::reference::RunOptions;
-use kiln_runtime::artifact::Artifact;
-use kiln_runtime::compiled::{Compiled, Kernel16};
-use kiln_runtime::exec::{How, Launched};
+use kiln_exec::artifact::Artifact;
+use kiln_exec::compiled::{Compiled, Kernel16};
+use kiln_exec::executor::{How, Launched};
 
 fn tmp(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))

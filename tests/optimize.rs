@@ -40,8 +40,8 @@ use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Repo
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
-use kiln_runtime::Eager;
-use kiln_runtime::COMPILED_ENTRIES as ENTRIES;
+use kiln_exec::Eager;
+use kiln_exec::COMPILED_ENTRIES as ENTRIES;
 use rayon::prelude::*;
 
 mod common;

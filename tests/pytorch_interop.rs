@@ -2,7 +2,7 @@
 //! logits, loss and gradients in `nn.Transformer` (built as `examples/pytorch_interop.py`
 //! builds it) as in kiln, on every executor, and `kiln train` takes the steps
 //! `torch.optim.Adam` takes with the paper's schedule. The round trip of names is tested bit for bit
-//! in `runtime/src/interop.rs`; this checks that the two frameworks compute the same
+//! in `train/src/interop.rs`; this checks that the two frameworks compute the same
 //! model from those names (embedding scale, sinusoidal layout, the order of Q/K/V in
 //! `in_proj_weight`, masks, post-LN, the tied projection, label smoothing).
 //!
@@ -435,8 +435,8 @@ fn kiln_train_follows_pytorch_adam_and_the_warmup_schedule() {
     ]);
 
     let tok_json = std::fs::read_to_string(dir.join("art/tokenizer.json")).unwrap();
-    let tok = kiln_runtime::data::Tokenizer::from_json(&tok_json, &dir.join("art/tokenizer.json"))
-        .unwrap();
+    let tok =
+        kiln_train::data::Tokenizer::from_json(&tok_json, &dir.join("art/tokenizer.json")).unwrap();
     let (s_ids, t_ids) = (tok.encode(src).unwrap(), tok.encode(tgt).unwrap());
     let mut tgt_in = vec![1];
     tgt_in.extend(&t_ids);

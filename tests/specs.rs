@@ -28,7 +28,7 @@ use kiln_compiler::rng::uniform01;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::{Mode, Options};
-use kiln_runtime::Eager;
+use kiln_exec::Eager;
 use rayon::prelude::*;
 
 const VOCAB: i32 = 48;

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kiln_compiler::tensor::load_safetensors;
-use kiln_runtime::checkpoint;
+use kiln_train::checkpoint;
 use train_common::*;
 
 #[test]
@@ -274,7 +274,7 @@ fn loss_scaling_settings_are_checked() {
 /// type for another executor is refused.
 #[test]
 fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
-    if let Err(why) = kiln_runtime::compiled::Kernel16::Int16.available() {
+    if let Err(why) = kiln_exec::compiled::Kernel16::Int16.available() {
         println!("skipped: {why}");
         return;
     }
@@ -356,7 +356,7 @@ fn gemm_type_runs_the_products_in_int16_and_is_kept_on_resume() {
     );
     assert!(!dir.join("run").exists());
     // A kernel this CPU lacks: refused before the run directory is made.
-    let lacking = kiln_runtime::compiled::Kernel16::ALL
+    let lacking = kiln_exec::compiled::Kernel16::ALL
         .into_iter()
         .find_map(|k| k.available().err().map(|why| (k.key(), why)));
     if let Some((key, why)) = lacking {
@@ -1101,7 +1101,7 @@ fn a_truncated_train_state_is_refused() {
 /// checksum: for the tests that damage a file on purpose to see how it is named.
 fn write_sealed(path: &Path, bytes: impl AsRef<[u8]>) {
     std::fs::write(path, bytes).unwrap();
-    kiln_runtime::checksums::rehash(path.parent().unwrap()).unwrap();
+    kiln_train::checksums::rehash(path.parent().unwrap()).unwrap();
 }
 
 fn rewrite_tensors(
@@ -1112,7 +1112,7 @@ fn rewrite_tensors(
     edit(&mut t);
     let named: Vec<_> = t.into_iter().collect();
     kiln_compiler::tensor::save_safetensors(path, &named, None).unwrap();
-    kiln_runtime::checksums::rehash(path.parent().unwrap()).unwrap();
+    kiln_train::checksums::rehash(path.parent().unwrap()).unwrap();
 }
 
 /// A flipped byte in a checkpoint's weights (#59, item 16: it used to load and

@@ -2,7 +2,7 @@
 //!
 //! In: the trainable parameters (name and type, in order) and Adam's hyper-parameters
 //! `beta1`, `beta2`, `eps`. Out: a [`Graph`] named `adam_update` ([`adam_update_graph`])
-//! that computes exactly what `kiln_runtime::optim::Adam::step` computes, op by op in
+//! that computes exactly what `kiln_train::optim::Adam::step` computes, op by op in
 //! `f32`, so any executor of the graph reproduces the host optimizer bit for bit. A later
 //! pass is expected to fuse each parameter's nodes into a single `adam_update` kernel.
 //!

@@ -2,7 +2,7 @@
 //!
 //! In: per entry point its source [`Graph`], [`KernelGraph`], [`MemoryPlan`] and
 //! [`CpuCode`], the initial weights, and metadata (model, spec hash, hparams). Out: a
-//! directory that `kiln_runtime::artifact::Artifact::load` runs without the DSL:
+//! directory that `kiln_exec::artifact::Artifact::load` runs without the DSL:
 //!
 //! - `manifest.json` — [`Manifest`]: `format` ([`ARTIFACT_FORMAT`]), `version`
 //!   ([`ARTIFACT_VERSION`]), the compile options ([`CompileOptions`]: target, CUDA

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use kiln_compiler::tensor::{load_safetensors, save_safetensors, Tensor};
 use kiln_dsl::Error;
-use kiln_runtime::model;
+use kiln_train::model;
 
 use crate::outputs::Output;
 use crate::{err, plain};
@@ -27,7 +27,7 @@ pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Er
     } else {
         run.clone()
     };
-    let all = kiln_runtime::checkpoint::list(&root).map_err(err("kiln::average"))?;
+    let all = kiln_train::checkpoint::list(&root).map_err(err("kiln::average"))?;
     if all.is_empty() {
         return Err(plain(
             "kiln::average",
@@ -143,10 +143,10 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         }
     }
     let refs: Vec<&Path> = dirs.iter().map(|p| p.as_path()).collect();
-    let avg = kiln_runtime::checkpoint::average(&refs).map_err(err("kiln::average"))?;
+    let avg = kiln_train::checkpoint::average(&refs).map_err(err("kiln::average"))?;
     if let Some((first, f)) = &files {
-        let weights = first.join(kiln_runtime::checkpoint::MODEL_FILE);
-        kiln_runtime::entry::check_weights(&f.graphs.loss, &weights.display().to_string(), &avg)
+        let weights = first.join(kiln_train::checkpoint::MODEL_FILE);
+        kiln_exec::entry::check_weights(&f.graphs.loss, &weights.display().to_string(), &avg)
             .map_err(|e| {
                 plain(
                     "kiln::average",
@@ -177,7 +177,7 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
     let steps: Vec<String> = dirs
         .iter()
         .filter_map(|d| d.file_name()?.to_str())
-        .filter_map(kiln_runtime::checkpoint::parse_dir_name)
+        .filter_map(kiln_train::checkpoint::parse_dir_name)
         .map(|s| s.to_string())
         .collect();
     say!(
@@ -223,7 +223,7 @@ pub(crate) fn plain_weights(file: &Path) -> Result<BTreeMap<String, Tensor>, Err
             Some("give a file of model weights (F32)".to_string()),
         ));
     }
-    kiln_runtime::entry::check_finite(&file.display().to_string(), &w)
+    kiln_exec::entry::check_finite(&file.display().to_string(), &w)
         .map_err(crate::runtime_error)?;
     Ok(w)
 }

@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
+use kiln_decode::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 use kiln_dsl::Error;
-use kiln_runtime::bleu::{corpus_bleu, BleuOptions, Smooth, Tokenize};
 
 use crate::plain;
 
@@ -57,7 +57,7 @@ pub fn bleu(a: BleuArgs) -> Result<(), Error> {
         ));
     }
     let read = |p: &PathBuf| -> Result<Vec<String>, Error> {
-        kiln_runtime::data::read_lines(p).map_err(|e| plain("kiln::io", e.to_string(), None))
+        kiln_train::data::read_lines(p).map_err(|e| plain("kiln::io", e.to_string(), None))
     };
     let hyps = match &hyp {
         Some(p) => read(p)?,

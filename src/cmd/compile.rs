@@ -13,9 +13,9 @@ use kiln_compiler::pipeline::{compile_entry, PipelineError};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::Error;
-use kiln_runtime::config::Config;
-use kiln_runtime::model::{self, GraphSet};
-use kiln_runtime::tokenizer::tokenizer_of;
+use kiln_train::config::Config;
+use kiln_train::model::{self, GraphSet};
+use kiln_train::tokenizer::tokenizer_of;
 
 use crate::cmd::explain::{entry_graph_of, OptArgs};
 use crate::outputs::{self, Output};
@@ -36,7 +36,7 @@ pub struct CompileArgs {
     /// Compile this one entry point into its kernel graph (text, to `-o FILE` or
     /// standard output; `forward` when neither `--entry` nor `-o` is given): forward,
     /// loss, encode, decode_step, train_step, or adam_update.
-    #[arg(long, value_parser = kiln_runtime::COMPILED_ENTRIES, conflicts_with = "entries")]
+    #[arg(long, value_parser = kiln_exec::COMPILED_ENTRIES, conflicts_with = "entries")]
     pub entry: Option<String>,
     #[command(flatten)]
     pub flags: crate::compile_flags::CompileFlags,
@@ -54,7 +54,7 @@ pub struct CompileArgs {
     /// The entry points of the artifact directory (`-o DIR`), e.g.
     /// `--entries train_step,encode,decode_step` (default: those of forward, loss,
     /// encode, decode_step and train_step that the model has).
-    #[arg(long, value_delimiter = ',', value_parser = kiln_runtime::COMPILED_ENTRIES)]
+    #[arg(long, value_delimiter = ',', value_parser = kiln_exec::COMPILED_ENTRIES)]
     pub entries: Vec<String>,
     /// The artifact directory to write, or with `--entry` the kernel graph's file
     /// (default: the kernel graph on standard output).

@@ -10,16 +10,16 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use kiln_compiler::tensor::Tensor;
+use kiln_decode::bleu::{corpus_bleu, BleuOptions};
+use kiln_decode::search::{DecodeOptions, LengthPenalty};
+use kiln_decode::translate::translate_ids;
 use kiln_dsl::Error;
-use kiln_runtime::bleu::{corpus_bleu, BleuOptions};
-use kiln_runtime::checkpoint;
-use kiln_runtime::config::Config;
-use kiln_runtime::data::Tokenizer;
-use kiln_runtime::decode::{DecodeOptions, LengthPenalty};
-use kiln_runtime::synthetic::Task;
-use kiln_runtime::tokenizer::prepare_tokenizer;
-use kiln_runtime::train::{Progress, Trainer};
-use kiln_runtime::translate::translate_ids;
+use kiln_train::checkpoint;
+use kiln_train::config::Config;
+use kiln_train::data::Tokenizer;
+use kiln_train::synthetic::Task;
+use kiln_train::tokenizer::prepare_tokenizer;
+use kiln_train::trainer::{Progress, Trainer};
 
 use crate::cmd::train::compile_graphs;
 use crate::{err, plain};
@@ -238,11 +238,11 @@ fn evaluate_test(
     steps: u64,
 ) -> Result<Scored, Error> {
     let set = trainer.graphs();
-    let kind = kiln_runtime::exec::ExecutorKind::Compiled;
+    let kind = kiln_exec::executor::ExecutorKind::Compiled;
     let encode =
-        kiln_runtime::exec::executor(kind, set.encode.clone()).map_err(err("kiln::demo"))?;
+        kiln_exec::executor::executor(kind, set.encode.clone()).map_err(err("kiln::demo"))?;
     let step =
-        kiln_runtime::exec::executor(kind, set.decode_step.clone()).map_err(err("kiln::demo"))?;
+        kiln_exec::executor::executor(kind, set.decode_step.clone()).map_err(err("kiln::demo"))?;
     let srcs: Vec<Vec<i32>> = test
         .iter()
         .map(|(s, _)| tok.encode(s))
@@ -264,8 +264,8 @@ fn evaluate_test(
             &srcs,
             &opts,
             vocab,
-            kiln_runtime::translate::TRANSLATE_BATCH,
-            kiln_runtime::translate::decode_workers(&*step),
+            kiln_decode::translate::TRANSLATE_BATCH,
+            kiln_decode::translate::decode_workers(&*step),
             &mut |_| {},
         )
         .map_err(err("kiln::demo"))?;

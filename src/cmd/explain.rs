@@ -7,7 +7,7 @@ use kiln_compiler::options::CompileOptions;
 use kiln_compiler::pipeline::compile_entry;
 use kiln_compiler::Graph;
 use kiln_dsl::{Error, Options};
-use kiln_runtime::{GraphKind, COMPILED_ENTRIES};
+use kiln_exec::{GraphKind, COMPILED_ENTRIES};
 
 use crate::plain;
 
@@ -38,7 +38,7 @@ pub fn entry_graph_of(
     model: &Option<String>,
     entry: &str,
 ) -> Result<Graph, Error> {
-    let run_err = |e: kiln_runtime::RuntimeError| plain("kiln::entry", e.message, Some(e.help));
+    let run_err = |e: kiln_exec::RuntimeError| plain("kiln::entry", e.message, Some(e.help));
     let elaborate = |kind: GraphKind| -> Result<Graph, Error> {
         let opts = Options {
             overrides: set.to_vec(),
@@ -47,7 +47,7 @@ pub fn entry_graph_of(
         };
         kiln_dsl::compile_file(spec, &opts)
     };
-    kiln_runtime::compiled_entry_graph_with(entry, elaborate, run_err)
+    kiln_exec::compiled_entry_graph_with(entry, elaborate, run_err)
 }
 
 /// `kiln explain`: what the optimizer did and the fusions of the launch plan, through the

@@ -13,7 +13,7 @@ pub fn export(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     check_format(format)?;
     crate::outputs::check("kiln::export", output, &[input], Output::File)?;
     let w = weights_of(input)?;
-    let t = kiln_runtime::interop::to_torch(&w).map_err(err("kiln::export"))?;
+    let t = kiln_train::interop::to_torch(&w).map_err(err("kiln::export"))?;
     let list: Vec<(String, Tensor)> = t.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::export"))?;
     say!(
@@ -28,7 +28,7 @@ pub fn import(format: &str, input: &Path, output: &Path) -> Result<(), Error> {
     check_format(format)?;
     crate::outputs::check("kiln::import", output, &[input], Output::File)?;
     let w = plain_weights(input)?;
-    let k = kiln_runtime::interop::from_torch(&w).map_err(err("kiln::import"))?;
+    let k = kiln_train::interop::from_torch(&w).map_err(err("kiln::import"))?;
     let list: Vec<(String, Tensor)> = k.into_iter().collect();
     save_safetensors(output, &list, None).map_err(err("kiln::import"))?;
     say!(

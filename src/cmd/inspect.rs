@@ -7,7 +7,7 @@ use std::path::Path;
 use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::optimize::Target;
 use kiln_dsl::Error;
-use kiln_runtime::model::{self};
+use kiln_train::model::{self};
 
 use crate::plain;
 
@@ -18,7 +18,7 @@ pub fn inspect(
     plan_text: bool,
     nvrtc: bool,
 ) -> Result<(), Error> {
-    use kiln_runtime::artifact::{is_artifact_dir, Artifact};
+    use kiln_exec::artifact::{is_artifact_dir, Artifact};
     let resolved = (!is_artifact_dir(dir)).then(|| model::resolve(dir));
     if let Some(Err(e)) = &resolved {
         // A run whose newest checkpoint is damaged is a run, not a broken artifact.
@@ -80,7 +80,7 @@ pub fn inspect(
     let _ = writeln!(
         out,
         "  16-bit products (--gemm-type 16bit): {}",
-        match kiln_runtime::compiled::Kernel16::best() {
+        match kiln_exec::compiled::Kernel16::best() {
             Ok(kernel) => kernel.name().to_string(),
             Err(why) => format!("none here ({why})"),
         }
@@ -126,7 +126,7 @@ fn nvrtc_check(
                 Some("compile one with `kiln compile … --target cuda -o DIR`".to_string()),
             ));
         }
-        Some(kiln_runtime::cuda::nvrtc_available().map_err(|e| {
+        Some(kiln_exec::cuda::nvrtc_available().map_err(|e| {
             plain(
                 "kiln::inspect",
                 e,
@@ -147,7 +147,7 @@ fn nvrtc_check(
 fn write_entry(
     out: &mut String,
     m: &kiln_compiler::artifact::Manifest,
-    e: &kiln_runtime::artifact::ArtifactEntry,
+    e: &kiln_exec::artifact::ArtifactEntry,
     dims: &[(&str, i64)],
     plan_text: bool,
     nvrtc_version: Option<&str>,
@@ -209,7 +209,7 @@ fn write_entry(
 fn write_memory(
     out: &mut String,
     m: &kiln_compiler::artifact::Manifest,
-    e: &kiln_runtime::artifact::ArtifactEntry,
+    e: &kiln_exec::artifact::ArtifactEntry,
     dims: &[(&str, i64)],
     plan_text: bool,
 ) {
@@ -302,14 +302,14 @@ fn nvrtc_summary(
     };
     let mut options = c.nvrtc_options.clone();
     options.push("--ptxas-options=-v".to_string());
-    let (_, log) = kiln_runtime::cuda::nvrtc_compile_with_log(src, &options).map_err(|log| {
+    let (_, log) = kiln_exec::cuda::nvrtc_compile_with_log(src, &options).map_err(|log| {
         plain(
             "kiln::nvrtc",
             format!("entry `{entry}`: NVRTC {version} rejects {what}:\n{log}"),
             Some("this is a code generator bug; please report it with the spec".to_string()),
         )
     })?;
-    let report = kiln_runtime::cuda::ptxas_report(&log);
+    let report = kiln_exec::cuda::ptxas_report(&log);
     let regs = report.iter().max_by_key(|f| f.registers);
     let shared = report.iter().max_by_key(|f| f.shared);
     let spills: Vec<String> = report
@@ -499,8 +499,8 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
         .filter(|p| p.file_name().is_some_and(|n| n == "checkpoints"))
         .and_then(Path::parent);
     if let Some(log) = run.map(|r| r.join("metrics.jsonl")).filter(|p| p.is_file()) {
-        if let Ok(records) = kiln_runtime::metrics::read_metrics(&log) {
-            use kiln_runtime::metrics::Kind;
+        if let Ok(records) = kiln_train::metrics::read_metrics(&log) {
+            use kiln_train::metrics::Kind;
             let last = |kind: Kind| records.iter().rev().find(|r| r.kind == kind);
             let mut parts = Vec::new();
             if let Some(r) = last(Kind::Train) {

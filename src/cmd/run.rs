@@ -9,9 +9,9 @@ use kiln_compiler::reference::{Precision, RunOptions};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::tensor::{load_safetensors, save_safetensors};
 use kiln_dsl::Error;
-use kiln_runtime::exec::ExecutorKind;
-use kiln_runtime::GraphKind;
-use kiln_runtime::{check_inputs, check_weights, Entry};
+use kiln_exec::executor::ExecutorKind;
+use kiln_exec::GraphKind;
+use kiln_exec::{check_inputs, check_weights, Entry};
 
 use crate::outputs::{self, Output};
 use crate::plain;
@@ -123,7 +123,7 @@ pub fn run(a: RunArgs) -> Result<(), Error> {
         kiln_dsl::compile_file(&spec.spec, &opts)
     };
     let g = elaborate(entry.graph_kind())?;
-    let eg = kiln_runtime::compiled_entry_graph_with(entry.name(), elaborate, runtime_error)?;
+    let eg = kiln_exec::compiled_entry_graph_with(entry.name(), elaborate, runtime_error)?;
     let feeds = load_safetensors(&inputs).map_err(file_error)?;
     // A decoder step reads what `encode` hoisted out of it (`static.…`): the
     // step's own inputs are the ones to check.
@@ -141,7 +141,7 @@ pub fn run(a: RunArgs) -> Result<(), Error> {
             .collect(),
     };
     let opts = run_opts;
-    let exec = kiln_runtime::exec::executor(executor, eg.clone())
+    let exec = kiln_exec::executor::executor(executor, eg.clone())
         .map_err(|e| plain("kiln::run", e.to_string(), None))?;
     let outs = exec.run(&feeds, &params, &opts).map_err(|e| {
         plain(
@@ -171,10 +171,10 @@ pub fn run_artifact(
     executor: ExecutorKind,
     output: &Path,
 ) -> Result<(), Error> {
-    use kiln_runtime::artifact::Artifact;
+    use kiln_exec::artifact::Artifact;
     let art = Artifact::load(dir).map_err(|e| plain("kiln::artifact", e.to_string(), None))?;
     if art.manifest.target() == Target::Cuda && executor == ExecutorKind::Compiled {
-        let why = match kiln_runtime::cuda::cuda_available() {
+        let why = match kiln_exec::cuda::cuda_available() {
             Ok(_) => "kiln has no CUDA executor yet (#6)".to_string(),
             Err(reason) => reason,
         };
@@ -200,7 +200,7 @@ pub fn run_artifact(
         .collect();
     let mine_in = input_names(&g);
     feeds.retain(|k, _| mine_in.contains(k) || !others.contains(k));
-    kiln_runtime::check_inputs(&g, &inputs.display().to_string(), &feeds)
+    kiln_exec::check_inputs(&g, &inputs.display().to_string(), &feeds)
         .map_err(crate::runtime_error)?;
     // The parameters of this entry; others (of other entries) are not an error.
     let mine: std::collections::BTreeSet<String> = g
@@ -226,10 +226,10 @@ pub fn run_artifact(
     };
     let params: BTreeMap<String, Tensor> =
         all.into_iter().filter(|(k, _)| mine.contains(k)).collect();
-    kiln_runtime::check_weights(&g, &origin, &params).map_err(crate::runtime_error)?;
+    kiln_exec::check_weights(&g, &origin, &params).map_err(crate::runtime_error)?;
     let kind = executor;
-    let exec: Box<dyn kiln_runtime::exec::Exec> = if executor == ExecutorKind::Cuda {
-        kiln_runtime::cuda::executor_for(&art, entry).map_err(|e| {
+    let exec: Box<dyn kiln_exec::executor::Exec> = if executor == ExecutorKind::Cuda {
+        kiln_exec::cuda::executor_for(&art, entry).map_err(|e| {
             plain(
                 "kiln::cuda",
                 e,
@@ -242,7 +242,7 @@ pub fn run_artifact(
                 .map_err(|e| plain("kiln::artifact", e.to_string(), None))?,
         )
     } else {
-        kiln_runtime::exec::executor(kind, g.clone())
+        kiln_exec::executor::executor(kind, g.clone())
             .map_err(|e| plain("kiln::run", e.to_string(), None))?
     };
     let outs = exec

@@ -3,10 +3,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use kiln_decode::search::DecodeOptions;
+use kiln_decode::translate::{check_positions, decode_workers, score_ids};
 use kiln_dsl::Error;
-use kiln_runtime::decode::DecodeOptions;
-use kiln_runtime::exec::ExecutorKind;
-use kiln_runtime::translate::{check_positions, decode_workers, score_ids};
+use kiln_exec::executor::ExecutorKind;
 
 use crate::cmd::translate::{executor_label, progress_bar, translator};
 use crate::input::read_text_lines;

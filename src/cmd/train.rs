@@ -4,12 +4,12 @@ use std::path::PathBuf;
 
 use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_dsl::{Error, Mode, Options};
-use kiln_runtime::artifact::Artifact;
-use kiln_runtime::config::Config;
-use kiln_runtime::data::Tokenizer;
-use kiln_runtime::model;
-use kiln_runtime::tokenizer::prepare_tokenizer;
-use kiln_runtime::train::{ModelGraphs, Progress, Trainer};
+use kiln_exec::artifact::Artifact;
+use kiln_train::config::Config;
+use kiln_train::data::Tokenizer;
+use kiln_train::model;
+use kiln_train::tokenizer::prepare_tokenizer;
+use kiln_train::trainer::{ModelGraphs, Progress, Trainer};
 
 use crate::{err, plain};
 
@@ -56,7 +56,7 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
     let threads = a.threads.or_else(|| {
         let path = match (&a.config, &a.resume) {
             (Some(p), _) => p.clone(),
-            (None, Some(d)) => d.join(kiln_runtime::model::CONFIG_FILE),
+            (None, Some(d)) => d.join(kiln_train::model::CONFIG_FILE),
             _ => return None,
         };
         Config::load(&path)
@@ -109,7 +109,7 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
                 })?;
             }
             // Before the tokenizer is trained or written into the run directory.
-            kiln_runtime::run_dir::check_new_run_dir(&cfg).map_err(err("kiln::train"))?;
+            kiln_train::run_dir::check_new_run_dir(&cfg).map_err(err("kiln::train"))?;
             match cfg.model.artifact.clone() {
                 Some(dir) => {
                     let art = Artifact::load(&dir).map_err(err("kiln::artifact"))?;
@@ -178,7 +178,7 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
         if let Some(scale) = s.loss_scale {
             say!(
                 "loss scale {}; {} step(s) skipped for overflowing gradients",
-                kiln_runtime::train::scale_text(scale),
+                kiln_train::trainer::scale_text(scale),
                 s.overflows
             );
         }

@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 
 use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::tensor::Tensor;
+use kiln_decode::search::{DecodeOptions, EarlyStop, Hypothesis, LengthPenalty};
+use kiln_decode::translate::{check_positions, decode_workers, translate_nbest_ids};
 use kiln_dsl::Error;
-use kiln_runtime::artifact::{is_artifact_dir, Artifact};
-use kiln_runtime::data::Tokenizer;
-use kiln_runtime::decode::{DecodeOptions, EarlyStop, Hypothesis, LengthPenalty};
-use kiln_runtime::exec::{executor, Exec, ExecutorKind};
-use kiln_runtime::model;
-use kiln_runtime::translate::{check_positions, decode_workers, translate_nbest_ids};
+use kiln_exec::artifact::{is_artifact_dir, Artifact};
+use kiln_exec::executor::{executor, Exec, ExecutorKind};
+use kiln_train::data::Tokenizer;
+use kiln_train::model;
 
 use crate::input::Chunks;
 use crate::{err, plain};
@@ -51,7 +51,7 @@ pub(crate) fn translator(path: &Path, kind: Option<ExecutorKind>) -> Result<Tran
             .map_err(err("kiln::artifact"))?;
         let ex = |name: &str| -> Result<Box<dyn Exec>, Error> {
             if cuda {
-                kiln_runtime::cuda::executor_for(&art, name).map_err(|e| {
+                kiln_exec::cuda::executor_for(&art, name).map_err(|e| {
                     plain(
                         "kiln::cuda",
                         e,
@@ -354,7 +354,7 @@ fn write_translations(
 /// The executor as a summary names it: with the products' kernel where the compiled
 /// executor runs them in 16 bits (`--gemm-type`).
 pub(crate) fn executor_label(executor: ExecutorKind) -> String {
-    match kiln_runtime::compiled::default_products() {
+    match kiln_exec::compiled::default_products() {
         Some(kernel) if executor == ExecutorKind::Compiled => {
             format!("compiled, {} products", kernel.key())
         }

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Elaborates `spec` with `set` in the mode of a graph kind (what
-/// `kiln_runtime::compiled_entry_graph_with` asks for).
+/// `kiln_exec::compiled_entry_graph_with` asks for).
 pub fn elaborator<'a>(
     spec: &'a Path,
     set: &'a [&str],
-) -> impl Fn(kiln_runtime::GraphKind) -> Result<kiln_compiler::Graph, String> + 'a {
+) -> impl Fn(kiln_exec::GraphKind) -> Result<kiln_compiler::Graph, String> + 'a {
     move |kind| {
         let opts = kiln_dsl::Options {
             overrides: set.iter().map(|s| s.to_string()).collect(),
@@ -78,7 +78,7 @@ pub const DISTINCT_SPECS: [&str; 8] = [
 /// one parameter per distinct shape: every parameter's update is the same kernel, and
 /// big's 176M parameters with their moments would need ~3 GB.
 pub fn entry_graph(spec: &Path, set: &[&str], entry: &str) -> Result<kiln_compiler::Graph, String> {
-    use kiln_runtime::{compiled_entry_graph, compiled_entry_graph_with, GraphKind};
+    use kiln_exec::{compiled_entry_graph, compiled_entry_graph_with, GraphKind};
     let elaborate = elaborator(spec, set);
     if entry != "adam_update" {
         return compiled_entry_graph_with(entry, elaborate, |e| e.message);

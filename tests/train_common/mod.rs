@@ -13,8 +13,8 @@ pub mod gpu;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use kiln_runtime::checkpoint;
-use kiln_runtime::synthetic::Task;
+use kiln_train::checkpoint;
+use kiln_train::synthetic::Task;
 
 pub fn kiln(dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))

@@ -9,7 +9,7 @@
 //!
 //! Which kinds get generated code, and the argument layouts, are documented with each
 //! emitter ([`super::region`], [`super::rows`], [`super::misc`]); the executor
-//! (`kiln_runtime::compiled`) launches them. A kernel with no function runs a library
+//! (`kiln_exec::compiled`) launches them. A kernel with no function runs a library
 //! path there (GEMM, gathers and scatters, masks).
 
 use std::collections::{BTreeMap, HashMap};

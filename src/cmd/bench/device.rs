@@ -18,9 +18,9 @@ pub(super) fn no_cuda(reason: String) -> Error {
 
 /// The spec's `entry` compiled as a `--target cuda` artifact into a temporary directory
 /// (removed again) and loaded. Without a GPU the error is the guard's reason.
-fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::Artifact, Error> {
+fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_exec::artifact::Artifact, Error> {
     // Before compiling anything: is there a GPU at all?
-    kiln_runtime::cuda::cuda_available().map_err(no_cuda)?;
+    kiln_exec::cuda::cuda_available().map_err(no_cuda)?;
     let dir = std::env::temp_dir().join(format!("kiln-bench-{}", std::process::id()));
     let args = crate::cmd::explain::OptArgs {
         spec: a.spec.clone(),
@@ -44,7 +44,7 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_runtime::artifact::A
         &options,
     )
     .and_then(|()| {
-        kiln_runtime::artifact::Artifact::load(&dir)
+        kiln_exec::artifact::Artifact::load(&dir)
             .map_err(|e| plain("kiln::artifact", e.to_string(), None))
     });
     let _ = std::fs::remove_dir_all(&dir);
@@ -60,12 +60,12 @@ pub(super) fn precision(a: &BenchArgs) -> kiln_compiler::options::Precision {
 pub(super) fn cuda_executor(
     a: &BenchArgs,
     entry: &str,
-) -> Result<kiln_runtime::cuda::CudaExecutor, Error> {
+) -> Result<kiln_exec::cuda::CudaExecutor, Error> {
     let art = cuda_artifact(a, entry)?;
-    kiln_runtime::cuda::CudaExecutor::with_options(
+    kiln_exec::cuda::CudaExecutor::with_options(
         &art,
         entry,
-        kiln_runtime::cuda::CudaOptions::default(),
+        kiln_exec::cuda::CudaOptions::default(),
     )
     .map_err(|e| no_cuda(e.to_string()))
 }
@@ -74,13 +74,13 @@ pub(super) fn cuda_executor(
 pub(super) fn data_parallel(
     a: &BenchArgs,
     devices: &[usize],
-) -> Result<kiln_runtime::cuda::parallel::DataParallel, Error> {
+) -> Result<kiln_exec::cuda::parallel::DataParallel, Error> {
     let art = cuda_artifact(a, "train_step")?;
-    kiln_runtime::cuda::parallel::DataParallel::new(
+    kiln_exec::cuda::parallel::DataParallel::new(
         &art,
         "train_step",
         devices,
-        kiln_runtime::cuda::CudaOptions::default(),
+        kiln_exec::cuda::CudaOptions::default(),
     )
     .map_err(|e| plain("kiln::bench", e, None))
 }
@@ -90,7 +90,7 @@ pub(super) fn data_parallel(
 /// 1e-4. Returns the update's seconds.
 pub(super) fn device_update(
     non_finite: Option<(String, f32)>,
-    adam: &mut kiln_runtime::optim::Adam,
+    adam: &mut kiln_train::optim::Adam,
     update: impl FnOnce([f32; 7]) -> Result<(), kiln_compiler::reference::ExecError>,
 ) -> Result<f64, Error> {
     if let Some((name, x)) = non_finite {

@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use kiln_dsl::Error;
-use kiln_runtime::exec::ExecutorKind;
+use kiln_exec::executor::ExecutorKind;
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_runtime::exec::{ExecutorKind, Product, Timing};
+use kiln_exec::executor::{ExecutorKind, Product, Timing};
 
 use super::device::precision;
 use super::rig::Rig;
@@ -91,17 +91,17 @@ fn median(v: &[f64]) -> f64 {
 fn executor_name(a: &BenchArgs, rig: &Rig) -> String {
     // The CUDA executor's GEMM precision is part of what was measured.
     let mut executor_name = if a.executor == ExecutorKind::Cuda {
-        match kiln_runtime::cuda::precision_label(precision(a)) {
+        match kiln_exec::cuda::precision_label(precision(a)) {
             "fp32" => "cuda".to_string(),
             g => format!("cuda-{g}"),
         }
     } else if let Some(kernel) = rig.compiled.as_ref().and_then(|c| c.bf16_kernel()) {
         // `--gemm-type` on a CPU with a 16-bit kernel: the large products in 16 bits.
         match kernel {
-            kiln_runtime::compiled::Kernel16::Tiles => "compiled-bf16-products".to_string(),
-            kiln_runtime::compiled::Kernel16::Dot => "compiled-bf16-products-vdpbf16ps".to_string(),
-            kiln_runtime::compiled::Kernel16::Half => "compiled-fp16-products".to_string(),
-            kiln_runtime::compiled::Kernel16::Int16 => "compiled-int16-products".to_string(),
+            kiln_exec::compiled::Kernel16::Tiles => "compiled-bf16-products".to_string(),
+            kiln_exec::compiled::Kernel16::Dot => "compiled-bf16-products-vdpbf16ps".to_string(),
+            kiln_exec::compiled::Kernel16::Half => "compiled-fp16-products".to_string(),
+            kiln_exec::compiled::Kernel16::Int16 => "compiled-int16-products".to_string(),
         }
     } else {
         a.executor.to_string()
@@ -253,7 +253,7 @@ fn text(a: &BenchArgs, rig: &Rig, sum: &Summary, executor_name: &str) {
 }
 
 /// The compiled executor's memory, and how it ran bias gradients and products.
-fn text_compiled(a: &BenchArgs, c: &kiln_runtime::compiled::Compiled) {
+fn text_compiled(a: &BenchArgs, c: &kiln_exec::compiled::Compiled) {
     outln!(
         "  arena {:.1} MiB (the memory plan at these dims)",
         c.arena_bytes() as f64 / 1048576.0
@@ -284,7 +284,7 @@ fn text_compiled(a: &BenchArgs, c: &kiln_runtime::compiled::Compiled) {
 }
 
 /// The CUDA executor's memory, and how it ran bias epilogues and gradients.
-fn text_cuda(a: &BenchArgs, c: &kiln_runtime::cuda::CudaExecutor) {
+fn text_cuda(a: &BenchArgs, c: &kiln_exec::cuda::CudaExecutor) {
     outln!(
         "  device arena {:.1} MiB (the memory plan at these dims)",
         c.arena_bytes() as f64 / 1048576.0

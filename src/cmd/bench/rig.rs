@@ -9,10 +9,10 @@ use kiln_compiler::optimize::validate::random_feeds_with;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::Error;
-use kiln_runtime::compiled::Compiled;
-use kiln_runtime::cuda::parallel::DataParallel;
-use kiln_runtime::cuda::{CudaExecutor, DeviceTensor};
-use kiln_runtime::exec::{DeviceResident, Exec, ExecutorKind};
+use kiln_exec::compiled::Compiled;
+use kiln_exec::cuda::parallel::DataParallel;
+use kiln_exec::cuda::{CudaExecutor, DeviceTensor};
+use kiln_exec::executor::{DeviceResident, Exec, ExecutorKind};
 
 use super::device::{cuda_executor, data_parallel};
 use super::BenchArgs;
@@ -36,7 +36,7 @@ pub(super) struct Rig {
     pub adam_exec: Option<Box<dyn Exec>>,
     pub moments: BTreeMap<String, Tensor>,
     /// The trainer's optimizer step (the runtime's Adam over host tensors).
-    pub host_adam: kiln_runtime::optim::Adam,
+    pub host_adam: kiln_train::optim::Adam,
     /// The CUDA executor's training step as the trainer runs it: everything on the GPU.
     pub device_training: bool,
     /// The decoder's state on the GPU, as `kiln translate` keeps it: everything but the
@@ -56,7 +56,7 @@ fn err(e: impl ToString) -> Error {
 
 pub(super) fn executor(kind: ExecutorKind, g: &Graph) -> Result<Box<dyn Exec>, Error> {
     Ok(match kind {
-        ExecutorKind::Eager => Box::new(kiln_runtime::Eager::new(g.clone()).map_err(err)?),
+        ExecutorKind::Eager => Box::new(kiln_exec::Eager::new(g.clone()).map_err(err)?),
         _ => Box::new(Compiled::from_graph(g.clone()).map_err(err)?),
     })
 }
@@ -99,7 +99,7 @@ fn check_devices(a: &BenchArgs, entry: &str) -> Result<(), Error> {
             ),
         ));
     }
-    kiln_runtime::cuda::parallel::check_devices(devices)
+    kiln_exec::cuda::parallel::check_devices(devices)
         .map_err(|e| plain("kiln::bench", e.replace("train.devices", "--devices"), None))
 }
 
@@ -142,15 +142,15 @@ impl Rig {
         let other: Option<Box<dyn Exec>> = match (&compiled, &cuda) {
             (_, Some(_)) => None,
             (Some(_), None) => Some(Box::new(
-                kiln_runtime::exec::Reference::new(g.clone()).map_err(err)?,
+                kiln_exec::executor::Reference::new(g.clone()).map_err(err)?,
             )),
             (None, None) if parallel.is_some() => Some(Box::new(
-                kiln_runtime::exec::Reference::new(g.clone()).map_err(err)?,
+                kiln_exec::executor::Reference::new(g.clone()).map_err(err)?,
             )),
             (None, None) => Some(executor(a.executor, &g)?),
         };
         let adam = if entry == "train_step" {
-            let ag = kiln_runtime::compiled_entry_graph(&g, "adam_update")
+            let ag = kiln_exec::compiled_entry_graph(&g, "adam_update")
                 .map_err(|e| plain("kiln::bench", e.message, Some(e.help)))?;
             Some(ag)
         } else {
@@ -170,7 +170,7 @@ impl Rig {
                 moments.insert(format!("v.{n}"), z);
             }
         }
-        let host_adam = kiln_runtime::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+        let host_adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, &params);
         let mut rig = Rig {
             entry: entry.to_string(),
             g,

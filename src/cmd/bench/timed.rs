@@ -7,7 +7,7 @@ use std::time::Instant;
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_dsl::Error;
-use kiln_runtime::exec::{DeviceResident, ExecutorKind, Timing};
+use kiln_exec::executor::{DeviceResident, ExecutorKind, Timing};
 
 use super::device::device_update;
 use super::report::Profile;
@@ -41,10 +41,10 @@ impl Rig {
         // Without an optimizer step the parameters never change: an executor may keep
         // them on its device between runs (the decoder's promise). A training step's
         // optimizer changes them: every run is a new version.
-        let fixed_params = kiln_runtime::exec::fresh_params_version();
+        let fixed_params = kiln_exec::executor::fresh_params_version();
         for run in 0..a.warmup + a.runs {
             opts.params_version = if self.adam.is_some() {
-                Some(kiln_runtime::exec::fresh_params_version())
+                Some(kiln_exec::executor::fresh_params_version())
             } else {
                 Some(fixed_params)
             };
@@ -73,7 +73,7 @@ impl Rig {
         }
         if let Some(dp) = &self.parallel {
             let jobs: Vec<_> = (0..dp.world_size())
-                .map(|_| kiln_runtime::cuda::parallel::RankJob {
+                .map(|_| kiln_exec::cuda::parallel::RankJob {
                     inputs: self.inputs.clone(),
                     opts: *opts,
                     weight: 1.0,
@@ -140,7 +140,7 @@ impl Rig {
         let logits = kept
             .get("logits")
             .ok_or_else(|| err("the decoding step has no `logits`"))?;
-        let d = kiln_runtime::decode::DecodeOptions::default();
+        let d = kiln_decode::search::DecodeOptions::default();
         c.row_top_k(logits, 2 * d.beam, &[d.pad, d.bos], d.eos)
             .map_err(err)?;
         Ok(())
@@ -162,7 +162,7 @@ impl Rig {
                 c.run_profiled(inputs, params, opts, &mut rec)
             }
             (_, ExecutorKind::Eager) if last => {
-                let e = kiln_runtime::Eager::new(self.g.clone()).map_err(err)?;
+                let e = kiln_exec::Eager::new(self.g.clone()).map_err(err)?;
                 let (outs, times) = e.run_profiled(inputs, params, opts).map_err(err)?;
                 for t in times {
                     profile.kinds.insert(t.op.to_string(), (t.seconds, t.nodes));

@@ -125,7 +125,7 @@ template <class F> static void kiln_launch(unsigned grid, unsigned block, F f) {
 /// next `__syncthreads()` or its end, then the next, so every barrier holds until all
 /// have reached it — the same results as [`SHIM`] for kernels that are correct under any
 /// interleaving (those of `codegen::cuda`), without a thread per GPU thread. What the
-/// emulated device (`kiln_runtime::cuda::emulate`) launches with. Not reentrant: one
+/// emulated device (`kiln_exec::cuda::emulate`) launches with. Not reentrant: one
 /// launch at a time in a process.
 ///
 /// On x86-64 a fiber switch saves the callee-saved registers on the fiber's own stack and

@@ -95,7 +95,7 @@ pub fn adam_update(name: &str, e: Elem) -> CudaFunction {
 
 /// Adam's arithmetic on `pi`, `gi`, `mi`, `vi` and the constants `k_b1`, `k_b2`, `k_c1`,
 /// `k_c2`, `k_eps`, `k_step_size`, `k_inv_sqrt_bc2`, giving `m2`, `v2` and `p2` in the
-/// host optimizer's op order (`kiln_runtime::optim::Adam::step`).
+/// host optimizer's op order (`kiln_train::optim::Adam::step`).
 pub(crate) fn adam_math(w: &mut W) {
     w.l("const float m2 = k_b1 * mi + k_c1 * gi;");
     w.l("const float v2 = k_b2 * vi + (k_c2 * gi) * gi;");

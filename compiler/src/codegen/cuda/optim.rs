@@ -20,8 +20,8 @@
 //! (a micro-batch's target tokens), `bad` one `unsigned` set to 1 when some `g[i]` is not
 //! finite (it is never cleared here), `k` the [`ADAM_CONSTANTS`] in that order.
 //!
-//! These are the trainer's host loops (`kiln_runtime::train`'s gradient accumulation,
-//! its `1/tokens` scaling and `kiln_runtime::optim::Adam::step`) element for element in
+//! These are the trainer's host loops (`kiln_train::trainer`'s gradient accumulation,
+//! its `1/tokens` scaling and `kiln_train::optim::Adam::step`) element for element in
 //! the same op order, so with `--fmad=false` a step on the device gives the host's bits:
 //! `w·g` then the sum; `acc·scale` rounded to `f32` before Adam uses it.
 
