@@ -4,6 +4,7 @@
 use kiln_exec::executor::ExecutorKind;
 use std::path::PathBuf;
 
+use kiln_decode::translate::Batching;
 use kiln_dsl::{Error, Mode, Options};
 
 use crate::plain;
@@ -17,6 +18,31 @@ pub(crate) struct GemmArgs {
     /// `int16` (AVX2's VPMADDWD).
     #[arg(long, value_name = "TYPE", value_parser = kiln_exec::compiled::GemmType::NAMES)]
     pub gemm_type: Option<String>,
+}
+
+/// `--batch` and `--max-tokens`: how `kiln translate` and `kiln score` cut their input,
+/// sorted by length, into batches ([`Batching`]).
+#[derive(clap::Args, Clone, Copy)]
+pub(crate) struct BatchArgs {
+    /// Sentences (or sentence pairs) decoded together, sorted by length first; each takes
+    /// `beam` rows. 32 is fastest on 2 CPU cores; a GPU wants more.
+    #[arg(long, default_value_t = kiln_decode::translate::TRANSLATE_BATCH,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub batch: usize,
+    /// Also cap each batch at N source tokens, padding included (its sentences times the
+    /// longest), as fairseq's --max-tokens; a sentence longer than N is a batch alone.
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_tokens: Option<usize>,
+}
+
+impl BatchArgs {
+    pub(crate) fn batching(&self) -> Batching {
+        Batching {
+            sentences: self.batch,
+            max_tokens: self.max_tokens,
+        }
+    }
 }
 
 /// `--executor`'s parser: one of `names` (each an [`ExecutorKind`]'s name), typed.

@@ -68,7 +68,8 @@ mod input;
 mod outputs;
 
 pub(crate) use args::{
-    beam_width, finite_f64, non_negative_f64, set_threads, total_steps, GemmArgs, SpecArgs,
+    beam_width, finite_f64, non_negative_f64, set_threads, total_steps, BatchArgs, GemmArgs,
+    SpecArgs,
 };
 pub(crate) use errors::{err, file_error, plain, runtime_error};
 
@@ -244,11 +245,8 @@ enum Command {
         #[arg(long, value_name = "N",
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         nbest: Option<usize>,
-        /// Sentences decoded together (sorted by length first), each with `beam` rows.
-        /// 32 is fastest on 2 CPU cores; a GPU wants more.
-        #[arg(long, default_value_t = kiln_decode::translate::TRANSLATE_BATCH,
-              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-        batch: usize,
+        #[command(flatten)]
+        batching: BatchArgs,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
         /// cuda` artifact's kernels on the GPU).
         #[arg(long, default_value = "compiled",
@@ -283,10 +281,8 @@ enum Command {
         /// (`<eos>` included) instead of the sum.
         #[arg(long)]
         normalize: bool,
-        /// Sentence pairs scored together (sorted by length first).
-        #[arg(long, default_value_t = kiln_decode::translate::TRANSLATE_BATCH,
-              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-        batch: usize,
+        #[command(flatten)]
+        batching: BatchArgs,
         /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
         /// cuda` artifact's kernels on the GPU).
         #[arg(long, default_value = "compiled",
@@ -450,7 +446,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             max_len_b,
             greedy,
             nbest,
-            batch,
+            batching,
             executor,
             gemm,
             threads,
@@ -469,7 +465,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
                 max_len_b,
                 greedy,
                 nbest,
-                batch,
+                batching: batching.batching(),
                 executor,
                 workers,
             })
@@ -479,7 +475,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             src,
             reference,
             normalize,
-            batch,
+            batching,
             executor,
             gemm,
             threads,
@@ -492,7 +488,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
                 src,
                 reference,
                 normalize,
-                batch,
+                batching: batching.batching(),
                 executor,
                 workers,
             })

@@ -11,6 +11,7 @@ use kiln_compiler::init::init_params;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_decode::search::{decode, CachedStep, DecodeOptions, FullStep, LengthPenalty};
+use kiln_decode::translate::Batching;
 use kiln_dsl::{Mode, Options};
 use kiln_exec::executor::{Exec, Reference};
 use kiln_exec::{decoder_entries, entry_graph, Entry};
@@ -321,7 +322,7 @@ fn decoding_workers_give_the_bits_of_one_worker() {
             &srcs,
             &opts,
             64,
-            4,
+            Batching::sentences(4),
             2,
             workers,
             &mut |n| {
@@ -341,7 +342,7 @@ fn decoding_workers_give_the_bits_of_one_worker() {
             &refs,
             &opts,
             64,
-            4,
+            Batching::sentences(4),
             workers,
             &mut |_| {},
         )
@@ -379,7 +380,7 @@ fn decoding_workers_give_the_bits_of_one_worker() {
         &srcs,
         &opts,
         64,
-        1,
+        Batching::sentences(1),
         1,
         2,
         &mut |_| {},
@@ -407,7 +408,7 @@ fn a_failing_batch_on_a_worker_is_an_error() {
             srcs,
             &beam_four(),
             64,
-            2,
+            Batching::sentences(2),
             2,
             &mut |_| {},
         )
@@ -474,7 +475,7 @@ fn a_sentences_translation_does_not_depend_on_its_batch() {
             srcs,
             &opts,
             64,
-            batch,
+            Batching::sentences(batch),
             1,
             1,
             &mut |_| {},

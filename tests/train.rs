@@ -420,8 +420,23 @@ fn checkpoints_translate_average_and_export() {
             "--workers {workers}"
         );
     }
-    let zero = kiln(&dir, &["translate", "--checkpoint", "run", "--batch", "0"]);
-    assert_eq!(zero.status.code(), Some(2), "clap's usage error");
+    // Batches of at most 3 source tokens: `s1 s2 s3` (3 tokens or more) is one alone,
+    // and the output is the same.
+    let capped = translate(&["--max-tokens", "3"]);
+    assert!(
+        capped.status.success(),
+        "{}",
+        String::from_utf8_lossy(&capped.stderr)
+    );
+    assert_eq!(
+        String::from_utf8(capped.stdout).unwrap(),
+        out,
+        "--max-tokens 3"
+    );
+    for flag in ["--batch", "--max-tokens"] {
+        let zero = kiln(&dir, &["translate", "--checkpoint", "run", flag, "0"]);
+        assert_eq!(zero.status.code(), Some(2), "{flag} 0: clap's usage error");
+    }
     // The n best, Moses style: `LINE ||| TEXT ||| log_prob= LP ||| SCORE`, best first,
     // the first being the 1-best translation, each score its log-probability over the
     // GNMT penalty (at least 1 and at most that of the longest output, src + 4 tokens).

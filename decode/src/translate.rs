@@ -26,7 +26,51 @@ pub enum TranslateError {
 /// s, with RSS growing with the batch).
 pub const TRANSLATE_BATCH: usize = 32;
 
-/// Beam-decodes token-id sentences in batches of `batch` sentences of similar length, the
+/// How sentences sorted by length are cut into batches: at most `sentences` a batch and,
+/// with `max_tokens`, at most that many padded source tokens (its sentences times the
+/// longest of them), as fairseq's `--max-tokens`. A sentence longer than `max_tokens` is
+/// a batch on its own rather than an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batching {
+    pub sentences: usize,
+    pub max_tokens: Option<usize>,
+}
+
+impl Batching {
+    /// Batches of `n` sentences, whatever their length.
+    pub fn sentences(n: usize) -> Batching {
+        Batching {
+            sentences: n,
+            max_tokens: None,
+        }
+    }
+
+    /// `order` cut into consecutive batches; `len(i)` is sentence `i`'s length in tokens
+    /// (a batch is at least 1 wide, as [`padded_rows`] pads it).
+    pub fn split<'a>(&self, order: &'a [usize], len: &dyn Fn(usize) -> usize) -> Vec<&'a [usize]> {
+        let cap = self.sentences.max(1);
+        let mut out = Vec::new();
+        let (mut start, mut width) = (0, 0);
+        for (j, &i) in order.iter().enumerate() {
+            let w = width.max(len(i).max(1));
+            let rows = j - start + 1;
+            let over = self.max_tokens.is_some_and(|t| rows * w > t);
+            if j > start && (rows > cap || over) {
+                out.push(&order[start..j]);
+                start = j;
+                width = len(i).max(1);
+            } else {
+                width = w;
+            }
+        }
+        if start < order.len() {
+            out.push(&order[start..]);
+        }
+        out
+    }
+}
+
+/// Beam-decodes token-id sentences in batches of similar length ([`Batching`]), the
 /// batches shared out among `workers` (see [`decode_workers`]); results in input order,
 /// the same for any number of workers. `done(n)` is called after each batch with the
 /// number of sentences decoded so far (for a progress bar).
@@ -38,12 +82,12 @@ pub fn translate_ids(
     srcs: &[Vec<i32>],
     opts: &DecodeOptions,
     vocab: usize,
-    batch: usize,
+    batching: Batching,
     workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<i32>>, TranslateError> {
     let best = translate_nbest_ids(
-        encode, step, params, srcs, opts, vocab, batch, 1, workers, done,
+        encode, step, params, srcs, opts, vocab, batching, 1, workers, done,
     )?;
     Ok(best
         .into_iter()
@@ -83,7 +127,7 @@ pub fn translate_nbest_ids(
     srcs: &[Vec<i32>],
     opts: &DecodeOptions,
     vocab: usize,
-    batch: usize,
+    batching: Batching,
     n: usize,
     workers: usize,
     done: &mut dyn FnMut(usize),
@@ -102,7 +146,7 @@ pub fn translate_nbest_ids(
         srcs,
         opts.pad,
         &order,
-        batch,
+        batching,
         workers,
         done,
         &|model, _, src| Ok(decode_nbest(model, src, opts, n)?),
@@ -188,7 +232,7 @@ type BatchJob<'a, T> =
     dyn Fn(&mut dyn crate::search::StepModel, &[usize]) -> Result<T, TranslateError> + Sync + 'a;
 
 /// `job` over the sentences of `srcs` in the order `order` (a permutation of their
-/// indices), in batches of `batch` padded with `pad` ([`padded_rows`]), on `workers` (see
+/// indices), in batches cut by `batching` padded with `pad` ([`padded_rows`]), on `workers` (see
 /// [`over_batches`]); `job(decoder, sentences, batch)` gives one result per sentence of
 /// its batch, returned here at the sentence's index.
 #[allow(clippy::too_many_arguments)]
@@ -197,12 +241,12 @@ fn per_sentence<R: Send + Default>(
     srcs: &[Vec<i32>],
     pad: i32,
     order: &[usize],
-    batch: usize,
+    batching: Batching,
     workers: usize,
     done: &mut dyn FnMut(usize),
     job: &SentenceJob<'_, R>,
 ) -> Result<Vec<R>, TranslateError> {
-    let chunks: Vec<&[usize]> = order.chunks(batch.max(1)).collect();
+    let chunks = batching.split(order, &|i| srcs[i].len());
     let per_batch = over_batches(
         models,
         &chunks,
@@ -307,8 +351,8 @@ fn over_batches<T: Send>(
         .collect()
 }
 
-/// Scores reference translations ([`crate::search::score`]) in batches of `batch`
-/// sentence pairs of similar source length; log-probabilities in input order. `done(n)`
+/// Scores reference translations ([`crate::search::score`]) in batches of sentence
+/// pairs of similar source length ([`Batching`], counting source tokens); log-probabilities in input order. `done(n)`
 /// is called after each batch with the number of pairs scored so far.
 #[allow(clippy::too_many_arguments)]
 pub fn score_ids(
@@ -319,7 +363,7 @@ pub fn score_ids(
     refs: &[Vec<i32>],
     opts: &DecodeOptions,
     vocab: usize,
-    batch: usize,
+    batching: Batching,
     workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<f64>, TranslateError> {
@@ -350,7 +394,7 @@ pub fn score_ids(
         srcs,
         opts.pad,
         &order,
-        batch,
+        batching,
         workers,
         done,
         &|model, chunk, src| {
@@ -359,3 +403,6 @@ pub fn score_ids(
         },
     )
 }
+
+#[cfg(test)]
+mod tests;

@@ -264,7 +264,7 @@ fn evaluate_test(
             &srcs,
             &opts,
             vocab,
-            kiln_decode::translate::TRANSLATE_BATCH,
+            kiln_decode::translate::Batching::sentences(kiln_decode::translate::TRANSLATE_BATCH),
             kiln_decode::translate::decode_workers(&*step),
             &mut |_| {},
         )

@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use kiln_decode::search::DecodeOptions;
-use kiln_decode::translate::{check_positions, decode_workers, score_ids};
+use kiln_decode::translate::{check_positions, decode_workers, score_ids, Batching};
 use kiln_dsl::Error;
 use kiln_exec::executor::ExecutorKind;
 
@@ -17,7 +17,7 @@ pub struct ScoreArgs {
     pub src: PathBuf,
     pub reference: PathBuf,
     pub normalize: bool,
-    pub batch: usize,
+    pub batching: Batching,
     pub executor: ExecutorKind,
     /// Pair batches scored at once (`None`: `decode_workers`).
     pub workers: Option<usize>,
@@ -90,7 +90,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
     })
     .map_err(|e| plain("kiln::score", e, None))?;
     let started = std::time::Instant::now();
-    let bar = progress_bar(srcs.len(), a.batch, "sentence pairs");
+    let bar = progress_bar(srcs.len(), a.batching.sentences, "sentence pairs");
     let scores = score_ids(
         &*m.encode,
         &*m.step,
@@ -99,7 +99,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
         &refs,
         &opts,
         m.vocab,
-        a.batch,
+        a.batching,
         a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
         &mut |n| {
             if let Some(b) = &bar {

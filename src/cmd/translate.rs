@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::tensor::Tensor;
 use kiln_decode::search::{DecodeOptions, EarlyStop, Hypothesis, LengthPenalty};
-use kiln_decode::translate::{check_positions, decode_workers, translate_nbest_ids};
+use kiln_decode::translate::{check_positions, decode_workers, translate_nbest_ids, Batching};
 use kiln_dsl::Error;
 use kiln_exec::artifact::{is_artifact_dir, Artifact};
 use kiln_exec::executor::{executor, Exec, ExecutorKind};
@@ -129,8 +129,8 @@ pub struct TranslateArgs {
     pub greedy: bool,
     /// Print the N best hypotheses of each sentence in the Moses n-best format.
     pub nbest: Option<usize>,
-    /// Sentences decoded together.
-    pub batch: usize,
+    /// How the sentences are cut into batches.
+    pub batching: Batching,
     pub executor: ExecutorKind,
     /// Batches decoded at once (`None`: `decode_workers`).
     pub workers: Option<usize>,
@@ -161,7 +161,8 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     let opts = decode_options(&a)?;
     let workers = a.workers.unwrap_or_else(|| decode_workers(&*m.step));
     let cap = a
-        .batch
+        .batching
+        .sentences
         .saturating_mul(workers)
         .saturating_mul(CHUNK_BATCHES);
     let mut input = Chunks::open(a.input.as_deref(), cap)?;
@@ -176,7 +177,8 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         let started = std::time::Instant::now();
         let (srcs, which) = encode_lines(&m, &lines, first_line)?;
         // A progress bar on a terminal, for input that comes whole.
-        let bar = progress_bar(srcs.len(), a.batch, "sentences").filter(|_| input.is_whole());
+        let bar = progress_bar(srcs.len(), a.batching.sentences, "sentences")
+            .filter(|_| input.is_whole());
         let hyps = translate_nbest_ids(
             &*m.encode,
             &*m.step,
@@ -184,7 +186,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
             &srcs,
             &opts,
             m.vocab,
-            a.batch,
+            a.batching,
             a.nbest.unwrap_or(1),
             workers,
             &mut |n| {

@@ -11,7 +11,7 @@ use crate::checkpoint::{self, AdamMoments};
 use crate::model::{CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
 use kiln_decode::bleu::{corpus_bleu, BleuOptions};
 use kiln_decode::search::{DecodeOptions, EarlyStop, LengthPenalty};
-use kiln_decode::translate::{decode_workers, translate_ids, TRANSLATE_BATCH};
+use kiln_decode::translate::{decode_workers, translate_ids, Batching, TRANSLATE_BATCH};
 
 use super::*;
 
@@ -71,7 +71,7 @@ impl Trainer {
             &srcs,
             &opts,
             self.vocab(),
-            TRANSLATE_BATCH,
+            Batching::sentences(TRANSLATE_BATCH),
             decode_workers(&*self.step_exec),
             &mut |_| {},
         )?;
