@@ -238,6 +238,10 @@ enum Command {
         /// Greedy decoding instead of beam search.
         #[arg(long)]
         greedy: bool,
+        /// Let the search emit `<unk>` (Marian's --allow-unk), written as `<unk>` in the
+        /// output; by default it is never emitted and the next best token is taken.
+        #[arg(long)]
+        allow_unk: bool,
         /// Print each sentence's N best hypotheses (N ≤ beam), best first, in the Moses
         /// n-best format that Marian writes: `LINE ||| TEXT ||| log_prob= LP ||| SCORE`,
         /// LINE counting input lines from 0, LP the sum of the token log-probabilities
@@ -445,6 +449,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             max_len_a,
             max_len_b,
             greedy,
+            allow_unk,
             nbest,
             batching,
             executor,
@@ -464,6 +469,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
                 max_len_a,
                 max_len_b,
                 greedy,
+                allow_unk,
                 nbest,
                 batching: batching.batching(),
                 executor,

@@ -401,7 +401,7 @@ fn kiln_train_follows_pytorch_adam_and_the_warmup_schedule() {
     let steps = 8;
     let cfg = format!(
         "model:\n  spec: {}\n  set: {{d_model: 16, d_ff: 32, h: 2, n: 1, p_drop: 0.0}}\n\
-         data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 40, max_len: 64}}\n\
+         data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 40, byte_fallback: false, max_len: 64}}\n\
          batch: {{max_src_tokens: 1000, max_tgt_tokens: 1000, update_freq: 1}}\n\
          schedule: {{warmup: 4, factor: 1.0}}\n\
          train: {{max_steps: {steps}, executor: compiled, log_every: 1, seed: 3}}\n\

@@ -1522,6 +1522,15 @@ fn a_stale_run_tokenizer_is_not_reused() {
     let err = fails(&dir, &["compile", "--config", "cfg.yaml", "-o", "art"]);
     says(&err, "`run/tokenizer.json` (219 tokens) was trained for other settings than this configuration's: data.vocab_size was 220, it is 100 now;");
     says(&err, "delete `run/tokenizer.json` and `run/tokenizer.source.yaml` to train a tokenizer for this configuration, or delete `run/tokenizer.source.yaml` alone to use this tokenizer all the same");
+    // And so is one without the byte tokens where byte fallback is asked for.
+    edit_cfg(
+        &dir,
+        "vocab_size: 100, byte_fallback: false",
+        "vocab_size: 220, byte_fallback: true",
+    );
+    let err = fails(&dir, &["compile", "--config", "cfg.yaml", "-o", "art"]);
+    says(&err, "was trained for other settings than this configuration's: data.byte_fallback was false, it is true now;");
+    edit_cfg(&dir, "byte_fallback: true", "byte_fallback: false");
     // Without its record, it is used as it is (as kilns before records did).
     std::fs::remove_dir_all(dir.join("run/checkpoints")).unwrap();
     std::fs::remove_file(dir.join("run/config.yaml")).unwrap();

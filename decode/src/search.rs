@@ -116,6 +116,10 @@ pub struct DecodeOptions {
     pub bos: i32,
     pub eos: i32,
     pub pad: i32,
+    /// The unknown token's id, never emitted unless `allow_unk` (Marian's `--allow-unk`):
+    /// a translation should not lose a word to it.
+    pub unk: i32,
+    pub allow_unk: bool,
 }
 
 impl Default for DecodeOptions {
@@ -132,6 +136,8 @@ impl Default for DecodeOptions {
             bos: 1,
             eos: 2,
             pad: 0,
+            unk: 3,
+            allow_unk: false,
         }
     }
 }
@@ -367,6 +373,11 @@ pub fn decode_nbest(
     let mut finished: Vec<Vec<Hypothesis>> = vec![vec![]; b];
     let mut done = vec![b == 0; b];
     let mut step = 0usize;
+    let banned: &[i32] = if opts.allow_unk {
+        &[opts.pad, opts.bos]
+    } else {
+        &[opts.pad, opts.bos, opts.unk]
+    };
     while done.iter().any(|d| !d) {
         // Rows of this step: the live hypotheses of unfinished sentences.
         let mut tokens = Vec::new();
@@ -386,7 +397,7 @@ pub fn decode_nbest(
         // candidates share its hypothesis score), so the model reports only those.
         let spec = TopSpec {
             k: 2 * k,
-            banned: &[opts.pad, opts.bos],
+            banned,
             eos: opts.eos,
         };
         let tops = model.step_top(&tokens, &parents, &spec)?;

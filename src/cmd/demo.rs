@@ -207,7 +207,7 @@ fn write_inputs(dir: &Path, a: &DemoArgs) -> Result<Vec<(String, String)>, Error
         "demo.yaml",
         &format!(
             "model:\n  spec: transformer_base.kiln\n  set: {{d_model: 48, d_ff: 96, h: 4, n: 2, p_drop: 0.0, eps_ls: 0.1}}\n\
-             data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 256, max_len: 32}}\n\
+             data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 256, byte_fallback: false, max_len: 32}}\n\
              batch: {{max_src_tokens: 600, max_tgt_tokens: 600, update_freq: 1}}\n\
              schedule: {{warmup: 300, factor: 1.0}}\n\
              train: {{max_steps: {}, max_seconds: {}, executor: compiled, log_every: 50, seed: 1}}\n\

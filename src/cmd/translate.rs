@@ -127,6 +127,8 @@ pub struct TranslateArgs {
     pub max_len_a: f64,
     pub max_len_b: usize,
     pub greedy: bool,
+    /// Let the search emit `<unk>`.
+    pub allow_unk: bool,
     /// Print the N best hypotheses of each sentence in the Moses n-best format.
     pub nbest: Option<usize>,
     /// How the sentences are cut into batches.
@@ -252,6 +254,7 @@ fn decode_options(a: &TranslateArgs) -> Result<DecodeOptions, Error> {
     let opts = DecodeOptions {
         beam: a.beam,
         greedy: a.greedy,
+        allow_unk: a.allow_unk,
         penalty,
         early_stop,
         max_len_a: a.max_len_a,

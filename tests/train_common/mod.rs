@@ -61,7 +61,7 @@ pub fn workspace(name: &str, extra: &str) -> PathBuf {
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/transformer_base.kiln");
     let cfg = format!(
         "model:\n  spec: {}\n  set: {{d_model: 16, d_ff: 32, h: 2, n: 1, p_drop: 0.1}}\n\
-         data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 220, max_len: 32}}\n\
+         data: {{train_src: train.src, train_tgt: train.tgt, valid_src: valid.src, valid_tgt: valid.tgt, vocab_size: 220, byte_fallback: false, max_len: 32}}\n\
          batch: {{max_src_tokens: 120, max_tgt_tokens: 120, update_freq: 2}}\n\
          schedule: {{warmup: 50, factor: 1.0}}\n\
          train: {{max_steps: 20, executor: reference, log_every: 5}}\n\

@@ -70,6 +70,11 @@ pub struct DataConfig {
     /// Size of the shared BPE vocabulary (special tokens included).
     #[serde(default = "default_vocab")]
     pub vocab_size: usize,
+    /// A new vocabulary spells a character it has never seen as its UTF-8 bytes (256
+    /// byte tokens, counted in `vocab_size`) rather than `<unk>`, so no character of a
+    /// source is lost.
+    #[serde(default = "default_byte_fallback")]
+    pub byte_fallback: bool,
     /// Training pairs with more tokens than this on either side are dropped.
     #[serde(default = "default_max_len")]
     pub max_len: usize,
@@ -77,6 +82,9 @@ pub struct DataConfig {
 
 fn default_vocab() -> usize {
     37000
+}
+fn default_byte_fallback() -> bool {
+    true
 }
 fn default_max_len() -> usize {
     256

@@ -48,6 +48,9 @@ pub const TOKENIZER_SOURCE_FILE: &str = "tokenizer.source.yaml";
 pub(crate) struct TokenizerSource {
     tokenizer: String,
     vocab_size: usize,
+    /// Absent from the records of kilns before byte fallback, whose vocabularies had none.
+    #[serde(default)]
+    byte_fallback: bool,
     train_src: FileDigest,
     train_tgt: FileDigest,
 }
@@ -65,6 +68,7 @@ impl TokenizerSource {
         Ok(TokenizerSource {
             tokenizer: kiln_compiler::artifact::hash_hex(tokenizer_json),
             vocab_size: cfg.data.vocab_size,
+            byte_fallback: cfg.data.byte_fallback,
             train_src: FileDigest::of(&cfg.data.train_src)?,
             train_tgt: FileDigest::of(&cfg.data.train_tgt)?,
         })
@@ -98,7 +102,8 @@ impl FileDigest {
 /// it was trained now (rather than loaded from the run directory).
 ///
 /// A `<run>/tokenizer.json` is reused only for the settings it was trained for: when
-/// its record (`tokenizer.source.yaml`) gives another `data.vocab_size` or other
+/// its record (`tokenizer.source.yaml`) gives another `data.vocab_size`,
+/// `data.byte_fallback` or other
 /// training files, it is refused, saying so. One without a record (written by a kiln
 /// before records, or put there by hand) is used as it is.
 pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainError> {
@@ -126,7 +131,8 @@ pub fn tokenizer_of(cfg: &Config) -> Result<(Tokenizer, String, bool), TrainErro
         }
     }
     let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
-    let (tok, report) = Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size)?;
+    let (tok, report) =
+        Tokenizer::train_on_corpus(&corpus, cfg.data.vocab_size, cfg.data.byte_fallback)?;
     let note = if report.vocab_size < report.requested {
         format!(
             " (asked for {}; the corpus has no more merges)",
@@ -193,6 +199,12 @@ pub(crate) fn recorded_for(
         changed.push(format!(
             "data.vocab_size was {}, it is {} now",
             then.vocab_size, now.vocab_size
+        ));
+    }
+    if then.byte_fallback != now.byte_fallback {
+        changed.push(format!(
+            "data.byte_fallback was {}, it is {} now",
+            then.byte_fallback, now.byte_fallback
         ));
     }
     for (key, path, a, b) in [

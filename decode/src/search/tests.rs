@@ -26,6 +26,14 @@ impl StepModel for Table {
     }
 }
 
+/// The defaults, but with `<unk>` allowed: id 3 is a word of these tables ("a").
+fn table_options() -> DecodeOptions {
+    DecodeOptions {
+        allow_unk: true,
+        ..DecodeOptions::default()
+    }
+}
+
 fn probs(p: [f64; 5]) -> Vec<f64> {
     p.iter()
         .map(|x| if *x == 0.0 { -1e9 } else { x.ln() })
@@ -53,7 +61,7 @@ fn beam_finds_a_better_path_than_greedy() {
         greedy: true,
         beam: 1,
         penalty: LengthPenalty::None,
-        ..DecodeOptions::default()
+        ..table_options()
     };
     let g = decode(&mut m, &src, &greedy).unwrap();
     // Greedy: a (0.6), then a (0.35) beats eos (0.3)... follows a forever until the
@@ -63,7 +71,7 @@ fn beam_finds_a_better_path_than_greedy() {
     let beam = DecodeOptions {
         beam: 2,
         penalty: LengthPenalty::None,
-        ..DecodeOptions::default()
+        ..table_options()
     };
     let r = decode(&mut m, &src, &beam).unwrap();
     // Beam 2: "b eos" = 0.4 * 0.9 = 0.36 beats "a eos" = 0.18 and every longer path.
@@ -94,7 +102,7 @@ fn the_stopping_rules_differ_where_a_longer_hypothesis_wins() {
             beam: 1,
             penalty: LengthPenalty::Gnmt(1.0),
             early_stop,
-            ..DecodeOptions::default()
+            ..table_options()
         };
         decode(&mut m, &src, &opts).unwrap().remove(0)
     };
@@ -108,6 +116,38 @@ fn the_stopping_rules_differ_where_a_longer_hypothesis_wins() {
         "{}",
         exact.score
     );
+}
+
+/// `<unk>` (id 3) is never emitted unless allowed: the search takes the next best token,
+/// greedy or beam, and with `allow_unk` the `<unk>` path wins as its probability says.
+#[test]
+fn unknown_tokens_are_banned_unless_allowed() {
+    let mut table = BTreeMap::new();
+    table.insert(1, probs([0.0, 0.0, 0.0, 0.6, 0.4]));
+    table.insert(3, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
+    table.insert(4, probs([0.0, 0.0, 0.9, 0.05, 0.05]));
+    let src = Tensor::i32(vec![1, 3], vec![5, 6, 7]).unwrap();
+    for greedy in [true, false] {
+        let run = |allow_unk| {
+            let mut m = Table {
+                rows: vec![],
+                table: table.clone(),
+            };
+            let opts = DecodeOptions {
+                greedy,
+                beam: if greedy { 1 } else { 2 },
+                penalty: LengthPenalty::None,
+                allow_unk,
+                ..DecodeOptions::default()
+            };
+            decode(&mut m, &src, &opts).unwrap().remove(0)
+        };
+        assert_eq!(DecodeOptions::default().unk, 3);
+        let banned = run(false);
+        assert_eq!(banned.tokens, vec![4], "greedy {greedy}");
+        assert!((banned.score - (0.4f64 * 0.9).ln()).abs() < 1e-9);
+        assert_eq!(run(true).tokens, vec![3], "greedy {greedy}");
+    }
 }
 
 /// A model's maximum positions cap the output, even when `max_len_a` is so large
@@ -144,7 +184,7 @@ fn max_positions_cap_the_output_length() {
             },
             max_len_a: 1e300,
             max_positions: Some(6),
-            ..DecodeOptions::default()
+            ..table_options()
         };
         let r = decode(&mut m, &src, &opts).unwrap();
         // Positions 0 (<bos>) to 5 were read: six steps, at most five tokens.
@@ -168,7 +208,7 @@ fn nbest_keeps_the_finished_hypotheses_best_first() {
     let beam = DecodeOptions {
         beam: 2,
         penalty: LengthPenalty::None,
-        ..DecodeOptions::default()
+        ..table_options()
     };
     let all = decode_nbest(&mut m, &src, &beam, 2).unwrap();
     assert_eq!(all.len(), 2);
@@ -192,7 +232,7 @@ fn nbest_keeps_the_finished_hypotheses_best_first() {
     // ((5 + len) / 6)^0.6, len counting <eos>, and the list is sorted by score.
     let gnmt = DecodeOptions {
         beam: 2,
-        ..DecodeOptions::default()
+        ..table_options()
     };
     let g = decode_nbest(&mut m, &src, &gnmt, 2).unwrap();
     let div = |len: f64| ((5.0 + len) / 6.0f64).powf(0.6);
@@ -208,7 +248,7 @@ fn nbest_keeps_the_finished_hypotheses_best_first() {
         (
             &DecodeOptions {
                 greedy: true,
-                ..DecodeOptions::default()
+                ..table_options()
             },
             2,
             "cannot keep the 2 best hypotheses of a greedy search: it finds at most 1; ask for 1 to 1",
@@ -237,7 +277,7 @@ fn score_sums_the_log_probabilities_of_the_reference_and_eos() {
     assert!((got[2] - (0.4f64 * 0.9).ln()).abs() < 1e-12, "{got:?}");
     let beam = DecodeOptions {
         beam: 2,
-        ..DecodeOptions::default()
+        ..table_options()
     };
     let best = decode_nbest(&mut m, &src, &beam, 2).unwrap();
     for (i, hyps) in best.iter().enumerate() {
@@ -398,7 +438,7 @@ fn the_best_two_beam_tokens_of_each_row_decode_as_all_tokens() {
                     beam,
                     greedy,
                     max_len_b: 6,
-                    ..DecodeOptions::default()
+                    ..table_options()
                 };
                 let mut top = Random { v, seed, calls: 0 };
                 let mut whole = Whole(Random { v, seed, calls: 0 });

@@ -19,6 +19,10 @@ fn defaults_are_the_papers_recipe() {
     assert_eq!(c.valid.beam, 4);
     assert_eq!(c.valid.alpha, 0.6);
     assert_eq!(c.data.vocab_size, 37000);
+    assert!(
+        c.data.byte_fallback,
+        "new vocabularies spell unseen characters in bytes"
+    );
 }
 
 #[test]
