@@ -221,7 +221,7 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
     // A summary line on standard error, as fairseq and Marian print one.
     tell!(
         "translated {sentences} sentence{} ({src_tokens} source and {out_tokens} output \
-         tokens) in {secs:.1} s: {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
+         tokens) in {secs:.2} s: {:.1} sentences/s, {:.0} output tokens/s ({}, {})",
         if sentences == 1 { "" } else { "s" },
         sentences as f64 / secs.max(1e-9),
         out_tokens as f64 / secs.max(1e-9),
