@@ -20,10 +20,10 @@ pub(crate) struct GemmArgs {
     pub gemm_type: Option<String>,
 }
 
-/// `--batch` and `--max-tokens`: how `kiln translate` and `kiln score` cut their input,
-/// sorted by length, into batches ([`Batching`]).
-#[derive(clap::Args, Clone, Copy)]
-pub(crate) struct BatchArgs {
+/// How `kiln translate` and `kiln score` run: their batches (`--batch`, `--max-tokens`:
+/// [`Batching`]), executor, products, threads and workers.
+#[derive(clap::Args, Clone)]
+pub(crate) struct DecodeRunArgs {
     /// Sentences (or sentence pairs) decoded together, sorted by length first; each takes
     /// `beam` rows. 32 is fastest on 2 CPU cores; a GPU wants more.
     #[arg(long, default_value_t = kiln_decode::translate::TRANSLATE_BATCH,
@@ -34,14 +34,35 @@ pub(crate) struct BatchArgs {
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_tokens: Option<usize>,
+    /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
+    /// cuda` artifact's kernels on the GPU).
+    #[arg(long, default_value = "compiled",
+          value_parser = executor_kind(&["compiled", "eager", "reference", "cuda"]))]
+    pub executor: ExecutorKind,
+    #[command(flatten)]
+    pub gemm: GemmArgs,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Batches decoded at once, each by one worker on one thread (default: one per
+    /// thread on the CPU, as Marian's --cpu-threads; 1 on the GPU). 1 decodes the
+    /// batches one after another, each on every thread. The output is the same.
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub workers: Option<usize>,
 }
 
-impl BatchArgs {
+impl DecodeRunArgs {
     pub(crate) fn batching(&self) -> Batching {
         Batching {
             sentences: self.batch,
             max_tokens: self.max_tokens,
         }
+    }
+
+    /// Sets the thread count and the products for the command's executor.
+    pub(crate) fn apply(&self) -> Result<(), Error> {
+        set_threads(self.threads)?;
+        self.gemm.apply(self.executor)
     }
 }
 

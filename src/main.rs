@@ -68,7 +68,7 @@ mod input;
 mod outputs;
 
 pub(crate) use args::{
-    beam_width, finite_f64, non_negative_f64, set_threads, total_steps, BatchArgs, GemmArgs,
+    beam_width, finite_f64, non_negative_f64, set_threads, total_steps, DecodeRunArgs, GemmArgs,
     SpecArgs,
 };
 pub(crate) use errors::{err, file_error, plain, runtime_error};
@@ -250,22 +250,7 @@ enum Command {
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         nbest: Option<usize>,
         #[command(flatten)]
-        batching: BatchArgs,
-        /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
-        /// cuda` artifact's kernels on the GPU).
-        #[arg(long, default_value = "compiled",
-              value_parser = args::executor_kind(&["compiled", "eager", "reference", "cuda"]))]
-        executor: kiln_exec::executor::ExecutorKind,
-        #[command(flatten)]
-        gemm: GemmArgs,
-        /// Worker threads (default: one per core).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Batches decoded at once, each by one worker on one thread (default: one per
-        /// thread on the CPU, as Marian's --cpu-threads; 1 on the GPU). 1 decodes the
-        /// batches one after another, each on every thread. The output is the same.
-        #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-        workers: Option<usize>,
+        run: DecodeRunArgs,
     },
     /// Score reference translations with a trained model (teacher forcing, as fairseq's
     /// --score-reference and marian-scorer): each pair's log-probability, one per line,
@@ -286,22 +271,7 @@ enum Command {
         #[arg(long)]
         normalize: bool,
         #[command(flatten)]
-        batching: BatchArgs,
-        /// `compiled` (generated kernels), `eager`, `reference`, or `cuda` (a `--target
-        /// cuda` artifact's kernels on the GPU).
-        #[arg(long, default_value = "compiled",
-              value_parser = args::executor_kind(&["compiled", "eager", "reference", "cuda"]))]
-        executor: kiln_exec::executor::ExecutorKind,
-        #[command(flatten)]
-        gemm: GemmArgs,
-        /// Worker threads (default: one per core).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Batches decoded at once, each by one worker on one thread (default: one per
-        /// thread on the CPU, as Marian's --cpu-threads; 1 on the GPU). 1 decodes the
-        /// batches one after another, each on every thread. The output is the same.
-        #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-        workers: Option<usize>,
+        run: DecodeRunArgs,
     },
     /// Average the weights of checkpoints (the paper averages the last 5 or 20).
     Average {
@@ -451,14 +421,9 @@ fn dispatch(command: Command) -> Result<(), Error> {
             greedy,
             allow_unk,
             nbest,
-            batching,
-            executor,
-            gemm,
-            threads,
-            workers,
+            run,
         } => {
-            set_threads(threads)?;
-            gemm.apply(executor)?;
+            run.apply()?;
             cmd::translate::translate(cmd::translate::TranslateArgs {
                 checkpoint,
                 input,
@@ -471,9 +436,9 @@ fn dispatch(command: Command) -> Result<(), Error> {
                 greedy,
                 allow_unk,
                 nbest,
-                batching: batching.batching(),
-                executor,
-                workers,
+                batching: run.batching(),
+                executor: run.executor,
+                workers: run.workers,
             })
         }
         Command::Score {
@@ -481,22 +446,17 @@ fn dispatch(command: Command) -> Result<(), Error> {
             src,
             reference,
             normalize,
-            batching,
-            executor,
-            gemm,
-            threads,
-            workers,
+            run,
         } => {
-            set_threads(threads)?;
-            gemm.apply(executor)?;
+            run.apply()?;
             cmd::score::score(cmd::score::ScoreArgs {
                 checkpoint,
                 src,
                 reference,
                 normalize,
-                batching: batching.batching(),
-                executor,
-                workers,
+                batching: run.batching(),
+                executor: run.executor,
+                workers: run.workers,
             })
         }
         Command::Average {

@@ -8,7 +8,7 @@ use kiln_decode::translate::{check_positions, decode_workers, score_ids, Batchin
 use kiln_dsl::Error;
 use kiln_exec::executor::ExecutorKind;
 
-use crate::cmd::translate::{executor_label, progress_bar, translator};
+use crate::cmd::translate::{executor_label, progress_bar, translator, with_progress};
 use crate::input::read_text_lines;
 use crate::{err, plain};
 
@@ -91,26 +91,21 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
     .map_err(|e| plain("kiln::score", e, None))?;
     let started = std::time::Instant::now();
     let bar = progress_bar(srcs.len(), a.batching.sentences, "sentence pairs");
-    let scores = score_ids(
-        &*m.encode,
-        &*m.step,
-        &m.params,
-        &srcs,
-        &refs,
-        &opts,
-        m.vocab,
-        a.batching,
-        a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
-        &mut |n| {
-            if let Some(b) = &bar {
-                b.set_position(n as u64);
-            }
-        },
-    )
+    let scores = with_progress(bar, |done| {
+        score_ids(
+            &*m.encode,
+            &*m.step,
+            &m.params,
+            &srcs,
+            &refs,
+            &opts,
+            m.vocab,
+            a.batching,
+            a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
+            done,
+        )
+    })
     .map_err(err("kiln::score"))?;
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
     let secs = started.elapsed().as_secs_f64();
     let mut out = vec![String::new(); srcs_text.len()];
     let (mut total, mut tokens) = (0.0f64, 0usize);

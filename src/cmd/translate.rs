@@ -153,6 +153,23 @@ pub(crate) fn progress_bar(n: usize, batch: usize, unit: &str) -> Option<indicat
     })
 }
 
+/// `job` given a callback that moves `bar` (if any) to the count it is passed; the bar is
+/// cleared after.
+pub(crate) fn with_progress<T>(
+    bar: Option<indicatif::ProgressBar>,
+    job: impl FnOnce(&mut dyn FnMut(usize)) -> T,
+) -> T {
+    let out = job(&mut |n| {
+        if let Some(b) = &bar {
+            b.set_position(n as u64);
+        }
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    out
+}
+
 /// Chunks of standard input hold this many batches for each worker (as CTranslate2 reads
 /// ahead 16 batches): enough to sort by length and keep every worker busy.
 const CHUNK_BATCHES: usize = 16;
@@ -181,26 +198,21 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         // A progress bar on a terminal, for input that comes whole.
         let bar = progress_bar(srcs.len(), a.batching.sentences, "sentences")
             .filter(|_| input.is_whole());
-        let hyps = translate_nbest_ids(
-            &*m.encode,
-            &*m.step,
-            &m.params,
-            &srcs,
-            &opts,
-            m.vocab,
-            a.batching,
-            a.nbest.unwrap_or(1),
-            workers,
-            &mut |n| {
-                if let Some(b) = &bar {
-                    b.set_position(n as u64);
-                }
-            },
-        )
+        let hyps = with_progress(bar, |done| {
+            translate_nbest_ids(
+                &*m.encode,
+                &*m.step,
+                &m.params,
+                &srcs,
+                &opts,
+                m.vocab,
+                a.batching,
+                a.nbest.unwrap_or(1),
+                workers,
+                done,
+            )
+        })
         .map_err(err("kiln::translate"))?;
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
         sentences += srcs.len();
         src_tokens += srcs.iter().map(|s| s.len()).sum::<usize>();
         out_tokens += hyps
