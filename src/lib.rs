@@ -24,6 +24,7 @@ pub mod snapshot {
     use std::fmt::Write as _;
     use std::path::Path;
 
+    use kiln_compiler::pipeline::EntryProgram;
     use kiln_dsl::Options;
     use kiln_exec::{compiled_entry_graph_with, GraphKind};
 
@@ -44,8 +45,17 @@ pub mod snapshot {
         let g = compiled_entry_graph_with(entry, elaborate, |e| e.message)?;
         let p = kiln_compiler::pipeline::compile_entry(&g, &Default::default(), None)
             .map_err(|e| e.to_string())?;
+        let mut s = launch_text(&p, &g.name, entry);
+        s.push('\n');
+        s.push_str(&p.cpu.text());
+        Ok(s)
+    }
+
+    /// The kernels of program `p` (entry `entry` of graph `name`) in launch order, one line
+    /// each (its value, kind and the functions it runs), then the launch plan's fusions.
+    pub fn launch_text(p: &EntryProgram, name: &str, entry: &str) -> String {
         let mut s = String::new();
-        let _ = writeln!(s, "# kernels of {} entry={entry}", g.name);
+        let _ = writeln!(s, "# kernels of {name} entry={entry}");
         for l in &p.launch.launches {
             let fns: Vec<String> = l
                 .functions
@@ -56,8 +66,6 @@ pub mod snapshot {
             let _ = writeln!(s, "%{} {} {}", l.value, l.kind.name(), fns.join(" "));
         }
         s.push_str(&p.launch.fusions_text(true));
-        s.push('\n');
-        s.push_str(&p.cpu.text());
-        Ok(s)
+        s
     }
 }

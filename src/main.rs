@@ -122,6 +122,10 @@ enum Command {
     /// `--config` the artifact is what `kiln train` needs (tokenizer included); with
     /// `--from-model` it is a trained model ready for `kiln translate`.
     Compile(cmd::compile::CompileArgs),
+    /// Write a spec's generated kernels (launch order, kernel graph, CLIF, CUDA C) as
+    /// files to commit (`-o DIR`), compare with them (`--check DIR`: a unified diff and
+    /// exit status 1 when anything changed), or rewrite them (`--bless DIR`).
+    Snapshot(cmd::snapshot::SnapshotArgs),
     /// Describe a compiled artifact (format, model, kernels, code size, memory plan and
     /// arena bytes at given dims) or a model directory (a checkpoint, a run's newest
     /// checkpoint or `kiln average`'s output: model, parameters, vocabulary, training
@@ -364,6 +368,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             fusions,
         } => cmd::explain::explain(&args, kernels, &fusions),
         Command::Compile(a) => cmd::compile::compile(a),
+        Command::Snapshot(a) => cmd::snapshot::snapshot(a),
         Command::Inspect {
             dir,
             batch,

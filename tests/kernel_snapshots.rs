@@ -110,3 +110,84 @@ fn the_public_snapshot_helper_is_deterministic() {
     let err = kiln::snapshot::kernels(root().join("models/nope.kiln"), &[], "forward").unwrap_err();
     assert!(err.contains("nope.kiln"), "{err}");
 }
+
+/// `kiln snapshot`: `-o` writes the kernels as files, `--check` passes on the same spec and
+/// fails after a one-character change to it with a unified diff, `-o` will not write over
+/// a snapshot, and `--bless` rewrites it so that the check passes again.
+#[test]
+fn the_snapshot_command_writes_checks_and_blesses() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("snapshot_cli");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["transformer_tiny.kiln", "transformer_base.kiln"] {
+        std::fs::copy(root().join("models").join(f), dir.join(f)).unwrap();
+    }
+    let spec = dir.join("transformer_tiny.kiln");
+    let snap = dir.join("snap");
+    let (spec_s, snap_s) = (spec.to_str().unwrap(), snap.to_str().unwrap());
+    let run = |args: &[&str]| {
+        let base = [
+            "snapshot",
+            spec_s,
+            "--set",
+            "vocab=48",
+            "--entries",
+            "forward",
+        ];
+        let out = common::kiln(&[&base[..], args].concat());
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    let (code, _, err) = run(&["-o", snap_s]);
+    assert_eq!(code, Some(0), "{err}");
+    let read = |f: &str| std::fs::read_to_string(snap.join(f)).unwrap();
+    let launch = read("forward.launch.txt");
+    assert!(launch.starts_with("# kernels of transformer_tiny entry=forward\n%"));
+    assert!(
+        launch.contains(" attention softmax=scale_mask_softmax_0"),
+        "{launch}"
+    );
+    assert!(read("forward.clif").contains("function %embed_pe_0(i64, i64, i64, i64) system_v {"));
+    assert!(read("forward.graph.txt").contains("attention"));
+    assert!(
+        !snap.join("forward.cu").exists(),
+        "no CUDA C for --target cpu"
+    );
+    let header = read("snapshot.txt");
+    assert!(
+        header.starts_with("kiln snapshot of transformer_tiny.kiln\nset vocab=48\nentries forward\noption target cpu\n"),
+        "{header}"
+    );
+
+    let (code, out, err) = run(&["--check", snap_s]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("matches (4 files)"), "{out}");
+
+    let text = std::fs::read_to_string(&spec).unwrap();
+    assert!(text.contains("d_ff = 64"));
+    std::fs::write(&spec, text.replacen("d_ff = 64", "d_ff = 68", 1)).unwrap();
+    let (code, out, err) = run(&["--check", snap_s]);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        out.contains("forward.graph.txt (snapshot)") && out.contains("\n@@ -"),
+        "{out}"
+    );
+    assert!(
+        out.lines().any(|l| l.starts_with('-') && l.contains("64"))
+            && out.lines().any(|l| l.starts_with('+') && l.contains("68")),
+        "{out}"
+    );
+    assert!(
+        err.contains("differ from the snapshot") && err.contains("--bless"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let (code, _, err) = run(&["-o", snap_s]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("already holds a snapshot"), "{err}");
+    let (code, _, err) = run(&["--bless", snap_s]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = run(&["--check", snap_s]);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+}

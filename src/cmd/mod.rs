@@ -13,5 +13,6 @@ pub mod init;
 pub mod inspect;
 pub mod run;
 pub mod score;
+pub mod snapshot;
 pub mod train;
 pub mod translate;
