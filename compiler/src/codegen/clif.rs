@@ -20,8 +20,8 @@
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{
-    types, AbiParam, BlockArg, Function, InstBuilder, MemFlagsData, Signature, Type, UserFuncName,
-    Value,
+    types, AbiParam, BlockArg, Function, InstBuilder, MemFlagsData, Signature, StackSlotData,
+    StackSlotKind, Type, UserFuncName, Value,
 };
 use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
@@ -297,6 +297,59 @@ impl Kb<'_> {
             vec![kb.combine(op, acc[0], t)]
         });
         s[0]
+    }
+
+    /// The sum of `term` over elements `[lo, hi)` in an order fixed by each element's
+    /// index alone: element `i` goes to lane `i % LANES` of accumulator
+    /// `(i / LANES) % UNROLL`, in increasing `i`, the last partial group of
+    /// `LANES · UNROLL` through a zero-filled stack buffer; then the accumulators pairwise
+    /// and the lanes. So terms after `hi` that are exactly zero (the masked keys of a
+    /// padded row) do not change a bit of the sum: a sentence's attention is the same
+    /// alone and in a padded batch. `term` is called once per element, vector or scalar.
+    pub fn sum_elems_padded(
+        &mut self,
+        lo: Value,
+        hi: Value,
+        mut term: impl FnMut(&mut Kb, Value, Type) -> Value,
+    ) -> Value {
+        let group = LANES * UNROLL;
+        let z = self.fconst(VF, 0.0);
+        let accs = vec![z; UNROLL as usize];
+        let (i, mut accs) = self.for_range(lo, hi, group, &accs, |kb, i, acc| {
+            (0..UNROLL)
+                .map(|u| {
+                    let j = kb.b.ins().iadd_imm_s(i, u * LANES);
+                    let t = term(kb, j, VF);
+                    kb.b.ins().fadd(acc[u as usize], t)
+                })
+                .collect()
+        });
+        let slot = self.b.create_sized_stack_slot(StackSlotData::new(
+            StackSlotKind::ExplicitSlot,
+            4 * group as u32,
+            4,
+        ));
+        let buf = self.b.ins().stack_addr(types::I64, slot, 0);
+        let zero = self.fconst(VF, 0.0);
+        for u in 0..UNROLL {
+            let at = self.iconst(u * LANES);
+            self.store(zero, buf, at);
+        }
+        self.for_range(i, hi, 1, &[], |kb, j, _| {
+            let t = term(kb, j, types::F32);
+            let at = kb.b.ins().isub(j, i);
+            kb.store(t, buf, at);
+            vec![]
+        });
+        for (u, acc) in accs.iter_mut().enumerate() {
+            let at = self.iconst(u as i64 * LANES);
+            let t = self.load(VF, buf, at);
+            *acc = self.b.ins().fadd(*acc, t);
+        }
+        let a01 = self.b.ins().fadd(accs[0], accs[1]);
+        let a23 = self.b.ins().fadd(accs[2], accs[3]);
+        let acc = self.b.ins().fadd(a01, a23);
+        self.horizontal(Reduce::Sum, acc)
     }
 
     /// `a op b` for a reduction operator.

@@ -138,7 +138,7 @@ fn softmax_tail(
 ) {
     let zero = kb.iconst(0);
     let mv = Sc::new(kb, m);
-    let z = kb.reduce_elems(zero, len, 0.0, Reduce::Sum, |kb, j, ty| {
+    let z = kb.sum_elems_padded(zero, len, |kb, j, ty| {
         let x = value(kb, j, ty);
         let d = kb.b.ins().fsub(x, mv.get(ty));
         let e = kb.exp_nonpositive(d);
