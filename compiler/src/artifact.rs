@@ -275,12 +275,8 @@ pub struct ArtifactSpec {
 /// Why an artifact could not be written.
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::io_error::PathIoError),
     #[error(transparent)]
     Tensor(#[from] TensorFileError),
     #[error(
@@ -292,13 +288,11 @@ pub enum ArtifactError {
     Invalid(String),
 }
 
-fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError {
-    let path = path.to_path_buf();
-    move |source| ArtifactError::Io {
-        action,
-        path,
-        source,
-    }
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> ArtifactError + 'a {
+    crate::io_error::PathIoError::at(action, path)
 }
 
 /// Splits CLIF text (as [`CpuCode::text`] writes it) into `(name, text)` per function at

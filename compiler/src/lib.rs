@@ -22,7 +22,7 @@
 //! - [`pipeline`] — the one driver that runs the passes in order;
 //! - [`artifact`] — writing a compiled artifact;
 //! - [`memory`] and [`fsync`] — the memory check before large allocations, durable
-//!   writes.
+//!   writes; [`io_error`] — the one error for a failed file operation.
 
 pub mod adam;
 pub mod artifact;
@@ -33,6 +33,7 @@ pub mod fsync;
 pub mod fuse;
 pub mod hoist;
 pub mod init;
+pub mod io_error;
 pub mod launch_plan;
 pub mod memory;
 pub mod optimize;

@@ -7,6 +7,7 @@
 //! Bool tensors are stored with safetensors' `BOOL` dtype, one byte per element (0 or 1).
 //! Every error names the file and says what to do about it.
 
+use crate::io_error::PathIoError;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -199,12 +200,8 @@ pub enum TensorFileError {
         "no tensor file at `{path}`; check the path (or create it first, e.g. with `kiln init`)"
     )]
     NotFound { path: PathBuf },
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] PathIoError),
     #[error(
         "`{path}` is not a readable safetensors file ({source}); it may be truncated or \
          corrupt, or not a safetensors file at all — re-create it from its source"
@@ -324,11 +321,8 @@ pub fn save_safetensors(
     if let Some(m) = metadata {
         sort_metadata(&mut bytes, m);
     }
-    crate::fsync::write_replacing(path, &bytes).map_err(|(action, source)| TensorFileError::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
-    })
+    crate::fsync::write_replacing(path, &bytes)
+        .map_err(|(action, source)| PathIoError::new(action, path, source).into())
 }
 
 /// `safetensors::serialize` writes the header's `__metadata__` from a `HashMap`, in an order
@@ -359,11 +353,7 @@ pub fn load_safetensors(path: &Path) -> Result<BTreeMap<String, Tensor>, TensorF
                 path: path.to_path_buf(),
             }
         } else {
-            TensorFileError::Io {
-                action: "read",
-                path: path.to_path_buf(),
-                source,
-            }
+            PathIoError::new("read", path, source).into()
         }
     })?;
     let file = SafeTensors::deserialize(&bytes).map_err(|source| TensorFileError::Format {

@@ -44,12 +44,8 @@ pub enum ArtifactError {
          `kiln compile --entries … -o DIR` wrote, or recompile"
     )]
     MissingManifest { dir: PathBuf, file: &'static str },
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] kiln_compiler::io_error::PathIoError),
     #[error(
         "`{path}` is not a valid artifact manifest ({message}); recompile with `kiln compile`"
     )]
@@ -94,13 +90,11 @@ pub enum ArtifactError {
     },
 }
 
-fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError {
-    let path = path.to_path_buf();
-    move |source| ArtifactError::Io {
-        action,
-        path,
-        source,
-    }
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> ArtifactError + 'a {
+    kiln_compiler::io_error::PathIoError::at(action, path)
 }
 
 /// One entry point of a loaded artifact.

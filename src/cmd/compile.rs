@@ -528,7 +528,7 @@ fn write_artifact_from(
         extras: src.extras,
     };
     kiln_compiler::artifact::write_artifact(dir, &art).map_err(|e| {
-        let help = matches!(e, kiln_compiler::artifact::ArtifactError::Io { .. })
+        let help = matches!(e, kiln_compiler::artifact::ArtifactError::Io(_))
             .then(|| "check that the output directory is writable".to_string());
         plain("kiln::artifact", e.to_string(), help)
     })?;

@@ -40,12 +40,8 @@ const METASPACE: char = '\u{2581}';
 /// Why data could not be read, a vocabulary trained or loaded, or batches made.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] kiln_compiler::io_error::PathIoError),
     #[error(
         "`{path}` line {line} is not valid UTF-8 (bad byte at column {column}); \
          re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
@@ -94,11 +90,7 @@ fn io_err<'a>(
     action: &'static str,
     path: &'a Path,
 ) -> impl FnOnce(std::io::Error) -> DataError + 'a {
-    move |source| DataError::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
-    }
+    kiln_compiler::io_error::PathIoError::at(action, path)
 }
 
 // ---------------------------------------------------------------------------------------

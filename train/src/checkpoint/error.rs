@@ -9,12 +9,8 @@ use kiln_compiler::tensor::TensorFileError;
 pub enum CheckpointError {
     #[error(transparent)]
     Checksum(#[from] crate::checksums::ChecksumError),
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] kiln_compiler::io_error::PathIoError),
     #[error(transparent)]
     Tensor(#[from] TensorFileError),
     #[error(
@@ -106,9 +102,5 @@ pub(super) fn io_err<'a>(
     action: &'static str,
     path: &'a Path,
 ) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
-    move |source| CheckpointError::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
-    }
+    kiln_compiler::io_error::PathIoError::at(action, path)
 }
