@@ -210,6 +210,18 @@ pub fn blas_operand(m: &MatDesc) -> Option<BlasOperand> {
     None
 }
 
+/// Where one row-major product `c = a·b + beta·c` reads and writes (device addresses);
+/// with `batch = Some((count, stride_a, stride_b, stride_c))` one strided-batched call
+/// (element strides).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmPtrs {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub beta: f32,
+    pub batch: Option<(usize, i64, i64, i64)>,
+}
+
 /// The arguments of `cublasSgemm` computing row-major `C[m, n] = A[m, k]·B[k, n]`
 /// (row stride of `C`: `ldc`) as column-major `Cᵀ = Bᵀ·Aᵀ`: cuBLAS's first operand is
 /// `B` (`transa`, `lda`), its second `A` (`transb`, `ldb`), and its `m, n` are our `n, m`.

@@ -17,7 +17,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use kiln_compiler::codegen::cuda::Work;
 
-use super::abi::Sgemm;
+use super::abi::{GemmPtrs, Sgemm};
 
 mod gpu;
 mod nvrtc;
@@ -343,25 +343,20 @@ impl Device {
     }
 
     /// See [`Gpu::gemm`].
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         g: &Sgemm,
         elem: GemmElem,
         out: GemmElem,
-        a: u64,
-        b: u64,
-        c: u64,
-        beta: f32,
-        batch: Option<(usize, i64, i64, i64)>,
+        p: GemmPtrs,
     ) -> Result<(), String> {
         if elem == GemmElem::F32 && out != GemmElem::F32 {
             return Err("internal: an f32 GEMM into a bf16 result".to_string());
         }
         match self {
-            Device::Gpu(d) => d.gemm(g, elem, out, a, b, c, beta, batch),
+            Device::Gpu(d) => d.gemm(g, elem, out, p),
             #[cfg(feature = "emulate")]
-            Device::Host(h) => h.gemm(g, elem, out, a, b, c, beta, batch),
+            Device::Host(h) => h.gemm(g, elem, out, p),
         }
     }
 
@@ -426,19 +421,11 @@ impl Device {
     }
 
     /// See [`Gpu::sgemm`].
-    pub fn sgemm(
-        &self,
-        g: &Sgemm,
-        a: u64,
-        b: u64,
-        c: u64,
-        beta: f32,
-        batch: Option<(usize, i64, i64, i64)>,
-    ) -> Result<(), String> {
+    pub fn sgemm(&self, g: &Sgemm, p: GemmPtrs) -> Result<(), String> {
         match self {
-            Device::Gpu(d) => d.sgemm(g, a, b, c, beta, batch),
+            Device::Gpu(d) => d.sgemm(g, p),
             #[cfg(feature = "emulate")]
-            Device::Host(h) => h.gemm(g, GemmElem::F32, GemmElem::F32, a, b, c, beta, batch),
+            Device::Host(h) => h.gemm(g, GemmElem::F32, GemmElem::F32, p),
         }
     }
 }

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaContext, CudaModule, DevicePtr};
 use cudarc::nvrtc::Ptx;
 use kiln_compiler::codegen::cuda::Work;
 
-use crate::cuda::abi::{grid, pack_dims, Sgemm};
+use crate::cuda::abi::{grid, pack_dims, GemmPtrs, Sgemm};
 use crate::cuda::lt::Epilogue;
 
 use super::*;
@@ -478,20 +478,22 @@ impl Gpu {
     /// result `c` of element type `out` (accumulation fp32): bf16 operands go through
     /// `cublasGemmEx`, with an f32 result or, in a mixed-precision program, a bf16 one
     /// (`beta` then reads the bf16 `c`). An f32 GEMM has an f32 result.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         g: &Sgemm,
         elem: GemmElem,
         out: GemmElem,
-        a: u64,
-        b: u64,
-        c: u64,
-        beta: f32,
-        batch: Option<(usize, i64, i64, i64)>,
+        p: GemmPtrs,
     ) -> Result<(), String> {
+        let GemmPtrs {
+            a,
+            b,
+            c,
+            beta,
+            batch,
+        } = p;
         if elem == GemmElem::F32 {
-            return self.sgemm(g, a, b, c, beta, batch);
+            return self.sgemm(g, p);
         }
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
         let alpha = 1.0f32;
@@ -593,18 +595,15 @@ impl Gpu {
         )
     }
 
-    /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] at `a`, `b`, `c`; with `batch =
-    /// Some((count, stride_a, stride_b, stride_c))` one strided-batched call (element
-    /// strides).
-    pub fn sgemm(
-        &self,
-        g: &Sgemm,
-        a: u64,
-        b: u64,
-        c: u64,
-        beta: f32,
-        batch: Option<(usize, i64, i64, i64)>,
-    ) -> Result<(), String> {
+    /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] where `p` says.
+    pub fn sgemm(&self, g: &Sgemm, p: GemmPtrs) -> Result<(), String> {
+        let GemmPtrs {
+            a,
+            b,
+            c,
+            beta,
+            batch,
+        } = p;
         let alpha = 1.0f32;
         let h = *self.blas.handle();
         // SAFETY: the pointers address the operands the plan describes (sizes and leading

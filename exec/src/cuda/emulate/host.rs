@@ -13,7 +13,7 @@ use kiln_compiler::artifact::fnv1a64;
 use kiln_compiler::codegen::cuda::host::FIBER_SHIM;
 use kiln_compiler::codegen::cuda::Work;
 
-use crate::cuda::abi::{grid, pack_dims, KilnDims, Sgemm};
+use crate::cuda::abi::{grid, pack_dims, GemmPtrs, KilnDims, Sgemm};
 use crate::cuda::device::{GemmElem, GemmMath};
 use crate::cuda::lt::Epilogue;
 
@@ -316,18 +316,20 @@ impl HostDevice {
 
     /// `cublasSgemm` / `cublasGemmEx` (strided-batched with `batch`): see the module
     /// documentation. `first` is cuBLAS's first operand (`b` of the row-major product).
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         g: &Sgemm,
         elem: GemmElem,
         out: GemmElem,
-        a: u64,
-        b: u64,
-        c: u64,
-        beta: f32,
-        batch: Option<(usize, i64, i64, i64)>,
+        p: GemmPtrs,
     ) -> Result<(), String> {
+        let GemmPtrs {
+            a,
+            b,
+            c,
+            beta,
+            batch,
+        } = p;
         let (count, sa, sb, sc) = batch.unwrap_or((1, 0, 0, 0));
         for i in 0..count as i64 {
             let at = |p: u64, stride: i64, el: GemmElem| p + (i * stride) as u64 * size(el);

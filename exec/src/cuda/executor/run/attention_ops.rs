@@ -4,7 +4,7 @@
 use kiln_compiler::codegen::cuda::attention::{self, Part};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 
-use crate::cuda::abi::{even_stride, sgemm_args, Launch, MatDesc};
+use crate::cuda::abi::{even_stride, sgemm_args, GemmPtrs, Launch, MatDesc};
 
 use super::*;
 
@@ -45,21 +45,25 @@ impl Run<'_> {
         match (even_stride(&a.offsets), even_stride(&b.offsets)) {
             (Some(sa), Some(sb)) => self.dev.sgemm(
                 &g,
-                at(a, 0),
-                at(b, 0),
-                c,
-                0.0,
-                Some((count, sa, sb, (m * n) as i64)),
+                GemmPtrs {
+                    a: at(a, 0),
+                    b: at(b, 0),
+                    c,
+                    beta: 0.0,
+                    batch: Some((count, sa, sb, (m * n) as i64)),
+                },
             ),
             _ => {
                 for i in 0..count {
                     self.dev.sgemm(
                         &g,
-                        at(a, i),
-                        at(b, i),
-                        c + 4 * (i * m * n) as u64,
-                        0.0,
-                        None,
+                        GemmPtrs {
+                            a: at(a, i),
+                            b: at(b, i),
+                            c: c + 4 * (i * m * n) as u64,
+                            beta: 0.0,
+                            batch: None,
+                        },
                     )?;
                 }
                 Ok(())

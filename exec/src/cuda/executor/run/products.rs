@@ -6,7 +6,7 @@ use kiln_compiler::codegen::cuda::cast;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
 use kiln_compiler::ir::DType;
 
-use crate::cuda::abi::{blas_operand, plan_matmul, Launch, MatDesc, MatmulPlan};
+use crate::cuda::abi::{blas_operand, plan_matmul, GemmPtrs, Launch, MatDesc, MatmulPlan};
 use crate::cuda::device::{self};
 use crate::cuda::steps::{Exec as StepExec, Step};
 use crate::eager::value::Layout;
@@ -107,11 +107,13 @@ impl Run<'_> {
                 &plan.gemm,
                 ops.elem,
                 out_elem,
-                ops.a.at(plan.a_offsets[0]),
-                ops.b.at(plan.b_offsets[0]),
-                out.base(),
-                beta,
-                Some((plan.a_offsets.len(), sa, sb, plan.c_stride as i64)),
+                GemmPtrs {
+                    a: ops.a.at(plan.a_offsets[0]),
+                    b: ops.b.at(plan.b_offsets[0]),
+                    c: out.base(),
+                    beta,
+                    batch: Some((plan.a_offsets.len(), sa, sb, plan.c_stride as i64)),
+                },
             ),
             None => {
                 for (i, (&oa, &ob)) in plan.a_offsets.iter().zip(&plan.b_offsets).enumerate() {
@@ -119,11 +121,13 @@ impl Run<'_> {
                         &plan.gemm,
                         ops.elem,
                         out_elem,
-                        ops.a.at(oa),
-                        ops.b.at(ob),
-                        out.at(out.layout.offset + i * plan.c_stride),
-                        beta,
-                        None,
+                        GemmPtrs {
+                            a: ops.a.at(oa),
+                            b: ops.b.at(ob),
+                            c: out.at(out.layout.offset + i * plan.c_stride),
+                            beta,
+                            batch: None,
+                        },
                     )?;
                 }
                 Ok(())
