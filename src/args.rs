@@ -15,7 +15,9 @@ pub(crate) struct GemmArgs {
     /// The compiled executor's large matrix products (Marian's --gemm-type): `f32` (the
     /// default), `16bit` (the best 16-bit kernel this CPU has), or one kernel: `amx`
     /// (bf16 on AMX tiles), `dot` (bf16 with AVX-512's VDPBF16PS), `fp16` (AVX512-FP16),
-    /// `int16` (AVX2's VPMADDWD).
+    /// `int16` (AVX2's VPMADDWD); for translating and scoring, `int8` (weights per output
+    /// channel and activations per row in int8, exact int32 sums: AVX-512 VNNI, AVX-VNNI
+    /// or AVX2).
     #[arg(long, value_name = "TYPE", value_parser = kiln_exec::compiled::GemmType::NAMES)]
     pub gemm_type: Option<String>,
 }

@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::optimize::Target;
 
-/// The arithmetic of an artifact's CUDA program. (The CPU program is f32; its matrix
+/// The arithmetic of an artifact's program: the CUDA program's, or `int8` for a CPU
+/// inference artifact's weight products. (Otherwise the CPU program is f32; its matrix
 /// products may run with 16-bit operands, a choice of the run: `--gemm-type`.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -25,10 +26,14 @@ pub enum Precision {
     /// bf16 activations and GEMM operands, f32 sums, f32 master weights, Adam and loss
     /// (the CUDA program is generated for it).
     Mixed,
+    /// Target cpu, inference: the products of a weight run with int8 operands (the weight
+    /// per output channel, the activation per row at run time) and exact int32 sums, as
+    /// CTranslate2's int8; everything else f32 (`kiln_matmul::int8`).
+    Int8,
 }
 
 impl Precision {
-    pub const NAMES: [&'static str; 4] = ["f32", "tf32", "bf16", "mixed"];
+    pub const NAMES: [&'static str; 5] = ["f32", "tf32", "bf16", "mixed", "int8"];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -36,6 +41,7 @@ impl Precision {
             Precision::Tf32 => "tf32",
             Precision::Bf16 => "bf16",
             Precision::Mixed => "mixed",
+            Precision::Int8 => "int8",
         }
     }
 
@@ -43,7 +49,7 @@ impl Precision {
         Precision::NAMES
             .iter()
             .position(|n| *n == s)
-            .map(|i| [Self::F32, Self::Tf32, Self::Bf16, Self::Mixed][i])
+            .map(|i| [Self::F32, Self::Tf32, Self::Bf16, Self::Mixed, Self::Int8][i])
     }
 }
 
@@ -93,7 +99,8 @@ pub const TARGET_DOC: &str = "the machine the program is for: cpu, or cuda (its 
 pub const CUDA_ARCH_DOC: &str =
     "target cuda: the GPU architecture NVRTC compiles for (sm_90: H100/H200, sm_80: A100)";
 pub const PRECISION_DOC: &str = "target cuda: f32 (pedantic GEMMs), tf32 or bf16 (the GEMMs' \
-     operands), or mixed (bf16 activations, f32 master weights)";
+     operands), or mixed (bf16 activations, f32 master weights); target cpu: f32, or int8 \
+     (inference: the weights' products with int8 operands and int32 sums)";
 pub const BUFFER_REUSE_DOC: &str =
     "whether the memory plan shares arena slots and writes results in place (off: for debugging)";
 
@@ -161,11 +168,19 @@ impl CompileOptions {
             (Target::Cpu, Some(a), _) => Err(format!(
                 "--cuda-arch {a} is for target cuda, but the target is cpu; give --target cuda"
             )),
-            (Target::Cpu, None, p) if p != Precision::F32 => Err(format!(
-                "--precision {} is the CUDA program's, but the target is cpu (whose products \
-                 run in 16 bits with `--gemm-type` at run time); give --target cuda",
-                p.name()
-            )),
+            (Target::Cpu, None, p) if !matches!(p, Precision::F32 | Precision::Int8) => {
+                Err(format!(
+                    "--precision {} is the CUDA program's, but the target is cpu (whose \
+                     products run in 16 bits with `--gemm-type` at run time); give --target \
+                     cuda",
+                    p.name()
+                ))
+            }
+            (Target::Cuda, _, Precision::Int8) => Err(
+                "--precision int8 is for the CPU's products, but the target is cuda; give \
+                 --target cpu, or --precision bf16 or mixed for the GPU"
+                    .to_string(),
+            ),
             (Target::Cuda, None, _) => {
                 Err("target cuda needs a GPU architecture; give --cuda-arch sm_XY".to_string())
             }

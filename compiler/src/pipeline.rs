@@ -107,7 +107,7 @@ pub fn compile_entry(
 pub fn cuda_program(kg: &KernelGraph, precision: Precision) -> Result<CudaCode, PipelineError> {
     let elem = match precision {
         Precision::Mixed => Elem::Bf16,
-        Precision::F32 | Precision::Tf32 | Precision::Bf16 => Elem::F32,
+        Precision::F32 | Precision::Tf32 | Precision::Bf16 | Precision::Int8 => Elem::F32,
     };
     let code = crate::codegen::cuda::program::emit_with(kg, elem).map_err(PipelineError::Cuda)?;
     if precision == Precision::Mixed {

@@ -20,6 +20,7 @@ use kiln_compiler::artifact::{
     TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use kiln_compiler::codegen::program::CpuCode;
+use kiln_compiler::options::Precision as CompilePrecision;
 use kiln_compiler::reference::ExecError;
 use kiln_compiler::tensor::{load_safetensors, Tensor, TensorFileError};
 
@@ -225,17 +226,26 @@ impl Artifact {
     /// The compiled executor of entry `name` (JIT-compiles its CLIF for this machine).
     pub fn executor(&self, name: &str) -> Result<Compiled, ArtifactError> {
         let e = self.entry(name)?;
-        Compiled::new(
+        let failed = |source| ArtifactError::Executor {
+            entry: name.to_string(),
+            source: Box::new(source),
+        };
+        let mut c = Compiled::new(
             e.manifest.graph.clone(),
             e.manifest.kernel_graph.clone(),
             e.manifest.plan.clone(),
             e.code.clone(),
             e.manifest.launch.clone(),
         )
-        .map_err(|source| ArtifactError::Executor {
-            entry: name.to_string(),
-            source: Box::new(source),
-        })
+        .map_err(failed)?;
+        // `--precision int8`: the weights' products in int8, unless the run chose its own
+        // (`--gemm-type`, which says so).
+        let int8 = self.manifest.options.precision == CompilePrecision::Int8;
+        if int8 && crate::compiled::process_choice().is_none() {
+            c.set_bf16_kernel(Some(crate::compiled::Kernel16::Int8))
+                .map_err(failed)?;
+        }
+        Ok(c)
     }
 
     /// The weights (`weights.safetensors`; its hash was checked by [`Artifact::load`]).

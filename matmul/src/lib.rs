@@ -9,6 +9,8 @@
 //!   sharing their rounding, packing and driver;
 //! - [`int16`]: int16 operands and int32 sums on AVX2's `VPMADDWD` (`avx2.rs`), sharing
 //!   the float16 driver's interface;
+//! - [`int8`]: int8 operands and int32 sums for inference, on AVX-512 VNNI
+//!   (`avx512_vnni.rs`), AVX-VNNI (`avx_vnni.rs`) or AVX2 (`avx2.rs`);
 //! - [`Kernel16`] (`kernel.rs`): which of the 16-bit kernels this CPU runs, and
 //!   [`matmul16`], a safe product on slices.
 //!
@@ -29,6 +31,8 @@ pub mod float16;
 pub mod float16;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub mod int16;
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub mod int8;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub mod small;
 

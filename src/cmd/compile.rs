@@ -450,6 +450,27 @@ fn write_artifact_from(
     let mut weights = BTreeMap::new();
     let mut model = String::new();
     let mut hparams = Vec::new();
+    let training = ["train_step", "adam_update"];
+    if let Some((name, _)) = src
+        .graphs
+        .iter()
+        .find(|(n, _)| training.contains(&n.as_str()))
+    {
+        if options.precision == kiln_compiler::options::Precision::Int8 {
+            return Err(plain(
+                "kiln::compile",
+                format!(
+                    "--precision int8 rounds the weights' products to 8 bits, which inference \
+                     takes and training does not, but entry `{name}` trains"
+                ),
+                Some(
+                    "compile the decoding entries (`--from-model RUN`, or `--entries \
+                     encode,decode_step`) in int8, and train in f32"
+                        .to_string(),
+                ),
+            ));
+        }
+    }
     for (name, g) in src.graphs {
         let p = compile_entry(&g, options, check.then_some(src.seed)).map_err(|e| {
             let (code, help) = match &e {

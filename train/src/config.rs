@@ -170,7 +170,8 @@ pub struct TrainConfig {
     pub executor: String,
     /// How the compiled executor runs its large matrix products (`kiln train
     /// --gemm-type`): `f32`, `16bit` (the best 16-bit kernel this CPU has), or a kernel:
-    /// `amx`, `dot`, `fp16`, `int16` (see `docs/PERFORMANCE.md`). Absent: f32.
+    /// `amx`, `dot`, `fp16`, `int16` (see `docs/PERFORMANCE.md`; not `int8`, which is for
+    /// inference). Absent: f32.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_type: Option<String>,
     /// Worker threads (0: one per core).
@@ -573,6 +574,11 @@ impl Config {
                         self.train.executor
                     ))
                 }
+                Some(kiln_exec::compiled::GemmType::Kernel(
+                    kiln_exec::compiled::Kernel16::Int8,
+                )) => bad.push(format!(
+                    "train.gemm_type `{g}` rounds every product's operands to 8 bits, which                      translation takes and training does not: use f32 or 16bit here, and                      `kiln translate --gemm-type int8` for the trained model"
+                )),
                 Some(_) => {}
             }
         }

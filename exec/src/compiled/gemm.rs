@@ -69,9 +69,14 @@ pub(crate) const BF16_MIN: usize = 1 << 22;
 pub(crate) const INT16_PACKED_MIN: usize = 1 << 16;
 
 /// Whether a product of `work` multiply-adds runs with the 16-bit `kernel` ([`BF16_MIN`],
-/// [`INT16_PACKED_MIN`]); `packed`: its right operand is a weight packed beforehand.
+/// [`INT16_PACKED_MIN`]); `packed`: its right operand is a weight packed beforehand. The
+/// int8 kernel runs only the products of packed weights (CTranslate2's scheme: the
+/// products of two activations, attention's, stay f32), with int16's floor.
 pub(crate) fn takes_16bit(kernel: Kernel16, work: usize, packed: bool) -> bool {
-    work >= BF16_MIN || (packed && kernel.is_int16() && work >= INT16_PACKED_MIN)
+    match kernel {
+        Kernel16::Int8 => packed && work >= INT16_PACKED_MIN,
+        _ => work >= BF16_MIN || (packed && kernel.is_int16() && work >= INT16_PACKED_MIN),
+    }
 }
 
 /// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large

@@ -22,7 +22,7 @@ pub enum GemmType {
 
 impl GemmType {
     /// The names [`GemmType::parse`] takes, for `--gemm-type` and `train.gemm_type`.
-    pub const NAMES: [&'static str; 6] = ["f32", "16bit", "amx", "dot", "fp16", "int16"];
+    pub const NAMES: [&'static str; 7] = ["f32", "16bit", "amx", "dot", "fp16", "int16", "int8"];
 
     /// `f32`, `16bit` (the best 16-bit kernel), or a kernel's [key](Kernel16::key).
     pub fn parse(name: &str) -> Option<GemmType> {
@@ -66,6 +66,12 @@ pub fn set_process_gemm_type(t: GemmType) -> Result<Option<Kernel16>, String> {
     let kernel = t.kernel()?;
     *PROCESS_GEMM.lock().unwrap_or_else(|p| p.into_inner()) = Some(kernel);
     Ok(kernel)
+}
+
+/// The process's choice of products ([`set_process_gemm_type`]; `Some(None)`: f32), where
+/// it made one: it overrides what an artifact records (`--precision int8`).
+pub fn process_choice() -> Option<Option<Kernel16>> {
+    *PROCESS_GEMM.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What a new compiled executor runs its large products with (`None`: f32): the

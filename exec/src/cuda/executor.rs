@@ -371,6 +371,7 @@ pub fn precision_label(p: CompilePrecision) -> &'static str {
         CompilePrecision::Tf32 => "tf32",
         CompilePrecision::Bf16 => "bf16",
         CompilePrecision::Mixed => "mixed-bf16",
+        CompilePrecision::Int8 => "int8",
     }
 }
 
@@ -415,7 +416,8 @@ impl CudaExecutor {
         let math = match precision {
             CompilePrecision::Bf16 | CompilePrecision::Mixed => device::GemmMath::Bf16,
             CompilePrecision::Tf32 => device::GemmMath::Tf32,
-            CompilePrecision::F32 => device::GemmMath::F32,
+            // (A CUDA artifact is never int8: `CompileOptions::check` refuses it.)
+            CompilePrecision::F32 | CompilePrecision::Int8 => device::GemmMath::F32,
         };
         let mut device =
             Device::new(options.device, ptx, &funcs, math).map_err(CudaExecError::Driver)?;

@@ -469,7 +469,9 @@ impl Blocks<'_> {
                         };
                         half_block(c, ldc, load, ops, kc, unscale, epi)
                     }
-                    Kernel16::Int16 => unreachable!("int16 products run in int16.rs"),
+                    Kernel16::Int16 | Kernel16::Int8 => {
+                        unreachable!("integer products run in int16/ and int8/")
+                    }
                 }
             };
         let tiles = kernel == Kernel16::Tiles;

@@ -156,6 +156,19 @@ pub unsafe fn gemm(
         // SAFETY: as the caller's.
         return unsafe { crate::int16::gemm((m, k, n), dst, ld, a, b, read_dst, epilogue, sums) };
     }
+    if kernel == Kernel16::Int8 {
+        let member = Member {
+            n,
+            dst,
+            ld,
+            b,
+            read_dst,
+            epilogue,
+            sums,
+        };
+        // SAFETY: as the caller's.
+        return unsafe { crate::int8::gemm(m, k, a, member) };
+    }
     if sums.is_some() {
         assert!(
             matches!(b, Rhs::Mat(b) if b.cs == 1),
@@ -259,6 +272,10 @@ pub unsafe fn gemm_group(kernel: Kernel16, (m, k): (usize, usize), a: Mat, membe
     if kernel.is_int16() {
         // SAFETY: as the caller's.
         return unsafe { crate::int16::gemm_group((m, k), a, members) };
+    }
+    if kernel == Kernel16::Int8 {
+        // SAFETY: as the caller's.
+        return unsafe { crate::int8::gemm_group((m, k), a, members) };
     }
     if let [one] = members {
         // SAFETY: as the caller's.

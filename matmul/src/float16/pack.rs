@@ -367,6 +367,8 @@ pub struct PackedRhs {
     /// For [`Kernel16::Int16`]: its panels, or `None` where `b` cannot be quantized (a
     /// column holding an infinity or a NaN: its products read it as it is).
     pub(super) int16: Option<Option<crate::int16::Panels>>,
+    /// For [`Kernel16::Int8`]: as `int16`.
+    pub(super) int8: Option<Option<crate::int8::Panels>>,
 }
 
 impl PackedRhs {
@@ -376,15 +378,17 @@ impl PackedRhs {
     /// The kernel's check must have returned `Ok` (they check AVX-512BW, or AVX2 for
     /// int16); `b` must address `k × n` valid elements.
     pub unsafe fn new(kernel: Kernel16, (k, n): (usize, usize), b: Mat) -> PackedRhs {
-        if kernel.is_int16() {
+        if kernel.is_integer() {
+            let int = kernel == Kernel16::Int16;
             return PackedRhs {
                 k,
                 n,
                 half: false,
                 unscale: Vec::new(),
                 lines: Vec::new(),
-                // SAFETY: as the caller's.
-                int16: Some(unsafe { crate::int16::Panels::new(b, (k, n)) }),
+                // SAFETY (both): as the caller's.
+                int16: int.then(|| unsafe { crate::int16::Panels::new(b, (k, n)) }),
+                int8: (!int).then(|| unsafe { crate::int8::Panels::new(b, (k, n)) }),
             };
         }
         let half = kernel == Kernel16::Half;
@@ -400,15 +404,17 @@ impl PackedRhs {
             unscale,
             lines: buf,
             int16: None,
+            int8: None,
         }
     }
 
     /// Whether it is a packed `[k, n]` operand for `kernel` (an int16 one only where
     /// its panels were made).
     pub fn is(&self, kernel: Kernel16, (k, n): (usize, usize)) -> bool {
-        let packing = match &self.int16 {
-            Some(panels) => kernel.is_int16() && panels.is_some(),
-            None => !kernel.is_int16() && self.half == (kernel == Kernel16::Half),
+        let packing = match (&self.int16, &self.int8) {
+            (Some(panels), _) => kernel == Kernel16::Int16 && panels.is_some(),
+            (_, Some(panels)) => kernel == Kernel16::Int8 && panels.is_some(),
+            _ => !kernel.is_integer() && self.half == (kernel == Kernel16::Half),
         };
         (self.k, self.n) == (k, n) && packing
     }
@@ -418,11 +424,17 @@ impl PackedRhs {
         self.int16.as_ref()?.as_ref()
     }
 
+    /// Its int8 panels, where it was packed for [`Kernel16::Int8`].
+    pub(crate) fn int8(&self) -> Option<&crate::int8::Panels> {
+        self.int8.as_ref()?.as_ref()
+    }
+
     /// Its size in bytes.
     pub fn bytes(&self) -> usize {
         self.lines.len() * std::mem::size_of::<Line>()
             + self.unscale.len() * 4
             + self.int16().map_or(0, |p| p.bytes())
+            + self.int8().map_or(0, |p| p.bytes())
     }
 
     /// The packed panels.

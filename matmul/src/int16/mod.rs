@@ -39,6 +39,7 @@ mod tests;
 
 use avx2::*;
 use quantize::*;
+pub(crate) use quantize::{column_sums, max_abs};
 
 /// The largest magnitude after scaling.
 const LIMIT: f32 = 4095.0;

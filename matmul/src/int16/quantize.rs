@@ -20,7 +20,7 @@ pub(super) const NON_FINITE: u32 = 0x7f80_0000;
 /// [`NON_FINITE`]) above every finite value: one integer maximum a vector, in four
 /// independent chains.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn max_abs(x: &[f32]) -> Option<f32> {
+pub(crate) unsafe fn max_abs(x: &[f32]) -> Option<f32> {
     let abs = _mm256_set1_epi32(MAGNITUDE as i32);
     let mut m = [_mm256_setzero_si256(); 4];
     let mut chunks = x.chunks_exact(32);
@@ -212,7 +212,7 @@ pub(super) unsafe fn strip_stats(
 /// # Safety
 /// The CPU must have AVX2; `b` must address `k × n` floats, `k` the product of
 /// `sums.lead`; `sums.dst` must hold `n` values, written by nothing else meanwhile.
-pub(super) unsafe fn column_sums(b: Mat, (k, n): (usize, usize), sums: ColumnSums) {
+pub(crate) unsafe fn column_sums(b: Mat, (k, n): (usize, usize), sums: ColumnSums) {
     let order = Order::new(k, Some(&sums));
     let (b, s) = (P(b.ptr, b.rs), S(sums));
     (0..n.div_ceil(STRIP)).into_par_iter().for_each(|t| {

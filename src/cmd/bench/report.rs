@@ -102,6 +102,7 @@ fn executor_name(a: &BenchArgs, rig: &Rig) -> String {
             kiln_exec::compiled::Kernel16::Dot => "compiled-bf16-products-vdpbf16ps".to_string(),
             kiln_exec::compiled::Kernel16::Half => "compiled-fp16-products".to_string(),
             kiln_exec::compiled::Kernel16::Int16 => "compiled-int16-products".to_string(),
+            kiln_exec::compiled::Kernel16::Int8 => "compiled-int8-products".to_string(),
         }
     } else {
         a.executor.to_string()

@@ -1,0 +1,48 @@
+//! AVX-512 VNNI's `VPDPBUSD`: a tile of `R` rows (of a panel of [`MR`]) and [`NR`]
+//! columns, each 512-bit instruction summing four products of unsigned and signed bytes
+//! into each of 16 int32 lanes.
+
+use std::arch::x86_64::*;
+
+use super::*;
+
+/// The int32 sums of rows `0..R` of the tile over `ld` quads into `acc[NR·r + j]`:
+/// `Σ (q_a + 128) · q_b`. Its `2R` accumulators stay in registers (`R ≤ 12`: 24 of the
+/// 32, beside `b`'s two vectors and the broadcast quad of `a`).
+///
+/// # Safety
+/// The CPU must have AVX-512F, BW and VNNI; `a` must address `MR · ld` quads (the panel's
+/// layout: quad `t` of row `r` at byte `4·(MR·t + r)`), `b` `NR · ld` (quad `t` of column
+/// `j` at byte `4·(NR·t + j)`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn tile<const R: usize>(
+    a: *const u8,
+    b: *const i8,
+    ld: usize,
+    acc: &mut [i32; MR * NR],
+) {
+    const { assert!(R <= MR) };
+    let mut c = [[_mm512_setzero_si512(); 2]; R];
+    for t in 0..ld {
+        // SAFETY: quad `t` of the panels (the caller's).
+        unsafe {
+            let bt = b.add(t * NR * QUAD);
+            let b0 = _mm512_loadu_si512(bt as *const __m512i);
+            let b1 = _mm512_loadu_si512(bt.add(64) as *const __m512i);
+            let at = a.add(t * MR * QUAD);
+            for (r, c) in c.iter_mut().enumerate() {
+                let x = _mm512_set1_epi32((at.add(QUAD * r) as *const i32).read_unaligned());
+                c[0] = _mm512_dpbusd_epi32(c[0], x, b0);
+                c[1] = _mm512_dpbusd_epi32(c[1], x, b1);
+            }
+        }
+    }
+    for (r, c) in c.iter().enumerate() {
+        for (h, &v) in c.iter().enumerate() {
+            // SAFETY: 16 of `acc`'s lanes, at `NR·r + 16h`.
+            unsafe {
+                _mm512_storeu_si512(acc.as_mut_ptr().add(NR * r + 16 * h) as *mut __m512i, v)
+            };
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! Scaling the left operand's rows and the right operand's columns to int8, into the
+//! kernels' panels, with the check for infinities and NaNs.
+
+use std::arch::x86_64::*;
+
+use super::*;
+
+/// The left operand quantized: panels of [`MR`] rows, `ld` quads a row (quad `t` of row
+/// `r` of a panel at byte `4·(MR·t + r)`), each value stored as `q + 128`; the rows'
+/// `max / 127`.
+pub(crate) struct Rows {
+    pub(crate) q: Vec<u8>,
+    pub(crate) ld: usize,
+    pub(crate) inv: Vec<f32>,
+}
+
+/// A float's bits without its sign: integers that order non-negative floats as their
+/// values do, an infinity or a NaN (at least [`NON_FINITE`]) above every finite value.
+const MAGNITUDE: u32 = 0x7fff_ffff;
+const NON_FINITE: u32 = 0x7f80_0000;
+
+/// `x · s` rounded to the nearest integer, ties to even: what `VCVTPS2DQ` does to the
+/// same f32 product under the default rounding.
+pub(crate) fn round(x: f32, s: f32) -> i8 {
+    (x * s).round_ties_even() as i8
+}
+
+/// `a` (`m × k`, any strides) in [`Rows`], or `None` where a row holds an infinity or a
+/// NaN.
+///
+/// # Safety
+/// `a` must address `m × k` valid elements; the CPU must have AVX2.
+pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize)) -> Option<Rows> {
+    let ld = k.div_ceil(QUAD);
+    let panels = m.div_ceil(MR);
+    // Padding (past `k`, and rows past `m`) holds the offset of a zero.
+    let mut q = vec![128u8; panels * MR * QUAD * ld];
+    let mut inv = vec![0f32; m];
+    let mut row = vec![0f32; k];
+    for i in 0..m {
+        let values: &[f32] = if a.cs == 1 {
+            // SAFETY: row `i` holds `k` contiguous values (the caller's).
+            unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), k) }
+        } else {
+            for (p, v) in row.iter_mut().enumerate() {
+                // SAFETY: as the caller's.
+                *v = unsafe { *a.ptr.offset(i as isize * a.rs + p as isize * a.cs) };
+            }
+            &row
+        };
+        // SAFETY: the CPU has AVX2 (the caller's).
+        let max = unsafe { crate::int16::max_abs(values) }?;
+        let (i_inv, s) = scales(max);
+        inv[i] = i_inv;
+        let (panel, r) = (i / MR, i % MR);
+        let base = panel * MR * QUAD * ld + QUAD * r;
+        // SAFETY: the CPU has AVX2; the panel holds `ld` quads of the row.
+        unsafe { quantize_row(values, s, &mut q[base..]) };
+    }
+    Some(Rows { q, ld, inv })
+}
+
+/// `x`'s values times `s`, rounded, offset by 128, into a panel's row from its first
+/// byte `out[0]`: value `p` at `4·MR·(p / 4) + p % 4`.
+///
+/// # Safety
+/// The CPU must have AVX2; `out` must hold the row's quads.
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row(x: &[f32], s: f32, out: &mut [u8]) {
+    let k = x.len();
+    assert!(out.len() > MR * QUAD * (k.div_ceil(QUAD) - 1));
+    let vs = _mm256_set1_ps(s);
+    let offset = _mm256_set1_epi8(-128);
+    // The lanes of two `packs` back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let mut p = 0;
+    while p + 32 <= k {
+        // SAFETY: 32 values from `p`.
+        let bytes = unsafe {
+            let v: [__m256i; 4] = std::array::from_fn(|u| {
+                _mm256_cvtps_epi32(_mm256_mul_ps(
+                    _mm256_loadu_ps(x.as_ptr().add(p + 8 * u)),
+                    vs,
+                ))
+            });
+            let lo = _mm256_packs_epi32(v[0], v[1]);
+            let hi = _mm256_packs_epi32(v[2], v[3]);
+            let b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
+            _mm256_xor_si256(b, offset)
+        };
+        let mut quads = [0u32; 8];
+        // SAFETY: 32 bytes.
+        unsafe { _mm256_storeu_si256(quads.as_mut_ptr() as *mut __m256i, bytes) };
+        for (u, &w) in quads.iter().enumerate() {
+            let at = MR * QUAD * (p / QUAD + u);
+            out[at..at + QUAD].copy_from_slice(&w.to_le_bytes());
+        }
+        p += 32;
+    }
+    for (p, &v) in x.iter().enumerate().skip(p) {
+        out[MR * QUAD * (p / QUAD) + p % QUAD] = (round(v, s) as u8) ^ 0x80;
+    }
+}
+
+/// `b` (`k × n`, any strides) in [`Panels`], over rayon's threads, or `None` where a
+/// column holds an infinity or a NaN.
+///
+/// # Safety
+/// `b` must address `k × n` valid elements.
+pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<Panels> {
+    let at = |p: usize, j: usize| b.ptr.wrapping_offset(p as isize * b.rs + j as isize * b.cs);
+    // Each column's largest magnitude, a row at a time (rows of a row-major weight are
+    // contiguous).
+    let mut max = vec![0u32; n];
+    for p in 0..k {
+        for (j, m) in max.iter_mut().enumerate() {
+            // SAFETY: as the caller's.
+            let v = unsafe { *at(p, j) };
+            *m = (*m).max(v.to_bits() & MAGNITUDE);
+        }
+    }
+    if max.iter().any(|&m| m >= NON_FINITE) {
+        return None;
+    }
+    let ld = k.div_ceil(QUAD);
+    let panels = n.div_ceil(NR);
+    let (mut inv, mut scale) = (vec![0f32; panels * NR], vec![0f32; panels * NR]);
+    for (j, &m) in max.iter().enumerate() {
+        (inv[j], scale[j]) = scales(f32::from_bits(m));
+    }
+    let mut q = vec![0i8; panels * NR * QUAD * ld];
+    let mut comp = vec![0i32; panels * NR];
+    #[derive(Clone, Copy)]
+    struct B(Mat);
+    unsafe impl Send for B {}
+    unsafe impl Sync for B {}
+    let src = B(b);
+    q.par_chunks_mut(NR * QUAD * ld)
+        .zip(comp.par_chunks_mut(NR))
+        .enumerate()
+        .for_each(|(t, (panel, comp))| {
+            let b = src;
+            for j in 0..NR.min(n - t * NR) {
+                let col = t * NR + j;
+                let mut sum = 0i32;
+                for p in 0..k {
+                    // SAFETY: as the caller's.
+                    let v = unsafe { *b.0.ptr.offset(p as isize * b.0.rs + col as isize * b.0.cs) };
+                    let x = round(v, scale[col]);
+                    panel[QUAD * (NR * (p / QUAD) + j) + p % QUAD] = x;
+                    sum += x as i32;
+                }
+                comp[j] = 128 * sum;
+            }
+        });
+    Some(Panels {
+        k,
+        n,
+        ld,
+        q,
+        inv,
+        comp,
+    })
+}
