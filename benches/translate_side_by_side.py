@@ -1,6 +1,6 @@
 """#60's translation benchmark: kiln against CTranslate2 on the very same weights,
-interleaved, greedy and beam 4, f32 and int8 (kiln's 16-bit products where it has no int8),
-on 1 or 2 threads, with the BLEU of each output.
+interleaved, greedy and beam 4: kiln in f32, 16-bit and int8 products (`--gemm-type`),
+CTranslate2 in float32 and int8, on 1 or 2 threads, with the BLEU of each output.
 
     cargo build --release && pip install ctranslate2 tokenizers safetensors numpy
     python3 benches/translate_side_by_side.py --model RUN/checkpoints/step_N \
@@ -163,6 +163,8 @@ def main():
                         lambda o, g=beam == 1: kiln_translate(a, src, o, g, "f32")))
         configs.append((f"kiln {search}, 16-bit", search,
                         lambda o, g=beam == 1: kiln_translate(a, src, o, g, "16bit")))
+        configs.append((f"kiln {search}, int8", search,
+                        lambda o, g=beam == 1: kiln_translate(a, src, o, g, "int8")))
         for q in ("float32", "int8"):
             configs.append((f"CTranslate2 {search}, {q}", search,
                             lambda o, q=q, b=beam: ct2[q].translate(o, b)))

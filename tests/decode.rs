@@ -460,11 +460,30 @@ fn a_decoders_first_batch_gives_the_bits_of_its_later_ones() {
 /// batch adds change no bit.)
 #[test]
 fn a_sentences_translation_does_not_depend_on_its_batch() {
+    batch_invariance(None);
+}
+
+/// The same with the weights' products in int8 (`--gemm-type int8`): each row of an
+/// activation is quantized on its own and every sum is exact, so nothing of a batch's
+/// other rows reaches a sentence's bits.
+#[test]
+fn a_sentences_int8_translation_does_not_depend_on_its_batch() {
+    let int8 = kiln_exec::compiled::Kernel16::Int8;
+    if let Err(why) = int8.available() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    batch_invariance(Some(int8));
+}
+
+fn batch_invariance(kernel: Option<kiln_exec::compiled::Kernel16>) {
     use kiln_decode::translate::translate_nbest_ids;
     use kiln_exec::compiled::Compiled;
     let s = setup(7);
-    let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
-    let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    let mut encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
+    let mut step = Compiled::from_graph(s.step.graph().clone()).unwrap();
+    encode.set_bf16_kernel(kernel).unwrap();
+    step.set_bf16_kernel(kernel).unwrap();
     let srcs = sentences(17);
     let opts = beam_four();
     let run = |srcs: &[Vec<i32>], batch: usize| {
@@ -518,6 +537,12 @@ fn a_sentences_translation_does_not_depend_on_its_batch() {
                 );
             }
         }
+    }
+    if kernel.is_some() {
+        assert!(
+            step.packed_weights().0 > 0,
+            "the step packed no weight for its products"
+        );
     }
     let long: Vec<Vec<i32>> = (0..40)
         .map(|i| vec![4 + (i % 50) as i32; 4 + (i * 7) % 37])

@@ -119,16 +119,23 @@ unsafe fn gemm_with(
     unsafe {
         match isa {
             Isa::Avx512 => {
-                pack(b, (k, n), np, &mut pb);
+                // Rows of `b` read where they are when contiguous (attention's `p·v`, whose
+                // `v` a copy would read twice), else from the copy.
+                let src = if b.cs == 1 {
+                    (b.ptr, b.rs)
+                } else {
+                    pack(b, (k, n), np, &mut pb);
+                    (pb.as_ptr(), np as isize)
+                };
                 match nv {
-                    1 => rows::<1, 8>(&op, &pb),
-                    2 => rows::<2, 8>(&op, &pb),
-                    3 => rows::<3, 6>(&op, &pb),
-                    4 => rows::<4, 4>(&op, &pb),
-                    5 => rows::<5, 4>(&op, &pb),
-                    6 => rows::<6, 3>(&op, &pb),
-                    7 => rows::<7, 2>(&op, &pb),
-                    _ => rows::<8, 2>(&op, &pb),
+                    1 => rows::<1, 8>(&op, src),
+                    2 => rows::<2, 8>(&op, src),
+                    3 => rows::<3, 6>(&op, src),
+                    4 => rows::<4, 4>(&op, src),
+                    5 => rows::<5, 4>(&op, src),
+                    6 => rows::<6, 3>(&op, src),
+                    7 => rows::<7, 2>(&op, src),
+                    _ => rows::<8, 2>(&op, src),
                 }
             }
             Isa::Avx2 => avx2::product(&op, b, np, &mut pb),
@@ -229,19 +236,19 @@ unsafe fn pack_strided(b: Mat, (k, n): (usize, usize), np: usize, out: &mut [f32
 /// vectors of 16 sums in registers over the whole `k`.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `pb` is `b`'s copy ([`pack`], `16 · NV` columns a row);
-/// `op`'s pointers address what they say.
+/// The CPU must have AVX-512F; `b` is `b`'s rows (`n` values each, `b.1` apart: `b`
+/// itself, or its copy, [`pack`]); `op`'s pointers address what they say.
 #[target_feature(enable = "avx512f")]
-unsafe fn rows<const NV: usize, const R: usize>(op: &Op, pb: &[f32]) {
+unsafe fn rows<const NV: usize, const R: usize>(op: &Op, b: (*const f32, isize)) {
     let mut i = 0;
     while i + R <= op.m {
         // SAFETY: as the caller's; rows `i..i + R` exist.
-        unsafe { block::<NV, R>(op, pb, i) };
+        unsafe { block::<NV, R>(op, b, i) };
         i += R;
     }
     while i < op.m {
         // SAFETY: as above, row `i`.
-        unsafe { block::<NV, 1>(op, pb, i) };
+        unsafe { block::<NV, 1>(op, b, i) };
         i += 1;
     }
 }
@@ -252,15 +259,28 @@ unsafe fn rows<const NV: usize, const R: usize>(op: &Op, pb: &[f32]) {
 /// As [`rows`]; the rows exist.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn block<const NV: usize, const R: usize>(op: &Op, pb: &[f32], i0: usize) {
-    let np = NV * 16;
+unsafe fn block<const NV: usize, const R: usize>(
+    op: &Op,
+    (b, brs): (*const f32, isize),
+    i0: usize,
+) {
     let a = op.a;
+    let masks: [u16; NV] = std::array::from_fn(|v| {
+        let left = op.n.saturating_sub(16 * v);
+        if left >= 16 {
+            !0
+        } else {
+            (1u16 << left) - 1
+        }
+    });
     let mut acc = [[_mm512_setzero_ps(); NV]; R];
     for p in 0..op.k {
-        // SAFETY: row `p` of the copy holds `np` values; `a` addresses `(i0 + r, p)`.
+        // SAFETY: row `p` of `b` holds `n` values (masked past them); `a` addresses
+        // `(i0 + r, p)`.
         unsafe {
-            let bp = pb.as_ptr().add(p * np);
-            let bv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(bp.add(16 * v)));
+            let bp = b.offset(p as isize * brs);
+            let bv: [__m512; NV] =
+                std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], bp.add(16 * v)));
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = *a.ptr.offset((i0 + r) as isize * a.rs + p as isize * a.cs);
                 let x = _mm512_set1_ps(x);

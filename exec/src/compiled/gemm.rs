@@ -71,10 +71,12 @@ pub(crate) const INT16_PACKED_MIN: usize = 1 << 16;
 /// Whether a product of `work` multiply-adds runs with the 16-bit `kernel` ([`BF16_MIN`],
 /// [`INT16_PACKED_MIN`]); `packed`: its right operand is a weight packed beforehand. The
 /// int8 kernel runs only the products of packed weights (CTranslate2's scheme: the
-/// products of two activations, attention's, stay f32), with int16's floor.
+/// products of two activations, attention's, stay f32), whatever their size: so that
+/// whether a row's product runs in int8 does not depend on how many rows its batch has
+/// (batch invariance, #60).
 pub(crate) fn takes_16bit(kernel: Kernel16, work: usize, packed: bool) -> bool {
     match kernel {
-        Kernel16::Int8 => packed && work >= INT16_PACKED_MIN,
+        Kernel16::Int8 => packed,
         _ => work >= BF16_MIN || (packed && kernel.is_int16() && work >= INT16_PACKED_MIN),
     }
 }

@@ -46,3 +46,62 @@ pub(super) unsafe fn tile<const R: usize>(
         }
     }
 }
+
+/// [`super::store`] in 16 lanes (the same operations on each element, so the same bits):
+/// `f32(S − comp) · inv_a · inv_b`, the destination added where `read_dst`, the bias, the
+/// ReLU (kept where `x > 0` or NaN).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `d` must address the block's rows and columns (row
+/// stride `ld`).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn store(
+    acc: &[i32; MR * NR],
+    b: &Block<'_>,
+    d: *mut f32,
+    ld: isize,
+    read_dst: bool,
+) {
+    let w = b.inv_b.len();
+    let zero = _mm512_setzero_ps();
+    for h in 0..w.div_ceil(16) {
+        let lanes = (w - 16 * h).min(16);
+        let mask: u16 = if lanes == 16 { !0 } else { (1 << lanes) - 1 };
+        // SAFETY (all loads of the columns' values): `lanes` values from `16h` (masked).
+        let (inv_b, comp, bias) = unsafe {
+            let at = |p: *const f32| _mm512_maskz_loadu_ps(mask, p.add(16 * h));
+            (
+                at(b.inv_b.as_ptr()),
+                b.comp
+                    .map(|c| _mm512_maskz_loadu_epi32(mask, c.as_ptr().add(16 * h) as *const i32)),
+                b.bias.map(|v| at(v.as_ptr())),
+            )
+        };
+        for (r, &ia) in b.inv_a.iter().enumerate() {
+            // SAFETY: 16 sums of row `r` at `NR·r + 16h`; the row's columns of the block
+            // at `d` (masked past `w`).
+            unsafe {
+                let mut s = _mm512_loadu_si512(acc.as_ptr().add(NR * r + 16 * h) as *const __m512i);
+                if let Some(c) = comp {
+                    s = _mm512_sub_epi32(s, c);
+                }
+                let mut x = _mm512_mul_ps(
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(ia)),
+                    inv_b,
+                );
+                let p = d.offset(r as isize * ld).add(16 * h);
+                if read_dst {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p));
+                }
+                if let Some(v) = bias {
+                    x = _mm512_add_ps(x, v);
+                }
+                if b.relu {
+                    let keep = _mm512_cmp_ps_mask::<_CMP_NLE_UQ>(x, zero);
+                    x = _mm512_maskz_mov_ps(keep, x);
+                }
+                _mm512_mask_storeu_ps(p, mask, x);
+            }
+        }
+    }
+}

@@ -307,7 +307,11 @@ pub(crate) unsafe fn gemm_group_with(
             // result; each task writes only its own columns.
             unsafe {
                 let d = dst.0.offset(r0 as isize * mb.ld).add(j0);
-                store(&acc, &out, d, mb.ld, mb.read_dst)
+                if isa == Isa::Vnni512 {
+                    avx512_vnni::store(&acc, &out, d, mb.ld, mb.read_dst)
+                } else {
+                    store(&acc, &out, d, mb.ld, mb.read_dst)
+                }
             };
         }
     };
@@ -347,12 +351,12 @@ unsafe fn tile(isa: Isa, (a, rows): (&[u8], usize), b: &[i8], ld: usize, acc: &m
 
 /// How a tile's sums become results: the rows' and columns' `max / 127`, the columns'
 /// offsets to take off (VNNI), and the epilogue.
-struct Block<'a> {
-    inv_a: &'a [f32],
-    inv_b: &'a [f32],
-    comp: Option<&'a [i32]>,
-    bias: Option<&'a [f32]>,
-    relu: bool,
+pub(crate) struct Block<'a> {
+    pub(crate) inv_a: &'a [f32],
+    pub(crate) inv_b: &'a [f32],
+    pub(crate) comp: Option<&'a [i32]>,
+    pub(crate) bias: Option<&'a [f32]>,
+    pub(crate) relu: bool,
 }
 
 /// The tile's results written at `d` (row stride `ld`), or added to what it holds where
