@@ -1956,3 +1956,88 @@ fn standard_input_is_translated_as_it_arrives() {
         "{err}"
     );
 }
+
+/// `kiln compile --from-model RUN --precision int8` writes an artifact that records int8
+/// and runs its weights' products in int8 when loaded: it translates with the scores of
+/// the model directory under `--gemm-type int8`, which differ from f32's; a run's
+/// `--gemm-type f32` overrides it. Training in int8 is refused, at compile time and in the
+/// YAML.
+#[test]
+fn an_int8_artifact_translates_with_the_int8_products() {
+    let int8 = kiln_exec::compiled::Kernel16::Int8;
+    if let Err(why) = int8.available() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let dir = trained("int8_artifact");
+    std::fs::write(dir.join("in.txt"), "s1 s2 s3\ns4 s5\ns3 s1 s1 s2\n").unwrap();
+    ok(
+        &dir,
+        &[
+            "compile",
+            "--from-model",
+            "run",
+            "--precision",
+            "int8",
+            "-o",
+            "i8",
+        ],
+    );
+    let inspect = ok(&dir, &["inspect", "i8"]);
+    assert!(inspect.contains("precision: int8"), "{inspect}");
+    let tr = |model: &str, gemm: Option<&str>| {
+        let mut args = vec![
+            "translate",
+            "--model",
+            model,
+            "--input",
+            "in.txt",
+            "--nbest",
+            "2",
+        ];
+        args.extend_from_slice(&["--max-len-b", "6"]);
+        if let Some(g) = gemm {
+            args.extend_from_slice(&["--gemm-type", g]);
+        }
+        ok(&dir, &args)
+    };
+    let from_artifact = tr("i8", None);
+    assert_eq!(from_artifact.lines().count(), 6, "{from_artifact}");
+    assert_eq!(from_artifact, tr("run", Some("int8")));
+    let f32 = tr("run", None);
+    assert_ne!(from_artifact, f32, "the int8 scores are f32's");
+    assert_eq!(tr("i8", Some("f32")), f32);
+
+    let err = fails(
+        &dir,
+        &[
+            "compile",
+            "--config",
+            "cfg.yaml",
+            "--precision",
+            "int8",
+            "-o",
+            "t8",
+        ],
+    );
+    assert!(
+        err.contains("--precision int8") && err.contains("entry `train_step` trains"),
+        "{err}"
+    );
+    let err = fails(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--gemm-type",
+            "int8",
+            "--dir",
+            "r8",
+        ],
+    );
+    assert!(
+        err.contains("train.gemm_type `int8`") && err.contains("kiln translate --gemm-type int8"),
+        "{err}"
+    );
+}

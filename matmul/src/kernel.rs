@@ -23,7 +23,8 @@ pub enum Kernel16 {
     Int16,
     /// int8 operands (each column of the right one, a weight's output channel, and each
     /// row of the left one scaled by `127 / max|·|` and rounded) and exact int32 sums over
-    /// the whole of `k`, for inference: AVX-512 VNNI's `VPDPBUSD`, AVX-VNNI's, or AVX2's
+    /// the whole of `k`, for inference: AMX tiles' `TDPBUSD`, AVX-512 VNNI's `VPDPBUSD`,
+    /// AVX-VNNI's, or AVX2's
     /// `VPMADDUBSW` (the same sums, so the same bits). Never [`Kernel16::best`]: it
     /// rounds each operand to 8 bits, which a translation takes (within 0.3 BLEU) and
     /// training does not. No column sums: a product that asks for them runs in f32.
@@ -103,6 +104,7 @@ impl Kernel16 {
 fn int8_name() -> &'static str {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     return match crate::int8::Isa::best() {
+        Some(crate::int8::Isa::Amx) => "AMX TDPBUSD (int8)",
         Some(crate::int8::Isa::Vnni512) => "AVX-512 VNNI VPDPBUSD (int8)",
         Some(crate::int8::Isa::AvxVnni) => "AVX-VNNI VPDPBUSD (int8)",
         _ => "AVX2 VPMADDUBSW (int8)",

@@ -563,6 +563,13 @@ impl Config {
                     "train.gemm_type is `{g}`; use {}",
                     kiln_exec::compiled::GemmType::NAMES.join(", ")
                 )),
+                Some(kiln_exec::compiled::GemmType::Kernel(
+                    kiln_exec::compiled::Kernel16::Int8,
+                )) => bad.push(format!(
+                    "train.gemm_type `{g}` rounds every product's operands to 8 bits, which \
+                     translation takes and training does not: use f32 or 16bit here, and \
+                     `kiln translate --gemm-type int8` for the trained model"
+                )),
                 Some(t)
                     if t != kiln_exec::compiled::GemmType::F32
                         && self.train.executor_kind() != ExecutorKind::Compiled =>
@@ -574,11 +581,6 @@ impl Config {
                         self.train.executor
                     ))
                 }
-                Some(kiln_exec::compiled::GemmType::Kernel(
-                    kiln_exec::compiled::Kernel16::Int8,
-                )) => bad.push(format!(
-                    "train.gemm_type `{g}` rounds every product's operands to 8 bits, which                      translation takes and training does not: use f32 or 16bit here, and                      `kiln translate --gemm-type int8` for the trained model"
-                )),
                 Some(_) => {}
             }
         }

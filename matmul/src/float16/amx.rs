@@ -9,7 +9,7 @@ use super::*;
 /// 16 × 16 f32 results, 4–5 the left operand's 16 × 32 bf16, 6–7 the right operand's
 /// 16 pair rows × 16 columns.
 #[repr(C, align(64))]
-pub(super) struct TileConfig {
+pub(crate) struct TileConfig {
     palette: u8,
     start_row: u8,
     reserved: [u8; 14],
@@ -17,7 +17,7 @@ pub(super) struct TileConfig {
     rows: [u8; 16],
 }
 
-pub(super) const CONFIG: TileConfig = {
+pub(crate) const CONFIG: TileConfig = {
     let mut c = TileConfig {
         palette: 1,
         start_row: 0,

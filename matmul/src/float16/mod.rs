@@ -48,6 +48,7 @@ mod sums;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use amx::CONFIG as TILE_CONFIG;
 use amx::*;
 use avx512_bf16::*;
 use avx512_fp16::*;

@@ -55,13 +55,7 @@ pub(super) unsafe fn tile<const R: usize>(
 /// The CPU must have AVX-512F; `d` must address the block's rows and columns (row
 /// stride `ld`).
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn store(
-    acc: &[i32; MR * NR],
-    b: &Block<'_>,
-    d: *mut f32,
-    ld: isize,
-    read_dst: bool,
-) {
+pub(super) unsafe fn store(acc: &[i32], b: &Block<'_>, d: *mut f32, ld: isize, read_dst: bool) {
     let w = b.inv_b.len();
     let zero = _mm512_setzero_ps();
     for h in 0..w.div_ceil(16) {
@@ -78,6 +72,7 @@ pub(super) unsafe fn store(
             )
         };
         for (r, &ia) in b.inv_a.iter().enumerate() {
+            assert!(acc.len() >= NR * r + 16 * h + 16);
             // SAFETY: 16 sums of row `r` at `NR·r + 16h`; the row's columns of the block
             // at `d` (masked past `w`).
             unsafe {

@@ -10,12 +10,13 @@
 //! whole product to the f32 kernel, so these propagate as in f32; one whose largest
 //! magnitude is below [`TINY`] is taken as zeros.
 //!
-//! Three instruction families compute the same integer sums, so the same bits:
+//! Four instruction families compute the same integer sums, so the same bits: Intel
+//! AMX's `TDPBUSD` (`amx.rs`, 16 × 16 results of 64 products each a instruction),
 //! AVX-512 VNNI's `VPDPBUSD` (`avx512_vnni.rs`, 64 products a instruction), AVX-VNNI's
 //! (`avx_vnni.rs`, 32) and plain AVX2 (`avx2.rs`: `VPMADDUBSW` on magnitudes and signs,
-//! `VPMADDWD`). The VNNI instructions multiply unsigned by signed bytes, so the left
-//! operand is stored offset by 128 (`q + 128`, in `1..=255`) and `128 · Σ_k q_b` is taken
-//! off each column's sums ([`Panels::comp`]); AVX2 undoes the offset in its registers.
+//! `VPMADDWD`). AMX and VNNI multiply unsigned by signed bytes, so the left operand is
+//! stored offset by 128 (`q + 128`, in `1..=255`) and `128 · Σ_k q_b` is taken off each
+//! column's sums ([`Panels::comp`]); AVX2 undoes the offset in its registers.
 //!
 //! Every result element is one exact integer sum, whatever the threads and the
 //! instructions: a product gives the same bits on every run, machine and thread count.
@@ -28,6 +29,7 @@ use rayon::prelude::*;
 
 use crate::float16::Rhs;
 use crate::{Mat, Member};
+mod amx;
 mod avx2;
 mod avx512_vnni;
 mod avx_vnni;
@@ -55,6 +57,8 @@ pub(crate) const QUAD: usize = 4;
 /// The instructions that run the products here, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
+    /// Intel AMX's `TDPBUSD` on tiles (Xeons of the 4th generation on).
+    Amx,
     /// AVX-512 VNNI's `VPDPBUSD` on 512 bits.
     Vnni512,
     /// AVX-VNNI's `VPDPBUSD` on 256 bits (CPUs with VNNI but no AVX-512).
@@ -66,10 +70,9 @@ pub(crate) enum Isa {
 impl Isa {
     /// The best this CPU has, or `None` without AVX2.
     pub(crate) fn best() -> Option<Isa> {
-        if is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vnni")
-        {
+        if amx::available() && Isa::vnni512() {
+            Some(Isa::Amx)
+        } else if Isa::vnni512() {
             Some(Isa::Vnni512)
         } else if is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2") {
             Some(Isa::AvxVnni)
@@ -80,11 +83,19 @@ impl Isa {
         }
     }
 
+    /// AVX-512 F, BW and VNNI (which the tiles' results are stored with, too).
+    fn vnni512() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+
     /// Whether this CPU runs it.
     #[cfg(test)]
     pub(crate) fn runs_here(self) -> bool {
         match self {
-            Isa::Vnni512 => Isa::best() == Some(Isa::Vnni512),
+            Isa::Amx => Isa::best() == Some(Isa::Amx),
+            Isa::Vnni512 => Isa::vnni512(),
             Isa::AvxVnni => is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2"),
             Isa::Avx2 => Isa::best().is_some(),
         }
@@ -96,6 +107,12 @@ pub(crate) fn available() -> Result<(), &'static str> {
     Isa::best()
         .map(|_| ())
         .ok_or("this CPU has no AVX2, which the int8 products need at least")
+}
+
+/// Quads of `k` a row or column holds: `k` rounded up to whole tile steps (16 quads, 64
+/// values; zeros past `k`).
+pub(crate) fn quads(k: usize) -> usize {
+    k.div_ceil(QUAD).next_multiple_of(amx::QUADS)
 }
 
 /// `max / 127` and `127 / max` of a row or column whose largest magnitude is `max`
@@ -248,8 +265,9 @@ pub(crate) unsafe fn gemm_group_with(
     if m == 0 || k == 0 || k > K_MAX {
         return members.iter().for_each(to_f32);
     }
+    let tiles = isa == Isa::Amx;
     // SAFETY: `a` addresses its elements (the caller's contract).
-    let Some(qa) = (unsafe { quantize_rows(a, (m, k)) }) else {
+    let Some(qa) = (unsafe { quantize_rows(a, (m, k), tiles) }) else {
         return members.iter().for_each(to_f32);
     };
     // Each member's quantized `b`, made here or packed beforehand; `None`: the f32 kernel.
@@ -286,12 +304,7 @@ pub(crate) unsafe fn gemm_group_with(
         let j0 = t * NR;
         let w = NR.min(mb.n - j0);
         let dst = Out(mb.dst);
-        let mut acc = [0i32; MR * NR];
-        for r0 in (0..m).step_by(MR) {
-            let rows = MR.min(m - r0);
-            let a_panel = &qa.q[r0 * QUAD * qa.ld..(r0 + MR) * QUAD * qa.ld];
-            // SAFETY: the CPU runs `isa` (the caller's); both panels hold `ld` quads.
-            unsafe { tile(isa, (a_panel, rows), panel, p.ld, &mut acc) };
+        let finish = |r0: usize, rows: usize, acc: &[i32]| {
             let out = Block {
                 inv_a: &qa.inv[r0..r0 + rows],
                 inv_b: &p.inv[j0..j0 + w],
@@ -307,12 +320,42 @@ pub(crate) unsafe fn gemm_group_with(
             // result; each task writes only its own columns.
             unsafe {
                 let d = dst.0.offset(r0 as isize * mb.ld).add(j0);
-                if isa == Isa::Vnni512 {
-                    avx512_vnni::store(&acc, &out, d, mb.ld, mb.read_dst)
+                if matches!(isa, Isa::Vnni512 | Isa::Amx) {
+                    avx512_vnni::store(acc, &out, d, mb.ld, mb.read_dst)
                 } else {
-                    store(&acc, &out, d, mb.ld, mb.read_dst)
+                    store(acc, &out, d, mb.ld, mb.read_dst)
                 }
             };
+        };
+        if tiles {
+            let mut acc = [0i32; amx::ROWS * NR];
+            // SAFETY: the CPU has the tiles (the caller's); the rows' buffer holds whole
+            // blocks of rows, the panel `ld` quads.
+            unsafe { amx::configure() };
+            for r0 in (0..m).step_by(amx::ROWS) {
+                let rows = amx::ROWS.min(m - r0);
+                unsafe {
+                    amx::block(
+                        qa.q[r0 * QUAD * qa.ld..].as_ptr(),
+                        QUAD * qa.ld,
+                        panel.as_ptr(),
+                        p.ld,
+                        &mut acc,
+                    )
+                };
+                finish(r0, rows, &acc);
+            }
+            // SAFETY: as above.
+            unsafe { amx::release() };
+            return;
+        }
+        let mut acc = [0i32; MR * NR];
+        for r0 in (0..m).step_by(MR) {
+            let rows = MR.min(m - r0);
+            let a_panel = &qa.q[r0 * QUAD * qa.ld..(r0 + MR) * QUAD * qa.ld];
+            // SAFETY: the CPU runs `isa` (the caller's); both panels hold `ld` quads.
+            unsafe { tile(isa, (a_panel, rows), panel, p.ld, &mut acc) };
+            finish(r0, rows, &acc);
         }
     };
     if rayon::current_num_threads() > 1 && tasks.len() > 1 {
@@ -342,7 +385,7 @@ unsafe fn tile(isa: Isa, (a, rows): (&[u8], usize), b: &[i8], ld: usize, acc: &m
         match isa {
             Isa::Vnni512 if rows <= 4 => avx512_vnni::tile::<4>(a, b, ld, acc),
             Isa::Vnni512 if rows <= 8 => avx512_vnni::tile::<8>(a, b, ld, acc),
-            Isa::Vnni512 => avx512_vnni::tile::<MR>(a, b, ld, acc),
+            Isa::Vnni512 | Isa::Amx => avx512_vnni::tile::<MR>(a, b, ld, acc),
             Isa::AvxVnni => avx_vnni::tile(a, b, ld, rows, acc),
             Isa::Avx2 => avx2::tile(a, b, ld, rows, acc),
         }
@@ -364,7 +407,7 @@ pub(crate) struct Block<'a> {
 ///
 /// # Safety
 /// `d` must address the block's rows and columns.
-unsafe fn store(acc: &[i32; MR * NR], b: &Block<'_>, d: *mut f32, ld: isize, read_dst: bool) {
+unsafe fn store(acc: &[i32], b: &Block<'_>, d: *mut f32, ld: isize, read_dst: bool) {
     for (r, &ia) in b.inv_a.iter().enumerate() {
         // SAFETY: row `r` of the block holds its columns.
         let row =

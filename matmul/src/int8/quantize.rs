@@ -26,15 +26,20 @@ pub(crate) fn round(x: f32, s: f32) -> i8 {
 }
 
 /// `a` (`m × k`, any strides) in [`Rows`], or `None` where a row holds an infinity or a
-/// NaN.
+/// NaN. `flat`: for the tiles instead, rows one after another (`4 · ld` bytes each, quad
+/// `t` of row `i` at byte `4·(ld·i + t)`), as many as [`amx::ROWS`] blocks hold.
 ///
 /// # Safety
 /// `a` must address `m × k` valid elements; the CPU must have AVX2.
-pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize)) -> Option<Rows> {
-    let ld = k.div_ceil(QUAD);
-    let panels = m.div_ceil(MR);
+pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), flat: bool) -> Option<Rows> {
+    let ld = quads(k);
+    let rows = if flat {
+        m.next_multiple_of(super::amx::ROWS)
+    } else {
+        m.next_multiple_of(MR)
+    };
     // Padding (past `k`, and rows past `m`) holds the offset of a zero.
-    let mut q = vec![128u8; panels * MR * QUAD * ld];
+    let mut q = vec![128u8; rows * QUAD * ld];
     let mut inv = vec![0f32; m];
     let mut row = vec![0f32; k];
     for i in 0..m {
@@ -52,23 +57,27 @@ pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize)) -> Option<Row
         let max = unsafe { crate::int16::max_abs(values) }?;
         let (i_inv, s) = scales(max);
         inv[i] = i_inv;
-        let (panel, r) = (i / MR, i % MR);
-        let base = panel * MR * QUAD * ld + QUAD * r;
-        // SAFETY: the CPU has AVX2; the panel holds `ld` quads of the row.
-        unsafe { quantize_row(values, s, &mut q[base..]) };
+        let (base, stride) = if flat {
+            (i * QUAD * ld, QUAD)
+        } else {
+            ((i / MR) * MR * QUAD * ld + QUAD * (i % MR), MR * QUAD)
+        };
+        // SAFETY: the CPU has AVX2; the buffer holds `ld` quads of the row.
+        unsafe { quantize_row(values, s, &mut q[base..], stride) };
     }
     Some(Rows { q, ld, inv })
 }
 
-/// `x`'s values times `s`, rounded, offset by 128, into a panel's row from its first
-/// byte `out[0]`: value `p` at `4·MR·(p / 4) + p % 4`.
+/// `x`'s values times `s`, rounded, offset by 128, into a row from its first byte
+/// `out[0]`: value `p` at `stride·(p / 4) + p % 4` (`stride` 4 for a flat row, `4·MR` in a
+/// panel).
 ///
 /// # Safety
 /// The CPU must have AVX2; `out` must hold the row's quads.
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_row(x: &[f32], s: f32, out: &mut [u8]) {
+unsafe fn quantize_row(x: &[f32], s: f32, out: &mut [u8], stride: usize) {
     let k = x.len();
-    assert!(out.len() > MR * QUAD * (k.div_ceil(QUAD) - 1));
+    assert!(out.len() >= stride * (k.div_ceil(QUAD) - 1) + QUAD);
     let vs = _mm256_set1_ps(s);
     let offset = _mm256_set1_epi8(-128);
     // The lanes of two `packs` back in order.
@@ -92,13 +101,13 @@ unsafe fn quantize_row(x: &[f32], s: f32, out: &mut [u8]) {
         // SAFETY: 32 bytes.
         unsafe { _mm256_storeu_si256(quads.as_mut_ptr() as *mut __m256i, bytes) };
         for (u, &w) in quads.iter().enumerate() {
-            let at = MR * QUAD * (p / QUAD + u);
+            let at = stride * (p / QUAD + u);
             out[at..at + QUAD].copy_from_slice(&w.to_le_bytes());
         }
         p += 32;
     }
     for (p, &v) in x.iter().enumerate().skip(p) {
-        out[MR * QUAD * (p / QUAD) + p % QUAD] = (round(v, s) as u8) ^ 0x80;
+        out[stride * (p / QUAD) + p % QUAD] = (round(v, s) as u8) ^ 0x80;
     }
 }
 
@@ -122,7 +131,7 @@ pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<
     if max.iter().any(|&m| m >= NON_FINITE) {
         return None;
     }
-    let ld = k.div_ceil(QUAD);
+    let ld = quads(k);
     let panels = n.div_ceil(NR);
     let (mut inv, mut scale) = (vec![0f32; panels * NR], vec![0f32; panels * NR]);
     for (j, &m) in max.iter().enumerate() {

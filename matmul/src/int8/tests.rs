@@ -23,7 +23,7 @@ fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
 
 /// The instructions this CPU runs, or none (the test then says why it checks nothing).
 fn isas() -> Vec<Isa> {
-    let v: Vec<Isa> = [Isa::Vnni512, Isa::AvxVnni, Isa::Avx2]
+    let v: Vec<Isa> = [Isa::Amx, Isa::Vnni512, Isa::AvxVnni, Isa::Avx2]
         .into_iter()
         .filter(|i| i.runs_here())
         .collect();
@@ -324,7 +324,7 @@ fn int8_rows_quantize_as_the_scalar_rounding_does() {
         return;
     };
     // SAFETY: one row of `k` values; the CPU has AVX2.
-    let q = unsafe { quantize_rows(a, (1, k)) }.unwrap();
+    let q = unsafe { quantize_rows(a, (1, k), false) }.unwrap();
     let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (_, s) = scales(max);
     for (p, &v) in row.iter().enumerate() {
