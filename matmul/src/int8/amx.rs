@@ -55,7 +55,7 @@ pub(super) unsafe fn block(
     ld: usize,
     acc: &mut [i32; ROWS * NR],
 ) {
-    debug_assert!(ld % QUADS == 0);
+    debug_assert!(ld.is_multiple_of(QUADS));
     let rs = NR * QUAD;
     // SAFETY: as the caller's; each step reads 16 rows of 64 bytes of each operand tile.
     unsafe {

@@ -24,7 +24,7 @@ pub(super) unsafe fn tile(
     rows: usize,
     acc: &mut [i32; MR * NR],
 ) {
-    const { assert!(MR % ROWS == 0 && NR % 16 == 0) };
+    const { assert!(MR.is_multiple_of(ROWS) && NR.is_multiple_of(16)) };
     let ones = _mm256_set1_epi16(1);
     let offset = _mm256_set1_epi8(-128);
     for r0 in (0..rows).step_by(ROWS) {

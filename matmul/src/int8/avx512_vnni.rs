@@ -67,7 +67,7 @@ pub(super) unsafe fn store(acc: &[i32], b: &Block<'_>, d: *mut f32, ld: isize, r
             (
                 at(b.inv_b.as_ptr()),
                 b.comp
-                    .map(|c| _mm512_maskz_loadu_epi32(mask, c.as_ptr().add(16 * h) as *const i32)),
+                    .map(|c| _mm512_maskz_loadu_epi32(mask, c.as_ptr().add(16 * h))),
                 b.bias.map(|v| at(v.as_ptr())),
             )
         };

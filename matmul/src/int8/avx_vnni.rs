@@ -23,7 +23,7 @@ pub(super) unsafe fn tile(
     rows: usize,
     acc: &mut [i32; MR * NR],
 ) {
-    const { assert!(MR % ROWS == 0 && NR % 16 == 0) };
+    const { assert!(MR.is_multiple_of(ROWS) && NR.is_multiple_of(16)) };
     for r0 in (0..rows).step_by(ROWS) {
         for j0 in (0..NR).step_by(16) {
             let mut c = [[_mm256_setzero_si256(); 2]; ROWS];

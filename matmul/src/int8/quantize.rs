@@ -42,7 +42,7 @@ pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), flat: bool) -
     let mut q = vec![128u8; rows * QUAD * ld];
     let mut inv = vec![0f32; m];
     let mut row = vec![0f32; k];
-    for i in 0..m {
+    for (i, i_inv) in inv.iter_mut().enumerate() {
         let values: &[f32] = if a.cs == 1 {
             // SAFETY: row `i` holds `k` contiguous values (the caller's).
             unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), k) }
@@ -55,8 +55,8 @@ pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), flat: bool) -
         };
         // SAFETY: the CPU has AVX2 (the caller's).
         let max = unsafe { crate::int16::max_abs(values) }?;
-        let (i_inv, s) = scales(max);
-        inv[i] = i_inv;
+        let s;
+        (*i_inv, s) = scales(max);
         let (base, stride) = if flat {
             (i * QUAD * ld, QUAD)
         } else {
