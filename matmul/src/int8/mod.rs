@@ -329,11 +329,11 @@ pub(crate) unsafe fn gemm_group_with(
         };
         if tiles {
             let mut acc = [0i32; amx::ROWS * NR];
-            // SAFETY: the CPU has the tiles (the caller's); the rows' buffer holds whole
-            // blocks of rows, the panel `ld` quads.
-            unsafe { amx::configure() };
+            // (The chunk of tasks this one belongs to configured the tiles: `chunks`.)
             for r0 in (0..m).step_by(amx::ROWS) {
                 let rows = amx::ROWS.min(m - r0);
+                // SAFETY: the tiles are configured on this thread; the rows' buffer holds
+                // whole blocks of rows, the panel `ld` quads.
                 unsafe {
                     amx::block(
                         qa.q[r0 * QUAD * qa.ld..].as_ptr(),
@@ -345,8 +345,6 @@ pub(crate) unsafe fn gemm_group_with(
                 };
                 finish(r0, rows, &acc);
             }
-            // SAFETY: as above.
-            unsafe { amx::release() };
             return;
         }
         let mut acc = [0i32; MR * NR];
@@ -358,10 +356,26 @@ pub(crate) unsafe fn gemm_group_with(
             finish(r0, rows, &acc);
         }
     };
-    if rayon::current_num_threads() > 1 && tasks.len() > 1 {
-        tasks.par_iter().for_each(run);
+    // A chunk of tasks a thread: the tiles are configured once a chunk (each
+    // configuration and release cost as much as a few tile products).
+    let threads = rayon::current_num_threads();
+    let chunks = |chunk: &[(usize, usize)]| {
+        if tiles {
+            // SAFETY: the CPU has the tiles (the caller's).
+            unsafe { amx::configure() };
+        }
+        chunk.iter().for_each(run);
+        if tiles {
+            // SAFETY: configured just above, on this thread.
+            unsafe { amx::release() };
+        }
+    };
+    if threads > 1 && tasks.len() > 1 {
+        tasks
+            .par_chunks(tasks.len().div_ceil(4 * threads))
+            .for_each(chunks);
     } else {
-        tasks.iter().for_each(run);
+        chunks(&tasks);
     }
     for (mb, v) in members.iter().zip(&views) {
         if v.is_none() && mb.n > 0 {
