@@ -432,6 +432,7 @@ fn gemm_type_names_the_kernel_or_fails_saying_why() {
         (Kernel16::Dot, "compiled-bf16-products-vdpbf16ps"),
         (Kernel16::Half, "compiled-fp16-products"),
         (Kernel16::Int16, "compiled-int16-products"),
+        (Kernel16::Int8, "compiled-int8-products"),
     ] {
         let key = kernel.key();
         match kernel.available() {
@@ -1111,7 +1112,7 @@ fn base_at_36_rows(entry: &str, seed: u64) -> (Graph, BTreeMap<String, i64>, Fee
 #[test]
 fn bf16_products_stay_within_bf16_of_f32_and_repeat_bit_for_bit() {
     use kiln_exec::compiled::Kernel16;
-    for kernel in Kernel16::ALL {
+    for kernel in Kernel16::SIXTEEN_BIT {
         match kernel.available() {
             Ok(()) => bf16_products_within_bf16_of_f32(kernel),
             Err(why) => println!("skipped: {why}"),
@@ -1211,7 +1212,7 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
     let f32_exec = Compiled::from_graph(g.clone()).expect("compiles");
     f32_exec.run(&inputs, &params, &opts).expect("runs");
     assert_eq!(f32_exec.bias_grad_counts(), (0, 96), "f32");
-    for kernel in Kernel16::ALL {
+    for kernel in Kernel16::SIXTEEN_BIT {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1285,7 +1286,7 @@ fn bias_gradients_summed_by_their_products_keep_the_sum_rows_bits() {
 #[test]
 fn products_of_one_left_operand_run_as_one_group_with_their_own_bits() {
     use kiln_exec::compiled::Kernel16;
-    for kernel in Kernel16::ALL {
+    for kernel in Kernel16::SIXTEEN_BIT {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1355,7 +1356,7 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
     // decoder self and cross), 12 + 12 of 512 × 2048 and 2048 × 512, the 300 × 512
     // embedding.
     let elements = 72 * 512 * 512 + 24 * 512 * 2048 + 300 * 512;
-    for kernel in Kernel16::ALL {
+    for kernel in Kernel16::SIXTEEN_BIT {
         if let Err(why) = kernel.available() {
             println!("skipped: {why}");
             continue;
@@ -1395,7 +1396,10 @@ fn bf16_products_pack_each_weight_once_a_version_with_the_same_bits() {
         }
     }
 
-    let Some(kernel) = Kernel16::ALL.into_iter().find(|k| k.available().is_ok()) else {
+    let Some(kernel) = Kernel16::SIXTEEN_BIT
+        .into_iter()
+        .find(|k| k.available().is_ok())
+    else {
         return;
     };
     let (g, _, inputs, params) = base_at_36_rows("train_step", 5);
@@ -1489,7 +1493,7 @@ fn bf16_matmul_checks_its_slices() {
         [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0],
         [1.0f32, 0.5, -1.0, 2.0, 0.25, 4.0],
     );
-    for kernel in Kernel16::ALL {
+    for kernel in Kernel16::SIXTEEN_BIT {
         let mut c = [0f32; 4];
         match matmul16(kernel, (2, 3, 2), &a, &b, &mut c) {
             Err(e) => {

@@ -32,7 +32,16 @@ pub enum Kernel16 {
 }
 
 impl Kernel16 {
-    /// Every kernel, available here or not.
+    /// The 16-bit kernels (training's and inference's mixed precision), available here or
+    /// not.
+    pub const SIXTEEN_BIT: [Kernel16; 4] = [
+        Kernel16::Tiles,
+        Kernel16::Dot,
+        Kernel16::Half,
+        Kernel16::Int16,
+    ];
+
+    /// Every kernel, available here or not: the 16-bit ones and [`Kernel16::Int8`].
     pub const ALL: [Kernel16; 5] = [
         Kernel16::Tiles,
         Kernel16::Dot,

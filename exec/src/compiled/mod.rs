@@ -731,8 +731,12 @@ mod tests {
             GemmType::parse("int16"),
             Some(GemmType::Kernel(Kernel16::Int16))
         );
+        assert_eq!(
+            GemmType::parse("int8"),
+            Some(GemmType::Kernel(Kernel16::Int8))
+        );
         assert_eq!(GemmType::parse("16bit"), Some(GemmType::Best16));
-        for other in ["", "1", "bf16", "int8", "F32"] {
+        for other in ["", "1", "bf16", "int4", "F32"] {
             assert_eq!(GemmType::parse(other), None, "{other}");
         }
         assert_eq!(GemmType::F32.kernel(), Ok(None));

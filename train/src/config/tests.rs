@@ -149,9 +149,16 @@ fn gemm_types_are_checked() {
             kiln_exec::compiled::Kernel16::Int16
         ))
     );
+    let e = with("  gemm_type: int4\n").unwrap_err();
+    assert!(
+        e.contains("train.gemm_type is `int4`; use f32, 16bit, amx, dot, fp16, int16, int8"),
+        "{e}"
+    );
+    // int8 is for inference: refused for training, whatever the executor.
     let e = with("  gemm_type: int8\n").unwrap_err();
     assert!(
-        e.contains("train.gemm_type is `int8`; use f32, 16bit, amx, dot, fp16, int16"),
+        e.contains("train.gemm_type `int8` rounds every product's operands to 8 bits")
+            && e.contains("`kiln translate --gemm-type int8`"),
         "{e}"
     );
     let e = with("  executor: eager\n  gemm_type: 16bit\n").unwrap_err();
