@@ -22,6 +22,8 @@
 mod f32;
 mod kernel;
 mod mat;
+#[cfg(test)]
+mod testing;
 mod transpose;
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

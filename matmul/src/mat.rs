@@ -78,3 +78,19 @@ pub struct Member<'a> {
 
 unsafe impl Send for Member<'_> {}
 unsafe impl Sync for Member<'_> {}
+
+/// The tasks of a group of products run side by side: `(member, panel)` for every panel
+/// of `width` columns of every member whose right operand is `ready` (the others run
+/// elsewhere).
+pub(crate) fn panel_tasks<T>(
+    ready: &[Option<T>],
+    members: &[Member<'_>],
+    width: usize,
+) -> Vec<(usize, usize)> {
+    ready
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_some())
+        .flat_map(|(i, _)| (0..members[i].n.div_ceil(width)).map(move |t| (i, t)))
+        .collect()
+}

@@ -157,16 +157,16 @@ pub unsafe fn gemm(
         // SAFETY: as the caller's.
         return unsafe { crate::int16::gemm((m, k, n), dst, ld, a, b, read_dst, epilogue, sums) };
     }
+    let member = Member {
+        n,
+        dst,
+        ld,
+        b,
+        read_dst,
+        epilogue,
+        sums,
+    };
     if kernel == Kernel16::Int8 {
-        let member = Member {
-            n,
-            dst,
-            ld,
-            b,
-            read_dst,
-            epilogue,
-            sums,
-        };
         // SAFETY: as the caller's.
         return unsafe { crate::int8::gemm(m, k, a, member) };
     }
@@ -192,15 +192,6 @@ pub unsafe fn gemm(
             p.half
         );
     }
-    let member = Member {
-        n,
-        dst,
-        ld,
-        b,
-        read_dst,
-        epilogue,
-        sums,
-    };
     if let Rhs::Mat(b) = b {
         let kb = k.div_ceil(TK).max(1);
         let cols_b = n.div_ceil(GROUP * T);

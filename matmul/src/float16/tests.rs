@@ -1,4 +1,5 @@
 use super::*;
+use crate::testing::on_threads;
 
 /// A `rows × cols` matrix in `v`: row-major, or stored transposed (column-major).
 fn stored(v: &[f32], rows: usize, cols: usize, transposed: bool) -> Mat {
@@ -303,15 +304,6 @@ fn block_runs_cover_a_share_in_order() {
             "{total} blocks, {width} wide"
         );
     }
-}
-
-/// `f` on a pool of `threads` threads.
-fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-        .install(f)
 }
 
 /// The kernels this CPU can run, each with its name; a line for each it cannot.

@@ -165,7 +165,7 @@ pub(super) struct Finish<'a> {
 
 /// `v` as the `relu` kernel leaves it: kept where `v > 0` or `v` is NaN ("not less or
 /// equal", unordered), else `+0.0`.
-pub(super) fn relu(v: f32) -> f32 {
+pub(crate) fn relu(v: f32) -> f32 {
     if v > 0.0 || v.is_nan() {
         v
     } else {

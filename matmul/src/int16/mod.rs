@@ -37,6 +37,7 @@ mod quantize;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use avx2::relu;
 use avx2::*;
 use quantize::*;
 pub(crate) use quantize::{column_sums, max_abs};
@@ -238,7 +239,7 @@ fn matrix(b: Rhs<'_>) -> Mat {
 ///
 /// # Safety
 /// As [`gemm_group`]'s for the member.
-unsafe fn f32_member((m, k): (usize, usize), a: Mat, mb: &Member<'_>) {
+pub(crate) unsafe fn f32_member((m, k): (usize, usize), a: Mat, mb: &Member<'_>) {
     let (n, b) = (mb.n, matrix(mb.b));
     let par = crate::parallelism(m * k * n);
     // SAFETY: as the caller's.
@@ -365,12 +366,7 @@ unsafe fn general((m, k): (usize, usize), a: Mat, members: &[Member<'_>], scratc
         .collect();
     let inv_a: Vec<f32> = qa.exps.iter().map(|&e| pow2(-e)).collect();
     // Tasks: every column panel of every member quantized, side by side.
-    let tasks: Vec<(usize, usize)> = views
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| v.is_some())
-        .flat_map(|(i, _)| (0..members[i].n.div_ceil(NR)).map(move |t| (i, t)))
-        .collect();
+    let tasks = crate::mat::panel_tasks(&views, members, NR);
     let pairs = k.div_ceil(2);
     let qa_buf = &scratch.qa;
     let threads = rayon::current_num_threads();

@@ -1,11 +1,5 @@
 use super::*;
-
-fn rng(seed: &mut u64) -> f32 {
-    *seed = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-}
+use crate::testing::{on_threads, uniform as rng};
 
 /// `v` (`rows × cols`, row-major) stored as asked: row-major, or transposed.
 fn stored(v: &[f32], (rows, cols): (usize, usize), transposed: bool) -> (Vec<f32>, (isize, isize)) {
@@ -20,14 +14,6 @@ fn stored(v: &[f32], (rows, cols): (usize, usize), transposed: bool) -> (Vec<f32
     } else {
         (v.to_vec(), (cols as isize, 1))
     }
-}
-
-fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-        .install(f)
 }
 
 /// `dst = (read ? dst : 0) + a·b` by [`gemm`], `a` and `b` given row-major and stored

@@ -49,13 +49,30 @@ pub(super) unsafe fn tile(
                     }
                 }
             }
-            for (r, c) in c.iter().enumerate() {
-                for (h, &v) in c.iter().enumerate() {
-                    let at = NR * (r0 + r) + j0 + 8 * h;
-                    // SAFETY: 8 of `acc`'s lanes, at `at`.
-                    unsafe { _mm256_storeu_si256(acc.as_mut_ptr().add(at) as *mut __m256i, v) };
-                }
-            }
+            // SAFETY: the CPU has AVX2; rows `r0..r0 + ROWS ≤ MR`.
+            unsafe { spill(&c, (r0, j0), acc) };
+        }
+    }
+}
+
+/// A sub-tile's accumulators (rows `r0..r0 + R`, columns `j0..j0 + 16`) into `acc`
+/// (`acc[NR·r + j]`); the AVX-VNNI kernel's too.
+///
+/// # Safety
+/// The CPU must have AVX2; `r0 + R ≤ MR`, `j0 + 16 ≤ NR`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn spill<const R: usize>(
+    c: &[[__m256i; 2]; R],
+    (r0, j0): (usize, usize),
+    acc: &mut [i32; MR * NR],
+) {
+    assert!(r0 + R <= MR && j0 + 16 <= NR);
+    for (r, c) in c.iter().enumerate() {
+        for (h, &v) in c.iter().enumerate() {
+            let at = NR * (r0 + r) + j0 + 8 * h;
+            // SAFETY: 8 of `acc`'s lanes, at `at` (checked above).
+            unsafe { _mm256_storeu_si256(acc.as_mut_ptr().add(at) as *mut __m256i, v) };
         }
     }
 }

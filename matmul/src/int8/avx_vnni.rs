@@ -42,13 +42,8 @@ pub(super) unsafe fn tile(
                     }
                 }
             }
-            for (r, c) in c.iter().enumerate() {
-                for (h, &v) in c.iter().enumerate() {
-                    let at = NR * (r0 + r) + j0 + 8 * h;
-                    // SAFETY: 8 of `acc`'s lanes, at `at`.
-                    unsafe { _mm256_storeu_si256(acc.as_mut_ptr().add(at) as *mut __m256i, v) };
-                }
-            }
+            // SAFETY: the CPU has AVX2; rows `r0..r0 + ROWS ≤ MR`.
+            unsafe { super::avx2::spill(&c, (r0, j0), acc) };
         }
     }
 }

@@ -28,6 +28,7 @@
 use rayon::prelude::*;
 
 use crate::float16::Rhs;
+use crate::int16::{f32_member, relu};
 use crate::{Mat, Member};
 mod amx;
 mod avx2;
@@ -194,56 +195,6 @@ pub(crate) unsafe fn gemm_group((m, k): (usize, usize), a: Mat, members: &[Membe
     unsafe { gemm_group_with(isa, (m, k), a, members) }
 }
 
-/// A member's `b` as a matrix (a packed one's too: the f32 kernel reads it).
-fn matrix(b: Rhs<'_>) -> Mat {
-    match b {
-        Rhs::Mat(b) | Rhs::Packed(_, b) => b,
-    }
-}
-
-/// One member as the f32 kernel computes it: the product, the [`crate::Epilogue`] as a pass
-/// after it, and the column sums.
-///
-/// # Safety
-/// As [`gemm_group`]'s for the member.
-unsafe fn f32_member((m, k): (usize, usize), a: Mat, mb: &Member<'_>) {
-    let (n, b) = (mb.n, matrix(mb.b));
-    let par = crate::parallelism(m * k * n);
-    // SAFETY: as the caller's.
-    unsafe { crate::gemm_one((m, k, n), mb.dst, mb.ld, a, b, mb.read_dst, par) };
-    let e = mb.epilogue;
-    if e.bias.is_some() || e.relu {
-        // SAFETY: the caller's bias holds `n` values.
-        let bias = e.bias.map(|p| unsafe { std::slice::from_raw_parts(p, n) });
-        for i in 0..m {
-            // SAFETY: row `i` of the result holds `n` values.
-            let row =
-                unsafe { std::slice::from_raw_parts_mut(mb.dst.offset(i as isize * mb.ld), n) };
-            for (j, v) in row.iter_mut().enumerate() {
-                if let Some(bias) = bias {
-                    *v += bias[j];
-                }
-                if e.relu {
-                    *v = relu(*v);
-                }
-            }
-        }
-    }
-    if let Some(s) = mb.sums {
-        // SAFETY: as the caller's (a row-major `b` where sums are asked).
-        unsafe { crate::int16::column_sums(b, (k, n), s) };
-    }
-}
-
-/// `v` as the `relu` kernel leaves it: kept where `v > 0` or `v` is NaN, else `+0.0`.
-fn relu(v: f32) -> f32 {
-    if v > 0.0 || v.is_nan() {
-        v
-    } else {
-        0.0
-    }
-}
-
 /// A result pointer shared by the tasks, each writing its own columns.
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
@@ -290,12 +241,7 @@ pub(crate) unsafe fn gemm_group_with(
             _ => None,
         })
         .collect();
-    let tasks: Vec<(usize, usize)> = views
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| v.is_some())
-        .flat_map(|(i, _)| (0..members[i].n.div_ceil(NR)).map(move |t| (i, t)))
-        .collect();
+    let tasks = crate::mat::panel_tasks(&views, members, NR);
     let run = |&(i, t): &(usize, usize)| {
         let (mb, Some(p)) = (&members[i], views[i]) else {
             return;

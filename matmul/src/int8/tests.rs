@@ -1,24 +1,10 @@
 use super::*;
+use crate::testing::{on_threads, uniform as rng};
 use crate::Epilogue;
-
-fn rng(seed: &mut u64) -> f32 {
-    *seed = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-}
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..len).map(|_| rng(&mut s) * 3.0).collect()
-}
-
-fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-        .install(f)
 }
 
 /// The instructions this CPU runs, or none (the test then says why it checks nothing).
