@@ -195,6 +195,12 @@ pub(crate) unsafe fn gemm_group((m, k): (usize, usize), a: Mat, members: &[Membe
     unsafe { gemm_group_with(isa, (m, k), a, members) }
 }
 
+thread_local! {
+    /// The quantized left operand's buffer, kept between a thread's products (taken out
+    /// while one runs, so that a product inside another allocates its own).
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A result pointer shared by the tasks, each writing its own columns.
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
@@ -218,7 +224,8 @@ pub(crate) unsafe fn gemm_group_with(
     }
     let tiles = isa == Isa::Amx;
     // SAFETY: `a` addresses its elements (the caller's contract).
-    let Some(qa) = (unsafe { quantize_rows(a, (m, k), tiles) }) else {
+    let buf = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let Some(qa) = (unsafe { quantize_rows(a, (m, k), tiles, buf) }) else {
         return members.iter().for_each(to_f32);
     };
     // Each member's quantized `b`, made here or packed beforehand; `None`: the f32 kernel.
@@ -328,6 +335,7 @@ pub(crate) unsafe fn gemm_group_with(
             to_f32(mb);
         }
     }
+    SCRATCH.with(|s| *s.borrow_mut() = qa.q);
 }
 
 /// The int32 sums of the first `rows ≤ MR` rows of one [`MR`] × [`NR`] tile over `ld`

@@ -25,13 +25,18 @@ pub(crate) fn round(x: f32, s: f32) -> i8 {
     (x * s).round_ties_even() as i8
 }
 
-/// `a` (`m × k`, any strides) in [`Rows`], or `None` where a row holds an infinity or a
-/// NaN. `flat`: for the tiles instead, rows one after another (`4 · ld` bytes each, quad
+/// `a` (`m × k`, any strides) in [`Rows`] (their bytes in `q`'s storage, a buffer reused
+/// between products), or `None` where a row holds an infinity or a NaN. `flat`: for the tiles instead, rows one after another (`4 · ld` bytes each, quad
 /// `t` of row `i` at byte `4·(ld·i + t)`), as many as [`amx::ROWS`] blocks hold.
 ///
 /// # Safety
 /// `a` must address `m × k` valid elements; the CPU must have AVX2.
-pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), flat: bool) -> Option<Rows> {
+pub(crate) unsafe fn quantize_rows(
+    a: Mat,
+    (m, k): (usize, usize),
+    flat: bool,
+    mut q: Vec<u8>,
+) -> Option<Rows> {
     let ld = quads(k);
     let rows = if flat {
         m.next_multiple_of(super::amx::ROWS)
@@ -39,14 +44,16 @@ pub(crate) unsafe fn quantize_rows(a: Mat, (m, k): (usize, usize), flat: bool) -
         m.next_multiple_of(MR)
     };
     // Padding (past `k`, and rows past `m`) holds the offset of a zero.
-    let mut q = vec![128u8; rows * QUAD * ld];
+    q.clear();
+    q.resize(rows * QUAD * ld, 128);
     let mut inv = vec![0f32; m];
-    let mut row = vec![0f32; k];
+    let mut row = Vec::new();
     for (i, i_inv) in inv.iter_mut().enumerate() {
         let values: &[f32] = if a.cs == 1 {
             // SAFETY: row `i` holds `k` contiguous values (the caller's).
             unsafe { std::slice::from_raw_parts(a.ptr.offset(i as isize * a.rs), k) }
         } else {
+            row.resize(k, 0.0);
             for (p, v) in row.iter_mut().enumerate() {
                 // SAFETY: as the caller's.
                 *v = unsafe { *a.ptr.offset(i as isize * a.rs + p as isize * a.cs) };

@@ -310,7 +310,7 @@ fn int8_rows_quantize_as_the_scalar_rounding_does() {
         return;
     };
     // SAFETY: one row of `k` values; the CPU has AVX2.
-    let q = unsafe { quantize_rows(a, (1, k), false) }.unwrap();
+    let q = unsafe { quantize_rows(a, (1, k), false, Vec::new()) }.unwrap();
     let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (_, s) = scales(max);
     for (p, &v) in row.iter().enumerate() {
