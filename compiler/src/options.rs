@@ -255,6 +255,22 @@ mod tests {
             .check()
             .unwrap_err()
             .contains("give --target cuda"));
+        // int8 is the CPU's inference precision: taken there, refused for the GPU.
+        let int8 = CompileOptions {
+            precision: Precision::Int8,
+            ..cpu.clone()
+        };
+        assert!(int8.check().is_ok());
+        let int8_cuda = CompileOptions {
+            target: Target::Cuda,
+            cuda_arch: Some("sm_90".to_string()),
+            ..int8
+        };
+        let e = int8_cuda.check().unwrap_err();
+        assert!(
+            e.contains("--precision int8 is for the CPU's products") && e.contains("--target cpu"),
+            "{e}"
+        );
         let bad_arch = CompileOptions {
             target: Target::Cuda,
             cuda_arch: Some("90".to_string()),

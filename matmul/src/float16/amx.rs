@@ -87,13 +87,27 @@ pub(super) unsafe fn block(
                 s = in(reg) 64usize, options(nostack, readonly),
             );
         }
+        store_tiles(c as *mut u8, cs);
+    }
+}
+
+/// Tiles 0–3, a 32 × 32 block of 4-byte results, stored at `c` (`stride` bytes a row):
+/// tile 0 the top left 16 × 16, 1 the top right, 2 and 3 the bottom ones.
+///
+/// # Safety
+/// The tile configuration must be loaded; `c` must address the block.
+#[inline(always)]
+pub(crate) unsafe fn store_tiles(c: *mut u8, stride: usize) {
+    // SAFETY: as the caller's.
+    unsafe {
+        let c2 = c.add(16 * stride);
         asm!(
             "tilestored [{c0} + {s}*1], tmm0",
             "tilestored [{c1} + {s}*1], tmm1",
             "tilestored [{c2} + {s}*1], tmm2",
             "tilestored [{c3} + {s}*1], tmm3",
-            c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
-            s = in(reg) cs, options(nostack),
+            c0 = in(reg) c, c1 = in(reg) c.add(64), c2 = in(reg) c2, c3 = in(reg) c2.add(64),
+            s = in(reg) stride, options(nostack),
         );
     }
 }

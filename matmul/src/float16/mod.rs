@@ -48,8 +48,8 @@ mod sums;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use amx::CONFIG as TILE_CONFIG;
 use amx::*;
+pub(crate) use amx::{store_tiles, CONFIG as TILE_CONFIG};
 use avx512_bf16::*;
 use avx512_fp16::*;
 use blocks::*;

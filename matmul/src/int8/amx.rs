@@ -82,14 +82,6 @@ pub(super) unsafe fn block(
                 sa = in(reg) lda, sb = in(reg) rs, options(nostack, readonly),
             );
         }
-        let c = acc.as_mut_ptr();
-        asm!(
-            "tilestored [{c0} + {s}*1], tmm0",
-            "tilestored [{c1} + {s}*1], tmm1",
-            "tilestored [{c2} + {s}*1], tmm2",
-            "tilestored [{c3} + {s}*1], tmm3",
-            c0 = in(reg) c, c1 = in(reg) c.add(16), c2 = in(reg) c.add(16 * NR),
-            c3 = in(reg) c.add(16 * NR + 16), s = in(reg) NR * 4, options(nostack),
-        );
+        crate::float16::store_tiles(acc.as_mut_ptr() as *mut u8, NR * 4);
     }
 }
