@@ -63,13 +63,7 @@ pub(super) unsafe fn block(
                 s = in(reg) cs, options(nostack, readonly),
             );
         } else {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
+            zero_tiles();
         }
         for t in 0..kb {
             let o = t * TILE;
@@ -89,6 +83,24 @@ pub(super) unsafe fn block(
         }
         store_tiles(c as *mut u8, cs);
     }
+}
+
+/// Tiles 0–3 (a block's results) set to zero.
+///
+/// # Safety
+/// The tile configuration must be loaded.
+#[inline(always)]
+pub(crate) unsafe fn zero_tiles() {
+    // SAFETY: as the caller's.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        )
+    };
 }
 
 /// Tiles 0–3, a 32 × 32 block of 4-byte results, stored at `c` (`stride` bytes a row):

@@ -49,7 +49,7 @@ mod sums;
 mod tests;
 
 use amx::*;
-pub(crate) use amx::{store_tiles, CONFIG as TILE_CONFIG};
+pub(crate) use amx::{store_tiles, zero_tiles, CONFIG as TILE_CONFIG};
 use avx512_bf16::*;
 use avx512_fp16::*;
 use blocks::*;

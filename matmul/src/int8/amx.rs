@@ -59,13 +59,7 @@ pub(super) unsafe fn block(
     let rs = NR * QUAD;
     // SAFETY: as the caller's; each step reads 16 rows of 64 bytes of each operand tile.
     unsafe {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem)
-        );
+        crate::float16::zero_tiles();
         for t in (0..ld).step_by(QUADS) {
             let (a0, b0) = (a.add(QUAD * t), b.add(rs * t));
             asm!(
