@@ -47,6 +47,8 @@ mod scale;
 mod sums;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_fp16;
 
 use amx::*;
 pub(crate) use amx::{store_tiles, zero_tiles, CONFIG as TILE_CONFIG};
