@@ -44,7 +44,14 @@ fn readme_language_example_compiles() {
         .expect("the README has a language example");
     let g = kiln_dsl::compile_str("README.md", &example, &Options::default())
         .unwrap_or_else(|e| panic!("{}", e.render(false)));
-    assert!(g.param("layers.0.self_attn.w_q").is_some());
+    // The card's line, its d_model (512) taken from the layer's input.
+    assert!(example.contains("attention(h=8,d_k=64)"), "{example}");
+    let w_q = g.param("layers.0.self_attn.w_q").expect("w_q");
+    assert_eq!(g.ty(w_q).to_string(), "f32[512, 512]");
+    let w1 = g
+        .param("layers.5.ffn.linear1.w")
+        .expect("the sixth layer's ffn");
+    assert_eq!(g.ty(w1).to_string(), "f32[512, 2048]");
     assert_eq!(
         g.ty(g.output("hidden").unwrap()).to_string(),
         "f32[batch, len, 512]"

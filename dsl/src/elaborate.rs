@@ -33,6 +33,7 @@ use crate::values::{Instance, Partial, Value};
 
 mod calls;
 mod expr;
+mod inferred;
 mod stmts;
 mod tensor_ops;
 
@@ -187,6 +188,7 @@ impl<'p> Elab<'p> {
             kind: full.name.name.clone(),
             layer: None,
             hyper: vec![],
+            deferred: vec![],
             stack: None,
             state: Default::default(),
         });
@@ -247,7 +249,14 @@ impl<'p> Elab<'p> {
                 span: o.value_span,
             });
         }
-        let bound = self.bind_hyper(&full.name.name, params, given, full.name.span, &mut frame)?;
+        let (bound, _) = self.bind_hyper(
+            &full.name.name,
+            params,
+            &[],
+            given,
+            full.name.span,
+            &mut frame,
+        )?;
         for (k, v) in bound {
             let text = match &v {
                 Value::Str(s) => s.to_string(),
@@ -365,6 +374,7 @@ impl<'p> Elab<'p> {
                         kind: p.layer.name.name.clone(),
                         layer: Some(p.layer.clone()),
                         hyper: p.hyper.clone(),
+                        deferred: p.deferred.clone(),
                         stack: None,
                         state: Default::default(),
                     })
@@ -376,6 +386,7 @@ impl<'p> Elab<'p> {
             kind: p.layer.name.name.clone(),
             layer: Some(p.layer.clone()),
             hyper: p.hyper.clone(),
+            deferred: p.deferred.clone(),
             stack,
             state: Default::default(),
         })
@@ -478,7 +489,7 @@ pub(crate) fn parse_dtype(id: &Ident) -> R<DType> {
 }
 
 /// Checks a value against a hyper-parameter's declared type, converting ints to floats.
-fn check_type(p: &HyperParam, v: Value, span: Span) -> R<Value> {
+pub(super) fn check_type(p: &HyperParam, v: Value, span: Span) -> R<Value> {
     let Some(ty) = &p.ty else { return Ok(v) };
     let ok = match (ty.name.as_str(), &v) {
         ("int", Value::Int(_)) => return Ok(v),

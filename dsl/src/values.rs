@@ -14,6 +14,7 @@ use kiln_ir::ir::{DType, Init, NodeId};
 use kiln_ir::shape::Dim;
 
 use crate::ast::LayerDef;
+use crate::source::Span;
 
 #[derive(Clone)]
 pub enum Value {
@@ -114,6 +115,9 @@ impl fmt::Display for Value {
 pub struct Partial {
     pub layer: Rc<LayerDef>,
     pub hyper: Vec<(String, Value)>,
+    /// Hyper-parameters left to the first application (`attention(h = 8)` takes
+    /// `d_model` from its input), in declaration order: see [`Instance::deferred`].
+    pub deferred: Vec<String>,
     /// `repeat(n, partial)`: `n` independent copies applied in sequence.
     pub repeat: Option<usize>,
 }
@@ -128,6 +132,11 @@ pub struct Instance {
     pub kind: String,
     pub layer: Option<Rc<LayerDef>>,
     pub hyper: Vec<(String, Value)>,
+    /// Hyper-parameters neither given nor defaulted when the instance was made: those a
+    /// tensor argument's pattern names (`d_in` of `linear(d_out = 64)` applied to
+    /// `x: [..., d_in]`), and those whose defaults use them. Its first application binds
+    /// them ([`InstanceState::inferred`]).
+    pub deferred: Vec<String>,
     /// For `repeat`: the copies, applied in order.
     pub stack: Option<Vec<Rc<Instance>>>,
     pub state: RefCell<InstanceState>,
@@ -140,6 +149,16 @@ pub struct InstanceState {
     /// Instances made by calls without a name, keyed by call site.
     pub anon: BTreeMap<u32, Rc<Instance>>,
     pub applied: bool,
+    /// The deferred hyper-parameters' values, set by the first application.
+    pub inferred: Option<Inferred>,
+}
+
+/// What an instance's first application bound of its deferred hyper-parameters.
+#[derive(Clone)]
+pub struct Inferred {
+    pub values: Vec<(String, Value)>,
+    /// That application, for the note on a later one that does not fit.
+    pub at: Span,
 }
 
 impl Instance {
@@ -160,7 +179,18 @@ impl Instance {
         }
     }
 
-    pub fn hyper(&self, name: &str) -> Option<&Value> {
-        self.hyper.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    /// A hyper-parameter's value: bound when the instance was made, or by its first
+    /// application.
+    pub fn hyper(&self, name: &str) -> Option<Value> {
+        if let Some((_, v)) = self.hyper.iter().find(|(n, _)| n == name) {
+            return Some(v.clone());
+        }
+        let state = self.state.borrow();
+        let inferred = state.inferred.as_ref()?;
+        inferred
+            .values
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
     }
 }

@@ -50,6 +50,7 @@ pub(super) fn call(e: &mut Elab, name: &str, a: &Args) -> R<Value> {
                 (Value::Partial(p), _) if p.repeat.is_none() => Ok(Value::Partial(Rc::new(Partial {
                     layer: p.layer.clone(),
                     hyper: p.hyper.clone(),
+                    deferred: p.deferred.clone(),
                     repeat: Some(n as usize),
                 }))),
                 (v, s) => Err(Diag::new(

@@ -11,6 +11,7 @@ use crate::diagnostics::{did_you_mean, Diag};
 use crate::source::Span;
 use crate::values::{Instance, Partial, Value};
 
+use super::inferred::{self, uses_any};
 use super::*;
 
 impl<'p> Elab<'p> {
@@ -192,7 +193,14 @@ impl<'p> Elab<'p> {
         let bound = {
             let mut tmp = Frame::new(frame.inst.clone(), false, frame.anon.clone());
             self.stack.push((def.name.name.clone(), span));
-            let r = self.bind_hyper(&def.name.name, &def.params, hyper, callee_span, &mut tmp);
+            let r = self.bind_hyper(
+                &def.name.name,
+                &def.params,
+                &def.tensor_params,
+                hyper,
+                callee_span,
+                &mut tmp,
+            );
             self.stack.pop();
             r.map_err(|mut d| {
                 if d.stack.is_empty() {
@@ -202,9 +210,11 @@ impl<'p> Elab<'p> {
                 d
             })?
         };
+        let (hyper, deferred) = bound;
         let p = Rc::new(Partial {
             layer: def.clone(),
-            hyper: bound,
+            hyper,
+            deferred,
             repeat: None,
         });
         if tensors.is_empty() && !def.tensor_params.is_empty() {
@@ -239,16 +249,21 @@ impl<'p> Elab<'p> {
         inst
     }
 
-    /// Binds hyper-parameters: given values (type-checked), then defaults in order.
+    /// Binds hyper-parameters: given values (type-checked), then defaults in order. A
+    /// layer's hyper-parameter that is not given, has no default and is named by one of
+    /// `tensors`' patterns is deferred to the first application, as is one whose default
+    /// uses a deferred one ([`Instance::deferred`]); the deferred names come second.
     pub(crate) fn bind_hyper(
         &mut self,
         owner: &str,
         params: &[HyperParam],
+        tensors: &[TensorParam],
         given: Vec<EArg>,
         call_span: Span,
         frame: &mut Frame,
-    ) -> R<Vec<(String, Value)>> {
+    ) -> R<(Vec<(String, Value)>, Vec<String>)> {
         let mut out: Vec<(String, Value)> = Vec::new();
+        let mut deferred: Vec<String> = Vec::new();
         let mut given = given;
         for p in params {
             let pos = given
@@ -260,12 +275,20 @@ impl<'p> Elab<'p> {
                     check_type(p, g.value, g.span)?
                 }
                 None => match &p.default {
+                    Some(d) if uses_any(d, &deferred) => {
+                        deferred.push(p.name.name.clone());
+                        continue;
+                    }
                     Some(d) => {
                         for (k, v) in &out {
                             frame.vars.insert(k.clone(), v.clone());
                         }
                         let v = self.eval(frame, d)?;
                         check_type(p, v, d.span)?
+                    }
+                    None if inferred::named_by_pattern(tensors, &p.name.name) => {
+                        deferred.push(p.name.name.clone());
+                        continue;
                     }
                     None => {
                         return Err(Diag::new(
@@ -286,7 +309,7 @@ impl<'p> Elab<'p> {
             };
             out.push((p.name.name.clone(), v));
         }
-        Ok(out)
+        Ok((out, deferred))
     }
 
     /// Applies an instance to tensor arguments: binds them, checks their shapes against
@@ -403,6 +426,7 @@ impl<'p> Elab<'p> {
                 }
             }
         }
+        let mut given: Vec<(Value, Span)> = Vec::with_capacity(n);
         for (tp, slot) in def.tensor_params.iter().zip(slots) {
             let (value, aspan) = match slot {
                 Some(a) => (a.value, a.span),
@@ -425,11 +449,7 @@ impl<'p> Elab<'p> {
             };
             match &value {
                 Value::None if tp.optional => {}
-                Value::Tensor(id) => {
-                    if let Some(pat) = &tp.ty {
-                        self.match_pattern(&mut frame, def, tp, pat, *id, aspan)?;
-                    }
-                }
+                Value::Tensor(_) => {}
                 other => {
                     return Err(Diag::new(
                         "kiln::type",
@@ -442,6 +462,16 @@ impl<'p> Elab<'p> {
                     )
                     .at(aspan, format!("this is {}", other.kind())))
                 }
+            }
+            given.push((value, aspan));
+        }
+        for (k, v) in self.resolve_deferred(inst, def, &given, span)? {
+            frame.vars.insert(k, v);
+        }
+        for (tp, (value, aspan)) in def.tensor_params.iter().zip(given) {
+            if let (Value::Tensor(id), Some(pat)) = (&value, &tp.ty) {
+                self.match_pattern(&mut frame, def, tp, pat, *id, aspan)
+                    .map_err(|d| self.note_inferred(inst, pat, d))?;
             }
             frame.vars.insert(tp.name.name.clone(), value);
         }

@@ -106,7 +106,23 @@ impl<'p> Elab<'p> {
             return Ok(Value::Instance(c.clone()));
         }
         if let Some(h) = inst.hyper(&field.name) {
-            return Ok(h.clone());
+            return Ok(h);
+        }
+        if inst.deferred.contains(&field.name) {
+            return Err(Diag::new(
+                "kiln::unknown-field",
+                format!(
+                    "`{}` of `{}` is not known yet: it comes from the shape of the instance's input",
+                    field.name,
+                    inst.display_name()
+                ),
+            )
+            .at(field.span, "read before the instance is first applied")
+            .help(format!(
+                "apply `{}` first, or give `{}` where the instance is made",
+                inst.display_name(),
+                field.name
+            )));
         }
         let mut cands: Vec<&str> = state.params.keys().map(|s| s.as_str()).collect();
         cands.extend(state.children.keys().map(|s| s.as_str()));
