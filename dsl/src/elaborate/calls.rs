@@ -12,6 +12,9 @@ use crate::source::Span;
 use crate::values::{Instance, Partial, Value};
 
 use super::inferred::{self, uses_any};
+
+/// Bound hyper-parameters `(name, value)`, and the names deferred to the first application.
+type BoundHyper = (Vec<(String, Value)>, Vec<String>);
 use super::*;
 
 impl<'p> Elab<'p> {
@@ -261,7 +264,7 @@ impl<'p> Elab<'p> {
         given: Vec<EArg>,
         call_span: Span,
         frame: &mut Frame,
-    ) -> R<(Vec<(String, Value)>, Vec<String>)> {
+    ) -> R<BoundHyper> {
         let mut out: Vec<(String, Value)> = Vec::new();
         let mut deferred: Vec<String> = Vec::new();
         let mut given = given;

@@ -96,7 +96,7 @@ impl<'p> Elab<'p> {
                     let v = self.eval(&mut scope, d)?;
                     check_type(p, v, d.span)?
                 }
-                None => self.from_shape(def, p, given, span)?,
+                None => self.taken_from_shape(def, p, given, span)?,
             };
             scope.vars.insert(name.clone(), v.clone());
             values.push((name.clone(), v));
@@ -109,7 +109,7 @@ impl<'p> Elab<'p> {
     }
 
     /// Hyper-parameter `p` from the first given tensor argument whose pattern names it.
-    fn from_shape(
+    fn taken_from_shape(
         &mut self,
         def: &LayerDef,
         p: &HyperParam,
