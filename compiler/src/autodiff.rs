@@ -338,8 +338,25 @@ impl Builder<'_> {
 
     /// Zeros of the type of `like`.
     fn zeros_like(&mut self, like: NodeId) -> Result<NodeId, IrError> {
+        self.fill_like(0.0, like)
+    }
+
+    /// `value` in the type of `like`.
+    fn fill_like(&mut self, value: f64, like: NodeId) -> Result<NodeId, IrError> {
         let (dtype, shape) = (self.dtype(like), self.shape(like));
-        self.fill(0.0, dtype, &shape)
+        self.fill(value, dtype, &shape)
+    }
+
+    /// `value - x`.
+    fn minus(&mut self, value: f64, x: NodeId) -> Result<NodeId, IrError> {
+        let v = self.fill_like(value, x)?;
+        self.binary(BinaryOp::Sub, v, x)
+    }
+
+    /// `a · b · c`.
+    fn mul3(&mut self, a: NodeId, b: NodeId, c: NodeId) -> Result<NodeId, IrError> {
+        let ab = self.binary(BinaryOp::Mul, a, b)?;
+        self.binary(BinaryOp::Mul, ab, c)
     }
 
     fn unary(&mut self, u: UnaryOp, x: NodeId) -> Result<NodeId, IrError> {
@@ -472,6 +489,40 @@ fn unary_grad(
             let s = b.unary(UnaryOp::Sin, x)?;
             let gs = b.binary(BinaryOp::Mul, g, s)?;
             b.unary(UnaryOp::Neg, gs)?
+        }
+        // The result's own value where the derivative is a function of it, so that the
+        // forward keeps only y.
+        UnaryOp::Tanh => {
+            let yy = b.binary(BinaryOp::Mul, id, id)?;
+            let d = b.minus(1.0, yy)?;
+            b.binary(BinaryOp::Mul, g, d)?
+        }
+        UnaryOp::Sigmoid => {
+            let d = b.minus(1.0, id)?;
+            b.mul3(g, id, d)?
+        }
+        UnaryOp::Erf => {
+            let xx = b.binary(BinaryOp::Mul, x, x)?;
+            let nxx = b.unary(UnaryOp::Neg, xx)?;
+            let e = b.unary(UnaryOp::Exp, nxx)?;
+            let c = b.fill_like(std::f64::consts::FRAC_2_SQRT_PI, x)?;
+            b.mul3(g, c, e)?
+        }
+        UnaryOp::Rsqrt => {
+            // d/dx x^(-1/2) = -x^(-3/2) / 2 = -y³ / 2.
+            let yy = b.binary(BinaryOp::Mul, id, id)?;
+            let half = b.fill_like(-0.5, x)?;
+            let y3 = b.binary(BinaryOp::Mul, yy, id)?;
+            b.mul3(g, half, y3)?
+        }
+        UnaryOp::Silu => {
+            // (x·σ(x))' = σ(x) · (1 + x · (1 − σ(x))).
+            let s = b.unary(UnaryOp::Sigmoid, x)?;
+            let one_minus = b.minus(1.0, s)?;
+            let xs = b.binary(BinaryOp::Mul, x, one_minus)?;
+            let one = b.fill_like(1.0, x)?;
+            let f = b.binary(BinaryOp::Add, one, xs)?;
+            b.mul3(g, s, f)?
         }
     })
 }

@@ -179,13 +179,15 @@ trait Real:
     fn sqrt(self) -> Self;
     fn sin(self) -> Self;
     fn cos(self) -> Self;
+    fn tanh(self) -> Self;
+    fn erf(self) -> Self;
     fn is_nan(self) -> bool;
     /// The values as a host tensor of the matching dtype.
     fn into_data(v: Vec<Self>) -> TensorData;
 }
 
 macro_rules! impl_real {
-    ($t:ty, $variant:ident) => {
+    ($t:ty, $variant:ident, $erf:path) => {
         impl Real for $t {
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
@@ -211,6 +213,12 @@ macro_rules! impl_real {
             fn cos(self) -> Self {
                 <$t>::cos(self)
             }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn erf(self) -> Self {
+                $erf(self)
+            }
             fn is_nan(self) -> bool {
                 <$t>::is_nan(self)
             }
@@ -221,8 +229,8 @@ macro_rules! impl_real {
     };
 }
 
-impl_real!(f32, F32);
-impl_real!(f64, F64);
+impl_real!(f32, F32, libm::erff);
+impl_real!(f64, F64, libm::erf);
 
 /// NaN-propagating maximum.
 fn fmax<T: Real>(a: T, b: T) -> T {

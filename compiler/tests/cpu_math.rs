@@ -1,4 +1,4 @@
-//! The CLIF math library (`exp`, `log`, `sin`, `cos`) against Rust's `f32` functions, in
+//! The CLIF math library (`exp`, `log`, `sin`, `cos`, the activations) against Rust's `f32` functions, in
 //! vector lanes and in the scalar tail, through the JIT from text.
 
 use kiln_compiler::codegen::clif::{build_kernel, text};
@@ -40,7 +40,7 @@ fn check(
         &mut kiln_compiler::codegen::clif::Kb,
         cranelift_codegen::ir::Value,
     ) -> cranelift_codegen::ir::Value,
-    reference: fn(f32) -> f32,
+    reference: impl Fn(f32) -> f32,
     xs: &[f32],
     rel: f32,
     abs: f32,
@@ -151,6 +151,48 @@ fn sin_cos_match_std() {
         0.0,
         2e-6,
     );
+}
+
+/// The activations (#61) against f64 references: the relative error a few ulp, with the
+/// signs, the limits and NaN.
+#[test]
+fn activations_match_f64_references() {
+    let mut xs = grid(-12.0, 12.0, 20_001);
+    xs.extend(grid(-1.2, 1.2, 4_001));
+    xs.extend([
+        0.0,
+        -0.0,
+        1e-8,
+        -1e-8,
+        1e-30,
+        -100.0,
+        100.0,
+        1e9,
+        -1e9,
+        f32::NAN,
+    ]);
+    xs.extend([f32::INFINITY, f32::NEG_INFINITY]);
+    let f64_of = |f: fn(f64) -> f64| move |x: f32| f(x as f64) as f32;
+    check("tanh", math::tanh, f64_of(f64::tanh), &xs, 5e-7, 1e-37);
+    check("erf", math::erf, f64_of(libm::erf), &xs, 3e-7, 2e-7);
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    check("sigmoid", math::sigmoid, f64_of(sig), &xs, 6e-7, 1e-37);
+    check(
+        "silu",
+        math::silu,
+        f64_of(|x| x / (1.0 + (-x).exp())),
+        &xs,
+        6e-7,
+        1e-37,
+    );
+    // Odd functions keep the sign; the limits are exact.
+    let src = unary_kernel("tanh", math::tanh);
+    let got = run("tanh", &src, &[-1e-8, 30.0, -30.0, f32::INFINITY]);
+    assert_eq!(got, [-1e-8, 1.0, -1.0, 1.0]);
+    let src = unary_kernel("erf", math::erf);
+    let got = run("erf", &src, &[-1e-8, 5.0, -5.0, f32::NEG_INFINITY]);
+    assert!((got[0] + 1.128_379_2e-8).abs() < 1e-15, "{}", got[0]);
+    assert_eq!(&got[1..], [1.0, -1.0, -1.0]);
 }
 
 #[test]

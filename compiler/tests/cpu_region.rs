@@ -305,7 +305,7 @@ fn c(v: f64, d: DType) -> Inst {
     Inst::Const(Float::new(v), d)
 }
 
-const UNARY: [UnaryOp; 8] = [
+const UNARY: [UnaryOp; 13] = [
     UnaryOp::Neg,
     UnaryOp::Exp,
     UnaryOp::Log,
@@ -314,6 +314,11 @@ const UNARY: [UnaryOp; 8] = [
     UnaryOp::Relu,
     UnaryOp::Sin,
     UnaryOp::Cos,
+    UnaryOp::Tanh,
+    UnaryOp::Sigmoid,
+    UnaryOp::Erf,
+    UnaryOp::Rsqrt,
+    UnaryOp::Silu,
 ];
 const BINARY: [BinaryOp; 5] = [
     BinaryOp::Add,
@@ -338,7 +343,7 @@ const CMP: [CmpOp; 6] = [
 fn every_unary_op_over_odd_shapes() {
     for u in UNARY {
         let range = match u {
-            UnaryOp::Log | UnaryOp::Sqrt => Range::F(0.01, 50.0),
+            UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => Range::F(0.01, 50.0),
             UnaryOp::Sin | UnaryOp::Cos => Range::F(-20.0, 20.0),
             _ => Range::F(-4.0, 4.0),
         };
@@ -416,6 +421,11 @@ fn unary_special_values() {
                 }
                 UnaryOp::Sin => a.sin(),
                 UnaryOp::Cos => a.cos(),
+                UnaryOp::Tanh => a.tanh(),
+                UnaryOp::Sigmoid => 1.0 / (1.0 + (-a).exp()),
+                UnaryOp::Erf => libm::erff(a),
+                UnaryOp::Rsqrt => 1.0 / a.sqrt(),
+                UnaryOp::Silu => a / (1.0 + (-a).exp()),
             };
             let g = y[i];
             if want.is_nan() {

@@ -2998,3 +2998,53 @@ fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
         .collect();
     assert_eq!(from_bf16(&g[1]), want, "copy_strided of bf16");
 }
+
+/// The activations (#61) in the CUDA C regions (`tanhf`, `erff`, the sigmoid and SiLU by
+/// `expf`, `rsqrt` by `sqrtf`), compiled on the host: within a few ulp of the CPU
+/// region's polynomials, NaN where it is NaN.
+#[test]
+fn activation_regions_agree_with_the_cpu() {
+    use kiln_compiler::ir::UnaryOp;
+    let Some(cxx) = gxx() else { return };
+    let n = 203usize;
+    let mut rng = Rng(11);
+    let mut xs = as_f32(&rng.floats(n - 5, -9.0, 9.0));
+    xs.extend([0.0, -0.0, 40.0, -40.0, f32::NAN]);
+    for u in [
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Erf,
+        UnaryOp::Rsqrt,
+        UnaryOp::Silu,
+    ] {
+        let expr = Expr {
+            out: TensorType::new(DType::F32, Shape::consts(&[n as i64])),
+            inputs: 1,
+            insts: vec![Inst::In(0), Inst::Un(u, 0)],
+        };
+        let dtypes = [DType::F32];
+        let f = cuda::region::region("region_0", &expr, &[true], &dtypes).expect("emits");
+        let cpu = region::region_typed("region_0", &expr, &[true], &dtypes).expect("CPU region");
+        let (dims, rows_n) = region::region_dims(&expr, &[n], &[vec![1]], 1, 1);
+        let bufs = vec![f32s(&xs), f32s(&vec![f32::NAN; n])];
+        let mut g = bufs.clone();
+        run_with(cxx, &f, &mut g, &dims, n as u64, (2, 32));
+        let mut h = bufs.clone();
+        run_cpu(&cpu, "region_0", &mut h, &dims, rows_n);
+        for (i, (a, b)) in as_f32(&g[1]).iter().zip(as_f32(&h[1])).enumerate() {
+            let x = xs[i];
+            if b.is_nan() {
+                assert!(a.is_nan(), "{u:?}({x}): {a} on the device, NaN on the CPU");
+                continue;
+            }
+            if b.is_infinite() {
+                assert_eq!(*a, b, "{u:?}({x})");
+                continue;
+            }
+            assert!(
+                (a - b).abs() <= 4e-7 * b.abs() + 3e-7,
+                "{u:?}({x}): {a} on the device, {b} on the CPU"
+            );
+        }
+    }
+}

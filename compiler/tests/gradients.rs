@@ -435,6 +435,11 @@ fn unary_ops() {
         (UnaryOp::Relu, -2.0, 2.0),
         (UnaryOp::Sin, -3.0, 3.0),
         (UnaryOp::Cos, -3.0, 3.0),
+        (UnaryOp::Tanh, -3.0, 3.0),
+        (UnaryOp::Sigmoid, -4.0, 4.0),
+        (UnaryOp::Erf, -2.5, 2.5),
+        (UnaryOp::Rsqrt, 0.5, 3.0),
+        (UnaryOp::Silu, -4.0, 4.0),
     ];
     for (u, lo, hi) in ops {
         let mut c = Case::new(&[("b", 2)]);

@@ -304,6 +304,11 @@ fn unary_float_ops() {
         ("exp", UnaryOp::Exp, e),
         ("sin", UnaryOp::Sin, a),
         ("cos", UnaryOp::Cos, a),
+        ("tanh", UnaryOp::Tanh, x),
+        ("sigmoid", UnaryOp::Sigmoid, x),
+        ("erf", UnaryOp::Erf, x),
+        ("rsqrt", UnaryOp::Rsqrt, p),
+        ("silu", UnaryOp::Silu, x),
     ];
     for (name, u, arg) in ops {
         let id = op(&mut g, Op::Unary(u), &[arg]);
@@ -317,7 +322,7 @@ fn unary_float_ops() {
             ("a", f32t(&[3], &[0.0, 1.0, 2.0])),
         ]
     };
-    let expected: [(&str, Vec<f64>); 8] = [
+    let expected: [(&str, Vec<f64>); 13] = [
         ("neg", vec![1.5, -0.5, -1.0, 0.0]),
         ("relu", vec![0.0, 0.5, 1.0, 0.0]),
         ("sqrt", vec![0.5, 1.0, 2.0]),
@@ -326,6 +331,43 @@ fn unary_float_ops() {
         ("exp", vec![1.0, std::f64::consts::E, 0.36787944117144233]),
         ("sin", vec![0.0, 0.8414709848078965, 0.9092974268256817]),
         ("cos", vec![1.0, 0.5403023058681398, -0.4161468365471424]),
+        (
+            "tanh",
+            vec![
+                -0.9051482536448664,
+                0.46211715726000974,
+                0.7615941559557649,
+                -0.0,
+            ],
+        ),
+        (
+            "sigmoid",
+            vec![
+                0.18242552380635635,
+                0.6224593312018546,
+                0.7310585786300049,
+                0.5,
+            ],
+        ),
+        (
+            "erf",
+            vec![
+                -0.9661051464753108,
+                0.5204998778130465,
+                0.8427007929497149,
+                -0.0,
+            ],
+        ),
+        ("rsqrt", vec![2.0, 1.0, 0.5]),
+        (
+            "silu",
+            vec![
+                -0.2736382857095345,
+                0.3112296656009273,
+                0.7310585786300049,
+                -0.0,
+            ],
+        ),
     ];
     let r = run(&g, inputs());
     let r64 = run_f64(&g, inputs());

@@ -38,6 +38,11 @@ const BUILTINS: &[(&str, &[&str])] = &[
     ("relu", &["x"]),
     ("recip", &["x"]),
     ("neg", &["x"]),
+    ("tanh", &["x"]),
+    ("sigmoid", &["x"]),
+    ("erf", &["x"]),
+    ("rsqrt", &["x"]),
+    ("silu", &["x"]),
     ("max", &["a", "b"]),
     ("min", &["a", "b"]),
     ("sum", &["x", "axis?"]),
@@ -330,6 +335,12 @@ fn math(name: &str, x: f64, s: Span) -> R<f64> {
         "recip" if x == 0.0 => return domain("division by zero"),
         "recip" => 1.0 / x,
         "neg" => -x,
+        "tanh" => x.tanh(),
+        "sigmoid" => 1.0 / (1.0 + (-x).exp()),
+        "erf" => libm::erf(x),
+        "rsqrt" if x <= 0.0 => return domain("rsqrt needs a positive number"),
+        "rsqrt" => 1.0 / x.sqrt(),
+        "silu" => x / (1.0 + (-x).exp()),
         _ => unreachable!("math builtin {name}"),
     })
 }
@@ -344,8 +355,10 @@ pub(crate) fn call(
 ) -> R<Value> {
     let a = Args::bind(name, args, span)?;
     match name {
-        "exp" | "log" | "sqrt" | "sin" | "cos" | "relu" | "recip" | "neg" | "max" | "min"
-        | "sum" | "amax" | "mean" => math::call(e, frame, name, &a, span),
+        "exp" | "log" | "sqrt" | "sin" | "cos" | "relu" | "recip" | "neg" | "tanh" | "sigmoid"
+        | "erf" | "rsqrt" | "silu" | "max" | "min" | "sum" | "amax" | "mean" => {
+            math::call(e, frame, name, &a, span)
+        }
         "reshape" | "broadcast" | "permute" | "transpose" | "where" | "cast" | "gather"
         | "scatter_add" | "slice" | "concat" | "matmul" => shape::call(e, frame, name, &a, span),
         "dropout" | "causal_mask" | "padding_mask" | "arange" | "one_hot" | "kv_cache"

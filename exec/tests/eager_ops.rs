@@ -266,6 +266,11 @@ fn unary_ops_are_bit_exact() {
             UnaryOp::Relu,
             UnaryOp::Sin,
             UnaryOp::Cos,
+            UnaryOp::Tanh,
+            UnaryOp::Sigmoid,
+            UnaryOp::Erf,
+            UnaryOp::Rsqrt,
+            UnaryOp::Silu,
         ] {
             let y = op(&mut g, Op::Unary(u), &[x]);
             out(&mut g, &format!("{u:?}"), y);

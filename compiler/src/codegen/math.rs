@@ -258,3 +258,110 @@ pub fn sincos(kb: &mut Kb, x: Value, cos: bool) -> Value {
     let _ = types::F32;
     kb.select(is_nan, x, res)
 }
+
+/// `1 / (1 + e^(−x))`: `e^(−x)` overflows to `+inf` below −88.7, giving `0`; NaN stays NaN.
+pub fn sigmoid(kb: &mut Kb, x: Value) -> Value {
+    let ty = kb.ty(x);
+    let one = kb.fconst(ty, 1.0);
+    let d = one_plus_exp_neg(kb, x);
+    kb.b.ins().fdiv(one, d)
+}
+
+/// `x · sigmoid(x)` as `x / (1 + e^(−x))`.
+pub fn silu(kb: &mut Kb, x: Value) -> Value {
+    let d = one_plus_exp_neg(kb, x);
+    kb.b.ins().fdiv(x, d)
+}
+
+fn one_plus_exp_neg(kb: &mut Kb, x: Value) -> Value {
+    let ty = kb.ty(x);
+    let nx = kb.b.ins().fneg(x);
+    let e = exp(kb, nx);
+    let one = kb.fconst(ty, 1.0);
+    kb.b.ins().fadd(one, e)
+}
+
+/// `tanh x`, as Cephes' `tanhf`: below |x| = 0.625 an odd polynomial (no cancellation
+/// near 0), above it `1 − 2 / (e^(2|x|) + 1)` with the sign of `x` (`e^(2|x|)` overflowing
+/// gives exactly ±1). NaN stays NaN (it takes the polynomial).
+pub fn tanh(kb: &mut Kb, x: Value) -> Value {
+    let ty = kb.ty(x);
+    let ax = kb.b.ins().fabs(x);
+    let z = kb.b.ins().fmul(x, x);
+    let mut p = kb.fconst(ty, -5.704_988_7e-3);
+    for c in [
+        2.063_909e-2,
+        -5.373_971_6e-2,
+        1.333_144_2e-1,
+        -3.333_328e-1,
+    ] {
+        let k = kb.fconst(ty, c);
+        p = kb.fma(p, z, k);
+    }
+    let pz = kb.b.ins().fmul(p, z);
+    let small = kb.fma(pz, x, x);
+    let two_ax = kb.b.ins().fadd(ax, ax);
+    let e = exp(kb, two_ax);
+    let one = kb.fconst(ty, 1.0);
+    let two = kb.fconst(ty, 2.0);
+    let e1 = kb.b.ins().fadd(e, one);
+    let q = kb.b.ins().fdiv(two, e1);
+    let large = kb.b.ins().fsub(one, q);
+    let large = with_sign_of(kb, large, x);
+    let cut = kb.fconst(ty, 0.625);
+    let is_large = kb.b.ins().fcmp(FloatCC::GreaterThanOrEqual, ax, cut);
+    kb.select(is_large, large, small)
+}
+
+/// `erf x`: below |x| = 1 Cephes' `erff` polynomial `x · P(x²)` (relative error near
+/// 1e-9 before rounding), above it Abramowitz–Stegun 7.1.26, `1 − t·Q(t)·e^(−x²)` with
+/// `t = 1 / (1 + 0.3275911·|x|)` (absolute error 1.5e-7, where erf > 0.84), with the sign
+/// of `x`. NaN stays NaN.
+pub fn erf(kb: &mut Kb, x: Value) -> Value {
+    let ty = kb.ty(x);
+    let ax = kb.b.ins().fabs(x);
+    let z = kb.b.ins().fmul(x, x);
+    let mut p = kb.fconst(ty, 7.853_861_4e-5);
+    for c in [
+        -8.010_193_6e-4,
+        5.188_327_7e-3,
+        -2.685_381_2e-2,
+        1.128_358_5e-1,
+        -3.761_262_6e-1,
+        std::f32::consts::FRAC_2_SQRT_PI,
+    ] {
+        let k = kb.fconst(ty, c);
+        p = kb.fma(p, z, k);
+    }
+    let small = kb.b.ins().fmul(x, p);
+    let one = kb.fconst(ty, 1.0);
+    let pc = kb.fconst(ty, 0.327_591_1);
+    let d = kb.fma(pc, ax, one);
+    let t = kb.b.ins().fdiv(one, d);
+    let mut q = kb.fconst(ty, 1.061_405_4);
+    for c in [-1.453_152, 1.421_413_7, -0.284_496_74, 0.254_829_6] {
+        let k = kb.fconst(ty, c);
+        q = kb.fma(q, t, k);
+    }
+    let tq = kb.b.ins().fmul(t, q);
+    let nz = kb.b.ins().fneg(z);
+    let e = exp(kb, nz);
+    let tqe = kb.b.ins().fmul(tq, e);
+    let large = kb.b.ins().fsub(one, tqe);
+    let large = with_sign_of(kb, large, x);
+    let is_large = kb.b.ins().fcmp(FloatCC::GreaterThanOrEqual, ax, one);
+    kb.select(is_large, large, small)
+}
+
+/// `mag` (non-negative) with the sign bit of `x`: Cranelift has no vector `fcopysign` on
+/// x86, so the bit is moved by integer ops.
+fn with_sign_of(kb: &mut Kb, mag: Value, x: Value) -> Value {
+    let ty = kb.ty(x);
+    let ity = int_of(ty);
+    let xb = kb.b.ins().bitcast(ity, lanes(), x);
+    let mb = kb.b.ins().bitcast(ity, lanes(), mag);
+    let sign = kb.i32const(ity, i32::MIN);
+    let s = kb.b.ins().band(xb, sign);
+    let r = kb.b.ins().bor(mb, s);
+    kb.b.ins().bitcast(ty, lanes(), r)
+}

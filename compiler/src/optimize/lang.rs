@@ -452,7 +452,12 @@ fn primitive_kinds() -> Vec<Kind> {
         Kind::Reduce(ReduceOp::Sum),
         Kind::Reduce(ReduceOp::Max),
     ];
-    v.extend([Neg, Exp, Log, Sqrt, Recip, Relu, Sin, Cos].map(Kind::Unary));
+    v.extend(
+        [
+            Neg, Exp, Log, Sqrt, Recip, Relu, Sin, Cos, Tanh, Sigmoid, Erf, Rsqrt, Silu,
+        ]
+        .map(Kind::Unary),
+    );
     v.extend(
         [
             BinaryOp::Add,

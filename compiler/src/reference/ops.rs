@@ -31,6 +31,11 @@ pub(super) fn unary<T: Real>(u: UnaryOp, x: &Data<T>) -> NodeResult<Data<T>> {
                 },
                 UnaryOp::Sin => T::sin,
                 UnaryOp::Cos => T::cos,
+                UnaryOp::Tanh => T::tanh,
+                UnaryOp::Sigmoid => |a| T::ONE / (T::ONE + (-a).exp()),
+                UnaryOp::Erf => T::erf,
+                UnaryOp::Rsqrt => |a| T::ONE / a.sqrt(),
+                UnaryOp::Silu => |a| a / (T::ONE + (-a).exp()),
             };
             Data::F(v.iter().map(|&a| f(a)).collect())
         }

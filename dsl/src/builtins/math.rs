@@ -6,7 +6,8 @@ pub(super) fn call(e: &mut Elab, frame: &mut Frame, name: &str, a: &Args, span: 
     let node =
         |e: &mut Elab, op: Op, ins: &[NodeId]| e.node(frame, op, ins, span).map(Value::Tensor);
     match name {
-        "exp" | "log" | "sqrt" | "sin" | "cos" | "relu" | "recip" | "neg" => {
+        "exp" | "log" | "sqrt" | "sin" | "cos" | "relu" | "recip" | "neg" | "tanh" | "sigmoid"
+        | "erf" | "rsqrt" | "silu" => {
             let (v, s) = a.req("x").clone();
             match v {
                 Value::Int(_) | Value::Float(_) => {
@@ -19,6 +20,11 @@ pub(super) fn call(e: &mut Elab, frame: &mut Frame, name: &str, a: &Args, span: 
                         "sqrt" => UnaryOp::Sqrt,
                         "sin" => UnaryOp::Sin,
                         "cos" => UnaryOp::Cos,
+                        "tanh" => UnaryOp::Tanh,
+                        "sigmoid" => UnaryOp::Sigmoid,
+                        "erf" => UnaryOp::Erf,
+                        "rsqrt" => UnaryOp::Rsqrt,
+                        "silu" => UnaryOp::Silu,
                         "relu" => UnaryOp::Relu,
                         "recip" => UnaryOp::Recip,
                         _ => UnaryOp::Neg,

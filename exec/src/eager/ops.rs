@@ -136,6 +136,11 @@ fn unary<'t>(ctx: &Ctx<'_>, u: UnaryOp, x: Value<'t>, shape: &[usize]) -> R<Valu
             ),
             UnaryOp::Sin => unary_op(ctx, x, shape, f32::sin),
             UnaryOp::Cos => unary_op(ctx, x, shape, f32::cos),
+            UnaryOp::Tanh => unary_op(ctx, x, shape, f32::tanh),
+            UnaryOp::Sigmoid => unary_op(ctx, x, shape, |a: f32| 1.0 / (1.0 + (-a).exp())),
+            UnaryOp::Erf => unary_op(ctx, x, shape, libm::erff),
+            UnaryOp::Rsqrt => unary_op(ctx, x, shape, |a: f32| 1.0 / a.sqrt()),
+            UnaryOp::Silu => unary_op(ctx, x, shape, |a: f32| a / (1.0 + (-a).exp())),
         },
         Data::I(_) => match u {
             UnaryOp::Neg => unary_op(ctx, x, shape, i32::wrapping_neg),

@@ -162,6 +162,15 @@ pub enum UnaryOp {
     Relu,
     Sin,
     Cos,
+    Tanh,
+    /// `1 / (1 + exp(-x))`.
+    Sigmoid,
+    /// The error function, `2/√π ∫₀ˣ exp(-t²) dt`.
+    Erf,
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    /// `x · sigmoid(x)` (SiLU, "swish").
+    Silu,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
@@ -300,6 +309,11 @@ impl Op {
                 UnaryOp::Relu => "relu",
                 UnaryOp::Sin => "sin",
                 UnaryOp::Cos => "cos",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Sigmoid => "sigmoid",
+                UnaryOp::Erf => "erf",
+                UnaryOp::Rsqrt => "rsqrt",
+                UnaryOp::Silu => "silu",
             },
             Op::Binary(b) => match b {
                 BinaryOp::Add => "add",

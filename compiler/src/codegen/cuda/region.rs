@@ -133,6 +133,11 @@ fn unary(u: UnaryOp, d: DType, x: &str) -> String {
         UnaryOp::Relu => format!("kiln_relu({x})"),
         UnaryOp::Sin => format!("sinf({x})"),
         UnaryOp::Cos => format!("cosf({x})"),
+        UnaryOp::Tanh => format!("tanhf({x})"),
+        UnaryOp::Sigmoid => format!("1.0f / (1.0f + expf(-{x}))"),
+        UnaryOp::Erf => format!("erff({x})"),
+        UnaryOp::Rsqrt => format!("1.0f / sqrtf({x})"),
+        UnaryOp::Silu => format!("{x} / (1.0f + expf(-{x}))"),
     }
 }
 

@@ -94,6 +94,17 @@ pub(super) fn unary(kb: &mut Kb, u: UnaryOp, d: DType, x: Value) -> Value {
         }
         UnaryOp::Sin => math::sincos(kb, x, false),
         UnaryOp::Cos => math::sincos(kb, x, true),
+        UnaryOp::Tanh => math::tanh(kb, x),
+        UnaryOp::Sigmoid => math::sigmoid(kb, x),
+        UnaryOp::Erf => math::erf(kb, x),
+        UnaryOp::Rsqrt => {
+            // Exactly rounded sqrt, then a division: the same bits on every ISA (no
+            // approximate reciprocal-root instruction).
+            let one = kb.fconst(ty, 1.0);
+            let s = kb.b.ins().sqrt(x);
+            kb.b.ins().fdiv(one, s)
+        }
+        UnaryOp::Silu => math::silu(kb, x),
     }
 }
 
