@@ -95,6 +95,21 @@ pub fn gradients_seeded(
     seed: Option<NodeId>,
     wrt: &[NodeId],
 ) -> Result<(Graph, Vec<NodeId>), IrError> {
+    gradients_carried(graph, loss, seed, wrt, &[])
+}
+
+/// Like [`gradients_seeded`], where each `(x, g)` of `carried` is a gradient that node `x`
+/// receives from a use after the whole graph: the first contribution to `x`, as the walk
+/// over a larger graph that used `x` again later would sum it. A fused block's backward
+/// template derived this way matches the block inside a larger graph, with that later
+/// use's gradient added in (a pre-LN block's residual path past its layer norm).
+pub fn gradients_carried(
+    graph: &Graph,
+    loss: NodeId,
+    seed: Option<NodeId>,
+    wrt: &[NodeId],
+    carried: &[(NodeId, NodeId)],
+) -> Result<(Graph, Vec<NodeId>), IrError> {
     graph.verify()?;
     let n = graph.len();
     let in_range = |id: NodeId, what: &str| {
@@ -164,6 +179,16 @@ pub fn gradients_seeded(
             }
             None => b.fill(1.0, ty.dtype, &ty.shape)?,
         });
+    }
+    for &(x, g) in carried {
+        in_range(x, "a node with a carried gradient")?;
+        in_range(g, "a carried gradient")?;
+        if graph.ty(g) != graph.ty(x) || x == loss || grads[x.index()].is_some() {
+            return Err(IrError::Type(format!(
+                "the gradient {g} carried into {x} must have its type and come first"
+            )));
+        }
+        grads[x.index()] = Some(g);
     }
     for i in (0..=loss.index()).rev() {
         if !(live[i] && active[i]) {

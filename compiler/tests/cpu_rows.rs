@@ -20,6 +20,7 @@ use kiln_compiler::codegen::jit::{self, JitModule, KernelFn};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::{DType, Graph, TensorType};
 use kiln_compiler::optimize::lang::Attr;
+use kiln_compiler::optimize::templates::LnForm;
 use kiln_compiler::optimize::templates::{registry, TemplateDef};
 use kiln_compiler::reference::{run, Precision, RunOptions};
 use kiln_compiler::rng::uniform01;
@@ -339,7 +340,7 @@ fn softmax_bwd_matches_the_softmax_gradient() {
 
 #[test]
 fn add_layer_norm_matches_its_definition() {
-    let k = jit_of(&rows::add_layer_norm("ln"));
+    let k = jit_of(&rows::add_layer_norm("ln", true));
     for (s, &(nrows, d)) in [
         (1, 1),
         (4, 3),
@@ -395,7 +396,7 @@ fn add_layer_norm_matches_its_definition() {
 
 #[test]
 fn add_layer_norm_bwd_matches_its_definition_and_is_split_independent() {
-    let k = jit_of(&rows::add_layer_norm_bwd("ln_bwd"));
+    let k = jit_of(&rows::add_layer_norm_bwd("ln_bwd", LnForm::Add));
     let fin = jit_of(&rows::add_layer_norm_bwd_finish("ln_bwd_finish"));
     for (s, &(nrows, d, c_scale)) in [
         (1, 1, 1.0f32),
@@ -620,8 +621,8 @@ fn kernel_text_is_deterministic() {
             rows::scale_mask_softmax("c", MaskKind::Key),
             rows::scale_mask_softmax("d", MaskKind::Causal),
             rows::softmax_bwd("e"),
-            rows::add_layer_norm("f"),
-            rows::add_layer_norm_bwd("g"),
+            rows::add_layer_norm("f", true),
+            rows::add_layer_norm_bwd("g", LnForm::Add),
             rows::add_layer_norm_bwd_finish("h"),
             rows::xent_ls("i"),
         ]

@@ -26,6 +26,7 @@ use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::codegen::{jit, region};
 use kiln_compiler::ir::Float;
 use kiln_compiler::optimize::regions::{Expr, Inst};
+use kiln_compiler::optimize::templates::LnForm;
 use kiln_compiler::{DType, Shape, TensorType};
 
 /// Reads the buffers and the launch from stdin, runs the kernel, writes the buffers.
@@ -1026,7 +1027,7 @@ fn row_kernels_match_the_cpu_within_rounding() {
     );
     let mut h = bufs.clone();
     run_cpu(
-        &rows::add_layer_norm("add_layer_norm_0"),
+        &rows::add_layer_norm("add_layer_norm_0", true),
         "add_layer_norm_0",
         &mut h,
         &dims,
@@ -1050,7 +1051,7 @@ fn row_kernels_match_the_cpu_within_rounding() {
     run(cxx, &f, &mut g, &dims, items as u64);
     let mut h = bufs.clone();
     run_cpu(
-        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0"),
+        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0", LnForm::Add),
         "add_layer_norm_bwd_0",
         &mut h,
         &dims,
@@ -1127,7 +1128,7 @@ fn block_reductions_over_several_warps_match_the_cpu() {
     let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
     let mut hb = bwd.clone();
     run_cpu(
-        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0"),
+        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0", LnForm::Add),
         "add_layer_norm_bwd_0",
         &mut hb,
         &bdims,
@@ -1143,7 +1144,7 @@ fn block_reductions_over_several_warps_match_the_cpu() {
     let (fdims, fitems) = rows::add_layer_norm_dims(rows_n, d);
     let mut hf = fwd.clone();
     run_cpu(
-        &rows::add_layer_norm("add_layer_norm_0"),
+        &rows::add_layer_norm("add_layer_norm_0", true),
         "add_layer_norm_0",
         &mut hf,
         &fdims,
@@ -1244,20 +1245,29 @@ fn layer_norm_rows_in_registers_give_the_bits_of_the_passes() {
                 let mut got = Vec::new();
                 // A program's lanes (⌈d / 32⌉), the most, none.
                 for regs in [cuda::rows::row_lane(Some(d)), lane, 0] {
-                    let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs);
+                    let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs, true);
                     let mut a = fwd.clone();
                     run_with(cxx, &f, &mut a, &dims, rows_n as u64, launch);
-                    let f = cuda::rows::add_layer_norm_bwd_with("add_layer_norm_bwd_0", e, regs);
+                    let f = cuda::rows::add_layer_norm_bwd_with(
+                        "add_layer_norm_bwd_0",
+                        e,
+                        regs,
+                        LnForm::Add,
+                    );
                     let mut b = bwd.clone();
                     run_with(cxx, &f, &mut b, &bdims, bitems as u64, launch);
                     if in_place {
                         // out = x, then dx = x.
-                        let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs);
+                        let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs, true);
                         let mut c = fwd.clone();
                         run_in_place(cxx, &f, &mut c, &dims, rows_n as u64, launch, 6, 0);
                         assert_eq!(c[0], a[6], "{what}: out in place");
-                        let f =
-                            cuda::rows::add_layer_norm_bwd_with("add_layer_norm_bwd_0", e, regs);
+                        let f = cuda::rows::add_layer_norm_bwd_with(
+                            "add_layer_norm_bwd_0",
+                            e,
+                            regs,
+                            LnForm::Add,
+                        );
                         let mut c = bwd.clone();
                         run_in_place(cxx, &f, &mut c, &bdims, bitems as u64, launch, 6, 0);
                         assert_eq!(c[0], b[6], "{what}: dx in place");
@@ -2495,7 +2505,7 @@ fn row_kernels_in_bf16_match_the_cpu_within_bf16_rounding() {
     run(cxx, &f, &mut g, &dims, rows_n as u64);
     let mut h = vec![x, y, gamma, beta, inv_d, eps, zeros(rows_n * d)];
     run_cpu(
-        &rows::add_layer_norm("add_layer_norm_0"),
+        &rows::add_layer_norm("add_layer_norm_0", true),
         "add_layer_norm_0",
         &mut h,
         &dims,
@@ -3046,5 +3056,79 @@ fn activation_regions_agree_with_the_cpu() {
                 "{u:?}({x}): {a} on the device, {b} on the CPU"
             );
         }
+    }
+}
+
+/// The `plain` layer norm (no `y`: a pre-LN block's) gives the bits of the adding one
+/// with `y = 0`, forward and backward, on the CPU and in the CUDA C (rows in registers
+/// and through memory); its `y` operand is not read (NaN there changes nothing). The
+/// backward's `carry` form (the residual path's gradient in `y`'s slot) gives `dx` as
+/// that gradient plus the plain form's `dx`, bit for bit, and the same `dγ`, `dβ`.
+#[test]
+fn plain_layer_norm_is_the_adding_one_with_y_zero() {
+    let mut rng = Rng(71);
+    let (rows_n, d) = (37usize, 96usize);
+    let x = rng.floats(rows_n * d, -2.0, 2.0);
+    let g = rng.floats(rows_n * d, -1.0, 1.0);
+    let carried = rng.floats(rows_n * d, -1.0, 1.0);
+    let gamma = rng.floats(d, 0.5, 1.5);
+    let beta = rng.floats(d, -0.5, 0.5);
+    let (inv_d, eps) = (one(1.0 / d as f32), one(1e-5));
+    let out = vec![0u8; x.len()];
+    let nans = f32s(&vec![f32::NAN; rows_n * d]);
+    let zero_y = zeros(rows_n * d);
+    let fwd = |y: &Vec<u8>| {
+        let ops = [&x, y, &gamma, &beta, &inv_d, &eps, &out];
+        ops.map(|b| b.clone()).to_vec()
+    };
+    let bwd = |y: &Vec<u8>| {
+        let scratch = zeros(rows::add_layer_norm_bwd_scratch(rows_n, d));
+        let ops = [&x, y, &gamma, &g, &inv_d, &eps, &out, &scratch];
+        ops.map(|b| b.clone()).to_vec()
+    };
+    let plus_carried = |dx: &[u8]| {
+        let s: Vec<f32> = as_f32(&carried)
+            .iter()
+            .zip(as_f32(dx))
+            .map(|(c, v)| c + v)
+            .collect();
+        f32s(&s)
+    };
+    let (dims, items) = rows::add_layer_norm_dims(rows_n, d);
+    let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
+    type Run<'a> = dyn Fn(LnForm, &Vec<u8>) -> (Vec<u8>, Vec<u8>, Vec<u8>) + 'a;
+    let check = |what: &str, run: &Run| {
+        let want = run(LnForm::Add, &zero_y);
+        assert!(as_f32(&want.0).iter().all(|v| v.is_finite()), "{what}");
+        assert_eq!(run(LnForm::Plain, &nans), want, "{what}: plain");
+        let c = run(LnForm::Carry, &carried);
+        assert_eq!(c.0, want.0, "{what}: carry's forward");
+        assert_eq!(c.1, plus_carried(&want.1), "{what}: carry's dx");
+        assert_eq!(c.2, want.2, "{what}: carry's dγ, dβ partials");
+    };
+    // CPU (the forward's carry form is the plain one).
+    check("CPU", &|form, y| {
+        let mut a = fwd(y);
+        let f = rows::add_layer_norm("add_layer_norm_0", form == LnForm::Add);
+        run_cpu(&f, "add_layer_norm_0", &mut a, &dims, items);
+        let mut b = bwd(y);
+        let f = rows::add_layer_norm_bwd("add_layer_norm_bwd_0", form);
+        run_cpu(&f, "add_layer_norm_bwd_0", &mut b, &bdims, bitems);
+        (a[6].clone(), b[6].clone(), b[7].clone())
+    });
+    // CUDA C on the host.
+    let Some(cxx) = gxx() else { return };
+    for regs in [cuda::rows::row_lane(Some(d)), 0] {
+        check(&format!("CUDA, {regs} a lane"), &|form, y| {
+            let mut a = fwd(y);
+            let add = form == LnForm::Add;
+            let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", Elem::F32, regs, add);
+            run_with(cxx, &f, &mut a, &dims, rows_n as u64, (2, 64));
+            let mut b = bwd(y);
+            let f =
+                cuda::rows::add_layer_norm_bwd_with("add_layer_norm_bwd_0", Elem::F32, regs, form);
+            run_with(cxx, &f, &mut b, &bdims, bitems as u64, (2, 64));
+            (a[6].clone(), b[6].clone(), b[7].clone())
+        });
     }
 }

@@ -289,12 +289,7 @@ pub fn tanh(kb: &mut Kb, x: Value) -> Value {
     let ax = kb.b.ins().fabs(x);
     let z = kb.b.ins().fmul(x, x);
     let mut p = kb.fconst(ty, -5.704_988_7e-3);
-    for c in [
-        2.063_909e-2,
-        -5.373_971_6e-2,
-        1.333_144_2e-1,
-        -3.333_328e-1,
-    ] {
+    for c in [2.063_909e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328e-1] {
         let k = kb.fconst(ty, c);
         p = kb.fma(p, z, k);
     }

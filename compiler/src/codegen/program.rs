@@ -24,7 +24,7 @@ use crate::codegen::{misc, region, rows};
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{Def, KernelGraph, KernelOp};
 use crate::optimize::lang::Attr;
-use crate::optimize::templates::{registry, TemplateKind};
+use crate::optimize::templates::{registry, LnForm, TemplateKind};
 use crate::shape::Shape;
 
 /// Generated CPU code of one kernel graph.
@@ -135,6 +135,16 @@ pub fn mask_kind(variant: &str) -> MaskKind {
         MaskKind::Causal
     } else {
         MaskKind::None
+    }
+}
+
+/// The emitter's key of a layer-norm function: the adding form keeps its old key, so
+/// its programs' text does not change.
+fn ln_key(base: &str, form: LnForm) -> String {
+    match form {
+        LnForm::Add => base.to_string(),
+        LnForm::Plain => format!("{base} plain"),
+        LnForm::Carry => format!("{base} carry"),
     }
 }
 
@@ -260,18 +270,24 @@ fn template_functions(
                 );
             }
         }
-        TemplateKind::AddLayerNorm => put(
-            "main",
-            em.get("add_layer_norm", "add_layer_norm".into(), |n| {
-                Ok(rows::add_layer_norm(n))
-            })?,
-        ),
-        TemplateKind::AddLayerNormBwd => {
+        TemplateKind::AddLayerNorm => {
+            let form = def.layer_norm_form();
             put(
                 "main",
-                em.get("add_layer_norm_bwd", "add_layer_norm_bwd".into(), |n| {
-                    Ok(rows::add_layer_norm_bwd(n))
+                em.get("add_layer_norm", ln_key("add_layer_norm", form), |n| {
+                    Ok(rows::add_layer_norm(n, form == LnForm::Add))
                 })?,
+            )
+        }
+        TemplateKind::AddLayerNormBwd => {
+            let form = def.layer_norm_form();
+            put(
+                "main",
+                em.get(
+                    "add_layer_norm_bwd",
+                    ln_key("add_layer_norm_bwd", form),
+                    |n| Ok(rows::add_layer_norm_bwd(n, form)),
+                )?,
             );
             put(
                 "finish",

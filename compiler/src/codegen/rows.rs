@@ -26,6 +26,7 @@ use cranelift_codegen::ir::condcodes::IntCC;
 use cranelift_codegen::ir::{types, Function, InstBuilder, Type, Value};
 
 use crate::codegen::clif::{build_kernel, int_of, mem, Kb, Reduce, LANES, VF};
+use crate::optimize::templates::LnForm;
 
 /// A scalar held both as `F32` and splatted to `F32X4`.
 #[derive(Clone, Copy)]
@@ -317,10 +318,11 @@ pub fn softmax_bwd_dims(rows: usize, c: usize) -> (Vec<i64>, usize) {
 ///
 /// - args: `[x, y, gamma, beta, inv_d, eps, out]` (`x`, `y`, `out`: `f32[rows, d]`;
 ///   `gamma`, `beta`: `f32[d]`; `inv_d`, `eps`: one `f32` each). `out` may be `x` or `y`
-///   (it holds `s` between the passes).
+///   (it holds `s` between the passes). Without `add` (the template's `plain` form),
+///   `s = x` and `y` is not read.
 /// - dims: `[d]` (see [`add_layer_norm_dims`]);
 /// - items: rows.
-pub fn add_layer_norm(name: &str) -> Function {
+pub fn add_layer_norm(name: &str, add: bool) -> Function {
     build_kernel(name, |kb| {
         let x = kb.ptr(0);
         let y = kb.ptr(1);
@@ -338,9 +340,7 @@ pub fn add_layer_norm(name: &str) -> Function {
             let zero = kb.iconst(0);
             // Pass 1: s = x + y into out, Σs.
             let sum = kb.reduce_elems(zero, d, 0.0, Reduce::Sum, |kb, j, ty| {
-                let a = kb.load(ty, xr, j);
-                let b = kb.load(ty, yr, j);
-                let s = kb.b.ins().fadd(a, b);
+                let s = row_sum(kb, ty, xr, add.then_some(yr), j);
                 kb.store(s, or, j);
                 s
             });
@@ -389,6 +389,9 @@ pub const LN_BWD_BLOCK: usize = 16;
 /// [`add_layer_norm_bwd_finish`]). With `c = inv_d`, `a = g∘γ`, `xc = s − mean`:
 /// `dx_j = rstd·(a_j − c·Σa) − c·rstd³·(xc_j − c·Σxc)·Σ(a∘xc)` (exact for any `c`).
 ///
+/// In the `Plain` form `s = x` and `y` is not read; in the `Carry` form `s = x` and `y`
+/// holds a gradient added to `dx` (the residual path's, past a pre-LN norm).
+///
 /// - args: `[x, y, gamma, g, inv_d, eps, dx, scratch]` (`x`, `y`, `g`, `dx`:
 ///   `f32[rows, d]`; `gamma`: `f32[d]`; `inv_d`, `eps`: one `f32` each; `scratch`:
 ///   `f32[blocks, 2·d]`, block `k`'s `dγ` partial at `[k, 0..d]` and its `dβ` partial at
@@ -396,7 +399,8 @@ pub const LN_BWD_BLOCK: usize = 16;
 ///   `x`, `y` or `g`.
 /// - dims: `[rows, d]` (see [`add_layer_norm_bwd_dims`]);
 /// - items: row blocks, `ceil(rows / LN_BWD_BLOCK)`.
-pub fn add_layer_norm_bwd(name: &str) -> Function {
+pub fn add_layer_norm_bwd(name: &str, form: LnForm) -> Function {
+    let add = form == LnForm::Add;
     build_kernel(name, |kb| {
         let x = kb.ptr(0);
         let y = kb.ptr(1);
@@ -429,17 +433,13 @@ pub fn add_layer_norm_bwd(name: &str) -> Function {
                 let zero = kb.iconst(0);
                 // Pass 1: Σs.
                 let sum = kb.reduce_elems(zero, d, 0.0, Reduce::Sum, |kb, j, ty| {
-                    let a = kb.load(ty, xr, j);
-                    let b = kb.load(ty, yr, j);
-                    kb.b.ins().fadd(a, b)
+                    row_sum(kb, ty, xr, add.then_some(yr), j)
                 });
                 let mean = kb.b.ins().fmul(sum, c.s);
                 let mean = Sc::new(kb, mean);
                 // Pass 2: Σxc², Σxc, Σa, Σa∘xc.
                 let s = sums(kb, zero, d, 4, 2, |kb, j, ty| {
-                    let a = kb.load(ty, xr, j);
-                    let b = kb.load(ty, yr, j);
-                    let s = kb.b.ins().fadd(a, b);
+                    let s = row_sum(kb, ty, xr, add.then_some(yr), j);
                     let xc = kb.b.ins().fsub(s, mean.get(ty));
                     let gv = kb.load(ty, gr, j);
                     let gm = kb.load(ty, gamma, j);
@@ -466,9 +466,7 @@ pub fn add_layer_norm_bwd(name: &str) -> Function {
                 let cx = Sc::new(kb, cx);
                 // Pass 3: dx, and the block's dγ, dβ.
                 kb.map_elems(zero, d, |kb, j, ty| {
-                    let a = kb.load(ty, xr, j);
-                    let b = kb.load(ty, yr, j);
-                    let s = kb.b.ins().fadd(a, b);
+                    let s = row_sum(kb, ty, xr, add.then_some(yr), j);
                     let xc = kb.b.ins().fsub(s, mean.get(ty));
                     let gv = kb.load(ty, gr, j);
                     let gm = kb.load(ty, gamma, j);
@@ -477,7 +475,11 @@ pub fn add_layer_norm_bwd(name: &str) -> Function {
                     let t1 = kb.b.ins().fmul(rstd.get(ty), t1);
                     let t2 = kb.b.ins().fsub(xc, cx.get(ty));
                     let t2 = kb.b.ins().fmul(k.get(ty), t2);
-                    let v = kb.b.ins().fsub(t1, t2);
+                    let mut v = kb.b.ins().fsub(t1, t2);
+                    if form == LnForm::Carry {
+                        let carried = kb.load(ty, yr, j);
+                        v = kb.b.ins().fadd(carried, v);
+                    }
                     let pg = kb.load(ty, dg, j);
                     let pb = kb.load(ty, db, j);
                     let gx = kb.b.ins().fmul(gv, xc);
@@ -491,6 +493,18 @@ pub fn add_layer_norm_bwd(name: &str) -> Function {
             });
         });
     })
+}
+
+/// Element `j` of `x + y`, or of `x` alone.
+fn row_sum(kb: &mut Kb, ty: Type, x: Value, y: Option<Value>, j: Value) -> Value {
+    let a = kb.load(ty, x, j);
+    match y {
+        Some(y) => {
+            let b = kb.load(ty, y, j);
+            kb.b.ins().fadd(a, b)
+        }
+        None => a,
+    }
 }
 
 /// Dims and items of [`add_layer_norm_bwd`] over `rows` rows of length `d`.
@@ -716,8 +730,11 @@ mod tests {
             scale_mask_softmax("sms_key", MaskKind::Key),
             scale_mask_softmax("sms_causal", MaskKind::Causal),
             softmax_bwd("softmax_bwd"),
-            add_layer_norm("ln"),
-            add_layer_norm_bwd("ln_bwd"),
+            add_layer_norm("ln", true),
+            add_layer_norm("ln_plain", false),
+            add_layer_norm_bwd("ln_bwd", LnForm::Add),
+            add_layer_norm_bwd("ln_bwd_plain", LnForm::Plain),
+            add_layer_norm_bwd("ln_bwd_carry", LnForm::Carry),
             add_layer_norm_bwd_finish("ln_bwd_finish"),
             xent_ls("xent"),
             xent_ls_loss("xent_loss"),

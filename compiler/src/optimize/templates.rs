@@ -76,7 +76,49 @@ const PAD_SENTINEL: i64 = -1_000_003;
 const P_SENTINEL: f64 = 0.123_456_789_012_345;
 const STREAM_SENTINEL: i64 = 1_000_007;
 
+/// What a layer-norm kernel (`add_layer_norm`, `add_layer_norm_bwd`) reads in its second
+/// operand slot, `y`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LnForm {
+    /// `normalize(x + y)`.
+    Add,
+    /// `normalize(x)` (the `plain` form); the slot is not read.
+    Plain,
+    /// `normalize(x)`, backward only (`plain carry`): the slot holds the gradient that
+    /// reaches `x` from a later use (a pre-LN block's residual path), added to `dx`.
+    Carry,
+}
+
+/// A layer norm's operands in the adding form's order, `[x, y, …]`: a `plain` one's `x`
+/// stands in for the `y` its kernel does not read, so every backend launches every form
+/// with one argument list.
+pub fn layer_norm_operands<T: Copy>(ins: &[T], form: LnForm) -> std::borrow::Cow<'_, [T]> {
+    if form != LnForm::Plain || ins.is_empty() {
+        return std::borrow::Cow::Borrowed(ins);
+    }
+    let mut v = Vec::with_capacity(ins.len() + 1);
+    v.push(ins[0]);
+    v.extend_from_slice(ins);
+    std::borrow::Cow::Owned(v)
+}
+
 impl TemplateDef {
+    /// The form of an `add_layer_norm` or its backward, from its variant (`plain`,
+    /// `plain carry`, else adding).
+    pub fn layer_norm_form(&self) -> LnForm {
+        let has = |w: &str| self.variant.split_whitespace().any(|v| v == w);
+        match (has("plain"), has("carry")) {
+            (false, _) => LnForm::Add,
+            (true, false) => LnForm::Plain,
+            (true, true) => LnForm::Carry,
+        }
+    }
+
+    /// Whether an `add_layer_norm` adds `y` to `x` before normalizing.
+    pub fn layer_norm_adds(&self) -> bool {
+        self.layer_norm_form() == LnForm::Add
+    }
+
     /// Binds the template's symbolic dims to the dims of actual operand types.
     pub fn unify(&self, tys: &[TensorType]) -> Result<BTreeMap<String, Dim>, String> {
         if tys.len() != self.inputs.len() {

@@ -16,7 +16,7 @@ use kiln_compiler::launch_plan::{KernelKind, LaunchPlan};
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
-use kiln_compiler::optimize::templates::{registry, TemplateKind};
+use kiln_compiler::optimize::templates::{registry, LnForm, TemplateKind};
 
 use crate::eager::pool::Pool;
 use crate::eager::value::Layout;
@@ -145,10 +145,15 @@ pub(crate) enum Exec {
         softmax_bwd: KernelFn,
         mask: MaskKind,
     },
-    AddLayerNorm(KernelFn),
+    /// `add`: whether `y` is an operand (every form but `plain`).
+    AddLayerNorm {
+        f: KernelFn,
+        add: bool,
+    },
     AddLayerNormBwd {
         main: KernelFn,
         finish: KernelFn,
+        form: LnForm,
     },
     XentLs {
         f: KernelFn,
@@ -263,10 +268,14 @@ pub(crate) fn prepare(
                         softmax_bwd: f("softmax_bwd")?,
                         mask: mask_kind(&def.variant),
                     },
-                    TemplateKind::AddLayerNorm => Exec::AddLayerNorm(f("main")?),
+                    TemplateKind::AddLayerNorm => Exec::AddLayerNorm {
+                        f: f("main")?,
+                        add: def.layer_norm_adds(),
+                    },
                     TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
                         main: f("main")?,
                         finish: f("finish")?,
+                        form: def.layer_norm_form(),
                     },
                     // Role `loss`: nothing reads the gradient; the function writes none.
                     TemplateKind::XentLs => Exec::XentLs {

@@ -17,7 +17,7 @@ use kiln_compiler::launch_plan::LaunchPlan;
 use kiln_compiler::optimize::kernels::{KernelGraph, KernelOp};
 use kiln_compiler::optimize::lang::Attr;
 use kiln_compiler::optimize::regions::Expr;
-use kiln_compiler::optimize::templates::{registry, TemplateKind};
+use kiln_compiler::optimize::templates::{registry, LnForm, TemplateKind};
 use kiln_compiler::shape::Dim;
 
 use crate::compiled::fallback::{self, Fallback};
@@ -72,10 +72,15 @@ pub(crate) enum Exec {
         /// As `Attention`'s.
         strided: bool,
     },
-    AddLayerNorm(String),
+    /// `add`: whether `y` is an operand (every form but `plain`).
+    AddLayerNorm {
+        f: String,
+        add: bool,
+    },
     AddLayerNormBwd {
         main: String,
         finish: String,
+        form: LnForm,
     },
     XentLs {
         count: String,
@@ -324,10 +329,14 @@ fn template_step(
         TemplateKind::ScaleMaskSoftmax => {
             Exec::ScaleMaskSoftmax(role("softmax")?, mask_kind(&def.variant))
         }
-        TemplateKind::AddLayerNorm => Exec::AddLayerNorm(role("main")?),
+        TemplateKind::AddLayerNorm => Exec::AddLayerNorm {
+            f: role("main")?,
+            add: def.layer_norm_adds(),
+        },
         TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
             main: role("main")?,
             finish: role("finish")?,
+            form: def.layer_norm_form(),
         },
         TemplateKind::XentLs => {
             let grad = !functions.contains_key("loss");

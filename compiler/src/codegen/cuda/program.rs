@@ -24,7 +24,7 @@ use crate::codegen::rows::MaskKind;
 use crate::ir::{DType, Op, ReduceOp};
 use crate::optimize::kernels::{KernelGraph, KernelOp};
 use crate::optimize::lang::Attr;
-use crate::optimize::templates::{registry, TemplateKind};
+use crate::optimize::templates::{registry, LnForm, TemplateKind};
 
 /// Builds functions on demand, one per distinct key (named as the CPU emitter names).
 struct Emitter {
@@ -181,20 +181,26 @@ fn template_launch(
         }
         TemplateKind::AddLayerNorm => {
             let lane = rows::row_lane(static_last(kg, inputs[0]));
+            let add = def.layer_norm_adds();
+            let plain = if add { "" } else { " plain" };
             let name = em.get(
                 "add_layer_norm",
-                format!("add_layer_norm lane={lane}"),
-                |n| Ok(rows::add_layer_norm_with(n, e, lane)),
+                format!("add_layer_norm lane={lane}{plain}"),
+                |n| Ok(rows::add_layer_norm_with(n, e, lane, add)),
             )?;
             f.insert("main".into(), name);
         }
         TemplateKind::AddLayerNormBwd => {
             let lane = rows::bwd_row_lane(static_last(kg, inputs[0]));
-            let name = em.get(
-                "add_layer_norm_bwd",
-                format!("add_layer_norm_bwd lane={lane}"),
-                |n| Ok(rows::add_layer_norm_bwd_with(n, e, lane)),
-            )?;
+            let form = def.layer_norm_form();
+            let key = match form {
+                LnForm::Add => format!("add_layer_norm_bwd lane={lane}"),
+                LnForm::Plain => format!("add_layer_norm_bwd lane={lane} plain"),
+                LnForm::Carry => format!("add_layer_norm_bwd lane={lane} carry"),
+            };
+            let name = em.get("add_layer_norm_bwd", key, |n| {
+                Ok(rows::add_layer_norm_bwd_with(n, e, lane, form))
+            })?;
             f.insert("main".into(), name);
             f.insert(
                 "finish".into(),

@@ -2,7 +2,7 @@
 //! `Kernel(i)` indexes it): each built from the prelude's own steps, each backward
 //! derived by the compiler's autodiff from its forward.
 
-use crate::autodiff::{gradients, gradients_seeded};
+use crate::autodiff::{gradients, gradients_carried, gradients_seeded};
 use crate::ir::{BinaryOp, DType, Float, NodeId, Op, ReduceOp, UnaryOp};
 use crate::optimize::lang::Attr;
 use crate::shape::{Dim, Shape};
@@ -10,7 +10,7 @@ use crate::shape::{Dim, Shape};
 use super::graphs::{
     attention_graph, def, lead_dims, masked_scores, shape_dims, strs, sym_shape, Mask, TB,
 };
-use super::{TemplateDef, TemplateKind, PAD_SENTINEL, P_SENTINEL, STREAM_SENTINEL};
+use super::{LnForm, TemplateDef, TemplateKind, PAD_SENTINEL, P_SENTINEL, STREAM_SENTINEL};
 
 /// Every template, in the registry's order.
 pub(super) fn build() -> Vec<TemplateDef> {
@@ -141,50 +141,80 @@ fn attention(out: &mut Vec<TemplateDef>) {
     }
 }
 
-/// add_layer_norm: normalize(x + y) over the last axis, and its backward.
+/// add_layer_norm: normalize(x + y) over the last axis, and its backward; the `plain`
+/// form normalizes `x` alone (a pre-LN block's norms, a stack's final norm), and its
+/// backward's `plain carry` form adds the gradient that reaches `x` from a later use (the
+/// residual path past a pre-LN norm), which the walk sums first.
 fn add_layer_norm(out: &mut Vec<TemplateDef>) {
-    for rank in 2..=4 {
-        let build = || {
-            let mut t = TB::new("add_layer_norm");
-            let mut dims = lead_dims(rank - 1);
-            dims.push("d".into());
-            let x = t.input("x", DType::F32, &strs(&dims));
-            let y = t.input("y", DType::F32, &strs(&dims));
-            let gamma = t.input("gamma", DType::F32, &["d"]);
-            let beta = t.input("beta", DType::F32, &["d"]);
-            let inv_d = t.input("inv_d", DType::F32, &[]);
-            let eps = t.input("eps", DType::F32, &[]);
-            let s = t.bin(BinaryOp::Add, x, y);
-            let o = t.normalize(s, gamma, beta, inv_d, eps);
-            (t, [x, y, gamma, beta, inv_d, eps], o)
-        };
-        let (t, [x, y, gamma, beta, inv_d, eps], o) = build();
-        out.push(def(
-            TemplateKind::AddLayerNorm,
-            format!("rank={rank}"),
-            t,
-            vec![x, y, gamma, beta, inv_d, eps],
-            vec![],
-            vec![o],
-        ));
+    for form in [LnForm::Add, LnForm::Plain] {
+        for rank in 2..=4 {
+            add_layer_norm_forms(out, rank, form);
+        }
+    }
+}
 
-        let (mut t, [x, y, gamma, beta, inv_d, eps], o) = build();
-        let dims: Vec<String> =
-            t.g.ty(x)
-                .shape
-                .dims()
-                .iter()
-                .map(|d| d.to_string())
-                .collect();
+fn add_layer_norm_forms(out: &mut Vec<TemplateDef>, rank: usize, form: LnForm) {
+    let add = form == LnForm::Add;
+    let build = || {
+        let mut t = TB::new("add_layer_norm");
+        let mut dims = lead_dims(rank - 1);
+        dims.push("d".into());
+        let x = t.input("x", DType::F32, &strs(&dims));
+        let y = add.then(|| t.input("y", DType::F32, &strs(&dims)));
+        let gamma = t.input("gamma", DType::F32, &["d"]);
+        let beta = t.input("beta", DType::F32, &["d"]);
+        let inv_d = t.input("inv_d", DType::F32, &[]);
+        let eps = t.input("eps", DType::F32, &[]);
+        let s = match y {
+            Some(y) => t.bin(BinaryOp::Add, x, y),
+            None => x,
+        };
+        let o = t.normalize(s, gamma, beta, inv_d, eps);
+        (t, x, y, [gamma, beta, inv_d, eps], o, dims)
+    };
+    let (t, x, y, [gamma, beta, inv_d, eps], o, _) = build();
+    let mut inputs = vec![x];
+    inputs.extend(y);
+    inputs.extend([gamma, beta, inv_d, eps]);
+    let variant = if add {
+        format!("rank={rank}")
+    } else {
+        format!("rank={rank} plain")
+    };
+    out.push(def(
+        TemplateKind::AddLayerNorm,
+        variant.clone(),
+        t,
+        inputs,
+        vec![],
+        vec![o],
+    ));
+    let backward_forms = if add {
+        vec![LnForm::Add]
+    } else {
+        vec![LnForm::Plain, LnForm::Carry]
+    };
+    for bwd in backward_forms {
+        let (mut t, x, y, [gamma, beta, inv_d, eps], o, dims) = build();
         let g = t.input("g", DType::F32, &strs(&dims));
-        let (graph, grads) = gradients_seeded(&t.g, o, Some(g), &[x, gamma, beta])
+        // The carried gradient takes `y`'s operand slot.
+        let carried = (bwd == LnForm::Carry).then(|| t.input("g_carry", DType::F32, &strs(&dims)));
+        let carry: Vec<(NodeId, NodeId)> = carried.iter().map(|&c| (x, c)).collect();
+        let (graph, grads) = gradients_carried(&t.g, o, Some(g), &[x, gamma, beta], &carry)
             .expect("layer norm differentiates");
         t.g = graph;
+        let mut inputs = vec![x];
+        inputs.extend(y.or(carried));
+        inputs.extend([gamma, g, inv_d, eps]);
+        let variant = match bwd {
+            LnForm::Carry => format!("{variant} carry"),
+            _ => variant.clone(),
+        };
         out.push(def(
             TemplateKind::AddLayerNormBwd,
-            format!("rank={rank}"),
+            variant,
             t,
-            vec![x, y, gamma, g, inv_d, eps],
+            inputs,
             vec![],
             grads,
         ));

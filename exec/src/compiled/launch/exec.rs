@@ -6,6 +6,7 @@ use kiln_compiler::codegen::misc::{self, ReduceLayout};
 use kiln_compiler::codegen::region;
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::optimize::regions::Expr;
+use kiln_compiler::optimize::templates::{layer_norm_operands, LnForm};
 
 use super::*;
 use crate::eager::value::Layout;
@@ -42,9 +43,13 @@ pub(super) fn run_exec(
             softmax_bwd,
             mask,
         } => attention_bwd(ins, outs, *softmax, *softmax_bwd, *mask, keep, &mut contig),
-        Exec::AddLayerNorm(f) => add_layer_norm(ins, outs, ctx, keep, f),
-        Exec::AddLayerNormBwd { main, finish } => {
-            add_layer_norm_bwd(ins, outs, ctx, keep, (main, finish))
+        Exec::AddLayerNorm { f, add } => {
+            let form = if *add { LnForm::Add } else { LnForm::Plain };
+            add_layer_norm(&layer_norm_operands(ins, form), outs, ctx, keep, f)
+        }
+        Exec::AddLayerNormBwd { main, finish, form } => {
+            let ins = layer_norm_operands(ins, *form);
+            add_layer_norm_bwd(&ins, outs, ctx, keep, (main, finish))
         }
         Exec::XentLs { f, pad, grad } => xent_ls(ins, outs, ctx, keep, (f, pad, grad)),
         Exec::EmbedPe { f, dropout } => embed_pe(ins, outs, ctx, keep, (f, dropout)),

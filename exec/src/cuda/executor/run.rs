@@ -12,6 +12,7 @@ use kiln_compiler::codegen::misc::{ReduceLayout, MAX_COPY_RANK};
 use kiln_compiler::codegen::rows::{self, MaskKind};
 use kiln_compiler::ir::DType;
 use kiln_compiler::optimize::kernels::KernelGraph;
+use kiln_compiler::optimize::templates::{layer_norm_operands, LnForm};
 use kiln_compiler::tensor::{Tensor, TensorData};
 
 use crate::compiled::fallback::{self, HostCtx};
@@ -325,9 +326,12 @@ impl Run<'_> {
                 mask,
                 ..
             } => self.attention_bwd(ins, outs, softmax, softmax_bwd, *mask),
-            StepExec::AddLayerNorm(f) => self.add_layer_norm(f, ins, &outs[0]),
-            StepExec::AddLayerNormBwd { main, finish } => {
-                self.add_layer_norm_bwd(main, finish, ins, outs)
+            StepExec::AddLayerNorm { f, add } => {
+                let form = if *add { LnForm::Add } else { LnForm::Plain };
+                self.add_layer_norm(f, &layer_norm_operands(ins, form), &outs[0])
+            }
+            StepExec::AddLayerNormBwd { main, finish, form } => {
+                self.add_layer_norm_bwd(main, finish, &layer_norm_operands(ins, *form), outs)
             }
             StepExec::XentLs {
                 count,

@@ -13,7 +13,7 @@ use super::*;
 /// Both paths give the same bits: a lane owns the columns `j ≡ lane (mod width)` and
 /// sums them in order, and the variance and the result read `x + y` as stored.
 pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
-    add_layer_norm_with(name, e, LN_LANE)
+    add_layer_norm_with(name, e, LN_LANE, true)
 }
 
 /// Elements of a row a lane of [`add_layer_norm`] (and of the statistics of
@@ -34,8 +34,9 @@ pub fn row_lane(d: Option<usize>) -> usize {
 }
 
 /// [`add_layer_norm`] with rows of up to `lane` elements a lane in registers (`0`: every
-/// row through `out`); for tests of the two paths.
-pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
+/// row through `out`; for tests of the two paths); without `add` (the template's `plain`
+/// form) the rows are `x` alone and `y` is not read.
+pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
         param("y", &e.ptr(true)),
@@ -59,7 +60,9 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
         w.l("const long long r = r0 + wi;");
         w.l("const bool live = wi < warps && r < items;");
         w.l(format!("const {}* xr = x + r * d;", e.c_type()));
-        w.l(format!("const {}* yr = y + r * d;", e.c_type()));
+        if add {
+            w.l(format!("const {}* yr = y + r * d;", e.c_type()));
+        }
         w.l(format!("{}* outr = out + r * d;", e.c_type()));
     };
     if lane > 0 {
@@ -70,14 +73,16 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
         w.l("// The row in registers (warps of 32): element u of the lane is column lane + 32·u.");
         w.l("const long long left = d - lane;");
         w.l(format!("const {}* xl = xr + lane;", e.c_type()));
-        w.l(format!("const {}* yl = yr + lane;", e.c_type()));
+        if add {
+            w.l(format!("const {}* yl = yr + lane;", e.c_type()));
+        }
         w.l(format!("{}* ol = outr + lane;", e.c_type()));
         w.l("const float* gl = gamma + lane;");
         w.l("const float* bl = beta + lane;");
         w.l(format!("float s[{lane}];"));
         w.l("float sum = 0.0f;");
         w.open("if (live)");
-        sum_in_registers(&mut w, e, lane, None);
+        sum_in_registers(&mut w, e, lane, None, add);
         if e == Elem::Bf16 {
             w.l("// x + y as the three-pass path stores and reads it back.");
             w.l("KILN_UNROLL");
@@ -117,9 +122,8 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
     w.open("if (live)");
     w.open(lanes);
     w.l(format!(
-        "const float s = {} + {};",
-        e.load("xr[j]"),
-        e.load("yr[j]")
+        "const float s = {};",
+        plus_y(&e.load("xr[j]"), &e.load("yr[j]"), add)
     ));
     w.l(format!("outr[j] = {};", e.store("s")));
     w.l("sum = sum + s;");
@@ -166,13 +170,12 @@ pub(super) fn each_lane_element(w: &mut W, lane: usize, body: &dyn Fn(&mut W)) {
 /// A lane's `lane` elements `s[u] = x + y` of a row into registers (`xl`, `yl` its
 /// first columns, `left` the columns from its first on), all loaded before the first is
 /// added to `sum`, in column order; `also`, a statement of `u`, runs beside each load.
-pub(super) fn sum_in_registers(w: &mut W, e: Elem, lane: usize, also: Option<&str>) {
+pub(super) fn sum_in_registers(w: &mut W, e: Elem, lane: usize, also: Option<&str>, add: bool) {
     w.l("KILN_UNROLL");
     w.open(format!("for (int u = 0; u < {lane}; ++u)"));
     w.l(format!(
-        "s[u] = 32 * u < left ? {} + {} : 0.0f;",
-        e.load("xl[32 * u]"),
-        e.load("yl[32 * u]")
+        "s[u] = 32 * u < left ? {} : 0.0f;",
+        plus_y(&e.load("xl[32 * u]"), &e.load("yl[32 * u]"), add)
     ));
     if let Some(also) = also {
         w.l(also);
@@ -182,4 +185,13 @@ pub(super) fn sum_in_registers(w: &mut W, e: Elem, lane: usize, also: Option<&st
     w.open(format!("for (int u = 0; u < {lane}; ++u)"));
     w.l("if (32 * u < left) sum = sum + s[u];");
     w.close();
+}
+
+/// `x + y`, or `x` alone for a layer norm that does not add.
+pub(super) fn plus_y(x: &str, y: &str, add: bool) -> String {
+    if add {
+        format!("{x} + {y}")
+    } else {
+        x.to_string()
+    }
 }

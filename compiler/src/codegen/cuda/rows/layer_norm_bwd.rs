@@ -2,6 +2,7 @@
 //! block of rows, then the sums over the blocks.
 
 use super::*;
+use crate::optimize::templates::LnForm;
 
 /// The backward of [`add_layer_norm`] (the CPU kernel's formulas): `dx` per row and per
 /// block of [`LN_BWD_BLOCK`] rows the partial `dγ`, `dβ` sums into `scratch[blk, 0..2d]`.
@@ -24,7 +25,7 @@ use super::*;
 /// added in the same order with the same formulas. Every thread makes the same shuffle
 /// calls (a warp without a row sums zeros), as the host shim needs.
 pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
-    add_layer_norm_bwd_with(name, e, LN_BWD_LANE)
+    add_layer_norm_bwd_with(name, e, LN_BWD_LANE, LnForm::Add)
 }
 
 /// Elements of a row a lane of [`add_layer_norm_bwd`] holds in registers at most: rows
@@ -43,8 +44,11 @@ pub fn bwd_row_lane(d: Option<usize>) -> usize {
 }
 
 /// [`add_layer_norm_bwd`] with rows of up to `lane` elements a lane in registers (`0`:
-/// always the two phases); for tests of the two paths.
-pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction {
+/// always the two phases; for tests of the two paths). In the `Plain` form the rows are
+/// `x` alone and `y` is not read; in the `Carry` form the rows are `x` alone and `y` holds
+/// a gradient added to `dx`.
+pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize, form: LnForm) -> CudaFunction {
+    let add = form == LnForm::Add;
     let params = vec![
         param("x", &e.ptr(true)),
         param("y", &e.ptr(true)),
@@ -65,15 +69,15 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize) -> CudaFunction
         w.l(l);
     }
     if lane > 0 {
-        in_registers(&mut w, e, lane);
+        in_registers(&mut w, e, lane, form);
     }
     w.l(format!(
         "__shared__ float st[KILN_THREADS / 32 * {LN_BWD_BLOCK} * 5 + {LN_BWD_BLOCK} * 5];"
     ));
     w.l(format!("float* sw = st + wi * {LN_BWD_BLOCK} * 5;"));
     block(&mut w);
-    statistics(&mut w, e);
-    dx_and_partials(&mut w, e);
+    statistics(&mut w, e, add);
+    dx_and_partials(&mut w, e, form);
     w.close();
     w.close();
     function(name, params, Work::Warps, "row blocks ceil(rows / 16)", w)
@@ -115,7 +119,8 @@ fn reduce(w: &mut W) {
 
 /// The path for rows of up to `lane` elements a lane: each row's elements in
 /// registers, one loop over the row blocks.
-fn in_registers(w: &mut W, e: Elem, lane: usize) {
+fn in_registers(w: &mut W, e: Elem, lane: usize, form: LnForm) {
+    let add = form == LnForm::Add;
     // Chosen once a launch, each path with its own loop over the row blocks.
     w.open(format!("if (width == 32u && d <= {})", lane * 32));
     block(w);
@@ -131,7 +136,9 @@ fn in_registers(w: &mut W, e: Elem, lane: usize) {
     w.l("const long long q = lo + i;");
     w.l("const bool on = live && q < hi;");
     w.l(format!("const {}* xl = x + q * d + lane;", e.c_type()));
-    w.l(format!("const {}* yl = y + q * d + lane;", e.c_type()));
+    if form != LnForm::Plain {
+        w.l(format!("const {}* yl = y + q * d + lane;", e.c_type()));
+    }
     w.l(format!("const {}* gq = g + q * d + lane;", e.c_type()));
     w.l(format!("{}* dl = dx + q * d + lane;", e.c_type()));
     w.l(format!("float s[{lane}], gv[{lane}];"));
@@ -139,7 +146,7 @@ fn in_registers(w: &mut W, e: Elem, lane: usize) {
     w.open("if (on)");
     w.l("// Every load of the row before the first sum.");
     let g_load = format!("gv[u] = 32 * u < left ? {} : 0.0f;", e.load("gq[32 * u]"));
-    sum_in_registers(w, e, lane, Some(&g_load));
+    sum_in_registers(w, e, lane, Some(&g_load), add);
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
     w.l("const float mean = sum * c;");
@@ -159,7 +166,10 @@ fn in_registers(w: &mut W, e: Elem, lane: usize) {
         w.l("const float a = gv[u] * gl[32 * u];");
         w.l("const float t1 = rstd * (a - csa);");
         w.l("const float t2 = k3 * (xc - csxc);");
-        w.l(format!("dl[32 * u] = {};", e.store("t1 - t2")));
+        w.l(format!(
+            "dl[32 * u] = {};",
+            e.store(&dx_value(e, "yl[32 * u]", form))
+        ));
         w.l("pg[u] = pg[u] + (gv[u] * xc) * rstd;");
         w.l("pb[u] = pb[u] + gv[u];");
     });
@@ -178,7 +188,7 @@ fn in_registers(w: &mut W, e: Elem, lane: usize) {
 }
 
 /// Phase 1 of the two-phase path: the statistics of the warp's rows, into shared memory.
-fn statistics(w: &mut W, e: Elem) {
+fn statistics(w: &mut W, e: Elem, add: bool) {
     w.l("// Phase 1: the statistics of the warp's rows, two passes each.");
     w.open(format!("for (int i = 0; i < {LN_BWD_BLOCK}; ++i)"));
     w.l("const long long q = lo + i;");
@@ -186,11 +196,8 @@ fn statistics(w: &mut W, e: Elem) {
     w.l("float sum = 0.0f;");
     w.open("if (on)");
     w.open("for (long long j = lane; j < d; j += width)");
-    w.l(format!(
-        "sum = sum + ({} + {});",
-        e.load("x[q * d + j]"),
-        e.load("y[q * d + j]")
-    ));
+    let s = plus_y(&e.load("x[q * d + j]"), &e.load("y[q * d + j]"), add);
+    w.l(format!("sum = sum + ({s});"));
     w.close();
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
@@ -198,11 +205,7 @@ fn statistics(w: &mut W, e: Elem) {
     w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
     w.open("if (on)");
     w.open("for (long long j = lane; j < d; j += width)");
-    w.l(format!(
-        "const float xc = ({} + {}) - mean;",
-        e.load("x[q * d + j]"),
-        e.load("y[q * d + j]")
-    ));
+    w.l(format!("const float xc = ({s}) - mean;"));
     w.l(format!(
         "const float a = {} * gamma[j];",
         e.load("g[q * d + j]")
@@ -223,7 +226,8 @@ fn statistics(w: &mut W, e: Elem) {
 }
 
 /// Phase 2 of the two-phase path: `dx`, and the block's dγ, dβ partials.
-fn dx_and_partials(w: &mut W, e: Elem) {
+fn dx_and_partials(w: &mut W, e: Elem, form: LnForm) {
+    let add = form == LnForm::Add;
     w.l(format!(
         "// Phase 2: dx, and the block's dγ, dβ partials, {LN_BWD_LOADS} rows at a time: a lane's"
     ));
@@ -243,9 +247,8 @@ fn dx_and_partials(w: &mut W, e: Elem) {
     w.l("const long long q = lo + h + u;");
     w.open("if (q < hi)");
     w.l(format!(
-        "sv[u] = {} + {};",
-        e.load("x[q * d + j]"),
-        e.load("y[q * d + j]")
+        "sv[u] = {};",
+        plus_y(&e.load("x[q * d + j]"), &e.load("y[q * d + j]"), add)
     ));
     w.l(format!("gw[u] = {};", e.load("g[q * d + j]")));
     w.close();
@@ -261,7 +264,10 @@ fn dx_and_partials(w: &mut W, e: Elem) {
     w.l("const float a = gv * gm;");
     w.l("const float t1 = rstd * (a - sq[2]);");
     w.l("const float t2 = sq[3] * (xc - sq[4]);");
-    w.l(format!("dx[q * d + j] = {};", e.store("t1 - t2")));
+    w.l(format!(
+        "dx[q * d + j] = {};",
+        e.store(&dx_value(e, "y[q * d + j]", form))
+    ));
     w.l("pg = pg + (gv * xc) * rstd;");
     w.l("pb = pb + gv;");
     w.close();
@@ -411,4 +417,13 @@ pub(crate) fn column_tiles(w: &mut W, count: &str, load: &dyn Fn(&str) -> String
     w.close();
     w.close();
     w.l("__syncthreads();");
+}
+
+/// A row element's `dx`, `t1 − t2`, plus the carried gradient `carried` in the `Carry`
+/// form (read where it is written: `dx` may be `y`).
+fn dx_value(e: Elem, carried: &str, form: LnForm) -> String {
+    match form {
+        LnForm::Carry => format!("{} + (t1 - t2)", e.load(carried)),
+        _ => "t1 - t2".to_string(),
+    }
 }
