@@ -134,3 +134,17 @@ fn base_config_trains_two_steps() {
 fn big_config_trains_two_steps() {
     two_steps("big");
 }
+
+/// The gallery's variants (`models/gallery/`, #61) train from their configs: two steps
+/// each, on Multi30k where it is present.
+#[test]
+fn gallery_configs_train_two_steps() {
+    for name in [
+        "multi30k_pre_ln",
+        "multi30k_rms_swiglu",
+        "multi30k_gelu_ffn",
+        "multi30k_separate_embeddings",
+    ] {
+        two_steps(name);
+    }
+}

@@ -46,7 +46,11 @@ pub fn kiln(args: &[&str]) -> Output {
 pub fn shipped_specs() -> Vec<PathBuf> {
     let models = root().join("models");
     let mut out = Vec::new();
-    for dir in [models.clone(), models.join("table3")] {
+    for dir in [
+        models.clone(),
+        models.join("table3"),
+        models.join("gallery"),
+    ] {
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
             if p.extension().is_some_and(|x| x == "kiln") {
@@ -60,9 +64,11 @@ pub fn shipped_specs() -> Vec<PathBuf> {
 
 /// The shipped specs whose kernels differ from base's in kind or structure (every kernel
 /// kind, every mask, d_k ≠ d_v, one head, learned positions, no dropout, parsing's
-/// vocabulary and depth); the other Table 3 variants repeat base's kernels at other
-/// widths. The expensive per-kernel sweeps run on these; end-to-end comparisons on all.
-pub const DISTINCT_SPECS: [&str; 8] = [
+/// vocabulary and depth, the gallery's pre-LN norms, GELU, RMSNorm and SwiGLU); the other
+/// Table 3 variants repeat base's kernels at other widths, and the gallery's separate
+/// embeddings base's with one more product. The expensive per-kernel sweeps run on these;
+/// end-to-end comparisons on all.
+pub const DISTINCT_SPECS: [&str; 11] = [
     "transformer_tiny.kiln",
     "transformer_base.kiln",
     "transformer_big.kiln",
@@ -71,6 +77,9 @@ pub const DISTINCT_SPECS: [&str; 8] = [
     "b_dk32.kiln",
     "d_drop0.kiln",
     "e_learned.kiln",
+    "pre_ln.kiln",
+    "gelu_ffn.kiln",
+    "rms_swiglu.kiln",
 ];
 
 /// The graph of an entry point of a spec, built as `kiln explain` / `kiln compile` build
