@@ -375,7 +375,7 @@ fn gpu_every_distinct_spec_matches_the_cpu_executor() {
 /// The mismatches of spec `name` (see `gpu_every_distinct_spec_matches_the_cpu_executor`).
 fn spec_vs_cpu(name: &str) -> Vec<String> {
     let mut bad = Vec::new();
-    let spec = ["models", "models/table3"]
+    let spec = common::SPEC_DIRS
         .iter()
         .map(|d| format!("{d}/{name}"))
         .find(|p| common::root().join(p).exists())

@@ -809,7 +809,7 @@ fn every_distinct_spec_emits_a_mixed_precision_program() {
     let sources: Vec<(String, String)> = jobs
         .par_iter()
         .map(|(spec, entry)| {
-            let path = ["models", "models/table3"]
+            let path = common::SPEC_DIRS
                 .iter()
                 .map(|d| root().join(d).join(spec))
                 .find(|p| p.exists())

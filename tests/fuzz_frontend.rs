@@ -226,7 +226,12 @@ fn seeds(root: &Path) -> (Vec<(&'static str, String)>, usize) {
 
 /// Where the seeds are read from; a mutant is written into the same folder of a scratch
 /// copy, beside the spec the models import.
-const SEED_DIRS: [&str; 3] = ["models", "models/table3", "tests/diagnostics"];
+const SEED_DIRS: [&str; 4] = [
+    "models",
+    "models/table3",
+    "models/gallery",
+    "tests/diagnostics",
+];
 
 /// The scratch folders, each with `transformer_base.kiln` where the seeds import it.
 fn scratch(root: &Path) -> PathBuf {

@@ -115,7 +115,7 @@ fn dropout_is_in_training_graphs_only() {
 #[test]
 fn every_spec_in_models_compiles_and_verifies() {
     let mut n = 0;
-    for dir in ["models", "models/table3"] {
+    for dir in ["models", "models/table3", "models/gallery"] {
         for e in std::fs::read_dir(spec(dir)).unwrap() {
             let path = e.unwrap().path();
             if path.extension().and_then(|e| e.to_str()) != Some("kiln") {
@@ -135,7 +135,7 @@ fn every_spec_in_models_compiles_and_verifies() {
             n += 1;
         }
     }
-    assert_eq!(n, 22, "specs in models/ and models/table3/");
+    assert_eq!(n, 26, "specs in models/, models/table3/ and models/gallery/");
 }
 
 #[test]

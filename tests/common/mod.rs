@@ -41,16 +41,15 @@ pub fn kiln(args: &[&str]) -> Output {
         .expect("kiln runs")
 }
 
-/// Every spec shipped in `models/` and `models/table3/`, listed from the folders (a new
-/// spec is covered without editing a test), sorted.
+/// The folders of the shipped specs: the paper's models, Table 3's variants and the
+/// gallery of user variants (#61).
+pub const SPEC_DIRS: [&str; 3] = ["models", "models/table3", "models/gallery"];
+
+/// Every spec shipped in [`SPEC_DIRS`], listed from the folders (a new spec is covered
+/// without editing a test), sorted.
 pub fn shipped_specs() -> Vec<PathBuf> {
-    let models = root().join("models");
     let mut out = Vec::new();
-    for dir in [
-        models.clone(),
-        models.join("table3"),
-        models.join("gallery"),
-    ] {
+    for dir in SPEC_DIRS.map(|d| root().join(d)) {
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
             if p.extension().is_some_and(|x| x == "kiln") {

@@ -74,7 +74,7 @@ pub fn operand_class(template: &str, input: &str) -> Class {
         | ("sum_rows", _)
         | ("embed_pe", "pe")
         | ("scatter_add_into", "src") => Class::Free,
-        (_, "x" | "y" | "q" | "k" | "v" | "g" | "logits") => Class::Act,
+        (_, "x" | "y" | "q" | "k" | "v" | "g" | "g_carry" | "logits") => Class::Act,
         _ => Class::Full,
     }
 }
