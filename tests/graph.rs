@@ -135,7 +135,10 @@ fn every_spec_in_models_compiles_and_verifies() {
             n += 1;
         }
     }
-    assert_eq!(n, 26, "specs in models/, models/table3/ and models/gallery/");
+    assert_eq!(
+        n, 26,
+        "specs in models/, models/table3/ and models/gallery/"
+    );
 }
 
 #[test]
