@@ -114,7 +114,7 @@ fn main() {
     }
     let funcs = [
         clif::text(&rows::softmax("softmax")),
-        clif::text(&rows::add_layer_norm("ln", true)),
+        clif::text(&rows::add_layer_norm("ln", true, false)),
         clif::text(&misc::adam_update("adam")),
     ]
     .join("\n");

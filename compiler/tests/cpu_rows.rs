@@ -340,7 +340,7 @@ fn softmax_bwd_matches_the_softmax_gradient() {
 
 #[test]
 fn add_layer_norm_matches_its_definition() {
-    let k = jit_of(&rows::add_layer_norm("ln", true));
+    let k = jit_of(&rows::add_layer_norm("ln", true, false));
     for (s, &(nrows, d)) in [
         (1, 1),
         (4, 3),
@@ -396,7 +396,7 @@ fn add_layer_norm_matches_its_definition() {
 
 #[test]
 fn add_layer_norm_bwd_matches_its_definition_and_is_split_independent() {
-    let k = jit_of(&rows::add_layer_norm_bwd("ln_bwd", LnForm::Add));
+    let k = jit_of(&rows::add_layer_norm_bwd("ln_bwd", LnForm::Add, false));
     let fin = jit_of(&rows::add_layer_norm_bwd_finish("ln_bwd_finish"));
     for (s, &(nrows, d, c_scale)) in [
         (1, 1, 1.0f32),
@@ -621,8 +621,8 @@ fn kernel_text_is_deterministic() {
             rows::scale_mask_softmax("c", MaskKind::Key),
             rows::scale_mask_softmax("d", MaskKind::Causal),
             rows::softmax_bwd("e"),
-            rows::add_layer_norm("f", true),
-            rows::add_layer_norm_bwd("g", LnForm::Add),
+            rows::add_layer_norm("f", true, false),
+            rows::add_layer_norm_bwd("g", LnForm::Add, false),
             rows::add_layer_norm_bwd_finish("h"),
             rows::xent_ls("i"),
         ]

@@ -1027,7 +1027,7 @@ fn row_kernels_match_the_cpu_within_rounding() {
     );
     let mut h = bufs.clone();
     run_cpu(
-        &rows::add_layer_norm("add_layer_norm_0", true),
+        &rows::add_layer_norm("add_layer_norm_0", true, false),
         "add_layer_norm_0",
         &mut h,
         &dims,
@@ -1051,7 +1051,7 @@ fn row_kernels_match_the_cpu_within_rounding() {
     run(cxx, &f, &mut g, &dims, items as u64);
     let mut h = bufs.clone();
     run_cpu(
-        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0", LnForm::Add),
+        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0", LnForm::Add, false),
         "add_layer_norm_bwd_0",
         &mut h,
         &dims,
@@ -1128,7 +1128,7 @@ fn block_reductions_over_several_warps_match_the_cpu() {
     let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
     let mut hb = bwd.clone();
     run_cpu(
-        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0", LnForm::Add),
+        &rows::add_layer_norm_bwd("add_layer_norm_bwd_0", LnForm::Add, false),
         "add_layer_norm_bwd_0",
         &mut hb,
         &bdims,
@@ -1144,7 +1144,7 @@ fn block_reductions_over_several_warps_match_the_cpu() {
     let (fdims, fitems) = rows::add_layer_norm_dims(rows_n, d);
     let mut hf = fwd.clone();
     run_cpu(
-        &rows::add_layer_norm("add_layer_norm_0", true),
+        &rows::add_layer_norm("add_layer_norm_0", true, false),
         "add_layer_norm_0",
         &mut hf,
         &fdims,
@@ -1245,7 +1245,8 @@ fn layer_norm_rows_in_registers_give_the_bits_of_the_passes() {
                 let mut got = Vec::new();
                 // A program's lanes (⌈d / 32⌉), the most, none.
                 for regs in [cuda::rows::row_lane(Some(d)), lane, 0] {
-                    let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs, true);
+                    let f =
+                        cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs, true, false);
                     let mut a = fwd.clone();
                     run_with(cxx, &f, &mut a, &dims, rows_n as u64, launch);
                     let f = cuda::rows::add_layer_norm_bwd_with(
@@ -1253,12 +1254,19 @@ fn layer_norm_rows_in_registers_give_the_bits_of_the_passes() {
                         e,
                         regs,
                         LnForm::Add,
+                        false,
                     );
                     let mut b = bwd.clone();
                     run_with(cxx, &f, &mut b, &bdims, bitems as u64, launch);
                     if in_place {
                         // out = x, then dx = x.
-                        let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", e, regs, true);
+                        let f = cuda::rows::add_layer_norm_with(
+                            "add_layer_norm_0",
+                            e,
+                            regs,
+                            true,
+                            false,
+                        );
                         let mut c = fwd.clone();
                         run_in_place(cxx, &f, &mut c, &dims, rows_n as u64, launch, 6, 0);
                         assert_eq!(c[0], a[6], "{what}: out in place");
@@ -1267,6 +1275,7 @@ fn layer_norm_rows_in_registers_give_the_bits_of_the_passes() {
                             e,
                             regs,
                             LnForm::Add,
+                            false,
                         );
                         let mut c = bwd.clone();
                         run_in_place(cxx, &f, &mut c, &bdims, bitems as u64, launch, 6, 0);
@@ -2505,7 +2514,7 @@ fn row_kernels_in_bf16_match_the_cpu_within_bf16_rounding() {
     run(cxx, &f, &mut g, &dims, rows_n as u64);
     let mut h = vec![x, y, gamma, beta, inv_d, eps, zeros(rows_n * d)];
     run_cpu(
-        &rows::add_layer_norm("add_layer_norm_0", true),
+        &rows::add_layer_norm("add_layer_norm_0", true, false),
         "add_layer_norm_0",
         &mut h,
         &dims,
@@ -3063,7 +3072,8 @@ fn activation_regions_agree_with_the_cpu() {
 /// with `y = 0`, forward and backward, on the CPU and in the CUDA C (rows in registers
 /// and through memory); its `y` operand is not read (NaN there changes nothing). The
 /// backward's `carry` form (the residual path's gradient in `y`'s slot) gives `dx` as
-/// that gradient plus the plain form's `dx`, bit for bit, and the same `dγ`, `dβ`.
+/// that gradient plus the plain form's `dx`, bit for bit, and the same `dγ`, `dβ`. The
+/// same for RMSNorm's forms (`rms`: no mean, `β` unread — NaN there changes nothing).
 #[test]
 fn plain_layer_norm_is_the_adding_one_with_y_zero() {
     let mut rng = Rng(71);
@@ -3072,63 +3082,96 @@ fn plain_layer_norm_is_the_adding_one_with_y_zero() {
     let g = rng.floats(rows_n * d, -1.0, 1.0);
     let carried = rng.floats(rows_n * d, -1.0, 1.0);
     let gamma = rng.floats(d, 0.5, 1.5);
-    let beta = rng.floats(d, -0.5, 0.5);
-    let (inv_d, eps) = (one(1.0 / d as f32), one(1e-5));
-    let out = vec![0u8; x.len()];
-    let nans = f32s(&vec![f32::NAN; rows_n * d]);
-    let zero_y = zeros(rows_n * d);
-    let fwd = |y: &Vec<u8>| {
-        let ops = [&x, y, &gamma, &beta, &inv_d, &eps, &out];
-        ops.map(|b| b.clone()).to_vec()
-    };
-    let bwd = |y: &Vec<u8>| {
-        let scratch = zeros(rows::add_layer_norm_bwd_scratch(rows_n, d));
-        let ops = [&x, y, &gamma, &g, &inv_d, &eps, &out, &scratch];
-        ops.map(|b| b.clone()).to_vec()
-    };
-    let plus_carried = |dx: &[u8]| {
-        let s: Vec<f32> = as_f32(&carried)
-            .iter()
-            .zip(as_f32(dx))
-            .map(|(c, v)| c + v)
-            .collect();
-        f32s(&s)
-    };
-    let (dims, items) = rows::add_layer_norm_dims(rows_n, d);
-    let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
-    type Run<'a> = dyn Fn(LnForm, &Vec<u8>) -> (Vec<u8>, Vec<u8>, Vec<u8>) + 'a;
-    let check = |what: &str, run: &Run| {
-        let want = run(LnForm::Add, &zero_y);
-        assert!(as_f32(&want.0).iter().all(|v| v.is_finite()), "{what}");
-        assert_eq!(run(LnForm::Plain, &nans), want, "{what}: plain");
-        let c = run(LnForm::Carry, &carried);
-        assert_eq!(c.0, want.0, "{what}: carry's forward");
-        assert_eq!(c.1, plus_carried(&want.1), "{what}: carry's dx");
-        assert_eq!(c.2, want.2, "{what}: carry's dγ, dβ partials");
-    };
-    // CPU (the forward's carry form is the plain one).
-    check("CPU", &|form, y| {
-        let mut a = fwd(y);
-        let f = rows::add_layer_norm("add_layer_norm_0", form == LnForm::Add);
-        run_cpu(&f, "add_layer_norm_0", &mut a, &dims, items);
-        let mut b = bwd(y);
-        let f = rows::add_layer_norm_bwd("add_layer_norm_bwd_0", form);
-        run_cpu(&f, "add_layer_norm_bwd_0", &mut b, &bdims, bitems);
-        (a[6].clone(), b[6].clone(), b[7].clone())
-    });
-    // CUDA C on the host.
-    let Some(cxx) = gxx() else { return };
-    for regs in [cuda::rows::row_lane(Some(d)), 0] {
-        check(&format!("CUDA, {regs} a lane"), &|form, y| {
+    let real_beta = rng.floats(d, -0.5, 0.5);
+    let nan_beta = f32s(&vec![f32::NAN; d]);
+    for rms in [false, true] {
+        let beta = if rms { &nan_beta } else { &real_beta };
+        let (inv_d, eps) = (one(1.0 / d as f32), one(1e-5));
+        let out = vec![0u8; x.len()];
+        let nans = f32s(&vec![f32::NAN; rows_n * d]);
+        let zero_y = zeros(rows_n * d);
+        let fwd = |y: &Vec<u8>| {
+            let ops = [&x, y, &gamma, beta, &inv_d, &eps, &out];
+            ops.map(|b| b.clone()).to_vec()
+        };
+        let bwd = |y: &Vec<u8>| {
+            let scratch = zeros(rows::add_layer_norm_bwd_scratch(rows_n, d));
+            let ops = [&x, y, &gamma, &g, &inv_d, &eps, &out, &scratch];
+            ops.map(|b| b.clone()).to_vec()
+        };
+        let plus_carried = |dx: &[u8]| {
+            let s: Vec<f32> = as_f32(&carried)
+                .iter()
+                .zip(as_f32(dx))
+                .map(|(c, v)| c + v)
+                .collect();
+            f32s(&s)
+        };
+        let (dims, items) = rows::add_layer_norm_dims(rows_n, d);
+        let (bdims, bitems) = rows::add_layer_norm_bwd_dims(rows_n, d);
+        type Run<'a> = dyn Fn(LnForm, &Vec<u8>) -> (Vec<u8>, Vec<u8>, Vec<u8>) + 'a;
+        let check = |what: &str, run: &Run| {
+            let want = run(LnForm::Add, &zero_y);
+            assert!(as_f32(&want.0).iter().all(|v| v.is_finite()), "{what}");
+            assert_eq!(run(LnForm::Plain, &nans), want, "{what}: plain");
+            let c = run(LnForm::Carry, &carried);
+            assert_eq!(c.0, want.0, "{what}: carry's forward");
+            assert_eq!(c.1, plus_carried(&want.1), "{what}: carry's dx");
+            assert_eq!(c.2, want.2, "{what}: carry's dγ, dβ partials");
+        };
+        // CPU (the forward's carry form is the plain one).
+        let cpu_out = std::cell::RefCell::new(Vec::new());
+        check(&format!("CPU, rms {rms}"), &|form, y| {
             let mut a = fwd(y);
-            let add = form == LnForm::Add;
-            let f = cuda::rows::add_layer_norm_with("add_layer_norm_0", Elem::F32, regs, add);
-            run_with(cxx, &f, &mut a, &dims, rows_n as u64, (2, 64));
+            let f = rows::add_layer_norm("add_layer_norm_0", form == LnForm::Add, rms);
+            run_cpu(&f, "add_layer_norm_0", &mut a, &dims, items);
             let mut b = bwd(y);
-            let f =
-                cuda::rows::add_layer_norm_bwd_with("add_layer_norm_bwd_0", Elem::F32, regs, form);
-            run_with(cxx, &f, &mut b, &bdims, bitems as u64, (2, 64));
+            let f = rows::add_layer_norm_bwd("add_layer_norm_bwd_0", form, rms);
+            run_cpu(&f, "add_layer_norm_bwd_0", &mut b, &bdims, bitems);
+            if form == LnForm::Add {
+                *cpu_out.borrow_mut() = as_f32(&a[6]);
+            }
             (a[6].clone(), b[6].clone(), b[7].clone())
         });
+        // RMSNorm's forward against its definition, in f64.
+        if rms {
+            let xs = as_f32(&x);
+            let gs = as_f32(&gamma);
+            let got = cpu_out.borrow();
+            for r in 0..rows_n {
+                let row = &xs[r * d..(r + 1) * d];
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+                let inv = 1.0 / (ms + 1e-5).sqrt();
+                for j in 0..d {
+                    let want = row[j] as f64 * inv * gs[j] as f64;
+                    let g = got[r * d + j] as f64;
+                    assert!(
+                        (g - want).abs() <= 1e-5 * want.abs() + 1e-6,
+                        "rms row {r}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+        // CUDA C on the host.
+        let Some(cxx) = gxx() else { continue };
+        for regs in [cuda::rows::row_lane(Some(d)), 0] {
+            check(&format!("CUDA, {regs} a lane, rms {rms}"), &|form, y| {
+                let mut a = fwd(y);
+                let add = form == LnForm::Add;
+                let f =
+                    cuda::rows::add_layer_norm_with("add_layer_norm_0", Elem::F32, regs, add, rms);
+                run_with(cxx, &f, &mut a, &dims, rows_n as u64, (2, 64));
+                let mut b = bwd(y);
+                let f = cuda::rows::add_layer_norm_bwd_with(
+                    "add_layer_norm_bwd_0",
+                    Elem::F32,
+                    regs,
+                    form,
+                    rms,
+                );
+                run_with(cxx, &f, &mut b, &bdims, bitems as u64, (2, 64));
+                (a[6].clone(), b[6].clone(), b[7].clone())
+            });
+        }
     }
 }

@@ -140,12 +140,16 @@ pub fn mask_kind(variant: &str) -> MaskKind {
 
 /// The emitter's key of a layer-norm function: the adding form keeps its old key, so
 /// its programs' text does not change.
-fn ln_key(base: &str, form: LnForm) -> String {
-    match form {
+fn ln_key(base: &str, form: LnForm, rms: bool) -> String {
+    let mut key = match form {
         LnForm::Add => base.to_string(),
         LnForm::Plain => format!("{base} plain"),
         LnForm::Carry => format!("{base} carry"),
+    };
+    if rms {
+        key.push_str(" rms");
     }
+    key
 }
 
 /// The functions of one kernel, by role.
@@ -271,22 +275,22 @@ fn template_functions(
             }
         }
         TemplateKind::AddLayerNorm => {
-            let form = def.layer_norm_form();
+            let (form, rms) = (def.layer_norm_form(), def.layer_norm_rms());
             put(
                 "main",
-                em.get("add_layer_norm", ln_key("add_layer_norm", form), |n| {
-                    Ok(rows::add_layer_norm(n, form == LnForm::Add))
+                em.get("add_layer_norm", ln_key("add_layer_norm", form, rms), |n| {
+                    Ok(rows::add_layer_norm(n, form == LnForm::Add, rms))
                 })?,
             )
         }
         TemplateKind::AddLayerNormBwd => {
-            let form = def.layer_norm_form();
+            let (form, rms) = (def.layer_norm_form(), def.layer_norm_rms());
             put(
                 "main",
                 em.get(
                     "add_layer_norm_bwd",
-                    ln_key("add_layer_norm_bwd", form),
-                    |n| Ok(rows::add_layer_norm_bwd(n, form)),
+                    ln_key("add_layer_norm_bwd", form, rms),
+                    |n| Ok(rows::add_layer_norm_bwd(n, form, rms)),
                 )?,
             );
             put(

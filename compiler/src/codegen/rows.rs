@@ -319,10 +319,11 @@ pub fn softmax_bwd_dims(rows: usize, c: usize) -> (Vec<i64>, usize) {
 /// - args: `[x, y, gamma, beta, inv_d, eps, out]` (`x`, `y`, `out`: `f32[rows, d]`;
 ///   `gamma`, `beta`: `f32[d]`; `inv_d`, `eps`: one `f32` each). `out` may be `x` or `y`
 ///   (it holds `s` between the passes). Without `add` (the template's `plain` form),
-///   `s = x` and `y` is not read.
+///   `s = x` and `y` is not read. With `rms` (RMSNorm), `mean = 0` and no `β`:
+///   `out = s·(1/√(inv_d·Σs² + eps))·γ`, and `beta` is not read.
 /// - dims: `[d]` (see [`add_layer_norm_dims`]);
 /// - items: rows.
-pub fn add_layer_norm(name: &str, add: bool) -> Function {
+pub fn add_layer_norm(name: &str, add: bool, rms: bool) -> Function {
     build_kernel(name, |kb| {
         let x = kb.ptr(0);
         let y = kb.ptr(1);
@@ -344,7 +345,11 @@ pub fn add_layer_norm(name: &str, add: bool) -> Function {
                 kb.store(s, or, j);
                 s
             });
-            let mean = kb.b.ins().fmul(sum, inv_d.s);
+            let mean = if rms {
+                kb.fconst(types::F32, 0.0)
+            } else {
+                kb.b.ins().fmul(sum, inv_d.s)
+            };
             let mean = Sc::new(kb, mean);
             // Pass 2: Σ(s − mean)².
             let ssq = kb.reduce_elems(zero, d, 0.0, Reduce::Sum, |kb, j, ty| {
@@ -363,9 +368,12 @@ pub fn add_layer_norm(name: &str, add: bool) -> Function {
                 let xc = kb.b.ins().fsub(s, mean.get(ty));
                 let xh = kb.b.ins().fmul(xc, rstd.get(ty));
                 let g = kb.load(ty, gamma, j);
-                let b = kb.load(ty, beta, j);
+                let b = (!rms).then(|| kb.load(ty, beta, j));
                 let v = kb.b.ins().fmul(xh, g);
-                let v = kb.b.ins().fadd(v, b);
+                let v = match b {
+                    Some(b) => kb.b.ins().fadd(v, b),
+                    None => v,
+                };
                 kb.store(v, or, j);
             });
         });
@@ -390,7 +398,9 @@ pub const LN_BWD_BLOCK: usize = 16;
 /// `dx_j = rstd·(a_j − c·Σa) − c·rstd³·(xc_j − c·Σxc)·Σ(a∘xc)` (exact for any `c`).
 ///
 /// In the `Plain` form `s = x` and `y` is not read; in the `Carry` form `s = x` and `y`
-/// holds a gradient added to `dx` (the residual path's, past a pre-LN norm).
+/// holds a gradient added to `dx` (the residual path's, past a pre-LN norm). With `rms`
+/// (RMSNorm: `mean = 0`, no β) the `c·Σa` and `c·Σxc` terms are zero; the `dβ` partials
+/// are still written.
 ///
 /// - args: `[x, y, gamma, g, inv_d, eps, dx, scratch]` (`x`, `y`, `g`, `dx`:
 ///   `f32[rows, d]`; `gamma`: `f32[d]`; `inv_d`, `eps`: one `f32` each; `scratch`:
@@ -399,7 +409,7 @@ pub const LN_BWD_BLOCK: usize = 16;
 ///   `x`, `y` or `g`.
 /// - dims: `[rows, d]` (see [`add_layer_norm_bwd_dims`]);
 /// - items: row blocks, `ceil(rows / LN_BWD_BLOCK)`.
-pub fn add_layer_norm_bwd(name: &str, form: LnForm) -> Function {
+pub fn add_layer_norm_bwd(name: &str, form: LnForm, rms: bool) -> Function {
     let add = form == LnForm::Add;
     build_kernel(name, |kb| {
         let x = kb.ptr(0);
@@ -431,11 +441,15 @@ pub fn add_layer_norm_bwd(name: &str, form: LnForm) -> Function {
                 let gr = row_ptr(kb, g, r, d);
                 let dxr = row_ptr(kb, dx, r, d);
                 let zero = kb.iconst(0);
-                // Pass 1: Σs.
-                let sum = kb.reduce_elems(zero, d, 0.0, Reduce::Sum, |kb, j, ty| {
-                    row_sum(kb, ty, xr, add.then_some(yr), j)
-                });
-                let mean = kb.b.ins().fmul(sum, c.s);
+                // Pass 1: Σs (RMSNorm: no mean).
+                let mean = if rms {
+                    kb.fconst(types::F32, 0.0)
+                } else {
+                    let sum = kb.reduce_elems(zero, d, 0.0, Reduce::Sum, |kb, j, ty| {
+                        row_sum(kb, ty, xr, add.then_some(yr), j)
+                    });
+                    kb.b.ins().fmul(sum, c.s)
+                };
                 let mean = Sc::new(kb, mean);
                 // Pass 2: Σxc², Σxc, Σa, Σa∘xc.
                 let s = sums(kb, zero, d, 4, 2, |kb, j, ty| {
@@ -454,12 +468,21 @@ pub fn add_layer_norm_bwd(name: &str, form: LnForm) -> Function {
                 let sd = kb.b.ins().sqrt(ve);
                 let rstd = recip(kb, sd);
                 // dx_j = rstd·a_j − rstd·c·Σa − k·xc_j + k·c·Σxc, k = c·rstd³·Σa∘xc.
-                let ca = kb.b.ins().fmul(c.s, sum_a);
+                // RMSNorm has no mean, so neither term of its gradient:
+                // dx_j = rstd·a_j − k·s_j.
+                let no_mean = |kb: &mut Kb, v: Value| {
+                    if rms {
+                        kb.fconst(types::F32, 0.0)
+                    } else {
+                        kb.b.ins().fmul(c.s, v)
+                    }
+                };
+                let ca = no_mean(kb, sum_a);
                 let r2 = kb.b.ins().fmul(rstd, rstd);
                 let r3 = kb.b.ins().fmul(r2, rstd);
                 let k = kb.b.ins().fmul(c.s, r3);
                 let k = kb.b.ins().fmul(k, sum_axc);
-                let cx = kb.b.ins().fmul(c.s, sum_xc);
+                let cx = no_mean(kb, sum_xc);
                 let rstd = Sc::new(kb, rstd);
                 let ca = Sc::new(kb, ca);
                 let k = Sc::new(kb, k);
@@ -730,11 +753,13 @@ mod tests {
             scale_mask_softmax("sms_key", MaskKind::Key),
             scale_mask_softmax("sms_causal", MaskKind::Causal),
             softmax_bwd("softmax_bwd"),
-            add_layer_norm("ln", true),
-            add_layer_norm("ln_plain", false),
-            add_layer_norm_bwd("ln_bwd", LnForm::Add),
-            add_layer_norm_bwd("ln_bwd_plain", LnForm::Plain),
-            add_layer_norm_bwd("ln_bwd_carry", LnForm::Carry),
+            add_layer_norm("ln", true, false),
+            add_layer_norm("ln_plain", false, false),
+            add_layer_norm("ln_rms", false, true),
+            add_layer_norm_bwd("ln_bwd", LnForm::Add, false),
+            add_layer_norm_bwd("ln_bwd_plain", LnForm::Plain, false),
+            add_layer_norm_bwd("ln_bwd_carry", LnForm::Carry, false),
+            add_layer_norm_bwd("ln_bwd_rms_carry", LnForm::Carry, true),
             add_layer_norm_bwd_finish("ln_bwd_finish"),
             xent_ls("xent"),
             xent_ls_loss("xent_loss"),

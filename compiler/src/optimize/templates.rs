@@ -92,13 +92,24 @@ pub enum LnForm {
 /// A layer norm's operands in the adding form's order, `[x, y, …]`: a `plain` one's `x`
 /// stands in for the `y` its kernel does not read, so every backend launches every form
 /// with one argument list.
-pub fn layer_norm_operands<T: Copy>(ins: &[T], form: LnForm) -> std::borrow::Cow<'_, [T]> {
-    if form != LnForm::Plain || ins.is_empty() {
+/// An RMSNorm forward's `γ` stands in for the `β` (slot 3) it does not read.
+pub fn layer_norm_operands<T: Copy>(
+    ins: &[T],
+    form: LnForm,
+    rms_forward: bool,
+) -> std::borrow::Cow<'_, [T]> {
+    if (form != LnForm::Plain && !rms_forward) || ins.is_empty() {
         return std::borrow::Cow::Borrowed(ins);
     }
-    let mut v = Vec::with_capacity(ins.len() + 1);
+    let mut v = Vec::with_capacity(ins.len() + 2);
     v.push(ins[0]);
-    v.extend_from_slice(ins);
+    if form == LnForm::Plain {
+        v.push(ins[0]);
+    }
+    v.extend_from_slice(&ins[1..]);
+    if rms_forward && v.len() > 2 {
+        v.insert(3, v[2]);
+    }
     std::borrow::Cow::Owned(v)
 }
 
@@ -112,6 +123,11 @@ impl TemplateDef {
             (true, false) => LnForm::Plain,
             (true, true) => LnForm::Carry,
         }
+    }
+
+    /// Whether an `add_layer_norm` (or its backward) is RMSNorm's (`rms`: no mean, no β).
+    pub fn layer_norm_rms(&self) -> bool {
+        self.variant.split_whitespace().any(|w| w == "rms")
     }
 
     /// Whether an `add_layer_norm` adds `y` to `x` before normalizing.

@@ -145,10 +145,12 @@ pub(crate) enum Exec {
         softmax_bwd: KernelFn,
         mask: MaskKind,
     },
-    /// `add`: whether `y` is an operand (every form but `plain`).
+    /// `add`: whether `y` is an operand (every form but `plain`); `rms`: RMSNorm's (no
+    /// β operand; its backward has no dβ output, which the launch sees).
     AddLayerNorm {
         f: KernelFn,
         add: bool,
+        rms: bool,
     },
     AddLayerNormBwd {
         main: KernelFn,
@@ -271,6 +273,7 @@ pub(crate) fn prepare(
                     TemplateKind::AddLayerNorm => Exec::AddLayerNorm {
                         f: f("main")?,
                         add: def.layer_norm_adds(),
+                        rms: def.layer_norm_rms(),
                     },
                     TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
                         main: f("main")?,

@@ -72,10 +72,12 @@ pub(crate) enum Exec {
         /// As `Attention`'s.
         strided: bool,
     },
-    /// `add`: whether `y` is an operand (every form but `plain`).
+    /// `add`: whether `y` is an operand (every form but `plain`); `rms`: RMSNorm's (no
+    /// β operand; its backward has no dβ output, which the launch sees).
     AddLayerNorm {
         f: String,
         add: bool,
+        rms: bool,
     },
     AddLayerNormBwd {
         main: String,
@@ -332,6 +334,7 @@ fn template_step(
         TemplateKind::AddLayerNorm => Exec::AddLayerNorm {
             f: role("main")?,
             add: def.layer_norm_adds(),
+            rms: def.layer_norm_rms(),
         },
         TemplateKind::AddLayerNormBwd => Exec::AddLayerNormBwd {
             main: role("main")?,

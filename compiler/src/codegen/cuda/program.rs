@@ -181,25 +181,29 @@ fn template_launch(
         }
         TemplateKind::AddLayerNorm => {
             let lane = rows::row_lane(static_last(kg, inputs[0]));
-            let add = def.layer_norm_adds();
+            let (add, rms) = (def.layer_norm_adds(), def.layer_norm_rms());
             let plain = if add { "" } else { " plain" };
+            let rms_key = if rms { " rms" } else { "" };
             let name = em.get(
                 "add_layer_norm",
-                format!("add_layer_norm lane={lane}{plain}"),
-                |n| Ok(rows::add_layer_norm_with(n, e, lane, add)),
+                format!("add_layer_norm lane={lane}{plain}{rms_key}"),
+                |n| Ok(rows::add_layer_norm_with(n, e, lane, add, rms)),
             )?;
             f.insert("main".into(), name);
         }
         TemplateKind::AddLayerNormBwd => {
             let lane = rows::bwd_row_lane(static_last(kg, inputs[0]));
-            let form = def.layer_norm_form();
-            let key = match form {
+            let (form, rms) = (def.layer_norm_form(), def.layer_norm_rms());
+            let mut key = match form {
                 LnForm::Add => format!("add_layer_norm_bwd lane={lane}"),
                 LnForm::Plain => format!("add_layer_norm_bwd lane={lane} plain"),
                 LnForm::Carry => format!("add_layer_norm_bwd lane={lane} carry"),
             };
+            if rms {
+                key.push_str(" rms");
+            }
             let name = em.get("add_layer_norm_bwd", key, |n| {
-                Ok(rows::add_layer_norm_bwd_with(n, e, lane, form))
+                Ok(rows::add_layer_norm_bwd_with(n, e, lane, form, rms))
             })?;
             f.insert("main".into(), name);
             f.insert(

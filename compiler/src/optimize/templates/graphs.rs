@@ -100,6 +100,28 @@ impl TB {
         let bb = self.bc(beta, x);
         self.bin(BinaryOp::Add, scaled, bb)
     }
+
+    /// The prelude's `rms_norm`: `x · rsqrt(Σx² · inv_d + eps) · γ` over the last axis.
+    pub(super) fn rms_normalize(
+        &mut self,
+        x: NodeId,
+        gamma: NodeId,
+        inv_d: NodeId,
+        eps: NodeId,
+    ) -> NodeId {
+        let last = self.g.ty(x).shape.rank() - 1;
+        let sq = self.bin(BinaryOp::Mul, x, x);
+        let ssq = self.reduce(ReduceOp::Sum, sq, last);
+        let inv = self.bc(inv_d, ssq);
+        let ms = self.bin(BinaryOp::Mul, ssq, inv);
+        let epsb = self.bc(eps, ms);
+        let me = self.bin(BinaryOp::Add, ms, epsb);
+        let r = self.un(UnaryOp::Rsqrt, me);
+        let rb = self.bc(r, x);
+        let xr = self.bin(BinaryOp::Mul, x, rb);
+        let gb = self.bc(gamma, x);
+        self.bin(BinaryOp::Mul, xr, gb)
+    }
 }
 
 pub(super) fn lead_dims(rank: usize) -> Vec<String> {

@@ -146,14 +146,18 @@ fn attention(out: &mut Vec<TemplateDef>) {
 /// backward's `plain carry` form adds the gradient that reaches `x` from a later use (the
 /// residual path past a pre-LN norm), which the walk sums first.
 fn add_layer_norm(out: &mut Vec<TemplateDef>) {
-    for form in [LnForm::Add, LnForm::Plain] {
-        for rank in 2..=4 {
-            add_layer_norm_forms(out, rank, form);
+    for rms in [false, true] {
+        for form in [LnForm::Add, LnForm::Plain] {
+            for rank in 2..=4 {
+                add_layer_norm_forms(out, rank, form, rms);
+            }
         }
     }
 }
 
-fn add_layer_norm_forms(out: &mut Vec<TemplateDef>, rank: usize, form: LnForm) {
+/// One rank and form of `add_layer_norm` (`rms`: RMSNorm's `x · rsqrt(mean(x²) + eps) · γ`,
+/// no β) and its backward forms.
+fn add_layer_norm_forms(out: &mut Vec<TemplateDef>, rank: usize, form: LnForm, rms: bool) {
     let add = form == LnForm::Add;
     let build = || {
         let mut t = TB::new("add_layer_norm");
@@ -162,25 +166,32 @@ fn add_layer_norm_forms(out: &mut Vec<TemplateDef>, rank: usize, form: LnForm) {
         let x = t.input("x", DType::F32, &strs(&dims));
         let y = add.then(|| t.input("y", DType::F32, &strs(&dims)));
         let gamma = t.input("gamma", DType::F32, &["d"]);
-        let beta = t.input("beta", DType::F32, &["d"]);
+        let beta = (!rms).then(|| t.input("beta", DType::F32, &["d"]));
         let inv_d = t.input("inv_d", DType::F32, &[]);
         let eps = t.input("eps", DType::F32, &[]);
         let s = match y {
             Some(y) => t.bin(BinaryOp::Add, x, y),
             None => x,
         };
-        let o = t.normalize(s, gamma, beta, inv_d, eps);
-        (t, x, y, [gamma, beta, inv_d, eps], o, dims)
+        let o = match beta {
+            Some(beta) => t.normalize(s, gamma, beta, inv_d, eps),
+            None => t.rms_normalize(s, gamma, inv_d, eps),
+        };
+        (t, x, y, gamma, beta, [inv_d, eps], o, dims)
     };
-    let (t, x, y, [gamma, beta, inv_d, eps], o, _) = build();
+    let (t, x, y, gamma, beta, [inv_d, eps], o, _) = build();
     let mut inputs = vec![x];
     inputs.extend(y);
-    inputs.extend([gamma, beta, inv_d, eps]);
-    let variant = if add {
-        format!("rank={rank}")
-    } else {
-        format!("rank={rank} plain")
-    };
+    inputs.push(gamma);
+    inputs.extend(beta);
+    inputs.extend([inv_d, eps]);
+    let mut variant = format!("rank={rank}");
+    if !add {
+        variant.push_str(" plain");
+    }
+    if rms {
+        variant.push_str(" rms");
+    }
     out.push(def(
         TemplateKind::AddLayerNorm,
         variant.clone(),
@@ -195,13 +206,15 @@ fn add_layer_norm_forms(out: &mut Vec<TemplateDef>, rank: usize, form: LnForm) {
         vec![LnForm::Plain, LnForm::Carry]
     };
     for bwd in backward_forms {
-        let (mut t, x, y, [gamma, beta, inv_d, eps], o, dims) = build();
+        let (mut t, x, y, gamma, beta, [inv_d, eps], o, dims) = build();
         let g = t.input("g", DType::F32, &strs(&dims));
         // The carried gradient takes `y`'s operand slot.
         let carried = (bwd == LnForm::Carry).then(|| t.input("g_carry", DType::F32, &strs(&dims)));
         let carry: Vec<(NodeId, NodeId)> = carried.iter().map(|&c| (x, c)).collect();
-        let (graph, grads) = gradients_carried(&t.g, o, Some(g), &[x, gamma, beta], &carry)
-            .expect("layer norm differentiates");
+        let mut wrt = vec![x, gamma];
+        wrt.extend(beta);
+        let (graph, grads) =
+            gradients_carried(&t.g, o, Some(g), &wrt, &carry).expect("layer norm differentiates");
         t.g = graph;
         let mut inputs = vec![x];
         inputs.extend(y.or(carried));

@@ -43,12 +43,12 @@ pub(super) fn run_exec(
             softmax_bwd,
             mask,
         } => attention_bwd(ins, outs, *softmax, *softmax_bwd, *mask, keep, &mut contig),
-        Exec::AddLayerNorm { f, add } => {
+        Exec::AddLayerNorm { f, add, rms } => {
             let form = if *add { LnForm::Add } else { LnForm::Plain };
-            add_layer_norm(&layer_norm_operands(ins, form), outs, ctx, keep, f)
+            add_layer_norm(&layer_norm_operands(ins, form, *rms), outs, ctx, keep, f)
         }
         Exec::AddLayerNormBwd { main, finish, form } => {
-            let ins = layer_norm_operands(ins, *form);
+            let ins = layer_norm_operands(ins, *form, false);
             add_layer_norm_bwd(&ins, outs, ctx, keep, (main, finish))
         }
         Exec::XentLs { f, pad, grad } => xent_ls(ins, outs, ctx, keep, (f, pad, grad)),
@@ -296,13 +296,12 @@ fn add_layer_norm_bwd(
         (grain(d) / rows::LN_BWD_BLOCK).max(1),
     );
     let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
-    call(
-        *finish,
-        &[scratch, outs[1].base(), outs[2].base()],
-        &dims,
-        items,
-        64,
-    );
+    // RMSNorm's kernel has no dβ output: its partials are summed into scratch.
+    let dbeta = match outs.get(2) {
+        Some(o) => o.base(),
+        None => keep.alloc(d),
+    };
+    call(*finish, &[scratch, outs[1].base(), dbeta], &dims, items, 64);
     Ok(())
 }
 

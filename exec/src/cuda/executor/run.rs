@@ -326,12 +326,13 @@ impl Run<'_> {
                 mask,
                 ..
             } => self.attention_bwd(ins, outs, softmax, softmax_bwd, *mask),
-            StepExec::AddLayerNorm { f, add } => {
+            StepExec::AddLayerNorm { f, add, rms } => {
                 let form = if *add { LnForm::Add } else { LnForm::Plain };
-                self.add_layer_norm(f, &layer_norm_operands(ins, form), &outs[0])
+                self.add_layer_norm(f, &layer_norm_operands(ins, form, *rms), &outs[0])
             }
             StepExec::AddLayerNormBwd { main, finish, form } => {
-                self.add_layer_norm_bwd(main, finish, &layer_norm_operands(ins, *form), outs)
+                let ins = layer_norm_operands(ins, *form, false);
+                self.add_layer_norm_bwd(main, finish, &ins, outs)
             }
             StepExec::XentLs {
                 count,

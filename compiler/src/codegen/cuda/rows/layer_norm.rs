@@ -13,7 +13,7 @@ use super::*;
 /// Both paths give the same bits: a lane owns the columns `j ≡ lane (mod width)` and
 /// sums them in order, and the variance and the result read `x + y` as stored.
 pub fn add_layer_norm(name: &str, e: Elem) -> CudaFunction {
-    add_layer_norm_with(name, e, LN_LANE, true)
+    add_layer_norm_with(name, e, LN_LANE, true, false)
 }
 
 /// Elements of a row a lane of [`add_layer_norm`] (and of the statistics of
@@ -35,8 +35,9 @@ pub fn row_lane(d: Option<usize>) -> usize {
 
 /// [`add_layer_norm`] with rows of up to `lane` elements a lane in registers (`0`: every
 /// row through `out`; for tests of the two paths); without `add` (the template's `plain`
-/// form) the rows are `x` alone and `y` is not read.
-pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaFunction {
+/// form) the rows are `x` alone and `y` is not read; with `rms` (RMSNorm) the mean is
+/// zero and there is no `β` (not read).
+pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool, rms: bool) -> CudaFunction {
     let params = vec![
         param("x", &e.ptr(true)),
         param("y", &e.ptr(true)),
@@ -78,7 +79,9 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaF
         }
         w.l(format!("{}* ol = outr + lane;", e.c_type()));
         w.l("const float* gl = gamma + lane;");
-        w.l("const float* bl = beta + lane;");
+        if !rms {
+            w.l("const float* bl = beta + lane;");
+        }
         w.l(format!("float s[{lane}];"));
         w.l("float sum = 0.0f;");
         w.open("if (live)");
@@ -93,7 +96,7 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaF
         }
         w.close();
         w.l("sum = kiln_warp_sum(sum);");
-        w.l("const float mean = sum * c;");
+        w.l(mean_of_sum(rms));
         w.l("float ssq = 0.0f;");
         w.open("if (live)");
         each_lane_element(&mut w, lane, &|w: &mut W| {
@@ -109,7 +112,8 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaF
             w.l("const float xc = s[u] - mean;");
             w.l("const float xh = xc * rstd;");
             w.l("const float v = xh * gl[32 * u];");
-            w.l(format!("ol[32 * u] = {};", e.store("v + bl[32 * u]")));
+            let v = if rms { "v" } else { "v + bl[32 * u]" };
+            w.l(format!("ol[32 * u] = {};", e.store(v)));
         });
         w.close();
         w.close();
@@ -130,7 +134,7 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaF
     w.close();
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
-    w.l("const float mean = sum * c;");
+    w.l(mean_of_sum(rms));
     w.l("// Pass 2: the sum of squared deviations.");
     w.l("float ssq = 0.0f;");
     w.open("if (live)");
@@ -148,7 +152,8 @@ pub fn add_layer_norm_with(name: &str, e: Elem, lane: usize, add: bool) -> CudaF
     w.l(format!("const float xc = {} - mean;", e.load("outr[j]")));
     w.l("const float xh = xc * rstd;");
     w.l("const float v = xh * gamma[j];");
-    w.l(format!("outr[j] = {};", e.store("v + beta[j]")));
+    let v = if rms { "v" } else { "v + beta[j]" };
+    w.l(format!("outr[j] = {};", e.store(v)));
     w.close();
     w.close();
     w.close();
@@ -193,5 +198,15 @@ pub(super) fn plus_y(x: &str, y: &str, add: bool) -> String {
         format!("{x} + {y}")
     } else {
         x.to_string()
+    }
+}
+
+/// The row's mean from its warp-summed `sum`; RMSNorm's is zero (`sum` is still read by
+/// the warp sum before it, so every lane makes the same shuffles).
+pub(super) fn mean_of_sum(rms: bool) -> &'static str {
+    if rms {
+        "const float mean = 0.0f;"
+    } else {
+        "const float mean = sum * c;"
     }
 }

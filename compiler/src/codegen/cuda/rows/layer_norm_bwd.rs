@@ -25,7 +25,7 @@ use crate::optimize::templates::LnForm;
 /// added in the same order with the same formulas. Every thread makes the same shuffle
 /// calls (a warp without a row sums zeros), as the host shim needs.
 pub fn add_layer_norm_bwd(name: &str, e: Elem) -> CudaFunction {
-    add_layer_norm_bwd_with(name, e, LN_BWD_LANE, LnForm::Add)
+    add_layer_norm_bwd_with(name, e, LN_BWD_LANE, LnForm::Add, false)
 }
 
 /// Elements of a row a lane of [`add_layer_norm_bwd`] holds in registers at most: rows
@@ -47,7 +47,13 @@ pub fn bwd_row_lane(d: Option<usize>) -> usize {
 /// always the two phases; for tests of the two paths). In the `Plain` form the rows are
 /// `x` alone and `y` is not read; in the `Carry` form the rows are `x` alone and `y` holds
 /// a gradient added to `dx`.
-pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize, form: LnForm) -> CudaFunction {
+pub fn add_layer_norm_bwd_with(
+    name: &str,
+    e: Elem,
+    lane: usize,
+    form: LnForm,
+    rms: bool,
+) -> CudaFunction {
     let add = form == LnForm::Add;
     let params = vec![
         param("x", &e.ptr(true)),
@@ -69,14 +75,14 @@ pub fn add_layer_norm_bwd_with(name: &str, e: Elem, lane: usize, form: LnForm) -
         w.l(l);
     }
     if lane > 0 {
-        in_registers(&mut w, e, lane, form);
+        in_registers(&mut w, e, lane, form, rms);
     }
     w.l(format!(
         "__shared__ float st[KILN_THREADS / 32 * {LN_BWD_BLOCK} * 5 + {LN_BWD_BLOCK} * 5];"
     ));
     w.l(format!("float* sw = st + wi * {LN_BWD_BLOCK} * 5;"));
     block(&mut w);
-    statistics(&mut w, e, add);
+    statistics(&mut w, e, add, rms);
     dx_and_partials(&mut w, e, form);
     w.close();
     w.close();
@@ -103,7 +109,8 @@ fn sums(w: &mut W) {
 }
 
 /// The row's sums across the warp, and the terms of `dx` they give.
-fn reduce(w: &mut W) {
+/// RMSNorm (`rms`) has no mean, so neither `c·Σa` nor `c·Σxc` enters its `dx`.
+fn reduce(w: &mut W, rms: bool) {
     w.l("ssq = kiln_warp_sum(ssq);");
     w.l("sxc = kiln_warp_sum(sxc);");
     w.l("sa = kiln_warp_sum(sa);");
@@ -112,14 +119,22 @@ fn reduce(w: &mut W) {
     w.l("const float rstd = 1.0f / sqrtf(var + ep);");
     w.l("// dx_j = rstd·(a_j − c·Σa) − k·(xc_j − c·Σxc), k = c·rstd³·Σa·xc.");
     w.l("const float r3 = (rstd * rstd) * rstd;");
-    w.l("const float csa = c * sa;");
+    w.l(if rms {
+        "const float csa = 0.0f;"
+    } else {
+        "const float csa = c * sa;"
+    });
     w.l("const float k3 = (c * r3) * saxc;");
-    w.l("const float csxc = c * sxc;");
+    w.l(if rms {
+        "const float csxc = 0.0f;"
+    } else {
+        "const float csxc = c * sxc;"
+    });
 }
 
 /// The path for rows of up to `lane` elements a lane: each row's elements in
 /// registers, one loop over the row blocks.
-fn in_registers(w: &mut W, e: Elem, lane: usize, form: LnForm) {
+fn in_registers(w: &mut W, e: Elem, lane: usize, form: LnForm, rms: bool) {
     let add = form == LnForm::Add;
     // Chosen once a launch, each path with its own loop over the row blocks.
     w.open(format!("if (width == 32u && d <= {})", lane * 32));
@@ -149,7 +164,7 @@ fn in_registers(w: &mut W, e: Elem, lane: usize, form: LnForm) {
     sum_in_registers(w, e, lane, Some(&g_load), add);
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
-    w.l("const float mean = sum * c;");
+    w.l(mean_of_sum(rms));
     w.l("// Σxc², Σxc, Σa, Σa·xc with xc = s − mean, a = g·γ.");
     w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
     w.open("if (on)");
@@ -159,7 +174,7 @@ fn in_registers(w: &mut W, e: Elem, lane: usize, form: LnForm) {
         sums(w);
     });
     w.close();
-    reduce(w);
+    reduce(w, rms);
     w.open("if (on)");
     each_lane_element(w, lane, &|w: &mut W| {
         w.l("const float xc = s[u] - mean;");
@@ -188,7 +203,7 @@ fn in_registers(w: &mut W, e: Elem, lane: usize, form: LnForm) {
 }
 
 /// Phase 1 of the two-phase path: the statistics of the warp's rows, into shared memory.
-fn statistics(w: &mut W, e: Elem, add: bool) {
+fn statistics(w: &mut W, e: Elem, add: bool, rms: bool) {
     w.l("// Phase 1: the statistics of the warp's rows, two passes each.");
     w.open(format!("for (int i = 0; i < {LN_BWD_BLOCK}; ++i)"));
     w.l("const long long q = lo + i;");
@@ -201,7 +216,7 @@ fn statistics(w: &mut W, e: Elem, add: bool) {
     w.close();
     w.close();
     w.l("sum = kiln_warp_sum(sum);");
-    w.l("const float mean = sum * c;");
+    w.l(mean_of_sum(rms));
     w.l("float ssq = 0.0f, sxc = 0.0f, sa = 0.0f, saxc = 0.0f;");
     w.open("if (on)");
     w.open("for (long long j = lane; j < d; j += width)");
@@ -213,7 +228,7 @@ fn statistics(w: &mut W, e: Elem, add: bool) {
     sums(w);
     w.close();
     w.close();
-    reduce(w);
+    reduce(w, rms);
     w.open("if (on && lane == 0)");
     w.l("sw[i * 5] = mean;");
     w.l("sw[i * 5 + 1] = rstd;");

@@ -97,9 +97,14 @@ impl Run<'_> {
             &ptrs,
             Launch::same(rows::add_layer_norm_bwd_dims(rows_n, d)),
         )?;
+        // RMSNorm's kernel has no dβ output: its partials are summed into scratch.
+        let dbeta = match outs.get(2) {
+            Some(o) => o.base(),
+            None => self.alloc(d)?,
+        };
         self.launch(
             finish,
-            &[scratch, outs[1].base(), outs[2].base()],
+            &[scratch, outs[1].base(), dbeta],
             Launch::ln_bwd_finish(rows_n, d),
         )
     }
