@@ -108,19 +108,7 @@ pub(crate) fn update(
     let scope = format!("adam.{name}");
     let s = scope.as_str();
     // A scalar node made elementwise-compatible with the parameter.
-    let splat = |g: &mut Graph, x: NodeId| -> Result<NodeId, IrError> {
-        if shape.rank() == 0 {
-            Ok(x)
-        } else {
-            g.add(
-                Op::Broadcast {
-                    shape: shape.clone(),
-                },
-                &[x],
-                s,
-            )
-        }
-    };
+    let splat = |g: &mut Graph, x: NodeId| g.broadcast_to(x, shape, s);
     let bin = |g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId| g.add(Op::Binary(op), &[a, b], s);
     use BinaryOp::{Add, Div, Mul, Sub};
 

@@ -132,7 +132,7 @@ pub fn translate_nbest_ids(
     workers: usize,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<Hypothesis>>, TranslateError> {
-    check_sources(encode, srcs).map_err(TranslateError::Invalid)?;
+    check_sources(encode, srcs, &nth_source).map_err(TranslateError::Invalid)?;
     let mut opts = opts.clone();
     if let Some(p) = crate::search::max_target_positions(step.graph()) {
         opts.max_positions = Some(opts.max_positions.map_or(p, |q| q.min(p)));
@@ -153,16 +153,43 @@ pub fn translate_nbest_ids(
     )
 }
 
-/// [`check_positions`] of token-id sources against the encoder, named by their place.
-fn check_sources(encode: &dyn Exec, srcs: &[Vec<i32>]) -> Result<(), String> {
+/// [`check_positions`] of token-id sources against the encoder, source `i` named `what(i)`.
+pub fn check_sources(
+    encode: &dyn Exec,
+    srcs: &[Vec<i32>],
+    what: &dyn Fn(usize) -> String,
+) -> Result<(), String> {
+    let len = |i: usize| srcs[i].len();
     check_positions(
         encode.graph(),
         "src_len",
         srcs.len(),
-        &|i| srcs[i].len(),
-        &|i| format!("source sentence {}", i + 1),
+        &len,
+        what,
         "shorten it",
     )
+}
+
+/// [`check_positions`] of teacher-forced references (after `<bos>`) against the decoder
+/// step, reference `i` named `what(i)`.
+pub fn check_references(
+    step: &dyn Exec,
+    refs: &[Vec<i32>],
+    what: &dyn Fn(usize) -> String,
+) -> Result<(), String> {
+    let len = |i: usize| refs[i].len() + 1;
+    check_positions(
+        step.graph(),
+        "tgt_len",
+        refs.len(),
+        &len,
+        what,
+        "shorten it",
+    )
+}
+
+fn nth_source(i: usize) -> String {
+    format!("source sentence {}", i + 1)
 }
 
 /// Checks that each of `n` sentences fits the positions `g` reads from a table along
@@ -374,17 +401,9 @@ pub fn score_ids(
             refs.len()
         )));
     }
-    check_sources(encode, srcs)
-        .and_then(|()| {
-            check_positions(
-                step.graph(),
-                "tgt_len",
-                refs.len(),
-                &|i| refs[i].len() + 1,
-                &|i| format!("reference {} (<bos> and its tokens)", i + 1),
-                "shorten it",
-            )
-        })
+    let nth_reference = |i: usize| format!("reference {} (<bos> and its tokens)", i + 1);
+    check_sources(encode, srcs, &nth_source)
+        .and_then(|()| check_references(step, refs, &nth_reference))
         .map_err(TranslateError::Invalid)?;
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));

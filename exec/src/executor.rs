@@ -362,6 +362,15 @@ pub enum How {
     SummedBy { product: usize },
 }
 
+/// The kernel graph's value of the graph output `name` (an internal error if it has none).
+pub(crate) fn program_output(
+    kg: &kiln_compiler::optimize::kernels::KernelGraph,
+    name: &str,
+) -> Result<usize, ExecError> {
+    kg.output(name)
+        .ok_or_else(|| ExecError::Unsupported(format!("no program output `{name}`")))
+}
+
 /// When an executor may hand back the buffers of a run's view copies (reshapes of
 /// non-contiguous views, which the memory plan does not place): per step, the copies
 /// whose last reader it is. `needs[v]` lists the copies value `v` reads through, `steps`

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dedup::Dedup;
 use crate::infer::infer_type;
+use crate::shape::Shape;
 
 mod op;
 mod transform;
@@ -267,6 +268,22 @@ impl Graph {
         };
         self.add(op, &[], "")
             .expect("a scalar constant is always well typed")
+    }
+
+    /// `x` broadcast to `shape`, or `x` itself when it has that shape already.
+    pub fn broadcast_to(
+        &mut self,
+        x: NodeId,
+        shape: &Shape,
+        scope: &str,
+    ) -> Result<NodeId, IrError> {
+        if self.ty(x).shape == *shape {
+            return Ok(x);
+        }
+        let op = Op::Broadcast {
+            shape: shape.clone(),
+        };
+        self.add(op, &[x], scope)
     }
 
     /// Adds a non-source op, inferring its type; returns an existing node for a repeat.

@@ -4,7 +4,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use kiln_decode::search::DecodeOptions;
-use kiln_decode::translate::{check_positions, decode_workers, score_ids, Batching};
+use kiln_decode::translate::{
+    check_references, check_sources, decode_workers, score_ids, Batching,
+};
 use kiln_dsl::Error;
 use kiln_exec::executor::ExecutorKind;
 
@@ -64,31 +66,17 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
         which.push(i);
     }
     // Named by line here; `score_ids` would name them by their place among the scored.
-    check_positions(
-        m.encode.graph(),
-        "src_len",
-        srcs.len(),
-        &|i| srcs[i].len(),
-        &|i| format!("`{}` line {}", a.src.display(), which[i] + 1),
-        "shorten it",
-    )
-    .and_then(|()| {
-        check_positions(
-            m.step.graph(),
-            "tgt_len",
-            refs.len(),
-            &|i| refs[i].len() + 1,
-            &|i| {
-                format!(
-                    "`{}` line {} (<bos> and its tokens)",
-                    a.reference.display(),
-                    which[i] + 1
-                )
-            },
-            "shorten it",
+    let src_line = |i: usize| format!("`{}` line {}", a.src.display(), which[i] + 1);
+    let ref_line = |i: usize| {
+        let line = which[i] + 1;
+        format!(
+            "`{}` line {line} (<bos> and its tokens)",
+            a.reference.display()
         )
-    })
-    .map_err(|e| plain("kiln::score", e, None))?;
+    };
+    check_sources(m.encode.as_ref(), &srcs, &src_line)
+        .and_then(|()| check_references(m.step.as_ref(), &refs, &ref_line))
+        .map_err(|e| plain("kiln::score", e, None))?;
     let started = std::time::Instant::now();
     let bar = progress_bar(srcs.len(), a.batching.sentences, "sentence pairs");
     let scores = with_progress(bar, |done| {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::tensor::Tensor;
 use kiln_decode::search::{DecodeOptions, EarlyStop, Hypothesis, LengthPenalty};
-use kiln_decode::translate::{check_positions, decode_workers, translate_nbest_ids, Batching};
+use kiln_decode::translate::{check_sources, decode_workers, translate_nbest_ids, Batching};
 use kiln_dsl::Error;
 use kiln_exec::artifact::{is_artifact_dir, Artifact};
 use kiln_exec::executor::{executor, Exec, ExecutorKind};
@@ -319,15 +319,9 @@ fn encode_lines(
             which.push(i);
         }
     }
-    check_positions(
-        m.encode.graph(),
-        "src_len",
-        srcs.len(),
-        &|i| srcs[i].len(),
-        &|i| format!("line {}", first_line + which[i] + 1),
-        "shorten it",
-    )
-    .map_err(|e| plain("kiln::translate", e, None))?;
+    let line = |i: usize| format!("line {}", first_line + which[i] + 1);
+    check_sources(m.encode.as_ref(), &srcs, &line)
+        .map_err(|e| plain("kiln::translate", e, None))?;
     Ok((srcs, which))
 }
 

@@ -80,6 +80,18 @@ impl Names {
         self.by_key.insert(key, name.clone());
         (name, true)
     }
+
+    /// The name for `key`, and the function `build(name)` makes when the key is new.
+    pub fn build<F>(
+        &mut self,
+        kind: &str,
+        key: String,
+        build: impl FnOnce(&str) -> Result<F, String>,
+    ) -> Result<(String, Option<F>), String> {
+        let (name, new) = self.name(kind, key);
+        let built = if new { Some(build(&name)?) } else { None };
+        Ok((name, built))
+    }
 }
 
 /// Builds functions on demand, sharing one per distinct key.
@@ -104,9 +116,8 @@ impl Emitter {
         key: String,
         build: impl FnOnce(&str) -> Result<Function, String>,
     ) -> Result<String, String> {
-        let (name, new) = self.names.name(kind, key);
-        if new {
-            let f = build(&name)?;
+        let (name, built) = self.names.build(kind, key, build)?;
+        if let Some(f) = built {
             self.code.functions.push((name.clone(), text(&f)));
         }
         Ok(name)

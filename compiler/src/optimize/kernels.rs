@@ -234,6 +234,14 @@ fn definition(eg: &EG, node: &KNode, args: Vec<usize>, kernels: &mut usize) -> R
 }
 
 impl KernelGraph {
+    /// The value of output `name`, if the graph has that output.
+    pub fn output(&self, name: &str) -> Option<usize> {
+        self.outputs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+    }
+
     /// Builds the kernel graph of the chosen e-nodes reachable from `roots`.
     #[allow(clippy::too_many_arguments)]
     pub fn build(

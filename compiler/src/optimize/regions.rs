@@ -117,19 +117,7 @@ impl Expr {
     ) -> Result<NodeId, IrError> {
         let shape = self.out.shape.clone();
         let mut v: Vec<NodeId> = Vec::with_capacity(self.insts.len());
-        let fit = |g: &mut Graph, x: NodeId| -> Result<NodeId, IrError> {
-            if g.ty(x).shape == shape {
-                Ok(x)
-            } else {
-                g.add(
-                    Op::Broadcast {
-                        shape: shape.clone(),
-                    },
-                    &[x],
-                    scope,
-                )
-            }
-        };
+        let fit = |g: &mut Graph, x: NodeId| g.broadcast_to(x, &shape, scope);
         for inst in &self.insts {
             let id = match inst {
                 Inst::In(k) => {

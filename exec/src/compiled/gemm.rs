@@ -15,6 +15,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::Loc;
+use crate::eager::value::Layout;
 use kiln_matmul::float16::{PackedRhs, Rhs};
 use kiln_matmul::{gemm_one, parallelism, ColumnSums, Epilogue, Kernel16, Mat, Member};
 
@@ -36,6 +37,23 @@ pub(crate) fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -
         }
     }
     out
+}
+
+/// Element offsets of every batch entry of `a` `[..., m, k]` and of `b` (`[..., k, n]`,
+/// or `[k, n]`: then the same matrix for every entry).
+pub(crate) fn entry_offsets(
+    sa: &[usize],
+    la: &Layout,
+    sb: &[usize],
+    lb: &Layout,
+) -> (Vec<usize>, Vec<usize>) {
+    let offs_a = batch_offsets(sa, &la.strides, la.offset);
+    let offs_b = if sb.len() == 2 {
+        vec![lb.offset; offs_a.len()]
+    } else {
+        batch_offsets(sb, &lb.strides, lb.offset)
+    };
+    (offs_a, offs_b)
 }
 
 /// The stride of one axis that `shape` (with `strides`) merges into, if any.
@@ -302,7 +320,7 @@ pub(crate) fn matmul(
     let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
     let batch: usize = sa[..ra - 2].iter().product();
     let (la, lb) = (&a.layout, &b.layout);
-    let mat = |l: &crate::eager::value::Layout, ptr: *mut u8, off: usize, r: usize| Mat {
+    let mat = |l: &Layout, ptr: *mut u8, off: usize, r: usize| Mat {
         ptr: (ptr as *const f32).wrapping_add(off),
         rs: l.strides[r - 2] as isize,
         cs: l.strides[r - 1] as isize,
@@ -332,12 +350,7 @@ pub(crate) fn matmul(
             return Ok(());
         }
     }
-    let offs_a = batch_offsets(sa, &la.strides, la.offset);
-    let offs_b = if rb == 2 {
-        vec![lb.offset; batch]
-    } else {
-        batch_offsets(sb, &lb.strides, lb.offset)
-    };
+    let (offs_a, offs_b) = entry_offsets(sa, la, sb, lb);
     let per = m * k * n;
     struct D(*mut f32);
     unsafe impl Send for D {}

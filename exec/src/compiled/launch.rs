@@ -440,7 +440,7 @@ pub(crate) fn run_step(
 /// `shape`, or `None` when the operand must be made contiguous first: the kernel was
 /// built for a unit innermost stride (`want_unit`) or a broadcast one (0). Shared by the
 /// CPU and CUDA executors.
-pub(crate) fn region_operand(
+fn region_operand(
     layout: &Layout,
     shape: &[usize],
     want_unit: bool,
@@ -455,6 +455,36 @@ pub(crate) fn region_operand(
     } else {
         Err("internal: a broadcast region input is not broadcast".into())
     }
+}
+
+/// The address and element strides of each region operand over the output `shape`: read
+/// through its own strides where the kernel was built for them (`inner`, see
+/// [`region_operand`]), else through the contiguous copy `contig` makes; `at(l, offset)`
+/// is the address of element `offset` of `l`. Shared by the CPU and CUDA executors.
+pub(crate) fn region_operands<L: Clone, P>(
+    ins: &[&L],
+    shape: &[usize],
+    inner: &[bool],
+    layout: impl Fn(&L) -> &Layout,
+    mut contig: impl FnMut(&L) -> Result<L, String>,
+    at: impl Fn(&L, usize) -> P,
+) -> Result<(Vec<P>, Vec<Vec<isize>>), String> {
+    let mut ptrs = Vec::with_capacity(ins.len() + 1);
+    let mut strides = Vec::with_capacity(ins.len());
+    for (k, &l) in ins.iter().enumerate() {
+        let want_unit = inner.get(k).copied().unwrap_or(true);
+        let (l, b) = match region_operand(layout(l), shape, want_unit)? {
+            Some(b) => (l.clone(), b),
+            None => {
+                let c = contig(l)?;
+                let b = layout(&c).broadcast(shape);
+                (c, b)
+            }
+        };
+        ptrs.push(at(&l, b.offset));
+        strides.push(b.strides.iter().map(|&s| s as isize).collect());
+    }
+    Ok((ptrs, strides))
 }
 
 /// The padding id of `xent_ls` kernel `%v` from its attributes.

@@ -251,12 +251,7 @@ impl Compiled {
                 ));
                 continue;
             }
-            let (_, v) = self
-                .kg
-                .outputs
-                .iter()
-                .find(|(n, _)| n == &o.name)
-                .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
+            let v = &crate::executor::program_output(&self.kg, &o.name)?;
             materialize(self.copy, &needs[*v], copies, locs, keep);
             out.push((o.name.clone(), to_tensor_into(&locs[*v][0], spare)));
         }

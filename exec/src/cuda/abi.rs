@@ -17,7 +17,7 @@ use kiln_compiler::codegen::misc::{self, ReduceLayout};
 use kiln_compiler::codegen::{region, rows};
 use kiln_compiler::optimize::regions::Expr;
 
-use crate::compiled::gemm::{batch_offsets, merged_stride};
+use crate::compiled::gemm::{entry_offsets, merged_stride};
 use crate::eager::value::Layout;
 
 /// The `kiln_dims` struct of the prelude: `long long d[KILN_MAX_DIMS]`, passed by value.
@@ -359,12 +359,7 @@ pub(crate) fn plan_matmul(a: &Layout, b: &Layout) -> Result<MatmulPlan, Result<N
         cs: a.strides[ra - 1],
     };
     let gemm = sgemm_args((m, k, n), &adesc, &bdesc, n)?;
-    let a_offsets = batch_offsets(sa, &a.strides, a.offset);
-    let b_offsets = if rb == 2 {
-        vec![b.offset; batch]
-    } else {
-        batch_offsets(sb, &b.strides, b.offset)
-    };
+    let (a_offsets, b_offsets) = entry_offsets(sa, a, sb, b);
     let strided = match (even_stride(&a_offsets), even_stride(&b_offsets)) {
         (Some(x), Some(y)) if batch > 1 => Some((x, y)),
         _ => None,

@@ -20,6 +20,7 @@ use rayon::prelude::*;
 
 use super::pool::Pool;
 use super::value::{Elem, View};
+use crate::compiled::gemm::{entry_offsets, merged_stride};
 
 /// Products with fewer multiply-adds than this run single-threaded.
 const GEMM_PAR_MIN: usize = 1 << 16;
@@ -102,28 +103,6 @@ fn parallelism(work: usize) -> Parallelism {
     }
 }
 
-/// Storage offsets of every batch entry of a view whose last two axes are the matrix.
-fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
-    let r = shape.len() - 2;
-    let count: usize = shape[..r].iter().product();
-    let mut out = Vec::with_capacity(count);
-    let mut idx = vec![0usize; r];
-    let mut off = offset;
-    for _ in 0..count {
-        out.push(off);
-        for d in (0..r).rev() {
-            idx[d] += 1;
-            off += strides[d];
-            if idx[d] < shape[d] {
-                break;
-            }
-            off -= strides[d] * shape[d];
-            idx[d] = 0;
-        }
-    }
-    out
-}
-
 /// The product of `a` `[..., m, k]` and `b` (`[..., k, n]` or `[k, n]`), row-major.
 pub(crate) fn matmul(
     pool: Option<&Pool>,
@@ -159,7 +138,7 @@ pub(crate) fn matmul(
 
     if rb == 2 {
         // One GEMM when the batch and row axes of `a` merge into one row axis.
-        if let Some(rs) = merged_row_stride(&sa[..ra - 1], &la.strides[..ra - 1]) {
+        if let Some(rs) = merged_stride(&sa[..ra - 1], &la.strides[..ra - 1]) {
             let lhs = Mat {
                 offset: la.offset,
                 rs,
@@ -178,12 +157,7 @@ pub(crate) fn matmul(
             .map(|()| out);
         }
     }
-    let offs_a = batch_offsets(sa, &la.strides, la.offset);
-    let offs_b = if rb == 2 {
-        vec![lb.offset; batch]
-    } else {
-        batch_offsets(sb, &lb.strides, lb.offset)
-    };
+    let (offs_a, offs_b) = entry_offsets(sa, la, sb, lb);
     let per = m * k * n;
     let one = |(i, dst): (usize, &mut [f32]), par: Parallelism| {
         gemm_into(
@@ -206,21 +180,4 @@ pub(crate) fn matmul(
         }
     }
     Ok(out)
-}
-
-/// The stride of the single axis `shape` merges into, if its axes are evenly spaced
-/// (each axis's stride is the next one's times the next size; size-1 axes are free).
-fn merged_row_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
-    let mut inner: Option<(usize, usize)> = None; // (stride, size) of the axis below
-    for (&d, &s) in shape.iter().zip(strides).rev() {
-        if d == 1 {
-            continue;
-        }
-        match inner {
-            None => inner = Some((s, d)),
-            Some((is, isz)) if s == is * isz => inner = Some((is, isz * d)),
-            Some(_) => return None,
-        }
-    }
-    Some(inner.map_or(0, |(s, _)| s))
 }

@@ -43,13 +43,7 @@ pub(crate) fn words(e: Elem) -> &'static str {
 }
 
 fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
-    CudaFunction {
-        name: name.to_string(),
-        params,
-        work,
-        items_rule: items.to_string(),
-        text: w.finish(),
-    }
+    CudaFunction::new(name, params, work, items, w)
 }
 
 /// One Adam step per element, the CPU kernel's op order:

@@ -152,6 +152,19 @@ pub struct CudaFunction {
     pub text: String,
 }
 
+impl CudaFunction {
+    /// The function `name` whose text `w` holds; `items` says what its `items` counts.
+    pub(crate) fn new(name: &str, params: Vec<Param>, work: Work, items: &str, w: text::W) -> Self {
+        CudaFunction {
+            name: name.to_string(),
+            params,
+            work,
+            items_rule: items.to_string(),
+            text: w.finish(),
+        }
+    }
+}
+
 /// A kernel that runs a library routine rather than (only) generated code.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Library {

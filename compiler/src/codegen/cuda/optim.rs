@@ -104,13 +104,7 @@ pub const ADAM_CONSTANTS: [&str; 8] = [
 ];
 
 fn function(name: &str, params: Vec<Param>, w: W) -> CudaFunction {
-    CudaFunction {
-        name: name.to_string(),
-        params,
-        work: Work::Threads,
-        items_rule: "elements n".to_string(),
-        text: w.finish(),
-    }
+    CudaFunction::new(name, params, Work::Threads, "elements n", w)
 }
 
 /// The gradient's element `i` into its accumulator (`acc`, weight `k_w`), flagging `bad`.

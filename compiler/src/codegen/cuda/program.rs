@@ -41,11 +41,8 @@ impl Emitter {
         key: String,
         build: impl FnOnce(&str) -> Result<CudaFunction, String>,
     ) -> Result<String, String> {
-        let (name, new) = self.names.name(kind, key);
-        if new {
-            let f = build(&name)?;
-            self.functions.push(f);
-        }
+        let (name, built) = self.names.build(kind, key, build)?;
+        self.functions.extend(built);
         Ok(name)
     }
 

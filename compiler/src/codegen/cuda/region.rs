@@ -374,13 +374,8 @@ pub fn region_as(
     loops.scalar_group(&mut w);
     w.close();
     w.close();
-    Ok(CudaFunction {
-        name: name.to_string(),
-        params,
-        work: Work::Quads,
-        items_rule: "elements R·C of the output, four per thread".into(),
-        text: w.finish(),
-    })
+    let items = "elements R·C of the output, four per thread";
+    Ok(CudaFunction::new(name, params, Work::Quads, items, w))
 }
 
 /// What the element loops of a region kernel are written from.

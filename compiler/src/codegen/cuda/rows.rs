@@ -39,13 +39,7 @@ pub use layer_norm_bwd::*;
 pub use xent::*;
 
 fn function(name: &str, params: Vec<Param>, work: Work, items: &str, w: W) -> CudaFunction {
-    CudaFunction {
-        name: name.to_string(),
-        params,
-        work,
-        items_rule: items.to_string(),
-        text: w.finish(),
-    }
+    CudaFunction::new(name, params, work, items, w)
 }
 
 /// Opens a row kernel: signature, shared scratch, the loop over rows `r`.

@@ -179,21 +179,14 @@ fn region_kernel(
     let out = &outs[0];
     let shape = out.shape().to_vec();
     let c = shape.last().copied().unwrap_or(1);
-    let mut ptrs = Vec::with_capacity(ins.len() + 1);
-    let mut strides = Vec::with_capacity(ins.len());
-    for (k, l) in ins.iter().enumerate() {
-        let want_unit = inner.get(k).copied().unwrap_or(true);
-        let mut l = (*l).clone();
-        let b = match region_operand(&l.layout, &shape, want_unit)? {
-            Some(b) => b,
-            None => {
-                l = contig(&l, keep)?;
-                l.layout.broadcast(&shape)
-            }
-        };
-        ptrs.push(l.ptr.wrapping_add(4 * b.offset));
-        strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
-    }
+    let (mut ptrs, strides) = region_operands(
+        ins,
+        &shape,
+        inner,
+        |l: &Loc| &l.layout,
+        |l| contig(l, keep),
+        |l, offset| l.ptr.wrapping_add(4 * offset),
+    )?;
     ptrs.push(out.base());
     let (dims, items) = region::region_dims(expr, &shape, &strides, ctx.seed, ctx.step);
     call(*f, &ptrs, &dims, items, grain(c));

@@ -52,12 +52,7 @@ impl CudaExecutor {
             ..Grads::default()
         };
         for o in &self.graph.outputs {
-            let (_, v) = self
-                .kg
-                .outputs
-                .iter()
-                .find(|(n, _)| n == &o.name)
-                .ok_or_else(|| ExecError::Unsupported(format!("no program output `{}`", o.name)))?;
+            let v = &crate::executor::program_output(&self.kg, &o.name)?;
             r.materialize(&p.needs[*v], p.copies, p.locs)
                 .map_err(dev_err)?;
             let trained = training.and_then(|(t, mb)| {

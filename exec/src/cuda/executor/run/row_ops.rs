@@ -4,7 +4,7 @@
 use kiln_compiler::codegen::rows;
 use kiln_compiler::optimize::regions::Expr;
 
-use crate::compiled::launch::region_operand;
+use crate::compiled::launch::region_operands;
 use crate::cuda::abi::Launch;
 
 use super::*;
@@ -21,21 +21,14 @@ impl Run<'_> {
         out: &DLoc,
     ) -> Result<(), String> {
         let shape = out.shape().to_vec();
-        let mut ptrs = Vec::with_capacity(ins.len() + 1);
-        let mut strides = Vec::with_capacity(ins.len());
-        for (k, l) in ins.iter().enumerate() {
-            let want_unit = inner.get(k).copied().unwrap_or(true);
-            let mut l = (*l).clone();
-            let b = match region_operand(&l.layout, &shape, want_unit)? {
-                Some(b) => b,
-                None => {
-                    l = self.contig(&l)?;
-                    l.layout.broadcast(&shape)
-                }
-            };
-            ptrs.push(l.at(b.offset));
-            strides.push(b.strides.iter().map(|&s| s as isize).collect::<Vec<_>>());
-        }
+        let (mut ptrs, strides) = region_operands(
+            ins,
+            &shape,
+            inner,
+            |l: &DLoc| &l.layout,
+            |l| self.contig(l),
+            |l, offset| l.at(offset),
+        )?;
         ptrs.push(out.base());
         let launch = Launch::region(expr, &shape, &strides, self.seed, self.step);
         self.launch(f, &ptrs, launch)
