@@ -487,6 +487,32 @@ pub(crate) fn region_operands<L: Clone, P>(
     Ok((ptrs, strides))
 }
 
+/// The buffers of a row kernel, in its parameters' order: the first `contiguous` inputs
+/// made contiguous (`contig`), the other inputs as they are, then `outs`; with the first
+/// input's contiguous location, whose shape sets the rows. Shared by the CPU and CUDA
+/// executors.
+pub(crate) fn row_buffers<L: Clone, P>(
+    (ins, outs): (&[&L], &[L]),
+    contiguous: usize,
+    mut contig: impl FnMut(&L) -> Result<L, String>,
+    base: impl Fn(&L) -> P,
+) -> Result<(Vec<P>, L), String> {
+    let mut ptrs = Vec::with_capacity(ins.len() + outs.len() + 1);
+    let mut first = None;
+    for (k, &l) in ins.iter().enumerate() {
+        if k < contiguous {
+            let c = contig(l)?;
+            ptrs.push(base(&c));
+            first.get_or_insert(c);
+        } else {
+            ptrs.push(base(l));
+        }
+    }
+    ptrs.extend(outs.iter().map(&base));
+    let first = first.ok_or("internal: a row kernel without a contiguous input")?;
+    Ok((ptrs, first))
+}
+
 /// The padding id of `xent_ls` kernel `%v` from its attributes.
 pub(crate) fn xent_pad(v: usize, attrs: &[Attr]) -> Result<i64, String> {
     match attrs.first() {

@@ -201,22 +201,11 @@ fn scale_mask_softmax(
     keep: &mut Keep,
     (f, mask): (&KernelFn, &MaskKind),
 ) -> Result<(), String> {
-    let contig = |l: &Loc, keep: &mut Keep| contiguous(ctx.copy, l, keep);
-    let x = contig(ins[0], keep)?;
+    let contig = |l: &Loc| contiguous(ctx.copy, l, keep);
+    let masked = usize::from(*mask != MaskKind::None);
+    let (ptrs, x) = row_buffers((ins, &outs[..1]), 1 + masked, contig, Loc::base)?;
     let s = x.shape().to_vec();
     let (dims, items) = rows::scale_mask_softmax_dims(s[0], s[1], s[2], s[3]);
-    let ptrs = if *mask == MaskKind::None {
-        vec![x.base(), ins[1].base(), outs[0].base()]
-    } else {
-        let m = contig(ins[1], keep)?;
-        vec![
-            x.base(),
-            m.base(),
-            ins[2].base(),
-            ins[3].base(),
-            outs[0].base(),
-        ]
-    };
     call(*f, &ptrs, &dims, items, grain(s[3]));
     Ok(())
 }
@@ -229,28 +218,11 @@ fn add_layer_norm(
     keep: &mut Keep,
     f: &KernelFn,
 ) -> Result<(), String> {
-    let contig = |l: &Loc, keep: &mut Keep| contiguous(ctx.copy, l, keep);
-    let x = contig(ins[0], keep)?;
-    let y = contig(ins[1], keep)?;
-    let g = contig(ins[2], keep)?;
-    let b = contig(ins[3], keep)?;
+    let contig = |l: &Loc| contiguous(ctx.copy, l, keep);
+    let (ptrs, x) = row_buffers((ins, &outs[..1]), 4, contig, Loc::base)?;
     let d = last(&x);
     let (dims, items) = rows::add_layer_norm_dims(x.numel() / d.max(1), d);
-    call(
-        *f,
-        &[
-            x.base(),
-            y.base(),
-            g.base(),
-            b.base(),
-            ins[4].base(),
-            ins[5].base(),
-            outs[0].base(),
-        ],
-        &dims,
-        items,
-        grain(d),
-    );
+    call(*f, &ptrs, &dims, items, grain(d));
     Ok(())
 }
 
@@ -263,31 +235,15 @@ fn add_layer_norm_bwd(
     keep: &mut Keep,
     (main, finish): (&KernelFn, &KernelFn),
 ) -> Result<(), String> {
-    let contig = |l: &Loc, keep: &mut Keep| contiguous(ctx.copy, l, keep);
-    let x = contig(ins[0], keep)?;
-    let y = contig(ins[1], keep)?;
-    let g = contig(ins[2], keep)?;
-    let dy = contig(ins[3], keep)?;
+    let contig = |l: &Loc| contiguous(ctx.copy, l, keep);
+    let (mut ptrs, x) = row_buffers((ins, &outs[..1]), 4, contig, Loc::base)?;
     let d = last(&x);
     let rows_n = x.numel() / d.max(1);
     let scratch = keep.alloc(rows::add_layer_norm_bwd_scratch(rows_n, d));
+    ptrs.push(scratch);
     let (dims, items) = rows::add_layer_norm_bwd_dims(rows_n, d);
-    call(
-        *main,
-        &[
-            x.base(),
-            y.base(),
-            g.base(),
-            dy.base(),
-            ins[4].base(),
-            ins[5].base(),
-            outs[0].base(),
-            scratch,
-        ],
-        &dims,
-        items,
-        (grain(d) / rows::LN_BWD_BLOCK).max(1),
-    );
+    let grain_rows = (grain(d) / rows::LN_BWD_BLOCK).max(1);
+    call(*main, &ptrs, &dims, items, grain_rows);
     let (dims, items) = rows::add_layer_norm_bwd_finish_dims(rows_n, d);
     // RMSNorm's kernel has no dβ output: its partials are summed into scratch.
     let dbeta = match outs.get(2) {

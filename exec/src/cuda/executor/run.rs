@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::compiled::launch::row_buffers;
 use kiln_compiler::bind::Source;
 use kiln_compiler::codegen::cuda::cast;
 use kiln_compiler::codegen::cuda::index;
@@ -289,21 +290,11 @@ impl Run<'_> {
                 self.launch(f, &[x.base(), outs[0].base()], l)
             }
             StepExec::ScaleMaskSoftmax(f, mask) => {
-                let x = self.contig(ins[0])?;
+                let masked = usize::from(*mask != MaskKind::None);
+                let contig = |l: &DLoc| self.contig(l);
+                let (ptrs, x) = row_buffers((ins, &outs[..1]), 1 + masked, contig, DLoc::base)?;
                 let s = x.shape().to_vec();
                 let l = Launch::same(rows::scale_mask_softmax_dims(s[0], s[1], s[2], s[3]));
-                let ptrs = if *mask == MaskKind::None {
-                    vec![x.base(), ins[1].base(), outs[0].base()]
-                } else {
-                    let m = self.contig(ins[1])?;
-                    vec![
-                        x.base(),
-                        m.base(),
-                        ins[2].base(),
-                        ins[3].base(),
-                        outs[0].base(),
-                    ]
-                };
                 self.launch(f, &ptrs, l)
             }
             StepExec::Attention {

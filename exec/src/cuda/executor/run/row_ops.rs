@@ -4,7 +4,7 @@
 use kiln_compiler::codegen::rows;
 use kiln_compiler::optimize::regions::Expr;
 
-use crate::compiled::launch::region_operands;
+use crate::compiled::launch::{region_operands, row_buffers};
 use crate::cuda::abi::Launch;
 
 use super::*;
@@ -41,21 +41,11 @@ impl Run<'_> {
         ins: &[&DLoc],
         out: &DLoc,
     ) -> Result<(), String> {
-        let x = self.contig(ins[0])?;
-        let y = self.contig(ins[1])?;
-        let g = self.contig(ins[2])?;
-        let b = self.contig(ins[3])?;
+        let contig = |l: &DLoc| self.contig(l);
+        let outs = std::slice::from_ref(out);
+        let (ptrs, x) = row_buffers((ins, outs), 4, contig, DLoc::base)?;
         let d = x.last();
         let l = Launch::same(rows::add_layer_norm_dims(x.numel() / d.max(1), d));
-        let ptrs = [
-            x.base(),
-            y.base(),
-            g.base(),
-            b.base(),
-            ins[4].base(),
-            ins[5].base(),
-            out.base(),
-        ];
         self.launch(f, &ptrs, l)
     }
 
@@ -68,23 +58,12 @@ impl Run<'_> {
         ins: &[&DLoc],
         outs: &[DLoc],
     ) -> Result<(), String> {
-        let x = self.contig(ins[0])?;
-        let y = self.contig(ins[1])?;
-        let g = self.contig(ins[2])?;
-        let dy = self.contig(ins[3])?;
+        let contig = |l: &DLoc| self.contig(l);
+        let (mut ptrs, x) = row_buffers((ins, &outs[..1]), 4, contig, DLoc::base)?;
         let d = x.last();
         let rows_n = x.numel() / d.max(1);
         let scratch = self.alloc(rows::add_layer_norm_bwd_scratch(rows_n, d))?;
-        let ptrs = [
-            x.base(),
-            y.base(),
-            g.base(),
-            dy.base(),
-            ins[4].base(),
-            ins[5].base(),
-            outs[0].base(),
-            scratch,
-        ];
+        ptrs.push(scratch);
         self.launch(
             main,
             &ptrs,
