@@ -27,11 +27,11 @@
 //! (`blockDim.x` a multiple of 32; the executors launch [`super::text::THREADS`]).
 
 use crate::codegen::cuda::attention::{
-    at, function, head, lines, masked_out, open_tiles, params, score_store, store_rows, tile,
-    Index2, Part, Store,
+    arrays, at, begin, bytes, function, lines, masked_out, online_softmax, open_tiles, score_store,
+    softmax_and_d, store_rows, tile, word_pitch, Cores, Index2, Part, Store,
 };
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
-use crate::codegen::cuda::{signature, CudaFunction, FOR_BLOCKS};
+use crate::codegen::cuda::{CudaFunction, Param, FOR_BLOCKS};
 use crate::codegen::rows::MaskKind;
 
 /// Whether the tensor-core kernels take heads `dk`, `dv`: both multiples of 16, and the
@@ -42,29 +42,9 @@ pub fn fits(part: Part, dk: usize, dv: usize) -> bool {
         && tile(part, dk, dv).is_some_and(|t| t.is_multiple_of(16))
 }
 
-/// Words a row of `d` bf16 takes in shared memory: `d/2` pairs and 4 of padding.
-fn pitch(d: usize) -> usize {
-    d / 2 + 4
-}
-
 /// Shared memory of the tensor-core kernel for `part`, in bytes.
 pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
-    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
-    let words = match part {
-        // qs, ks, vs, ps; ss, os, m/l/alpha
-        Part::Forward => 2 * t * pk + t * pv + t * pp + t * (t + 1) + t * dv + 3 * t,
-        // qs, ks, vs, gs, pw, dw; ps, dss, D
-        Part::Short => 2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t,
-        // qs, ks, vs, gs, ps, dw; ss, dss, os, m/l/alpha/D
-        Part::BackwardQ => {
-            2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t * dk.max(dv) + 4 * t
-        }
-        // ks, qs, vs, gs, pw, dw; ps, dss, dks, dvs, st
-        Part::BackwardKv => {
-            2 * t * pk + 2 * t * pv + 2 * t * pp + 2 * t * (t + 1) + t * dk + t * dv + 3 * t
-        }
-    };
-    4 * words
+    bytes(t, &arrays(Cores::Tensor, part, t, (dk, dv)))
 }
 
 /// A C expression of the bf16 pair `(M[row][k], M[row][k + 1])` (`k` even) of a matrix
@@ -84,13 +64,12 @@ fn across(s: &str, pitch: usize) -> impl Fn(&str, &str) -> String + '_ {
 }
 
 /// A product over shared tiles on tensor cores: `acc(i, c) = init(i, c) + Σ_k A[i][k]·B[k][c]`
-/// for `i < 16·m`, `c < 8·n`, `k < 16·steps` (the tiles zero past their rows). `a(i, k)`
-/// gives A's pair at `(i, k)`, `k + 1`; `b(k, c)` B's at `(k, c)`, `(k + 1, c)`;
-/// `store(i, c, acc)` a statement, run for every output (the caller bounds it).
+/// for `i < rows`, `c < cols`, `k < depth` (`shape`: multiples of 16, 8 and 16; the tiles
+/// zero past their rows). `a(i, k)` gives A's pair at `(i, k)`, `k + 1`; `b(k, c)` B's at
+/// `(k, c)`, `(k + 1, c)`; `store(i, c, acc)` a statement, run for every output (the
+/// caller bounds it).
 struct Tc<'a> {
-    m: usize,
-    n: usize,
-    steps: usize,
+    shape: (usize, usize, usize),
     a: &'a Index2<'a>,
     b: &'a Index2<'a>,
     init: Option<&'a Index2<'a>>,
@@ -98,7 +77,9 @@ struct Tc<'a> {
 }
 
 fn tc_product(w: &mut W, p: &Tc<'_>) {
-    let tiles = p.m * p.n;
+    let (rows, cols, depth) = p.shape;
+    let (n, steps) = (cols / 8, depth / 16);
+    let tiles = rows / 16 * n;
     w.open("");
     w.open(format!(
         "for (int it = 0; it < ({tiles} + nw - 1) / nw; ++it)"
@@ -106,8 +87,7 @@ fn tc_product(w: &mut W, p: &Tc<'_>) {
     w.l("const int tl = warp + it * nw;");
     w.l(format!("const bool on = tl < {tiles};"));
     w.l(format!(
-        "const int mt = on ? tl / {n} : 0, nn = on ? tl % {n} : 0;",
-        n = p.n
+        "const int mt = on ? tl / {n} : 0, nn = on ? tl % {n} : 0;"
     ));
     w.l("const int ra = mt * 16 + fg, rb = ra + 8, ca = nn * 8 + 2 * ft, cb = ca + 1, nb = nn * 8 + fg;");
     w.l("(void)rb; (void)cb;");
@@ -121,7 +101,7 @@ fn tc_product(w: &mut W, p: &Tc<'_>) {
         )),
         None => w.l("float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};"),
     }
-    w.open(format!("for (int s = 0; s < {}; ++s)", p.steps));
+    w.open(format!("for (int s = 0; s < {steps}; ++s)"));
     w.l("const int kk0 = s * 16 + 2 * ft, kk1 = kk0 + 8;");
     w.l(format!(
         "kiln_mma(c, {}, {}, {}, {}, {}, {});",
@@ -150,7 +130,7 @@ fn tc_product(w: &mut W, p: &Tc<'_>) {
 /// Copies `n` rows (the rest of the tile zero) of the `[.., t, d]` operand `x` (head
 /// pointer `xh`, strides `xst`, `xsd`, pair loads when `xw`) into the shared words `dst`.
 fn stage(w: &mut W, dst: &str, x: &str, d: usize, row0: &str, n: &str) {
-    let (half, pw) = (d / 2, pitch(d));
+    let (half, pw) = (d / 2, word_pitch(d));
     w.open(format!("for (int e = tid; e < T * {half}; e += nt)"));
     w.l(format!(
         "const int i = e / {half}, cw = e % {half}, c = 2 * cw;"
@@ -177,22 +157,11 @@ fn tc_head(w: &mut W, operands: &[&str]) {
     }
 }
 
-/// Declares `T` and the shared arrays (`unsigned` words, then `float`s).
-fn arrays(w: &mut W, t: usize, words: &[(&str, String)], floats: &[(&str, String)]) {
-    w.l(format!("enum {{ T = {t} }};"));
-    for (n, size) in words {
-        w.l(format!("__shared__ unsigned {n}[{size}];"));
-    }
-    for (n, size) in floats {
-        w.l(format!("__shared__ float {n}[{size}];"));
-    }
-}
-
 /// The forward pass over all key tiles for the query tile at `q0` (`nq` rows, staged in
 /// `qs`): leaves the unnormalized output in `os` (`T × dv`), the running max in `ms` and
 /// sum in `ls` (`ks`, `vs`, `ss`, `ps`, `as_` its scratch).
 fn sweep(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize) {
-    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
+    let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     lines(
         w,
         &format!(
@@ -212,9 +181,7 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f
     tc_product(
         w,
         &Tc {
-            m: t / 16,
-            n: t / 8,
-            steps: dk / 16,
+            shape: (t, t, dk),
             a: &along("qs", pk),
             b: &|k, j| along("ks", pk)(j, k),
             init: None,
@@ -222,30 +189,7 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f
         },
     );
     w.l("__syncthreads();");
-    lines(
-        w,
-        "// The online softmax's update, a warp per row, its lanes over the keys (every warp
-// runs the same rows loop).
-for (int i0 = 0; i0 < T; i0 += nw) {
-    const int i = i0 + warp;
-    const bool live = i < nq;
-    float* sr = ss + (live ? i : 0) * (T + 1);
-    const float m0 = live ? ms[i] : 0.0f;
-    float mx = m0;
-    if (live) for (int j = lane; j < nk; j += 32) mx = kiln_max_ref(mx, sr[j]);
-    mx = kiln_warp_max(mx);
-    float z = 0.0f;
-    if (live) for (int j = lane; j < nk; j += 32) { const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }
-    z = kiln_warp_sum(z);
-    if (live && lane == 0) {
-        const float al = m0 == mx ? 1.0f : expf(m0 - mx);
-        ls[i] = ls[i] * al + z;
-        ms[i] = mx;
-        as_[i] = al;
-    }
-}
-__syncthreads();",
-    );
+    online_softmax(w, "32", "");
     w.l("// The probabilities as bf16 pairs (0 outside the head).");
     w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
     w.l(format!(
@@ -261,9 +205,7 @@ __syncthreads();",
     tc_product(
         w,
         &Tc {
-            m: t / 16,
-            n: dv / 8,
-            steps: t / 16,
+            shape: (t, dv, t),
             a: &along("ps", pp),
             b: &across("vs", pv),
             init: Some(&|i, c| format!("os[{i} * {dv} + {c}] * as_[{i}]")),
@@ -274,37 +216,34 @@ __syncthreads();",
     w.l("__syncthreads();");
 }
 
+/// The opening of `part`'s tensor-core kernel ([`begin`], then [`tc_head`] for its
+/// operands); the caller checks [`fits`].
+fn tc_begin(
+    name: &str,
+    what: &str,
+    (part, mask): (Part, MaskKind),
+    (dk, dv): (usize, usize),
+) -> (usize, Vec<Param>, W) {
+    assert!(fits(part, dk, dv), "tensor-core heads");
+    let cores = (Cores::Tensor, part, mask, Elem::Bf16);
+    let (t, ps, mut w) = begin((name, what), cores, (dk, dv));
+    let operands: &[&str] = match part {
+        Part::Forward => &["q", "k", "v"],
+        _ => &["q", "k", "v", "g"],
+    };
+    tc_head(&mut w, operands);
+    (t, ps, w)
+}
+
 /// The tensor-core forward (see the module documentation); the caller checks [`fits`].
 pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
-    let t = tile(Part::Forward, dk, dv).expect("head sizes checked by the caller");
-    assert!(fits(Part::Forward, dk, dv), "tensor-core heads");
     let e = Elem::Bf16;
-    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
-    let ps = params(Part::Forward, mask, e);
-    let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention forward on tensor cores, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
-    ));
-    arrays(
-        &mut w,
-        t,
-        &[
-            ("qs", format!("T * {pk}")),
-            ("ks", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("ps", format!("T * {pp}")),
-        ],
-        &[
-            ("ss", "T * (T + 1)".into()),
-            ("os", format!("T * {dv}")),
-            ("ms", "T".into()),
-            ("ls", "T".into()),
-            ("as_", "T".into()),
-        ],
+    let (t, ps, mut w) = tc_begin(
+        name,
+        "forward on tensor cores",
+        (Part::Forward, mask),
+        (dk, dv),
     );
-    head(&mut w, Part::Forward, mask);
-    tc_head(&mut w, &["q", "k", "v"]);
     open_tiles(&mut w, e, Part::Forward, "tq");
     w.l("const long long q0 = r0;");
     w.l("const int nq = n0;");
@@ -312,43 +251,20 @@ pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction
     stage(&mut w, "qs", "q", dk, "q0", "nq");
     sweep(&mut w, mask, t, dk, dv);
     store_rows(&mut w, e, ("out", "q0", "nq"), dv, "os[e] / ls[i]");
-    w.close();
-    w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉ (tensor cores)"), w)
 }
 
 /// The tensor-core backward of one head in one block (see the module documentation); the
 /// caller checks [`fits`] for `Part::Short` and that the lengths fit the tile.
 pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
-    let t = tile(Part::Short, dk, dv).expect("head sizes checked by the caller");
-    assert!(fits(Part::Short, dk, dv), "tensor-core heads");
     let e = Elem::Bf16;
-    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
-    let ps = params(Part::Short, mask, e);
-    let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention backward on tensor cores, one block per head, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
-    ));
-    arrays(
-        &mut w,
-        t,
-        &[
-            ("qs", format!("T * {pk}")),
-            ("ks", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("gs", format!("T * {pv}")),
-            ("pw", format!("T * {pp}")),
-            ("dw", format!("T * {pp}")),
-        ],
-        &[
-            ("ps", "T * (T + 1)".into()),
-            ("dss", "T * (T + 1)".into()),
-            ("ds", "T".into()),
-        ],
+    let (t, ps, mut w) = tc_begin(
+        name,
+        "backward on tensor cores, one block per head",
+        (Part::Short, mask),
+        (dk, dv),
     );
-    head(&mut w, Part::Short, mask);
-    tc_head(&mut w, &["q", "k", "v", "g"]);
+    let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     w.l("const int nq = (int)tq, nk = (int)tk;");
     w.l("const long long q0 = 0, k0 = 0;");
     w.open(FOR_BLOCKS);
@@ -370,31 +286,7 @@ const kiln_bf16* gh = g + bi * gsb + hi * gsh;",
     w.l("// s = q·kᵀ (masked, scaled) and dp = g·vᵀ, 0 outside the head.");
     scores_and_dp(&mut w, mask, t, dk, dv, ("ps", "dss"));
     w.l("__syncthreads();");
-    lines(
-        &mut w,
-        &format!(
-            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys
-// (every warp runs the same rows loop).
-for (int i0 = 0; i0 < T; i0 += nw) {{
-    const int i = i0 + warp;
-    const bool live = i < nq;
-    float* pr = ps + (live ? i : 0) * (T + 1);
-    const float* dpr = dss + (live ? i : 0) * (T + 1);
-    float mx = {ninf};
-    if (live) for (int j = lane; j < nk; j += 32) mx = kiln_max_ref(mx, pr[j]);
-    mx = kiln_warp_max(mx);
-    float z = 0.0f;
-    if (live) for (int j = lane; j < nk; j += 32) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
-    z = kiln_warp_sum(z);
-    float d = 0.0f;
-    if (live) for (int j = lane; j < nk; j += 32) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
-    d = kiln_warp_sum(d);
-    if (live && lane == 0) ds[i] = d;
-}}
-__syncthreads();",
-            ninf = f32_lit(f32::NEG_INFINITY)
-        ),
-    );
+    softmax_and_d(&mut w, "32");
     w.l("// p and ds = p·(dp − D)·scale as bf16 pairs, 0 where masked and outside the head.");
     pair_words(
         &mut w,
@@ -430,9 +322,7 @@ __syncthreads();",
         tc_product(
             &mut w,
             &Tc {
-                m: t / 16,
-                n: d / 8,
-                steps: t / 16,
+                shape: (t, d, t),
                 a,
                 b,
                 init: None,
@@ -440,8 +330,6 @@ __syncthreads();",
             },
         );
     }
-    w.close();
-    w.close();
     function(name, ps, "heads b·h (tensor cores)", w)
 }
 
@@ -455,7 +343,7 @@ fn pair_words(
     (p, dp, d): (&str, &str, &str),
     pw: Option<&str>,
 ) {
-    let pp = pitch(t);
+    let pp = word_pitch(t);
     w.open(format!("for (int e = tid; e < T * {}; e += nt)", t / 2));
     w.l(format!("const int i = e / {h}, jw = e % {h};", h = t / 2));
     w.l("unsigned pv2 = 0u, dv2 = 0u;");
@@ -486,14 +374,12 @@ fn pair_words(
 /// `s = q·kᵀ` (masked, scaled) into `s` and `dp = g·vᵀ` into `dp` over the staged tiles
 /// `qs`, `ks`, `gs`, `vs`, both 0 outside the head.
 fn scores_and_dp(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize, (s, dp): (&str, &str)) {
-    let (pk, pv) = (pitch(dk), pitch(dv));
+    let (pk, pv) = (word_pitch(dk), word_pitch(dv));
     let store = score_store(mask, s);
     tc_product(
         w,
         &Tc {
-            m: t / 16,
-            n: t / 8,
-            steps: dk / 16,
+            shape: (t, t, dk),
             a: &along("qs", pk),
             b: &|k, j| along("ks", pk)(j, k),
             init: None,
@@ -503,9 +389,7 @@ fn scores_and_dp(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize, (s, 
     tc_product(
         w,
         &Tc {
-            m: t / 16,
-            n: t / 8,
-            steps: dv / 16,
+            shape: (t, t, dv),
             a: &along("gs", pv),
             b: &|k, j| along("vs", pv)(j, k),
             init: None,
@@ -519,39 +403,14 @@ fn scores_and_dp(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize, (s, 
 /// The tensor-core query-side backward (`dq` and the row statistics, as
 /// [`super::attention::backward_q`]); the caller checks [`fits`].
 pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
-    let t = tile(Part::BackwardQ, dk, dv).expect("head sizes checked by the caller");
-    assert!(fits(Part::BackwardQ, dk, dv), "tensor-core heads");
     let e = Elem::Bf16;
-    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
-    let ps = params(Part::BackwardQ, mask, e);
-    let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention backward on tensor cores, query side, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
-    ));
-    arrays(
-        &mut w,
-        t,
-        &[
-            ("qs", format!("T * {pk}")),
-            ("ks", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("gs", format!("T * {pv}")),
-            ("ps", format!("T * {pp}")),
-            ("dw", format!("T * {pp}")),
-        ],
-        &[
-            ("ss", "T * (T + 1)".into()),
-            ("dss", "T * (T + 1)".into()),
-            ("os", format!("T * {}", dk.max(dv))),
-            ("ms", "T".into()),
-            ("ls", "T".into()),
-            ("as_", "T".into()),
-            ("ds", "T".into()),
-        ],
+    let (t, ps, mut w) = tc_begin(
+        name,
+        "backward on tensor cores, query side",
+        (Part::BackwardQ, mask),
+        (dk, dv),
     );
-    head(&mut w, Part::BackwardQ, mask);
-    tc_head(&mut w, &["q", "k", "v", "g"]);
+    let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     open_tiles(&mut w, e, Part::BackwardQ, "tq");
     w.l("const long long q0 = r0;");
     w.l("const int nq = n0;");
@@ -582,9 +441,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
     tc_product(
         &mut w,
         &Tc {
-            m: t / 16,
-            n: dk / 8,
-            steps: t / 16,
+            shape: (t, dk, t),
             a: &along("dw", pp),
             b: &across("ks", pk),
             init: Some(&|i, c| format!("os[{i} * {dk} + {c}]")),
@@ -594,45 +451,20 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
     w.close();
     w.l("__syncthreads();");
     store_rows(&mut w, e, ("dq", "q0", "nq"), dk, "os[e]");
-    w.close();
-    w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉ (tensor cores)"), w)
 }
 
 /// The tensor-core key-side backward (`dk`, `dv` from the row statistics, as
 /// [`super::attention::backward_kv`]); the caller checks [`fits`].
 pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
-    let t = tile(Part::BackwardKv, dk, dv).expect("head sizes checked by the caller");
-    assert!(fits(Part::BackwardKv, dk, dv), "tensor-core heads");
     let e = Elem::Bf16;
-    let (pk, pv, pp) = (pitch(dk), pitch(dv), pitch(t));
-    let ps = params(Part::BackwardKv, mask, e);
-    let mut w = W::new();
-    signature(&mut w, name, &ps);
-    w.l(format!(
-        "// flash attention backward on tensor cores, key side, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
-    ));
-    arrays(
-        &mut w,
-        t,
-        &[
-            ("ks", format!("T * {pk}")),
-            ("qs", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("gs", format!("T * {pv}")),
-            ("pw", format!("T * {pp}")),
-            ("dw", format!("T * {pp}")),
-        ],
-        &[
-            ("ps", "T * (T + 1)".into()),
-            ("dss", "T * (T + 1)".into()),
-            ("dks", format!("T * {dk}")),
-            ("dvs", format!("T * {dv}")),
-            ("st", "T * 3".into()),
-        ],
+    let (t, ps, mut w) = tc_begin(
+        name,
+        "backward on tensor cores, key side",
+        (Part::BackwardKv, mask),
+        (dk, dv),
     );
-    head(&mut w, Part::BackwardKv, mask);
-    tc_head(&mut w, &["q", "k", "v", "g"]);
+    let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     open_tiles(&mut w, e, Part::BackwardKv, "tk");
     w.l("const long long k0 = r0;");
     w.l("const int nk = n0;");
@@ -672,9 +504,7 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
         tc_product(
             &mut w,
             &Tc {
-                m: t / 16,
-                n: d / 8,
-                steps: t / 16,
+                shape: (t, d, t),
                 a,
                 b,
                 init: Some(init),
@@ -686,8 +516,6 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
     w.l("__syncthreads();");
     store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
     store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
-    w.close();
-    w.close();
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉ (tensor cores)"), w)
 }
 
@@ -723,7 +551,7 @@ mod tests {
         assert_eq!(tile(Part::Short, 64, 64), Some(32));
         // Fragment rows land in distinct banks: pitches are 4 mod 8 words.
         for d in [16, 32, 64, 128] {
-            assert_eq!(pitch(d) % 8, 4);
+            assert_eq!(word_pitch(d) % 8, 4);
         }
     }
 }

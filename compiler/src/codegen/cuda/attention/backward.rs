@@ -2,42 +2,24 @@
 //! when a head fits one tile.
 
 use super::forward::forward_sweep;
+use super::shared::Cores;
 use super::tiles::{
-    at, dp_product, function, head, lines, load_tile, masked_out, open_kernel, open_tiles,
-    pair_gradient, product, scores, stats_then_dq, store_rows, Index2, Product, Store,
+    at, begin, dp_product, function, lines, load_tile, masked_out, open_tiles, pair_gradient,
+    product, scores, softmax_and_d, stats_then_dq, store_rows, Index2, Product, Store,
 };
-use super::{params, tile, Part};
-use crate::codegen::cuda::text::{f32_lit, Elem, W};
+use super::Part;
+use crate::codegen::cuda::text::Elem;
 use crate::codegen::cuda::{CudaFunction, FOR_BLOCKS};
 use crate::codegen::rows::MaskKind;
 
 /// The query-side backward kernel: `dq` and the row statistics.
 pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let t = tile(Part::BackwardQ, dk, dv).expect("head sizes checked by the caller");
-    let (pk, pv) = (dk + 1, dv + 1);
-    let ps = params(Part::BackwardQ, mask, e);
-    let mut w = W::new();
-    let what = format!("backward, query side, heads dk = {dk}, dv = {dv}");
-    open_kernel(
-        &mut w,
-        name,
-        &ps,
-        &what,
-        t,
-        &[
-            ("qs", format!("T * {pk}")),
-            ("ks", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("gs", format!("T * {pv}")),
-            ("ss", "T * (T + 1)".into()),
-            ("os", format!("T * {}", dk.max(dv))),
-            ("ms", "T".into()),
-            ("ls", "T".into()),
-            ("as_", "T".into()),
-            ("ds", "T".into()),
-        ],
+    let (t, ps, mut w) = begin(
+        (name, "backward, query side"),
+        (Cores::Cuda, Part::BackwardQ, mask, e),
+        (dk, dv),
     );
-    head(&mut w, Part::BackwardQ, mask);
+    let (pk, pv) = (dk + 1, dv + 1);
     open_tiles(&mut w, e, Part::BackwardQ, "tq");
     w.l("const long long q0 = r0;");
     w.l("const int nq = n0;");
@@ -77,37 +59,17 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
     w.close();
     w.l("__syncthreads();");
     store_rows(&mut w, e, ("dq", "q0", "nq"), dk, "os[e]");
-    w.close();
-    w.close();
     function(name, ps, &format!("tiles b·h·⌈tq/{t}⌉"), w)
 }
 
 /// The key-side backward kernel: `dk` and `dv` from the row statistics.
 pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let t = tile(Part::BackwardKv, dk, dv).expect("head sizes checked by the caller");
-    let (pk, pv) = (dk + 1, dv + 1);
-    let ps = params(Part::BackwardKv, mask, e);
-    let mut w = W::new();
-    let what = format!("backward, key side, heads dk = {dk}, dv = {dv}");
-    open_kernel(
-        &mut w,
-        name,
-        &ps,
-        &what,
-        t,
-        &[
-            ("ks", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("qs", format!("T * {pk}")),
-            ("gs", format!("T * {pv}")),
-            ("ps", "T * (T + 1)".into()),
-            ("dss", "T * (T + 1)".into()),
-            ("dks", format!("T * {dk}")),
-            ("dvs", format!("T * {dv}")),
-            ("st", "T * 3".into()),
-        ],
+    let (t, ps, mut w) = begin(
+        (name, "backward, key side"),
+        (Cores::Cuda, Part::BackwardKv, mask, e),
+        (dk, dv),
     );
-    head(&mut w, Part::BackwardKv, mask);
+    let (pk, pv) = (dk + 1, dv + 1);
     open_tiles(&mut w, e, Part::BackwardKv, "tk");
     w.l("const long long k0 = r0;");
     w.l("const int nk = n0;");
@@ -180,36 +142,18 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     w.l("__syncthreads();");
     store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
     store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
-    w.close();
-    w.close();
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)
 }
 
 /// The whole backward of one head in one block (see the module documentation); the
 /// caller checks [`super::fits_short`].
 pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let t = tile(Part::Short, dk, dv).expect("head sizes checked by the caller");
-    let (pk, pv) = (dk + 1, dv + 1);
-    let ps = params(Part::Short, mask, e);
-    let mut w = W::new();
-    let what = format!("backward in one block per head, heads dk = {dk}, dv = {dv}");
-    open_kernel(
-        &mut w,
-        name,
-        &ps,
-        &what,
-        t,
-        &[
-            ("qs", format!("T * {pk}")),
-            ("ks", format!("T * {pk}")),
-            ("vs", format!("T * {pv}")),
-            ("gs", format!("T * {pv}")),
-            ("ps", "T * (T + 1)".into()),
-            ("dss", "T * (T + 1)".into()),
-            ("ds", "T".into()),
-        ],
+    let (_, ps, mut w) = begin(
+        (name, "backward in one block per head"),
+        (Cores::Cuda, Part::Short, mask, e),
+        (dk, dv),
     );
-    head(&mut w, Part::Short, mask);
+    let (pk, pv) = (dk + 1, dv + 1);
     w.l("const int nq = (int)tq, nk = (int)tk;");
     w.l("const long long q0 = 0, k0 = 0;");
     w.open(FOR_BLOCKS);
@@ -235,31 +179,7 @@ const {c}* gh = g + bi * gsb + hi * gsh;"
     scores(&mut w, dk, mask, "ps");
     dp_product(&mut w, dv);
     w.l("__syncthreads();");
-    lines(
-        &mut w,
-        &format!(
-            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys
-// (every warp runs the same rows loop).
-for (int i0 = 0; i0 < T; i0 += nw) {{
-    const int i = i0 + warp;
-    const bool live = i < nq;
-    float* pr = ps + (live ? i : 0) * (T + 1);
-    const float* dpr = dss + (live ? i : 0) * (T + 1);
-    float mx = {ninf};
-    if (live) for (int j = lane; j < nk; j += wd) mx = kiln_max_ref(mx, pr[j]);
-    mx = kiln_warp_max(mx);
-    float z = 0.0f;
-    if (live) for (int j = lane; j < nk; j += wd) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
-    z = kiln_warp_sum(z);
-    float d = 0.0f;
-    if (live) for (int j = lane; j < nk; j += wd) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
-    d = kiln_warp_sum(d);
-    if (live && lane == 0) ds[i] = d;
-}}
-__syncthreads();",
-            ninf = f32_lit(f32::NEG_INFINITY)
-        ),
-    );
+    softmax_and_d(&mut w, "wd");
     w.l("// ds = p·(dp − D)·scale, 0 where masked and outside the head.");
     w.open("for (int e = tid; e < T * T; e += nt)");
     w.l("const int i = e / T, j = e % T;");
@@ -306,7 +226,5 @@ __syncthreads();",
             },
         );
     }
-    w.close();
-    w.close();
     function(name, ps, "heads b·h", w)
 }

@@ -52,13 +52,15 @@
 
 mod backward;
 mod forward;
+mod shared;
 mod tiles;
 
 pub use backward::{backward_kv, backward_q, backward_short};
 pub use forward::forward;
+pub(super) use shared::{arrays, bytes, word_pitch, Cores};
 pub(super) use tiles::{
-    at, function, head, lines, masked_out, open_tiles, score_store, stats_then_dq, store_rows,
-    Index2, Store,
+    at, begin, function, lines, masked_out, online_softmax, open_tiles, score_store, softmax_and_d,
+    stats_then_dq, store_rows, Index2, Store,
 };
 
 use crate::codegen::cuda::text::Elem;
@@ -84,21 +86,7 @@ pub enum Part {
 
 /// Shared memory of `part` with tiles of `t` rows, in bytes.
 pub fn shared_bytes(part: Part, t: usize, dk: usize, dv: usize) -> usize {
-    let floats = match part {
-        // qs, ks, vs, ss, os, m/l/alpha
-        Part::Forward => 2 * t * (dk + 1) + t * (dv + 1) + t * (t + 1) + t * dv + 3 * t,
-        // qs, ks, vs, gs, ss, os (o, then dq), m/l/alpha/D
-        Part::BackwardQ => {
-            2 * t * (dk + 1) + 2 * t * (dv + 1) + t * (t + 1) + t * dk.max(dv) + 4 * t
-        }
-        // ks, vs, qs, gs, ps, dss, dks, dvs, m/l/D
-        Part::BackwardKv => {
-            2 * t * (dk + 1) + 2 * t * (dv + 1) + 2 * t * (t + 1) + t * dk + t * dv + 3 * t
-        }
-        // qs, ks, vs, gs, ps, dss, D
-        Part::Short => 2 * t * (dk + 1) + 2 * t * (dv + 1) + 2 * t * (t + 1) + t,
-    };
-    4 * floats
+    shared::bytes(t, &shared::arrays(Cores::Cuda, part, t, (dk, dv)))
 }
 
 /// Rows per tile of `part` for heads `dk`, `dv`: the largest of 32, 16, 8 whose shared

@@ -1,8 +1,9 @@
 //! The C the flash kernels share: the register-tiled products over shared tiles, the
 //! masked scores, tile loads and result stores, the kernels' common head and tile loop.
 
-use super::Part;
-use crate::codegen::cuda::text::{Elem, W};
+use super::shared::{arrays, declare, Cores};
+use super::{params, tile, Part};
+use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{signature, CudaFunction, Param, Work, FOR_BLOCKS};
 use crate::codegen::rows::MaskKind;
 
@@ -234,21 +235,24 @@ pub(in crate::codegen::cuda) fn pair_gradient(
     ));
 }
 
-/// The signature, a comment, the tile size `T` and the shared arrays of a flash kernel.
-pub(in crate::codegen::cuda) fn open_kernel(
-    w: &mut W,
-    name: &str,
-    ps: &[Param],
-    what: &str,
-    t: usize,
-    arrays: &[(&str, String)],
-) {
-    signature(w, name, ps);
-    w.l(format!("// flash attention {what}: tiles of T = {t} rows"));
-    w.l(format!("enum {{ T = {t} }};"));
-    for (n, size) in arrays {
-        w.l(format!("__shared__ float {n}[{size}];"));
-    }
+/// The opening of `part`'s flash kernel on `cores`: its tile `T`, its parameters, and its
+/// text so far (the signature, a comment `flash attention {what}, heads …`, `T` and the
+/// shared arrays, the common [`head`]).
+pub(in crate::codegen::cuda) fn begin(
+    (name, what): (&str, &str),
+    (cores, part, mask, e): (Cores, Part, MaskKind, Elem),
+    (dk, dv): (usize, usize),
+) -> (usize, Vec<Param>, W) {
+    let t = tile(part, dk, dv).expect("head sizes checked by the caller");
+    let ps = params(part, mask, e);
+    let mut w = W::new();
+    signature(&mut w, name, &ps);
+    w.l(format!(
+        "// flash attention {what}, heads dk = {dk}, dv = {dv}: tiles of T = {t} rows"
+    ));
+    declare(&mut w, t, &arrays(cores, part, t, (dk, dv)));
+    head(&mut w, part, mask);
+    (t, ps, w)
 }
 
 /// Loads `n` rows (the rest of the tile zero) of a `[.., t, d]` operand into the shared
@@ -321,12 +325,77 @@ pub(in crate::codegen::cuda) fn store_rows(
     w.close();
 }
 
+/// The online softmax's update of the score tile `ss` into the rows' `ms`, `ls` and
+/// rescaling `as_`: a warp per row, its lanes over the keys striding by `width` (a C
+/// expression); `why` ends the comment on the rows loop.
+pub(in crate::codegen::cuda) fn online_softmax(w: &mut W, width: &str, why: &str) {
+    lines(
+        w,
+        &format!(
+            "// The online softmax's update, a warp per row, its lanes over the keys (every warp
+// runs the same rows loop{why}).
+for (int i0 = 0; i0 < T; i0 += nw) {{
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* sr = ss + (live ? i : 0) * (T + 1);
+    const float m0 = live ? ms[i] : 0.0f;
+    float mx = m0;
+    if (live) for (int j = lane; j < nk; j += {width}) mx = kiln_max_ref(mx, sr[j]);
+    mx = kiln_warp_max(mx);
+    float z = 0.0f;
+    if (live) for (int j = lane; j < nk; j += {width}) {{ const float p = expf(sr[j] - mx); sr[j] = p; z = z + p; }}
+    z = kiln_warp_sum(z);
+    if (live && lane == 0) {{
+        const float al = m0 == mx ? 1.0f : expf(m0 - mx);
+        ls[i] = ls[i] * al + z;
+        ms[i] = mx;
+        as_[i] = al;
+    }}
+}}
+__syncthreads();"
+        ),
+    );
+}
+
+/// Each row's softmax of the score tile `ps` (in place) and `D = Σ_j p·dp` into `ds`, `dp`
+/// the tile `dss`: a warp per row, its lanes over the keys striding by `width`.
+pub(in crate::codegen::cuda) fn softmax_and_d(w: &mut W, width: &str) {
+    lines(
+        w,
+        &format!(
+            "// Each row's softmax and D = Σ_j p·dp, a warp per row, its lanes over the keys
+// (every warp runs the same rows loop).
+for (int i0 = 0; i0 < T; i0 += nw) {{
+    const int i = i0 + warp;
+    const bool live = i < nq;
+    float* pr = ps + (live ? i : 0) * (T + 1);
+    const float* dpr = dss + (live ? i : 0) * (T + 1);
+    float mx = {ninf};
+    if (live) for (int j = lane; j < nk; j += {width}) mx = kiln_max_ref(mx, pr[j]);
+    mx = kiln_warp_max(mx);
+    float z = 0.0f;
+    if (live) for (int j = lane; j < nk; j += {width}) {{ const float x = expf(pr[j] - mx); pr[j] = x; z = z + x; }}
+    z = kiln_warp_sum(z);
+    float d = 0.0f;
+    if (live) for (int j = lane; j < nk; j += {width}) {{ const float p = pr[j] / z; pr[j] = p; d = d + p * dpr[j]; }}
+    d = kiln_warp_sum(d);
+    if (live && lane == 0) ds[i] = d;
+}}
+__syncthreads();",
+            ninf = f32_lit(f32::NEG_INFINITY)
+        ),
+    );
+}
+
+/// The finished kernel: closes its tile loop and its body.
 pub(in crate::codegen::cuda) fn function(
     name: &str,
     params: Vec<Param>,
     items: &str,
-    w: W,
+    mut w: W,
 ) -> CudaFunction {
+    w.close();
+    w.close();
     CudaFunction {
         name: name.to_string(),
         params,
