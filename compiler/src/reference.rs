@@ -186,6 +186,17 @@ trait Real:
     fn into_data(v: Vec<Self>) -> TensorData;
 }
 
+/// `fn m(self) -> Self` for each method `m` of the float type `$t` of that name.
+macro_rules! forward_float_methods {
+    ($t:ty: $($m:ident),*) => {
+        $(
+            fn $m(self) -> Self {
+                <$t>::$m(self)
+            }
+        )*
+    };
+}
+
 macro_rules! impl_real {
     ($t:ty, $variant:ident, $erf:path) => {
         impl Real for $t {
@@ -198,24 +209,7 @@ macro_rules! impl_real {
             fn to_f64(self) -> f64 {
                 self as f64
             }
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
-            }
-            fn sin(self) -> Self {
-                <$t>::sin(self)
-            }
-            fn cos(self) -> Self {
-                <$t>::cos(self)
-            }
-            fn tanh(self) -> Self {
-                <$t>::tanh(self)
-            }
+            forward_float_methods!($t: exp, ln, sqrt, sin, cos, tanh);
             fn erf(self) -> Self {
                 $erf(self)
             }

@@ -164,21 +164,71 @@ fn masks_with(
     }
 }
 
+/// A register of `u32` lanes and the operations Philox's rounds take on it.
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Copy {
+    /// Every lane `x`.
+    unsafe fn splat(x: u32) -> Self;
+    /// `a ^ b ^ c`.
+    unsafe fn xor3(a: Self, b: Self, c: Self) -> Self;
+    /// The high and low words of `m · c` in each lane.
+    unsafe fn mulhilo(m: Self, c: Self) -> (Self, Self);
+}
+
+/// Philox4x32's ten rounds on the counters `c` (lane j of `c[w]`: word w of block j)
+/// with the key of `seed`, [`crate::rng::dropout_words`] lane by lane.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn philox_rounds<V: Lanes>(mut c: [V; 4], seed: u64) -> [V; 4] {
+    let (m0, m1) = (V::splat(PHILOX_M0), V::splat(PHILOX_M1));
+    let mut key = [seed as u32, (seed >> 32) as u32];
+    for r in 0..10 {
+        if r > 0 {
+            key = [
+                key[0].wrapping_add(PHILOX_W0),
+                key[1].wrapping_add(PHILOX_W1),
+            ];
+        }
+        let (hi0, lo0) = V::mulhilo(m0, c[0]);
+        let (hi1, lo1) = V::mulhilo(m1, c[2]);
+        let (k0, k1) = (V::splat(key[0]), V::splat(key[1]));
+        c = [V::xor3(hi1, c[1], k0), lo1, V::xor3(hi0, c[3], k1), lo0];
+    }
+    c
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The high and low words of `m · c` in each `u32` lane.
     #[inline(always)]
-    unsafe fn mulhilo(m: __m512i, c: __m512i) -> (__m512i, __m512i) {
-        let even = _mm512_mul_epu32(c, m);
-        let odd = _mm512_mul_epu32(_mm512_srli_epi64::<32>(c), m);
-        // Lane 2j: the even product's low word; lane 2j + 1: the odd product's low word
-        // (moved up), and the other way round for the high words.
-        let lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64::<32>(odd));
-        let hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(even), odd);
-        (hi, lo)
+    unsafe fn splat(x: u32) -> __m512i {
+        _mm512_set1_epi32(x as i32)
+    }
+
+    impl Lanes for __m512i {
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> Self {
+            splat(x)
+        }
+
+        #[inline(always)]
+        unsafe fn xor3(a: Self, b: Self, c: Self) -> Self {
+            // 0x96: the exclusive or of the three operands.
+            _mm512_ternarylogic_epi32::<0x96>(a, b, c)
+        }
+
+        #[inline(always)]
+        unsafe fn mulhilo(m: Self, c: Self) -> (Self, Self) {
+            let even = _mm512_mul_epu32(c, m);
+            let odd = _mm512_mul_epu32(_mm512_srli_epi64::<32>(c), m);
+            // Lane 2j: the even product's low word; lane 2j + 1: the odd product's low word
+            // (moved up), and the other way round for the high words.
+            let lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64::<32>(odd));
+            let hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(even), odd);
+            (hi, lo)
+        }
     }
 
     /// The masks of the 64 elements of counter blocks `block .. block + 16` into `out`.
@@ -204,38 +254,7 @@ mod avx512 {
         let wrapped = _mm512_cmplt_epu32_mask(c0, _mm512_set1_epi32(lo as i32));
         let hi = _mm512_set1_epi32((block >> 32) as u32 as i32);
         let c1 = _mm512_mask_add_epi32(hi, wrapped, hi, _mm512_set1_epi32(1));
-        let mut c = [
-            c0,
-            c1,
-            _mm512_set1_epi32(stream as i32),
-            _mm512_set1_epi32(step as i32),
-        ];
-        let (m0, m1) = (
-            _mm512_set1_epi32(PHILOX_M0 as i32),
-            _mm512_set1_epi32(PHILOX_M1 as i32),
-        );
-        let mut key = [seed as u32, (seed >> 32) as u32];
-        for r in 0..10 {
-            if r > 0 {
-                key = [
-                    key[0].wrapping_add(PHILOX_W0),
-                    key[1].wrapping_add(PHILOX_W1),
-                ];
-            }
-            let (hi0, lo0) = mulhilo(m0, c[0]);
-            let (hi1, lo1) = mulhilo(m1, c[2]);
-            let (k0, k1) = (
-                _mm512_set1_epi32(key[0] as i32),
-                _mm512_set1_epi32(key[1] as i32),
-            );
-            // 0x96: the exclusive or of the three operands.
-            c = [
-                _mm512_ternarylogic_epi32::<0x96>(hi1, c[1], k0),
-                lo1,
-                _mm512_ternarylogic_epi32::<0x96>(hi0, c[3], k1),
-                lo0,
-            ];
-        }
+        let c = philox_rounds([c0, c1, splat(stream), splat(step)], seed);
         // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
         // 4 × 16 transpose (within 128-bit lanes, then of the lanes).
         let t0 = _mm512_unpacklo_epi32(c[0], c[1]);
@@ -274,16 +293,32 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The high and low words of `m · c` in each `u32` lane.
     #[inline(always)]
-    unsafe fn mulhilo(m: __m256i, c: __m256i) -> (__m256i, __m256i) {
-        let even = _mm256_mul_epu32(c, m);
-        let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(c), m);
-        // Lane 2j: the even product's low word; lane 2j + 1: the odd product's low word
-        // (moved up), and the other way round for the high words.
-        let lo = _mm256_blend_epi32::<0xAA>(even, _mm256_slli_epi64::<32>(odd));
-        let hi = _mm256_blend_epi32::<0xAA>(_mm256_srli_epi64::<32>(even), odd);
-        (hi, lo)
+    unsafe fn splat(x: u32) -> __m256i {
+        _mm256_set1_epi32(x as i32)
+    }
+
+    impl Lanes for __m256i {
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> Self {
+            splat(x)
+        }
+
+        #[inline(always)]
+        unsafe fn xor3(a: Self, b: Self, c: Self) -> Self {
+            _mm256_xor_si256(_mm256_xor_si256(a, b), c)
+        }
+
+        #[inline(always)]
+        unsafe fn mulhilo(m: Self, c: Self) -> (Self, Self) {
+            let even = _mm256_mul_epu32(c, m);
+            let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(c), m);
+            // Lane 2j: the even product's low word; lane 2j + 1: the odd product's low word
+            // (moved up), and the other way round for the high words.
+            let lo = _mm256_blend_epi32::<0xAA>(even, _mm256_slli_epi64::<32>(odd));
+            let hi = _mm256_blend_epi32::<0xAA>(_mm256_srli_epi64::<32>(even), odd);
+            (hi, lo)
+        }
     }
 
     /// The masks of the 32 elements of counter blocks `block .. block + 8` into `out`.
@@ -324,37 +359,7 @@ mod avx2 {
             word(6, 32),
             word(7, 32),
         );
-        let mut c = [
-            c0,
-            c1,
-            _mm256_set1_epi32(stream as i32),
-            _mm256_set1_epi32(step as i32),
-        ];
-        let (m0, m1) = (
-            _mm256_set1_epi32(PHILOX_M0 as i32),
-            _mm256_set1_epi32(PHILOX_M1 as i32),
-        );
-        let mut key = [seed as u32, (seed >> 32) as u32];
-        for r in 0..10 {
-            if r > 0 {
-                key = [
-                    key[0].wrapping_add(PHILOX_W0),
-                    key[1].wrapping_add(PHILOX_W1),
-                ];
-            }
-            let (hi0, lo0) = mulhilo(m0, c[0]);
-            let (hi1, lo1) = mulhilo(m1, c[2]);
-            let (k0, k1) = (
-                _mm256_set1_epi32(key[0] as i32),
-                _mm256_set1_epi32(key[1] as i32),
-            );
-            c = [
-                _mm256_xor_si256(_mm256_xor_si256(hi1, c[1]), k0),
-                lo1,
-                _mm256_xor_si256(_mm256_xor_si256(hi0, c[3]), k1),
-                lo0,
-            ];
-        }
+        let c = philox_rounds([c0, c1, splat(stream), splat(step)], seed);
         // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
         // 4 × 8 transpose (within 128-bit lanes, then of the lanes).
         let t0 = _mm256_unpacklo_epi32(c[0], c[1]);

@@ -459,6 +459,13 @@ pub fn reduce_layout(inner: usize) -> ReduceLayout {
 /// dst `[R, n]` ← the broadcast of b `[n]` (a bias pre-loaded before a GEMM that adds
 /// into dst). args `[b, dst]`, dims `[n]`, items `R` rows ([`rows_dims`]).
 pub fn fill_rows(name: &str) -> Function {
+    bias_rows(name, |kb, b, dst, at, _| kb.store(b, dst, at))
+}
+
+/// A kernel over the rows of `[R, n]` (args[1]) with a bias `[n]` (args[0]): for each
+/// element, `each(kb, b, dst, at, ty)` with the bias element `b` and the element's index
+/// `at` in `dst`.
+fn bias_rows(name: &str, each: impl Fn(&mut Kb, Value, Value, Value, Type)) -> Function {
     build_kernel(name, |kb| {
         let bias = kb.ptr(0);
         let dst = kb.ptr(1);
@@ -468,9 +475,9 @@ pub fn fill_rows(name: &str) -> Function {
         kb.for_range(begin, end, 1, &[], |kb, r, _| {
             let base = kb.b.ins().imul(r, n);
             kb.map_elems(zero, n, |kb, j, ty| {
-                let v = kb.load(ty, bias, j);
+                let b = kb.load(ty, bias, j);
                 let at = kb.b.ins().iadd(base, j);
-                kb.store(v, dst, at);
+                each(kb, b, dst, at, ty);
             });
             vec![]
         });
@@ -501,24 +508,11 @@ pub fn relu_dims(n: usize) -> (Vec<i64>, usize) {
 /// In place `y[r, :] = relu(y[r, :] + b)` (a GEMM epilogue; the reference's `add` then
 /// `relu`, bit for bit). args `[b, y]`, dims `[n]`, items `R` rows ([`rows_dims`]).
 pub fn bias_relu(name: &str) -> Function {
-    build_kernel(name, |kb| {
-        let bias = kb.ptr(0);
-        let y = kb.ptr(1);
-        let n = kb.dim(0);
-        let (begin, end) = (kb.begin, kb.end);
-        let zero = kb.iconst(0);
-        kb.for_range(begin, end, 1, &[], |kb, r, _| {
-            let base = kb.b.ins().imul(r, n);
-            kb.map_elems(zero, n, |kb, j, ty| {
-                let b = kb.load(ty, bias, j);
-                let at = kb.b.ins().iadd(base, j);
-                let v = kb.load(ty, y, at);
-                let s = kb.b.ins().fadd(v, b);
-                let s = relu_ref(kb, s);
-                kb.store(s, y, at);
-            });
-            vec![]
-        });
+    bias_rows(name, |kb, b, y, at, ty| {
+        let v = kb.load(ty, y, at);
+        let s = kb.b.ins().fadd(v, b);
+        let s = relu_ref(kb, s);
+        kb.store(s, y, at);
     })
 }
 
