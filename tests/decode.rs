@@ -11,7 +11,7 @@ use kiln_compiler::init::init_params;
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_decode::search::{decode, CachedStep, DecodeOptions, FullStep, LengthPenalty};
-use kiln_decode::translate::Batching;
+use kiln_decode::translate::{Batching, Schedule, StepModels};
 use kiln_dsl::{Mode, Options};
 use kiln_exec::executor::{Exec, Reference};
 use kiln_exec::{decoder_entries, entry_graph, Entry};
@@ -316,15 +316,19 @@ fn decoding_workers_give_the_bits_of_one_worker() {
     let nbest = |workers: usize| {
         let (mut calls, mut last) = (0, 0);
         let hyps = translate_nbest_ids(
-            &encode,
-            &step,
-            &s.params,
+            StepModels {
+                encode: &encode,
+                step: &step,
+                params: &s.params,
+                vocab: 64,
+            },
             &srcs,
             &opts,
-            64,
-            Batching::sentences(4),
             2,
-            workers,
+            Schedule {
+                batching: Batching::sentences(4),
+                workers: workers,
+            },
             &mut |n| {
                 calls += 1;
                 last = n;
@@ -335,15 +339,18 @@ fn decoding_workers_give_the_bits_of_one_worker() {
     };
     let scores = |workers: usize| {
         score_ids(
-            &encode,
-            &step,
-            &s.params,
-            &srcs,
-            &refs,
+            StepModels {
+                encode: &encode,
+                step: &step,
+                params: &s.params,
+                vocab: 64,
+            },
+            (&srcs, &refs),
             &opts,
-            64,
-            Batching::sentences(4),
-            workers,
+            Schedule {
+                batching: Batching::sentences(4),
+                workers: workers,
+            },
             &mut |_| {},
         )
         .unwrap()
@@ -374,15 +381,19 @@ fn decoding_workers_give_the_bits_of_one_worker() {
     }
     // Against the reference executor, one sentence at a time: the same tokens.
     let reference = translate_nbest_ids(
-        &s.encode,
-        &s.step,
-        &s.params,
+        StepModels {
+            encode: &s.encode,
+            step: &s.step,
+            params: &s.params,
+            vocab: 64,
+        },
         &srcs,
         &opts,
-        64,
-        Batching::sentences(1),
         1,
-        2,
+        Schedule {
+            batching: Batching::sentences(1),
+            workers: 2,
+        },
         &mut |_| {},
     )
     .unwrap();
@@ -402,14 +413,18 @@ fn a_failing_batch_on_a_worker_is_an_error() {
     let step = Compiled::from_graph(s.step.graph().clone()).unwrap();
     let translate = |srcs: &[Vec<i32>]| {
         translate_ids(
-            &encode,
-            &step,
-            &s.params,
+            StepModels {
+                encode: &encode,
+                step: &step,
+                params: &s.params,
+                vocab: 64,
+            },
             srcs,
             &beam_four(),
-            64,
-            Batching::sentences(2),
-            2,
+            Schedule {
+                batching: Batching::sentences(2),
+                workers: 2,
+            },
             &mut |_| {},
         )
         .map_err(|e| e.to_string())
@@ -488,15 +503,19 @@ fn batch_invariance(kernel: Option<kiln_exec::compiled::Kernel16>) {
     let opts = beam_four();
     let run = |srcs: &[Vec<i32>], batch: usize| {
         let hyps = translate_nbest_ids(
-            &encode,
-            &step,
-            &s.params,
+            StepModels {
+                encode: &encode,
+                step: &step,
+                params: &s.params,
+                vocab: 64,
+            },
             srcs,
             &opts,
-            64,
-            Batching::sentences(batch),
             1,
-            1,
+            Schedule {
+                batching: Batching::sentences(batch),
+                workers: 1,
+            },
             &mut |_| {},
         )
         .unwrap();

@@ -74,21 +74,14 @@ impl Batching {
 /// batches shared out among `workers` (see [`decode_workers`]); results in input order,
 /// the same for any number of workers. `done(n)` is called after each batch with the
 /// number of sentences decoded so far (for a progress bar).
-#[allow(clippy::too_many_arguments)]
 pub fn translate_ids(
-    encode: &dyn Exec,
-    step: &dyn Exec,
-    params: &BTreeMap<String, Tensor>,
+    models: StepModels<'_>,
     srcs: &[Vec<i32>],
     opts: &DecodeOptions,
-    vocab: usize,
-    batching: Batching,
-    workers: usize,
+    schedule: Schedule,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<i32>>, TranslateError> {
-    let best = translate_nbest_ids(
-        encode, step, params, srcs, opts, vocab, batching, 1, workers, done,
-    )?;
+    let best = translate_nbest_ids(models, srcs, opts, 1, schedule, done)?;
     Ok(best
         .into_iter()
         .map(|hyps| {
@@ -119,35 +112,27 @@ fn padded_rows(srcs: &[Vec<i32>], rows: &[usize], pad: i32) -> Result<Tensor, Tr
 
 /// [`translate_ids`], keeping each sentence's `n` best hypotheses with their scores
 /// ([`crate::search::decode_nbest`]), best first.
-#[allow(clippy::too_many_arguments)]
 pub fn translate_nbest_ids(
-    encode: &dyn Exec,
-    step: &dyn Exec,
-    params: &BTreeMap<String, Tensor>,
+    models: StepModels<'_>,
     srcs: &[Vec<i32>],
     opts: &DecodeOptions,
-    vocab: usize,
-    batching: Batching,
     n: usize,
-    workers: usize,
+    schedule: Schedule,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<Vec<Hypothesis>>, TranslateError> {
-    check_sources(encode, srcs, &nth_source).map_err(TranslateError::Invalid)?;
+    check_sources(models.encode, srcs, &nth_source).map_err(TranslateError::Invalid)?;
     let mut opts = opts.clone();
-    if let Some(p) = crate::search::max_target_positions(step.graph()) {
+    if let Some(p) = crate::search::max_target_positions(models.step.graph()) {
         opts.max_positions = Some(opts.max_positions.map_or(p, |q| q.min(p)));
     }
     let opts = &opts;
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), i));
-    let models = (encode, step, params, vocab);
     per_sentence(
         models,
-        srcs,
-        opts.pad,
+        (srcs, opts.pad),
         &order,
-        batching,
-        workers,
+        schedule,
         done,
         &|model, _, src| Ok(decode_nbest(model, src, opts, n)?),
     )
@@ -239,14 +224,23 @@ pub fn decode_workers(step: &dyn Exec) -> usize {
     }
 }
 
-/// The models [`over_batches`] decodes with: the `encode` and `decode_step` programs,
+/// The model the batch functions decode with: the `encode` and `decode_step` programs,
 /// the parameters and the vocabulary size.
-type StepModels<'a> = (
-    &'a dyn Exec,
-    &'a dyn Exec,
-    &'a BTreeMap<String, Tensor>,
-    usize,
-);
+#[derive(Clone, Copy)]
+pub struct StepModels<'a> {
+    pub encode: &'a dyn Exec,
+    pub step: &'a dyn Exec,
+    pub params: &'a BTreeMap<String, Tensor>,
+    pub vocab: usize,
+}
+
+/// How the batch functions cut and share their work: batches by `batching`, shared out
+/// among `workers` ([`decode_workers`] gives the default).
+#[derive(Clone, Copy, Debug)]
+pub struct Schedule {
+    pub batching: Batching,
+    pub workers: usize,
+}
 
 /// What [`per_sentence`] runs on each batch: the decoder, the batch's sentences and the
 /// batch itself; one result per sentence.
@@ -262,22 +256,19 @@ type BatchJob<'a, T> =
 /// indices), in batches cut by `batching` padded with `pad` ([`padded_rows`]), on `workers` (see
 /// [`over_batches`]); `job(decoder, sentences, batch)` gives one result per sentence of
 /// its batch, returned here at the sentence's index.
-#[allow(clippy::too_many_arguments)]
 fn per_sentence<R: Send + Default>(
     models: StepModels<'_>,
-    srcs: &[Vec<i32>],
-    pad: i32,
+    (srcs, pad): (&[Vec<i32>], i32),
     order: &[usize],
-    batching: Batching,
-    workers: usize,
+    schedule: Schedule,
     done: &mut dyn FnMut(usize),
     job: &SentenceJob<'_, R>,
 ) -> Result<Vec<R>, TranslateError> {
-    let chunks = batching.split(order, &|i| srcs[i].len());
+    let chunks = schedule.batching.split(order, &|i| srcs[i].len());
     let per_batch = over_batches(
         models,
         &chunks,
-        workers,
+        schedule.workers,
         &|model, chunk| job(model, chunk, &padded_rows(srcs, chunk, pad)?),
         done,
     )?;
@@ -298,7 +289,12 @@ fn per_sentence<R: Send + Default>(
 /// is called here after each batch, with the sentences finished so far. The first error
 /// stops the workers and is returned.
 fn over_batches<T: Send>(
-    (encode, step, params, vocab): StepModels<'_>,
+    StepModels {
+        encode,
+        step,
+        params,
+        vocab,
+    }: StepModels<'_>,
     chunks: &[&[usize]],
     workers: usize,
     job: &BatchJob<'_, T>,
@@ -381,17 +377,11 @@ fn over_batches<T: Send>(
 /// Scores reference translations ([`crate::search::score`]) in batches of sentence
 /// pairs of similar source length ([`Batching`], counting source tokens); log-probabilities in input order. `done(n)`
 /// is called after each batch with the number of pairs scored so far.
-#[allow(clippy::too_many_arguments)]
 pub fn score_ids(
-    encode: &dyn Exec,
-    step: &dyn Exec,
-    params: &BTreeMap<String, Tensor>,
-    srcs: &[Vec<i32>],
-    refs: &[Vec<i32>],
+    models: StepModels<'_>,
+    (srcs, refs): (&[Vec<i32>], &[Vec<i32>]),
     opts: &DecodeOptions,
-    vocab: usize,
-    batching: Batching,
-    workers: usize,
+    schedule: Schedule,
     done: &mut dyn FnMut(usize),
 ) -> Result<Vec<f64>, TranslateError> {
     if srcs.len() != refs.len() {
@@ -402,19 +392,16 @@ pub fn score_ids(
         )));
     }
     let nth_reference = |i: usize| format!("reference {} (<bos> and its tokens)", i + 1);
-    check_sources(encode, srcs, &nth_source)
-        .and_then(|()| check_references(step, refs, &nth_reference))
+    check_sources(models.encode, srcs, &nth_source)
+        .and_then(|()| check_references(models.step, refs, &nth_reference))
         .map_err(TranslateError::Invalid)?;
     let mut order: Vec<usize> = (0..srcs.len()).collect();
     order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
-    let models = (encode, step, params, vocab);
     per_sentence(
         models,
-        srcs,
-        opts.pad,
+        (srcs, opts.pad),
         &order,
-        batching,
-        workers,
+        schedule,
         done,
         &|model, chunk, src| {
             let chunk_refs: Vec<Vec<i32>> = chunk.iter().map(|&i| refs[i].clone()).collect();

@@ -12,7 +12,9 @@ use std::time::Instant;
 use kiln_compiler::tensor::Tensor;
 use kiln_decode::bleu::{corpus_bleu, BleuOptions};
 use kiln_decode::search::{DecodeOptions, LengthPenalty};
-use kiln_decode::translate::translate_ids;
+use kiln_decode::translate::{
+    decode_workers, translate_ids, Batching, Schedule, StepModels, TRANSLATE_BATCH,
+};
 use kiln_dsl::Error;
 use kiln_train::checkpoint;
 use kiln_train::config::Config;
@@ -257,18 +259,18 @@ fn evaluate_test(
     let refs: Vec<String> = test.iter().map(|p| p.1.clone()).collect();
     let evaluate = |params: &BTreeMap<String, Tensor>| -> Result<Scored, Error> {
         let start = Instant::now();
-        let hyps = translate_ids(
-            &*encode,
-            &*step,
+        let models = StepModels {
+            encode: &*encode,
+            step: &*step,
             params,
-            &srcs,
-            &opts,
             vocab,
-            kiln_decode::translate::Batching::sentences(kiln_decode::translate::TRANSLATE_BATCH),
-            kiln_decode::translate::decode_workers(&*step),
-            &mut |_| {},
-        )
-        .map_err(err("kiln::demo"))?;
+        };
+        let schedule = Schedule {
+            batching: Batching::sentences(TRANSLATE_BATCH),
+            workers: decode_workers(&*step),
+        };
+        let hyps = translate_ids(models, &srcs, &opts, schedule, &mut |_| {})
+            .map_err(err("kiln::demo"))?;
         let hyps: Vec<String> = hyps.iter().map(|h| tok.decode(h)).collect();
         let exact = hyps.iter().zip(&refs).filter(|(h, r)| h == r).count();
         let bleu = corpus_bleu(&hyps, std::slice::from_ref(&refs), &BleuOptions::default())

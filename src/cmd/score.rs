@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use kiln_decode::search::DecodeOptions;
 use kiln_decode::translate::{
-    check_references, check_sources, decode_workers, score_ids, Batching,
+    check_references, check_sources, decode_workers, score_ids, Batching, Schedule,
 };
 use kiln_dsl::Error;
 use kiln_exec::executor::ExecutorKind;
@@ -80,18 +80,11 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
     let started = std::time::Instant::now();
     let bar = progress_bar(srcs.len(), a.batching.sentences, "sentence pairs");
     let scores = with_progress(bar, |done| {
-        score_ids(
-            &*m.encode,
-            &*m.step,
-            &m.params,
-            &srcs,
-            &refs,
-            &opts,
-            m.vocab,
-            a.batching,
-            a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
-            done,
-        )
+        let schedule = Schedule {
+            batching: a.batching,
+            workers: a.workers.unwrap_or_else(|| decode_workers(&*m.step)),
+        };
+        score_ids(m.step_models(), (&srcs, &refs), &opts, schedule, done)
     })
     .map_err(err("kiln::score"))?;
     let secs = started.elapsed().as_secs_f64();

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::tensor::Tensor;
 use kiln_decode::search::{DecodeOptions, EarlyStop, Hypothesis, LengthPenalty};
-use kiln_decode::translate::{check_sources, decode_workers, translate_nbest_ids, Batching};
+use kiln_decode::translate::{
+    check_sources, decode_workers, translate_nbest_ids, Batching, Schedule, StepModels,
+};
 use kiln_dsl::Error;
 use kiln_exec::artifact::{is_artifact_dir, Artifact};
 use kiln_exec::executor::{executor, Exec, ExecutorKind};
@@ -25,6 +27,18 @@ pub(crate) struct Translator {
     pub(crate) params: BTreeMap<String, Tensor>,
     pub(crate) tokenizer: Tokenizer,
     pub(crate) vocab: usize,
+}
+
+impl Translator {
+    /// The programs, parameters and vocabulary the batch functions decode with.
+    pub(crate) fn step_models(&self) -> StepModels<'_> {
+        StepModels {
+            encode: &*self.encode,
+            step: &*self.step,
+            params: &self.params,
+            vocab: self.vocab,
+        }
+    }
 }
 
 /// `kind` `None`: the CUDA executor (a `--target cuda` artifact only).
@@ -199,18 +213,12 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
         let bar = progress_bar(srcs.len(), a.batching.sentences, "sentences")
             .filter(|_| input.is_whole());
         let hyps = with_progress(bar, |done| {
-            translate_nbest_ids(
-                &*m.encode,
-                &*m.step,
-                &m.params,
-                &srcs,
-                &opts,
-                m.vocab,
-                a.batching,
-                a.nbest.unwrap_or(1),
+            let schedule = Schedule {
+                batching: a.batching,
                 workers,
-                done,
-            )
+            };
+            let nbest = a.nbest.unwrap_or(1);
+            translate_nbest_ids(m.step_models(), &srcs, &opts, nbest, schedule, done)
         })
         .map_err(err("kiln::translate"))?;
         sentences += srcs.len();

@@ -11,7 +11,9 @@ use crate::checkpoint::{self, AdamMoments};
 use crate::model::{CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
 use kiln_decode::bleu::{corpus_bleu, BleuOptions};
 use kiln_decode::search::{DecodeOptions, EarlyStop, LengthPenalty};
-use kiln_decode::translate::{decode_workers, translate_ids, Batching, TRANSLATE_BATCH};
+use kiln_decode::translate::{
+    decode_workers, translate_ids, Batching, Schedule, StepModels, TRANSLATE_BATCH,
+};
 
 use super::*;
 
@@ -64,17 +66,17 @@ impl Trainer {
         };
         let n = self.valid.len();
         let srcs: Vec<Vec<i32>> = self.valid[..n].iter().map(|e| e.src.clone()).collect();
-        let hyps = translate_ids(
-            &*self.encode_exec,
-            &*self.step_exec,
-            &self.params,
-            &srcs,
-            &opts,
-            self.vocab(),
-            Batching::sentences(TRANSLATE_BATCH),
-            decode_workers(&*self.step_exec),
-            &mut |_| {},
-        )?;
+        let models = StepModels {
+            encode: &*self.encode_exec,
+            step: &*self.step_exec,
+            params: &self.params,
+            vocab: self.vocab(),
+        };
+        let schedule = Schedule {
+            batching: Batching::sentences(TRANSLATE_BATCH),
+            workers: decode_workers(&*self.step_exec),
+        };
+        let hyps = translate_ids(models, &srcs, &opts, schedule, &mut |_| {})?;
         let hyps: Vec<String> = hyps.iter().map(|h| self.tokenizer.decode(h)).collect();
         let refs: Vec<String> = self.valid_lines[..n]
             .iter()
