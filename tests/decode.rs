@@ -327,7 +327,7 @@ fn decoding_workers_give_the_bits_of_one_worker() {
             2,
             Schedule {
                 batching: Batching::sentences(4),
-                workers: workers,
+                workers,
             },
             &mut |n| {
                 calls += 1;
@@ -349,7 +349,7 @@ fn decoding_workers_give_the_bits_of_one_worker() {
             &opts,
             Schedule {
                 batching: Batching::sentences(4),
-                workers: workers,
+                workers,
             },
             &mut |_| {},
         )
