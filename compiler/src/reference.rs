@@ -293,6 +293,18 @@ struct Buf<T> {
     data: Data<T>,
 }
 
+/// The operands of an elementwise binary op, which must have the same shape.
+fn same_shapes<'a, T>(x: &'a Buf<T>, y: &'a Buf<T>) -> NodeResult<(&'a Buf<T>, &'a Buf<T>)> {
+    if x.shape != y.shape {
+        return Err(format!(
+            "operands have shapes {} and {}",
+            fmt_dims(&x.shape),
+            fmt_dims(&y.shape)
+        ));
+    }
+    Ok((x, y))
+}
+
 /// Row-major strides of `shape`.
 fn strides(shape: &[usize]) -> Vec<usize> {
     let mut s = vec![1; shape.len()];
@@ -471,25 +483,11 @@ impl<'a, T: Real> Executor<'a, T> {
             Op::Broadcast { .. } => broadcast(args, shape)?,
             Op::Unary(u) => unary(*u, &args[0].data)?,
             Op::Binary(b) => {
-                let (x, y) = (args[0], args[1]);
-                if x.shape != y.shape {
-                    return Err(format!(
-                        "operands have shapes {} and {}",
-                        fmt_dims(&x.shape),
-                        fmt_dims(&y.shape)
-                    ));
-                }
+                let (x, y) = same_shapes(args[0], args[1])?;
                 binary(*b, &x.data, &y.data)?
             }
             Op::Compare(c) => {
-                let (x, y) = (args[0], args[1]);
-                if x.shape != y.shape {
-                    return Err(format!(
-                        "operands have shapes {} and {}",
-                        fmt_dims(&x.shape),
-                        fmt_dims(&y.shape)
-                    ));
-                }
+                let (x, y) = same_shapes(args[0], args[1])?;
                 compare(*c, &x.data, &y.data)?
             }
             Op::Slice { axis, start, .. } => slice(args, shape, (axis, start), &self.bind.dims)?,

@@ -202,15 +202,10 @@ mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
-    #[inline(always)]
-    unsafe fn splat(x: u32) -> __m512i {
-        _mm512_set1_epi32(x as i32)
-    }
-
     impl Lanes for __m512i {
         #[inline(always)]
         unsafe fn splat(x: u32) -> Self {
-            splat(x)
+            _mm512_set1_epi32(x as i32)
         }
 
         #[inline(always)]
@@ -254,7 +249,8 @@ mod avx512 {
         let wrapped = _mm512_cmplt_epu32_mask(c0, _mm512_set1_epi32(lo as i32));
         let hi = _mm512_set1_epi32((block >> 32) as u32 as i32);
         let c1 = _mm512_mask_add_epi32(hi, wrapped, hi, _mm512_set1_epi32(1));
-        let c = philox_rounds([c0, c1, splat(stream), splat(step)], seed);
+        let (s, t) = (__m512i::splat(stream), __m512i::splat(step));
+        let c = philox_rounds([c0, c1, s, t], seed);
         // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
         // 4 × 16 transpose (within 128-bit lanes, then of the lanes).
         let t0 = _mm512_unpacklo_epi32(c[0], c[1]);
@@ -293,15 +289,10 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    #[inline(always)]
-    unsafe fn splat(x: u32) -> __m256i {
-        _mm256_set1_epi32(x as i32)
-    }
-
     impl Lanes for __m256i {
         #[inline(always)]
         unsafe fn splat(x: u32) -> Self {
-            splat(x)
+            _mm256_set1_epi32(x as i32)
         }
 
         #[inline(always)]
@@ -359,7 +350,8 @@ mod avx2 {
             word(6, 32),
             word(7, 32),
         );
-        let c = philox_rounds([c0, c1, splat(stream), splat(step)], seed);
+        let (s, t) = (__m256i::splat(stream), __m256i::splat(step));
+        let c = philox_rounds([c0, c1, s, t], seed);
         // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
         // 4 × 8 transpose (within 128-bit lanes, then of the lanes).
         let t0 = _mm256_unpacklo_epi32(c[0], c[1]);
