@@ -222,6 +222,17 @@ pub struct GemmPtrs {
     pub batch: Option<(usize, i64, i64, i64)>,
 }
 
+/// The device addresses of a GEMM with a cuBLASLt epilogue: row-major `c = a·b` (the
+/// operands as in [`GemmPtrs`]) and the epilogue's vector, one element per output column
+/// (a bias, or the bias gradient it receives).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpiloguePtrs {
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub vector: u64,
+}
+
 /// The arguments of `cublasSgemm` computing row-major `C[m, n] = A[m, k]·B[k, n]`
 /// (row stride of `C`: `ldc`) as column-major `Cᵀ = Bᵀ·Aᵀ`: cuBLAS's first operand is
 /// `B` (`transa`, `lda`), its second `A` (`transb`, `ldb`), and its `m, n` are our `n, m`.

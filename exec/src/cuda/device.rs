@@ -17,7 +17,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use kiln_compiler::codegen::cuda::Work;
 
-use super::abi::{GemmPtrs, Sgemm};
+use super::abi::{EpiloguePtrs, GemmPtrs, Sgemm};
 
 mod gpu;
 mod nvrtc;
@@ -66,12 +66,9 @@ struct Func {
     params: usize,
 }
 
-/// One GPU, or its host emulation ([`super::emulate`], `KILN_CUDA_EMULATE=1`).
-pub(crate) enum Device {
-    Gpu(Box<Gpu>),
-    #[cfg(feature = "emulate")]
-    Host(HostDevice),
-}
+/// One GPU, or its host emulation ([`super::emulate`], `KILN_CUDA_EMULATE=1`): what
+/// [`DeviceApi`] offers, through the device of the unit it was made from.
+pub(crate) struct Device(Box<dyn DeviceApi + Send + Sync>);
 
 /// A compiled unit: PTX for a GPU, or the CUDA C itself for the host emulation.
 pub(crate) enum Unit {
@@ -155,221 +152,128 @@ impl Device {
         functions: &[(String, Work, usize)],
         gemm: GemmMath,
     ) -> Result<Device, String> {
-        match unit {
-            Unit::Ptx(ptx) => Ok(Device::Gpu(Box::new(Gpu::new(
-                ordinal, ptx, functions, gemm,
-            )?))),
+        Ok(Device(match unit {
+            Unit::Ptx(ptx) => Box::new(Gpu::new(ordinal, ptx, functions, gemm)?),
             #[cfg(feature = "emulate")]
-            Unit::Host(source) => Ok(Device::Host(HostDevice::new(&source, functions, gemm)?)),
-        }
+            Unit::Host(source) => Box::new(HostDevice::new(&source, functions, gemm)?),
+        }))
     }
+}
 
-    /// See [`Gpu::load_module`].
-    pub fn load_module(
+impl std::ops::Deref for Device {
+    type Target = dyn DeviceApi + Send + Sync;
+
+    fn deref(&self) -> &Self::Target {
+        &*self.0
+    }
+}
+
+impl std::ops::DerefMut for Device {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut *self.0
+    }
+}
+
+/// What the CUDA executor asks of a device: implemented by a GPU ([`Gpu`]) and by its
+/// host emulation. Everything runs on one stream, in order.
+pub(crate) trait DeviceApi {
+    /// Loads another compiled unit (of this device's kind) and adds its `functions`
+    /// (names must not clash with those already loaded).
+    fn load_module(
         &mut self,
         unit: Unit,
         functions: &[(String, Work, usize)],
-    ) -> Result<(), String> {
-        match (self, unit) {
-            (Device::Gpu(g), Unit::Ptx(ptx)) => g.load_module(ptx, functions),
-            #[cfg(feature = "emulate")]
-            (Device::Host(h), Unit::Host(source)) => h.load_module(&source, functions),
-            #[cfg(feature = "emulate")]
-            _ => Err("internal: a unit compiled for another device".to_string()),
-        }
-    }
+    ) -> Result<(), String>;
 
-    pub fn has(&self, name: &str) -> bool {
-        match self {
-            Device::Gpu(g) => g.has(name),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.has(name),
-        }
-    }
+    /// Whether a function `name` is loaded.
+    fn has(&self, name: &str) -> bool;
 
-    /// See [`Gpu::bind`] (nothing to do on the host).
-    pub fn bind(&self) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.bind(),
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => Ok(()),
-        }
-    }
+    /// Makes the device current on the calling thread (runs may come from any thread).
+    fn bind(&self) -> Result<(), String>;
 
     /// Free and total bytes of the device's memory (the GPU's, bound to this thread), or
     /// `None` for the emulated device, whose memory is the host's.
-    pub fn memory_info(&self) -> Option<(usize, usize)> {
-        match self {
-            Device::Gpu(g) => {
-                g.bind().ok()?;
-                cudarc::driver::result::mem_get_info().ok()
-            }
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => None,
-        }
-    }
+    fn memory_info(&self) -> Option<(usize, usize)>;
+
+    /// `words` zeroed 4-byte words (at least one).
+    fn alloc(&self, words: usize) -> Result<Buf, String>;
 
     /// `words` 4-byte words (at least one) that the next launch writes whole: not
     /// zeroed on a GPU (no memset), zeroed memory on the emulated device.
-    pub fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
-        match self {
-            Device::Gpu(g) => g.alloc_uninit(words),
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => self.alloc(words),
-        }
-    }
+    fn alloc_uninit(&self, words: usize) -> Result<Buf, String>;
 
-    /// `words` zeroed 4-byte words (at least one).
-    pub fn alloc(&self, words: usize) -> Result<Buf, String> {
-        match self {
-            Device::Gpu(g) => g.alloc(words),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => {
-                let mem = h.alloc(words);
-                Ok(Buf {
-                    ptr: mem.ptr(),
-                    owner: Owner::Host(mem),
-                    words,
-                })
-            }
-        }
+    /// Copies `words` to `dst` and waits for the copy.
+    fn write(&self, dst: u64, words: &[u32]) -> Result<(), String>;
+
+    /// Copies `words` to `dst` in stream order, without waiting for the copy (see
+    /// [`Gpu`]'s; the emulation copies at once).
+    fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String>;
+
+    /// `n` words at `src`, after everything queued before.
+    fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String>;
+
+    /// Zeroes `words` words at `dst`.
+    fn zero(&self, dst: u64, words: usize) -> Result<(), String>;
+
+    /// Copies `bytes` bytes device to device.
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String>;
+
+    /// The GPU's stream (NCCL communicators are made on it); none for the emulation.
+    #[cfg(feature = "nccl")]
+    fn stream(&self) -> Result<Arc<CudaStream>, String>;
+
+    /// Sums `buf` over the communicator's devices, in place.
+    #[cfg(feature = "nccl")]
+    fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String>;
+
+    /// Waits for everything queued (the emulation runs each call to its end).
+    fn sync(&self) -> Result<(), String>;
+
+    /// A point in the device's stream, for profiles, taken without waiting: a timed
+    /// CUDA event the GPU reaches when the work queued before it is done, or on the
+    /// emulated device (which runs each call as it is made) the host's clock.
+    fn mark(&self) -> Result<Mark, String>;
+
+    /// Launches generated function `name` over `items` work items with the buffers
+    /// `ptrs` and `dims`.
+    fn launch(&self, name: &str, ptrs: &[u64], dims: &[i64], items: usize) -> Result<(), String>;
+
+    /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] where `p` says, the operands of
+    /// element type `elems.0` and the result of `elems.1` (checked by [`check_elems`]).
+    fn gemm(&self, g: &Sgemm, elems: (GemmElem, GemmElem), p: GemmPtrs) -> Result<(), String>;
+
+    /// Row-major `c = a·b` in one cuBLASLt call with `epilogue` (`g` as for
+    /// [`DeviceApi::sgemm`], `c` of element type `elems.1`, the vector one element per
+    /// output column: a bias of the result's type, or the bias gradient it receives).
+    /// `Ok(false)` when cuBLASLt has no algorithm for it: nothing was launched, and the
+    /// caller runs the separate kernels.
+    fn gemm_epilogue(
+        &self,
+        g: &Sgemm,
+        elems: (GemmElem, GemmElem),
+        p: EpiloguePtrs,
+        epilogue: Epilogue,
+    ) -> Result<bool, String>;
+
+    /// An f32 [`DeviceApi::gemm`].
+    fn sgemm(&self, g: &Sgemm, p: GemmPtrs) -> Result<(), String> {
+        self.gemm(g, (GemmElem::F32, GemmElem::F32), p)
     }
 
     /// A fresh buffer holding `words`.
-    pub fn upload(&self, words: &[u32]) -> Result<Buf, String> {
+    fn upload(&self, words: &[u32]) -> Result<Buf, String> {
         let b = self.alloc(words.len())?;
         self.write(b.ptr, words)?;
         Ok(b)
     }
 
-    /// Copies `words` to `dst` and waits for the copy.
-    pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.write(dst, words),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.write(dst, words),
-        }
-    }
-
-    /// See [`Gpu::write_enqueued`] (the emulation copies at once).
-    pub fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.write_enqueued(dst, words),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.write(dst, words),
-        }
-    }
-
-    /// `n` words at `src`, after everything queued before.
-    pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
-        match self {
-            Device::Gpu(g) => g.read(src, n),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.read(src, n),
-        }
-    }
-
-    /// Zeroes `words` words at `dst`.
-    pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.zero(dst, words),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.zero(dst, words),
-        }
-    }
-
-    /// Copies `bytes` bytes device to device.
-    pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.copy_bytes(dst, src, bytes),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.copy_bytes(dst, src, bytes),
-        }
-    }
-
-    /// The GPU's stream (NCCL communicators are made on it); none for the emulation.
-    #[cfg(feature = "nccl")]
-    pub fn stream(&self) -> Result<Arc<CudaStream>, String> {
-        match self {
-            Device::Gpu(g) => Ok(g.stream()),
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => Err("NCCL needs GPUs: the emulated device has no stream".into()),
-        }
-    }
-
-    /// See [`Gpu::all_reduce_sum`].
-    #[cfg(feature = "nccl")]
-    pub fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.all_reduce_sum(comm, buf),
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => Err("NCCL needs GPUs, not the emulated device".to_string()),
-        }
-    }
-
-    /// Waits for everything queued (the emulation runs each call to its end).
-    pub fn sync(&self) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.sync(),
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => Ok(()),
-        }
-    }
-
-    /// A point in the device's stream, for profiles, taken without waiting: a timed
-    /// CUDA event the GPU reaches when the work queued before it is done, or on the
-    /// emulated device (which runs each call as it is made) the host's clock.
-    pub fn mark(&self) -> Result<Mark, String> {
-        match self {
-            Device::Gpu(g) => g.mark(),
-            #[cfg(feature = "emulate")]
-            Device::Host(_) => Ok(Mark::Host(std::time::Instant::now())),
-        }
-    }
-
-    /// See [`Gpu::launch`].
-    pub fn launch(
-        &self,
-        name: &str,
-        ptrs: &[u64],
-        dims: &[i64],
-        items: usize,
-    ) -> Result<(), String> {
-        match self {
-            Device::Gpu(g) => g.launch(name, ptrs, dims, items),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.launch(name, ptrs, dims, items),
-        }
-    }
-
-    /// See [`Gpu::gemm`].
-    pub fn gemm(
-        &self,
-        g: &Sgemm,
-        elem: GemmElem,
-        out: GemmElem,
-        p: GemmPtrs,
-    ) -> Result<(), String> {
-        if elem == GemmElem::F32 && out != GemmElem::F32 {
-            return Err("internal: an f32 GEMM into a bf16 result".to_string());
-        }
-        match self {
-            Device::Gpu(d) => d.gemm(g, elem, out, p),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.gemm(g, elem, out, p),
-        }
-    }
-
-    /// See [`Gpu::gemm_epilogue`]: a bias (then ReLU with `relu`) of `out`'s type.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bias(
+    /// [`DeviceApi::gemm_epilogue`] with a bias (then ReLU with `relu`) of the result's
+    /// type.
+    fn gemm_bias(
         &self,
         g: &Sgemm,
         elems: (GemmElem, GemmElem),
-        a: u64,
-        b: u64,
-        c: u64,
-        bias: u64,
+        p: EpiloguePtrs,
         relu: bool,
     ) -> Result<bool, String> {
         let epilogue = if relu {
@@ -377,55 +281,42 @@ impl Device {
         } else {
             Epilogue::Bias
         };
-        self.gemm_epilogue(g, elems, a, b, c, bias, epilogue)
+        self.gemm_epilogue(g, elems, p, epilogue)
     }
 
     /// Row-major `c = a·b` whose cuBLAS first operand (`b`, `g.m × g.k` as read) is also
-    /// summed along `k` into `grad` (`g.m` elements, bf16 where `grad_bf16`, else f32):
-    /// the weight gradient and the bias gradient of a linear layer from one read of the
-    /// output gradient. `Ok(false)`: cuBLASLt has no algorithm for it (nothing launched).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_bias_grad(
+    /// summed along `k` into the vector (`g.m` elements, bf16 where `grad_bf16`, else
+    /// f32): the weight gradient and the bias gradient of a linear layer from one read of
+    /// the output gradient. `Ok(false)`: cuBLASLt has no algorithm for it (nothing
+    /// launched).
+    fn gemm_bias_grad(
         &self,
         g: &Sgemm,
         elems: (GemmElem, GemmElem),
-        a: u64,
-        b: u64,
-        c: u64,
-        grad: u64,
+        p: EpiloguePtrs,
         grad_bf16: bool,
     ) -> Result<bool, String> {
-        let epilogue = Epilogue::BiasGradA { bf16: grad_bf16 };
-        self.gemm_epilogue(g, elems, a, b, c, grad, epilogue)
+        self.gemm_epilogue(g, elems, p, Epilogue::BiasGradA { bf16: grad_bf16 })
     }
+}
 
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_epilogue(
-        &self,
-        g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
-        a: u64,
-        b: u64,
-        c: u64,
-        vector: u64,
-        epilogue: Epilogue,
-    ) -> Result<bool, String> {
-        if elem == GemmElem::F32 && out != GemmElem::F32 {
-            return Err("internal: an f32 GEMM into a bf16 result".to_string());
-        }
-        match self {
-            Device::Gpu(d) => d.gemm_epilogue(g, (elem, out), a, b, c, vector, epilogue),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.gemm_epilogue(g, (elem, out), a, b, c, vector, epilogue),
-        }
+/// The element types of a GEMM's operands and result, unless f32 operands go into a
+/// bf16 result (no device call does that).
+pub(crate) fn check_elems((elem, out): (GemmElem, GemmElem)) -> Result<(), String> {
+    if elem == GemmElem::F32 && out != GemmElem::F32 {
+        return Err("internal: an f32 GEMM into a bf16 result".to_string());
     }
+    Ok(())
+}
 
-    /// See [`Gpu::sgemm`].
-    pub fn sgemm(&self, g: &Sgemm, p: GemmPtrs) -> Result<(), String> {
-        match self {
-            Device::Gpu(d) => d.sgemm(g, p),
-            #[cfg(feature = "emulate")]
-            Device::Host(h) => h.gemm(g, GemmElem::F32, GemmElem::F32, p),
+impl Buf {
+    /// A buffer of the emulated device.
+    #[cfg(feature = "emulate")]
+    pub(crate) fn host(mem: HostMem, words: usize) -> Buf {
+        Buf {
+            ptr: mem.ptr(),
+            owner: Owner::Host(mem),
+            words,
         }
     }
 }

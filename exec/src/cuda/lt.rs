@@ -29,7 +29,7 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
-use super::abi::Sgemm;
+use super::abi::{EpiloguePtrs, Sgemm};
 use super::device::{GemmElem, GemmMath};
 
 /// Bytes of the cuBLASLt workspace (NVIDIA's recommendation for Hopper).
@@ -283,21 +283,23 @@ impl Lt {
 
     /// Row-major `c = a·b` with `g` as for `cublasSgemm` (cuBLAS's first operand at
     /// `b`, its second at `a`), operands of `elem` and the result `c` of `out`, and the
-    /// epilogue's vector at `bias`: one element per output column (cuBLAS's `m`), of
+    /// epilogue's vector at `p.vector`: one element per output column (cuBLAS's `m`), of
     /// `out`'s type for a bias, of the type the epilogue names for a bias gradient.
     /// `Ok(false)`: cuBLASLt cannot run this problem (nothing was launched).
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm_epilogue(
         &mut self,
         stream: &CudaStream,
         g: &Sgemm,
         (elem, out): (GemmElem, GemmElem),
-        a: u64,
-        b: u64,
-        c: u64,
-        bias: u64,
+        p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
+        let EpiloguePtrs {
+            a,
+            b,
+            c,
+            vector: bias,
+        } = p;
         if !bias_fits(bias) || (elem == GemmElem::F32 && out == GemmElem::Bf16) {
             return Ok(false);
         }

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaContext, CudaModule, DevicePtr};
 use cudarc::nvrtc::Ptx;
 use kiln_compiler::codegen::cuda::Work;
 
-use crate::cuda::abi::{grid, pack_dims, GemmPtrs, Sgemm};
+use crate::cuda::abi::{grid, pack_dims, EpiloguePtrs, GemmPtrs, Sgemm};
 use crate::cuda::lt::Epilogue;
 
 use super::*;
@@ -183,47 +183,6 @@ impl Gpu {
         })
     }
 
-    /// Loads another compiled module into the context and adds its `functions` (names
-    /// must not clash with those already loaded).
-    pub fn load_module(
-        &mut self,
-        ptx: Ptx,
-        functions: &[(String, Work, usize)],
-    ) -> Result<(), String> {
-        if let Some((name, _, _)) = functions.iter().find(|f| self.funcs.contains_key(&f.0)) {
-            return Err(format!("a function `{name}` is loaded already"));
-        }
-        let module = load(&self.ctx, ptx, functions, &mut self.funcs)?;
-        self.modules.push(module);
-        Ok(())
-    }
-
-    /// Whether a function `name` is loaded.
-    pub fn has(&self, name: &str) -> bool {
-        self.funcs.contains_key(name)
-    }
-
-    /// Makes the context current on the calling thread (runs may come from any thread).
-    pub fn bind(&self) -> Result<(), String> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(drv("cannot bind the CUDA context"))
-    }
-
-    /// `words` zeroed 4-byte words (at least one). When the device is out of memory, the
-    /// pool's cached memory ([`keep_pool_memory`]) goes back to the driver and the
-    /// allocation is tried once more: memory freed by a smaller arena, or by the scratch
-    /// of earlier steps, is then available to a larger one.
-    pub fn alloc(&self, words: usize) -> Result<Buf, String> {
-        self.alloc_with(words, true)
-    }
-
-    /// [`Gpu::alloc`] without zeroing (no memset in the stream): for a buffer the next
-    /// launch writes whole.
-    pub fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
-        self.alloc_with(words, false)
-    }
-
     fn alloc_with(&self, words: usize, zero: bool) -> Result<Buf, String> {
         let n = words.max(1);
         let get = || {
@@ -260,8 +219,77 @@ impl Gpu {
         f(st.as_mut().expect("allocated"))
     }
 
+    /// Waits for the stream, then returns the memory the pool holds unused to the driver.
+    fn release_cached(&self) -> Result<(), String> {
+        if !self.ctx.has_async_alloc() {
+            return Err("no memory pool".to_string());
+        }
+        self.sync()?;
+        // SAFETY: the context is bound (every caller of `alloc` binds it) and supports
+        // memory pools; trimming releases only memory no allocation holds.
+        unsafe {
+            let pool = cudarc::driver::result::device::get_mem_pool(self.ctx.cu_device())
+                .map_err(drv("cannot find the device's memory pool"))?;
+            cudarc::driver::result::mem_pool::trim_to(pool, 0)
+                .map_err(drv("cannot trim the device's memory pool"))
+        }
+    }
+}
+
+impl DeviceApi for Gpu {
+    /// Loads another compiled module into the context and adds its `functions` (names
+    /// must not clash with those already loaded).
+    fn load_module(
+        &mut self,
+        unit: Unit,
+        functions: &[(String, Work, usize)],
+    ) -> Result<(), String> {
+        let ptx = match unit {
+            Unit::Ptx(ptx) => ptx,
+            #[cfg(feature = "emulate")]
+            Unit::Host(_) => return Err("internal: a unit compiled for another device".into()),
+        };
+        if let Some((name, _, _)) = functions.iter().find(|f| self.funcs.contains_key(&f.0)) {
+            return Err(format!("a function `{name}` is loaded already"));
+        }
+        let module = load(&self.ctx, ptx, functions, &mut self.funcs)?;
+        self.modules.push(module);
+        Ok(())
+    }
+
+    /// Whether a function `name` is loaded.
+    fn has(&self, name: &str) -> bool {
+        self.funcs.contains_key(name)
+    }
+
+    /// Makes the context current on the calling thread (runs may come from any thread).
+    fn bind(&self) -> Result<(), String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(drv("cannot bind the CUDA context"))
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.bind().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
+    }
+
+    /// `words` zeroed 4-byte words (at least one). When the device is out of memory, the
+    /// pool's cached memory ([`keep_pool_memory`]) goes back to the driver and the
+    /// allocation is tried once more: memory freed by a smaller arena, or by the scratch
+    /// of earlier steps, is then available to a larger one.
+    fn alloc(&self, words: usize) -> Result<Buf, String> {
+        self.alloc_with(words, true)
+    }
+
+    /// [`Gpu::alloc`] without zeroing (no memset in the stream): for a buffer the next
+    /// launch writes whole.
+    fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
+        self.alloc_with(words, false)
+    }
+
     /// Copies `words` to `dst` and waits for the copy.
-    pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+    fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
         if words.is_empty() {
             return Ok(());
         }
@@ -298,7 +326,7 @@ impl Gpu {
     /// fewer than `STAGE_MIN` words from pageable memory, which the driver stages before
     /// the call returns (CUDA's API synchronization rules: no device synchronization);
     /// larger copies wait as [`Gpu::write`] does.
-    pub fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+    fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
         if words.is_empty() {
             return Ok(());
         }
@@ -313,7 +341,7 @@ impl Gpu {
     }
 
     /// `n` words at `src`, after everything queued before.
-    pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
+    fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
         let mut out = vec![0u32; n];
         if n == 0 {
             return Ok(out);
@@ -351,7 +379,7 @@ impl Gpu {
     }
 
     /// Zeroes `words` words at `dst`.
-    pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
+    fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
         if words == 0 {
             return Ok(());
         }
@@ -363,7 +391,7 @@ impl Gpu {
     }
 
     /// Copies `bytes` bytes device to device (bf16 buffers need not fill whole words).
-    pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
         if bytes == 0 {
             return Ok(());
         }
@@ -376,8 +404,8 @@ impl Gpu {
 
     /// The stream everything of this device runs on (NCCL communicators are made on it).
     #[cfg(feature = "nccl")]
-    pub fn stream(&self) -> Arc<CudaStream> {
-        self.stream.clone()
+    fn stream(&self) -> Result<Arc<CudaStream>, String> {
+        Ok(self.stream.clone())
     }
 
     /// Enqueues, on this device's stream, an in-place NCCL sum of `buf` (f32 values as
@@ -385,7 +413,7 @@ impl Gpu {
     /// ranks driven from one thread, the calls of all ranks go between
     /// `cudarc::nccl::group_start` and `group_end`.
     #[cfg(feature = "nccl")]
-    pub fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String> {
+    fn all_reduce_sum(&self, comm: &cudarc::nccl::Comm, buf: &mut Buf) -> Result<(), String> {
         if comm.stream().cu_stream() != self.stream.cu_stream() {
             return Err("an NCCL communicator of another stream".to_string());
         }
@@ -406,30 +434,14 @@ impl Gpu {
         Ok(())
     }
 
-    pub fn sync(&self) -> Result<(), String> {
+    fn sync(&self) -> Result<(), String> {
         self.stream
             .synchronize()
             .map_err(drv("the CUDA stream failed"))
     }
 
-    /// Waits for the stream, then returns the memory the pool holds unused to the driver.
-    fn release_cached(&self) -> Result<(), String> {
-        if !self.ctx.has_async_alloc() {
-            return Err("no memory pool".to_string());
-        }
-        self.sync()?;
-        // SAFETY: the context is bound (every caller of `alloc` binds it) and supports
-        // memory pools; trimming releases only memory no allocation holds.
-        unsafe {
-            let pool = cudarc::driver::result::device::get_mem_pool(self.ctx.cu_device())
-                .map_err(drv("cannot find the device's memory pool"))?;
-            cudarc::driver::result::mem_pool::trim_to(pool, 0)
-                .map_err(drv("cannot trim the device's memory pool"))
-        }
-    }
-
     /// A timed event recorded in the stream (see [`Device::mark`]).
-    pub(super) fn mark(&self) -> Result<Mark, String> {
+    fn mark(&self) -> Result<Mark, String> {
         self.stream
             .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map(Mark::Gpu)
@@ -438,13 +450,7 @@ impl Gpu {
 
     /// Launches generated function `name` on `ptrs` (its buffers, in order), `dims` and
     /// `items` (see the launch ABI of `codegen::cuda`); nothing for zero items.
-    pub fn launch(
-        &self,
-        name: &str,
-        ptrs: &[u64],
-        dims: &[i64],
-        items: usize,
-    ) -> Result<(), String> {
+    fn launch(&self, name: &str, ptrs: &[u64], dims: &[i64], items: usize) -> Result<(), String> {
         let func = launchable(&self.funcs, name, ptrs.len(), |f| f.params)?;
         let Some((g, b)) = grid(func.work, items) else {
             return Ok(());
@@ -478,13 +484,13 @@ impl Gpu {
     /// result `c` of element type `out` (accumulation fp32): bf16 operands go through
     /// `cublasGemmEx`, with an f32 result or, in a mixed-precision program, a bf16 one
     /// (`beta` then reads the bf16 `c`). An f32 GEMM has an f32 result.
-    pub fn gemm(
+    fn gemm(
         &self,
         g: &Sgemm,
-        elem: GemmElem,
-        out: GemmElem,
+        (elem, out): (GemmElem, GemmElem),
         p: GemmPtrs,
     ) -> Result<(), String> {
+        check_elems((elem, out))?;
         let GemmPtrs {
             a,
             b,
@@ -568,35 +574,25 @@ impl Gpu {
     /// a bias of `out`'s type, or the bias gradient it receives). `Ok(false)` when
     /// cuBLASLt has no algorithm for it: nothing was launched, and the caller runs the
     /// separate kernels.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_epilogue(
+    fn gemm_epilogue(
         &self,
         g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
-        a: u64,
-        b: u64,
-        c: u64,
-        bias: u64,
+        elems: (GemmElem, GemmElem),
+        p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
+        check_elems(elems)?;
         let mut lt = self.lt.lock().unwrap_or_else(|p| p.into_inner());
         if lt.is_none() {
             *lt = Some(crate::cuda::lt::Lt::new(&self.stream, self.math)?);
         }
-        lt.as_mut().expect("made above").gemm_epilogue(
-            &self.stream,
-            g,
-            (elem, out),
-            a,
-            b,
-            c,
-            bias,
-            epilogue,
-        )
+        lt.as_mut()
+            .expect("made above")
+            .gemm_epilogue(&self.stream, g, elems, p, epilogue)
     }
 
     /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] where `p` says.
-    pub fn sgemm(&self, g: &Sgemm, p: GemmPtrs) -> Result<(), String> {
+    fn sgemm(&self, g: &Sgemm, p: GemmPtrs) -> Result<(), String> {
         let GemmPtrs {
             a,
             b,

@@ -13,8 +13,8 @@ use kiln_compiler::artifact::fnv1a64;
 use kiln_compiler::codegen::cuda::host::FIBER_SHIM;
 use kiln_compiler::codegen::cuda::Work;
 
-use crate::cuda::abi::{grid, pack_dims, GemmPtrs, KilnDims, Sgemm};
-use crate::cuda::device::{GemmElem, GemmMath};
+use crate::cuda::abi::{grid, pack_dims, EpiloguePtrs, GemmPtrs, KilnDims, Sgemm};
+use crate::cuda::device::{check_elems, Buf, DeviceApi, GemmElem, GemmMath, Mark, Unit};
 use crate::cuda::lt::Epilogue;
 
 use super::{cxx, dry, REFUSE_BIAS_GRADS};
@@ -162,11 +162,12 @@ impl HostDevice {
             funcs: BTreeMap::new(),
             math,
         };
-        d.load_module(source, functions)?;
+        d.load_source(source, functions)?;
         Ok(d)
     }
 
-    pub fn load_module(
+    /// Compiles `source` into a library and loads its `functions`.
+    fn load_source(
         &mut self,
         source: &str,
         functions: &[(String, Work, usize)],
@@ -223,11 +224,7 @@ impl HostDevice {
         Ok(())
     }
 
-    pub fn has(&self, name: &str) -> bool {
-        self.funcs.contains_key(name)
-    }
-
-    pub fn alloc(&self, words: usize) -> HostMem {
+    fn alloc_mem(&self, words: usize) -> HostMem {
         let data = Storage::zeroed(words);
         let mut map = self.registry.0.lock().unwrap_or_else(|p| p.into_inner());
         map.insert(data.addr(), data.bytes());
@@ -236,142 +233,6 @@ impl HostDevice {
             data,
             registry: self.registry.clone(),
         }
-    }
-
-    pub fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
-        self.registry
-            .check(dst, 4 * words.len(), "a host-to-device copy")?;
-        // SAFETY: checked to lie inside a live buffer, which `words` (host memory the
-        // caller borrows) cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), dst as *mut u32, words.len()) };
-        Ok(())
-    }
-
-    pub fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
-        self.registry.check(src, 4 * n, "a device-to-host copy")?;
-        let mut out = vec![0u32; n];
-        // SAFETY: checked to lie inside a live buffer.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u32, out.as_mut_ptr(), n) };
-        Ok(out)
-    }
-
-    pub fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
-        self.registry.check(dst, 4 * words, "a memset")?;
-        if dry() {
-            return Ok(());
-        }
-        // SAFETY: checked to lie inside a live buffer.
-        unsafe { std::ptr::write_bytes(dst as *mut u32, 0, words) };
-        Ok(())
-    }
-
-    pub fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
-        self.registry
-            .check(dst, bytes, "a device-to-device copy's destination")?;
-        self.registry
-            .check(src, bytes, "a device-to-device copy's source")?;
-        if dry() {
-            return Ok(());
-        }
-        // SAFETY: both checked to lie inside live buffers; `copy` allows overlap, as
-        // `cuMemcpyDtoD` does not promise to.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
-        Ok(())
-    }
-
-    pub fn launch(
-        &self,
-        name: &str,
-        ptrs: &[u64],
-        dims: &[i64],
-        items: usize,
-    ) -> Result<(), String> {
-        let func = crate::cuda::device::launchable(&self.funcs, name, ptrs.len(), |f| f.params)?;
-        let Some((g, b)) = grid(func.work, items) else {
-            return Ok(());
-        };
-        for (k, &p) in ptrs.iter().enumerate() {
-            self.registry
-                .check(p, 0, &format!("buffer {k} of a launch of `{name}`"))?;
-        }
-        let packed = pack_dims(dims).map_err(|e| format!("`{name}`: {e}"))?;
-        let Some(call) = func.call.filter(|_| !dry()) else {
-            return Ok(());
-        };
-        let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the trampoline casts each pointer to its parameter's type and runs
-        // the kernel over host memory the pointers address (checked above to start
-        // inside live buffers; the kernels' own bounds are the launch ABI's).
-        unsafe {
-            call(
-                ptrs.as_ptr(),
-                &packed,
-                items as i64,
-                g.min(EMU_GRID),
-                b.min(EMU_BLOCK),
-            )
-        };
-        Ok(())
-    }
-
-    /// `cublasSgemm` / `cublasGemmEx` (strided-batched with `batch`): see the module
-    /// documentation. `first` is cuBLAS's first operand (`b` of the row-major product).
-    pub fn gemm(
-        &self,
-        g: &Sgemm,
-        elem: GemmElem,
-        out: GemmElem,
-        p: GemmPtrs,
-    ) -> Result<(), String> {
-        let GemmPtrs {
-            a,
-            b,
-            c,
-            beta,
-            batch,
-        } = p;
-        let (count, sa, sb, sc) = batch.unwrap_or((1, 0, 0, 0));
-        for i in 0..count as i64 {
-            let at = |p: u64, stride: i64, el: GemmElem| p + (i * stride) as u64 * size(el);
-            self.one_gemm(
-                g,
-                (at(b, sb, elem), elem),
-                (at(a, sa, elem), elem),
-                (at(c, sc, out), out),
-                beta,
-                None,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// cuBLASLt's `D = op(A)·op(B)` with `epilogue`: `+ bias` (then ReLU), the bias of
-    /// the result's type; or the bias gradient `Σ_k op(A)[i, k]` into `bias`, in f64 and
-    /// rounded once to its type. With [`REFUSE_BIAS_GRAD_ENV`] set, a bias gradient has no
-    /// algorithm (`Ok(false)`, nothing done), as on a GPU whose cuBLASLt lacks one.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_epilogue(
-        &self,
-        g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
-        a: u64,
-        b: u64,
-        c: u64,
-        bias: u64,
-        epilogue: Epilogue,
-    ) -> Result<bool, String> {
-        if let Epilogue::BiasGradA { bf16 } = epilogue {
-            if REFUSE_BIAS_GRADS.load(Ordering::Relaxed) {
-                return Ok(false);
-            }
-            let grad = if bf16 { GemmElem::Bf16 } else { GemmElem::F32 };
-            self.bias_grad(g, (b, elem), (bias, grad))?;
-            self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, None)?;
-        } else {
-            let relu = epilogue == Epilogue::ReluBias;
-            self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, Some((bias, relu)))?;
-        }
-        Ok(true)
     }
 
     /// `grad[i] = Σ_p op(first)[i, p]` for the `m` rows of cuBLAS's first operand.
@@ -501,6 +362,194 @@ impl HostDevice {
             }
         }
         Ok(())
+    }
+}
+
+impl DeviceApi for HostDevice {
+    fn load_module(
+        &mut self,
+        unit: Unit,
+        functions: &[(String, Work, usize)],
+    ) -> Result<(), String> {
+        match unit {
+            Unit::Host(source) => self.load_source(&source, functions),
+            Unit::Ptx(_) => Err("internal: a unit compiled for another device".into()),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.funcs.contains_key(name)
+    }
+
+    fn bind(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
+
+    fn alloc(&self, words: usize) -> Result<Buf, String> {
+        Ok(Buf::host(self.alloc_mem(words), words))
+    }
+
+    fn alloc_uninit(&self, words: usize) -> Result<Buf, String> {
+        self.alloc(words)
+    }
+
+    fn write(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        self.registry
+            .check(dst, 4 * words.len(), "a host-to-device copy")?;
+        // SAFETY: checked to lie inside a live buffer, which `words` (host memory the
+        // caller borrows) cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), dst as *mut u32, words.len()) };
+        Ok(())
+    }
+
+    fn write_enqueued(&self, dst: u64, words: &[u32]) -> Result<(), String> {
+        self.write(dst, words)
+    }
+
+    fn read(&self, src: u64, n: usize) -> Result<Vec<u32>, String> {
+        self.registry.check(src, 4 * n, "a device-to-host copy")?;
+        let mut out = vec![0u32; n];
+        // SAFETY: checked to lie inside a live buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u32, out.as_mut_ptr(), n) };
+        Ok(out)
+    }
+
+    fn zero(&self, dst: u64, words: usize) -> Result<(), String> {
+        self.registry.check(dst, 4 * words, "a memset")?;
+        if dry() {
+            return Ok(());
+        }
+        // SAFETY: checked to lie inside a live buffer.
+        unsafe { std::ptr::write_bytes(dst as *mut u32, 0, words) };
+        Ok(())
+    }
+
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        self.registry
+            .check(dst, bytes, "a device-to-device copy's destination")?;
+        self.registry
+            .check(src, bytes, "a device-to-device copy's source")?;
+        if dry() {
+            return Ok(());
+        }
+        // SAFETY: both checked to lie inside live buffers; `copy` allows overlap, as
+        // `cuMemcpyDtoD` does not promise to.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    #[cfg(feature = "nccl")]
+    fn stream(&self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, String> {
+        Err("NCCL needs GPUs: the emulated device has no stream".into())
+    }
+
+    #[cfg(feature = "nccl")]
+    fn all_reduce_sum(&self, _: &cudarc::nccl::Comm, _: &mut Buf) -> Result<(), String> {
+        Err("NCCL needs GPUs, not the emulated device".to_string())
+    }
+
+    fn sync(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn mark(&self) -> Result<Mark, String> {
+        Ok(Mark::Host(std::time::Instant::now()))
+    }
+
+    fn launch(&self, name: &str, ptrs: &[u64], dims: &[i64], items: usize) -> Result<(), String> {
+        let func = crate::cuda::device::launchable(&self.funcs, name, ptrs.len(), |f| f.params)?;
+        let Some((g, b)) = grid(func.work, items) else {
+            return Ok(());
+        };
+        for (k, &p) in ptrs.iter().enumerate() {
+            self.registry
+                .check(p, 0, &format!("buffer {k} of a launch of `{name}`"))?;
+        }
+        let packed = pack_dims(dims).map_err(|e| format!("`{name}`: {e}"))?;
+        let Some(call) = func.call.filter(|_| !dry()) else {
+            return Ok(());
+        };
+        let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the trampoline casts each pointer to its parameter's type and runs
+        // the kernel over host memory the pointers address (checked above to start
+        // inside live buffers; the kernels' own bounds are the launch ABI's).
+        unsafe {
+            call(
+                ptrs.as_ptr(),
+                &packed,
+                items as i64,
+                g.min(EMU_GRID),
+                b.min(EMU_BLOCK),
+            )
+        };
+        Ok(())
+    }
+
+    /// `cublasSgemm` / `cublasGemmEx` (strided-batched with `batch`): see the module
+    /// documentation. `first` is cuBLAS's first operand (`b` of the row-major product).
+    fn gemm(
+        &self,
+        g: &Sgemm,
+        (elem, out): (GemmElem, GemmElem),
+        p: GemmPtrs,
+    ) -> Result<(), String> {
+        check_elems((elem, out))?;
+        let GemmPtrs {
+            a,
+            b,
+            c,
+            beta,
+            batch,
+        } = p;
+        let (count, sa, sb, sc) = batch.unwrap_or((1, 0, 0, 0));
+        for i in 0..count as i64 {
+            let at = |p: u64, stride: i64, el: GemmElem| p + (i * stride) as u64 * size(el);
+            self.one_gemm(
+                g,
+                (at(b, sb, elem), elem),
+                (at(a, sa, elem), elem),
+                (at(c, sc, out), out),
+                beta,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// cuBLASLt's `D = op(A)·op(B)` with `epilogue`: `+ bias` (then ReLU), the bias of
+    /// the result's type; or the bias gradient `Σ_k op(A)[i, k]` into `bias`, in f64 and
+    /// rounded once to its type. With [`REFUSE_BIAS_GRAD_ENV`] set, a bias gradient has no
+    /// algorithm (`Ok(false)`, nothing done), as on a GPU whose cuBLASLt lacks one.
+    fn gemm_epilogue(
+        &self,
+        g: &Sgemm,
+        (elem, out): (GemmElem, GemmElem),
+        p: EpiloguePtrs,
+        epilogue: Epilogue,
+    ) -> Result<bool, String> {
+        check_elems((elem, out))?;
+        let EpiloguePtrs {
+            a,
+            b,
+            c,
+            vector: bias,
+        } = p;
+        if let Epilogue::BiasGradA { bf16 } = epilogue {
+            if REFUSE_BIAS_GRADS.load(Ordering::Relaxed) {
+                return Ok(false);
+            }
+            let grad = if bf16 { GemmElem::Bf16 } else { GemmElem::F32 };
+            self.bias_grad(g, (b, elem), (bias, grad))?;
+            self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, None)?;
+        } else {
+            let relu = epilogue == Epilogue::ReluBias;
+            self.one_gemm(g, (b, elem), (a, elem), (c, out), 0.0, Some((bias, relu)))?;
+        }
+        Ok(true)
     }
 }
 

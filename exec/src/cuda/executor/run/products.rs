@@ -6,7 +6,9 @@ use kiln_compiler::codegen::cuda::cast;
 use kiln_compiler::codegen::cuda::misc as cuda_misc;
 use kiln_compiler::ir::DType;
 
-use crate::cuda::abi::{blas_operand, plan_matmul, GemmPtrs, Launch, MatDesc, MatmulPlan};
+use crate::cuda::abi::{
+    blas_operand, plan_matmul, EpiloguePtrs, GemmPtrs, Launch, MatDesc, MatmulPlan,
+};
 use crate::cuda::device::{self};
 use crate::cuda::steps::{Exec as StepExec, Step};
 use crate::eager::value::Layout;
@@ -105,8 +107,7 @@ impl Run<'_> {
         match plan.strided {
             Some((sa, sb)) => self.dev.gemm(
                 &plan.gemm,
-                ops.elem,
-                out_elem,
+                (ops.elem, out_elem),
                 GemmPtrs {
                     a: ops.a.at(plan.a_offsets[0]),
                     b: ops.b.at(plan.b_offsets[0]),
@@ -119,8 +120,7 @@ impl Run<'_> {
                 for (i, (&oa, &ob)) in plan.a_offsets.iter().zip(&plan.b_offsets).enumerate() {
                     self.dev.gemm(
                         &plan.gemm,
-                        ops.elem,
-                        out_elem,
+                        (ops.elem, out_elem),
                         GemmPtrs {
                             a: ops.a.at(oa),
                             b: ops.b.at(ob),
@@ -306,15 +306,14 @@ impl Run<'_> {
         };
         let ops = self.matmul_ops(&a, &b, plan)?;
         let p = &ops.plan;
-        self.dev.gemm_bias_grad(
-            &p.gemm,
-            (ops.elem, out_elem),
-            ops.a.at(p.a_offsets[0]),
-            ops.b.at(p.b_offsets[0]),
-            out.base(),
-            db.base(),
-            db.is_bf16(),
-        )
+        let ptrs = EpiloguePtrs {
+            a: ops.a.at(p.a_offsets[0]),
+            b: ops.b.at(p.b_offsets[0]),
+            c: out.base(),
+            vector: db.base(),
+        };
+        let elems = (ops.elem, out_elem);
+        self.dev.gemm_bias_grad(&p.gemm, elems, ptrs, db.is_bf16())
     }
 
     /// A `linear` kernel: `out = x·w + bias` (`relu`: then `max(·, 0)`); `bias_fill`
@@ -362,15 +361,14 @@ impl Run<'_> {
                 bias.base()
             };
             let p = &ops.plan;
-            let fused = self.dev.gemm_bias(
-                &p.gemm,
-                (ops.elem, out_elem),
-                ops.a.at(p.a_offsets[0]),
-                ops.b.at(p.b_offsets[0]),
-                out.base(),
-                bias_ptr,
-                relu.is_some(),
-            )?;
+            let ptrs = EpiloguePtrs {
+                a: ops.a.at(p.a_offsets[0]),
+                b: ops.b.at(p.b_offsets[0]),
+                c: out.base(),
+                vector: bias_ptr,
+            };
+            let elems = (ops.elem, out_elem);
+            let fused = self.dev.gemm_bias(&p.gemm, elems, ptrs, relu.is_some())?;
             if fused {
                 self.epilogues.0 += 1;
                 return Ok(());
