@@ -374,15 +374,16 @@ pub(super) fn int_op(
         BinOp::Le => Value::Bool(x <= y),
         BinOp::Gt => Value::Bool(x > y),
         BinOp::Ge => Value::Bool(x >= y),
-        BinOp::MatMul => {
-            return Err(
-                Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
-                    .at(span, "")
-                    .help("use `*` for numbers"),
-            )
-        }
+        BinOp::MatMul => return Err(matmul_of_numbers(span)),
         BinOp::And | BinOp::Or => unreachable!("handled before"),
     })
+}
+
+/// The error for `@` between two numbers at `span`.
+fn matmul_of_numbers(span: Span) -> Diag {
+    Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
+        .at(span, "")
+        .help("use `*` for numbers")
 }
 
 /// Divisors of `x` closest to `y` (one below, one above), found by trial division up to
@@ -429,13 +430,7 @@ pub(super) fn float_op(op: BinOp, x: f64, y: f64, tb: &str, sb: Span, span: Span
         BinOp::Le => return Ok(Value::Bool(x <= y)),
         BinOp::Gt => return Ok(Value::Bool(x > y)),
         BinOp::Ge => return Ok(Value::Bool(x >= y)),
-        BinOp::MatMul => {
-            return Err(
-                Diag::new("kiln::type", "`@` multiplies tensors, not numbers")
-                    .at(span, "")
-                    .help("use `*` for numbers"),
-            )
-        }
+        BinOp::MatMul => return Err(matmul_of_numbers(span)),
         BinOp::And | BinOp::Or => unreachable!("handled before"),
     };
     if !v.is_finite() {

@@ -101,24 +101,59 @@ fn check_src(src: &View<'_, f32>, n: usize, row: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// A checked scatter of `src`'s rows of `row` elements to the rows `ids` name: the
+/// contiguous sources, each id's target row, and by target row `r` the positions that
+/// name it (`order[start[r]..start[r + 1]]`, in position order).
+struct ScatterPlan<'s> {
+    src: Cow<'s, [f32]>,
+    targets: Vec<usize>,
+    start: Vec<usize>,
+    order: Vec<usize>,
+}
+
+/// The [`ScatterPlan`] into `len` elements, or `None` when nothing is added.
+fn scatter_plan<'s>(
+    ids: View<'_, i32>,
+    src: View<'s, f32>,
+    row: usize,
+    len: usize,
+) -> Result<Option<ScatterPlan<'s>>, String> {
+    let (rows, targets) = scatter_targets(ids, row, len)?;
+    check_src(&src, targets.len(), row)?;
+    if row == 0 || targets.is_empty() {
+        return Ok(None);
+    }
+    let src = contiguous(src);
+    let (start, order) = by_row(&targets, rows);
+    Ok(Some(ScatterPlan {
+        src,
+        targets,
+        start,
+        order,
+    }))
+}
+
 pub(crate) fn scatter_add_into(
     ids: View<'_, i32>,
     src: View<'_, f32>,
     row: usize,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let (rows, targets) = scatter_targets(ids, row, out.len())?;
-    check_src(&src, targets.len(), row)?;
-    let src = contiguous(src);
+    let plan = scatter_plan(ids, src, row, out.len())?;
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(PAR_MIN).for_each(|c| c.fill(0.0));
     } else {
         out.fill(0.0);
     }
-    if row == 0 || targets.is_empty() {
+    let Some(ScatterPlan {
+        src,
+        start,
+        order,
+        targets,
+    }) = plan
+    else {
         return Ok(());
-    }
-    let (start, order) = by_row(&targets, rows);
+    };
     let body = |(r, dst): (usize, &mut [f32])| {
         for &p in &order[start[r]..start[r + 1]] {
             for (d, &s) in dst.iter_mut().zip(&src[p * row..(p + 1) * row]) {
@@ -263,13 +298,15 @@ pub(crate) fn scatter_add_onto(
     row: usize,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let (rows, targets) = scatter_targets(ids, row, out.len())?;
-    check_src(&src, targets.len(), row)?;
-    let src = contiguous(src);
-    if row == 0 || targets.is_empty() {
+    let Some(ScatterPlan {
+        src,
+        start,
+        order,
+        targets,
+    }) = scatter_plan(ids, src, row, out.len())?
+    else {
         return Ok(());
-    }
-    let (start, order) = by_row(&targets, rows);
+    };
     let body = |acc: &mut Vec<f32>, (r, dst): (usize, &mut [f32])| {
         let at = &order[start[r]..start[r + 1]];
         if at.is_empty() {
