@@ -488,6 +488,11 @@ impl CudaExecutor {
         &self.graph
     }
 
+    /// The run state, locked (taken back from a thread that panicked holding it).
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Per kernel: its kind and how it runs (`generated`, `gemm`, `attention`, `host`).
     pub fn launches(&self) -> Vec<(String, &'static str)> {
         self.steps
@@ -501,8 +506,7 @@ impl CudaExecutor {
     /// fill, a GEMM and a ReLU pass ([`CudaOptions::separate_epilogues`], or no
     /// cuBLASLt algorithm for the problem).
     pub fn epilogue_counts(&self) -> (usize, usize) {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.epilogues
+        self.state().epilogues
     }
 
     /// How the bias gradients paired with their weight-gradient GEMM ran so far, over
@@ -511,50 +515,44 @@ impl CudaExecutor {
     /// `separate_epilogues`, no cuBLASLt algorithm, a single row, or a GEMM that does not
     /// read the output gradient in place).
     pub fn bias_grad_counts(&self) -> (usize, usize) {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.bias_grads
+        self.state().bias_grads
     }
 
     /// With `on`, every run records the launches of the launch plan it ran, in order, and
     /// how ([`CudaExecutor::last_launches`]), as the compiled executor does.
     pub fn record_launches(&self, on: bool) {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state();
         guard.launches = on.then(Vec::new);
     }
 
     /// The launches of the last run ([`CudaExecutor::record_launches`]; empty without).
     pub fn last_launches(&self) -> Vec<Launched> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.launches.clone().unwrap_or_default()
+        self.state().launches.clone().unwrap_or_default()
     }
 
     /// Runs so far that bound the views' and kernel results' locations afresh, and that
     /// reused those kept from an earlier run at the same dims (see `Bound`).
     pub fn binding_counts(&self) -> (usize, usize) {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.binds
+        self.state().binds
     }
 
     /// The last run's view copies (reshapes of non-contiguous views, copied before their
     /// first reader): how many, and their bytes in all. Attention's results are stored
     /// with their heads merged, so a Transformer's program makes none.
     pub fn view_copies(&self) -> (usize, usize) {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.view_copies
+        self.state().view_copies
     }
 
     /// Bytes of the device arena allocated so far (the memory plan's layout for the
     /// largest dims run; 0 before the first run).
     pub fn arena_bytes(&self) -> usize {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.arena.as_ref().map_or(0, |a| a.words * 4)
+        self.state().arena.as_ref().map_or(0, |a| a.words * 4)
     }
 
     /// How many bf16 casts of parameter spans the executor keeps for the next run of
     /// the last parameters version (mixed precision or bf16 GEMMs; see `Run::casts`).
     pub fn parameter_casts(&self) -> usize {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        guard.params.as_ref().map_or(0, |c| c.casts.len())
+        self.state().params.as_ref().map_or(0, |c| c.casts.len())
     }
 
     /// Runs the entry; outputs in `graph.outputs` order.

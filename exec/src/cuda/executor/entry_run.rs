@@ -38,7 +38,7 @@ impl CudaExecutor {
         let bind = Binder::with_resident(&self.graph, inputs, &held, params, EXECUTOR)?;
         let dims = bind.dims.clone();
         let layout = self.layouts.get(&self.plan, &dims)?;
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         self.ensure_arena(&mut guard, &dims, layout.total)?;
         // The parameters' device copies are kept for runs of the same version (taken out

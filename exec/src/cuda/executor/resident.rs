@@ -44,7 +44,7 @@ impl DeviceResident for CudaExecutor {
             TensorData::Bool(v) => (v.iter().map(|&b| b as u32).collect(), DType::Bool),
         };
         debug_assert_eq!(words.len(), numel);
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         let buf = guard.device.upload(&words).map_err(dev_err)?;
         Ok(DeviceTensor {
@@ -218,7 +218,7 @@ impl CudaExecutor {
     /// (`codegen::cuda::resident`: the row gather and the top-k) compiled and loaded on
     /// first use.
     pub(super) fn decoder_unit(&self) -> Result<std::sync::MutexGuard<'_, State>, ExecError> {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         load_unit_once(
             &mut guard.device,
@@ -232,7 +232,7 @@ impl CudaExecutor {
 
     /// A device tensor copied to the host.
     pub fn to_host(&self, t: &DeviceTensor) -> Result<Tensor, ExecError> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         let n = t.numel();
         let w = guard

@@ -22,7 +22,7 @@ impl CudaExecutor {
         m: &BTreeMap<String, Vec<f32>>,
         v: &BTreeMap<String, Vec<f32>>,
     ) -> Result<(), ExecError> {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         guard.training = None;
         load_unit_once(
@@ -125,7 +125,7 @@ impl CudaExecutor {
     /// (`1 / tokens`); `constants` are the first seven `optim::ADAM_CONSTANTS`, as
     /// `Adam::constants` rounds them. Waits for the update to finish.
     pub fn train_update(&self, constants: [f32; 7], scale: f32) -> Result<(), ExecError> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         let t = guard.training.as_ref().ok_or_else(|| {
             ExecError::Unsupported("an optimizer step before `train_begin`".to_string())
@@ -155,7 +155,7 @@ impl CudaExecutor {
         m: &mut BTreeMap<String, Vec<f32>>,
         v: &mut BTreeMap<String, Vec<f32>>,
     ) -> Result<(), ExecError> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state();
         guard.device.bind().map_err(dev_err)?;
         let t = guard.training.as_ref().ok_or_else(|| {
             ExecError::Unsupported("no training state on the device to download".to_string())
@@ -192,7 +192,7 @@ impl CudaExecutor {
     /// The device's stream, for an NCCL communicator ([`super::parallel`]).
     #[cfg(feature = "nccl")]
     pub(crate) fn stream(&self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, String> {
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.state();
         guard.device.stream()
     }
 
@@ -202,7 +202,7 @@ impl CudaExecutor {
     /// `cudarc::nccl::group_start` and `group_end`.
     #[cfg(feature = "nccl")]
     pub(crate) fn train_all_reduce(&self, comm: &cudarc::nccl::Comm) -> Result<(), ExecError> {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state();
         let st = &mut *guard;
         st.device.bind().map_err(dev_err)?;
         let t = st.training.as_mut().ok_or_else(|| {
@@ -218,7 +218,7 @@ impl CudaExecutor {
 
     /// Frees the training state on the device.
     pub fn train_end(&self) {
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state();
         guard.training = None;
     }
 }
