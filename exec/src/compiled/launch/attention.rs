@@ -48,6 +48,115 @@ pub(super) fn scores_fit(kind: &str, blocks: usize, tq: usize, tk: usize) -> Res
     .map_err(|e| e.to_string())
 }
 
+/// Attention's operands: `q`, `k`, `v` (`[b, h, t, d]`), the output gradient `g` of the
+/// backward, the mask (contiguous) and the scale and fill scalars.
+struct Operands<'a> {
+    q: &'a Loc,
+    k: &'a Loc,
+    v: &'a Loc,
+    g: Option<&'a Loc>,
+    mask: Option<Loc>,
+    kind: MaskKind,
+    scale: P,
+    fill: P,
+}
+
+impl<'a> Operands<'a> {
+    /// From a kernel's inputs: `q, k, v, [mask], [g], scale, [fill]` (`g` with
+    /// `backward`, the mask and fill unless `kind` is `None`).
+    fn of(
+        ins: &[&'a Loc],
+        (kind, backward): (MaskKind, bool),
+        keep: &mut Keep,
+        contig: &mut dyn FnMut(&Loc, &mut Keep) -> Result<Loc, String>,
+    ) -> Result<Operands<'a>, String> {
+        let mut rest = ins[3..].iter().copied();
+        let mut next = || {
+            rest.next()
+                .ok_or("internal: an attention kernel's operands")
+        };
+        let masked = kind != MaskKind::None;
+        let mask = if masked {
+            Some(contig(next()?, keep)?)
+        } else {
+            None
+        };
+        let g = if backward { Some(next()?) } else { None };
+        let scale = P(next()?.base());
+        let fill = P(if masked {
+            next()?.base()
+        } else {
+            std::ptr::null_mut()
+        });
+        Ok(Operands {
+            q: ins[0],
+            k: ins[1],
+            v: ins[2],
+            g,
+            mask,
+            kind,
+            scale,
+            fill,
+        })
+    }
+
+    /// `(b, h, tq, tk, dk, dv)`.
+    fn sizes(&self) -> (usize, usize, usize, usize, usize, usize) {
+        let qs = self.q.shape();
+        (
+            qs[0],
+            qs[1],
+            qs[2],
+            self.k.shape()[2],
+            qs[3],
+            self.v.shape()[3],
+        )
+    }
+
+    /// The probabilities of head (bi, hi) into `s` (`[tq, tk]`): `q·kᵀ`, then the masked
+    /// scaled softmax in place (`dims` its dims).
+    ///
+    /// # Safety
+    /// `s` holds `tq·tk` elements; the operands are live.
+    unsafe fn probabilities(
+        &self,
+        s: &mut [f32],
+        (bi, hi): (usize, usize),
+        softmax: KernelFn,
+        dims: &[i64],
+    ) {
+        let (_, _, tq, tk, dk, _) = self.sizes();
+        let (q, k) = (head(self.q, bi, hi, 2, 3), head(self.k, bi, hi, 3, 2));
+        product((tq, dk, tk), (s.as_mut_ptr(), tk as isize), q, k);
+        let sptr = s.as_mut_ptr() as *mut u8;
+        let ptrs: Vec<*mut u8> = match self.kind {
+            MaskKind::None => vec![sptr, self.scale.0, sptr],
+            kind => {
+                let m = mask_at(self.mask.as_ref(), kind, bi, tk);
+                vec![sptr, m, self.scale.0, self.fill.0, sptr]
+            }
+        };
+        softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
+    }
+}
+
+/// `dst = a·b` (`(m, k, n)`, `dst` with row stride `ld`), on the calling thread.
+///
+/// # Safety
+/// As [`kiln_matmul::gemm_one`].
+unsafe fn product((m, k, n): (usize, usize, usize), (dst, ld): (*mut f32, isize), a: Mat, b: Mat) {
+    kiln_matmul::gemm_one((m, k, n), dst, ld, a, b, false, Parallelism::None);
+}
+
+/// A row-major `[_, cols]` matrix at `ptr`.
+fn rows_of(ptr: *const f32, cols: usize) -> Mat {
+    Mat {
+        ptr,
+        rs: cols as isize,
+        cs: 1,
+    }
+}
+
 /// Attention forward: per (batch, head), `s = q·kᵀ` (GEMM), the masked scaled softmax
 /// in place (generated), `o = s·v` (GEMM). Heads run in parallel.
 pub(super) fn attention(
@@ -58,20 +167,8 @@ pub(super) fn attention(
     keep: &mut Keep,
     contig: &mut dyn FnMut(&Loc, &mut Keep) -> Result<Loc, String>,
 ) -> Result<(), String> {
-    let (q, k, v) = (ins[0], ins[1], ins[2]);
-    let (m, scale, fill) = if mask == MaskKind::None {
-        (None, ins[3], None)
-    } else {
-        (Some(contig(ins[3], keep)?), ins[4], Some(ins[5]))
-    };
-    let qs = q.shape();
-    let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
-    let tk = k.shape()[2];
-    let dv = v.shape()[3];
-    let (sp, fp) = (
-        P(scale.base()),
-        P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
-    );
+    let ops = Operands::of(ins, (mask, false), keep, contig)?;
+    let (b, h, tq, tk, _, dv) = ops.sizes();
     let o = HeadsOut::of(out)?;
     scores_fit("attention", 1, tq, tk)?;
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
@@ -79,46 +176,14 @@ pub(super) fn attention(
         || vec![0f32; tq * tk],
         |s, bh| {
             let (bi, hi) = (bh / h, bh % h);
-            let (sp, fp, o) = (sp, fp, &o);
-            let qm = head(q, bi, hi, 2, 3);
-            let kt = head(k, bi, hi, 3, 2);
             // SAFETY: each task writes its own scratch and its own head of `out`.
             unsafe {
-                kiln_matmul::gemm_one(
-                    (tq, dk, tk),
-                    s.as_mut_ptr(),
-                    tk as isize,
-                    qm,
-                    kt,
-                    false,
-                    Parallelism::None,
-                );
-                let sptr = s.as_mut_ptr() as *mut u8;
-                let ptrs: Vec<*mut u8> = if mask == MaskKind::None {
-                    vec![sptr, sp.0, sptr]
-                } else {
-                    vec![sptr, mask_at(m.as_ref(), mask, bi, tk), sp.0, fp.0, sptr]
-                };
-                softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
-                let pm = Mat {
-                    ptr: s.as_ptr(),
-                    rs: tk as isize,
-                    cs: 1,
-                };
-                let vm = head(v, bi, hi, 2, 3);
-                kiln_matmul::gemm_one(
-                    (tq, tk, dv),
-                    o.at(bi, hi),
-                    o.rs,
-                    pm,
-                    vm,
-                    false,
-                    Parallelism::None,
-                );
+                ops.probabilities(s, (bi, hi), softmax, &dims);
+                let (p, v) = (rows_of(s.as_ptr(), tk), head(ops.v, bi, hi, 2, 3));
+                product((tq, tk, dv), (o.at(bi, hi), o.rs), p, v);
             }
         },
     );
-    let _ = dk;
     Ok(())
 }
 
@@ -181,20 +246,11 @@ pub(super) fn attention_bwd(
     keep: &mut Keep,
     contig: &mut dyn FnMut(&Loc, &mut Keep) -> Result<Loc, String>,
 ) -> Result<(), String> {
-    let (q, k, v) = (ins[0], ins[1], ins[2]);
-    let (m, g, scale, fill) = if mask == MaskKind::None {
-        (None, ins[3], ins[4], None)
-    } else {
-        (Some(contig(ins[3], keep)?), ins[4], ins[5], Some(ins[6]))
-    };
-    let qs = q.shape();
-    let (b, h, tq, dk) = (qs[0], qs[1], qs[2], qs[3]);
-    let tk = k.shape()[2];
-    let dv = v.shape()[3];
-    let (sp, fp) = (
-        P(scale.base()),
-        P(fill.map(|f| f.base()).unwrap_or(std::ptr::null_mut())),
-    );
+    let ops = Operands::of(ins, (mask, true), keep, contig)?;
+    let g = ops
+        .g
+        .ok_or("internal: attention_bwd without its output gradient")?;
+    let (b, h, tq, tk, dk, dv) = ops.sizes();
     let (dq, dkk, dvv) = (
         HeadsOut::of(&outs[0])?,
         HeadsOut::of(&outs[1])?,
@@ -203,66 +259,25 @@ pub(super) fn attention_bwd(
     scores_fit("attention_bwd", 2, tq, tk)?;
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
     let (bdims, _) = rows::softmax_bwd_dims(tq, tk);
-    let mloc = m.as_ref();
     (0..b * h).into_par_iter().for_each_init(
         || (vec![0f32; tq * tk], vec![0f32; tq * tk]),
         |(s, dp), bh| {
             let (bi, hi) = (bh / h, bh % h);
-            let (sp, fp, dq, dkk, dvv) = (sp, fp, &dq, &dkk, &dvv);
-            let mp = mask_at(mloc, mask, bi, tk);
+            let (q, k) = (head(ops.q, bi, hi, 2, 3), head(ops.k, bi, hi, 2, 3));
             // SAFETY: each task writes its own scratch and its own heads of the results.
             unsafe {
-                kiln_matmul::gemm_one(
-                    (tq, dk, tk),
-                    s.as_mut_ptr(),
-                    tk as isize,
-                    head(q, bi, hi, 2, 3),
-                    head(k, bi, hi, 3, 2),
-                    false,
-                    Parallelism::None,
-                );
-                let sptr = s.as_mut_ptr() as *mut u8;
-                let ptrs: Vec<*mut u8> = if mask == MaskKind::None {
-                    vec![sptr, sp.0, sptr]
-                } else {
-                    vec![sptr, mp, sp.0, fp.0, sptr]
-                };
-                softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
-                let pm = Mat {
-                    ptr: s.as_ptr(),
-                    rs: tk as isize,
-                    cs: 1,
-                };
-                let pt = Mat {
-                    ptr: s.as_ptr(),
-                    rs: 1,
-                    cs: tk as isize,
-                };
+                ops.probabilities(s, (bi, hi), softmax, &dims);
                 let gm = head(g, bi, hi, 2, 3);
                 // dv = pᵀ·g
-                kiln_matmul::gemm_one(
-                    (tk, tq, dv),
-                    dvv.at(bi, hi),
-                    dvv.rs,
-                    pt,
-                    gm,
-                    false,
-                    Parallelism::None,
-                );
+                let pt = rows_of(s.as_ptr(), tk).transposed();
+                product((tk, tq, dv), (dvv.at(bi, hi), dvv.rs), pt, gm);
                 // dp = g·vᵀ
-                kiln_matmul::gemm_one(
-                    (tq, dv, tk),
-                    dp.as_mut_ptr(),
-                    tk as isize,
-                    gm,
-                    head(v, bi, hi, 3, 2),
-                    false,
-                    Parallelism::None,
-                );
-                let dpp = dp.as_mut_ptr() as *mut u8;
-                let bp = [sptr, dpp, sp.0, dpp];
+                let vt = head(ops.v, bi, hi, 3, 2);
+                product((tq, dv, tk), (dp.as_mut_ptr(), tk as isize), gm, vt);
+                let (sptr, dpp) = (s.as_mut_ptr() as *mut u8, dp.as_mut_ptr() as *mut u8);
+                let bp = [sptr, dpp, ops.scale.0, dpp];
                 softmax_bwd(bp.as_ptr(), bdims.as_ptr(), 0, tq as i64);
-                let _ = pm;
+                let mp = mask_at(ops.mask.as_ref(), mask, bi, tk);
                 if !mp.is_null() {
                     let mi = mp as *const i32;
                     for i in 0..tq {
@@ -274,34 +289,9 @@ pub(super) fn attention_bwd(
                         }
                     }
                 }
-                let ds = Mat {
-                    ptr: dp.as_ptr(),
-                    rs: tk as isize,
-                    cs: 1,
-                };
-                let dst = Mat {
-                    ptr: dp.as_ptr(),
-                    rs: 1,
-                    cs: tk as isize,
-                };
-                kiln_matmul::gemm_one(
-                    (tq, tk, dk),
-                    dq.at(bi, hi),
-                    dq.rs,
-                    ds,
-                    head(k, bi, hi, 2, 3),
-                    false,
-                    Parallelism::None,
-                );
-                kiln_matmul::gemm_one(
-                    (tk, tq, dk),
-                    dkk.at(bi, hi),
-                    dkk.rs,
-                    dst,
-                    head(q, bi, hi, 2, 3),
-                    false,
-                    Parallelism::None,
-                );
+                let ds = rows_of(dp.as_ptr(), tk);
+                product((tq, tk, dk), (dq.at(bi, hi), dq.rs), ds, k);
+                product((tk, tq, dk), (dkk.at(bi, hi), dkk.rs), ds.transposed(), q);
             }
         },
     );

@@ -244,11 +244,13 @@ impl DeviceApi for Gpu {
         unit: Unit,
         functions: &[(String, Work, usize)],
     ) -> Result<(), String> {
-        let ptx = match unit {
-            Unit::Ptx(ptx) => ptx,
-            #[cfg(feature = "emulate")]
-            Unit::Host(_) => return Err("internal: a unit compiled for another device".into()),
+        #[cfg(feature = "emulate")]
+        let Unit::Ptx(ptx) = unit
+        else {
+            return Err("internal: a unit compiled for another device".into());
         };
+        #[cfg(not(feature = "emulate"))]
+        let Unit::Ptx(ptx) = unit;
         if let Some((name, _, _)) = functions.iter().find(|f| self.funcs.contains_key(&f.0)) {
             return Err(format!("a function `{name}` is loaded already"));
         }
