@@ -177,12 +177,7 @@ fn kernel_functions(
     };
     match op {
         KernelOp::Region(expr) => {
-            let out = kg.values[v].types[0].shape.clone();
-            let inner: Vec<bool> = inputs.iter().map(|&x| static_inner(kg, x, &out)).collect();
-            let dtypes: Vec<DType> = inputs
-                .iter()
-                .map(|&x| kg.values[x].types[0].dtype)
-                .collect();
+            let (inner, dtypes) = region_inputs(kg, v, inputs);
             let key = format!(
                 "region {} inner={inner:?} in={dtypes:?} out={}",
                 expr.text(),
@@ -194,11 +189,7 @@ fn kernel_functions(
                     region::region_typed(n, expr, &inner, &dtypes)
                 })?,
             );
-            // The inner-stride flags the function was built for (1: unit, 0: broadcast).
-            put(
-                "inner",
-                inner.iter().map(|&b| if b { '1' } else { '0' }).collect(),
-            );
+            put("inner", inner_flags(&inner));
         }
         KernelOp::Template { id, attrs } => {
             template_functions(em, kg, v, *id, attrs, inputs, &mut put)?;
@@ -354,6 +345,24 @@ fn template_functions(
         TemplateKind::ScatterAddInto => {}
     }
     Ok(())
+}
+
+/// What a region kernel of value `v` is built for: per input, whether its innermost
+/// stride is nonzero ([`static_inner`]) and its element type.
+pub fn region_inputs(kg: &KernelGraph, v: usize, inputs: &[usize]) -> (Vec<bool>, Vec<DType>) {
+    let out = &kg.values[v].types[0].shape;
+    let inner = inputs.iter().map(|&x| static_inner(kg, x, out)).collect();
+    let dtypes = inputs
+        .iter()
+        .map(|&x| kg.values[x].types[0].dtype)
+        .collect();
+    (inner, dtypes)
+}
+
+/// The `inner` role of a region kernel: the inner-stride flags its function was built
+/// for (`1`: unit, `0`: broadcast), one per input.
+pub fn inner_flags(inner: &[bool]) -> String {
+    inner.iter().map(|&b| if b { '1' } else { '0' }).collect()
 }
 
 /// With every symbolic dim at 7: the element strides of value `v` seen through its view

@@ -19,9 +19,9 @@ use crate::codegen::cuda::{
     Library,
 };
 use crate::codegen::misc::ReduceLayout;
-use crate::codegen::program::{mask_kind, static_inner, Names};
+use crate::codegen::program::{inner_flags, mask_kind, region_inputs, Names};
 use crate::codegen::rows::MaskKind;
-use crate::ir::{DType, Op, ReduceOp};
+use crate::ir::{Op, ReduceOp};
 use crate::optimize::kernels::{KernelGraph, KernelOp};
 use crate::optimize::lang::Attr;
 use crate::optimize::templates::{registry, LnForm, TemplateKind};
@@ -389,12 +389,7 @@ fn launch(
     let mut library = None;
     match op {
         KernelOp::Region(expr) => {
-            let out = kg.values[v].types[0].shape.clone();
-            let inner: Vec<bool> = inputs.iter().map(|&x| static_inner(kg, x, &out)).collect();
-            let dtypes: Vec<DType> = inputs
-                .iter()
-                .map(|&x| kg.values[x].types[0].dtype)
-                .collect();
+            let (inner, dtypes) = region_inputs(kg, v, inputs);
             let elems: Vec<Elem> = inputs.iter().map(|&x| at.of(x)).collect();
             let out_elem = at.of(v);
             let key = format!(
@@ -406,10 +401,7 @@ fn launch(
                 region::region_as(n, expr, &inner, &dtypes, &elems, out_elem)
             })?;
             f.insert("main".to_string(), name);
-            f.insert(
-                "inner".to_string(),
-                inner.iter().map(|&b| if b { '1' } else { '0' }).collect(),
-            );
+            f.insert("inner".to_string(), inner_flags(&inner));
         }
         KernelOp::Template { id, attrs } => {
             library = template_launch(em, at, v, *id, attrs, inputs, e, &mut f)?;
