@@ -869,7 +869,7 @@ fn gpu_bf16_train_step_is_close_to_the_cpu() {
 /// Two training steps with the state on the device (`train_begin`, `train_micro`,
 /// `train_update`): finite gradients, and finite losses that differ (the update applied).
 fn two_device_steps(gpu: &CudaExecutor, inputs: &Feeds, params: &Feeds, opts: &RunOptions) {
-    let mut adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, params);
+    let mut adam = kiln_train::optim::Adam::new(&Default::default(), params);
     gpu.train_begin(params, &adam.m, &adam.v).unwrap();
     let mut losses = Vec::new();
     for step in 1..=2u64 {
@@ -1130,8 +1130,8 @@ fn gpu_device_training_matches_the_host_optimizer_bit_for_bit() {
     let (_, params) = feeds(&g, art, 3);
     let batches: Vec<Feeds> = (0..2).map(|k| feeds(&g, art, 20 + k).0).collect();
     let names: Vec<String> = params.keys().cloned().collect();
-    let mut adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, &params);
-    let mut dev_adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+    let mut adam = kiln_train::optim::Adam::new(&Default::default(), &params);
+    let mut dev_adam = kiln_train::optim::Adam::new(&Default::default(), &params);
     let mut hp = params.clone();
     dev.train_begin(&params, &dev_adam.m, &dev_adam.v).unwrap();
     for step in 1..=3u64 {

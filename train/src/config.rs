@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 
 use kiln_exec::executor::ExecutorKind;
 
+mod schedule;
+pub use schedule::{ScheduleConfig, ScheduleKind};
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -117,6 +120,20 @@ pub struct OptimizerConfig {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
+    /// Clip the gradients to this global L2 norm before each update (fairseq's
+    /// `--clip-norm`, PyTorch's `clip_grad_norm_`); 0, the default, never clips. Left out
+    /// of a written configuration when 0 (as `weight_decay`), so runs from before the
+    /// option keep their digest.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub clip_norm: f64,
+    /// Decoupled weight decay (AdamW, Loshchilov & Hutter): every parameter times
+    /// `1 − lr · weight_decay` before Adam's update; 0, the default (the paper's), none.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub weight_decay: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Default for OptimizerConfig {
@@ -125,37 +142,9 @@ impl Default for OptimizerConfig {
             beta1: 0.9,
             beta2: 0.98,
             eps: 1e-9,
+            clip_norm: 0.0,
+            weight_decay: 0.0,
         }
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct ScheduleConfig {
-    pub warmup: u64,
-    /// Multiplies the paper's learning rate.
-    pub factor: f64,
-    /// Defaults to the spec's `d_model`.
-    #[serde(default)]
-    pub d_model: Option<f64>,
-}
-
-impl Default for ScheduleConfig {
-    fn default() -> Self {
-        ScheduleConfig {
-            warmup: 4000,
-            factor: 1.0,
-            d_model: None,
-        }
-    }
-}
-
-impl ScheduleConfig {
-    /// lr = factor · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), step ≥ 1.
-    pub fn lr(&self, d_model: f64, step: u64) -> f64 {
-        let s = step.max(1) as f64;
-        let w = self.warmup.max(1) as f64;
-        self.factor * d_model.powf(-0.5) * s.powf(-0.5).min(s * w.powf(-1.5))
     }
 }
 
@@ -461,10 +450,17 @@ impl Config {
             }
         };
         positive("optimizer.eps", self.optimizer.eps, &mut bad);
-        positive("schedule.factor", self.schedule.factor, &mut bad);
-        if let Some(d) = self.schedule.d_model {
-            positive("schedule.d_model", d, &mut bad);
+        for (key, value) in [
+            ("optimizer.clip_norm", self.optimizer.clip_norm),
+            ("optimizer.weight_decay", self.optimizer.weight_decay),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                bad.push(format!(
+                    "{key} is {value}; give a finite number, 0 (off) or more"
+                ));
+            }
         }
+        self.schedule.check(&mut bad);
         if self.train.max_steps == 0 {
             bad.push(
                 "train.max_steps is 0, so the run would take no step and write no \
@@ -551,11 +547,21 @@ impl Config {
     /// The `train` section's executor, products, loss scale, divergence and devices, and
     /// the vocabulary's lower bound.
     fn check_train(&self, bad: &mut Vec<String>) {
-        if ExecutorKind::parse(&self.train.executor).is_none() {
-            bad.push(format!(
+        match ExecutorKind::parse(&self.train.executor) {
+            None => bad.push(format!(
                 "train.executor is `{}`; use compiled, eager, reference or cuda",
                 self.train.executor
-            ));
+            )),
+            // The device optimizer is Adam alone (its kernel and constants).
+            Some(ExecutorKind::Cuda)
+                if self.optimizer.clip_norm != 0.0 || self.optimizer.weight_decay != 0.0 =>
+            {
+                bad.push(
+                    "optimizer.clip_norm and optimizer.weight_decay run in the host optimizer,                      not yet with train.executor: cuda; drop them or train on the CPU"
+                        .to_string(),
+                )
+            }
+            Some(_) => {}
         }
         if let Some(g) = &self.train.gemm_type {
             match kiln_exec::compiled::GemmType::parse(g) {

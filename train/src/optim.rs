@@ -16,11 +16,16 @@ use rayon::prelude::*;
 
 use kiln_compiler::tensor::{Tensor, TensorData};
 
+use crate::config::OptimizerConfig;
+
 /// Adam's hyper-parameters and state.
 pub struct Adam {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
+    /// Decoupled weight decay (AdamW): each parameter times `1 − lr · weight_decay`
+    /// before the update; 0 leaves the update Adam's, bit for bit.
+    pub weight_decay: f64,
     /// Updates taken so far.
     pub t: u64,
     pub m: BTreeMap<String, Vec<f32>>,
@@ -35,16 +40,17 @@ pub struct OptimError(pub String);
 const CHUNK: usize = 1 << 14;
 
 impl Adam {
-    /// Zero moments for every parameter.
-    pub fn new(beta1: f64, beta2: f64, eps: f64, params: &BTreeMap<String, Tensor>) -> Adam {
+    /// Zero moments for every parameter, with the configuration's β, ε and weight decay.
+    pub fn new(cfg: &OptimizerConfig, params: &BTreeMap<String, Tensor>) -> Adam {
         let zeros: BTreeMap<String, Vec<f32>> = params
             .iter()
             .map(|(k, t)| (k.clone(), vec![0.0; t.numel()]))
             .collect();
         Adam {
-            beta1,
-            beta2,
-            eps,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
             t: 0,
             m: zeros.clone(),
             v: zeros,
@@ -117,11 +123,15 @@ impl Adam {
                 v.as_mut_slice(),
             ));
         }
+        let decay = (self.weight_decay != 0.0).then(|| (1.0 - lr * self.weight_decay) as f32);
         work.into_par_iter().for_each(|(p, g, m, v)| {
             p.par_chunks_mut(CHUNK)
                 .zip(g.par_chunks(CHUNK))
                 .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
                 .for_each(|((p, g), (m, v))| {
+                    if let Some(d) = decay {
+                        p.iter_mut().for_each(|x| *x *= d);
+                    }
                     let k = [b1f, b2f, c1, c2, eps, step_size, inv_sqrt_bc2];
                     update(p, g, m, v, &k)
                 });
@@ -187,6 +197,26 @@ impl Adam {
     }
 }
 
+/// Scales every gradient by `max_norm / (norm + 1e-6)` when their global L2 norm exceeds
+/// `max_norm` (PyTorch's `clip_grad_norm_`, fairseq's `--clip-norm`); returns the norm
+/// before clipping. The norm is summed in f64, each parameter's in order and the
+/// parameters in name order, so it does not depend on the number of threads.
+pub fn clip_global_norm(grads: &mut BTreeMap<String, Vec<f32>>, max_norm: f64) -> f64 {
+    let squares: Vec<f64> = grads
+        .par_iter()
+        .map(|(_, g)| g.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+        .collect();
+    let norm = squares.iter().sum::<f64>().sqrt();
+    if norm > max_norm {
+        let scale = (max_norm / (norm + 1e-6)) as f32;
+        grads.par_iter_mut().for_each(|(_, g)| {
+            g.par_chunks_mut(CHUNK)
+                .for_each(|c| c.iter_mut().for_each(|x| *x *= scale))
+        });
+    }
+    norm
+}
+
 /// One chunk of [`Adam::step`] with its constants `k` (`b1, b2, 1 − b1, 1 − b2, eps, step
 /// size, 1/√(bias correction 2)`): with AVX where the CPU has it (eight lanes for the
 /// square roots and divisions, which two SSE lanes' worth of issue otherwise bound), the
@@ -231,7 +261,7 @@ mod tests {
             "w".to_string(),
             Tensor::f32(vec![2], vec![1.0, -2.0]).unwrap(),
         );
-        let mut adam = Adam::new(0.9, 0.98, 1e-9, &params);
+        let mut adam = Adam::new(&OptimizerConfig::default(), &params);
         let mut grads = BTreeMap::new();
         grads.insert("w".to_string(), vec![0.5f32, -0.25]);
         adam.step(&mut params, &grads, 0.1).unwrap();
@@ -265,7 +295,7 @@ mod tests {
         let g: Vec<f32> = (0..n).map(|_| next(0.1)).collect();
         let m: Vec<f32> = (0..n).map(|_| next(0.01)).collect();
         let v: Vec<f32> = (0..n).map(|_| next(1e-4).abs()).collect();
-        let mut adam = Adam::new(0.9, 0.98, 1e-9, &BTreeMap::new());
+        let mut adam = Adam::new(&OptimizerConfig::default(), &BTreeMap::new());
         adam.t = 7;
         let k = adam.constants(7, 3e-4);
         let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
@@ -289,12 +319,12 @@ mod tests {
             "a".to_string(),
             Tensor::f32(vec![3], vec![1.0, 2.0, 3.0]).unwrap(),
         );
-        let mut adam = Adam::new(0.9, 0.98, 1e-9, &params);
+        let mut adam = Adam::new(&OptimizerConfig::default(), &params);
         let mut grads = BTreeMap::new();
         grads.insert("a".to_string(), vec![0.1f32, 0.2, 0.3]);
         adam.step(&mut params, &grads, 0.01).unwrap();
         let saved: BTreeMap<String, Tensor> = adam.state_tensors(&params).into_iter().collect();
-        let mut b = Adam::new(0.9, 0.98, 1e-9, &params);
+        let mut b = Adam::new(&OptimizerConfig::default(), &params);
         b.load_state(adam.t, &params, &saved).unwrap();
         assert_eq!(b.m, adam.m);
         assert_eq!(b.v, adam.v);
@@ -311,5 +341,54 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("no gradient"));
+    }
+
+    #[test]
+    fn clipping_scales_to_the_global_norm() {
+        let mut grads = BTreeMap::new();
+        grads.insert("a".to_string(), vec![3.0f32, 0.0]);
+        grads.insert("b".to_string(), vec![4.0f32]);
+        // Norm 5, under 10: untouched.
+        assert_eq!(clip_global_norm(&mut grads, 10.0), 5.0);
+        assert_eq!(grads["a"], vec![3.0, 0.0]);
+        // Over 1: every gradient times 1 / (5 + 1e-6).
+        assert_eq!(clip_global_norm(&mut grads, 1.0), 5.0);
+        let s = (1.0 / (5.0 + 1e-6)) as f32;
+        assert_eq!(grads["a"], vec![3.0 * s, 0.0]);
+        assert_eq!(grads["b"], vec![4.0 * s]);
+        let norm = clip_global_norm(&mut grads, 10.0);
+        assert!((norm - 1.0).abs() < 1e-6, "{norm}");
+    }
+
+    /// AdamW: the parameter decays by `1 − lr·wd` first, then takes Adam's update; with
+    /// no decay the bits are plain Adam's.
+    #[test]
+    fn weight_decay_is_decoupled() {
+        let params = || {
+            let mut p = BTreeMap::new();
+            p.insert(
+                "w".to_string(),
+                Tensor::f32(vec![2], vec![1.0, -2.0]).unwrap(),
+            );
+            p
+        };
+        let mut grads = BTreeMap::new();
+        grads.insert("w".to_string(), vec![0.5f32, -0.25]);
+        let (mut plain, mut decayed) = (params(), params());
+        let mut adam = Adam::new(&OptimizerConfig::default(), &plain);
+        adam.step(&mut plain, &grads, 0.1).unwrap();
+        let cfg = OptimizerConfig {
+            weight_decay: 0.01,
+            ..OptimizerConfig::default()
+        };
+        let mut adamw = Adam::new(&cfg, &decayed);
+        adamw.step(&mut decayed, &grads, 0.1).unwrap();
+        let (p, d) = (plain["w"].as_f32().unwrap(), decayed["w"].as_f32().unwrap());
+        // Adam's first step moves each weight by lr·sign(g) (up to ε): 1 − 0.1, −2 + 0.1.
+        let decay = (1.0 - 0.1 * 0.01) as f32;
+        assert_eq!(d[0], 1.0 * decay - (1.0 - p[0]));
+        assert_eq!(d[1], -2.0 * decay - (-2.0 - p[1]));
+        assert_ne!(d, p);
+        assert_eq!(adamw.m, adam.m, "the moments do not see the decay");
     }
 }

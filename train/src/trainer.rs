@@ -78,7 +78,7 @@ pub enum TrainError {
     #[error(
         "step {step}: the training loss, {loss:.4}, has been above {factor} times the lowest \
          it reached ({lowest:.4}) for {steps} steps: the run diverged; stopping — {kept}. \
-         Lower the learning rate (schedule.factor) or raise schedule.warmup_steps; \
+         Lower the learning rate (schedule.factor, or schedule.lr) or raise schedule.warmup; \
          train.divergence sets when this stops a run (factor: 0 never)"
     )]
     Diverged {

@@ -43,7 +43,13 @@ fn adam_graph_matches_adam_step() {
         .iter()
         .map(|(k, t)| (k.clone(), t.as_f32().unwrap().to_vec()))
         .collect();
-    let mut adam = Adam::new(beta1, beta2, eps, &params);
+    let cfg = kiln_train::config::OptimizerConfig {
+        beta1,
+        beta2,
+        eps,
+        ..Default::default()
+    };
+    let mut adam = Adam::new(&cfg, &params);
     let mut g_m = adam.m.clone();
     let mut g_v = adam.v.clone();
 

@@ -170,7 +170,7 @@ impl Rig {
                 moments.insert(format!("v.{n}"), z);
             }
         }
-        let host_adam = kiln_train::optim::Adam::new(0.9, 0.98, 1e-9, &params);
+        let host_adam = kiln_train::optim::Adam::new(&Default::default(), &params);
         let mut rig = Rig {
             entry: entry.to_string(),
             g,

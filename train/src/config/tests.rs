@@ -10,7 +10,9 @@ fn defaults_are_the_papers_recipe() {
         OptimizerConfig {
             beta1: 0.9,
             beta2: 0.98,
-            eps: 1e-9
+            eps: 1e-9,
+            clip_norm: 0.0,
+            weight_decay: 0.0,
         }
     );
     assert_eq!(c.schedule.warmup, 4000);
@@ -30,10 +32,10 @@ fn noam_schedule() {
     let s = ScheduleConfig::default();
     // Peak at the end of warmup: 512^-0.5 * 4000^-0.5.
     let peak = 512f64.powf(-0.5) * 4000f64.powf(-0.5);
-    assert!((s.lr(512.0, 4000) - peak).abs() < 1e-15);
-    assert!((s.lr(512.0, 1) - 512f64.powf(-0.5) * 4000f64.powf(-1.5)).abs() < 1e-18);
-    assert!((s.lr(512.0, 16000) - peak / 2.0).abs() < 1e-15);
-    assert!(s.lr(512.0, 2000) < peak && s.lr(512.0, 8000) < peak);
+    assert!((s.lr(512.0, 4000, 0) - peak).abs() < 1e-15);
+    assert!((s.lr(512.0, 1, 0) - 512f64.powf(-0.5) * 4000f64.powf(-1.5)).abs() < 1e-18);
+    assert!((s.lr(512.0, 16000, 0) - peak / 2.0).abs() < 1e-15);
+    assert!(s.lr(512.0, 2000, 0) < peak && s.lr(512.0, 8000, 0) < peak);
 }
 
 #[test]
@@ -184,5 +186,84 @@ fn overrides_become_set_arguments() {
     assert_eq!(
         c.overrides(),
         vec!["d_model=256", "learned_pos=true", "p_drop=0.3"]
+    );
+}
+
+#[test]
+fn fairseq_schedules() {
+    let parse = |yaml: &str| Config::parse(&format!("{MINIMAL}schedule:\n{yaml}")).unwrap();
+    // inverse_sqrt: linear from warmup_init_lr to lr over the warmup, then lr·sqrt(w/step).
+    let c = parse("  kind: inverse_sqrt\n  lr: 5.0e-4\n  warmup: 4000\n  warmup_init_lr: 1.0e-7\n");
+    let s = &c.schedule;
+    assert_eq!(s.kind, ScheduleKind::InverseSqrt);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-15 * b.abs().max(1e-12);
+    assert!(close(s.lr(0.0, 1, 0), 1e-7 + (5e-4 - 1e-7) / 4000.0));
+    assert!(close(s.lr(0.0, 2000, 0), 1e-7 + (5e-4 - 1e-7) * 0.5));
+    assert!(close(s.lr(0.0, 4000, 0), 5e-4));
+    assert!(close(s.lr(0.0, 16000, 0), 2.5e-4));
+    // cosine: the peak after the warmup, half way down at the middle, min_lr at the end
+    // of the period (train.max_steps unless given) and after it.
+    let c = parse("  kind: cosine\n  lr: 1.0e-3\n  warmup: 100\n  min_lr: 1.0e-5\n");
+    let s = &c.schedule;
+    assert!(close(s.lr(0.0, 50, 1100), 5e-4));
+    assert!(close(s.lr(0.0, 100, 1100), 1e-3));
+    assert!(close(s.lr(0.0, 600, 1100), 1e-5 + (1e-3 - 1e-5) * 0.5));
+    assert!(close(s.lr(0.0, 1100, 1100), 1e-5));
+    assert!(close(s.lr(0.0, 5000, 1100), 1e-5));
+    let c = parse("  kind: cosine\n  lr: 1.0e-3\n  warmup: 0\n  period: 200\n");
+    assert!(close(c.schedule.lr(0.0, 100, 1100), 5e-4));
+    // fixed: the warmup, then lr.
+    let c = parse("  kind: fixed\n  lr: 3.0e-4\n  warmup: 10\n");
+    assert!(close(c.schedule.lr(0.0, 5, 0), 1.5e-4));
+    assert!(close(c.schedule.lr(0.0, 10, 0), 3e-4));
+    assert!(close(c.schedule.lr(0.0, 99_999, 0), 3e-4));
+}
+
+#[test]
+fn schedule_and_optimizer_options_are_checked() {
+    let err = |yaml: &str| Config::parse(&format!("{MINIMAL}{yaml}")).unwrap_err();
+    let e = err("schedule:\n  kind: cosine\n");
+    assert!(
+        e.contains("schedule.lr is missing") && e.contains("`cosine`"),
+        "{e}"
+    );
+    let e = err("schedule:\n  lr: 1.0e-3\n");
+    assert!(
+        e.contains("schedule.lr is not read by the `noam` schedule"),
+        "{e}"
+    );
+    let e = err("schedule:\n  kind: inverse_sqrt\n  lr: 1.0e-3\n  warmup: 0\n");
+    assert!(e.contains("schedule.warmup is 0"), "{e}");
+    let e = err("schedule:\n  kind: fixed\n  lr: 1.0e-3\n  min_lr: 1.0e-5\n");
+    assert!(e.contains("belong to the `cosine` schedule"), "{e}");
+    let e = err("schedule:\n  kind: polynomial\n");
+    assert!(e.contains("unknown variant `polynomial`"), "{e}");
+    let e = err("optimizer:\n  clip_norm: -1\n  weight_decay: .nan\n");
+    assert!(e.contains("optimizer.clip_norm is -1"), "{e}");
+    assert!(e.contains("optimizer.weight_decay is NaN"), "{e}");
+    let e = err("optimizer:\n  clip_norm: 1.0\ntrain:\n  executor: cuda\n");
+    assert!(e.contains("not yet with train.executor: cuda"), "{e}");
+    let c = Config::parse(&format!(
+        "{MINIMAL}optimizer:\n  clip_norm: 0.1\n  weight_decay: 0.0001\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        (c.optimizer.clip_norm, c.optimizer.weight_decay),
+        (0.1, 1e-4)
+    );
+}
+
+/// The new options are left out of a written configuration at their defaults, so the
+/// digest a resumed run compares is that of runs from before them.
+#[test]
+fn default_schedule_and_optimizer_write_what_they_wrote_before() {
+    let c = Config::parse(MINIMAL).unwrap();
+    assert_eq!(
+        serde_yaml::to_string(&c.schedule).unwrap(),
+        "warmup: 4000\nfactor: 1.0\nd_model: null\n"
+    );
+    assert_eq!(
+        serde_yaml::to_string(&c.optimizer).unwrap(),
+        "beta1: 0.9\nbeta2: 0.98\neps: 1e-9\n"
     );
 }

@@ -76,12 +76,7 @@ impl Trainer {
         loss_scale_fits(&cfg, &set, artifact)?;
         check_new_run_dir(&cfg)?;
         let dir = cfg.checkpoint.dir.clone();
-        let adam = Adam::new(
-            cfg.optimizer.beta1,
-            cfg.optimizer.beta2,
-            cfg.optimizer.eps,
-            &params,
-        );
+        let adam = Adam::new(&cfg.optimizer, &params);
         let state = TrainState {
             seed: cfg.train.seed,
             config_digest: digest(&cfg),
@@ -184,12 +179,7 @@ impl Trainer {
             &ck.dir.join(TOKENIZER_FILE),
         )?;
         crate::model::check_vocab(&tokenizer, set.vocab(), &ck.dir.join(TOKENIZER_FILE))?;
-        let mut adam = Adam::new(
-            cfg.optimizer.beta1,
-            cfg.optimizer.beta2,
-            cfg.optimizer.eps,
-            &loaded.params,
-        );
+        let mut adam = Adam::new(&cfg.optimizer, &loaded.params);
         let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
         for (k, t) in &loaded.moments.m {
             moments.insert(format!("m.{k}"), t.clone());
@@ -254,6 +244,8 @@ impl Trainer {
         } = datasets(&cfg, &tokenizer, &graphs, &mut notes)?;
         let d_model = match cfg.schedule.d_model {
             Some(d) => d,
+            // Only the paper's schedule reads the width.
+            None if !cfg.schedule.needs_d_model() => 0.0,
             None => graphs
                 .loss
                 .hparam("d_model")

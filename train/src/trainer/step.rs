@@ -73,7 +73,10 @@ impl Trainer {
             }
         }
         let inv = 1.0 / tokens.max(1) as f32;
-        let lr = self.cfg.schedule.lr(self.d_model, step);
+        let lr = self
+            .cfg
+            .schedule
+            .lr(self.d_model, step, self.cfg.train.max_steps);
         // Device training: the same constants and op order as `Adam::step` (see
         // `optim::constants`).
         let constants = self.adam.constants(self.adam.t + 1, lr);
@@ -84,6 +87,10 @@ impl Trainer {
                     g.par_chunks_mut(ACC_CHUNK)
                         .for_each(|c| c.iter_mut().for_each(|x| *x *= inv))
                 });
+                let clip = self.cfg.optimizer.clip_norm;
+                if clip > 0.0 {
+                    crate::optim::clip_global_norm(grads, clip);
+                }
                 self.adam
                     .step(&mut self.params, grads, lr)
                     .map_err(setup("the optimizer step"))?;
