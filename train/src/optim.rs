@@ -123,7 +123,7 @@ impl Adam {
                 v.as_mut_slice(),
             ));
         }
-        let decay = (self.weight_decay != 0.0).then(|| (1.0 - lr * self.weight_decay) as f32);
+        let decay = (self.weight_decay != 0.0).then_some((1.0 - lr * self.weight_decay) as f32);
         work.into_par_iter().for_each(|(p, g, m, v)| {
             p.par_chunks_mut(CHUNK)
                 .zip(g.par_chunks(CHUNK))
