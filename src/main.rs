@@ -175,7 +175,7 @@ enum Command {
     /// artifact directory given in place of the spec (its generated kernels by default,
     /// its own weights unless `--weights`).
     Run(cmd::run::RunArgs),
-    /// Corpus BLEU with sacreBLEU's semantics (13a tokens, no smoothing by default).
+    /// Corpus BLEU with sacreBLEU's semantics and defaults (13a tokens, `exp` smoothing).
     Bleu(cmd::bleu::BleuArgs),
     /// Train a model with the paper's recipe (a YAML configuration).
     Train {

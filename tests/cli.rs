@@ -907,8 +907,10 @@ fn bleu_equals_the_sacrebleu_command_when_installed() {
         (rf, rf2, hf)
     };
     let corpora = [corpus(300, false), corpus(12, true)];
-    let cases: [(&[&str], &[&str]); 8] = [
-        (&[], &["--smooth-method", "none"]),
+    // First both commands' defaults (sacreBLEU's `exp` smoothing), then each option.
+    let cases: [(&[&str], &[&str]); 9] = [
+        (&[], &[]),
+        (&["--smooth", "none"], &["--smooth-method", "none"]),
         (&["--smooth", "exp"], &["--smooth-method", "exp"]),
         (&["--smooth", "floor"], &["--smooth-method", "floor"]),
         (
@@ -916,9 +918,12 @@ fn bleu_equals_the_sacrebleu_command_when_installed() {
             &["--smooth-method", "floor", "--smooth-value", "0.3"],
         ),
         (&["--smooth", "add-k"], &["--smooth-method", "add-k"]),
-        (&["--lowercase"], &["-lc", "--smooth-method", "none"]),
         (
-            &["--tokenize", "none"],
+            &["--lowercase", "--smooth", "none"],
+            &["-lc", "--smooth-method", "none"],
+        ),
+        (
+            &["--tokenize", "none", "--smooth", "none"],
             &["--tokenize", "none", "--smooth-method", "none"],
         ),
         (
@@ -971,7 +976,19 @@ fn bleu_equals_the_sacrebleu_command_when_installed() {
     }
     // The options and corpora do give different scores (the comparison has teeth):
     // on the short corpus the four smoothings all differ.
-    let short_one_ref = &scores[16..21];
+    // The signatures of both commands' defaults, with two references.
+    let (rf, rf2, hf) = &corpora[0];
+    let ours = ok(&["bleu", "--ref", s(rf), "--ref", s(rf2), "--json", s(hf)]);
+    let ours: serde_json::Value = serde_json::from_str(&ours).unwrap();
+    let out = Command::new("sacrebleu")
+        .args([s(rf), s(rf2), "-i", s(hf), "-m", "bleu"])
+        .output()
+        .unwrap();
+    let theirs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ours["signature"], theirs["signature"]);
+    // Cases 1 to 5 of the short corpus with one reference (after 2 × 9 long ones).
+    let short_one_ref = &scores[19..24];
+    assert_eq!(scores[18], scores[20], "the default is `exp`");
     for i in 0..short_one_ref.len() {
         for j in i + 1..short_one_ref.len() {
             assert!(

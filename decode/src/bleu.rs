@@ -51,10 +51,10 @@ impl Tokenize {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Smooth {
     /// No smoothing: any order without a match makes the score 0.
-    #[default]
     None,
     /// `exp` (method 3, mteval's): the k-th order without a match gets precision
-    /// `1 / (2^k · total)`. sacreBLEU's default.
+    /// `1 / (2^k · total)`. sacreBLEU's default, and kiln's.
+    #[default]
     Exp,
     /// `floor` (method 1): an order without a match gets precision `value / total`.
     /// sacreBLEU's default value is 0.1.
@@ -76,14 +76,35 @@ impl Smooth {
     }
 }
 
-/// How BLEU is computed. The default is corpus BLEU on `13a` tokens, case-sensitive,
-/// without smoothing.
+/// How BLEU is computed. The default is sacreBLEU's: corpus BLEU on `13a` tokens,
+/// case-sensitive, `exp` smoothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BleuOptions {
     /// Lowercase hypotheses and references before tokenizing.
     pub lowercase: bool,
     pub tokenize: Tokenize,
     pub smooth: Smooth,
+}
+
+/// The sacreBLEU version whose scores kiln's are tested to equal under every option
+/// (`decode/tests/bleu.rs`, `tests/cli.rs`), named in [`BleuOptions::signature`].
+pub const SACREBLEU_VERSION: &str = "2.6.0";
+
+impl BleuOptions {
+    /// sacreBLEU's signature of a score computed with these options against `nrefs`
+    /// references (`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`), so a
+    /// number can be compared with one sacreBLEU reports.
+    pub fn signature(&self, nrefs: usize) -> String {
+        let case = if self.lowercase { "lc" } else { "mixed" };
+        let smooth = match self.smooth {
+            Smooth::Floor(v) | Smooth::AddK(v) => format!("{}[{v:.2}]", self.smooth.name()),
+            s => s.name().to_string(),
+        };
+        format!(
+            "nrefs:{nrefs}|case:{case}|eff:no|tok:{}|smooth:{smooth}|version:{SACREBLEU_VERSION}",
+            self.tokenize.name()
+        )
+    }
 }
 
 /// A BLEU score and the statistics it was computed from.

@@ -509,14 +509,17 @@ fn empty_hypotheses() {
 }
 
 #[test]
-fn the_default_is_13a_case_sensitive_unsmoothed() {
+fn the_default_is_sacrebleus_13a_case_sensitive_exp() {
     let opts = BleuOptions::default();
     assert_eq!(opts.tokenize, Tokenize::V13a);
     assert!(!opts.lowercase);
-    assert_eq!(opts.smooth, Smooth::None);
+    assert_eq!(opts.smooth, Smooth::Exp);
+    // Without a 4-gram match the smoothing shows: sacreBLEU's default score, not 0.
     let (hyp, reference) = (fixture("nomatch4.hyp"), fixture("nomatch4.ref"));
     let got = corpus_bleu(&hyp, &[reference], &opts).unwrap();
-    check(&got, find(NO_4GRAM_MATCH, "no 4-gram match none"));
+    let want = find(NO_4GRAM_MATCH, "no 4-gram match exp");
+    assert!(want.score > 0.0);
+    check(&got, want);
 }
 
 #[test]
@@ -632,5 +635,55 @@ fn multi30k_validation_set() {
     ] {
         let want = find(MULTI30K, name);
         check(&corpus_bleu(&dropped, &refs, &want.opts).unwrap(), want);
+    }
+}
+
+/// The signatures sacreBLEU 2.6.0 gives these options (`BLEU(...).get_signature()` after
+/// a corpus score).
+#[test]
+fn signatures_are_sacrebleus() {
+    let o = |lowercase, tokenize, smooth| BleuOptions {
+        lowercase,
+        tokenize,
+        smooth,
+    };
+    for (opts, nrefs, want) in [
+        (
+            BleuOptions::default(),
+            1,
+            "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
+        ),
+        (
+            BleuOptions::default(),
+            2,
+            "nrefs:2|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
+        ),
+        (
+            o(false, Tokenize::V13a, Smooth::Floor(0.1)),
+            1,
+            "nrefs:1|case:mixed|eff:no|tok:13a|smooth:floor[0.10]|version:2.6.0",
+        ),
+        (
+            o(false, Tokenize::V13a, Smooth::Floor(0.3)),
+            1,
+            "nrefs:1|case:mixed|eff:no|tok:13a|smooth:floor[0.30]|version:2.6.0",
+        ),
+        (
+            o(false, Tokenize::V13a, Smooth::AddK(1.0)),
+            1,
+            "nrefs:1|case:mixed|eff:no|tok:13a|smooth:add-k[1.00]|version:2.6.0",
+        ),
+        (
+            o(false, Tokenize::V13a, Smooth::None),
+            1,
+            "nrefs:1|case:mixed|eff:no|tok:13a|smooth:none|version:2.6.0",
+        ),
+        (
+            o(true, Tokenize::None, Smooth::Exp),
+            1,
+            "nrefs:1|case:lc|eff:no|tok:none|smooth:exp|version:2.6.0",
+        ),
+    ] {
+        assert_eq!(opts.signature(nrefs), want);
     }
 }

@@ -21,8 +21,8 @@ pub struct BleuArgs {
     /// Tokenizer: `13a` or `none`.
     #[arg(long, default_value = "13a", value_parser = ["13a", "none"])]
     pub tokenize: String,
-    /// Smoothing: `none`, `exp`, `floor` or `add-k`.
-    #[arg(long, default_value = "none", value_parser = ["none", "exp", "floor", "add-k"])]
+    /// Smoothing: `exp` (sacreBLEU's default), `none`, `floor` or `add-k`.
+    #[arg(long, default_value = "exp", value_parser = ["none", "exp", "floor", "add-k"])]
     pub smooth: String,
     /// The value for `floor` (default 0.1) or `add-k` (default 1).
     #[arg(long)]
@@ -77,18 +77,20 @@ pub fn bleu(a: BleuArgs) -> Result<(), Error> {
             Tokenize::V13a
         },
         smooth: match smooth.as_str() {
-            "exp" => Smooth::Exp,
+            "none" => Smooth::None,
             "floor" => Smooth::Floor(smooth_value.unwrap_or(0.1)),
             "add-k" => Smooth::AddK(smooth_value.unwrap_or(1.0)),
-            _ => Smooth::None,
+            _ => Smooth::Exp,
         },
     };
     let b =
         corpus_bleu(&hyps, &refs, &opts).map_err(|e| plain("kiln::bleu", e.to_string(), None))?;
     if json {
+        let mut v = serde_json::to_value(&b).expect("BLEU serializes");
+        v["signature"] = opts.signature(refs.len()).into();
         outln!(
             "{}",
-            serde_json::to_string_pretty(&b).expect("BLEU serializes")
+            serde_json::to_string_pretty(&v).expect("BLEU serializes")
         );
     } else if score_only {
         outln!("{:.2}", b.score);

@@ -301,11 +301,26 @@ pub struct ValidConfig {
     /// Validate on the first this many validation pairs (0: all of them).
     pub max_sentences: usize,
     /// What "best" means for `checkpoint.best` and `patience`: `loss` (the validation
-    /// loss, lower is better) or `bleu` (higher is better; needs `bleu: true`).
-    pub metric: String,
+    /// loss, lower is better) or `bleu` (higher is better; needs `bleu: true`). By
+    /// default `bleu` when BLEU is computed, else `loss` ([`ValidConfig::best_metric`]):
+    /// late in training the two disagree, and BLEU is what the model is for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metric: Option<String>,
     /// Stop training after this many validations in a row without a better `metric`
     /// (fairseq's `--patience`, Marian's `--early-stopping`); 0 never stops early.
     pub patience: u64,
+}
+
+impl ValidConfig {
+    /// The metric "best" is judged by: `metric`, else `bleu` when BLEU is computed and
+    /// `loss` when it is not.
+    pub fn best_metric(&self) -> &str {
+        match &self.metric {
+            Some(m) => m,
+            None if self.bleu => "bleu",
+            None => "loss",
+        }
+    }
 }
 
 impl Default for ValidConfig {
@@ -320,7 +335,7 @@ impl Default for ValidConfig {
             max_len_a: 1.0,
             max_len_b: 50,
             max_sentences: 0,
-            metric: "loss".to_string(),
+            metric: None,
             patience: 0,
         }
     }
@@ -532,7 +547,7 @@ impl Config {
                 kiln_decode::search::EarlyStop::NAMES.join(" or ")
             ));
         }
-        match self.valid.metric.as_str() {
+        match self.valid.best_metric() {
             "loss" => {}
             "bleu" if self.valid.bleu => {}
             "bleu" => bad.push(

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! {"step":100,"kind":"train","loss":4.21,"lr":0.0007,"tokens_per_s":51234.5}
-//! {"step":100,"kind":"valid","loss":4.02,"bleu":12.3}
+//! {"step":100,"kind":"valid","loss":4.02,"bleu":12.3,"bleu_signature":"nrefs:1|…|beam:4|…"}
 //! ```
 //!
 //! Reading ([`read_metrics`]) tolerates a truncated last line, which is what a crash in
@@ -47,6 +47,10 @@ pub struct Record {
     pub tokens_per_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bleu: Option<f64>,
+    /// How `bleu` was computed: sacreBLEU's signature, then the search
+    /// (`beam:4|alpha:0.6|penalty:gnmt|stop:k-finished|max_len:1.0x+50`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bleu_signature: Option<String>,
 }
 
 impl Record {
@@ -59,6 +63,7 @@ impl Record {
             lr: None,
             tokens_per_s: None,
             bleu: None,
+            bleu_signature: None,
         }
     }
 }

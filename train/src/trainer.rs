@@ -479,6 +479,7 @@ impl Trainer {
             lr: Some(self.state.lr),
             tokens_per_s: Some(tps),
             bleu: None,
+            bleu_signature: None,
         })?;
         if report.lines() {
             report.warn(&format!(
@@ -504,11 +505,8 @@ impl Trainer {
         let (vl, vb) = self.validate()?;
         summary.valid_loss = Some(vl);
         summary.valid_bleu = vb;
-        let improved = if self.cfg.valid.metric == "bleu" {
-            vb.is_some_and(|b| self.state.best_bleu.is_none_or(|x| b > x))
-        } else {
-            self.state.best_val_loss.is_none_or(|x| vl < x)
-        };
+        let best = (self.state.best_val_loss, self.state.best_bleu);
+        let improved = improves(self.cfg.valid.best_metric(), (vl, vb), best);
         if improved {
             self.state.best_step = Some(step);
             self.state.bad_validations = 0;
@@ -526,6 +524,7 @@ impl Trainer {
             lr: None,
             tokens_per_s: None,
             bleu: vb,
+            bleu_signature: vb.map(|_| self.bleu_signature()),
         })?;
         report.say(&format!(
             "step {step}: validation loss {vl:.4}{}",
@@ -626,5 +625,57 @@ mod tests {
             digest_changes(&two, &digest(&config(Some(vec![0, 1, 2])))),
             vec!["the number of GPUs in `train.devices`".to_string()]
         );
+    }
+}
+
+/// Whether a validation's `(loss, bleu)` beats the best so far (`best`: the lowest loss
+/// and the highest BLEU seen) by `metric` (`bleu` or `loss`); the first validation
+/// always does, a tie does not.
+pub(crate) fn improves(
+    metric: &str,
+    (loss, bleu): (f64, Option<f64>),
+    best: (Option<f64>, Option<f64>),
+) -> bool {
+    if metric == "bleu" {
+        bleu.is_some_and(|b| best.1.is_none_or(|x| b > x))
+    } else {
+        best.0.is_none_or(|x| loss < x)
+    }
+}
+
+#[cfg(test)]
+mod best_tests {
+    use super::improves;
+
+    /// Late in training the loss rises while BLEU still climbs: the best step by BLEU
+    /// is not the best by loss.
+    #[test]
+    fn the_pick_by_bleu_differs_from_the_pick_by_loss_when_they_disagree() {
+        let validations = [
+            (4.2, 20.1),
+            (3.9, 26.0),
+            (3.7, 31.5),
+            (3.8, 33.9),
+            (3.95, 33.2),
+        ];
+        let pick = |metric: &str| {
+            let (mut best, mut step) = ((None, None), 0);
+            for (i, &(loss, bleu)) in validations.iter().enumerate() {
+                if improves(metric, (loss, Some(bleu)), best) {
+                    step = i;
+                }
+                best = (
+                    Some(best.0.map_or(loss, |b: f64| b.min(loss))),
+                    Some(best.1.map_or(bleu, |b: f64| b.max(bleu))),
+                );
+            }
+            step
+        };
+        assert_eq!(pick("loss"), 2);
+        assert_eq!(pick("bleu"), 3);
+        // No BLEU computed never improves by BLEU; a tie is no improvement.
+        assert!(!improves("bleu", (1.0, None), (None, None)));
+        assert!(!improves("loss", (3.7, None), (Some(3.7), None)));
+        assert!(improves("loss", (9.0, None), (None, None)));
     }
 }

@@ -267,3 +267,16 @@ fn default_schedule_and_optimizer_write_what_they_wrote_before() {
         "beta1: 0.9\nbeta2: 0.98\neps: 1e-9\n"
     );
 }
+
+#[test]
+fn the_best_model_is_judged_by_bleu_when_it_is_computed() {
+    let c = Config::parse(MINIMAL).unwrap();
+    assert!(c.valid.bleu);
+    assert_eq!(c.valid.best_metric(), "bleu");
+    let c = Config::parse(&format!("{MINIMAL}valid:\n  bleu: false\n")).unwrap();
+    assert_eq!(c.valid.best_metric(), "loss");
+    let c = Config::parse(&format!("{MINIMAL}valid:\n  metric: loss\n")).unwrap();
+    assert_eq!(c.valid.best_metric(), "loss");
+    let e = Config::parse(&format!("{MINIMAL}valid:\n  metric: ter\n")).unwrap_err();
+    assert!(e.contains("valid.metric is `ter`; use loss or bleu"), "{e}");
+}

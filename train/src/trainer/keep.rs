@@ -18,6 +18,22 @@ use kiln_decode::translate::{
 use super::*;
 
 impl Trainer {
+    /// How validation BLEU is computed: sacreBLEU's signature (its defaults, one
+    /// reference), then the search that made the translations.
+    pub(super) fn bleu_signature(&self) -> String {
+        let v = &self.cfg.valid;
+        format!(
+            "{}|beam:{}|alpha:{:?}|penalty:{}|stop:{}|max_len:{:?}x+{}",
+            BleuOptions::default().signature(1),
+            v.beam,
+            v.alpha,
+            v.length_penalty,
+            v.early_stop,
+            v.max_len_a,
+            v.max_len_b
+        )
+    }
+
     /// Validation loss (token-weighted) and, if configured, BLEU of beam search.
     pub fn validate(&self) -> Result<(f64, Option<f64>), TrainError> {
         let objective = self
@@ -150,7 +166,7 @@ impl Trainer {
         if patience == 0 || self.state.bad_validations < patience {
             return None;
         }
-        let (name, best) = if self.cfg.valid.metric == "bleu" {
+        let (name, best) = if self.cfg.valid.best_metric() == "bleu" {
             ("BLEU", self.state.best_bleu.map(|b| format!("{b:.2}")))
         } else {
             ("loss", self.state.best_val_loss.map(|l| format!("{l:.4}")))

@@ -1,7 +1,8 @@
-//! The optimizer options fairseq users reach for, through `kiln train` on the generated
-//! task: the `inverse_sqrt`, `cosine` and `fixed` schedules, gradient clipping by global
-//! norm and decoupled weight decay — each changes the trajectory, is kept on resume
-//! (bit-identical to an uninterrupted run) and is refused where it cannot run.
+//! Training options fairseq users reach for, through `kiln train` on the generated task:
+//! the `inverse_sqrt`, `cosine` and `fixed` schedules, gradient clipping by global norm
+//! and decoupled weight decay — each changes the trajectory, is kept on resume
+//! (bit-identical to an uninterrupted run) and is refused where it cannot run — and the
+//! validation BLEU logged with how it was computed.
 
 mod train_common;
 
@@ -121,4 +122,79 @@ fn optimizer_options_are_checked_before_a_run_starts() {
         assert!(err.contains(want), "{want:?} in {err}");
     }
     assert!(!dir.join("run").exists());
+}
+
+#[test]
+fn validation_bleu_is_logged_with_its_signature() {
+    let dir = workspace("bleu_signature", "");
+    ok(
+        &dir,
+        &[
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--quiet",
+            "--max-steps",
+            "10",
+        ],
+    );
+    let log = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let valid: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "valid")
+        .collect();
+    assert_eq!(valid.len(), 1, "{log}");
+    assert!(valid[0]["bleu"].is_f64(), "{log}");
+    assert_eq!(
+        valid[0]["bleu_signature"],
+        "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0\
+         |beam:2|alpha:0.6|penalty:gnmt|stop:k-finished|max_len:1.0x+5"
+    );
+    assert!(log
+        .lines()
+        .filter(|l| l.contains("\"train\""))
+        .all(|l| !l.contains("signature")));
+}
+
+/// With BLEU computed, `best/` and the state's best step follow the highest validation
+/// BLEU; with `metric: loss`, the lowest validation loss.
+#[test]
+fn the_best_step_follows_the_metric() {
+    let valid = |dir: &std::path::Path| -> Vec<(u64, f64, f64)> {
+        std::fs::read_to_string(dir.join("run/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["kind"] == "valid")
+            .map(|v| {
+                let (s, l, b) = (v["step"].as_u64(), v["loss"].as_f64(), v["bleu"].as_f64());
+                (s.unwrap(), l.unwrap(), b.unwrap())
+            })
+            .collect()
+    };
+    let best_step = |dir: &std::path::Path| -> u64 {
+        let state =
+            std::fs::read_to_string(dir.join("run/checkpoints/step_00000020/state.yaml")).unwrap();
+        let line = state.lines().find_map(|l| l.strip_prefix("best_step: "));
+        line.expect("best_step in state.yaml").parse().unwrap()
+    };
+    for (name, metric) in [("best_by_bleu", ""), ("best_by_loss", " metric: loss,")] {
+        let dir = workspace(name, "");
+        edit_cfg(
+            &dir,
+            "valid: {every: 10,",
+            &format!("valid: {{every: 5,{metric}"),
+        );
+        ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+        let v = valid(&dir);
+        assert_eq!(v.len(), 4, "{v:?}");
+        // The first of the best, as a strict improvement keeps it.
+        let pick = if metric.is_empty() {
+            v.iter().fold(v[0], |b, x| if x.2 > b.2 { *x } else { b })
+        } else {
+            v.iter().fold(v[0], |b, x| if x.1 < b.1 { *x } else { b })
+        };
+        assert_eq!(best_step(&dir), pick.0, "{name}: {v:?}");
+    }
 }
