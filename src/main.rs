@@ -287,6 +287,11 @@ enum Command {
         #[arg(long, value_name = "N",
               value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         last: Option<usize>,
+        /// Average the run's N checkpoints with the best validation, by the run's
+        /// `valid.metric` (BLEU when it computed it, else the loss).
+        #[arg(long, value_name = "N", conflicts_with = "last",
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+        best: Option<usize>,
         /// A directory (a model directory for `kiln translate`) or a `.safetensors` file.
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
@@ -467,13 +472,15 @@ fn dispatch(command: Command) -> Result<(), Error> {
         Command::Average {
             inputs,
             last,
+            best,
             output,
         } => {
-            let inputs = match last {
-                Some(n) => cmd::average::last_checkpoints(&inputs, n)?,
-                None => inputs,
+            let (inputs, choice) = match (last, best) {
+                (Some(n), _) => cmd::average::last_checkpoints(&inputs, n)?,
+                (_, Some(n)) => cmd::average::best_checkpoints(&inputs, n)?,
+                _ => (inputs, cmd::average::Choice::Given),
             };
-            cmd::average::average(&inputs, &output)
+            cmd::average::average(&inputs, &output, &choice)
         }
         Command::Export {
             format,

@@ -611,13 +611,14 @@ fn checkpoints_translate_average_and_export() {
     // `--last N` takes a run's newest N checkpoints: the same average.
     let last = ok(&dir, &["average", "--last", "2", "run", "-o", "avg_last"]);
     assert!(
-        last.starts_with("averaged 2 checkpoints (steps 10, 20) into avg_last"),
+        last.starts_with("averaged 2 checkpoints (steps 10, 20; the last 2) into avg_last"),
         "{last}"
     );
     assert_eq!(
         load_safetensors(&dir.join("avg_last/model.safetensors")).unwrap(),
         load_safetensors(&dir.join("avg/model.safetensors")).unwrap()
     );
+    best_checkpoints_are_averaged(&dir);
     let err = fails(&dir, &["average", "--last", "3", "run", "-o", "x"]);
     assert!(
         err.contains("--last 3 asks for 3 checkpoints, but `run/checkpoints` has 2 (steps 10, 20)")
@@ -2044,4 +2045,46 @@ fn an_int8_artifact_translates_with_the_int8_products() {
         err.contains("train.gemm_type `int8`") && err.contains("kiln translate --gemm-type int8"),
         "{err}"
     );
+}
+
+/// `kiln average --best N RUN` takes the checkpoints of the best validations by the
+/// run's metric (BLEU here, highest first, a tie to the later step), records the choice
+/// in `average.yaml`, which `kiln inspect` prints, and says what it lacks.
+fn best_checkpoints_are_averaged(dir: &Path) {
+    let log = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let valid: Vec<(u64, f64)> = log
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "valid")
+        .map(|v| (v["step"].as_u64().unwrap(), v["bleu"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(valid.iter().map(|v| v.0).collect::<Vec<_>>(), [10, 20]);
+    let want = if valid[0].1 > valid[1].1 { 10 } else { 20 };
+    let out = ok(dir, &["average", "--best", "1", "run", "-o", "avg_best"]);
+    assert!(
+        out.starts_with(&format!(
+            "averaged 1 checkpoint (step {want}; the best 1 by bleu) into avg_best"
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        load_safetensors(&dir.join("avg_best/model.safetensors")).unwrap(),
+        load_safetensors(&dir.join(format!("run/checkpoints/step_{want:08}/model.safetensors")))
+            .unwrap()
+    );
+    let record = std::fs::read_to_string(dir.join("avg_best/average.yaml")).unwrap();
+    assert!(
+        record.contains(&format!(
+            "averaged: [{want}]\nchosen: best 1 by bleu\nvalidation:\n  {want}: {{loss: "
+        )),
+        "{record}"
+    );
+    let shown = ok(dir, &["inspect", "avg_best"]);
+    assert!(shown.contains("chosen: best 1 by bleu"), "{shown}");
+    let err = fails(dir, &["average", "--best", "3", "run", "-o", "x"]);
+    assert!(
+        err.contains("--best 3 asks for 3 checkpoints, but the run's validations (bleu) score 2 (steps 10, 20)"),
+        "{err}"
+    );
+    assert!(!dir.join("x").exists());
 }

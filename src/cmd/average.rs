@@ -10,50 +10,8 @@ use kiln_train::model;
 use crate::outputs::Output;
 use crate::{err, plain};
 
-/// `kiln average --last N RUN`: the run's newest `n` checkpoints, oldest first.
-pub fn last_checkpoints(inputs: &[PathBuf], n: usize) -> Result<Vec<PathBuf>, Error> {
-    let [run] = inputs else {
-        return Err(plain(
-            "kiln::average",
-            format!(
-                "--last takes one run directory, but {} inputs were given",
-                inputs.len()
-            ),
-            Some("give the run directory (`checkpoint.dir`) alone".to_string()),
-        ));
-    };
-    let root = if run.join("checkpoints").is_dir() {
-        run.join("checkpoints")
-    } else {
-        run.clone()
-    };
-    let all = kiln_train::checkpoint::list(&root).map_err(err("kiln::average"))?;
-    if all.is_empty() {
-        return Err(plain(
-            "kiln::average",
-            format!("`{}` holds no checkpoints", root.display()),
-            Some("give the directory of a run (`checkpoint.dir`) that has saved some".into()),
-        ));
-    }
-    if all.len() < n {
-        let steps: Vec<String> = all.iter().map(|c| c.step.to_string()).collect();
-        return Err(plain(
-            "kiln::average",
-            format!(
-                "--last {n} asks for {n} checkpoints, but `{}` has {} ({} {})",
-                root.display(),
-                all.len(),
-                if all.len() == 1 { "step" } else { "steps" },
-                steps.join(", ")
-            ),
-            Some(format!(
-                "average fewer (--last {}), or keep more with checkpoint.keep",
-                all.len()
-            )),
-        ));
-    }
-    Ok(all[all.len() - n..].iter().map(|c| c.dir.clone()).collect())
-}
+mod choice;
+pub use choice::{best_checkpoints, last_checkpoints, Choice, RECORD_FILE};
 
 /// Refuses an average of the same checkpoint twice, and an output that would overwrite an
 /// input, a checkpoint or a run directory (`inputs` as given, `dirs` the model directories
@@ -92,7 +50,10 @@ fn check_average_paths(inputs: &[PathBuf], dirs: &[PathBuf], output: &Path) -> R
     crate::outputs::check("kiln::average", output, &all, kind)
 }
 
-pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
+/// The mean of `inputs`' weights into `output`; a model directory also gets
+/// `average.yaml`, what was averaged and how it was chosen (`choice`), which `kiln
+/// inspect` prints.
+pub fn average(inputs: &[PathBuf], output: &Path, choice: &Choice) -> Result<(), Error> {
     let dirs: Vec<PathBuf> = inputs
         .iter()
         .map(|p| {
@@ -171,7 +132,9 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
                 Some("or average checkpoint directories to get a model directory for `kiln translate`".to_string()),
             ));
         };
-        model::save_dir(output, &avg, &f.graphs_json, &f.tokenizer_json, &[])
+        let record = choice.record(&dirs);
+        let extra: [(&str, &[u8]); 1] = [(choice::RECORD_FILE, record.as_bytes())];
+        model::save_dir(output, &avg, &f.graphs_json, &f.tokenizer_json, &extra)
             .map_err(err("kiln::average"))?;
     }
     let steps: Vec<String> = dirs
@@ -186,7 +149,11 @@ pub fn average(inputs: &[PathBuf], output: &Path) -> Result<(), Error> {
         if inputs.len() == 1 { "" } else { "s" },
         if steps.len() == dirs.len() {
             let word = if steps.len() == 1 { "step" } else { "steps" };
-            format!(" ({word} {})", steps.join(", "))
+            let how = choice
+                .how()
+                .map(|h| format!("; the {h}"))
+                .unwrap_or_default();
+            format!(" ({word} {}{how})", steps.join(", "))
         } else {
             String::new()
         },

@@ -422,6 +422,12 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
         }
     };
     outln!("model directory {} — {what}", s.dir.display());
+    // An average's record: what was averaged and how it was chosen.
+    if let Ok(text) = std::fs::read_to_string(s.dir.join(super::average::RECORD_FILE)) {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            outln!("  {line}");
+        }
+    }
     match &s.spec {
         Some((spec, set)) => {
             let set: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
