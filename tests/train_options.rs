@@ -22,24 +22,14 @@ fn run_with(name: &str, schedule: &str, optimizer: &str) -> std::path::PathBuf {
 fn fairseq_options_train_resume_and_change_the_trajectory() {
     let opts = "optimizer: {clip_norm: 0.5, weight_decay: 0.01}\n";
     let a = run_with("fairseq_straight", FAIRSEQ, opts);
-    ok(&a, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&a, &[]);
     let (pa, sa) = final_state(&a, 20);
     // inverse_sqrt after its warmup of 8: lr · sqrt(8 / 20).
     let want = 3.0e-3 * (8.0f64 / 20.0).sqrt();
     assert!((sa.lr - want).abs() < 1e-15, "{} against {want}", sa.lr);
     // 10 steps, a resume, 10 more: the same bits.
     let b = run_with("fairseq_resumed", FAIRSEQ, opts);
-    ok(
-        &b,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "10",
-        ],
-    );
+    train_ok(&b, &["--max-steps", "10"]);
     ok(
         &b,
         &["train", "--resume", "run", "--quiet", "--max-steps", "20"],
@@ -52,7 +42,7 @@ fn fairseq_options_train_resume_and_change_the_trajectory() {
         ("fairseq_no_decay", "optimizer: {clip_norm: 0.5}\n"),
     ] {
         let c = run_with(name, FAIRSEQ, other);
-        ok(&c, &["train", "--config", "cfg.yaml", "--quiet"]);
+        train_ok(&c, &[]);
         let (pc, _) = final_state(&c, 20);
         assert!(relative_distance(&pa, &pc) > 0.0, "{name}");
     }
@@ -79,7 +69,7 @@ fn cosine_and_fixed_schedules_reach_their_rates() {
         "schedule: {kind: cosine, lr: 2.0e-3, warmup: 4, min_lr: 1.0e-4}",
         "",
     );
-    ok(&a, &["train", "--config", "cfg.yaml", "--quiet"]);
+    train_ok(&a, &[]);
     // The period is train.max_steps (20): min_lr at its end.
     let (_, s) = final_state(&a, 20);
     assert!((s.lr - 1.0e-4).abs() < 1e-15, "{}", s.lr);
@@ -92,17 +82,7 @@ fn cosine_and_fixed_schedules_reach_their_rates() {
         "schedule: {kind: fixed, lr: 1.0e-3, warmup: 0}",
         "",
     );
-    ok(
-        &f,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "10",
-        ],
-    );
+    train_ok(&f, &["--max-steps", "10"]);
     let (_, s) = final_state(&f, 10);
     assert_eq!(s.lr, 1.0e-3);
 }
@@ -127,17 +107,7 @@ fn optimizer_options_are_checked_before_a_run_starts() {
 #[test]
 fn validation_bleu_is_logged_with_its_signature() {
     let dir = workspace("bleu_signature", "");
-    ok(
-        &dir,
-        &[
-            "train",
-            "--config",
-            "cfg.yaml",
-            "--quiet",
-            "--max-steps",
-            "10",
-        ],
-    );
+    train_ok(&dir, &["--max-steps", "10"]);
     let log = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
     let valid: Vec<serde_json::Value> = log
         .lines()
@@ -186,7 +156,7 @@ fn the_best_step_follows_the_metric() {
             "valid: {every: 10,",
             &format!("valid: {{every: 5,{metric}"),
         );
-        ok(&dir, &["train", "--config", "cfg.yaml", "--quiet"]);
+        train_ok(&dir, &[]);
         let v = valid(&dir);
         assert_eq!(v.len(), 4, "{v:?}");
         // The first of the best, as a strict improvement keeps it.

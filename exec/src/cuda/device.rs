@@ -240,7 +240,18 @@ pub(crate) trait DeviceApi {
 
     /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] where `p` says, the operands of
     /// element type `elems.0` and the result of `elems.1` (checked by [`check_elems`]).
-    fn gemm(&self, g: &Sgemm, elems: (GemmElem, GemmElem), p: GemmPtrs) -> Result<(), String>;
+    fn gemm(&self, g: &Sgemm, elems: (GemmElem, GemmElem), p: GemmPtrs) -> Result<(), String> {
+        check_elems(elems)?;
+        self.gemm_checked(g, elems, p)
+    }
+
+    /// [`DeviceApi::gemm`] once its element types are checked.
+    fn gemm_checked(
+        &self,
+        g: &Sgemm,
+        elems: (GemmElem, GemmElem),
+        p: GemmPtrs,
+    ) -> Result<(), String>;
 
     /// Row-major `c = a·b` in one cuBLASLt call with `epilogue` (`g` as for
     /// [`DeviceApi::sgemm`], `c` of element type `elems.1`, the vector one element per
@@ -248,6 +259,18 @@ pub(crate) trait DeviceApi {
     /// `Ok(false)` when cuBLASLt has no algorithm for it: nothing was launched, and the
     /// caller runs the separate kernels.
     fn gemm_epilogue(
+        &self,
+        g: &Sgemm,
+        elems: (GemmElem, GemmElem),
+        p: EpiloguePtrs,
+        epilogue: Epilogue,
+    ) -> Result<bool, String> {
+        check_elems(elems)?;
+        self.gemm_epilogue_checked(g, elems, p, epilogue)
+    }
+
+    /// [`DeviceApi::gemm_epilogue`] once its element types are checked.
+    fn gemm_epilogue_checked(
         &self,
         g: &Sgemm,
         elems: (GemmElem, GemmElem),
@@ -302,7 +325,7 @@ pub(crate) trait DeviceApi {
 
 /// The element types of a GEMM's operands and result, unless f32 operands go into a
 /// bf16 result (no device call does that).
-pub(crate) fn check_elems((elem, out): (GemmElem, GemmElem)) -> Result<(), String> {
+fn check_elems((elem, out): (GemmElem, GemmElem)) -> Result<(), String> {
     if elem == GemmElem::F32 && out != GemmElem::F32 {
         return Err("internal: an f32 GEMM into a bf16 result".to_string());
     }

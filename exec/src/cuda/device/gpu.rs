@@ -486,13 +486,12 @@ impl DeviceApi for Gpu {
     /// result `c` of element type `out` (accumulation fp32): bf16 operands go through
     /// `cublasGemmEx`, with an f32 result or, in a mixed-precision program, a bf16 one
     /// (`beta` then reads the bf16 `c`). An f32 GEMM has an f32 result.
-    fn gemm(
+    fn gemm_checked(
         &self,
         g: &Sgemm,
         (elem, out): (GemmElem, GemmElem),
         p: GemmPtrs,
     ) -> Result<(), String> {
-        check_elems((elem, out))?;
         let GemmPtrs {
             a,
             b,
@@ -576,14 +575,13 @@ impl DeviceApi for Gpu {
     /// a bias of `out`'s type, or the bias gradient it receives). `Ok(false)` when
     /// cuBLASLt has no algorithm for it: nothing was launched, and the caller runs the
     /// separate kernels.
-    fn gemm_epilogue(
+    fn gemm_epilogue_checked(
         &self,
         g: &Sgemm,
         elems: (GemmElem, GemmElem),
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
-        check_elems(elems)?;
         let mut lt = self.lt.lock().unwrap_or_else(|p| p.into_inner());
         if lt.is_none() {
             *lt = Some(crate::cuda::lt::Lt::new(&self.stream, self.math)?);

@@ -14,7 +14,7 @@ use kiln_compiler::codegen::cuda::host::FIBER_SHIM;
 use kiln_compiler::codegen::cuda::Work;
 
 use crate::cuda::abi::{grid, pack_dims, EpiloguePtrs, GemmPtrs, KilnDims, Sgemm};
-use crate::cuda::device::{check_elems, Buf, DeviceApi, GemmElem, GemmMath, Mark, Unit};
+use crate::cuda::device::{Buf, DeviceApi, GemmElem, GemmMath, Mark, Unit};
 use crate::cuda::lt::Epilogue;
 
 use super::{cxx, dry, REFUSE_BIAS_GRADS};
@@ -491,29 +491,21 @@ impl DeviceApi for HostDevice {
 
     /// `cublasSgemm` / `cublasGemmEx` (strided-batched with `batch`): see the module
     /// documentation. `first` is cuBLAS's first operand (`b` of the row-major product).
-    fn gemm(
+    fn gemm_checked(
         &self,
         g: &Sgemm,
         (elem, out): (GemmElem, GemmElem),
         p: GemmPtrs,
     ) -> Result<(), String> {
-        check_elems((elem, out))?;
-        let GemmPtrs {
-            a,
-            b,
-            c,
-            beta,
-            batch,
-        } = p;
-        let (count, sa, sb, sc) = batch.unwrap_or((1, 0, 0, 0));
+        let (count, sa, sb, sc) = p.batch.unwrap_or((1, 0, 0, 0));
         for i in 0..count as i64 {
-            let at = |p: u64, stride: i64, el: GemmElem| p + (i * stride) as u64 * size(el);
+            let at = |x: u64, stride: i64, el: GemmElem| x + (i * stride) as u64 * size(el);
             self.one_gemm(
                 g,
-                (at(b, sb, elem), elem),
-                (at(a, sa, elem), elem),
-                (at(c, sc, out), out),
-                beta,
+                (at(p.b, sb, elem), elem),
+                (at(p.a, sa, elem), elem),
+                (at(p.c, sc, out), out),
+                p.beta,
                 None,
             )?;
         }
@@ -524,14 +516,13 @@ impl DeviceApi for HostDevice {
     /// the result's type; or the bias gradient `Σ_k op(A)[i, k]` into `bias`, in f64 and
     /// rounded once to its type. With [`REFUSE_BIAS_GRAD_ENV`] set, a bias gradient has no
     /// algorithm (`Ok(false)`, nothing done), as on a GPU whose cuBLASLt lacks one.
-    fn gemm_epilogue(
+    fn gemm_epilogue_checked(
         &self,
         g: &Sgemm,
         (elem, out): (GemmElem, GemmElem),
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
-        check_elems((elem, out))?;
         let EpiloguePtrs {
             a,
             b,
