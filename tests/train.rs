@@ -710,6 +710,8 @@ fn checkpoints_translate_average_and_export() {
         "  training step 20, epoch ".to_string(),
         "  Adam moments for every parameter".to_string(),
         "  last logged (run/metrics.jsonl): training loss ".to_string(),
+        "  BLEU signature nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0|beam:2|"
+            .to_string(),
     ] {
         assert!(run.contains(&want), "{want:?} in\n{run}");
     }

@@ -529,6 +529,10 @@ fn inspect_model(path: &Path) -> Result<(), Error> {
             if !parts.is_empty() {
                 outln!("  last logged ({}): {}", log.display(), parts.join("; "));
             }
+            // How that BLEU was computed (sacreBLEU's signature and the search).
+            if let Some(sig) = last(Kind::Valid).and_then(|r| r.bleu_signature.as_ref()) {
+                outln!("  BLEU signature {sig}");
+            }
         }
     }
     Ok(())
