@@ -22,6 +22,41 @@ pub(crate) struct GemmArgs {
     pub gemm_type: Option<String>,
 }
 
+/// The search `kiln translate` runs: beam or greedy, the length penalty, the stopping
+/// rule, the length limit and whether `<unk>` may be emitted (the validation's are
+/// `valid.*` in the training configuration).
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct SearchArgs {
+    /// Beam width, 1 to 256.
+    #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = beam_width)]
+    pub beam: usize,
+    /// Length penalty exponent.
+    #[arg(long, default_value_t = 0.6, value_parser = finite_f64)]
+    pub alpha: f64,
+    /// `gnmt` ((5+len)/6)^α, `len_pow` len^α, or `none`.
+    #[arg(long, default_value = "gnmt", value_parser = ["gnmt", "len_pow", "none"])]
+    pub length_penalty: String,
+    /// When beam search is done with a sentence: `k-finished` once `beam` hypotheses
+    /// have finished (fairseq's and CTranslate2's rule), `exact` only once no live
+    /// hypothesis can still beat them (slower; the search's own best).
+    #[arg(long, default_value = "k-finished",
+          value_parser = kiln_decode::search::EarlyStop::NAMES)]
+    pub early_stop: String,
+    /// Maximum output length = a · source length + b (`<eos>` included), capped by the
+    /// positions the model takes (its `max_len`).
+    #[arg(long, default_value_t = 1.0, value_parser = non_negative_f64)]
+    pub max_len_a: f64,
+    #[arg(long, default_value_t = 50)]
+    pub max_len_b: usize,
+    /// Greedy decoding instead of beam search.
+    #[arg(long)]
+    pub greedy: bool,
+    /// Let the search emit `<unk>` (Marian's --allow-unk), written as `<unk>` in the
+    /// output; by default it is never emitted and the next best token is taken.
+    #[arg(long)]
+    pub allow_unk: bool,
+}
+
 /// How `kiln translate` and `kiln score` run: their batches (`--batch`, `--max-tokens`:
 /// [`Batching`]), executor, products, threads and workers.
 #[derive(clap::Args, Clone)]

@@ -67,10 +67,7 @@ mod errors;
 mod input;
 mod outputs;
 
-pub(crate) use args::{
-    beam_width, finite_f64, non_negative_f64, set_threads, total_steps, DecodeRunArgs, GemmArgs,
-    SpecArgs,
-};
+pub(crate) use args::{set_threads, total_steps, DecodeRunArgs, GemmArgs, SearchArgs, SpecArgs};
 pub(crate) use errors::{err, file_error, plain, runtime_error};
 
 #[derive(Parser)]
@@ -218,34 +215,8 @@ enum Command {
         /// Read sentences from this file instead of standard input.
         #[arg(long)]
         input: Option<PathBuf>,
-        /// Beam width, 1 to 256.
-        #[arg(long, default_value_t = 4, allow_hyphen_values = true, value_parser = beam_width)]
-        beam: usize,
-        /// Length penalty exponent.
-        #[arg(long, default_value_t = 0.6, value_parser = finite_f64)]
-        alpha: f64,
-        /// `gnmt` ((5+len)/6)^α, `len_pow` len^α, or `none`.
-        #[arg(long, default_value = "gnmt", value_parser = ["gnmt", "len_pow", "none"])]
-        length_penalty: String,
-        /// When beam search is done with a sentence: `k-finished` once `beam` hypotheses
-        /// have finished (fairseq's and CTranslate2's rule), `exact` only once no live
-        /// hypothesis can still beat them (slower; the search's own best).
-        #[arg(long, default_value = "k-finished",
-              value_parser = kiln_decode::search::EarlyStop::NAMES)]
-        early_stop: String,
-        /// Maximum output length = a · source length + b (`<eos>` included), capped by the
-        /// positions the model takes (its `max_len`).
-        #[arg(long, default_value_t = 1.0, value_parser = non_negative_f64)]
-        max_len_a: f64,
-        #[arg(long, default_value_t = 50)]
-        max_len_b: usize,
-        /// Greedy decoding instead of beam search.
-        #[arg(long)]
-        greedy: bool,
-        /// Let the search emit `<unk>` (Marian's --allow-unk), written as `<unk>` in the
-        /// output; by default it is never emitted and the next best token is taken.
-        #[arg(long)]
-        allow_unk: bool,
+        #[command(flatten)]
+        search: SearchArgs,
         /// Print each sentence's N best hypotheses (N ≤ beam), best first, in the Moses
         /// n-best format that Marian writes: `LINE ||| TEXT ||| log_prob= LP ||| SCORE`,
         /// LINE counting input lines from 0, LP the sum of the token log-probabilities
@@ -422,14 +393,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
         Command::Translate {
             checkpoint,
             input,
-            beam,
-            alpha,
-            length_penalty,
-            early_stop,
-            max_len_a,
-            max_len_b,
-            greedy,
-            allow_unk,
+            search,
             nbest,
             run,
         } => {
@@ -437,14 +401,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             cmd::translate::translate(cmd::translate::TranslateArgs {
                 checkpoint,
                 input,
-                beam,
-                alpha,
-                length_penalty,
-                early_stop,
-                max_len_a,
-                max_len_b,
-                greedy,
-                allow_unk,
+                search,
                 nbest,
                 batching: run.batching(),
                 executor: run.executor,

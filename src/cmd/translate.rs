@@ -17,6 +17,7 @@ use kiln_exec::executor::{executor, Exec, ExecutorKind};
 use kiln_train::data::Tokenizer;
 use kiln_train::model;
 
+use crate::args::SearchArgs;
 use crate::input::Chunks;
 use crate::{err, plain};
 
@@ -133,16 +134,7 @@ pub(crate) fn share_arena(encode: &dyn Exec, step: &mut dyn Exec) {
 pub struct TranslateArgs {
     pub checkpoint: PathBuf,
     pub input: Option<PathBuf>,
-    pub beam: usize,
-    pub alpha: f64,
-    pub length_penalty: String,
-    /// `k-finished` or `exact` ([`EarlyStop`]).
-    pub early_stop: String,
-    pub max_len_a: f64,
-    pub max_len_b: usize,
-    pub greedy: bool,
-    /// Let the search emit `<unk>`.
-    pub allow_unk: bool,
+    pub search: SearchArgs,
     /// Print the N best hypotheses of each sentence in the Moses n-best format.
     pub nbest: Option<usize>,
     /// How the sentences are cut into batches.
@@ -256,7 +248,8 @@ pub fn translate(a: TranslateArgs) -> Result<(), Error> {
 }
 
 /// The search `a` asks for, checked.
-fn decode_options(a: &TranslateArgs) -> Result<DecodeOptions, Error> {
+fn decode_options(t: &TranslateArgs) -> Result<DecodeOptions, Error> {
+    let a = &t.search;
     let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
         plain(
             "kiln::translate",
@@ -281,7 +274,7 @@ fn decode_options(a: &TranslateArgs) -> Result<DecodeOptions, Error> {
         max_len_b: a.max_len_b,
         ..DecodeOptions::default()
     };
-    if let Some(n) = a.nbest {
+    if let Some(n) = t.nbest {
         let keep = if opts.greedy { 1 } else { opts.beam };
         if n > keep {
             return Err(plain(
