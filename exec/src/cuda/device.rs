@@ -59,6 +59,9 @@ pub(crate) enum GemmElem {
     Bf16,
 }
 
+/// The element types of a GEMM's operands and of its result.
+pub(crate) type GemmElems = (GemmElem, GemmElem);
+
 /// A loaded generated function.
 struct Func {
     f: cudarc::driver::CudaFunction,
@@ -240,18 +243,13 @@ pub(crate) trait DeviceApi {
 
     /// Row-major `C = A·B (+ beta·C)` per [`Sgemm`] where `p` says, the operands of
     /// element type `elems.0` and the result of `elems.1` (checked by [`check_elems`]).
-    fn gemm(&self, g: &Sgemm, elems: (GemmElem, GemmElem), p: GemmPtrs) -> Result<(), String> {
+    fn gemm(&self, g: &Sgemm, elems: GemmElems, p: GemmPtrs) -> Result<(), String> {
         check_elems(elems)?;
         self.gemm_checked(g, elems, p)
     }
 
     /// [`DeviceApi::gemm`] once its element types are checked.
-    fn gemm_checked(
-        &self,
-        g: &Sgemm,
-        elems: (GemmElem, GemmElem),
-        p: GemmPtrs,
-    ) -> Result<(), String>;
+    fn gemm_checked(&self, g: &Sgemm, elems: GemmElems, p: GemmPtrs) -> Result<(), String>;
 
     /// Row-major `c = a·b` in one cuBLASLt call with `epilogue` (`g` as for
     /// [`DeviceApi::sgemm`], `c` of element type `elems.1`, the vector one element per
@@ -261,7 +259,7 @@ pub(crate) trait DeviceApi {
     fn gemm_epilogue(
         &self,
         g: &Sgemm,
-        elems: (GemmElem, GemmElem),
+        elems: GemmElems,
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
@@ -273,7 +271,7 @@ pub(crate) trait DeviceApi {
     fn gemm_epilogue_checked(
         &self,
         g: &Sgemm,
-        elems: (GemmElem, GemmElem),
+        elems: GemmElems,
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String>;
@@ -295,7 +293,7 @@ pub(crate) trait DeviceApi {
     fn gemm_bias(
         &self,
         g: &Sgemm,
-        elems: (GemmElem, GemmElem),
+        elems: GemmElems,
         p: EpiloguePtrs,
         relu: bool,
     ) -> Result<bool, String> {
@@ -315,7 +313,7 @@ pub(crate) trait DeviceApi {
     fn gemm_bias_grad(
         &self,
         g: &Sgemm,
-        elems: (GemmElem, GemmElem),
+        elems: GemmElems,
         p: EpiloguePtrs,
         grad_bf16: bool,
     ) -> Result<bool, String> {
@@ -325,7 +323,7 @@ pub(crate) trait DeviceApi {
 
 /// The element types of a GEMM's operands and result, unless f32 operands go into a
 /// bf16 result (no device call does that).
-fn check_elems((elem, out): (GemmElem, GemmElem)) -> Result<(), String> {
+fn check_elems((elem, out): GemmElems) -> Result<(), String> {
     if elem == GemmElem::F32 && out != GemmElem::F32 {
         return Err("internal: an f32 GEMM into a bf16 result".to_string());
     }

@@ -30,7 +30,7 @@ use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::abi::{EpiloguePtrs, Sgemm};
-use super::device::{GemmElem, GemmMath};
+use super::device::{GemmElem, GemmElems, GemmMath};
 
 /// Bytes of the cuBLASLt workspace (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -290,7 +290,7 @@ impl Lt {
         &mut self,
         stream: &CudaStream,
         g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
+        (elem, out): GemmElems,
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {

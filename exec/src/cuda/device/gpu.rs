@@ -486,12 +486,7 @@ impl DeviceApi for Gpu {
     /// result `c` of element type `out` (accumulation fp32): bf16 operands go through
     /// `cublasGemmEx`, with an f32 result or, in a mixed-precision program, a bf16 one
     /// (`beta` then reads the bf16 `c`). An f32 GEMM has an f32 result.
-    fn gemm_checked(
-        &self,
-        g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
-        p: GemmPtrs,
-    ) -> Result<(), String> {
+    fn gemm_checked(&self, g: &Sgemm, (elem, out): GemmElems, p: GemmPtrs) -> Result<(), String> {
         let GemmPtrs {
             a,
             b,
@@ -578,7 +573,7 @@ impl DeviceApi for Gpu {
     fn gemm_epilogue_checked(
         &self,
         g: &Sgemm,
-        elems: (GemmElem, GemmElem),
+        elems: GemmElems,
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {

@@ -14,7 +14,7 @@ use kiln_compiler::codegen::cuda::host::FIBER_SHIM;
 use kiln_compiler::codegen::cuda::Work;
 
 use crate::cuda::abi::{grid, pack_dims, EpiloguePtrs, GemmPtrs, KilnDims, Sgemm};
-use crate::cuda::device::{Buf, DeviceApi, GemmElem, GemmMath, Mark, Unit};
+use crate::cuda::device::{Buf, DeviceApi, GemmElem, GemmElems, GemmMath, Mark, Unit};
 use crate::cuda::lt::Epilogue;
 
 use super::{cxx, dry, REFUSE_BIAS_GRADS};
@@ -491,12 +491,7 @@ impl DeviceApi for HostDevice {
 
     /// `cublasSgemm` / `cublasGemmEx` (strided-batched with `batch`): see the module
     /// documentation. `first` is cuBLAS's first operand (`b` of the row-major product).
-    fn gemm_checked(
-        &self,
-        g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
-        p: GemmPtrs,
-    ) -> Result<(), String> {
+    fn gemm_checked(&self, g: &Sgemm, (elem, out): GemmElems, p: GemmPtrs) -> Result<(), String> {
         let (count, sa, sb, sc) = p.batch.unwrap_or((1, 0, 0, 0));
         for i in 0..count as i64 {
             let at = |x: u64, stride: i64, el: GemmElem| x + (i * stride) as u64 * size(el);
@@ -519,7 +514,7 @@ impl DeviceApi for HostDevice {
     fn gemm_epilogue_checked(
         &self,
         g: &Sgemm,
-        (elem, out): (GemmElem, GemmElem),
+        (elem, out): GemmElems,
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
