@@ -518,12 +518,7 @@ impl DeviceApi for HostDevice {
         p: EpiloguePtrs,
         epilogue: Epilogue,
     ) -> Result<bool, String> {
-        let EpiloguePtrs {
-            a,
-            b,
-            c,
-            vector: bias,
-        } = p;
+        let (a, b, c, bias) = (p.a, p.b, p.c, p.vector);
         if let Epilogue::BiasGradA { bf16 } = epilogue {
             if REFUSE_BIAS_GRADS.load(Ordering::Relaxed) {
                 return Ok(false);
