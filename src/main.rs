@@ -67,7 +67,7 @@ mod errors;
 mod input;
 mod outputs;
 
-pub(crate) use args::{set_threads, total_steps, DecodeRunArgs, GemmArgs, SearchArgs, SpecArgs};
+pub(crate) use args::{set_threads, DecodeRunArgs, GemmArgs, SearchArgs, SpecArgs};
 pub(crate) use errors::{err, file_error, plain, runtime_error};
 
 #[derive(Parser)]
@@ -175,37 +175,7 @@ enum Command {
     /// Corpus BLEU with sacreBLEU's semantics and defaults (13a tokens, `exp` smoothing).
     Bleu(cmd::bleu::BleuArgs),
     /// Train a model with the paper's recipe (a YAML configuration).
-    Train {
-        /// The configuration of a new run.
-        #[arg(long, conflicts_with = "resume")]
-        config: Option<PathBuf>,
-        /// Continue the run in this directory from its newest checkpoint.
-        #[arg(long)]
-        resume: Option<PathBuf>,
-        /// Override `train.max_steps`: the step the run trains to, counted from its start.
-        #[arg(long, value_parser = total_steps)]
-        max_steps: Option<u64>,
-        /// Override `train.max_seconds` (stop after this long, with a checkpoint).
-        #[arg(long)]
-        max_seconds: Option<u64>,
-        /// Override `checkpoint.dir` (the run directory).
-        #[arg(long)]
-        dir: Option<PathBuf>,
-        /// Start from this compiled artifact (`kiln compile --config CONFIG.yaml -o DIR`)
-        /// instead of compiling the spec: sets `model.artifact`.
-        #[arg(long, conflicts_with = "resume")]
-        artifact: Option<PathBuf>,
-        /// Worker threads (default: one per core).
-        #[arg(long)]
-        threads: Option<usize>,
-        /// Override `train.gemm_type` (see `kiln run --help`; a resumed run keeps its own).
-        #[arg(long, value_name = "TYPE", conflicts_with = "resume",
-              value_parser = kiln_exec::compiled::GemmType::NAMES)]
-        gemm_type: Option<String>,
-        /// No progress output.
-        #[arg(long)]
-        quiet: bool,
-    },
+    Train(cmd::train::TrainArgs),
     /// Translate lines of text (standard input, or --input) with a trained model.
     Translate {
         /// A checkpoint directory, a run directory (its newest checkpoint), the output of
@@ -369,27 +339,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
         Command::Init { spec, seed, output } => cmd::init::init(&spec, seed, &output),
         Command::Run(a) => cmd::run::run(a),
         Command::Bleu(a) => cmd::bleu::bleu(a),
-        Command::Train {
-            config,
-            resume,
-            max_steps,
-            max_seconds,
-            dir,
-            artifact,
-            threads,
-            gemm_type,
-            quiet,
-        } => cmd::train::train(cmd::train::TrainArgs {
-            config,
-            resume,
-            max_steps,
-            max_seconds,
-            dir,
-            artifact,
-            threads,
-            gemm_type,
-            quiet,
-        }),
+        Command::Train(a) => cmd::train::train(a),
         Command::Translate {
             checkpoint,
             input,

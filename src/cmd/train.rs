@@ -35,18 +35,37 @@ pub fn compile_graphs(cfg: &Config, vocab: usize) -> Result<ModelGraphs, Error> 
     })
 }
 
+// `kiln train`'s arguments (their help is `kiln train --help`).
+#[derive(clap::Args)]
 pub struct TrainArgs {
+    /// The configuration of a new run.
+    #[arg(long, conflicts_with = "resume")]
     pub config: Option<PathBuf>,
+    /// Continue the run in this directory from its newest checkpoint.
+    #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Override `train.max_steps`: the step the run trains to, counted from its start.
+    #[arg(long, value_parser = crate::args::total_steps)]
     pub max_steps: Option<u64>,
+    /// Override `train.max_seconds` (stop after this long, with a checkpoint).
+    #[arg(long)]
     pub max_seconds: Option<u64>,
+    /// Override `checkpoint.dir` (the run directory).
+    #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// `--artifact`: start from a compiled artifact (sets `model.artifact`).
+    /// Start from this compiled artifact (`kiln compile --config CONFIG.yaml -o DIR`)
+    /// instead of compiling the spec: sets `model.artifact`.
+    #[arg(long, conflicts_with = "resume")]
     pub artifact: Option<PathBuf>,
-    /// `--threads`; without it, the configuration's `train.threads` (0: one per core).
+    /// Worker threads (default: one per core).
+    #[arg(long)]
     pub threads: Option<usize>,
-    /// `--gemm-type`: overrides `train.gemm_type` (a new run only).
+    /// Override `train.gemm_type` (see `kiln run --help`; a resumed run keeps its own).
+    #[arg(long, value_name = "TYPE", conflicts_with = "resume",
+          value_parser = kiln_exec::compiled::GemmType::NAMES)]
     pub gemm_type: Option<String>,
+    /// No progress output.
+    #[arg(long)]
     pub quiet: bool,
 }
 

@@ -190,13 +190,7 @@ pub fn row_top_k(e: Elem) -> CudaFunction {
     w.l("__syncthreads();");
     w.close();
     w.close();
-    CudaFunction {
-        name: name.to_string(),
-        params,
-        work: Work::Blocks,
-        items_rule: "rows".to_string(),
-        text: w.finish(),
-    }
+    CudaFunction::new(name, params, Work::Blocks, "rows", w)
 }
 
 /// Dims and items of [`row_top_k`]: rows of `v` logits, row `r` at `r·stride + offset`,

@@ -396,13 +396,7 @@ pub(in crate::codegen::cuda) fn function(
 ) -> CudaFunction {
     w.close();
     w.close();
-    CudaFunction {
-        name: name.to_string(),
-        params,
-        work: Work::Blocks,
-        items_rule: items.to_string(),
-        text: w.finish(),
-    }
+    CudaFunction::new(name, params, Work::Blocks, items, w)
 }
 
 /// Ends a row loop that summed `d` (row `i`'s Σ g·o): `D = d / l` into `ds`, the row's
