@@ -15,6 +15,7 @@
 //! `eager_bench 3 big 256` for the big model on 6,400 target tokens.
 //! `RAYON_NUM_THREADS` sets the thread count.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;

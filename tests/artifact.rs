@@ -5,6 +5,7 @@
 //! Tolerance, per output (as in `tests/compiled.rs`):
 //! `max|artifact − reference| ≤ 1e-5·max|reference| + 1e-6`.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

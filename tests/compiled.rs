@@ -18,6 +18,7 @@
 //! flip moves a gradient's norm by ~1e-3; a wrong kernel by O(1)); the per-kernel checks
 //! hold every kernel of the backward pass to 1e-5.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
@@ -893,7 +894,7 @@ fn the_logits_gradient_is_written_over_the_logits() {
     }
 }
 
-/// A decoding step reading its caches with their rows gathered (`Compiled::run_gathered`,
+/// A decoding step reading its caches with their rows gathered (`Exec::run_map_gathered`,
 /// what beam search does when the beams move) gives the bits of the same step run on
 /// caches copied with `take_rows` first — rows repeated, dropped and reordered, from a
 /// state with more rows than the step — and only the caches can be read that way. A row
@@ -940,9 +941,9 @@ fn a_decoding_step_reads_its_caches_with_gathered_rows() {
         folded.insert(k.clone(), state[k].clone());
     }
     let opts = RunOptions::default();
-    let want = exec.run(&copied, &params, &opts).expect("runs");
+    let want = exec.run_map(&copied, &params, &opts).expect("runs");
     let got = exec
-        .run_gathered(&folded, &caches, &rows, &params, &opts)
+        .run_map_gathered(&folded, &caches, &rows, &params, &opts)
         .expect("runs gathered");
     assert_eq!(want.len(), got.len());
     for ((n, a), (m, b)) in want.iter().zip(&got) {
@@ -951,7 +952,7 @@ fn a_decoding_step_reads_its_caches_with_gathered_rows() {
         assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "{n}: the same bits");
     }
     let e = exec
-        .run_gathered(&folded, &caches, &[0, 5, 1, 2], &params, &opts)
+        .run_map_gathered(&folded, &caches, &[0, 5, 1, 2], &params, &opts)
         .unwrap_err()
         .to_string();
     assert!(
@@ -960,7 +961,7 @@ fn a_decoding_step_reads_its_caches_with_gathered_rows() {
     );
     let other: BTreeSet<String> = ["tgt_in".to_string()].into();
     let e = exec
-        .run_gathered(&folded, &other, &rows, &params, &opts)
+        .run_map_gathered(&folded, &other, &rows, &params, &opts)
         .unwrap_err()
         .to_string();
     assert!(

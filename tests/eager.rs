@@ -15,6 +15,7 @@
 //! - eager runs are bit-for-bit repeatable;
 //! - a missing input and out-of-range ids give the reference's error text.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::Path;
 

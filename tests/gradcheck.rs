@@ -32,6 +32,7 @@
 //! computed values are rounding noise (≈ 1e-18 in f64, ≈ 1e-9 in f32), which the absolute
 //! term 1e-7 covers.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;

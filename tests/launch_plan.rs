@@ -4,6 +4,7 @@
 
 mod common;
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

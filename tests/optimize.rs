@@ -30,6 +30,7 @@
 //!   and `train_step`, and the per-kind counts of base and big.
 //! - The CLI's `explain` / `compile` output and errors.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Output;

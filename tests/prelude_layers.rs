@@ -2,6 +2,7 @@
 //! `swiglu_ffn`, on known inputs, in the reference executor and in generated kernels,
 //! against values computed independently (Python's `math.erf`, `math.tanh`, `math.exp`).
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 
 use kiln_compiler::reference::{self, RunOptions};

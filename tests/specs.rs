@@ -18,6 +18,7 @@
 //! or a mask applied in one executor and not the other changes a tensor by a sizeable
 //! fraction of its largest element, far above the bound.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -56,7 +56,7 @@ use std::ops::{Add, Div, Mul, Neg, Sub};
 use crate::bind::{check_id, fmt_dims, liveness, Binder, Source};
 use crate::ir::{BinaryOp, CmpOp, DType, Graph, IrError, NodeId, Op, ReduceOp, UnaryOp};
 use crate::rng;
-use crate::tensor::{Tensor, TensorData};
+use crate::tensor::{Feeds, Outputs, Tensor, TensorData};
 
 mod ops;
 
@@ -126,10 +126,10 @@ pub enum ExecError {
 /// Runs `graph` and returns every output in `graph.outputs` order, with its name.
 pub fn run(
     graph: &Graph,
-    inputs: &BTreeMap<String, Tensor>,
-    params: &BTreeMap<String, Tensor>,
+    inputs: &Feeds,
+    params: &Feeds,
     opts: &RunOptions,
-) -> Result<Vec<(String, Tensor)>, ExecError> {
+) -> Result<Outputs, ExecError> {
     let ids: Vec<NodeId> = graph.outputs.iter().map(|o| o.node).collect();
     let values = run_nodes(graph, inputs, params, opts, &ids)?;
     Ok(graph
@@ -144,8 +144,8 @@ pub fn run(
 /// nodes included). Every graph input must still be given.
 pub fn run_nodes(
     graph: &Graph,
-    inputs: &BTreeMap<String, Tensor>,
-    params: &BTreeMap<String, Tensor>,
+    inputs: &Feeds,
+    params: &Feeds,
     opts: &RunOptions,
     nodes: &[NodeId],
 ) -> Result<Vec<Tensor>, ExecError> {

@@ -16,6 +16,12 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, SafeTensorError, View};
 use safetensors::SafeTensors;
 
+/// Tensors by name: a run's inputs or parameters.
+pub type Feeds = BTreeMap<String, Tensor>;
+
+/// A run's outputs by name, in the graph's output order.
+pub type Outputs = Vec<(String, Tensor)>;
+
 /// The elements of a tensor, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TensorData {

@@ -989,7 +989,7 @@ fn check_embed(b: usize, t: usize, d: usize, vocab: usize, dropout: Option<(f64,
         "embed_pe"
     };
     let src = text(&embed_pe(name, dropout.is_some()));
-    let (dims, items) = embed_pe_dims(d, t, b, dropout, seed, step);
+    let (dims, items) = embed_pe_dims([b, t, d], dropout, (seed, step));
     let mut table = table;
     let mut ids = ids;
     let mut pe = pe;

@@ -562,7 +562,7 @@ fn adam_embed_pe_and_column_kernels_are_bit_identical_to_the_cpu() {
         one(2.5),
         zeros(b * t * d),
     ];
-    let (dims, items) = region::embed_pe_dims(d, t, b, Some((0.2, 9)), 42, 3);
+    let (dims, items) = region::embed_pe_dims([b, t, d], Some((0.2, 9)), (42, 3));
     let mut g = bufs.clone();
     run(
         cxx,
@@ -2888,7 +2888,7 @@ fn mixed_precision_kernels_are_the_f32_kernels_with_rounded_stores() {
         one(2.5),
         zeros(b * t * d),
     ];
-    let (dims, _) = region::embed_pe_dims(d, t, b, Some((0.1, 2)), 5, 8);
+    let (dims, _) = region::embed_pe_dims([b, t, d], Some((0.1, 2)), (5, 8));
     for pe in [Elem::F32, Elem::Bf16] {
         same_as_f32(
             cxx,

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 
 use kiln_compiler::ir::{Graph, Op};
-use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_compiler::tensor::{Feeds, TensorData};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Entry {
@@ -270,11 +270,7 @@ pub fn decoder_entries(eval: &Graph, decode: &Graph) -> Result<(Graph, Graph), R
 
 /// Rejects tensors whose names are not inputs of the model (a typo, or a file meant for
 /// another spec). Inputs of the model that this entry does not use are fine.
-pub fn check_inputs(
-    model: &Graph,
-    file: &str,
-    inputs: &BTreeMap<String, Tensor>,
-) -> Result<(), RuntimeError> {
+pub fn check_inputs(model: &Graph, file: &str, inputs: &Feeds) -> Result<(), RuntimeError> {
     let names: Vec<&str> = model
         .inputs
         .iter()
@@ -312,14 +308,14 @@ fn non_finite(finite: impl Iterator<Item = bool>) -> (Option<usize>, usize) {
 /// Checks that every float of a weights file is finite: NaN or infinite weights (a
 /// damaged file, or a run that diverged) would translate into nothing and average into
 /// another broken model.
-pub fn check_finite(file: &str, weights: &BTreeMap<String, Tensor>) -> Result<(), RuntimeError> {
+pub fn check_finite(file: &str, weights: &Feeds) -> Result<(), RuntimeError> {
     check_finite_named(file, weights, &|name| format!("parameter `{name}`"))
 }
 
 /// [`check_finite`], each tensor named in the message by `label(name)`.
 pub fn check_finite_named(
     file: &str,
-    tensors: &BTreeMap<String, Tensor>,
+    tensors: &Feeds,
     label: &dyn Fn(&str) -> String,
 ) -> Result<(), RuntimeError> {
     for (name, t) in tensors {
@@ -347,11 +343,7 @@ pub fn check_finite_named(
 /// Checks a weights file against the model: every tensor must be a parameter of the
 /// model with exactly its shape ([`check_weights_fit`]) and finite values
 /// ([`check_finite`]).
-pub fn check_weights(
-    model: &Graph,
-    file: &str,
-    weights: &BTreeMap<String, Tensor>,
-) -> Result<(), RuntimeError> {
+pub fn check_weights(model: &Graph, file: &str, weights: &Feeds) -> Result<(), RuntimeError> {
     check_weights_fit(model, file, weights)?;
     check_finite(file, weights)
 }
@@ -359,11 +351,7 @@ pub fn check_weights(
 /// Checks that a weights file fits the model: every tensor must be a parameter of the
 /// model with exactly its shape and a float type; parameters the file lacks are reported
 /// all at once.
-pub fn check_weights_fit(
-    model: &Graph,
-    file: &str,
-    weights: &BTreeMap<String, Tensor>,
-) -> Result<(), RuntimeError> {
+pub fn check_weights_fit(model: &Graph, file: &str, weights: &Feeds) -> Result<(), RuntimeError> {
     let mut want: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     for &p in &model.params {
         if let Op::Param { name, .. } = &model.node(p).op {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use kiln_compiler::ir::Graph;
 use kiln_compiler::reference::{self, ExecError, RunOptions};
-use kiln_compiler::tensor::Tensor;
+use kiln_compiler::tensor::{Feeds, Outputs, Tensor};
 
 use crate::cuda::{DeviceTensor, ResidentOut, RowsTopK};
 
@@ -98,12 +98,7 @@ impl std::fmt::Display for Product {
 /// Something that runs one graph.
 pub trait Exec: Send + Sync {
     fn graph(&self) -> &Graph;
-    fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError>;
+    fn run(&self, inputs: &Feeds, params: &Feeds, opts: &RunOptions) -> Result<Outputs, ExecError>;
 
     /// Hands back output tensors of an earlier run that the caller is done with; an
     /// executor may store later outputs in their memory. The default drops them.
@@ -116,11 +111,11 @@ pub trait Exec: Send + Sync {
     /// times nothing and just runs.
     fn run_profiled(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         rec: &mut dyn FnMut(&Timing<'_>),
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    ) -> Result<Outputs, ExecError> {
         let _ = rec;
         self.run(inputs, params, opts)
     }
@@ -174,10 +169,10 @@ pub trait Exec: Send + Sync {
     /// default accepts none, so it runs only with `gathered` empty.
     fn run_map_gathered(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
         gathered: &std::collections::BTreeSet<String>,
         rows: &[usize],
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         opts: &RunOptions,
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
         let _ = rows;
@@ -192,8 +187,8 @@ pub trait Exec: Send + Sync {
     /// Runs and returns the outputs by name.
     fn run_map(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
         Ok(self.run(inputs, params, opts)?.into_iter().collect())
@@ -217,9 +212,9 @@ pub trait DeviceResident: Exec {
     /// come back, and those `keep` names left on the device.
     fn run_resident(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
         resident: &BTreeMap<String, DeviceTensor>,
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         opts: &RunOptions,
         keep: &dyn Fn(&str) -> bool,
     ) -> Result<ResidentOut, ExecError>;
@@ -260,28 +255,8 @@ impl Exec for Reference {
         &self.graph
     }
 
-    fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    fn run(&self, inputs: &Feeds, params: &Feeds, opts: &RunOptions) -> Result<Outputs, ExecError> {
         reference::run(&self.graph, inputs, params, opts)
-    }
-}
-
-impl Exec for crate::eager::Eager {
-    fn graph(&self) -> &Graph {
-        crate::eager::Eager::graph(self)
-    }
-
-    fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        crate::eager::Eager::run(self, inputs, params, opts)
     }
 }
 

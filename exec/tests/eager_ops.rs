@@ -20,6 +20,7 @@
 //! It also checks errors (same text as the reference), the precision option, and that
 //! results do not depend on the number of rayon threads.
 
+use kiln_exec::executor::Exec;
 use std::collections::BTreeMap;
 
 use kiln_compiler::ir::{BinaryOp, CmpOp, Float, Init, ReduceOp, UnaryOp};

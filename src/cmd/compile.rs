@@ -99,20 +99,24 @@ pub fn compile(a: CompileArgs) -> Result<(), Error> {
         };
         outputs::check("kiln::compile", out, &inputs, kind)?;
     }
+    // An artifact, written from `source` with the options of the flags.
+    let write = |source: &dyn Fn(&Build<'_>) -> Result<(), Error>, entries: &[String]| {
+        let options = flags.options()?;
+        source(&Build {
+            entries,
+            output: output.as_deref(),
+            check: validate,
+            options: &options,
+        })
+    };
     // A training configuration or a trained model, instead of a spec.
-    type FromFile = fn(&Path, &[String], Option<&Path>, bool, &CompileOptions) -> Result<(), Error>;
+    type FromFile = fn(&Path, &Build<'_>) -> Result<(), Error>;
     let from: [(Option<PathBuf>, FromFile); 2] = [
         (config, compile_artifact_from_config),
         (from_model, compile_artifact_from_model),
     ];
     if let Some((path, compile)) = from.into_iter().find_map(|(p, f)| p.map(|p| (p, f))) {
-        return compile(
-            &path,
-            &entries,
-            output.as_deref(),
-            validate,
-            &flags.options()?,
-        );
+        return write(&|build| compile(&path, build), &entries);
     }
     let Some(spec) = spec else {
         return Err(plain(
@@ -139,14 +143,7 @@ pub fn compile(a: CompileArgs) -> Result<(), Error> {
         } else {
             entries
         };
-        compile_artifact(
-            &args,
-            &entries,
-            output.as_deref(),
-            validate,
-            seed,
-            &flags.options()?,
-        )
+        write(&|build| compile_artifact(&args, seed, build), &entries)
     }
 }
 
@@ -256,19 +253,22 @@ struct Source {
     extras: BTreeMap<String, Vec<u8>>,
 }
 
+/// How `kiln compile` writes an artifact: the entries asked for (none: the source's
+/// default ones), the directory (`-o`), whether each entry's program is checked against
+/// the reference executor first (`--validate`), and the compile options.
+pub struct Build<'a> {
+    pub entries: &'a [String],
+    pub output: Option<&'a Path>,
+    pub check: bool,
+    pub options: &'a CompileOptions,
+}
+
 /// `kiln compile SPEC --entries …`: a compiled artifact directory (see
 /// `kiln_compiler::artifact`): per entry the kernel graph, memory plan and CLIF code,
 /// plus the initial weights from `seed`.
-pub fn compile_artifact(
-    args: &OptArgs,
-    entries: &[String],
-    output: Option<&Path>,
-    check: bool,
-    seed: u64,
-    options: &CompileOptions,
-) -> Result<(), Error> {
-    let dir = output_dir(output)?;
-    let names = entry_names(entries)?;
+pub fn compile_artifact(args: &OptArgs, seed: u64, build: &Build<'_>) -> Result<(), Error> {
+    let dir = output_dir(build.output)?;
+    let names = entry_names(build.entries)?;
     let spec_text = kiln_dsl::source_text(&args.spec)?;
     let spec_hash =
         kiln_compiler::artifact::spec_hash(&spec_text, &args.set, args.model.as_deref());
@@ -286,7 +286,7 @@ pub fn compile_artifact(
         spec_hash,
         extras: BTreeMap::new(),
     };
-    write_artifact_from(dir, options, src, check)
+    write_artifact_from(dir, src, build)
 }
 
 /// The entries `kiln compile SPEC -o DIR` compiles without `--entries`: every one that
@@ -339,14 +339,8 @@ fn graphs_of(
 /// the spec with the configuration's overrides and its BPE vocabulary's size, the first
 /// weights from `train.seed`, and the tokenizer — as an artifact that `kiln train
 /// --artifact DIR` (or `model.artifact`) starts from.
-pub fn compile_artifact_from_config(
-    config: &Path,
-    entries: &[String],
-    output: Option<&Path>,
-    check: bool,
-    options: &CompileOptions,
-) -> Result<(), Error> {
-    let dir = output_dir(output)?;
+pub fn compile_artifact_from_config(config: &Path, build: &Build<'_>) -> Result<(), Error> {
+    let dir = output_dir(build.output)?;
     let cfg = Config::load(config).map_err(|e| plain("kiln::config", e.to_string(), None))?;
     if cfg.model.spec.as_os_str().is_empty() {
         return Err(plain(
@@ -362,7 +356,7 @@ pub fn compile_artifact_from_config(
         .entries_with(cfg.train.loss_scale.is_some())
         .map_err(crate::err("kiln::compile"))?;
     let origin = format!("the configuration `{}`", config.display());
-    let graphs = graphs_of(&set, entries, &TRAINING_ENTRIES, &origin)?;
+    let graphs = graphs_of(&set, build.entries, &TRAINING_ENTRIES, &origin)?;
     let weights: BTreeMap<String, Tensor> = init_params(&set.loss, cfg.train.seed)
         .map_err(|e| plain("kiln::init", e.to_string(), None))?
         .into_iter()
@@ -381,20 +375,14 @@ pub fn compile_artifact_from_config(
         spec_hash,
         extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
     };
-    write_artifact_from(dir, options, src, check)
+    write_artifact_from(dir, src, build)
 }
 
 /// `kiln compile --from-model MODEL_DIR -o DIR`: a trained model (a checkpoint, a run
 /// directory or the output of `kiln average`) with its weights and tokenizer, compiled for
 /// `kiln translate --model DIR` (by default the decoding entries).
-pub fn compile_artifact_from_model(
-    model_dir: &Path,
-    entries: &[String],
-    output: Option<&Path>,
-    check: bool,
-    options: &CompileOptions,
-) -> Result<(), Error> {
-    let dir = output_dir(output)?;
+pub fn compile_artifact_from_model(model_dir: &Path, build: &Build<'_>) -> Result<(), Error> {
+    let dir = output_dir(build.output)?;
     if model_dir
         .join(kiln_compiler::artifact::MANIFEST_FILE)
         .is_file()
@@ -414,7 +402,7 @@ pub fn compile_artifact_from_model(
     }
     let m = model::load(model_dir).map_err(crate::err("kiln::model"))?;
     let origin = format!("the model `{}`", m.dir.display());
-    let graphs = graphs_of(&m.graphs, entries, &DECODING_ENTRIES, &origin)?;
+    let graphs = graphs_of(&m.graphs, build.entries, &DECODING_ENTRIES, &origin)?;
     let tok_json = m.tokenizer.to_json().map_err(crate::err("kiln::compile"))?;
     let src = Source {
         graphs,
@@ -426,7 +414,7 @@ pub fn compile_artifact_from_model(
         ),
         extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
     };
-    write_artifact_from(dir, options, src, check)
+    write_artifact_from(dir, src, build)
 }
 
 fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
@@ -440,12 +428,8 @@ fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
 }
 
 /// Optimizes, plans and generates code for every entry of `src`, and writes the artifact.
-fn write_artifact_from(
-    dir: &Path,
-    options: &CompileOptions,
-    src: Source,
-    check: bool,
-) -> Result<(), Error> {
+fn write_artifact_from(dir: &Path, src: Source, build: &Build<'_>) -> Result<(), Error> {
+    let (options, check) = (build.options, build.check);
     let mut specs = Vec::new();
     let mut weights = BTreeMap::new();
     let mut model = String::new();

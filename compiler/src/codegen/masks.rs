@@ -71,7 +71,23 @@ pub unsafe extern "C" fn kiln_dropout_masks(
 
 /// [`kiln_dropout_masks`] into a slice (element `index + j` into `out[j]`).
 pub fn masks(seed: u64, step: u32, stream: u32, threshold: u32, index: u64, out: &mut [i32]) {
-    masks_with(Path::best(), seed, step, stream, threshold, index, out);
+    let draw = Draw {
+        seed,
+        step,
+        stream,
+        threshold,
+    };
+    masks_with(Path::best(), draw, index, out);
+}
+
+/// What one run of masks draws with: the generator's key (`seed`), its counters' `step` and
+/// `stream` words, and the keep threshold ([`crate::rng::dropout_threshold`]).
+#[derive(Clone, Copy, Debug)]
+struct Draw {
+    seed: u64,
+    step: u32,
+    stream: u32,
+    threshold: u32,
 }
 
 /// How [`masks`] draws: a group of counter blocks at a time in 512-bit or 256-bit
@@ -112,15 +128,7 @@ impl Path {
 }
 
 /// [`masks`] by `path`, which the CPU must have.
-fn masks_with(
-    path: Path,
-    seed: u64,
-    step: u32,
-    stream: u32,
-    threshold: u32,
-    index: u64,
-    out: &mut [i32],
-) {
+fn masks_with(path: Path, draw: Draw, index: u64, out: &mut [i32]) {
     let group = path.group();
     let mut i = index;
     let mut rest = &mut out[..];
@@ -138,10 +146,8 @@ fn masks_with(
             // SAFETY: `Path::best` detected the path's features; `dst` holds a group.
             unsafe {
                 match path {
-                    Path::Avx512 => {
-                        avx512::sixteen_blocks(seed, step, stream, threshold, i / 4, dst)
-                    }
-                    Path::Avx2 => avx2::eight_blocks(seed, step, stream, threshold, i / 4, dst),
+                    Path::Avx512 => avx512::sixteen_blocks(draw, i / 4, dst),
+                    Path::Avx2 => avx2::eight_blocks(draw, i / 4, dst),
                     Path::Scalar => unreachable!(),
                 }
             };
@@ -152,12 +158,12 @@ fn masks_with(
             i += take as u64;
             continue;
         }
-        let words = dropout_words(seed, step, stream, i / 4);
+        let words = dropout_words(draw.seed, draw.step, draw.stream, i / 4);
         let take = (4 - skip).min(rest.len());
         let (now, later) = rest.split_at_mut(take);
         for (j, m) in now.iter_mut().enumerate() {
             let w = words[skip + j];
-            *m = if (w >> 8) >= threshold { -1 } else { 0 };
+            *m = if (w >> 8) >= draw.threshold { -1 } else { 0 };
         }
         rest = later;
         i += take as u64;
@@ -173,6 +179,25 @@ trait Lanes: Copy {
     unsafe fn xor3(a: Self, b: Self, c: Self) -> Self;
     /// The high and low words of `m · c` in each lane.
     unsafe fn mulhilo(m: Self, c: Self) -> (Self, Self);
+    /// Within each 128-bit lane, the 32-bit words of `a` and `b` interleaved: from their
+    /// low halves, then from their high halves.
+    unsafe fn unpack32(a: Self, b: Self) -> (Self, Self);
+    /// [`Lanes::unpack32`] for 64-bit words.
+    unsafe fn unpack64(a: Self, b: Self) -> (Self, Self);
+}
+
+/// The first step of turning Philox's counters inside out: lane j of `c[w]` is word w of
+/// block j, and the output's order is element 4j + w, a 4 × lanes transpose. Within each
+/// 128-bit lane g, `u[q]` comes back holding the four words of block 4g + q; the caller
+/// transposes the 128-bit lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose_within_lanes<V: Lanes>(c: [V; 4]) -> [V; 4] {
+    let (t0, t1) = V::unpack32(c[0], c[1]);
+    let (t2, t3) = V::unpack32(c[2], c[3]);
+    let (u0, u1) = V::unpack64(t0, t2);
+    let (u2, u3) = V::unpack64(t1, t3);
+    [u0, u1, u2, u3]
 }
 
 /// Philox4x32's ten rounds on the counters `c` (lane j of `c[w]`: word w of block j)
@@ -224,6 +249,16 @@ mod avx512 {
             let hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(even), odd);
             (hi, lo)
         }
+
+        #[inline(always)]
+        unsafe fn unpack32(a: Self, b: Self) -> (Self, Self) {
+            (_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+        }
+
+        #[inline(always)]
+        unsafe fn unpack64(a: Self, b: Self) -> (Self, Self) {
+            (_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+        }
     }
 
     /// The masks of the 64 elements of counter blocks `block .. block + 16` into `out`.
@@ -231,14 +266,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX-512F; `out` holds 64 elements.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn sixteen_blocks(
-        seed: u64,
-        step: u32,
-        stream: u32,
-        threshold: u32,
-        block: u64,
-        out: &mut [i32],
-    ) {
+    pub(super) unsafe fn sixteen_blocks(draw: Draw, block: u64, out: &mut [i32]) {
         assert!(out.len() >= 64);
         let lo = block as u32;
         let c0 = _mm512_add_epi32(
@@ -249,21 +277,10 @@ mod avx512 {
         let wrapped = _mm512_cmplt_epu32_mask(c0, _mm512_set1_epi32(lo as i32));
         let hi = _mm512_set1_epi32((block >> 32) as u32 as i32);
         let c1 = _mm512_mask_add_epi32(hi, wrapped, hi, _mm512_set1_epi32(1));
-        let (s, t) = (__m512i::splat(stream), __m512i::splat(step));
-        let c = philox_rounds([c0, c1, s, t], seed);
-        // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
-        // 4 × 16 transpose (within 128-bit lanes, then of the lanes).
-        let t0 = _mm512_unpacklo_epi32(c[0], c[1]);
-        let t1 = _mm512_unpackhi_epi32(c[0], c[1]);
-        let t2 = _mm512_unpacklo_epi32(c[2], c[3]);
-        let t3 = _mm512_unpackhi_epi32(c[2], c[3]);
-        // `u[q]`'s 128-bit lane g holds the four words of block 4g + q.
-        let u = [
-            _mm512_unpacklo_epi64(t0, t2),
-            _mm512_unpackhi_epi64(t0, t2),
-            _mm512_unpacklo_epi64(t1, t3),
-            _mm512_unpackhi_epi64(t1, t3),
-        ];
+        let (s, t) = (__m512i::splat(draw.stream), __m512i::splat(draw.step));
+        let c = philox_rounds([c0, c1, s, t], draw.seed);
+        // A 4 × 16 transpose: within the 128-bit lanes, then of the lanes.
+        let u = transpose_within_lanes(c);
         let v0 = _mm512_shuffle_i32x4::<0b0100_0100>(u[0], u[1]);
         let v1 = _mm512_shuffle_i32x4::<0b0100_0100>(u[2], u[3]);
         let v2 = _mm512_shuffle_i32x4::<0b1110_1110>(u[0], u[1]);
@@ -274,7 +291,7 @@ mod avx512 {
             _mm512_shuffle_i32x4::<0b1000_1000>(v2, v3),
             _mm512_shuffle_i32x4::<0b1101_1101>(v2, v3),
         ];
-        let t = _mm512_set1_epi32(threshold as i32);
+        let t = _mm512_set1_epi32(draw.threshold as i32);
         for (g, w) in words.into_iter().enumerate() {
             let keep = _mm512_cmpge_epu32_mask(_mm512_srli_epi32::<8>(w), t);
             let m = _mm512_maskz_mov_epi32(keep, _mm512_set1_epi32(-1));
@@ -310,6 +327,16 @@ mod avx2 {
             let hi = _mm256_blend_epi32::<0xAA>(_mm256_srli_epi64::<32>(even), odd);
             (hi, lo)
         }
+
+        #[inline(always)]
+        unsafe fn unpack32(a: Self, b: Self) -> (Self, Self) {
+            (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+        }
+
+        #[inline(always)]
+        unsafe fn unpack64(a: Self, b: Self) -> (Self, Self) {
+            (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+        }
     }
 
     /// The masks of the 32 elements of counter blocks `block .. block + 8` into `out`.
@@ -317,14 +344,7 @@ mod avx2 {
     /// # Safety
     /// The CPU must have AVX2; `out` holds 32 elements.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn eight_blocks(
-        seed: u64,
-        step: u32,
-        stream: u32,
-        threshold: u32,
-        block: u64,
-        out: &mut [i32],
-    ) {
+    pub(super) unsafe fn eight_blocks(draw: Draw, block: u64, out: &mut [i32]) {
         assert!(out.len() >= 32);
         // The counters' low and high words, lane j for block `block + j` (a low word that
         // wraps past 2^32 carries into the high one).
@@ -350,21 +370,10 @@ mod avx2 {
             word(6, 32),
             word(7, 32),
         );
-        let (s, t) = (__m256i::splat(stream), __m256i::splat(step));
-        let c = philox_rounds([c0, c1, s, t], seed);
-        // Lane j of `c[w]` is word w of block j; element 4j + w is the output's order: a
-        // 4 × 8 transpose (within 128-bit lanes, then of the lanes).
-        let t0 = _mm256_unpacklo_epi32(c[0], c[1]);
-        let t1 = _mm256_unpackhi_epi32(c[0], c[1]);
-        let t2 = _mm256_unpacklo_epi32(c[2], c[3]);
-        let t3 = _mm256_unpackhi_epi32(c[2], c[3]);
-        // `u[q]`'s 128-bit lane g holds the four words of block 4g + q.
-        let u = [
-            _mm256_unpacklo_epi64(t0, t2),
-            _mm256_unpackhi_epi64(t0, t2),
-            _mm256_unpacklo_epi64(t1, t3),
-            _mm256_unpackhi_epi64(t1, t3),
-        ];
+        let (s, t) = (__m256i::splat(draw.stream), __m256i::splat(draw.step));
+        let c = philox_rounds([c0, c1, s, t], draw.seed);
+        // A 4 × 8 transpose: within the 128-bit lanes, then of the lanes.
+        let u = transpose_within_lanes(c);
         let words = [
             _mm256_permute2x128_si256::<0x20>(u[0], u[1]),
             _mm256_permute2x128_si256::<0x20>(u[2], u[3]),
@@ -373,7 +382,7 @@ mod avx2 {
         ];
         // Kept where `w >> 8 >= threshold`, as a signed comparison: both sides are below
         // 2^31 once a threshold above 2^24 (which drops every element) is taken as 2^24.
-        let t = _mm256_set1_epi32(threshold.min(1 << 24) as i32);
+        let t = _mm256_set1_epi32(draw.threshold.min(1 << 24) as i32);
         let ones = _mm256_set1_epi32(-1);
         for (g, w) in words.into_iter().enumerate() {
             let dropped = _mm256_cmpgt_epi32(t, _mm256_srli_epi32::<8>(w));
@@ -421,7 +430,13 @@ mod tests {
 
     fn masks_of_path_are_the_dropout_keep_decisions(path: Path) {
         let masks = |seed, step, stream, t, index, out: &mut [i32]| {
-            masks_with(path, seed, step, stream, t, index, out)
+            let draw = Draw {
+                seed,
+                step,
+                stream,
+                threshold: t,
+            };
+            masks_with(path, draw, index, out)
         };
         let t = dropout_threshold(0.1);
         // Aligned and unaligned starts, runs shorter and longer than a group (64 or 32),

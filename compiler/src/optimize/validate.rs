@@ -81,8 +81,7 @@ pub fn dim_sizes(g: &Graph) -> BTreeMap<String, i64> {
         .collect()
 }
 
-/// Named tensors.
-pub type Feeds = BTreeMap<String, Tensor>;
+pub use crate::tensor::Feeds;
 
 /// Random inputs and initialized parameters for `g`.
 pub fn random_feeds(g: &Graph, seed: u64) -> Result<(Feeds, Feeds), String> {

@@ -47,11 +47,9 @@ pub(super) fn call(e: &mut Elab, frame: &mut Frame, name: &str, a: &Args, span: 
                 }
                 _ if name == "max" => Ok(Value::Tensor(e.elementwise(
                     frame,
-                    BinaryOp::Max,
-                    &va,
-                    sa,
-                    &vb,
-                    sb,
+                    Op::Binary(BinaryOp::Max),
+                    (&va, sa),
+                    (&vb, sb),
                     span,
                     "take the max of",
                 )?)),

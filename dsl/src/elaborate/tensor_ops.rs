@@ -56,32 +56,14 @@ impl<'p> Elab<'p> {
         }
     }
 
-    /// Elementwise arithmetic with numpy broadcasting.
-    #[allow(clippy::too_many_arguments)]
+    /// A two-operand elementwise op (arithmetic or comparison) with numpy broadcasting;
+    /// each operand comes with its place in the source.
     pub(crate) fn elementwise(
         &mut self,
         frame: &Frame,
-        op: BinaryOp,
-        va: &Value,
-        sa: Span,
-        vb: &Value,
-        sb: Span,
-        span: Span,
-        verb: &str,
-    ) -> R<NodeId> {
-        self.elementwise_op(frame, Op::Binary(op), va, sa, vb, sb, span, verb)
-    }
-
-    /// A two-operand elementwise op (arithmetic or comparison) with numpy broadcasting.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn elementwise_op(
-        &mut self,
-        frame: &Frame,
         op: Op,
-        va: &Value,
-        sa: Span,
-        vb: &Value,
-        sb: Span,
+        (va, sa): (&Value, Span),
+        (vb, sb): (&Value, Span),
         span: Span,
         verb: &str,
     ) -> R<NodeId> {
@@ -146,16 +128,9 @@ impl<'p> Elab<'p> {
                     BinOp::Gt => CmpOp::Gt,
                     _ => CmpOp::Ge,
                 };
-                return Ok(Value::Tensor(self.elementwise_op(
-                    frame,
-                    Op::Compare(c),
-                    &va,
-                    sa,
-                    &vb,
-                    sb,
-                    span,
-                    "compare",
-                )?));
+                let (a, b) = ((&va, sa), (&vb, sb));
+                let t = self.elementwise(frame, Op::Compare(c), a, b, span, "compare")?;
+                return Ok(Value::Tensor(t));
             }
             _ => {
                 return Err(Diag::new(
@@ -166,9 +141,9 @@ impl<'p> Elab<'p> {
                 .help("tensors support + - * / @, comparisons, and ** with a number"))
             }
         };
-        Ok(Value::Tensor(
-            self.elementwise(frame, bop, &va, sa, &vb, sb, span, verb)?,
-        ))
+        let (a, b) = ((&va, sa), (&vb, sb));
+        let t = self.elementwise(frame, Op::Binary(bop), a, b, span, verb)?;
+        Ok(Value::Tensor(t))
     }
 
     pub(super) fn tensor_pow(

@@ -23,6 +23,10 @@ use super::{to_tensor, Loc};
 use crate::eager::ops::{compute, Ctx};
 use crate::eager::value::{Data, Store, Value};
 use crate::eager::Eager;
+use crate::executor::Exec;
+
+/// A kernel of the kernel graph: its value, op and inputs ([`KernelGraph::kernels`]).
+pub(crate) type Kernel<'a> = (usize, &'a KernelOp, &'a [usize]);
 
 /// How a kernel without generated code runs.
 pub(crate) enum Fallback {
@@ -34,27 +38,19 @@ pub(crate) enum Fallback {
 }
 
 /// The fallback of kernel value `v`.
-pub(crate) fn build(
-    kg: &KernelGraph,
-    v: usize,
-    op: &KernelOp,
-    inputs: &[usize],
-) -> Result<Fallback, String> {
-    match op {
-        KernelOp::Prim(p) => Ok(Fallback::Prim(p.clone())),
+pub(crate) fn build(kg: &KernelGraph, kernel: Kernel<'_>) -> Result<Fallback, String> {
+    match kernel.1 {
         KernelOp::Template { id, .. } if registry()[*id as usize].name == "scatter_add_into" => {
             Ok(Fallback::ScatterAddInto)
         }
-        _ => build_expanded(kg, v, op, inputs),
+        _ => build_expanded(kg, kernel),
     }
 }
 
 /// Kernel value `v` expanded to primitives, run by the eager executor.
 pub(crate) fn build_expanded(
     kg: &KernelGraph,
-    v: usize,
-    op: &KernelOp,
-    inputs: &[usize],
+    (v, op, inputs): Kernel<'_>,
 ) -> Result<Fallback, String> {
     match op {
         KernelOp::Prim(p) => Ok(Fallback::Prim(p.clone())),
@@ -395,7 +391,7 @@ fn check_concat(
 }
 
 /// A concatenation (axis ≥ 1) some of whose operands are read with their rows gathered
-/// (`Compiled::run_gathered`): operand `k` with `rows[k] = Some(r)` is read as its rows
+/// (`Exec::run_map_gathered`): operand `k` with `rows[k] = Some(r)` is read as its rows
 /// `r[0], r[1], …` along axis 0 (its own tensor, contiguous, may hold other rows and more
 /// of them). Every result element is copied once, as [`concat_into`] copies it from the
 /// gathered tensor.

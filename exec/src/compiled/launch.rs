@@ -298,14 +298,14 @@ pub(crate) fn prepare(
                     TemplateKind::AdamUpdate => Exec::Adam(f("main")?),
                     // Runs in Rust: it touches only the rows the ids name.
                     TemplateKind::ScatterAddInto => {
-                        Exec::Fallback(fallback::build(kg, v, op, inputs)?)
+                        Exec::Fallback(fallback::build(kg, (v, op, inputs))?)
                     }
                 }
             }
-            _ => Exec::Fallback(fallback::build(kg, v, op, inputs)?),
+            _ => Exec::Fallback(fallback::build(kg, (v, op, inputs))?),
         };
         let check = if checks && exec.is_native() {
-            Some(fallback::build_expanded(kg, v, op, inputs)?)
+            Some(fallback::build_expanded(kg, (v, op, inputs))?)
         } else {
             None
         };

@@ -49,7 +49,7 @@ use kiln_compiler::options::CompileOptions;
 use kiln_compiler::pipeline::EntryProgram;
 use kiln_compiler::plan::{LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, RunOptions};
-use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_compiler::tensor::{Feeds, Outputs, Tensor, TensorData};
 
 use crate::eager::pool::Pool;
 use crate::executor::{Launched, Timing};
@@ -127,7 +127,7 @@ pub struct Compiled {
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
     /// The f32 inputs that only concatenations along a later axis read, directly: a run
-    /// can read them with their rows gathered ([`Compiled::run_gathered`]).
+    /// can read them with their rows gathered ([`Compiled::run_map_gathered`]).
     gatherable: std::collections::BTreeSet<String>,
     pool: Arc<Pool>,
     /// The kernel of the large matrix products in bf16, f32 sums, if they run so
@@ -403,46 +403,19 @@ impl Compiled {
         self.trace.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Runs the program; outputs in `graph.outputs` order.
-    pub fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        on_worker(|| self.run_inner(inputs, params, opts, None, None, None))
-    }
-
-    /// Whether [`Compiled::run_gathered`] can read input `name` with its rows gathered:
+    /// Whether [`Compiled::run_map_gathered`] can read input `name` with its rows gathered:
     /// an f32 input that only concatenations along a later axis read (a decoder's
     /// key/value caches).
     pub fn folds_row_gather(&self, name: &str) -> bool {
         self.gatherable.contains(name)
     }
 
-    /// [`Compiled::run`] with each input named in `gathered` read as if it were
-    /// `decode::take_rows(t, rows)` — its rows along axis 0 in the order `rows` — without
-    /// that copy: the concatenations reading it copy each row from its source row. Every
-    /// name must be one [`Compiled::folds_row_gather`] accepts, and every row index must
-    /// be inside its tensor.
-    pub fn run_gathered(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        gathered: &std::collections::BTreeSet<String>,
-        rows: &[usize],
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        let gather = (!gathered.is_empty()).then_some((gathered, rows));
-        on_worker(|| self.run_inner(inputs, params, opts, None, None, gather))
-    }
-
     /// Runs the program and returns every value of the kernel graph (a debugging aid:
     /// compile with `--no-buffer-reuse` so that no buffer is overwritten before the end).
     pub fn run_all_values(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
     ) -> Result<Vec<Vec<Tensor>>, ExecError> {
         let mut dump = Vec::new();
@@ -569,11 +542,11 @@ impl Compiled {
     /// product) shape to `profile`.
     pub fn run_profiled(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         profile: &mut (dyn FnMut(&Timing<'_>) + Send),
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    ) -> Result<Outputs, ExecError> {
         on_worker(|| self.run_inner(inputs, params, opts, Some(profile), None, None))
     }
 
@@ -636,7 +609,7 @@ impl Compiled {
     }
 }
 
-/// Inputs read with their rows gathered, and the rows ([`Compiled::run_gathered`]).
+/// Inputs read with their rows gathered, and the rows ([`Compiled::run_map_gathered`]).
 type Gather<'a> = (&'a std::collections::BTreeSet<String>, &'a [usize]);
 
 /// The f32 inputs of `kg` that only concatenations along an axis after the first read,
@@ -671,13 +644,9 @@ impl crate::executor::Exec for Compiled {
         &self.graph
     }
 
-    fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        Compiled::run(self, inputs, params, opts)
+    /// Runs the program; outputs in `graph.outputs` order.
+    fn run(&self, inputs: &Feeds, params: &Feeds, opts: &RunOptions) -> Result<Outputs, ExecError> {
+        on_worker(|| self.run_inner(inputs, params, opts, None, None, None))
     }
 
     fn recycle(&self, tensors: Vec<Tensor>) {
@@ -688,19 +657,22 @@ impl crate::executor::Exec for Compiled {
         Compiled::folds_row_gather(self, name)
     }
 
+    /// [`Exec::run_map`] with each input named in `gathered` read as if it were
+    /// `decode::take_rows(t, rows)` — its rows along axis 0 in the order `rows` — without
+    /// that copy: the concatenations reading it copy each row from its source row. Every
+    /// name must be one [`Compiled::folds_row_gather`] accepts, and every row index must
+    /// be inside its tensor.
     fn run_map_gathered(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
         gathered: &std::collections::BTreeSet<String>,
         rows: &[usize],
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         opts: &RunOptions,
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
-        Ok(
-            Compiled::run_gathered(self, inputs, gathered, rows, params, opts)?
-                .into_iter()
-                .collect(),
-        )
+        let gather = (!gathered.is_empty()).then_some((gathered, rows));
+        let outputs = on_worker(|| self.run_inner(inputs, params, opts, None, None, gather))?;
+        Ok(outputs.into_iter().collect())
     }
 
     fn set_product_kernel(&mut self, kernel: Option<Kernel16>) -> Result<(), ExecError> {

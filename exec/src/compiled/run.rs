@@ -8,20 +8,20 @@ use std::sync::Arc;
 use kiln_compiler::bind::Binder;
 use kiln_compiler::ir::DType;
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
-use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_compiler::tensor::{Feeds, Outputs, Tensor, TensorData};
 
 use super::*;
 
 impl Compiled {
     pub(super) fn run_inner(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         mut profile: Option<Profile<'_>>,
         dump: Option<&mut Vec<Vec<Tensor>>>,
         gather: Option<Gather<'_>>,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    ) -> Result<Outputs, ExecError> {
         if opts.precision != Precision::F32 {
             return Err(ExecError::Unsupported(format!(
                 "the compiled executor computes in f32 only, but {:?} precision was \
@@ -173,7 +173,7 @@ impl Compiled {
     /// dims bind at it).
     fn gathered_inputs(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
         gather: Option<Gather<'_>>,
     ) -> Result<BTreeMap<String, (Vec<usize>, DType)>, ExecError> {
         let mut as_read = BTreeMap::new();
@@ -223,7 +223,7 @@ impl Compiled {
         copies: &mut [ViewCopy],
         locs: &mut [Vec<Loc>],
         keep: &mut Keep,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    ) -> Result<Outputs, ExecError> {
         let mut out = Vec::with_capacity(self.graph.outputs.len());
         for (i, o) in self.graph.outputs.iter().enumerate() {
             if let (Some(mut store), Some((v, k))) = (direct[i].take(), self.direct[i]) {

@@ -147,15 +147,12 @@ impl Launch {
 
     /// `embed_pe` into `[b, t, d]`: items elements `b·t·d`.
     pub fn embed_pe(
-        d: usize,
-        t: usize,
-        b: usize,
+        [b, t, d]: [usize; 3],
         dropout: Option<(f64, u32)>,
-        seed: u64,
-        step: u32,
+        (seed, step): (u64, u32),
     ) -> Launch {
         Launch {
-            dims: region::embed_pe_dims(d, t, b, dropout, seed, step).0,
+            dims: region::embed_pe_dims([b, t, d], dropout, (seed, step)).0,
             items: b * t * d,
         }
     }
@@ -461,7 +458,7 @@ mod tests {
         let c = Launch::copy(&[2, 3], &[1, 2]);
         assert_eq!(c.items, 6);
         assert_eq!(c.dims, misc::copy_strided_dims(&[2, 3], &[1, 2]).0);
-        let e = Launch::embed_pe(8, 5, 2, None, 1, 2);
+        let e = Launch::embed_pe([2, 5, 8], None, (1, 2));
         assert_eq!(e.items, 80);
         assert_eq!(e.dims, vec![8, 5]);
         assert_eq!(

@@ -38,7 +38,7 @@ use kiln_compiler::optimize::kernels::{Def, KernelGraph};
 use kiln_compiler::options::Precision as CompilePrecision;
 use kiln_compiler::plan::{LayoutCache, MemoryPlan};
 use kiln_compiler::reference::{ExecError, RunOptions};
-use kiln_compiler::tensor::Tensor;
+use kiln_compiler::tensor::{Feeds, Outputs, Tensor};
 
 use super::cuda_available;
 use super::device::{self, Buf, Device};
@@ -554,14 +554,15 @@ impl CudaExecutor {
     pub fn parameter_casts(&self) -> usize {
         self.state().params.as_ref().map_or(0, |c| c.casts.len())
     }
+}
+
+impl Exec for CudaExecutor {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
 
     /// Runs the entry; outputs in `graph.outputs` order.
-    pub fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    fn run(&self, inputs: &Feeds, params: &Feeds, opts: &RunOptions) -> Result<Outputs, ExecError> {
         Ok(self
             .run_with(inputs, params, opts, None, None, None)?
             .outputs)
@@ -573,41 +574,16 @@ impl CudaExecutor {
     /// (`download`), then [`GPU_IDLE`], the time the GPU sat between phases waiting for
     /// the host's next launch, and [`HOST_ISSUE`], the host's time issuing them. For
     /// `kiln bench --profile`.
-    pub fn run_profiled(
+    fn run_profiled(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         rec: &mut dyn FnMut(&Timing<'_>),
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+    ) -> Result<Outputs, ExecError> {
         Ok(self
             .run_with(inputs, params, opts, Some(rec), None, None)?
             .outputs)
-    }
-}
-
-impl Exec for CudaExecutor {
-    fn graph(&self) -> &Graph {
-        &self.graph
-    }
-
-    fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        CudaExecutor::run(self, inputs, params, opts)
-    }
-
-    fn run_profiled(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-        rec: &mut dyn FnMut(&Timing<'_>),
-    ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        CudaExecutor::run_profiled(self, inputs, params, opts, rec)
     }
 
     fn on_device(&self) -> bool {

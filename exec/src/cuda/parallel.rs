@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 
 use kiln_compiler::reference::{ExecError, RunOptions};
-use kiln_compiler::tensor::Tensor;
+use kiln_compiler::tensor::{Feeds, Tensor};
 
 use super::{CudaExecutor, CudaOptions, MicroOut};
 use crate::artifact::Artifact;
@@ -220,7 +220,7 @@ impl DataParallel {
     /// every GPU.
     pub fn train_begin(
         &self,
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         m: &BTreeMap<String, Vec<f32>>,
         v: &BTreeMap<String, Vec<f32>>,
     ) -> Result<(), ExecError> {
@@ -233,7 +233,7 @@ impl DataParallel {
     pub fn train_micro(
         &self,
         jobs: &[RankJob],
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         first: bool,
     ) -> Result<Vec<MicroOut>, ExecError> {
         if jobs.len() != self.ranks.len() {

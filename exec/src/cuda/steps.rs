@@ -193,7 +193,7 @@ pub(crate) fn prepare(
             .iter()
             .all(|&x| kg.values[x].types[0].dtype == DType::F32);
         let exec = match (&l.library, op) {
-            (Some(Library::Host), _) => Exec::Host(fallback::build(kg, v, op, inputs)?),
+            (Some(Library::Host), _) => Exec::Host(fallback::build(kg, (v, op, inputs))?),
             (Some(Library::Gemm { x, w, bias, relu }), _) => {
                 if (*x, *w) != (0, 1) || bias.is_some_and(|b| b != 2) {
                     return Err(format!(
@@ -203,7 +203,7 @@ pub(crate) fn prepare(
                 }
                 if !f32s {
                     // An integer matmul: cuBLAS sgemm is f32 only.
-                    Exec::Host(fallback::build(kg, v, op, inputs)?)
+                    Exec::Host(fallback::build(kg, (v, op, inputs))?)
                 } else {
                     Exec::Gemm {
                         bias: if bias.is_some() {

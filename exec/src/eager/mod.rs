@@ -48,7 +48,7 @@ use std::time::Instant;
 use kiln_compiler::bind::{liveness, Binder, Source};
 use kiln_compiler::ir::{DType, Graph, NodeId, Op};
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
-use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_compiler::tensor::{Feeds, Tensor, TensorData};
 
 use ops::{compute, Ctx};
 use pool::Pool;
@@ -91,8 +91,7 @@ impl Plan {
     }
 }
 
-/// Named output values, in `graph.outputs` order.
-pub type Outputs = Vec<(String, Tensor)>;
+pub use kiln_compiler::tensor::Outputs;
 
 /// Where one run spent its time, per op kind (see [`Eager::run_profiled`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -132,28 +131,11 @@ impl Eager {
         &self.graph
     }
 
-    /// Runs the graph and returns every output in `graph.outputs` order, with its name.
-    pub fn run(
-        &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
-        opts: &RunOptions,
-    ) -> Result<Outputs, ExecError> {
-        let values = self.execute(&self.outputs, inputs, params, opts, None)?;
-        Ok(self
-            .graph
-            .outputs
-            .iter()
-            .map(|o| o.name.clone())
-            .zip(values)
-            .collect())
-    }
-
     /// [`Eager::run`], also returning the time spent per op kind, slowest first.
     pub fn run_profiled(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
     ) -> Result<(Outputs, Vec<OpTime>), ExecError> {
         let mut times: BTreeMap<&'static str, OpTime> = BTreeMap::new();
@@ -183,8 +165,8 @@ impl Eager {
     /// (intermediate nodes included). Every graph input must still be given.
     pub fn run_nodes(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         nodes: &[NodeId],
     ) -> Result<Vec<Tensor>, ExecError> {
@@ -324,6 +306,24 @@ impl Eager {
             out.push(into_tensor(v));
         }
         Ok(out)
+    }
+}
+
+impl crate::executor::Exec for Eager {
+    fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Runs the graph and returns every output in `graph.outputs` order, with its name.
+    fn run(&self, inputs: &Feeds, params: &Feeds, opts: &RunOptions) -> Result<Outputs, ExecError> {
+        let values = self.execute(&self.outputs, inputs, params, opts, None)?;
+        Ok(self
+            .graph
+            .outputs
+            .iter()
+            .map(|o| o.name.clone())
+            .zip(values)
+            .collect())
     }
 }
 

@@ -35,15 +35,13 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_exec::artifact::Arti
         precision: precision(a),
         ..Default::default()
     };
-    let built = crate::cmd::compile::compile_artifact(
-        &args,
-        &[entry.to_string()],
-        Some(&dir),
-        false,
-        1,
-        &options,
-    )
-    .and_then(|()| {
+    let build = crate::cmd::compile::Build {
+        entries: &[entry.to_string()],
+        output: Some(&dir),
+        check: false,
+        options: &options,
+    };
+    let built = crate::cmd::compile::compile_artifact(&args, 1, &build).and_then(|()| {
         kiln_exec::artifact::Artifact::load(&dir)
             .map_err(|e| plain("kiln::artifact", e.to_string(), None))
     });

@@ -7,7 +7,7 @@ use std::time::Instant;
 use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 use kiln_dsl::Error;
-use kiln_exec::executor::{DeviceResident, ExecutorKind, Timing};
+use kiln_exec::executor::{DeviceResident, Exec, ExecutorKind, Timing};
 
 use super::device::device_update;
 use super::report::Profile;

@@ -27,8 +27,9 @@
 //! (`blockDim.x` a multiple of 32; the executors launch [`super::text::THREADS`]).
 
 use crate::codegen::cuda::attention::{
-    arrays, at, begin, bytes, function, lines, masked_out, online_softmax, open_tiles, score_store,
-    softmax_and_d, store_rows, tile, word_pitch, Cores, Index2, Part, Store,
+    arrays, at, begin, bytes, close_query_sweep, function, lines, masked_out, online_softmax,
+    open_query_sweep, open_tiles, score_store, softmax_and_d, store_rows, tile, word_pitch, Cores,
+    Index2, Part, Store,
 };
 use crate::codegen::cuda::text::{f32_lit, Elem, W};
 use crate::codegen::cuda::{CudaFunction, Param, FOR_BLOCKS};
@@ -220,13 +221,12 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f
 /// operands); the caller checks [`fits`].
 fn tc_begin(
     name: &str,
-    what: &str,
     (part, mask): (Part, MaskKind),
     (dk, dv): (usize, usize),
 ) -> (usize, Vec<Param>, W) {
     assert!(fits(part, dk, dv), "tensor-core heads");
     let cores = (Cores::Tensor, part, mask, Elem::Bf16);
-    let (t, ps, mut w) = begin((name, what), cores, (dk, dv));
+    let (t, ps, mut w) = begin(name, cores, (dk, dv));
     let operands: &[&str] = match part {
         Part::Forward => &["q", "k", "v"],
         _ => &["q", "k", "v", "g"],
@@ -238,12 +238,7 @@ fn tc_begin(
 /// The tensor-core forward (see the module documentation); the caller checks [`fits`].
 pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
     let e = Elem::Bf16;
-    let (t, ps, mut w) = tc_begin(
-        name,
-        "forward on tensor cores",
-        (Part::Forward, mask),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = tc_begin(name, (Part::Forward, mask), (dk, dv));
     open_tiles(&mut w, e, Part::Forward, "tq");
     w.l("const long long q0 = r0;");
     w.l("const int nq = n0;");
@@ -258,12 +253,7 @@ pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction
 /// caller checks [`fits`] for `Part::Short` and that the lengths fit the tile.
 pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
     let e = Elem::Bf16;
-    let (t, ps, mut w) = tc_begin(
-        name,
-        "backward on tensor cores, one block per head",
-        (Part::Short, mask),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = tc_begin(name, (Part::Short, mask), (dk, dv));
     let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     w.l("const int nq = (int)tq, nk = (int)tk;");
     w.l("const long long q0 = 0, k0 = 0;");
@@ -404,12 +394,7 @@ fn scores_and_dp(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize, (s, 
 /// [`super::attention::backward_q`]); the caller checks [`fits`].
 pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
     let e = Elem::Bf16;
-    let (t, ps, mut w) = tc_begin(
-        name,
-        "backward on tensor cores, query side",
-        (Part::BackwardQ, mask),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = tc_begin(name, (Part::BackwardQ, mask), (dk, dv));
     let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     open_tiles(&mut w, e, Part::BackwardQ, "tq");
     w.l("const long long q0 = r0;");
@@ -458,12 +443,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
 /// [`super::attention::backward_kv`]); the caller checks [`fits`].
 pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunction {
     let e = Elem::Bf16;
-    let (t, ps, mut w) = tc_begin(
-        name,
-        "backward on tensor cores, key side",
-        (Part::BackwardKv, mask),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = tc_begin(name, (Part::BackwardKv, mask), (dk, dv));
     let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
     open_tiles(&mut w, e, Part::BackwardKv, "tk");
     w.l("const long long k0 = r0;");
@@ -471,19 +451,10 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
     w.l("__syncthreads();");
     stage(&mut w, "ks", "k", dk, "k0", "nk");
     stage(&mut w, "vs", "v", dv, "k0", "nk");
-    w.l(format!(
-        "for (int e = tid; e < T * {dk}; e += nt) dks[e] = 0.0f;"
-    ));
-    w.l(format!(
-        "for (int e = tid; e < T * {dv}; e += nt) dvs[e] = 0.0f;"
-    ));
-    w.open("for (long long q0 = 0; q0 < tq; q0 += T)");
-    w.l("const int nq = (int)(tq - q0 < T ? tq - q0 : T);");
-    w.l("__syncthreads();");
-    stage(&mut w, "qs", "q", dk, "q0", "nq");
-    stage(&mut w, "gs", "g", dv, "q0", "nq");
-    w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
-    w.l("__syncthreads();");
+    open_query_sweep(&mut w, (dk, dv), |w| {
+        stage(w, "qs", "q", dk, "q0", "nq");
+        stage(w, "gs", "g", dv, "q0", "nq");
+    });
     scores_and_dp(&mut w, mask, t, dk, dv, ("ps", "dss"));
     w.l("__syncthreads();");
     let p = "expf(ps[i * (T + 1) + j] - st[i * 3]) / st[i * 3 + 1]";
@@ -512,10 +483,7 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
             },
         );
     }
-    w.close();
-    w.l("__syncthreads();");
-    store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
-    store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
+    close_query_sweep(&mut w, e, (dk, dv));
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉ (tensor cores)"), w)
 }
 

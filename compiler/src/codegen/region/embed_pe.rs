@@ -93,16 +93,13 @@ pub fn embed_pe(name: &str, dropout: bool) -> Function {
     })
 }
 
-/// The `dims` of [`embed_pe`] and its items (`b·t` rows): `d` and `t` are the embedding
-/// width and sequence length, `b` the batch; `dropout` is `(p, stream)` when the kernel
+/// The `dims` of [`embed_pe`] and its items (`b·t` rows) for the output `[b, t, d]` (the
+/// batch, sequence length and embedding width); `dropout` is `(p, stream)` when the kernel
 /// was built with dropout (`seed` and `step` are then the run's).
 pub fn embed_pe_dims(
-    d: usize,
-    t: usize,
-    b: usize,
+    [b, t, d]: [usize; 3],
     dropout: Option<(f64, u32)>,
-    seed: u64,
-    step: u32,
+    (seed, step): (u64, u32),
 ) -> (Vec<i64>, usize) {
     let mut dims = vec![d as i64, t as i64];
     if let Some((p, stream)) = dropout {

@@ -87,7 +87,7 @@ fn embed_pe_drops_out_every_chunk_of_long_rows_as_the_generator_decides() {
     let scale = [1.5f32];
     let mut out = vec![f32::NAN; b * t * d];
     let (p, stream, seed, step) = (0.25, 17u32, 99u64, 4u32);
-    let (dims, items) = embed_pe_dims(d, t, b, Some((p, stream)), seed, step);
+    let (dims, items) = embed_pe_dims([b, t, d], Some((p, stream)), (seed, step));
     let k = m.get("emb").expect("the kernel");
     // SAFETY: the buffers hold the shapes `dims` describe.
     unsafe {

@@ -316,7 +316,7 @@ fn embed_pe(
     kiln_compiler::bind::check_embedding_ids(&gather_words(&ids), vocab)?;
     let s = outs[0].shape().to_vec();
     let (b, t, d) = (s[0], s[1], s[2]);
-    let (dims, items) = region::embed_pe_dims(d, t, b, *dropout, ctx.seed, ctx.step);
+    let (dims, items) = region::embed_pe_dims([b, t, d], *dropout, (ctx.seed, ctx.step));
     call(
         *f,
         &[

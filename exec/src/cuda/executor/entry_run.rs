@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kiln_compiler::bind::Binder;
 use kiln_compiler::ir::DType;
 use kiln_compiler::reference::{ExecError, Precision, RunOptions};
-use kiln_compiler::tensor::Tensor;
+use kiln_compiler::tensor::Feeds;
 
 use super::*;
 use crate::executor::Product;
@@ -20,8 +20,8 @@ impl CudaExecutor {
     /// device's, the gradients go into its accumulators instead of to the host).
     pub(super) fn run_with(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         mut rec: Option<Recorder<'_>>,
         micro: Option<Micro>,

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use kiln_compiler::codegen::cuda::resident as gather;
 use kiln_compiler::ir::DType;
 use kiln_compiler::reference::{ExecError, RunOptions};
-use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_compiler::tensor::{Feeds, Tensor, TensorData};
 
 use crate::executor::DeviceResident;
 
@@ -198,9 +198,9 @@ impl DeviceResident for CudaExecutor {
     /// key/value caches never leave the device.
     fn run_resident(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
         resident: &BTreeMap<String, DeviceTensor>,
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         opts: &RunOptions,
         keep: &dyn Fn(&str) -> bool,
     ) -> Result<ResidentOut, ExecError> {

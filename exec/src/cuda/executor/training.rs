@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use kiln_compiler::codegen::cuda::optim;
 use kiln_compiler::reference::{ExecError, RunOptions};
-use kiln_compiler::tensor::{Tensor, TensorData};
+use kiln_compiler::tensor::{Feeds, Tensor, TensorData};
 
 use super::*;
 use crate::cuda::device::Buf;
@@ -18,7 +18,7 @@ impl CudaExecutor {
     /// and loads the optimizer's kernels (`codegen::cuda::optim`) on first use.
     pub fn train_begin(
         &self,
-        params: &BTreeMap<String, Tensor>,
+        params: &Feeds,
         m: &BTreeMap<String, Vec<f32>>,
         v: &BTreeMap<String, Vec<f32>>,
     ) -> Result<(), ExecError> {
@@ -100,8 +100,8 @@ impl CudaExecutor {
     /// caller stops or starts the step over).
     pub fn train_micro(
         &self,
-        inputs: &BTreeMap<String, Tensor>,
-        params: &BTreeMap<String, Tensor>,
+        inputs: &Feeds,
+        params: &Feeds,
         opts: &RunOptions,
         weight: f32,
         first: bool,

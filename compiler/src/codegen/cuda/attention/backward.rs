@@ -4,8 +4,9 @@
 use super::forward::forward_sweep;
 use super::shared::Cores;
 use super::tiles::{
-    at, begin, dp_product, function, lines, load_tile, masked_out, open_tiles, pair_gradient,
-    product, scores, softmax_and_d, stats_then_dq, store_rows, Index2, Product, Store,
+    at, begin, close_query_sweep, dp_product, function, lines, load_tile, masked_out,
+    open_query_sweep, open_tiles, pair_gradient, product, scores, softmax_and_d, stats_then_dq,
+    store_rows, Index2, Product, Store,
 };
 use super::Part;
 use crate::codegen::cuda::text::Elem;
@@ -14,11 +15,7 @@ use crate::codegen::rows::MaskKind;
 
 /// The query-side backward kernel: `dq` and the row statistics.
 pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let (t, ps, mut w) = begin(
-        (name, "backward, query side"),
-        (Cores::Cuda, Part::BackwardQ, mask, e),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = begin(name, (Cores::Cuda, Part::BackwardQ, mask, e), (dk, dv));
     let (pk, pv) = (dk + 1, dv + 1);
     open_tiles(&mut w, e, Part::BackwardQ, "tq");
     w.l("const long long q0 = r0;");
@@ -64,11 +61,7 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> 
 
 /// The key-side backward kernel: `dk` and `dv` from the row statistics.
 pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let (t, ps, mut w) = begin(
-        (name, "backward, key side"),
-        (Cores::Cuda, Part::BackwardKv, mask, e),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = begin(name, (Cores::Cuda, Part::BackwardKv, mask, e), (dk, dv));
     let (pk, pv) = (dk + 1, dv + 1);
     open_tiles(&mut w, e, Part::BackwardKv, "tk");
     w.l("const long long k0 = r0;");
@@ -76,19 +69,10 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
     w.l("__syncthreads();");
     load_tile(&mut w, e, "ks", "kh", dk, "k0", "nk");
     load_tile(&mut w, e, "vs", "vh", dv, "k0", "nk");
-    w.l(format!(
-        "for (int e = tid; e < T * {dk}; e += nt) dks[e] = 0.0f;"
-    ));
-    w.l(format!(
-        "for (int e = tid; e < T * {dv}; e += nt) dvs[e] = 0.0f;"
-    ));
-    w.open("for (long long q0 = 0; q0 < tq; q0 += T)");
-    w.l("const int nq = (int)(tq - q0 < T ? tq - q0 : T);");
-    w.l("__syncthreads();");
-    load_tile(&mut w, e, "qs", "qh", dk, "q0", "nq");
-    load_tile(&mut w, e, "gs", "gh", dv, "q0", "nq");
-    w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
-    w.l("__syncthreads();");
+    open_query_sweep(&mut w, (dk, dv), |w| {
+        load_tile(w, e, "qs", "qh", dk, "q0", "nq");
+        load_tile(w, e, "gs", "gh", dv, "q0", "nq");
+    });
     w.l("// The scores and dp = g·vᵀ of every pair (0 outside the head), in register tiles.");
     scores(&mut w, dk, mask, "ps");
     dp_product(&mut w, dv);
@@ -138,21 +122,14 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) ->
             },
         );
     }
-    w.close();
-    w.l("__syncthreads();");
-    store_rows(&mut w, e, ("dk", "k0", "nk"), dk, "dks[e]");
-    store_rows(&mut w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
+    close_query_sweep(&mut w, e, (dk, dv));
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉"), w)
 }
 
 /// The whole backward of one head in one block (see the module documentation); the
 /// caller checks [`super::fits_short`].
 pub fn backward_short(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let (_, ps, mut w) = begin(
-        (name, "backward in one block per head"),
-        (Cores::Cuda, Part::Short, mask, e),
-        (dk, dv),
-    );
+    let (_, ps, mut w) = begin(name, (Cores::Cuda, Part::Short, mask, e), (dk, dv));
     let (pk, pv) = (dk + 1, dv + 1);
     w.l("const int nq = (int)tq, nk = (int)tk;");
     w.l("const long long q0 = 0, k0 = 0;");

@@ -50,11 +50,7 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; }}",
 
 /// The forward kernel (see the module documentation).
 pub fn forward(name: &str, mask: MaskKind, dk: usize, dv: usize, e: Elem) -> CudaFunction {
-    let (t, ps, mut w) = begin(
-        (name, "forward"),
-        (Cores::Cuda, Part::Forward, mask, e),
-        (dk, dv),
-    );
+    let (t, ps, mut w) = begin(name, (Cores::Cuda, Part::Forward, mask, e), (dk, dv));
     open_tiles(&mut w, e, Part::Forward, "tq");
     w.l("const long long q0 = r0;");
     w.l("const int nq = n0;");

@@ -59,8 +59,8 @@ pub use backward::{backward_kv, backward_q, backward_short};
 pub use forward::forward;
 pub(super) use shared::{arrays, bytes, word_pitch, Cores};
 pub(super) use tiles::{
-    at, begin, function, lines, masked_out, online_softmax, open_tiles, score_store, softmax_and_d,
-    stats_then_dq, store_rows, Index2, Store,
+    at, begin, close_query_sweep, function, lines, masked_out, online_softmax, open_query_sweep,
+    open_tiles, score_store, softmax_and_d, stats_then_dq, store_rows, Index2, Store,
 };
 
 use crate::codegen::cuda::text::Elem;

@@ -60,6 +60,22 @@ pub(in crate::codegen::cuda) enum Cores {
     Tensor,
 }
 
+impl Cores {
+    /// What `part`'s kernel on these cores does, as its opening comment says it.
+    pub(in crate::codegen::cuda) fn what(self, part: Part) -> &'static str {
+        match (self, part) {
+            (Cores::Cuda, Part::Forward) => "forward",
+            (Cores::Cuda, Part::BackwardQ) => "backward, query side",
+            (Cores::Cuda, Part::BackwardKv) => "backward, key side",
+            (Cores::Cuda, Part::Short) => "backward in one block per head",
+            (Cores::Tensor, Part::Forward) => "forward on tensor cores",
+            (Cores::Tensor, Part::BackwardQ) => "backward on tensor cores, query side",
+            (Cores::Tensor, Part::BackwardKv) => "backward on tensor cores, key side",
+            (Cores::Tensor, Part::Short) => "backward on tensor cores, one block per head",
+        }
+    }
+}
+
 /// Words a row of `d` bf16 takes in the tensor cores' tiles: `d/2` pairs and 4 of
 /// padding, so that the eight rows a fragment load touches fall in distinct banks.
 pub(in crate::codegen::cuda) fn word_pitch(d: usize) -> usize {

@@ -236,13 +236,14 @@ pub(in crate::codegen::cuda) fn pair_gradient(
 }
 
 /// The opening of `part`'s flash kernel on `cores`: its tile `T`, its parameters, and its
-/// text so far (the signature, a comment `flash attention {what}, heads …`, `T` and the
-/// shared arrays, the common [`head`]).
+/// text so far (the signature, a comment `flash attention {what}, heads …` ([`Cores::what`]),
+/// `T` and the shared arrays, the common [`head`]).
 pub(in crate::codegen::cuda) fn begin(
-    (name, what): (&str, &str),
+    name: &str,
     (cores, part, mask, e): (Cores, Part, MaskKind, Elem),
     (dk, dv): (usize, usize),
 ) -> (usize, Vec<Param>, W) {
+    let what = cores.what(part);
     let t = tile(part, dk, dv).expect("head sizes checked by the caller");
     let ps = params(part, mask, e);
     let mut w = W::new();
@@ -323,6 +324,36 @@ pub(in crate::codegen::cuda) fn store_rows(
         e.store(src)
     ));
     w.close();
+}
+
+/// The key-side backward's sweep over the query tiles opened: the sums `dks`, `dvs`
+/// zeroed, then per tile `q0` its `nq` rows, its `q` and `g` rows staged by `stage` and
+/// its rows' statistics `st`. [`close_query_sweep`] ends it.
+pub(in crate::codegen::cuda) fn open_query_sweep(
+    w: &mut W,
+    (dk, dv): (usize, usize),
+    stage: impl FnOnce(&mut W),
+) {
+    w.l(format!(
+        "for (int e = tid; e < T * {dk}; e += nt) dks[e] = 0.0f;"
+    ));
+    w.l(format!(
+        "for (int e = tid; e < T * {dv}; e += nt) dvs[e] = 0.0f;"
+    ));
+    w.open("for (long long q0 = 0; q0 < tq; q0 += T)");
+    w.l("const int nq = (int)(tq - q0 < T ? tq - q0 : T);");
+    w.l("__syncthreads();");
+    stage(w);
+    w.l("for (int e = tid; e < nq * 3; e += nt) st[e] = stats[(bh * tq + q0) * 3 + e];");
+    w.l("__syncthreads();");
+}
+
+/// Ends [`open_query_sweep`]: `dk` and `dv` stored from the sums.
+pub(in crate::codegen::cuda) fn close_query_sweep(w: &mut W, e: Elem, (dk, dv): (usize, usize)) {
+    w.close();
+    w.l("__syncthreads();");
+    store_rows(w, e, ("dk", "k0", "nk"), dk, "dks[e]");
+    store_rows(w, e, ("dv", "k0", "nk"), dv, "dvs[e]");
 }
 
 /// The online softmax's update of the score tile `ss` into the rows' `ms`, `ls` and

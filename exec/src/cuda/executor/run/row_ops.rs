@@ -139,7 +139,7 @@ impl Run<'_> {
         // Ids are checked on the host, as on the CPU (the kernel does not).
         kiln_compiler::bind::check_embedding_ids(&self.words(&ids)?, vocab)?;
         let s = out.shape().to_vec();
-        let l = Launch::embed_pe(s[2], s[1], s[0], dropout, self.seed, self.step);
+        let l = Launch::embed_pe([s[0], s[1], s[2]], dropout, (self.seed, self.step));
         let ptrs = [
             table.base(),
             ids.base(),
