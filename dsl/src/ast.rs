@@ -5,6 +5,7 @@
 //! source file so that any later error can point at the exact text.
 
 use crate::source::Span;
+pub use kiln_ir::ir::CmpOp;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ident {
@@ -132,12 +133,8 @@ pub enum UnOp {
 pub enum BinOp {
     Or,
     And,
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
+    /// A comparison: the IR's own operator.
+    Cmp(CmpOp),
     Add,
     Sub,
     Mul,
@@ -152,12 +149,7 @@ impl BinOp {
         match self {
             BinOp::Or => "or",
             BinOp::And => "and",
-            BinOp::Eq => "==",
-            BinOp::Ne => "!=",
-            BinOp::Lt => "<",
-            BinOp::Le => "<=",
-            BinOp::Gt => ">",
-            BinOp::Ge => ">=",
+            BinOp::Cmp(c) => c.symbol(),
             BinOp::Add => "+",
             BinOp::Sub => "-",
             BinOp::Mul => "*",

@@ -231,14 +231,16 @@ impl<'p> Elab<'p> {
         span: Span,
     ) -> R<Value> {
         use Value::*;
+        const EQ: BinOp = BinOp::Cmp(CmpOp::Eq);
+        let equality = matches!(op, BinOp::Cmp(c) if c.is_equality());
         let text = |e: &Expr| self.prog.sources.text(e.span).to_string();
         match (&va, &vb) {
             (Tensor(_), _) | (_, Tensor(_)) => {
                 self.tensor_binary(frame, op, va, a.span, vb, b.span, span)
             }
-            (None, _) | (_, None) if matches!(op, BinOp::Eq | BinOp::Ne) => {
+            (None, _) | (_, None) if equality => {
                 let same = matches!((&va, &vb), (None, None));
-                Ok(Bool(if op == BinOp::Eq { same } else { !same }))
+                Ok(Bool(same == (op == EQ)))
             }
             (Int(x), Int(y)) => int_op(op, *x, *y, &text(a), &text(b), b.span, span),
             (Int(_) | Float(_), Int(_) | Float(_)) => float_op(
@@ -266,8 +268,7 @@ impl<'p> Elab<'p> {
                     BinOp::Add => dim(x.checked_add(&y)),
                     BinOp::Sub => dim(x.checked_sub(&y)),
                     BinOp::Mul => dim(x.checked_mul(&y)),
-                    BinOp::Eq => Ok(Bool(x == y)),
-                    BinOp::Ne => Ok(Bool(x != y)),
+                    BinOp::Cmp(c) if c.is_equality() => Ok(Bool(c.holds(&x, &y))),
                     _ => Err(Diag::new(
                         "kiln::type",
                         format!("`{}` is not defined on symbolic dims (`{x}` {} `{y}`)", op.symbol(), op.symbol()),
@@ -275,12 +276,8 @@ impl<'p> Elab<'p> {
                     .at(span, "symbolic dims can be added, subtracted, multiplied and compared for equality")),
                 }
             }
-            (Bool(x), Bool(y)) if matches!(op, BinOp::Eq | BinOp::Ne) => {
-                Ok(Bool((x == y) == (op == BinOp::Eq)))
-            }
-            (Str(x), Str(y)) if matches!(op, BinOp::Eq | BinOp::Ne) => {
-                Ok(Bool((x == y) == (op == BinOp::Eq)))
-            }
+            (Bool(x), Bool(y)) if equality => Ok(Bool((x == y) == (op == EQ))),
+            (Str(x), Str(y)) if equality => Ok(Bool((x == y) == (op == EQ))),
             (Str(x), Str(y)) if op == BinOp::Add => Ok(Str(Rc::from(format!("{x}{y}").as_str()))),
             _ => Err(Diag::new(
                 "kiln::type",
@@ -368,12 +365,7 @@ pub(super) fn int_op(
                 Value::Float((x as f64).powf(y as f64))
             }
         }
-        BinOp::Eq => Value::Bool(x == y),
-        BinOp::Ne => Value::Bool(x != y),
-        BinOp::Lt => Value::Bool(x < y),
-        BinOp::Le => Value::Bool(x <= y),
-        BinOp::Gt => Value::Bool(x > y),
-        BinOp::Ge => Value::Bool(x >= y),
+        BinOp::Cmp(c) => Value::Bool(c.holds(&x, &y)),
         BinOp::MatMul => return Err(matmul_of_numbers(span)),
         BinOp::And | BinOp::Or => unreachable!("handled before"),
     })
@@ -424,12 +416,7 @@ pub(super) fn float_op(op: BinOp, x: f64, y: f64, tb: &str, sb: Span, span: Span
         BinOp::Div => x / y,
         BinOp::Rem => x.rem_euclid(y),
         BinOp::Pow => x.powf(y),
-        BinOp::Eq => return Ok(Value::Bool(x == y)),
-        BinOp::Ne => return Ok(Value::Bool(x != y)),
-        BinOp::Lt => return Ok(Value::Bool(x < y)),
-        BinOp::Le => return Ok(Value::Bool(x <= y)),
-        BinOp::Gt => return Ok(Value::Bool(x > y)),
-        BinOp::Ge => return Ok(Value::Bool(x >= y)),
+        BinOp::Cmp(c) => return Ok(Value::Bool(c.holds(&x, &y))),
         BinOp::MatMul => return Err(matmul_of_numbers(span)),
         BinOp::And | BinOp::Or => unreachable!("handled before"),
     };

@@ -116,18 +116,12 @@ impl<'p> Elab<'p> {
                     .map(Value::Tensor)
             }
             BinOp::Pow => return self.tensor_pow(frame, &va, sa, &vb, sb, span),
-            BinOp::Eq | BinOp::Ne if matches!(va, Value::None) || matches!(vb, Value::None) => {
-                return Ok(Value::Bool(op == BinOp::Ne));
+            BinOp::Cmp(c)
+                if c.is_equality() && (matches!(va, Value::None) || matches!(vb, Value::None)) =>
+            {
+                return Ok(Value::Bool(c == CmpOp::Ne));
             }
-            BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => {
-                let c = match op {
-                    BinOp::Eq => CmpOp::Eq,
-                    BinOp::Ne => CmpOp::Ne,
-                    BinOp::Lt => CmpOp::Lt,
-                    BinOp::Le => CmpOp::Le,
-                    BinOp::Gt => CmpOp::Gt,
-                    _ => CmpOp::Ge,
-                };
+            BinOp::Cmp(c) => {
                 let (a, b) = ((&va, sa), (&vb, sb));
                 let t = self.elementwise(frame, Op::Compare(c), a, b, span, "compare")?;
                 return Ok(Value::Tensor(t));

@@ -193,6 +193,37 @@ pub enum CmpOp {
     Ge,
 }
 
+impl CmpOp {
+    /// The operator as C, Rust and the DSL write it (`==`, `<`, …).
+    pub fn symbol(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "==",
+            CmpOp::Ne => "!=",
+            CmpOp::Lt => "<",
+            CmpOp::Le => "<=",
+            CmpOp::Gt => ">",
+            CmpOp::Ge => ">=",
+        }
+    }
+
+    /// Whether `a op b` holds.
+    pub fn holds<T: PartialOrd + ?Sized>(self, a: &T, b: &T) -> bool {
+        match self {
+            CmpOp::Eq => a == b,
+            CmpOp::Ne => a != b,
+            CmpOp::Lt => a < b,
+            CmpOp::Le => a <= b,
+            CmpOp::Gt => a > b,
+            CmpOp::Ge => a >= b,
+        }
+    }
+
+    /// Whether this is `==` or `!=`, the comparisons defined on every kind of value.
+    pub fn is_equality(self) -> bool {
+        matches!(self, CmpOp::Eq | CmpOp::Ne)
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub enum ReduceOp {
     Sum,

@@ -160,15 +160,7 @@ fn binary(b: BinaryOp, d: DType, x: &str, y: &str) -> String {
 }
 
 fn compare(c: CmpOp, x: &str, y: &str) -> String {
-    let op = match c {
-        CmpOp::Eq => "==",
-        CmpOp::Ne => "!=",
-        CmpOp::Lt => "<",
-        CmpOp::Le => "<=",
-        CmpOp::Gt => ">",
-        CmpOp::Ge => ">=",
-    };
-    format!("({x} {op} {y}) ? 1 : 0")
+    format!("({x} {} {y}) ? 1 : 0", c.symbol())
 }
 
 fn cast(from: DType, to: DType, x: &str) -> String {
