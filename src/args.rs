@@ -4,6 +4,7 @@
 use kiln_exec::executor::ExecutorKind;
 use std::path::PathBuf;
 
+use kiln_decode::search::{DecodeOptions, EarlyStop, LengthPenalty};
 use kiln_decode::translate::Batching;
 use kiln_dsl::{Error, Mode, Options};
 
@@ -55,6 +56,60 @@ pub(crate) struct SearchArgs {
     /// output; by default it is never emitted and the next best token is taken.
     #[arg(long)]
     pub allow_unk: bool,
+}
+
+impl SearchArgs {
+    /// The search these flags ask for, checked; `nbest` (`--nbest`) must not ask for
+    /// more hypotheses than the search keeps.
+    pub(crate) fn decode_options(&self, nbest: Option<usize>) -> Result<DecodeOptions, Error> {
+        let a = self;
+        let penalty = LengthPenalty::parse(&a.length_penalty, a.alpha).ok_or_else(|| {
+            plain(
+                "kiln::translate",
+                format!("unknown length penalty `{}`", a.length_penalty),
+                Some("use gnmt, len_pow or none".to_string()),
+            )
+        })?;
+        let early_stop = EarlyStop::parse(&a.early_stop).ok_or_else(|| {
+            plain(
+                "kiln::translate",
+                format!("unknown stopping rule `{}`", a.early_stop),
+                Some(format!("use {}", EarlyStop::NAMES.join(" or "))),
+            )
+        })?;
+        let opts = DecodeOptions {
+            beam: a.beam,
+            greedy: a.greedy,
+            allow_unk: a.allow_unk,
+            penalty,
+            early_stop,
+            max_len_a: a.max_len_a,
+            max_len_b: a.max_len_b,
+            ..DecodeOptions::default()
+        };
+        if let Some(n) = nbest {
+            let keep = if opts.greedy { 1 } else { opts.beam };
+            if n > keep {
+                return Err(plain(
+                    "kiln::translate",
+                    format!(
+                        "--nbest {n} asks for more hypotheses than the search keeps ({keep}, {})",
+                        if opts.greedy {
+                            "greedy".to_string()
+                        } else {
+                            format!("--beam {}", opts.beam)
+                        }
+                    ),
+                    Some(if opts.greedy {
+                        "drop --greedy, or ask for --nbest 1".to_string()
+                    } else {
+                        format!("use --beam {n} or more, or --nbest {keep} or fewer")
+                    }),
+                ));
+            }
+        }
+        Ok(opts)
+    }
 }
 
 /// How `kiln translate` and `kiln score` run: their batches (`--batch`, `--max-tokens`:

@@ -1,13 +1,17 @@
-//! kiln as a library: helpers for users' own tests.
+//! kiln as a library: a trained model loaded for translating ([`translator`]), and helpers
+//! for users' own tests.
 //!
-//! The command-line tool is `src/main.rs`; this library exposes what a user's test suite
-//! needs, such as snapshotting the generated kernels of a spec in one line:
+//! The command-line tool is `src/main.rs`; this library exposes what applications (the
+//! server, the Python package) and a user's test suite need, such as snapshotting the
+//! generated kernels of a spec in one line:
 //!
 //! ```no_run
 //! // tests/kernels.rs of your project (with insta as a dev-dependency)
 //! # macro_rules! assert_snapshot { ($e:expr) => { let _ = $e; } }
 //! assert_snapshot!(kiln::snapshot::kernels("models/my_model.kiln", &["vocab=100"], "forward").unwrap());
 //! ```
+
+pub mod translator;
 
 /// The DSL mode that elaborates a graph of `kind` (what an entry point is cut from).
 pub fn dsl_mode(kind: kiln_exec::GraphKind) -> kiln_dsl::Mode {

@@ -10,9 +10,10 @@ use kiln_decode::translate::{
 use kiln_dsl::Error;
 use kiln_exec::executor::ExecutorKind;
 
-use crate::cmd::translate::{executor_label, progress_bar, translator, with_progress};
+use crate::cmd::translate::{executor_label, progress_bar, with_progress};
 use crate::input::read_text_lines;
 use crate::{err, plain};
+use kiln::translator::Translator;
 
 pub struct ScoreArgs {
     pub checkpoint: PathBuf,
@@ -27,7 +28,6 @@ pub struct ScoreArgs {
 
 /// `kiln score`: the log-probability of each reference under teacher forcing.
 pub fn score(a: ScoreArgs) -> Result<(), Error> {
-    let kind = (a.executor != ExecutorKind::Cuda).then_some(a.executor);
     let srcs_text = read_text_lines(Some(&a.src))?;
     let refs_text = read_text_lines(Some(&a.reference))?;
     if srcs_text.len() != refs_text.len() {
@@ -43,7 +43,7 @@ pub fn score(a: ScoreArgs) -> Result<(), Error> {
             Some("give one translation per source line, in the same order".to_string()),
         ));
     }
-    let m = translator(&a.checkpoint, kind)?;
+    let m = Translator::load(&a.checkpoint, a.executor)?;
     let opts = DecodeOptions::default();
     let encode = |file: &Path, i: usize, line: &str| {
         m.tokenizer.encode(line).map_err(|e| {
