@@ -11,6 +11,7 @@
 //! assert_snapshot!(kiln::snapshot::kernels("models/my_model.kiln", &["vocab=100"], "forward").unwrap());
 //! ```
 
+pub mod build;
 pub mod translator;
 
 /// The DSL mode that elaborates a graph of `kind` (what an entry point is cut from).

@@ -66,6 +66,7 @@ mod compile_flags;
 mod errors;
 mod input;
 mod outputs;
+mod serve;
 
 pub(crate) use args::{set_threads, DecodeRunArgs, GemmArgs, SearchArgs, SpecArgs};
 pub(crate) use errors::{err, file_error, plain, runtime_error};
@@ -197,6 +198,10 @@ enum Command {
         #[command(flatten)]
         run: DecodeRunArgs,
     },
+    /// Serve a trained model over HTTP: `POST /translate {"text": [...], "beam": 4}`
+    /// answers JSON; `GET /health`, `GET /model`. Concurrent requests are batched
+    /// together; SIGTERM lets the requests in flight finish.
+    Serve(cmd::serve::ServeArgs),
     /// Score reference translations with a trained model (teacher forcing, as fairseq's
     /// --score-reference and marian-scorer): each pair's log-probability, one per line,
     /// and the corpus cross-entropy and perplexity.
@@ -315,6 +320,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
         } => cmd::explain::explain(&args, kernels, &fusions),
         Command::Compile(a) => cmd::compile::compile(a),
         Command::Snapshot(a) => cmd::snapshot::snapshot(a),
+        Command::Serve(a) => cmd::serve::serve(a),
         Command::Inspect {
             dir,
             batch,

@@ -10,6 +10,7 @@
 use std::path::Path;
 
 use kiln_compiler::artifact::TOKENIZER_FILE;
+use kiln_compiler::options::CompileOptions;
 use kiln_compiler::tensor::Feeds;
 use kiln_decode::search::{DecodeOptions, Hypothesis};
 use kiln_decode::translate::{check_sources, translate_nbest_ids, Schedule, StepModels};
@@ -30,6 +31,8 @@ pub struct Translator {
     pub vocab: usize,
     /// Whether it was loaded from a compiled artifact (else a model directory).
     pub from_artifact: bool,
+    /// The options an artifact was compiled with (none for a model directory).
+    pub options: Option<CompileOptions>,
 }
 
 fn plain(code: &'static str, message: String, help: Option<String>) -> Error {
@@ -74,6 +77,7 @@ impl Translator {
             tokenizer: m.tokenizer,
             vocab,
             from_artifact: false,
+            options: None,
         })
     }
 
@@ -117,6 +121,7 @@ impl Translator {
         let mut step = ex("decode_step")?;
         share_arena(encode.as_ref(), step.as_mut());
         let params = art.weights().map_err(err("kiln::artifact"))?;
+        let options = Some(art.manifest.options.clone());
         let width = model::logits_width(step.graph());
         model::check_vocab(&tokenizer, width, &origin).map_err(err("kiln::artifact"))?;
         let vocab = width.unwrap_or(tokenizer.vocab_size());
@@ -127,6 +132,7 @@ impl Translator {
             tokenizer,
             vocab,
             from_artifact: true,
+            options,
         })
     }
 

@@ -152,6 +152,14 @@ impl Diag {
         }
         let mut labels = Vec::new();
         let mut source = None;
+        let location = d.span.map(|span| {
+            let (line, column) = sources.line_col(span);
+            Location {
+                file: sources.file(span.file).name.clone(),
+                line,
+                column,
+            }
+        });
         if let Some(span) = d.span {
             let (src, map) = snippet(sources, span);
             labels.push(LabeledSpan::new_primary_with_span(
@@ -175,6 +183,7 @@ impl Diag {
             labels,
             source,
             related,
+            location,
         }))
     }
 }
@@ -243,6 +252,17 @@ struct ErrorData {
     labels: Vec<LabeledSpan>,
     source: Option<NamedSource<String>>,
     related: Vec<Error>,
+    /// Where the error points: file name, line and column (from 1).
+    location: Option<Location>,
+}
+
+/// A place in a source file, as an error names it: the file's name, the line and the
+/// column (in characters), both counted from 1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub file: String,
+    pub line: usize,
+    pub column: usize,
 }
 
 impl Error {
@@ -264,6 +284,7 @@ impl Error {
             labels,
             source,
             related: vec![],
+            location: None,
         }))
     }
 
@@ -277,6 +298,7 @@ impl Error {
             labels: vec![],
             source: None,
             related: vec![],
+            location: None,
         }))
     }
 
@@ -291,6 +313,11 @@ impl Error {
 
     pub fn help_text(&self) -> Option<&str> {
         self.0.help.as_deref()
+    }
+
+    /// The file, line and column the error points at, if it points into a source.
+    pub fn location(&self) -> Option<&Location> {
+        self.0.location.as_ref()
     }
 
     /// Renders the diagnostic as text: unicode frame, fixed width, no terminal links;

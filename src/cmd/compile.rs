@@ -8,8 +8,6 @@ use kiln_compiler::artifact::TOKENIZER_FILE;
 use kiln_compiler::init::init_params;
 use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
-use kiln_compiler::options::CompileOptions;
-use kiln_compiler::pipeline::{compile_entry, PipelineError};
 use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::Error;
@@ -17,9 +15,13 @@ use kiln_train::config::Config;
 use kiln_train::model::{self, GraphSet};
 use kiln_train::tokenizer::tokenizer_of;
 
-use crate::cmd::explain::{entry_graph_of, OptArgs};
+use crate::cmd::explain::OptArgs;
 use crate::outputs::{self, Output};
 use crate::plain;
+use kiln::build::{
+    compile_artifact, entry_graph_of, entry_names, output_dir, write_artifact_from, Build, Source,
+    DECODING_ENTRIES, TRAINING_ENTRIES,
+};
 
 // `kiln compile`'s arguments (their help is `kiln compile --help`).
 #[derive(clap::Args)]
@@ -139,11 +141,14 @@ pub fn compile(a: CompileArgs) -> Result<(), Error> {
         kernel_graph(&args, output.as_deref(), validate, seed)
     } else {
         let entries = if entries.is_empty() {
-            model_entries(&args)?
+            kiln::build::model_entries(&args.spec, &args.set, &args.model)?
         } else {
             entries
         };
-        write(&|build| compile_artifact(&args, seed, build), &entries)
+        write(
+            &|build| compile_artifact((&args.spec, &args.set, &args.model), seed, build),
+            &entries,
+        )
     }
 }
 
@@ -197,105 +202,6 @@ pub fn kernel_graph(
     }
     Ok(())
 }
-
-/// The entry points of [`SPEC_ENTRIES`] that the spec's model has (`--entries` left
-/// out): `loss` and `train_step` where it declares an objective, `encode` where it
-/// declares a `stage`, `decode_step` where its decode graph has a key/value cache.
-fn model_entries(args: &OptArgs) -> Result<Vec<String>, Error> {
-    let graph = |mode| {
-        let opts = kiln_dsl::Options {
-            overrides: args.set.clone(),
-            mode,
-            model: args.model.clone(),
-        };
-        kiln_dsl::compile_file(&args.spec, &opts)
-    };
-    let eval = graph(kiln_dsl::Mode::Eval)?;
-    let decode = graph(kiln_dsl::Mode::Decode)?;
-    let has = |entry: &str| match entry {
-        "loss" | "train_step" => eval.objective.is_some(),
-        "encode" => !eval.stages.is_empty(),
-        "decode_step" => !decode.cache_outputs().is_empty(),
-        _ => true,
-    };
-    Ok(SPEC_ENTRIES
-        .iter()
-        .filter(|e| has(e))
-        .map(|e| e.to_string())
-        .collect())
-}
-
-/// The entry points of `--entries`, each once.
-fn entry_names(entries: &[String]) -> Result<Vec<String>, Error> {
-    let mut names: Vec<String> = Vec::new();
-    for e in entries {
-        if names.contains(e) {
-            return Err(plain(
-                "kiln::compile",
-                format!("entry `{e}` is given twice in `--entries`"),
-                Some("list each entry once".to_string()),
-            ));
-        }
-        names.push(e.clone());
-    }
-    Ok(names)
-}
-
-/// What an artifact is compiled from, whatever the source (spec, training configuration
-/// or trained model).
-struct Source {
-    /// Entry points and their graphs, in `--entries` order.
-    graphs: Vec<(String, Graph)>,
-    /// The weights to ship; `None`: initialized from `seed` per entry graph.
-    weights: Option<BTreeMap<String, Tensor>>,
-    seed: u64,
-    spec_hash: String,
-    extras: BTreeMap<String, Vec<u8>>,
-}
-
-/// How `kiln compile` writes an artifact: the entries asked for (none: the source's
-/// default ones), the directory (`-o`), whether each entry's program is checked against
-/// the reference executor first (`--validate`), and the compile options.
-pub struct Build<'a> {
-    pub entries: &'a [String],
-    pub output: Option<&'a Path>,
-    pub check: bool,
-    pub options: &'a CompileOptions,
-}
-
-/// `kiln compile SPEC --entries …`: a compiled artifact directory (see
-/// `kiln_compiler::artifact`): per entry the kernel graph, memory plan and CLIF code,
-/// plus the initial weights from `seed`.
-pub fn compile_artifact(args: &OptArgs, seed: u64, build: &Build<'_>) -> Result<(), Error> {
-    let dir = output_dir(build.output)?;
-    let names = entry_names(build.entries)?;
-    let spec_text = kiln_dsl::source_text(&args.spec)?;
-    let spec_hash =
-        kiln_compiler::artifact::spec_hash(&spec_text, &args.set, args.model.as_deref());
-    let mut graphs = Vec::new();
-    for name in &names {
-        graphs.push((
-            name.clone(),
-            entry_graph_of(&args.spec, &args.set, &args.model, name)?,
-        ));
-    }
-    let src = Source {
-        graphs,
-        weights: None,
-        seed,
-        spec_hash,
-        extras: BTreeMap::new(),
-    };
-    write_artifact_from(dir, src, build)
-}
-
-/// The entries `kiln compile SPEC -o DIR` compiles without `--entries`: every one that
-/// `kiln run`, `kiln bench`, `kiln train --artifact` and `kiln translate` use.
-pub const SPEC_ENTRIES: [&str; 5] = ["forward", "train_step", "loss", "encode", "decode_step"];
-/// The entries a trainer needs, which `--config` compiles by default.
-pub const TRAINING_ENTRIES: [&str; 4] = ["train_step", "loss", "encode", "decode_step"];
-/// The entries a decoder needs, which `--from-model` compiles by default.
-pub const DECODING_ENTRIES: [&str; 2] = ["encode", "decode_step"];
 
 /// The graph of `name` in a trainer's graph set.
 fn from_set(set: &GraphSet, name: &str, origin: &str) -> Result<Graph, Error> {
@@ -415,144 +321,4 @@ pub fn compile_artifact_from_model(model_dir: &Path, build: &Build<'_>) -> Resul
         extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
     };
     write_artifact_from(dir, src, build)
-}
-
-fn output_dir(output: Option<&Path>) -> Result<&Path, Error> {
-    output.ok_or_else(|| {
-        plain(
-            "kiln::compile",
-            "an artifact is a directory, and no `-o DIR` was given".to_string(),
-            Some("add `-o DIR`, e.g. `-o build/model.kiln-artifact`".to_string()),
-        )
-    })
-}
-
-/// Optimizes, plans and generates code for every entry of `src`, and writes the artifact.
-fn write_artifact_from(dir: &Path, src: Source, build: &Build<'_>) -> Result<(), Error> {
-    let (options, check) = (build.options, build.check);
-    let mut specs = Vec::new();
-    let mut weights = BTreeMap::new();
-    let mut model = String::new();
-    let mut hparams = Vec::new();
-    let training = ["train_step", "adam_update"];
-    if let Some((name, _)) = src
-        .graphs
-        .iter()
-        .find(|(n, _)| training.contains(&n.as_str()))
-    {
-        if options.precision == kiln_compiler::options::Precision::Int8 {
-            return Err(plain(
-                "kiln::compile",
-                format!(
-                    "--precision int8 rounds the weights' products to 8 bits, which inference \
-                     takes and training does not, but entry `{name}` trains"
-                ),
-                Some(
-                    "compile the decoding entries (`--from-model RUN`, or `--entries \
-                     encode,decode_step`) in int8, and train in f32"
-                        .to_string(),
-                ),
-            ));
-        }
-    }
-    for (name, g) in src.graphs {
-        let p = compile_entry(&g, options, check.then_some(src.seed)).map_err(|e| {
-            let (code, help) = match &e {
-                PipelineError::Options(_) => ("kiln::compile", None),
-                PipelineError::Optimize(_) => ("kiln::optimizer", None),
-                PipelineError::Validate(_) => ("kiln::validate", None),
-                PipelineError::Cpu(_) | PipelineError::Cuda(_) => (
-                    "kiln::codegen",
-                    Some(
-                        "this is a code generator bug; please report it with the spec".to_string(),
-                    ),
-                ),
-            };
-            plain(code, format!("entry `{name}`: {e}"), help)
-        })?;
-        if let Some(v) = &p.validation {
-            eprint!("{}", v.text());
-            if !v.ok() {
-                return Err(plain(
-                    "kiln::validate",
-                    format!("the optimized `{name}` does not match the source graph"),
-                    Some("this is an optimizer bug; please report it with the spec".to_string()),
-                ));
-            }
-        }
-        let cuda = p.cuda.map(|code| kiln_compiler::artifact::CudaEntrySpec {
-            code,
-            arch: options.cuda_arch.clone().unwrap_or_default(),
-        });
-        match &src.weights {
-            Some(all) => {
-                // Only the parameters some entry reads.
-                for p in &g.params {
-                    if let kiln_compiler::ir::Op::Param { name: pname, .. } = &g.node(*p).op {
-                        let t = all.get(pname).ok_or_else(|| {
-                            plain(
-                                "kiln::compile",
-                                format!("entry `{name}` reads parameter `{pname}`, which the weights lack"),
-                                Some("the weights and graphs come from different models".to_string()),
-                            )
-                        })?;
-                        weights.insert(pname.clone(), t.clone());
-                    }
-                }
-            }
-            None => {
-                for (p, t) in init_params(&g, src.seed)
-                    .map_err(|e| plain("kiln::init", e.to_string(), None))?
-                {
-                    weights.insert(p, t);
-                }
-            }
-        }
-        if model.is_empty() {
-            model = g.name.clone();
-            hparams = g.hparams.clone();
-        }
-        specs.push(kiln_compiler::artifact::EntrySpec {
-            name,
-            graph: g,
-            kernel_graph: p.kernel_graph,
-            plan: p.plan,
-            code: p.cpu,
-            launch: p.launch,
-            cuda,
-        });
-    }
-    let art = kiln_compiler::artifact::ArtifactSpec {
-        model,
-        spec_hash: src.spec_hash,
-        seed: src.seed,
-        hparams,
-        options: options.clone(),
-        entries: specs,
-        weights,
-        extras: src.extras,
-    };
-    kiln_compiler::artifact::write_artifact(dir, &art).map_err(|e| {
-        let help = matches!(e, kiln_compiler::artifact::ArtifactError::Io(_))
-            .then(|| "check that the output directory is writable".to_string());
-        plain("kiln::artifact", e.to_string(), help)
-    })?;
-    let kernels: usize = art
-        .entries
-        .iter()
-        .map(|e| e.kernel_graph.kernels().len())
-        .sum();
-    eprintln!(
-        "wrote {} ({} entries, {} kernels, {} parameter tensors{})",
-        dir.display(),
-        art.entries.len(),
-        kernels,
-        art.weights.len(),
-        if art.extras.contains_key(TOKENIZER_FILE) {
-            ", tokenizer"
-        } else {
-            ""
-        }
-    );
-    Ok(())
 }

@@ -1,13 +1,13 @@
 //! `kiln explain`: what the optimizer did to an entry point, and the launch plan's fusions.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
+pub use kiln::build::entry_graph_of;
 use kiln_compiler::optimize::Target;
 use kiln_compiler::options::CompileOptions;
 use kiln_compiler::pipeline::compile_entry;
-use kiln_compiler::Graph;
-use kiln_dsl::{Error, Options};
-use kiln_exec::{GraphKind, COMPILED_ENTRIES};
+use kiln_dsl::Error;
+use kiln_exec::COMPILED_ENTRIES;
 
 use crate::plain;
 
@@ -29,25 +29,6 @@ pub struct OptArgs {
     /// The target whose cost model drives extraction.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub target: String,
-}
-
-/// The graph of an entry point of a spec.
-pub fn entry_graph_of(
-    spec: &Path,
-    set: &[String],
-    model: &Option<String>,
-    entry: &str,
-) -> Result<Graph, Error> {
-    let run_err = |e: kiln_exec::RuntimeError| plain("kiln::entry", e.message, Some(e.help));
-    let elaborate = |kind: GraphKind| -> Result<Graph, Error> {
-        let opts = Options {
-            overrides: set.to_vec(),
-            mode: kiln::dsl_mode(kind),
-            model: model.clone(),
-        };
-        kiln_dsl::compile_file(spec, &opts)
-    };
-    kiln_exec::compiled_entry_graph_with(entry, elaborate, run_err)
 }
 
 /// `kiln explain`: what the optimizer did and the fusions of the launch plan, through the

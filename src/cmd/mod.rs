@@ -13,6 +13,7 @@ pub mod init;
 pub mod inspect;
 pub mod run;
 pub mod score;
+pub mod serve;
 pub mod snapshot;
 pub mod train;
 pub mod translate;

@@ -35,16 +35,17 @@ fn cuda_artifact(a: &BenchArgs, entry: &str) -> Result<kiln_exec::artifact::Arti
         precision: precision(a),
         ..Default::default()
     };
-    let build = crate::cmd::compile::Build {
+    let build = kiln::build::Build {
         entries: &[entry.to_string()],
         output: Some(&dir),
         check: false,
         options: &options,
     };
-    let built = crate::cmd::compile::compile_artifact(&args, 1, &build).and_then(|()| {
-        kiln_exec::artifact::Artifact::load(&dir)
-            .map_err(|e| plain("kiln::artifact", e.to_string(), None))
-    });
+    let built = kiln::build::compile_artifact((&args.spec, &args.set, &args.model), 1, &build)
+        .and_then(|()| {
+            kiln_exec::artifact::Artifact::load(&dir)
+                .map_err(|e| plain("kiln::artifact", e.to_string(), None))
+        });
     let _ = std::fs::remove_dir_all(&dir);
     built
 }
