@@ -88,8 +88,13 @@ pub(crate) fn run(translator: Arc<Translator>, jobs: Receiver<Job>, gather: Gath
 }
 
 /// Translates the jobs of `group` (one search) as one batch and answers each.
-fn translate_group(translator: &Translator, group: Vec<Job>, schedule: Schedule) {
+fn translate_group(translator: &Translator, group: Vec<Job>, mut schedule: Schedule) {
     let ids: Vec<Vec<i32>> = group.iter().flat_map(|j| j.ids.iter().cloned()).collect();
+    // A gathered batch is cut so that every worker gets a share of it: 32 sentences
+    // from 32 clients would otherwise be one batch of 32 on one worker while the others
+    // wait. The translations do not depend on the cut.
+    let share = ids.len().div_ceil(schedule.workers.max(1)).max(1);
+    schedule.batching.sentences = schedule.batching.sentences.min(share);
     let (opts, nbest) = (&group[0].opts, group[0].nbest);
     // A panic in the search is one failed batch, answered as such, not a dead server.
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
