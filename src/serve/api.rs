@@ -255,17 +255,14 @@ pub(crate) fn translations(
 mod tests {
     use super::*;
 
+    /// `kiln serve`'s search flags left at their defaults.
     fn defaults() -> SearchArgs {
-        SearchArgs {
-            beam: 4,
-            alpha: 0.6,
-            length_penalty: "gnmt".to_string(),
-            early_stop: "k-finished".to_string(),
-            max_len_a: 1.0,
-            max_len_b: 50,
-            greedy: false,
-            allow_unk: false,
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            search: SearchArgs,
         }
+        <Flags as clap::Parser>::parse_from(["kiln"]).search
     }
 
     const LIMITS: Limits = Limits {
