@@ -298,6 +298,46 @@ fn bad_requests_get_4xx_json_and_the_server_goes_on() {
     assert!(server.stop().success());
 }
 
+/// With room for one waiting request, a burst of them is partly turned away: 503 with
+/// `Retry-After` and a JSON message, while every request let in is answered right.
+#[test]
+fn a_full_queue_answers_503_and_the_rest_are_served() {
+    let dir = artifact("serve_queue");
+    let server = Server::start(&dir, &["--queue", "1", "--max-batch-tokens", "1"]);
+    let src = std::fs::read_to_string(dir.join("valid.src")).unwrap();
+    let text: Vec<&str> = src.lines().cycle().take(64).collect();
+    let want = ok(
+        &dir,
+        &["translate", "--model", "art", "--input", "valid.src"],
+    );
+    let want: Vec<&str> = want.lines().cycle().take(64).collect();
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let asks: Vec<_> = (0..24)
+            .map(|_| s.spawn(|| server.translate(&json!({"text": text}))))
+            .collect();
+        asks.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    let busy = answers.iter().filter(|(s, _)| *s == 503).count();
+    assert!(
+        busy > 0,
+        "24 requests at once, room for 1: some are turned away"
+    );
+    for (status, answer) in &answers {
+        match status {
+            200 => assert_eq!(texts(answer), want),
+            503 => assert!(answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("busy: too many requests are waiting (--queue)")),
+            other => panic!("status {other}: {answer}"),
+        }
+    }
+    assert!(busy < 24, "the first is always let in");
+    let (status, _) = server.translate(&json!({"text": ["s1"]}));
+    assert_eq!(status, 200);
+    assert!(server.stop().success());
+}
+
 /// SIGTERM while a request is being translated: its answer still comes, whole, and the
 /// server exits 0.
 #[test]
