@@ -20,7 +20,8 @@ from . import _kiln
 from ._kiln import KilnError
 
 __version__ = _kiln.__version__
-__all__ = ["Translator", "Translation", "Model", "KilnError", "check", "compile"]
+__all__ = ["Translator", "Translation", "Model", "KilnError", "check", "compile",
+           "compile_model"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -102,6 +103,16 @@ def compile(spec: PathLike, out: PathLike, entries: Optional[Sequence[str]] = No
     _kiln.compile(os.fspath(spec), os.fspath(out), sets,
                   None if entries is None else list(entries), target, precision, seed,
                   validate, model)
+
+
+def compile_model(model: PathLike, out: PathLike, entries: Optional[Sequence[str]] = None,
+                  target: str = "cpu", precision: str = "f32", validate: bool = False) -> None:
+    """Compiles a trained model (a checkpoint, a run or `kiln average`'s output) with its
+    weights and tokenizer into the artifact directory `out`, as `kiln compile
+    --from-model MODEL -o OUT`; `Translator(out)` then loads it. `precision="int8"`:
+    the weights' products in int8 wherever it runs."""
+    _kiln.compile_model(os.fspath(model), os.fspath(out),
+                        None if entries is None else list(entries), target, precision, validate)
 
 
 _DTYPES = {"float32", "float64", "int32", "int64", "bool"}

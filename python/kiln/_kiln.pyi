@@ -44,3 +44,7 @@ def compile(spec: str, out: str, overrides: List[str] = ...,
             entries: Optional[List[str]] = None, target: str = "cpu",
             precision: str = "f32", seed: int = 0, validate: bool = False,
             model: Optional[str] = None) -> None: ...
+
+def compile_model(model: str, out: str, entries: Optional[List[str]] = None,
+                  target: str = "cpu", precision: str = "f32",
+                  validate: bool = False) -> None: ...

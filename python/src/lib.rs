@@ -3,7 +3,8 @@
 //!
 //! Modules:
 //! - [`translate`] — `Translator`: a trained model translating and scoring text;
-//! - [`spec`] — `check` and `compile`: the compiler on a spec;
+//! - [`spec`] — `check`, `compile` and `compile_model`: the compiler on a spec or a
+//!   trained model;
 //! - [`model`] — `Model`: one entry point of a compiled artifact run on tensors.
 //!
 //! Every kiln error is raised as `kiln.KilnError`, with the diagnostic's `code`, `help`
@@ -97,6 +98,7 @@ fn _kiln(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<model::Model>()?;
     m.add_function(wrap_pyfunction!(spec::check, m)?)?;
     m.add_function(wrap_pyfunction!(spec::compile, m)?)?;
+    m.add_function(wrap_pyfunction!(spec::compile_model, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use kiln::build::{compile_artifact, model_entries, Build};
+use kiln::build::{compile_artifact, compile_artifact_from_model, model_entries, Build};
 use kiln_compiler::optimize::Target;
 use kiln_compiler::options::{CompileOptions, Precision};
 use kiln_compiler::summary::Summary;
@@ -65,6 +65,26 @@ pub(crate) fn compile(
     validate: bool,
     model: Option<String>,
 ) -> PyResult<()> {
+    let options = options(target, precision, &out)?;
+    py.detach(|| {
+        let entries = match entries {
+            Some(e) => e,
+            None => model_entries(&spec, &overrides, &model)?,
+        };
+        let build = Build {
+            entries: &entries,
+            output: Some(&out),
+            check: validate,
+            options: &options,
+        };
+        compile_artifact((&spec, &overrides, &model), seed, &build)
+    })
+    .map_err(kiln_error)
+}
+
+/// The compile options `target` and `precision` name, checked, for an artifact at `out`
+/// (which must not exist).
+fn options(target: &str, precision: &str, out: &std::path::Path) -> PyResult<CompileOptions> {
     let bad = |why: String| plain_error("kiln::compile", why);
     let target = Target::parse(target)
         .ok_or_else(|| bad(format!("target `{target}` is not cpu or cuda")))?;
@@ -84,18 +104,31 @@ pub(crate) fn compile(
             out.display()
         )));
     }
-    py.detach(|| {
-        let entries = match entries {
-            Some(e) => e,
-            None => model_entries(&spec, &overrides, &model)?,
-        };
-        let build = Build {
-            entries: &entries,
-            output: Some(&out),
-            check: validate,
-            options: &options,
-        };
-        compile_artifact((&spec, &overrides, &model), seed, &build)
-    })
-    .map_err(kiln_error)
+    Ok(options)
+}
+
+/// Compiles a trained model (a checkpoint, a run or `kiln average`'s output) with its
+/// weights and tokenizer into the artifact directory `out`, as `kiln compile --from-model
+/// MODEL -o OUT` (by default the decoding entries; `precision="int8"` for int8 products).
+#[pyfunction]
+#[pyo3(signature = (model, out, entries=None, target="cpu", precision="f32", validate=false))]
+pub(crate) fn compile_model(
+    py: Python<'_>,
+    model: PathBuf,
+    out: PathBuf,
+    entries: Option<Vec<String>>,
+    target: &str,
+    precision: &str,
+    validate: bool,
+) -> PyResult<()> {
+    let options = options(target, precision, &out)?;
+    let entries = entries.unwrap_or_default();
+    let build = Build {
+        entries: &entries,
+        output: Some(&out),
+        check: validate,
+        options: &options,
+    };
+    py.detach(|| compile_artifact_from_model(&model, &build))
+        .map_err(kiln_error)
 }

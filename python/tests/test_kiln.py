@@ -57,6 +57,19 @@ def test_translate_equals_kiln_translate(workspace):
         assert [g.text for g in t.translate(src, greedy=True)] == greedy
 
 
+def test_compile_model_then_translate(workspace, tmp_path):
+    """A trained run compiled into an int8 artifact translates as `kiln translate` does
+    with the same artifact."""
+    art = tmp_path / "run.int8.art"
+    kiln.compile_model(workspace / "run", art, precision="int8")
+    want = run("translate", "--model", str(art), "--input", "valid.src",
+               cwd=workspace).stdout.splitlines()
+    got = kiln.Translator(art).translate(lines(workspace / "valid.src"))
+    assert [g.text for g in got] == want
+    with pytest.raises(kiln.KilnError, match="is a compiled artifact, not a model"):
+        kiln.compile_model(art, tmp_path / "again.art")
+
+
 def test_nbest_tokens_and_scores(workspace):
     t = kiln.Translator(workspace / "art")
     src = lines(workspace / "valid.src")[:3]

@@ -1,26 +1,19 @@
 //! `kiln compile`: one entry point's kernel graph as text, or an artifact of a spec, a
 //! training configuration or a trained model.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kiln_compiler::artifact::TOKENIZER_FILE;
-use kiln_compiler::init::init_params;
 use kiln_compiler::optimize::validate::{validate, DEFAULT_ABS, DEFAULT_REL};
 use kiln_compiler::optimize::{optimize, KernelGraph, Options as OptOptions, Report, Target};
-use kiln_compiler::tensor::Tensor;
 use kiln_compiler::Graph;
 use kiln_dsl::Error;
-use kiln_train::config::Config;
-use kiln_train::model::{self, GraphSet};
-use kiln_train::tokenizer::tokenizer_of;
 
 use crate::cmd::explain::OptArgs;
 use crate::outputs::{self, Output};
 use crate::plain;
 use kiln::build::{
-    compile_artifact, entry_graph_of, entry_names, output_dir, write_artifact_from, Build, Source,
-    DECODING_ENTRIES, TRAINING_ENTRIES,
+    compile_artifact, compile_artifact_from_config, compile_artifact_from_model, entry_graph_of,
+    Build,
 };
 
 // `kiln compile`'s arguments (their help is `kiln compile --help`).
@@ -201,124 +194,4 @@ pub fn kernel_graph(
         None => out!("{text}"),
     }
     Ok(())
-}
-
-/// The graph of `name` in a trainer's graph set.
-fn from_set(set: &GraphSet, name: &str, origin: &str) -> Result<Graph, Error> {
-    Ok(match name {
-        "train_step" => set.train_step.clone(),
-        "loss" => set.loss.clone(),
-        "encode" => set.encode.clone(),
-        "decode_step" => set.decode_step.clone(),
-        other => {
-            return Err(plain(
-                "kiln::compile",
-                format!("{origin} has no entry `{other}`"),
-                Some(format!(
-                    "its entries are {}; compile `{other}` from the spec instead",
-                    TRAINING_ENTRIES.join(", ")
-                )),
-            ))
-        }
-    })
-}
-
-/// The graphs of `--entries` (or of `default` without it) from a trainer's graph set.
-fn graphs_of(
-    set: &GraphSet,
-    entries: &[String],
-    default: &[&str],
-    origin: &str,
-) -> Result<Vec<(String, Graph)>, Error> {
-    let names = if entries.is_empty() {
-        default.iter().map(|s| s.to_string()).collect()
-    } else {
-        entry_names(entries)?
-    };
-    names
-        .into_iter()
-        .map(|n| from_set(set, &n, origin).map(|g| (n, g)))
-        .collect()
-}
-
-/// `kiln compile --config CONFIG.yaml -o DIR`: what `kiln train --config` would train —
-/// the spec with the configuration's overrides and its BPE vocabulary's size, the first
-/// weights from `train.seed`, and the tokenizer — as an artifact that `kiln train
-/// --artifact DIR` (or `model.artifact`) starts from.
-pub fn compile_artifact_from_config(config: &Path, build: &Build<'_>) -> Result<(), Error> {
-    let dir = output_dir(build.output)?;
-    let cfg = Config::load(config).map_err(|e| plain("kiln::config", e.to_string(), None))?;
-    if cfg.model.spec.as_os_str().is_empty() {
-        return Err(plain(
-            "kiln::compile",
-            format!("`{}` names no `model.spec` to compile", config.display()),
-            Some("add `model: {spec: path/to/model.kiln}`".to_string()),
-        ));
-    }
-    let (tok, note, _) = tokenizer_of(&cfg).map_err(crate::err("kiln::train"))?;
-    eprintln!("{note}");
-    let model_graphs = crate::cmd::train::compile_graphs(&cfg, tok.vocab_size())?;
-    let set = model_graphs
-        .entries_with(cfg.train.loss_scale.is_some())
-        .map_err(crate::err("kiln::compile"))?;
-    let origin = format!("the configuration `{}`", config.display());
-    let graphs = graphs_of(&set, build.entries, &TRAINING_ENTRIES, &origin)?;
-    let weights: BTreeMap<String, Tensor> = init_params(&set.loss, cfg.train.seed)
-        .map_err(|e| plain("kiln::init", e.to_string(), None))?
-        .into_iter()
-        .collect();
-    let mut overrides = cfg.overrides();
-    overrides.retain(|o| !o.starts_with("vocab="));
-    overrides.push(format!("vocab={}", tok.vocab_size()));
-    let spec_text = kiln_dsl::source_text(&cfg.model.spec)?;
-    let spec_hash =
-        kiln_compiler::artifact::spec_hash(&spec_text, &overrides, cfg.model.name.as_deref());
-    let tok_json = tok.to_json().map_err(crate::err("kiln::compile"))?;
-    let src = Source {
-        graphs,
-        weights: Some(weights),
-        seed: cfg.train.seed,
-        spec_hash,
-        extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
-    };
-    write_artifact_from(dir, src, build)
-}
-
-/// `kiln compile --from-model MODEL_DIR -o DIR`: a trained model (a checkpoint, a run
-/// directory or the output of `kiln average`) with its weights and tokenizer, compiled for
-/// `kiln translate --model DIR` (by default the decoding entries).
-pub fn compile_artifact_from_model(model_dir: &Path, build: &Build<'_>) -> Result<(), Error> {
-    let dir = output_dir(build.output)?;
-    if model_dir
-        .join(kiln_compiler::artifact::MANIFEST_FILE)
-        .is_file()
-    {
-        return Err(plain(
-            "kiln::model",
-            format!(
-                "`{}` is a compiled artifact, not a model: it is compiled already",
-                model_dir.display()
-            ),
-            Some(format!(
-                "`kiln translate --model {}` runs it; `--from-model` takes a checkpoint, a run \
-                 directory or the output of `kiln average`",
-                model_dir.display()
-            )),
-        ));
-    }
-    let m = model::load(model_dir).map_err(crate::err("kiln::model"))?;
-    let origin = format!("the model `{}`", m.dir.display());
-    let graphs = graphs_of(&m.graphs, build.entries, &DECODING_ENTRIES, &origin)?;
-    let tok_json = m.tokenizer.to_json().map_err(crate::err("kiln::compile"))?;
-    let src = Source {
-        graphs,
-        weights: Some(m.params),
-        seed: 0,
-        spec_hash: format!(
-            "model:{}",
-            kiln_compiler::artifact::hash_hex(&m.graphs.to_json())
-        ),
-        extras: [(TOKENIZER_FILE.to_string(), tok_json.into_bytes())].into(),
-    };
-    write_artifact_from(dir, src, build)
 }

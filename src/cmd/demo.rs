@@ -23,8 +23,8 @@ use kiln_train::synthetic::Task;
 use kiln_train::tokenizer::prepare_tokenizer;
 use kiln_train::trainer::{Progress, Trainer};
 
-use crate::cmd::train::compile_graphs;
 use crate::{err, plain};
+use kiln::build::compile_graphs;
 
 /// The base spec, embedded so the demo runs anywhere.
 const BASE: &str = include_str!("../../models/transformer_base.kiln");

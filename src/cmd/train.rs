@@ -3,37 +3,15 @@
 use std::path::PathBuf;
 
 use kiln_compiler::artifact::TOKENIZER_FILE;
-use kiln_dsl::{Error, Mode, Options};
+use kiln_dsl::Error;
 use kiln_exec::artifact::Artifact;
 use kiln_train::config::Config;
 use kiln_train::data::Tokenizer;
 use kiln_train::model;
 use kiln_train::tokenizer::prepare_tokenizer;
-use kiln_train::trainer::{ModelGraphs, Progress, Trainer};
+use kiln_train::trainer::{Progress, Trainer};
 
 use crate::{err, plain};
-
-/// Compiles the spec of a configuration in the three modes the trainer needs.
-pub fn compile_graphs(cfg: &Config, vocab: usize) -> Result<ModelGraphs, Error> {
-    let mut overrides = cfg.overrides();
-    overrides.retain(|o| !o.starts_with("vocab="));
-    overrides.push(format!("vocab={vocab}"));
-    let compile = |mode| {
-        kiln_dsl::compile_file(
-            &cfg.model.spec,
-            &Options {
-                overrides: overrides.clone(),
-                mode,
-                model: cfg.model.name.clone(),
-            },
-        )
-    };
-    Ok(ModelGraphs {
-        train: compile(Mode::Train)?,
-        eval: compile(Mode::Eval)?,
-        decode: compile(Mode::Decode)?,
-    })
-}
 
 // `kiln train`'s arguments (their help is `kiln train --help`).
 #[derive(clap::Args)]
@@ -140,7 +118,7 @@ pub fn train(a: TrainArgs) -> Result<(), Error> {
                     if !a.quiet {
                         tell!("{note}");
                     }
-                    let graphs = compile_graphs(&cfg, tok.vocab_size())?;
+                    let graphs = kiln::build::compile_graphs(&cfg, tok.vocab_size())?;
                     Trainer::new(cfg, tok, &graphs, progress).map_err(err("kiln::train"))?
                 }
             }
