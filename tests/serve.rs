@@ -338,6 +338,44 @@ fn a_full_queue_answers_503_and_the_rest_are_served() {
     assert!(server.stop().success());
 }
 
+/// A connection that sends nothing is closed after `--header-timeout-ms`; a body that
+/// stops short is answered 408 after `--body-timeout-ms`; the server goes on.
+#[test]
+fn silent_and_slow_clients_are_timed_out() {
+    let dir = artifact("serve_timeouts");
+    let server = Server::start(
+        &dir,
+        &["--header-timeout-ms", "300", "--body-timeout-ms", "300"],
+    );
+    let started = std::time::Instant::now();
+    let mut idle = TcpStream::connect(&server.addr).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut got = Vec::new();
+    let n = idle.read_to_end(&mut got).unwrap_or(0);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(10),
+        "closed after {waited:?} ({n} bytes)"
+    );
+    let mut slow = TcpStream::connect(&server.addr).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let head = "POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                Content-Length: 100\r\nConnection: close\r\n\r\n{\"text\": [";
+    slow.write_all(head.as_bytes()).unwrap();
+    let mut answer = String::new();
+    slow.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("did not arrive within 300 ms (--body-timeout-ms)"),
+        "{answer}"
+    );
+    let (status, _) = server.translate(&json!({"text": ["s1 s2"]}));
+    assert_eq!(status, 200);
+    assert!(server.stop().success());
+}
+
 /// SIGTERM while a request is being translated: its answer still comes, whole, and the
 /// server exits 0.
 #[test]

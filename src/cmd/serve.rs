@@ -50,6 +50,14 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4 << 20,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_body_bytes: usize,
+    /// Close a connection that has not sent a request's headers within this long.
+    #[arg(long, default_value_t = 30_000,
+          value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub header_timeout_ms: u64,
+    /// Answer 408 to a request whose body has not arrived within this long.
+    #[arg(long, default_value_t = 60_000,
+          value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub body_timeout_ms: u64,
     /// Requests that may wait for the translator; more are answered 503.
     #[arg(long, default_value_t = 1024,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
@@ -92,6 +100,8 @@ pub fn serve(a: ServeArgs) -> Result<(), Error> {
             "max_sentences": limits.sentences,
             "max_chars": limits.chars,
             "max_body_bytes": limits.body_bytes,
+            "header_timeout_ms": a.header_timeout_ms,
+            "body_timeout_ms": a.body_timeout_ms,
         },
         "batching": {
             "max_batch_tokens": a.max_batch_tokens,
@@ -116,6 +126,8 @@ pub fn serve(a: ServeArgs) -> Result<(), Error> {
         },
         queue: a.queue,
         model,
+        header_timeout: Duration::from_millis(a.header_timeout_ms),
+        body_timeout: Duration::from_millis(a.body_timeout_ms),
     };
     run_server(m, settings)
 }

@@ -3,8 +3,10 @@
 //! Routes: `POST /translate` (JSON in and out, [`api`]), `GET /health`, `GET /model`
 //! (what is loaded). Requests that arrive together are translated together
 //! ([`batcher`]); a bad request gets a 4xx status and a JSON message and the server goes
-//! on; SIGTERM or Ctrl-C stops taking connections and lets the requests in flight finish.
-//! HTTP is axum's on tokio; the translation runs on kiln's own threads.
+//! on; SIGTERM or Ctrl-C stops taking connections and lets the requests in flight finish;
+//! a connection that sends no headers within `--header-timeout-ms` is closed, and a body
+//! that does not arrive within `--body-timeout-ms` is answered 408. The routes are axum's,
+//! the connections hyper's HTTP/1 on tokio; the translation runs on kiln's own threads.
 
 pub(crate) mod api;
 pub(crate) mod batcher;
@@ -12,6 +14,7 @@ pub(crate) mod batcher;
 use std::net::SocketAddr;
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -19,6 +22,10 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use kiln::translator::Translator;
 use kiln_dsl::Error;
 use serde_json::Value;
@@ -41,6 +48,10 @@ pub(crate) struct Settings {
     pub queue: usize,
     /// What `GET /model` answers.
     pub model: Value,
+    /// A connection that has not sent a request's headers within this long is closed.
+    pub header_timeout: Duration,
+    /// A request whose body has not arrived within this long is answered 408.
+    pub body_timeout: Duration,
 }
 
 struct App {
@@ -49,6 +60,7 @@ struct App {
     defaults: SearchArgs,
     limits: Limits,
     model: Value,
+    body_timeout: Duration,
 }
 
 fn json(status: StatusCode, body: &Value) -> Response {
@@ -93,6 +105,7 @@ pub(crate) fn serve(translator: Translator, settings: Settings) -> Result<(), Er
         defaults: settings.defaults,
         limits: settings.limits,
         model: settings.model,
+        body_timeout: settings.body_timeout,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -105,7 +118,8 @@ pub(crate) fn serve(translator: Translator, settings: Settings) -> Result<(), Er
                 None,
             )
         })?;
-    let served = runtime.block_on(listen(app, &settings.host, settings.port));
+    let address = (settings.host.as_str(), settings.port);
+    let served = runtime.block_on(listen(app, address, settings.header_timeout));
     // The handlers are done and their senders gone: the batcher answers what it holds
     // and stops.
     drop(runtime);
@@ -113,7 +127,11 @@ pub(crate) fn serve(translator: Translator, settings: Settings) -> Result<(), Er
     served
 }
 
-async fn listen(app: Arc<App>, host: &str, port: u16) -> Result<(), Error> {
+async fn listen(
+    app: Arc<App>,
+    (host, port): (&str, u16),
+    header_timeout: Duration,
+) -> Result<(), Error> {
     let listener = tokio::net::TcpListener::bind((host, port))
         .await
         .map_err(|e| {
@@ -133,12 +151,35 @@ async fn listen(app: Arc<App>, host: &str, port: u16) -> Result<(), Error> {
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
         .with_state(app);
+
     // The address on one line of its own, for scripts and tests to read.
     eprintln!("kiln serve: listening on http://{addr}");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(stop_signal())
-        .await
-        .map_err(|e| plain("kiln::serve", format!("the server failed: {e}"), None))?;
+    // hyper's HTTP/1 with a timer, so that a client that sends no request, or only part
+    // of its headers, loses its connection after `header_timeout` (axum::serve has no
+    // such setting); the connections are watched for a graceful shutdown.
+    let graceful = GracefulShutdown::new();
+    let mut stop = std::pin::pin!(stop_signal());
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                // A failed accept (out of file descriptors) drops that connection only.
+                let Ok((stream, _)) = accepted else { continue };
+                let service = TowerToHyperService::new(router.clone());
+                let conn = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    // A connection's own error (reset, timeout) ends that connection only.
+                    let _ = conn.await;
+                });
+            }
+            () = &mut stop => break,
+        }
+    }
+    drop(listener);
+    graceful.shutdown().await;
     eprintln!("kiln serve: stopped");
     Ok(())
 }
@@ -197,12 +238,24 @@ async fn translate(State(app): State<Arc<App>>, body: Body) -> Response {
 
 async fn translate_body(app: &App, body: Body) -> Result<Value, ApiError> {
     let max = app.limits.body_bytes;
-    let bytes = axum::body::to_bytes(body, max).await.map_err(|_| {
-        ApiError::new(
-            413,
-            format!("the request body is over {max} bytes (--max-body-bytes): split it"),
-        )
-    })?;
+    let read = tokio::time::timeout(app.body_timeout, axum::body::to_bytes(body, max));
+    let bytes = read
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                408,
+                format!(
+                    "the request body did not arrive within {} ms (--body-timeout-ms)",
+                    app.body_timeout.as_millis()
+                ),
+            )
+        })?
+        .map_err(|_| {
+            ApiError::new(
+                413,
+                format!("the request body is over {max} bytes (--max-body-bytes): split it"),
+            )
+        })?;
     let req = api::parse_translate(&bytes, &app.defaults, &app.limits)?;
     let name = |i: usize| format!("sentence {}", i + 1);
     let src = app
