@@ -4,32 +4,31 @@
 use gemm::Parallelism;
 
 use crate::transpose::transpose_into;
-use crate::Mat;
+use crate::{Dst, Mat};
 
 /// Products with fewer multiply-adds than this run single-threaded.
 pub const PAR_MIN: usize = 1 << 16;
 
-/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`.
+/// `dst[m, n] = (dst.read ? dst : 0) + a[m, k]·b[k, n]`.
 ///
 /// # Safety
 /// Every element the matrices address must be valid; `dst` must not overlap `a`, `b`.
 pub unsafe fn gemm_one(
     (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
     a: Mat,
     b: Mat,
-    read_dst: bool,
+    dst: Dst,
     par: Parallelism,
 ) {
+    let Dst { ptr, ld, read } = dst;
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        if !read_dst {
+        if !read {
             for i in 0..m {
                 for j in 0..n {
-                    unsafe { *dst.offset(i as isize * ld + j as isize) = 0.0 };
+                    unsafe { *ptr.offset(i as isize * ld + j as isize) = 0.0 };
                 }
             }
         }
@@ -40,7 +39,7 @@ pub unsafe fn gemm_one(
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     if matches!(par, Parallelism::None) && super::small::takes(k, n) {
         // SAFETY: as the caller's; `takes` checked the CPU and the sizes.
-        unsafe { super::small::gemm((m, k, n), dst, ld, a, b, read_dst) };
+        unsafe { super::small::gemm((m, k, n), a, b, dst) };
         return;
     }
     // A right operand stored transposed (`b[p, j]` at `p + j·cs`): the crate would pack it
@@ -71,17 +70,17 @@ pub unsafe fn gemm_one(
             m,
             n,
             k,
-            dst,
+            ptr,
             1,
             ld,
-            read_dst,
+            read,
             a.ptr,
             a.cs,
             a.rs,
             b.ptr,
             b.cs,
             b.rs,
-            if read_dst { 1.0 } else { 0.0 },
+            if read { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
@@ -179,15 +178,8 @@ mod tests {
                 };
                 // SAFETY: the operands hold `m·k` and `k·n` floats; `out` holds `m·n`.
                 unsafe {
-                    gemm_one(
-                        (m, k, n),
-                        out.as_mut_ptr(),
-                        n as isize,
-                        lhs,
-                        b,
-                        read_dst,
-                        Parallelism::Rayon(2),
-                    )
+                    let dst = Dst::new(out.as_mut_ptr(), n as isize, read_dst);
+                    gemm_one((m, k, n), lhs, b, dst, Parallelism::Rayon(2))
                 };
                 out
             };

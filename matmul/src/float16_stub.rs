@@ -57,17 +57,6 @@ pub unsafe fn gemm_group(_: Kernel16, _: (usize, usize), _: crate::Mat, _: &[Mem
 
 /// # Safety
 /// Never called: no kernel is available.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm(
-    _: Kernel16,
-    _: (usize, usize, usize),
-    _: *mut f32,
-    _: isize,
-    _: crate::Mat,
-    _: Rhs<'_>,
-    _: bool,
-    _: Epilogue,
-    _: Option<crate::ColumnSums>,
-) {
+pub unsafe fn gemm(_: Kernel16, _: (usize, usize), _: crate::Mat, _: Member<'_>) {
     unreachable!("bf16 products are only set where a bf16 kernel is available")
 }

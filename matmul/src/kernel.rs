@@ -181,17 +181,9 @@ pub fn matmul16(
     // SAFETY: the kernel can run; the slices hold the matrices (checked above) and `c`, a
     // unique borrow, overlaps neither operand.
     unsafe {
-        crate::float16::gemm(
-            kernel,
-            (m, k, n),
-            c.as_mut_ptr(),
-            n as isize,
-            mat(a, k),
-            crate::float16::Rhs::Mat(mat(b, n)),
-            false,
-            crate::Epilogue::default(),
-            None,
-        )
+        let b = crate::float16::Rhs::Mat(mat(b, n));
+        let dst = crate::Dst::new(c.as_mut_ptr(), n as isize, false);
+        crate::float16::gemm(kernel, (m, k), mat(a, k), crate::Member::plain(n, b, dst))
     };
     Ok(())
 }

@@ -40,4 +40,4 @@ pub mod small;
 
 pub use f32::{gemm_one, parallelism, PAR_MIN};
 pub use kernel::{matmul16, Kernel16};
-pub use mat::{ColumnSums, Epilogue, Mat, Member, SUM_AXES};
+pub use mat::{ColumnSums, Dst, Epilogue, Mat, Member, SUM_AXES};

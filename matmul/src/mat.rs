@@ -25,6 +25,24 @@ impl Mat {
     }
 }
 
+/// Where a product's `m × n` result goes: element `(i, j)` at `ptr + 4·(i·ld + j)`, the
+/// sum added to what is there when `read`, else written over it.
+#[derive(Clone, Copy, Debug)]
+pub struct Dst {
+    pub ptr: *mut f32,
+    pub ld: isize,
+    pub read: bool,
+}
+
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+impl Dst {
+    pub fn new(ptr: *mut f32, ld: isize, read: bool) -> Dst {
+        Dst { ptr, ld, read }
+    }
+}
+
 /// The most leading axes [`ColumnSums`] takes.
 pub const SUM_AXES: usize = 4;
 
@@ -62,18 +80,29 @@ pub struct Epilogue {
 unsafe impl Send for Epilogue {}
 unsafe impl Sync for Epilogue {}
 
-/// One product of [`bf16::gemm_group`](crate::float16::gemm_group): `dst[m, n]` (row stride
-/// `ld`) `= (read_dst ? dst : 0) + a·b`, then `epilogue`, and `b`'s `sums` where asked, as
-/// [`bf16::gemm`](crate::float16::gemm)'s arguments.
+/// One product of [`bf16::gemm_group`](crate::float16::gemm_group) or
+/// [`bf16::gemm`](crate::float16::gemm): `dst[m, n] = (dst.read ? dst : 0) + a·b`, then
+/// `epilogue`, and `b`'s `sums` where asked.
 #[derive(Clone, Copy)]
 pub struct Member<'a> {
     pub n: usize,
-    pub dst: *mut f32,
-    pub ld: isize,
+    pub dst: Dst,
     pub b: Rhs<'a>,
-    pub read_dst: bool,
     pub epilogue: Epilogue,
     pub sums: Option<ColumnSums>,
+}
+
+impl<'a> Member<'a> {
+    /// `dst[m, n] = (dst.read ? dst : 0) + a·b`, no epilogue, no sums.
+    pub fn plain(n: usize, b: Rhs<'a>, dst: Dst) -> Member<'a> {
+        Member {
+            n,
+            dst,
+            b,
+            epilogue: Epilogue::default(),
+            sums: None,
+        }
+    }
 }
 
 unsafe impl Send for Member<'_> {}

@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use crate::float16::transpose16;
-use crate::Mat;
+use crate::{Dst, Mat};
 
 /// The widest `b` taken: 8 vectors of 16 columns.
 const MAX_N: usize = 128;
@@ -65,32 +65,17 @@ pub fn takes(k: usize, n: usize) -> bool {
 /// # Safety
 /// [`takes`] must have returned `true`; every element the matrices address must be
 /// valid; `dst` must not overlap `a`, `b`.
-pub unsafe fn gemm(
-    (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
-    a: Mat,
-    b: Mat,
-    read_dst: bool,
-) {
+pub unsafe fn gemm((m, k, n): (usize, usize, usize), a: Mat, b: Mat, dst: Dst) {
     let isa = isa().expect("`takes` checked the CPU");
     // SAFETY: the caller's.
-    unsafe { gemm_with(isa, (m, k, n), dst, ld, a, b, read_dst) }
+    unsafe { gemm_with(isa, (m, k, n), a, b, dst) }
 }
 
 /// [`gemm`] with `isa`, which the CPU must have.
 ///
 /// # Safety
 /// As [`gemm`].
-unsafe fn gemm_with(
-    isa: Isa,
-    (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
-    a: Mat,
-    b: Mat,
-    read_dst: bool,
-) {
+unsafe fn gemm_with(isa: Isa, (m, k, n): (usize, usize, usize), a: Mat, b: Mat, dst: Dst) {
     debug_assert!(n <= MAX_N && k <= MAX_K);
     if m == 0 || n == 0 {
         return;
@@ -105,15 +90,7 @@ unsafe fn gemm_with(
     if pb.len() < k * np {
         pb.resize(k * np, 0.0);
     }
-    let op = Op {
-        m,
-        k,
-        n,
-        dst,
-        ld,
-        a,
-        read_dst,
-    };
+    let op = Op { m, k, n, a, dst };
     // SAFETY: the caller's check found the instruction set; `b` addresses `k × n`; `pb`
     // holds `k · np`.
     unsafe {
@@ -149,10 +126,8 @@ struct Op {
     m: usize,
     k: usize,
     n: usize,
-    dst: *mut f32,
-    ld: isize,
     a: Mat,
-    read_dst: bool,
+    dst: Dst,
 }
 
 /// Copies `b` (`k × n`) into `out` as `k` rows of `np` columns (zeros past `n`).
@@ -297,8 +272,8 @@ unsafe fn block<const NV: usize, const R: usize>(
             let mask: u16 = if left >= 16 { !0 } else { (1u16 << left) - 1 };
             // SAFETY: row `i0 + r` of `dst` holds `n` columns (masked past them).
             unsafe {
-                let at = op.dst.offset((i0 + r) as isize * op.ld).add(j0);
-                let v = if op.read_dst {
+                let at = op.dst.ptr.offset((i0 + r) as isize * op.dst.ld).add(j0);
+                let v = if op.dst.read {
                     _mm512_add_ps(_mm512_maskz_loadu_ps(mask, at), sum)
                 } else {
                     sum
@@ -507,9 +482,9 @@ mod avx2 {
                 // `left ≥ 8`, else `left` (AMD's masked stores are microcoded, several
                 // times slower than a scalar copy of the few columns past the last 8).
                 unsafe {
-                    let at = op.dst.offset((i0 + r) as isize * op.ld).add(j0);
+                    let at = op.dst.ptr.offset((i0 + r) as isize * op.dst.ld).add(j0);
                     if left >= 8 {
-                        let v = if op.read_dst {
+                        let v = if op.dst.read {
                             _mm256_add_ps(_mm256_loadu_ps(at), sum)
                         } else {
                             sum
@@ -519,7 +494,7 @@ mod avx2 {
                         let mut lanes = [0f32; 8];
                         _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
                         for (c, &x) in lanes.iter().enumerate().take(left) {
-                            *at.add(c) = if op.read_dst { *at.add(c) + x } else { x };
+                            *at.add(c) = if op.dst.read { *at.add(c) + x } else { x };
                         }
                     }
                 }
@@ -610,7 +585,10 @@ mod tests {
                     let mut c = c0.clone();
                     // SAFETY: the CPU has `isa`; the operands address their elements and
                     // `c` holds `m` rows of `ld`.
-                    unsafe { gemm_with(isa, (m, k, n), c.as_mut_ptr(), ld as isize, a, b, read) };
+                    unsafe {
+                        let dst = Dst::new(c.as_mut_ptr(), ld as isize, read);
+                        gemm_with(isa, (m, k, n), a, b, dst)
+                    };
                     for i in 0..m {
                         for j in 0..ld {
                             let want = if j >= n {

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::Loc;
 use crate::eager::value::Layout;
 use kiln_matmul::float16::{PackedRhs, Rhs};
-use kiln_matmul::{gemm_one, parallelism, ColumnSums, Epilogue, Kernel16, Mat, Member};
+use kiln_matmul::{gemm_one, parallelism, ColumnSums, Dst, Epilogue, Kernel16, Mat, Member};
 
 /// Element offsets of every batch entry (the axes before the last two).
 pub(crate) fn batch_offsets(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
@@ -99,7 +99,7 @@ pub(crate) fn takes_16bit(kernel: Kernel16, work: usize, packed: bool) -> bool {
     }
 }
 
-/// `dst = (read_dst ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large
+/// `dst = (dst.read ? dst : 0) + a·b`: [`gemm_one`], or with a `bf16` kernel and a large
 /// enough product, [`bf16::gemm`](super::bf16::gemm) (16-bit operands, bf16 or scaled
 /// fp16 by the kernel, sums in f32; a kernel is only set where it is available), reading
 /// `b` from `packed` where the caller packed it beforehand.
@@ -108,23 +108,18 @@ pub(crate) fn takes_16bit(kernel: Kernel16, work: usize, packed: bool) -> bool {
 /// As [`gemm_one`].
 unsafe fn product(
     (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
     (a, b): (Mat, Mat),
-    read_dst: bool,
+    dst: Dst,
     bf16: Option<Kernel16>,
     packed: Option<&PackedRhs>,
 ) {
     match bf16 {
         Some(kernel) if takes_16bit(kernel, m * k * n, packed.is_some()) => {
             let b = packed.map_or(Rhs::Mat(b), |p| Rhs::Packed(p, b));
-            let e = Epilogue::default();
             // SAFETY: as the caller's; a kernel is set only after its check.
-            unsafe {
-                kiln_matmul::float16::gemm(kernel, (m, k, n), dst, ld, a, b, read_dst, e, None)
-            }
+            unsafe { kiln_matmul::float16::gemm(kernel, (m, k), a, Member::plain(n, b, dst)) }
         }
-        _ => unsafe { gemm_one((m, k, n), dst, ld, a, b, read_dst, parallelism(m * k * n)) },
+        _ => unsafe { gemm_one((m, k, n), a, b, dst, parallelism(m * k * n)) },
     }
 }
 
@@ -192,23 +187,17 @@ pub(crate) fn matmul_epilogue(
         cs: lb.strides[1] as isize,
     };
     let rhs = packed.map_or(Rhs::Mat(rhs), |p| Rhs::Packed(p, rhs));
-    let dst = out.base() as *mut f32;
+    let member = Member {
+        n,
+        dst: Dst::new(out.base() as *mut f32, n as isize, false),
+        b: rhs,
+        epilogue,
+        sums,
+    };
     // SAFETY: the locations describe valid buffers of their shapes; `out` is a fresh
     // arena buffer that does not overlap the operands; a kernel is set only after its
     // check; the caller's bias holds `n` values.
-    unsafe {
-        kiln_matmul::float16::gemm(
-            kernel,
-            (rows, k, n),
-            dst,
-            n as isize,
-            lhs,
-            rhs,
-            false,
-            epilogue,
-            sums,
-        )
-    };
+    unsafe { kiln_matmul::float16::gemm(kernel, (rows, k), lhs, member) };
     Some(())
 }
 
@@ -271,10 +260,8 @@ pub(crate) fn group_epilogue(
         };
         group.push(Member {
             n,
-            dst: out.base() as *mut f32,
-            ld: n as isize,
+            dst: Dst::new(out.base() as *mut f32, n as isize, false),
             b: packed.map_or(Rhs::Mat(rhs), |p| Rhs::Packed(p, rhs)),
-            read_dst: false,
             epilogue,
             sums,
         });
@@ -339,10 +326,8 @@ pub(crate) fn matmul(
             unsafe {
                 product(
                     (rows, k, n),
-                    dst,
-                    n as isize,
                     (lhs, mat(lb, b.ptr, lb.offset, rb)),
-                    read_dst,
+                    Dst::new(dst, n as isize, read_dst),
                     bf16,
                     packed,
                 )
@@ -362,11 +347,9 @@ pub(crate) fn matmul(
         unsafe {
             gemm_one(
                 (m, k, n),
-                d.0.add(i * m * n),
-                n as isize,
                 mat(la, a.ptr, offs_a[i], ra),
                 mat(lb, b.ptr, offs_b[i], rb),
-                read_dst,
+                Dst::new(d.0.add(i * m * n), n as isize, read_dst),
                 par,
             )
         }
@@ -381,10 +364,8 @@ pub(crate) fn matmul(
             unsafe {
                 product(
                     (m, k, n),
-                    d.0.add(i * m * n),
-                    n as isize,
                     (mat(la, a.ptr, offs_a[i], ra), mat(lb, b.ptr, offs_b[i], rb)),
-                    read_dst,
+                    Dst::new(d.0.add(i * m * n), n as isize, read_dst),
                     bf16,
                     None,
                 )

@@ -129,7 +129,7 @@ pub enum Rhs<'a> {
     Packed(&'a PackedRhs, Mat),
 }
 
-/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, then the
+/// `member`'s `dst[m, n] = (dst.read ? dst : 0) + a[m, k]·b[k, n]`, then the
 /// [`Epilogue`] on each block (its bias added to the whole sum), with the
 /// operands rounded to 16 bits and the sums in f32, with `kernel`'s instructions, over
 /// rayon's threads: bf16 for the tiles and `VDPBF16PS`; fp16 for `VFMADD231PH`, each row
@@ -143,31 +143,12 @@ pub enum Rhs<'a> {
 /// int16's) must have returned `Ok`; every element the matrices address must be valid;
 /// `dst` must not overlap `a`, `b`; a bias must hold `n` values; with `sums`, `b` must be a
 /// row-major [`Rhs::Mat`] (`cs == 1`) and [`column_sums`]' conditions must hold.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm(
-    kernel: Kernel16,
-    (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
-    a: Mat,
-    b: Rhs<'_>,
-    read_dst: bool,
-    epilogue: Epilogue,
-    sums: Option<ColumnSums>,
-) {
+pub unsafe fn gemm(kernel: Kernel16, (m, k): (usize, usize), a: Mat, member: Member<'_>) {
     if kernel.is_int16() {
         // SAFETY: as the caller's.
-        return unsafe { crate::int16::gemm((m, k, n), dst, ld, a, b, read_dst, epilogue, sums) };
+        return unsafe { crate::int16::gemm((m, k), a, member) };
     }
-    let member = Member {
-        n,
-        dst,
-        ld,
-        b,
-        read_dst,
-        epilogue,
-        sums,
-    };
+    let Member { n, b, sums, .. } = member;
     if kernel == Kernel16::Int8 {
         // SAFETY: as the caller's.
         return unsafe { crate::int8::gemm(m, k, a, member) };
@@ -244,9 +225,9 @@ impl Member<'_> {
             kernel,
             kb,
             n: self.n,
-            out: Out(self.dst),
-            ld: self.ld,
-            read_dst: self.read_dst,
+            out: Out(self.dst.ptr),
+            ld: self.dst.ld,
+            read_dst: self.dst.read,
             epilogue: self.epilogue,
             bias_pad,
         }
@@ -273,19 +254,7 @@ pub unsafe fn gemm_group(kernel: Kernel16, (m, k): (usize, usize), a: Mat, membe
     }
     if let [one] = members {
         // SAFETY: as the caller's.
-        return unsafe {
-            gemm(
-                kernel,
-                (m, k, one.n),
-                one.dst,
-                one.ld,
-                a,
-                one.b,
-                one.read_dst,
-                one.epilogue,
-                one.sums,
-            )
-        };
+        return unsafe { gemm(kernel, (m, k), a, *one) };
     }
     for mb in members {
         match mb.b {

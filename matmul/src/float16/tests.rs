@@ -1,5 +1,6 @@
 use super::*;
 use crate::testing::on_threads;
+use crate::Dst;
 
 /// A `rows × cols` matrix in `v`: row-major, or stored transposed (column-major).
 pub(super) fn stored(v: &[f32], rows: usize, cols: usize, transposed: bool) -> Mat {
@@ -44,17 +45,12 @@ pub(super) fn product_here(
     let mut c = c0.to_vec();
     // SAFETY: the kernel runs here (the tests ask first); `c` holds `m × n`.
     unsafe {
-        gemm(
-            kernel,
-            (m, k, n),
-            c.as_mut_ptr(),
-            n as isize,
-            a,
-            Rhs::Mat(b),
-            read,
+        let dst = Dst::new(c.as_mut_ptr(), n as isize, read);
+        let member = Member {
             epilogue,
-            None,
-        )
+            ..Member::plain(n, Rhs::Mat(b), dst)
+        };
+        gemm(kernel, (m, k), a, member)
     };
     c
 }
@@ -144,17 +140,12 @@ fn products_write_their_right_operands_column_sums_as_sum_rows_does() {
             let mut c = vec![0f32; m * n];
             on_threads(threads, || unsafe {
                 // SAFETY: the kernel runs here; `c` holds `m × n`, `sums` `n`.
-                gemm(
-                    kernel,
-                    (m, k, n),
-                    c.as_mut_ptr(),
-                    n as isize,
-                    am,
-                    Rhs::Mat(bm),
-                    false,
-                    Epilogue::default(),
-                    Some(spec),
-                )
+                let dst = Dst::new(c.as_mut_ptr(), n as isize, false);
+                let member = Member {
+                    sums: Some(spec),
+                    ..Member::plain(n, Rhs::Mat(bm), dst)
+                };
+                gemm(kernel, (m, k), am, member)
             });
             let what = format!("{kernel:?}, {m} rows, dy {lead:?} × {n}, {threads} threads");
             assert_same_bits(&sums, &sum_rows_kernel(&dy, lead, n), &what);
@@ -573,14 +564,12 @@ fn grouped_products_give_each_member_the_bits_of_its_own_product() {
                             .enumerate()
                             .map(|(q, c)| Member {
                                 n: widths[q],
-                                dst: c.as_mut_ptr(),
-                                ld: widths[q] as isize + 3,
+                                dst: Dst::new(c.as_mut_ptr(), widths[q] as isize + 3, q == 1),
                                 b: if q == 2 {
                                     Rhs::Packed(&packed, bm[2])
                                 } else {
                                     Rhs::Mat(bm[q])
                                 },
-                                read_dst: q == 1,
                                 epilogue: Epilogue {
                                     bias: (q != 1).then(|| biases[q].as_ptr()),
                                     relu: q == 0,

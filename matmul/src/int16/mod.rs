@@ -31,7 +31,7 @@ use std::arch::x86_64::*;
 use rayon::prelude::*;
 
 use crate::float16::Rhs;
-use crate::{ColumnSums, Epilogue, Mat, Member, SUM_AXES};
+use crate::{ColumnSums, Mat, Member, SUM_AXES};
 mod avx2;
 mod quantize;
 #[cfg(test)]
@@ -180,33 +180,14 @@ impl Panels {
     }
 }
 
-/// `dst[m, n] (row stride ld) = (read_dst ? dst : 0) + a[m, k]·b[k, n]`, then the
+/// `one`'s `dst[m, n] = (dst.read ? dst : 0) + a[m, k]·b[k, n]`, then the
 /// [`Epilogue`] (its bias added to the whole sum), with int16 operands (see the module's
 /// comment), and `b`'s [`ColumnSums`] where asked. A member whose operands are neither
 /// row-major nor stored transposed, or hold an infinity or a NaN, goes to the f32 kernel.
 ///
 /// # Safety
 /// As [`gemm_group`]'s for the one member.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm(
-    (m, k, n): (usize, usize, usize),
-    dst: *mut f32,
-    ld: isize,
-    a: Mat,
-    b: Rhs<'_>,
-    read_dst: bool,
-    epilogue: Epilogue,
-    sums: Option<ColumnSums>,
-) {
-    let one = Member {
-        n,
-        dst,
-        ld,
-        b,
-        read_dst,
-        epilogue,
-        sums,
-    };
+pub(crate) unsafe fn gemm((m, k): (usize, usize), a: Mat, one: Member<'_>) {
     // SAFETY: as the caller's.
     unsafe { gemm_group((m, k), a, std::slice::from_ref(&one)) }
 }
@@ -243,15 +224,16 @@ pub(crate) unsafe fn f32_member((m, k): (usize, usize), a: Mat, mb: &Member<'_>)
     let (n, b) = (mb.n, matrix(mb.b));
     let par = crate::parallelism(m * k * n);
     // SAFETY: as the caller's.
-    unsafe { crate::gemm_one((m, k, n), mb.dst, mb.ld, a, b, mb.read_dst, par) };
+    unsafe { crate::gemm_one((m, k, n), a, b, mb.dst, par) };
     let e = mb.epilogue;
     if e.bias.is_some() || e.relu {
         // SAFETY: the caller's bias holds `n` values.
         let bias = e.bias.map(|p| unsafe { std::slice::from_raw_parts(p, n) });
         for i in 0..m {
             // SAFETY: row `i` of the result holds `n` values.
-            let row =
-                unsafe { std::slice::from_raw_parts_mut(mb.dst.offset(i as isize * mb.ld), n) };
+            let row = unsafe {
+                std::slice::from_raw_parts_mut(mb.dst.ptr.offset(i as isize * mb.dst.ld), n)
+            };
             for (j, v) in row.iter_mut().enumerate() {
                 if let Some(bias) = bias {
                     *v += bias[j];
@@ -389,7 +371,7 @@ unsafe fn general((m, k): (usize, usize), a: Mat, members: &[Member<'_>], scratc
                         .map(|b| unsafe { std::slice::from_raw_parts(b.add(j0), w) }),
                     relu: mb.epilogue.relu,
                 });
-                let fresh = p0 == 0 && !mb.read_dst;
+                let fresh = p0 == 0 && !mb.dst.read;
                 let mut acc = [0f32; 96];
                 for r0 in (i0..i1).step_by(MR) {
                     let rows = MR.min(i1 - r0);
@@ -401,7 +383,7 @@ unsafe fn general((m, k): (usize, usize), a: Mat, members: &[Member<'_>], scratc
                         // SAFETY: columns `j0` and `j0 + w - 1` of row `r < m` of the
                         // member's result.
                         unsafe {
-                            let row = mb.dst.offset(r as isize * mb.ld);
+                            let row = mb.dst.ptr.offset(r as isize * mb.dst.ld);
                             _mm_prefetch::<_MM_HINT_ET0>(row.add(j0) as *const i8);
                             _mm_prefetch::<_MM_HINT_ET0>(row.add(j0 + w - 1) as *const i8);
                         }
@@ -421,8 +403,8 @@ unsafe fn general((m, k): (usize, usize), a: Mat, members: &[Member<'_>], scratc
                     // member's result; each task writes only its own columns; the CPU has
                     // AVX2.
                     unsafe {
-                        let d = mb.dst.offset(r0 as isize * mb.ld).add(j0);
-                        store(&acc, scales, (d, mb.ld), fresh, finish)
+                        let d = mb.dst.ptr.offset(r0 as isize * mb.dst.ld).add(j0);
+                        store(&acc, scales, (d, mb.dst.ld), fresh, finish)
                     };
                 }
             };

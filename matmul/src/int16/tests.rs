@@ -1,5 +1,6 @@
 use super::*;
 use crate::testing::{on_threads, uniform as rng};
+use crate::{Dst, Epilogue};
 
 /// `v` (`rows × cols`, row-major) stored as asked: row-major, or transposed.
 fn stored(v: &[f32], (rows, cols): (usize, usize), transposed: bool) -> (Vec<f32>, (isize, isize)) {
@@ -39,16 +40,8 @@ fn product(
     };
     // SAFETY: the buffers hold the matrices; the CPU has AVX2 (checked by the callers).
     unsafe {
-        gemm(
-            (m, k, n),
-            dst.as_mut_ptr(),
-            n as isize,
-            a,
-            Rhs::Mat(b),
-            read,
-            Epilogue::default(),
-            None,
-        )
+        let dst = Dst::new(dst.as_mut_ptr(), n as isize, read);
+        gemm((m, k), a, Member::plain(n, Rhs::Mat(b), dst))
     };
 }
 
@@ -98,13 +91,12 @@ fn f32_product((m, k, n): (usize, usize, usize), a: &[f32], b: &[f32]) -> Vec<f3
     let mut c = vec![0f32; m * n];
     // SAFETY: the buffers hold the matrices.
     unsafe {
+        let dst = Dst::new(c.as_mut_ptr(), n as isize, false);
         crate::gemm_one(
             (m, k, n),
-            c.as_mut_ptr(),
-            n as isize,
             mat(a, k),
             mat(b, n),
-            false,
+            dst,
             crate::parallelism(m * k * n),
         )
     };
@@ -439,16 +431,12 @@ fn int16_products_add_the_bias_and_apply_the_relu_as_a_pass_after_them_would() {
                             // SAFETY: the CPU has AVX2; the buffers hold the matrices
                             // and the bias `n` values.
                             unsafe {
-                                gemm(
-                                    (m, k, n),
-                                    c.as_mut_ptr(),
-                                    n as isize,
-                                    mat(&am),
-                                    Rhs::Mat(mat(&bm)),
-                                    read,
-                                    e,
-                                    None,
-                                )
+                                let dst = Dst::new(c.as_mut_ptr(), n as isize, read);
+                                let member = Member {
+                                    epilogue: e,
+                                    ..Member::plain(n, Rhs::Mat(mat(&bm)), dst)
+                                };
+                                gemm((m, k), mat(&am), member)
                             };
                             c
                         })
@@ -557,14 +545,12 @@ fn grouped_int16_products_give_each_member_the_bits_of_its_own_product() {
                             .enumerate()
                             .map(|(q, c)| Member {
                                 n: widths[q],
-                                dst: c.as_mut_ptr(),
-                                ld: widths[q] as isize + 3,
+                                dst: Dst::new(c.as_mut_ptr(), widths[q] as isize + 3, q == 1),
                                 b: if q == 2 && pack {
                                     Rhs::Packed(&packed, bm[2])
                                 } else {
                                     Rhs::Mat(bm[q])
                                 },
-                                read_dst: q == 1,
                                 epilogue: Epilogue {
                                     bias: (q != 1).then(|| biases[q].as_ptr()),
                                     relu: q == 0,
@@ -635,20 +621,16 @@ fn int16_packed_operands_of_infinities_and_nans() {
     let mut got = vec![0f32; m * n];
     // SAFETY: the CPU has AVX2; the buffers hold the matrices.
     unsafe {
-        gemm(
-            (m, k, n),
-            got.as_mut_ptr(),
-            n as isize,
-            mat(&a, k),
-            Rhs::Packed(&packed, mat(&b, n)),
-            false,
-            Epilogue::default(),
-            Some(ColumnSums {
+        let dst = Dst::new(got.as_mut_ptr(), n as isize, false);
+        let member = Member {
+            sums: Some(ColumnSums {
                 dst: sums.as_mut_ptr(),
                 lead: [k, 1, 1, 1],
                 axes: 1,
             }),
-        )
+            ..Member::plain(n, Rhs::Packed(&packed, mat(&b, n)), dst)
+        };
+        gemm((m, k), mat(&a, k), member)
     };
     let want = f32_product((m, k, n), &a, &b);
     assert_same_bits(&got, &want, "a NaN in a");

@@ -256,7 +256,7 @@ pub(crate) unsafe fn gemm_group_with(
         let panel = &p.q[t * NR * QUAD * p.ld..(t + 1) * NR * QUAD * p.ld];
         let j0 = t * NR;
         let w = NR.min(mb.n - j0);
-        let dst = Out(mb.dst);
+        let dst = Out(mb.dst.ptr);
         let finish = |r0: usize, rows: usize, acc: &[i32]| {
             let out = Block {
                 inv_a: &qa.inv[r0..r0 + rows],
@@ -272,11 +272,11 @@ pub(crate) unsafe fn gemm_group_with(
             // SAFETY: rows `r0..r0 + rows` and columns `j0..j0 + w` of the member's
             // result; each task writes only its own columns.
             unsafe {
-                let d = dst.0.offset(r0 as isize * mb.ld).add(j0);
+                let d = dst.0.offset(r0 as isize * mb.dst.ld).add(j0);
                 if matches!(isa, Isa::Vnni512 | Isa::Amx) {
-                    avx512_vnni::store(acc, &out, d, mb.ld, mb.read_dst)
+                    avx512_vnni::store(acc, &out, d, mb.dst.ld, mb.dst.read)
                 } else {
-                    store(acc, &out, d, mb.ld, mb.read_dst)
+                    store(acc, &out, d, mb.dst.ld, mb.dst.read)
                 }
             };
         };

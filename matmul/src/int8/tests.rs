@@ -1,6 +1,6 @@
 use super::*;
 use crate::testing::{on_threads, uniform as rng};
-use crate::Epilogue;
+use crate::{Dst, Epilogue};
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
@@ -60,13 +60,11 @@ fn product(
         .then(|| unsafe { crate::float16::PackedRhs::new(crate::Kernel16::Int8, (k, n), bm) });
     let member = Member {
         n,
-        dst: c.as_mut_ptr(),
-        ld: n as isize,
+        dst: Dst::new(c.as_mut_ptr(), n as isize, ask.read),
         b: match &packed {
             Some(p) => Rhs::Packed(p, bm),
             None => Rhs::Mat(bm),
         },
-        read_dst: ask.read,
         epilogue: Epilogue {
             bias: ask.bias.then_some(bias.as_ptr()),
             relu: ask.relu,

@@ -145,7 +145,13 @@ impl<'a> Operands<'a> {
 /// # Safety
 /// As [`kiln_matmul::gemm_one`].
 unsafe fn product((m, k, n): (usize, usize, usize), (dst, ld): (*mut f32, isize), a: Mat, b: Mat) {
-    kiln_matmul::gemm_one((m, k, n), dst, ld, a, b, false, Parallelism::None);
+    kiln_matmul::gemm_one(
+        (m, k, n),
+        a,
+        b,
+        kiln_matmul::Dst::new(dst, ld, false),
+        Parallelism::None,
+    );
 }
 
 /// A row-major `[_, cols]` matrix at `ptr`.
