@@ -17,15 +17,16 @@ pub(crate) unsafe fn transpose_into(
     dst: *mut f32,
     par: &Parallelism,
 ) {
-    struct P(*const f32, *mut f32);
-    unsafe impl Send for P {}
-    unsafe impl Sync for P {}
-    let ptrs = P(src, dst);
-    let cs = cs as usize;
+    let copy = Transposed {
+        src,
+        cs: cs as usize,
+        dst,
+        n,
+    };
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::arch::is_x86_feature_detected!("avx2");
     let block = |pb: usize| {
-        let ptrs = &ptrs;
+        let copy = &copy;
         let (p0, p1) = (pb * TILE, (pb * TILE + TILE).min(k));
         for j0 in (0..n).step_by(TILE) {
             let j1 = (j0 + TILE).min(n);
@@ -34,10 +35,10 @@ pub(crate) unsafe fn transpose_into(
             unsafe {
                 #[cfg(target_arch = "x86_64")]
                 if avx2 {
-                    x86::tile(ptrs.0, cs, ptrs.1, n, (p0, p1), (j0, j1));
+                    x86::tile(copy, (p0, p1), (j0, j1));
                     continue;
                 }
-                tile_scalar(ptrs.0, cs, ptrs.1, n, (p0, p1), (j0, j1));
+                tile_scalar(copy, (p0, p1), (j0, j1));
             }
         }
     };
@@ -52,18 +53,24 @@ pub(crate) unsafe fn transpose_into(
 /// Rows and columns of `transpose_into`'s tiles.
 const TILE: usize = 64;
 
-/// One tile of `transpose_into`, element by element.
-///
-/// # Safety
-/// As `transpose_into`, for rows `p0..p1` and columns `j0..j1` of `dst`.
-unsafe fn tile_scalar(
+/// `transpose_into`'s operands: `dst[p·n + j] = src[p + j·cs]`.
+#[derive(Clone, Copy)]
+struct Transposed {
     src: *const f32,
     cs: usize,
     dst: *mut f32,
     n: usize,
-    (p0, p1): (usize, usize),
-    (j0, j1): (usize, usize),
-) {
+}
+
+unsafe impl Send for Transposed {}
+unsafe impl Sync for Transposed {}
+
+/// One tile of `transpose_into`, element by element.
+///
+/// # Safety
+/// As `transpose_into`, for rows `p0..p1` and columns `j0..j1` of `dst`.
+unsafe fn tile_scalar(c: &Transposed, (p0, p1): (usize, usize), (j0, j1): (usize, usize)) {
+    let Transposed { src, cs, dst, n } = *c;
     for p in p0..p1 {
         for j in j0..j1 {
             unsafe { *dst.add(p * n + j) = *src.add(p + j * cs) };
@@ -80,14 +87,12 @@ pub(crate) mod x86 {
     /// # Safety
     /// As `super::tile_scalar`, on a CPU with AVX2.
     #[target_feature(enable = "avx2")]
-    pub(crate) unsafe fn tile(
-        src: *const f32,
-        cs: usize,
-        dst: *mut f32,
-        n: usize,
+    pub(super) unsafe fn tile(
+        c: &super::Transposed,
         (p0, p1): (usize, usize),
         (j0, j1): (usize, usize),
     ) {
+        let super::Transposed { src, cs, dst, n } = *c;
         let mut p = p0;
         while p + 8 <= p1 {
             let mut j = j0;
@@ -95,10 +100,10 @@ pub(crate) mod x86 {
                 unsafe { block8(src.add(p + j * cs), cs, dst.add(p * n + j), n) };
                 j += 8;
             }
-            unsafe { super::tile_scalar(src, cs, dst, n, (p, p + 8), (j, j1)) };
+            unsafe { super::tile_scalar(c, (p, p + 8), (j, j1)) };
             p += 8;
         }
-        unsafe { super::tile_scalar(src, cs, dst, n, (p, p1), (j0, j1)) };
+        unsafe { super::tile_scalar(c, (p, p1), (j0, j1)) };
     }
 
     /// `dst[r·n + c] = src[r + c·cs]` for `r, c < 8`.

@@ -95,12 +95,12 @@ pub(super) const LOCAL_B: usize = 1024 * 1024;
 /// # Safety
 /// As [`gemm`]'s.
 pub(super) unsafe fn local(
-    kernel: Kernel16,
-    (m, k, n): (usize, usize, usize),
+    (m, k): (usize, usize),
     (a, b, parts): (Mat, Mat, usize),
     ops: Blocks<'_>,
     sums: Option<ColumnSums>,
 ) {
+    let (kernel, n) = (ops.kernel, ops.n);
     let half = kernel == Kernel16::Half;
     let panel = ops.kb * TILE;
     let (row_blocks, col_blocks) = (m.div_ceil(2 * T), n.div_ceil(2 * T));
@@ -158,12 +158,12 @@ pub(super) unsafe fn local(
 /// # Safety
 /// As [`gemm`]'s.
 pub(super) unsafe fn stream(
-    kernel: Kernel16,
-    (m, k, n): (usize, usize, usize),
+    (m, k): (usize, usize),
     (a, b, parts): (Mat, Mat, usize),
     ops: Blocks<'_>,
     sums: Option<ColumnSums>,
 ) {
+    let (kernel, n) = (ops.kernel, ops.n);
     let half = kernel == Kernel16::Half;
     // The rows' and columns' fp16 scales and their inverses (all 1 for bf16), padded to
     // whole blocks.

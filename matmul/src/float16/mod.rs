@@ -192,9 +192,9 @@ pub unsafe fn gemm(kernel: Kernel16, (m, k): (usize, usize), a: Mat, member: Mem
             // SAFETY: as the caller's.
             unsafe {
                 if small {
-                    local(kernel, (m, k, n), (a, b, parts), ops, sums)
+                    local((m, k), (a, b, parts), ops, sums)
                 } else {
-                    stream(kernel, (m, k, n), (a, b, parts), ops, sums)
+                    stream((m, k), (a, b, parts), ops, sums)
                 }
             };
             return;
