@@ -126,12 +126,10 @@ pub fn translate_nbest_ids(
         opts.max_positions = Some(opts.max_positions.map_or(p, |q| q.min(p)));
     }
     let opts = &opts;
-    let mut order: Vec<usize> = (0..srcs.len()).collect();
-    order.sort_by_key(|&i| (srcs[i].len(), i));
     per_sentence(
         models,
         (srcs, opts.pad),
-        &order,
+        &|_| 0,
         schedule,
         done,
         &|model, _, src| Ok(decode_nbest(model, src, opts, n)?),
@@ -252,19 +250,21 @@ type SentenceJob<'a, R> = dyn Fn(&mut dyn crate::search::StepModel, &[usize], &T
 type BatchJob<'a, T> =
     dyn Fn(&mut dyn crate::search::StepModel, &[usize]) -> Result<T, TranslateError> + Sync + 'a;
 
-/// `job` over the sentences of `srcs` in the order `order` (a permutation of their
-/// indices), in batches cut by `batching` padded with `pad` ([`padded_rows`]), on `workers` (see
+/// `job` over the sentences of `srcs` sorted by length (then by `then(i)`, then by index),
+/// in batches cut by `batching` padded with `pad` ([`padded_rows`]), on `workers` (see
 /// [`over_batches`]); `job(decoder, sentences, batch)` gives one result per sentence of
 /// its batch, returned here at the sentence's index.
 fn per_sentence<R: Send + Default>(
     models: StepModels<'_>,
     (srcs, pad): (&[Vec<i32>], i32),
-    order: &[usize],
+    then: &dyn Fn(usize) -> usize,
     schedule: Schedule,
     done: &mut dyn FnMut(usize),
     job: &SentenceJob<'_, R>,
 ) -> Result<Vec<R>, TranslateError> {
-    let chunks = schedule.batching.split(order, &|i| srcs[i].len());
+    let mut order: Vec<usize> = (0..srcs.len()).collect();
+    order.sort_by_key(|&i| (srcs[i].len(), then(i), i));
+    let chunks = schedule.batching.split(&order, &|i| srcs[i].len());
     let per_batch = over_batches(
         models,
         &chunks,
@@ -395,12 +395,10 @@ pub fn score_ids(
     check_sources(models.encode, srcs, &nth_source)
         .and_then(|()| check_references(models.step, refs, &nth_reference))
         .map_err(TranslateError::Invalid)?;
-    let mut order: Vec<usize> = (0..srcs.len()).collect();
-    order.sort_by_key(|&i| (srcs[i].len(), refs[i].len(), i));
     per_sentence(
         models,
         (srcs, opts.pad),
-        &order,
+        &|i| refs[i].len(),
         schedule,
         done,
         &|model, chunk, src| {
