@@ -331,12 +331,14 @@ pub fn reduce_as(name: &str, op: Reduce, layout: ReduceLayout, xe: Elem, ye: Ele
         ReduceLayout::Rows => {
             w.l("__shared__ float sh[KILN_THREADS];");
             w.open(FOR_BLOCKS);
-            w.l(format!("const {}* xr = x + r * len;", xe.c_type()));
-            w.l(format!("float acc = {init};"));
-            w.open(for_cols("len"));
-            w.l(format!("const float v = {};", xe.load("xr[j]")));
-            w.l(format!("acc = {combine};"));
-            w.close();
+            let head = for_cols("len");
+            fold(
+                &mut w,
+                xe,
+                ("xr", "x + r * len"),
+                (&head, "xr[j]"),
+                (&init, combine),
+            );
             match op {
                 Reduce::Sum => w.l("acc = kiln_block_sum(acc, sh);"),
                 Reduce::Max => {
@@ -364,21 +366,32 @@ pub fn reduce_as(name: &str, op: Reduce, layout: ReduceLayout, xe: Elem, ye: Ele
             w.open(FOR_THREADS);
             w.l("const long long o = i / inner;");
             w.l("const long long c = i - o * inner;");
-            w.l(format!(
-                "const {}* xo = x + o * len * inner + c;",
-                xe.c_type()
-            ));
-            w.l(format!("float acc = {init};"));
-            w.open("for (long long a = 0; a < len; ++a)");
-            w.l(format!("const float v = {};", xe.load("xo[a * inner]")));
-            w.l(format!("acc = {combine};"));
-            w.close();
+            let head = "for (long long a = 0; a < len; ++a)";
+            let x = ("xo", "x + o * len * inner + c");
+            fold(&mut w, xe, x, (head, "xo[a * inner]"), (&init, combine));
             w.l(format!("y[i] = {};", ye.store("acc")));
             w.close();
             w.close();
             function(name, params, Work::Threads, "outputs outer·inner", w)
         }
     }
+}
+
+/// `float acc`: `init`, then `acc = combine` of each `v = x[index]` over the loop `head`,
+/// `x` read through the pointer `name = at` (elements `xe`).
+fn fold(
+    w: &mut W,
+    xe: Elem,
+    (name, at): (&str, &str),
+    (head, index): (&str, &str),
+    (init, combine): (&str, &str),
+) {
+    w.l(format!("const {}* {name} = {at};", xe.c_type()));
+    w.l(format!("float acc = {init};"));
+    w.open(head);
+    w.l(format!("const float v = {};", xe.load(index)));
+    w.l(format!("acc = {combine};"));
+    w.close();
 }
 
 /// `dst[r, :] = b` (the bias pre-loaded before a GEMM with `beta = 1`). Buffers `[b, dst]`,

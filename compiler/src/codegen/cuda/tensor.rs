@@ -128,6 +128,44 @@ fn tc_product(w: &mut W, p: &Tc<'_>) {
     w.close();
 }
 
+/// `x·yᵀ` of the staged word tiles `x` and `y` (`t` rows of width `d` each): `store(i, j,
+/// acc)` for every `t × t` output.
+fn by_transposed(w: &mut W, (t, d): (usize, usize), (x, y): (&str, &str), store: &Store<'_>) {
+    let p = word_pitch(d);
+    tc_product(
+        w,
+        &Tc {
+            shape: (t, t, d),
+            a: &along(x, p),
+            b: &|k, j| along(y, p)(j, k),
+            init: None,
+            store,
+        },
+    );
+}
+
+/// `dst[i·d + c] = dst[i·d + c] (· scale[i], when given) + Σ_k A[i][k]·B[k][c]` over the
+/// `t × d` float tile `dst` in shared memory, `k < t`.
+fn accumulate(
+    w: &mut W,
+    (t, d): (usize, usize),
+    (a, b): (&Index2<'_>, &Index2<'_>),
+    dst: &str,
+    scale: Option<&str>,
+) {
+    let scaled = |i: &str| scale.map_or(String::new(), |s| format!(" * {s}[{i}]"));
+    tc_product(
+        w,
+        &Tc {
+            shape: (t, d, t),
+            a,
+            b,
+            init: Some(&|i, c| format!("{dst}[{i} * {d} + {c}]{}", scaled(i))),
+            store: &|i, c, acc| format!("{dst}[{i} * {d} + {c}] = {acc};"),
+        },
+    );
+}
+
 /// Copies `n` rows (the rest of the tile zero) of the `[.., t, d]` operand `x` (head
 /// pointer `xh`, strides `xst`, `xsd`, pair loads when `xw`) into the shared words `dst`.
 fn stage(w: &mut W, dst: &str, x: &str, d: usize, row0: &str, n: &str) {
@@ -162,7 +200,7 @@ fn tc_head(w: &mut W, operands: &[&str]) {
 /// `qs`): leaves the unnormalized output in `os` (`T × dv`), the running max in `ms` and
 /// sum in `ls` (`ks`, `vs`, `ss`, `ps`, `as_` its scratch).
 fn sweep(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize) {
-    let (pk, pv, pp) = (word_pitch(dk), word_pitch(dv), word_pitch(t));
+    let (pv, pp) = (word_pitch(dv), word_pitch(t));
     lines(
         w,
         &format!(
@@ -178,17 +216,7 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f
     stage(w, "vs", "v", dv, "k0", "nk");
     w.l("__syncthreads();");
     w.l("// s = q·kᵀ, masked and scaled (0 outside the head).");
-    let store = score_store(mask, "ss");
-    tc_product(
-        w,
-        &Tc {
-            shape: (t, t, dk),
-            a: &along("qs", pk),
-            b: &|k, j| along("ks", pk)(j, k),
-            init: None,
-            store: &store,
-        },
-    );
+    by_transposed(w, (t, dk), ("qs", "ks"), &score_store(mask, "ss"));
     w.l("__syncthreads();");
     online_softmax(w, "32", "");
     w.l("// The probabilities as bf16 pairs (0 outside the head).");
@@ -203,16 +231,8 @@ for (int i = tid; i < T; i += nt) {{ ms[i] = {ninf}; ls[i] = 0.0f; as_[i] = 1.0f
     w.close();
     w.l("__syncthreads();");
     w.l("// o = o·alpha + p·v.");
-    tc_product(
-        w,
-        &Tc {
-            shape: (t, dv, t),
-            a: &along("ps", pp),
-            b: &across("vs", pv),
-            init: Some(&|i, c| format!("os[{i} * {dv} + {c}] * as_[{i}]")),
-            store: &|i, c, acc| format!("os[{i} * {dv} + {c}] = {acc};"),
-        },
-    );
+    let (a, b) = (along("ps", pp), across("vs", pv));
+    accumulate(w, (t, dv), (&a, &b), "os", Some("as_"));
     w.close();
     w.l("__syncthreads();");
 }
@@ -364,30 +384,10 @@ fn pair_words(
 /// `s = q·kᵀ` (masked, scaled) into `s` and `dp = g·vᵀ` into `dp` over the staged tiles
 /// `qs`, `ks`, `gs`, `vs`, both 0 outside the head.
 fn scores_and_dp(w: &mut W, mask: MaskKind, t: usize, dk: usize, dv: usize, (s, dp): (&str, &str)) {
-    let (pk, pv) = (word_pitch(dk), word_pitch(dv));
-    let store = score_store(mask, s);
-    tc_product(
-        w,
-        &Tc {
-            shape: (t, t, dk),
-            a: &along("qs", pk),
-            b: &|k, j| along("ks", pk)(j, k),
-            init: None,
-            store: &store,
-        },
-    );
-    tc_product(
-        w,
-        &Tc {
-            shape: (t, t, dv),
-            a: &along("gs", pv),
-            b: &|k, j| along("vs", pv)(j, k),
-            init: None,
-            store: &|i, j, acc| {
-                format!("{dp}[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
-            },
-        },
-    );
+    by_transposed(w, (t, dk), ("qs", "ks"), &score_store(mask, s));
+    by_transposed(w, (t, dv), ("gs", "vs"), &|i, j, acc| {
+        format!("{dp}[{i} * (T + 1) + {j}] = {i} < nq && {j} < nk ? {acc} : 0.0f;")
+    });
 }
 
 /// The tensor-core query-side backward (`dq` and the row statistics, as
@@ -423,16 +423,8 @@ pub fn backward_q(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunct
     pair_words(&mut w, mask, t, (p, "dss", "ds[i]"), None);
     w.l("__syncthreads();");
     w.l("// dq += ds·k.");
-    tc_product(
-        &mut w,
-        &Tc {
-            shape: (t, dk, t),
-            a: &along("dw", pp),
-            b: &across("ks", pk),
-            init: Some(&|i, c| format!("os[{i} * {dk} + {c}]")),
-            store: &|i, c, acc| format!("os[{i} * {dk} + {c}] = {acc};"),
-        },
-    );
+    let (a, b) = (along("dw", pp), across("ks", pk));
+    accumulate(&mut w, (t, dk), (&a, &b), "os", None);
     w.close();
     w.l("__syncthreads();");
     store_rows(&mut w, e, ("dq", "q0", "nq"), dk, "os[e]");
@@ -463,26 +455,8 @@ pub fn backward_kv(name: &str, mask: MaskKind, dk: usize, dv: usize) -> CudaFunc
     w.l("// dv += pᵀ·g, dk += dsᵀ·q.");
     let p_t = |j: &str, i: &str| across("pw", pp)(i, j);
     let ds_t = |j: &str, i: &str| across("dw", pp)(i, j);
-    let dv_init = |j: &str, c: &str| format!("dvs[{j} * {dv} + {c}]");
-    let dk_init = |j: &str, c: &str| format!("dks[{j} * {dk} + {c}]");
-    let dv_store = |j: &str, c: &str, acc: &str| format!("dvs[{j} * {dv} + {c}] = {acc};");
-    let dk_store = |j: &str, c: &str, acc: &str| format!("dks[{j} * {dk} + {c}] = {acc};");
-    let sums: [(usize, &Index2, &Index2, &Index2, &Store); 2] = [
-        (dv, &p_t, &across("gs", pv), &dv_init, &dv_store),
-        (dk, &ds_t, &across("qs", pk), &dk_init, &dk_store),
-    ];
-    for (d, a, b, init, store) in sums {
-        tc_product(
-            &mut w,
-            &Tc {
-                shape: (t, d, t),
-                a,
-                b,
-                init: Some(init),
-                store,
-            },
-        );
-    }
+    accumulate(&mut w, (t, dv), (&p_t, &across("gs", pv)), "dvs", None);
+    accumulate(&mut w, (t, dk), (&ds_t, &across("qs", pk)), "dks", None);
     close_query_sweep(&mut w, e, (dk, dv));
     function(name, ps, &format!("tiles b·h·⌈tk/{t}⌉ (tensor cores)"), w)
 }
