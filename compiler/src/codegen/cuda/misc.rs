@@ -135,6 +135,14 @@ fn open_sum_rows(name: &str, lead: usize, params: &[Param], shared: bool) -> Res
     Ok(w)
 }
 
+/// Closes a `sum_rows` kernel's loop over blocks and its body: the function, one block a
+/// work item (`what`).
+fn close_sum_rows(mut w: W, name: &str, params: Vec<Param>, what: &str) -> CudaFunction {
+    w.close();
+    w.close();
+    function(name, params, Work::Blocks, what, w)
+}
+
 /// The first of the two kernels summing the `lead` leading axes of `x[A0, …, A(L−1), n]`
 /// (read as `rows × n`, `rows = A0·…·A(L−1)`): block `(chunk, tile)` sums rows
 /// `[chunk·CHUNK, (chunk+1)·CHUNK)` of [`SUM_ROWS_COLS`] columns — each of the block's
@@ -258,15 +266,7 @@ pub fn sum_rows_as(name: &str, lead: usize, x: Elem) -> Result<CudaFunction, Str
     w.close();
     w.close();
     w.l("__syncthreads();");
-    w.close();
-    w.close();
-    Ok(function(
-        name,
-        params,
-        Work::Blocks,
-        "row chunks × column tiles",
-        w,
-    ))
+    Ok(close_sum_rows(w, name, params, "row chunks × column tiles"))
 }
 
 /// The second `sum_rows` kernel: `y[j] = Σ_chunk part[chunk, j]`, one block per tile of
@@ -299,15 +299,7 @@ pub fn sum_rows_finish_as(name: &str, lead: usize, y: Elem) -> Result<CudaFuncti
         &|k| format!("part[{k} * n + col]"),
         &format!("y[col] = {};", ye.store("t")),
     );
-    w.close();
-    w.close();
-    Ok(function(
-        name,
-        params,
-        Work::Blocks,
-        "column tiles ceil(n / 32)",
-        w,
-    ))
+    Ok(close_sum_rows(w, name, params, "column tiles ceil(n / 32)"))
 }
 
 /// The reduction of `x` viewed as `[outer, len, inner]` over `len`, into `y[outer, inner]`.
