@@ -69,7 +69,7 @@ const BUILTINS: &[(&str, &[&str])] = &[
     ("float", &["x"]),
     ("int", &["x"]),
     ("repeat", &["n", "layer"]),
-    ("kv_cache", &["x", "axis", "name"]),
+    ("kv_cache", &["x", "axis", "name", "transposed?"]),
     ("past_len", &[]),
     ("decoding", &[]),
     ("normal", &["std"]),

@@ -419,3 +419,29 @@ fn prelude_defines_the_standard_layers() {
         );
     }
 }
+
+/// `kv_cache(…, transposed = true)`: in decode mode the cache is stored with the cached
+/// axis last, and the value returned has `x`'s layout; elsewhere it is `x` itself.
+#[test]
+fn a_transposed_cache_is_stored_with_its_axis_last() {
+    let spec = "model m(d: int = 4) {\n\
+                  dims b, t\n\
+                  input x: f32[b, t, d]\n\
+                  param w: f32[d, d]\n\
+                  output k = kv_cache(x @ w, axis = 1, name = \"k\", transposed = true)\n\
+                }";
+    let g = compile_with(spec, &[], Mode::Decode);
+    let cache = g.input("cache.k").expect("the cache input");
+    assert_eq!(g.ty(cache).to_string(), "f32[b, 4, past]");
+    let grown = g.output("cache.k").expect("the cache output");
+    assert_eq!(g.ty(grown).to_string(), "f32[b, 4, past + t]");
+    let k = g.output("k").expect("the layer's value");
+    assert_eq!(g.ty(k).to_string(), "f32[b, past + t, 4]");
+    // Not decoding: `x @ w` itself, with no permutes around it.
+    let g = compile_with(spec, &[], Mode::Eval);
+    let k = g.output("k").expect("the layer's value");
+    assert!(matches!(g.node(k).op, Op::MatMul));
+    let bad = spec.replace("transposed = true", "transposed = 2");
+    let err = error(&bad, &[]);
+    assert!(err.contains("transposed"), "{err}");
+}

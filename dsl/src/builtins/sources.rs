@@ -67,9 +67,30 @@ pub(super) fn call(e: &mut Elab, frame: &mut Frame, name: &str, a: &Args, span: 
                 (Value::Str(n), _) => n.to_string(),
                 _ => return Err(a.wrong("name", "a string naming the cache, such as \"k\"")),
             };
+            let transposed = match a.get("transposed") {
+                None | Some((Value::Bool(false), _)) => false,
+                Some((Value::Bool(true), _)) => true,
+                Some(_) => return Err(a.wrong("transposed", "`true` or `false`")),
+            };
             if e.mode != Mode::Decode {
                 return Ok(Value::Tensor(x));
             }
+            // Stored with `axis` and the last axis swapped (`transposed`): the cache then
+            // grows along its last axis, and the value returned is the same view of it as
+            // of `x`.
+            let last = ty.shape.rank() - 1;
+            let swap: Option<Vec<usize>> = (transposed && axis != last).then(|| {
+                let mut perm: Vec<usize> = (0..=last).collect();
+                perm.swap(axis, last);
+                perm
+            });
+            let (x, ty, axis) = match &swap {
+                Some(perm) => {
+                    let xt = e.node(frame, Op::Permute { perm: perm.clone() }, &[x], span)?;
+                    (xt, e.ty(xt).clone(), last)
+                }
+                None => (x, ty, axis),
+            };
             let full = if frame.inst.name.is_empty() {
                 format!("{}{cname}", kiln_ir::ir::CACHE_PREFIX)
             } else {
@@ -92,7 +113,10 @@ pub(super) fn call(e: &mut Elab, frame: &mut Frame, name: &str, a: &Args, span: 
             e.graph
                 .add_output(&full, all)
                 .map_err(|err| Diag::new("kiln::duplicate", err.to_string()).at(span, ""))?;
-            Ok(Value::Tensor(all))
+            Ok(Value::Tensor(match swap {
+                Some(perm) => e.node(frame, Op::Permute { perm }, &[all], span)?,
+                None => all,
+            }))
         }
         "past_len" => {
             if e.mode == Mode::Decode {
