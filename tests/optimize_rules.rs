@@ -481,6 +481,22 @@ fn regions_do_not_inline_a_shared_value() {
 }
 
 #[test]
+fn a_value_read_only_inside_one_region_is_computed_in_it_once() {
+    // s = sigmoid(x) read twice, both times by the region of s·(1 − s)·x (a SiLU's
+    // gradient has this shape): one kernel, one sigmoid.
+    let g = graph(&["n"], |g, x| {
+        let s = g.add(Op::Unary(UnaryOp::Sigmoid), &[x], "").unwrap();
+        let one = konst(g, 1.0, x);
+        let c = g.add(Op::Binary(BinaryOp::Sub), &[one, s], "").unwrap();
+        let p = g.add(Op::Binary(BinaryOp::Mul), &[s, c], "").unwrap();
+        vec![g.add(Op::Binary(BinaryOp::Mul), &[p, x], "").unwrap()]
+    });
+    let (kg, _) = run(&g);
+    assert_eq!(kg.kernels().len(), 1, "{}", kg.text());
+    assert_eq!(kg.text().matches("sigmoid(").count(), 1, "{}", kg.text());
+}
+
+#[test]
 fn regions_are_depth_capped() {
     let g = graph(&["n"], |g, x| {
         let mut y = x;

@@ -5,14 +5,15 @@
 //! more e-node — a `region` over the region's inputs, carrying the scalar program
 //! ([`Expr`]) that computes one output element from one element of each input.
 //!
-//! A region grows from its root through elementwise operands that have exactly one
-//! consumer (inlining a shared value would compute it twice), up to [`MAX_OPS`] ops and
-//! [`MAX_INPUTS`] inputs. A `broadcast` operand is read in place (the region reads its
+//! A region grows from its root through elementwise operands whose every consumer is in
+//! the region (inlining a value read elsewhere would compute it twice; one read by several
+//! of the region's ops, as a sigmoid by a SiLU's gradient, is computed once in it), up to
+//! [`MAX_OPS`] ops and [`MAX_INPUTS`] inputs. A `broadcast` operand is read in place (the region reads its
 //! source with broadcast indexing); a constant becomes a literal. Regions are built from
 //! primitive nodes only — a region is its own node kind, so the phase cannot re-match its
 //! own output, and one pass reaches a fixpoint.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -162,9 +163,65 @@ fn elementwise_node(eg: &EG, id: Id) -> Option<&KNode> {
         .find(|n| matches!(n, KNode::Op(k, _) if is_elementwise(*k)))
 }
 
+/// The e-classes a region rooted at `root` may compute inline: elementwise classes of
+/// its `shape`, reached from the root through such classes, each of whose consumers in
+/// the source graph is one of them (every consumer in the region).
+fn inlinable(
+    eg: &EG,
+    consumers: &HashMap<Id, usize>,
+    root: Id,
+    shape: &crate::shape::Shape,
+) -> HashSet<Id> {
+    let operands = |id: Id| -> Vec<Id> {
+        let Some(node) = elementwise_node(eg, id) else {
+            return Vec::new();
+        };
+        let mut ops: Vec<Id> = node_op(eg, node)
+            .map(|(_, o)| o.into_iter().map(|x| eg.find(x)).collect())
+            .unwrap_or_default();
+        ops.sort();
+        ops.dedup();
+        ops
+    };
+    let fits = |id: Id| match &eg[id].data {
+        Info::Tensor { ty, konst } => {
+            konst.is_none() && &ty.shape == shape && elementwise_node(eg, id).is_some()
+        }
+        _ => false,
+    };
+    // Candidates, at most a few regions' worth: a long chain is cut by MAX_OPS anyway.
+    let root = eg.find(root);
+    let mut set: HashSet<Id> = HashSet::from([root]);
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        for o in operands(id) {
+            if set.len() < 4 * MAX_OPS && fits(o) && set.insert(o) {
+                stack.push(o);
+            }
+        }
+    }
+    // Drop each class read from outside what remains, until none is.
+    loop {
+        let mut reads: HashMap<Id, usize> = HashMap::new();
+        for &id in &set {
+            for o in operands(id) {
+                *reads.entry(o).or_insert(0) += 1;
+            }
+        }
+        let before = set.len();
+        set.retain(|id| {
+            let read = reads.get(id).copied().unwrap_or(0);
+            *id == root || consumers.get(id).is_some_and(|&c| read >= c)
+        });
+        if set.len() == before {
+            return set;
+        }
+    }
+}
+
 struct Builder<'a> {
     eg: &'a EG,
-    consumers: &'a HashMap<Id, usize>,
+    inline: HashSet<Id>,
     shape: &'a crate::shape::Shape,
     inputs: Vec<Id>,
     insts: Vec<Inst>,
@@ -199,7 +256,7 @@ impl Builder<'_> {
             self.insts.len() - 1
         } else {
             let inline = root
-                || (self.consumers.get(&id).copied().unwrap_or(0) == 1
+                || (self.inline.contains(&id)
                     && self.ops < MAX_OPS
                     && self.inputs.len() < MAX_INPUTS
                     && &ty.shape == self.shape);
@@ -249,13 +306,16 @@ fn build_region(
     root: Id,
     alone: bool,
 ) -> Option<(Expr, Vec<Id>)> {
-    let none = HashMap::new();
-    let consumers = if alone { &none } else { consumers };
     let ty = eg[root].data.ty()?.clone();
     let shape = ty.shape.clone();
+    let inline = if alone {
+        HashSet::new()
+    } else {
+        inlinable(eg, consumers, root, &shape)
+    };
     let mut b = Builder {
         eg,
-        consumers,
+        inline,
         shape: &shape,
         inputs: Vec::new(),
         insts: Vec::new(),
