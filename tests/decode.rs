@@ -109,9 +109,15 @@ fn decode_step_graph_has_caches_and_the_hoisted_inputs() {
             "static.decoder.layers.1.cross_attn.1",
         ]
     );
+    // The keys, which the step reads only transposed (`q·kᵀ`), stored as each head's `kᵀ`;
+    // the values as the projection wrote them.
     let ty = |name: &str| g.ty(g.input(name).unwrap()).to_string();
     assert_eq!(
         ty("static.decoder.layers.1.cross_attn.0"),
+        "f32[batch, 4, 8, src_len]"
+    );
+    assert_eq!(
+        ty("static.decoder.layers.1.cross_attn.1"),
         "f32[batch, src_len, 32]"
     );
     let caches = g.cache_outputs();

@@ -13,7 +13,10 @@
 //! floating-point values are hoisted (the source mask stays in the step). Views (reshape,
 //! permute, broadcast) are never hoisted: their source is, and the view stays in the step,
 //! so the step's kernels keep their shape (the heads' split feeds the fused attention as
-//! before).
+//! before). One layout is chosen, though: a value the step reads only as the transposed
+//! right operand of products (the keys, in `q·kᵀ`) is stored transposed (`kᵀ`, the heads'
+//! split applied), so that a step's product reads its rows as they are instead of copying
+//! them transposed at every step ([`Stored`]).
 
 use std::collections::BTreeMap;
 
@@ -91,9 +94,14 @@ pub fn hoist_static(
         })
         .collect();
 
-    let enc = extend_encode(encode, step, &hoisted, &names)?;
+    let stored: Vec<Stored> = hoisted.iter().map(|&h| Stored::of(step, h)).collect();
+    let enc = extend_encode(encode, step, &stored, &names)?;
     // The step: each hoisted value an input, what only they needed pruned away.
-    let replace: Vec<(NodeId, String)> = hoisted.iter().copied().zip(names.clone()).collect();
+    let replace: Vec<(NodeId, String, Option<Vec<usize>>)> = stored
+        .iter()
+        .zip(&names)
+        .map(|(s, n)| (s.node, n.clone(), s.perm.clone()))
+        .collect();
     let step = step.replace_with_inputs(&replace)?;
     enc.verify()?;
     step.verify()?;
@@ -102,6 +110,71 @@ pub fn hoist_static(
         step,
         names,
     }))
+}
+
+/// How a hoisted value is stored: the step's `node` (the hoisted value, or a view of it),
+/// permuted by `perm` when given.
+struct Stored {
+    node: NodeId,
+    perm: Option<Vec<usize>>,
+}
+
+impl Stored {
+    /// `h` as it is, unless the step reads it only through one chain of views whose end
+    /// is read only transposed (its last two axes swapped) as the right operand of
+    /// products: then that end, stored transposed.
+    fn of(step: &Graph, h: NodeId) -> Stored {
+        let users = |x: NodeId| -> Vec<(NodeId, usize)> {
+            let mut u = Vec::new();
+            for (i, node) in step.nodes.iter().enumerate() {
+                for (k, &y) in node.inputs.iter().enumerate() {
+                    if y == x {
+                        u.push((NodeId(i as u32), k));
+                    }
+                }
+            }
+            u
+        };
+        // The permutation that swaps the last two of `rank` axes.
+        let swap = |rank: usize| -> Vec<usize> {
+            let mut p: Vec<usize> = (0..rank).collect();
+            p.swap(rank - 2, rank - 1);
+            p
+        };
+        // `x` a transpose, read only as a product's right operand.
+        let is_key = |x: NodeId| {
+            let rank = step.ty(x).shape.rank();
+            rank >= 2
+                && matches!(&step.node(x).op, Op::Permute { perm } if perm == &swap(rank))
+                && users(x)
+                    .iter()
+                    .all(|&(u, k)| k == 1 && matches!(step.node(u).op, Op::MatMul))
+        };
+        let in_output = |x: NodeId| step.outputs.iter().any(|o| o.node == x);
+        let mut end = h;
+        loop {
+            let us = users(end);
+            match us.as_slice() {
+                [(u, _)] if is_view(&step.node(*u).op) && !is_key(*u) => end = *u,
+                _ => break,
+            }
+        }
+        let us = users(end);
+        let keys = !us.is_empty()
+            && !in_output(end)
+            && us.iter().all(|&(u, _)| is_key(u))
+            && (end == h || !in_output(h));
+        match keys {
+            true => Stored {
+                node: end,
+                perm: Some(swap(step.ty(end).shape.rank())),
+            },
+            false => Stored {
+                node: h,
+                perm: None,
+            },
+        }
+    }
 }
 
 /// The values worth hoisting, in node order: per-sentence values read by a per-step one
@@ -183,15 +256,15 @@ fn frontier(step: &Graph, per_step: &dyn Fn(&str) -> bool) -> Vec<NodeId> {
 fn extend_encode(
     encode: &Graph,
     step: &Graph,
-    hoisted: &[NodeId],
+    hoisted: &[Stored],
     names: &[String],
 ) -> Result<Graph, IrError> {
     let n = step.nodes.len();
     let mut enc = encode.clone();
     let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     let mut need = vec![false; n];
-    for &h in hoisted {
-        need[h.index()] = true;
+    for h in hoisted {
+        need[h.node.index()] = true;
     }
     for i in (0..n).rev() {
         if need[i] {
@@ -236,7 +309,14 @@ fn extend_encode(
         map.insert(id, new);
     }
     for (h, name) in hoisted.iter().zip(names) {
-        enc.add_output(name, map[h])?;
+        let value = match &h.perm {
+            Some(perm) => {
+                let scope = step.node(h.node).scope.clone();
+                enc.add(Op::Permute { perm: perm.clone() }, &[map[&h.node]], &scope)?
+            }
+            None => map[&h.node],
+        };
+        enc.add_output(name, value)?;
     }
     Ok(enc)
 }
@@ -313,6 +393,9 @@ mod tests {
                 .collect()
         };
         assert_eq!(names(&h.step), ["tgt_in", "static.dec.cross.0"]);
+        // The keys, read only transposed by the scores' product, stored as `kᵀ`.
+        let keys = h.step.input("static.dec.cross.0").unwrap();
+        assert_eq!(h.step.ty(keys).to_string(), "f32[batch, 4, src_len]");
         assert!(h.step.param("w").is_none() && h.encode.param("w").is_some());
         assert!(h
             .step
@@ -341,6 +424,22 @@ mod tests {
             .collect();
         let got = run(&h.step, &after, &params, &opts).unwrap();
         assert_eq!(format!("{want:?}"), format!("{got:?}"));
+    }
+
+    #[test]
+    fn keys_read_otherwise_too_are_stored_as_they_are() {
+        let (enc, mut step) = graphs();
+        // `memory·w` also returned as it is: stored untransposed.
+        let k = step
+            .nodes
+            .iter()
+            .position(|n| matches!(n.op, Op::MatMul))
+            .unwrap();
+        step.add_output("keys", NodeId(k as u32)).unwrap();
+        let per_step = |n: &str| enc.output(n).is_none() && enc.input(n).is_none();
+        let h = hoist_static(&enc, &step, &per_step).unwrap().unwrap();
+        let keys = h.step.input("static.dec.cross.0").unwrap();
+        assert_eq!(h.step.ty(keys).to_string(), "f32[batch, src_len, 4]");
     }
 
     #[test]

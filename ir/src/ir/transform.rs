@@ -8,16 +8,32 @@ use super::*;
 impl Graph {
     /// A new graph in which each node of `replace` is an input of the given name (what it
     /// read is no longer needed for it), with the same outputs, pruned to them: nodes only
-    /// the replaced ones read are dropped.
-    pub fn replace_with_inputs(&self, replace: &[(NodeId, String)]) -> Result<Graph, IrError> {
-        let by_node: BTreeMap<NodeId, &str> =
-            replace.iter().map(|(id, n)| (*id, n.as_str())).collect();
+    /// the replaced ones read are dropped. A replacement with a permutation `p` is an input
+    /// stored permuted (`permute(node, p)`'s type), read back through `permute(input, p⁻¹)`.
+    pub fn replace_with_inputs(
+        &self,
+        replace: &[(NodeId, String, Option<Vec<usize>>)],
+    ) -> Result<Graph, IrError> {
+        let by_node: BTreeMap<NodeId, (&str, Option<&Vec<usize>>)> = replace
+            .iter()
+            .map(|(id, n, p)| (*id, (n.as_str(), p.as_ref())))
+            .collect();
         let mut g = Graph::new(&self.name);
         g.dims = self.dims.clone();
         let mut remap: Vec<NodeId> = Vec::with_capacity(self.nodes.len());
         for (i, node) in self.nodes.iter().enumerate() {
             let new = match (by_node.get(&NodeId(i as u32)), &node.op) {
-                (Some(name), _) => g.add_input(name, node.ty.clone())?,
+                (Some((name, None)), _) => g.add_input(name, node.ty.clone())?,
+                (Some((name, Some(perm))), _) => {
+                    let dims = node.ty.shape.dims();
+                    let stored = Shape(perm.iter().map(|&a| dims[a].clone()).collect());
+                    let x = g.add_input(name, TensorType::new(node.ty.dtype, stored))?;
+                    let mut back = vec![0; perm.len()];
+                    for (k, &a) in perm.iter().enumerate() {
+                        back[a] = k;
+                    }
+                    g.add(Op::Permute { perm: back }, &[x], &node.scope)?
+                }
                 (None, Op::Input { name }) => g.add_input(name, node.ty.clone())?,
                 (None, Op::Param { name, init }) => {
                     g.add_param(name, node.ty.clone(), *init, &node.scope)?
