@@ -175,6 +175,11 @@ enum Command {
     Run(cmd::run::RunArgs),
     /// Corpus BLEU with sacreBLEU's semantics and defaults (13a tokens, `exp` smoothing).
     Bleu(cmd::bleu::BleuArgs),
+    /// Encode a configuration's training corpus once into a binarized corpus (token ids
+    /// and an index, as fairseq's `.bin`/`.idx`) that `kiln train` reads mapped from disk
+    /// when `data.binarized` names it: corpora of any size, in memory that does not grow
+    /// with them
+    Preprocess(cmd::preprocess::PreprocessArgs),
     /// Train a model with the paper's recipe (a YAML configuration).
     Train(cmd::train::TrainArgs),
     /// Translate lines of text (standard input, or --input) with a trained model.
@@ -345,6 +350,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
         Command::Init { spec, seed, output } => cmd::init::init(&spec, seed, &output),
         Command::Run(a) => cmd::run::run(a),
         Command::Bleu(a) => cmd::bleu::bleu(a),
+        Command::Preprocess(a) => cmd::preprocess::preprocess(a),
         Command::Train(a) => cmd::train::train(a),
         Command::Translate {
             checkpoint,

@@ -11,6 +11,7 @@ pub mod export;
 pub mod graph;
 pub mod init;
 pub mod inspect;
+pub mod preprocess;
 pub mod run;
 pub mod score;
 pub mod serve;

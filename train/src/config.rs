@@ -81,6 +81,12 @@ pub struct DataConfig {
     /// Training pairs with more tokens than this on either side are dropped.
     #[serde(default = "default_max_len")]
     pub max_len: usize,
+    /// A directory `kiln preprocess` wrote (its `-o`, by default `<run>/binarized`): the
+    /// training pairs are read from its token ids, mapped from disk, instead of encoded
+    /// from `train_src`/`train_tgt` into memory (corpora of any size). The same pairs in
+    /// the same order: the run is the same either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binarized: Option<PathBuf>,
 }
 
 fn default_vocab() -> usize {
@@ -424,6 +430,7 @@ impl Config {
         ]
         .into_iter()
         .chain(c.model.artifact.as_mut())
+        .chain(c.data.binarized.as_mut())
         {
             if p.is_relative() && !p.as_os_str().is_empty() {
                 *p = base.join(&*p);

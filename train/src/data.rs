@@ -6,6 +6,8 @@
 //!   `tokenizers` crate ([`Tokenizer::train`]) and kept as `tokenizer.json`;
 //! - [`Dataset`] — the pairs as token ids ([`Example`]), empty and over-long pairs left out
 //!   and counted ([`Dataset::build`]);
+//! - [`binarized::Binarized`] — the same pairs encoded once into files and read mapped
+//!   (`kiln preprocess`), for corpora too large to hold; both are [`Pairs`];
 //! - [`BatchPlan`] — batches made by token count, fairseq style, in an order per epoch
 //!   that depends only on (seed, epoch) ([`BatchPlan::epoch_order`]); each becomes a
 //!   [`Batch`] of padded `i32` tensors ready for the model's `src`, `tgt_in` and `tgt_out`.
@@ -20,6 +22,7 @@ use std::path::{Path, PathBuf};
 use kiln_compiler::rng::philox4x32_10;
 use kiln_compiler::tensor::Tensor;
 
+pub mod binarized;
 mod bpe;
 pub use bpe::{BpeReport, Tokenizer, BYTE_TOKENS};
 
@@ -222,6 +225,63 @@ impl Example {
     }
 }
 
+/// Training pairs as token ids, without special tokens: in memory ([`Dataset`], a slice
+/// of [`Example`]s) or mapped from a binarized corpus ([`binarized::Binarized`]).
+pub trait Pairs: Sync {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Pair `i`'s source and target ids.
+    fn pair(&self, i: usize) -> (&[i32], &[i32]);
+    /// The 0-based corpus line pair `i` comes from.
+    fn line(&self, i: usize) -> usize;
+    /// Source positions the model sees ([`Example::src_positions`]).
+    fn src_positions(&self, i: usize) -> usize {
+        self.pair(i).0.len()
+    }
+    /// Target positions the model sees ([`Example::tgt_positions`]).
+    fn tgt_positions(&self, i: usize) -> usize {
+        self.pair(i).1.len() + 1
+    }
+}
+
+impl Pairs for [Example] {
+    fn len(&self) -> usize {
+        <[Example]>::len(self)
+    }
+    fn pair(&self, i: usize) -> (&[i32], &[i32]) {
+        (&self[i].src, &self[i].tgt)
+    }
+    fn line(&self, i: usize) -> usize {
+        i
+    }
+}
+
+impl Pairs for Vec<Example> {
+    fn len(&self) -> usize {
+        <[Example]>::len(self)
+    }
+    fn pair(&self, i: usize) -> (&[i32], &[i32]) {
+        (&self[i].src, &self[i].tgt)
+    }
+    fn line(&self, i: usize) -> usize {
+        i
+    }
+}
+
+impl Pairs for Dataset {
+    fn len(&self) -> usize {
+        self.examples.len()
+    }
+    fn pair(&self, i: usize) -> (&[i32], &[i32]) {
+        (&self.examples[i].src, &self.examples[i].tgt)
+    }
+    fn line(&self, i: usize) -> usize {
+        self.lines[i]
+    }
+}
+
 /// The examples of a corpus and what was left out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Dataset {
@@ -326,7 +386,7 @@ pub struct BatchPlan {
 const SHUFFLE_STREAM: u32 = 0x5348_5546;
 
 impl BatchPlan {
-    pub fn new(examples: &[Example], config: BatchConfig) -> Result<BatchPlan, DataError> {
+    pub fn new(examples: &dyn Pairs, config: BatchConfig) -> Result<BatchPlan, DataError> {
         if config.max_src_tokens == 0 || config.max_tgt_tokens == 0 {
             return Err(DataError::Config {
                 message: format!(
@@ -337,7 +397,7 @@ impl BatchPlan {
             });
         }
         let mut order: Vec<usize> = (0..examples.len()).collect();
-        order.sort_by_key(|&i| (examples[i].src_positions(), examples[i].tgt_positions(), i));
+        order.sort_by_key(|&i| (examples.src_positions(i), examples.tgt_positions(i), i));
 
         let mut plan = BatchPlan {
             batches: Vec::new(),
@@ -346,7 +406,7 @@ impl BatchPlan {
         let mut cur: Vec<usize> = Vec::new();
         let (mut s_max, mut t_max) = (0usize, 0usize);
         for i in order {
-            let (s, t) = (examples[i].src_positions(), examples[i].tgt_positions());
+            let (s, t) = (examples.src_positions(i), examples.tgt_positions(i));
             let rows = cur.len() + 1;
             let (s2, t2) = (s_max.max(s), t_max.max(t));
             let fits = rows.saturating_mul(s2) <= config.max_src_tokens
@@ -405,7 +465,7 @@ impl BatchPlan {
     }
 
     /// Batch `index` (an index into [`BatchPlan::batches`]) as tensors.
-    pub fn batch(&self, examples: &[Example], index: usize) -> Option<Batch> {
+    pub fn batch(&self, examples: &dyn Pairs, index: usize) -> Option<Batch> {
         self.batches
             .get(index)
             .map(|members| Batch::new(examples, members))
@@ -415,7 +475,7 @@ impl BatchPlan {
     /// fresh epoch, the saved `batch_in_epoch` when resuming).
     pub fn epoch<'a>(
         &'a self,
-        examples: &'a [Example],
+        examples: &'a dyn Pairs,
         seed: u64,
         epoch: u64,
         start: usize,
@@ -449,16 +509,16 @@ impl Batch {
     ///
     /// Panics if a member is out of range: members come from a [`BatchPlan`] built on the
     /// same examples, never from user data.
-    pub fn new(examples: &[Example], members: &[usize]) -> Batch {
+    pub fn new(examples: &dyn Pairs, members: &[usize]) -> Batch {
         let b = members.len();
         let s = members
             .iter()
-            .map(|&i| examples[i].src_positions())
+            .map(|&i| examples.src_positions(i))
             .max()
             .unwrap_or(0);
         let t = members
             .iter()
-            .map(|&i| examples[i].tgt_positions())
+            .map(|&i| examples.tgt_positions(i))
             .max()
             .unwrap_or(0);
         let mut src = vec![PAD; b * s];
@@ -466,14 +526,14 @@ impl Batch {
         let mut tgt_out = vec![PAD; b * t];
         let (mut n_src, mut n_tgt) = (0, 0);
         for (row, &i) in members.iter().enumerate() {
-            let ex = &examples[i];
-            src[row * s..row * s + ex.src.len()].copy_from_slice(&ex.src);
-            let m = ex.tgt.len();
+            let (xs, ys) = examples.pair(i);
+            src[row * s..row * s + xs.len()].copy_from_slice(xs);
+            let m = ys.len();
             tgt_in[row * t] = BOS;
-            tgt_in[row * t + 1..row * t + 1 + m].copy_from_slice(&ex.tgt);
-            tgt_out[row * t..row * t + m].copy_from_slice(&ex.tgt);
+            tgt_in[row * t + 1..row * t + 1 + m].copy_from_slice(ys);
+            tgt_out[row * t..row * t + m].copy_from_slice(ys);
             tgt_out[row * t + m] = EOS;
-            n_src += ex.src.len();
+            n_src += xs.len();
             n_tgt += m + 1;
         }
         Batch {

@@ -255,7 +255,7 @@ pub struct Trainer {
     cfg: Config,
     dir: PathBuf,
     tokenizer: Tokenizer,
-    train: Vec<Example>,
+    train: Box<dyn crate::data::Pairs + Send>,
     plan: BatchPlan,
     valid: Vec<Example>,
     valid_plan: BatchPlan,

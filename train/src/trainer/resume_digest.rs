@@ -18,7 +18,14 @@ fn fnv(value: &impl serde::Serialize) -> String {
 pub(crate) fn digest(cfg: &Config) -> String {
     [
         ("model", fnv(&cfg.model)),
-        ("data", fnv(&cfg.data)),
+        // Where the pairs are read from (text or binarized) does not change them.
+        (
+            "data",
+            fnv(&crate::config::DataConfig {
+                binarized: None,
+                ..cfg.data.clone()
+            }),
+        ),
         ("batch", fnv(&cfg.batch)),
         ("optimizer", fnv(&cfg.optimizer)),
         ("schedule", fnv(&cfg.schedule)),

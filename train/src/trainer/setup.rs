@@ -9,7 +9,10 @@ use kiln_compiler::tensor::Tensor;
 
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
-use crate::data::{load_parallel, BatchConfig, BatchPlan, Dataset, ParallelCorpus, Tokenizer};
+use crate::data::binarized::{self, Binarized};
+use crate::data::{
+    load_parallel, BatchConfig, BatchPlan, Dataset, Pairs, ParallelCorpus, Tokenizer,
+};
 use crate::metrics::truncate_after;
 use crate::model::{write_atomic, GraphSet, ModelError, CONFIG_FILE, GRAPHS_FILE, TOKENIZER_FILE};
 use crate::optim::Adam;
@@ -274,7 +277,7 @@ impl Trainer {
             dir: cfg.checkpoint.dir.clone(),
             cfg,
             tokenizer,
-            train: train.examples,
+            train,
             plan,
             valid: valid.examples,
             valid_plan,
@@ -326,11 +329,59 @@ pub(super) fn setup<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> TrainErro
 /// The training and validation sets of a run, read and checked against the model's
 /// positions, and their batches.
 struct Datasets {
-    train: Dataset,
+    train: Box<dyn Pairs + Send>,
     plan: BatchPlan,
     valid: Dataset,
     valid_plan: BatchPlan,
     valid_corpus: ParallelCorpus,
+}
+
+/// The training pairs: mapped from the binarized corpus `data.binarized` names (encoded
+/// by this run's tokenizer, with this `data.max_len`), else encoded from the text files.
+fn training_pairs(
+    cfg: &Config,
+    tokenizer: &Tokenizer,
+    notes: &mut Vec<String>,
+) -> Result<Box<dyn Pairs + Send>, TrainError> {
+    let (pairs, skipped, dropped, from): (Box<dyn Pairs + Send>, u64, u64, String) = match &cfg
+        .data
+        .binarized
+    {
+        Some(dir) => {
+            let digest = binarized::digest(&tokenizer.to_json()?);
+            let b = Binarized::open(dir, &digest)?;
+            if b.meta.max_len != cfg.data.max_len {
+                return Err(TrainError::Setup(format!(
+                        "the binarized corpus `{}` kept pairs of at most {} tokens, but                          `data.max_len` is {}; encode it again with `kiln preprocess --config                          CONFIG.yaml`",
+                        dir.display(),
+                        b.meta.max_len,
+                        cfg.data.max_len
+                    )));
+            }
+            let (s, d) = (b.meta.skipped_empty, b.meta.dropped_too_long);
+            let from = format!(" (binarized: {})", dir.display());
+            (Box::new(b), s, d, from)
+        }
+        None => {
+            let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
+            let d = Dataset::build(&corpus, tokenizer, Some(cfg.data.max_len))?;
+            let (s, k) = (d.skipped_empty as u64, d.dropped_too_long as u64);
+            (Box::new(d), s, k, String::new())
+        }
+    };
+    if pairs.is_empty() {
+        return Err(TrainError::Setup(format!(
+            "no training pairs left in `{}` (empty: {skipped}, longer than {}: {dropped})",
+            cfg.data.train_src.display(),
+            cfg.data.max_len,
+        )));
+    }
+    notes.push(format!(
+        "{} training pairs{from} ({skipped} skipped as empty, {dropped} longer than {} tokens)",
+        pairs.len(),
+        cfg.data.max_len
+    ));
+    Ok(pairs)
 }
 
 fn datasets(
@@ -339,29 +390,12 @@ fn datasets(
     graphs: &GraphSet,
     notes: &mut Vec<String>,
 ) -> Result<Datasets, TrainError> {
-    let corpus = load_parallel(&cfg.data.train_src, &cfg.data.train_tgt)?;
-    let train = Dataset::build(&corpus, tokenizer, Some(cfg.data.max_len))?;
-    if train.examples.is_empty() {
-        return Err(TrainError::Setup(format!(
-            "no training pairs left in `{}` (empty: {}, longer than {}: {})",
-            cfg.data.train_src.display(),
-            train.skipped_empty,
-            cfg.data.max_len,
-            train.dropped_too_long
-        )));
-    }
-    notes.push(format!(
-        "{} training pairs ({} skipped as empty, {} longer than {} tokens)",
-        train.examples.len(),
-        train.skipped_empty,
-        train.dropped_too_long,
-        cfg.data.max_len
-    ));
+    let train = training_pairs(cfg, tokenizer, notes)?;
     let bcfg = BatchConfig {
         max_src_tokens: cfg.batch.max_src_tokens,
         max_tgt_tokens: cfg.batch.max_tgt_tokens,
     };
-    let plan = BatchPlan::new(&train.examples, bcfg)?;
+    let plan = BatchPlan::new(train.as_ref(), bcfg)?;
     let valid_corpus = load_parallel(&cfg.data.valid_src, &cfg.data.valid_tgt)?;
     let mut valid = Dataset::build(&valid_corpus, tokenizer, None)?;
     if cfg.valid.max_sentences > 0 {
@@ -374,25 +408,24 @@ fn datasets(
     // beyond it would stop the run at its first batch or validation.
     for (ds, src_path, tgt_path, fix) in [
         (
-            &train,
+            train.as_ref() as &dyn Pairs,
             &cfg.data.train_src,
             &cfg.data.train_tgt,
             "set `data.max_len` to that or less (longer pairs are left out)",
         ),
         (
-            &valid,
+            &valid as &dyn Pairs,
             &cfg.data.valid_src,
             &cfg.data.valid_tgt,
             "remove the pair from the validation set",
         ),
     ] {
-        let ex = &ds.examples;
-        let line = |i: usize| ds.lines[i] + 1;
+        let line = |i: usize| ds.line(i) + 1;
         check_positions(
             &graphs.loss,
             "src_len",
-            ex.len(),
-            &|i| ex[i].src_positions(),
+            ds.len(),
+            &|i| ds.src_positions(i),
             &|i| format!("`{}` line {}", src_path.display(), line(i)),
             fix,
         )
@@ -400,8 +433,8 @@ fn datasets(
             check_positions(
                 &graphs.loss,
                 "tgt_len",
-                ex.len(),
-                &|i| ex[i].tgt_positions(),
+                ds.len(),
+                &|i| ds.tgt_positions(i),
                 &|i| {
                     format!(
                         "`{}` line {} (its tokens and <bos> or <eos>)",

@@ -31,7 +31,7 @@ impl Trainer {
         let b = order[self.state.batch_in_epoch as usize];
         self.state.batch_in_epoch += 1;
         self.plan
-            .batch(&self.train, b)
+            .batch(self.train.as_ref(), b)
             .expect("batch index from the plan")
     }
 
