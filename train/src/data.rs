@@ -225,8 +225,8 @@ impl Example {
     }
 }
 
-/// Training pairs as token ids, without special tokens: in memory ([`Dataset`], a slice
-/// of [`Example`]s) or mapped from a binarized corpus ([`binarized::Binarized`]).
+/// Training pairs as token ids, without special tokens: in memory ([`Dataset`], a
+/// `Vec` of [`Example`]s) or mapped from a binarized corpus ([`binarized::Binarized`]).
 pub trait Pairs: Sync {
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
@@ -243,18 +243,6 @@ pub trait Pairs: Sync {
     /// Target positions the model sees ([`Example::tgt_positions`]).
     fn tgt_positions(&self, i: usize) -> usize {
         self.pair(i).1.len() + 1
-    }
-}
-
-impl Pairs for [Example] {
-    fn len(&self) -> usize {
-        <[Example]>::len(self)
-    }
-    fn pair(&self, i: usize) -> (&[i32], &[i32]) {
-        (&self[i].src, &self[i].tgt)
-    }
-    fn line(&self, i: usize) -> usize {
-        i
     }
 }
 
