@@ -335,14 +335,19 @@ impl Binarized {
             idx,
             len,
         };
-        let total = match len {
-            0 => 0,
-            n => {
-                let (o, s, t, _) = b.entry(n - 1);
-                o + s + t
+        // Each pair's ids right after the one before's, the last ending with the file:
+        // every pair's slice is then in range (batching reads every entry anyway).
+        let mut total = 0usize;
+        for i in 0..len {
+            let (o, s, t, _) = b.entry(i);
+            if o != total {
+                return Err(damaged(&format!(
+                    "pair {i}'s ids are not where the index says"
+                )));
             }
-        };
-        if b.ids.len() != 4 * total || !cfg!(target_endian = "little") {
+            total = total.saturating_add(s).saturating_add(t);
+        }
+        if b.ids.len() != total.saturating_mul(4) || !cfg!(target_endian = "little") {
             return Err(damaged("its ids do not fill the index's pairs"));
         }
         Ok(b)
@@ -473,6 +478,12 @@ mod tests {
         assert!(e.to_string().contains("kiln preprocess"), "{e}");
         let idx = out.join(INDEX_FILE);
         let bytes = std::fs::read(&idx).unwrap();
+        // The second pair's source said longer than it is: refused, not read past.
+        let mut longer = bytes.clone();
+        longer[HEADER + ENTRY + 8] += 1;
+        std::fs::write(&idx, &longer).unwrap();
+        let e = Binarized::open(&out, &digest).err().unwrap();
+        assert!(e.to_string().contains("damaged"), "{e}");
         std::fs::write(&idx, &bytes[..bytes.len() - 3]).unwrap();
         let e = Binarized::open(&out, &digest).err().unwrap();
         assert!(e.to_string().contains("damaged"), "{e}");
