@@ -2,10 +2,6 @@
 //! products run in 16 bits, a bias gradient's `sum_rows` summed by its weight gradient's
 //! product while it packs `dy`, else each kernel on its own.
 
-use std::collections::BTreeMap;
-
-use kiln_compiler::ir::DType;
-use kiln_compiler::optimize::kernels::Def;
 use kiln_compiler::reference::ExecError;
 
 use super::place::Placed;
@@ -29,8 +25,9 @@ pub(super) struct Launching {
     pub trace: Option<Vec<Launched>>,
 }
 
-/// The rows a run reads of its gathered inputs, and their shapes as read.
-pub(super) type GatheredRows<'a> = Option<(&'a [usize], &'a BTreeMap<String, (Vec<usize>, DType)>)>;
+/// Per concatenation appending to a cache that grows in place: its axis and the cache's
+/// length before the run.
+pub(super) type Appends = std::collections::HashMap<usize, (usize, usize)>;
 
 impl Launching {
     /// Gives back the view copies no step after `s` reads.
@@ -67,7 +64,7 @@ impl Compiled {
         st: &mut Launching,
         ctx: &launch::RunCtx<'_>,
         profile: &mut Option<Profile<'_>>,
-        gathered: GatheredRows<'_>,
+        appends: &Appends,
     ) -> Result<(), ExecError> {
         let mut s = 0;
         while s < self.steps.len() {
@@ -82,7 +79,7 @@ impl Compiled {
                 s = end;
                 continue;
             }
-            self.launch_one(s, st, ctx, profile, gathered)?;
+            self.launch_one(s, st, ctx, profile, appends)?;
             s += 1;
         }
         if let Some(&s) = st.deferred.first() {
@@ -243,7 +240,7 @@ impl Compiled {
         st: &mut Launching,
         ctx: &launch::RunCtx<'_>,
         profile: &mut Option<Profile<'_>>,
-        gathered: GatheredRows<'_>,
+        appends: &Appends,
     ) -> Result<(), ExecError> {
         if self.bias_sum_taken(s, st) {
             return Ok(());
@@ -260,20 +257,7 @@ impl Compiled {
         };
         let outs = &locs[step.value];
         let mark = st.keep.mark();
-        // The operands read with their rows gathered (a concatenation's).
-        let rows: Vec<Option<&[usize]>> = match gathered {
-            Some((rows, as_read)) => step
-                .inputs
-                .iter()
-                .map(|&x| match &self.kg.values[x].def {
-                    Def::Input(n) if as_read.contains_key(n) => Some(rows),
-                    _ => None,
-                })
-                .collect(),
-            None => Vec::new(),
-        };
         // This product's bias gradient: the `sum_rows` step, `dy`, and where the sums go.
-        // (Only concatenations read gathered rows, never a product.)
         let bias = match (step.bias_grad, &step.exec) {
             (Some(other), launch::Exec::Matmul) => {
                 let sum = &self.steps[other];
@@ -337,11 +321,12 @@ impl Compiled {
                     })
                     .map_err(failed)?;
             }
-            _ if rows.iter().any(Option::is_some) => {
+            _ if appends.contains_key(&step.value) => {
                 if let Some(t) = st.trace.as_mut() {
                     t.push(alone);
                 }
-                fallback::concat_gathered(&step.exec, &ins, &rows, outs).map_err(failed)?
+                let (axis, past) = appends[&step.value];
+                launch::append(ins[1], &outs[0], axis, past).map_err(failed)?
             }
             _ => {
                 if let Some(t) = st.trace.as_mut() {

@@ -35,6 +35,75 @@ pub(crate) fn gather_words(loc: &Loc) -> Vec<u32> {
     out
 }
 
+/// A cache growing in place: `src`'s elements written at positions `past ..` along
+/// `axis` of `dst`, the cache's location after the append (the positions before are
+/// the cache as it was).
+pub(crate) fn append(src: &Loc, dst: &Loc, axis: usize, past: usize) -> Result<(), String> {
+    let (s, d) = (src.shape(), dst.shape());
+    let fits = s.len() == d.len()
+        && axis < d.len()
+        && past + s[axis] == d[axis]
+        && (0..d.len()).all(|i| i == axis || s[i] == d[i]);
+    if !fits || src.dtype != dst.dtype {
+        return Err(format!(
+            "internal: appending {s:?} at {past} along axis {axis} of a cache of shape {d:?}"
+        ));
+    }
+    let to = dst.layout.slice(axis, past, s[axis]);
+    if to.numel() == 0 {
+        return Ok(());
+    }
+    // Axes of one element add nothing to the walk.
+    let axes: Vec<usize> = (0..s.len()).filter(|&i| s[i] > 1).collect();
+    let pick = |st: &[usize]| axes.iter().map(|&i| st[i]).collect::<Vec<usize>>();
+    let shape = pick(s);
+    // SAFETY: both layouts' elements are inside their locations (the source a value of
+    // the run, the destination the cache's room, which `make_room` reserved), and the
+    // cache's new positions are no other value's.
+    unsafe {
+        copy_strided(
+            (src.ptr as *const u32).add(src.layout.offset),
+            &pick(&src.layout.strides),
+            (dst.ptr as *mut u32).add(to.offset),
+            &pick(&to.strides),
+            &shape,
+        )
+    };
+    Ok(())
+}
+
+/// Copies the elements of `shape` from `src` (strides `ss`) to `dst` (strides `ds`).
+///
+/// # Safety
+/// Every index of `shape` is inside both buffers, which do not overlap.
+unsafe fn copy_strided(
+    src: *const u32,
+    ss: &[usize],
+    dst: *mut u32,
+    ds: &[usize],
+    shape: &[usize],
+) {
+    match shape {
+        [] => *dst = *src,
+        [n] => {
+            for i in 0..*n {
+                *dst.add(i * ds[0]) = *src.add(i * ss[0]);
+            }
+        }
+        [n, rest @ ..] => {
+            for i in 0..*n {
+                copy_strided(
+                    src.add(i * ss[0]),
+                    &ss[1..],
+                    dst.add(i * ds[0]),
+                    &ds[1..],
+                    rest,
+                );
+            }
+        }
+    }
+}
+
 /// Writes row-major words into a contiguous location.
 pub(crate) fn write_words(loc: &Loc, words: &[u32]) {
     debug_assert!(loc.is_contiguous() && words.len() == loc.numel());
