@@ -894,15 +894,15 @@ fn the_logits_gradient_is_written_over_the_logits() {
     }
 }
 
-/// A decoding step growing its caches in place (`Exec::run_map_growing`: the new
-/// positions appended where each cache ends, in room reserved ahead) gives, step after
-/// step, the bits of the same step run on contiguous caches — from a state with more
-/// rows than the step, its rows repeated, dropped and reordered first — and only the
-/// caches can grow so.
+/// A decoding step reading its caches with their rows gathered (`Exec::run_map_gathered`,
+/// what beam search does when the beams move) gives the bits of the same step run on
+/// caches copied with `take_rows` first — rows repeated, dropped and reordered, from a
+/// state with more rows than the step — and only the caches can be read that way. A row
+/// outside the tensor or another input is a clear error.
 #[test]
-fn a_decoding_step_grows_its_caches_in_place() {
+fn a_decoding_step_reads_its_caches_with_gathered_rows() {
     use kiln_decode::search::take_rows;
-    use kiln_exec::growing::Growing;
+    use std::collections::BTreeSet;
     let path = common::root().join("models/transformer_tiny.kiln");
     let g = entry_graph(&path, &[], "decode_step").expect("the entry");
     let exec = Compiled::from_graph(g.clone()).expect("compiles");
@@ -922,69 +922,52 @@ fn a_decoding_step_grows_its_caches_in_place() {
         })
         .collect();
     let (state, params) = random_feeds_with(&g, 11, &dims).expect("feeds");
-    let names: Vec<String> = state
+    let caches: BTreeSet<String> = state
         .keys()
         .filter(|k| k.starts_with(kiln_compiler::ir::CACHE_PREFIX))
         .cloned()
         .collect();
-    assert!(names.len() >= 4, "{names:?}");
+    assert!(caches.len() >= 4, "{caches:?}");
     for k in state.keys() {
-        assert_eq!(exec.grows_in_place(k), names.contains(k), "{k}");
+        assert_eq!(exec.folds_row_gather(k), caches.contains(k), "{k}");
     }
-    let mut copied: BTreeMap<String, kiln_compiler::tensor::Tensor> = state
+    // Every input at 4 rows: the caches gathered by `take_rows`, the rest as it would be.
+    let copied: BTreeMap<String, kiln_compiler::tensor::Tensor> = state
         .iter()
         .map(|(k, t)| (k.clone(), take_rows(t, &rows)))
         .collect();
-    let mut caches = BTreeMap::new();
-    for k in &names {
-        let ty = g.ty(g.input(k).expect("an input"));
-        let axis = (0..ty.shape.dims().len())
-            .find(|&i| ty.shape.dims()[i].as_sym() == Some("past"))
-            .expect("a past axis");
-        let mut c = Growing::new(state[k].shape.clone(), axis).expect("a cache");
-        c.assign(state[k].clone()).expect("assigned");
-        c.take_rows(&rows).expect("rows taken");
-        caches.insert(k.clone(), c);
+    let mut folded = copied.clone();
+    for k in &caches {
+        folded.insert(k.clone(), state[k].clone());
     }
-    let others: BTreeMap<String, kiln_compiler::tensor::Tensor> = copied
-        .iter()
-        .filter(|(k, _)| !names.contains(k))
-        .map(|(k, t)| (k.clone(), t.clone()))
-        .collect();
     let opts = RunOptions::default();
-    // Three steps: the first one makes room, the later ones append into it.
-    for step in 0..3 {
-        let want = exec.run_map(&copied, &params, &opts).expect("runs");
-        let got = exec
-            .run_map_growing(&others, &mut caches, &params, &opts)
-            .expect("runs growing");
-        assert_eq!(got.len() + names.len(), want.len());
-        for (n, b) in &got {
-            assert_eq!(want[n].shape, b.shape, "{n}");
-            assert_eq!(
-                want[n].to_f64_vec(),
-                b.to_f64_vec(),
-                "step {step} {n}: the same bits"
-            );
-        }
-        for k in &names {
-            let c = caches[k].to_tensor();
-            assert_eq!(c.shape, want[k].shape, "{k}");
-            assert_eq!(c.to_f64_vec(), want[k].to_f64_vec(), "step {step} {k}");
-            assert!(caches[k].capacity() >= 3 + step + 1);
-            copied.insert(k.clone(), want[k].clone());
-        }
+    let want = exec.run_map(&copied, &params, &opts).expect("runs");
+    let got = exec
+        .run_map_gathered(&folded, &caches, &rows, &params, &opts)
+        .expect("runs gathered");
+    assert_eq!(want.len(), got.len());
+    for ((n, a), (m, b)) in want.iter().zip(&got) {
+        assert_eq!(n, m);
+        assert_eq!(a.shape, b.shape, "{n}");
+        assert_eq!(a.to_f64_vec(), b.to_f64_vec(), "{n}: the same bits");
     }
-    let mut other = BTreeMap::new();
-    other.insert(
-        "tgt_in".to_string(),
-        Growing::new(vec![4, 1, 0], 2).expect("a cache"),
-    );
     let e = exec
-        .run_map_growing(&others, &mut other, &params, &opts)
+        .run_map_gathered(&folded, &caches, &[0, 5, 1, 2], &params, &opts)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`tgt_in` cannot grow in place"), "{e}");
+    assert!(
+        e.contains("row 5 is gathered") && e.contains("5 rows"),
+        "{e}"
+    );
+    let other: BTreeSet<String> = ["tgt_in".to_string()].into();
+    let e = exec
+        .run_map_gathered(&folded, &other, &rows, &params, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`tgt_in` cannot be read with its rows gathered"),
+        "{e}"
+    );
 }
 
 /// A run whose values would not fit the machine is an error before anything is

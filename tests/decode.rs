@@ -251,13 +251,12 @@ impl Exec for CopyFirst<'_> {
     }
 }
 
-/// Beam search through the compiled step, which grows the caches in place
-/// (`Exec::run_map_growing`: the new positions appended where the cache ends, the beams'
-/// rows moved where they are), gives the tokens and scores of the same step fed
-/// contiguous copies of the caches, to the bit — beams reordered, repeated and finished
-/// sentences dropped along the way.
+/// Beam search through the compiled step, whose concatenations read the caches with the
+/// beams' rows gathered (`Exec::run_map_gathered`), gives the tokens and scores of the
+/// same step fed caches that `take_rows` copied, to the bit — beams reordered, repeated
+/// and finished sentences dropped along the way.
 #[test]
-fn beam_search_growing_caches_in_place_equals_copying_them() {
+fn beam_search_reading_gathered_caches_equals_copying_them() {
     use kiln_exec::compiled::Compiled;
     let s = setup(5);
     let encode = Compiled::from_graph(s.encode.graph().clone()).unwrap();
@@ -270,8 +269,8 @@ fn beam_search_growing_caches_in_place_equals_copying_them() {
         .filter(|n| n.starts_with(kiln_compiler::ir::CACHE_PREFIX))
         .map(str::to_string)
         .collect();
-    assert!(!caches.is_empty() && caches.iter().all(|c| step.grows_in_place(c)));
-    assert!(!step.grows_in_place("tgt_in"));
+    assert!(!caches.is_empty() && caches.iter().all(|c| step.folds_row_gather(c)));
+    assert!(!step.folds_row_gather("tgt_in"));
     let opts = DecodeOptions {
         max_len_b: 8,
         ..beam_four()

@@ -156,33 +156,32 @@ pub trait Exec: Send + Sync {
         let _ = arena;
     }
 
-    /// [`Exec::run_map`] for a decoding step whose key/value caches grow in place:
-    /// `caches` holds the caches the step reads, by input name; the step's output of the
-    /// same name (the cache with the step's positions appended) is written back into it
-    /// and not returned. The compiled executor reads the caches where they are and
-    /// appends only the new positions; the default runs on contiguous copies.
-    fn run_map_growing(
+    /// Whether [`Exec::run_map_gathered`] reads input `name` with its rows gathered
+    /// without a copy first. The default: no input.
+    fn folds_row_gather(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
+    /// [`Exec::run_map`] with each input named in `gathered` read as if it were
+    /// `decode::take_rows(t, rows)`: a decoder's caches reordered to the surviving beams,
+    /// without the copy. Every name must be one [`Exec::folds_row_gather`] accepts; the
+    /// default accepts none, so it runs only with `gathered` empty.
+    fn run_map_gathered(
         &self,
         inputs: &Feeds,
-        caches: &mut BTreeMap<String, crate::growing::Growing>,
+        gathered: &std::collections::BTreeSet<String>,
+        rows: &[usize],
         params: &Feeds,
         opts: &RunOptions,
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
-        let mut all = inputs.clone();
-        for (name, c) in caches.iter() {
-            all.insert(name.clone(), c.to_tensor());
+        let _ = rows;
+        if let Some(name) = gathered.iter().next() {
+            return Err(ExecError::Unsupported(format!(
+                "this executor reads no input with gathered rows (`{name}`)"
+            )));
         }
-        let mut out = self.run_map(&all, params, opts)?;
-        for (name, c) in caches.iter_mut() {
-            let t = out.remove(name).ok_or_else(|| {
-                ExecError::Unsupported(format!("the step returns no output `{name}` for its cache"))
-            })?;
-            c.assign(t).map_err(|message| ExecError::Input {
-                name: name.clone(),
-                message,
-            })?;
-        }
-        Ok(out)
+        self.run_map(inputs, params, opts)
     }
 
     /// Runs and returns the outputs by name.

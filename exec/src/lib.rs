@@ -13,7 +13,6 @@
 //! - [`cuda`] — the CUDA executor and its guard (whether the driver, NVRTC and cuBLAS load
 //!   and a device exists; every CUDA call goes behind it), data parallelism over several
 //!   GPUs, and (feature `emulate`, test support) the device emulated on the host;
-//! - [`growing`] — a decoder's key/value cache that grows in place;
 //! - [`artifact`] — loading a compiled artifact, every file and plan checked.
 
 pub mod artifact;
@@ -23,7 +22,6 @@ pub mod eager;
 pub mod entry;
 pub mod executor;
 pub mod graphs;
-pub mod growing;
 
 pub use eager::{Eager, OpTime, Outputs};
 pub use entry::{

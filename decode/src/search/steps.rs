@@ -8,7 +8,6 @@ use kiln_compiler::reference::RunOptions;
 use kiln_compiler::tensor::{Tensor, TensorData};
 
 use kiln_exec::executor::{DeviceResident, Exec};
-use kiln_exec::growing::Growing;
 
 use super::*;
 
@@ -141,10 +140,8 @@ pub struct CachedStep<'a> {
     step: &'a dyn Exec,
     params: &'a BTreeMap<String, Tensor>,
     opts: RunOptions,
-    /// Per row: the source and the stage values (encoder memory).
+    /// Per row: the source, the stage values (encoder memory), the caches.
     state: BTreeMap<String, Tensor>,
-    /// Per row: the key/value caches, grown in place step by step.
-    caches: BTreeMap<String, Growing>,
     /// The sentence of each row of `state`. What is not a cache is the same for every
     /// row of a sentence, so a step whose rows continue the same sentences in the same
     /// places (beam search between two steps where no sentence ends) keeps it as it is.
@@ -169,7 +166,6 @@ impl<'a> CachedStep<'a> {
                 ..RunOptions::default()
             },
             state: BTreeMap::new(),
-            caches: BTreeMap::new(),
             sentences: Vec::new(),
             vocab,
         }
@@ -188,32 +184,55 @@ impl<'a> CachedStep<'a> {
         let layout = RowLayout::new(&self.sentences, parents)?;
         let tgt_in = Tensor::i32(vec![rows, 1], tokens.to_vec())
             .map_err(|e| DecodeError::Model(e.to_string()))?;
+        let sentences = layout.sentences.clone();
         let keep = |k: &str, t: &Tensor| layout.stays(k, t.shape.first(), rows);
-        // The caches' rows reordered where they are (only rows that continue another row
-        // are copied), the rest copied here.
-        for c in self.caches.values_mut() {
-            c.take_rows(parents).map_err(DecodeError::Model)?;
-        }
+        // What must be reordered: the step reads some of it with its rows gathered (the
+        // caches, which only its concatenations read), the rest is copied here.
+        let step = self.step;
+        let folded: std::collections::BTreeSet<String> = self
+            .state
+            .iter()
+            .filter(|(k, t)| !keep(k, t) && step.folds_row_gather(k))
+            .map(|(k, _)| k.clone())
+            .collect();
         let mut inputs: BTreeMap<String, Tensor> = std::mem::take(&mut self.state)
             .into_par_iter()
             .map(|(k, t)| {
-                if keep(&k, &t) {
+                if keep(&k, &t) || folded.contains(&k) {
                     (k, t)
                 } else {
                     (k, take_rows(&t, parents))
                 }
             })
             .collect();
-        self.sentences = layout.sentences;
         inputs.insert("tgt_in".to_string(), tgt_in);
         let out = self
             .step
-            .run_map_growing(&inputs, &mut self.caches, self.params, &self.opts);
+            .run_map_gathered(&inputs, &folded, parents, self.params, &self.opts);
         inputs.remove("tgt_in");
-        // The state as this step read it: the decoder stays usable after an error.
+        let mut out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                // The state as this step read it: the decoder stays usable.
+                for k in &folded {
+                    if let Some(t) = inputs.get_mut(k) {
+                        *t = take_rows(t, parents);
+                    }
+                }
+                self.state = inputs;
+                self.sentences = sentences;
+                return Err(e.into());
+            }
+        };
+        let logits = logits_of(&mut out, rows);
+        for (name, t) in out {
+            if name.starts_with(kiln_compiler::ir::CACHE_PREFIX) {
+                inputs.insert(name, t);
+            }
+        }
         self.state = inputs;
-        let mut out = out?;
-        let (logits, vocab) = logits_of(&mut out, rows)?;
+        self.sentences = sentences;
+        let (logits, vocab) = logits?;
         self.vocab = vocab;
         Ok((logits, vocab))
     }
@@ -231,32 +250,25 @@ impl StepModel for CachedStep<'_> {
         let g = self.step.graph();
         self.state.retain(|name, _| g.input(name).is_some());
         self.sentences = (0..src.shape.first().copied().unwrap_or(0)).collect();
-        // Empty caches: the decode graph's cache inputs with 0 past positions, growing
-        // along that axis.
+        // Empty caches: the decode graph's cache inputs with 0 past positions.
         let b = src.shape[0];
-        self.caches.clear();
         for name in g.cache_outputs() {
             let id = g
                 .input(&name)
                 .ok_or_else(|| DecodeError::Model(format!("cache `{name}` has no input")))?;
             let ty = g.ty(id);
             let mut shape = Vec::new();
-            let mut past = None;
             for (i, d) in ty.shape.dims().iter().enumerate() {
                 shape.push(match (i, d.as_const()) {
                     (0, _) => b,
                     (_, Some(c)) => c as usize,
-                    _ => {
-                        past = Some(i);
-                        0
-                    }
+                    _ => 0, // the `past` axis starts empty
                 });
             }
-            let axis = past.ok_or_else(|| {
-                DecodeError::Model(format!("cache `{name}` has no axis of past positions"))
-            })?;
-            let cache = Growing::new(shape, axis).map_err(DecodeError::Model)?;
-            self.caches.insert(name, cache);
+            self.state.insert(
+                name,
+                Tensor::f32(shape, vec![]).map_err(|e| DecodeError::Model(e.to_string()))?,
+            );
         }
         Ok(())
     }
@@ -348,10 +360,7 @@ impl<'a> DeviceCachedStep<'a> {
 impl StepModel for DeviceCachedStep<'_> {
     fn start(&mut self, src: &Tensor) -> Result<(), DecodeError> {
         self.host.start(src)?;
-        let mut host = std::mem::take(&mut self.host.state);
-        for (k, c) in std::mem::take(&mut self.host.caches) {
-            host.insert(k, c.to_tensor());
-        }
+        let host = std::mem::take(&mut self.host.state);
         self.state = host
             .iter()
             .map(|(k, t)| Ok((k.clone(), self.step.to_device(t)?)))

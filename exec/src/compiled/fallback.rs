@@ -390,6 +390,91 @@ fn check_concat(
     Ok(())
 }
 
+/// A concatenation (axis ≥ 1) some of whose operands are read with their rows gathered
+/// (`Exec::run_map_gathered`): operand `k` with `rows[k] = Some(r)` is read as its rows
+/// `r[0], r[1], …` along axis 0 (its own tensor, contiguous, may hold other rows and more
+/// of them). Every result element is copied once, as [`concat_into`] copies it from the
+/// gathered tensor.
+pub(crate) fn concat_gathered(
+    exec: &super::launch::Exec,
+    ins: &[&Loc],
+    rows: &[Option<&[usize]>],
+    outs: &[Loc],
+) -> Result<(), String> {
+    use rayon::prelude::*;
+    let super::launch::Exec::Fallback(Fallback::Prim(Op::Concat { axis })) = exec else {
+        return Err("internal: gathered rows reach a kernel other than a concatenation".into());
+    };
+    let (axis, out) = (*axis, &outs[0]);
+    let shape = out.shape().to_vec();
+    if axis == 0 || axis >= shape.len() || out.dtype != DType::F32 || !out.is_contiguous() {
+        return Err(format!(
+            "internal: a gathered concatenation along axis {axis} into {shape:?}"
+        ));
+    }
+    let inner: usize = shape[axis + 1..].iter().product();
+    let outer: usize = shape[..axis].iter().product();
+    // Blocks of the outer index per row of axis 0.
+    let per_row: usize = shape[1..axis].iter().product();
+    // Each operand's elements, its chunk of a result block, and its gathered rows.
+    type Part<'a> = (std::borrow::Cow<'a, [f32]>, usize, Option<&'a [usize]>);
+    let mut parts: Vec<Part<'_>> = Vec::new();
+    let mut logical: Vec<(Vec<usize>, DType)> = Vec::new();
+    for (p, r) in ins.iter().zip(rows) {
+        let ps = p.shape();
+        let mut shape_read = ps.to_vec();
+        if let Some(r) = r {
+            if !p.is_contiguous() || ps.is_empty() || r.iter().any(|&i| i >= ps[0]) {
+                return Err(format!("internal: rows {r:?} gathered from {ps:?}"));
+            }
+            shape_read[0] = r.len();
+        }
+        logical.push((shape_read, p.dtype));
+    }
+    let read: Vec<(&[usize], DType)> = logical.iter().map(|(s, d)| (&s[..], *d)).collect();
+    check_concat(&read, &shape, DType::F32, axis)?;
+    for (p, r) in ins.iter().zip(rows) {
+        let ps = p.shape();
+        // Contiguous operands (every gathered one) are read in place, strided ones
+        // through a row-major copy.
+        let data = if p.is_contiguous() {
+            // SAFETY: a contiguous f32 location of `numel` elements, borrowed for the call.
+            std::borrow::Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(p.base() as *const f32, p.numel())
+            })
+        } else {
+            let v = value(p);
+            let view = v.view::<f32>().ok_or("internal: concat of non-f32 parts")?;
+            std::borrow::Cow::Owned(crate::eager::index::contiguous(view).into_owned())
+        };
+        parts.push((data, ps[axis] * inner, *r));
+    }
+    let total = shape[axis] * inner;
+    if total == 0 || outer == 0 {
+        return Ok(());
+    }
+    // SAFETY: a contiguous f32 location of `numel` elements that this kernel alone
+    // writes; the parts are other values.
+    let dst = unsafe { std::slice::from_raw_parts_mut(out.base() as *mut f32, out.numel()) };
+    let body = |(o, d): (usize, &mut [f32])| {
+        let mut at = 0;
+        for (v, chunk, r) in &parts {
+            let from = match r {
+                Some(r) => r[o / per_row] * per_row + o % per_row,
+                None => o,
+            };
+            d[at..at + chunk].copy_from_slice(&v[from * chunk..(from + 1) * chunk]);
+            at += chunk;
+        }
+    };
+    if dst.len() >= crate::eager::walk::PAR_MIN {
+        dst.par_chunks_mut(total).enumerate().for_each(body);
+    } else {
+        dst.chunks_mut(total).enumerate().for_each(body);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -126,8 +126,9 @@ pub struct Compiled {
     packed: Mutex<std::collections::HashMap<usize, PackedWeight>>,
     /// Kernel checks (see [`Compiled::from_graph_checked`]).
     checks: Mutex<launch::CheckLog>,
-    /// The caches a run can grow in place ([`Exec::run_map_growing`]), by input name.
-    growable: BTreeMap<String, Grows>,
+    /// The f32 inputs that only concatenations along a later axis read, directly: a run
+    /// can read them with their rows gathered ([`Compiled::run_map_gathered`]).
+    gatherable: std::collections::BTreeSet<String>,
     pool: Arc<Pool>,
     /// The kernel of the large matrix products in bf16, f32 sums, if they run so
     /// ([`Compiled::set_bf16_products`]).
@@ -258,14 +259,14 @@ impl Compiled {
             .filter(|_| !training)
             .map(|v| (v, PackedWeight::default()))
             .collect();
-        let growable = growable_caches(&kg);
+        let gatherable = gatherable_inputs(&kg);
         let merged = kg
             .heads_merged()
             .into_iter()
             .filter(|vk| matches!(home.get(vk), Some(Home::Arena(_))))
             .collect();
         Ok(Compiled {
-            growable,
+            gatherable,
             merged,
             graph,
             kg,
@@ -402,11 +403,11 @@ impl Compiled {
         self.trace.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Whether [`Exec::run_map_growing`] grows input `name` in place: an f32 input that
-    /// one concatenation along a later axis appends to, returned as the output of the
-    /// same name (a decoder's key/value caches).
-    pub fn grows_in_place(&self, name: &str) -> bool {
-        self.growable.contains_key(name)
+    /// Whether [`Compiled::run_map_gathered`] can read input `name` with its rows gathered:
+    /// an f32 input that only concatenations along a later axis read (a decoder's
+    /// key/value caches).
+    pub fn folds_row_gather(&self, name: &str) -> bool {
+        self.gatherable.contains(name)
     }
 
     /// Runs the program and returns every value of the kernel graph (a debugging aid:
@@ -608,62 +609,31 @@ impl Compiled {
     }
 }
 
-/// A cache that a run grows in place ([`Exec::run_map_growing`]).
-#[derive(Clone, Copy, Debug)]
-struct Grows {
-    /// The input's kernel value.
-    input: usize,
-    /// The concatenation that appends to it: the graph output of the input's name.
-    concat: usize,
-    axis: usize,
-}
+/// Inputs read with their rows gathered, and the rows ([`Compiled::run_map_gathered`]).
+type Gather<'a> = (&'a std::collections::BTreeSet<String>, &'a [usize]);
 
-/// The f32 inputs of `kg` that exactly one kernel reads, directly: a concatenation along
-/// an axis after the first, of the input and one other operand, returned as the graph
-/// output of the input's name and as no other (a decoder's key/value caches).
-fn growable_caches(kg: &KernelGraph) -> BTreeMap<String, Grows> {
-    let mut out = BTreeMap::new();
+/// The f32 inputs of `kg` that only concatenations along an axis after the first read,
+/// each as a direct operand (not through a view), and that no output returns.
+fn gatherable_inputs(kg: &KernelGraph) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
     'inputs: for (v, val) in kg.values.iter().enumerate() {
         let Def::Input(name) = &val.def else { continue };
-        if val.types[0].dtype != DType::F32 {
+        if val.types[0].dtype != DType::F32 || kg.outputs.iter().any(|(_, o)| *o == v) {
             continue;
         }
-        let mut appends = None;
-        for (c, other) in kg.values.iter().enumerate() {
+        let mut read = false;
+        for other in &kg.values {
             match &other.def {
                 Def::View(_, x) | Def::Proj(x, _) if *x == v => continue 'inputs,
                 Def::Kernel { op, inputs, .. } if inputs.contains(&v) => match op {
-                    KernelOp::Prim(Op::Concat { axis })
-                        if *axis >= 1
-                            && inputs.len() == 2
-                            && inputs[0] == v
-                            && appends.is_none() =>
-                    {
-                        appends = Some((c, *axis))
-                    }
+                    KernelOp::Prim(Op::Concat { axis }) if *axis >= 1 => read = true,
                     _ => continue 'inputs,
                 },
                 _ => {}
             }
         }
-        let Some((concat, axis)) = appends else {
-            continue;
-        };
-        let named: Vec<&String> = kg
-            .outputs
-            .iter()
-            .filter(|(_, o)| *o == concat || *o == v)
-            .map(|(n, _)| n)
-            .collect();
-        if named == [name] && kg.outputs.iter().any(|(n, o)| n == name && *o == concat) {
-            out.insert(
-                name.clone(),
-                Grows {
-                    input: v,
-                    concat,
-                    axis,
-                },
-            );
+        if read {
+            out.insert(name.clone());
         }
     }
     out
@@ -683,19 +653,25 @@ impl crate::executor::Exec for Compiled {
         Compiled::recycle(self, tensors)
     }
 
-    /// [`Exec::run_map`] with the caches of `caches` read where they are and grown in
-    /// place: each concatenation that appends to one writes only the new positions, past
-    /// the cache's end (with room made first), and the cache is not returned. Every name
-    /// must be one [`Compiled::grows_in_place`] accepts.
-    fn run_map_growing(
+    fn folds_row_gather(&self, name: &str) -> bool {
+        Compiled::folds_row_gather(self, name)
+    }
+
+    /// [`Exec::run_map`] with each input named in `gathered` read as if it were
+    /// `decode::take_rows(t, rows)` — its rows along axis 0 in the order `rows` — without
+    /// that copy: the concatenations reading it copy each row from its source row. Every
+    /// name must be one [`Compiled::folds_row_gather`] accepts, and every row index must
+    /// be inside its tensor.
+    fn run_map_gathered(
         &self,
         inputs: &Feeds,
-        caches: &mut BTreeMap<String, crate::growing::Growing>,
+        gathered: &std::collections::BTreeSet<String>,
+        rows: &[usize],
         params: &Feeds,
         opts: &RunOptions,
     ) -> Result<BTreeMap<String, Tensor>, ExecError> {
-        let grow = (!caches.is_empty()).then_some(caches);
-        let outputs = on_worker(|| self.run_inner(inputs, params, opts, None, None, grow))?;
+        let gather = (!gathered.is_empty()).then_some((gathered, rows));
+        let outputs = on_worker(|| self.run_inner(inputs, params, opts, None, None, gather))?;
         Ok(outputs.into_iter().collect())
     }
 

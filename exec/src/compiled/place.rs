@@ -2,6 +2,7 @@
 //! kernel results in the arena or in an output's own storage, views over what they view,
 //! and the copies that reshapes of non-contiguous views need.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kiln_compiler::bind::Binder;
@@ -9,6 +10,7 @@ use kiln_compiler::ir::{DType, Op};
 use kiln_compiler::optimize::kernels::Def;
 use kiln_compiler::plan::ArenaLayout;
 use kiln_compiler::reference::ExecError;
+use kiln_compiler::tensor::{Tensor, TensorData};
 
 use super::*;
 use crate::eager::value::Layout;
@@ -39,9 +41,9 @@ pub(super) struct Storage<'s> {
 
 /// What the placement reads: the run's tensors and how they were bound.
 pub(super) struct Sources<'a, 'g, 't> {
-    /// The locations of the caches that grow in place, and of the concatenations
-    /// appending to them, by kernel value ([`Compiled::make_room`]).
-    pub grown: &'a std::collections::HashMap<usize, Loc>,
+    pub inputs: &'a BTreeMap<String, Tensor>,
+    /// Inputs read with their rows gathered (see [`Compiled::gathered_inputs`]).
+    pub as_read: &'a BTreeMap<String, (Vec<usize>, DType)>,
     pub bind: &'a Binder<'g, 't>,
     pub params_version: Option<u64>,
 }
@@ -78,8 +80,20 @@ impl Compiled {
                 .collect::<Result<_, _>>()
                 .map_err(|m| self.node_err(v, m))?;
             let (loc, need, from) = match &val.def {
-                // A cache growing in place, or the concatenation appending to one.
-                _ if src.grown.contains_key(&v) => (vec![src.grown[&v].clone()], Vec::new(), None),
+                // Read with rows gathered: the tensor as it is (its own shape), the rows
+                // given to the concatenations that read it.
+                Def::Input(name) if src.as_read.contains_key(name) => {
+                    let t = &src.inputs[name];
+                    let TensorData::F32(data) = &t.data else {
+                        return Err(self.node_err(v, "internal: a gathered input not f32".into()));
+                    };
+                    let loc = Loc {
+                        ptr: data.as_ptr() as *mut u8,
+                        layout: Layout::contiguous(&t.shape),
+                        dtype: DType::F32,
+                    };
+                    (vec![loc], Vec::new(), None)
+                }
                 Def::Input(name) => {
                     let id = self.graph.input(name).ok_or_else(|| {
                         self.node_err(v, format!("the graph has no input `{name}`"))

@@ -11,20 +11,6 @@ use kiln_compiler::reference::{ExecError, Precision, RunOptions};
 use kiln_compiler::tensor::{Feeds, Outputs, Tensor, TensorData};
 
 use super::*;
-use crate::eager::value::Layout;
-use crate::growing::Growing;
-
-/// Where one run's growing caches are ([`Compiled::make_room`]).
-#[derive(Default)]
-pub(super) struct Grown {
-    /// The locations of the caches' inputs and of the concatenations appending to them,
-    /// by kernel value.
-    pub locs: std::collections::HashMap<usize, Loc>,
-    /// Per appending concatenation: its axis and the cache's length before the run.
-    pub appends: std::collections::HashMap<usize, (usize, usize)>,
-    /// Each cache's length after the run.
-    lens: Vec<(String, usize)>,
-}
 
 impl Compiled {
     pub(super) fn run_inner(
@@ -34,7 +20,7 @@ impl Compiled {
         opts: &RunOptions,
         mut profile: Option<Profile<'_>>,
         dump: Option<&mut Vec<Vec<Tensor>>>,
-        mut grow: Option<&mut BTreeMap<String, Growing>>,
+        gather: Option<Gather<'_>>,
     ) -> Result<Outputs, ExecError> {
         if opts.precision != Precision::F32 {
             return Err(ExecError::Unsupported(format!(
@@ -43,18 +29,14 @@ impl Compiled {
                 opts.precision
             )));
         }
-        let as_read = self.growing_inputs(grow.as_deref())?;
-        if grow.is_some() && dump.is_some() {
+        let as_read = self.gathered_inputs(inputs, gather)?;
+        if gather.is_some() && dump.is_some() {
             return Err(ExecError::Unsupported(
-                "a run that dumps every value grows no cache in place".into(),
+                "a run that dumps every value reads no gathered rows".into(),
             ));
         }
         let bind = Binder::with_resident(&self.graph, inputs, &as_read, params, EXECUTOR)?;
         let dims = bind.dims.clone();
-        let grown = match grow.as_deref_mut() {
-            Some(caches) => self.make_room(caches, &dims)?,
-            None => Grown::default(),
-        };
         let layout = self.layouts.get(&self.plan, &dims)?;
         // The shared arena, or one of this run's own while another run holds it (an idle
         // one of an earlier such run if there is one). Never wait for it: runs go on
@@ -96,7 +78,8 @@ impl Compiled {
         let mut direct: Vec<Option<Vec<f32>>> = vec![None; self.direct.len()];
         let mut held: Vec<Arc<Vec<f32>>> = Vec::new();
         let sources = place::Sources {
-            grown: &grown.locs,
+            inputs,
+            as_read: &as_read,
             bind: &bind,
             params_version: opts.params_version,
         };
@@ -131,7 +114,8 @@ impl Compiled {
             group_counts: (0, 0),
             trace: self.tracing.then(Vec::new),
         };
-        self.launch_steps(&mut st, &ctx, &mut profile, &grown.appends)?;
+        let gathered = gather.map(|(_, rows)| (rows, &as_read));
+        self.launch_steps(&mut st, &ctx, &mut profile, gathered)?;
         let (placed, mut keep) = self.finish_launch(st);
         let place::Placed {
             mut locs,
@@ -146,7 +130,6 @@ impl Compiled {
             }
         }
         let out = self.outputs(
-            &as_read,
             &mut direct,
             &mut spare,
             &needs,
@@ -170,13 +153,6 @@ impl Compiled {
             // As many as runs have overlapped; none is kept past that.
             idle.push(own);
         }
-        if let Some(caches) = grow {
-            for (name, len) in grown.lens {
-                if let Some(c) = caches.get_mut(&name) {
-                    c.set_len(len);
-                }
-            }
-        }
         Ok(out)
     }
 
@@ -193,79 +169,54 @@ impl Compiled {
         )
     }
 
-    /// The caches a run grows in place, with the shape they are read with (their dims
-    /// bind at it).
-    fn growing_inputs(
+    /// Inputs read with their rows gathered, with the shape they are read with (their
+    /// dims bind at it).
+    fn gathered_inputs(
         &self,
-        caches: Option<&BTreeMap<String, Growing>>,
+        inputs: &Feeds,
+        gather: Option<Gather<'_>>,
     ) -> Result<BTreeMap<String, (Vec<usize>, DType)>, ExecError> {
         let mut as_read = BTreeMap::new();
-        for (name, c) in caches.into_iter().flatten() {
-            if !self.growable.contains_key(name) {
-                return Err(ExecError::Unsupported(format!(
-                    "input `{name}` cannot grow in place: it is not a cache that one \
-                     concatenation appends to and returns under its name"
-                )));
+        if let Some((names, rows)) = gather {
+            for name in names {
+                let err = |message: String| ExecError::Input {
+                    name: name.clone(),
+                    message,
+                };
+                if !self.gatherable.contains(name) {
+                    return Err(ExecError::Unsupported(format!(
+                        "input `{name}` cannot be read with its rows gathered: a kernel other \
+                     than a concatenation reads it"
+                    )));
+                }
+                let t = inputs.get(name).ok_or_else(|| ExecError::MissingInput {
+                    name: name.clone(),
+                    expected: format!("`{name}` (to gather its rows)"),
+                })?;
+                if !matches!(t.data, TensorData::F32(_)) || t.shape.is_empty() {
+                    return Err(err(format!(
+                        "has rows gathered, so it must be f32 of rank ≥ 1, got shape {:?}",
+                        t.shape
+                    )));
+                }
+                if let Some(&r) = rows.iter().find(|&&r| r >= t.shape[0]) {
+                    return Err(err(format!(
+                        "row {r} is gathered, but the tensor has {} rows",
+                        t.shape[0]
+                    )));
+                }
+                let mut shape = t.shape.clone();
+                shape[0] = rows.len();
+                as_read.insert(name.clone(), (shape, DType::F32));
             }
-            as_read.insert(name.clone(), (c.shape().to_vec(), DType::F32));
         }
         Ok(as_read)
-    }
-
-    /// Room in each cache for the positions this run appends (its dims bound), and the
-    /// caches' locations: each input where the cache is, each concatenation appending to
-    /// one where the cache will be.
-    fn make_room(
-        &self,
-        caches: &mut BTreeMap<String, Growing>,
-        dims: &BTreeMap<String, i64>,
-    ) -> Result<Grown, ExecError> {
-        let mut grown = Grown::default();
-        for (name, c) in caches.iter_mut() {
-            let g = self.growable[name];
-            let shape = self.kg.values[g.concat].types[0]
-                .shape
-                .eval(dims)
-                .map_err(|m| self.node_err(g.concat, m))?;
-            let past = c.shape()[g.axis];
-            let len = shape[g.axis];
-            if c.axis() != g.axis || len < past {
-                return Err(ExecError::Input {
-                    name: name.clone(),
-                    message: format!(
-                        "a cache growing along axis {} of shape {:?}, where the step appends \
-                         along axis {} to {shape:?}",
-                        c.axis(),
-                        c.shape(),
-                        g.axis
-                    ),
-                });
-            }
-            c.reserve(len);
-            let strides = c.strides();
-            let ptr = c.as_mut_ptr() as *mut u8;
-            let at = |shape: Vec<usize>| Loc {
-                ptr,
-                layout: Layout {
-                    shape,
-                    strides: strides.clone(),
-                    offset: 0,
-                },
-                dtype: DType::F32,
-            };
-            grown.locs.insert(g.input, at(c.shape().to_vec()));
-            grown.locs.insert(g.concat, at(shape));
-            grown.appends.insert(g.concat, (g.axis, past));
-            grown.lens.push((name.clone(), len));
-        }
-        Ok(grown)
     }
 
     /// The graph's outputs: an output written in place in its own storage, any other
     /// copied out of where its value lives (into recycled storage where there is some).
     fn outputs(
         &self,
-        grown: &BTreeMap<String, (Vec<usize>, DType)>,
         direct: &mut [Option<Vec<f32>>],
         spare: &mut Vec<Vec<f32>>,
         needs: &[Vec<usize>],
@@ -275,10 +226,6 @@ impl Compiled {
     ) -> Result<Outputs, ExecError> {
         let mut out = Vec::with_capacity(self.graph.outputs.len());
         for (i, o) in self.graph.outputs.iter().enumerate() {
-            if grown.contains_key(&o.name) {
-                // Written in place, in the cache.
-                continue;
-            }
             if let (Some(mut store), Some((v, k))) = (direct[i].take(), self.direct[i]) {
                 let shape = locs[v][k].layout.shape.clone();
                 let n: usize = shape.iter().product();

@@ -2,6 +2,10 @@
 //! products run in 16 bits, a bias gradient's `sum_rows` summed by its weight gradient's
 //! product while it packs `dy`, else each kernel on its own.
 
+use std::collections::BTreeMap;
+
+use kiln_compiler::ir::DType;
+use kiln_compiler::optimize::kernels::Def;
 use kiln_compiler::reference::ExecError;
 
 use super::place::Placed;
@@ -25,9 +29,8 @@ pub(super) struct Launching {
     pub trace: Option<Vec<Launched>>,
 }
 
-/// Per concatenation appending to a cache that grows in place: its axis and the cache's
-/// length before the run.
-pub(super) type Appends = std::collections::HashMap<usize, (usize, usize)>;
+/// The rows a run reads of its gathered inputs, and their shapes as read.
+pub(super) type GatheredRows<'a> = Option<(&'a [usize], &'a BTreeMap<String, (Vec<usize>, DType)>)>;
 
 impl Launching {
     /// Gives back the view copies no step after `s` reads.
@@ -64,7 +67,7 @@ impl Compiled {
         st: &mut Launching,
         ctx: &launch::RunCtx<'_>,
         profile: &mut Option<Profile<'_>>,
-        appends: &Appends,
+        gathered: GatheredRows<'_>,
     ) -> Result<(), ExecError> {
         let mut s = 0;
         while s < self.steps.len() {
@@ -79,7 +82,7 @@ impl Compiled {
                 s = end;
                 continue;
             }
-            self.launch_one(s, st, ctx, profile, appends)?;
+            self.launch_one(s, st, ctx, profile, gathered)?;
             s += 1;
         }
         if let Some(&s) = st.deferred.first() {
@@ -240,7 +243,7 @@ impl Compiled {
         st: &mut Launching,
         ctx: &launch::RunCtx<'_>,
         profile: &mut Option<Profile<'_>>,
-        appends: &Appends,
+        gathered: GatheredRows<'_>,
     ) -> Result<(), ExecError> {
         if self.bias_sum_taken(s, st) {
             return Ok(());
@@ -257,7 +260,20 @@ impl Compiled {
         };
         let outs = &locs[step.value];
         let mark = st.keep.mark();
+        // The operands read with their rows gathered (a concatenation's).
+        let rows: Vec<Option<&[usize]>> = match gathered {
+            Some((rows, as_read)) => step
+                .inputs
+                .iter()
+                .map(|&x| match &self.kg.values[x].def {
+                    Def::Input(n) if as_read.contains_key(n) => Some(rows),
+                    _ => None,
+                })
+                .collect(),
+            None => Vec::new(),
+        };
         // This product's bias gradient: the `sum_rows` step, `dy`, and where the sums go.
+        // (Only concatenations read gathered rows, never a product.)
         let bias = match (step.bias_grad, &step.exec) {
             (Some(other), launch::Exec::Matmul) => {
                 let sum = &self.steps[other];
@@ -321,12 +337,11 @@ impl Compiled {
                     })
                     .map_err(failed)?;
             }
-            _ if appends.contains_key(&step.value) => {
+            _ if rows.iter().any(Option::is_some) => {
                 if let Some(t) = st.trace.as_mut() {
                     t.push(alone);
                 }
-                let (axis, past) = appends[&step.value];
-                launch::append(ins[1], &outs[0], axis, past).map_err(failed)?
+                fallback::concat_gathered(&step.exec, &ins, &rows, outs).map_err(failed)?
             }
             _ => {
                 if let Some(t) = st.trace.as_mut() {
