@@ -135,6 +135,13 @@ fn big_config_trains_two_steps() {
     two_steps("big");
 }
 
+/// The Multi30k recipe (`models/configs/multi30k.yaml`, #62) trains from its config (its
+/// 16-bit products, the best kernel the CPU has): two steps.
+#[test]
+fn multi30k_recipe_trains_two_steps() {
+    two_steps("multi30k");
+}
+
 /// The gallery's variants (`models/gallery/`, #61) train from their configs: two steps
 /// each, on Multi30k where it is present.
 #[test]
