@@ -21,6 +21,7 @@ and minimum over the rounds, the BLEU (`kiln bleu`, sacreBLEU's 13a), and each r
 speed against CTranslate2 int8 on the same search (>1: kiln faster).
 """
 import argparse
+import hashlib
 import os
 import re
 import statistics
@@ -54,13 +55,24 @@ def heads_of(model):
     sys.exit(f"no config.yaml with model.set.h beside {model}: give --heads")
 
 
-def prepare(a):
-    """Exports and converts the weights once; the CTranslate2 model directories."""
+def model_digest(model, heads):
+    """What the exported and converted weights depend on: the model's weights (their
+    bytes) and the heads, so that a work directory is never reused for another model."""
+    h = hashlib.sha256(str(heads).encode())
+    for name in ("model.safetensors", "tokenizer.json"):
+        with open(os.path.join(model, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def prepare(a, heads):
+    """Exports and converts the weights once per model; the CTranslate2 model
+    directories."""
     os.makedirs(a.work, exist_ok=True)
     weights = os.path.join(a.work, "weights.safetensors")
     if not os.path.isfile(weights):
         run([a.kiln, "export", "--format", "torch", a.model, "-o", weights])
-    heads = a.heads or heads_of(a.model)
     dirs = {}
     for q in ("float32", "int8"):
         d = os.path.join(a.work, f"ct2-{q}")
@@ -132,7 +144,8 @@ def main():
     ap.add_argument("--heads", type=int, help="attention heads (default: the model's config)")
     ap.add_argument("--kiln", default=os.path.join(ROOT, "target", "release", "kiln"))
     ap.add_argument("--convert", default=CONVERT, help="ct2_convert.py")
-    ap.add_argument("--work", default=os.path.join("/tmp", "kiln-translate-bench"))
+    ap.add_argument("--work", help="where the exported and converted weights are kept "
+                    "(default: /tmp/kiln-translate-bench/<digest of the model's weights>)")
     a = ap.parse_args()
     for path, what in ((a.kiln, "cargo build --release"), (a.convert, "the shared tools")):
         if not os.path.isfile(path):
@@ -142,7 +155,10 @@ def main():
     except ImportError:
         sys.exit("CTranslate2 is not installed: pip install ctranslate2 tokenizers safetensors numpy")
 
-    dirs = prepare(a)
+    heads = a.heads or heads_of(a.model)
+    if a.work is None:
+        a.work = os.path.join("/tmp", "kiln-translate-bench", model_digest(a.model, heads))
+    dirs = prepare(a, heads)
     with open(a.src, encoding="utf-8") as f:
         src_lines = [l.rstrip("\n") for l in f]
     with open(a.ref, encoding="utf-8") as f:
