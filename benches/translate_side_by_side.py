@@ -60,7 +60,10 @@ def model_digest(model, heads):
     bytes) and the heads, so that a work directory is never reused for another model."""
     h = hashlib.sha256(str(heads).encode())
     for name in ("model.safetensors", "tokenizer.json"):
-        with open(os.path.join(model, name), "rb") as f:
+        path = os.path.join(model, name)
+        if not os.path.isfile(path):
+            sys.exit(f"{path} not found: --model takes a checkpoint directory or `kiln average`'s output")
+        with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:16]

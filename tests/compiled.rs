@@ -970,6 +970,48 @@ fn a_decoding_step_reads_its_caches_with_gathered_rows() {
     );
 }
 
+/// `encode`'s outputs equal the reference executor's, the hoisted cross-attention keys
+/// among them: stored transposed (`[b, h, d_k, src]`), a view of a kernel result, which
+/// the compiled executor copies out with its generated strided copy.
+#[test]
+fn encode_outputs_that_are_views_equal_the_reference() {
+    let path = common::root().join("models/transformer_tiny.kiln");
+    let g = entry_graph(&path, &[], "encode").expect("the entry");
+    let exec = Compiled::from_graph(g.clone()).expect("compiles");
+    let dims: BTreeMap<String, i64> = g
+        .dims
+        .iter()
+        .map(|d| (d.clone(), if d == "batch" { 3 } else { 5 }))
+        .collect();
+    let (inputs, params) = random_feeds_with(&g, 7, &dims).expect("feeds");
+    let opts = RunOptions::default();
+    let want: BTreeMap<String, kiln_compiler::tensor::Tensor> =
+        reference::run(&g, &inputs, &params, &opts)
+            .expect("the reference runs")
+            .into_iter()
+            .collect();
+    let got = exec.run_map(&inputs, &params, &opts).expect("runs");
+    let keys: Vec<&String> = got
+        .keys()
+        .filter(|k| got[*k].shape.len() == 4 && k.starts_with("static."))
+        .collect();
+    assert!(!keys.is_empty(), "no hoisted keys in {:?}", got.keys());
+    assert_eq!(got.len(), want.len());
+    for (name, t) in &got {
+        assert_eq!(t.shape, want[name].shape, "{name}");
+        let (a, b) = (
+            t.to_f64_vec().expect("numbers"),
+            want[name].to_f64_vec().expect("numbers"),
+        );
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+            .fold(0.0f64, f64::max);
+        assert!(worst < 1e-5, "{name}: {worst}");
+    }
+}
+
 /// A run whose values would not fit the machine is an error before anything is
 /// allocated (`kiln_compiler::memory`), not an abort: here an outer product of two
 /// 4 MiB vectors into a 4 TiB matrix.

@@ -413,7 +413,7 @@ pub(crate) fn source_loc(src: Source<'_>, shape: &[usize], keep: &mut Keep) -> L
 
 /// Reads a location into a host tensor (row-major).
 pub(crate) fn to_tensor(loc: &Loc) -> Tensor {
-    to_tensor_into(loc, &mut Vec::new())
+    to_tensor_into(loc, &mut Vec::new(), None)
 }
 
 /// Outputs at least this long (in elements) are worth recycling (see
@@ -421,8 +421,14 @@ pub(crate) fn to_tensor(loc: &Loc) -> Tensor {
 pub(crate) const RECYCLE_MIN: usize = 1 << 14;
 
 /// [`to_tensor`], storing an f32 output in a vector of `spare` of exactly its length
-/// when there is one (taken out of `spare`).
-pub(crate) fn to_tensor_into(loc: &Loc, spare: &mut Vec<Vec<f32>>) -> Tensor {
+/// when there is one (taken out of `spare`); a strided f32 one (a view, such as the
+/// hoisted keys stored transposed) through the generated strided `copy` where given,
+/// not an element at a time.
+pub(crate) fn to_tensor_into(
+    loc: &Loc,
+    spare: &mut Vec<Vec<f32>>,
+    copy: Option<kiln_compiler::codegen::jit::KernelFn>,
+) -> Tensor {
     let shape = loc.layout.shape.clone();
     if loc.is_contiguous() && loc.dtype == DType::F32 {
         // SAFETY: a contiguous layout covers `offset .. offset + numel` of f32 elements.
@@ -441,6 +447,16 @@ pub(crate) fn to_tensor_into(loc: &Loc, spare: &mut Vec<Vec<f32>>) -> Tensor {
                 .for_each(|(d, s)| d.copy_from_slice(s));
         } else {
             v.copy_from_slice(src);
+        }
+        return Tensor {
+            shape,
+            data: TensorData::F32(v),
+        };
+    }
+    if let (DType::F32, Some(copy)) = (loc.dtype, copy) {
+        let mut v = take_spare(spare, loc.numel());
+        if !v.is_empty() {
+            launch::copy_with(copy, loc, v.as_mut_ptr() as *mut u8);
         }
         return Tensor {
             shape,

@@ -254,25 +254,7 @@ impl Compiled {
             let v = &crate::executor::program_output(&self.kg, &o.name)?;
             materialize(self.copy, &needs[*v], copies, locs, keep);
             let loc = &locs[*v][0];
-            if loc.dtype == DType::F32 && !loc.is_contiguous() {
-                // A view (the hoisted keys, stored transposed): the generated strided
-                // copy, not an element at a time.
-                let mut data = take_storage(spare, loc.numel());
-                data.resize(loc.numel(), 0.0);
-                if loc.numel() > 0 {
-                    launch::copy_with(self.copy, loc, data.as_mut_ptr() as *mut u8);
-                }
-                let shape = loc.layout.shape.clone();
-                out.push((
-                    o.name.clone(),
-                    Tensor {
-                        shape,
-                        data: TensorData::F32(data),
-                    },
-                ));
-                continue;
-            }
-            out.push((o.name.clone(), to_tensor_into(loc, spare)));
+            out.push((o.name.clone(), to_tensor_into(loc, spare, Some(self.copy))));
         }
         Ok(out)
     }
