@@ -93,6 +93,39 @@ pub unsafe fn gemm_one(
     }
 }
 
+/// One product of a single row, `dst[0, 0..n] = a[0, 0..k]·b[k, n]` (`a`'s row stride
+/// unread), for [`gemm_rows`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowProduct {
+    pub a: Mat,
+    pub b: Mat,
+    pub dst: *mut f32,
+}
+
+unsafe impl Send for RowProduct {}
+unsafe impl Sync for RowProduct {}
+
+/// Each of `items` (`1 × k · k × n`), single-threaded, with the bits [`gemm_one`] gives
+/// it alone (with [`Parallelism::None`]); where the CPU has AVX-512F, several at once
+/// (`small/one_row.rs`: decoding's attention, one query a head).
+///
+/// # Safety
+/// Each item's operands address their elements and its `dst` `n` of its own, overlapping
+/// no operand.
+pub unsafe fn gemm_rows((k, n): (usize, usize), items: &[RowProduct]) {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    if super::small::takes_rows(k, n) {
+        // SAFETY: as the caller's; `takes_rows` checked the CPU and the sizes.
+        unsafe { super::small::row_products((k, n), items) };
+        return;
+    }
+    for it in items {
+        let dst = Dst::new(it.dst, n as isize, false);
+        // SAFETY: as the caller's.
+        unsafe { gemm_one((1, k, n), it.a, it.b, dst, Parallelism::None) };
+    }
+}
+
 pub fn parallelism(work: usize) -> Parallelism {
     if work >= PAR_MIN && rayon::current_num_threads() > 1 {
         Parallelism::Rayon(rayon::current_num_threads())

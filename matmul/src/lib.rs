@@ -3,7 +3,9 @@
 //!
 //! - [`gemm_one`] (`f32.rs`): f32 products through the `gemm` crate; a transposed right
 //!   operand of a large product is copied row-major first (`transpose.rs`), and a small
-//!   single-threaded one runs on AVX-512F or AVX2 registers (`small.rs`);
+//!   single-threaded one runs on AVX-512F or AVX2 registers (`small.rs`), and
+//!   [`gemm_rows`] runs many products of one row together (`small/one_row.rs`: decoding's
+//!   attention, one query a head);
 //! - [`float16`]: 16-bit float operands and f32 sums: AMX tiles (`amx.rs`), AVX-512's
 //!   `VDPBF16PS` (`avx512_bf16.rs`) and AVX512-FP16's `VFMADD231PH` (`avx512_fp16.rs`),
 //!   sharing their rounding, packing and driver;
@@ -38,6 +40,6 @@ pub mod int8;
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 pub mod small;
 
-pub use f32::{gemm_one, parallelism, PAR_MIN};
+pub use f32::{gemm_one, gemm_rows, parallelism, RowProduct, PAR_MIN};
 pub use kernel::{matmul16, Kernel16};
 pub use mat::{ColumnSums, Dst, Epilogue, Mat, Member, SUM_AXES};

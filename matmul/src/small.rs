@@ -22,6 +22,9 @@ use std::cell::RefCell;
 use crate::float16::transpose16;
 use crate::{Dst, Mat};
 
+mod one_row;
+pub(crate) use one_row::{row_products, takes_rows};
+
 /// The widest `b` taken: 8 vectors of 16 columns.
 const MAX_N: usize = 128;
 /// The longest `k` taken (the scratch then holds at most 256 KB).

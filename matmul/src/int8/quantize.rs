@@ -20,9 +20,11 @@ const MAGNITUDE: u32 = 0x7fff_ffff;
 const NON_FINITE: u32 = 0x7f80_0000;
 
 /// `x · s` rounded to the nearest integer, ties to even: what `VCVTPS2DQ` does to the
-/// same f32 product under the default rounding.
+/// same f32 product under the default rounding. `CVTSS2SI` (SSE, in every x86-64) rounds
+/// the same way inline, where `round_ties_even` without SSE4.1 calls libm's `rintf`.
 pub(crate) fn round(x: f32, s: f32) -> i8 {
-    (x * s).round_ties_even() as i8
+    // SAFETY: SSE is in every x86-64 CPU.
+    unsafe { _mm_cvtss_si32(_mm_set_ss(x * s)) as i8 }
 }
 
 /// `a` (`m × k`, any strides) in [`Rows`] (their bytes in `q`'s storage, a buffer reused
@@ -125,15 +127,18 @@ unsafe fn quantize_row(x: &[f32], s: f32, out: &mut [u8], stride: usize) {
 /// `b` must address `k × n` valid elements.
 pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<Panels> {
     let at = |p: usize, j: usize| b.ptr.wrapping_offset(p as isize * b.rs + j as isize * b.cs);
-    // Each column's largest magnitude, a row at a time (rows of a row-major weight are
-    // contiguous).
+    // Each column's largest magnitude, along the contiguous direction (a row-major
+    // weight's rows, a transposed one's columns).
     let mut max = vec![0u32; n];
-    for p in 0..k {
-        for (j, m) in max.iter_mut().enumerate() {
-            // SAFETY: as the caller's.
-            let v = unsafe { *at(p, j) };
-            *m = (*m).max(v.to_bits() & MAGNITUDE);
-        }
+    let mut see = |p: usize, j: usize| {
+        // SAFETY: as the caller's.
+        let v = unsafe { *at(p, j) };
+        max[j] = max[j].max(v.to_bits() & MAGNITUDE);
+    };
+    if b.rs.unsigned_abs() < b.cs.unsigned_abs() {
+        (0..n).for_each(|j| (0..k).for_each(|p| see(p, j)));
+    } else {
+        (0..k).for_each(|p| (0..n).for_each(|j| see(p, j)));
     }
     if max.iter().any(|&m| m >= NON_FINITE) {
         return None;
@@ -156,17 +161,33 @@ pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<
         .enumerate()
         .for_each(|(t, (panel, comp))| {
             let b = src;
-            for j in 0..NR.min(n - t * NR) {
+            let cols = NR.min(n - t * NR);
+            let mut sums = [0i32; NR];
+            let mut put = |p: usize, j: usize| {
                 let col = t * NR + j;
-                let mut sum = 0i32;
-                for p in 0..k {
-                    // SAFETY: as the caller's.
-                    let v = unsafe { *b.0.ptr.offset(p as isize * b.0.rs + col as isize * b.0.cs) };
-                    let x = round(v, scale[col]);
-                    panel[QUAD * (NR * (p / QUAD) + j) + p % QUAD] = x;
-                    sum += x as i32;
+                // SAFETY: as the caller's.
+                let v = unsafe { *b.0.ptr.offset(p as isize * b.0.rs + col as isize * b.0.cs) };
+                let x = round(v, scale[col]);
+                panel[QUAD * (NR * (p / QUAD) + j) + p % QUAD] = x;
+                sums[j] += x as i32;
+            };
+            // Along the operand's contiguous direction: a weight's rows, or a transposed
+            // one's columns (the tied output projection); integer sums, so either order.
+            if b.0.rs.unsigned_abs() < b.0.cs.unsigned_abs() {
+                for j in 0..cols {
+                    for p in 0..k {
+                        put(p, j);
+                    }
                 }
-                comp[j] = 128 * sum;
+            } else {
+                for p in 0..k {
+                    for j in 0..cols {
+                        put(p, j);
+                    }
+                }
+            }
+            for (c, s) in comp.iter_mut().zip(&sums[..cols]) {
+                *c = 128 * s;
             }
         });
     Some(Panels {

@@ -4,7 +4,7 @@
 use ::gemm::Parallelism;
 use kiln_compiler::codegen::jit::KernelFn;
 use kiln_compiler::codegen::rows::{self, MaskKind};
-use kiln_matmul::Mat;
+use kiln_matmul::{Mat, RowProduct};
 use rayon::prelude::*;
 
 use super::{Keep, Loc};
@@ -128,17 +128,87 @@ impl<'a> Operands<'a> {
         let (_, _, tq, tk, dk, _) = self.sizes();
         let (q, k) = (head(self.q, bi, hi, 2, 3), head(self.k, bi, hi, 3, 2));
         product((tq, dk, tk), (s.as_mut_ptr(), tk as isize), q, k);
+        self.softmax(s, bi, (tq, tk), softmax, dims);
+    }
+
+    /// The masked scaled softmax of batch entry `bi`'s scores `s` (`[tq, tk]`), in place.
+    ///
+    /// # Safety
+    /// `s` holds `tq·tk` elements; the operands are live.
+    unsafe fn softmax(
+        &self,
+        s: &mut [f32],
+        bi: usize,
+        (tq, tk): (usize, usize),
+        softmax: KernelFn,
+        dims: &[i64],
+    ) {
         let sptr = s.as_mut_ptr() as *mut u8;
-        let ptrs: Vec<*mut u8> = match self.kind {
-            MaskKind::None => vec![sptr, self.scale.0, sptr],
+        match self.kind {
+            MaskKind::None => {
+                let ptrs = [sptr, self.scale.0, sptr];
+                softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
+            }
             kind => {
                 let m = mask_at(self.mask.as_ref(), kind, bi, tk);
-                vec![sptr, m, self.scale.0, self.fill.0, sptr]
+                let ptrs = [sptr, m, self.scale.0, self.fill.0, sptr];
+                softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
             }
-        };
-        softmax(ptrs.as_ptr(), dims.as_ptr(), 0, tq as i64);
+        }
+    }
+
+    /// Decoding's attention, one query a head: [`HEADS`] heads a task, their `q·kᵀ` and
+    /// their `p·v` each run together ([`kiln_matmul::gemm_rows`], the same bits as one
+    /// head at a time), the softmax between them head by head.
+    fn one_query(&self, o: HeadsOut, softmax: KernelFn, dims: &[i64]) {
+        let (b, h, _, tk, dk, dv) = self.sizes();
+        (0..(b * h).div_ceil(HEADS)).into_par_iter().for_each_init(
+            || vec![0f32; HEADS * tk],
+            |s, task| {
+                let heads = task * HEADS..(task * HEADS + HEADS).min(b * h);
+                let at = |bh: usize| (bh / h, bh % h);
+                let scores: Vec<RowProduct> = heads
+                    .clone()
+                    .zip(s.chunks_mut(tk))
+                    .map(|(bh, row)| {
+                        let (bi, hi) = at(bh);
+                        let (a, b) = (head(self.q, bi, hi, 2, 3), head(self.k, bi, hi, 3, 2));
+                        RowProduct {
+                            a,
+                            b,
+                            dst: row.as_mut_ptr(),
+                        }
+                    })
+                    .collect();
+                // SAFETY: each task writes its own scratch and its own heads of `out`;
+                // the operands are live.
+                unsafe {
+                    kiln_matmul::gemm_rows((dk, tk), &scores);
+                    for (bh, row) in heads.clone().zip(s.chunks_mut(tk)) {
+                        self.softmax(row, at(bh).0, (1, tk), softmax, dims);
+                    }
+                    let outs: Vec<RowProduct> = heads
+                        .zip(s.chunks(tk))
+                        .map(|(bh, row)| {
+                            let (bi, hi) = at(bh);
+                            let (a, b) = (rows_of(row.as_ptr(), tk), head(self.v, bi, hi, 2, 3));
+                            RowProduct {
+                                a,
+                                b,
+                                dst: o.at(bi, hi),
+                            }
+                        })
+                        .collect();
+                    kiln_matmul::gemm_rows((tk, dv), &outs);
+                }
+            },
+        );
     }
 }
+
+/// Heads a task of [`Operands::one_query`] takes: the most [`kiln_matmul::gemm_rows`]
+/// runs together.
+const HEADS: usize = 8;
 
 /// `dst = a·b` (`(m, k, n)`, `dst` with row stride `ld`), on the calling thread.
 ///
@@ -178,6 +248,10 @@ pub(super) fn attention(
     let o = HeadsOut::of(out)?;
     scores_fit("attention", 1, tq, tk)?;
     let (dims, _) = rows::scale_mask_softmax_dims(1, 1, tq, tk);
+    if tq == 1 && tk > 0 {
+        ops.one_query(o, softmax, &dims);
+        return Ok(());
+    }
     (0..b * h).into_par_iter().for_each_init(
         || vec![0f32; tq * tk],
         |s, bh| {
