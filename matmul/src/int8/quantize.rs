@@ -130,16 +130,11 @@ pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<
     // Each column's largest magnitude, along the contiguous direction (a row-major
     // weight's rows, a transposed one's columns).
     let mut max = vec![0u32; n];
-    let mut see = |p: usize, j: usize| {
+    along_contiguous(b, (k, n), |p, j| {
         // SAFETY: as the caller's.
         let v = unsafe { *at(p, j) };
         max[j] = max[j].max(v.to_bits() & MAGNITUDE);
-    };
-    if b.rs.unsigned_abs() < b.cs.unsigned_abs() {
-        (0..n).for_each(|j| (0..k).for_each(|p| see(p, j)));
-    } else {
-        (0..k).for_each(|p| (0..n).for_each(|j| see(p, j)));
-    }
+    });
     if max.iter().any(|&m| m >= NON_FINITE) {
         return None;
     }
@@ -163,29 +158,15 @@ pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<
             let b = src;
             let cols = NR.min(n - t * NR);
             let mut sums = [0i32; NR];
-            let mut put = |p: usize, j: usize| {
+            // Integer sums: the same in either order.
+            along_contiguous(b.0, (k, cols), |p, j| {
                 let col = t * NR + j;
                 // SAFETY: as the caller's.
                 let v = unsafe { *b.0.ptr.offset(p as isize * b.0.rs + col as isize * b.0.cs) };
                 let x = round(v, scale[col]);
                 panel[QUAD * (NR * (p / QUAD) + j) + p % QUAD] = x;
                 sums[j] += x as i32;
-            };
-            // Along the operand's contiguous direction: a weight's rows, or a transposed
-            // one's columns (the tied output projection); integer sums, so either order.
-            if b.0.rs.unsigned_abs() < b.0.cs.unsigned_abs() {
-                for j in 0..cols {
-                    for p in 0..k {
-                        put(p, j);
-                    }
-                }
-            } else {
-                for p in 0..k {
-                    for j in 0..cols {
-                        put(p, j);
-                    }
-                }
-            }
+            });
             for (c, s) in comp.iter_mut().zip(&sums[..cols]) {
                 *c = 128 * s;
             }
@@ -198,4 +179,15 @@ pub(crate) unsafe fn quantize_columns(b: Mat, (k, n): (usize, usize)) -> Option<
         inv,
         comp,
     })
+}
+
+/// `f(p, j)` for every element of a `k × n` operand with `b`'s strides, along its
+/// contiguous direction: a row-major weight's rows, a transposed one's columns (the tied
+/// output projection).
+fn along_contiguous(b: Mat, (k, n): (usize, usize), mut f: impl FnMut(usize, usize)) {
+    if b.rs.unsigned_abs() < b.cs.unsigned_abs() {
+        (0..n).for_each(|j| (0..k).for_each(|p| f(p, j)));
+    } else {
+        (0..k).for_each(|p| (0..n).for_each(|j| f(p, j)));
+    }
 }
